@@ -1,0 +1,51 @@
+# gurtd: `sudo make run` and `sudo make test` do all the set-up on a fresh Debian 12 as root.
+PYTHON ?= /usr/bin/python3
+VENV := .venv
+PREFIX ?= /usr/local
+BOX_HOME ?= /var/lib/gurt
+LISTEN ?= 127.0.0.1:7700
+# nftables, iproute2, util-linux: the system tools; libcap-dev, gcc, python3-dev: to build
+# python-prctl; python3-venv: the virtual environment; systemd: systemd-analyze for the tests.
+APT_PACKAGES := nftables iproute2 util-linux libcap-dev gcc python3-dev python3-venv curl systemd
+
+.PHONY: deps run test bench install uninstall clean
+
+deps: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt
+	@missing=""; for p in $(APT_PACKAGES); do \
+	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt
+	touch $@
+
+run: deps
+	BOX_HOME=$(BOX_HOME) $(VENV)/bin/python gurtd.py serve --listen $(LISTEN)
+
+test: deps
+	$(VENV)/bin/python -m pytest -v -p no:cacheprovider tests
+
+bench: deps
+	$(VENV)/bin/python tests/bench.py
+
+install: deps
+	install -d $(PREFIX)/lib/gurtd
+	install -m 0644 gurtd.py requirements.txt $(PREFIX)/lib/gurtd/
+	$(PYTHON) -m venv $(PREFIX)/lib/gurtd/venv
+	$(PREFIX)/lib/gurtd/venv/bin/pip install -q --disable-pip-version-check \
+	  -r $(PREFIX)/lib/gurtd/requirements.txt
+	printf '#!/bin/sh\nexec $(PREFIX)/lib/gurtd/venv/bin/python $(PREFIX)/lib/gurtd/gurtd.py "$$@"\n' \
+	  > $(PREFIX)/bin/gurtd
+	chmod 0755 $(PREFIX)/bin/gurtd
+	sed 's|/usr/local|$(PREFIX)|g' gurtd.service > /etc/systemd/system/gurtd.service
+	if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+
+uninstall:
+	if [ -d /run/systemd/system ]; then systemctl disable --now gurtd || true; fi
+	rm -rf $(PREFIX)/lib/gurtd $(PREFIX)/bin/gurtd /etc/systemd/system/gurtd.service
+
+clean:
+	rm -rf $(VENV)
