@@ -1848,6 +1848,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "gurtd/" + VERSION
     sys_version = ""
+    disable_nagle_algorithm = True   # headers and body leave at once, no delayed-ACK stall
     timeout = HANDLER_TIMEOUT
     server: Server
 
@@ -2102,7 +2103,7 @@ class Client:
             except (ValueError, KeyError, TypeError):
                 message = raw.decode(errors="replace")
             raise click.ClickException(f"{resp.status}: {message}")
-        if resp.getheader("Content-Type", "").startswith("application/json"):
+        if resp.getheader("Content-Type", "").split(";")[0] == "application/json":
             return json.loads(raw)
         return raw
 

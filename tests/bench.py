@@ -1,0 +1,191 @@
+"""make bench: gurtd's figures side by side in one run (figures, not a pass/fail test).
+
+Prints task start latency (POST until the worker runs inside its boxed view) with 1 and with
+400 layers, undo latency, GET /api/tasks/{id} rate with 10,000 stored tasks next to a bare
+http.server answering the same JSON, and gurtd's RSS with 100 tasks running.
+"""
+
+from __future__ import annotations
+
+import datetime
+import http.client
+import http.server
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import Gurtd, make_home, remove_home  # noqa: E402
+
+import gurtd as G  # noqa: E402
+
+TARGETS = {"start1": 20.0, "ratio400": 1.3, "undo": 5.0, "rate": 0.7, "rss": 80.0}
+
+
+def pct(values: list[float], p: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+
+
+def ts(text: str) -> float:
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def start_latencies(g: Gurtd, n: int) -> tuple[list[float], list[float]]:
+    """n tasks one after the other: ms from POST to the first step in the box; then undo ms."""
+    starts, undos = [], []
+    for _ in range(n):
+        t0 = time.time()
+        task = g.create("true", title="bench")
+        task = g.wait(task["id"])
+        assert task["state"] == "done", task
+        step = next(e for e in g.log(task["id"]) if e["type"] == "step")
+        starts.append((ts(step["time"]) - t0) * 1000)
+        t1 = time.perf_counter()
+        g.api("POST", f"/api/tasks/{task['id']}/undo")
+        undos.append((time.perf_counter() - t1) * 1000)
+    return starts, undos
+
+
+def fill_layers(g: Gurtd, count: int) -> None:
+    for i in range(count):
+        task = g.run(f"echo {i} > f{i % 50}", title="layer")
+        assert task["state"] == "done", task
+
+
+def request_rate(port: int, paths: list[str], token: str, seconds: float) -> float:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    headers = {"Authorization": f"Bearer {token}"}
+    count, deadline = 0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        conn.request("GET", random.choice(paths), headers=headers)
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 200
+        count += 1
+    conn.close()
+    return count / seconds
+
+
+def bare_server(body: bytes) -> http.server.ThreadingHTTPServer:
+    class Bare(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True
+
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Bare)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def store_tasks(home: str, count: int) -> list[str]:
+    """Write count finished tasks straight into BOX_HOME/tasks, as a long-lived box has."""
+    os.makedirs(os.path.join(home, "tasks"), exist_ok=True)
+    ids = []
+    stamp = G.now_iso()
+    for i in range(count):
+        task = G.Task(id=G.new_task_id(), title=f"stored {i}", prompt="true", workspace="home",
+                      worker="fake", tools=[], hosts=[], budgetCents=0, source="api",
+                      state="failed", user="", layers=[], costCents=0, createdAt=stamp,
+                      updatedAt=stamp, error="stored", seq=i + 1)
+        task.user = "box-" + task.id
+        G.write_json(os.path.join(home, "tasks", task.id + ".json"),
+                     __import__("dataclasses").asdict(task), sync=False)
+        ids.append(task.id)
+    return ids
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def main() -> None:
+    results: list[tuple[str, str, str]] = []
+    # 1. start and undo latency, 1 layer then 400 layers
+    g = Gurtd(make_home())
+    g.start()
+    try:
+        fill_layers(g, 1)
+        start1, undo1 = start_latencies(g, 60)
+        fill_layers(g, 399)
+        start400, undo400 = start_latencies(g, 60)
+    finally:
+        g.stop()
+        remove_home(g.home)
+    p50_1, p95_1 = statistics.median(start1), pct(start1, 95)
+    p50_400, p95_400 = statistics.median(start400), pct(start400, 95)
+    results += [
+        ("task start, 1 layer, p50 / p95 (ms)", f"{p50_1:.1f} / {p95_1:.1f}",
+         f"p50 <= {TARGETS['start1']}"),
+        ("task start, 400 layers, p50 / p95 (ms)", f"{p50_400:.1f} / {p95_400:.1f}",
+         f"p50 <= {TARGETS['ratio400']}x the 1-layer p50"),
+        ("  ratio 400 layers / 1 layer (p50)", f"{p50_400 / p50_1:.2f}x",
+         f"<= {TARGETS['ratio400']}x"),
+        ("undo, p50 / p95 (ms; 1 and 400 layers)",
+         f"{statistics.median(undo1 + undo400):.1f} / {pct(undo1 + undo400, 95):.1f}",
+         f"p50 <= {TARGETS['undo']}"),
+    ]
+    # 2. GET /api/tasks/{id} with 10,000 stored tasks, next to a bare http.server
+    g = Gurtd(make_home())
+    ids = store_tasks(g.home, 10_000)
+    g.start()
+    try:
+        paths = [f"/api/tasks/{i}" for i in ids]
+        code, body, _ = g.request("GET", paths[0])
+        assert code == 200
+        bare = bare_server(json.dumps(body).encode())
+        rates = {"gurtd": [], "bare": []}
+        for _ in range(3):  # interleaved, so that both see the same machine
+            rates["gurtd"].append(request_rate(g.port, paths, g.token, 2.0))
+            rates["bare"].append(request_rate(bare.server_address[1], paths, "", 2.0))
+        bare.shutdown()
+        gurtd_rate, bare_rate = max(rates["gurtd"]), max(rates["bare"])
+        results += [
+            ("GET /api/tasks/{id}, 10,000 tasks (req/s)", f"{gurtd_rate:.0f}", ""),
+            ("bare http.server, same JSON (req/s)", f"{bare_rate:.0f}", ""),
+            ("  ratio gurtd / bare", f"{gurtd_rate / bare_rate:.2f}x",
+             f">= {TARGETS['rate']}x"),
+        ]
+        # 3. RSS with 100 tasks running
+        g.api("PUT", "/api/settings", {"maxRunningTasks": 200})
+        base_rss = rss_mb(g.proc.pid)
+        running = [g.create("sleep 60", title="rss")["id"] for _ in range(100)]
+        for task_id in running:
+            g.wait(task_id, ("running",), timeout=60)
+        with_tasks = rss_mb(g.proc.pid)
+        for task_id in running:
+            g.api("POST", f"/api/tasks/{task_id}/stop")
+        results += [
+            ("gurtd RSS idle, 10,000 tasks stored (MB)", f"{base_rss:.1f}", ""),
+            ("gurtd RSS with 100 tasks running (MB)", f"{with_tasks:.1f}",
+             f"<= {TARGETS['rss']}"),
+        ]
+    finally:
+        g.stop()
+        remove_home(g.home)
+    width = max(len(r[0]) for r in results)
+    print(f"\ngurtd {G.VERSION} bench, {os.cpu_count()} cores, kernel {os.uname().release}")
+    for name, value, target in results:
+        print(f"{name:<{width}}  {value:>16}  {('target ' + target) if target else ''}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Pure functions: ids, validation, host patterns, paths, the Task record.  No root needed."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+import gurtd as G
+
+SETTINGS = dict(G.DEFAULT_SETTINGS)
+
+
+def test_ids_look_like_the_seed_pages():
+    ids = {G.new_task_id() for _ in range(500)}
+    assert len(ids) == 500
+    for task_id in ids:
+        assert re.fullmatch(r"t[a-z0-9]{9}", task_id)
+
+
+def test_a_minimal_body_gets_every_default_of_the_seed_page():
+    fields = G.validate_task_body({"title": "t", "prompt": "p"}, SETTINGS)
+    assert fields == {"title": "t", "prompt": "p", "workspace": "home", "worker": "droid",
+                      "tools": [], "hosts": [], "budgetCents": 0, "source": "api"}
+
+
+def test_the_default_budget_comes_from_settings():
+    fields = G.validate_task_body({"title": "t", "prompt": "p"},
+                                  {**SETTINGS, "defaultBudgetCents": 250})
+    assert fields["budgetCents"] == 250
+
+
+@pytest.mark.parametrize("body, words", [
+    ([], "JSON object"),
+    ({"prompt": "p"}, "title"),
+    ({"title": " ", "prompt": "p"}, "title"),
+    ({"title": "t", "prompt": ""}, "prompt"),
+    ({"title": "t", "prompt": "p", "colour": "red"}, "unknown field: colour"),
+    ({"title": 3, "prompt": "p"}, "title must be a string"),
+    ({"title": "t", "prompt": "p", "tools": "wallet.pay"}, "tools must be an array"),
+    ({"title": "t", "prompt": "p", "budgetCents": True}, "budgetCents must be a number"),
+    ({"title": "t", "prompt": "p", "budgetCents": -1}, "budgetCents"),
+    ({"title": "t", "prompt": "p", "worker": "robot"}, "worker"),
+    ({"title": "t", "prompt": "p", "workspace": ".."}, "workspace"),
+    ({"title": "t", "prompt": "p", "workspace": "a/b"}, "workspace"),
+    ({"title": "t", "prompt": "p", "workspace": "%2e%2e"}, "workspace"),
+    ({"title": "t", "prompt": "p", "tools": ["Wallet Pay"]}, "tools"),
+    ({"title": "t", "prompt": "p", "hosts": ["*"]}, "hosts"),
+    ({"title": "t", "prompt": "p", "folder": "/home/me"}, "personal folders"),
+])
+def test_bad_bodies_name_what_is_wrong(body, words):
+    with pytest.raises(G.ApiError) as err:
+        G.validate_task_body(body, SETTINGS)
+    assert err.value.status == 400
+    assert words in err.value.message
+
+
+@pytest.mark.parametrize("entry, parsed", [
+    ("example.com", ("name", "example.com", None)),
+    ("Example.COM:8080", ("name", "example.com", 8080)),
+    ("*.example.com", ("wildcard", "example.com", None)),
+    ("*.b.test:443", ("wildcard", "b.test", 443)),
+    ("198.18.0.1", ("ip", "198.18.0.1", None)),
+    ("198.18.0.0/15:80", ("cidr", "198.18.0.0/15", 80)),
+])
+def test_host_entries_parse(entry, parsed):
+    assert G.parse_host(entry) == parsed
+
+
+@pytest.mark.parametrize("entry", [
+    "", "*", "*.com", "a..com", ".a.com", "a.com:0", "a.com:65536", "a.com:08", "a b.com",
+    " a.com", "http://a.com", "a.com/path", "-a.com", "a-.com", "198.18.0.1/33",
+    "198.18.0.1/15", "1.2.3", 3, None,
+])
+def test_malformed_host_entries_are_refused(entry):
+    with pytest.raises(ValueError):
+        G.parse_host(entry)
+
+
+def test_settings_updates_are_checked():
+    assert G.validate_settings({"maxRunningTasks": 3}, SETTINGS)["maxRunningTasks"] == 3
+    for bad in ({"maxRunningTasks": 0}, {"maxRunningTasks": "3"}, {"defaultBudgetCents": -1},
+                {"defaultBudgetCents": True}, {"colour": 1}, []):
+        with pytest.raises(G.ApiError):
+            G.validate_settings(bad, SETTINGS)
+
+
+@pytest.mark.parametrize("raw, clean", [
+    ("", ""), ("a/b.txt", "a/b.txt"), ("a//./b", "a/b"), ("%61.txt", "a.txt")])
+def test_paths_in_urls_are_cleaned(raw, clean):
+    assert G.clean_relpath(raw) == clean
+
+
+@pytest.mark.parametrize("raw", ["..", "a/../../x", "%2e%2e/x", "a/%2E%2E", "a%00b", "a\\b"])
+def test_paths_that_climb_out_are_refused(raw):
+    with pytest.raises(G.ApiError):
+        G.clean_relpath(raw)
+
+
+def test_a_task_record_round_trips_and_hides_bookkeeping():
+    stamp = G.now_iso()
+    task = G.Task(id="t123456789", title="t", prompt="p", workspace="home", worker="fake",
+                  tools=[], hosts=[], budgetCents=0, source="api", state="queued",
+                  user="box-t123456789", layers=[], costCents=0, createdAt=stamp,
+                  updatedAt=stamp, seq=4, uid=600001)
+    api = task.to_api()
+    assert "uid" not in api and "seq" not in api and "step" not in api and "error" not in api
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", api["createdAt"])
+    import dataclasses
+    assert G.Task.from_dict(dataclasses.asdict(task)) == task
+    with pytest.raises(ValueError):
+        G.Task.from_dict({**dataclasses.asdict(task), "state": "sleeping"})
+
+
+def test_changes_of_a_layer_against_its_lowers(tmp_path):
+    base, upper = tmp_path / "base", tmp_path / "upper"
+    (base / "dir").mkdir(parents=True)
+    (base / "kept.txt").write_text("k")
+    (base / "edited.txt").write_text("e")
+    (base / "gone.txt").write_text("g")
+    (upper / "newdir").mkdir(parents=True)
+    (upper / "newdir" / "f").write_text("n")
+    (upper / "edited.txt").write_text("E")
+    (upper / "new.txt").write_text("N")
+    os.mknod(upper / "gone.txt", 0o600 | 0o020000, os.makedev(0, 0))  # a whiteout
+    os.mknod(upper / "never.txt", 0o600 | 0o020000, os.makedev(0, 0))
+    changes = G.changed_paths(str(upper), [str(base)])
+    assert changes == [
+        {"path": "edited.txt", "change": "modified"},
+        {"path": "gone.txt", "change": "deleted"},
+        {"path": "new.txt", "change": "added"},
+        {"path": "newdir/", "change": "added"},
+        {"path": "newdir/f", "change": "added"},
+    ]
+
+
+def test_atomic_json_files_and_damaged_ones_set_aside(tmp_path):
+    path = str(tmp_path / "x.json")
+    G.write_json(path, {"a": 1})
+    assert G.load_json(path) == {"a": 1}
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    with open(path, "w") as f:
+        f.write("{not json")
+    assert G.load_json(path) is None
+    assert not os.path.exists(path)
+    assert any(name.startswith("x.json.damaged-") for name in os.listdir(tmp_path))
+    assert G.load_json(str(tmp_path / "missing.json")) is None
+
+
+def test_routes_match_and_refuse():
+    fn, params = G.match_route("GET", "/api/tasks/t123456789")
+    assert fn is G.h_task_get and params == {"id": "t123456789"}
+    fn, params = G.match_route("GET", "/api/workspaces/home/files/a/b%20c")
+    assert fn is G.h_workspace_files and params == {"name": "home", "path": "a/b%20c"}
+    with pytest.raises(G.ApiError) as err:
+        G.match_route("DELETE", "/api/tasks")
+    assert err.value.status == 405 and err.value.headers["Allow"] == "GET, POST"
+    with pytest.raises(G.ApiError) as err:
+        G.match_route("GET", "/api/nothing")
+    assert err.value.status == 404
+
+
+def test_importing_the_module_starts_nothing():
+    import subprocess
+    import sys
+    code = ("import threading, gurtd; "
+            "assert threading.active_count() == 1, threading.enumerate(); "
+            "assert gurtd._LIBC is None; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.stdout.strip() == "ok", out.stderr
