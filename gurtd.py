@@ -490,10 +490,34 @@ def _account_lines(name: str, uid: int, comment: str) -> dict[str, str]:
             "/etc/gshadow": f"{name}:!::"}
 
 
-def _edit_accounts(name: str, lines: dict[str, str] | None) -> None:
+def _edit_accounts(name: str, lines: dict[str, str] | None,
+                   pick_uid: tuple[int, int, int, str] | None = None) -> int:
+    """Replace (or with lines None, remove) the entries of `name` under the account lock.
+
+    With pick_uid (first, count, hint, comment) the uid is chosen here, inside the lock: the
+    first from hint on (wrapping in the range) that no account or group has, so that two
+    gurtd instances never share one.
+    """
+    uid = 0
     with _ACCOUNTS_LOCK:
         libc_call("lckpwdf")
         try:
+            if pick_uid is not None:
+                first, count, hint, comment = pick_uid
+                taken = set()
+                for path in ("/etc/passwd", "/etc/group"):
+                    with open(path) as f:
+                        for line in f:
+                            parts = line.split(":")
+                            if len(parts) > 2 and parts[2].isdigit():
+                                taken.add(int(parts[2]))
+                for i in range(count):
+                    uid = first + (hint - first + i) % count
+                    if uid not in taken:
+                        break
+                else:
+                    raise SysError("allocate uid", errno.ENOSPC, "no free uid in the range")
+                lines = _account_lines(name, uid, comment)
             for path in ACCOUNT_FILES:
                 if not os.path.exists(path):
                     continue
@@ -516,12 +540,15 @@ def _edit_accounts(name: str, lines: dict[str, str] | None) -> None:
                 os.rename(tmp, path)
         finally:
             libc().ulckpwdf()
+    return uid
 
 
-def user_add(name: str, uid: int, comment: str) -> None:
-    """Create user and group `name` with this uid/gid (replacing an entry of that name)."""
+def user_add(name: str, hint: int, comment: str) -> int:
+    """Create user and group `name` with a free uid (= gid) of the task range, the first from
+    hint on; replaces an entry of that name.  Returns the uid."""
+    uid = _edit_accounts(name, None, (UID_FIRST, UID_COUNT, hint, comment))
     log(7, f"user_add {name} {uid}")
-    _edit_accounts(name, _account_lines(name, uid, comment))
+    return uid
 
 
 def user_del(name: str) -> None:
@@ -1164,14 +1191,15 @@ class Box:
             self.log_changed.notify_all()
 
     def set_state(self, task: Task, state: str, **fields: Any) -> None:
+        """Change state; the log line goes first, so a follower never misses the last one."""
         task.state = state
         for key, value in fields.items():
             setattr(task, key, value)
-        self.save(task)
         entry: dict[str, Any] = {"type": "state", "state": state}
         if task.error and state == "failed":
             entry["error"] = task.error
         self.append_log(task.id, entry)
+        self.save(task)
 
     # workspaces
     def workspace_create_dir(self, name: str) -> None:
@@ -1254,21 +1282,6 @@ class Box:
         for task in queued[:max(0, self.settings["maxRunningTasks"] - active)]:
             self.start_task(task)
 
-    def allocate_uid(self) -> int:
-        import pwd
-        uid = self.state["nextUid"]
-        for _ in range(UID_COUNT):
-            if not UID_FIRST <= uid < UID_FIRST + UID_COUNT:
-                uid = UID_FIRST
-            try:
-                pwd.getpwuid(uid)
-            except KeyError:
-                self.state["nextUid"] = uid + 1
-                self.save_state()
-                return uid
-            uid += 1
-        raise SysError("allocate uid", errno.ENOSPC, "no free uid in the task range")
-
     def start_task(self, task: Task) -> None:
         stack = self.stack(task.workspace)
         if len(stack) + 1 > MAX_LOWER_LAYERS:
@@ -1276,11 +1289,15 @@ class Box:
                            f"{MAX_LOWER_LAYERS - 1} are supported until compaction exists")
             return
         task.layers = [t.id for t in stack]
-        task.uid = uid = self.allocate_uid()
         out_r = out_w = -1
         try:
-            user_add(task.user, uid, f"gurt task in {self.home}")
+            # uids go round the range, so that one is not reused soon after its task ended
+            task.uid = uid = user_add(task.user, self.state["nextUid"],
+                                      f"gurt task in {self.home}")
+            self.state["nextUid"] = uid + 1
+            self.save_state()
             layer = self.layer_dir(task.id)
+            shutil.rmtree(layer, ignore_errors=True)  # a start cut short by a crash
             for sub in ("", "upper", "work"):
                 os.makedirs(os.path.join(layer, sub), 0o755, exist_ok=True)
                 os.chown(os.path.join(layer, sub), self.store_uid, self.store_gid)
@@ -1379,6 +1396,8 @@ class Box:
         task = self.tasks[worker.task_id]
         self.release_worker(task)
         code = worker.exit_code
+        if code < 0:
+            code = 128 - code                    # killed by signal N: 128+N, as a shell says
         if worker.error:
             self.set_state(task, "failed", error=worker.error)
         elif code == 0:
@@ -1407,8 +1426,13 @@ class Box:
         self.cleanup_user(task)
 
     def cleanup_user(self, task: Task) -> None:
+        """End the task's processes, then remove its user (kept while a process lives)."""
         if task.uid:
-            kill_uid(task.uid)
+            try:
+                kill_uid(task.uid)
+            except SysError as exc:
+                log(3, f"task {task.id}: {exc}; its user stays until the next start")
+                return
             user_del(task.user)
             task.uid = 0
 
