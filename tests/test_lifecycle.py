@@ -557,21 +557,25 @@ def test_changes_lists_added_modified_and_deleted_paths(gurtd: Gurtd) -> None:
 
 def test_settings_defaults_partial_update_and_restart(gurtd: Gurtd) -> None:
     g = gurtd
-    assert g.api("GET", "/api/settings") == {"defaultBudgetCents": 0, "maxRunningTasks": 8}
+    assert g.api("GET", "/api/settings") == {"defaultBudgetCents": 0, "maxRunningTasks": 8,
+                                            "upstreamDns": ""}
     first = g.run("echo before")
     assert first["budgetCents"] == 0
 
     assert g.api("PUT", "/api/settings", {"defaultBudgetCents": 250}) == \
-        {"defaultBudgetCents": 250, "maxRunningTasks": 8}
-    assert g.api("GET", "/api/settings") == {"defaultBudgetCents": 250, "maxRunningTasks": 8}
+        {"defaultBudgetCents": 250, "maxRunningTasks": 8, "upstreamDns": ""}
+    assert g.api("GET", "/api/settings") == {"defaultBudgetCents": 250, "maxRunningTasks": 8,
+                                            "upstreamDns": ""}
     assert g.run("echo after")["budgetCents"] == 250
 
     g.restart()
-    assert g.api("GET", "/api/settings") == {"defaultBudgetCents": 250, "maxRunningTasks": 8}
+    assert g.api("GET", "/api/settings") == {"defaultBudgetCents": 250, "maxRunningTasks": 8,
+                                            "upstreamDns": ""}
     assert g.api("PUT", "/api/settings", {"maxRunningTasks": 3}) == \
-        {"defaultBudgetCents": 250, "maxRunningTasks": 3}
+        {"defaultBudgetCents": 250, "maxRunningTasks": 3, "upstreamDns": ""}
     g.restart()
-    assert g.api("GET", "/api/settings") == {"defaultBudgetCents": 250, "maxRunningTasks": 3}
+    assert g.api("GET", "/api/settings") == {"defaultBudgetCents": 250, "maxRunningTasks": 3,
+                                            "upstreamDns": ""}
     later = g.run("echo later")
     assert later["state"] == "done"
     assert later["budgetCents"] == 250

@@ -1,0 +1,426 @@
+"""A task is boxed in.
+
+Each story runs real `fake`-worker tasks (one /bin/sh command per prompt line, as the task's
+own user box-<id>) that try to get out: read the token, peek at another task, write the base,
+become root, call gurtd's API, keep a process running after the end.  None of it works.
+
+Probe lines end in `; true` (or `|| ...`) so that a refused probe does not end the task early:
+the task finishes and its whole log can be searched for what must not be there.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import secrets
+import shutil
+import stat
+import subprocess
+import time
+from typing import Any
+
+import gurtd as gurtd_module
+from conftest import Gurtd, put_base_file
+
+VIEW = "/run/gurt/view"
+SUID_COPY = "/usr/local/bin/gurt-test-suid-id"
+ZERO = "0000000000000000"
+
+
+# helpers ######################################################################################
+
+def prompt(*lines: str) -> str:
+    return "\n".join(lines)
+
+
+def log_texts(g: Gurtd, task_id: str, kind: str | None = None) -> list[str]:
+    return [e.get("text", "") for e in g.log(task_id) if kind is None or e["type"] == kind]
+
+
+def log_blob(g: Gurtd, task_id: str) -> str:
+    """Everything the task's log holds, as one string to search."""
+    code, data, _ = g.request("GET", f"/api/tasks/{task_id}/log")
+    assert code == 200, data
+    return data.decode(errors="replace")
+
+
+def run_done(g: Gurtd, text: str, **fields: Any) -> dict[str, Any]:
+    task = g.run(text, **fields)
+    assert task["state"] == "done", (task, g.log(task["id"]))
+    return task
+
+
+def wait_for_step(g: Gurtd, task_id: str, step: str, timeout: float = 15.0) -> dict[str, Any]:
+    """Wait until the task is running the prompt line `step`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        task = g.task(task_id)
+        if task["state"] == "running" and task.get("step") == step:
+            return task
+        assert task["state"] in ("queued", "running"), (task, g.log(task_id))
+        assert time.monotonic() < deadline, f"task never reached {step!r}: {task}"
+        time.sleep(0.02)
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def processes_of_uid(uid: int) -> list[int]:
+    """Every live process with uid as its real, effective, saved or filesystem uid."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                status = f.read()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if fields.get("State", "").split()[:1] == ["Z"]:
+            continue
+        if str(uid) in fields.get("Uid", "").split():
+            out.append(int(entry))
+    return out
+
+
+def account_names(path: str) -> set[str]:
+    with open(path) as f:
+        return {line.split(":", 1)[0] for line in f if line.strip()}
+
+
+# the token and BOX_HOME #######################################################################
+
+def test_a_task_cannot_read_the_token_or_look_into_box_home(gurtd: Gurtd) -> None:
+    home = gurtd.home
+    assert os.path.exists(os.path.join(home, "token"))
+    earlier = run_done(gurtd, "echo an earlier task")
+    task = run_done(gurtd, prompt(
+        f"cat {home}/token || echo 'token: refused'",
+        f"ls -la {home} || echo 'box home: refused'",
+        f"ls -la {home}/tasks {home}/logs {home}/layers {home}/workspaces; true",
+        f"cat {home}/tasks/{earlier['id']}.json {home}/state.json {home}/settings.json; true",
+        f"cat {gurtd.log_path}; true",
+        "env",
+        "tr '\\0' '\\n' < /proc/self/environ",
+        "cat /proc/*/environ /proc/*/cmdline; true",
+        # a user namespace of its own gives mount powers, but not over the box's mounts
+        f'unshare -rm sh -c "umount -l {home}; umount -l /var/tmp; cat {home}/token"; true',
+        f'unshare -rm sh -c "mkdir /tmp/r && mount --rbind / /tmp/r && '
+        f'umount -l /tmp/r{home}; cat /tmp/r{home}/token; ls /tmp/r{home}"; true',
+        "echo probed",
+    ))
+    blob = log_blob(gurtd, task["id"])
+    assert gurtd.token not in blob
+    out = log_texts(gurtd, task["id"], "stdout")
+    assert "token: refused" in out and "box home: refused" in out, out
+    assert "probed" in out
+    errors = log_texts(gurtd, task["id"], "stderr")
+    refused = ("Permission denied", "No such file or directory")
+    for path in (f"{home}/token", f"'{home}'"):
+        assert [e for e in errors if path in e and e.endswith(refused)], (path, errors)
+    # nothing of BOX_HOME was listed or read
+    for line in out:
+        assert not re.search(r"\btoken$|state\.json|settings\.json|\.jsonl?\b", line), line
+        assert earlier["id"] not in line, line
+
+
+# other tasks ##################################################################################
+
+def test_a_task_cannot_see_another_running_tasks_view(gurtd: Gurtd) -> None:
+    home = gurtd.home
+    marker = "gurt-view-secret-" + secrets.token_hex(8)
+    a = gurtd.create(prompt(f"echo {marker} > a-marker.txt", "sleep 3"), title="task A")
+    wait_for_step(gurtd, a["id"], "sleep 3")
+    pids = gurtd.worker_pids(a)
+    assert pids, "task A has no processes"
+    each = " ".join(str(p) for p in pids)
+    b = run_done(gurtd, prompt(
+        f"for p in {each}; do ls -la /proc/$p/root/ /proc/$p/root{VIEW}/ /proc/$p/cwd/; done; true",
+        f"for p in {each}; do cat /proc/$p/root{VIEW}/a-marker.txt /proc/$p/cwd/a-marker.txt; done;"
+        " true",
+        f"for p in {each}; do cat /proc/$p/environ /proc/$p/mountinfo; done; true",
+        f"ls -la {VIEW}; cat {VIEW}/a-marker.txt; true",
+        f"ls -la {home}/layers/{a['id']}/upper; cat {home}/layers/{a['id']}/upper/a-marker.txt; true",
+        f"cat {home}/workspaces/home/a-marker.txt; true",
+        f"ls /proc/*/root{VIEW}/; cat /proc/*/root{VIEW}/a-marker.txt /proc/*/cwd/a-marker.txt; true",
+        "grep -rs gurt-view-secret- /run /tmp /var/tmp /home /dev/shm; true",
+        "find /run /tmp /var/tmp /var/lib /home /root /dev/shm -name a-marker.txt 2>/dev/null; true",
+        "echo probed",
+    ), title="task B")
+    assert gurtd.task(a["id"])["state"] == "running", "task A ended before B had looked"
+    assert marker not in log_blob(gurtd, b["id"])
+    out = log_texts(gurtd, b["id"], "stdout")
+    assert "probed" in out
+    assert not [line for line in out if "a-marker.txt" in line], out
+    errors = "\n".join(log_texts(gurtd, b["id"], "stderr"))
+    for pid in pids:
+        assert f"/proc/{pid}/root/" in errors, f"B could list /proc/{pid}/root"
+    # the marker was real: A's layer holds it, and once A is done people see it
+    assert gurtd.wait(a["id"])["state"] == "done"
+    with open(os.path.join(home, "layers", a["id"], "upper", "a-marker.txt")) as f:
+        assert f.read() == marker + "\n"
+    assert gurtd.file("home", "a-marker.txt") == (marker + "\n").encode()
+
+
+def test_a_task_cannot_see_or_kill_another_tasks_processes(gurtd: Gurtd) -> None:
+    a = gurtd.create(prompt("sleep 3"), title="task A")
+    wait_for_step(gurtd, a["id"], "sleep 3")
+    pids = gurtd.worker_pids(a)
+    assert any(cmdline(p) == "sleep 3" for p in pids), [cmdline(p) for p in pids]
+    b = run_done(gurtd, prompt(
+        "ps ax -o pid=,user:32=,args=",
+        "echo ---",
+        "ls /proc",
+        f"kill -9 {' '.join(map(str, pids))}; true",
+    ), title="task B")
+    out = log_texts(gurtd, b["id"], "stdout")
+    ps_lines, ls_lines = out[:out.index("---")], out[out.index("---") + 1:]
+    seen = {int(line.split()[0]) for line in ps_lines if line.split()}
+    seen |= {int(name) for name in ls_lines if name.isdigit()}
+    assert any("ps ax" in line for line in ps_lines), ps_lines    # ps works: it sees B itself
+    assert not seen & set(pids), (seen & set(pids), ps_lines)
+    assert not [line for line in ps_lines if a["user"] in line or "sleep 3" in line], ps_lines
+    assert gurtd.task(a["id"])["state"] == "running", "task A ended before B had looked"
+    assert gurtd.wait(a["id"])["state"] == "done", "B's kill reached task A"
+
+
+def test_tmp_and_home_are_private_to_each_running_task(gurtd: Gurtd) -> None:
+    secret = "gurt-tmp-secret-" + secrets.token_hex(8)
+    host_secret = "gurt-host-tmp-" + secrets.token_hex(8)
+    host_file = f"/tmp/gurt-test-host-{secrets.token_hex(4)}"
+    a_name = f"a-secret-{secrets.token_hex(4)}"
+    with open(host_file, "w") as f:
+        f.write(host_secret + "\n")
+    try:
+        a = gurtd.create(prompt(
+            f"echo {secret} > /tmp/{a_name}",
+            f'echo {secret} > "$HOME/{a_name}"',
+            f"echo {secret} > /dev/shm/{a_name}",
+            f"echo {secret} > /var/tmp/{a_name}",
+            "sleep 3",
+        ), title="task A")
+        wait_for_step(gurtd, a["id"], "sleep 3")
+        b = run_done(gurtd, prompt(
+            "ls -la /tmp /dev/shm /var/tmp /home; true",
+            f"cat /tmp/{a_name} /dev/shm/{a_name} /var/tmp/{a_name} /home/{a['user']}/{a_name}; true",
+            "cat /tmp/gurt-test-host-*; true",
+            "echo b-was-here > /tmp/b-file",
+            "cat /tmp/b-file",
+            'echo "$HOME"',
+            "ls -A /home",
+        ), title="task B")
+        assert gurtd.task(a["id"])["state"] == "running", "task A ended before B had looked"
+        blob = log_blob(gurtd, b["id"])
+        assert secret not in blob
+        assert host_secret not in blob
+        out = log_texts(gurtd, b["id"], "stdout")
+        assert not [line for line in out if a_name in line or "gurt-test-host" in line], out
+        assert "b-was-here" in out
+        assert out[-2:] == [f"/home/{b['user']}", b["user"]], out
+        assert gurtd.wait(a["id"])["state"] == "done"
+        assert not os.path.exists(f"/tmp/{a_name}")          # nor did A write the host's /tmp
+        assert not os.path.exists(f"/var/tmp/{a_name}")
+    finally:
+        os.remove(host_file)
+
+
+def test_home_is_a_private_writable_directory(gurtd: Gurtd) -> None:
+    task = run_done(gurtd, prompt(
+        'echo "home=$HOME"',
+        'stat -c "%U %a" "$HOME"',
+        'echo a note > "$HOME/note.txt"',
+        'cat "$HOME/note.txt"',
+        "ls -A /home",
+        "echo tmp > /tmp/t && cat /tmp/t",
+    ))
+    assert gurtd.output(task["id"]) == [
+        f"home=/home/{task['user']}", f"{task['user']} 700", "a note", task["user"], "tmp"]
+
+
+# the base #####################################################################################
+
+def base_state(g: Gurtd, workspace: str = "home") -> dict[str, tuple[Any, ...]]:
+    base = os.path.join(g.home, "workspaces", workspace)
+    out: dict[str, tuple[Any, ...]] = {}
+    for root, dirs, files in os.walk(base):
+        for name in dirs + files + ["."]:
+            path = os.path.normpath(os.path.join(root, name))
+            st = os.lstat(path)
+            content = open(path, "rb").read() if stat.S_ISREG(st.st_mode) else None
+            out[os.path.relpath(path, base)] = (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns,
+                                                content)
+    return out
+
+
+def test_a_task_edits_its_own_layer_never_the_base(gurtd: Gurtd) -> None:
+    put_base_file(gurtd, "home", "notes.txt", "original\n")
+    put_base_file(gurtd, "home", "keep.txt", "keep me\n")
+    put_base_file(gurtd, "home", "dir/inner.txt", "inner\n")
+    before = base_state(gurtd)
+    task = run_done(gurtd, prompt(
+        "echo changed > notes.txt",
+        "rm keep.txt",
+        "echo new > added.txt",
+        "rm -r dir",
+        "chmod 777 . && touch -d 2001-01-01 notes.txt",
+        f"echo sneaky > {gurtd.home}/workspaces/home/notes.txt || echo 'base: refused'",
+        "ls -A",
+    ))
+    assert gurtd.output(task["id"]) == ["base: refused", "added.txt", "notes.txt"]
+    assert base_state(gurtd) == before, "the task changed the base on disk"
+    # the edits are in the task's layer
+    upper = os.path.join(gurtd.home, "layers", task["id"], "upper")
+    with open(os.path.join(upper, "notes.txt")) as f:
+        assert f.read() == "changed\n"
+    with open(os.path.join(upper, "added.txt")) as f:
+        assert f.read() == "new\n"
+    for gone in ("keep.txt", "dir"):
+        st = os.lstat(os.path.join(upper, gone))
+        assert stat.S_ISCHR(st.st_mode) and st.st_rdev == 0, f"{gone} is not a whiteout"
+    changes = gurtd.api("GET", f"/api/tasks/{task['id']}/changes")
+    assert {(c["path"], c["change"]) for c in changes} >= {
+        ("notes.txt", "modified"), ("added.txt", "added"), ("keep.txt", "deleted"),
+        ("dir", "deleted")}, changes
+    # people see the layer on top of the base; undo takes it away again
+    assert gurtd.file("home", "notes.txt") == b"changed\n"
+    assert gurtd.file("home", "keep.txt") is None
+    gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
+    assert gurtd.file("home", "notes.txt") == b"original\n"
+    assert gurtd.file("home", "keep.txt") == b"keep me\n"
+    assert gurtd.file("home", "added.txt") is None
+    assert base_state(gurtd) == before
+
+
+# privileges ###################################################################################
+
+def test_a_setuid_root_binary_does_not_make_a_task_root(gurtd: Gurtd) -> None:
+    shutil.copy("/usr/bin/id", SUID_COPY)
+    try:
+        os.chown(SUID_COPY, 0, 0)
+        os.chmod(SUID_COPY, 0o4755)
+        # outside a box the copy really is a way to root: a plain user running it gets euid 0
+        nobody = pwd.getpwnam("nobody")
+        plain = subprocess.run(["setpriv", f"--reuid={nobody.pw_uid}",
+                                f"--regid={nobody.pw_gid}", "--clear-groups", SUID_COPY],
+                               capture_output=True, text=True, check=True).stdout
+        assert "euid=0" in plain, plain
+        task = run_done(gurtd, prompt(
+            f"stat -c '%a %U' {SUID_COPY}",
+            "id -u",
+            f"{SUID_COPY}",
+            f"{SUID_COPY} -u",
+            f"{SUID_COPY} -ru",
+        ))
+        out = gurtd.output(task["id"])
+        assert out[0] == "4755 root", out          # the bit is there, inside the box too
+        uid = out[1]
+        assert uid != "0"
+        assert not re.search(r"\b(e?uid)=0\b", "\n".join(out)), out
+        assert out[3:] == [uid, uid], out
+    finally:
+        os.remove(SUID_COPY)
+
+
+def test_a_task_has_no_capabilities_and_no_new_privileges(gurtd: Gurtd) -> None:
+    task = run_done(gurtd, "grep -E '^(Cap|NoNewPrivs)' /proc/self/status")
+    fields = dict(line.split(":\t", 1) for line in gurtd.output(task["id"]))
+    for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert fields[cap] == ZERO, fields
+    assert fields["NoNewPrivs"] == "1", fields
+
+
+# network ######################################################################################
+
+def test_a_task_cannot_reach_gurtds_api(gurtd: Gurtd) -> None:
+    port = gurtd.port
+    status, data, _ = gurtd.request("GET", "/api/health", token=False)
+    assert status == 200 and data["ok"] is True      # it is there, for the host
+    task = run_done(gurtd, prompt(
+        f'curl -s --max-time 2 http://127.0.0.1:{port}/api/health; echo " curl exit $?"',
+        "python3 -c 'import socket; s = socket.socket(); "
+        f"print(\"connect\", s.connect_ex((\"127.0.0.1\", {port})))'",
+    ))
+    out = gurtd.output(task["id"])
+    curl = [line for line in out if "curl exit" in line]
+    assert len(curl) == 1, out
+    assert re.fullmatch(r" curl exit [1-9]\d*", curl[0]), out
+    assert not [line for line in out if "ok" in line], out
+    assert "connect 111" in out, out                   # ECONNREFUSED
+    assert '"ok"' not in log_blob(gurtd, task["id"])
+
+
+def test_a_task_sees_no_network_interface_but_lo(gurtd: Gurtd) -> None:
+    task = run_done(gurtd, prompt("cat /proc/net/dev", "echo ---", "ip -o link", "echo ---",
+                                  "ls /sys/class/net"))
+    out = gurtd.output(task["id"])
+    first, second = out.index("---"), len(out) - 1 - out[::-1].index("---")
+    dev = {line.split(":")[0].strip() for line in out[2:first]}
+    links = {line.split(":")[1].strip() for line in out[first + 1:second]}
+    sys_names = set(out[second + 1:])
+    assert dev == {"lo"}, out
+    assert links == {"lo"}, out
+    assert sys_names == {"lo"}, out
+
+
+# the host's own files #########################################################################
+
+def test_a_task_cannot_read_root_or_home_of_the_host(gurtd: Gurtd) -> None:
+    secret = "gurt-host-secret-" + secrets.token_hex(8)
+    markers = ["/root/gurt-test-marker", "/home/gurt-test-marker"]
+    host_home = sorted(os.listdir("/home"))
+    try:
+        for path in markers:
+            with open(path, "w") as f:
+                f.write(secret + "\n")
+            os.chmod(path, 0o644)
+        task = run_done(gurtd, prompt(
+            "cat /root/gurt-test-marker; true",
+            "cat /home/gurt-test-marker; true",
+            "ls -la /root; true",
+            "ls -A /home",
+            "grep -rs gurt-host-secret- /root /home; true",
+        ))
+        assert secret not in log_blob(gurtd, task["id"])
+        out = gurtd.output(task["id"])
+        assert not [line for line in out if "gurt-test-marker" in line], out
+        assert out[-1:] == [task["user"]], out                  # /home holds only its own
+        assert not set(host_home) & set(out), out
+    finally:
+        for path in markers:
+            if os.path.exists(path):
+                os.remove(path)
+
+
+# the end of a task ############################################################################
+
+def test_nothing_of_a_task_outlives_it(gurtd: Gurtd) -> None:
+    task = gurtd.create(prompt(
+        "id -u",
+        "sleep 300 &",
+        "nohup sleep 301 > /dev/null 2>&1 &",
+        "setsid sleep 302 &",
+        "(sleep 303 &)",
+        "sleep 2",
+    ))
+    wait_for_step(gurtd, task["id"], "sleep 2")
+    uid = int(gurtd.output(task["id"])[0])
+    assert uid != 0
+    running = {cmdline(p) for p in processes_of_uid(uid)}
+    assert {"sleep 300", "sleep 301", "sleep 302", "sleep 303"} <= running, running
+    assert task["user"] in account_names("/etc/passwd")
+    assert gurtd.wait(task["id"])["state"] == "done"
+    left = {p: cmdline(p) for p in processes_of_uid(uid)}
+    assert left == {}, f"processes of {task['user']} outlived it: {left}"
+    assert gurtd.worker_pids(task) == []
+    for path in ("/etc/passwd", "/etc/group", "/etc/shadow", "/etc/gshadow"):
+        assert task["user"] not in account_names(path), path
+    with open("/etc/passwd") as f:
+        assert not [line for line in f if line.split(":")[2:3] == [str(uid)]]
+    assert gurtd_module.processes_by_uid({uid}) == {}

@@ -1,0 +1,542 @@
+"""Bad input gets a clear JSON error and changes nothing.
+
+A person (or a web page, or a confused script) talks to gurtd on 127.0.0.1.  Whatever they
+send that gurtd must not accept -- a missing token, a foreign Host or Origin, a broken task, a
+path out of the workspace, a stalled connection -- they get {"error": ...} back, and the box is
+exactly as it was: the task list, BOX_HOME/tasks, logs, layers, workspaces and settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any, Iterator
+
+import pytest
+
+from conftest import Gurtd, make_home, put_base_file, remove_home
+
+UNKNOWN_ID = "tzzzzzzzzz"        # well formed, never issued
+
+
+@pytest.fixture(scope="module")
+def gurtd() -> Iterator[Gurtd]:
+    """One real gurtd for this module (conftest's, started once: a stop costs ~0.6 s).
+
+    Every test here checks that its refused requests changed nothing, so they can share it.
+    The base of workspace home holds readme.txt.
+    """
+    g = Gurtd(make_home())
+    g.start()
+    try:
+        put_base_file(g, "home", "readme.txt", "hello\n")
+        yield g
+    finally:
+        if g.proc is not None:
+            code = g.stop()
+            assert code == 0, f"gurtd exited with {code}:\n{g.log_text()}"
+        remove_home(g.home)
+
+
+@pytest.fixture(scope="module")
+def done_task(gurtd: Gurtd) -> dict[str, Any]:
+    """A task that ran and finished: the one the routes below may name."""
+    task = gurtd.run("echo hello", title="a finished task")
+    assert task["state"] == "done", task
+    return task
+
+
+# helpers ######################################################################################
+
+def snapshot(g: Gurtd) -> dict[str, Any]:
+    """What a bad request must not change: the API's view and the files under BOX_HOME."""
+    status, tasks, _ = g.request("GET", "/api/tasks")
+    assert status == 200, tasks
+    status, settings, _ = g.request("GET", "/api/settings")
+    assert status == 200, settings
+    files = {sub: sorted(os.listdir(os.path.join(g.home, sub)))
+             for sub in ("tasks", "logs", "layers", "workspaces")}
+    settings_file = os.path.join(g.home, "settings.json")
+    on_disk = open(settings_file, "rb").read() if os.path.exists(settings_file) else None
+    with open("/etc/passwd") as f:
+        box_users = sorted(line.split(":")[0] for line in f if line.startswith("box-"))
+    return {"tasks": tasks, "settings": settings, "files": files, "settings.json": on_disk,
+            "box users": box_users}
+
+
+@contextlib.contextmanager
+def changes_nothing(g: Gurtd) -> Iterator[None]:
+    before = snapshot(g)
+    yield
+    after = snapshot(g)
+    assert after == before, "a refused request changed the box"
+
+
+def assert_json_error(response: tuple[int, Any, dict[str, str]], status: int,
+                      code: str | None = None) -> dict[str, Any]:
+    got, data, headers = response
+    assert got == status, (got, data)
+    assert headers.get("content-type", "").split(";")[0] == "application/json", headers
+    assert isinstance(data, dict), data
+    assert isinstance(data.get("error"), str) and data["error"].strip(), data
+    if code is not None:
+        assert data.get("code") == code, data
+    return data
+
+
+def valid_body(**fields: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"title": "a task", "prompt": "echo hi", "worker": "fake"}
+    body.update(fields)
+    return body
+
+
+def raw_exchange(port: int, data: bytes, timeout: float = 20.0) -> bytes:
+    """Send bytes on a fresh connection and read until gurtd closes it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return out
+            out += chunk
+
+
+def body_of(response: bytes) -> bytes:
+    """The body of a raw response (http.server answers HTTP/0.9 style, body only, to lines it
+    cannot parse)."""
+    if response.startswith(b"HTTP/"):
+        return response.partition(b"\r\n\r\n")[2]
+    return response
+
+
+# auth #########################################################################################
+
+def test_health_needs_no_token(gurtd: Gurtd) -> None:
+    status, data, _ = gurtd.request("GET", "/api/health", token=False)
+    assert status == 200, data
+    assert data["ok"] is True
+
+
+def protected_routes(task_id: str) -> list[tuple[str, str, Any]]:
+    return [
+        ("GET", "/api/tasks", None),
+        ("POST", "/api/tasks", valid_body()),
+        ("GET", f"/api/tasks/{task_id}", None),
+        ("POST", f"/api/tasks/{task_id}/undo", None),
+        ("POST", f"/api/tasks/{task_id}/stop", None),
+        ("GET", f"/api/tasks/{task_id}/log", None),
+        ("GET", f"/api/tasks/{task_id}/changes", None),
+        ("GET", "/api/workspaces", None),
+        ("POST", "/api/workspaces", {"name": "sneaky"}),
+        ("GET", "/api/workspaces/home", None),
+        ("GET", "/api/workspaces/home/files", None),
+        ("GET", "/api/workspaces/home/files/readme.txt", None),
+        ("GET", "/api/settings", None),
+        ("PUT", "/api/settings", {"maxRunningTasks": 1}),
+        ("GET", "/api/openapi.json", None),
+    ]
+
+
+@pytest.mark.parametrize("authorization", [
+    None, "Bearer wrong-token", "Bearer ", "{token}", "Bearer {token}x", "Basic {token}",
+    "Bearer  {token}",
+], ids=["missing", "wrong", "empty", "no-scheme", "token-plus-one", "basic", "two-spaces"])
+def test_every_route_but_health_needs_the_bearer_token(gurtd: Gurtd, done_task: dict[str, Any],
+                                                       authorization: str | None) -> None:
+    task = done_task
+    headers = {} if authorization is None else \
+        {"Authorization": authorization.format(token=gurtd.token)}
+    for method, path, body in protected_routes(task["id"]):
+        with changes_nothing(gurtd):
+            response = gurtd.request(method, path, body, headers=headers, token=False)
+            assert_json_error(response, 401, "unauthorized")
+    assert gurtd.task(task["id"])["state"] == "done"
+    assert not os.path.exists(os.path.join(gurtd.home, "workspaces", "sneaky"))
+
+
+def test_the_right_token_opens_every_route(gurtd: Gurtd, done_task: dict[str, Any]) -> None:
+    for method, path, _ in protected_routes(done_task["id"]):
+        if method != "GET":
+            continue
+        status, data, _ = gurtd.request(method, path)
+        assert status == 200, (path, data)
+
+
+# request guard ################################################################################
+
+def test_a_foreign_host_header_is_refused_before_auth(gurtd: Gurtd) -> None:
+    port = gurtd.port
+    for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1:{port + 1}", "127.0.0.1",
+                 f"localhost.evil.example:{port}", f"127.0.0.2:{port}", f"0.0.0.0:{port}"):
+        for path in ("/api/health", "/api/tasks"):
+            with changes_nothing(gurtd):
+                # with the right token: the guard still says no
+                assert_json_error(gurtd.request("GET", path, headers={"Host": host}),
+                                  403, "host_not_allowed")
+                # without a token: the guard answers first, not auth
+                assert_json_error(gurtd.request("GET", path, headers={"Host": host},
+                                                token=False), 403, "host_not_allowed")
+        with changes_nothing(gurtd):
+            assert_json_error(gurtd.request("POST", "/api/tasks", valid_body(),
+                                            headers={"Host": host}), 403, "host_not_allowed")
+
+
+def test_a_request_without_host_header_is_refused(gurtd: Gurtd) -> None:
+    with changes_nothing(gurtd):
+        raw = raw_exchange(gurtd.port, b"GET /api/health HTTP/1.1\r\nConnection: close\r\n\r\n")
+        assert raw.startswith(b"HTTP/1.1 403"), raw
+        data = json.loads(body_of(raw))
+        assert data["code"] == "host_not_allowed", data
+
+
+def test_the_three_local_host_names_are_accepted(gurtd: Gurtd) -> None:
+    port = gurtd.port
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"):
+        status, data, _ = gurtd.request("GET", "/api/tasks", headers={"Host": host})
+        assert status == 200, (host, data)
+        status, data, _ = gurtd.request("GET", "/api/health", headers={"Host": host},
+                                        token=False)
+        assert status == 200, (host, data)
+
+
+def test_a_foreign_origin_is_refused_before_auth(gurtd: Gurtd) -> None:
+    port = gurtd.port
+    for origin in ("http://evil.example", "null", f"http://evil.example:{port}",
+                   f"http://127.0.0.1:{port + 1}", f"https://127.0.0.1:{port}",
+                   f"http://127.0.0.1.evil.example:{port}"):
+        with changes_nothing(gurtd):
+            assert_json_error(gurtd.request("GET", "/api/tasks", headers={"Origin": origin}),
+                              403, "cross_origin")
+            assert_json_error(gurtd.request("GET", "/api/tasks", headers={"Origin": origin},
+                                            token=False), 403, "cross_origin")
+            # a web page that learnt the token still cannot create a task
+            assert_json_error(gurtd.request("POST", "/api/tasks", valid_body(),
+                                            headers={"Origin": origin}), 403, "cross_origin")
+            assert_json_error(gurtd.request("PUT", "/api/settings", {"maxRunningTasks": 1},
+                                            headers={"Origin": origin}), 403, "cross_origin")
+
+
+def test_a_cross_site_fetch_is_refused(gurtd: Gurtd) -> None:
+    for site in ("cross-site", "same-site", "Cross-Site"):
+        with changes_nothing(gurtd):
+            assert_json_error(gurtd.request("GET", "/api/tasks",
+                                            headers={"Sec-Fetch-Site": site}), 403, "cross_origin")
+            assert_json_error(gurtd.request("POST", "/api/tasks", valid_body(),
+                                            headers={"Sec-Fetch-Site": site}, token=False),
+                              403, "cross_origin")
+            assert_json_error(gurtd.request("POST", "/api/tasks", valid_body(),
+                                            headers={"Sec-Fetch-Site": site}), 403, "cross_origin")
+
+
+def test_our_own_origin_and_same_origin_fetches_are_fine(gurtd: Gurtd) -> None:
+    port = gurtd.port
+    for headers in ({"Origin": f"http://127.0.0.1:{port}"},
+                    {"Origin": f"http://localhost:{port}"},
+                    {"Origin": f"http://127.0.0.1:{port}", "Sec-Fetch-Site": "same-origin"},
+                    {"Sec-Fetch-Site": "none"}):
+        status, data, _ = gurtd.request("GET", "/api/tasks", headers=headers)
+        assert status == 200, (headers, data)
+    status, task, _ = gurtd.request("POST", "/api/tasks", valid_body(),
+                                    headers={"Origin": f"http://127.0.0.1:{port}"})
+    assert status == 201, task
+    assert gurtd.wait(task["id"])["state"] == "done"
+
+
+# POST /api/tasks ##############################################################################
+
+BAD_RAW_BODIES = {
+    "malformed JSON": b'{"title": "a task", "prompt": ',
+    "not JSON at all": b"title=a&prompt=b",
+    "an array": b'[{"title": "a task", "prompt": "echo hi", "worker": "fake"}]',
+    "a string": b'"echo hi"',
+    "a number": b"42",
+    "null": b"null",
+    "empty": b"",
+    "only spaces": b"   \n",
+    "budgetCents NaN": b'{"title": "t", "prompt": "p", "worker": "fake", "budgetCents": NaN}',
+    "budgetCents Infinity":
+        b'{"title": "t", "prompt": "p", "worker": "fake", "budgetCents": Infinity}',
+}
+
+
+@pytest.mark.parametrize("raw", BAD_RAW_BODIES.values(), ids=BAD_RAW_BODIES.keys())
+def test_a_body_that_is_not_a_task_object_is_refused(gurtd: Gurtd, raw: bytes) -> None:
+    with changes_nothing(gurtd):
+        assert_json_error(gurtd.request("POST", "/api/tasks", raw=raw,
+                                        headers={"Content-Type": "application/json"}), 400)
+
+
+BAD_FIELDS: dict[str, tuple[dict[str, Any], str]] = {
+    # case: (fields over a valid body, a word the error must name)
+    "unknown field": ({"colour": "blue"}, "colour"),
+    "title is a number": ({"title": 7}, "title"),
+    "title is empty": ({"title": ""}, "title"),
+    "title is blank": ({"title": "   "}, "title"),
+    "prompt is a list": ({"prompt": ["echo hi"]}, "prompt"),
+    "prompt is empty": ({"prompt": ""}, "prompt"),
+    "tools is a string": ({"tools": "git"}, "tools"),
+    "hosts is an object": ({"hosts": {"example.com": True}}, "hosts"),
+    "budgetCents is a string": ({"budgetCents": "100"}, "budgetCents"),
+    "budgetCents is true": ({"budgetCents": True}, "budgetCents"),
+    "budgetCents is -1": ({"budgetCents": -1}, "budgetCents"),
+    "worker robot": ({"worker": "robot"}, "worker"),
+    "workspace ..": ({"workspace": ".."}, "workspace"),
+    "workspace .": ({"workspace": "."}, "workspace"),
+    "workspace a/b": ({"workspace": "a/b"}, "workspace"),
+    "workspace %2e%2e": ({"workspace": "%2e%2e"}, "workspace"),
+    "workspace empty": ({"workspace": ""}, "workspace"),
+    "workspace missing": ({"workspace": "nope"}, "workspace"),
+    "host empty": ({"hosts": [""]}, "hosts"),
+    "host *": ({"hosts": ["*"]}, "hosts"),
+    "host is a URL": ({"hosts": ["http://x.com"]}, "hosts"),
+    "host with a space": ({"hosts": ["a b.com"]}, "hosts"),
+    "host port 0": ({"hosts": ["x.com:0"]}, "hosts"),
+    "host port 70000": ({"hosts": ["x.com:70000"]}, "hosts"),
+    "host empty label": ({"hosts": ["x..com"]}, "hosts"),
+    "a good host and a bad one": ({"hosts": ["example.com", "x..com"]}, "hosts"),
+    "tool empty": ({"tools": [""]}, "tools"),
+    "tool Wallet Pay": ({"tools": ["Wallet Pay"]}, "tools"),
+}
+
+
+@pytest.mark.parametrize("fields,named", BAD_FIELDS.values(), ids=BAD_FIELDS.keys())
+def test_a_bad_task_field_is_refused_by_name(gurtd: Gurtd, fields: dict[str, Any],
+                                             named: str) -> None:
+    with changes_nothing(gurtd):
+        data = assert_json_error(gurtd.request("POST", "/api/tasks", valid_body(**fields)), 400)
+    assert named in data["error"], data
+
+
+@pytest.mark.parametrize("fields", [{"folder": "/home/me/notes"}, {"folders": ["notes"]}],
+                         ids=["folder", "folders"])
+def test_personal_folders_are_not_supported_yet(gurtd: Gurtd, fields: dict[str, Any]) -> None:
+    with changes_nothing(gurtd):
+        data = assert_json_error(gurtd.request("POST", "/api/tasks", valid_body(**fields)), 400)
+    assert data["error"] == "personal folders are not supported yet", data
+
+
+def test_a_body_over_one_mebibyte_is_refused(gurtd: Gurtd) -> None:
+    raw = json.dumps(valid_body(prompt="echo " + "a" * (1 << 20))).encode()
+    assert len(raw) > 1 << 20
+    with changes_nothing(gurtd):
+        assert_json_error(gurtd.request("POST", "/api/tasks", raw=raw,
+                                        headers={"Content-Type": "application/json"}), 413)
+
+
+def test_the_same_body_done_right_is_accepted(gurtd: Gurtd) -> None:
+    """The refusals above are about the field, not the route."""
+    task = gurtd.api("POST", "/api/tasks", valid_body(
+        tools=["git", "web.fetch"], hosts=["example.com", "*.example.org:8443", "198.18.0.0/24"],
+        budgetCents=150, workspace="home"), status=201)
+    assert gurtd.wait(task["id"])["state"] == "done"
+
+
+# unknown ids and queries ######################################################################
+
+@pytest.mark.parametrize("task_id", [UNKNOWN_ID, "nope"])
+def test_an_unknown_task_id_is_a_plain_400(gurtd: Gurtd, done_task: dict[str, Any],
+                                           task_id: str) -> None:
+    for method, path in (("GET", f"/api/tasks/{task_id}"),
+                         ("POST", f"/api/tasks/{task_id}/undo"),
+                         ("POST", f"/api/tasks/{task_id}/stop")):
+        with changes_nothing(gurtd):
+            status, data, _ = gurtd.request(method, path)
+        assert (status, data) == (400, {"error": "No task with this id"}), (method, path)
+
+
+@pytest.mark.parametrize("query", ["state=bogus", "limit=0", "limit=1001", "limit=x",
+                                   "limit=-1", "limit=1.5"])
+def test_a_bad_task_list_query_is_refused(gurtd: Gurtd, done_task: dict[str, Any],
+                                          query: str) -> None:
+    with changes_nothing(gurtd):
+        assert_json_error(gurtd.request("GET", f"/api/tasks?{query}"), 400)
+
+
+def test_good_task_list_queries_answer(gurtd: Gurtd, done_task: dict[str, Any]) -> None:
+    everything = gurtd.api("GET", "/api/tasks?limit=1000")
+    assert done_task["id"] in [t["id"] for t in everything]
+    for query, expected in (("state=done", [t for t in everything if t["state"] == "done"]),
+                            ("limit=1", everything[:1]),
+                            ("workspace=home", everything),
+                            ("workspace=nope", [])):
+        status, data, _ = gurtd.request("GET", f"/api/tasks?{query}")
+        assert status == 200, (query, data)
+        assert [t["id"] for t in data] == [t["id"] for t in expected], query
+
+
+# routes and methods ###########################################################################
+
+@pytest.mark.parametrize("method,path", [
+    ("GET", "/"), ("GET", "/api"), ("GET", "/api/nope"), ("GET", "/api/tasks/{id}/bogus"),
+    ("POST", "/api/health/x"), ("GET", "/api/workspaces/home/bogus"),
+])
+def test_an_unknown_route_is_a_json_404(gurtd: Gurtd, done_task: dict[str, Any], method: str,
+                                        path: str) -> None:
+    with changes_nothing(gurtd):
+        assert_json_error(gurtd.request(method, path.format(id=done_task["id"])), 404)
+
+
+@pytest.mark.parametrize("method,path,allowed", [
+    ("DELETE", "/api/tasks", {"GET", "POST"}),
+    ("PUT", "/api/tasks/{id}", {"GET"}),
+    ("DELETE", "/api/tasks/{id}", {"GET"}),
+    ("GET", "/api/tasks/{id}/undo", {"POST"}),
+    ("PATCH", "/api/settings", {"GET", "PUT"}),
+])
+def test_a_wrong_method_is_a_405_with_allow(gurtd: Gurtd, done_task: dict[str, Any],
+                                            method: str, path: str, allowed: set[str]) -> None:
+    task = done_task
+    with changes_nothing(gurtd):
+        response = gurtd.request(method, path.format(id=task["id"]), valid_body())
+        assert_json_error(response, 405)
+    allow = {m.strip() for m in response[2].get("allow", "").split(",") if m.strip()}
+    assert allow == allowed, response[2]
+    assert gurtd.task(task["id"])["state"] == "done"
+
+
+# settings #####################################################################################
+
+@pytest.mark.parametrize("body", [
+    {"bogus": 1}, {"maxRunningTasks": 4, "bogus": 1}, {"defaultBudgetCents": -1},
+    {"defaultBudgetCents": "5"}, {"maxRunningTasks": 0}, {"maxRunningTasks": "3"},
+    {"maxRunningTasks": 2.5}, {"maxRunningTasks": True}, {"defaultBudgetCents": 5,
+                                                           "maxRunningTasks": 0},
+    [], "maxRunningTasks",
+], ids=["unknown-key", "good-and-unknown", "negative-budget", "budget-string", "max-0",
+        "max-string", "max-float", "max-bool", "good-and-bad", "array", "string"])
+def test_bad_settings_are_refused_and_nothing_moves(gurtd: Gurtd, body: Any) -> None:
+    before = gurtd.api("GET", "/api/settings")
+    with changes_nothing(gurtd):
+        assert_json_error(gurtd.request("PUT", "/api/settings", body), 400)
+    assert gurtd.api("GET", "/api/settings") == before
+
+
+# workspaces ###################################################################################
+
+@pytest.mark.parametrize("body,status", [
+    ({"name": ".."}, 400), ({"name": "."}, 400), ({"name": "a/b"}, 400), ({"name": ""}, 400),
+    ({"name": "../escape"}, 400), ({"name": 5}, 400), ({"name": "x", "extra": 1}, 400),
+    ({}, 400), ({"name": "home"}, 409),
+], ids=["dotdot", "dot", "slash", "empty", "dotdot-slash", "number", "extra-key", "no-name",
+        "existing"])
+def test_a_bad_workspace_name_is_refused(gurtd: Gurtd, body: dict[str, Any],
+                                         status: int) -> None:
+    outside = sorted(os.listdir(os.path.dirname(gurtd.home)))
+    with changes_nothing(gurtd):
+        assert_json_error(gurtd.request("POST", "/api/workspaces", body), status)
+    assert sorted(os.listdir(os.path.dirname(gurtd.home))) == outside
+    assert not os.path.exists(os.path.join(gurtd.home, "escape"))
+
+
+def test_an_unknown_workspace_is_a_404(gurtd: Gurtd) -> None:
+    for path in ("/api/workspaces/nope", "/api/workspaces/nope/files",
+                 "/api/workspaces/nope/files/a.txt"):
+        with changes_nothing(gurtd):
+            assert_json_error(gurtd.request("GET", path), 404)
+
+
+# path traversal ###############################################################################
+
+def _link_in_base(g: Gurtd, name: str, target: str) -> None:
+    import pwd
+    store = pwd.getpwnam("gurt-store")
+    path = os.path.join(g.home, "workspaces", "home", name)
+    os.symlink(target, path)
+    os.lchown(path, store.pw_uid, store.pw_gid)
+
+
+def test_no_path_leaves_the_workspace(gurtd: Gurtd) -> None:
+    put_base_file(gurtd, "home", "inside.txt", "inside\n")
+    _link_in_base(gurtd, "passwd", "/etc/passwd")
+    _link_in_base(gurtd, "token-link", "../../token")
+    _link_in_base(gurtd, "etc", "/etc")
+    _link_in_base(gurtd, "up", "..")
+    # a task can plant links too; people then read its layer through the view
+    planted = gurtd.run("ln -s ../../../../token planted-token\nln -s /etc/passwd planted-passwd"
+                        "\nln -s / planted-root")
+    assert planted["state"] == "done", planted
+    token = gurtd.token.encode()
+    with open("/etc/passwd", "rb") as f:
+        passwd_line = f.readline().strip()
+    assert passwd_line
+    paths = [
+        "../../token", "%2e%2e/%2e%2e/token", "..%2f..%2ftoken", "%2e%2e%2f%2e%2e%2ftoken",
+        "inside.txt/../../../token", "..%5c..%5ctoken", "passwd", "token-link", "etc/passwd",
+        "etc", "up/token", "up", "planted-token", "planted-passwd", "planted-root/etc/passwd",
+        "planted-root", "%2fetc%2fpasswd", "/etc/passwd",
+    ]
+    for rel in paths:
+        with changes_nothing(gurtd):
+            status, data, _ = gurtd.request("GET", f"/api/workspaces/home/files/{rel}")
+        text = data if isinstance(data, bytes) else json.dumps(data).encode()
+        assert token not in text, rel
+        assert passwd_line not in text, rel
+        assert status in (400, 404), (rel, status, data)
+        assert isinstance(data, dict) and "error" in data, (rel, data)
+    for name in ("%2e%2e", "..%2f..", "home%2f..%2f.."):
+        status, data, _ = gurtd.request("GET", f"/api/workspaces/{name}/files/token")
+        assert status in (400, 404), (name, status, data)
+        assert token not in json.dumps(data).encode()
+    # and the workspace itself still reads fine
+    assert gurtd.file("home", "inside.txt") == b"inside\n"
+
+
+# slow and broken clients ######################################################################
+
+def test_a_stalled_client_does_not_block_others_and_is_cut_off(gurtd: Gurtd) -> None:
+    port = gurtd.port
+    head = (f"POST /api/tasks HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            "Content-Length: 100\r\n").encode()
+    stalled = {
+        "no token": head + b"\r\n{",
+        "with token": head + f"Authorization: Bearer {gurtd.token}\r\n\r\n{{".encode(),
+    }
+    closed_after: dict[str, float] = {}
+    before = snapshot(gurtd)
+
+    def stall(name: str, data: bytes) -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            start = time.monotonic()
+            s.sendall(data)
+            try:
+                while s.recv(65536):
+                    pass
+            except ConnectionResetError:
+                pass
+            closed_after[name] = time.monotonic() - start
+
+    threads = [threading.Thread(target=stall, args=item) for item in stalled.items()]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    for _ in range(5):   # meanwhile, gurtd answers everyone else at once
+        start = time.monotonic()
+        status, data, _ = gurtd.request("GET", "/api/health", token=False)
+        assert status == 200 and data["ok"] is True, data
+        status, data, _ = gurtd.request("GET", "/api/tasks")
+        assert status == 200, data
+        assert time.monotonic() - start < 1.0
+        time.sleep(0.2)
+    for t in threads:
+        t.join(timeout=25)
+        assert not t.is_alive(), "a stalled connection was never closed"
+    for name, seconds in closed_after.items():
+        assert seconds < 15.0, (name, seconds)
+    assert snapshot(gurtd) == before
+
+
+@pytest.mark.parametrize("line", [b"GARBAGE\r\n\r\n", b"GET /api/health HTTP/1.1 extra\r\n\r\n",
+                                  b"GET /api/health HTTP/2.0\r\n\r\n"],
+                         ids=["garbage", "four-words", "http2"])
+def test_a_malformed_request_line_gets_a_json_error(gurtd: Gurtd, line: bytes) -> None:
+    with changes_nothing(gurtd):
+        raw = raw_exchange(gurtd.port, line)
+    data = json.loads(body_of(raw))
+    assert isinstance(data, dict) and isinstance(data.get("error"), str) and data["error"], raw
+    status, health, _ = gurtd.request("GET", "/api/health", token=False)
+    assert status == 200, health
