@@ -152,6 +152,18 @@ def valid_workspace_name(name: Any) -> bool:
             and name not in (".", ".."))
 
 
+_PSL: Any = None
+
+
+def public_suffixes() -> Any:
+    """The Public Suffix List (the publicsuffixlist package ships it; loaded once, ~30 ms)."""
+    global _PSL
+    if _PSL is None:
+        from publicsuffixlist import PublicSuffixList
+        _PSL = PublicSuffixList()
+    return _PSL
+
+
 def parse_host(entry: Any) -> tuple[str, str, int | None]:
     """Parse one `hosts` entry into (kind, name, port); kind is name, wildcard, ip or cidr.
 
@@ -188,8 +200,9 @@ def parse_host(entry: Any) -> tuple[str, str, int | None]:
     labels = host.rstrip(".").split(".") if host else []
     if not labels or len(host) > 253 or not all(LABEL_RE.match(label) for label in labels):
         raise ValueError("not a valid host name")
-    if kind == "wildcard" and len(labels) < 2:
-        raise ValueError("a wildcard must name a domain under a public suffix, like *.example.com")
+    if kind == "wildcard" and (len(labels) < 2 or public_suffixes().is_public(".".join(labels))):
+        raise ValueError("a wildcard must name a domain under a public suffix, like "
+                         "*.example.com, not a public suffix itself")
     if labels[-1].isdigit():
         raise ValueError("not a valid host name")
     return kind, ".".join(labels), port
@@ -2196,13 +2209,14 @@ class Network:
             answer.set_rcode(dns.rcode.REFUSED)
             up.reply(answer.to_wire())
             return
-        if addresses and up.net.task_id in self.nets:
-            elements = ", ".join(nft_allow_elements(up.net.ifname, a, up.ports)
-                                 for a in addresses)
+        fresh = [a for a in addresses
+                 if nft_allow_elements(up.net.ifname, a, up.ports) not in up.net.elements]
+        if fresh and up.net.task_id in self.nets:
             assert self.nft is not None
-            self.nft.run(f"add element inet {self.table} allow {{ {elements} }}")
-            up.net.elements.append(elements)
-            for address in addresses:
+            elements = [nft_allow_elements(up.net.ifname, a, up.ports) for a in fresh]
+            self.nft.run(f"add element inet {self.table} allow {{ {', '.join(elements)} }}")
+            up.net.elements.extend(elements)
+            for address in fresh:
                 self.ensure_forwarding(address)
         entry["allowed"] = True
         self.box.append_log(up.net.task_id, entry)
@@ -2691,6 +2705,7 @@ def serve(box: Box) -> None:
     box.load()
     box.reconcile()
     box.network.start()
+    public_suffixes()                        # loaded now, not on the first wildcard host
     box.wake_r, box.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(box.wake_w)
 
