@@ -1873,6 +1873,7 @@ class Network:
             "gurt_" + __import__("hashlib").sha1(box.home.encode()).hexdigest()[:8]
         self.nft: Nft | None = None
         self.ipr: Any = None
+        self.host_ns = -1
         self.nets: dict[str, TaskNet] = {}
         self.pending: dict[int, Upstream] = {}
         self.forwarding: dict[str, str] = {}      # interface -> forwarding value before us
@@ -1883,6 +1884,7 @@ class Network:
         """Restore what a previous run changed on the host, then (re)create the table."""
         from pyroute2 import IPRoute
         self.ipr = IPRoute()
+        self.host_ns = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         self.nft = Nft()
         self.restore_host()
         self.nft.table_add(self.table)
@@ -1942,11 +1944,21 @@ class Network:
         ifname = f"g{index}"
         host_addr, task_addr = net_addresses(index)
 
+        host_ns = self.host_ns
+
         def setup() -> tuple[socket.socket, socket.socket]:
+            # inside the new namespace: IPv6 off, lo up, the veth (its host end goes out to
+            # gurtd's namespace), eth0's address and route, the DNS sockets; one netlink socket
             sysctl_write("net.ipv6.conf.all.disable_ipv6", "1")
             sysctl_write("net.ipv6.conf.default.disable_ipv6", "1")
             with IPRoute() as ipr:
                 ipr.link("set", index=1, state="up")
+                ipr.link("add", ifname="eth0", kind="veth",
+                         peer={"ifname": ifname, "net_ns_fd": host_ns})
+                eth0 = ipr.link_lookup(ifname="eth0")[0]
+                ipr.addr("add", index=eth0, address=task_addr, prefixlen=31)
+                ipr.link("set", index=eth0, state="up")
+                ipr.route("add", dst="0.0.0.0/0", gateway=host_addr)
             udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             udp.bind((DNS_ADDR, 53))
@@ -1958,23 +1970,12 @@ class Network:
         net = TaskNet(task.id, nsfd, ifname, grants, udp, tcp)
         self.nets[task.id] = net
         try:
-            self.ipr.link("add", ifname=ifname, kind="veth",
-                          peer={"ifname": "eth0", "net_ns_fd": nsfd})
             link = self.ipr.link_lookup(ifname=ifname)[0]
             sysctl_write(f"net.ipv6.conf.{ifname}.disable_ipv6", "1")
             sysctl_write(f"net.ipv4.conf.{ifname}.rp_filter", "1")
             sysctl_write(f"net.ipv4.conf.{ifname}.forwarding", "1")
             self.ipr.addr("add", index=link, address=host_addr, prefixlen=31)
             self.ipr.link("set", index=link, state="up")
-
-            def inside() -> None:
-                with IPRoute() as ipr:
-                    eth0 = ipr.link_lookup(ifname="eth0")[0]
-                    ipr.addr("add", index=eth0, address=task_addr, prefixlen=31)
-                    ipr.link("set", index=eth0, state="up")
-                    ipr.route("add", dst="0.0.0.0/0", gateway=host_addr)
-
-            in_netns(nsfd, inside)
             q = nft_quote(ifname)
             commands = [f"add element inet {self.table} tasks {{ {q} }}",
                         f"add counter inet {self.table} r_{ifname}",

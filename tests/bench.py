@@ -117,6 +117,57 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def dns_server(zone: dict[str, str]) -> int:
+    """A tiny upstream DNS server on 127.0.0.1 (UDP, a daemon thread); its port."""
+    import socket
+
+    import dns.message
+    import dns.rcode
+    import dns.rrset
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            data, addr = sock.recvfrom(4096)
+            query = dns.message.from_wire(data)
+            answer = dns.message.make_response(query)
+            name = query.question[0].name.to_text()
+            if name in zone:
+                answer.answer.append(dns.rrset.from_text(name, 60, "IN", "A", zone[name]))
+            else:
+                answer.set_rcode(dns.rcode.NXDOMAIN)
+            sock.sendto(answer.to_wire(), addr)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return sock.getsockname()[1]
+
+
+def dns_times(address: tuple[str, int], count: int, nsfd: int | None = None) -> list[float]:
+    """ms per A query for a.test, one after the other (from inside nsfd when given)."""
+    import socket
+
+    import dns.message
+    out: list[float] = []
+
+    def run() -> None:
+        if nsfd is not None:
+            G.libc_call("setns", nsfd, G.CLONE_NEWNET)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.settimeout(5)
+            sock.connect(address)
+            for _ in range(count):
+                wire = dns.message.make_query("a.test", "A").to_wire()
+                t0 = time.perf_counter()
+                sock.send(wire)
+                answer = dns.message.from_wire(sock.recv(4096))
+                out.append((time.perf_counter() - t0) * 1000)
+                assert answer.answer, answer
+
+    G.in_thread(run)
+    return out
+
+
 def main() -> None:
     results: list[tuple[str, str, str]] = []
     # 1. start and undo latency, 1 layer then 400 layers
@@ -177,6 +228,43 @@ def main() -> None:
             ("gurtd RSS idle, 10,000 tasks stored (MB)", f"{base_rss:.1f}", ""),
             ("gurtd RSS with 100 tasks running (MB)", f"{with_tasks:.1f}",
              f"<= {TARGETS['rss']}"),
+        ]
+    finally:
+        g.stop()
+        remove_home(g.home)
+    # 4. hosts: start latency, and what gurtd's DNS adds on top of the upstream's own
+    port = dns_server({"a.test.": "198.18.0.10"})
+    g = Gurtd(make_home(), {"GURT_DNS_UPSTREAM": f"127.0.0.1:{port}"})
+    g.start()
+    try:
+        starts = []
+        for _ in range(60):
+            t0 = time.time()
+            task = g.wait(g.create("true", title="bench", hosts=["a.test"])["id"])
+            assert task["state"] == "done", task
+            step = next(e for e in g.log(task["id"]) if e["type"] == "step")
+            starts.append((ts(step["time"]) - t0) * 1000)
+            g.api("POST", f"/api/tasks/{task['id']}/undo")
+        task = g.create("sleep 60", title="dns", hosts=["a.test"])
+        g.wait(task["id"], ("running",))
+        deadline = time.monotonic() + 10
+        while not g.worker_pids(task) and time.monotonic() < deadline:
+            time.sleep(0.01)                 # running, and soon the box user's own
+        pid = g.worker_pids(task)[0]
+        nsfd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+        upstream, through = [], []
+        for _ in range(3):                   # interleaved, so that both see the same machine
+            upstream += dns_times(("127.0.0.1", port), 100)
+            through += dns_times((G.DNS_ADDR, 53), 100, nsfd)
+        os.close(nsfd)
+        g.api("POST", f"/api/tasks/{task['id']}/stop")
+        up50, th50 = statistics.median(upstream), statistics.median(through)
+        results += [
+            ("task start with hosts, p50 / p95 (ms)",
+             f"{statistics.median(starts):.1f} / {pct(starts, 95):.1f}", "p50 <= 25"),
+            ("DNS A answer, upstream alone, p50 (ms)", f"{up50:.3f}", ""),
+            ("DNS A answer through gurtd, p50 (ms)", f"{th50:.3f}", ""),
+            ("  gurtd adds (p50, ms)", f"{th50 - up50:.3f}", "<= 2"),
         ]
     finally:
         g.stop()

@@ -62,8 +62,9 @@ def snapshot(g: Gurtd) -> dict[str, Any]:
              for sub in ("tasks", "logs", "layers", "workspaces")}
     settings_file = os.path.join(g.home, "settings.json")
     on_disk = open(settings_file, "rb").read() if os.path.exists(settings_file) else None
-    with open("/etc/passwd") as f:
-        box_users = sorted(line.split(":")[0] for line in f if line.startswith("box-"))
+    with open("/etc/passwd") as f:    # the task users of this gurtd (others may run too)
+        box_users = sorted(line.split(":")[0] for line in f
+                           if line.split(":")[4:5] == [f"gurt task in {g.home}"])
     return {"tasks": tasks, "settings": settings, "files": files, "settings.json": on_disk,
             "box users": box_users}
 
