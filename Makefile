@@ -5,8 +5,10 @@ PREFIX ?= /usr/local
 BOX_HOME ?= /var/lib/gurt
 LISTEN ?= 127.0.0.1:7700
 # nftables, iproute2, util-linux: the system tools; libcap-dev, gcc, python3-dev: to build
-# python-prctl; python3-venv: the virtual environment; systemd: systemd-analyze for the tests.
-APT_PACKAGES := nftables iproute2 util-linux libcap-dev gcc python3-dev python3-venv curl systemd
+# python-prctl; python3-venv: the virtual environment; systemd: systemd-analyze for the tests;
+# python3-click: the `gurtd` command inside a task (its tool client) runs on the system python.
+APT_PACKAGES := nftables iproute2 util-linux libcap-dev gcc python3-dev python3-venv curl systemd \
+  python3-click
 
 .PHONY: deps run test bench install uninstall clean
 

@@ -36,6 +36,7 @@ import datetime
 import errno
 import fcntl
 import hmac
+import http.client
 import http.server
 import json
 import os
@@ -47,6 +48,7 @@ import selectors
 import shutil
 import signal
 import socket
+import socketserver
 import stat
 import struct
 import subprocess
@@ -54,7 +56,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -430,6 +432,79 @@ class Task:
         if task.state not in STATES or not ID_RE.match(task.id):
             raise ValueError("not a task record")
         return task
+
+
+APPROVAL_STATES = ("pending", "approved", "denied")
+BUILTIN_TOOLS = {
+    "wallet.pay": 'pay out of the box\'s wallet: {"to": str, "cents": number > 0, "memo"?: str}',
+    "ask": 'ask a person and wait for the answer: {"question": str}',
+}
+
+
+@dataclass
+class Approval:
+    """A question to a person: a spending above a task's budget (budget) or an ask."""
+
+    id: str
+    task: str
+    kind: str
+    tool: str
+    args: Any
+    cents: float
+    question: str | None
+    state: str
+    createdAt: str
+    reason: str | None = None
+    answer: str | None = None
+    answeredBy: str | None = None
+    answeredAt: str | None = None
+
+    def to_api(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Approval":
+        names = {f.name for f in dataclasses.fields(cls)}
+        approval = cls(**{k: v for k, v in data.items() if k in names})
+        if approval.state not in APPROVAL_STATES or not ID_RE.match(approval.task):
+            raise ValueError("not an approval record")
+        return approval
+
+
+def new_approval_id() -> str:
+    return "a" + "".join(secrets.choice(ID_ALPHABET) for _ in range(9))
+
+
+def is_cents(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        value == value and value not in (float("inf"), float("-inf"))
+
+
+def check_tool_args(tool: str, args: Any) -> float:
+    """Check a built-in tool's arguments; the cents the call would spend.  ValueError says why."""
+    if not isinstance(args, dict):
+        raise ValueError("args must be a JSON object")
+    if tool == "wallet.pay":
+        extra = set(args) - {"to", "cents", "memo"}
+        if extra:
+            raise ValueError(f"unknown argument: {sorted(extra)[0]}")
+        if not isinstance(args.get("to"), str) or not args["to"].strip() or len(args["to"]) > 200:
+            raise ValueError("to must be a non-empty string (at most 200 characters)")
+        if not is_cents(args.get("cents")) or args["cents"] <= 0:
+            raise ValueError("cents must be a number greater than 0")
+        if "memo" in args and (not isinstance(args["memo"], str) or len(args["memo"]) > 1000):
+            raise ValueError("memo must be a string (at most 1000 characters)")
+        return float(args["cents"])
+    if tool == "ask":
+        if set(args) != {"question"} or not isinstance(args["question"], str) \
+                or not args["question"].strip() or len(args["question"]) > 4000:
+            raise ValueError('args must be {"question": "..."} (at most 4000 characters)')
+        return 0.0
+    return 0.0
+
+
+def rejected_by_owner(tool: str, reason: str) -> str:
+    return f'Tool call "{tool}" was rejected by the owner: {reason}'
 
 
 def lower_layer_paths(layers: list[str]) -> list[str]:
@@ -1160,13 +1235,25 @@ def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
     view = overlay_open(lowers, upper, work)
     for fd in lowers + [upper, work, tree, userns]:
         os.close(fd)
+    broker = os.open(spec["broker"], os.O_PATH | os.O_CLOEXEC)   # before they are hidden
+    module = os.open(spec["module"], os.O_PATH | os.O_CLOEXEC)
     tmpfs = MS_NOSUID | MS_NODEV
     _mount("tmpfs", box_home, "tmpfs", tmpfs | MS_NOEXEC, "mode=0,size=4k")
-    _mount("tmpfs", "/run", "tmpfs", tmpfs | MS_NOEXEC, "mode=0755,size=1m")
+    _mount("tmpfs", "/run", "tmpfs", tmpfs, "mode=0755,size=1m")
     os.makedirs(VIEW_DIR)
     syscall("move_mount", SYS_MOVE_MOUNT, view, b"", -100, VIEW_DIR.encode(),
             MOVE_MOUNT_F_EMPTY_PATH)
     os.close(view)
+    # the broker socket, and the `gurtd` command (its tool client) from this very module
+    for path, fd in ((BROKER_IN_BOX, broker), ("/run/gurt/lib/gurtd.py", module)):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "w").close()
+        _mount(f"/proc/self/fd/{fd}", path, None, 0x1000, None)  # MS_BIND
+        os.close(fd)
+    os.makedirs("/run/gurt/bin")
+    with open("/run/gurt/bin/gurtd", "w") as f:
+        f.write('#!/bin/sh\nexec /usr/bin/python3 -I /run/gurt/lib/gurtd.py "$@"\n')
+    os.chmod("/run/gurt/bin/gurtd", 0o755)
     # the task's resolver is gurtd, on the task's own lo (nothing listens there without hosts)
     with open("/run/gurt/resolv.conf", "w") as f:
         f.write(f"nameserver {DNS_ADDR}\noptions timeout:2 attempts:1\n")
@@ -1322,6 +1409,10 @@ class Box:
         self.home = os.path.abspath(home)
         self.listen = listen
         self.network = Network(self, dns_upstream)
+        self.broker = Broker(self)
+        self.events: list[tuple[int, str, bytes]] = []   # (seq, kind, JSON) for /api/events
+        self.event_seq = 0
+        self.events_changed = threading.Condition()
         self.tasks: dict[str, Task] = {}
         self.rendered: dict[str, bytes] = {}
         self.workers: dict[str, Worker] = {}
@@ -1411,6 +1502,7 @@ class Box:
             self.render(task)
             self.seq = max(self.seq, task.seq)
             self.done_seq = max(self.done_seq, task.doneSeq)
+        self.broker.load()
 
     def render(self, task: Task) -> None:
         self.rendered[task.id] = json.dumps(task.to_api()).encode()
@@ -1450,6 +1542,15 @@ class Box:
             entry["error"] = task.error
         self.append_log(task.id, entry)
         self.save(task)
+        self.emit("task", task.to_api())
+
+    def emit(self, kind: str, obj: Any) -> None:
+        """An event for /api/events: every task state change, every approval made or answered."""
+        with self.events_changed:
+            self.event_seq += 1
+            self.events.append((self.event_seq, kind, json.dumps(obj).encode()))
+            del self.events[:-1000]
+            self.events_changed.notify_all()
 
     # workspaces
     def workspace_create_dir(self, name: str) -> None:
@@ -1557,9 +1658,11 @@ class Box:
                 "lowers": lower_layer_paths(task.layers) + [f"workspaces/{task.workspace}"],
                 "upper": f"layers/{task.id}/upper", "work": f"layers/{task.id}/work",
                 "mode": task.worker, "prompt": task.prompt,
+                "broker": self.broker.socket_path, "module": os.path.abspath(__file__),
                 "env": {"HOME": f"/home/{task.user}", "USER": task.user, "LOGNAME": task.user,
-                        "PATH": TASK_PATH, "SHELL": "/bin/sh", "LANG": "C.UTF-8",
-                        "TMPDIR": "/tmp", "PWD": VIEW_DIR, "GURT_TASK": task.id},
+                        "PATH": "/run/gurt/bin:" + TASK_PATH, "SHELL": "/bin/sh",
+                        "LANG": "C.UTF-8", "TMPDIR": "/tmp", "PWD": VIEW_DIR,
+                        "GURT_TASK": task.id, "GURT_BROKER": BROKER_IN_BOX},
             }
             fds = []
             if task.hosts:
@@ -1697,6 +1800,7 @@ class Box:
         if task.state not in ACTIVE_STATES:
             raise ApiError(409, f"the task is {task.state}; only a queued, running or waiting "
                                 "task can be stopped", "conflict")
+        self.broker.deny_pending(task.id, "stop", reason)
         self.release_worker(task)
         self.set_state(task, "failed", error=reason)
         self.gc_layers()
@@ -1709,6 +1813,7 @@ class Box:
         if task.state == "undone":
             return task.to_api()
         was_active = task.state in ACTIVE_STATES
+        self.broker.deny_pending(task.id, "undo", "answered by undo")
         self.release_worker(task)
         self.set_state(task, "undone")
         self.drop_view(task.workspace)
@@ -1808,6 +1913,9 @@ class Box:
                 task.uid = 0
                 self.set_state(task, "failed",
                                error="gurtd restarted while the task was running")
+        for approval in list(self.broker.approvals.values()):
+            if approval.state == "pending":
+                self.broker.answer(approval.id, "denied", "gurtd restarted", None, "restart")
         for name, uid in leftovers.items():
             log(4, f"reconcile: removing leftover user {name} ({uid}) and its processes")
             kill_uid(uid)
@@ -1820,6 +1928,7 @@ class Box:
     def shutdown_tasks(self) -> None:
         for task in list(self.tasks.values()):
             if task.id in self.workers:
+                self.broker.deny_pending(task.id, "restart", "gurtd stopped")
                 self.release_worker(task)
                 self.set_state(task, "failed", error="gurtd stopped while the task was running")
         with self.views_lock:
@@ -2250,6 +2359,382 @@ def parse_upstream(text: str) -> tuple[str, int]:
     return host, int(port or 53)
 
 
+# Broker and approvals #########################################################################
+###############################################################################################
+# Tasks call tools through gurtd, never directly: an HTTP/JSON unix socket that each task sees
+# at /run/gurt/broker.sock, where the caller is known by its uid (SO_PEERCRED), so no secret
+# enters the box.  Spending above a task's budget, and every `ask`, become approvals: the task
+# is `waiting` and the call waits until a person answers.  State changes run on the loop
+# thread; the socket's handler threads wait for answers (and run executable tools) outside it.
+
+BROKER_IN_BOX = "/run/gurt/broker.sock"
+TOOLS_USER = "gurt-tools"                 # runs BOX_HOME/tools/<name>: not root, not a task
+TOOL_TIMEOUT = 60.0
+MAX_BROKER_BODY = 64 * 1024
+
+
+class Broker:
+    """Approvals, the wallet and the broker socket.  Methods named like the API's verbs run on
+    the loop thread (through Box.call)."""
+
+    def __init__(self, box: "Box") -> None:
+        self.box = box
+        self.approvals: dict[str, Approval] = {}
+        self.waiters: dict[str, Future[Approval]] = {}
+        self.wallet: dict[str, Any] = {"balanceCents": 0, "ledger": []}
+        self.server: BrokerServer | None = None
+        self.tools_ids = (0, 0)
+
+    @property
+    def socket_path(self) -> str:
+        return self.box.path("run", "broker.sock")
+
+    def load(self) -> None:
+        os.makedirs(self.box.path("approvals"), mode=0o700, exist_ok=True)
+        os.makedirs(self.box.path("tools"), mode=0o755, exist_ok=True)
+        os.makedirs(self.box.path("run"), mode=0o711, exist_ok=True)
+        wallet = load_json(self.box.path("wallet.json"))
+        if isinstance(wallet, dict) and is_cents(wallet.get("balanceCents")) and \
+                isinstance(wallet.get("ledger"), list):
+            self.wallet = wallet
+        for name in sorted(os.listdir(self.box.path("approvals"))):
+            if not name.endswith(".json"):
+                continue
+            data = load_json(self.box.path("approvals", name))
+            try:
+                approval = Approval.from_dict(data)
+            except (TypeError, ValueError):
+                if data is not None:
+                    os.replace(self.box.path("approvals", name),
+                               self.box.path("approvals", name + f".damaged-{int(time.time())}"))
+                    log(3, f"approval file {name} set aside")
+                continue
+            self.approvals[approval.id] = approval
+
+    def start(self) -> None:
+        """Bind the broker socket (any local user may connect; only task uids are answered)."""
+        self.tools_ids = system_user_ensure(TOOLS_USER)
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        self.server = BrokerServer(self.socket_path, self.box)
+        os.chmod(self.socket_path, 0o666)
+        threading.Thread(target=self.server.serve_forever, name="broker", daemon=True).start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+        for future in self.waiters.values():
+            if not future.done():
+                future.cancel()
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+
+    def save(self, approval: Approval) -> None:
+        write_json(self.box.path("approvals", approval.id + ".json"),
+                   dataclasses.asdict(approval))
+
+    # loop thread
+    def get(self, approval_id: str) -> Approval:
+        approval = self.approvals.get(approval_id) if isinstance(approval_id, str) else None
+        if approval is None:
+            raise ApiError(404, "No approval with this id", "not_found")
+        return approval
+
+    def list(self, state: str | None, task: str | None) -> list[dict[str, Any]]:
+        out = [a.to_api() for a in sorted(self.approvals.values(), key=lambda a: a.createdAt,
+                                          reverse=True)
+               if (state is None or a.state == state) and (task is None or a.task == task)]
+        return out
+
+    def task_of_uid(self, uid: int) -> Task | None:
+        for task in self.box.tasks.values():
+            if task.uid == uid and task.state in ("running", "waiting"):
+                return task
+        return None
+
+    def begin_call(self, uid: int, tool: str, args: Any) -> dict[str, Any]:
+        """Decide a call: run it now, or wait for a person (an approval); or refuse it."""
+        task = self.task_of_uid(uid)
+        if task is None:
+            raise ApiError(403, "only a running task may call tools", "forbidden")
+        entry: dict[str, Any] = {"type": "tool", "tool": tool, "args": args, "caller": uid}
+        if not isinstance(tool, str) or tool not in task.tools:
+            self.box.append_log(task.id, {**entry, "error": "not granted to this task"})
+            raise ApiError(403, f"the tool {tool} is not granted to this task",
+                           "tool_not_allowed")
+        if tool not in BUILTIN_TOOLS and not os.access(self.box.path("tools", tool), os.X_OK):
+            self.box.append_log(task.id, {**entry, "error": "no such tool"})
+            raise ApiError(404, f"no tool named {tool}", "not_found")
+        try:
+            cents = check_tool_args(tool, args)
+        except ValueError as exc:
+            self.box.append_log(task.id, {**entry, "error": str(exc)})
+            raise ApiError(400, f"{tool}: {exc}") from None
+        if tool == "ask":
+            return self.create(task, "ask", tool, args, 0, args["question"])
+        if cents > 0 and task.costCents + cents > task.budgetCents:
+            return self.create(task, "budget", tool, args, cents, None)
+        return {"task": task.id, "cents": cents}
+
+    def create(self, task: Task, kind: str, tool: str, args: Any, cents: float,
+               question: str | None) -> dict[str, Any]:
+        approval = Approval(id=new_approval_id(), task=task.id, kind=kind, tool=tool, args=args,
+                            cents=cents, question=question, state="pending",
+                            createdAt=now_iso())
+        self.approvals[approval.id] = approval
+        self.save(approval)
+        future: Future[Approval] = Future()
+        self.waiters[approval.id] = future
+        self.box.append_log(task.id, {"type": "approval", "approval": approval.id,
+                                      "kind": kind, "tool": tool, "cents": cents})
+        self.box.emit("approval", approval.to_api())
+        if task.state == "running":
+            self.box.set_state(task, "waiting")
+        return {"task": task.id, "cents": cents, "wait": approval.id, "future": future}
+
+    def answer(self, approval_id: str, state: str, reason: str | None, answer: str | None,
+               by: str = "api") -> dict[str, Any]:
+        """Approve or deny (an ask is approved by its answer); 409 once answered."""
+        approval = self.get(approval_id)
+        if approval.state != "pending":
+            raise ApiError(409, f"the approval is {approval.state} already", "conflict")
+        if approval.kind == "ask" and state == "approved" and answer is None:
+            raise ApiError(409, 'an ask is answered with POST /api/approvals/{id}/answer',
+                           "conflict")
+        approval.state, approval.reason, approval.answer = state, reason, answer
+        approval.answeredBy, approval.answeredAt = by, now_iso()
+        self.save(approval)
+        self.box.emit("approval", approval.to_api())
+        task = self.box.tasks.get(approval.task)
+        if task is not None:
+            self.box.append_log(task.id, {"type": "approval", "approval": approval.id,
+                                          "state": state, "reason": reason, "by": by})
+        future = self.waiters.pop(approval.id, None)
+        if future is not None and not future.done():
+            future.set_result(approval)
+        if by == "api" and task is not None and task.state == "waiting" and not any(
+                a.task == task.id and a.state == "pending" for a in self.approvals.values()):
+            self.box.set_state(task, "running")
+        return approval.to_api()
+
+    def approve_all(self, task: str | None) -> dict[str, Any]:
+        pending = [a for a in self.approvals.values() if a.state == "pending"
+                   and a.kind == "budget" and (task is None or a.task == task)]
+        for approval in sorted(pending, key=lambda a: a.createdAt):
+            self.answer(approval.id, "approved", None, None)
+        return {"approved": len(pending)}
+
+    def deny_pending(self, task_id: str, by: str, reason: str) -> None:
+        for approval in list(self.approvals.values()):
+            if approval.task == task_id and approval.state == "pending":
+                self.answer(approval.id, "denied", reason, None, by)
+
+    def pay(self, task_id: str, args: dict[str, Any]) -> dict[str, Any]:
+        """wallet.pay: one atomic write holds the new balance and its ledger entry."""
+        task = self.box.tasks[task_id]
+        cents = float(args["cents"])
+        balance = self.wallet["balanceCents"]
+        if balance < cents:
+            raise ApiError(409, f"insufficient balance: the wallet has {balance} cents",
+                           "insufficient_balance")
+        entry = {"time": now_iso(), "task": task_id, "to": args["to"], "cents": args["cents"],
+                 "memo": args.get("memo"), "balanceAfterCents": balance - cents}
+        wallet = {"balanceCents": balance - cents, "ledger": self.wallet["ledger"] + [entry]}
+        write_json(self.box.path("wallet.json"), wallet)
+        self.wallet = wallet
+        self.add_cost(task, cents)
+        return {"paid": True, "to": args["to"], "cents": args["cents"],
+                "balanceCents": wallet["balanceCents"]}
+
+    def add_cost(self, task: Task, cents: float) -> None:
+        if cents:
+            task.costCents += cents
+            self.box.save(task)
+
+    def record(self, task_id: str, entry: dict[str, Any], cost: float = 0) -> None:
+        """Log a finished call (and add what an executable tool says it cost)."""
+        task = self.box.tasks.get(task_id)
+        if task is None:
+            return
+        if cost:
+            self.add_cost(task, cost)
+        self.box.append_log(task_id, entry)
+
+    def set_balance(self, body: Any) -> dict[str, Any]:
+        if not isinstance(body, dict) or set(body) != {"balanceCents"} or \
+                not is_cents(body["balanceCents"]) or body["balanceCents"] < 0:
+            raise ApiError(400, 'the body must be {"balanceCents": a number of at least 0}')
+        entry = {"time": now_iso(), "set": body["balanceCents"],
+                 "balanceAfterCents": body["balanceCents"]}
+        wallet = {"balanceCents": body["balanceCents"],
+                  "ledger": self.wallet["ledger"] + [entry]}
+        write_json(self.box.path("wallet.json"), wallet)
+        self.wallet = wallet
+        return wallet
+
+    def tools(self) -> list[dict[str, Any]]:
+        out = [{"name": name, "kind": "builtin", "description": text}
+               for name, text in BUILTIN_TOOLS.items()]
+        for name in sorted(os.listdir(self.box.path("tools"))):
+            path = self.box.path("tools", name)
+            if TOOL_RE.match(name) and name not in BUILTIN_TOOLS and os.path.isfile(path) \
+                    and os.access(path, os.X_OK):
+                out.append({"name": name, "kind": "executable"})
+        return out
+
+
+def system_user_ensure(name: str) -> tuple[int, int]:
+    """A system user's uid and gid, creating it (no home, no shell) on first use."""
+    import pwd
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        run(["useradd", "--system", "--user-group", "--no-create-home", "--home-dir",
+             "/nonexistent", "--shell", "/usr/sbin/nologin", name])
+        entry = pwd.getpwnam(name)
+    return entry.pw_uid, entry.pw_gid
+
+
+def run_tool(box: "Box", name: str, args: Any, task_id: str) -> tuple[Any, float]:
+    """An executable tool as the tools user: args on stdin, a JSON result on stdout."""
+    uid, gid = box.broker.tools_ids
+    try:
+        proc = subprocess.run([box.path("tools", name)], input=json.dumps(args).encode(),
+                              capture_output=True, timeout=TOOL_TIMEOUT, cwd="/", user=uid,
+                              group=gid, extra_groups=[], start_new_session=True,
+                              env={"PATH": TASK_PATH, "LANG": "C.UTF-8", "GURT_TASK": task_id,
+                                   "GURT_TOOL": name})
+    except subprocess.TimeoutExpired:
+        raise ApiError(504, f"the tool {name} took longer than {TOOL_TIMEOUT:.0f} s",
+                       "tool_failed") from None
+    except OSError as exc:
+        raise ApiError(502, f"the tool {name} could not run: {exc}", "tool_failed") from None
+    if proc.returncode != 0:
+        lines = proc.stderr.decode(errors="replace").strip().splitlines()
+        raise ApiError(502, f"the tool {name} exited with {proc.returncode}" +
+                       (f": {lines[-1]}" if lines else ""), "tool_failed")
+    try:
+        result = json.loads(proc.stdout)
+    except ValueError:
+        raise ApiError(502, f"the tool {name} did not print JSON", "tool_failed") from None
+    cost = result.get("costCents", 0) if isinstance(result, dict) else 0
+    if not is_cents(cost) or cost < 0:
+        cost = 0
+    return result, float(cost)
+
+
+class BrokerServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+    def __init__(self, path: str, box: "Box") -> None:
+        self.box = box
+        super().__init__(path, BrokerHandler)
+
+
+class BrokerHandler(http.server.BaseHTTPRequestHandler):
+    """POST /call {"tool", "args"} from inside a task; GET /tools lists the task's tools."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = "gurtd-broker/" + VERSION
+    sys_version = ""
+    timeout = HANDLER_TIMEOUT
+    server: BrokerServer
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass
+
+    def address_string(self) -> str:
+        return "broker"
+
+    def send_error(self, code: int, message: str | None = None,
+                   explain: str | None = None) -> None:
+        self.close_connection = True
+        self.reply(code, {"error": message or self.responses.get(code, ("error",))[0]})
+
+    def reply(self, status: int, obj: Any) -> None:
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def peer_uid(self) -> int:
+        creds = self.request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                        struct.calcsize("3i"))
+        return struct.unpack("3i", creds)[1]
+
+    def do_GET(self) -> None:
+        box = self.server.box
+        try:
+            if self.path.split("?")[0] != "/tools":
+                raise ApiError(404, "no route; POST /call or GET /tools", "not_found")
+            task = box.call(box.broker.task_of_uid, self.peer_uid())
+            if task is None:
+                raise ApiError(403, "only a running task may call tools", "forbidden")
+            self.reply(200, {"tools": task.tools})
+        except ApiError as exc:
+            self.reply(exc.status, {"error": exc.message, "code": exc.code})
+
+    def do_POST(self) -> None:
+        box = self.server.box
+        uid = self.peer_uid()
+        tool, args, task_id = None, None, None
+        try:
+            if self.path.split("?")[0] != "/call":
+                raise ApiError(404, "no route; POST /call or GET /tools", "not_found")
+            length = self.headers.get("Content-Length") or ""
+            if not length.isdigit():
+                raise ApiError(411, "send the body with Content-Length", "length_required")
+            if int(length) > MAX_BROKER_BODY:
+                self.close_connection = True
+                raise ApiError(413, f"the call is larger than {MAX_BROKER_BODY} bytes",
+                               "too_large")
+            try:
+                body = json.loads(self.rfile.read(int(length)) or b"null")
+            except ValueError as exc:
+                raise ApiError(400, f"malformed JSON: {exc}") from None
+            if not isinstance(body, dict) or not isinstance(body.get("tool"), str) or \
+                    set(body) - {"tool", "args"}:
+                raise ApiError(400, 'the body must be {"tool": "name", "args": {...}}')
+            tool, args = body["tool"], body.get("args", {})
+            plan = box.call(box.broker.begin_call, uid, tool, args)
+            task_id = plan["task"]
+            if "wait" in plan:
+                approval = plan["future"].result()
+                if approval.state != "approved":
+                    raise ApiError(403, rejected_by_owner(tool, approval.reason or "denied"),
+                                   "rejected")
+                if tool == "ask":
+                    self.reply(200, {"result": {"answer": approval.answer}})
+                    return
+            if tool == "wallet.pay":
+                result = box.call(box.broker.pay, task_id, args)
+                cost = 0.0
+            else:
+                result, cost = run_tool(box, tool, args, task_id)
+            box.call(box.broker.record, task_id, {"type": "tool", "tool": tool, "args": args,
+                                                  "caller": uid, "result": result,
+                                                  "cents": plan["cents"] or cost}, cost)
+            self.reply(200, {"result": result})
+        except ApiError as exc:
+            if task_id is not None and exc.code != "tool_not_allowed":
+                try:
+                    box.call(box.broker.record, task_id, {
+                        "type": "tool", "tool": tool, "args": args, "caller": uid,
+                        "error": exc.message})
+                except Exception:
+                    pass
+            self.reply(exc.status, {"error": exc.message, "code": exc.code})
+        except CancelledError:
+            self.reply(503, {"error": "gurtd is stopping", "code": "stopping"})
+
+
 # HTTP ##########################################################################################
 ###############################################################################################
 # One routing table; handlers parse, ask the Box, render.  Errors of every kind, http.server's
@@ -2406,6 +2891,100 @@ def h_settings_put(req: "Handler", params: dict[str, str]) -> Any:
     return 200, req.box.call(req.box.put_settings, req.json_body())
 
 
+def h_approvals_list(req: "Handler", params: dict[str, str]) -> Any:
+    state = req.query_one("state")
+    if state is not None and state not in APPROVAL_STATES:
+        raise ApiError(400, f"state must be one of: {', '.join(APPROVAL_STATES)}")
+    return 200, req.box.call(req.box.broker.list, state, req.query_one("task"))
+
+
+def h_approval_get(req: "Handler", params: dict[str, str]) -> Any:
+    return 200, req.box.call(lambda: req.box.broker.get(params["id"]).to_api())
+
+
+def _reason(body: dict[str, Any]) -> str | None:
+    if set(body) - {"reason"}:
+        raise ApiError(400, f"unknown field: {sorted(set(body) - {'reason'})[0]}")
+    reason = body.get("reason")
+    if reason is not None and (not isinstance(reason, str) or len(reason) > 2000):
+        raise ApiError(400, "reason must be a string of at most 2000 characters")
+    return reason
+
+
+def h_approval_approve(req: "Handler", params: dict[str, str]) -> Any:
+    reason = _reason(req.json_body(optional=True))
+    return 200, req.box.call(req.box.broker.answer, params["id"], "approved", reason, None)
+
+
+def h_approval_deny(req: "Handler", params: dict[str, str]) -> Any:
+    reason = _reason(req.json_body(optional=True)) or "denied by the owner"
+    return 200, req.box.call(req.box.broker.answer, params["id"], "denied", reason, None)
+
+
+def h_approval_answer(req: "Handler", params: dict[str, str]) -> Any:
+    body = req.json_body()
+    if not isinstance(body, dict) or set(body) != {"answer"} or \
+            not isinstance(body["answer"], str) or len(body["answer"]) > 10000:
+        raise ApiError(400, 'the body must be {"answer": "..."} (at most 10000 characters)')
+
+    def answer() -> Any:
+        if req.box.broker.get(params["id"]).kind != "ask":
+            raise ApiError(409, "only an ask is answered; approve or deny this one", "conflict")
+        return req.box.broker.answer(params["id"], "approved", None, body["answer"])
+    return 200, req.box.call(answer)
+
+
+def h_approvals_approve_all(req: "Handler", params: dict[str, str]) -> Any:
+    body = req.json_body(optional=True)
+    if not isinstance(body, dict) or set(body) - {"task"} or \
+            not isinstance(body.get("task", ""), str):
+        raise ApiError(400, 'the body must be {} or {"task": "<id>"}')
+    return 200, req.box.call(req.box.broker.approve_all, body.get("task"))
+
+
+def h_wallet_get(req: "Handler", params: dict[str, str]) -> Any:
+    return 200, req.box.call(lambda: req.box.broker.wallet)
+
+
+def h_wallet_put(req: "Handler", params: dict[str, str]) -> Any:
+    return 200, req.box.call(req.box.broker.set_balance, req.json_body())
+
+
+def h_tools(req: "Handler", params: dict[str, str]) -> Any:
+    return 200, req.box.call(req.box.broker.tools)
+
+
+def h_events(req: "Handler", params: dict[str, str]) -> Any:
+    """Server-Sent Events: task state changes and approvals made or answered, as they come."""
+    box = req.box
+    since = req.query_one("since")
+    with box.events_changed:
+        last = int(since) if since and since.isdigit() else box.event_seq
+    req.send_response(200)
+    req.send_header("Content-Type", "text/event-stream")
+    req.send_header("Cache-Control", "no-cache")
+    req.send_header("Connection", "close")
+    req.end_headers()
+    req.close_connection = True
+    req.wfile.write(b": gurtd events\n\n")
+    req.wfile.flush()
+    beat = time.monotonic()
+    while not box.stopping:
+        with box.events_changed:
+            fresh = [e for e in box.events if e[0] > last]
+            if not fresh:
+                box.events_changed.wait(1.0)
+                fresh = [e for e in box.events if e[0] > last]
+        for seq, kind, data in fresh:
+            req.wfile.write(b"id: %d\nevent: %s\ndata: %s\n\n" % (seq, kind.encode(), data))
+            last = seq
+        if time.monotonic() - beat > 15:
+            req.wfile.write(b": keep-alive\n\n")
+            beat = time.monotonic()
+        req.wfile.flush()
+    return None
+
+
 def h_openapi(req: "Handler", params: dict[str, str]) -> Any:
     return 200, openapi()
 
@@ -2425,6 +3004,21 @@ ROUTES: list[Route] = [
     ("GET", "/api/workspaces/{name}/files", h_workspace_files, "The view's top folder"),
     ("GET", "/api/workspaces/{name}/files/{path}", h_workspace_files,
      "A file of the workspace's current view, or a folder's listing"),
+    ("GET", "/api/approvals", h_approvals_list,
+     "List approvals, newest first (?state=pending|approved|denied ?task=)"),
+    ("GET", "/api/approvals/{id}", h_approval_get, "Read an approval"),
+    ("POST", "/api/approvals/{id}/approve", h_approval_approve,
+     "Approve a pending spending {reason?}: the call runs"),
+    ("POST", "/api/approvals/{id}/deny", h_approval_deny,
+     "Deny a pending approval {reason?}: the call returns a refusal carrying the reason"),
+    ("POST", "/api/approvals/{id}/answer", h_approval_answer, "Answer an ask {answer}"),
+    ("POST", "/api/approvals/approve-all", h_approvals_approve_all,
+     "Approve every pending spending {task?}: {approved: n}"),
+    ("GET", "/api/wallet", h_wallet_get, "The wallet: balance and ledger"),
+    ("PUT", "/api/wallet", h_wallet_put, "Set the wallet's balance {balanceCents}"),
+    ("GET", "/api/tools", h_tools, "The tools tasks can be granted"),
+    ("GET", "/api/events", h_events,
+     "Server-Sent Events: task state changes, approvals made and answered"),
     ("GET", "/api/settings", h_settings_get, "Read settings"),
     ("PUT", "/api/settings", h_settings_put, "Change settings"),
     ("GET", "/api/openapi.json", h_openapi, "This description"),
@@ -2614,7 +3208,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         values = self.query.get(name)
         return values[-1] if values else None
 
-    def json_body(self) -> Any:
+    def json_body(self, optional: bool = False) -> Any:
+        """The request's JSON; with optional, an empty body is {}."""
         if self.headers.get("Transfer-Encoding"):
             raise ApiError(411, "send the body with Content-Length", "length_required")
         length_text = self.headers.get("Content-Length") or "0"
@@ -2629,6 +3224,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             raise ApiError(400, "the body ended early")
         if not data.strip():
+            if optional:
+                return {}
             raise ApiError(400, "the body must be a JSON object")
         try:
             return json.loads(data)
@@ -2643,8 +3240,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             fn, params = match_route(self.command, raw_path)
             if fn is not h_health:
                 self.authorize()
-            if self.command in ("POST", "PUT") and fn not in (h_tasks_create, h_settings_put,
-                                                              h_workspaces_create):
+            if self.command in ("POST", "PUT") and fn in (h_task_undo, h_task_stop):
                 self.drain_body()
             result = fn(self, params)
             if result is not None:
@@ -2706,6 +3302,7 @@ def serve(box: Box) -> None:
     box.load()
     box.reconcile()
     box.network.start()
+    box.broker.start()
     public_suffixes()                        # loaded now, not on the first wildcard host
     box.wake_r, box.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(box.wake_w)
@@ -2758,6 +3355,7 @@ def serve(box: Box) -> None:
         server.shutdown()
         server.server_close()
         box.shutdown_tasks()
+        box.broker.stop()
         box.network.stop()
         box.spawner.stop()
 
@@ -3013,6 +3611,115 @@ def cmd_log(task_id: str, follow: bool, as_json: bool, box_home: str, listen: st
             click.echo(line)
         else:
             print_log_entry(json.loads(line))
+
+
+@cli.command("approvals")
+@click.option("--state", type=click.Choice(APPROVAL_STATES), default="pending",
+              show_default=True)
+@click.option("--task", "task_id", default=None)
+@click.option("--json", "as_json", is_flag=True)
+@client_options
+def cmd_approvals(state: str, task_id: str | None, as_json: bool, box_home: str,
+                  listen: str) -> None:
+    """List approvals (pending ones by default)."""
+    query = urllib.parse.urlencode({k: v for k, v in (("state", state), ("task", task_id))
+                                    if v})
+    approvals = Client(listen, box_home).request("GET", f"/approvals?{query}")
+    if as_json:
+        click.echo(json.dumps(approvals, indent=1))
+        return
+    print_table([[a["id"], a["state"], a["task"], a["kind"], a["tool"], str(a["cents"]),
+                  (a.get("question") or json.dumps(a["args"]))[:60]] for a in approvals],
+                ["ID", "STATE", "TASK", "KIND", "TOOL", "CENTS", "WHAT"])
+
+
+def _answer_command(name: str, suffix: str, doc: str, reason_required: bool) -> None:
+    @cli.command(name, help=doc)
+    @click.argument("approval_id")
+    @click.option("--reason", required=reason_required, default=None,
+                  help="handed back to the task" if name == "deny" else "kept with it")
+    @click.option("--json", "as_json", is_flag=True)
+    @client_options
+    def command(approval_id: str, reason: str | None, as_json: bool, box_home: str,
+                listen: str) -> None:
+        body = {"reason": reason} if reason else {}
+        approval = Client(listen, box_home).request("POST", f"/approvals/{approval_id}/{suffix}",
+                                                    body)
+        click.echo(json.dumps(approval, indent=1) if as_json else
+                   f"{approval['id']} {approval['state']}")
+
+
+_answer_command("approve", "approve", "Approve a pending spending: the call runs.", False)
+_answer_command("deny", "deny", "Deny a pending approval; the reason goes back to the task.",
+                True)
+
+
+@cli.command("answer")
+@click.argument("approval_id")
+@click.argument("text")
+@client_options
+def cmd_answer(approval_id: str, text: str, box_home: str, listen: str) -> None:
+    """Answer a task's ask."""
+    approval = Client(listen, box_home).request("POST", f"/approvals/{approval_id}/answer",
+                                                {"answer": text})
+    click.echo(f"{approval['id']} {approval['state']}")
+
+
+@cli.command("wallet")
+@click.option("--set", "balance", type=float, default=None, help="set the balance, in cents")
+@click.option("--json", "as_json", is_flag=True)
+@client_options
+def cmd_wallet(balance: float | None, as_json: bool, box_home: str, listen: str) -> None:
+    """Show the wallet (or set its balance)."""
+    client = Client(listen, box_home)
+    wallet = client.request("PUT", "/wallet", {"balanceCents": balance}) \
+        if balance is not None else client.request("GET", "/wallet")
+    if as_json:
+        click.echo(json.dumps(wallet, indent=1))
+        return
+    click.echo(f"balance: {wallet['balanceCents']} cents")
+    for entry in wallet["ledger"][-20:]:
+        if "set" in entry:
+            click.echo(f"{entry['time']}  set to {entry['set']}")
+        else:
+            click.echo(f"{entry['time']}  {entry['task']} paid {entry['cents']} to "
+                       f"{entry['to']}" + (f" ({entry['memo']})" if entry.get("memo") else ""))
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float | None = None) -> None:
+        super().__init__("box", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(self.unix_path)
+
+
+@cli.command("tool")
+@click.argument("name")
+@click.argument("args", required=False, default="{}")
+def cmd_tool(name: str, args: str) -> None:
+    """Call a tool through the broker, from inside a task: gurtd tool wallet.pay '{"to": "x",
+    "cents": 5}'.  Prints the JSON result; exits 1 when the call is refused."""
+    try:
+        parsed = json.loads(args)
+    except ValueError as exc:
+        raise click.UsageError(f"ARGS must be JSON: {exc}") from None
+    conn = UnixHTTPConnection(os.environ.get("GURT_BROKER", BROKER_IN_BOX))
+    try:
+        conn.request("POST", "/call", body=json.dumps({"tool": name, "args": parsed}),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        answer = json.loads(resp.read() or b"{}")
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(f"the broker did not answer: {exc}") from None
+    finally:
+        conn.close()
+    if resp.status != 200:
+        click.echo(answer.get("error", f"refused ({resp.status})"), err=True)
+        sys.exit(1)
+    click.echo(json.dumps(answer.get("result")))
 
 
 def main() -> None:

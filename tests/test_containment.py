@@ -17,8 +17,11 @@ import secrets
 import shutil
 import stat
 import subprocess
+import tempfile
 import time
-from typing import Any
+from typing import Any, Iterator
+
+import pytest
 
 import gurtd as gurtd_module
 from conftest import Gurtd, put_base_file
@@ -97,16 +100,40 @@ def account_names(path: str) -> set[str]:
 
 # the token and BOX_HOME #######################################################################
 
-def test_a_task_cannot_read_the_token_or_look_into_box_home(gurtd: Gurtd) -> None:
-    home = gurtd.home
+@pytest.fixture(params=["/var/tmp", "/var/lib"], ids=["box-home-in-var-tmp", "box-home-in-var-lib"])
+def any_gurtd(request: pytest.FixtureRequest) -> Iterator[Gurtd]:
+    """A gurtd whose BOX_HOME is under /var/tmp (where the fixtures put it; every box has its
+    own /var/tmp anyway) or under /var/lib, as in production, where only the box's own cover
+    over BOX_HOME hides it."""
+    parent = tempfile.mkdtemp(prefix="gurt-test-", dir=request.param)
+    os.chmod(parent, 0o755)
+    g = Gurtd(os.path.join(parent, "box"))
+    try:
+        g.start()
+        yield g
+    finally:
+        if g.proc is not None:
+            code = g.stop()
+            assert code == 0, f"gurtd exited with {code}:\n{g.log_text()}"
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def test_a_task_cannot_read_the_token_or_look_into_box_home(any_gurtd: Gurtd) -> None:
+    g = any_gurtd
+    home = g.home
     assert os.path.exists(os.path.join(home, "token"))
-    earlier = run_done(gurtd, "echo an earlier task")
-    task = run_done(gurtd, prompt(
+    other = "other-" + secrets.token_hex(8)         # a file of another workspace's base
+    g.api("POST", "/api/workspaces", {"name": "other"}, status=201)
+    put_base_file(g, "other", "secret.txt", other + "\n")
+    os.chmod(os.path.join(home, "workspaces", "other", "secret.txt"), 0o644)
+    earlier = run_done(g, "echo an earlier task")
+    task = run_done(g, prompt(
         f"cat {home}/token || echo 'token: refused'",
         f"ls -la {home} || echo 'box home: refused'",
         f"ls -la {home}/tasks {home}/logs {home}/layers {home}/workspaces; true",
         f"cat {home}/tasks/{earlier['id']}.json {home}/state.json {home}/settings.json; true",
-        f"cat {gurtd.log_path}; true",
+        f"ls -la {home}/workspaces/other; cat {home}/workspaces/other/secret.txt; true",
+        f"ls -la {home}/layers/{earlier['id']}/upper; true",
         "env",
         "tr '\\0' '\\n' < /proc/self/environ",
         "cat /proc/*/environ /proc/*/cmdline; true",
@@ -116,18 +143,20 @@ def test_a_task_cannot_read_the_token_or_look_into_box_home(gurtd: Gurtd) -> Non
         f'umount -l /tmp/r{home}; cat /tmp/r{home}/token; ls /tmp/r{home}"; true',
         "echo probed",
     ))
-    blob = log_blob(gurtd, task["id"])
-    assert gurtd.token not in blob
-    out = log_texts(gurtd, task["id"], "stdout")
+    blob = log_blob(g, task["id"])
+    assert g.token not in blob
+    assert other not in blob
+    out = log_texts(g, task["id"], "stdout")
     assert "token: refused" in out and "box home: refused" in out, out
     assert "probed" in out
-    errors = log_texts(gurtd, task["id"], "stderr")
+    errors = log_texts(g, task["id"], "stderr")
     refused = ("Permission denied", "No such file or directory")
     for path in (f"{home}/token", f"'{home}'"):
         assert [e for e in errors if path in e and e.endswith(refused)], (path, errors)
     # nothing of BOX_HOME was listed or read
     for line in out:
-        assert not re.search(r"\btoken$|state\.json|settings\.json|\.jsonl?\b", line), line
+        assert not re.search(r"\btoken$|state\.json|settings\.json|\.jsonl?\b|secret\.txt",
+                             line), line
         assert earlier["id"] not in line, line
 
 
@@ -147,11 +176,13 @@ def test_a_task_cannot_see_another_running_tasks_view(gurtd: Gurtd) -> None:
         " true",
         f"for p in {each}; do cat /proc/$p/environ /proc/$p/mountinfo; done; true",
         f"ls -la {VIEW}; cat {VIEW}/a-marker.txt; true",
-        f"ls -la {home}/layers/{a['id']}/upper; cat {home}/layers/{a['id']}/upper/a-marker.txt; true",
+        f"ls -la {home}/layers/{a['id']}/upper; true",
+        f"cat {home}/layers/{a['id']}/upper/a-marker.txt; true",
         f"cat {home}/workspaces/home/a-marker.txt; true",
-        f"ls /proc/*/root{VIEW}/; cat /proc/*/root{VIEW}/a-marker.txt /proc/*/cwd/a-marker.txt; true",
+        f"ls /proc/*/root{VIEW}/; true",
+        f"cat /proc/*/root{VIEW}/a-marker.txt /proc/*/cwd/a-marker.txt; true",
         "grep -rs gurt-view-secret- /run /tmp /var/tmp /home /dev/shm; true",
-        "find /run /tmp /var/tmp /var/lib /home /root /dev/shm -name a-marker.txt 2>/dev/null; true",
+        f"find /run /tmp /var/tmp /home /root /dev/shm {home} -name a-marker.txt 2>/dev/null; true",
         "echo probed",
     ), title="task B")
     assert gurtd.task(a["id"])["state"] == "running", "task A ended before B had looked"
@@ -209,7 +240,8 @@ def test_tmp_and_home_are_private_to_each_running_task(gurtd: Gurtd) -> None:
         wait_for_step(gurtd, a["id"], "sleep 3")
         b = run_done(gurtd, prompt(
             "ls -la /tmp /dev/shm /var/tmp /home; true",
-            f"cat /tmp/{a_name} /dev/shm/{a_name} /var/tmp/{a_name} /home/{a['user']}/{a_name}; true",
+            f"cat /tmp/{a_name} /dev/shm/{a_name} /var/tmp/{a_name}; true",
+            f"cat /home/{a['user']}/{a_name}; true",
             "cat /tmp/gurt-test-host-*; true",
             "echo b-was-here > /tmp/b-file",
             "cat /tmp/b-file",
@@ -400,27 +432,38 @@ def test_a_task_cannot_read_root_or_home_of_the_host(gurtd: Gurtd) -> None:
 
 # the end of a task ############################################################################
 
-def test_nothing_of_a_task_outlives_it(gurtd: Gurtd) -> None:
+ENDINGS = {   # how the task ends: its last prompt line, what the test does, its final state
+    "finishes": ("sleep 1", None, "done"),
+    "fails": ("sleep 1; exit 3", None, "failed"),
+    "is stopped": ("sleep 30", "stop", "failed"),
+    "is undone while running": ("sleep 30", "undo", "undone"),
+}
+
+
+@pytest.mark.parametrize("ending", ENDINGS, ids=ENDINGS.keys())
+def test_nothing_of_a_task_outlives_it(gurtd: Gurtd, ending: str) -> None:
+    last, action, final = ENDINGS[ending]
     task = gurtd.create(prompt(
         "id -u",
         "sleep 300 &",
         "nohup sleep 301 > /dev/null 2>&1 &",
         "setsid sleep 302 &",
         "(sleep 303 &)",
-        "sleep 2",
+        last,
     ))
-    wait_for_step(gurtd, task["id"], "sleep 2")
+    wait_for_step(gurtd, task["id"], last)
     uid = int(gurtd.output(task["id"])[0])
     assert uid != 0
     running = {cmdline(p) for p in processes_of_uid(uid)}
     assert {"sleep 300", "sleep 301", "sleep 302", "sleep 303"} <= running, running
     assert task["user"] in account_names("/etc/passwd")
-    assert gurtd.wait(task["id"])["state"] == "done"
+    if action:
+        gurtd.api("POST", f"/api/tasks/{task['id']}/{action}")
+    assert gurtd.wait(task["id"])["state"] == final
     left = {p: cmdline(p) for p in processes_of_uid(uid)}
     assert left == {}, f"processes of {task['user']} outlived it: {left}"
-    assert gurtd.worker_pids(task) == []
+    assert gurtd_module.processes_by_uid({uid}) == {}
     for path in ("/etc/passwd", "/etc/group", "/etc/shadow", "/etc/gshadow"):
         assert task["user"] not in account_names(path), path
     with open("/etc/passwd") as f:
         assert not [line for line in f if line.split(":")[2:3] == [str(uid)]]
-    assert gurtd_module.processes_by_uid({uid}) == {}

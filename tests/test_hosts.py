@@ -1,0 +1,873 @@
+"""A task's hosts: what it may reach on the network, and nothing else.
+
+Stories run real `fake`-worker tasks (one /bin/sh line per prompt line, as the task's own
+user) against a fake internet the module builds for itself and tears down afterwards:
+
+  * network namespace `gtinet`, reached from the host by the veth `gtv0` (198.18.0.1/24) whose
+    other end, `eth0` inside, holds 198.18.0.10 (a.test), .11 (x.b.test), .12 (b.test), .13 and
+    .53; no default route in there, so nothing in it can reach anything but the host;
+  * one process in it, serving `hello from <addr>:<port>` over HTTP on 80 and 8080 of .10-.13
+    (and 80 of .53), a DNS server on 198.18.0.53:53 (UDP and TCP) that answers anything, and
+    a TCP listener on 198.18.0.53:853;
+  * a DNS server of the tests on 127.0.0.1 (gurtd's upstream): a.test, x.b.test, b.test,
+    rebind.test (127.0.0.1), self.test (198.18.0.1, the host's own address), cname.test (a
+    CNAME of a.test); every other name is NXDOMAIN.
+
+Traffic goes only to loopback and to addresses inside `gtinet`.  Each probe in a task is
+timed in the task itself: a refused attempt must fail fast (a reset or an ICMP error), never
+by a timeout.  Probe lines end with an `echo`, so a refused probe does not end the task.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.client
+import ipaddress
+import json
+import os
+import re
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import dns.flags
+import dns.message
+import dns.name
+import dns.query
+import dns.rcode
+import dns.rdatatype
+import dns.rrset
+import pytest
+
+from conftest import Gurtd
+
+NETNS = "gtinet"
+HOST_VETH = "gtv0"
+HOST_ADDR = "198.18.0.1"
+A, XB, B, C, RESOLVER = "198.18.0.10", "198.18.0.11", "198.18.0.12", "198.18.0.13", "198.18.0.53"
+FAST_MS = 1000           # "fails fast": well under the 2 s of the task resolver's timeout
+TASK_NET = ipaddress.IPv4Network("100.64.0.0/10")
+
+ZONE = {  # the tests' upstream DNS: name -> (type, value)
+    "a.test": ("A", A),
+    "x.b.test": ("A", XB),
+    "b.test": ("A", B),
+    "rebind.test": ("A", "127.0.0.1"),
+    "self.test": ("A", HOST_ADDR),
+    "cname.test": ("CNAME", "a.test"),
+}
+
+
+# the fake internet #############################################################################
+
+# Runs inside gtinet as root.  Sockets are bound by hand (http.server's server_bind looks names
+# up).  It dies with the test process (PR_SET_PDEATHSIG) and after 15 minutes in any case.
+SERVER = r'''
+import ctypes, socket, struct, sys, threading, time
+ctypes.CDLL(None).prctl(1, 9)
+
+def listener(addr, port, kind=socket.SOCK_STREAM):
+    s = socket.socket(socket.AF_INET, kind)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((addr, port))
+    if kind == socket.SOCK_STREAM:
+        s.listen(64)
+    return s
+
+def recv_exact(c, n):
+    data = b""
+    while len(data) < n:
+        chunk = c.recv(n - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return data
+
+def http_one(c, addr, port):
+    try:
+        c.settimeout(3)
+        data = b""
+        while b"\r\n\r\n" not in data and len(data) < 65536:
+            chunk = c.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+        body = ("hello from %s:%d\n" % (addr, port)).encode()
+        c.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+                  b"Connection: close\r\n\r\n" % len(body) + body)
+    except Exception:
+        pass
+    finally:
+        c.close()
+
+def http(s, addr, port):
+    while True:
+        c, _ = s.accept()
+        threading.Thread(target=http_one, args=(c, addr, port), daemon=True).start()
+
+def answer(q):
+    """A response to any query: its id and question, and one A record, 198.18.0.10."""
+    if len(q) < 17:
+        return None
+    end = 12
+    while end < len(q) and q[end]:
+        end += 1 + q[end]
+    end += 5
+    return (q[:2] + b"\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00" + q[12:end]
+            + b"\xc0\x0c\x00\x01\x00\x01\x00\x00\x00\x3c\x00\x04" + socket.inet_aton("198.18.0.10"))
+
+def dns_udp(s):
+    while True:
+        q, peer = s.recvfrom(4096)
+        r = answer(q)
+        if r:
+            s.sendto(r, peer)
+
+def dns_tcp(s):
+    while True:
+        c, _ = s.accept()
+        try:
+            c.settimeout(3)
+            n = struct.unpack("!H", recv_exact(c, 2))[0]
+            r = answer(recv_exact(c, n))
+            c.sendall(struct.pack("!H", len(r)) + r)
+        except Exception:
+            pass
+        finally:
+            c.close()
+
+def dot(s):
+    while True:
+        c, _ = s.accept()
+        try:
+            c.sendall(b"853 here\n")
+        except Exception:
+            pass
+        c.close()
+
+jobs = []
+for addr in ("198.18.0.10", "198.18.0.11", "198.18.0.12", "198.18.0.13"):
+    for port in (80, 8080):
+        jobs.append((http, listener(addr, port), addr, port))
+jobs.append((http, listener("198.18.0.53", 80), "198.18.0.53", 80))
+jobs.append((dns_udp, listener("198.18.0.53", 53, socket.SOCK_DGRAM)))
+jobs.append((dns_tcp, listener("198.18.0.53", 53)))
+jobs.append((dot, listener("198.18.0.53", 853)))
+for fn, *args in jobs:
+    threading.Thread(target=fn, args=args, daemon=True).start()
+print("ready", flush=True)
+time.sleep(900)
+'''
+
+
+class FakeResolver:
+    """The tests' upstream DNS server on 127.0.0.1 (UDP and TCP, one port), with ZONE."""
+
+    def __init__(self) -> None:
+        self.queries: list[tuple[str, str]] = []
+        self.stopping = threading.Event()
+        for _ in range(50):
+            udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            udp.bind(("127.0.0.1", 0))
+            tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                tcp.bind(("127.0.0.1", udp.getsockname()[1]))
+            except OSError:
+                udp.close()
+                tcp.close()
+                continue
+            break
+        else:
+            raise AssertionError("no free port for the tests' DNS server")
+        tcp.listen(16)
+        self.udp, self.tcp = udp, tcp
+        self.port = udp.getsockname()[1]
+        self.threads = [threading.Thread(target=self.serve, daemon=True, name="fake-dns")]
+        self.threads[0].start()
+
+    def respond(self, wire: bytes) -> bytes | None:
+        try:
+            query = dns.message.from_wire(wire)
+        except Exception:
+            return None
+        response = dns.message.make_response(query)
+        response.flags |= dns.flags.RA
+        question = query.question[0]
+        name = question.name.to_text(omit_final_dot=True).lower()
+        self.queries.append((name, dns.rdatatype.to_text(question.rdtype)))
+        if name not in ZONE:
+            response.set_rcode(dns.rcode.NXDOMAIN)
+            return response.to_wire()
+        owner = question.name
+        for _ in range(8):
+            kind, value = ZONE[name]
+            if kind == "CNAME":
+                response.answer.append(dns.rrset.from_text(owner, 60, "IN", "CNAME",
+                                                           value + "."))
+                owner, name = dns.name.from_text(value), value
+                continue
+            if question.rdtype == dns.rdatatype.A:
+                response.answer.append(dns.rrset.from_text(owner, 60, "IN", "A", value))
+            break
+        return response.to_wire()
+
+    def serve(self) -> None:
+        while not self.stopping.is_set():
+            ready, _, _ = select.select([self.udp, self.tcp], [], [], 0.2)
+            if self.udp in ready:
+                try:
+                    wire, peer = self.udp.recvfrom(4096)
+                except OSError:
+                    continue
+                reply = self.respond(wire)
+                if reply:
+                    self.udp.sendto(reply, peer)
+            if self.tcp in ready:
+                try:
+                    conn, _ = self.tcp.accept()
+                except OSError:
+                    continue
+                with conn:
+                    try:
+                        conn.settimeout(2)
+                        size = int.from_bytes(conn.recv(2), "big")
+                        wire = b""
+                        while len(wire) < size:
+                            chunk = conn.recv(size - len(wire))
+                            if not chunk:
+                                break
+                            wire += chunk
+                        reply = self.respond(wire)
+                        if reply:
+                            conn.sendall(len(reply).to_bytes(2, "big") + reply)
+                    except OSError:
+                        pass
+
+    def close(self) -> None:
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(timeout=5)
+        self.udp.close()
+        self.tcp.close()
+
+
+@dataclass
+class Internet:
+    resolver: FakeResolver
+    server: subprocess.Popen[bytes]
+    forwarding_before: str
+
+    @property
+    def upstream(self) -> str:
+        return f"127.0.0.1:{self.resolver.port}"
+
+
+def sh(*argv: str, check: bool = True) -> str:
+    proc = subprocess.run(list(argv), capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)}: {proc.returncode}\n{proc.stderr}")
+    return proc.stdout
+
+
+def netns_exists() -> bool:
+    return NETNS in sh("ip", "netns", "list").split()
+
+
+def link_exists(name: str) -> bool:
+    return os.path.exists(f"/sys/class/net/{name}")
+
+
+def forwarding(ifname: str) -> str:
+    with open(f"/proc/sys/net/ipv4/conf/{ifname}/forwarding") as f:
+        return f.read().strip()
+
+
+def remove_fake_internet() -> None:
+    """Each step on its own: one failure skips none."""
+    if netns_exists():
+        subprocess.run(["ip", "netns", "del", NETNS], capture_output=True)
+    deadline = time.monotonic() + 5
+    while link_exists(HOST_VETH) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if link_exists(HOST_VETH):
+        subprocess.run(["ip", "link", "del", HOST_VETH], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def inet() -> Iterator[Internet]:
+    if netns_exists():
+        pids = sh("ip", "netns", "pids", NETNS).split()
+        if pids:
+            pytest.fail(f"network namespace {NETNS} is in use (pids {pids}): another run of "
+                        "this module?")
+    remove_fake_internet()          # what a killed earlier run left
+    resolver: FakeResolver | None = None
+    server: subprocess.Popen[bytes] | None = None
+    try:
+        sh("ip", "netns", "add", NETNS)
+        sh("ip", "link", "add", HOST_VETH, "type", "veth", "peer", "name", "eth0",
+           "netns", NETNS)
+        sh("ip", "addr", "add", f"{HOST_ADDR}/24", "dev", HOST_VETH)
+        sh("ip", "link", "set", HOST_VETH, "up")
+        inside = ["ip", "netns", "exec", NETNS]
+        for addr in (A, XB, B, C, RESOLVER):
+            sh(*inside, "ip", "addr", "add", f"{addr}/24", "dev", "eth0")
+        sh(*inside, "ip", "link", "set", "lo", "up")
+        sh(*inside, "ip", "link", "set", "eth0", "up")
+        assert "default" not in sh(*inside, "ip", "route")
+        before = forwarding(HOST_VETH)     # recorded before any gurtd of this module runs
+        server = subprocess.Popen([*inside, sys.executable, "-c", SERVER],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        ready, _, _ = select.select([server.stdout], [], [], 15)
+        assert ready and server.stdout is not None, "the fake internet did not start"
+        line = server.stdout.readline()
+        assert line == b"ready\n", (line, server.poll(),
+                                    server.stderr.read() if server.poll() is not None else "")
+        resolver = FakeResolver()
+        # the fake internet answers the host, so whatever a task cannot reach is refused
+        conn = http.client.HTTPConnection(A, 8080, timeout=2)     # no proxy: straight there
+        try:
+            conn.request("GET", "/")
+            assert conn.getresponse().read() == f"hello from {A}:8080\n".encode()
+        finally:
+            conn.close()
+        q = dns.message.make_query("anything.example", "A")
+        assert dns.query.udp(q, RESOLVER, timeout=2).answer
+        assert dns.query.tcp(q, RESOLVER, timeout=2).answer
+        with socket.create_connection((RESOLVER, 853), timeout=2) as s:
+            assert s.recv(16) == b"853 here\n"
+        r = dns.query.udp(dns.message.make_query("cname.test", "A"), "127.0.0.1",
+                          port=resolver.port, timeout=2)
+        assert {rr.to_text() for rrset in r.answer for rr in rrset} == {"a.test.", A}
+        resolver.queries.clear()
+        yield Internet(resolver, server, before)
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait(timeout=10)
+            for pipe in (server.stdout, server.stderr):
+                if pipe is not None:
+                    pipe.close()
+        if resolver is not None:
+            resolver.close()
+        remove_fake_internet()
+        assert not netns_exists() and not link_exists(HOST_VETH)
+
+
+@pytest.fixture
+def g(inet: Internet, new_gurtd: Any) -> Gurtd:
+    """A gurtd whose DNS upstream is the tests' server."""
+    return new_gurtd(env={"GURT_DNS_UPSTREAM": inet.upstream})
+
+
+# probes in a task ##############################################################################
+
+# A raw-socket probe, run as `python3 -c ... KIND HOST PORT [NAME [QTYPE]]` in the task:
+#   tcp      connect (v4 or v6), send a GET, print the first bytes of the answer;
+#   udp53    a DNS query by UDP, print rcode and answer count;
+#   tcp53    a DNS query by TCP, the same.
+# HOST "GW" is the task's default gateway, read from /proc/net/route.  Exit 1 on any error.
+PROBE = r'''
+import socket, struct, sys
+kind, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if host == "GW":
+    for line in open("/proc/net/route").read().splitlines()[1:]:
+        f = line.split()
+        if f[1] == "00000000":
+            host = socket.inet_ntoa(struct.pack("<I", int(f[2], 16)))
+def query(name, qtype):
+    q = b"\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00"
+    for label in name.split("."):
+        q += bytes([len(label)]) + label.encode()
+    return q + b"\x00" + struct.pack("!HH", qtype, 1)
+def summary(d):
+    return "rcode=%d an=%d" % (d[3] & 15, struct.unpack("!H", d[6:8])[0])
+try:
+    if kind == "udp53":
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.settimeout(3)
+        s.connect((host, port))
+        s.send(query(sys.argv[4], int(sys.argv[5]) if len(sys.argv) > 5 else 1))
+        print("answer", host, summary(s.recv(4096)))
+    elif kind == "tcp53":
+        s = socket.create_connection((host, port), timeout=3)
+        q = query(sys.argv[4], 1)
+        s.sendall(struct.pack("!H", len(q)) + q)
+        print("answer", host, summary(s.recv(4096)[2:]))
+    else:
+        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        s.settimeout(3)
+        s.connect((host, port))
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        data = b""
+        while len(data) < 4096:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+        print("connected", host, " ".join(data.decode(errors="replace").split()))
+except Exception as e:
+    print("refused", host, type(e).__name__, e)
+    sys.exit(1)
+'''
+PY = "python3 -c 'import base64;exec(base64.b64decode(\"%s\"))'" % \
+    base64.b64encode(PROBE.encode()).decode()
+IFLINK = "echo IFLINK $(cat /sys/class/net/eth0/iflink)"
+
+
+def timed(label: str, command: str) -> str:
+    """A prompt line that runs command and prints `P label rc=.. ms=.. out=..` (one line)."""
+    return (f's=$(date +%s%N); o=$({command} 2>&1); r=$?; e=$(date +%s%N); '
+            f'printf "%s\\n" "P {label} rc=$r ms=$(( (e - s) / 1000000 )) '
+            f'out=$(printf %s "$o" | tr "\\n" " ")"')
+
+
+def curl(label: str, url: str, *options: str) -> str:
+    return timed(label, " ".join(["curl -sS --max-time 3", *options, url]))
+
+
+def py(label: str, *args: Any) -> str:
+    return timed(label, " ".join([PY, *map(str, args)]))
+
+
+@dataclass
+class Probe:
+    label: str
+    rc: int
+    ms: int
+    out: str
+
+    def ok(self, expect: str) -> None:
+        assert self.rc == 0 and expect in self.out, self
+
+    def refused(self, *codes: int) -> None:
+        """Failed, fast; with one of codes (curl: 6 no such host, 7 no connection)."""
+        assert self.rc != 0, self
+        assert "hello from" not in self.out and "connected" not in self.out, self
+        assert self.ms < FAST_MS, f"{self.label} took {self.ms} ms to fail: {self}"
+        if codes:
+            assert self.rc in codes, self
+
+
+@dataclass
+class Run:
+    task: dict[str, Any]
+    log: list[dict[str, Any]]
+    probes: dict[str, Probe] = field(default_factory=dict)
+
+    def __getitem__(self, label: str) -> Probe:
+        assert label in self.probes, (label, self.log)
+        return self.probes[label]
+
+    def dns(self, name: str, qtype: str = "A") -> list[dict[str, Any]]:
+        return [e for e in self.log if e["type"] == "dns" and e["name"] == name
+                and e["qtype"] == qtype]
+
+    def net(self) -> dict[str, Any]:
+        entries = [e for e in self.log if e["type"] == "net"]
+        assert len(entries) == 1, self.log
+        return entries[0]
+
+    def stdout(self) -> list[str]:
+        return [e["text"] for e in self.log if e["type"] == "stdout"]
+
+
+def finished(g: Gurtd, task_id: str, state: str = "done") -> Run:
+    task = g.wait(task_id, timeout=40)
+    log = g.log(task_id)
+    assert task["state"] == state, (task, log)
+    run = Run(task, log)
+    for entry in log:
+        m = re.fullmatch(r"P (\S+) rc=(\d+) ms=(-?\d+) out=(.*)", entry.get("text", ""))
+        if entry["type"] == "stdout" and m:
+            run.probes[m[1]] = Probe(m[1], int(m[2]), int(m[3]), m[4].strip())
+    return run
+
+
+def start(g: Gurtd, hosts: list[str] | None, *lines: str) -> str:
+    fields: dict[str, Any] = {"hosts": hosts} if hosts is not None else {}
+    return g.create("\n".join(lines), **fields)["id"]
+
+
+def wait_for_step(g: Gurtd, task_id: str, step: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        task = g.task(task_id)
+        if task["state"] == "running" and task.get("step") == step:
+            return
+        assert task["state"] in ("queued", "running"), (task, g.log(task_id))
+        assert time.monotonic() < deadline, f"task never reached {step!r}: {task}"
+        time.sleep(0.02)
+
+
+# the host's view ###############################################################################
+
+def table(g: Gurtd) -> str:
+    return "gurt_" + hashlib.sha1(g.home.encode()).hexdigest()[:8]
+
+
+def nft_set(g: Gurtd, name: str) -> str:
+    return sh("nft", "list", "set", "inet", table(g), name)
+
+
+def allowed(g: Gurtd, ifname: str) -> list[tuple[str, str]]:
+    """The `allow` elements of one interface: (address or network, port or port range)."""
+    return re.findall(rf'"{ifname}" \. ([0-9./]+) \. ([0-9-]+)', nft_set(g, "allow"))
+
+
+def in_tasks_set(g: Gurtd, ifname: str) -> bool:
+    return f'"{ifname}"' in nft_set(g, "tasks")
+
+
+def links() -> list[str]:
+    out = sh("ip", "-o", "link", "show")
+    return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()]
+
+
+def task_ifname(g: Gurtd, task_id: str) -> str:
+    """The host end of a running task's veth, by the peer index its eth0 reports."""
+    texts = [t for t in g.output(task_id) if t.startswith("IFLINK ")]
+    assert texts, g.log(task_id)
+    index = texts[0].split()[1]
+    for name in os.listdir("/sys/class/net"):
+        try:
+            with open(f"/sys/class/net/{name}/ifindex") as f:
+                if f.read().strip() == index:
+                    assert re.fullmatch(r"g\d+", name), name
+                    return name
+        except OSError:
+            continue
+    raise AssertionError(f"no host interface with index {index}")
+
+
+def gone_soon(ifname: str, timeout: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while ifname in links():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+# 1. what a list lets through ###################################################################
+
+def test_a_name_reaches_every_port_and_a_name_with_a_port_only_that_port(g: Gurtd) -> None:
+    any_port = start(g, ["a.test"],
+                     curl("a80", "http://a.test/"),
+                     curl("a8080", "http://a.test:8080/"))
+    one_port = start(g, ["a.test:8080"],
+                     curl("a8080", "http://a.test:8080/"),
+                     curl("a80", "http://a.test/"),
+                     py("a80raw", "tcp", A, 80))
+
+    run = finished(g, any_port)
+    run["a80"].ok(f"hello from {A}:80")
+    run["a8080"].ok(f"hello from {A}:8080")
+    assert run.dns("a.test")[0]["allowed"] is True
+    assert run.dns("a.test")[0]["addresses"] == [A]
+    assert run.net()["refused"] == 0, run.net()
+
+    run = finished(g, one_port)
+    run["a8080"].ok(f"hello from {A}:8080")
+    run["a80"].refused(7)
+    run["a80raw"].refused()
+    assert "ConnectionRefusedError" in run["a80raw"].out, run["a80raw"]
+    assert run.net()["refused"] >= 2, run.net()
+
+
+def test_a_wildcard_a_cidr_block_and_a_cname(g: Gurtd) -> None:
+    wildcard = start(g, ["*.b.test"],
+                     curl("sub", "http://x.b.test/"),
+                     curl("apex", "http://b.test/"))
+    cidr = start(g, ["198.18.0.12/31:80"],
+                 curl("b80", f"http://{B}/"),
+                 curl("c80", f"http://{C}/"),
+                 curl("b8080", f"http://{B}:8080/"),
+                 curl("a80", f"http://{A}/"),
+                 curl("byname", "http://b.test/"))
+    cname = start(g, ["cname.test"],
+                  curl("cname", "http://cname.test/"),
+                  curl("a", "http://a.test/"))
+
+    run = finished(g, wildcard)
+    run["sub"].ok(f"hello from {XB}:80")
+    run["apex"].refused(6)
+    assert [e["allowed"] for e in run.dns("x.b.test")] == [True], run.log
+    assert run.dns("b.test") and not any(e["allowed"] for e in run.dns("b.test")), run.log
+
+    run = finished(g, cidr)
+    run["b80"].ok(f"hello from {B}:80")
+    run["c80"].ok(f"hello from {C}:80")
+    run["b8080"].refused(7)
+    run["a80"].refused(7)
+    run["byname"].refused(6)       # an address entry grants addresses, not names
+
+    run = finished(g, cname)
+    run["cname"].ok(f"hello from {A}:80")
+    entry = run.dns("cname.test")[0]
+    assert entry["allowed"] is True and entry["addresses"] == [A], entry
+    run["a"].refused(6)            # the CNAME's target is not a name of the list
+
+
+def test_a_task_without_hosts_has_lo_only(g: Gurtd) -> None:
+    task_id = start(g, None,
+                    "cat /proc/net/dev",
+                    curl("a", f"http://{A}/"),
+                    py("raw", "tcp", A, 80))
+    run = finished(g, task_id)
+    names = [line.split(":")[0].strip() for line in run.stdout() if ":" in line
+             and not line.startswith("P ") and "|" not in line]
+    assert names == ["lo"], run.stdout()
+    run["a"].refused(7)
+    run["raw"].refused()
+
+
+# 2. what is refused ############################################################################
+
+def test_what_no_list_grants_is_refused_fast(g: Gurtd, inet: Internet) -> None:
+    loopback = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    anywhere = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        loopback.bind(("127.0.0.1", 0))
+        anywhere.bind(("0.0.0.0", 0))
+        for s in (loopback, anywhere):
+            s.listen(8)
+            s.setblocking(False)
+        lo_port, any_port = loopback.getsockname()[1], anywhere.getsockname()[1]
+        inet.resolver.queries.clear()
+        task_id = start(
+            g, ["a.test", "rebind.test", "self.test", RESOLVER],
+            curl("granted", "http://a.test/"),
+            curl("unlisted", "http://unlisted.test/"),
+            py("unlisted_dns", "udp53", "127.0.0.53", 53, "unlisted.test"),
+            curl("direct_ip", f"http://{XB}/"),
+            py("direct_ip_raw", "tcp", XB, 8080),
+            py("resolver_80", "tcp", RESOLVER, 80),
+            py("resolver_udp53", "udp53", RESOLVER, 53, "a.test"),
+            py("resolver_tcp53", "tcp53", RESOLVER, 53, "a.test"),
+            py("resolver_853", "tcp", RESOLVER, 853),
+            curl("v6_curl", "http://[::1]/", "-6"),
+            py("v6_raw", "tcp", "::1", 80),
+            curl("rebind", "http://rebind.test/"),
+            py("rebind_dns", "udp53", "127.0.0.53", 53, "rebind.test"),
+            curl("self", "http://self.test/"),
+            py("self_dns", "udp53", "127.0.0.53", 53, "self.test"),
+            py("host_loopback", "tcp", "127.0.0.1", lo_port),
+            py("host_any_via_gw", "tcp", "GW", any_port),
+            py("api_via_gw", "tcp", "GW", g.port),
+            py("api_loopback", "tcp", "127.0.0.1", g.port),
+            py("gw_resolver", "udp53", "GW", 53, "a.test"),
+        )
+        run = finished(g, task_id)
+        for s in (loopback, anywhere):
+            with pytest.raises(BlockingIOError):
+                s.accept()                    # nothing from the task ever reached them
+    finally:
+        loopback.close()
+        anywhere.close()
+
+    run["granted"].ok(f"hello from {A}:80")
+    # a name off the list: NXDOMAIN from gurtd, which never asks the upstream about it
+    run["unlisted"].refused(6)
+    run["unlisted_dns"].ok("rcode=3 an=0")
+    assert run.dns("unlisted.test") and not any(e["allowed"] for e in run.dns("unlisted.test"))
+    assert not [q for q in inet.resolver.queries if q[0] == "unlisted.test"], \
+        inet.resolver.queries
+    # an address no entry and no answer granted
+    run["direct_ip"].refused(7)
+    run["direct_ip_raw"].refused()
+    # another resolver, even at a granted address: UDP and TCP 53 and DNS over TLS are closed
+    run["resolver_80"].ok(f"hello from {RESOLVER}:80")
+    for label in ("resolver_udp53", "resolver_tcp53", "resolver_853"):
+        run[label].refused()
+        assert "refused" in run[label].out, run[label]
+    # IPv6: none at all
+    run["v6_curl"].refused()
+    run["v6_raw"].refused()
+    # rebinding: a granted name whose answer is loopback or the host's own address
+    for name in ("rebind", "self"):
+        run[name].refused(6)
+        run[f"{name}_dns"].ok("rcode=5 an=0")
+        entries = run.dns(f"{name}.test")
+        assert entries and not any(e["allowed"] for e in entries), run.log
+    # the host: its loopback is not the task's, its other addresses are closed to the task
+    run["host_loopback"].refused()
+    assert "ConnectionRefusedError" in run["host_loopback"].out, run["host_loopback"]
+    gateway = run["host_any_via_gw"].out.split()[1]
+    assert ipaddress.IPv4Address(gateway) in TASK_NET, run["host_any_via_gw"]
+    for label in ("host_any_via_gw", "api_via_gw", "api_loopback", "gw_resolver"):
+        run[label].refused()
+    assert run.net()["refused"] >= 8, run.net()
+
+
+# 3. the log ####################################################################################
+
+def test_the_log_tells_every_lookup_and_the_refused_attempts(g: Gurtd) -> None:
+    task_id = start(g, ["a.test", "*.b.test"],
+                    py("a_aaaa", "udp53", "127.0.0.53", 53, "a.test", 28),
+                    curl("a", "http://a.test/"),
+                    curl("sub", "http://x.b.test:8080/"),
+                    curl("nope", "http://nope.test/"),
+                    curl("c", "http://c-target.test/"),
+                    curl("direct", f"http://{C}/"),
+                    py("direct_raw", "tcp", C, 8080))
+    run = finished(g, task_id)
+    run["a_aaaa"].ok("rcode=0 an=0")
+    run["a"].ok(f"hello from {A}:80")
+    run["sub"].ok(f"hello from {XB}:8080")
+    for label in ("nope", "c"):
+        run[label].refused(6)
+    run["direct"].refused(7)
+    run["direct_raw"].refused()
+
+    for name, address in (("a.test", A), ("x.b.test", XB)):
+        entries = run.dns(name)
+        assert entries and all(e["allowed"] is True and e["addresses"] == [address]
+                               for e in entries), (name, run.log)
+    aaaa = run.dns("a.test", "AAAA")
+    assert aaaa and all(e["allowed"] is True and e["addresses"] == [] for e in aaaa), run.log
+    for name in ("nope.test", "c-target.test"):
+        entries = run.dns(name)
+        assert entries and all(e["allowed"] is False for e in entries), (name, run.log)
+    lookups = [e for e in run.log if e["type"] == "dns"]
+    assert {"a.test", "x.b.test", "nope.test", "c-target.test"} <= {e["name"] for e in lookups}
+    for e in lookups:        # whatever else the resolver tried (a search domain) was refused
+        granted = e["name"] in ("a.test", "x.b.test")
+        assert e["allowed"] is granted and isinstance(e["qtype"], str), e
+
+    net = run.net()
+    assert net["refused"] >= 2, net
+    assert net["text"] == f"refused connection attempts: {net['refused']}", net
+    where = run.log.index(net)          # the task's last word on its network, after its end
+    assert all(i < where for i, e in enumerate(run.log) if e["type"] in ("dns", "exit")), run.log
+
+
+# 4. two tasks, two lists #######################################################################
+
+def test_two_tasks_never_share_grants(g: Gurtd) -> None:
+    a = start(g, ["a.test"],
+              IFLINK,
+              curl("mine", "http://a.test/"),
+              "sleep 2",
+              py("other_raw", "tcp", XB, 80),
+              curl("other_ip", f"http://{XB}/"),
+              curl("other_name", "http://x.b.test/"))
+    b = start(g, ["x.b.test"],
+              IFLINK,
+              curl("mine", "http://x.b.test/"),
+              "sleep 2",
+              py("other_raw", "tcp", A, 80),
+              curl("other_ip", f"http://{A}/"),
+              curl("other_name", "http://a.test/"))
+    wait_for_step(g, a, "sleep 2")
+    wait_for_step(g, b, "sleep 2")
+    a_if, b_if = task_ifname(g, a), task_ifname(g, b)
+    assert a_if != b_if
+    assert {addr for addr, _ in allowed(g, a_if)} == {A}, nft_set(g, "allow")
+    assert {addr for addr, _ in allowed(g, b_if)} == {XB}, nft_set(g, "allow")
+
+    run_a, run_b = finished(g, a), finished(g, b)
+    run_a["mine"].ok(f"hello from {A}:80")
+    run_b["mine"].ok(f"hello from {XB}:80")
+    for run in (run_a, run_b):
+        run["other_raw"].refused()
+        run["other_ip"].refused(7)
+        run["other_name"].refused(6)
+    # A tried B's address after B's grant existed, and the other way round
+    granted_b = [e["time"] for e in run_b.dns("x.b.test") if e["allowed"]]
+    granted_a = [e["time"] for e in run_a.dns("a.test") if e["allowed"]]
+    tried_a = [e["time"] for e in run_a.log if e["type"] == "step" and "other_raw" in e["text"]]
+    tried_b = [e["time"] for e in run_b.log if e["type"] == "step" and "other_raw" in e["text"]]
+    assert granted_b and tried_a and min(granted_b) < tried_a[0], (run_a.log, run_b.log)
+    assert granted_a and tried_b and min(granted_a) < tried_b[0], (run_a.log, run_b.log)
+
+
+# 5. grants end with the task ###################################################################
+
+def test_grants_end_when_a_task_is_done_stopped_or_undone(g: Gurtd) -> None:
+    ids = {how: start(g, ["a.test"], IFLINK, curl("a", "http://a.test/"), sleep)
+           for how, sleep in (("done", "sleep 2"), ("stop", "sleep 30"), ("undo", "sleep 30"))}
+    ifnames = {}
+    for how, task_id in ids.items():
+        wait_for_step(g, task_id, "sleep 2" if how == "done" else "sleep 30")
+        ifnames[how] = task_ifname(g, task_id)
+        assert allowed(g, ifnames[how]) == [(A, "1-65535")], nft_set(g, "allow")
+        assert in_tasks_set(g, ifnames[how]), nft_set(g, "tasks")
+        assert ifnames[how] in links()
+
+    g.api("POST", f"/api/tasks/{ids['stop']}/stop")
+    g.api("POST", f"/api/tasks/{ids['undo']}/undo")
+    states = {"done": "done", "stop": "failed", "undo": "undone"}
+    for how, task_id in ids.items():
+        run = finished(g, task_id, states[how])
+        if how == "done":
+            run["a"].ok(f"hello from {A}:80")
+        ifname = ifnames[how]
+        assert allowed(g, ifname) == [], (how, nft_set(g, "allow"))
+        assert f'"{ifname}"' not in nft_set(g, "allow"), how
+        assert not in_tasks_set(g, ifname), (how, nft_set(g, "tasks"))
+        assert run.net()["refused"] == 0, (how, run.net())
+    for how, ifname in ifnames.items():
+        assert gone_soon(ifname), f"{ifname} of the {how} task is still there: {links()}"
+
+
+# 6. a crash of gurtd ###########################################################################
+
+def test_after_a_kill_and_a_restart_nothing_of_the_old_task_net_is_left(g: Gurtd) -> None:
+    old = start(g, ["a.test"], IFLINK, curl("a", "http://a.test/"), "sleep 30")
+    wait_for_step(g, old, "sleep 30")
+    ifname = task_ifname(g, old)
+    assert allowed(g, ifname) == [(A, "1-65535")], nft_set(g, "allow")
+
+    g.restart(kill=True)
+
+    task = g.task(old)
+    assert task["state"] == "failed", task
+    assert f'"{ifname}"' not in nft_set(g, "allow"), nft_set(g, "allow")
+    assert not in_tasks_set(g, ifname), nft_set(g, "tasks")
+    assert gone_soon(ifname, timeout=5.0), f"{ifname} is still there: {links()}"
+    new = start(g, ["a.test"], curl("a", "http://a.test/"), curl("b", f"http://{XB}/"))
+    run = finished(g, new)
+    run["a"].ok(f"hello from {A}:80")
+    run["b"].refused(7)
+
+
+# 7. gurtd's stop ###############################################################################
+
+def test_a_stopped_gurtd_leaves_no_table_and_puts_forwarding_back(g: Gurtd,
+                                                                   inet: Internet) -> None:
+    assert forwarding(HOST_VETH) == inet.forwarding_before
+    assert f"table inet {table(g)}" in sh("nft", "list", "tables")
+    run = finished(g, start(g, ["a.test"], curl("a", "http://a.test/")))
+    run["a"].ok(f"hello from {A}:80")
+    assert forwarding(HOST_VETH) == "1"      # on toward the granted address while gurtd runs
+
+    assert g.stop() == 0, g.log_text()
+    assert table(g) not in sh("nft", "list", "tables")
+    assert forwarding(HOST_VETH) == inet.forwarding_before
+
+
+# 8. malformed entries ##########################################################################
+
+MALFORMED = ["", "*", "*.com", "a..b", "-a.com", "a.com:0", "a.com:65536", "a b.com",
+             "http://a.com", "a.com/x", "198.18.0.1/33", "::1"]
+
+
+def test_malformed_entries_are_refused_at_creation(gurtd: Gurtd) -> None:
+    wrong = []
+    for entry in MALFORMED:
+        body = {"title": "bad host", "prompt": "true", "worker": "fake",
+                "hosts": ["a.test", entry]}
+        code, data, _ = gurtd.request("POST", "/api/tasks", body)
+        error = data.get("error", "") if isinstance(data, dict) else data
+        if code != 400 or "hosts" not in error or json.dumps(entry) not in error:
+            wrong.append((entry, code, data))
+    assert wrong == [], wrong
+    assert gurtd.api("GET", "/api/tasks") == []
