@@ -3142,6 +3142,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     route handler: query_one, json_body, and the BaseHTTPRequestHandler writers."""
 
     protocol_version = "HTTP/1.1"
+    default_request_version = "HTTP/1.0"  # even a garbled request line gets a status line
     server_version = "gurtd/" + VERSION
     sys_version = ""
     disable_nagle_algorithm = True   # headers and body leave at once, no delayed-ACK stall
@@ -3252,6 +3253,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if exc.status in (411, 413):
                 self.close_connection = True
             self.send_json(exc.status, body, exc.headers)
+            if exc.status == 413:
+                self.linger()
         except (TimeoutError, ConnectionError, BrokenPipeError):
             self.close_connection = True
         except Exception as exc:  # the one place an unexpected error becomes a 500
@@ -3261,6 +3264,22 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.send_json(500, {"error": f"internal error: {type(exc).__name__}: {exc}"})
             except OSError:
                 pass
+
+    def linger(self) -> None:
+        """After a 413: read (and drop) what the client still sends, for a little while, so
+        that it reads our answer instead of a reset."""
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(2.0)
+            budget = 64 * MAX_BODY
+            while budget > 0:
+                data = self.connection.recv(65536)
+                if not data:
+                    break
+                budget -= len(data)
+        except OSError:
+            pass
 
     def drain_body(self) -> None:
         """Read and ignore a body where none is used, so keep-alive stays in step."""
