@@ -1,0 +1,822 @@
+"""The tool broker, the wallet and approvals, told as users' stories.
+
+Each test drives a real gurtd (the `gurtd` fixture): tasks run as real box users and call tools
+with `gurtd tool` through the broker socket they see at /run/gurt/broker.sock; a person answers
+through the HTTP API or the command line.  Nothing is mocked; all traffic goes to 127.0.0.1 and
+unix sockets.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pwd
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import gurtd as gurtd_module  # the module under test (its process helpers), not the fixture
+from conftest import GURTD, ROOT, Gurtd
+
+REJECTED = 'Tool call "{tool}" was rejected by the owner: {reason}'
+
+
+# helpers #####################################################################################
+
+def eventually(check: Callable[[], Any], timeout: float = 20.0, what: str = "") -> Any:
+    """Poll check() until it returns something truthy; its value, or AssertionError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or check}")
+        time.sleep(0.02)
+
+
+def pay_line(to: str, cents: Any, **extra: Any) -> str:
+    """A prompt line that pays with the tool client (JSON in single quotes)."""
+    return f"gurtd tool wallet.pay '{json.dumps({'to': to, 'cents': cents, **extra})}'"
+
+
+def set_balance(g: Gurtd, cents: float) -> dict[str, Any]:
+    wallet = g.api("PUT", "/api/wallet", {"balanceCents": cents})
+    assert wallet["balanceCents"] == cents
+    return wallet
+
+
+def wallet(g: Gurtd) -> dict[str, Any]:
+    return g.api("GET", "/api/wallet")
+
+
+def payments(g: Gurtd, task_id: str | None = None) -> list[dict[str, Any]]:
+    """The ledger's payments (not balance settings), of one task or all."""
+    return [e for e in wallet(g)["ledger"] if "task" in e and
+            (task_id is None or e["task"] == task_id)]
+
+
+def approvals(g: Gurtd, **query: str) -> list[dict[str, Any]]:
+    qs = "&".join(f"{k}={v}" for k, v in query.items())
+    return g.api("GET", "/api/approvals" + (f"?{qs}" if qs else ""))
+
+
+def pending_approval(g: Gurtd, task_id: str, timeout: float = 20.0) -> dict[str, Any]:
+    """The task's pending approval, once there is one (and the task is waiting)."""
+    found = eventually(lambda: approvals(g, state="pending", task=task_id), timeout,
+                       f"a pending approval of {task_id}")
+    assert len(found) == 1, found
+    assert g.task(task_id)["state"] == "waiting"
+    return found[0]
+
+
+def stderr_lines(g: Gurtd, task_id: str) -> list[str]:
+    return [e["text"] for e in g.log(task_id) if e["type"] == "stderr"]
+
+
+def tool_entries(g: Gurtd, task_id: str) -> list[dict[str, Any]]:
+    return [e for e in g.log(task_id) if e["type"] == "tool"]
+
+
+def states_of(g: Gurtd, task_id: str) -> list[str]:
+    return [e["state"] for e in g.log(task_id) if e["type"] == "state"]
+
+
+def uid_processes(uid: int) -> list[int]:
+    return gurtd_module.processes_by_uid({uid}).get(uid, [])
+
+
+def task_uid(task: dict[str, Any]) -> int:
+    return pwd.getpwnam(task["user"]).pw_uid
+
+
+def broker_path(g: Gurtd) -> str:
+    return os.path.join(g.home, "run", "broker.sock")
+
+
+def raw_broker_request(path: str, request: bytes, timeout: float = 10.0) -> tuple[int, Any]:
+    """One raw HTTP request over a unix socket: (status, parsed JSON body)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(request)
+        return parse_http_response(read_all(s))
+
+
+def read_all(s: socket.socket) -> bytes:
+    data = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+
+
+def parse_http_response(data: bytes) -> tuple[int, Any]:
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, json.loads(body) if body else None
+
+
+def call_request(body: bytes) -> bytes:
+    return (b"POST /call HTTP/1.1\r\nHost: box\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
+
+
+def cli(g: Gurtd, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("BOX_HOME", "GURT_TOKEN")}
+    env.update(BOX_HOME=g.home, GURT_LISTEN=f"127.0.0.1:{g.port}")
+    return subprocess.run([sys.executable, GURTD, *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=60)
+
+
+def python_line(script: str) -> str:
+    """A prompt line that runs a Python script with the box's system python3."""
+    encoded = base64.b64encode(script.encode()).decode()
+    return f"printf %s {encoded} | base64 -d | python3 -I -"
+
+
+# 1. allowed and unlisted tools ###############################################################
+
+def test_a_granted_tool_works_and_others_are_refused(gurtd: Gurtd) -> None:
+    g = gurtd
+    set_balance(g, 1000)
+    granted = g.create(pay_line("alice", 7), tools=["wallet.pay"], budgetCents=100)
+    unlisted = g.create(pay_line("mallory", 9) + '; echo "pay exit $?"', tools=["ask"],
+                        budgetCents=100)
+    unknown = g.create("gurtd tool nosuch.tool '{\"x\": 1}'; echo \"nosuch exit $?\"",
+                       tools=["wallet.pay", "nosuch.tool"], budgetCents=100)
+
+    # the granted call is paid and its result printed
+    task = g.wait(granted["id"])
+    assert task["state"] == "done", task
+    assert task["costCents"] == 7
+    result = json.loads(g.output(task["id"])[-1])
+    assert result["paid"] is True and result["to"] == "alice" and result["cents"] == 7
+    paid = payments(g, task["id"])
+    assert [(p["to"], p["cents"]) for p in paid] == [("alice", 7)]
+    [entry] = tool_entries(g, task["id"])
+    assert entry["tool"] == "wallet.pay" and entry["result"]["paid"] is True
+    assert entry["args"] == {"to": "alice", "cents": 7}
+    assert isinstance(entry["caller"], int) and entry["caller"] >= gurtd_module.UID_FIRST
+
+    # a tool that is not in the task's tools: exit 1, nothing paid, an error in the log
+    task = g.wait(unlisted["id"])
+    assert task["state"] == "done", task
+    assert g.output(task["id"]) == ["pay exit 1"]
+    assert any("not granted" in line for line in stderr_lines(g, task["id"])), \
+        stderr_lines(g, task["id"])
+    assert payments(g, task["id"]) == []
+    assert task["costCents"] == 0
+    [entry] = tool_entries(g, task["id"])
+    assert entry["tool"] == "wallet.pay" and "error" in entry and "result" not in entry
+
+    # a tool name in tools without an executable behind it: a refusal too
+    task = g.wait(unknown["id"])
+    assert task["state"] == "done", task
+    assert g.output(task["id"]) == ["nosuch exit 1"]
+    assert any("nosuch.tool" in line for line in stderr_lines(g, task["id"])), \
+        stderr_lines(g, task["id"])
+    [entry] = tool_entries(g, task["id"])
+    assert entry["tool"] == "nosuch.tool" and "error" in entry and "result" not in entry
+
+    assert wallet(g)["balanceCents"] == 993
+    assert approvals(g) == []
+
+
+# 2. payments within the budget, a short balance #################################################
+
+def test_payments_within_the_budget_are_paid_at_once(gurtd: Gurtd) -> None:
+    g = gurtd
+    set_balance(g, 1000)
+    task = g.run(pay_line("bob", 30, memo="tea") + "\n" + pay_line("carol", 20),
+                 tools=["wallet.pay"], budgetCents=100)
+    assert task["state"] == "done", task
+    assert task["costCents"] == 50
+    paid = payments(g, task["id"])
+    assert [(p["task"], p["to"], p["cents"]) for p in paid] == \
+        [(task["id"], "bob", 30), (task["id"], "carol", 20)]
+    assert paid[0]["memo"] == "tea"
+    assert paid[0]["balanceAfterCents"] == 970 and paid[1]["balanceAfterCents"] == 950
+    assert wallet(g)["balanceCents"] == 950
+    # within the budget nobody was asked, and the task never waited
+    assert approvals(g, task=task["id"]) == []
+    assert "waiting" not in states_of(g, task["id"])
+    results = [e["result"] for e in tool_entries(g, task["id"])]
+    assert [(r["to"], r["cents"], r["balanceCents"]) for r in results] == \
+        [("bob", 30, 970), ("carol", 20, 950)]
+
+
+def test_a_short_balance_refuses_the_payment(gurtd: Gurtd) -> None:
+    g = gurtd
+    set_balance(g, 10)
+    task = g.run(pay_line("dave", 20) + '; echo "pay exit $?"', tools=["wallet.pay"],
+                 budgetCents=100000)
+    assert task["state"] == "done", task
+    assert g.output(task["id"]) == ["pay exit 1"]
+    assert any("balance" in line for line in stderr_lines(g, task["id"])), \
+        stderr_lines(g, task["id"])
+    assert wallet(g)["balanceCents"] == 10
+    assert payments(g) == []
+    assert task["costCents"] == 0
+    assert approvals(g) == []
+    assert not [e for e in tool_entries(g, task["id"]) if "result" in e]
+
+
+# 3. budget pauses ############################################################################
+
+def test_a_budget_pause_answered_by_approve(gurtd: Gurtd) -> None:
+    g = gurtd
+    set_balance(g, 1000)
+    created = g.create(pay_line("erin", 5) + "\n" + pay_line("frank", 20, memo="big") +
+                       "\necho after", tools=["wallet.pay"], budgetCents=10)
+    approval = pending_approval(g, created["id"])
+    assert approval["task"] == created["id"]
+    assert approval["kind"] == "budget"
+    assert approval["tool"] == "wallet.pay"
+    assert approval["args"] == {"to": "frank", "cents": 20, "memo": "big"}
+    assert approval["cents"] == 20
+    assert approval["state"] == "pending"
+    assert approval["answeredBy"] is None and approval["answeredAt"] is None
+    assert g.api("GET", f"/api/approvals/{approval['id']}") == approval
+    # only the payment within the budget happened so far
+    assert [(p["to"], p["cents"]) for p in payments(g, created["id"])] == [("erin", 5)]
+    assert g.task(created["id"])["costCents"] == 5
+
+    answered = g.api("POST", f"/api/approvals/{approval['id']}/approve", {"reason": "fine"})
+    assert answered["state"] == "approved"
+    assert answered["answeredBy"] == "api" and answered["reason"] == "fine"
+    assert answered["answeredAt"]
+    task = g.wait(created["id"])
+    assert task["state"] == "done", task
+    assert g.output(task["id"])[-1] == "after"
+    assert [(p["to"], p["cents"]) for p in payments(g, task["id"])] == \
+        [("erin", 5), ("frank", 20)]
+    assert wallet(g)["balanceCents"] == 975
+    assert task["costCents"] == 25
+    # the task ran, waited, ran again on the approval, then finished
+    assert states_of(g, task["id"]) == ["queued", "running", "waiting", "running", "done"]
+    assert g.api("GET", f"/api/approvals/{approval['id']}")["state"] == "approved"
+
+
+def test_a_budget_pause_answered_by_deny_hands_the_reason_to_the_task(gurtd: Gurtd) -> None:
+    g = gurtd
+    set_balance(g, 1000)
+    created = g.create(pay_line("gina", 5) + '; echo "pay exit $?"\necho next line',
+                       tools=["wallet.pay"])           # budget 0: every spending asks
+    assert created["budgetCents"] == 0
+    approval = pending_approval(g, created["id"])
+    assert approval["cents"] == 5 and approval["kind"] == "budget"
+
+    reason = "too expensive today"
+    answered = g.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": reason})
+    assert answered["state"] == "denied"
+    assert answered["reason"] == reason and answered["answeredBy"] == "api"
+    task = g.wait(created["id"])
+    assert task["state"] == "done", task
+    expected = REJECTED.format(tool="wallet.pay", reason=reason)
+    assert any(expected in line for line in stderr_lines(g, task["id"])), \
+        stderr_lines(g, task["id"])
+    assert g.output(task["id"]) == ["pay exit 1", "next line"]
+    assert payments(g) == []
+    assert wallet(g)["balanceCents"] == 1000
+    assert task["costCents"] == 0
+    assert not [e for e in tool_entries(g, task["id"]) if "result" in e]
+    assert states_of(g, task["id"]) == ["queued", "running", "waiting", "running", "done"]
+
+
+def test_approve_all_for_one_task_then_for_all(gurtd: Gurtd) -> None:
+    g = gurtd
+    set_balance(g, 1000)
+    one = g.create(pay_line("one", 11), tools=["wallet.pay"])
+    two = g.create(pay_line("two", 22), tools=["wallet.pay"])
+    asker = g.create("gurtd tool ask '{\"question\": \"which colour?\"}'", tools=["ask"])
+    first = pending_approval(g, one["id"])
+    second = pending_approval(g, two["id"])
+    question = pending_approval(g, asker["id"])
+    assert question["kind"] == "ask"
+
+    assert g.api("POST", "/api/approvals/approve-all", {"task": one["id"]}) == {"approved": 1}
+    assert g.api("GET", f"/api/approvals/{first['id']}")["state"] == "approved"
+    assert g.api("GET", f"/api/approvals/{second['id']}")["state"] == "pending"
+    assert g.wait(one["id"])["state"] == "done"
+    assert g.task(two["id"])["state"] == "waiting"
+    assert [p["to"] for p in payments(g)] == ["one"]
+
+    # the rest: every pending spending (an ask is answered, not approved)
+    assert g.api("POST", "/api/approvals/approve-all", {}) == {"approved": 1}
+    assert g.api("GET", f"/api/approvals/{second['id']}")["state"] == "approved"
+    assert g.api("GET", f"/api/approvals/{second['id']}")["answeredBy"] == "api"
+    assert g.wait(two["id"])["state"] == "done"
+    assert g.api("GET", f"/api/approvals/{question['id']}")["state"] == "pending"
+    assert g.api("POST", "/api/approvals/approve-all", {}) == {"approved": 0}
+
+    assert sorted((p["to"], p["cents"]) for p in payments(g)) == [("one", 11), ("two", 22)]
+    assert wallet(g)["balanceCents"] == 1000 - 33
+    g.api("POST", f"/api/approvals/{question['id']}/answer", {"answer": "blue"})
+    assert g.wait(asker["id"])["state"] == "done"
+
+
+# 4. asks, and answers that come too late or to the wrong thing ###################################
+
+def test_an_ask_is_answered_and_answered_approvals_are_final(gurtd: Gurtd) -> None:
+    g = gurtd
+    set_balance(g, 1000)
+    created = g.create("gurtd tool ask '{\"question\": \"Deploy now?\"}'\n" +
+                       pay_line("hank", 5) + '; echo "pay exit $?"',
+                       tools=["ask", "wallet.pay"])
+    ask = pending_approval(g, created["id"])
+    assert ask["kind"] == "ask" and ask["tool"] == "ask"
+    assert ask["question"] == "Deploy now?" and ask["cents"] == 0
+    assert ask["args"] == {"question": "Deploy now?"}
+
+    answered = g.api("POST", f"/api/approvals/{ask['id']}/answer", {"answer": "yes, go"})
+    assert answered["state"] == "approved" and answered["answer"] == "yes, go"
+    assert answered["answeredBy"] == "api"
+    # answered once is answered: answer, approve and deny again are 409
+    for verb, body in (("answer", {"answer": "no"}), ("approve", {}), ("deny", {})):
+        code, data, _ = g.request("POST", f"/api/approvals/{ask['id']}/{verb}", body)
+        assert code == 409, (verb, code, data)
+    assert g.api("GET", f"/api/approvals/{ask['id']}")["answer"] == "yes, go"
+
+    # the next line pays: a budget approval is approved or denied, not answered
+    budget = eventually(lambda: [a for a in approvals(g, state="pending", task=created["id"])
+                                 if a["kind"] == "budget"], what="the budget approval")[0]
+    code, data, _ = g.request("POST", f"/api/approvals/{budget['id']}/answer", {"answer": "ok"})
+    assert code == 409, (code, data)
+    assert g.api("GET", f"/api/approvals/{budget['id']}")["state"] == "pending"
+    g.api("POST", f"/api/approvals/{budget['id']}/approve", {})
+    for verb, body in (("approve", {}), ("deny", {"reason": "late"}), ("answer", {"answer": "x"})):
+        code, data, _ = g.request("POST", f"/api/approvals/{budget['id']}/{verb}", body)
+        assert code == 409, (verb, code, data)
+    assert g.api("GET", f"/api/approvals/{budget['id']}")["state"] == "approved"
+
+    task = g.wait(created["id"])
+    assert task["state"] == "done", task
+    out = g.output(task["id"])
+    assert json.loads(out[0]) == {"answer": "yes, go"}
+    assert out[-1] == "pay exit 0"
+    assert [(p["to"], p["cents"]) for p in payments(g)] == [("hank", 5)]
+
+    # an unknown approval is 404, whatever is asked of it
+    for method, path, body in (("GET", "/api/approvals/azzzzzzzzz", None),
+                               ("POST", "/api/approvals/azzzzzzzzz/approve", {}),
+                               ("POST", "/api/approvals/azzzzzzzzz/deny", {}),
+                               ("POST", "/api/approvals/azzzzzzzzz/answer", {"answer": "x"})):
+        code, data, _ = g.request(method, path, body)
+        assert code == 404, (method, path, code, data)
+
+
+# 5. undo and stop while waiting ##############################################################
+
+def test_undo_while_waiting_denies_the_approval_and_ends_the_task(gurtd: Gurtd) -> None:
+    g = gurtd
+    set_balance(g, 1000)
+    created = g.create(pay_line("ivan", 40) + "\necho never", tools=["wallet.pay"])
+    approval = pending_approval(g, created["id"])
+    uid = task_uid(g.task(created["id"]))
+    assert uid_processes(uid), "the waiting task has no process"
+
+    undone = g.api("POST", f"/api/tasks/{created['id']}/undo")
+    assert undone["state"] == "undone"
+    after = g.api("GET", f"/api/approvals/{approval['id']}")
+    assert after["state"] == "denied"
+    assert after["answeredBy"] == "undo" and after["reason"] == "answered by undo"
+    assert after["answeredAt"]
+    eventually(lambda: not uid_processes(uid), 10, "the task's processes to end")
+    assert g.worker_pids(undone) == []
+    time.sleep(0.3)          # a call that slipped through would land now
+    assert g.task(created["id"])["state"] == "undone"
+    assert "never" not in g.output(created["id"])
+    assert payments(g) == [] and wallet(g)["balanceCents"] == 1000
+    assert approvals(g, state="pending") == []
+
+
+def test_stop_while_waiting_denies_the_approval_and_fails_the_task(gurtd: Gurtd) -> None:
+    g = gurtd
+    set_balance(g, 1000)
+    created = g.create(pay_line("judy", 40) + "\necho never", tools=["wallet.pay"])
+    approval = pending_approval(g, created["id"])
+    uid = task_uid(g.task(created["id"]))
+
+    stopped = g.api("POST", f"/api/tasks/{created['id']}/stop")
+    assert stopped["state"] == "failed" and stopped["error"] == "stopped"
+    after = g.api("GET", f"/api/approvals/{approval['id']}")
+    assert after["state"] == "denied" and after["answeredBy"] == "stop"
+    eventually(lambda: not uid_processes(uid), 10, "the task's processes to end")
+    task = g.task(created["id"])
+    assert task["state"] == "failed" and task["error"] == "stopped"
+    assert "never" not in g.output(created["id"])
+    assert payments(g) == [] and wallet(g)["balanceCents"] == 1000
+    code, data, _ = g.request("POST", f"/api/approvals/{approval['id']}/approve", {})
+    assert code == 409, (code, data)
+    assert payments(g) == []
+
+
+# 6. many payers at once ######################################################################
+
+def test_twenty_tasks_paying_at_once_keep_the_books_straight(gurtd: Gurtd) -> None:
+    g = gurtd
+    g.api("PUT", "/api/settings", {"maxRunningTasks": 20})
+    set_balance(g, 10000)
+    created = {g.create(pay_line(f"payee{i}", i), tools=["wallet.pay"], budgetCents=1000,
+                        title=f"payer {i}")["id"]: i for i in range(1, 21)}
+    for task_id, cents in created.items():
+        task = g.wait(task_id, timeout=60)
+        assert task["state"] == "done", task
+        assert task["costCents"] == cents
+    book = wallet(g)
+    paid = [e for e in book["ledger"] if "task" in e]
+    assert len(paid) == 20
+    assert sorted((e["task"], e["to"], e["cents"]) for e in paid) == \
+        sorted((t, f"payee{i}", i) for t, i in created.items())
+    assert book["balanceCents"] + sum(e["cents"] for e in paid) == 10000
+    assert book["balanceCents"] == 10000 - 210
+    # each entry's balance follows from the one before: no payment was lost in a race
+    balance = 10000
+    for entry in book["ledger"][1:]:
+        balance -= entry["cents"]
+        assert entry["balanceAfterCents"] == balance, entry
+    assert approvals(g) == []
+
+
+# 7. callers that are not tasks ###############################################################
+
+def _call_as_nobody(run_dir: str, request: bytes) -> tuple[int, Any]:
+    """Connect to run_dir/broker.sock as uid 65534 (nobody) from a forked child."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_fd)
+            os.chdir(run_dir)                   # BOX_HOME's parent is 0700: connect relatively
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(10)
+                s.connect("broker.sock")
+                s.sendall(request)
+                data = read_all(s)
+            os.write(write_fd, json.dumps({"uid": os.getuid(),
+                                           "data": data.decode(errors="replace")}).encode())
+        except BaseException as exc:  # noqa: BLE001 - report anything to the parent
+            os.write(write_fd, json.dumps({"exception": repr(exc)}).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as f:
+        report = json.loads(f.read())
+    os.waitpid(pid, 0)
+    assert "exception" not in report, report
+    assert report["uid"] == 65534
+    return parse_http_response(report["data"].encode())
+
+
+def test_a_process_that_is_not_a_task_is_refused(gurtd: Gurtd) -> None:
+    g = gurtd
+    set_balance(g, 1000)
+    # a running task that may pay without asking: its grant is not for others to use
+    sleeper = g.create("sleep 30", tools=["wallet.pay"], budgetCents=1000)
+    g.wait(sleeper["id"], ("running",))
+    pay = call_request(json.dumps({"tool": "wallet.pay",
+                                   "args": {"to": "thief", "cents": 100}}).encode())
+    tools = b"GET /tools HTTP/1.1\r\nHost: box\r\nConnection: close\r\n\r\n"
+
+    # root, from the host
+    status, body = raw_broker_request(broker_path(g), pay)
+    assert status == 403, body
+    assert body["error"]
+    status, body = raw_broker_request(broker_path(g), tools)
+    assert status == 403, body
+
+    # a local user that is no task
+    status, body = _call_as_nobody(os.path.join(g.home, "run"), pay)
+    assert status == 403, body
+    status, body = _call_as_nobody(os.path.join(g.home, "run"), tools)
+    assert status == 403, body
+
+    assert payments(g) == [] and wallet(g)["balanceCents"] == 1000
+    assert approvals(g) == []
+    assert g.task(sleeper["id"])["costCents"] == 0
+    assert tool_entries(g, sleeper["id"]) == []
+    g.api("POST", f"/api/tasks/{sleeper['id']}/stop")
+
+
+# 8. a restart while a payment waits ##########################################################
+
+def test_a_restart_fails_the_waiting_task_and_pays_nothing(gurtd: Gurtd) -> None:
+    g = gurtd
+    set_balance(g, 1000)
+    created = g.create(pay_line("kate", 60), tools=["wallet.pay"], budgetCents=50)
+    approval = pending_approval(g, created["id"])
+    uid = task_uid(g.task(created["id"]))
+    before = wallet(g)
+
+    g.restart(kill=True)
+
+    task = g.task(created["id"])
+    assert task["state"] == "failed"
+    assert task["error"] == "gurtd restarted while the task was running"
+    after = g.api("GET", f"/api/approvals/{approval['id']}")
+    assert after["state"] == "denied" and after["answeredBy"] == "restart"
+    assert wallet(g) == before
+    assert task["costCents"] == 0
+    eventually(lambda: not uid_processes(uid), 10, "the old task's processes to end")
+    # the approval is final: approving it now pays nothing, twice or half
+    code, data, _ = g.request("POST", f"/api/approvals/{approval['id']}/approve", {})
+    assert code == 409, (code, data)
+    assert approvals(g, state="pending") == []
+    time.sleep(0.3)
+    assert wallet(g) == before
+
+
+# 9. bad input ################################################################################
+
+PROBE = r"""
+import json, socket
+def send(name, raw):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    try:
+        s.connect("/run/gurt/broker.sock")
+        s.sendall(raw)
+        data = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except ConnectionResetError:
+                if not data:
+                    raise
+                break       # the answer came; the server then dropped what it did not read
+            if not chunk:
+                break
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        print(json.dumps({"case": name, "status": int(head.split(b" ")[1]),
+                          "body": body.decode(errors="replace")}))
+    except Exception as exc:
+        print(json.dumps({"case": name, "status": 0, "body": repr(exc)}))
+    finally:
+        s.close()
+def post(name, body, length=True):
+    if not isinstance(body, bytes):
+        body = json.dumps(body).encode()
+    head = b"POST /call HTTP/1.1\r\nHost: box\r\nContent-Type: application/json\r\n"
+    head += b"Connection: close\r\n"
+    if length:
+        head += b"Content-Length: %d\r\n" % len(body)
+    send(name, head + b"\r\n" + body)
+for name, body in json.loads(CASES):
+    post(name, body.encode() if isinstance(body, str) else body)
+post("no length", b'{"tool": "wallet.pay", "args": {"to": "x", "cents": 1}}', length=False)
+"""
+
+BAD_CALLS: list[tuple[str, Any]] = [
+    # malformed requests
+    ("bad json", '{"tool": "wallet.pay", "args": {'),
+    ("not an object", [1, 2]),
+    ("missing tool", {"args": {"to": "x", "cents": 1}}),
+    ("tool not a string", {"tool": 5, "args": {"to": "x", "cents": 1}}),
+    ("extra key", {"tool": "wallet.pay", "args": {"to": "x", "cents": 1}, "budget": 9}),
+    ("args not an object", {"tool": "wallet.pay", "args": [1]}),
+    # wallet.pay arguments
+    ("negative cents", {"tool": "wallet.pay", "args": {"to": "x", "cents": -5}}),
+    ("string cents", {"tool": "wallet.pay", "args": {"to": "x", "cents": "5"}}),
+    ("zero cents", {"tool": "wallet.pay", "args": {"to": "x", "cents": 0}}),
+    ("true cents", {"tool": "wallet.pay", "args": {"to": "x", "cents": True}}),
+    ("nan cents", '{"tool": "wallet.pay", "args": {"to": "x", "cents": NaN}}'),
+    ("infinite cents", '{"tool": "wallet.pay", "args": {"to": "x", "cents": 1e999}}'),
+    ("missing cents", {"tool": "wallet.pay", "args": {"to": "x"}}),
+    ("missing to", {"tool": "wallet.pay", "args": {"cents": 5}}),
+    ("empty to", {"tool": "wallet.pay", "args": {"to": " ", "cents": 5}}),
+    ("extra argument", {"tool": "wallet.pay", "args": {"to": "x", "cents": 5, "tip": 1}}),
+    ("memo not a string", {"tool": "wallet.pay", "args": {"to": "x", "cents": 5, "memo": 7}}),
+    # ask arguments (a wrongly accepted one would wait for a person)
+    ("ask without question", {"tool": "ask", "args": {}}),
+    ("ask with extra", {"tool": "ask", "args": {"question": "q", "also": 1}}),
+    ("ask empty question", {"tool": "ask", "args": {"question": ""}}),
+    # too large: more than 64 KiB
+    ("oversized", {"tool": "wallet.pay", "args": {"to": "x", "cents": 5,
+                                                  "memo": "m" * (70 * 1024)}}),
+]
+
+
+def test_bad_calls_are_refused_and_spend_nothing(gurtd: Gurtd) -> None:
+    g = gurtd
+    set_balance(g, 1000)
+    script = PROBE.replace("json.loads(CASES)", f"json.loads({json.dumps(json.dumps(BAD_CALLS))})")
+    curl = ("curl -s --unix-socket /run/gurt/broker.sock -o /dev/null -w 'curl %{http_code}\\n' "
+            "-H 'Content-Type: application/json' "
+            "-d '{\"tool\": \"wallet.pay\", \"args\": {\"to\": \"x\", \"cents\": -1}' "
+            "http://box/call")
+    prompt = "\n".join([
+        python_line(script),
+        curl,
+        pay_line("x", -3) + '; echo "client exit $?"',
+        "gurtd tool wallet.pay '{\"to\": \"x\", \"cents\": true}'; echo \"client exit $?\"",
+        'gurtd tool wallet.pay "{\\"to\\": \\"x\\", \\"cents\\": 5, \\"memo\\": '
+        '\\"$(head -c 70000 /dev/zero | tr \'\\0\' m)\\"}"; echo "client exit $?"',
+    ])
+    # a budget this big would let any wrongly accepted payment through without asking
+    task = g.run(prompt, tools=["wallet.pay", "ask"], budgetCents=100000)
+    assert task["state"] == "done", (task, g.log(task["id"]))
+    out = g.output(task["id"])
+    results = {r["case"]: r for r in (json.loads(line) for line in out if line.startswith("{"))}
+    assert set(results) == {name for name, _ in BAD_CALLS} | {"no length"}, out
+
+    for name, _ in BAD_CALLS:
+        result = results[name]
+        expected = 413 if name == "oversized" else 400
+        assert result["status"] == expected, result
+        body = json.loads(result["body"])
+        assert isinstance(body.get("error"), str) and body["error"], result
+    assert 400 <= results["no length"]["status"] < 500, results["no length"]
+    assert "curl 400" in out, out
+    assert out.count("client exit 1") == 3, out
+    stderr = stderr_lines(g, task["id"])
+    assert any("cents" in line for line in stderr), stderr
+    assert any("larger than" in line for line in stderr), stderr
+
+    assert payments(g) == [] and wallet(g)["balanceCents"] == 1000
+    assert task["costCents"] == 0
+    assert approvals(g) == []
+    entries = tool_entries(g, task["id"])
+    assert entries, "bad arguments of a granted tool are logged with their error"
+    assert not [e for e in entries if "result" in e], entries
+    assert all(e.get("error") for e in entries), entries
+
+
+# 10. an executable tool ######################################################################
+
+ECHO_TOOL = """#!/bin/sh
+input=$(cat)
+printf '{"echo": %s, "costCents": 3, "user": "%s", "task": "%s"}\\n' \
+  "$input" "$(id -un)" "$GURT_TASK"
+"""
+
+
+def test_an_executable_tool_runs_as_the_tools_user(gurtd: Gurtd) -> None:
+    g = gurtd
+    # gurt-tools must reach BOX_HOME/tools: the test's BOX_HOME parent is mkdtemp's 0700
+    os.chmod(os.path.dirname(g.home), 0o711)
+    path = os.path.join(g.home, "tools", "echo.tool")
+    with open(path, "w") as f:
+        f.write(ECHO_TOOL)
+    os.chmod(path, 0o755)
+    with open(os.path.join(g.home, "tools", "notes.txt"), "w") as f:
+        f.write("not a tool\n")
+
+    names = {t["name"]: t for t in g.api("GET", "/api/tools")}
+    assert {"wallet.pay", "ask", "echo.tool"} <= set(names), names
+    assert names["echo.tool"]["kind"] == "executable"
+    assert "notes.txt" not in names
+
+    args = {"word": "hello", "n": [1, 2]}
+    task = g.run(f"gurtd tool echo.tool '{json.dumps(args)}'\nid -un",
+                 tools=["echo.tool"])            # budget 0: a tool's cost is counted, not asked
+    assert task["state"] == "done", (task, g.log(task["id"]))
+    out = g.output(task["id"])
+    result = json.loads(out[0])
+    assert result["echo"] == args
+    assert result["costCents"] == 3
+    assert result["task"] == task["id"]
+    assert result["user"] == "gurt-tools"
+    assert result["user"] not in ("root", task["user"])
+    assert out[1] == task["user"]
+    assert task["costCents"] == 3
+    [entry] = tool_entries(g, task["id"])
+    assert entry["tool"] == "echo.tool" and entry["result"] == result and entry["cents"] == 3
+    assert approvals(g) == []
+    assert payments(g) == []
+
+
+# 11. the events stream #######################################################################
+
+def test_the_events_stream_tells_of_a_pending_approval_at_once(gurtd: Gurtd) -> None:
+    g = gurtd
+    set_balance(g, 1000)
+    conn = g.connection(timeout=15)
+    conn.request("GET", "/api/events", headers={"Authorization": f"Bearer {g.token}"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.getheader("Content-Type", "").startswith("text/event-stream")
+
+    created = g.create(pay_line("liam", 5), tools=["wallet.pay"])
+    waiting_at: list[float] = []
+
+    def poll() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if g.task(created["id"])["state"] == "waiting":
+                waiting_at.append(time.monotonic())
+                return
+            time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    events: list[tuple[int, str, dict[str, Any]]] = []
+    received_at = None
+    event_id, kind = None, None
+    try:
+        deadline = time.monotonic() + 20
+        while received_at is None and time.monotonic() < deadline:
+            line = resp.readline().decode().rstrip("\n")
+            if line.startswith("id: "):
+                event_id = int(line[4:])
+            elif line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+                assert event_id is not None and kind in ("task", "approval"), (event_id, kind)
+                events.append((event_id, kind, data))
+                if kind == "approval" and data["task"] == created["id"] and \
+                        data["state"] == "pending":
+                    received_at = time.monotonic()
+            elif not line:
+                event_id, kind = None, None
+    finally:
+        poller.join()
+        resp.close()
+        conn.close()
+    assert received_at is not None, events
+    assert waiting_at, "the task never went waiting"
+    assert received_at - waiting_at[0] < 1.0, (received_at - waiting_at[0])
+    ids = [e[0] for e in events]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids), ids
+    assert ("task", created["id"], "running") in [(k, d.get("id"), d.get("state"))
+                                                  for _, k, d in events]
+    approval = [d for _, k, d in events if k == "approval"][-1]
+    assert approval["kind"] == "budget" and approval["cents"] == 5
+    g.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": "no"})
+    assert g.wait(created["id"])["state"] == "failed"
+
+
+# 12. the command line ########################################################################
+
+def test_the_command_line_answers_approvals_and_shows_the_wallet(gurtd: Gurtd) -> None:
+    g = gurtd
+    proc = cli(g, "wallet", "--set", "500", "--json")
+    assert proc.returncode == 0, proc.stderr
+    book = json.loads(proc.stdout)
+    assert book["balanceCents"] == 500 and book["ledger"][-1]["set"] == 500
+    assert wallet(g)["balanceCents"] == 500
+
+    created = g.create("\n".join([
+        pay_line("mia", 20),
+        pay_line("noah", 30) + '; echo "second exit $?"',
+        "gurtd tool ask '{\"question\": \"Ship it?\"}'",
+    ]), tools=["wallet.pay", "ask"])
+
+    first = pending_approval(g, created["id"])
+    proc = cli(g, "approvals", "--json")
+    assert proc.returncode == 0, proc.stderr
+    listed = json.loads(proc.stdout)
+    assert [a["id"] for a in listed] == [first["id"]]
+    assert listed[0]["state"] == "pending" and listed[0]["args"] == {"to": "mia", "cents": 20}
+    proc = cli(g, "approve", first["id"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"{first['id']} approved"
+    proc = cli(g, "approve", first["id"])            # once is enough: 409
+    assert proc.returncode != 0 and "409" in proc.stderr, (proc.stdout, proc.stderr)
+
+    second = eventually(lambda: [a for a in approvals(g, state="pending", task=created["id"])
+                                 if a["id"] != first["id"]], what="the second approval")[0]
+    assert second["args"] == {"to": "noah", "cents": 30}
+    proc = cli(g, "deny", second["id"], "--reason", "not noah")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"{second['id']} denied"
+    assert g.api("GET", f"/api/approvals/{second['id']}")["reason"] == "not noah"
+
+    ask = eventually(lambda: [a for a in approvals(g, state="pending", task=created["id"])
+                              if a["kind"] == "ask"], what="the ask")[0]
+    proc = cli(g, "answer", ask["id"], "yes, ship")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"{ask['id']} approved"
+
+    task = g.wait(created["id"])
+    assert task["state"] == "done", task
+    out = g.output(task["id"])
+    assert "second exit 1" in out, out
+    assert json.loads(out[-1]) == {"answer": "yes, ship"}
+    assert any(REJECTED.format(tool="wallet.pay", reason="not noah") in line
+               for line in stderr_lines(g, task["id"]))
+    assert [(p["to"], p["cents"]) for p in payments(g)] == [("mia", 20)]
+
+    proc = cli(g, "approvals", "--json", "--state", "denied")
+    assert proc.returncode == 0, proc.stderr
+    assert [a["id"] for a in json.loads(proc.stdout)] == [second["id"]]
+    proc = cli(g, "approvals", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout) == [], proc.stdout
+
+    proc = cli(g, "wallet")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^balance: 480(\.0)? cents$", proc.stdout, re.M), proc.stdout
+    assert re.search(rf"{task['id']} paid 20 to mia$", proc.stdout, re.M), proc.stdout
+    assert "set to 500" in proc.stdout
+    assert "noah" not in proc.stdout
