@@ -46,6 +46,9 @@ class Gurtd:
     # process
     def start(self, timeout: float = 20.0) -> None:
         env = {k: v for k, v in os.environ.items() if k not in ("BOX_HOME", "GURT_TOKEN")}
+        # Network safety: a granted name is resolved at a loopback port where nothing
+        # listens (an instant SERVFAIL), never at the host's real nameserver.
+        env["GURT_DNS_UPSTREAM"] = "127.0.0.1:9"
         env.update(self.env)
         offset = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
         log = open(self.log_path, "ab")
