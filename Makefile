@@ -10,9 +10,12 @@ LISTEN ?= 127.0.0.1:7700
 APT_PACKAGES := nftables iproute2 util-linux libcap-dev gcc python3-dev python3-venv curl systemd \
   python3-click
 
+DROID_VERSION := 0.215.0
+DROID := $(VENV)/droid/node_modules/droid/bin/droid
+
 .PHONY: deps run test bench install uninstall clean
 
-deps: $(VENV)/.installed
+deps: $(VENV)/.installed $(VENV)/.droid-$(DROID_VERSION)
 
 $(VENV)/.installed: requirements.txt
 	@missing=""; for p in $(APT_PACKAGES); do \
@@ -22,6 +25,16 @@ $(VENV)/.installed: requirements.txt
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt
+	touch $@
+
+# The Droid CLI, pinned, from the npm registry (its package ships the native binary);
+# Node.js and npm from Debian when missing.
+$(VENV)/.droid-$(DROID_VERSION): $(VENV)/.installed
+	command -v npm >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm; }
+	npm install --prefix $(VENV)/droid --no-audit --no-fund --loglevel=error \
+	  droid@$(DROID_VERSION)
+	test "$$($(DROID) --version)" = "$(DROID_VERSION)"
 	touch $@
 
 run: deps
@@ -39,6 +52,8 @@ install: deps
 	$(PYTHON) -m venv $(PREFIX)/lib/gurtd/venv
 	$(PREFIX)/lib/gurtd/venv/bin/pip install -q --disable-pip-version-check \
 	  -r $(PREFIX)/lib/gurtd/requirements.txt
+	npm install --prefix $(PREFIX)/lib/gurtd/droid --no-audit --no-fund --loglevel=error \
+	  droid@$(DROID_VERSION)
 	printf '#!/bin/sh\nexec $(PREFIX)/lib/gurtd/venv/bin/python $(PREFIX)/lib/gurtd/gurtd.py "$$@"\n' \
 	  > $(PREFIX)/bin/gurtd
 	chmod 0755 $(PREFIX)/bin/gurtd

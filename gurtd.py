@@ -92,8 +92,21 @@ STATES = ("queued", "running", "waiting", "done", "failed", "undone")
 ACTIVE_STATES = ("queued", "running", "waiting")
 WORKERS = ("droid", "fake")
 
-DEFAULT_SETTINGS: dict[str, Any] = {"defaultBudgetCents": 0, "maxRunningTasks": 8,
-                                    "upstreamDns": ""}
+DROID_VERSION = "0.215.0"             # the pinned Droid CLI (npm package droid), see Makefile
+DEFAULT_DROID_MODEL = "claude-sonnet-5"
+# US cents per million tokens; a setting, so that an owner can keep it in step with Factory.
+DEFAULT_DROID_PRICES = {
+    "claude-sonnet-5": {"input": 300, "output": 1500, "cacheRead": 30, "cacheWrite": 375},
+    "claude-opus-5": {"input": 500, "output": 2500, "cacheRead": 50, "cacheWrite": 625},
+    "claude-haiku-4-5-20251001": {"input": 100, "output": 500, "cacheRead": 10,
+                                  "cacheWrite": 125},
+}
+DEFAULT_SETTINGS: dict[str, Any] = {
+    "defaultBudgetCents": 0, "maxRunningTasks": 8, "upstreamDns": "",
+    "taskTimeoutSeconds": 3600, "droidPath": "", "droidModel": DEFAULT_DROID_MODEL,
+    "droidAutonomy": "high", "droidHosts": ["factory.ai", "*.factory.ai"],
+    "droidPrices": DEFAULT_DROID_PRICES,
+}
 
 # x86_64 and aarch64 share these numbers for the new mount API.
 SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_FSOPEN, SYS_FSCONFIG, SYS_FSMOUNT = 428, 429, 430, 431, 432
@@ -373,6 +386,36 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
         if key == "maxRunningTasks":
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1000:
                 raise ApiError(400, "maxRunningTasks must be a whole number from 1 to 1000")
+        if key == "taskTimeoutSeconds":
+            if isinstance(value, bool) or not isinstance(value, int) or \
+                    not 1 <= value <= 7 * 86400:
+                raise ApiError(400, "taskTimeoutSeconds must be a whole number from 1 to 604800")
+        if key == "droidPath":
+            if not isinstance(value, str) or (value and not os.path.isabs(value)):
+                raise ApiError(400, "droidPath must be an absolute path, or empty for the one "
+                                    "make installs")
+        if key == "droidModel":
+            if not isinstance(value, str) or not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,99}",
+                                                                 value):
+                raise ApiError(400, "droidModel must be a model id such as claude-sonnet-5")
+        if key == "droidAutonomy" and value not in ("low", "medium", "high"):
+            raise ApiError(400, "droidAutonomy must be one of: low, medium, high")
+        if key == "droidHosts":
+            if not isinstance(value, list):
+                raise ApiError(400, "droidHosts must be an array of host entries")
+            for host in value:
+                try:
+                    parse_host(host)
+                except ValueError as exc:
+                    raise ApiError(400, f"droidHosts: {json.dumps(host)}: {exc}") from None
+        if key == "droidPrices":
+            if not isinstance(value, dict) or not all(
+                    isinstance(p, dict) and set(p) == {"input", "output", "cacheRead",
+                                                       "cacheWrite"}
+                    and all(is_cents(c) and c >= 0 for c in p.values())
+                    for p in value.values()):
+                raise ApiError(400, "droidPrices must map model ids to {input, output, "
+                                    "cacheRead, cacheWrite} in cents per million tokens")
         if key == "upstreamDns":
             if not isinstance(value, str):
                 raise ApiError(400, "upstreamDns must be a string: HOST[:PORT], or empty")
@@ -505,6 +548,45 @@ def check_tool_args(tool: str, args: Any) -> float:
 
 def rejected_by_owner(tool: str, reason: str) -> str:
     return f'Tool call "{tool}" was rejected by the owner: {reason}'
+
+
+def droid_step(event: dict[str, Any]) -> str | None:
+    """A short human form of a Droid stream event for `step`, e.g. "Execute: npm test"."""
+    kind = event.get("type")
+    if kind == "tool_call":
+        name = str(event.get("toolName") or event.get("toolId") or event.get("name") or "tool")
+        params = event.get("parameters") or event.get("input") or event.get("arguments") or {}
+        detail = ""
+        if isinstance(params, dict):
+            for key in ("command", "file_path", "path", "pattern", "url", "query", "name"):
+                if isinstance(params.get(key), str):
+                    detail = params[key]
+                    break
+        return f"{name}: {detail}".strip().rstrip(":")[:200] if detail else name[:200]
+    if kind == "message" and event.get("role") == "assistant":
+        text = str(event.get("text") or "").strip()
+        return text.splitlines()[0][:200] if text else None
+    return None
+
+
+TOKEN_KEYS = {"input": ("input_tokens", "inputTokens"),
+              "output": ("output_tokens", "outputTokens"),
+              "cacheRead": ("cache_read_input_tokens", "cacheReadTokens", "cacheReadInputTokens"),
+              "cacheWrite": ("cache_creation_input_tokens", "cacheWriteTokens",
+                             "cacheCreationInputTokens")}
+
+
+def usage_cents(usage: Any, prices: dict[str, float] | None) -> float:
+    """What a usage record costs at these prices (cents per million tokens); 0 without."""
+    if not isinstance(usage, dict) or not prices:
+        return 0.0
+    total = 0.0
+    for kind, keys in TOKEN_KEYS.items():
+        for key in keys:
+            if is_cents(usage.get(key)):
+                total += usage[key] * prices[kind] / 1_000_000
+                break
+    return total
 
 
 def lower_layer_paths(layers: list[str]) -> list[str]:
@@ -796,6 +878,36 @@ def processes_by_uid(uids: set[int] | None = None) -> dict[int, list[int]]:
                 (uids is None and UID_FIRST <= uid < UID_FIRST + UID_COUNT):
             out.setdefault(uid, []).append(int(entry))
     return out
+
+
+def signal_uid(uid: int, sig: int) -> None:
+    """Send sig to every process of uid (SIGSTOP to pause a task, SIGCONT to resume it)."""
+    for pid in processes_by_uid({uid}).get(uid, []):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+_DROID_MODELS: dict[str, list[str]] = {}
+
+
+def droid_models(path: str) -> list[str]:
+    """The model ids the Droid CLI knows, from its own answer to an unknown one (cached)."""
+    if path not in _DROID_MODELS:
+        import tempfile
+        with tempfile.TemporaryDirectory() as home:
+            try:
+                proc = subprocess.run([path, "exec", "-m", "gurtd-probe-no-such-model", "x"],
+                                      capture_output=True, timeout=30, cwd=home,
+                                      env={"HOME": home, "PATH": TASK_PATH})
+                text = (proc.stderr + proc.stdout).decode(errors="replace")
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                log(4, f"cannot ask {path} for its models: {exc}")
+                return []
+        m = re.search(r"Available built-in models:\s*\n\s*([^\n]+)", text)
+        _DROID_MODELS[path] = [x.strip() for x in m.group(1).split(",")] if m else []
+    return _DROID_MODELS[path]
 
 
 def kill_uid(uid: int, timeout: float = 5.0) -> None:
@@ -1166,9 +1278,14 @@ def sandbox_main(fds: list[int]) -> None:
     try:
         if spec["mode"] == "fake":
             os._exit(_run_fake(spec, out_fd))
-        os.dup2(fds[2], 1)
-        os.dup2(fds[3], 2)
-        os.execve(spec["argv"][0], spec["argv"], spec["env"])
+        for rel, text in spec.get("homeFiles", {}).items():   # written as the box user
+            path = os.path.join(spec["home"], rel)
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+        code = _run_line(spec["argv"], spec["env"], out_fd)
+        _emit(out_fd, t="exit", code=code)
+        os._exit(code)
     except BaseException as exc:
         os.write(out_fd, (json.dumps({"t": "error", "text": f"worker: {exc}"}) + "\n").encode())
     os._exit(126)
@@ -1237,6 +1354,7 @@ def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
         os.close(fd)
     broker = os.open(spec["broker"], os.O_PATH | os.O_CLOEXEC)   # before they are hidden
     module = os.open(spec["module"], os.O_PATH | os.O_CLOEXEC)
+    droid = os.open(spec["droid"], os.O_PATH | os.O_CLOEXEC) if spec.get("droid") else -1
     tmpfs = MS_NOSUID | MS_NODEV
     _mount("tmpfs", box_home, "tmpfs", tmpfs | MS_NOEXEC, "mode=0,size=4k")
     _mount("tmpfs", "/run", "tmpfs", tmpfs, "mode=0755,size=1m")
@@ -1245,12 +1363,19 @@ def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
             MOVE_MOUNT_F_EMPTY_PATH)
     os.close(view)
     # the broker socket, and the `gurtd` command (its tool client) from this very module
-    for path, fd in ((BROKER_IN_BOX, broker), ("/run/gurt/lib/gurtd.py", module)):
+    binds = [(BROKER_IN_BOX, broker), ("/run/gurt/lib/gurtd.py", module)]
+    if droid >= 0:
+        binds.append(("/run/gurt/bin/droid", droid))
+    for path, fd in binds:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         open(path, "w").close()
         _mount(f"/proc/self/fd/{fd}", path, None, 0x1000, None)  # MS_BIND
         os.close(fd)
-    os.makedirs("/run/gurt/bin")
+    os.makedirs("/run/gurt/bin", exist_ok=True)
+    for path, text in spec.get("files", {}).items():          # the prompt, the system prompt
+        with open(path, "w") as f:
+            f.write(text)
+        os.chmod(path, 0o644)
     with open("/run/gurt/bin/gurtd", "w") as f:
         f.write('#!/bin/sh\nexec /usr/bin/python3 -I /run/gurt/lib/gurtd.py "$@"\n')
     os.chmod("/run/gurt/bin/gurtd", 0o755)
@@ -1309,7 +1434,7 @@ def _run_fake(spec: dict[str, Any], out_fd: int) -> int:
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         _emit(out_fd, t="step", text=line)
-        code = _run_line(line, env, out_fd)
+        code = _run_line(["/bin/sh", "-c", line], env, out_fd)
         if code != 0:
             _emit(out_fd, t="exit", code=code)
             return code
@@ -1317,7 +1442,8 @@ def _run_fake(spec: dict[str, Any], out_fd: int) -> int:
     return 0
 
 
-def _run_line(line: str, env: dict[str, str], out_fd: int) -> int:
+def _run_line(argv: list[str], env: dict[str, str], out_fd: int) -> int:
+    """Run one command, forwarding its output lines; its exit code (128+N for signal N)."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     pid = os.fork()
@@ -1328,7 +1454,7 @@ def _run_line(line: str, env: dict[str, str], out_fd: int) -> int:
             os.dup2(out_w, 1)
             os.dup2(err_w, 2)
             os.closerange(3, 65536)
-            os.execve("/bin/sh", ["/bin/sh", "-c", line], env)
+            os.execve(argv[0], argv, env)
         finally:
             os._exit(127)
     os.close(out_w)
@@ -1395,6 +1521,11 @@ class Worker:
     last_err: str = ""               # since the latest step
     error: str | None = None         # the sandbox could not be built
     log_fd: int = -1
+    started: float = field(default_factory=time.monotonic)
+    droid_error: str = ""            # the latest error event of a droid worker
+    model_cents: float = 0.0         # model cost counted so far (usage is cumulative)
+    budget_limit: float = 0.0        # costCents above this pauses a droid worker
+    paused: str | None = None        # the approval a paused (SIGSTOP) worker waits for
 
 
 class Box:
@@ -1608,8 +1739,9 @@ class Box:
         fields = validate_task_body(body, self.settings)
         if not self.workspace_exists(fields["workspace"]):
             raise ApiError(400, f"workspace {fields['workspace']} does not exist")
-        if fields["worker"] == "droid":
-            raise ApiError(501, "the droid worker is not available yet; use worker fake")
+        if fields["worker"] == "droid" and not self.droid_path():
+            raise ApiError(400, "the droid worker needs the Droid CLI: run make (it installs "
+                                f"droid {DROID_VERSION}) or set droidPath")
         task_id = new_task_id()
         while task_id in self.tasks:
             task_id = new_task_id()
@@ -1664,10 +1796,14 @@ class Box:
                         "LANG": "C.UTF-8", "TMPDIR": "/tmp", "PWD": VIEW_DIR,
                         "GURT_TASK": task.id, "GURT_BROKER": BROKER_IN_BOX},
             }
+            hosts = list(task.hosts)
+            if task.worker == "droid":
+                hosts += [h for h in self.settings["droidHosts"] if h not in hosts]
+                self.droid_spec(task, spec)
             fds = []
-            if task.hosts:
+            if hosts:
                 spec["netnsFd"] = 2
-                fds.append(self.network.prepare(task).nsfd)
+                fds.append(self.network.prepare(task, hosts).nsfd)
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
             pid = self.spawner.spawn(spec, [out_w] + fds)
         except (OSError, SysError) as exc:
@@ -1683,7 +1819,7 @@ class Box:
         os.set_blocking(out_r, False)
         log_fd = os.open(self.log_file(task.id), os.O_WRONLY | os.O_APPEND | os.O_CREAT |
                          os.O_CLOEXEC, 0o600)
-        worker = Worker(task.id, pid, out_r, log_fd=log_fd)
+        worker = Worker(task.id, pid, out_r, log_fd=log_fd, budget_limit=task.budgetCents)
         self.workers[task.id] = worker
         self.selector.register(out_r, selectors.EVENT_READ, task.id)
         self.set_state(task, "running")
@@ -1723,6 +1859,8 @@ class Box:
             task.step = text
             self.save(task, sync=False)
             self.append_log(task.id, {"type": "step", "text": text})
+        elif kind == "out" and task.worker == "droid":
+            self.on_droid_event(task, worker, text)
         elif kind == "out":
             worker.last_out = text
             self.append_log(task.id, {"type": "stdout", "text": text})
@@ -1760,13 +1898,14 @@ class Box:
             self.set_state(task, "failed", error=worker.error)
         elif code == 0:
             self.done_seq += 1
-            summary = worker.last_out or None
+            summary = (task.summary if task.worker == "droid" else worker.last_out) or None
             self.set_state(task, "done", doneSeq=self.done_seq, summary=summary)
             self.drop_view(task.workspace)
         else:
             error = f"worker exited with {code}"
-            if worker.last_err:
-                error += f": {worker.last_err}"
+            last = worker.droid_error or worker.last_err
+            if last:
+                error += f": {last}"
             self.set_state(task, "failed", error=error)
         log(6, f"task {task.id} {task.state}" + (f": {task.error}" if task.error else ""))
         self.gc_layers()
@@ -1864,8 +2003,146 @@ class Box:
         lowers = [self.path(p) for p in lower_layer_paths(task.layers)]
         return changed_paths(upper, lowers + [self.path("workspaces", task.workspace)])
 
+    # the droid worker
+    def droid_path(self) -> str | None:
+        """The Droid CLI: the droidPath setting, else the one make installed beside gurtd."""
+        here = os.path.dirname(os.path.abspath(__file__))
+        candidates = [self.settings["droidPath"]] if self.settings["droidPath"] else [
+            os.path.join(here, ".venv", "droid", "node_modules", "droid", "bin", "droid"),
+            os.path.join(here, "droid", "node_modules", "droid", "bin", "droid"),
+            shutil.which("droid") or ""]
+        for path in candidates:
+            if path and os.path.isfile(path) and os.access(path, os.X_OK):
+                return path
+        return None
+
+    def droid_key(self) -> str:
+        """FACTORY_API_KEY: BOX_HOME/secrets/factory-api-key, else gurtd's environment."""
+        try:
+            with open(self.path("secrets", "factory-api-key")) as f:
+                key = f.read().strip()
+            if key:
+                return key
+        except OSError:
+            pass
+        return os.environ.get("FACTORY_API_KEY", "")
+
+    def droid_spec(self, task: Task, spec: dict[str, Any]) -> None:
+        """How the sandbox runs Droid: the command, its files, its MCP server, its key."""
+        path = self.droid_path()
+        if not path:
+            raise SysError("droid", errno.ENOENT, "the Droid CLI is not installed")
+        settings = self.settings
+        hosts = list(task.hosts) + [h for h in settings["droidHosts"] if h not in task.hosts]
+        tools = ", ".join(task.tools) or "none"
+        system = (
+            "You work inside a gurtd box: an isolated Linux sandbox where you may act freely.\n"
+            f"- The current directory ({VIEW_DIR}) is your own copy-on-write view of the "
+            f"workspace {task.workspace}; a person may undo your changes.\n"
+            f"- Network: you can reach only {', '.join(task.hosts) or 'no hosts of your own'} "
+            "(everything else is refused).\n"
+            f"- Tools: {tools}. Call one with the shell command "
+            "`gurtd tool NAME '{\"json\": \"args\"}'` or through the gurtd MCP server.\n"
+            f"- Budget: {task.budgetCents} US cents; spending above it pauses you until a "
+            "person approves.\n")
+        spec["mode"] = "droid"
+        spec["droid"] = path
+        spec["files"] = {"/run/gurt/prompt.md": task.prompt,
+                         "/run/gurt/system-prompt.md": system}
+        spec["homeFiles"] = {".factory/mcp.json": json.dumps({"mcpServers": {"gurtd": {
+            "type": "stdio", "command": "/run/gurt/bin/gurtd", "args": ["mcp"]}}}, indent=1)}
+        spec["argv"] = ["/run/gurt/bin/droid", "exec", "--output-format", "stream-json",
+                        "--cwd", VIEW_DIR, "-m", settings["droidModel"],
+                        "--auto", settings["droidAutonomy"], "-f", "/run/gurt/prompt.md",
+                        "--append-system-prompt-file", "/run/gurt/system-prompt.md"]
+        key = self.droid_key()
+        if key:
+            spec["env"]["FACTORY_API_KEY"] = key
+        self.append_log(task.id, {"type": "net", "text": "droid hosts added to the grants: " +
+                                  ", ".join(settings["droidHosts"]), "hosts": hosts})
+
+    def on_droid_event(self, task: Task, worker: Worker, text: str) -> None:
+        """One stream-json line: logged as it is; step, summary, cost and errors from it."""
+        try:
+            event = json.loads(text)
+            if not isinstance(event, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            self.append_log(task.id, {"type": "stdout", "text": text})
+            return
+        self.append_log(task.id, {"type": "event", "event": event})
+        kind = event.get("type")
+        if kind == "system" and event.get("session_id"):
+            self.append_log(task.id, {"type": "session", "text": str(event["session_id"])})
+        if kind == "error" and event.get("message"):
+            worker.droid_error = str(event["message"]).strip().splitlines()[-1]
+        step = droid_step(event)
+        changed = False
+        if step:
+            task.step, changed = step, True
+        if kind == "completion" and isinstance(event.get("finalText"), str):
+            task.summary, changed = event["finalText"], True
+        usage = event.get("usage")
+        if usage is not None:
+            model = self.settings["droidModel"]
+            total = usage_cents(usage, self.settings["droidPrices"].get(model))
+            if total > worker.model_cents:
+                task.costCents += total - worker.model_cents
+                worker.model_cents, changed = total, True
+        if changed:
+            self.save(task, sync=False)
+        if task.costCents > worker.budget_limit and worker.paused is None and \
+                task.state == "running":
+            self.pause_for_budget(task, worker)
+
+    def pause_for_budget(self, task: Task, worker: Worker) -> None:
+        """Model spending passed the budget: stop every process (SIGSTOP) and ask."""
+        signal_uid(task.uid, signal.SIGSTOP)
+        plan = self.broker.create(task, "budget", "model",
+                                  {"model": self.settings["droidModel"],
+                                   "costCents": task.costCents}, task.costCents, None)
+        worker.paused = plan["wait"]
+
+    def on_model_approval(self, approval: Approval) -> None:
+        """Approved: continue (SIGCONT) up to one more budget; denied: the task fails."""
+        task = self.tasks.get(approval.task)
+        worker = self.workers.get(approval.task)
+        if task is None or worker is None or worker.paused != approval.id:
+            return
+        worker.paused = None
+        if approval.state == "approved":
+            worker.budget_limit = task.costCents + task.budgetCents
+            signal_uid(task.uid, signal.SIGCONT)
+            return
+        if approval.answeredBy == "api":
+            self.release_worker(task)
+            self.set_state(task, "failed",
+                           error=f"budget exceeded: {approval.reason or 'denied'}")
+            self.gc_layers()
+            self.schedule()
+
+    def tick(self) -> None:
+        """Timers of the loop: a worker past taskTimeoutSeconds is stopped."""
+        limit = self.settings["taskTimeoutSeconds"]
+        now = time.monotonic()
+        for task_id, worker in list(self.workers.items()):
+            task = self.tasks[task_id]
+            if now - worker.started > limit and task.state in ("running", "waiting"):
+                log(4, f"task {task_id} timed out after {limit} s")
+                self.stop(task_id, "timed out")
+
     def put_settings(self, body: Any) -> dict[str, Any]:
-        self.settings = validate_settings(body, self.settings)
+        new = validate_settings(body, self.settings)
+        if isinstance(body, dict) and "droidModel" in body:
+            path = self.droid_path() if "droidPath" not in body else \
+                (body["droidPath"] or self.droid_path())
+            if not path:
+                raise ApiError(400, "cannot check droidModel: the Droid CLI is not installed")
+            models = droid_models(path)
+            if models and body["droidModel"] not in models:
+                raise ApiError(400, f"droidModel {body['droidModel']} is not one the Droid CLI "
+                                    f"knows; it knows: {', '.join(models)}")
+        self.settings = new
         write_json(self.path("settings.json"), self.settings)
         self.schedule()
         return dict(self.settings)
@@ -2044,11 +2321,11 @@ class Network:
         return parse_upstream(text or "127.0.0.1")
 
     # a task's network
-    def prepare(self, task: Task) -> TaskNet:
+    def prepare(self, task: Task, hosts: list[str]) -> TaskNet:
         """Namespace, veth, addresses, DNS sockets and the grants of address entries."""
         from pyroute2 import IPRoute
         assert self.nft is not None
-        grants = grants_of(task.hosts)
+        grants = grants_of(hosts)
         index = net_index_next()
         ifname = f"g{index}"
         host_addr, task_addr = net_addresses(index)
@@ -2517,6 +2794,10 @@ class Broker:
         future = self.waiters.pop(approval.id, None)
         if future is not None and not future.done():
             future.set_result(approval)
+        if approval.tool == "model":
+            self.box.on_model_approval(approval)
+            if state == "denied":
+                return approval.to_api()
         if by == "api" and task is not None and task.state == "waiting" and not any(
                 a.task == task.id and a.state == "pending" for a in self.approvals.values()):
             self.box.set_state(task, "running")
@@ -3345,6 +3626,7 @@ def serve(box: Box) -> None:
     sd_notify("READY=1")
     try:
         while not box.stopping:
+            box.tick()
             for key, _ in box.selector.select(timeout=box.network.tick()):
                 if isinstance(key.data, tuple):
                     box.network.on_event(*key.data)
@@ -3739,6 +4021,87 @@ def cmd_tool(name: str, args: str) -> None:
         click.echo(answer.get("error", f"refused ({resp.status})"), err=True)
         sys.exit(1)
     click.echo(json.dumps(answer.get("result")))
+
+
+TOOL_SCHEMAS: dict[str, dict[str, Any]] = {
+    "wallet.pay": {"type": "object", "required": ["to", "cents"], "additionalProperties": False,
+                   "properties": {"to": {"type": "string"},
+                                  "cents": {"type": "number", "exclusiveMinimum": 0},
+                                  "memo": {"type": "string"}}},
+    "ask": {"type": "object", "required": ["question"], "additionalProperties": False,
+            "properties": {"question": {"type": "string"}}},
+}
+
+
+def broker_request(method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    """One request to the broker socket of the task this runs in."""
+    conn = UnixHTTPConnection(os.environ.get("GURT_BROKER", BROKER_IN_BOX))
+    try:
+        conn.request(method, path, body=None if body is None else json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"{}")
+    finally:
+        conn.close()
+
+
+def mcp_answer(message: Any) -> dict[str, Any] | None:
+    """One JSON-RPC message of the Model Context Protocol; the reply (None for a notice)."""
+    if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
+        return {"jsonrpc": "2.0", "id": None,
+                "error": {"code": -32600, "message": "not a JSON-RPC 2.0 request"}}
+    if "id" not in message:
+        return None
+    method, params = message.get("method"), message.get("params") or {}
+    reply: dict[str, Any] = {"jsonrpc": "2.0", "id": message["id"]}
+    if method == "initialize":
+        reply["result"] = {"protocolVersion": params.get("protocolVersion", "2025-06-18"),
+                           "capabilities": {"tools": {"listChanged": False}},
+                           "serverInfo": {"name": "gurtd", "version": VERSION}}
+    elif method == "ping":
+        reply["result"] = {}
+    elif method == "tools/list":
+        status, answer = broker_request("GET", "/tools")
+        if status != 200:
+            reply["error"] = {"code": -32000, "message": answer.get("error", str(status))}
+        else:
+            reply["result"] = {"tools": [
+                {"name": name, "description": BUILTIN_TOOLS.get(name, "a tool of this box"),
+                 "inputSchema": TOOL_SCHEMAS.get(name, {"type": "object"})}
+                for name in answer["tools"]]}
+    elif method == "tools/call":
+        status, answer = broker_request("POST", "/call", {
+            "tool": params.get("name"), "args": params.get("arguments") or {}})
+        text = json.dumps(answer["result"]) if status == 200 else \
+            answer.get("error", f"refused ({status})")
+        reply["result"] = {"content": [{"type": "text", "text": text}],
+                           "isError": status != 200}
+    else:
+        reply["error"] = {"code": -32601, "message": f"no method {method}"}
+    return reply
+
+
+@cli.command("mcp")
+def cmd_mcp() -> None:
+    """A Model Context Protocol server on stdio, inside a task: lists exactly the task's tools
+    and forwards calls to the broker (initialize, tools/list, tools/call)."""
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            message = json.loads(line)
+        except ValueError:
+            reply: dict[str, Any] | None = {"jsonrpc": "2.0", "id": None,
+                                            "error": {"code": -32700, "message": "parse error"}}
+        else:
+            try:
+                reply = mcp_answer(message)
+            except OSError as exc:
+                reply = {"jsonrpc": "2.0", "id": message.get("id"),
+                         "error": {"code": -32000, "message": f"the broker: {exc}"}}
+        if reply is not None:
+            sys.stdout.write(json.dumps(reply) + "\n")
+            sys.stdout.flush()
 
 
 def main() -> None:

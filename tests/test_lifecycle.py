@@ -331,15 +331,17 @@ def test_a_new_task_has_every_field_and_default(gurtd: Gurtd) -> None:
     assert g.api("GET", "/api/tasks")[0] == final
 
 
-def test_the_droid_worker_is_not_built_yet(gurtd: Gurtd) -> None:
-    """POSTing worker droid answers 501 with a JSON error and creates no task."""
+def test_a_droid_task_without_the_cli_is_refused_and_creates_nothing(gurtd: Gurtd) -> None:
+    """With droidPath naming no program, POSTing a droid task answers 400 with a JSON error
+    and creates no task."""
     g = gurtd
+    g.api("PUT", "/api/settings", {"droidPath": "/nonexistent/droid"})
     before = g.api("GET", "/api/tasks")
     code, data, headers = g.request("POST", "/api/tasks",
                                     {"title": "droid", "prompt": "do it", "worker": "droid"})
-    assert code == 501, (code, data)
+    assert code == 400, (code, data)
     assert headers["content-type"].startswith("application/json")
-    assert isinstance(data, dict) and isinstance(data.get("error"), str) and data["error"]
+    assert "Droid CLI" in data["error"]
     assert g.api("GET", "/api/tasks") == before == []
     assert os.listdir(os.path.join(g.home, "tasks")) == []
     assert os.listdir(os.path.join(g.home, "layers")) == []
@@ -557,25 +559,30 @@ def test_changes_lists_added_modified_and_deleted_paths(gurtd: Gurtd) -> None:
 
 def test_settings_defaults_partial_update_and_restart(gurtd: Gurtd) -> None:
     g = gurtd
-    assert g.api("GET", "/api/settings") == {"defaultBudgetCents": 0, "maxRunningTasks": 8,
-                                            "upstreamDns": ""}
+
+    def core(settings: dict) -> dict:
+        return {k: settings[k] for k in ("defaultBudgetCents", "maxRunningTasks",
+                                         "upstreamDns")}
+
+    assert core(g.api("GET", "/api/settings")) == \
+        {"defaultBudgetCents": 0, "maxRunningTasks": 8, "upstreamDns": ""}
     first = g.run("echo before")
     assert first["budgetCents"] == 0
 
-    assert g.api("PUT", "/api/settings", {"defaultBudgetCents": 250}) == \
+    assert core(g.api("PUT", "/api/settings", {"defaultBudgetCents": 250})) == \
         {"defaultBudgetCents": 250, "maxRunningTasks": 8, "upstreamDns": ""}
-    assert g.api("GET", "/api/settings") == {"defaultBudgetCents": 250, "maxRunningTasks": 8,
-                                            "upstreamDns": ""}
+    assert core(g.api("GET", "/api/settings")) == \
+        {"defaultBudgetCents": 250, "maxRunningTasks": 8, "upstreamDns": ""}
     assert g.run("echo after")["budgetCents"] == 250
 
     g.restart()
-    assert g.api("GET", "/api/settings") == {"defaultBudgetCents": 250, "maxRunningTasks": 8,
-                                            "upstreamDns": ""}
-    assert g.api("PUT", "/api/settings", {"maxRunningTasks": 3}) == \
+    assert core(g.api("GET", "/api/settings")) == \
+        {"defaultBudgetCents": 250, "maxRunningTasks": 8, "upstreamDns": ""}
+    assert core(g.api("PUT", "/api/settings", {"maxRunningTasks": 3})) == \
         {"defaultBudgetCents": 250, "maxRunningTasks": 3, "upstreamDns": ""}
     g.restart()
-    assert g.api("GET", "/api/settings") == {"defaultBudgetCents": 250, "maxRunningTasks": 3,
-                                            "upstreamDns": ""}
+    assert core(g.api("GET", "/api/settings")) == \
+        {"defaultBudgetCents": 250, "maxRunningTasks": 3, "upstreamDns": ""}
     later = g.run("echo later")
     assert later["state"] == "done"
     assert later["budgetCents"] == 250
