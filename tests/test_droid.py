@@ -1,0 +1,302 @@
+"""The droid worker: the real Droid CLI that make installs, run with no model key, and the
+stream-json events it and Factory's documentation show (tests/fixtures/droid-stream.json).
+
+No test here reaches Factory: a droid task's names resolve at 127.0.0.1:9 (nothing there), and
+its network namespace lets nothing else out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Iterator
+
+import pytest
+
+from conftest import GURTD, ROOT, Gurtd, make_home, remove_home
+
+import gurtd as G
+
+AUTH_ERROR = ("Error: Authentication failed. Please log in using /login or set a valid "
+              "FACTORY_API_KEY environment variable.")
+FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures",
+                       "droid-stream.json")
+SONNET = G.DEFAULT_DROID_PRICES["claude-sonnet-5"]
+
+
+def fixture() -> dict[str, Any]:
+    with open(FIXTURE) as f:
+        return json.load(f)
+
+
+def events(part: str) -> list[dict[str, Any]]:
+    return fixture()[part]["events"]
+
+
+@pytest.fixture
+def droid_gurtd() -> Iterator[Gurtd]:
+    """A gurtd whose environment holds no FACTORY_API_KEY."""
+    saved = os.environ.pop("FACTORY_API_KEY", None)
+    g = Gurtd(make_home())
+    try:
+        g.start()
+        yield g
+    finally:
+        if g.proc is not None:
+            g.stop()
+        remove_home(g.home)
+        if saved is not None:
+            os.environ["FACTORY_API_KEY"] = saved
+
+
+def test_make_installed_the_pinned_cli() -> None:
+    path = os.path.join(ROOT, ".venv", "droid", "node_modules", "droid", "bin", "droid")
+    out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == G.DROID_VERSION
+
+
+# the real CLI ###################################################################################
+
+def test_a_droid_task_with_no_key_fails_with_the_clis_own_error(droid_gurtd: Gurtd) -> None:
+    g = droid_gurtd
+    task = g.api("POST", "/api/tasks", {"title": "hello", "prompt": "say hello"}, status=201)
+    assert task["worker"] == "droid"
+    done = g.wait(task["id"], timeout=90)
+    assert done["state"] == "failed"
+    assert done["error"] == f"worker exited with 1: {AUTH_ERROR}"
+    log = g.log(task["id"])
+    # the command gurtd built, seen from the CLI's own first event
+    init = next(e["event"] for e in log if e["type"] == "event")
+    assert init["type"] == "system" and init["subtype"] == "init"
+    assert init["cwd"] == G.VIEW_DIR
+    assert init["model"] == G.DEFAULT_DROID_MODEL == g.api("GET", "/api/settings")["droidModel"]
+    assert any(e["type"] == "session" and e["text"] == init["session_id"] for e in log)
+    grants = next(e for e in log if e["type"] == "net" and "droid hosts" in e["text"])
+    assert grants["hosts"] == ["factory.ai", "*.factory.ai"]
+    assert done["hosts"] == []                     # the Task keeps its hosts as given
+
+
+def test_the_model_setting_reaches_the_cli_and_a_wrong_one_is_refused(
+        droid_gurtd: Gurtd) -> None:
+    g = droid_gurtd
+    code, body, _ = g.request("PUT", "/api/settings", {"droidModel": "claude-no-such-model"})
+    assert code == 400
+    assert "claude-no-such-model" in body["error"] and "claude-sonnet-5" in body["error"]
+    assert g.api("GET", "/api/settings")["droidModel"] == G.DEFAULT_DROID_MODEL
+    g.api("PUT", "/api/settings", {"droidModel": "claude-opus-5", "droidAutonomy": "medium"})
+    task = g.api("POST", "/api/tasks", {"title": "opus", "prompt": "hi"}, status=201)
+    g.wait(task["id"], timeout=90)
+    init = next(e["event"] for e in g.log(task["id"]) if e["type"] == "event")
+    assert init["model"] == "claude-opus-5"
+
+
+def test_the_key_never_shows_in_the_task_its_log_the_list_or_the_view(
+        droid_gurtd: Gurtd) -> None:
+    g = droid_gurtd
+    secret = "fk-gurtd-test-" + os.urandom(8).hex()
+    os.makedirs(os.path.join(g.home, "secrets"), mode=0o700)
+    with open(os.path.join(g.home, "secrets", "factory-api-key"), "w") as f:
+        f.write(secret + "\n")
+    os.chmod(os.path.join(g.home, "secrets", "factory-api-key"), 0o600)
+    g.api("PUT", "/api/settings", {"taskTimeoutSeconds": 15})
+    task = g.api("POST", "/api/tasks", {"title": "key", "prompt": "write a file"}, status=201)
+    done = g.wait(task["id"], timeout=90)
+    assert done["state"] == "failed"
+    seen = [json.dumps(done), json.dumps(g.api("GET", "/api/tasks")),
+            json.dumps(g.log(task["id"])), json.dumps(g.api("GET", "/api/settings"))]
+    layer = os.path.join(g.home, "layers", task["id"])
+    for root, _, files in os.walk(layer):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                seen.append(f.read().decode(errors="replace"))
+    for path in ("logs", "tasks"):
+        for name in os.listdir(os.path.join(g.home, path)):
+            with open(os.path.join(g.home, path, name)) as f:
+                seen.append(f.read())
+    assert not [text for text in seen if secret in text]
+
+
+# the stream: pure ###############################################################################
+
+def test_steps_come_from_tool_calls_and_assistant_messages() -> None:
+    steps = [G.droid_step(e) for e in events("documented") + events("recorded")]
+    assert steps == [None, "I will run the test suite.", "Execute: npm test", None,
+                     "Edit: src/app.js", None, None, None, None, None]
+
+
+def test_usage_is_priced_per_million_tokens() -> None:
+    completion = next(e for e in events("documented") if e["type"] == "completion")
+    cents = G.usage_cents(completion["usage"], SONNET)
+    assert cents == pytest.approx(1_000_000 * 300 / 1e6 + 100_000 * 1500 / 1e6 +
+                                  200_000 * 30 / 1e6 + 40_000 * 375 / 1e6)
+    assert G.usage_cents({"inputTokens": 10, "outputTokens": 20}, SONNET) == \
+        pytest.approx((10 * 300 + 20 * 1500) / 1e6)
+    assert G.usage_cents(completion["usage"], None) == 0
+    assert G.usage_cents("nonsense", SONNET) == 0
+
+
+# the stream through a real task: a stand-in CLI that prints the fixture's events ###############
+
+def stand_in(directory: str, lines: list[str], after_usage: str) -> str:
+    """An executable that prints these stream-json lines, then (after the usage line, when a
+    person may have paused it) does after_usage and prints the rest."""
+    path = os.path.join(directory, "droid")
+    body = ["#!/bin/sh"]
+    for line in lines:
+        body.append("printf '%s\\n' " + shlex.quote(line))
+        if '"token_usage_update"' in line:
+            body.append("sleep 1")
+            body.append(after_usage)
+    with open(path, "w") as f:
+        f.write("\n".join(body) + "\n")
+    os.chmod(path, 0o755)
+    os.chmod(directory, 0o755)
+    return path
+
+
+@pytest.fixture
+def replaying_gurtd() -> Iterator[tuple[Gurtd, str]]:
+    directory = tempfile.mkdtemp(prefix="gurt-test-droid-", dir="/var/tmp")
+    lines = [json.dumps(e) for e in events("documented")]
+    path = stand_in(directory, lines, "echo resumed > resumed.txt")
+    g = Gurtd(make_home())
+    try:
+        g.start()
+        g.api("PUT", "/api/settings", {"droidPath": path})
+        yield g, path
+    finally:
+        if g.proc is not None:
+            g.stop()
+        remove_home(g.home)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def wait_for(fn: Any, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def pending(g: Gurtd, task_id: str) -> list[dict[str, Any]]:
+    return g.api("GET", f"/api/approvals?state=pending&task={task_id}")
+
+
+def test_the_stream_sets_step_summary_cost_and_logs_every_event(
+        replaying_gurtd: tuple[Gurtd, str]) -> None:
+    g, _ = replaying_gurtd
+    task = g.api("POST", "/api/tasks", {"title": "replay", "prompt": "go",
+                                        "budgetCents": 10_000}, status=201)
+    done = g.wait(task["id"], timeout=30)
+    assert done["state"] == "done", done
+    assert done["summary"] == "All tests pass."
+    assert done["step"] == "Edit: src/app.js"
+    completion = next(e for e in events("documented") if e["type"] == "completion")
+    assert done["costCents"] == pytest.approx(G.usage_cents(completion["usage"], SONNET))
+    logged = [e["event"] for e in g.log(task["id"]) if e["type"] == "event"]
+    assert logged == events("documented")          # unknown kinds too, as they are
+
+
+def test_a_budget_pause_stops_every_process_until_approved(
+        replaying_gurtd: tuple[Gurtd, str]) -> None:
+    g, _ = replaying_gurtd
+    task = g.api("POST", "/api/tasks", {"title": "pause", "prompt": "go", "budgetCents": 50},
+                 status=201)
+    approval = wait_for(lambda: pending(g, task["id"]))[0]
+    assert approval["kind"] == "budget" and approval["tool"] == "model"
+    assert g.task(task["id"])["state"] == "waiting"
+    assert g.task(task["id"])["costCents"] == pytest.approx(93)
+    marker = os.path.join(g.home, "layers", task["id"], "upper", "resumed.txt")
+    time.sleep(1.5)                                 # stopped: the line after the sleep waits
+    assert not os.path.exists(marker)
+    states = {open(f"/proc/{pid}/stat").read().split(") ")[1][0]
+              for pid in g.worker_pids(task)}
+    assert states == {"T"}
+    g.api("POST", f"/api/approvals/{approval['id']}/approve")
+    # on it goes, up to one more budget: the completion's usage (471) passes 93 + 50 again
+    second = wait_for(lambda: pending(g, task["id"]))[0]
+    assert second["id"] != approval["id"]
+    assert os.path.exists(marker)
+    g.api("POST", f"/api/approvals/{second['id']}/approve")
+    done = g.wait(task["id"], timeout=30)
+    assert done["state"] == "done" and done["summary"] == "All tests pass."
+
+
+def test_a_denied_budget_fails_the_task(replaying_gurtd: tuple[Gurtd, str]) -> None:
+    g, _ = replaying_gurtd
+    task = g.api("POST", "/api/tasks", {"title": "deny", "prompt": "go", "budgetCents": 50},
+                 status=201)
+    approval = wait_for(lambda: pending(g, task["id"]))[0]
+    g.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": "too dear"})
+    done = g.wait(task["id"], timeout=30)
+    assert done["state"] == "failed"
+    assert done["error"] == "budget exceeded: too dear"
+    assert g.worker_pids(task) == []
+
+
+def test_a_stuck_worker_times_out(replaying_gurtd: tuple[Gurtd, str]) -> None:
+    g, _ = replaying_gurtd
+    g.api("PUT", "/api/settings", {"taskTimeoutSeconds": 1})
+    task = g.create("sleep 30")
+    done = g.wait(task["id"], timeout=15)
+    assert done["state"] == "failed" and done["error"] == "timed out"
+    assert g.worker_pids(task) == []
+
+
+# gurtd mcp ######################################################################################
+
+def test_the_mcp_server_lists_and_calls_exactly_the_tasks_tools(gurtd: Gurtd) -> None:
+    g = gurtd
+    g.api("PUT", "/api/wallet", {"balanceCents": 100})
+    messages = [
+        {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+         "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                    "clientInfo": {"name": "test", "version": "1"}}},
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        {"jsonrpc": "2.0", "id": 2, "method": "tools/list"},
+        {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+         "params": {"name": "wallet.pay", "arguments": {"to": "bob", "cents": 7}}},
+        {"jsonrpc": "2.0", "id": 4, "method": "tools/call",
+         "params": {"name": "ask", "arguments": {"question": "may I?"}}},
+        {"jsonrpc": "2.0", "id": 5, "method": "nonsense"},
+    ]
+    script = "printf '%s\\n' " + " ".join(shlex.quote(json.dumps(m)) for m in messages)
+    task = g.run(f"{script} | gurtd mcp", tools=["wallet.pay"], budgetCents=1000)
+    assert task["state"] == "done", task
+    replies = {r["id"]: r for r in map(json.loads, g.output(task["id"]))}
+    assert sorted(replies) == [1, 2, 3, 4, 5]      # no reply to the notification
+    assert replies[1]["result"]["serverInfo"]["name"] == "gurtd"
+    assert "tools" in replies[1]["result"]["capabilities"]
+    tools = replies[2]["result"]["tools"]
+    assert [t["name"] for t in tools] == ["wallet.pay"]
+    assert tools[0]["inputSchema"]["required"] == ["to", "cents"]
+    paid = replies[3]["result"]
+    assert paid["isError"] is False and json.loads(paid["content"][0]["text"])["paid"] is True
+    refused = replies[4]["result"]
+    assert refused["isError"] is True and "not granted" in refused["content"][0]["text"]
+    assert replies[5]["error"]["code"] == -32601
+    assert g.api("GET", "/api/wallet")["balanceCents"] == 93
+    assert g.task(task["id"])["costCents"] == 7
+
+
+def test_the_mcp_server_answers_on_stdio_outside_a_task_too() -> None:
+    """Outside a box there is no broker: initialize still answers, tools/list says why not."""
+    lines = "\n".join(json.dumps(m) for m in (
+        {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}},
+        {"jsonrpc": "2.0", "id": 2, "method": "tools/list"})) + "\nnot json\n"
+    out = subprocess.run([sys.executable, GURTD, "mcp"], input=lines, capture_output=True,
+                         text=True, timeout=60,
+                         env={**os.environ, "GURT_BROKER": "/nonexistent/broker.sock"})
+    replies = [json.loads(line) for line in out.stdout.splitlines()]
+    assert replies[0]["result"]["serverInfo"]["name"] == "gurtd"
+    assert replies[1]["error"]["code"] == -32000
+    assert replies[2]["error"]["code"] == -32700
