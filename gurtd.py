@@ -3315,10 +3315,21 @@ def _compile_route(pattern: str) -> re.Pattern[str]:
 COMPILED_ROUTES = [(method, _compile_route(pattern), fn) for method, pattern, fn, _ in ROUTES]
 
 
+def _route_key(pattern_or_path: str) -> str:
+    """Routes are looked up by their first three path segments (/api/tasks/...)."""
+    parts = pattern_or_path.split("/", 4)
+    return "/".join(p if not p.startswith("{") else "*" for p in parts[:3])
+
+
+ROUTES_BY_KEY: dict[str, list[tuple[str, re.Pattern[str], Callable[..., Any]]]] = {}
+for (_method, _pattern, _fn, _summary), _route in zip(ROUTES, COMPILED_ROUTES):
+    ROUTES_BY_KEY.setdefault(_route_key(_pattern), []).append(_route)
+
+
 def match_route(method: str, path: str) -> tuple[Callable[..., Any], dict[str, str]]:
     """The handler and path parameters, or ApiError 404 / 405 with Allow."""
     allowed = []
-    for route_method, regex, fn in COMPILED_ROUTES:
+    for route_method, regex, fn in ROUTES_BY_KEY.get(_route_key(path), ()):
         m = regex.match(path)
         if m:
             if route_method == method:
@@ -3416,6 +3427,12 @@ class Server(http.server.ThreadingHTTPServer):
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.box = box
         super().__init__((host, port), Handler)
+        port = self.server_address[1]
+        listen_host = box.listen.rpartition(":")[0].lower()
+        self.hosts = {f"{h}:{port}" for h in ("127.0.0.1", "localhost", "[::1]", listen_host)}
+        self.origins = {"http://" + h for h in self.hosts}
+        self.expected_auth = ("Bearer " + box.token).encode()
+        self.debug = bool(os.environ.get("GURT_DEBUG"))
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -3435,7 +3452,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         return self.server.box
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
-        if os.environ.get("GURT_DEBUG"):
+        if self.server.debug:
             log(7, "http: " + format % args)
 
     def send_error(self, code: int, message: str | None = None,
@@ -3468,22 +3485,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def guard(self) -> None:
         """The request guard: a Host we answer to, and no browser cross-site request."""
-        port = self.server.server_address[1]
-        listen_host = self.box.listen.rpartition(":")[0].lower()
-        allowed = {f"{h}:{port}" for h in ("127.0.0.1", "localhost", "[::1]", listen_host)}
         host = (self.headers.get("Host") or "").lower()
-        if host not in allowed:
+        if host not in self.server.hosts:
             raise ApiError(403, "Host header not allowed", "host_not_allowed")
         origin = self.headers.get("Origin")
-        if origin is not None and origin.lower() not in {"http://" + a for a in allowed}:
+        if origin is not None and origin.lower() not in self.server.origins:
             raise ApiError(403, "cross-origin requests are refused", "cross_origin")
         if (self.headers.get("Sec-Fetch-Site") or "").lower() in ("cross-site", "same-site"):
             raise ApiError(403, "cross-origin requests are refused", "cross_origin")
 
     def authorize(self) -> None:
         given = self.headers.get("Authorization") or ""
-        expected = "Bearer " + self.box.token
-        if not hmac.compare_digest(given.encode(), expected.encode()):
+        if not hmac.compare_digest(given.encode(), self.server.expected_auth):
             raise ApiError(401, "missing or wrong bearer token", "unauthorized")
 
     def query_one(self, name: str) -> str | None:
