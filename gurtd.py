@@ -2756,6 +2756,8 @@ class Broker:
             return self.create(task, "ask", tool, args, 0, args["question"])
         if cents > 0 and task.costCents + cents > task.budgetCents:
             return self.create(task, "budget", tool, args, cents, None)
+        if tool == "wallet.pay":   # paid here, in the same step as the budget check
+            return {"task": task.id, "cents": cents, "result": self.pay(task.id, args)}
         return {"task": task.id, "cents": cents}
 
     def create(self, task: Task, kind: str, tool: str, args: Any, cents: float,
@@ -2911,6 +2913,7 @@ def run_tool(box: "Box", name: str, args: Any, task_id: str) -> tuple[Any, float
 
 class BrokerServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
+    request_queue_size = 128
 
     def __init__(self, path: str, box: "Box") -> None:
         self.box = box
@@ -2974,8 +2977,10 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                 raise ApiError(411, "send the body with Content-Length", "length_required")
             if int(length) > MAX_BROKER_BODY:
                 self.close_connection = True
-                raise ApiError(413, f"the call is larger than {MAX_BROKER_BODY} bytes",
-                               "too_large")
+                self.reply(413, {"error": f"the call is larger than {MAX_BROKER_BODY} bytes",
+                                 "code": "too_large"})
+                Handler.linger(self)   # type: ignore[arg-type]  (the same socket dance)
+                return
             try:
                 body = json.loads(self.rfile.read(int(length)) or b"null")
             except ValueError as exc:
@@ -2994,7 +2999,9 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                 if tool == "ask":
                     self.reply(200, {"result": {"answer": approval.answer}})
                     return
-            if tool == "wallet.pay":
+            if "result" in plan:
+                result, cost = plan["result"], 0.0
+            elif tool == "wallet.pay":
                 result = box.call(box.broker.pay, task_id, args)
                 cost = 0.0
             else:

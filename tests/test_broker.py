@@ -578,9 +578,9 @@ PROBE = r"""
 import json, socket
 def send(name, raw):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(5)
     try:
         s.connect("/run/gurt/broker.sock")
+        s.settimeout(5)
         s.sendall(raw)
         data = b""
         while True:
