@@ -28,7 +28,6 @@ Importing this module does nothing: no root check, no threads, no mounts.
 
 from __future__ import annotations
 
-import array
 import ctypes
 import ctypes.util
 import dataclasses
@@ -157,9 +156,10 @@ def now_iso() -> str:
         .replace("+00:00", "Z")
 
 
-def new_task_id() -> str:
-    """Ten characters, lowercase letters and digits, starting with t: t3k9x2a1b2."""
-    return "t" + "".join(secrets.choice(ID_ALPHABET) for _ in range(9))
+def new_task_id(prefix: str = "t") -> str:
+    """Ten characters, lowercase letters and digits, starting with t: t3k9x2a1b2 (approvals
+    start with a)."""
+    return prefix + "".join(secrets.choice(ID_ALPHABET) for _ in range(9))
 
 
 def valid_workspace_name(name: Any) -> bool:
@@ -470,11 +470,18 @@ class Task:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Task":
-        names = {f.name for f in dataclasses.fields(cls)}
-        task = cls(**{k: v for k, v in data.items() if k in names})
+        task = record_from(cls, data)
         if task.state not in STATES or not ID_RE.match(task.id):
             raise ValueError("not a task record")
         return task
+
+
+def record_from(cls: Any, data: Any) -> Any:
+    """A dataclass record from stored JSON; keys it does not know (newer files) are left out."""
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
 
 
 APPROVAL_STATES = ("pending", "approved", "denied")
@@ -507,15 +514,14 @@ class Approval:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Approval":
-        names = {f.name for f in dataclasses.fields(cls)}
-        approval = cls(**{k: v for k, v in data.items() if k in names})
+        approval = record_from(cls, data)
         if approval.state not in APPROVAL_STATES or not ID_RE.match(approval.task):
             raise ValueError("not an approval record")
         return approval
 
 
 def new_approval_id() -> str:
-    return "a" + "".join(secrets.choice(ID_ALPHABET) for _ in range(9))
+    return new_task_id("a")
 
 
 def is_cents(value: Any) -> bool:
@@ -839,15 +845,16 @@ def task_users() -> dict[str, int]:
     return out
 
 
-def store_user_ensure() -> tuple[int, int]:
-    """The store user's uid and gid, creating the system user on first use."""
+def system_user_ensure(name: str) -> tuple[int, int]:
+    """A system user's uid and gid (the store user, the tools user), made on first use with
+    no home and no shell.  Kept: files on disk belong to them."""
     import pwd
     try:
-        entry = pwd.getpwnam(STORE_USER)
+        entry = pwd.getpwnam(name)
     except KeyError:
         run(["useradd", "--system", "--user-group", "--no-create-home", "--home-dir",
-             "/nonexistent", "--shell", "/usr/sbin/nologin", STORE_USER])
-        entry = pwd.getpwnam(STORE_USER)
+             "/nonexistent", "--shell", "/usr/sbin/nologin", name])
+        entry = pwd.getpwnam(name)
     return entry.pw_uid, entry.pw_gid
 
 
@@ -1592,7 +1599,7 @@ class Box:
         for sub in ("tasks", "logs", "layers"):
             os.makedirs(self.path(sub), mode=0o700, exist_ok=True)
         os.makedirs(self.path("workspaces"), mode=0o711, exist_ok=True)
-        self.store_uid, self.store_gid = store_user_ensure()
+        self.store_uid, self.store_gid = system_user_ensure(STORE_USER)
         if not os.path.isdir(self.path("workspaces", "home")):
             self.workspace_create_dir("home")
         settings = load_json(self.path("settings.json"))
@@ -2871,18 +2878,6 @@ class Broker:
         return out
 
 
-def system_user_ensure(name: str) -> tuple[int, int]:
-    """A system user's uid and gid, creating it (no home, no shell) on first use."""
-    import pwd
-    try:
-        entry = pwd.getpwnam(name)
-    except KeyError:
-        run(["useradd", "--system", "--user-group", "--no-create-home", "--home-dir",
-             "/nonexistent", "--shell", "/usr/sbin/nologin", name])
-        entry = pwd.getpwnam(name)
-    return entry.pw_uid, entry.pw_gid
-
-
 def run_tool(box: "Box", name: str, args: Any, task_id: str) -> tuple[Any, float]:
     """An executable tool as the tools user: args on stdin, a JSON result on stdout."""
     uid, gid = box.broker.tools_ids
@@ -3618,6 +3613,8 @@ def parse_listen(listen: str) -> tuple[str, int]:
 def serve(box: Box) -> None:
     """Run gurtd: spawner, state, reconcile, HTTP, READY=1, the loop, then a clean stop."""
     host, port = parse_listen(box.listen)
+    import prctl  # noqa: F401  (loaded now: a task's sandbox hides /tmp, /root and /home,
+    #                            where a checkout's virtual environment may live)
     box.spawner.start()                      # before any thread: it forks the workers
     box.load()
     box.reconcile()

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -169,6 +169,18 @@ class Gurtd:
         except KeyError:
             return []
         return gurtd.processes_by_uid({uid}).get(uid, [])
+
+
+def eventually(check: Callable[[], Any], timeout: float = 20.0, what: str = "") -> Any:
+    """Poll check() until it returns something truthy; its value, or AssertionError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or check}")
+        time.sleep(0.02)
 
 
 def make_home() -> str:

@@ -18,27 +18,15 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import gurtd as gurtd_module  # the module under test (its process helpers), not the fixture
-from conftest import GURTD, ROOT, Gurtd
+from conftest import GURTD, ROOT, Gurtd, eventually
 
 REJECTED = 'Tool call "{tool}" was rejected by the owner: {reason}'
 
 
 # helpers #####################################################################################
-
-def eventually(check: Callable[[], Any], timeout: float = 20.0, what: str = "") -> Any:
-    """Poll check() until it returns something truthy; its value, or AssertionError."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or check}")
-        time.sleep(0.02)
-
 
 def pay_line(to: str, cents: Any, **extra: Any) -> str:
     """A prompt line that pays with the tool client (JSON in single quotes)."""

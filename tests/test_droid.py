@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import GURTD, ROOT, Gurtd, make_home, remove_home
+from conftest import GURTD, ROOT, Gurtd, eventually, make_home, remove_home
 
 import gurtd as G
 
@@ -177,16 +177,6 @@ def replaying_gurtd() -> Iterator[tuple[Gurtd, str]]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def wait_for(fn: Any, timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out")
-
-
 def pending(g: Gurtd, task_id: str) -> list[dict[str, Any]]:
     return g.api("GET", f"/api/approvals?state=pending&task={task_id}")
 
@@ -211,7 +201,7 @@ def test_a_budget_pause_stops_every_process_until_approved(
     g, _ = replaying_gurtd
     task = g.api("POST", "/api/tasks", {"title": "pause", "prompt": "go", "budgetCents": 50},
                  status=201)
-    approval = wait_for(lambda: pending(g, task["id"]))[0]
+    approval = eventually(lambda: pending(g, task["id"]))[0]
     assert approval["kind"] == "budget" and approval["tool"] == "model"
     assert g.task(task["id"])["state"] == "waiting"
     assert g.task(task["id"])["costCents"] == pytest.approx(93)
@@ -223,7 +213,7 @@ def test_a_budget_pause_stops_every_process_until_approved(
     assert states == {"T"}
     g.api("POST", f"/api/approvals/{approval['id']}/approve")
     # on it goes, up to one more budget: the completion's usage (471) passes 93 + 50 again
-    second = wait_for(lambda: pending(g, task["id"]))[0]
+    second = eventually(lambda: pending(g, task["id"]))[0]
     assert second["id"] != approval["id"]
     assert os.path.exists(marker)
     g.api("POST", f"/api/approvals/{second['id']}/approve")
@@ -235,7 +225,7 @@ def test_a_denied_budget_fails_the_task(replaying_gurtd: tuple[Gurtd, str]) -> N
     g, _ = replaying_gurtd
     task = g.api("POST", "/api/tasks", {"title": "deny", "prompt": "go", "budgetCents": 50},
                  status=201)
-    approval = wait_for(lambda: pending(g, task["id"]))[0]
+    approval = eventually(lambda: pending(g, task["id"]))[0]
     g.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": "too dear"})
     done = g.wait(task["id"], timeout=30)
     assert done["state"] == "failed"

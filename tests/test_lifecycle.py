@@ -13,10 +13,10 @@ import pwd
 import re
 import subprocess
 import time
-from typing import Any, Callable
+from typing import Any
 
 import gurtd as gurtd_module  # the module under test (its process helpers), not the fixture
-from conftest import GURTD, ROOT, Gurtd, put_base_file
+from conftest import GURTD, ROOT, Gurtd, eventually, put_base_file
 
 ID_RE = re.compile(r"^t[a-z0-9]{9}$")
 RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")
@@ -27,18 +27,6 @@ RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")
 def parse_time(stamp: str) -> datetime.datetime:
     assert RFC3339_UTC.match(stamp), stamp
     return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-
-
-def eventually(check: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
-    """Poll check() until it returns something truthy; its value, or AssertionError."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or check}")
-        time.sleep(0.02)
 
 
 def passwd_names() -> set[str]:
