@@ -2764,7 +2764,9 @@ class Broker:
         if cents > 0 and task.costCents + cents > task.budgetCents:
             return self.create(task, "budget", tool, args, cents, None)
         if tool == "wallet.pay":   # paid here, in the same step as the budget check
-            return {"task": task.id, "cents": cents, "result": self.pay(task.id, args)}
+            result = self.pay(task.id, args)
+            self.box.append_log(task.id, {**entry, "result": result, "cents": cents})
+            return {"task": task.id, "cents": cents, "result": result, "logged": True}
         return {"task": task.id, "cents": cents}
 
     def create(self, task: Task, kind: str, tool: str, args: Any, cents: float,
@@ -2842,9 +2844,9 @@ class Broker:
                 "balanceCents": wallet["balanceCents"]}
 
     def add_cost(self, task: Task, cents: float) -> None:
-        if cents:
+        if cents:   # the ledger, written first and synced, is what money is judged by
             task.costCents += cents
-            self.box.save(task)
+            self.box.save(task, sync=False)
 
     def record(self, task_id: str, entry: dict[str, Any], cost: float = 0) -> None:
         """Log a finished call (and add what an executable tool says it cost)."""
@@ -3001,9 +3003,10 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                 cost = 0.0
             else:
                 result, cost = run_tool(box, tool, args, task_id)
-            box.call(box.broker.record, task_id, {"type": "tool", "tool": tool, "args": args,
-                                                  "caller": uid, "result": result,
-                                                  "cents": plan["cents"] or cost}, cost)
+            if not plan.get("logged"):
+                box.call(box.broker.record, task_id, {
+                    "type": "tool", "tool": tool, "args": args, "caller": uid,
+                    "result": result, "cents": plan["cents"] or cost}, cost)
             self.reply(200, {"result": result})
         except ApiError as exc:
             if task_id is not None and exc.code != "tool_not_allowed":

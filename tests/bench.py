@@ -168,6 +168,71 @@ def dns_times(address: tuple[str, int], count: int, nsfd: int | None = None) -> 
     return out
 
 
+def broker_times(path: str, uid: int, count: int) -> list[float]:
+    """ms per wallet.pay call through the broker socket, from a child with the task's uid."""
+    import socket
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            times = []
+            body = json.dumps({"tool": "wallet.pay", "args": {"to": "bench", "cents": 1}})
+            request = (f"POST /call HTTP/1.1\r\nHost: box\r\nContent-Type: application/json"
+                       f"\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode()
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.connect(path)
+                reader = sock.makefile("rb")
+                for _ in range(count):
+                    t0 = time.perf_counter()
+                    sock.sendall(request)
+                    status = reader.readline()
+                    length = 0
+                    while (line := reader.readline()) not in (b"\r\n", b""):
+                        if line.lower().startswith(b"content-length:"):
+                            length = int(line.split(b":")[1])
+                    reader.read(length)
+                    times.append((time.perf_counter() - t0) * 1000)
+                    assert b" 200 " in status, status
+            os.write(w, json.dumps(times).encode())
+        except BaseException as exc:
+            sys.stderr.write(f"broker bench: {exc!r}\n")
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+def pause_to_event(g: Gurtd) -> float:
+    """ms from a budget pause (the approval's createdAt) to its event on /api/events."""
+    conn = g.connection()
+    conn.request("GET", "/api/events", headers={"Authorization": f"Bearer {g.token}"})
+    resp = conn.getresponse()
+    resp.readline()                                  # ": gurtd events"
+    task = g.create("gurtd tool wallet.pay '{\"to\": \"x\", \"cents\": 1}'",
+                    title="pause", tools=["wallet.pay"], budgetCents=0)
+    kind = ""
+    while True:
+        line = resp.readline().decode()
+        if line.startswith("event: "):
+            kind = line[7:].strip()
+        elif line.startswith("data: ") and kind == "approval":
+            received = time.time()
+            approval = json.loads(line[6:])
+            if approval["state"] == "pending" and approval["task"] == task["id"]:
+                break
+    conn.close()
+    g.api("POST", f"/api/tasks/{task['id']}/stop")
+    return (received - ts(approval["createdAt"])) * 1000
+
+
 def main() -> None:
     results: list[tuple[str, str, str]] = []
     # 1. start and undo latency, 1 layer then 400 layers
@@ -265,6 +330,32 @@ def main() -> None:
             ("DNS A answer, upstream alone, p50 (ms)", f"{up50:.3f}", ""),
             ("DNS A answer through gurtd, p50 (ms)", f"{th50:.3f}", ""),
             ("  gurtd adds (p50, ms)", f"{th50 - up50:.3f}", "<= 2"),
+        ]
+    finally:
+        g.stop()
+        remove_home(g.home)
+    # 5. the broker: a call that needs no approval, and a budget pause reaching /api/events
+    g = Gurtd(make_home())
+    g.start()
+    try:
+        g.api("PUT", "/api/wallet", {"balanceCents": 1_000_000})
+        task = g.create("sleep 60", title="broker", tools=["wallet.pay"], budgetCents=1_000_000)
+        g.wait(task["id"], ("running",))
+        deadline = time.monotonic() + 10
+        while not g.worker_pids(task) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.chmod(os.path.dirname(g.home), 0o711)   # mkdtemp's 0700 would keep the task out
+        calls = broker_times(os.path.join(g.home, "run", "broker.sock"),
+                             os.stat(f"/proc/{g.worker_pids(task)[0]}").st_uid, 300)
+        g.api("POST", f"/api/tasks/{task['id']}/stop")
+        delays = []
+        for _ in range(10):
+            delays.append(pause_to_event(g))
+        results += [
+            ("broker round trip, wallet.pay, p50 / p95 (ms)",
+             f"{statistics.median(calls):.2f} / {pct(calls, 95):.2f}", "p50 <= 2"),
+            ("budget pause to its /api/events event, p50 (ms)",
+             f"{statistics.median(delays):.1f}", "within a second"),
         ]
     finally:
         g.stop()
