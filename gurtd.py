@@ -543,7 +543,7 @@ def check_tool_args(tool: str, args: Any) -> float:
             raise ValueError("cents must be a number greater than 0")
         if "memo" in args and (not isinstance(args["memo"], str) or len(args["memo"]) > 1000):
             raise ValueError("memo must be a string (at most 1000 characters)")
-        return float(args["cents"])
+        return args["cents"]
     if tool == "ask":
         if set(args) != {"question"} or not isinstance(args["question"], str) \
                 or not args["question"].strip() or len(args["question"]) > 4000:
@@ -2829,7 +2829,7 @@ class Broker:
     def pay(self, task_id: str, args: dict[str, Any]) -> dict[str, Any]:
         """wallet.pay: one atomic write holds the new balance and its ledger entry."""
         task = self.box.tasks[task_id]
-        cents = float(args["cents"])
+        cents = args["cents"]
         balance = self.wallet["balanceCents"]
         if balance < cents:
             raise ApiError(409, f"insufficient balance: the wallet has {balance} cents",
@@ -2905,7 +2905,7 @@ def run_tool(box: "Box", name: str, args: Any, task_id: str) -> tuple[Any, float
     cost = result.get("costCents", 0) if isinstance(result, dict) else 0
     if not is_cents(cost) or cost < 0:
         cost = 0
-    return result, float(cost)
+    return result, cost
 
 
 class BrokerServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -2994,7 +2994,11 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                     raise ApiError(403, rejected_by_owner(tool, approval.reason or "denied"),
                                    "rejected")
                 if tool == "ask":
-                    self.reply(200, {"result": {"answer": approval.answer}})
+                    result = {"answer": approval.answer}
+                    box.call(box.broker.record, task_id, {
+                        "type": "tool", "tool": tool, "args": args, "caller": uid,
+                        "result": result, "cents": 0})
+                    self.reply(200, {"result": result})
                     return
             if "result" in plan:
                 result, cost = plan["result"], 0.0
@@ -3016,7 +3020,8 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                         "error": exc.message})
                 except Exception:
                     pass
-            self.reply(exc.status, {"error": exc.message, "code": exc.code})
+            self.reply(exc.status, {"error": exc.message, **({"code": exc.code} if exc.code
+                                                              else {})})
         except CancelledError:
             self.reply(503, {"error": "gurtd is stopping", "code": "stopping"})
 
@@ -3778,14 +3783,37 @@ def print_task(task: dict[str, Any]) -> None:
             click.echo(f"{key + ':':13} {value}")
 
 
-def print_log_entry(entry: dict[str, Any]) -> None:
+def log_entry_text(entry: dict[str, Any]) -> str:
+    """One log entry in a line for people (the --json output keeps everything)."""
     kind = entry.get("type", "?")
-    text = entry.get("text", entry.get("state", ""))
-    if kind == "state" and entry.get("error"):
-        text += f" ({entry['error']})"
+    if kind == "state":
+        return entry.get("state", "") + (f" ({entry['error']})" if entry.get("error") else "")
     if kind == "exit":
-        text = str(entry.get("code"))
-    click.echo(f"{entry.get('time', '')}  {kind:6}  {text}")
+        return str(entry.get("code"))
+    if kind == "tool":
+        outcome = (f"-> {json.dumps(entry['result'])}" if "result" in entry
+                   else f"refused: {entry.get('error')}")
+        return f"{entry.get('tool')} {json.dumps(entry.get('args'))} {outcome}"
+    if kind == "approval":
+        if "state" in entry:
+            return f"{entry['approval']} {entry['state']} by {entry.get('by')}" + \
+                (f": {entry['reason']}" if entry.get("reason") else "")
+        return f"{entry['approval']} pending: {entry.get('kind')} {entry.get('tool')} " \
+               f"{entry.get('cents')} cents"
+    if kind == "dns":
+        verdict = "allowed" if entry.get("allowed") else "refused"
+        return f"{entry.get('name')} {entry.get('qtype')} {verdict} " + \
+            " ".join(entry.get("addresses") or [])
+    if kind == "event":
+        event = entry.get("event") or {}
+        return droid_step(event) or f"{event.get('type')} " + \
+            json.dumps(event)[:150]
+    return str(entry.get("text", ""))
+
+
+def print_log_entry(entry: dict[str, Any]) -> None:
+    click.echo(f"{entry.get('time', '')}  {entry.get('type', '?'):8}  {log_entry_text(entry)}"
+               .rstrip())
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -3834,7 +3862,7 @@ def cmd_token(box_home: str) -> None:
 @click.option("--title", default=None, help="default: the prompt's first line")
 @click.option("--host", "hosts", multiple=True, help="a host the task may reach (repeatable)")
 @click.option("--tool", "tools", multiple=True, help="a tool the task may call (repeatable)")
-@click.option("--budget", type=float, default=None, help="budgetCents")
+@click.option("--budget", type=float, default=None, help="budgetCents (US cents)")
 @click.option("--wait", is_flag=True, help="follow the task to its end; exit 1 unless done")
 @click.option("--json", "as_json", is_flag=True, help="print the task as JSON")
 @client_options
@@ -3846,6 +3874,8 @@ def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title
         prompt = sys.stdin.read()
     body: dict[str, Any] = {"prompt": prompt,
                             "title": title or (prompt.strip().splitlines() or [""])[0][:60]}
+    if budget is not None and budget == int(budget):
+        budget = int(budget)                  # 50, not 50.0
     for key, value in (("worker", worker), ("workspace", workspace), ("budgetCents", budget)):
         if value is not None:
             body[key] = value
@@ -3963,6 +3993,8 @@ def _answer_command(name: str, suffix: str, doc: str, reason_required: bool) -> 
     @client_options
     def command(approval_id: str, reason: str | None, as_json: bool, box_home: str,
                 listen: str) -> None:
+        if reason_required and not reason:
+            raise click.UsageError("--reason is required: it goes back to the task")
         body = {"reason": reason} if reason else {}
         approval = Client(listen, box_home).request("POST", f"/approvals/{approval_id}/{suffix}",
                                                     body)
