@@ -170,3 +170,16 @@ def test_importing_the_module_starts_nothing():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_ledger_keeps_whole_lines_and_cuts_a_torn_one(tmp_path):
+    path = tmp_path / "wallet.jsonl"
+    assert G.load_ledger(str(path)) == {"balanceCents": 0, "ledger": []}
+    path.write_text('{"set": 50, "balanceAfterCents": 50}\n'
+                    'damaged\n'
+                    '{"task": "t1", "cents": 5, "balanceAfterCents": 45}\n'
+                    '{"task": "t1", "cents": 5, "bal')
+    wallet = G.load_ledger(str(path))
+    assert wallet["balanceCents"] == 45
+    assert [e["balanceAfterCents"] for e in wallet["ledger"]] == [50, 45]
+    assert path.read_text().endswith('"balanceAfterCents": 45}\n')   # the torn line is gone
