@@ -47,7 +47,7 @@ bench: deps
 	$(VENV)/bin/python tests/bench.py
 
 install: deps
-	install -d $(PREFIX)/lib/gurtd
+	install -d $(PREFIX)/lib/gurtd $(PREFIX)/bin /etc/systemd/system
 	install -m 0644 gurtd.py requirements.txt $(PREFIX)/lib/gurtd/
 	$(PYTHON) -m venv $(PREFIX)/lib/gurtd/venv
 	$(PREFIX)/lib/gurtd/venv/bin/pip install -q --disable-pip-version-check \
