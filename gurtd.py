@@ -2,27 +2,34 @@
 # SPDX-License-Identifier: Apache-2.0
 """gurtd: the daemon of a box, where AI agent tasks run unattended, each boxed in and undoable.
 
-A task is a worker (``fake``: one shell command per prompt line; ``droid``: not yet) running as its
-own Linux user ``box-<id>`` on its own copy-on-write OverlayFS view of a workspace.  Finished
-tasks' layers stack up; any task can be undone at any time and the others keep their changes.
+A task is a worker (``droid``: the Droid CLI with a Claude model; ``fake``: one shell command
+per prompt line) running as its own Linux user ``box-<id>`` on its own copy-on-write OverlayFS
+view of a workspace, reaching only its hosts and calling only its tools.  Finished tasks' layers
+stack up; any task can be undone at any time and the others keep their changes.
 The contract is the GurtOS page "Undo a task" (the Task object, its states, undo).
 
 Map of this file (each section starts with a ``# Name ###`` banner that grep finds):
 
     Constants and paths   defaults, the uid range, limits, syscall numbers
     Errors                ApiError (an HTTP answer), SysError (a failed system verb)
-    Pure model            ids, validation, host patterns, the Task record, overlay options
-    Persistence           atomic JSON files under BOX_HOME, set-aside of damaged files
-    System layer          users, processes, mounts; each verb beside its inverse, idempotent
+    Pure model            ids, validation, host patterns, Task and Approval records, nftables
+                          text, the droid stream (steps, prices), changes of a layer
+    Persistence           atomic JSON files under BOX_HOME, set-aside of damaged files, the
+                          append-only wallet ledger
+    System layer          users, processes, mounts, network namespaces, nftables; each verb
+                          beside its inverse, idempotent
     Spawner               a single-threaded process forked before any thread: it forks workers
     Sandbox               what a worker's child does as root before it becomes the box user
-    Tasks                 the Box: lifecycle, undo, reconcile, layers and views
+    Tasks                 the Box: lifecycle, undo, reconcile, layers and views, the droid worker
+    Hosts                 task networks: veth, grants, and gurtd's DNS for the tasks
+    Broker and approvals  tools called from tasks, the wallet, approvals, the broker socket
     HTTP                  request guard, auth, one routing table, JSON errors, OpenAPI
     Loop                  the select loop that owns the box state, signals, sd_notify
-    CLI                   click commands: serve, token, run, tasks, show, undo, stop, log
+    CLI                   click commands: serve, token, run, tasks, show, undo, stop, log,
+                          approvals, approve, deny, answer, wallet, and inside a task tool, mcp
 
-Threads: the loop thread owns the state.  HTTP handler threads hand it commands through
-``Box.call`` and wait for the answer; they read finished JSON renderings without a lock.
+Threads: the loop thread owns the state.  HTTP and broker handler threads hand it commands
+through ``Box.call`` and wait for the answer; they read finished JSON renderings without a lock.
 Importing this module does nothing: no root check, no threads, no mounts.
 """
 
@@ -34,9 +41,12 @@ import dataclasses
 import datetime
 import errno
 import fcntl
+import hashlib
 import hmac
 import http.client
 import http.server
+import importlib
+import ipaddress
 import json
 import os
 import queue
@@ -199,7 +209,6 @@ def parse_host(entry: Any) -> tuple[str, str, int | None]:
         port = int(port_text)
     host = host.lower()
     if re.fullmatch(r"[0-9./]+", host):
-        import ipaddress
         try:
             if "/" in host:
                 net = ipaddress.IPv4Network(host, strict=True)
@@ -257,7 +266,6 @@ REFUSED_NETS = ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16",
 
 def refused_address(addr: str, own: set[str]) -> str | None:
     """Why an answer's address must not become a grant (DNS rebinding), or None."""
-    import ipaddress
     ip = ipaddress.IPv4Address(addr)
     for net in REFUSED_NETS:
         if ip in ipaddress.IPv4Network(net):
@@ -470,18 +478,19 @@ class Task:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Task":
-        task = record_from(cls, data)
-        if task.state not in STATES or not ID_RE.match(task.id):
-            raise ValueError("not a task record")
-        return task
+        return record_from(cls, data, lambda t: t.state in STATES and ID_RE.match(t.id))
 
 
-def record_from(cls: Any, data: Any) -> Any:
-    """A dataclass record from stored JSON; keys it does not know (newer files) are left out."""
+def record_from(cls: Any, data: Any, valid: Callable[[Any], Any]) -> Any:
+    """A dataclass record from stored JSON, or ValueError; keys it does not know (a newer
+    file) are left out."""
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
     names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in data.items() if k in names})
+    record = cls(**{k: v for k, v in data.items() if k in names})
+    if not valid(record):
+        raise ValueError(f"not a {cls.__name__} record")
+    return record
 
 
 APPROVAL_STATES = ("pending", "approved", "denied")
@@ -514,10 +523,8 @@ class Approval:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Approval":
-        approval = record_from(cls, data)
-        if approval.state not in APPROVAL_STATES or not ID_RE.match(approval.task):
-            raise ValueError("not an approval record")
-        return approval
+        return record_from(cls, data,
+                           lambda a: a.state in APPROVAL_STATES and ID_RE.match(a.task))
 
 
 def new_approval_id() -> str:
@@ -684,14 +691,11 @@ def atomic_write(path: str, data: bytes, mode: int = 0o600, sync: bool = True) -
         os.close(fd)
     os.rename(tmp, path)
     if sync:
-        dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        fsync_dir(os.path.dirname(path) or ".")
 
 
-def atomic_write_dir_sync(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
+    """Make a rename or a new file in directory durable."""
     dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)
@@ -1153,7 +1157,6 @@ def net_index_next() -> int:
 
 def net_addresses(index: int) -> tuple[str, str]:
     """The /31 of a task network: (host end, task end)."""
-    import ipaddress
     base = TASK_NET + 2 * index
     return str(ipaddress.IPv4Address(base)), str(ipaddress.IPv4Address(base + 1))
 
@@ -1843,7 +1846,7 @@ class Box:
             hosts = list(task.hosts)
             if task.worker == "droid":
                 hosts += [h for h in self.settings["droidHosts"] if h not in hosts]
-                self.droid_spec(task, spec)
+                self.droid_spec(task, spec, hosts)
             fds = []
             if hosts:
                 spec["netnsFd"] = 2
@@ -2071,13 +2074,13 @@ class Box:
             pass
         return os.environ.get("FACTORY_API_KEY", "")
 
-    def droid_spec(self, task: Task, spec: dict[str, Any]) -> None:
-        """How the sandbox runs Droid: the command, its files, its MCP server, its key."""
+    def droid_spec(self, task: Task, spec: dict[str, Any], hosts: list[str]) -> None:
+        """How the sandbox runs Droid: the command, its files, its MCP server, its key; hosts
+        are the grants it gets (the task's and droidHosts)."""
         path = self.droid_path()
         if not path:
             raise SysError("droid", errno.ENOENT, "the Droid CLI is not installed")
         settings = self.settings
-        hosts = list(task.hosts) + [h for h in settings["droidHosts"] if h not in task.hosts]
         tools = ", ".join(task.tools) or "none"
         system = (
             "You work inside a gurtd box: an isolated Linux sandbox where you may act freely.\n"
@@ -2300,7 +2303,7 @@ class Network:
         self.box = box
         self.upstream_override = upstream_override
         self.table = "gurt" if box.home == DEFAULT_BOX_HOME else \
-            "gurt_" + __import__("hashlib").sha1(box.home.encode()).hexdigest()[:8]
+            "gurt_" + hashlib.sha1(box.home.encode()).hexdigest()[:8]
         self.nft: Nft | None = None
         self.ipr: Any = None
         self.host_ns = -1
@@ -2668,7 +2671,6 @@ class Network:
 
 def parse_upstream(text: str) -> tuple[str, int]:
     """An upstream DNS server, IPv4 HOST or HOST:PORT (port 53 by default)."""
-    import ipaddress
     host, _, port = text.partition(":")
     try:
         ipaddress.IPv4Address(host)
@@ -2871,7 +2873,7 @@ class Broker:
         finally:
             os.close(fd)
         if new:
-            atomic_write_dir_sync(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
         self.wallet = {"balanceCents": entry["balanceAfterCents"],
                        "ledger": self.wallet["ledger"] + [entry]}
 
@@ -3429,24 +3431,25 @@ TASK_SCHEMA: dict[str, Any] = {
 def openapi() -> dict[str, Any]:
     """An OpenAPI 3.1 description generated from ROUTES, so it cannot drift from them."""
     paths: dict[str, Any] = {}
-    for method, pattern, _fn, summary in ROUTES:
+    bodies = {h_tasks_create: True, h_workspaces_create: True, h_settings_put: True,
+              h_wallet_put: True, h_approval_answer: True, h_approval_approve: False,
+              h_approval_deny: False, h_approvals_approve_all: False}   # required or not
+    answers_task = (h_tasks_create, h_task_get, h_task_undo, h_task_stop)
+    for method, pattern, fn, summary in ROUTES:
+        ok = "201" if fn in (h_tasks_create, h_workspaces_create) else "200"
         op: dict[str, Any] = {"summary": summary, "responses": {
-            "200": {"description": "OK"},
+            ok: {"description": "OK"},
             "default": {"description": "Error",
                         "content": {"application/json": {"schema": {
                             "$ref": "#/components/schemas/Error"}}}}}}
-        if method == "POST" and pattern.endswith("s") or method == "PUT":
-            op["requestBody"] = {"required": True, "content": {"application/json": {
-                "schema": {"type": "object"}}}}
-        if "/tasks" in pattern and method in ("POST",) or pattern == "/api/tasks/{id}":
-            op["responses"]["200"] = {"description": "The task", "content": {
+        if fn in bodies:
+            schema = {"$ref": "#/components/schemas/TaskCreate"} if fn is h_tasks_create \
+                else {"type": "object"}
+            op["requestBody"] = {"required": bodies[fn],
+                                 "content": {"application/json": {"schema": schema}}}
+        if fn in answers_task:
+            op["responses"][ok] = {"description": "The task", "content": {
                 "application/json": {"schema": {"$ref": "#/components/schemas/Task"}}}}
-        if pattern == "/api/tasks" and method == "POST":
-            op["responses"]["201"] = op["responses"].pop("200")
-            op["requestBody"]["content"]["application/json"]["schema"] = {
-                "$ref": "#/components/schemas/TaskCreate"}
-        if pattern == "/api/workspaces" and method == "POST":
-            op["responses"]["201"] = op["responses"].pop("200")
         params = re.findall(r"\{(\w+)\}", pattern)
         if params:
             op["parameters"] = [{"name": p, "in": "path", "required": True,
@@ -3665,8 +3668,9 @@ def parse_listen(listen: str) -> tuple[str, int]:
 def serve(box: Box) -> None:
     """Run gurtd: spawner, state, reconcile, HTTP, READY=1, the loop, then a clean stop."""
     host, port = parse_listen(box.listen)
-    import prctl  # noqa: F401  (loaded now: a task's sandbox hides /tmp, /root and /home,
-    #                            where a checkout's virtual environment may live)
+    # python-prctl is loaded now, before the spawner forks: a task's sandbox hides /tmp,
+    # /root and /home, where a checkout's virtual environment may live.
+    importlib.import_module("prctl")
     box.spawner.start()                      # before any thread: it forks the workers
     box.load()
     box.reconcile()
@@ -3753,7 +3757,6 @@ class Client:
         self.token = token
 
     def connect(self) -> Any:
-        import http.client
         host = f"[{self.host}]" if ":" in self.host else self.host
         return http.client.HTTPConnection(host, self.port, timeout=60)
 
@@ -4093,6 +4096,18 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(self.unix_path)
 
 
+def broker_request(method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    """One request to the broker socket of the task this runs in."""
+    conn = UnixHTTPConnection(os.environ.get("GURT_BROKER", BROKER_IN_BOX))
+    try:
+        conn.request(method, path, body=None if body is None else json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"{}")
+    finally:
+        conn.close()
+
+
 @cli.command("tool")
 @click.argument("name")
 @click.argument("args", required=False, default="{}")
@@ -4103,18 +4118,12 @@ def cmd_tool(name: str, args: str) -> None:
         parsed = json.loads(args)
     except ValueError as exc:
         raise click.UsageError(f"ARGS must be JSON: {exc}") from None
-    conn = UnixHTTPConnection(os.environ.get("GURT_BROKER", BROKER_IN_BOX))
     try:
-        conn.request("POST", "/call", body=json.dumps({"tool": name, "args": parsed}),
-                     headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        answer = json.loads(resp.read() or b"{}")
+        status, answer = broker_request("POST", "/call", {"tool": name, "args": parsed})
     except (OSError, ValueError) as exc:
         raise click.ClickException(f"the broker did not answer: {exc}") from None
-    finally:
-        conn.close()
-    if resp.status != 200:
-        click.echo(answer.get("error", f"refused ({resp.status})"), err=True)
+    if status != 200:
+        click.echo(answer.get("error", f"refused ({status})"), err=True)
         sys.exit(1)
     click.echo(json.dumps(answer.get("result")))
 
@@ -4127,18 +4136,6 @@ TOOL_SCHEMAS: dict[str, dict[str, Any]] = {
     "ask": {"type": "object", "required": ["question"], "additionalProperties": False,
             "properties": {"question": {"type": "string"}}},
 }
-
-
-def broker_request(method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    """One request to the broker socket of the task this runs in."""
-    conn = UnixHTTPConnection(os.environ.get("GURT_BROKER", BROKER_IN_BOX))
-    try:
-        conn.request(method, path, body=None if body is None else json.dumps(body),
-                     headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read() or b"{}")
-    finally:
-        conn.close()
 
 
 def mcp_answer(message: Any) -> dict[str, Any] | None:

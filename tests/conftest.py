@@ -6,6 +6,7 @@ namespaces.  Under CI=true a missing prerequisite is a failure, never a skip.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -192,10 +193,10 @@ def remove_home(home: str) -> None:
     shutil.rmtree(os.path.dirname(home), ignore_errors=True)
 
 
-@pytest.fixture
-def gurtd() -> Iterator[Gurtd]:
-    """A running gurtd with a fresh BOX_HOME; stopped and removed afterwards."""
-    g = Gurtd(make_home())
+@contextlib.contextmanager
+def running_gurtd(env: dict[str, str] | None = None) -> Iterator[Gurtd]:
+    """A running gurtd with a fresh BOX_HOME; stopped (it must exit 0) and removed after."""
+    g = Gurtd(make_home(), env)
     g.start()
     try:
         yield g
@@ -204,6 +205,13 @@ def gurtd() -> Iterator[Gurtd]:
             code = g.stop()
             assert code == 0, f"gurtd exited with {code}:\n{g.log_text()}"
         remove_home(g.home)
+
+
+@pytest.fixture
+def gurtd() -> Iterator[Gurtd]:
+    """A running gurtd with a fresh BOX_HOME; stopped and removed afterwards."""
+    with running_gurtd() as g:
+        yield g
 
 
 @pytest.fixture

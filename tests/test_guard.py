@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import pytest
 
 import gurtd as gurtd_module
-from conftest import Gurtd, make_home, put_base_file, remove_home
+from conftest import Gurtd, put_base_file, running_gurtd
 
 UNKNOWN_ID = "tzzzzzzzzz"        # well formed, never issued
 
@@ -32,16 +32,9 @@ def gurtd() -> Iterator[Gurtd]:
     Every test here checks that its refused requests changed nothing, so they can share it.
     The base of workspace home holds readme.txt.
     """
-    g = Gurtd(make_home())
-    g.start()
-    try:
+    with running_gurtd() as g:
         put_base_file(g, "home", "readme.txt", "hello\n")
         yield g
-    finally:
-        if g.proc is not None:
-            code = g.stop()
-            assert code == 0, f"gurtd exited with {code}:\n{g.log_text()}"
-        remove_home(g.home)
 
 
 @pytest.fixture(scope="module")
