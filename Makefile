@@ -6,16 +6,17 @@ BOX_HOME ?= /var/lib/gurt
 LISTEN ?= 127.0.0.1:7700
 # nftables, iproute2, util-linux: the system tools; libcap-dev, gcc, python3-dev: to build
 # python-prctl; python3-venv: the virtual environment; systemd: systemd-analyze for the tests;
-# python3-click: the `gurtd` command inside a task (its tool client) runs on the system python.
+# python3-click: the `gurtd` command inside a task (its tool client) runs on the system python;
+# python3-seccomp: libseccomp's own Python binding (not on PyPI), for the tasks' kernel filter.
 APT_PACKAGES := nftables iproute2 util-linux libcap-dev gcc python3-dev python3-venv curl systemd \
-  python3-click
+  python3-click python3-seccomp
 
 DROID_VERSION := 0.215.0
 DROID := $(VENV)/droid/node_modules/droid/bin/droid
 
 .PHONY: deps run test bench install uninstall clean
 
-deps: $(VENV)/.installed $(VENV)/.droid-$(DROID_VERSION)
+deps: $(VENV)/.installed $(VENV)/.seccomp $(VENV)/.droid-$(DROID_VERSION)
 
 $(VENV)/.installed: requirements.txt
 	@missing=""; for p in $(APT_PACKAGES); do \
@@ -25,6 +26,18 @@ $(VENV)/.installed: requirements.txt
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt
+	touch $@
+
+# The venv gets the one module of python3-seccomp, linked into its site-packages, rather than
+# every system package (--system-site-packages would shadow the pinned requirements).
+SECCOMP_LINK = ln -sf "$$($(PYTHON) -c 'import seccomp; print(seccomp.__file__)')" \
+  "$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/"
+
+$(VENV)/.seccomp: $(VENV)/.installed
+	dpkg -s python3-seccomp >/dev/null 2>&1 || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-seccomp; }
+	$(call SECCOMP_LINK,$(VENV))
+	$(VENV)/bin/python -c 'import seccomp'
 	touch $@
 
 # The Droid CLI, pinned, from the npm registry (its package ships the native binary);
@@ -52,6 +65,7 @@ install: deps
 	$(PYTHON) -m venv $(PREFIX)/lib/gurtd/venv
 	$(PREFIX)/lib/gurtd/venv/bin/pip install -q --disable-pip-version-check \
 	  -r $(PREFIX)/lib/gurtd/requirements.txt
+	$(call SECCOMP_LINK,$(PREFIX)/lib/gurtd/venv)
 	npm install --prefix $(PREFIX)/lib/gurtd/droid --no-audit --no-fund --loglevel=error \
 	  droid@$(DROID_VERSION)
 	printf '#!/bin/sh\nexec $(PREFIX)/lib/gurtd/venv/bin/python $(PREFIX)/lib/gurtd/gurtd.py "$$@"\n' \

@@ -41,6 +41,7 @@ import dataclasses
 import datetime
 import errno
 import fcntl
+import glob
 import hashlib
 import hmac
 import http.client
@@ -1294,14 +1295,65 @@ def _spawner_main(sock: socket.socket) -> None:
 # Sandbox #######################################################################################
 ###############################################################################################
 # Runs in a child of the spawner, as root, single-threaded, and never returns.  It builds the
-# task's box and becomes the box user:
-#   own mount, network and IPC namespaces; / made rslave (rprivate would pin gurtd's unmounts);
+# task's box from nothing and becomes the box user:
+#   own mount, network and IPC namespaces; / made rslave first (rprivate would pin gurtd's
+#   unmounts, and nothing the box mounts may reach the host);
 #   the view: an overlay of the layers over the base, on an idmapped clone of BOX_HOME that maps
 #   the store user to the task user and 0 to 0 (without 0, overlay cannot make its work dir);
-#   tmpfs over BOX_HOME, /run, /tmp, /var/tmp, /dev/shm, /home and /root; a fresh /proc with
-#   hidepid=invisible; lo up; no capabilities, no new privileges; then the worker.
+#   a new root, a small tmpfs that holds only what the box is given (ROOT_LAYOUT below):
+#     /usr read-only; /bin, /lib, /lib64, /sbin as on the host (symlinks into usr, or
+#     read-only binds where the host has real directories);
+#     /etc read-only: an overlay of the host's /etc under a layer that removes its secrets
+#     (ETC_HIDDEN: they do not exist inside) and puts gurtd's resolver in resolv.conf;
+#     a minimal /dev (null, zero, full, random, urandom, tty, a pts instance of its own, shm);
+#     a fresh /proc with hidepid=invisible; no /sys (nothing a worker runs needs it);
+#     /run/gurt: the view, the broker socket, the `gurtd` tool client, droid, prompt files;
+#     /tmp, /var/tmp, /dev/shm and HOME: four folders of one tmpfs of spec["tmpBytes"];
+#   pivot_root into it and detach the host's root: /srv, /var, /opt, /home, /root, /mnt,
+#   BOX_HOME and every other host path do not exist inside;
+#   lo up; no capabilities, no new privileges; the kernel filter (next section); the worker.
+# Every mount of the box is nosuid and nodev (the device binds excepted from nodev).
+# What the sandbox uses after pivot_root must be imported before the spawner forks: the host's
+# file system, and with it a checkout's virtual environment, is gone by then (sandbox_preload).
 
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine, 155)
+CLONE_NEWIPC = 0x08000000
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOEXEC = 0x1, 0x8
+MS_RDONLY, MS_BIND = 0x1, 0x1000
+
+NEW_ROOT = "/tmp"                    # where the new root is built: a mount in the worker's own
+                                     # namespace only, over the host's /tmp, then pivoted into
+DEFAULT_TMP_BYTES = 1 << 30          # /tmp, /var/tmp, /dev/shm and HOME together
+USRMERGE = ("bin", "lib", "lib32", "lib64", "libx32", "sbin")   # as on the host, if there
+# Removed from the box's /etc (globs, relative to it): password hashes, host and TLS private
+# keys, sudo rules, VPN and Wi-Fi secrets, Kerberos keys, systemd credentials.  Most are already
+# unreadable to a box user; removing them also hides that they exist.
+ETC_HIDDEN = (
+    "shadow", "shadow-", "gshadow", "gshadow-", "security/opasswd", "sudoers", "sudoers.d",
+    "ssh/ssh_host_*_key", "ssl/private", "*.key", "krb5.keytab", "ipsec.secrets",
+    "ppp/*-secrets", "wireguard", "NetworkManager/system-connections", "letsencrypt",
+    "credstore", "credstore.encrypted",
+)
+DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")   # bound from the host's /dev
+DEV_LINKS = {"ptmx": "pts/ptmx", "fd": "/proc/self/fd", "stdin": "/proc/self/fd/0",
+             "stdout": "/proc/self/fd/1", "stderr": "/proc/self/fd/2"}
+BOX_RO = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV
+
+
+def sandbox_preload() -> None:
+    """Import what the sandbox uses after pivot_root, and build the kernel filter once.
+
+    Called by serve() before the spawner forks.  Without libseccomp's binding gurtd does not
+    start: a box without its kernel filter is not one.
+    """
+    global _KERNEL_FILTER
+    importlib.import_module("prctl")
+    try:
+        _KERNEL_FILTER = kernel_filter()
+    except ImportError as exc:
+        raise SysError("import seccomp", errno.ENOENT, f"{exc}: install python3-seccomp and "
+                       "link it into gurtd's virtual environment (make deps does both)")
 
 
 def sandbox_main(fds: list[int]) -> None:
@@ -1373,21 +1425,63 @@ def _mount(source: str, target: str, fstype: str | None, flags: int, data: str |
               ctypes.c_ulong(flags), data.encode() if data else None)
 
 
+def _mount_attrs(fd: int, path: str, attrs: int, recursive: bool) -> None:
+    """Set mount attributes (MOUNT_ATTR_*) on the mount at fd/path, or on its whole tree."""
+    attr = MountAttr(attrs, 0, 0, 0)
+    flags = (AT_EMPTY_PATH if not path else 0) | (AT_RECURSIVE if recursive else 0)
+    syscall("mount_setattr", SYS_MOUNT_SETATTR, fd, path.encode(), flags, ctypes.byref(attr),
+            ctypes.c_size_t(ctypes.sizeof(attr)))
+
+
+def _bind(fd: int, path: str, target: str, attrs: int, recursive: bool = False) -> None:
+    """Bind what fd/path names (a directory tree or one file) at target, with attrs.
+
+    A clone through open_tree: attributes are set before the mount is visible, so there is
+    no moment when a read-only bind is writable.
+    """
+    flags = OPEN_TREE_CLONE | os.O_CLOEXEC | (AT_RECURSIVE if recursive else 0) | \
+        (AT_EMPTY_PATH if not path else 0)
+    tree = syscall("open_tree", SYS_OPEN_TREE, fd, path.encode(), flags)
+    try:
+        if attrs:
+            _mount_attrs(tree, "", attrs, recursive)
+        syscall("move_mount", SYS_MOVE_MOUNT, tree, b"", -100, target.encode(),
+                MOVE_MOUNT_F_EMPTY_PATH)
+    finally:
+        os.close(tree)
+
+
 def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
-    uid, gid, home = spec["uid"], spec["gid"], spec["home"]
-    box_home = spec["boxHome"]
+    uid, gid = spec["uid"], spec["gid"]
     os.setsid()
     if "netnsFd" in spec:      # a task with hosts: the namespace gurtd made, with its veth
         libc_call("setns", fds[spec["netnsFd"]], CLONE_NEWNET)
         os.close(fds[spec["netnsFd"]])
-        libc_call("unshare", CLONE_NEWNS | 0x08000000)  # | CLONE_NEWIPC
+        libc_call("unshare", CLONE_NEWNS | CLONE_NEWIPC)
     else:
-        libc_call("unshare", CLONE_NEWNS | CLONE_NEWNET | 0x08000000)
-    resolv = os.path.realpath("/etc/resolv.conf")
+        libc_call("unshare", CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC)
     _mount("none", "/", None, MS_REC | MS_SLAVE, None)
+    view = _view_open(spec)
+    held = {"broker": os.open(spec["broker"], os.O_PATH | os.O_CLOEXEC),  # before the host's
+            "module": os.open(spec["module"], os.O_PATH | os.O_CLOEXEC)}  # root goes
+    if spec.get("droid"):
+        held["droid"] = os.open(spec["droid"], os.O_PATH | os.O_CLOEXEC)
+    _root_build(NEW_ROOT, spec)
+    _run_build(NEW_ROOT, spec, view, held)
+    _mount_attrs(-100, NEW_ROOT, MOUNT_ATTR_RDONLY, False)  # the root's own folders, read-only
+    _root_pivot(NEW_ROOT)
+    _lo_up()
+    _drop_privileges(uid, gid)
+    os.chdir(VIEW_DIR)
+    _kernel_filter_load()
+
+
+def _view_open(spec: dict[str, Any]) -> int:
+    """The task's view: a detached overlay (an fd) on an idmapped clone of BOX_HOME."""
+    uid, gid = spec["uid"], spec["gid"]
     maps = (f"0 0 1\n{spec['storeUid']} {uid} 1\n", f"0 0 1\n{spec['storeGid']} {gid} 1\n")
     userns = _idmap_userns(*maps)
-    tree = syscall("open_tree", SYS_OPEN_TREE, -100, box_home.encode(),
+    tree = syscall("open_tree", SYS_OPEN_TREE, -100, spec["boxHome"].encode(),
                    OPEN_TREE_CLONE | os.O_CLOEXEC)
     attr = MountAttr(MOUNT_ATTR_IDMAP, 0, 0, userns)
     syscall("mount_setattr", SYS_MOUNT_SETATTR, tree, b"", AT_EMPTY_PATH, ctypes.byref(attr),
@@ -1396,61 +1490,149 @@ def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
               for p in spec["lowers"]]
     upper = os.open(spec["upper"], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=tree)
     work = os.open(spec["work"], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=tree)
-    view = overlay_open(lowers, upper, work)
-    for fd in lowers + [upper, work, tree, userns]:
-        os.close(fd)
-    broker = os.open(spec["broker"], os.O_PATH | os.O_CLOEXEC)   # before they are hidden
-    module = os.open(spec["module"], os.O_PATH | os.O_CLOEXEC)
-    droid = os.open(spec["droid"], os.O_PATH | os.O_CLOEXEC) if spec.get("droid") else -1
-    tmpfs = MS_NOSUID | MS_NODEV
-    _mount("tmpfs", box_home, "tmpfs", tmpfs | MS_NOEXEC, "mode=0,size=4k")
-    _mount("tmpfs", "/run", "tmpfs", tmpfs, "mode=0755,size=1m")
-    os.makedirs(VIEW_DIR)
-    syscall("move_mount", SYS_MOVE_MOUNT, view, b"", -100, VIEW_DIR.encode(),
-            MOVE_MOUNT_F_EMPTY_PATH)
-    os.close(view)
+    try:
+        return overlay_open(lowers, upper, work)
+    finally:
+        for fd in lowers + [upper, work, tree, userns]:
+            os.close(fd)
+
+
+def _root_build(root: str, spec: dict[str, Any]) -> None:
+    """The new root at root: the system's programs, /etc, /dev, /proc, /tmp, HOME.
+
+    /tmp, /var/tmp, /dev/shm and HOME are folders of one tmpfs (its size is what a task may
+    keep in memory files); it is mounted at a scratch point, its folders bound to their
+    places, and the scratch point detached again, so the task never sees the tmpfs whole.
+    """
+    nosuid_nodev = MS_NOSUID | MS_NODEV
+    os.umask(0o022)                      # the box's folders as their modes say; the worker too
+    _mount("tmpfs", root, "tmpfs", nosuid_nodev | MS_NOEXEC, "mode=0755,size=1m")
+    scratch = os.path.join(root, ".scratch")
+    os.mkdir(scratch, 0o700)
+    size = int(spec.get("tmpBytes") or DEFAULT_TMP_BYTES)
+    _mount("tmpfs", scratch, "tmpfs", nosuid_nodev, f"mode=0755,size={size}")
+    for name, mode in (("tmp", 0o1777), ("var-tmp", 0o1777), ("shm", 0o1777), ("home", 0o700),
+                       ("etc", 0o755)):
+        os.mkdir(os.path.join(scratch, name))
+        os.chmod(os.path.join(scratch, name), mode)
+    os.chown(os.path.join(scratch, "home"), spec["uid"], spec["gid"])
+    _system_binds(root, os.path.join(scratch, "etc"))
+    _dev_build(root, os.path.join(scratch, "shm"))
+    os.mkdir(os.path.join(root, "proc"), 0o555)
+    _mount("proc", os.path.join(root, "proc"), "proc", nosuid_nodev | MS_NOEXEC,
+           "hidepid=invisible")
+    for place, folder in (("/tmp", "tmp"), ("/var/tmp", "var-tmp"), (spec["home"], "home")):
+        os.makedirs(root + place, 0o755)
+        _mount(os.path.join(scratch, folder), root + place, None, MS_BIND, None)
+    libc_call("umount2", scratch.encode(), MNT_DETACH)
+    os.rmdir(scratch)
+
+
+def _system_binds(root: str, mask: str) -> None:
+    """/usr and the usrmerge links as on the host, read-only; /etc without its secrets.
+
+    /etc is a read-only overlay: mask (a folder of the box's tmpfs, with a whiteout for each
+    host file that ETC_HIDDEN names, and gurtd's resolv.conf) over the host's /etc.  Binding
+    empty files over the secrets would not hold: gurtd replaces /etc/shadow by rename at every
+    task start, and a rename over a mount point in another namespace detaches that mount.
+    """
+    os.mkdir(os.path.join(root, "usr"), 0o755)
+    _bind(-100, "/usr", os.path.join(root, "usr"), BOX_RO, recursive=True)
+    for name in USRMERGE:
+        host = os.path.join("/", name)
+        if os.path.islink(host):
+            os.symlink(os.readlink(host), os.path.join(root, name))
+        elif os.path.isdir(host):
+            os.mkdir(os.path.join(root, name), 0o755)
+            _bind(-100, host, os.path.join(root, name), BOX_RO, recursive=True)
+    for pattern in ETC_HIDDEN:
+        for path in glob.glob(os.path.join("/etc", pattern)):
+            rel = os.path.relpath(path, "/etc")
+            os.makedirs(os.path.join(mask, os.path.dirname(rel)), 0o755, exist_ok=True)
+            os.mknod(os.path.join(mask, rel), stat.S_IFCHR | 0o000, 0)   # an overlay whiteout
+    with open(os.path.join(mask, "resolv.conf"), "w") as f:   # the task's resolver is gurtd,
+        f.write(f"nameserver {DNS_ADDR}\noptions timeout:2 attempts:1\n")   # on its own lo
+    os.chmod(os.path.join(mask, "resolv.conf"), 0o644)
+    layers = [os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for p in (mask, "/etc")]
+    try:
+        etc = overlay_open(layers)
+    finally:
+        for fd in layers:
+            os.close(fd)
+    try:
+        os.mkdir(os.path.join(root, "etc"), 0o755)
+        _mount_attrs(etc, "", MOUNT_ATTR_RDONLY, False)
+        syscall("move_mount", SYS_MOVE_MOUNT, etc, b"", -100, os.path.join(root, "etc").encode(),
+                MOVE_MOUNT_F_EMPTY_PATH)
+    finally:
+        os.close(etc)
+
+
+def _dev_build(root: str, shm: str) -> None:
+    """A minimal /dev: a few host devices, a devpts instance of the box's own, /dev/shm."""
+    dev = os.path.join(root, "dev")
+    os.mkdir(dev, 0o755)
+    _mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
+    for name in DEV_NODES:
+        if not os.path.exists(os.path.join("/dev", name)):
+            continue
+        open(os.path.join(dev, name), "w").close()
+        _bind(-100, os.path.join("/dev", name), os.path.join(dev, name),
+              MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC)
+    os.mkdir(os.path.join(dev, "pts"), 0o755)
+    _mount("devpts", os.path.join(dev, "pts"), "devpts", MS_NOSUID | MS_NOEXEC,
+           "newinstance,ptmxmode=0666,mode=0620")
+    for name, target in DEV_LINKS.items():
+        os.symlink(target, os.path.join(dev, name))
+    os.mkdir(os.path.join(dev, "shm"), 0o755)
+    _mount(shm, os.path.join(dev, "shm"), None, MS_BIND, None)
+    _mount_attrs(-100, dev, MOUNT_ATTR_RDONLY, False)   # its own entries, not the devices
+
+
+def _run_build(root: str, spec: dict[str, Any], view: int, held: dict[str, int]) -> None:
+    """/run/gurt: the view, the broker socket, the tool client, droid, the prompt files."""
+    run_dir = os.path.join(root, "run")
+    os.mkdir(run_dir, 0o755)
+    _mount("tmpfs", run_dir, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    for sub in ("gurt/view", "gurt/bin", "gurt/lib"):
+        os.makedirs(os.path.join(run_dir, sub), 0o755)
+    try:
+        syscall("move_mount", SYS_MOVE_MOUNT, view, b"", -100, (root + VIEW_DIR).encode(),
+                MOVE_MOUNT_F_EMPTY_PATH)
+    finally:
+        os.close(view)
     # the broker socket, and the `gurtd` command (its tool client) from this very module
-    binds = [(BROKER_IN_BOX, broker), ("/run/gurt/lib/gurtd.py", module)]
-    if droid >= 0:
-        binds.append(("/run/gurt/bin/droid", droid))
-    for path, fd in binds:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        open(path, "w").close()
-        _mount(f"/proc/self/fd/{fd}", path, None, 0x1000, None)  # MS_BIND
+    places = {"broker": BROKER_IN_BOX, "module": "/run/gurt/lib/gurtd.py",
+              "droid": "/run/gurt/bin/droid"}
+    for name, fd in held.items():
+        open(root + places[name], "w").close()
+        _bind(fd, "", root + places[name], MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
         os.close(fd)
-    os.makedirs("/run/gurt/bin", exist_ok=True)
-    for path, text in spec.get("files", {}).items():          # the prompt, the system prompt
-        with open(path, "w") as f:
+    files = dict(spec.get("files", {}))   # the prompt, the system prompt
+    files["/run/gurt/bin/gurtd"] = \
+        '#!/bin/sh\nexec /usr/bin/python3 -I /run/gurt/lib/gurtd.py "$@"\n'
+    files["/run/gurt/resolv.conf"] = f"nameserver {DNS_ADDR}\noptions timeout:2 attempts:1\n"
+    for path, text in files.items():
+        if not path.startswith("/run/gurt/"):
+            raise SysError("sandbox", errno.EINVAL, f"a box file outside /run/gurt: {path}")
+        with open(root + path, "w") as f:
             f.write(text)
-        os.chmod(path, 0o644)
-    with open("/run/gurt/bin/gurtd", "w") as f:
-        f.write('#!/bin/sh\nexec /usr/bin/python3 -I /run/gurt/lib/gurtd.py "$@"\n')
-    os.chmod("/run/gurt/bin/gurtd", 0o755)
-    # the task's resolver is gurtd, on the task's own lo (nothing listens there without hosts)
-    with open("/run/gurt/resolv.conf", "w") as f:
-        f.write(f"nameserver {DNS_ADDR}\noptions timeout:2 attempts:1\n")
-    os.chmod("/run/gurt/resolv.conf", 0o644)
-    if resolv.startswith("/run/"):      # a symlink into the host's /run, now our tmpfs
-        os.makedirs(os.path.dirname(resolv), exist_ok=True)
-        shutil.copyfile("/run/gurt/resolv.conf", resolv)
-        os.chmod(resolv, 0o644)
-    elif os.path.exists(resolv):
-        _mount("/run/gurt/resolv.conf", resolv, None, 0x1000, None)  # MS_BIND
-    for point in ("/tmp", "/var/tmp", "/dev/shm"):
-        if os.path.isdir(point):
-            _mount("tmpfs", point, "tmpfs", tmpfs, "mode=1777")
-    _mount("tmpfs", "/home", "tmpfs", tmpfs, "mode=0755")
-    _mount("tmpfs", "/root", "tmpfs", tmpfs | MS_NOEXEC, "mode=0700,size=4k")
-    os.mkdir(home, 0o700)
-    os.chown(home, uid, gid)
-    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
-    _mount("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | 1, None)  # 1: rdonly
+        os.chmod(root + path, 0o755 if path.startswith("/run/gurt/bin/") else 0o644)
+
+
+def _root_pivot(root: str) -> None:
+    """Make root the worker's / and detach the host's root from its namespace."""
+    os.chdir(root)
+    syscall("pivot_root", SYS_PIVOT_ROOT, b".", b".")
+    libc_call("umount2", b".", MNT_DETACH)      # the old root, stacked on the new one
+    os.chdir("/")
+
+
+def _lo_up() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         ifreq = struct.pack("16sh14x", b"lo", 0)
         flags = struct.unpack("16sh14x", fcntl.ioctl(s, SIOCGIFFLAGS, ifreq))[1]
         fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sh14x", b"lo", flags | IFF_UP))
-    _drop_privileges(uid, gid)
-    os.chdir(VIEW_DIR)
 
 
 def _drop_privileges(uid: int, gid: int) -> None:
@@ -1549,6 +1731,191 @@ def _run_line(argv: list[str], env: dict[str, str], out_fd: int) -> int:
         os.close(fd)
     os.close(pidfd)
     return 128 - code if code < 0 else code
+
+
+# Kernel filter #################################################################################
+###############################################################################################
+# A seccomp filter every worker runs under, loaded last (after no_new_privs, right before the
+# worker), through libseccomp's own Python binding (Debian's python3-seccomp).  It reads like
+# a policy, as Docker's default profile and bubblewrap's --seccomp do: everything is allowed
+# but the syscalls below, each refused with EPERM (clone3 with ENOSYS, so that libc falls back
+# to clone, whose flags a filter can read), each with what the refusal closes.  Only x86_64
+# (the native ABI) is described: a 32-bit (int 0x80) or x32 syscall kills the process, so no
+# second syscall table can walk around the list.  ptrace stays allowed, as in Docker on kernels
+# since 4.8: a task may debug its own processes (strace, gdb), and hidepid plus a uid of its
+# own keep it from any other.
+
+CLONE_NEW_FLAGS = 0x7E020000         # NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
+CLONE_NEWTIME = 0x80                 # unshare only: in clone's flags these bits are a signal
+TIOCSTI, TIOCLINUX = 0x5412, 0x541C
+PERSONA_QUERY = 0x80000000           # personality(0xffffffff) asks; no persona has this bit
+PERSONA_FLAGS = 0x0FFC0000           # ADDR_NO_RANDOMIZE ... ADDR_LIMIT_3GB (UNAME26 stays)
+ArgTest = tuple[int, int, int]       # (argument, mask, value): refused if arg & mask == value
+
+
+def any_bit(arg: int, bits: int, unless: int = 0) -> tuple[ArgTest, ...]:
+    """Tests that match when argument arg has any of bits set (and none of unless)."""
+    return tuple((arg, 1 << n | unless, 1 << n) for n in range(64) if bits >> n & 1)
+
+
+# (syscall, argument tests: any one refuses, none given: always; errno; what it closes)
+KERNEL_REFUSALS: tuple[tuple[str, tuple[ArgTest, ...], int, str], ...] = (
+    # Namespaces: in a user namespace of its own a task is root of a world where far more of
+    # the kernel is reachable (netfilter, most file systems): the usual first step of an exploit.
+    ("unshare", any_bit(0, CLONE_NEW_FLAGS | CLONE_NEWTIME), errno.EPERM,
+     "new namespaces, a user namespace first"),
+    ("clone", any_bit(0, CLONE_NEW_FLAGS), errno.EPERM, "the same through clone"),
+    ("clone3", (), errno.ENOSYS, "flags in memory that a filter cannot read: libc uses clone"),
+    ("setns", (), errno.EPERM, "joining a namespace through an fd passed in"),
+    # io_uring: a second way to make syscalls, around this filter, and a rich source of bugs
+    ("io_uring_setup", (), errno.EPERM, "io_uring rings"),
+    ("io_uring_enter", (), errno.EPERM, "io_uring rings"),
+    ("io_uring_register", (), errno.EPERM, "io_uring rings"),
+    # Keyrings: per uid, so keys would outlive the task; a frequent source of kernel bugs
+    ("keyctl", (), errno.EPERM, "the kernel's keyrings"),
+    ("add_key", (), errno.EPERM, "the kernel's keyrings"),
+    ("request_key", (), errno.EPERM, "the kernel's keyrings (and upcalls to the host)"),
+    # Kernel programs and tracing: verifier bugs, side channels, the kernel's addresses
+    ("bpf", (), errno.EPERM, "eBPF programs and maps"),
+    ("perf_event_open", (), errno.EPERM, "performance counters: side channels, kernel bugs"),
+    ("lookup_dcookie", (), errno.EPERM, "profiler cookies"),
+    ("userfaultfd", (), errno.EPERM, "pausing the kernel at a page fault: widens races"),
+    # Terminals
+    ("ioctl", ((1, 0xFFFFFFFF, TIOCSTI),), errno.EPERM,
+     "TIOCSTI: typing into a terminal, a person's included"),
+    ("ioctl", ((1, 0xFFFFFFFF, TIOCLINUX),), errno.EPERM, "TIOCLINUX: the console's selection"),
+    # Mounts (they need CAP_SYS_ADMIN; refused here as well should a capability ever leak)
+    ("mount", (), errno.EPERM, "mounts"),
+    ("umount2", (), errno.EPERM, "unmounting what hides the host"),
+    ("pivot_root", (), errno.EPERM, "a new root"),
+    ("chroot", (), errno.EPERM, "a new root"),
+    ("move_mount", (), errno.EPERM, "the new mount API"),
+    ("open_tree", (), errno.EPERM, "the new mount API: clones of mounts"),
+    ("fsopen", (), errno.EPERM, "the new mount API"),
+    ("fsconfig", (), errno.EPERM, "the new mount API"),
+    ("fsmount", (), errno.EPERM, "the new mount API"),
+    ("fspick", (), errno.EPERM, "the new mount API"),
+    ("mount_setattr", (), errno.EPERM, "the new mount API: idmaps, read-only flags"),
+    ("name_to_handle_at", (), errno.EPERM, "file handles"),
+    ("open_by_handle_at", (), errno.EPERM, "opening any file of a file system by handle"),
+    ("quotactl", (), errno.EPERM, "disk quotas"),
+    ("quotactl_fd", (), errno.EPERM, "disk quotas"),
+    # The kernel and the machine
+    ("kexec_load", (), errno.EPERM, "booting another kernel"),
+    ("kexec_file_load", (), errno.EPERM, "booting another kernel"),
+    ("init_module", (), errno.EPERM, "kernel modules"),
+    ("finit_module", (), errno.EPERM, "kernel modules"),
+    ("delete_module", (), errno.EPERM, "kernel modules"),
+    ("reboot", (), errno.EPERM, "rebooting the box"),
+    ("swapon", (), errno.EPERM, "swap"),
+    ("swapoff", (), errno.EPERM, "swap"),
+    ("acct", (), errno.EPERM, "process accounting"),
+    ("syslog", (), errno.EPERM, "the kernel's log: addresses, other tasks' traces"),
+    ("iopl", (), errno.EPERM, "I/O ports"),
+    ("ioperm", (), errno.EPERM, "I/O ports"),
+    ("sethostname", (), errno.EPERM, "the host's name"),
+    ("setdomainname", (), errno.EPERM, "the host's domain name"),
+    ("vhangup", (), errno.EPERM, "hanging up a terminal"),
+    # Time
+    ("settimeofday", (), errno.EPERM, "the clock"),
+    ("clock_settime", (), errno.EPERM, "the clock"),
+    ("clock_adjtime", (), errno.EPERM, "the clock"),
+    # Memory layout: personality may turn ASLR off or make reads executable (the harmless
+    # values stay: the query, PER_LINUX32, UNAME26, as Docker allows)
+    ("personality", any_bit(0, PERSONA_FLAGS, unless=PERSONA_QUERY), errno.EPERM,
+     "ASLR off, executable reads, address space limits"),
+    # Obsolete interfaces nothing current needs
+    ("uselib", (), errno.EPERM, "a.out libraries"),
+    ("ustat", (), errno.EPERM, "obsolete"),
+    ("sysfs", (), errno.EPERM, "obsolete"),
+    ("_sysctl", (), errno.EPERM, "obsolete"),
+    ("nfsservctl", (), errno.EPERM, "obsolete"),
+)
+
+_KERNEL_FILTER: Any = None           # built once by sandbox_preload, before the spawner forks
+
+
+def kernel_filter() -> Any:
+    """The filter (a seccomp.SyscallFilter) of KERNEL_REFUSALS; ImportError without libseccomp."""
+    seccomp = importlib.import_module("seccomp")
+    filt = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    filt.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
+    for name, tests, err, _closes in KERNEL_REFUSALS:
+        if not tests:
+            filt.add_rule(seccomp.ERRNO(err), name)
+        for arg, mask, value in tests:
+            filt.add_rule(seccomp.ERRNO(err), name,
+                          seccomp.Arg(arg, seccomp.MASKED_EQ, mask, value))
+    return filt
+
+
+def _kernel_filter_load() -> None:
+    """Load the filter into this process (a worker to be); its children inherit it."""
+    (_KERNEL_FILTER or kernel_filter()).load()
+
+
+# Task leftovers ################################################################################
+###############################################################################################
+# What a task could leave behind once its processes are gone: set-id files in its layer (on
+# disk they belong to the store user; anyone who can reach BOX_HOME on a mount without nosuid
+# could become that user), and keys in the kernel's per-uid keyrings, which outlive processes.
+
+KEY_USERS = "/proc/key-users"
+SETID_BITS = stat.S_ISUID | stat.S_ISGID
+_KEYS_CLEAR = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+with open("/proc/keys") as f:
+    for line in f:
+        fields = line.split()
+        if len(fields) > 5 and fields[5] == str(os.getuid()):
+            libc.syscall(250, 21, ctypes.c_long(int(fields[0], 16)))   # KEYCTL_INVALIDATE
+"""
+
+
+def setid_strip(top: str) -> list[str]:
+    """Clear the set-uid and set-gid bits of every regular file under top; the paths cleared.
+
+    Walks with directory fds and never follows a symlink: a task's symlink may name any host
+    file.  Each file is opened with O_NOFOLLOW and checked again through its fd before fchmod.
+    """
+    cleared = []
+    for dirpath, _dirs, files, dirfd in os.fwalk(top, follow_symlinks=False):
+        for name in files:
+            try:
+                st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode) or not st.st_mode & SETID_BITS:
+                    continue
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                             dir_fd=dirfd)
+                try:
+                    st = os.fstat(fd)
+                    if stat.S_ISREG(st.st_mode):
+                        os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~SETID_BITS)
+                        cleared.append(os.path.join(dirpath, name))
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                log(3, f"set-id bits of {os.path.join(dirpath, name)}: {exc}")
+    return cleared
+
+
+def uid_has_keys(uid: int) -> bool:
+    """Whether the kernel holds keys charged to uid (a line of /proc/key-users)."""
+    with open(KEY_USERS) as f:
+        return any(line.split(":", 1)[0].strip() == str(uid) for line in f)
+
+
+def keys_clear(uid: int) -> None:
+    """Invalidate every key of uid, as that uid (root may not invalidate a user's keys).
+
+    The kernel keeps a uid's user keyrings after its last process; invalidated, they and their
+    keys are collected at once.  Idempotent; costs nothing for a uid without keys.
+    """
+    if uid_has_keys(uid):
+        log(5, f"uid {uid} holds kernel keys: invalidating them")
+        run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+             "--no-new-privs", sys.executable, "-I", "-c", _KEYS_CLEAR])
 
 
 # Tasks #########################################################################################
@@ -1959,7 +2326,9 @@ class Box:
         self.schedule()
 
     def release_worker(self, task: Task) -> None:
-        """End every process of the task and remove its user.  Idempotent."""
+        """End every process of the task, remove its user, clear set-id bits of its layer.
+
+        Idempotent."""
         worker = self.workers.pop(task.id, None)
         if worker is not None:
             if not worker.eof:
@@ -1969,6 +2338,7 @@ class Box:
                 os.close(worker.log_fd)
         self.cleanup_user(task)
         self.network.release(task.id)
+        setid_strip(os.path.join(self.layer_dir(task.id), "upper"))   # its processes are gone
 
     def cleanup_user(self, task: Task) -> None:
         """End the task's processes, then remove its user (kept while a process lives)."""
@@ -1978,6 +2348,7 @@ class Box:
             except SysError as exc:
                 log(3, f"task {task.id}: {exc}; its user stays until the next start")
                 return
+            keys_clear(task.uid)
             user_del(task.user)
             task.uid = 0
 
@@ -3668,9 +4039,9 @@ def parse_listen(listen: str) -> tuple[str, int]:
 def serve(box: Box) -> None:
     """Run gurtd: spawner, state, reconcile, HTTP, READY=1, the loop, then a clean stop."""
     host, port = parse_listen(box.listen)
-    # python-prctl is loaded now, before the spawner forks: a task's sandbox hides /tmp,
-    # /root and /home, where a checkout's virtual environment may live.
-    importlib.import_module("prctl")
+    # python-prctl and the kernel filter are loaded now, before the spawner forks: a task's
+    # sandbox leaves the host's file system, and with it a checkout's virtual environment.
+    sandbox_preload()
     box.spawner.start()                      # before any thread: it forks the workers
     box.load()
     box.reconcile()
