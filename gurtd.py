@@ -1572,7 +1572,7 @@ def _dev_build(root: str, shm: str) -> None:
     """A minimal /dev: a few host devices, a devpts instance of the box's own, /dev/shm."""
     dev = os.path.join(root, "dev")
     os.mkdir(dev, 0o755)
-    _mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
+    _mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0755,size=64k")
     for name in DEV_NODES:
         if not os.path.exists(os.path.join("/dev", name)):
             continue
@@ -1879,7 +1879,9 @@ def setid_strip(top: str) -> list[str]:
     Walks with directory fds and never follows a symlink: a task's symlink may name any host
     file.  Each file is opened with O_NOFOLLOW and checked again through its fd before fchmod.
     """
-    cleared = []
+    cleared: list[str] = []
+    if not os.path.lexists(top):          # a task that never started has no layer
+        return cleared
     for dirpath, _dirs, files, dirfd in os.fwalk(top, follow_symlinks=False):
         for name in files:
             try:
