@@ -19,7 +19,10 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     System layer          users, processes, mounts, network namespaces, nftables; each verb
                           beside its inverse, idempotent
     Spawner               a single-threaded process forked before any thread: it forks workers
-    Sandbox               what a worker's child does as root before it becomes the box user
+    Sandbox               what a worker's child does as root before it becomes the box user:
+                          the task's root built from nothing, pivot_root, the fake worker
+    Kernel filter         the seccomp refusals every worker runs under, one table by name
+    Task leftovers        set-id bits of a finished layer, kernel keys of a finished uid
     Tasks                 the Box: lifecycle, undo, reconcile, layers and views, the droid worker
     Hosts                 task networks: veth, grants, and gurtd's DNS for the tasks
     Broker and approvals  tools called from tasks, the wallet, approvals, the broker socket
@@ -1300,7 +1303,7 @@ def _spawner_main(sock: socket.socket) -> None:
 #   unmounts, and nothing the box mounts may reach the host);
 #   the view: an overlay of the layers over the base, on an idmapped clone of BOX_HOME that maps
 #   the store user to the task user and 0 to 0 (without 0, overlay cannot make its work dir);
-#   a new root, a small tmpfs that holds only what the box is given (ROOT_LAYOUT below):
+#   a new root, a small tmpfs that holds only what the box is given:
 #     /usr read-only; /bin, /lib, /lib64, /sbin as on the host (symlinks into usr, or
 #     read-only binds where the host has real directories);
 #     /etc read-only: an overlay of the host's /etc under a layer that removes its secrets
@@ -1320,7 +1323,7 @@ SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine, 155)
 CLONE_NEWIPC = 0x08000000
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOEXEC = 0x1, 0x8
-MS_RDONLY, MS_BIND = 0x1, 0x1000
+MS_BIND = 0x1000
 
 NEW_ROOT = "/tmp"                    # where the new root is built: a mount in the worker's own
                                      # namespace only, over the host's /tmp, then pivoted into
