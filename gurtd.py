@@ -2613,12 +2613,14 @@ class Box:
                 task.uid = 0
                 self.set_state(task, "failed",
                                error="gurtd restarted while the task was running")
+                setid_strip(os.path.join(self.layer_dir(task.id), "upper"))
         for approval in list(self.broker.approvals.values()):
             if approval.state == "pending":
                 self.broker.answer(approval.id, "denied", "gurtd restarted", None, "restart")
         for name, uid in leftovers.items():
             log(4, f"reconcile: removing leftover user {name} ({uid}) and its processes")
             kill_uid(uid)
+            keys_clear(uid)
             user_del(name)
         for point in mounts_under(self.home):
             log(4, f"reconcile: unmounting leftover {point}")

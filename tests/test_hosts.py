@@ -419,7 +419,8 @@ except Exception as e:
 '''
 PY = "python3 -c 'import base64;exec(base64.b64decode(\"%s\"))'" % \
     base64.b64encode(PROBE.encode()).decode()
-IFLINK = "echo IFLINK $(cat /sys/class/net/eth0/iflink)"
+# the peer's index from netlink (`eth0@ifN`): a box has no /sys
+IFLINK = "echo IFLINK $(ip -o link show eth0 | sed -n 's/^[0-9]*: eth0@if\\([0-9]*\\):.*/\\1/p')"
 
 
 def timed(label: str, command: str) -> str:
