@@ -2600,6 +2600,7 @@ class Box:
         mine = {t.user for t in self.tasks.values()}
         marker = f"gurt task in {self.home}"
         leftovers = {}
+        crashed: list[str] = []
         with open("/etc/passwd") as f:
             for line in f:
                 parts = line.rstrip("\n").split(":")
@@ -2613,7 +2614,7 @@ class Box:
                 task.uid = 0
                 self.set_state(task, "failed",
                                error="gurtd restarted while the task was running")
-                setid_strip(os.path.join(self.layer_dir(task.id), "upper"))
+                crashed.append(task.id)
         for approval in list(self.broker.approvals.values()):
             if approval.state == "pending":
                 self.broker.answer(approval.id, "denied", "gurtd restarted", None, "restart")
@@ -2622,6 +2623,8 @@ class Box:
             kill_uid(uid)
             keys_clear(uid)
             user_del(name)
+        for task_id in crashed:                  # their processes are gone now
+            setid_strip(os.path.join(self.layer_dir(task_id), "upper"))
         for point in mounts_under(self.home):
             log(4, f"reconcile: unmounting leftover {point}")
             umount(point)

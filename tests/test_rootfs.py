@@ -464,6 +464,16 @@ def test_a_stopped_tasks_layer_loses_its_set_id_bits_too(gurtd: Gurtd) -> None:
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o755
 
 
+def test_after_a_kill_9_the_crashed_tasks_layer_loses_its_set_id_bits(gurtd: Gurtd) -> None:
+    task = gurtd.create(prompt("cp /usr/bin/id suid-id && chmod 4755 suid-id", "sleep 30"))
+    wait_for_step(gurtd, task["id"], "sleep 30")
+    path = os.path.join(gurtd.home, "layers", task["id"], "upper", "suid-id")
+    assert os.stat(path).st_mode & stat.S_ISUID
+    gurtd.restart(kill=True)              # gurtd dies in the middle; the next one reconciles
+    assert gurtd.task(task["id"])["state"] == "failed"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o755
+
+
 def test_a_set_id_root_file_in_a_view_does_not_elevate(gurtd: Gurtd) -> None:
     put_base_file(gurtd, "home", "root-id", "")
     path = os.path.join(gurtd.home, "workspaces", "home", "root-id")
