@@ -1342,6 +1342,8 @@ DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")   # bound from 
 DEV_LINKS = {"ptmx": "pts/ptmx", "fd": "/proc/self/fd", "stdin": "/proc/self/fd/0",
              "stdout": "/proc/self/fd/1", "stderr": "/proc/self/fd/2"}
 BOX_RO = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV
+# the task's resolver is gurtd, on the task's own lo (nothing listens there without hosts)
+BOX_RESOLV_CONF = f"nameserver {DNS_ADDR}\noptions timeout:2 attempts:1\n"
 
 
 def sandbox_preload() -> None:
@@ -1553,8 +1555,8 @@ def _system_binds(root: str, mask: str) -> None:
             rel = os.path.relpath(path, "/etc")
             os.makedirs(os.path.join(mask, os.path.dirname(rel)), 0o755, exist_ok=True)
             os.mknod(os.path.join(mask, rel), stat.S_IFCHR | 0o000, 0)   # an overlay whiteout
-    with open(os.path.join(mask, "resolv.conf"), "w") as f:   # the task's resolver is gurtd,
-        f.write(f"nameserver {DNS_ADDR}\noptions timeout:2 attempts:1\n")   # on its own lo
+    with open(os.path.join(mask, "resolv.conf"), "w") as f:
+        f.write(BOX_RESOLV_CONF)
     os.chmod(os.path.join(mask, "resolv.conf"), 0o644)
     layers = [os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for p in (mask, "/etc")]
     try:
@@ -1614,7 +1616,7 @@ def _run_build(root: str, spec: dict[str, Any], view: int, held: dict[str, int])
     files = dict(spec.get("files", {}))   # the prompt, the system prompt
     files["/run/gurt/bin/gurtd"] = \
         '#!/bin/sh\nexec /usr/bin/python3 -I /run/gurt/lib/gurtd.py "$@"\n'
-    files["/run/gurt/resolv.conf"] = f"nameserver {DNS_ADDR}\noptions timeout:2 attempts:1\n"
+    files["/run/gurt/resolv.conf"] = BOX_RESOLV_CONF
     for path, text in files.items():
         if not path.startswith("/run/gurt/"):
             raise SysError("sandbox", errno.EINVAL, f"a box file outside /run/gurt: {path}")
