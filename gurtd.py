@@ -3017,8 +3017,8 @@ MAX_BROKER_BODY = 64 * 1024
 # Caps: a task (one uid) holds at most MAX_BROKER_CONNS broker connections at once (beyond:
 # 429 at once, no thread), of which at most MAX_PENDING_APPROVALS wait for a person; all tasks
 # together at most MAX_BROKER_THREADS handler threads.
-MAX_BROKER_CONNS = 16
-MAX_PENDING_APPROVALS = 8
+MAX_BROKER_CONNS = 32
+MAX_PENDING_APPROVALS = 16
 MAX_BROKER_THREADS = 256
 
 

@@ -363,8 +363,11 @@ def inet() -> Iterator[Internet]:
 
 @pytest.fixture
 def g(inet: Internet, new_gurtd: Any) -> Gurtd:
-    """A gurtd whose DNS upstream is the tests' server."""
-    return new_gurtd(env={"GURT_DNS_UPSTREAM": inet.upstream})
+    """A gurtd whose DNS upstream is the tests' server, and whose owner lets granted names
+    resolve into the fake internet's benchmarking network (special-use, refused otherwise)."""
+    gurtd = new_gurtd(env={"GURT_DNS_UPSTREAM": inet.upstream})
+    gurtd.api("PUT", "/api/settings", {"dnsAllowedNets": ["198.18.0.0/24"]})
+    return gurtd
 
 
 # probes in a task ##############################################################################
