@@ -1260,10 +1260,25 @@ def open_dir_beneath(root_fd: int, rel: str) -> int | None:
     not a directory (a task may have replaced it meanwhile)."""
     how = OpenHow(os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, 0,
                   RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
+    chunks, parts = [], []         # a deep path goes in pieces: one openat2 takes 4,095 bytes
+    for name in (rel.split("/") if rel else []):
+        if sum(len(p) + 1 for p in parts) + len(name.encode()) > 2048:
+            chunks.append("/".join(parts))
+            parts = []
+        parts.append(name)
+    chunks.append("/".join(parts))
+    fd = root_fd
     try:
-        return syscall("openat2", SYS_OPENAT2, root_fd, (rel or ".").encode(),
-                       ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+        for chunk in chunks:
+            fd_next = syscall("openat2", SYS_OPENAT2, fd, (chunk or ".").encode(),
+                              ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+            if fd != root_fd:
+                os.close(fd)
+            fd = fd_next
+        return fd
     except SysError:
+        if fd != root_fd:
+            os.close(fd)
         return None
 
 
