@@ -286,17 +286,17 @@ def refused_address(addr: str, own: set[str],
     entries), and never the absolute ones or an address of this host.
     """
     ip = ipaddress.IPv4Address(addr)
-    if addr in own:
-        return f"{addr} is an address of this host"
     for net, what, absolute in SPECIAL_NETS:
         if ip in net:
             if absolute:
                 return f"{addr} is in {net} ({what})"
             break
     else:
-        if ip.is_global:
-            return None
         net, what = ipaddress.IPv4Network(f"{addr}/32"), "special-use"
+    if addr in own:
+        return f"{addr} is an address of this host"
+    if what == "special-use" and ip.is_global:
+        return None
     if any(ip in g for g in granted or ()):
         return None
     return f"{addr} is in {net} ({what}) and no ip or cidr entry grants it"

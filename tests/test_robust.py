@@ -422,7 +422,7 @@ for s in conns:
         refused += s.recv(64).startswith(b"HTTP/1.1 429")
     except BlockingIOError:
         pass
-print("REFUSED", refused)
+print("REFUSED", refused, flush=True)
 time.sleep(3)
 """
 
