@@ -1255,17 +1255,21 @@ def net_addresses(index: int) -> tuple[str, str]:
 RESOLVE_NO_SYMLINKS = 0x04
 
 
+WALK_FDS = 256                       # directory fds one walk keeps open along its path
+
+
 def open_dir_beneath(root_fd: int, rel: str) -> int | None:
     """A directory fd for rel beneath root_fd, no symlink followed; None if it is not there or
     not a directory (a task may have replaced it meanwhile)."""
     how = OpenHow(os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, 0,
                   RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
-    chunks, parts = [], []         # a deep path goes in pieces: one openat2 takes 4,095 bytes
+    chunks, parts, size = [], [], 0  # a deep path goes in pieces: openat2 takes 4,095 bytes
     for name in (rel.split("/") if rel else []):
-        if sum(len(p) + 1 for p in parts) + len(name.encode()) > 2048:
+        if parts and size + len(name.encode()) > 2048:
             chunks.append("/".join(parts))
-            parts = []
+            parts, size = [], 0
         parts.append(name)
+        size += len(name.encode()) + 1
     chunks.append("/".join(parts))
     fd = root_fd
     try:
@@ -1289,12 +1293,19 @@ def _entry(dir_fd: int, name: str) -> os.stat_result | None:
         return None
 
 
+def _open_child(dir_fd: int, name: str) -> int | None:
+    """The subdirectory name of dir_fd, opened without following a symlink; or None."""
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       dir_fd=dir_fd)
+    except OSError:
+        return None
+
+
 def _opaque_child(dir_fd: int, name: str) -> bool:
     """Is the directory name in dir_fd an opaque one (it hides the layers below)?"""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     dir_fd=dir_fd)
-    except OSError:
+    fd = _open_child(dir_fd, name)
+    if fd is None:
         return False
     try:
         return os.getxattr(fd, "trusted.overlay.opaque") == b"y"
@@ -1306,7 +1317,7 @@ def _opaque_child(dir_fd: int, name: str) -> bool:
 
 def _in_lowers(lower_fds: list[int], name: str) -> tuple[bool, list[int]]:
     """Whether name shows in the merged lowers (given their fds for its directory, newest first,
-    only those in which that directory is visible), and the indexes of the lowers in which it
+    only those in which that directory is visible), and the positions in lower_fds in which it
     is a visible directory: a whiteout or a non-directory cuts the list, an opaque dir ends it."""
     found, below = False, []
     for index, fd in enumerate(lower_fds):
@@ -1324,68 +1335,112 @@ def _in_lowers(lower_fds: list[int], name: str) -> tuple[bool, list[int]]:
     return found, below
 
 
+@dataclass
+class WalkDir:
+    """A directory of a walk: its path, its fds per layer (0 the upper, then the lowers in
+    which it is visible; empty once over WALK_FDS) and its subdirectories still to walk, each
+    with the lowers in which it is visible."""
+
+    rel: str
+    fds: dict[int, int]
+    subdirs: list[tuple[str, list[int]]] = field(default_factory=list)
+
+
 def changed_paths(upper: str, lowers: list[str]) -> list[dict[str, str]]:
     """A layer's changes against the lowers it was made on: [{path, change}], sorted by path.
 
     added: not in the lowers; modified: a file that was there; deleted: a whiteout.  A
-    directory only shows when it is new (or replaced an earlier one, opaque).  A layer deleted
-    meanwhile gives what was read so far (nothing, when its root is gone).
+    directory only shows when it is new (or replaced an earlier one, opaque).  Depth first with
+    an explicit stack, each directory opened from its parent's fd: one pass, however deep.  A
+    layer deleted meanwhile gives what was read so far (nothing, when its root is gone).
     """
     roots = [os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if os.path.isdir(p)
              else -1 for p in [upper] + lowers]
     out: list[dict[str, str]] = []
+    stack: list[WalkDir] = []
+    held = 0
     try:
         if roots[0] < 0:
             return []
-        stack: list[tuple[str, list[int]]] = [("", [i for i, fd in enumerate(roots[1:])
-                                                    if fd >= 0])]
+        top = WalkDir("", {layer: fd for layer, fd in enumerate(roots) if fd >= 0})
+        top.subdirs = _changes_in_dir(top, [layer for layer in top.fds if layer], out)
+        stack.append(top)
         while stack:
-            rel, visible = stack.pop()
-            out.extend(_changes_in_dir(roots, rel, visible, stack))
+            parent = stack[-1]
+            if not parent.subdirs:
+                done = stack.pop()
+                if stack:                  # the root's fds are closed below
+                    held -= len(done.fds)
+                    for fd in done.fds.values():
+                        os.close(fd)
+                continue
+            name, visible = parent.subdirs.pop()
+            walk = WalkDir(f"{parent.rel}/{name}" if parent.rel else name, {})
+            for layer in [0] + visible:
+                fd = _walk_open(stack, layer, walk.rel, name)
+                if fd is not None:
+                    walk.fds[layer] = fd
+            if 0 in walk.fds:              # else the task removed it meanwhile
+                walk.subdirs = _changes_in_dir(walk, [layer for layer in visible
+                                                      if layer in walk.fds], out)
+            if held + len(walk.fds) > WALK_FDS or 0 not in walk.fds:
+                for fd in walk.fds.values():   # deeper ones open from an ancestor's fd
+                    os.close(fd)
+                walk.fds = {}
+            held += len(walk.fds)
+            stack.append(walk)
     finally:
+        for walk in stack[1:]:
+            for fd in walk.fds.values():
+                os.close(fd)
         for fd in roots:
             if fd >= 0:
                 os.close(fd)
     return sorted(out, key=lambda c: c["path"])
 
 
-def _changes_in_dir(roots: list[int], rel: str, visible: list[int],
-                    stack: list[tuple[str, list[int]]]) -> list[dict[str, str]]:
-    """The changes of one upper directory; its subdirectories go onto stack with the lowers in
-    which each is visible (time linear in the entries, fds of one directory at a time)."""
-    upper_fd = open_dir_beneath(roots[0], rel)
-    if upper_fd is None:
-        return []
-    fds = [fd for fd in (open_dir_beneath(roots[1 + i], rel) for i in visible)]
-    lower_fds = [fd for fd in fds if fd is not None]
-    index_of = [i for i, fd in zip(visible, fds) if fd is not None]
-    out: list[dict[str, str]] = []
+def _walk_open(stack: list[WalkDir], layer: int, rel: str, name: str) -> int | None:
+    """A subdirectory's fd in one layer: from its parent's fd, or (past WALK_FDS) beneath the
+    nearest directory of the walk that kept one, the root at the latest."""
+    for walk in reversed(stack):
+        if layer in walk.fds:
+            if walk is stack[-1]:
+                return _open_child(walk.fds[layer], name)
+            return open_dir_beneath(walk.fds[layer], rel[len(walk.rel) + 1:] if walk.rel
+                                    else rel)
+    return None
+
+
+def _changes_in_dir(walk: WalkDir, visible: list[int],
+                    out: list[dict[str, str]]) -> list[tuple[str, list[int]]]:
+    """The changes of one upper directory into out; its subdirectories, each with the lowers
+    (layer numbers) in which it is visible."""
+    lower_fds = [walk.fds[layer] for layer in visible]
+    subdirs: list[tuple[str, list[int]]] = []
     try:
-        with os.scandir(upper_fd) as it:
-            names = sorted(entry.name for entry in it)
-        for name in names:
-            st = _entry(upper_fd, name)
-            if st is None:
-                continue
-            path = f"{rel}/{name}" if rel else name
-            found, below = _in_lowers(lower_fds, name)
-            if is_whiteout(st):
-                if found:
-                    out.append({"path": path, "change": "deleted"})
-            elif stat.S_ISDIR(st.st_mode):
-                opaque = _opaque_child(upper_fd, name)
-                if not found:
-                    out.append({"path": path + "/", "change": "added"})
-                elif opaque:
-                    out.append({"path": path + "/", "change": "modified"})
-                stack.append((path, [] if opaque else [index_of[b] for b in below]))
-            else:
-                out.append({"path": path, "change": "modified" if found else "added"})
-    finally:
-        os.close(upper_fd)
-        for fd in lower_fds:
-            os.close(fd)
-    return out
+        with os.scandir(walk.fds[0]) as it:
+            names = [entry.name for entry in it]
+    except OSError:
+        return []
+    for name in names:
+        st = _entry(walk.fds[0], name)
+        if st is None:
+            continue
+        path = f"{walk.rel}/{name}" if walk.rel else name
+        found, below = _in_lowers(lower_fds, name)
+        if is_whiteout(st):
+            if found:
+                out.append({"path": path, "change": "deleted"})
+        elif stat.S_ISDIR(st.st_mode):
+            opaque = _opaque_child(walk.fds[0], name)
+            if not found:
+                out.append({"path": path + "/", "change": "added"})
+            elif opaque:
+                out.append({"path": path + "/", "change": "modified"})
+            subdirs.append((name, [] if opaque else [visible[b] for b in below]))
+        else:
+            out.append({"path": path, "change": "modified" if found else "added"})
+    return subdirs
 
 
 # Spawner #######################################################################################
@@ -2852,9 +2907,9 @@ class Network:
         import dns.rdatatype
         try:
             query = dns.message.from_wire(data)
-        except Exception:          # not DNS: no answer at all
+            answer = dns.message.make_response(query)
+        except Exception:          # not DNS (or nothing to answer): no answer at all
             return
-        answer = dns.message.make_response(query)
         answer.flags |= dns.flags.RA
         if query.opcode() != dns.opcode.QUERY or len(query.question) != 1:
             answer.set_rcode(dns.rcode.REFUSED)

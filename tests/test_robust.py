@@ -216,20 +216,31 @@ def test_whiteouts_opaque_dirs_and_files_replaced_by_dirs(layers: str) -> None:
     assert G.changed_paths(os.path.join(layers, "deleted"), [lower, base]) == []
 
 
-def test_a_tree_deeper_than_a_path_can_be_long_is_walked_whole(layers: str) -> None:
-    upper = os.path.join(layers, "upper")
-    fd = os.open(upper, os.O_RDONLY | os.O_DIRECTORY)
-    for _ in range(700):                       # 700 x 51 bytes: far past PATH_MAX (4,096)
-        os.mkdir("d" * 50, dir_fd=fd)
-        fd_next = os.open("d" * 50, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+def deep_tree(top: str, depth: int, name: str) -> None:
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir(name, dir_fd=fd)
+        fd_next = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
         os.close(fd)
         fd = fd_next
     os.close(os.open("leaf", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
     os.close(fd)
-    got = G.changed_paths(upper, [os.path.join(layers, "base")])
-    assert len(got) == 701
-    assert got[-1] == {"path": "/".join(["d" * 50] * 700) + "/leaf", "change": "added"}
-    subprocess.run(["rm", "-rf", upper], check=True)       # shutil.rmtree trips on the depth
+
+
+def test_a_tree_deeper_than_a_path_can_be_long_is_walked_whole(layers: str) -> None:
+    """700 levels of 50-byte names (far past PATH_MAX, 4,096) in the upper and in the base:
+    the walk finds the one modified file at the bottom and leaves no fd open."""
+    upper, base = os.path.join(layers, "upper"), os.path.join(layers, "base")
+    deep_tree(upper, 700, "d" * 50)
+    deep_tree(base, 700, "d" * 50)
+    before = len(os.listdir("/proc/self/fd"))
+    got = G.changed_paths(upper, [os.path.join(layers, "lower1"), base])
+    assert got == [{"path": "/".join(["d" * 50] * 700) + "/leaf", "change": "modified"}]
+    assert len(os.listdir("/proc/self/fd")) == before
+    got = G.changed_paths(upper, [os.path.join(layers, "lower1")])
+    assert len(got) == 701 and got[0] == {"path": "d" * 50 + "/", "change": "added"}
+    for tree in (upper, base):
+        subprocess.run(["rm", "-rf", tree], check=True)    # rmtree trips on the depth
 
 
 # 3. a droid stream written by the task #######################################################
