@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import GURTD, ROOT, Gurtd, eventually, make_home, remove_home, running_gurtd
+from conftest import GURTD, ROOT, Gurtd, eventually, running_gurtd
 
 import gurtd as G
 
