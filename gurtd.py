@@ -2576,6 +2576,7 @@ class TaskNet:
     conns: dict[int, tuple[socket.socket, bytearray]] = field(default_factory=dict)
     granted: dict[str, set[int] | None] = field(default_factory=dict)  # target -> ports
     upstreams: int = 0               # queries of this task waiting for the upstream server
+    capped: bool = False             # went over MAX_DNS_CONNS (logged once)
 
     def answer_nets(self) -> list[ipaddress.IPv4Network]:
         """The networks that this task's ip and cidr entries grant explicitly."""
@@ -2835,10 +2836,13 @@ class Network:
                 return
             self.box.append_log(task_id, {"type": "error", "text": f"gurtd could not handle "
                                           f"the task's DNS: {type(exc).__name__}: {exc}"})
-            self.release(task_id)
-            task = self.box.tasks.get(task_id)
-            if task is not None and task.state in ACTIVE_STATES:
-                self.box.stop(task_id, f"gurtd could not handle the task's DNS: {exc}")
+            try:
+                self.release(task_id)
+                task = self.box.tasks.get(task_id)
+                if task is not None and task.state in ACTIVE_STATES:
+                    self.box.stop(task_id, f"gurtd could not handle the task's DNS: {exc}")
+            except Exception as again:        # the task is as good as stopped: its net is gone
+                log(3, f"stopping task {task_id}: {type(again).__name__}: {again}")
 
     def on_dns_event(self, kind: str, key: Any) -> None:
         if kind == "upstream":
@@ -2865,8 +2869,10 @@ class Network:
             except OSError:
                 return
             if len(net.conns) >= MAX_DNS_CONNS:
-                log(4, f"task {net.task_id}: more than {MAX_DNS_CONNS} DNS TCP connections; "
-                       "the new one is closed")
+                if not net.capped:              # said once: a task may retry in a loop
+                    net.capped = True
+                    log(4, f"task {net.task_id}: more than {MAX_DNS_CONNS} DNS TCP "
+                           "connections at once; the new ones are closed")
                 conn.close()
                 return
             conn.setblocking(False)
