@@ -1337,12 +1337,13 @@ def _in_lowers(lower_fds: list[int], name: str) -> tuple[bool, list[int]]:
 
 @dataclass
 class WalkDir:
-    """A directory of a walk: its path, its fds per layer (0 the upper, then the lowers in
-    which it is visible; empty once over WALK_FDS) and its subdirectories still to walk, each
-    with the lowers in which it is visible."""
+    """A directory of a walk: its path, the layers it is opened in (0 the upper, then the lowers
+    in which it is visible), their fds while kept open, and its subdirectories still to walk,
+    each with the lowers in which it is visible."""
 
     rel: str
-    fds: dict[int, int]
+    layers: list[int]
+    fds: dict[int, int] = field(default_factory=dict)
     subdirs: list[tuple[str, list[int]]] = field(default_factory=list)
 
 
@@ -1351,64 +1352,99 @@ def changed_paths(upper: str, lowers: list[str]) -> list[dict[str, str]]:
 
     added: not in the lowers; modified: a file that was there; deleted: a whiteout.  A
     directory only shows when it is new (or replaced an earlier one, opaque).  Depth first with
-    an explicit stack, each directory opened from its parent's fd: one pass, however deep.  A
-    layer deleted meanwhile gives what was read so far (nothing, when its root is gone).
+    an explicit stack, each directory opened from its parent's fd: one pass, however deep.
+    Past WALK_FDS the oldest kept fds are let go (and reopened beneath the root if the walk
+    comes back to that directory).  A layer deleted meanwhile gives what was read so far.
     """
     roots = [os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if os.path.isdir(p)
              else -1 for p in [upper] + lowers]
     out: list[dict[str, str]] = []
-    stack: list[WalkDir] = []
-    held = 0
+    root = WalkDir("", [layer for layer, fd in enumerate(roots) if fd >= 0])
+    root.fds = {layer: roots[layer] for layer in root.layers}
+    stack, kept = [root], Kept()
     try:
         if roots[0] < 0:
             return []
-        top = WalkDir("", {layer: fd for layer, fd in enumerate(roots) if fd >= 0})
-        top.subdirs = _changes_in_dir(top, [layer for layer in top.fds if layer], out)
-        stack.append(top)
+        root.subdirs = _changes_in_dir(root, root.layers[1:], out)
         while stack:
             parent = stack[-1]
             if not parent.subdirs:
-                done = stack.pop()
-                if stack:                  # the root's fds are closed below
-                    held -= len(done.fds)
-                    for fd in done.fds.values():
-                        os.close(fd)
+                stack.pop()
+                if stack:
+                    kept.drop(parent)
                 continue
             name, visible = parent.subdirs.pop()
-            walk = WalkDir(f"{parent.rel}/{name}" if parent.rel else name, {})
-            for layer in [0] + visible:
-                fd = _walk_open(stack, layer, walk.rel, name)
-                if fd is not None:
-                    walk.fds[layer] = fd
-            if 0 in walk.fds:              # else the task removed it meanwhile
-                walk.subdirs = _changes_in_dir(walk, [layer for layer in visible
-                                                      if layer in walk.fds], out)
-            if held + len(walk.fds) > WALK_FDS or 0 not in walk.fds:
-                for fd in walk.fds.values():   # deeper ones open from an ancestor's fd
+            if not parent.fds:
+                kept.reopen(parent, _walk_reopen(root, parent))
+            walk = WalkDir(f"{parent.rel}/{name}" if parent.rel else name, [])
+            fds = {layer: fd for layer in [0] + visible if layer in parent.fds
+                   and (fd := _open_child(parent.fds[layer], name)) is not None}
+            walk.layers = list(fds)
+            if 0 not in fds:               # the task removed it meanwhile
+                for fd in fds.values():
                     os.close(fd)
-                walk.fds = {}
-            held += len(walk.fds)
+                continue
+            kept.add(walk, fds)
+            walk.subdirs = _changes_in_dir(walk, walk.layers[1:], out)
             stack.append(walk)
     finally:
-        for walk in stack[1:]:
-            for fd in walk.fds.values():
-                os.close(fd)
+        kept.close()
         for fd in roots:
             if fd >= 0:
                 os.close(fd)
     return sorted(out, key=lambda c: c["path"])
 
 
-def _walk_open(stack: list[WalkDir], layer: int, rel: str, name: str) -> int | None:
-    """A subdirectory's fd in one layer: from its parent's fd, or (past WALK_FDS) beneath the
-    nearest directory of the walk that kept one, the root at the latest."""
-    for walk in reversed(stack):
-        if layer in walk.fds:
-            if walk is stack[-1]:
-                return _open_child(walk.fds[layer], name)
-            return open_dir_beneath(walk.fds[layer], rel[len(walk.rel) + 1:] if walk.rel
-                                    else rel)
-    return None
+class Kept:
+    """The directory fds a walk keeps open, oldest first; past WALK_FDS the oldest go.  The
+    directories that keep fds are always the deepest of the walk's stack."""
+
+    def __init__(self) -> None:
+        self.walks: list[WalkDir] = []
+        self.first = 0                     # walks[first:] keep their fds
+        self.count = 0
+
+    def add(self, walk: WalkDir, fds: dict[int, int]) -> None:
+        walk.fds = fds
+        self.walks.append(walk)
+        self.count += len(fds)
+        while self.count > WALK_FDS and self.first < len(self.walks) - 1:
+            self._close(self.walks[self.first])
+            self.first += 1
+
+    def reopen(self, walk: WalkDir, fds: dict[int, int]) -> None:
+        """The walk came back to the deepest directory, whose fds had gone (and so had those
+        of every directory above it)."""
+        assert self.walks[-1] is walk and not self.count
+        walk.fds = fds
+        self.count = len(fds)
+        self.first = len(self.walks) - 1
+
+    def drop(self, walk: WalkDir) -> None:
+        """The walk leaves the deepest directory: its fds go."""
+        assert self.walks[-1] is walk
+        self._close(self.walks.pop())
+        self.first = min(self.first, len(self.walks))
+
+    def close(self) -> None:
+        for walk in self.walks[self.first:]:
+            self._close(walk)
+
+    def _close(self, walk: WalkDir) -> None:
+        self.count -= len(walk.fds)
+        for fd in walk.fds.values():
+            os.close(fd)
+        walk.fds = {}
+
+
+def _walk_reopen(root: WalkDir, walk: WalkDir) -> dict[int, int]:
+    """A directory's fds again, beneath the layer roots (its own fds were let go)."""
+    fds = {}
+    for layer in walk.layers:
+        fd = open_dir_beneath(root.fds[layer], walk.rel)
+        if fd is not None:
+            fds[layer] = fd
+    return fds
 
 
 def _changes_in_dir(walk: WalkDir, visible: list[int],

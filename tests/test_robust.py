@@ -14,6 +14,7 @@ import ipaddress
 import json
 import math
 import os
+import random
 import shlex
 import shutil
 import socket
@@ -241,6 +242,85 @@ def test_a_tree_deeper_than_a_path_can_be_long_is_walked_whole(layers: str) -> N
     assert len(got) == 701 and got[0] == {"path": "d" * 50 + "/", "change": "added"}
     for tree in (upper, base):
         subprocess.run(["rm", "-rf", tree], check=True)    # rmtree trips on the depth
+
+
+def random_stack(top: str, seed: int) -> list[str]:
+    """An upper and three lowers (the last one a base) of random files, folders, whiteouts and
+    opaque folders, three levels deep."""
+    rnd = random.Random(seed)
+    paths = [os.path.join(top, f"L{i}") for i in range(4)]
+
+    def fill(directory: str, depth: int, special: bool) -> None:
+        for name in "abc":
+            r, path = rnd.random(), os.path.join(directory, name)
+            if r < 0.3:
+                continue
+            if r < 0.5:
+                open(path, "w").close()
+            elif r < 0.6 and special:
+                os.mknod(path, stat.S_IFCHR | 0o600, 0)
+            elif depth < 3:
+                os.mkdir(path)
+                if special and rnd.random() < 0.2:
+                    os.setxattr(path, "trusted.overlay.opaque", b"y")
+                fill(path, depth + 1, special)
+    for i, path in enumerate(paths):
+        os.mkdir(path)
+        fill(path, 0, i < 3)
+    return paths
+
+
+def overlay_truth(upper: str, merged: str) -> list[dict[str, str]]:
+    """What the walk must say, read plainly: is each upper entry in the kernel's own overlay
+    of the lowers (mounted at merged)?  Below an opaque upper folder nothing is."""
+    out = []
+    stack = [("", False)]
+    while stack:
+        rel, hidden = stack.pop()
+        for name in os.listdir(os.path.join(upper, rel)):
+            path = f"{rel}/{name}" if rel else name
+            st = os.lstat(os.path.join(upper, path))
+            found = not hidden and os.path.lexists(os.path.join(merged, path))
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                if found:
+                    out.append({"path": path, "change": "deleted"})
+            elif stat.S_ISDIR(st.st_mode):
+                try:
+                    opaque = os.getxattr(os.path.join(upper, path),
+                                         "trusted.overlay.opaque") == b"y"
+                except OSError:
+                    opaque = False
+                if not found:
+                    out.append({"path": path + "/", "change": "added"})
+                elif opaque:
+                    out.append({"path": path + "/", "change": "modified"})
+                stack.append((path, hidden or opaque))
+            else:
+                out.append({"path": path, "change": "modified" if found else "added"})
+    return sorted(out, key=lambda c: c["path"])
+
+
+@pytest.mark.parametrize("walk_fds", [G.WALK_FDS, 1, 3])
+def test_the_walk_agrees_with_the_kernels_overlay_on_random_layers(
+        layers: str, walk_fds: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forty random stacks: the walk's answer is what the kernel's own overlay of the lowers
+    shows, also when it may keep only a few fds open (and reopens folders it comes back to)."""
+    monkeypatch.setattr(G, "WALK_FDS", walk_fds)
+    merged = os.path.join(layers, "merged")
+    os.mkdir(merged)
+    for seed in range(40):
+        top = os.path.join(layers, f"s{seed}")
+        os.mkdir(top)
+        upper, *lowers = random_stack(top, seed)
+        subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                        "ro,lowerdir=" + ":".join(lowers), merged], check=True)
+        try:
+            truth = overlay_truth(upper, merged)
+        finally:
+            subprocess.run(["umount", merged], check=True)
+        before = len(os.listdir("/proc/self/fd"))
+        assert G.changed_paths(upper, lowers) == truth, seed
+        assert len(os.listdir("/proc/self/fd")) == before
 
 
 # 3. a droid stream written by the task #######################################################
