@@ -1263,18 +1263,16 @@ def open_dir_beneath(root_fd: int, rel: str) -> int | None:
     not a directory (a task may have replaced it meanwhile)."""
     how = OpenHow(os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, 0,
                   RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
-    chunks, parts, size = [], [], 0  # a deep path goes in pieces: openat2 takes 4,095 bytes
-    for name in (rel.split("/") if rel else []):
-        if parts and size + len(name.encode()) > 2048:
-            chunks.append("/".join(parts))
-            parts, size = [], 0
-        parts.append(name)
-        size += len(name.encode()) + 1
-    chunks.append("/".join(parts))
+    chunks, rest = [], rel.encode()  # a deep path goes in pieces: openat2 takes 4,095 bytes
+    while len(rest) > 2048:
+        cut = rest.rfind(b"/", 0, 2048)    # a name is at most 255 bytes: there is one
+        chunks.append(rest[:cut])
+        rest = rest[cut + 1:]
+    chunks.append(rest)
     fd = root_fd
     try:
         for chunk in chunks:
-            fd_next = syscall("openat2", SYS_OPENAT2, fd, (chunk or ".").encode(),
+            fd_next = syscall("openat2", SYS_OPENAT2, fd, chunk or b".",
                               ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
             if fd != root_fd:
                 os.close(fd)
