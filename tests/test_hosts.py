@@ -774,6 +774,22 @@ def test_two_grants_of_one_address_with_different_ports_both_work(g: Gurtd) -> N
     assert g.api("GET", "/api/health")
 
 
+def test_a_grant_nftables_refuses_fails_that_lookup_only(g: Gurtd) -> None:
+    """198.18.0.0/24 on port 1, then a.test (every port) answering 198.18.0.10: nftables
+    refuses an element that starts inside another ("File exists").  The lookup gets SERVFAIL
+    and the reason is in the log; the task, gurtd and the next task go on."""
+    task_id = start(g, ["198.18.0.0/24:1", "a.test"],
+                    py("dns", "udp53", "127.0.0.53", 53, "a.test"),
+                    curl("a", "http://a.test/"))
+    run = finished(g, task_id)
+    run["dns"].ok("rcode=2 an=0")
+    run["a"].refused(6)
+    entry = run.dns("a.test")[0]
+    assert entry["allowed"] is False and "nftables refused" in entry["error"], entry
+    run = finished(g, start(g, ["a.test"], curl("a", "http://a.test/")))
+    run["a"].ok(f"hello from {A}:80")
+
+
 # 3. the log ####################################################################################
 
 def test_the_log_tells_every_lookup_and_the_refused_attempts(g: Gurtd) -> None:
