@@ -13,11 +13,12 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Constants and paths   defaults, the uid range, limits, syscall numbers
     Errors                ApiError (an HTTP answer), SysError (a failed system verb)
     Pure model            ids, validation, host patterns, Task and Approval records, nftables
-                          text, the droid stream (steps, prices), changes of a layer
+                          text, the droid stream (steps, prices, bounded JSON), printable
     Persistence           atomic JSON files under BOX_HOME, set-aside of damaged files, the
                           append-only wallet ledger
     System layer          users, processes, mounts, network namespaces, nftables; each verb
                           beside its inverse, idempotent
+    Layer walks           a layer's changes, read beneath its root without following symlinks
     Spawner               a single-threaded process forked before any thread: it forks workers
     Sandbox               what a worker's child does as root before it becomes the box user:
                           the task's root built from nothing, pivot_root, the fake worker
@@ -55,6 +56,7 @@ import json
 import os
 import queue
 import re
+import resource
 import secrets
 import select
 import selectors
@@ -90,6 +92,7 @@ UID_COUNT = 100_000
 MAX_LOWER_LAYERS = 500               # the kernel's overlay limit; the base is one of them
 MAX_BODY = 1 << 20                   # larger request bodies get 413
 HANDLER_TIMEOUT = 10.0               # seconds a client may stall in the middle of a request
+MAX_WORKER_LINE = 1 << 20            # a longer line from a worker is cut into pieces this long
 CALL_TIMEOUT = 30.0                  # seconds an HTTP thread waits for the loop
 
 VIEW_DIR = "/run/gurt/view"          # where a worker sees its view, inside its mount namespace
@@ -118,7 +121,7 @@ DEFAULT_SETTINGS: dict[str, Any] = {
     "defaultBudgetCents": 0, "maxRunningTasks": 8, "upstreamDns": "",
     "taskTimeoutSeconds": 3600, "droidPath": "", "droidModel": DEFAULT_DROID_MODEL,
     "droidAutonomy": "high", "droidHosts": ["factory.ai", "*.factory.ai"],
-    "droidPrices": DEFAULT_DROID_PRICES,
+    "droidPrices": DEFAULT_DROID_PRICES, "dnsAllowedNets": [],
 }
 
 # x86_64 and aarch64 share these numbers for the new mount API.
@@ -264,19 +267,65 @@ def ports_for_name(grants: list[Grant], name: str) -> list[int | None]:
     return [None] if None in ports else ports
 
 
-REFUSED_NETS = ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16",
-                "100.64.0.0/10", "224.0.0.0/3", "255.255.255.255/32")
+# Special-use IPv4 networks a granted name's DNS answer may not point into (DNS rebinding):
+# (network, what it is, absolute).  Absolute ones no grant opens: they reach the host itself,
+# the task networks or nothing routable; the rest open with an explicit `ip` or `cidr` entry of
+# the task (or the dnsAllowedNets setting), e.g. a service of the owner's on 10.0.0.0/8.
+SPECIAL_NETS = tuple((ipaddress.IPv4Network(net), what, absolute) for net, what, absolute in (
+    ("0.0.0.0/8", "this network", True), ("127.0.0.0/8", "loopback", True),
+    ("169.254.0.0/16", "link-local", True), ("100.64.0.0/10", "shared, the task networks", True),
+    ("224.0.0.0/4", "multicast", True), ("255.255.255.255/32", "broadcast", True),
+    ("10.0.0.0/8", "private", False), ("172.16.0.0/12", "private", False),
+    ("192.168.0.0/16", "private", False), ("192.0.0.0/24", "IETF protocol assignments", False),
+    ("192.0.2.0/24", "documentation", False), ("198.51.100.0/24", "documentation", False),
+    ("203.0.113.0/24", "documentation", False), ("198.18.0.0/15", "benchmarking", False),
+    ("240.0.0.0/4", "reserved", False)))
 
 
-def refused_address(addr: str, own: set[str]) -> str | None:
-    """Why an answer's address must not become a grant (DNS rebinding), or None."""
+def refused_address(addr: str, own: set[str],
+                    granted: list[ipaddress.IPv4Network] | None = None) -> str | None:
+    """Why an answer's address must not become a grant (DNS rebinding), or None.
+
+    Public addresses pass.  Special-use ones pass only when granted (the task's ip and cidr
+    entries), and never the absolute ones or an address of this host.
+    """
     ip = ipaddress.IPv4Address(addr)
-    for net in REFUSED_NETS:
-        if ip in ipaddress.IPv4Network(net):
-            return f"{addr} is in {net}"
+    for net, what, absolute in SPECIAL_NETS:
+        if ip in net:
+            if absolute:
+                return f"{addr} is in {net} ({what})"
+            break
+    else:
+        net, what = ipaddress.IPv4Network(f"{addr}/32"), "special-use"
     if addr in own:
         return f"{addr} is an address of this host"
-    return None
+    if what == "special-use" and ip.is_global:
+        return None
+    if any(ip in g for g in granted or ()):
+        return None
+    return f"{addr} is in {net} ({what}) and no ip or cidr entry grants it"
+
+
+def valid_answer_nets(value: Any) -> list[str]:
+    """The dnsAllowedNets setting: IPv4 networks of special-use space that granted names of
+    every task may resolve into (never an absolute one); ApiError(400) says why not."""
+    if not isinstance(value, list) or len(value) > 100:
+        raise ApiError(400, "dnsAllowedNets must be an array of IPv4 networks (at most 100)")
+    out = []
+    for text in value:
+        try:
+            net = ipaddress.IPv4Network(text, strict=True) if isinstance(text, str) else None
+        except ValueError:
+            net = None
+        if net is None:
+            raise ApiError(400, f"dnsAllowedNets: {json.dumps(text)} is not an IPv4 network "
+                                "such as 10.0.0.0/8")
+        for special, what, absolute in SPECIAL_NETS:
+            if absolute and net.overlaps(special):
+                raise ApiError(400, f"dnsAllowedNets: {net} overlaps {special} ({what}), "
+                                    "which no grant opens")
+        out.append(str(net))
+    return out
 
 
 def nft_quote(ifname: str) -> str:
@@ -325,6 +374,27 @@ def nft_allow_elements(ifname: str, target: str, ports: list[int | None]) -> str
     """The `allow` set elements for one address or network and its ports."""
     return ", ".join(f"{nft_quote(ifname)} . {target} . {p if p else '1-65535'}"
                      for p in ports)
+
+
+def grant_change(granted: dict[str, set[int] | None], target: str,
+                 ports: list[int | None]) -> tuple[list[int | None], list[int]]:
+    """(ports to add, ports to delete) for target (an address or network) to be granted ports,
+    given what is granted already (target -> ports, None for every port).
+
+    nftables refuses an interval element that starts inside another ("File exists"), so
+    nothing already covered is added: not by the same target, nor by a network holding it.
+    Every port for a target that has single ports replaces them (deleted in the same step).
+    """
+    net = ipaddress.IPv4Network(target)
+    have: set[int] = set()
+    for other, other_ports in granted.items():
+        if net.subnet_of(ipaddress.IPv4Network(other)):
+            if other_ports is None:
+                return [], []
+            have |= other_ports
+    if None in ports:
+        return [None], sorted(granted.get(target) or ())
+    return [p for p in ports if p not in have], []
 
 
 TASK_FIELDS = {
@@ -428,6 +498,8 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
                     for p in value.values()):
                 raise ApiError(400, "droidPrices must map model ids to {input, output, "
                                     "cacheRead, cacheWrite} in cents per million tokens")
+        if key == "dnsAllowedNets":
+            value = valid_answer_nets(value)
         if key == "upstreamDns":
             if not isinstance(value, str):
                 raise ApiError(400, "upstreamDns must be a string: HOST[:PORT], or empty")
@@ -567,8 +639,50 @@ def rejected_by_owner(tool: str, reason: str) -> str:
     return f'Tool call "{tool}" was rejected by the owner: {reason}'
 
 
-def droid_step(event: dict[str, Any]) -> str | None:
+MAX_JSON_DEPTH = 64                  # task-controlled JSON nested deeper is refused
+MAX_TOKENS = 10 ** 12                # a usage count above this is not believed
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number out of range: {text[:40]}")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def loads_bounded(data: str | bytes, depth: int = MAX_JSON_DEPTH) -> Any:
+    """json.loads for text a task controls: any input gives a value or ValueError (never
+    RecursionError), and the value is nested at most depth deep and holds only finite numbers,
+    so that it can be logged, rendered and summed safely."""
+    try:
+        value = json.loads(data, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    stack = [(value, 1)]
+    while stack:                     # iterative: a deep value cannot overflow the C stack
+        item, level = stack.pop()
+        if isinstance(item, (dict, list)):
+            if level > depth:
+                raise ValueError(f"nested deeper than {depth}")
+            stack.extend((v, level + 1) for v in (item.values() if isinstance(item, dict)
+                                                  else item))
+    return value
+
+
+def last_line(text: Any, limit: int = 1000) -> str:
+    """The last non-blank line of a message (an error event's), or "" when it is blank."""
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return lines[-1][:limit] if lines else ""
+
+
+def droid_step(event: Any) -> str | None:
     """A short human form of a Droid stream event for `step`, e.g. "Execute: npm test"."""
+    if not isinstance(event, dict):
+        return None
     kind = event.get("type")
     if kind == "tool_call":
         name = str(event.get("toolName") or event.get("toolId") or event.get("name") or "tool")
@@ -593,17 +707,36 @@ TOKEN_KEYS = {"input": ("input_tokens", "inputTokens"),
                              "cacheCreationInputTokens")}
 
 
-def usage_cents(usage: Any, prices: dict[str, float] | None) -> float:
-    """What a usage record costs at these prices (cents per million tokens); 0 without."""
-    if not isinstance(usage, dict) or not prices:
+def usage_cents(usage: Any, prices: Any) -> float:
+    """What a usage record costs at these prices (cents per million tokens); 0 without.
+
+    A count that is not a number from 0 to MAX_TOKENS is ignored, and the sum is always a
+    finite number: a task's stream cannot make costCents Infinity or NaN.
+    """
+    if not isinstance(usage, dict) or not isinstance(prices, dict):
         return 0.0
     total = 0.0
     for kind, keys in TOKEN_KEYS.items():
+        price = prices.get(kind)
+        if not is_cents(price) or price < 0:
+            continue
         for key in keys:
-            if is_cents(usage.get(key)):
-                total += usage[key] * prices[kind] / 1_000_000
+            tokens = usage.get(key)
+            if is_cents(tokens) and 0 <= tokens <= MAX_TOKENS:
+                total += float(tokens) * float(price) / 1_000_000
                 break
-    return total
+    return total if is_cents(total) else 0.0
+
+
+_UNPRINTABLE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e"
+                          "\u2066-\u2069]")
+
+
+def printable(text: Any) -> str:
+    """Text a task controls, made safe for a terminal: control characters (ESC, BEL, CR, NL,
+    C1, bidi overrides) shown escaped as \\x1b or \\u202e; tabs stay."""
+    return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 256
+                            else f"\\u{ord(m[0]):04x}", str(text))
 
 
 def lower_layer_paths(layers: list[str]) -> list[str]:
@@ -616,57 +749,6 @@ OVERLAY_OPTIONS = (("index", "off"), ("metacopy", "off"), ("redirect_dir", "off"
 
 def is_whiteout(st: os.stat_result) -> bool:
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
-
-
-def changed_paths(upper: str, lowers: list[str]) -> list[dict[str, str]]:
-    """A layer's changes against the lowers it was made on: [{path, change}], sorted by path.
-
-    added: not in the lowers; modified: a file that was there; deleted: a whiteout.  A
-    directory only shows when it is new (or replaced an earlier one, opaque).
-    """
-    out: list[dict[str, str]] = []
-
-    def in_lowers(rel: str) -> bool:
-        for lower in lowers:
-            parts = rel.split("/")
-            hidden = False
-            for i in range(1, len(parts)):
-                if _is_opaque(os.path.join(lower, *parts[:i])):
-                    hidden = True
-                    break
-            try:
-                st = os.lstat(os.path.join(lower, rel))
-            except OSError:
-                if hidden:
-                    return False
-                continue
-            return not is_whiteout(st)
-        return False
-
-    for root, dirs, files in os.walk(upper):
-        rel_root = os.path.relpath(root, upper)
-        for name in sorted(dirs + files):
-            full = os.path.join(root, name)
-            rel = name if rel_root == "." else f"{rel_root}/{name}"
-            st = os.lstat(full)
-            if is_whiteout(st):
-                if in_lowers(rel):
-                    out.append({"path": rel, "change": "deleted"})
-            elif stat.S_ISDIR(st.st_mode):
-                if not in_lowers(rel):
-                    out.append({"path": rel + "/", "change": "added"})
-                elif _is_opaque(full):
-                    out.append({"path": rel + "/", "change": "modified"})
-            else:
-                out.append({"path": rel, "change": "modified" if in_lowers(rel) else "added"})
-    return sorted(out, key=lambda c: c["path"])
-
-
-def _is_opaque(path: str) -> bool:
-    try:
-        return os.getxattr(path, "trusted.overlay.opaque", follow_symlinks=False) == b"y"
-    except OSError:
-        return False
 
 
 def clean_relpath(raw: str) -> str:
@@ -1163,6 +1245,240 @@ def net_addresses(index: int) -> tuple[str, str]:
     """The /31 of a task network: (host end, task end)."""
     base = TASK_NET + 2 * index
     return str(ipaddress.IPv4Address(base)), str(ipaddress.IPv4Address(base + 1))
+
+
+# Layer walks ###################################################################################
+###############################################################################################
+# Reading a layer on behalf of a person (changes, files) must not let the task that wrote it
+# steer gurtd: every directory is opened beneath its layer's root without following any symlink
+# (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS), every entry is looked at with fstatat on a
+# directory fd (never a path through a lower layer's symlink), the walk is an explicit stack
+# (no recursion limit) that holds the fds of one directory at a time, and it runs in the HTTP
+# thread that asked, never on the loop.
+
+RESOLVE_NO_SYMLINKS = 0x04
+
+
+WALK_FDS = 256                       # directory fds one walk keeps open along its path
+
+
+def open_dir_beneath(root_fd: int, rel: str) -> int | None:
+    """A directory fd for rel beneath root_fd, no symlink followed; None if it is not there or
+    not a directory (a task may have replaced it meanwhile)."""
+    how = OpenHow(os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, 0,
+                  RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
+    chunks, rest = [], rel.encode()  # a deep path goes in pieces: openat2 takes 4,095 bytes
+    while len(rest) > 2048:
+        cut = rest.rfind(b"/", 0, 2048)    # a name is at most 255 bytes: there is one
+        chunks.append(rest[:cut])
+        rest = rest[cut + 1:]
+    chunks.append(rest)
+    fd = root_fd
+    try:
+        for chunk in chunks:
+            fd_next = syscall("openat2", SYS_OPENAT2, fd, chunk or b".",
+                              ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+            if fd != root_fd:
+                os.close(fd)
+            fd = fd_next
+        return fd
+    except SysError:
+        if fd != root_fd:
+            os.close(fd)
+        return None
+
+
+def _entry(dir_fd: int, name: str) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
+
+
+def _open_child(dir_fd: int, name: str) -> int | None:
+    """The subdirectory name of dir_fd, opened without following a symlink; or None."""
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       dir_fd=dir_fd)
+    except OSError:
+        return None
+
+
+def _opaque_child(dir_fd: int, name: str) -> bool:
+    """Is the directory name in dir_fd an opaque one (it hides the layers below)?"""
+    fd = _open_child(dir_fd, name)
+    if fd is None:
+        return False
+    try:
+        return os.getxattr(fd, "trusted.overlay.opaque") == b"y"
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _in_lowers(lower_fds: list[int], name: str) -> tuple[bool, list[int]]:
+    """Whether name shows in the merged lowers (given their fds for its directory, newest first,
+    only those in which that directory is visible), and the positions in lower_fds in which it
+    is a visible directory: a whiteout or a non-directory cuts the list, an opaque dir ends it."""
+    found, below = False, []
+    for index, fd in enumerate(lower_fds):
+        st = _entry(fd, name)
+        if st is None:
+            continue
+        if is_whiteout(st):
+            break
+        found = True
+        if not stat.S_ISDIR(st.st_mode):
+            break
+        below.append(index)
+        if _opaque_child(fd, name):
+            break
+    return found, below
+
+
+@dataclass
+class WalkDir:
+    """A directory of a walk: its path, the layers it is opened in (0 the upper, then the lowers
+    in which it is visible), their fds while kept open, and its subdirectories still to walk,
+    each with the lowers in which it is visible."""
+
+    rel: str
+    layers: list[int]
+    fds: dict[int, int] = field(default_factory=dict)
+    subdirs: list[tuple[str, list[int]]] = field(default_factory=list)
+
+
+def changed_paths(upper: str, lowers: list[str]) -> list[dict[str, str]]:
+    """A layer's changes against the lowers it was made on: [{path, change}], sorted by path.
+
+    added: not in the lowers; modified: a file that was there; deleted: a whiteout.  A
+    directory only shows when it is new (or replaced an earlier one, opaque).  Depth first with
+    an explicit stack, each directory opened from its parent's fd: one pass, however deep.
+    Past WALK_FDS the oldest kept fds are let go (and reopened beneath the root if the walk
+    comes back to that directory).  A layer deleted meanwhile gives what was read so far.
+    """
+    roots = [os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if os.path.isdir(p)
+             else -1 for p in [upper] + lowers]
+    out: list[dict[str, str]] = []
+    root = WalkDir("", [layer for layer, fd in enumerate(roots) if fd >= 0])
+    root.fds = {layer: roots[layer] for layer in root.layers}
+    stack, kept = [root], Kept()
+    try:
+        if roots[0] < 0:
+            return []
+        root.subdirs = _changes_in_dir(root, root.layers[1:], out)
+        while stack:
+            parent = stack[-1]
+            if not parent.subdirs:
+                stack.pop()
+                if stack:
+                    kept.drop(parent)
+                continue
+            name, visible = parent.subdirs.pop()
+            if not parent.fds:
+                kept.reopen(parent, _walk_reopen(root, parent))
+            walk = WalkDir(f"{parent.rel}/{name}" if parent.rel else name, [])
+            fds = {layer: fd for layer in [0] + visible if layer in parent.fds
+                   and (fd := _open_child(parent.fds[layer], name)) is not None}
+            walk.layers = list(fds)
+            if 0 not in fds:               # the task removed it meanwhile
+                for fd in fds.values():
+                    os.close(fd)
+                continue
+            kept.add(walk, fds)
+            walk.subdirs = _changes_in_dir(walk, walk.layers[1:], out)
+            stack.append(walk)
+    finally:
+        kept.close()
+        for fd in roots:
+            if fd >= 0:
+                os.close(fd)
+    return sorted(out, key=lambda c: c["path"])
+
+
+class Kept:
+    """The directory fds a walk keeps open, oldest first; past WALK_FDS the oldest go.  The
+    directories that keep fds are always the deepest of the walk's stack."""
+
+    def __init__(self) -> None:
+        self.walks: list[WalkDir] = []
+        self.first = 0                     # walks[first:] keep their fds
+        self.count = 0
+
+    def add(self, walk: WalkDir, fds: dict[int, int]) -> None:
+        walk.fds = fds
+        self.walks.append(walk)
+        self.count += len(fds)
+        while self.count > WALK_FDS and self.first < len(self.walks) - 1:
+            self._close(self.walks[self.first])
+            self.first += 1
+
+    def reopen(self, walk: WalkDir, fds: dict[int, int]) -> None:
+        """The walk came back to the deepest directory, whose fds had gone (and so had those
+        of every directory above it)."""
+        assert self.walks[-1] is walk and not self.count
+        walk.fds = fds
+        self.count = len(fds)
+        self.first = len(self.walks) - 1
+
+    def drop(self, walk: WalkDir) -> None:
+        """The walk leaves the deepest directory: its fds go."""
+        assert self.walks[-1] is walk
+        self._close(self.walks.pop())
+        self.first = min(self.first, len(self.walks))
+
+    def close(self) -> None:
+        for walk in self.walks[self.first:]:
+            self._close(walk)
+
+    def _close(self, walk: WalkDir) -> None:
+        self.count -= len(walk.fds)
+        for fd in walk.fds.values():
+            os.close(fd)
+        walk.fds = {}
+
+
+def _walk_reopen(root: WalkDir, walk: WalkDir) -> dict[int, int]:
+    """A directory's fds again, beneath the layer roots (its own fds were let go)."""
+    fds = {}
+    for layer in walk.layers:
+        fd = open_dir_beneath(root.fds[layer], walk.rel)
+        if fd is not None:
+            fds[layer] = fd
+    return fds
+
+
+def _changes_in_dir(walk: WalkDir, visible: list[int],
+                    out: list[dict[str, str]]) -> list[tuple[str, list[int]]]:
+    """The changes of one upper directory into out; its subdirectories, each with the lowers
+    (layer numbers) in which it is visible."""
+    lower_fds = [walk.fds[layer] for layer in visible]
+    subdirs: list[tuple[str, list[int]]] = []
+    try:
+        with os.scandir(walk.fds[0]) as it:
+            names = [entry.name for entry in it]
+    except OSError:
+        return []
+    for name in names:
+        st = _entry(walk.fds[0], name)
+        if st is None:
+            continue
+        path = f"{walk.rel}/{name}" if walk.rel else name
+        found, below = _in_lowers(lower_fds, name)
+        if is_whiteout(st):
+            if found:
+                out.append({"path": path, "change": "deleted"})
+        elif stat.S_ISDIR(st.st_mode):
+            opaque = _opaque_child(walk.fds[0], name)
+            if not found:
+                out.append({"path": path + "/", "change": "added"})
+            elif opaque:
+                out.append({"path": path + "/", "change": "modified"})
+            subdirs.append((name, [] if opaque else [visible[b] for b in below]))
+        else:
+            out.append({"path": path, "change": "modified" if found else "added"})
+    return subdirs
 
 
 # Spawner #######################################################################################
@@ -1981,6 +2297,7 @@ class Box:
         self.log_changed = threading.Condition()
         self.views: dict[str, tuple[tuple[str, ...], int]] = {}   # workspace -> (stack, fd)
         self.views_lock = threading.Lock()
+        self.followers = Counter(MAX_LOG_FOLLOWERS)       # log followers per task
         self.seq = 0
         self.done_seq = 0
 
@@ -2264,16 +2581,24 @@ class Box:
             self.maybe_finish(worker)
             return
         *lines, worker.buf = (worker.buf + data).split(b"\n")
+        if len(worker.buf) > MAX_WORKER_LINE:     # no newline in sight: a line of its own
+            lines.append(worker.buf)
+            worker.buf = b""
         for line in lines:
             self.on_worker_line(worker, line)
 
     def on_worker_line(self, worker: Worker, line: bytes) -> None:
+        """One line of the worker's report pipe; the task can write anything there, so a line
+        that is not a report is logged as stdout (cut to MAX_WORKER_LINE), never raised."""
         task = self.tasks[worker.task_id]
         try:
-            msg = json.loads(line)
+            msg = loads_bounded(line, 2)
             kind, text = msg["t"], msg.get("text", "")
-        except (ValueError, KeyError, TypeError):
-            self.append_log(task.id, {"type": "stdout", "text": line.decode(errors="replace")})
+            if not isinstance(kind, str) or not isinstance(text, str):
+                raise TypeError("not a report")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            self.append_log(task.id, {"type": "stdout", "text": line[:MAX_WORKER_LINE]
+                                      .decode(errors="replace")})
             return
         if kind == "step":
             worker.last_err = ""
@@ -2420,13 +2745,16 @@ class Box:
                     break
         return out
 
-    def changes(self, task_id: str) -> list[dict[str, str]]:
+    def changes(self, task_id: str) -> tuple[str, list[str]] | None:
+        """What to walk for a task's changes: its upper and its lowers (newest first, base
+        last), or None once its layer is deleted.  The walk itself (changed_paths) runs in the
+        HTTP thread, off the loop."""
         task = self.get(task_id)
-        upper = self.path("layers", task.id, "upper")
-        if task.layerDeleted or not os.path.isdir(upper):
-            return []
+        if task.layerDeleted:
+            return None
         lowers = [self.path(p) for p in lower_layer_paths(task.layers)]
-        return changed_paths(upper, lowers + [self.path("workspaces", task.workspace)])
+        return (self.path("layers", task.id, "upper"),
+                lowers + [self.path("workspaces", task.workspace)])
 
     # the droid worker
     def droid_path(self) -> str | None:
@@ -2489,18 +2817,18 @@ class Box:
     def on_droid_event(self, task: Task, worker: Worker, text: str) -> None:
         """One stream-json line: logged as it is; step, summary, cost and errors from it."""
         try:
-            event = json.loads(text)
+            event = loads_bounded(text)
             if not isinstance(event, dict):
                 raise ValueError("not an object")
-        except ValueError:
+        except ValueError:       # any other line, deep nesting and NaN included: plain output
             self.append_log(task.id, {"type": "stdout", "text": text})
             return
         self.append_log(task.id, {"type": "event", "event": event})
         kind = event.get("type")
         if kind == "system" and event.get("session_id"):
             self.append_log(task.id, {"type": "session", "text": str(event["session_id"])})
-        if kind == "error" and event.get("message"):
-            worker.droid_error = str(event["message"]).strip().splitlines()[-1]
+        if kind == "error" and last_line(event.get("message") or ""):
+            worker.droid_error = last_line(event["message"])
         step = droid_step(event)
         changed = False
         if step:
@@ -2511,7 +2839,7 @@ class Box:
         if usage is not None:
             model = self.settings["droidModel"]
             total = usage_cents(usage, self.settings["droidPrices"].get(model))
-            if total > worker.model_cents:
+            if total > worker.model_cents and is_cents(task.costCents + total):
                 task.costCents += total - worker.model_cents
                 worker.model_cents, changed = total, True
         if changed:
@@ -2663,6 +2991,13 @@ class TaskNet:
     tcp: socket.socket
     elements: list[str] = field(default_factory=list)
     conns: dict[int, tuple[socket.socket, bytearray]] = field(default_factory=dict)
+    granted: dict[str, set[int] | None] = field(default_factory=dict)  # target -> ports
+    upstreams: int = 0               # queries of this task waiting for the upstream server
+    capped: bool = False             # went over MAX_DNS_CONNS (logged once)
+
+    def answer_nets(self) -> list[ipaddress.IPv4Network]:
+        """The networks that this task's ip and cidr entries grant explicitly."""
+        return [ipaddress.IPv4Network(g.value) for g in self.grants if g.kind in ("ip", "cidr")]
 
 
 @dataclass
@@ -2677,6 +3012,11 @@ class Upstream:
     reply: Callable[[bytes], None]
     deadline: float
     forward_id: int
+
+
+# Caps per task: going over one fails or throttles that task's own requests, nobody else's.
+MAX_DNS_PENDING = 32                 # queries waiting upstream; beyond: SERVFAIL, no socket
+MAX_DNS_CONNS = 16                   # DNS TCP connections; beyond: the new one is closed
 
 
 class Network:
@@ -2796,12 +3136,11 @@ class Network:
             commands = [f"add element inet {self.table} tasks {{ {q} }}",
                         f"add counter inet {self.table} r_{ifname}",
                         f"add element inet {self.table} refused {{ {q} : \"r_{ifname}\" }}"]
-            for grant in grants:
-                if grant.kind in ("ip", "cidr"):
-                    elements = nft_allow_elements(ifname, grant.value, [grant.port])
-                    commands.append(f"add element inet {self.table} allow {{ {elements} }}")
-                    net.elements.append(elements)
-                    self.ensure_forwarding(grant.value.split("/")[0])
+            # widest first, every port before one port: what a wider entry covers is skipped
+            for grant in sorted((g for g in grants if g.kind in ("ip", "cidr")), key=lambda g: (
+                    ipaddress.IPv4Network(g.value).prefixlen, g.port is not None)):
+                commands += self.grant_commands(net, grant.value, [grant.port])
+                self.ensure_forwarding(grant.value.split("/")[0])
             self.nft.run("\n".join(commands))
         except BaseException:
             self.release(task.id)
@@ -2848,6 +3187,26 @@ class Network:
         self.box.append_log(task_id, {"type": "net", "refused": refused,
                                       "text": f"refused connection attempts: {refused}"})
 
+    def grant_commands(self, net: TaskNet, target: str, ports: list[int | None]) -> list[str]:
+        """The nft commands that grant target these ports (nothing already covered, so never
+        "File exists"), with net's bookkeeping updated as if they ran."""
+        add, delete = grant_change(net.granted, target, ports)
+        commands = []
+        if delete:
+            gone = nft_allow_elements(net.ifname, target, list(delete))
+            commands.append(f"delete element inet {self.table} allow {{ {gone} }}")
+            net.elements = [e for e in net.elements
+                            if e not in {nft_allow_elements(net.ifname, target, [p])
+                                         for p in delete}]
+        if add:
+            elements = [nft_allow_elements(net.ifname, target, [p]) for p in add]
+            commands.append(f"add element inet {self.table} allow {{ {', '.join(elements)} }}")
+            net.elements.extend(elements)
+            have = net.granted.get(target, set())
+            net.granted[target] = None if None in add or have is None else \
+                have | {p for p in add if p is not None}
+        return commands
+
     def selector_drop(self, sock: socket.socket) -> None:
         try:
             self.box.selector.unregister(sock)
@@ -2881,6 +3240,28 @@ class Network:
 
     # DNS
     def on_event(self, kind: str, key: Any) -> None:
+        """A DNS socket of a task is ready.  An error here is that task's: it fails (with the
+        error in its log), gurtd and the other tasks go on."""
+        up = self.pending.get(key) if kind == "upstream" else None
+        task_id = up.net.task_id if up is not None else key[0] if isinstance(key, tuple) \
+            else key if isinstance(key, str) else None
+        try:
+            self.on_dns_event(kind, key)
+        except Exception as exc:
+            log(3, f"DNS of task {task_id}: {type(exc).__name__}: {exc}")
+            if task_id is None or task_id not in self.nets:
+                return
+            self.box.append_log(task_id, {"type": "error", "text": f"gurtd could not handle "
+                                          f"the task's DNS: {type(exc).__name__}: {exc}"})
+            try:
+                self.release(task_id)
+                task = self.box.tasks.get(task_id)
+                if task is not None and task.state in ACTIVE_STATES:
+                    self.box.stop(task_id, f"gurtd could not handle the task's DNS: {exc}")
+            except Exception as again:        # the task is as good as stopped: its net is gone
+                log(3, f"stopping task {task_id}: {type(again).__name__}: {again}")
+
+    def on_dns_event(self, kind: str, key: Any) -> None:
         if kind == "upstream":
             self.on_upstream(key)
             return
@@ -2892,17 +3273,32 @@ class Network:
                 data, addr = net.udp.recvfrom(4096)
             except OSError:
                 return
-            self.on_query(net, data, lambda reply: net.udp.sendto(reply, addr))
+
+            def udp_reply(answer: bytes) -> None:
+                try:
+                    net.udp.sendto(answer, socket.MSG_DONTWAIT, addr)
+                except OSError:
+                    pass           # a full buffer or a gone client: the task asks again
+            self.on_query(net, data, udp_reply)
         elif kind == "dns-tcp":
             try:
                 conn, _ = net.tcp.accept()
             except OSError:
+                return
+            if len(net.conns) >= MAX_DNS_CONNS:
+                if not net.capped:              # said once: a task may retry in a loop
+                    net.capped = True
+                    log(4, f"task {net.task_id}: more than {MAX_DNS_CONNS} DNS TCP "
+                           "connections at once; the new ones are closed")
+                conn.close()
                 return
             conn.setblocking(False)
             net.conns[conn.fileno()] = (conn, bytearray())
             self.box.selector.register(conn, selectors.EVENT_READ,
                                        ("dns-conn", (net.task_id, conn.fileno())))
         elif kind == "dns-conn":
+            if key[1] not in net.conns:      # closed earlier in the same round of events
+                return
             conn, buf = net.conns[key[1]]
             try:
                 data = conn.recv(65536)
@@ -2934,9 +3330,9 @@ class Network:
         import dns.rdatatype
         try:
             query = dns.message.from_wire(data)
-        except Exception:          # not DNS: no answer at all
+            answer = dns.message.make_response(query)
+        except Exception:          # not DNS (or nothing to answer): no answer at all
             return
-        answer = dns.message.make_response(query)
         answer.flags |= dns.flags.RA
         if query.opcode() != dns.opcode.QUERY or len(query.question) != 1:
             answer.set_rcode(dns.rcode.REFUSED)
@@ -2958,20 +3354,30 @@ class Network:
                                               "allowed": True, "addresses": []})
             reply(answer.to_wire())
             return
+        if net.upstreams >= MAX_DNS_PENDING:       # a flood: this task waits, no socket
+            self.box.append_log(net.task_id, {"type": "dns", "name": name, "qtype": qtype,
+                                              "allowed": True, "error": "too many queries "
+                                              f"waiting upstream (at most {MAX_DNS_PENDING})"})
+            answer.set_rcode(dns.rcode.SERVFAIL)
+            reply(answer.to_wire())
+            return
         forward = dns.message.make_query(question.name, dns.rdatatype.A)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC |
-                             socket.SOCK_NONBLOCK)
-        try:
+        sock: socket.socket | None = None
+        try:              # EMFILE/ENFILE too: a SERVFAIL for this query, nothing more
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC |
+                                 socket.SOCK_NONBLOCK)
             sock.connect(self.upstream())
             sock.send(forward.to_wire())
         except OSError as exc:
-            sock.close()
+            if sock is not None:
+                sock.close()
             log(4, f"DNS upstream {self.upstream()}: {exc}")
             answer.set_rcode(dns.rcode.SERVFAIL)
             reply(answer.to_wire())
             return
         self.pending[sock.fileno()] = Upstream(sock, net, query, name, ports, reply,
                                                time.monotonic() + 3.0, forward.id)
+        net.upstreams += 1
         self.box.selector.register(sock, selectors.EVENT_READ, ("upstream", sock.fileno()))
 
     def on_upstream(self, fileno: int) -> None:
@@ -2998,7 +3404,8 @@ class Network:
         import dns.message
         import dns.rcode
         import dns.rdatatype
-        self.pending.pop(up.sock.fileno(), None)
+        if self.pending.pop(up.sock.fileno(), None) is not None:
+            up.net.upstreams -= 1
         self.selector_drop(up.sock)
         answer = dns.message.make_response(up.query)
         if response is None:
@@ -3017,7 +3424,9 @@ class Network:
         addresses = sorted({rr.address for rrset in kept if rrset.rdtype == dns.rdatatype.A
                             for rr in rrset})
         own = self.own_addresses()
-        bad = [reason for a in addresses if (reason := refused_address(a, own))]
+        nets = up.net.answer_nets() + [ipaddress.IPv4Network(n)
+                                       for n in self.box.settings.get("dnsAllowedNets", [])]
+        bad = [reason for a in addresses if (reason := refused_address(a, own, nets))]
         entry: dict[str, Any] = {"type": "dns", "name": up.name, "qtype": "A",
                                  "addresses": addresses}
         if bad:
@@ -3026,20 +3435,41 @@ class Network:
             answer.set_rcode(dns.rcode.REFUSED)
             up.reply(answer.to_wire())
             return
-        fresh = [a for a in addresses
-                 if nft_allow_elements(up.net.ifname, a, up.ports) not in up.net.elements]
-        if fresh and up.net.task_id in self.nets:
-            assert self.nft is not None
-            elements = [nft_allow_elements(up.net.ifname, a, up.ports) for a in fresh]
-            self.nft.run(f"add element inet {self.table} allow {{ {', '.join(elements)} }}")
-            up.net.elements.extend(elements)
-            for address in fresh:
-                self.ensure_forwarding(address)
+        if up.net.task_id in self.nets and not self.grant_addresses(up.net, addresses,
+                                                                     up.ports, entry):
+            answer.set_rcode(dns.rcode.SERVFAIL)
+            up.reply(answer.to_wire())
+            return
         entry["allowed"] = True
         self.box.append_log(up.net.task_id, entry)
         answer.answer = kept
         answer.set_rcode(response.rcode())
         up.reply(answer.to_wire())
+
+    def grant_addresses(self, net: TaskNet, addresses: list[str], ports: list[int | None],
+                        entry: dict[str, Any]) -> bool:
+        """Grant a name's addresses in one nft step; False (and the error logged in entry,
+        nothing granted) when nftables refuses."""
+        assert self.nft is not None
+        saved = (dict(net.granted), list(net.elements))
+        commands, fresh = [], []
+        for address in addresses:
+            more = self.grant_commands(net, address, ports)
+            commands += more
+            fresh += [address] if more else []
+        if not commands:
+            return True
+        try:
+            self.nft.run("\n".join(commands))
+        except SysError as exc:
+            net.granted, net.elements = saved
+            log(3, f"task {net.task_id}: granting {addresses}: {exc}")
+            entry.update(allowed=False, error=f"nftables refused the grant: {exc.stderr}"[:500])
+            self.box.append_log(net.task_id, entry)
+            return False
+        for address in fresh:
+            self.ensure_forwarding(address)
+        return True
 
     def tick(self) -> float:
         """Answer SERVFAIL to queries whose upstream is silent; seconds until the next."""
@@ -3077,6 +3507,12 @@ BROKER_IN_BOX = "/run/gurt/broker.sock"
 TOOLS_USER = "gurt-tools"                 # runs BOX_HOME/tools/<name>: not root, not a task
 TOOL_TIMEOUT = 60.0
 MAX_BROKER_BODY = 64 * 1024
+# Caps: a task (one uid) holds at most MAX_BROKER_CONNS broker connections at once (beyond:
+# 429 at once, no thread), of which at most MAX_PENDING_APPROVALS wait for a person; all tasks
+# together at most MAX_BROKER_THREADS handler threads.
+MAX_BROKER_CONNS = 32
+MAX_PENDING_APPROVALS = 16
+MAX_BROKER_THREADS = 256
 
 
 class Broker:
@@ -3178,6 +3614,14 @@ class Broker:
         except ValueError as exc:
             self.box.append_log(task.id, {**entry, "error": str(exc)})
             raise ApiError(400, f"{tool}: {exc}") from None
+        if tool == "ask" or (cents > 0 and task.costCents + cents > task.budgetCents):
+            waiting = sum(1 for a in self.approvals.values()
+                          if a.task == task.id and a.state == "pending")
+            if waiting >= MAX_PENDING_APPROVALS:
+                self.box.append_log(task.id, {**entry, "error": "too many pending approvals"})
+                raise ApiError(429, f"this task has {waiting} calls waiting for a person "
+                                    f"already (at most {MAX_PENDING_APPROVALS}); wait for an "
+                                    "answer first", "too_many_requests")
         if tool == "ask":
             return self.create(task, "ask", tool, args, 0, args["question"])
         if cents > 0 and task.costCents + cents > task.budgetCents:
@@ -3337,13 +3781,82 @@ def run_tool(box: "Box", name: str, args: Any, task_id: str) -> tuple[Any, float
     return result, cost
 
 
+class Counter:
+    """Per-key counts under a lock, refusing past a cap per key and in all: how many handler
+    threads a task holds (broker connections, log followers)."""
+
+    def __init__(self, per_key: int, total: int = 1 << 30) -> None:
+        self.per_key, self.total = per_key, total
+        self.counts: dict[Any, int] = {}
+        self.lock = threading.Lock()
+
+    def enter(self, key: Any) -> bool:
+        """Count one more for key; False (nothing counted) when over a cap."""
+        with self.lock:
+            if self.counts.get(key, 0) >= self.per_key or \
+                    sum(self.counts.values()) >= self.total:
+                return False
+            self.counts[key] = self.counts.get(key, 0) + 1
+            return True
+
+    def leave(self, key: Any) -> None:
+        with self.lock:
+            self.counts[key] -= 1
+            if not self.counts[key]:
+                del self.counts[key]
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of a unix socket's peer (SO_PEERCRED): who calls, with no secret needed."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
 class BrokerServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """The broker socket: a thread per connection, at most MAX_BROKER_CONNS per task uid and
+    MAX_BROKER_THREADS in all; a connection over a cap gets 429 at once, without a thread."""
+
     daemon_threads = True
     request_queue_size = 128
 
     def __init__(self, path: str, box: "Box") -> None:
         self.box = box
+        self.callers = Counter(MAX_BROKER_CONNS, MAX_BROKER_THREADS)
         super().__init__(path, BrokerHandler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        try:
+            uid = peer_uid(request)
+        except OSError:
+            self.shutdown_request(request)
+            return
+        if not self.callers.enter(uid):
+            self.refuse(request, uid)
+            return
+        try:
+            super().process_request(request, (uid, client_address))
+        except BaseException:            # no thread to be had: this caller only
+            self.callers.leave(uid)
+            self.shutdown_request(request)
+            log(4, f"broker: no thread for a call of uid {uid}")
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address[1])
+        finally:
+            self.callers.leave(client_address[0])
+
+    def refuse(self, request: socket.socket, uid: int) -> None:
+        body = json.dumps({"error": f"too many broker connections of this task at once (at "
+                           f"most {MAX_BROKER_CONNS})", "code": "too_many_requests"}).encode()
+        try:
+            request.settimeout(0.5)
+            request.sendall(b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json"
+                            b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+                            + body)
+        except OSError:
+            pass
+        self.shutdown_request(request)
 
 
 class BrokerHandler(http.server.BaseHTTPRequestHandler):
@@ -3375,9 +3888,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def peer_uid(self) -> int:
-        creds = self.request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                        struct.calcsize("3i"))
-        return struct.unpack("3i", creds)[1]
+        return peer_uid(self.request)
 
     def do_GET(self) -> None:
         box = self.server.box
@@ -3499,9 +4010,36 @@ def h_task_stop(req: "Handler", params: dict[str, str]) -> Any:
 
 
 def h_task_changes(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.changes, params["id"])
+    box = req.box
+    layers = box.call(box.changes, params["id"])
+    if layers is None:
+        return 200, []
+    found = changed_paths(*layers)
+    # undone and deleted during the walk: what was read is no change of the workspace any more
+    return 200, found if box.call(box.changes, params["id"]) is not None else []
 
 
+MAX_LOG_FOLLOWERS = 32              # GET /api/tasks/{id}/log?follow=1 at once, per task
+
+
+def follower_cap(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """At most MAX_LOG_FOLLOWERS followers of one task's log at once (each holds a thread);
+    one more gets 429."""
+    def capped(req: "Handler", params: dict[str, str]) -> Any:
+        if req.query_one("follow") not in ("1", "true", "yes"):
+            return handler(req, params)
+        if not req.box.followers.enter(params["id"]):
+            raise ApiError(429, f"this task's log has {MAX_LOG_FOLLOWERS} followers already",
+                           "too_many_requests")
+        try:
+            return handler(req, params)
+        finally:
+            req.box.followers.leave(params["id"])
+    capped.__doc__ = handler.__doc__
+    return capped
+
+
+@follower_cap
 def h_task_log(req: "Handler", params: dict[str, str]) -> Any:
     box, task_id = req.box, params["id"]
     if task_id not in box.rendered:
@@ -3568,7 +4106,8 @@ def h_workspace_files(req: "Handler", params: dict[str, str]) -> Any:
     view = box.call(box.view_fd, name)
     try:
         try:
-            fd = open_beneath(view, rel, os.O_RDONLY)
+            # a FIFO or device a task left opens at once (and is refused below), never blocks
+            fd = open_beneath(view, rel, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
         except SysError as exc:
             if exc.code == errno.ENOENT or exc.code == errno.ENOTDIR:
                 raise ApiError(404, f"no such file: {rel}", "not_found") from None
@@ -4048,6 +4587,15 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def raise_open_files_limit() -> None:
+    """Soft RLIMIT_NOFILE up to the hard limit: systemd gives a service 1,024 soft, and every
+    task holds a few fds of gurtd's (pipes, DNS sockets, broker connections, all capped)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        log(6, f"open files limit raised from {soft} to {hard}")
+
+
 def serve(box: Box) -> None:
     """Run gurtd: spawner, state, reconcile, HTTP, READY=1, the loop, then a clean stop."""
     host, port = parse_listen(box.listen)
@@ -4055,6 +4603,7 @@ def serve(box: Box) -> None:
     # sandbox leaves the host's file system, and with it a checkout's virtual environment.
     sandbox_preload()
     box.spawner.start()                      # before any thread: it forks the workers
+    raise_open_files_limit()                 # after the fork: workers keep the usual limit
     box.load()
     box.reconcile()
     box.network.start()
@@ -4197,6 +4746,7 @@ def client_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def print_table(rows: list[list[str]], headers: list[str]) -> None:
+    rows = [[printable(c) for c in row] for row in rows]
     widths = [max(len(str(r[i])) for r in rows + [headers]) for i in range(len(headers))]
     for row in [headers] + rows:
         click.echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
@@ -4209,7 +4759,10 @@ def print_task(task: dict[str, Any]) -> None:
             if isinstance(value, list):
                 value = ", ".join(value) if value else "-"
             if key == "prompt" and "\n" in str(value):
-                value = "\n    " + str(value).replace("\n", "\n    ")
+                value = "\n    " + "\n    ".join(printable(line)
+                                                 for line in str(value).split("\n"))
+            else:
+                value = printable(value)
             click.echo(f"{key + ':':13} {value}")
 
 
@@ -4242,8 +4795,8 @@ def log_entry_text(entry: dict[str, Any]) -> str:
 
 
 def print_log_entry(entry: dict[str, Any]) -> None:
-    click.echo(f"{entry.get('time', '')}  {entry.get('type', '?'):8}  {log_entry_text(entry)}"
-               .rstrip())
+    click.echo(printable(f"{entry.get('time', '')}  {entry.get('type', '?'):8}  "
+                         f"{log_entry_text(entry)}").rstrip())
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -4323,15 +4876,15 @@ def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title
             continue
         entry = json.loads(data)
         if entry.get("type") == "stdout":
-            click.echo(entry.get("text", ""))
+            click.echo(printable(entry.get("text", "")))
         elif entry.get("type") == "stderr":
-            click.echo(entry.get("text", ""), err=True)
+            click.echo(printable(entry.get("text", "")), err=True)
     task = client.request("GET", f"/tasks/{task['id']}")
     if as_json:
         click.echo(json.dumps(task, indent=1))
     else:
         click.echo(f"{task['id']} {task['state']}" +
-                   (f": {task['error']}" if task.get("error") else ""), err=True)
+                   (f": {printable(task['error'])}" if task.get("error") else ""), err=True)
     sys.exit(0 if task["state"] == "done" else 1)
 
 
@@ -4465,8 +5018,9 @@ def cmd_wallet(balance: float | None, as_json: bool, box_home: str, listen: str)
         if "set" in entry:
             click.echo(f"{entry['time']}  set to {entry['set']}")
         else:
-            click.echo(f"{entry['time']}  {entry['task']} paid {entry['cents']} to "
-                       f"{entry['to']}" + (f" ({entry['memo']})" if entry.get("memo") else ""))
+            click.echo(printable(f"{entry['time']}  {entry['task']} paid {entry['cents']} to "
+                                 f"{entry['to']}" + (f" ({entry['memo']})" if entry.get("memo")
+                                                     else "")))
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):

@@ -11,7 +11,13 @@ user) against a fake internet the module builds for itself and tears down afterw
     a TCP listener on 198.18.0.53:853;
   * a DNS server of the tests on 127.0.0.1 (gurtd's upstream): a.test, x.b.test, b.test,
     rebind.test (127.0.0.1), self.test (198.18.0.1, the host's own address), cname.test (a
-    CNAME of a.test); every other name is NXDOMAIN.
+    CNAME of a.test), private.test (10.1.2.3), home.test (192.168.1.1), metadata.test
+    (169.254.169.254); every other name is NXDOMAIN.  The private names are only looked up.
+
+198.18.0.0/15 is special-use (benchmarking): a name answering into it is refused unless the
+task grants the address or its network, so the `g` gurtd lets names resolve into the fake
+internet with the dnsAllowedNets setting, as an owner whose services live on a private
+network would.
 
 Traffic goes only to loopback and to addresses inside `gtinet`.  Each probe in a task is
 timed in the task itself: a refused attempt must fail fast (a reset or an ICMP error), never
@@ -61,6 +67,9 @@ ZONE = {  # the tests' upstream DNS: name -> (type, value)
     "rebind.test": ("A", "127.0.0.1"),
     "self.test": ("A", HOST_ADDR),
     "cname.test": ("CNAME", "a.test"),
+    "private.test": ("A", "10.1.2.3"),        # only ever looked up, never connected to
+    "home.test": ("A", "192.168.1.1"),
+    "metadata.test": ("A", "169.254.169.254"),
 }
 
 
@@ -363,8 +372,11 @@ def inet() -> Iterator[Internet]:
 
 @pytest.fixture
 def g(inet: Internet, new_gurtd: Any) -> Gurtd:
-    """A gurtd whose DNS upstream is the tests' server."""
-    return new_gurtd(env={"GURT_DNS_UPSTREAM": inet.upstream})
+    """A gurtd whose DNS upstream is the tests' server, and whose owner lets granted names
+    resolve into the fake internet's benchmarking network (special-use, refused otherwise)."""
+    gurtd = new_gurtd(env={"GURT_DNS_UPSTREAM": inet.upstream})
+    gurtd.api("PUT", "/api/settings", {"dnsAllowedNets": ["198.18.0.0/24"]})
+    return gurtd
 
 
 # probes in a task ##############################################################################
@@ -706,6 +718,77 @@ def test_what_no_list_grants_is_refused_fast(g: Gurtd, inet: Internet) -> None:
     for label in ("host_any_via_gw", "api_via_gw", "api_loopback", "gw_resolver"):
         run[label].refused()
     assert run.net()["refused"] >= 8, run.net()
+
+
+def test_names_answering_private_or_host_addresses_are_refused_with_the_reason(
+        g: Gurtd) -> None:
+    """DNS rebinding: a granted name that answers a private, loopback or link-local address is
+    refused (REFUSED, and the reason in the log), even with the fake internet allowed; an ip
+    entry opens a private address, never loopback or link-local."""
+    names = ("private.test", "home.test", "rebind.test", "metadata.test")
+    plain = start(g, list(names), *(py(n, "udp53", "127.0.0.53", 53, n) for n in names))
+    granted = start(g, ["private.test", "10.1.2.3:443", "rebind.test", "0.0.0.0/0:443"],
+                    py("private", "udp53", "127.0.0.53", 53, "private.test"),
+                    py("rebind", "udp53", "127.0.0.53", 53, "rebind.test"))
+    run = finished(g, plain)
+    for name, why in zip(names, ("(private)", "(private)", "(loopback)", "(link-local)")):
+        run[name].ok("rcode=5 an=0")
+        entry = run.dns(name)[0]
+        assert entry["allowed"] is False and why in entry["refused"][0], entry
+    run = finished(g, granted)
+    run["private"].ok("rcode=0 an=1")
+    run["rebind"].ok("rcode=5 an=0")
+    assert "(loopback)" in run.dns("rebind.test")[0]["refused"][0], run.log
+
+
+def test_without_the_setting_a_name_reaches_198_18_only_with_its_network_granted(
+        inet: Internet, new_gurtd: Any) -> None:
+    g = new_gurtd(env={"GURT_DNS_UPSTREAM": inet.upstream})
+    alone = start(g, ["a.test"], curl("a", "http://a.test/"))
+    with_net = start(g, ["a.test", "198.18.0.0/24"], curl("a", "http://a.test/"))
+    run = finished(g, alone)
+    run["a"].refused(6)
+    assert "198.18.0.0/15 (benchmarking)" in run.dns("a.test")[0]["refused"][0], run.log
+    run = finished(g, with_net)
+    run["a"].ok(f"hello from {A}:80")
+
+
+def test_two_grants_of_one_address_with_different_ports_both_work(g: Gurtd) -> None:
+    """An address granted on every port, then a name answering it granted on one port (the
+    crash of the issue: nftables said "File exists"); and one port widened to every port."""
+    both = start(g, [A, "a.test:8080"],
+                 curl("name8080", "http://a.test:8080/"),
+                 curl("ip80", f"http://{A}/"))
+    widened = start(g, ["cname.test:8080", "a.test"],
+                    curl("cname8080", "http://cname.test:8080/"),
+                    curl("a80", "http://a.test/"),
+                    curl("cname8080_again", "http://cname.test:8080/"),
+                    curl("a8080", "http://a.test:8080/"))
+    run = finished(g, both)
+    run["name8080"].ok(f"hello from {A}:8080")
+    run["ip80"].ok(f"hello from {A}:80")
+    assert all(e["allowed"] for e in run.dns("a.test")), run.log
+    run = finished(g, widened)
+    for label, port in (("cname8080", 8080), ("a80", 80), ("cname8080_again", 8080),
+                        ("a8080", 8080)):
+        run[label].ok(f"hello from {A}:{port}")
+    assert g.api("GET", "/api/health")
+
+
+def test_a_grant_nftables_refuses_fails_that_lookup_only(g: Gurtd) -> None:
+    """198.18.0.0/24 on port 1, then a.test (every port) answering 198.18.0.10: nftables
+    refuses an element that starts inside another ("File exists").  The lookup gets SERVFAIL
+    and the reason is in the log; the task, gurtd and the next task go on."""
+    task_id = start(g, ["198.18.0.0/24:1", "a.test"],
+                    py("dns", "udp53", "127.0.0.53", 53, "a.test"),
+                    curl("a", "http://a.test/"))
+    run = finished(g, task_id)
+    run["dns"].ok("rcode=2 an=0")
+    run["a"].refused(6)
+    entry = run.dns("a.test")[0]
+    assert entry["allowed"] is False and "nftables refused" in entry["error"], entry
+    run = finished(g, start(g, ["a.test"], curl("a", "http://a.test/")))
+    run["a"].ok(f"hello from {A}:80")
 
 
 # 3. the log ####################################################################################
