@@ -64,6 +64,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import urllib.parse
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
@@ -99,6 +100,7 @@ LABEL_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 
 STATES = ("queued", "running", "waiting", "done", "failed", "undone")
 ACTIVE_STATES = ("queued", "running", "waiting")
+TERMINAL_STATES = ("done", "failed", "undone")
 WORKERS = ("droid", "fake")
 
 DROID_VERSION = "0.215.0"             # the pinned Droid CLI (npm package droid), see Makefile
@@ -531,6 +533,12 @@ def new_approval_id() -> str:
     return new_task_id("a")
 
 
+def new_call_id() -> str:
+    """A broker call's id, c + 9 characters: on its log line and on its ledger line, so that
+    a payment can always be matched with its task's log."""
+    return new_task_id("c")
+
+
 def is_cents(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and \
         value == value and value not in (float("inf"), float("-inf"))
@@ -679,19 +687,116 @@ def clean_relpath(raw: str) -> str:
 # Persistence ###################################################################################
 ###############################################################################################
 
-def atomic_write(path: str, data: bytes, mode: int = 0o600, sync: bool = True) -> None:
-    """Write a file so that a crash leaves the old or the new version: temp, fsync, rename."""
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+def write_all(fd: int, data: bytes) -> None:
+    """Write every byte or raise: os.write may write less than asked (a nearly full disk),
+    and a file renamed into place or a line appended must never be cut short silently."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[written:]
+
+
+def append_line(fd: int, data: bytes) -> None:
+    """Append one whole line to a log opened with O_APPEND, or raise and leave the file as it
+    was: a half-written line would glue itself to the next one and damage both."""
+    size = os.fstat(fd).st_size
     try:
-        os.write(fd, data)
-        if sync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
+        write_all(fd, data)
+    except OSError:
+        try:
+            os.ftruncate(fd, size)
+        except OSError as exc:
+            log(3, f"could not cut a half-written line off fd {fd}: {exc}")
+        raise
+
+
+def atomic_write(path: str, data: bytes, mode: int = 0o600, sync: bool = True) -> None:
+    """Write a file so that a crash leaves the old or the new version: temp, fsync, rename.
+    On any error the temp file is removed and the old version stays; the error is raised.
+    Temp names end in .tmp-PID-THREAD: remove_temp_leftovers finds a crashed run's."""
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+        try:
+            write_all(fd, data)
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     if sync:
         fsync_dir(os.path.dirname(path) or ".")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+TEMP_RE = re.compile(r"\.(?:tmp|gurtd)-(\d+)(?:-\d+)?$")
+
+
+def remove_temp_leftovers(directories: list[str], only_dead: bool = False,
+                          prefixes: tuple[str, ...] = ("",)) -> list[str]:
+    """Remove temp files of writes cut short by a crash (NAME.tmp-PID-THREAD, or
+    NAME.gurtd-PID for the account files) whose NAME starts with one of prefixes; the removed
+    paths.  With only_dead, a temp file whose pid is alive is kept: another gurtd (on another
+    BOX_HOME) may be writing it right now."""
+    removed = []
+    for directory in directories:
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            m = TEMP_RE.search(name)
+            if not m or not name.startswith(prefixes) or (only_dead and pid_alive(int(m.group(1)))
+                         and int(m.group(1)) != os.getpid()):
+                continue
+            path = os.path.join(directory, name)
+            try:
+                if stat.S_ISREG(os.lstat(path).st_mode):
+                    os.unlink(path)
+                    removed.append(path)
+            except OSError as exc:
+                log(3, f"could not remove the leftover temp file {path}: {exc}")
+    return removed
+
+
+def crash_point(name: str) -> None:
+    """Test-only: with GURT_TEST_CRASH_AT=name in the environment, gurtd dies here at once, as
+    kill -9 would (exit 137), so that tests can crash it between two writes.  No effect
+    otherwise; never set it on a real box."""
+    if os.environ.get("GURT_TEST_CRASH_AT") == name:
+        log(3, f"GURT_TEST_CRASH_AT={name}: dying here (a test's crash point)")
+        os._exit(137)
+
+
+def fault_point(text: Any) -> None:
+    """Test-only: with GURT_TEST_RAISE_ON_OUTPUT=TEXT, a fake worker's output line TEXT makes
+    its handler raise, as a bug would, to show that the loop guard fails that task only.  No
+    effect otherwise; never set it on a real box."""
+    if text and text == os.environ.get("GURT_TEST_RAISE_ON_OUTPUT"):
+        raise RuntimeError(f"GURT_TEST_RAISE_ON_OUTPUT: a test's fault on {text!r}")
+
+
+def is_disk_error(exc: BaseException) -> bool:
+    """A write that failed because of the disk (full, quota, read-only, broken), not a bug."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS,
+                                                      errno.EIO, errno.EFBIG)
 
 
 def fsync_dir(directory: str) -> None:
@@ -743,7 +848,11 @@ def load_json(path: str) -> Any:
         return None
     except (ValueError, UnicodeDecodeError, OSError) as exc:
         aside = f"{path}.damaged-{int(time.time())}"
-        os.replace(path, aside)
+        try:
+            os.replace(path, aside)
+        except OSError as err:
+            log(3, f"damaged state file {path} ({exc}) could not be set aside: {err}")
+            return None
         log(3, f"damaged state file {path} set aside as {aside}: {exc}")
         return None
 
@@ -844,19 +953,44 @@ def _edit_accounts(name: str, lines: dict[str, str] | None,
                     new.append(lines[path])
                 if new == old:
                     continue
-                st = os.stat(path)
-                tmp = f"{path}.gurtd-{os.getpid()}"
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, st.st_mode & 0o7777)
-                try:
-                    os.fchown(fd, st.st_uid, st.st_gid)
-                    os.write(fd, ("\n".join(new) + "\n").encode())
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.rename(tmp, path)
+                _replace_account_file(path, ("\n".join(new) + "\n").encode())
         finally:
             libc().ulckpwdf()
     return uid
+
+
+def _replace_account_file(path: str, data: bytes) -> None:
+    """Replace an account file with data: a temp beside it (PATH.gurtd-PID, same mode and
+    owner), every byte written, fsync, size checked, rename.  On any error the temp is
+    removed and the original stays untouched: /etc/passwd is never truncated."""
+    st = os.stat(path)
+    tmp = f"{path}.gurtd-{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                     st.st_mode & 0o7777)
+        try:
+            os.fchown(fd, st.st_uid, st.st_gid)
+            write_all(fd, data)
+            os.fsync(fd)
+            if os.fstat(fd).st_size != len(data):
+                raise OSError(errno.EIO, f"{tmp} holds {os.fstat(fd).st_size} bytes, "
+                                         f"not {len(data)}")
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def account_temp_leftovers() -> list[str]:
+    """Remove /etc/{passwd,group,shadow,gshadow}.gurtd-PID left by a gurtd that died in the
+    middle of an edit (its pid is gone); a live gurtd's temp file is its own business."""
+    names = tuple(os.path.basename(p) + "." for p in ACCOUNT_FILES)
+    return remove_temp_leftovers(["/etc"], only_dead=True, prefixes=names)
 
 
 def user_add(name: str, hint: int, comment: str) -> int:
@@ -1179,11 +1313,15 @@ class Spawner:
         self.pid = 0
         self._exits: list[tuple[int, int]] = []
 
-    def start(self) -> None:
+    def start(self, close: tuple[int, ...] = ()) -> None:
+        """Fork the spawner; it closes the fds in close (the BOX_HOME lock: a task must
+        never hold it, or the next start would wait for the task)."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
             parent.close()
+            for fd in close:
+                os.close(fd)
             code = 0
             try:
                 _spawner_main(child)
@@ -1609,6 +1747,8 @@ class Box:
         self.views_lock = threading.Lock()
         self.seq = 0
         self.done_seq = 0
+        self.unsaved: set[str] = set()      # tasks whose (terminal) state is not on disk yet
+        self.unsaved_retry = 0.0
 
     # paths
     def path(self, *parts: str) -> str:
@@ -1639,6 +1779,7 @@ class Box:
         for sub in ("tasks", "logs", "layers"):
             os.makedirs(self.path(sub), mode=0o700, exist_ok=True)
         os.makedirs(self.path("workspaces"), mode=0o711, exist_ok=True)
+        self.remove_temp_leftovers()
         self.store_uid, self.store_gid = system_user_ensure(STORE_USER)
         if not os.path.isdir(self.path("workspaces", "home")):
             self.workspace_create_dir("home")
@@ -1662,7 +1803,10 @@ class Box:
                 pass
             if not self.token:
                 self.token = secrets.token_urlsafe(32)
-                atomic_write(self.path("token"), self.token.encode() + b"\n", mode=0o600)
+                try:
+                    atomic_write(self.path("token"), self.token.encode() + b"\n", mode=0o600)
+                except OSError as exc:   # the API still answers: GURT_TOKEN can be set
+                    log(3, f"could not save the new token in {self.path('token')}: {exc}")
         for name in sorted(os.listdir(self.path("tasks"))):
             if not name.endswith(".json"):
                 continue
@@ -1673,8 +1817,11 @@ class Box:
                 task = Task.from_dict(data)
             except (TypeError, ValueError) as exc:
                 aside = self.path("tasks", name + f".damaged-{int(time.time())}")
-                os.replace(self.path("tasks", name), aside)
-                log(3, f"task file {name} set aside as {aside}: {exc}")
+                try:
+                    os.replace(self.path("tasks", name), aside)
+                    log(3, f"task file {name} set aside as {aside}: {exc}")
+                except OSError as err:
+                    log(3, f"task file {name} is damaged ({exc}), not set aside: {err}")
                 continue
             self.tasks[task.id] = task
             self.render(task)
@@ -1690,6 +1837,7 @@ class Box:
         task.updatedAt = now_iso()
         write_json(self.task_file(task.id), dataclasses.asdict(task), sync=sync)
         self.render(task)
+        self.unsaved.discard(task.id)
 
     def save_state(self) -> None:
         write_json(self.path("state.json"), self.state)
@@ -1699,28 +1847,125 @@ class Box:
         line = (json.dumps(entry) + "\n").encode()
         worker = self.workers.get(task_id)
         if worker is not None and worker.log_fd >= 0:
-            os.write(worker.log_fd, line)
+            append_line(worker.log_fd, line)
         else:
             fd = os.open(self.log_file(task_id), os.O_WRONLY | os.O_APPEND | os.O_CREAT |
                          os.O_CLOEXEC, 0o600)
             try:
-                os.write(fd, line)
+                append_line(fd, line)
             finally:
                 os.close(fd)
         with self.log_changed:
             self.log_changed.notify_all()
 
     def set_state(self, task: Task, state: str, **fields: Any) -> None:
-        """Change state; the log line goes first, so a follower never misses the last one."""
+        """Change state.  Never raises for the disk: a task whose state cannot be saved fails.
+
+        A terminal state (done, failed, undone) is saved and synced FIRST; only once it is
+        durable is it logged and announced, so that a crash can never revise a state someone
+        saw.  If it cannot be saved the task is failed in memory with the reason, and the save
+        is tried again later (save_unsaved).  Other states log first, so a follower never
+        misses the last line."""
         task.state = state
         for key, value in fields.items():
             setattr(task, key, value)
         entry: dict[str, Any] = {"type": "state", "state": state}
+        if state in TERMINAL_STATES:
+            try:
+                self.save(task)
+            except OSError as exc:
+                self.not_saved(task, exc)
+                return
+            crash_point(f"after-saving-{state}")
         if task.error and state == "failed":
             entry["error"] = task.error
-        self.append_log(task.id, entry)
-        self.save(task)
+        try:
+            self.append_log(task.id, entry)
+            if state not in TERMINAL_STATES:
+                self.save(task)
+        except OSError as exc:
+            if state not in TERMINAL_STATES:
+                self.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
+                return
+            log(3, f"task {task.id} is {state} (saved) but its log line was lost: {exc}")
         self.emit("task", task.to_api())
+
+    def not_saved(self, task: Task, exc: OSError) -> None:
+        """A terminal state could not be saved: the task is failed in memory with the reason,
+        announced as such, and saved again by save_unsaved once the disk allows."""
+        error = f"cannot save the task: {exc.strerror or exc}"
+        log(3, f"task {task.id}: {error} (it was to be {task.state}); "
+               f"{'undone' if task.state == 'undone' else 'failed'} in memory")
+        if task.state == "done":        # a failure or an undo keeps its own reason
+            task.state, task.error = "failed", error
+        task.updatedAt = now_iso()
+        self.render(task)
+        self.unsaved.add(task.id)
+        try:
+            self.append_log(task.id, {"type": "state", "state": task.state,
+                                      "error": task.error or error})
+        except OSError:
+            pass
+        self.emit("task", task.to_api())
+
+    def save_unsaved(self) -> None:
+        """Try again to save tasks whose terminal state is only in memory (tick, shutdown)."""
+        for task_id in sorted(self.unsaved):
+            task = self.tasks.get(task_id)
+            if task is None:
+                self.unsaved.discard(task_id)
+                continue
+            try:
+                self.save(task)
+                log(6, f"task {task_id}: its state ({task.state}) is saved now")
+            except OSError as exc:
+                log(4, f"task {task_id}: still cannot save its state: {exc}")
+                return
+
+    def fail_task(self, task: Task, error: str) -> None:
+        """Fail a task, whatever happens: its approvals denied, its processes and user gone,
+        state failed with error.  Each step in its own try; never raises (a loop guard)."""
+        for what, step in (("deny its approvals",
+                            lambda: self.broker.deny_pending(task.id, "gurtd", error)),
+                           ("release its worker", lambda: self.release_worker(task))):
+            try:
+                step()
+            except Exception as exc:
+                log(3, f"task {task.id}: could not {what}: {type(exc).__name__}: {exc}")
+        self.broker.drop_waiters(task.id, error)
+        if task.state in ACTIVE_STATES:
+            try:
+                self.set_state(task, "failed", error=error)
+            except Exception as exc:
+                log(3, f"task {task.id}: failed in memory only: {type(exc).__name__}: {exc}")
+                task.state, task.error = "failed", error
+                self.render(task)
+                self.unsaved.add(task.id)
+        for what, step in (("collect layers", self.gc_layers), ("schedule", self.schedule)):
+            try:
+                step()
+            except Exception as exc:
+                log(3, f"could not {what} after task {task.id} failed: {exc}")
+
+    def guard(self, task_id: str | None, fn: Callable[..., Any], *args: Any) -> bool:
+        """Run one event handler of the loop.  An error in handling a task's event fails that
+        task (the traceback to gurtd's log, the error to the task's log); an error with no
+        task is logged.  Either way the loop goes on (asyncio's call_exception_handler).
+        True if fn returned."""
+        try:
+            fn(*args)
+            return True
+        except Exception as exc:
+            where = f"task {task_id}" if task_id else "the loop"
+            log(3, f"error while handling an event of {where}: " +
+                traceback.format_exc().rstrip().replace("\n", "\n    "))
+            task = self.tasks.get(task_id) if task_id else None
+            if task is not None and task.state in ACTIVE_STATES:
+                error = f"cannot save the task: {exc.strerror}" if is_disk_error(exc) and \
+                    isinstance(exc, OSError) and exc.strerror else \
+                    f"internal error: {type(exc).__name__}: {exc}"
+                self.fail_task(task, error)
+            return False
 
     def emit(self, kind: str, obj: Any) -> None:
         """An event for /api/events: every task state change, every approval made or answered."""
@@ -1796,9 +2041,24 @@ class Box:
         stamp = now_iso()
         task = Task(id=task_id, state="queued", user=TASK_USER_PREFIX + task_id, layers=[],
                     costCents=0, createdAt=stamp, updatedAt=stamp, seq=self.seq, **fields)
+        try:       # persisted whole, or nothing of it anywhere: a 507 leaves no trace
+            self.save(task)
+            self.append_log(task_id, {"type": "state", "state": "queued"})
+        except OSError as exc:
+            for path in (self.task_file(task_id), self.log_file(task_id)):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                except OSError as err:
+                    log(3, f"could not remove {path} of a task that was not created: {err}")
+            self.rendered.pop(task_id, None)
+            log(3, f"a task could not be created: {exc}")
+            if is_disk_error(exc):
+                raise ApiError(507, f"cannot save the task: {exc.strerror}",
+                               "insufficient_storage") from None
+            raise
         self.tasks[task_id] = task
-        self.save(task)
-        self.append_log(task_id, {"type": "state", "state": "queued"})
         self.schedule()
         return task.to_api()
 
@@ -1909,6 +2169,7 @@ class Box:
         elif kind == "out" and task.worker == "droid":
             self.on_droid_event(task, worker, text)
         elif kind == "out":
+            fault_point(text)
             worker.last_out = text
             self.append_log(task.id, {"type": "stdout", "text": text})
         elif kind == "err":
@@ -1927,7 +2188,7 @@ class Box:
             worker = by_pid.get(pid)
             if worker is not None:
                 worker.exit_code = code
-                self.maybe_finish(worker)
+                self.guard(worker.task_id, self.maybe_finish, worker)
 
     def maybe_finish(self, worker: Worker) -> None:
         """A worker ended once its process exited and its report pipe is drained."""
@@ -2219,8 +2480,25 @@ class Box:
         return [self.workspace_info(n) for n in names]
 
     # start and stop
+    def remove_temp_leftovers(self) -> None:
+        """At start (under the BOX_HOME lock): temp files of writes a crash cut short."""
+        dirs = [self.home] + [self.path(d) for d in ("tasks", "approvals", "logs")]
+        for path in remove_temp_leftovers(dirs) + account_temp_leftovers():
+            log(4, f"removed the leftover temp file {path}")
+
     def reconcile(self) -> None:
-        """Before answering: fail orphaned tasks, end their processes, remove leftovers."""
+        """Before answering: fail orphaned tasks, end their processes, remove leftovers.
+        Each step in its own try: a start on a full disk cleans what it can and says what
+        it could not."""
+        problems: list[str] = []
+
+        def attempt(what: str, fn: Callable[..., Any], *args: Any) -> None:
+            try:
+                fn(*args)
+            except Exception as exc:
+                problems.append(f"{what}: {type(exc).__name__}: {exc}")
+
+        attempt("recover payments from the ledger", self.broker.recover_ledger)
         mine = {t.user for t in self.tasks.values()}
         marker = f"gurt task in {self.home}"
         leftovers = {}
@@ -2235,26 +2513,37 @@ class Box:
                 if task.uid:
                     leftovers.setdefault(task.user, task.uid)
                 task.uid = 0
-                self.set_state(task, "failed",
-                               error="gurtd restarted while the task was running")
+                attempt(f"fail task {task.id}", lambda t=task: self.set_state(
+                    t, "failed", error="gurtd restarted while the task was running"))
         for approval in list(self.broker.approvals.values()):
             if approval.state == "pending":
-                self.broker.answer(approval.id, "denied", "gurtd restarted", None, "restart")
+                attempt(f"deny approval {approval.id}", self.broker.answer, approval.id,
+                        "denied", "gurtd restarted", None, "restart")
         for name, uid in leftovers.items():
             log(4, f"reconcile: removing leftover user {name} ({uid}) and its processes")
-            kill_uid(uid)
-            user_del(name)
+            attempt(f"end the processes of {name}", kill_uid, uid)
+            attempt(f"remove the user {name}", user_del, name)
         for point in mounts_under(self.home):
             log(4, f"reconcile: unmounting leftover {point}")
-            umount(point)
-        self.gc_layers()
+            attempt(f"unmount {point}", umount, point)
+        attempt("delete undone layers", self.gc_layers)
+        for task_id in sorted(self.unsaved):
+            problems.append(f"save task {task_id}: its state ({self.tasks[task_id].state}) is "
+                            "only in memory until the disk has room")
+        for problem in problems:
+            log(3, f"reconcile: could not {problem}")
 
     def shutdown_tasks(self) -> None:
+        """End every running task (each on its own: one failure skips none), save what only
+        memory holds, close the views."""
         for task in list(self.tasks.values()):
             if task.id in self.workers:
-                self.broker.deny_pending(task.id, "restart", "gurtd stopped")
-                self.release_worker(task)
-                self.set_state(task, "failed", error="gurtd stopped while the task was running")
+                try:
+                    self.broker.deny_pending(task.id, "restart", "gurtd stopped")
+                except Exception as exc:
+                    log(3, f"task {task.id}: could not deny its approvals: {exc}")
+                self.fail_task(task, "gurtd stopped while the task was running")
+        self.save_unsaved()
         with self.views_lock:
             for _, fd in self.views.values():
                 os.close(fd)
@@ -2782,7 +3071,9 @@ class Broker:
         task = self.task_of_uid(uid)
         if task is None:
             raise ApiError(403, "only a running task may call tools", "forbidden")
-        entry: dict[str, Any] = {"type": "tool", "tool": tool, "args": args, "caller": uid}
+        call = new_call_id()
+        entry: dict[str, Any] = {"type": "tool", "tool": tool, "args": args, "caller": uid,
+                                 "call": call}
         if not isinstance(tool, str) or tool not in task.tools:
             self.box.append_log(task.id, {**entry, "error": "not granted to this task"})
             raise ApiError(403, f"the tool {tool} is not granted to this task",
@@ -2796,22 +3087,28 @@ class Broker:
             self.box.append_log(task.id, {**entry, "error": str(exc)})
             raise ApiError(400, f"{tool}: {exc}") from None
         if tool == "ask":
-            return self.create(task, "ask", tool, args, 0, args["question"])
+            return {**self.create(task, "ask", tool, args, 0, args["question"]), "call": call}
         if cents > 0 and task.costCents + cents > task.budgetCents:
-            return self.create(task, "budget", tool, args, cents, None)
-        if tool == "wallet.pay":   # paid here, in the same step as the budget check
-            result = self.pay(task.id, args)
-            self.box.append_log(task.id, {**entry, "result": result, "cents": cents})
-            return {"task": task.id, "cents": cents, "result": result, "logged": True}
-        return {"task": task.id, "cents": cents}
+            return {**self.create(task, "budget", tool, args, cents, None), "call": call}
+        if tool == "wallet.pay":   # paid here (and logged), in the same step as the budget check
+            result = self.pay(task.id, args, call)
+            return {"task": task.id, "cents": cents, "result": result, "logged": True,
+                    "call": call}
+        return {"task": task.id, "cents": cents, "call": call}
 
     def create(self, task: Task, kind: str, tool: str, args: Any, cents: float,
                question: str | None) -> dict[str, Any]:
         approval = Approval(id=new_approval_id(), task=task.id, kind=kind, tool=tool, args=args,
                             cents=cents, question=question, state="pending",
                             createdAt=now_iso())
+        try:       # saved first: an approval that is not on disk is not in memory either
+            self.save(approval)
+        except OSError as exc:
+            if is_disk_error(exc):
+                raise ApiError(507, f"cannot save the approval: {exc.strerror}",
+                               "insufficient_storage") from None
+            raise
         self.approvals[approval.id] = approval
-        self.save(approval)
         future: Future[Approval] = Future()
         self.waiters[approval.id] = future
         self.box.append_log(task.id, {"type": "approval", "approval": approval.id,
@@ -2862,13 +3159,30 @@ class Broker:
             if approval.task == task_id and approval.state == "pending":
                 self.answer(approval.id, "denied", reason, None, by)
 
+    def drop_waiters(self, task_id: str, reason: str) -> None:
+        """A task failed: no broker call of it may go on waiting.  Pending approvals that
+        deny_pending could not answer are denied in memory; other waits are cancelled."""
+        for approval_id, future in list(self.waiters.items()):
+            approval = self.approvals.get(approval_id)
+            if approval is None or approval.task != task_id:
+                continue
+            del self.waiters[approval_id]
+            if approval.state == "pending":
+                approval.state, approval.reason = "denied", reason
+                approval.answeredBy, approval.answeredAt = "gurtd", now_iso()
+                if not future.done():
+                    future.set_result(approval)
+            elif not future.done():
+                future.cancel()
+
     def ledger_append(self, entry: dict[str, Any]) -> None:
-        """One synced line holds a payment and the balance after it: all of it or none."""
+        """One synced line holds a payment and the balance after it: all of it or none (a
+        line cut short by a full disk is cut off again, and the error raised)."""
         path = self.box.path("wallet.jsonl")
         new = not os.path.exists(path)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, (json.dumps(entry) + "\n").encode())
+            append_line(fd, (json.dumps(entry) + "\n").encode())
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -2877,20 +3191,71 @@ class Broker:
         self.wallet = {"balanceCents": entry["balanceAfterCents"],
                        "ledger": self.wallet["ledger"] + [entry]}
 
-    def pay(self, task_id: str, args: dict[str, Any]) -> dict[str, Any]:
-        """wallet.pay: the ledger line first (synced), then the task's cost."""
+    def pay(self, task_id: str, args: dict[str, Any], call: str) -> dict[str, Any]:
+        """wallet.pay: the ledger line first (synced), then the task's log line, then its
+        cost.  Both lines carry the call id: a crash between them is repaired at the next
+        start (recover_ledger), and a log line missing means the cost is missing too."""
         task = self.box.tasks[task_id]
         cents = args["cents"]
         balance = self.wallet["balanceCents"]
         if balance < cents:
             raise ApiError(409, f"insufficient balance: the wallet has {balance} cents",
                            "insufficient_balance")
-        entry = {"time": now_iso(), "task": task_id, "to": args["to"], "cents": args["cents"],
-                 "memo": args.get("memo"), "balanceAfterCents": balance - cents}
-        self.ledger_append(entry)
-        self.add_cost(task, cents)
-        return {"paid": True, "to": args["to"], "cents": args["cents"],
-                "balanceCents": entry["balanceAfterCents"]}
+        entry = {"time": now_iso(), "task": task_id, "call": call, "to": args["to"],
+                 "cents": args["cents"], "memo": args.get("memo"),
+                 "balanceAfterCents": balance - cents}
+        try:
+            self.ledger_append(entry)
+        except OSError as exc:
+            if is_disk_error(exc):
+                raise ApiError(507, f"cannot save the payment: {exc.strerror}",
+                               "insufficient_storage") from None
+            raise
+        crash_point("after-ledger")
+        result = {"paid": True, "to": args["to"], "cents": args["cents"],
+                  "balanceCents": entry["balanceAfterCents"]}
+        try:
+            self.box.append_log(task_id, {"type": "tool", "tool": "wallet.pay", "args": args,
+                                          "caller": task.uid, "call": call, "result": result,
+                                          "cents": cents})
+            self.add_cost(task, cents)
+        except OSError as exc:   # paid all the same: the next start logs it from the ledger
+            log(3, f"payment {call} of task {task_id} is in the ledger, not in its log: {exc}")
+            self.box.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
+        return result
+
+    def recover_ledger(self) -> None:
+        """At start: a payment whose ledger line has no log line of the same call (gurtd
+        died between the two) gets its log line, marked recovered, and its cost."""
+        by_task: dict[str, list[dict[str, Any]]] = {}
+        for entry in self.wallet["ledger"]:
+            if isinstance(entry.get("task"), str) and isinstance(entry.get("call"), str) \
+                    and is_cents(entry.get("cents")):
+                by_task.setdefault(entry["task"], []).append(entry)
+        for task_id, entries in by_task.items():
+            task = self.box.tasks.get(task_id)
+            if task is None:
+                continue
+            try:
+                with open(self.box.log_file(task_id), "rb") as f:
+                    text = f.read()
+            except FileNotFoundError:
+                text = b""
+            for entry in entries:
+                if f'"call": "{entry["call"]}"'.encode() in text:
+                    continue
+                args = {"to": entry.get("to"), "cents": entry["cents"]}
+                if entry.get("memo") is not None:
+                    args["memo"] = entry["memo"]
+                self.box.append_log(task_id, {
+                    "type": "tool", "tool": "wallet.pay", "args": args, "call": entry["call"],
+                    "result": {"paid": True, "to": entry.get("to"), "cents": entry["cents"],
+                               "balanceCents": entry.get("balanceAfterCents")},
+                    "cents": entry["cents"], "recovered": "from the ledger",
+                    "text": "recovered from the ledger"})
+                task.costCents += entry["cents"]
+                self.box.save(task)
+                log(4, f"task {task_id}: payment {entry['call']} recovered from the ledger")
 
     def add_cost(self, task: Task, cents: float) -> None:
         if cents:   # the ledger, written first and synced, is what money is judged by
@@ -3048,9 +3413,9 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                     return
             if "result" in plan:
                 result, cost = plan["result"], 0.0
-            elif tool == "wallet.pay":
-                result = box.call(box.broker.pay, task_id, args)
-                cost = 0.0
+            elif tool == "wallet.pay":   # pay logs its own line, with the call id
+                result = box.call(box.broker.pay, task_id, args, plan["call"])
+                cost, plan["logged"] = 0.0, True
             else:
                 result, cost = run_tool(box, tool, args, task_id)
             if not plan.get("logged"):
@@ -3665,17 +4030,62 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def serve(box: Box) -> None:
-    """Run gurtd: spawner, state, reconcile, HTTP, READY=1, the loop, then a clean stop."""
-    host, port = parse_listen(box.listen)
+class StartError(Exception):
+    """gurtd could not start; what the start made is undone.  The message says why."""
+
+
+def lock_box_home(home: str) -> int:
+    """One gurtd per BOX_HOME: an exclusive flock on BOX_HOME/gurtd.lock, taken before
+    anything touches BOX_HOME, the accounts, nftables or the broker socket, and held (the fd,
+    close-on-exec) until gurtd exits, even by kill -9.  The file holds the holder's pid.
+    StartError if another gurtd holds it."""
+    os.makedirs(home, mode=0o711, exist_ok=True)
+    path = os.path.join(home, "gurtd.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise StartError(f"another gurtd (pid {holder}) runs on BOX_HOME {home}: not "
+                         "starting a second one (nothing was changed)") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:
+        log(4, f"could not write gurtd's pid into {path}: {exc}")
+    return fd
+
+
+Undo = list[tuple[str, Callable[[], Any]]]
+
+
+def unwind(undo: Undo) -> None:
+    """Run the undo steps, last first, each in its own try: one failure skips none."""
+    while undo:
+        what, fn = undo.pop()
+        try:
+            fn()
+        except Exception as exc:
+            log(3, f"could not {what}: {type(exc).__name__}: {exc}")
+
+
+def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
+    """The start, as steps with their undo (sshuttle's way): each undo is registered before
+    its step runs, so a step that fails half-way is undone too, and only what this start
+    made is undone (the lock makes BOX_HOME's table and socket this instance's own)."""
     # python-prctl is loaded now, before the spawner forks: a task's sandbox hides /tmp,
     # /root and /home, where a checkout's virtual environment may live.
     importlib.import_module("prctl")
-    box.spawner.start()                      # before any thread: it forks the workers
+    undo.append(("stop the spawner", box.spawner.stop))
+    box.spawner.start(close=(lock_fd,))      # before any thread: it forks the workers
     box.load()
     box.reconcile()
+    undo.append(("stop the network (its nftables table)", box.network.stop))
     box.network.start()
+    undo.append(("stop the broker (its socket)", box.broker.stop))
     box.broker.start()
+    undo.append(("end the tasks", box.shutdown_tasks))
     public_suffixes()                        # loaded now, not on the first wildcard host
     box.wake_r, box.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(box.wake_w)
@@ -3686,52 +4096,97 @@ def serve(box: Box) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    server = Server(box, host, port)
+    try:
+        server = Server(box, host, port)
+    except OSError as exc:
+        raise StartError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     if port == 0:
         box.listen = f"{host}:{server.server_address[1]}"
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    undo.append(("close the API", lambda: (server.shutdown(), server.server_close())))
     box.selector.register(box.wake_r, selectors.EVENT_READ, "wake")
     assert box.spawner.sock is not None
     box.selector.register(box.spawner.sock, selectors.EVENT_READ, "spawner")
     box.schedule()
+
+
+def serve(box: Box) -> None:
+    """Run gurtd: lock, start, READY=1, the loop, then a clean stop.  StartError if it could
+    not start (another gurtd on BOX_HOME, a port in use...), after undoing what it made."""
+    host, port = parse_listen(box.listen)
+    lock_fd = lock_box_home(box.home)
+    undo: Undo = [("release the BOX_HOME lock", lambda: os.close(lock_fd))]
+    try:
+        start(box, host, port, lock_fd, undo)
+    except BaseException as exc:
+        log(3, f"gurtd could not start: {type(exc).__name__}: {exc}; undoing what it made")
+        unwind(undo)
+        if isinstance(exc, StartError):
+            raise
+        if isinstance(exc, Exception):
+            raise StartError(f"gurtd could not start: {type(exc).__name__}: {exc}") from exc
+        raise
     log(6, f"gurtd {VERSION} listening on http://{box.listen} with BOX_HOME={box.home}; "
            f"token in {box.path('token')}")
-    sd_notify("READY=1")
     try:
-        while not box.stopping:
-            box.tick()
-            for key, _ in box.selector.select(timeout=box.network.tick()):
-                if isinstance(key.data, tuple):
-                    box.network.on_event(*key.data)
-                elif key.data == "wake":
-                    try:
-                        os.read(box.wake_r, 4096)
-                    except BlockingIOError:
-                        pass
-                elif key.data == "spawner":
-                    box.on_exits()
-                else:
-                    box.on_worker_output(key.data)
-            while True:
-                try:
-                    fn, args, future = box.commands.get_nowait()
-                except queue.Empty:
-                    break
-                if not future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as exc:  # handed to the HTTP thread that asked
-                    future.set_exception(exc)
+        sd_notify("READY=1")
+        loop(box)
     finally:
-        sd_notify("STOPPING=1")
         log(6, "gurtd stopping")
-        server.shutdown()
-        server.server_close()
-        box.shutdown_tasks()
-        box.broker.stop()
-        box.network.stop()
-        box.spawner.stop()
+        try:
+            sd_notify("STOPPING=1")
+        except OSError as exc:
+            log(4, f"sd_notify: {exc}")
+        unwind(undo)
+
+
+def event_task(box: Box, kind: str, key: Any) -> str | None:
+    """The task a network event belongs to (its DNS sockets, its upstream queries)."""
+    if kind == "upstream":
+        up = box.network.pending.get(key)
+        return up.net.task_id if up is not None else None
+    return str(key[0] if isinstance(key, tuple) else key)
+
+
+def loop(box: Box) -> None:
+    """The select loop that owns the box state, until SIGTERM.  Every event handler runs
+    under box.guard: an error while handling a task's event fails that task, any other error
+    is logged, and the loop goes on.  Commands from Box.call hand their errors to the caller."""
+    while not box.stopping:
+        box.guard(None, box.tick)
+        if box.unsaved and time.monotonic() > box.unsaved_retry:
+            box.unsaved_retry = time.monotonic() + 5.0
+            box.guard(None, box.save_unsaved)
+        try:
+            timeout = box.network.tick()
+        except Exception as exc:
+            log(3, f"the network timers failed: {type(exc).__name__}: {exc}")
+            timeout = 1.0
+        for key, _ in box.selector.select(timeout=timeout):
+            if isinstance(key.data, tuple):
+                box.guard(event_task(box, *key.data), box.network.on_event, *key.data)
+            elif key.data == "wake":
+                try:
+                    os.read(box.wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            elif key.data == "spawner":
+                if not box.guard(None, box.on_exits):
+                    log(2, "the spawner is gone: no task can start until gurtd restarts")
+                    box.selector.unregister(key.fileobj)
+            else:
+                box.guard(key.data, box.on_worker_output, key.data)
+        while True:
+            try:
+                fn, args, future = box.commands.get_nowait()
+            except queue.Empty:
+                break
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to the HTTP thread that asked
+                future.set_exception(exc)
 
 
 # CLI ###########################################################################################
@@ -3888,7 +4343,10 @@ def cmd_serve(box_home: str, listen: str, dns_upstream: str | None) -> None:
             parse_upstream(dns_upstream)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    serve(Box(box_home, listen, dns_upstream))
+    try:
+        serve(Box(box_home, listen, dns_upstream))
+    except StartError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @cli.command("token")
