@@ -15,7 +15,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Pure model            ids, validation, host patterns, Task and Approval records, nftables
                           text, the droid stream (steps, prices), changes of a layer
     Persistence           atomic JSON files under BOX_HOME, set-aside of damaged files, the
-                          append-only wallet ledger
+                          append-only wallet ledger; whole writes or an error, temp leftovers
+                          of a crash, the test-only crash points
     System layer          users, processes, mounts, network namespaces, nftables; each verb
                           beside its inverse, idempotent
     Spawner               a single-threaded process forked before any thread: it forks workers
@@ -24,13 +25,18 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Hosts                 task networks: veth, grants, and gurtd's DNS for the tasks
     Broker and approvals  tools called from tasks, the wallet, approvals, the broker socket
     HTTP                  request guard, auth, one routing table, JSON errors, OpenAPI
-    Loop                  the select loop that owns the box state, signals, sd_notify
+    Loop                  the BOX_HOME lock, the start as steps with their undo, the select
+                          loop that owns the box state and guards each event, signals, sd_notify
     CLI                   click commands: serve, token, run, tasks, show, undo, stop, log,
                           approvals, approve, deny, answer, wallet, and inside a task tool, mcp
 
 Threads: the loop thread owns the state.  HTTP and broker handler threads hand it commands
 through ``Box.call`` and wait for the answer; they read finished JSON renderings without a lock.
 Importing this module does nothing: no root check, no threads, no mounts.
+
+Crashes and full disks: a terminal state is on disk before anyone hears of it; a write that
+fails fails its task (or answers 507), never the loop; the next start repairs what a crash
+cut short (temp files, a payment's log line).
 """
 
 from __future__ import annotations
@@ -737,6 +743,7 @@ def atomic_write(path: str, data: bytes, mode: int = 0o600, sync: bool = True) -
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (signal 0: nothing is sent)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -763,8 +770,10 @@ def remove_temp_leftovers(directories: list[str], only_dead: bool = False,
             continue
         for name in names:
             m = TEMP_RE.search(name)
-            if not m or not name.startswith(prefixes) or (only_dead and pid_alive(int(m.group(1)))
-                         and int(m.group(1)) != os.getpid()):
+            if not m or not name.startswith(prefixes):
+                continue
+            pid = int(m.group(1))
+            if only_dead and pid != os.getpid() and pid_alive(pid):
                 continue
             path = os.path.join(directory, name)
             try:
@@ -2450,8 +2459,14 @@ class Box:
             if models and body["droidModel"] not in models:
                 raise ApiError(400, f"droidModel {body['droidModel']} is not one the Droid CLI "
                                     f"knows; it knows: {', '.join(models)}")
+        try:       # saved first: settings that are not on disk are not in force either
+            write_json(self.path("settings.json"), new)
+        except OSError as exc:
+            if is_disk_error(exc):
+                raise ApiError(507, f"cannot save the settings: {exc.strerror}",
+                               "insufficient_storage") from None
+            raise
         self.settings = new
-        write_json(self.path("settings.json"), self.settings)
         self.schedule()
         return dict(self.settings)
 
@@ -3127,14 +3142,25 @@ class Broker:
         if approval.kind == "ask" and state == "approved" and answer is None:
             raise ApiError(409, 'an ask is answered with POST /api/approvals/{id}/answer',
                            "conflict")
+        answered = dataclasses.replace(approval, state=state, reason=reason, answer=answer,
+                                       answeredBy=by, answeredAt=now_iso())
+        try:       # saved first: an answer that is not on disk is not given
+            self.save(answered)
+        except OSError as exc:
+            if is_disk_error(exc):
+                raise ApiError(507, f"cannot save the approval: {exc.strerror}",
+                               "insufficient_storage") from None
+            raise
         approval.state, approval.reason, approval.answer = state, reason, answer
-        approval.answeredBy, approval.answeredAt = by, now_iso()
-        self.save(approval)
+        approval.answeredBy, approval.answeredAt = by, answered.answeredAt
         self.box.emit("approval", approval.to_api())
         task = self.box.tasks.get(approval.task)
         if task is not None:
-            self.box.append_log(task.id, {"type": "approval", "approval": approval.id,
-                                          "state": state, "reason": reason, "by": by})
+            try:
+                self.box.append_log(task.id, {"type": "approval", "approval": approval.id,
+                                              "state": state, "reason": reason, "by": by})
+            except OSError as exc:   # the answer stands (it is saved); the waiter must hear it
+                log(3, f"task {task.id}: the answer to {approval.id} is not in its log: {exc}")
         future = self.waiters.pop(approval.id, None)
         if future is not None and not future.done():
             future.set_result(approval)
@@ -3267,9 +3293,13 @@ class Broker:
         task = self.box.tasks.get(task_id)
         if task is None:
             return
-        if cost:
-            self.add_cost(task, cost)
-        self.box.append_log(task_id, entry)
+        try:
+            if cost:
+                self.add_cost(task, cost)
+            self.box.append_log(task_id, entry)
+        except OSError as exc:   # the task's own state: it fails, the caller hears of it
+            self.box.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
+            raise
 
     def set_balance(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict) or set(body) != {"balanceCents"} or \
@@ -3277,7 +3307,13 @@ class Broker:
             raise ApiError(400, 'the body must be {"balanceCents": a number of at least 0}')
         entry = {"time": now_iso(), "set": body["balanceCents"],
                  "balanceAfterCents": body["balanceCents"]}
-        self.ledger_append(entry)
+        try:
+            self.ledger_append(entry)
+        except OSError as exc:
+            if is_disk_error(exc):
+                raise ApiError(507, f"cannot save the wallet: {exc.strerror}",
+                               "insufficient_storage") from None
+            raise
         return self.wallet
 
     def tools(self) -> list[dict[str, Any]]:
@@ -3376,7 +3412,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         box = self.server.box
         uid = self.peer_uid()
-        tool, args, task_id = None, None, None
+        tool, args, task_id, call = None, None, None, None
         try:
             if self.path.split("?")[0] != "/call":
                 raise ApiError(404, "no route; POST /call or GET /tools", "not_found")
@@ -3398,7 +3434,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                 raise ApiError(400, 'the body must be {"tool": "name", "args": {...}}')
             tool, args = body["tool"], body.get("args", {})
             plan = box.call(box.broker.begin_call, uid, tool, args)
-            task_id = plan["task"]
+            task_id, call = plan["task"], plan["call"]
             if "wait" in plan:
                 approval = plan["future"].result()
                 if approval.state != "approved":
@@ -3407,7 +3443,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                 if tool == "ask":
                     result = {"answer": approval.answer}
                     box.call(box.broker.record, task_id, {
-                        "type": "tool", "tool": tool, "args": args, "caller": uid,
+                        "type": "tool", "tool": tool, "args": args, "caller": uid, "call": call,
                         "result": result, "cents": 0})
                     self.reply(200, {"result": result})
                     return
@@ -3420,14 +3456,14 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                 result, cost = run_tool(box, tool, args, task_id)
             if not plan.get("logged"):
                 box.call(box.broker.record, task_id, {
-                    "type": "tool", "tool": tool, "args": args, "caller": uid,
+                    "type": "tool", "tool": tool, "args": args, "caller": uid, "call": call,
                     "result": result, "cents": plan["cents"] or cost}, cost)
             self.reply(200, {"result": result})
         except ApiError as exc:
             if task_id is not None and exc.code != "tool_not_allowed":
                 try:
                     box.call(box.broker.record, task_id, {
-                        "type": "tool", "tool": tool, "args": args, "caller": uid,
+                        "type": "tool", "tool": tool, "args": args, "caller": uid, "call": call,
                         "error": exc.message})
                 except Exception:
                     pass
@@ -4148,6 +4184,17 @@ def event_task(box: Box, kind: str, key: Any) -> str | None:
     return str(key[0] if isinstance(key, tuple) else key)
 
 
+def spawner_gone(box: Box) -> bool:
+    """The spawner's socket is at its end: it died (and would wake the loop forever)."""
+    assert box.spawner.sock is not None
+    try:
+        return box.spawner.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def loop(box: Box) -> None:
     """The select loop that owns the box state, until SIGTERM.  Every event handler runs
     under box.guard: an error while handling a task's event fails that task, any other error
@@ -4171,7 +4218,7 @@ def loop(box: Box) -> None:
                 except BlockingIOError:
                     pass
             elif key.data == "spawner":
-                if not box.guard(None, box.on_exits):
+                if not box.guard(None, box.on_exits) and spawner_gone(box):
                     log(2, "the spawner is gone: no task can start until gurtd restarts")
                     box.selector.unregister(key.fileobj)
             else:

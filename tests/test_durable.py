@@ -446,3 +446,69 @@ def test_an_error_while_handling_a_task_fails_that_task_only() -> None:
         if g.proc is not None:
             g.stop(signal.SIGKILL)
         remove_home(home)
+
+
+# 5. the writes themselves ####################################################################
+
+@contextlib.contextmanager
+def small_disk() -> Iterator[SmallDisk]:
+    base = tempfile.mkdtemp(prefix="gurt-test-", dir="/var/tmp")
+    disk = None
+    try:
+        disk = SmallDisk(base, size_mb=8)
+        yield disk
+    finally:
+        if disk is not None:
+            disk.close()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_writes_on_a_full_disk_fail_whole_and_leave_the_old_files_as_they_were() -> None:
+    """A state file, a log line, a ledger line and an account file meet a nearly full disk:
+    each write raises ENOSPC, no temp file stays, and every file keeps its old bytes (no
+    truncated state file renamed into place, no half line glued to the next one)."""
+    with small_disk() as disk:
+        state = os.path.join(disk.mnt, "task.json")
+        G.write_json(state, {"state": "done"})
+        logfile = os.path.join(disk.mnt, "log.jsonl")
+        with open(logfile, "wb") as f:
+            f.write(b'{"n": 1}\n')
+        accounts = os.path.join(disk.mnt, "passwd")
+        with open(accounts, "wb") as f:
+            f.write(b"root:x:0:0:root:/root:/bin/bash\n")
+        os.chmod(accounts, 0o644)
+        disk.fill(leave=16 * 1024)
+        big = b"x" * (300 * 1024)
+
+        try:
+            G.write_json(state, {"state": "failed", "prompt": big.decode()})
+            raise AssertionError("a 300 KB state file fit on a nearly full disk")
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+        with open(state) as f:
+            assert json.load(f) == {"state": "done"}
+
+        fd = os.open(logfile, os.O_WRONLY | os.O_APPEND)
+        try:
+            try:
+                G.append_line(fd, b'{"big": "' + big + b'"}\n')
+                raise AssertionError("a 300 KB line fit on a nearly full disk")
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+            G.append_line(fd, b'{"n": 2}\n')          # the next line starts clean
+        finally:
+            os.close(fd)
+        with open(logfile, "rb") as f:
+            assert f.read() == b'{"n": 1}\n{"n": 2}\n'
+
+        try:
+            G._replace_account_file(accounts, b"root:x:0:0:root:/root:/bin/bash\n" + big)
+            raise AssertionError("a 300 KB account file fit on a nearly full disk")
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+        with open(accounts, "rb") as f:
+            assert f.read() == b"root:x:0:0:root:/root:/bin/bash\n"
+        assert oct(os.stat(accounts).st_mode & 0o777) == oct(0o644)
+
+        leftovers = [n for n in os.listdir(disk.mnt) if ".tmp-" in n or ".gurtd-" in n]
+        assert leftovers == []
