@@ -1931,11 +1931,12 @@ class Box:
                 log(4, f"task {task_id}: still cannot save its state: {exc}")
                 return
 
-    def fail_task(self, task: Task, error: str) -> None:
-        """Fail a task, whatever happens: its approvals denied, its processes and user gone,
-        state failed with error.  Each step in its own try; never raises (a loop guard)."""
+    def fail_task(self, task: Task, error: str, by: str = "gurtd") -> None:
+        """Fail a task, whatever happens: its approvals denied (answeredBy `by`), its
+        processes and user gone, state failed with error.  Each step in its own try; never
+        raises (stop, shutdown and the loop guard use it)."""
         for what, step in (("deny its approvals",
-                            lambda: self.broker.deny_pending(task.id, "gurtd", error)),
+                            lambda: self.broker.deny_pending(task.id, by, error)),
                            ("release its worker", lambda: self.release_worker(task))):
             try:
                 step()
@@ -2256,11 +2257,7 @@ class Box:
         if task.state not in ACTIVE_STATES:
             raise ApiError(409, f"the task is {task.state}; only a queued, running or waiting "
                                 "task can be stopped", "conflict")
-        self.broker.deny_pending(task.id, "stop", reason)
-        self.release_worker(task)
-        self.set_state(task, "failed", error=reason)
-        self.gc_layers()
-        self.schedule()
+        self.fail_task(task, reason, by="stop")
         return task.to_api()
 
     def undo(self, task_id: str) -> dict[str, Any]:
@@ -2553,11 +2550,7 @@ class Box:
         memory holds, close the views."""
         for task in list(self.tasks.values()):
             if task.id in self.workers:
-                try:
-                    self.broker.deny_pending(task.id, "restart", "gurtd stopped")
-                except Exception as exc:
-                    log(3, f"task {task.id}: could not deny its approvals: {exc}")
-                self.fail_task(task, "gurtd stopped while the task was running")
+                self.fail_task(task, "gurtd stopped while the task was running", by="restart")
         self.save_unsaved()
         with self.views_lock:
             for _, fd in self.views.values():
@@ -2627,8 +2620,13 @@ class Network:
         self.nft.table_add(self.table)
 
     def stop(self) -> None:
+        """Release every task network, delete the table, put the host back: each step on its
+        own, so that one failure skips none (this is also a failed start's undo)."""
         for net in list(self.nets.values()):
-            self.release(net.task_id)
+            try:
+                self.release(net.task_id)
+            except Exception as exc:
+                log(3, f"could not release the network of task {net.task_id}: {exc}")
         if self.nft is not None:
             try:
                 self.nft.table_del(self.table)
