@@ -281,6 +281,15 @@ def test_a_payment_is_never_missing_from_its_task_log_after_kill_9() -> None:
         entry = [e for e in g.api("GET", "/api/wallet")["ledger"]
                  if e.get("task") == paid["id"]][0]
         assert [e["call"] for e in g.log(paid["id"]) if e["type"] == "tool"] == [entry["call"]]
+        # so does one paid after a person approved it
+        asked = g.create(pay_line("hank", 50), tools=["wallet.pay"], budgetCents=10)
+        pending = eventually(lambda: g.api("GET", "/api/approvals?state=pending&task=" +
+                                           asked["id"]), what="the budget approval")
+        g.api("POST", f"/api/approvals/{pending[0]['id']}/approve", {"reason": "ok"})
+        assert g.wait(asked["id"])["state"] == "done"
+        entry = [e for e in g.api("GET", "/api/wallet")["ledger"]
+                 if e.get("task") == asked["id"]][0]
+        assert [e["call"] for e in g.log(asked["id"]) if e["type"] == "tool"] == [entry["call"]]
         assert g.stop() == 0
     finally:
         if g.proc is not None:
