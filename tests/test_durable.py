@@ -521,3 +521,38 @@ def test_writes_on_a_full_disk_fail_whole_and_leave_the_old_files_as_they_were()
 
         leftovers = [n for n in os.listdir(disk.mnt) if ".tmp-" in n or ".gurtd-" in n]
         assert leftovers == []
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            out += [int(p) for p in f.read().split()]
+    return out
+
+
+def test_an_error_that_belongs_to_no_task_is_logged_and_gurtd_keeps_serving() -> None:
+    """An operator kills gurtd's spawner (kill -9 on its pid).  Reading its socket fails on
+    every turn of the loop: the error is logged once as the spawner being gone, gurtd keeps
+    answering, a new task fails with a clear error instead of hanging, and SIGTERM stops
+    gurtd cleanly."""
+    home = make_home()
+    g = Gurtd(home)
+    try:
+        g.start()
+        assert g.proc is not None
+        spawner = children(g.proc.pid)
+        assert len(spawner) == 1, spawner
+        os.kill(spawner[0], signal.SIGKILL)
+        gone = "<2>the spawner is gone: no task can start until gurtd restarts"
+        eventually(lambda: gone in g.log_text(), what="the log line")
+        assert g.api("GET", "/api/health") is not None
+        task = g.run("echo never")
+        assert task["state"] == "failed"
+        assert task["error"].startswith("could not start: "), task
+        assert g.log_text().count(gone) == 1               # once, not on every turn
+        assert g.stop() == 0
+    finally:
+        if g.proc is not None:
+            g.stop(signal.SIGKILL)
+        remove_home(home)
