@@ -952,17 +952,29 @@ def _edit_accounts(name: str, lines: dict[str, str] | None,
                 else:
                     raise SysError("allocate uid", errno.ENOSPC, "no free uid in the range")
                 lines = _account_lines(name, uid, comment)
-            for path in ACCOUNT_FILES:
-                if not os.path.exists(path):
-                    continue
-                with open(path) as f:
-                    old = f.read().splitlines()
-                new = [line for line in old if not line.startswith(name + ":")]
-                if lines is not None:
-                    new.append(lines[path])
-                if new == old:
-                    continue
-                _replace_account_file(path, ("\n".join(new) + "\n").encode())
+            replaced: list[tuple[str, bytes]] = []     # (path, its old bytes)
+            try:
+                for path in ACCOUNT_FILES:
+                    if not os.path.exists(path):
+                        continue
+                    with open(path, "rb") as f:
+                        raw = f.read()
+                    old = raw.decode("utf-8", "surrogateescape").splitlines()
+                    new = [line for line in old if not line.startswith(name + ":")]
+                    if lines is not None:
+                        new.append(lines[path])
+                    if new == old:
+                        continue
+                    _replace_account_file(path, ("\n".join(new) + "\n").encode(
+                        "utf-8", "surrogateescape"))
+                    replaced.append((path, raw))
+            except BaseException:
+                for path, raw in reversed(replaced):   # the four files agree, or none changed
+                    try:
+                        _replace_account_file(path, raw)
+                    except OSError as exc:
+                        log(3, f"could not put {path} back after a failed edit: {exc}")
+                raise
         finally:
             libc().ulckpwdf()
     return uid

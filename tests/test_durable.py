@@ -43,8 +43,12 @@ class SmallDisk:
         subprocess.run(["mkfs.ext4", "-q", "-m", "0", "-F", self.image], check=True)
         self.loop = subprocess.run(["losetup", "--find", "--show", self.image], check=True,
                                    capture_output=True, text=True).stdout.strip()
-        os.mkdir(self.mnt)
-        subprocess.run(["mount", "-t", "ext4", self.loop, self.mnt], check=True)
+        try:
+            os.mkdir(self.mnt)
+            subprocess.run(["mount", "-t", "ext4", self.loop, self.mnt], check=True)
+        except BaseException:
+            subprocess.run(["losetup", "-d", self.loop], check=False)
+            raise
 
     def fill(self, leave: int = 0) -> None:
         """Fill the file system to the last block, then give back `leave` bytes."""
@@ -71,7 +75,8 @@ class SmallDisk:
         os.sync()
 
     def close(self) -> None:
-        subprocess.run(["umount", self.mnt], check=False)
+        if subprocess.run(["umount", self.mnt], check=False).returncode != 0:
+            subprocess.run(["umount", "-l", self.mnt], check=False)   # busy: detach it
         if self.loop:
             subprocess.run(["losetup", "-d", self.loop], check=False)
 
@@ -91,12 +96,15 @@ def gurtd_on_small_disk(env: dict[str, str] | None = None) -> Iterator[tuple[Gur
     finally:
         if g is not None and g.proc is not None:
             g.stop(signal.SIGKILL)
-        if disk is not None:
-            disk.free()
-            if g is not None:           # what a killed gurtd left: users, mounts, a table
-                cleanup_box(disk.home)
-            disk.close()
-        shutil.rmtree(base, ignore_errors=True)
+        try:
+            if disk is not None:
+                disk.free()
+                if g is not None:       # what a killed gurtd left: users, mounts, a table
+                    cleanup_box(disk.home)
+        finally:                        # even if that start fails: never leave the mount
+            if disk is not None:
+                disk.close()
+            shutil.rmtree(base, ignore_errors=True)
 
 
 def cleanup_box(home: str) -> None:
