@@ -153,6 +153,24 @@ def pay_line(to: str, cents: Any) -> str:
     return f"gurtd tool wallet.pay '{json.dumps({'to': to, 'cents': cents})}'"
 
 
+def lock_holders(path: str) -> list[int]:
+    """The pids with an open fd on path."""
+    holders = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == path:
+                    holders.append(int(pid))
+                    break
+            except OSError:
+                continue
+    return sorted(holders)
+
+
 def serve_argv(home: str, listen: str) -> list[str]:
     return [sys.executable, GURTD, "serve", "--box-home", home, "--listen", listen]
 
@@ -393,6 +411,9 @@ def test_a_second_gurtd_on_the_same_box_home_exits_at_once_and_changes_nothing()
         sock = os.path.join(home, "run", "broker.sock")
         inode = os.stat(sock).st_ino
         uid = G.task_users()[task["user"]]
+        # only gurtd holds the lock: not its spawner, not a task (else a task that outlives
+        # gurtd would keep the next start out)
+        assert lock_holders(os.path.join(home, "gurtd.lock")) == [g.proc.pid]
         second = subprocess.run(serve_argv(home, "127.0.0.1:0"), env=serve_env(), cwd=ROOT,
                                 capture_output=True, text=True, timeout=60)
         assert second.returncode == 1, second
