@@ -7,9 +7,10 @@ LISTEN ?= 127.0.0.1:7700
 # nftables, iproute2, util-linux: the system tools; libcap-dev, gcc, python3-dev: to build
 # python-prctl; python3-venv: the virtual environment; systemd: systemd-analyze for the tests;
 # python3-click: the `gurtd` command inside a task (its tool client) runs on the system python;
-# python3-seccomp: libseccomp's own Python binding (not on PyPI), for the tasks' kernel filter.
+# python3-seccomp: libseccomp's own Python binding (not on PyPI), for the tasks' kernel filter;
+# e2fsprogs, mount: mkfs.ext4 and losetup for the full-disk tests (a small loop-mounted image).
 APT_PACKAGES := nftables iproute2 util-linux libcap-dev gcc python3-dev python3-venv curl systemd \
-  python3-click python3-seccomp
+  python3-click python3-seccomp e2fsprogs mount
 
 DROID_VERSION := 0.215.0
 DROID := $(VENV)/droid/node_modules/droid/bin/droid

@@ -15,7 +15,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Pure model            ids, validation, host patterns, Task and Approval records, nftables
                           text, the droid stream (steps, prices, bounded JSON), printable
     Persistence           atomic JSON files under BOX_HOME, set-aside of damaged files, the
-                          append-only wallet ledger
+                          append-only wallet ledger; whole writes or an error, temp leftovers
+                          of a crash, the test-only crash points
     System layer          users, processes, mounts, network namespaces, nftables; each verb
                           beside its inverse, idempotent
     Layer walks           a layer's changes, read beneath its root without following symlinks
@@ -28,13 +29,18 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Hosts                 task networks: veth, grants, and gurtd's DNS for the tasks
     Broker and approvals  tools called from tasks, the wallet, approvals, the broker socket
     HTTP                  request guard, auth, one routing table, JSON errors, OpenAPI
-    Loop                  the select loop that owns the box state, signals, sd_notify
+    Loop                  the BOX_HOME lock, the start as steps with their undo, the select
+                          loop that owns the box state and guards each event, signals, sd_notify
     CLI                   click commands: serve, token, run, tasks, show, undo, stop, log,
                           approvals, approve, deny, answer, wallet, and inside a task tool, mcp
 
 Threads: the loop thread owns the state.  HTTP and broker handler threads hand it commands
 through ``Box.call`` and wait for the answer; they read finished JSON renderings without a lock.
 Importing this module does nothing: no root check, no threads, no mounts.
+
+Crashes and full disks: a terminal state is on disk before anyone hears of it; a write that
+fails fails its task (or answers 507), never the loop; the next start repairs what a crash
+cut short (temp files, a payment's log line).
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import urllib.parse
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
@@ -106,6 +113,7 @@ LABEL_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 
 STATES = ("queued", "running", "waiting", "done", "failed", "undone")
 ACTIVE_STATES = ("queued", "running", "waiting")
+TERMINAL_STATES = ("done", "failed", "undone")
 WORKERS = ("droid", "fake")
 
 DROID_VERSION = "0.215.0"             # the pinned Droid CLI (npm package droid), see Makefile
@@ -607,6 +615,12 @@ def new_approval_id() -> str:
     return new_task_id("a")
 
 
+def new_call_id() -> str:
+    """A broker call's id, c + 9 characters: on its log line and on its ledger line, so that
+    a payment can always be matched with its task's log."""
+    return new_task_id("c")
+
+
 def is_cents(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and \
         value == value and value not in (float("inf"), float("-inf"))
@@ -765,19 +779,119 @@ def clean_relpath(raw: str) -> str:
 # Persistence ###################################################################################
 ###############################################################################################
 
-def atomic_write(path: str, data: bytes, mode: int = 0o600, sync: bool = True) -> None:
-    """Write a file so that a crash leaves the old or the new version: temp, fsync, rename."""
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+def write_all(fd: int, data: bytes) -> None:
+    """Write every byte or raise: os.write may write less than asked (a nearly full disk),
+    and a file renamed into place or a line appended must never be cut short silently."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[written:]
+
+
+def append_line(fd: int, data: bytes) -> None:
+    """Append one whole line to a log opened with O_APPEND, or raise and leave the file as it
+    was: a half-written line would glue itself to the next one and damage both."""
+    size = os.fstat(fd).st_size
     try:
-        os.write(fd, data)
-        if sync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
+        write_all(fd, data)
+    except OSError:
+        try:
+            os.ftruncate(fd, size)
+        except OSError as exc:
+            log(3, f"could not cut a half-written line off fd {fd}: {exc}")
+        raise
+
+
+def atomic_write(path: str, data: bytes, mode: int = 0o600, sync: bool = True) -> None:
+    """Write a file so that a crash leaves the old or the new version: temp, fsync, rename.
+    On any error the temp file is removed and the old version stays; the error is raised.
+    Temp names end in .tmp-PID-THREAD: remove_temp_leftovers finds a crashed run's."""
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+        try:
+            write_all(fd, data)
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     if sync:
         fsync_dir(os.path.dirname(path) or ".")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (signal 0: nothing is sent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+TEMP_RE = re.compile(r"\.(?:tmp|gurtd)-(\d+)(?:-\d+)?$")
+
+
+def remove_temp_leftovers(directories: list[str], only_dead: bool = False,
+                          prefixes: tuple[str, ...] = ("",)) -> list[str]:
+    """Remove temp files of writes cut short by a crash (NAME.tmp-PID-THREAD, or
+    NAME.gurtd-PID for the account files) whose NAME starts with one of prefixes; the removed
+    paths.  With only_dead, a temp file whose pid is alive is kept: another gurtd (on another
+    BOX_HOME) may be writing it right now."""
+    removed = []
+    for directory in directories:
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            m = TEMP_RE.search(name)
+            if not m or not name.startswith(prefixes):
+                continue
+            pid = int(m.group(1))
+            if only_dead and pid != os.getpid() and pid_alive(pid):
+                continue
+            path = os.path.join(directory, name)
+            try:
+                if stat.S_ISREG(os.lstat(path).st_mode):
+                    os.unlink(path)
+                    removed.append(path)
+            except OSError as exc:
+                log(3, f"could not remove the leftover temp file {path}: {exc}")
+    return removed
+
+
+def crash_point(name: str) -> None:
+    """Test-only: with GURT_TEST_CRASH_AT=name in the environment, gurtd dies here at once, as
+    kill -9 would (exit 137), so that tests can crash it between two writes.  No effect
+    otherwise; never set it on a real box."""
+    if os.environ.get("GURT_TEST_CRASH_AT") == name:
+        log(3, f"GURT_TEST_CRASH_AT={name}: dying here (a test's crash point)")
+        os._exit(137)
+
+
+def fault_point(text: Any) -> None:
+    """Test-only: with GURT_TEST_RAISE_ON_OUTPUT=TEXT, a fake worker's output line TEXT makes
+    its handler raise, as a bug would, to show that the loop guard fails that task only.  No
+    effect otherwise; never set it on a real box."""
+    if text and text == os.environ.get("GURT_TEST_RAISE_ON_OUTPUT"):
+        raise RuntimeError(f"GURT_TEST_RAISE_ON_OUTPUT: a test's fault on {text!r}")
+
+
+def is_disk_error(exc: BaseException) -> bool:
+    """A write that failed because of the disk (full, quota, read-only, broken), not a bug."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS,
+                                                      errno.EIO, errno.EFBIG)
 
 
 def fsync_dir(directory: str) -> None:
@@ -829,7 +943,11 @@ def load_json(path: str) -> Any:
         return None
     except (ValueError, UnicodeDecodeError, OSError) as exc:
         aside = f"{path}.damaged-{int(time.time())}"
-        os.replace(path, aside)
+        try:
+            os.replace(path, aside)
+        except OSError as err:
+            log(3, f"damaged state file {path} ({exc}) could not be set aside: {err}")
+            return None
         log(3, f"damaged state file {path} set aside as {aside}: {exc}")
         return None
 
@@ -920,29 +1038,66 @@ def _edit_accounts(name: str, lines: dict[str, str] | None,
                 else:
                     raise SysError("allocate uid", errno.ENOSPC, "no free uid in the range")
                 lines = _account_lines(name, uid, comment)
-            for path in ACCOUNT_FILES:
-                if not os.path.exists(path):
-                    continue
-                with open(path) as f:
-                    old = f.read().splitlines()
-                new = [line for line in old if not line.startswith(name + ":")]
-                if lines is not None:
-                    new.append(lines[path])
-                if new == old:
-                    continue
-                st = os.stat(path)
-                tmp = f"{path}.gurtd-{os.getpid()}"
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, st.st_mode & 0o7777)
-                try:
-                    os.fchown(fd, st.st_uid, st.st_gid)
-                    os.write(fd, ("\n".join(new) + "\n").encode())
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.rename(tmp, path)
+            replaced: list[tuple[str, bytes]] = []     # (path, its old bytes)
+            try:
+                for path in ACCOUNT_FILES:
+                    if not os.path.exists(path):
+                        continue
+                    with open(path, "rb") as f:
+                        raw = f.read()
+                    old = raw.decode("utf-8", "surrogateescape").splitlines()
+                    new = [line for line in old if not line.startswith(name + ":")]
+                    if lines is not None:
+                        new.append(lines[path])
+                    if new == old:
+                        continue
+                    _replace_account_file(path, ("\n".join(new) + "\n").encode(
+                        "utf-8", "surrogateescape"))
+                    replaced.append((path, raw))
+            except BaseException:
+                for path, raw in reversed(replaced):   # the four files agree, or none changed
+                    try:
+                        _replace_account_file(path, raw)
+                    except OSError as exc:
+                        log(3, f"could not put {path} back after a failed edit: {exc}")
+                raise
         finally:
             libc().ulckpwdf()
     return uid
+
+
+def _replace_account_file(path: str, data: bytes) -> None:
+    """Replace an account file with data: a temp beside it (PATH.gurtd-PID, same mode and
+    owner), every byte written, fsync, size checked, rename.  On any error the temp is
+    removed and the original stays untouched: /etc/passwd is never truncated."""
+    st = os.stat(path)
+    tmp = f"{path}.gurtd-{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                     st.st_mode & 0o7777)
+        try:
+            os.fchown(fd, st.st_uid, st.st_gid)
+            write_all(fd, data)
+            os.fsync(fd)
+            if os.fstat(fd).st_size != len(data):
+                raise OSError(errno.EIO, f"{tmp} holds {os.fstat(fd).st_size} bytes, "
+                                         f"not {len(data)}")
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def account_temp_leftovers() -> list[str]:
+    """Remove /etc/{passwd,group,shadow,gshadow}.gurtd-PID left by a gurtd that died in the
+    middle of an edit (its pid is gone); a live gurtd's temp file is its own business."""
+    names = tuple(os.path.basename(p) + "." for p in ACCOUNT_FILES)
+    return remove_temp_leftovers(["/etc"], only_dead=True, prefixes=names)
 
 
 def user_add(name: str, hint: int, comment: str) -> int:
@@ -1499,11 +1654,15 @@ class Spawner:
         self.pid = 0
         self._exits: list[tuple[int, int]] = []
 
-    def start(self) -> None:
+    def start(self, close: tuple[int, ...] = ()) -> None:
+        """Fork the spawner; it closes the fds in close (the BOX_HOME lock: a task must
+        never hold it, or the next start would wait for the task)."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
             parent.close()
+            for fd in close:
+                os.close(fd)
             code = 0
             try:
                 _spawner_main(child)
@@ -2300,6 +2459,8 @@ class Box:
         self.followers = Counter(MAX_LOG_FOLLOWERS)       # log followers per task
         self.seq = 0
         self.done_seq = 0
+        self.unsaved: set[str] = set()      # tasks whose (terminal) state is not on disk yet
+        self.unsaved_retry = 0.0
 
     # paths
     def path(self, *parts: str) -> str:
@@ -2330,6 +2491,7 @@ class Box:
         for sub in ("tasks", "logs", "layers"):
             os.makedirs(self.path(sub), mode=0o700, exist_ok=True)
         os.makedirs(self.path("workspaces"), mode=0o711, exist_ok=True)
+        self.remove_temp_leftovers()
         self.store_uid, self.store_gid = system_user_ensure(STORE_USER)
         if not os.path.isdir(self.path("workspaces", "home")):
             self.workspace_create_dir("home")
@@ -2353,7 +2515,10 @@ class Box:
                 pass
             if not self.token:
                 self.token = secrets.token_urlsafe(32)
-                atomic_write(self.path("token"), self.token.encode() + b"\n", mode=0o600)
+                try:
+                    atomic_write(self.path("token"), self.token.encode() + b"\n", mode=0o600)
+                except OSError as exc:   # the API still answers: GURT_TOKEN can be set
+                    log(3, f"could not save the new token in {self.path('token')}: {exc}")
         for name in sorted(os.listdir(self.path("tasks"))):
             if not name.endswith(".json"):
                 continue
@@ -2364,8 +2529,11 @@ class Box:
                 task = Task.from_dict(data)
             except (TypeError, ValueError) as exc:
                 aside = self.path("tasks", name + f".damaged-{int(time.time())}")
-                os.replace(self.path("tasks", name), aside)
-                log(3, f"task file {name} set aside as {aside}: {exc}")
+                try:
+                    os.replace(self.path("tasks", name), aside)
+                    log(3, f"task file {name} set aside as {aside}: {exc}")
+                except OSError as err:
+                    log(3, f"task file {name} is damaged ({exc}), not set aside: {err}")
                 continue
             self.tasks[task.id] = task
             self.render(task)
@@ -2381,6 +2549,7 @@ class Box:
         task.updatedAt = now_iso()
         write_json(self.task_file(task.id), dataclasses.asdict(task), sync=sync)
         self.render(task)
+        self.unsaved.discard(task.id)
 
     def save_state(self) -> None:
         write_json(self.path("state.json"), self.state)
@@ -2390,28 +2559,126 @@ class Box:
         line = (json.dumps(entry) + "\n").encode()
         worker = self.workers.get(task_id)
         if worker is not None and worker.log_fd >= 0:
-            os.write(worker.log_fd, line)
+            append_line(worker.log_fd, line)
         else:
             fd = os.open(self.log_file(task_id), os.O_WRONLY | os.O_APPEND | os.O_CREAT |
                          os.O_CLOEXEC, 0o600)
             try:
-                os.write(fd, line)
+                append_line(fd, line)
             finally:
                 os.close(fd)
         with self.log_changed:
             self.log_changed.notify_all()
 
     def set_state(self, task: Task, state: str, **fields: Any) -> None:
-        """Change state; the log line goes first, so a follower never misses the last one."""
+        """Change state.  Never raises for the disk: a task whose state cannot be saved fails.
+
+        A terminal state (done, failed, undone) is saved and synced FIRST; only once it is
+        durable is it logged and announced, so that a crash can never revise a state someone
+        saw.  If it cannot be saved the task is failed in memory with the reason, and the save
+        is tried again later (save_unsaved).  Other states log first, so a follower never
+        misses the last line."""
         task.state = state
         for key, value in fields.items():
             setattr(task, key, value)
         entry: dict[str, Any] = {"type": "state", "state": state}
+        if state in TERMINAL_STATES:
+            try:
+                self.save(task)
+            except OSError as exc:
+                self.not_saved(task, exc)
+                return
+            crash_point(f"after-saving-{state}")
         if task.error and state == "failed":
             entry["error"] = task.error
-        self.append_log(task.id, entry)
-        self.save(task)
+        try:
+            self.append_log(task.id, entry)
+            if state not in TERMINAL_STATES:
+                self.save(task)
+        except OSError as exc:
+            if state not in TERMINAL_STATES:
+                self.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
+                return
+            log(3, f"task {task.id} is {state} (saved) but its log line was lost: {exc}")
         self.emit("task", task.to_api())
+
+    def not_saved(self, task: Task, exc: OSError) -> None:
+        """A terminal state could not be saved: the task is failed in memory with the reason,
+        announced as such, and saved again by save_unsaved once the disk allows."""
+        error = f"cannot save the task: {exc.strerror or exc}"
+        log(3, f"task {task.id}: {error} (it was to be {task.state}); "
+               f"{'undone' if task.state == 'undone' else 'failed'} in memory")
+        if task.state == "done":        # a failure or an undo keeps its own reason
+            task.state, task.error = "failed", error
+        task.updatedAt = now_iso()
+        self.render(task)
+        self.unsaved.add(task.id)
+        try:
+            self.append_log(task.id, {"type": "state", "state": task.state,
+                                      "error": task.error or error})
+        except OSError:
+            pass
+        self.emit("task", task.to_api())
+
+    def save_unsaved(self) -> None:
+        """Try again to save tasks whose terminal state is only in memory (tick, shutdown)."""
+        for task_id in sorted(self.unsaved):
+            task = self.tasks.get(task_id)
+            if task is None:
+                self.unsaved.discard(task_id)
+                continue
+            try:
+                self.save(task)
+                log(6, f"task {task_id}: its state ({task.state}) is saved now")
+            except OSError as exc:
+                log(4, f"task {task_id}: still cannot save its state: {exc}")
+                return
+
+    def fail_task(self, task: Task, error: str, by: str = "gurtd") -> None:
+        """Fail a task, whatever happens: its approvals denied (answeredBy `by`), its
+        processes and user gone, state failed with error.  Each step in its own try; never
+        raises (stop, shutdown and the loop guard use it)."""
+        for what, step in (("deny its approvals",
+                            lambda: self.broker.deny_pending(task.id, by, error)),
+                           ("release its worker", lambda: self.release_worker(task))):
+            try:
+                step()
+            except Exception as exc:
+                log(3, f"task {task.id}: could not {what}: {type(exc).__name__}: {exc}")
+        self.broker.drop_waiters(task.id, error)
+        if task.state in ACTIVE_STATES:
+            try:
+                self.set_state(task, "failed", error=error)
+            except Exception as exc:
+                log(3, f"task {task.id}: failed in memory only: {type(exc).__name__}: {exc}")
+                task.state, task.error = "failed", error
+                self.render(task)
+                self.unsaved.add(task.id)
+        for what, step in (("collect layers", self.gc_layers), ("schedule", self.schedule)):
+            try:
+                step()
+            except Exception as exc:
+                log(3, f"could not {what} after task {task.id} failed: {exc}")
+
+    def guard(self, task_id: str | None, fn: Callable[..., Any], *args: Any) -> bool:
+        """Run one event handler of the loop.  An error in handling a task's event fails that
+        task (the traceback to gurtd's log, the error to the task's log); an error with no
+        task is logged.  Either way the loop goes on (asyncio's call_exception_handler).
+        True if fn returned."""
+        try:
+            fn(*args)
+            return True
+        except Exception as exc:
+            where = f"task {task_id}" if task_id else "the loop"
+            log(3, f"error while handling an event of {where}: " +
+                traceback.format_exc().rstrip().replace("\n", "\n    "))
+            task = self.tasks.get(task_id) if task_id else None
+            if task is not None and task.state in ACTIVE_STATES:
+                error = f"cannot save the task: {exc.strerror}" if is_disk_error(exc) and \
+                    isinstance(exc, OSError) and exc.strerror else \
+                    f"internal error: {type(exc).__name__}: {exc}"
+                self.fail_task(task, error)
+            return False
 
     def emit(self, kind: str, obj: Any) -> None:
         """An event for /api/events: every task state change, every approval made or answered."""
@@ -2487,9 +2754,24 @@ class Box:
         stamp = now_iso()
         task = Task(id=task_id, state="queued", user=TASK_USER_PREFIX + task_id, layers=[],
                     costCents=0, createdAt=stamp, updatedAt=stamp, seq=self.seq, **fields)
+        try:       # persisted whole, or nothing of it anywhere: a 507 leaves no trace
+            self.save(task)
+            self.append_log(task_id, {"type": "state", "state": "queued"})
+        except OSError as exc:
+            for path in (self.task_file(task_id), self.log_file(task_id)):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                except OSError as err:
+                    log(3, f"could not remove {path} of a task that was not created: {err}")
+            self.rendered.pop(task_id, None)
+            log(3, f"a task could not be created: {exc}")
+            if is_disk_error(exc):
+                raise ApiError(507, f"cannot save the task: {exc.strerror}",
+                               "insufficient_storage") from None
+            raise
         self.tasks[task_id] = task
-        self.save(task)
-        self.append_log(task_id, {"type": "state", "state": "queued"})
         self.schedule()
         return task.to_api()
 
@@ -2608,6 +2890,7 @@ class Box:
         elif kind == "out" and task.worker == "droid":
             self.on_droid_event(task, worker, text)
         elif kind == "out":
+            fault_point(text)
             worker.last_out = text
             self.append_log(task.id, {"type": "stdout", "text": text})
         elif kind == "err":
@@ -2626,7 +2909,7 @@ class Box:
             worker = by_pid.get(pid)
             if worker is not None:
                 worker.exit_code = code
-                self.maybe_finish(worker)
+                self.guard(worker.task_id, self.maybe_finish, worker)
 
     def maybe_finish(self, worker: Worker) -> None:
         """A worker ended once its process exited and its report pipe is drained."""
@@ -2689,11 +2972,7 @@ class Box:
         if task.state not in ACTIVE_STATES:
             raise ApiError(409, f"the task is {task.state}; only a queued, running or waiting "
                                 "task can be stopped", "conflict")
-        self.broker.deny_pending(task.id, "stop", reason)
-        self.release_worker(task)
-        self.set_state(task, "failed", error=reason)
-        self.gc_layers()
-        self.schedule()
+        self.fail_task(task, reason, by="stop")
         return task.to_api()
 
     def undo(self, task_id: str) -> dict[str, Any]:
@@ -2895,8 +3174,14 @@ class Box:
             if models and body["droidModel"] not in models:
                 raise ApiError(400, f"droidModel {body['droidModel']} is not one the Droid CLI "
                                     f"knows; it knows: {', '.join(models)}")
+        try:       # saved first: settings that are not on disk are not in force either
+            write_json(self.path("settings.json"), new)
+        except OSError as exc:
+            if is_disk_error(exc):
+                raise ApiError(507, f"cannot save the settings: {exc.strerror}",
+                               "insufficient_storage") from None
+            raise
         self.settings = new
-        write_json(self.path("settings.json"), self.settings)
         self.schedule()
         return dict(self.settings)
 
@@ -2925,8 +3210,25 @@ class Box:
         return [self.workspace_info(n) for n in names]
 
     # start and stop
+    def remove_temp_leftovers(self) -> None:
+        """At start (under the BOX_HOME lock): temp files of writes a crash cut short."""
+        dirs = [self.home] + [self.path(d) for d in ("tasks", "approvals", "logs")]
+        for path in remove_temp_leftovers(dirs) + account_temp_leftovers():
+            log(4, f"removed the leftover temp file {path}")
+
     def reconcile(self) -> None:
-        """Before answering: fail orphaned tasks, end their processes, remove leftovers."""
+        """Before answering: fail orphaned tasks, end their processes, remove leftovers.
+        Each step in its own try: a start on a full disk cleans what it can and says what
+        it could not."""
+        problems: list[str] = []
+
+        def attempt(what: str, fn: Callable[..., Any], *args: Any) -> None:
+            try:
+                fn(*args)
+            except Exception as exc:
+                problems.append(f"{what}: {type(exc).__name__}: {exc}")
+
+        attempt("recover payments from the ledger", self.broker.recover_ledger)
         mine = {t.user for t in self.tasks.values()}
         marker = f"gurt task in {self.home}"
         leftovers = {}
@@ -2942,30 +3244,38 @@ class Box:
                 if task.uid:
                     leftovers.setdefault(task.user, task.uid)
                 task.uid = 0
-                self.set_state(task, "failed",
-                               error="gurtd restarted while the task was running")
+                attempt(f"fail task {task.id}", lambda t=task: self.set_state(
+                    t, "failed", error="gurtd restarted while the task was running"))
                 crashed.append(task.id)
         for approval in list(self.broker.approvals.values()):
             if approval.state == "pending":
-                self.broker.answer(approval.id, "denied", "gurtd restarted", None, "restart")
+                attempt(f"deny approval {approval.id}", self.broker.answer, approval.id,
+                        "denied", "gurtd restarted", None, "restart")
         for name, uid in leftovers.items():
             log(4, f"reconcile: removing leftover user {name} ({uid}) and its processes")
-            kill_uid(uid)
-            keys_clear(uid)
-            user_del(name)
+            attempt(f"end the processes of {name}", kill_uid, uid)
+            attempt(f"clear the keys of {name}", keys_clear, uid)
+            attempt(f"remove the user {name}", user_del, name)
         for task_id in crashed:                  # their processes are gone now
-            setid_strip(os.path.join(self.layer_dir(task_id), "upper"))
+            attempt(f"strip set-id bits of {task_id}", setid_strip,
+                    os.path.join(self.layer_dir(task_id), "upper"))
         for point in mounts_under(self.home):
             log(4, f"reconcile: unmounting leftover {point}")
-            umount(point)
-        self.gc_layers()
+            attempt(f"unmount {point}", umount, point)
+        attempt("delete undone layers", self.gc_layers)
+        for task_id in sorted(self.unsaved):
+            problems.append(f"save task {task_id}: its state ({self.tasks[task_id].state}) is "
+                            "only in memory until the disk has room")
+        for problem in problems:
+            log(3, f"reconcile: could not {problem}")
 
     def shutdown_tasks(self) -> None:
+        """End every running task (each on its own: one failure skips none), save what only
+        memory holds, close the views."""
         for task in list(self.tasks.values()):
             if task.id in self.workers:
-                self.broker.deny_pending(task.id, "restart", "gurtd stopped")
-                self.release_worker(task)
-                self.set_state(task, "failed", error="gurtd stopped while the task was running")
+                self.fail_task(task, "gurtd stopped while the task was running", by="restart")
+        self.save_unsaved()
         with self.views_lock:
             for _, fd in self.views.values():
                 os.close(fd)
@@ -3046,8 +3356,13 @@ class Network:
         self.nft.table_add(self.table)
 
     def stop(self) -> None:
+        """Release every task network, delete the table, put the host back: each step on its
+        own, so that one failure skips none (this is also a failed start's undo)."""
         for net in list(self.nets.values()):
-            self.release(net.task_id)
+            try:
+                self.release(net.task_id)
+            except Exception as exc:
+                log(3, f"could not release the network of task {net.task_id}: {exc}")
         if self.nft is not None:
             try:
                 self.nft.table_del(self.table)
@@ -3601,7 +3916,9 @@ class Broker:
         task = self.task_of_uid(uid)
         if task is None:
             raise ApiError(403, "only a running task may call tools", "forbidden")
-        entry: dict[str, Any] = {"type": "tool", "tool": tool, "args": args, "caller": uid}
+        call = new_call_id()
+        entry: dict[str, Any] = {"type": "tool", "tool": tool, "args": args, "caller": uid,
+                                 "call": call}
         if not isinstance(tool, str) or tool not in task.tools:
             self.box.append_log(task.id, {**entry, "error": "not granted to this task"})
             raise ApiError(403, f"the tool {tool} is not granted to this task",
@@ -3623,22 +3940,28 @@ class Broker:
                                     f"already (at most {MAX_PENDING_APPROVALS}); wait for an "
                                     "answer first", "too_many_requests")
         if tool == "ask":
-            return self.create(task, "ask", tool, args, 0, args["question"])
+            return {**self.create(task, "ask", tool, args, 0, args["question"]), "call": call}
         if cents > 0 and task.costCents + cents > task.budgetCents:
-            return self.create(task, "budget", tool, args, cents, None)
-        if tool == "wallet.pay":   # paid here, in the same step as the budget check
-            result = self.pay(task.id, args)
-            self.box.append_log(task.id, {**entry, "result": result, "cents": cents})
-            return {"task": task.id, "cents": cents, "result": result, "logged": True}
-        return {"task": task.id, "cents": cents}
+            return {**self.create(task, "budget", tool, args, cents, None), "call": call}
+        if tool == "wallet.pay":   # paid here (and logged), in the same step as the budget check
+            result = self.pay(task.id, args, call)
+            return {"task": task.id, "cents": cents, "result": result, "logged": True,
+                    "call": call}
+        return {"task": task.id, "cents": cents, "call": call}
 
     def create(self, task: Task, kind: str, tool: str, args: Any, cents: float,
                question: str | None) -> dict[str, Any]:
         approval = Approval(id=new_approval_id(), task=task.id, kind=kind, tool=tool, args=args,
                             cents=cents, question=question, state="pending",
                             createdAt=now_iso())
+        try:       # saved first: an approval that is not on disk is not in memory either
+            self.save(approval)
+        except OSError as exc:
+            if is_disk_error(exc):
+                raise ApiError(507, f"cannot save the approval: {exc.strerror}",
+                               "insufficient_storage") from None
+            raise
         self.approvals[approval.id] = approval
-        self.save(approval)
         future: Future[Approval] = Future()
         self.waiters[approval.id] = future
         self.box.append_log(task.id, {"type": "approval", "approval": approval.id,
@@ -3657,14 +3980,25 @@ class Broker:
         if approval.kind == "ask" and state == "approved" and answer is None:
             raise ApiError(409, 'an ask is answered with POST /api/approvals/{id}/answer',
                            "conflict")
+        answered = dataclasses.replace(approval, state=state, reason=reason, answer=answer,
+                                       answeredBy=by, answeredAt=now_iso())
+        try:       # saved first: an answer that is not on disk is not given
+            self.save(answered)
+        except OSError as exc:
+            if is_disk_error(exc):
+                raise ApiError(507, f"cannot save the approval: {exc.strerror}",
+                               "insufficient_storage") from None
+            raise
         approval.state, approval.reason, approval.answer = state, reason, answer
-        approval.answeredBy, approval.answeredAt = by, now_iso()
-        self.save(approval)
+        approval.answeredBy, approval.answeredAt = by, answered.answeredAt
         self.box.emit("approval", approval.to_api())
         task = self.box.tasks.get(approval.task)
         if task is not None:
-            self.box.append_log(task.id, {"type": "approval", "approval": approval.id,
-                                          "state": state, "reason": reason, "by": by})
+            try:
+                self.box.append_log(task.id, {"type": "approval", "approval": approval.id,
+                                              "state": state, "reason": reason, "by": by})
+            except OSError as exc:   # the answer stands (it is saved); the waiter must hear it
+                log(3, f"task {task.id}: the answer to {approval.id} is not in its log: {exc}")
         future = self.waiters.pop(approval.id, None)
         if future is not None and not future.done():
             future.set_result(approval)
@@ -3689,13 +4023,30 @@ class Broker:
             if approval.task == task_id and approval.state == "pending":
                 self.answer(approval.id, "denied", reason, None, by)
 
+    def drop_waiters(self, task_id: str, reason: str) -> None:
+        """A task failed: no broker call of it may go on waiting.  Pending approvals that
+        deny_pending could not answer are denied in memory; other waits are cancelled."""
+        for approval_id, future in list(self.waiters.items()):
+            approval = self.approvals.get(approval_id)
+            if approval is None or approval.task != task_id:
+                continue
+            del self.waiters[approval_id]
+            if approval.state == "pending":
+                approval.state, approval.reason = "denied", reason
+                approval.answeredBy, approval.answeredAt = "gurtd", now_iso()
+                if not future.done():
+                    future.set_result(approval)
+            elif not future.done():
+                future.cancel()
+
     def ledger_append(self, entry: dict[str, Any]) -> None:
-        """One synced line holds a payment and the balance after it: all of it or none."""
+        """One synced line holds a payment and the balance after it: all of it or none (a
+        line cut short by a full disk is cut off again, and the error raised)."""
         path = self.box.path("wallet.jsonl")
         new = not os.path.exists(path)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, (json.dumps(entry) + "\n").encode())
+            append_line(fd, (json.dumps(entry) + "\n").encode())
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -3704,20 +4055,71 @@ class Broker:
         self.wallet = {"balanceCents": entry["balanceAfterCents"],
                        "ledger": self.wallet["ledger"] + [entry]}
 
-    def pay(self, task_id: str, args: dict[str, Any]) -> dict[str, Any]:
-        """wallet.pay: the ledger line first (synced), then the task's cost."""
+    def pay(self, task_id: str, args: dict[str, Any], call: str) -> dict[str, Any]:
+        """wallet.pay: the ledger line first (synced), then the task's log line, then its
+        cost.  Both lines carry the call id: a crash between them is repaired at the next
+        start (recover_ledger), and a log line missing means the cost is missing too."""
         task = self.box.tasks[task_id]
         cents = args["cents"]
         balance = self.wallet["balanceCents"]
         if balance < cents:
             raise ApiError(409, f"insufficient balance: the wallet has {balance} cents",
                            "insufficient_balance")
-        entry = {"time": now_iso(), "task": task_id, "to": args["to"], "cents": args["cents"],
-                 "memo": args.get("memo"), "balanceAfterCents": balance - cents}
-        self.ledger_append(entry)
-        self.add_cost(task, cents)
-        return {"paid": True, "to": args["to"], "cents": args["cents"],
-                "balanceCents": entry["balanceAfterCents"]}
+        entry = {"time": now_iso(), "task": task_id, "call": call, "to": args["to"],
+                 "cents": args["cents"], "memo": args.get("memo"),
+                 "balanceAfterCents": balance - cents}
+        try:
+            self.ledger_append(entry)
+        except OSError as exc:
+            if is_disk_error(exc):
+                raise ApiError(507, f"cannot save the payment: {exc.strerror}",
+                               "insufficient_storage") from None
+            raise
+        crash_point("after-ledger")
+        result = {"paid": True, "to": args["to"], "cents": args["cents"],
+                  "balanceCents": entry["balanceAfterCents"]}
+        try:
+            self.box.append_log(task_id, {"type": "tool", "tool": "wallet.pay", "args": args,
+                                          "caller": task.uid, "call": call, "result": result,
+                                          "cents": cents})
+            self.add_cost(task, cents)
+        except OSError as exc:   # paid all the same: the next start logs it from the ledger
+            log(3, f"payment {call} of task {task_id} is in the ledger, not in its log: {exc}")
+            self.box.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
+        return result
+
+    def recover_ledger(self) -> None:
+        """At start: a payment whose ledger line has no log line of the same call (gurtd
+        died between the two) gets its log line, marked recovered, and its cost."""
+        by_task: dict[str, list[dict[str, Any]]] = {}
+        for entry in self.wallet["ledger"]:
+            if isinstance(entry.get("task"), str) and isinstance(entry.get("call"), str) \
+                    and is_cents(entry.get("cents")):
+                by_task.setdefault(entry["task"], []).append(entry)
+        for task_id, entries in by_task.items():
+            task = self.box.tasks.get(task_id)
+            if task is None:
+                continue
+            try:
+                with open(self.box.log_file(task_id), "rb") as f:
+                    text = f.read()
+            except FileNotFoundError:
+                text = b""
+            for entry in entries:
+                if f'"call": "{entry["call"]}"'.encode() in text:
+                    continue
+                args = {"to": entry.get("to"), "cents": entry["cents"]}
+                if entry.get("memo") is not None:
+                    args["memo"] = entry["memo"]
+                self.box.append_log(task_id, {
+                    "type": "tool", "tool": "wallet.pay", "args": args, "call": entry["call"],
+                    "result": {"paid": True, "to": entry.get("to"), "cents": entry["cents"],
+                               "balanceCents": entry.get("balanceAfterCents")},
+                    "cents": entry["cents"], "recovered": "from the ledger",
+                    "text": "recovered from the ledger"})
+                task.costCents += entry["cents"]
+                self.box.save(task)
+                log(4, f"task {task_id}: payment {entry['call']} recovered from the ledger")
 
     def add_cost(self, task: Task, cents: float) -> None:
         if cents:   # the ledger, written first and synced, is what money is judged by
@@ -3729,9 +4131,13 @@ class Broker:
         task = self.box.tasks.get(task_id)
         if task is None:
             return
-        if cost:
-            self.add_cost(task, cost)
-        self.box.append_log(task_id, entry)
+        try:
+            if cost:
+                self.add_cost(task, cost)
+            self.box.append_log(task_id, entry)
+        except OSError as exc:   # the task's own state: it fails, the caller hears of it
+            self.box.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
+            raise
 
     def set_balance(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict) or set(body) != {"balanceCents"} or \
@@ -3739,7 +4145,13 @@ class Broker:
             raise ApiError(400, 'the body must be {"balanceCents": a number of at least 0}')
         entry = {"time": now_iso(), "set": body["balanceCents"],
                  "balanceAfterCents": body["balanceCents"]}
-        self.ledger_append(entry)
+        try:
+            self.ledger_append(entry)
+        except OSError as exc:
+            if is_disk_error(exc):
+                raise ApiError(507, f"cannot save the wallet: {exc.strerror}",
+                               "insufficient_storage") from None
+            raise
         return self.wallet
 
     def tools(self) -> list[dict[str, Any]]:
@@ -3905,7 +4317,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         box = self.server.box
         uid = self.peer_uid()
-        tool, args, task_id = None, None, None
+        tool, args, task_id, call = None, None, None, None
         try:
             if self.path.split("?")[0] != "/call":
                 raise ApiError(404, "no route; POST /call or GET /tools", "not_found")
@@ -3927,7 +4339,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                 raise ApiError(400, 'the body must be {"tool": "name", "args": {...}}')
             tool, args = body["tool"], body.get("args", {})
             plan = box.call(box.broker.begin_call, uid, tool, args)
-            task_id = plan["task"]
+            task_id, call = plan["task"], plan["call"]
             if "wait" in plan:
                 approval = plan["future"].result()
                 if approval.state != "approved":
@@ -3936,27 +4348,27 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                 if tool == "ask":
                     result = {"answer": approval.answer}
                     box.call(box.broker.record, task_id, {
-                        "type": "tool", "tool": tool, "args": args, "caller": uid,
+                        "type": "tool", "tool": tool, "args": args, "caller": uid, "call": call,
                         "result": result, "cents": 0})
                     self.reply(200, {"result": result})
                     return
             if "result" in plan:
                 result, cost = plan["result"], 0.0
-            elif tool == "wallet.pay":
-                result = box.call(box.broker.pay, task_id, args)
-                cost = 0.0
+            elif tool == "wallet.pay":   # pay logs its own line, with the call id
+                result = box.call(box.broker.pay, task_id, args, plan["call"])
+                cost, plan["logged"] = 0.0, True
             else:
                 result, cost = run_tool(box, tool, args, task_id)
             if not plan.get("logged"):
                 box.call(box.broker.record, task_id, {
-                    "type": "tool", "tool": tool, "args": args, "caller": uid,
+                    "type": "tool", "tool": tool, "args": args, "caller": uid, "call": call,
                     "result": result, "cents": plan["cents"] or cost}, cost)
             self.reply(200, {"result": result})
         except ApiError as exc:
             if task_id is not None and exc.code != "tool_not_allowed":
                 try:
                     box.call(box.broker.record, task_id, {
-                        "type": "tool", "tool": tool, "args": args, "caller": uid,
+                        "type": "tool", "tool": tool, "args": args, "caller": uid, "call": call,
                         "error": exc.message})
                 except Exception:
                     pass
@@ -4596,18 +5008,63 @@ def raise_open_files_limit() -> None:
         log(6, f"open files limit raised from {soft} to {hard}")
 
 
-def serve(box: Box) -> None:
-    """Run gurtd: spawner, state, reconcile, HTTP, READY=1, the loop, then a clean stop."""
-    host, port = parse_listen(box.listen)
+class StartError(Exception):
+    """gurtd could not start; what the start made is undone.  The message says why."""
+
+
+def lock_box_home(home: str) -> int:
+    """One gurtd per BOX_HOME: an exclusive flock on BOX_HOME/gurtd.lock, taken before
+    anything touches BOX_HOME, the accounts, nftables or the broker socket, and held (the fd,
+    close-on-exec) until gurtd exits, even by kill -9.  The file holds the holder's pid.
+    StartError if another gurtd holds it."""
+    os.makedirs(home, mode=0o711, exist_ok=True)
+    path = os.path.join(home, "gurtd.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise StartError(f"another gurtd (pid {holder}) runs on BOX_HOME {home}: not "
+                         "starting a second one (nothing was changed)") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:
+        log(4, f"could not write gurtd's pid into {path}: {exc}")
+    return fd
+
+
+Undo = list[tuple[str, Callable[[], Any]]]
+
+
+def unwind(undo: Undo) -> None:
+    """Run the undo steps, last first, each in its own try: one failure skips none."""
+    while undo:
+        what, fn = undo.pop()
+        try:
+            fn()
+        except Exception as exc:
+            log(3, f"could not {what}: {type(exc).__name__}: {exc}")
+
+
+def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
+    """The start, as steps with their undo (sshuttle's way): each undo is registered before
+    its step runs, so a step that fails half-way is undone too, and only what this start
+    made is undone (the lock makes BOX_HOME's table and socket this instance's own)."""
     # python-prctl and the kernel filter are loaded now, before the spawner forks: a task's
     # sandbox leaves the host's file system, and with it a checkout's virtual environment.
     sandbox_preload()
-    box.spawner.start()                      # before any thread: it forks the workers
+    undo.append(("stop the spawner", box.spawner.stop))
+    box.spawner.start(close=(lock_fd,))      # before any thread: it forks the workers
     raise_open_files_limit()                 # after the fork: workers keep the usual limit
     box.load()
     box.reconcile()
+    undo.append(("stop the network (its nftables table)", box.network.stop))
     box.network.start()
+    undo.append(("stop the broker (its socket)", box.broker.stop))
     box.broker.start()
+    undo.append(("end the tasks", box.shutdown_tasks))
     public_suffixes()                        # loaded now, not on the first wildcard host
     box.wake_r, box.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(box.wake_w)
@@ -4618,52 +5075,108 @@ def serve(box: Box) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    server = Server(box, host, port)
+    try:
+        server = Server(box, host, port)
+    except OSError as exc:
+        raise StartError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     if port == 0:
         box.listen = f"{host}:{server.server_address[1]}"
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    undo.append(("close the API", lambda: (server.shutdown(), server.server_close())))
     box.selector.register(box.wake_r, selectors.EVENT_READ, "wake")
     assert box.spawner.sock is not None
     box.selector.register(box.spawner.sock, selectors.EVENT_READ, "spawner")
     box.schedule()
+
+
+def serve(box: Box) -> None:
+    """Run gurtd: lock, start, READY=1, the loop, then a clean stop.  StartError if it could
+    not start (another gurtd on BOX_HOME, a port in use...), after undoing what it made."""
+    host, port = parse_listen(box.listen)
+    lock_fd = lock_box_home(box.home)
+    undo: Undo = [("release the BOX_HOME lock", lambda: os.close(lock_fd))]
+    try:
+        start(box, host, port, lock_fd, undo)
+    except BaseException as exc:
+        log(3, f"gurtd could not start: {type(exc).__name__}: {exc}; undoing what it made")
+        unwind(undo)
+        if isinstance(exc, StartError):
+            raise
+        if isinstance(exc, Exception):
+            raise StartError(f"gurtd could not start: {type(exc).__name__}: {exc}") from exc
+        raise
     log(6, f"gurtd {VERSION} listening on http://{box.listen} with BOX_HOME={box.home}; "
            f"token in {box.path('token')}")
-    sd_notify("READY=1")
     try:
-        while not box.stopping:
-            box.tick()
-            for key, _ in box.selector.select(timeout=box.network.tick()):
-                if isinstance(key.data, tuple):
-                    box.network.on_event(*key.data)
-                elif key.data == "wake":
-                    try:
-                        os.read(box.wake_r, 4096)
-                    except BlockingIOError:
-                        pass
-                elif key.data == "spawner":
-                    box.on_exits()
-                else:
-                    box.on_worker_output(key.data)
-            while True:
-                try:
-                    fn, args, future = box.commands.get_nowait()
-                except queue.Empty:
-                    break
-                if not future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as exc:  # handed to the HTTP thread that asked
-                    future.set_exception(exc)
+        sd_notify("READY=1")
+        loop(box)
     finally:
-        sd_notify("STOPPING=1")
         log(6, "gurtd stopping")
-        server.shutdown()
-        server.server_close()
-        box.shutdown_tasks()
-        box.broker.stop()
-        box.network.stop()
-        box.spawner.stop()
+        try:
+            sd_notify("STOPPING=1")
+        except OSError as exc:
+            log(4, f"sd_notify: {exc}")
+        unwind(undo)
+
+
+def event_task(box: Box, kind: str, key: Any) -> str | None:
+    """The task a network event belongs to (its DNS sockets, its upstream queries)."""
+    if kind == "upstream":
+        up = box.network.pending.get(key)
+        return up.net.task_id if up is not None else None
+    return str(key[0] if isinstance(key, tuple) else key)
+
+
+def spawner_gone(box: Box) -> bool:
+    """The spawner's socket is at its end: it died (and would wake the loop forever)."""
+    assert box.spawner.sock is not None
+    try:
+        return box.spawner.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def loop(box: Box) -> None:
+    """The select loop that owns the box state, until SIGTERM.  Every event handler runs
+    under box.guard: an error while handling a task's event fails that task, any other error
+    is logged, and the loop goes on.  Commands from Box.call hand their errors to the caller."""
+    while not box.stopping:
+        box.guard(None, box.tick)
+        if box.unsaved and time.monotonic() > box.unsaved_retry:
+            box.unsaved_retry = time.monotonic() + 5.0
+            box.guard(None, box.save_unsaved)
+        try:
+            timeout = box.network.tick()
+        except Exception as exc:
+            log(3, f"the network timers failed: {type(exc).__name__}: {exc}")
+            timeout = 1.0
+        for key, _ in box.selector.select(timeout=timeout):
+            if isinstance(key.data, tuple):
+                box.guard(event_task(box, *key.data), box.network.on_event, *key.data)
+            elif key.data == "wake":
+                try:
+                    os.read(box.wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            elif key.data == "spawner":
+                if not box.guard(None, box.on_exits) and spawner_gone(box):
+                    log(2, "the spawner is gone: no task can start until gurtd restarts")
+                    box.selector.unregister(key.fileobj)
+            else:
+                box.guard(key.data, box.on_worker_output, key.data)
+        while True:
+            try:
+                fn, args, future = box.commands.get_nowait()
+            except queue.Empty:
+                break
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to the HTTP thread that asked
+                future.set_exception(exc)
 
 
 # CLI ###########################################################################################
@@ -4824,7 +5337,10 @@ def cmd_serve(box_home: str, listen: str, dns_upstream: str | None) -> None:
             parse_upstream(dns_upstream)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    serve(Box(box_home, listen, dns_upstream))
+    try:
+        serve(Box(box_home, listen, dns_upstream))
+    except StartError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @cli.command("token")

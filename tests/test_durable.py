@@ -1,0 +1,587 @@
+"""gurtd never loses its footing or its data, told as an operator's and an attacker's stories.
+
+A full disk (BOX_HOME on a small loop-mounted ext4 image the test makes and removes), kill -9
+at chosen points (GURT_TEST_CRASH_AT, a test-only hook), a second gurtd on the same BOX_HOME,
+a port in use, temp files of a crashed run, and an event handler that raises.  Real users,
+mounts and nftables; every test cleans up what it made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Iterator
+
+import gurtd as G
+from conftest import GURTD, ROOT, Gurtd, eventually, make_home, remove_home
+
+
+# helpers #####################################################################################
+
+class SmallDisk:
+    """A 32 MiB ext4 image, loop-mounted; BOX_HOME lives on it, gurtd's own log beside it."""
+
+    def __init__(self, base: str, size_mb: int = 32) -> None:
+        self.base = base
+        self.image = os.path.join(base, "disk.img")
+        self.mnt = os.path.join(base, "mnt")
+        self.home = os.path.join(self.mnt, "box")
+        self.filler = os.path.join(self.mnt, "filler")
+        self.loop = ""
+        with open(self.image, "wb") as f:
+            f.truncate(size_mb << 20)
+        subprocess.run(["mkfs.ext4", "-q", "-m", "0", "-F", self.image], check=True)
+        self.loop = subprocess.run(["losetup", "--find", "--show", self.image], check=True,
+                                   capture_output=True, text=True).stdout.strip()
+        try:
+            os.mkdir(self.mnt)
+            subprocess.run(["mount", "-t", "ext4", self.loop, self.mnt], check=True)
+        except BaseException:
+            subprocess.run(["losetup", "-d", self.loop], check=False)
+            raise
+
+    def fill(self, leave: int = 0) -> None:
+        """Fill the file system to the last block, then give back `leave` bytes."""
+        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            for chunk in (1 << 20, 1 << 16, 4096, 512, 1):
+                while True:
+                    try:
+                        if os.write(fd, b"\0" * chunk) < chunk:
+                            continue
+                    except OSError as exc:
+                        assert exc.errno == errno.ENOSPC, exc
+                        break
+            os.fsync(fd)
+            size = os.fstat(fd).st_size
+            os.ftruncate(fd, max(0, size - leave))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def free(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.filler)
+        os.sync()
+
+    def close(self) -> None:
+        if subprocess.run(["umount", self.mnt], check=False).returncode != 0:
+            subprocess.run(["umount", "-l", self.mnt], check=False)   # busy: detach it
+        if self.loop:
+            subprocess.run(["losetup", "-d", self.loop], check=False)
+
+
+@contextlib.contextmanager
+def gurtd_on_small_disk(env: dict[str, str] | None = None) -> Iterator[tuple[Gurtd, SmallDisk]]:
+    """A gurtd whose BOX_HOME is a small file system; everything removed afterwards."""
+    base = tempfile.mkdtemp(prefix="gurt-test-", dir="/var/tmp")
+    disk = None
+    g = None
+    try:
+        disk = SmallDisk(base)
+        g = Gurtd(disk.home, env)
+        g.log_path = os.path.join(base, "gurtd.log")   # not on the disk that fills up
+        g.start()
+        yield g, disk
+    finally:
+        if g is not None and g.proc is not None:
+            g.stop(signal.SIGKILL)
+        try:
+            if disk is not None:
+                disk.free()
+                if g is not None:       # what a killed gurtd left: users, mounts, a table
+                    cleanup_box(disk.home)
+        finally:                        # even if that start fails: never leave the mount
+            if disk is not None:
+                disk.close()
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def cleanup_box(home: str) -> None:
+    """Start and stop a gurtd on home once more: reconcile removes a dead one's leftovers."""
+    g = Gurtd(home)
+    g.log_path = os.path.join(os.path.dirname(os.path.dirname(home)), "gurtd.log")
+    g.start()
+    assert g.stop() == 0
+
+
+def table_name(home: str) -> str:
+    return "gurt_" + hashlib.sha1(os.path.abspath(home).encode()).hexdigest()[:8]
+
+
+def nft_tables() -> str:
+    return subprocess.run(["nft", "list", "tables"], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def passwd_names() -> set[str]:
+    with open("/etc/passwd") as f:
+        return {line.split(":")[0] for line in f}
+
+
+def task_file(g: Gurtd, task_id: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(g.home, "tasks", task_id + ".json")) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def states_in_log(g: Gurtd, task_id: str) -> list[str]:
+    return [e["state"] for e in g.log(task_id) if e["type"] == "state"]
+
+
+def wait_exit(g: Gurtd, timeout: float = 30.0) -> int:
+    """gurtd died on its own (a crash point): its exit code, and g forgets the process."""
+    assert g.proc is not None
+    code = g.proc.wait(timeout=timeout)
+    g.proc = None
+    return code
+
+
+def pay_line(to: str, cents: Any) -> str:
+    return f"gurtd tool wallet.pay '{json.dumps({'to': to, 'cents': cents})}'"
+
+
+def lock_holders(path: str) -> list[int]:
+    """The pids with an open fd on path."""
+    holders = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == path:
+                    holders.append(int(pid))
+                    break
+            except OSError:
+                continue
+    return sorted(holders)
+
+
+def serve_argv(home: str, listen: str) -> list[str]:
+    return [sys.executable, GURTD, "serve", "--box-home", home, "--listen", listen]
+
+
+def serve_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("BOX_HOME", "GURT_TOKEN")}
+    env["GURT_DNS_UPSTREAM"] = "127.0.0.1:9"
+    return env
+
+
+# 1. a full disk ##############################################################################
+
+def test_a_create_that_cannot_be_saved_answers_507_and_leaves_nothing() -> None:
+    """The disk is nearly full and someone sends a 300 KB prompt: the answer is 507 with a
+    clear error, and no task file, no log, no queued task is left anywhere.  Once there is
+    room again, tasks run as before."""
+    with gurtd_on_small_disk() as (g, disk):
+        before = sorted(os.listdir(os.path.join(g.home, "tasks")))
+        disk.fill(leave=64 * 1024)
+        prompt = "echo never\n#" + "x" * 300_000
+        code, body, _ = g.request("POST", "/api/tasks",
+                                  {"title": "big", "prompt": prompt, "worker": "fake"})
+        assert code == 507, (code, body)
+        assert body == {"error": "cannot save the task: No space left on device",
+                        "code": "insufficient_storage"}
+        assert sorted(os.listdir(os.path.join(g.home, "tasks"))) == before   # no temp either
+        assert os.listdir(os.path.join(g.home, "logs")) == []
+        assert g.api("GET", "/api/tasks") == []
+        disk.free()
+        time.sleep(1.0)    # long enough for a queued ghost to start, were there one
+        done = g.run("echo room again")
+        assert done["state"] == "done", done
+        assert [t["id"] for t in g.api("GET", "/api/tasks")] == [done["id"]]
+        assert g.stop() == 0
+
+
+def test_a_task_whose_log_cannot_be_written_fails_and_gurtd_keeps_serving() -> None:
+    """A task writes output while the disk fills up: that task fails with the reason, its
+    processes and user go, gurtd keeps answering, and once space is freed a new task runs
+    and the failed state reaches the disk."""
+    with gurtd_on_small_disk() as (g, disk):
+        task = g.create("echo ready\nwhile true; do echo tick tick tick; sleep 0.05; done")
+        eventually(lambda: "ready" in g.output(task["id"]), what="the task's first line")
+        disk.fill()
+        failed = g.wait(task["id"], timeout=60)
+        assert failed["state"] == "failed", failed
+        assert failed["error"] == "cannot save the task: No space left on device"
+        assert g.api("GET", "/api/health") is not None
+        eventually(lambda: task["user"] not in passwd_names(), what="the user to go")
+        assert g.worker_pids(failed) == []
+        disk.free()
+        ok = g.run("echo fine")
+        assert ok["state"] == "done", ok
+        on_disk = eventually(lambda: (task_file(g, task["id"]) or {}).get("state") == "failed"
+                             and task_file(g, task["id"]), what="the failed state on disk")
+        assert on_disk["error"] == "cannot save the task: No space left on device"
+        assert g.stop() == 0
+
+
+def test_kill_9_then_a_start_on_a_full_disk_works_and_says_what_it_could_not_do() -> None:
+    """gurtd is killed (-9) with a task running, and the disk is full when it comes back.
+    It starts all the same: the task is failed with an error that says why, its user and
+    processes are gone, the log says what could not be saved; SIGTERM, still on a full disk,
+    leaves no user, nftables table or broker socket behind."""
+    with gurtd_on_small_disk() as (g, disk):
+        task = g.create("sleep 60", hosts=["example.com"])
+        g.wait(task["id"], ("running",))
+        pids = eventually(lambda: g.worker_pids(task), what="the task's processes")
+        uid = G.task_users()[task["user"]]
+        g.stop(signal.SIGKILL)
+        disk.fill()
+        offset = len(g.log_text())
+        g.start()
+        text = g.log_text()[offset:]
+        failed = g.task(task["id"])
+        assert failed["state"] == "failed"
+        assert failed["error"] == "gurtd restarted while the task was running"
+        assert f"reconcile: could not save task {task['id']}" in text, text
+        assert task["user"] not in passwd_names()
+        assert not set(pids) & set(G.processes_by_uid({uid}).get(uid, []))
+        assert table_name(g.home) in nft_tables()
+        sock = os.path.join(g.home, "run", "broker.sock")
+        assert os.path.exists(sock)
+
+        code, body, _ = g.request("POST", "/api/tasks",
+                                  {"title": "t", "prompt": "sleep 60", "worker": "fake"})
+        assert code == 507, (code, body)      # still full: nothing can be created
+        disk.free()
+        running = g.create("sleep 60")
+        g.wait(running["id"], ("running",))
+        disk.fill()
+        assert g.stop() == 0                    # SIGTERM on a full disk
+        assert running["user"] not in passwd_names()
+        assert table_name(g.home) not in nft_tables()
+        assert not os.path.exists(sock)
+        disk.free()
+
+
+# 2. crashes ##################################################################################
+
+def test_a_payment_is_never_missing_from_its_task_log_after_kill_9() -> None:
+    """gurtd dies (kill -9, a test hook) right after a payment's ledger line is synced and
+    before the task's log line.  The next start writes the missing line from the ledger,
+    with the same call id, and counts the cost in the task."""
+    home = make_home()
+    g = Gurtd(home, {"GURT_TEST_CRASH_AT": "after-ledger"})
+    try:
+        g.start()
+        g.api("PUT", "/api/wallet", {"balanceCents": 1000})
+        task = g.create(pay_line("erin", 25) + "\necho paid", tools=["wallet.pay"],
+                        budgetCents=100)
+        assert wait_exit(g) == 137
+        g.env = {}
+        g.start()
+        ledger = [e for e in g.api("GET", "/api/wallet")["ledger"] if e.get("task")]
+        assert len(ledger) == 1 and ledger[0]["task"] == task["id"], ledger
+        call = ledger[0]["call"]
+        assert call.startswith("c") and len(call) == 10
+        lines = [e for e in g.log(task["id"]) if e.get("call") == call]
+        assert len(lines) == 1, lines
+        assert lines[0]["text"] == "recovered from the ledger"
+        assert lines[0]["cents"] == 25 and lines[0]["args"]["to"] == "erin"
+        after = g.task(task["id"])
+        assert after["costCents"] == 25
+        assert after["state"] == "failed"
+        assert g.api("GET", "/api/wallet")["balanceCents"] == 975
+        # a second start finds nothing to recover: the line is not written twice
+        g.restart()
+        assert len([e for e in g.log(task["id"]) if e.get("call") == call]) == 1
+        assert g.task(task["id"])["costCents"] == 25
+        # and a payment without a crash carries its call id in both places
+        paid = g.run(pay_line("frank", 5), tools=["wallet.pay"], budgetCents=100)
+        assert paid["state"] == "done", paid
+        entry = [e for e in g.api("GET", "/api/wallet")["ledger"]
+                 if e.get("task") == paid["id"]][0]
+        assert [e["call"] for e in g.log(paid["id"]) if e["type"] == "tool"] == [entry["call"]]
+        # so does one paid after a person approved it
+        asked = g.create(pay_line("hank", 50), tools=["wallet.pay"], budgetCents=10)
+        pending = eventually(lambda: g.api("GET", "/api/approvals?state=pending&task=" +
+                                           asked["id"]), what="the budget approval")
+        g.api("POST", f"/api/approvals/{pending[0]['id']}/approve", {"reason": "ok"})
+        assert g.wait(asked["id"])["state"] == "done"
+        entry = [e for e in g.api("GET", "/api/wallet")["ledger"]
+                 if e.get("task") == asked["id"]][0]
+        assert [e["call"] for e in g.log(asked["id"]) if e["type"] == "tool"] == [entry["call"]]
+        assert g.stop() == 0
+    finally:
+        if g.proc is not None:
+            g.stop(signal.SIGKILL)
+        remove_home(home)
+
+
+def test_a_task_reported_done_stays_done_across_kill_9() -> None:
+    """A task is done; gurtd is killed (-9) right after the done state reaches the disk and
+    before it is logged.  After the restart the task is still done, and a task seen done
+    through the API stays done across another kill -9."""
+    home = make_home()
+    g = Gurtd(home, {"GURT_TEST_CRASH_AT": "after-saving-done"})
+    try:
+        g.start()
+        task = g.create("echo kept > kept.txt\necho kept")
+        assert wait_exit(g) == 137
+        g.env = {}
+        g.start()
+        after = g.task(task["id"])
+        assert after["state"] == "done", after
+        assert "error" not in after
+        assert g.file("home", "kept.txt") == b"kept\n"
+
+        seen = g.run("echo second")
+        assert seen["state"] == "done"
+        g.restart(kill=True)
+        again = g.task(seen["id"])
+        assert again["state"] == "done" and again["updatedAt"] == seen["updatedAt"]
+        assert states_in_log(g, seen["id"]) == ["queued", "running", "done"]
+        assert g.stop() == 0
+    finally:
+        if g.proc is not None:
+            g.stop(signal.SIGKILL)
+        remove_home(home)
+
+
+def test_temp_files_of_a_crashed_run_are_removed_at_start() -> None:
+    """gurtd died in the middle of writes: temp files are left in BOX_HOME and beside
+    /etc/group.  The next start removes them, but keeps a temp file of a gurtd that is alive
+    (another BOX_HOME's, writing right now)."""
+    home = make_home()
+    g = Gurtd(home)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    alive = subprocess.Popen(["sleep", "60"])
+    made = []
+    try:
+        g.start()
+        assert g.stop() == 0
+        leftovers = [os.path.join(home, "tasks", f"t0000000001.json.tmp-{dead.pid}-1"),
+                     os.path.join(home, f"state.json.tmp-{dead.pid}-2"),
+                     os.path.join(home, "approvals", f"a000000001.json.tmp-{dead.pid}-3"),
+                     f"/etc/group.gurtd-{dead.pid}", f"/etc/shadow.gurtd-{dead.pid}"]
+        others = [f"/etc/group.gurtd-{alive.pid}"]
+        for path in leftovers + others:
+            with open(path, "w") as f:
+                f.write("half")
+            made.append(path)
+        g.start()
+        assert [p for p in leftovers if os.path.exists(p)] == []
+        assert [p for p in others if os.path.exists(p)] == others
+        assert f"removed the leftover temp file /etc/group.gurtd-{dead.pid}" in g.log_text()
+        assert g.run("echo fine")["state"] == "done"
+        assert g.stop() == 0
+    finally:
+        alive.kill()
+        alive.wait()
+        for path in made:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        if g.proc is not None:
+            g.stop(signal.SIGKILL)
+        remove_home(home)
+
+
+# 3. one gurtd per BOX_HOME ###################################################################
+
+def test_a_second_gurtd_on_the_same_box_home_exits_at_once_and_changes_nothing() -> None:
+    """A task of the first gurtd waits for an answer.  A second `gurtd serve` on the same
+    BOX_HOME exits at once with a clear message; the first one's task, user, broker socket
+    and nftables table are untouched: the task, answered, pays through the broker and ends
+    done."""
+    home = make_home()
+    g = Gurtd(home)
+    try:
+        g.start()
+        g.api("PUT", "/api/wallet", {"balanceCents": 100})
+        task = g.create("gurtd tool ask '{\"question\": \"go?\"}'\n" + pay_line("gina", 3),
+                        tools=["ask", "wallet.pay"], budgetCents=10, hosts=["example.com"])
+        pending = eventually(lambda: g.api("GET", f"/api/approvals?state=pending&task="
+                                                  f"{task['id']}"), what="the ask")
+        sock = os.path.join(home, "run", "broker.sock")
+        inode = os.stat(sock).st_ino
+        uid = G.task_users()[task["user"]]
+        # only gurtd holds the lock: not its spawner, not a task (else a task that outlives
+        # gurtd would keep the next start out)
+        assert lock_holders(os.path.join(home, "gurtd.lock")) == [g.proc.pid]
+        second = subprocess.run(serve_argv(home, "127.0.0.1:0"), env=serve_env(), cwd=ROOT,
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1, second
+        assert f"another gurtd (pid {g.proc.pid}) runs on BOX_HOME {home}" in second.stderr
+        assert os.stat(sock).st_ino == inode
+        assert table_name(home) in nft_tables()
+        assert G.task_users().get(task["user"]) == uid     # other tests' users come and go
+        assert g.task(task["id"])["state"] == "waiting"
+        g.api("POST", f"/api/approvals/{pending[0]['id']}/answer", {"answer": "yes"})
+        done = g.wait(task["id"])
+        assert done["state"] == "done", (done, g.log(task["id"]))
+        assert done["costCents"] == 3
+        assert g.stop() == 0
+    finally:
+        if g.proc is not None:
+            g.stop(signal.SIGKILL)
+        remove_home(home)
+
+
+def test_a_start_on_a_port_in_use_fails_and_leaves_nothing_behind() -> None:
+    """The port is taken: gurtd exits non-zero saying so, and leaves no nftables table, no
+    broker socket and no lock; a start on a free port then works."""
+    home = make_home()
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    try:
+        proc = subprocess.run(serve_argv(home, f"127.0.0.1:{port}"), env=serve_env(), cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 1, proc
+        assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in proc.stderr
+        assert table_name(home) not in nft_tables()
+        assert not os.path.exists(os.path.join(home, "run", "broker.sock"))
+        g = Gurtd(home)
+        g.start()
+        assert g.run("echo fine")["state"] == "done"
+        assert g.stop() == 0
+    finally:
+        holder.close()
+        remove_home(home)
+
+
+# 4. the loop guard ###########################################################################
+
+def test_an_error_while_handling_a_task_fails_that_task_only() -> None:
+    """A worker line makes its handler raise (GURT_TEST_RAISE_ON_OUTPUT, a test-only hook
+    standing for any bug): that task fails with the error in its log, its processes go, the
+    traceback is in gurtd's log, and gurtd goes on serving the other tasks."""
+    home = make_home()
+    g = Gurtd(home, {"GURT_TEST_RAISE_ON_OUTPUT": "boom-line"})
+    try:
+        g.start()
+        other = g.create("sleep 2\necho other")
+        bad = g.run("echo before\necho boom-line\nsleep 30")
+        assert bad["state"] == "failed", bad
+        error = "internal error: RuntimeError: GURT_TEST_RAISE_ON_OUTPUT: a test's fault " \
+                "on 'boom-line'"
+        assert bad["error"] == error
+        assert [e.get("error") for e in g.log(bad["id"]) if e.get("state") == "failed"] == \
+            [error]
+        assert g.worker_pids(bad) == []
+        assert "Traceback" in g.log_text()
+        assert g.wait(other["id"])["state"] == "done"
+        assert g.run("echo after")["state"] == "done"
+        assert g.stop() == 0
+    finally:
+        if g.proc is not None:
+            g.stop(signal.SIGKILL)
+        remove_home(home)
+
+
+# 5. the writes themselves ####################################################################
+
+@contextlib.contextmanager
+def small_disk() -> Iterator[SmallDisk]:
+    base = tempfile.mkdtemp(prefix="gurt-test-", dir="/var/tmp")
+    disk = None
+    try:
+        disk = SmallDisk(base, size_mb=8)
+        yield disk
+    finally:
+        if disk is not None:
+            disk.close()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_writes_on_a_full_disk_fail_whole_and_leave_the_old_files_as_they_were() -> None:
+    """A state file, a log line, a ledger line and an account file meet a nearly full disk:
+    each write raises ENOSPC, no temp file stays, and every file keeps its old bytes (no
+    truncated state file renamed into place, no half line glued to the next one)."""
+    with small_disk() as disk:
+        state = os.path.join(disk.mnt, "task.json")
+        G.write_json(state, {"state": "done"})
+        logfile = os.path.join(disk.mnt, "log.jsonl")
+        with open(logfile, "wb") as f:
+            f.write(b'{"n": 1}\n')
+        accounts = os.path.join(disk.mnt, "passwd")
+        with open(accounts, "wb") as f:
+            f.write(b"root:x:0:0:root:/root:/bin/bash\n")
+        os.chmod(accounts, 0o644)
+        disk.fill(leave=16 * 1024)
+        big = b"x" * (300 * 1024)
+
+        try:
+            G.write_json(state, {"state": "failed", "prompt": big.decode()})
+            raise AssertionError("a 300 KB state file fit on a nearly full disk")
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+        with open(state) as f:
+            assert json.load(f) == {"state": "done"}
+
+        fd = os.open(logfile, os.O_WRONLY | os.O_APPEND)
+        try:
+            try:
+                G.append_line(fd, b'{"big": "' + big + b'"}\n')
+                raise AssertionError("a 300 KB line fit on a nearly full disk")
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+            G.append_line(fd, b'{"n": 2}\n')          # the next line starts clean
+        finally:
+            os.close(fd)
+        with open(logfile, "rb") as f:
+            assert f.read() == b'{"n": 1}\n{"n": 2}\n'
+
+        try:
+            G._replace_account_file(accounts, b"root:x:0:0:root:/root:/bin/bash\n" + big)
+            raise AssertionError("a 300 KB account file fit on a nearly full disk")
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+        with open(accounts, "rb") as f:
+            assert f.read() == b"root:x:0:0:root:/root:/bin/bash\n"
+        assert oct(os.stat(accounts).st_mode & 0o777) == oct(0o644)
+
+        leftovers = [n for n in os.listdir(disk.mnt) if ".tmp-" in n or ".gurtd-" in n]
+        assert leftovers == []
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            out += [int(p) for p in f.read().split()]
+    return out
+
+
+def test_an_error_that_belongs_to_no_task_is_logged_and_gurtd_keeps_serving() -> None:
+    """An operator kills gurtd's spawner (kill -9 on its pid).  Reading its socket fails on
+    every turn of the loop: the error is logged once as the spawner being gone, gurtd keeps
+    answering, a new task fails with a clear error instead of hanging, and SIGTERM stops
+    gurtd cleanly."""
+    home = make_home()
+    g = Gurtd(home)
+    try:
+        g.start()
+        assert g.proc is not None
+        spawner = children(g.proc.pid)
+        assert len(spawner) == 1, spawner
+        os.kill(spawner[0], signal.SIGKILL)
+        gone = "<2>the spawner is gone: no task can start until gurtd restarts"
+        eventually(lambda: gone in g.log_text(), what="the log line")
+        assert g.api("GET", "/api/health") is not None
+        task = g.run("echo never")
+        assert task["state"] == "failed"
+        assert task["error"].startswith("could not start: "), task
+        assert g.log_text().count(gone) == 1               # once, not on every turn
+        assert g.stop() == 0
+    finally:
+        if g.proc is not None:
+            g.stop(signal.SIGKILL)
+        remove_home(home)
