@@ -3746,7 +3746,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def handle_one_request(self) -> None:
         """http.server's, with a deadline on the whole request and every method dispatched."""
         self.reader.next_request()
-        self.body_left, self.answered, self.command = -1, False, ""
+        self.body_left, self.answered, self.command, self.requestline = -1, False, "", ""
         try:
             self.raw_requestline = self.rfile.readline(65537)
             if len(self.raw_requestline) > 65536:
