@@ -29,7 +29,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           approvals, approve, deny, answer, wallet, and inside a task tool, mcp
 
 Threads: the loop thread owns the state.  HTTP and broker handler threads hand it commands
-through ``Box.call`` and wait for the answer; they read finished JSON renderings without a lock.
+through ``Box.call`` and wait for the answer (503 busy past a time limit); they read finished
+JSON renderings, published by the loop after each change, without waiting for it.
 Importing this module does nothing: no root check, no threads, no mounts.
 """
 
@@ -1589,8 +1590,9 @@ class Box:
     """The box: its tasks, workspaces and settings, and every change to them.
 
     Methods for HTTP threads: call(fn, *args) runs fn on the loop thread and returns its result;
-    rendered[id] is a task's JSON, readable without a lock.  Everything else runs on the loop
-    thread: serve() reconciles, announces READY and loops until SIGTERM.
+    rendered[id] is a task's JSON, readable without a lock; list_tasks, workspace_snapshot and
+    events_after read what the loop published.  Everything else runs on the loop thread:
+    serve() reconciles, announces READY and loops until SIGTERM.
     """
 
     def __init__(self, home: str, listen: str, dns_upstream: str | None = None) -> None:
@@ -1719,6 +1721,7 @@ class Box:
             bisect.insort(self.order, (task.seq, task.id))
         self.listed[task.id] = (task.state, task.workspace, task.doneSeq, data)
         self.rendered[task.id] = data
+        self.log_followers.notify(task.id)        # a follower ends when the task does
 
     def save(self, task: Task, sync: bool = True) -> None:
         """Persist and re-render a task after a change; every change moves updatedAt."""
