@@ -1611,6 +1611,8 @@ class Box:
         # order, and per task (state, workspace, doneSeq, JSON) replaced in one assignment.
         self.order: list[tuple[int, str]] = []
         self.listed: dict[str, tuple[str, str, int, bytes]] = {}
+        self.staged: dict[str, Task] = {}                 # changed in this loop step
+        self.staged_events: list[tuple[str, bytes]] = []
         self.workers: dict[str, Worker] = {}
         self.settings: dict[str, Any] = dict(DEFAULT_SETTINGS)
         self.state: dict[str, int] = {"nextUid": UID_FIRST}
@@ -1715,13 +1717,31 @@ class Box:
         self.broker.load()
 
     def render(self, task: Task) -> None:
-        """Publish the task's JSON for HTTP threads, which read it without the loop."""
-        data = json.dumps(task.to_api()).encode()
-        if task.id not in self.listed:
-            bisect.insort(self.order, (task.seq, task.id))
-        self.listed[task.id] = (task.state, task.workspace, task.doneSeq, data)
-        self.rendered[task.id] = data
-        self.log_followers.notify(task.id)        # a follower ends when the task does
+        """The task changed: its JSON is published for HTTP threads at the end of this step."""
+        self.staged[task.id] = task
+
+    def publish(self) -> None:
+        """The end of a loop step (and of load): what it changed becomes visible to HTTP
+        threads together, tasks first, then approvals, then events, so that a reader never
+        sees half a step (an approval pending while its task is not yet waiting, an event
+        about a task that GET still shows as before)."""
+        for task in self.staged.values():
+            data = json.dumps(task.to_api()).encode()
+            if task.id not in self.listed:
+                bisect.insort(self.order, (task.seq, task.id))
+            self.listed[task.id] = (task.state, task.workspace, task.doneSeq, data)
+            self.rendered[task.id] = data
+            self.log_followers.notify(task.id)    # a follower ends when the task does
+        self.staged.clear()
+        self.broker.publish()
+        if self.staged_events:
+            with self.events_changed:
+                for kind, data in self.staged_events:
+                    self.event_seq += 1
+                    self.events.append((self.event_seq, kind, data))
+                del self.events[:-EVENTS_KEPT]
+                self.events_changed.notify_all()
+            self.staged_events.clear()
 
     def save(self, task: Task, sync: bool = True) -> None:
         """Persist and re-render a task after a change; every change moves updatedAt."""
@@ -1761,12 +1781,9 @@ class Box:
 
     def emit(self, kind: str, obj: Any) -> None:
         """An event for /api/events: every state a task takes (queued too), every approval
-        made or answered; ids count up by one, the last EVENTS_KEPT are kept for replay."""
-        with self.events_changed:
-            self.event_seq += 1
-            self.events.append((self.event_seq, kind, json.dumps(obj).encode()))
-            del self.events[:-EVENTS_KEPT]
-            self.events_changed.notify_all()
+        made or answered; sent at the end of the step (publish), with ids counting up by one;
+        the last EVENTS_KEPT are kept for replay."""
+        self.staged_events.append((kind, json.dumps(obj).encode()))
 
     def events_after(self, last: int) -> tuple[bool, list[tuple[int, str, bytes]]]:
         """The kept events after id last, and whether some after it are no longer kept (or
@@ -2765,6 +2782,7 @@ class Broker:
         self.box = box
         self.approvals: dict[str, Approval] = {}
         self.rendered: dict[str, tuple[str, str, str, bytes]] = {}
+        self.staged: dict[str, Approval] = {}
         self.waiters: dict[str, Future[Approval]] = {}
         self.wallet: dict[str, Any] = {"balanceCents": 0, "ledger": []}
         self.server: BrokerServer | None = None
@@ -2823,9 +2841,15 @@ class Broker:
         self.render(approval)
 
     def render(self, approval: Approval) -> None:
-        """Publish (createdAt, state, task, JSON) for HTTP threads, as Box.render does."""
-        self.rendered[approval.id] = (approval.createdAt, approval.state, approval.task,
-                                      json.dumps(approval.to_api()).encode())
+        """The approval changed: published with the step's tasks (Box.publish)."""
+        self.staged[approval.id] = approval
+
+    def publish(self) -> None:
+        """(createdAt, state, task, JSON) of each changed approval, for HTTP threads."""
+        for approval in self.staged.values():
+            self.rendered[approval.id] = (approval.createdAt, approval.state, approval.task,
+                                          json.dumps(approval.to_api()).encode())
+        self.staged.clear()
 
     def list_snapshot(self, state: str | None, task: str | None) -> bytes:
         """list() from the published snapshots, for HTTP threads."""
@@ -3985,6 +4009,7 @@ def serve(box: Box) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    box.publish()                            # what load and reconcile found, for HTTP
     server = Server(box, host, port)
     if port == 0:
         box.listen = f"{host}:{server.server_address[1]}"
@@ -4019,9 +4044,14 @@ def serve(box: Box) -> None:
                 if not future.set_running_or_notify_cancel():
                     continue
                 try:
-                    future.set_result(fn(*args))
+                    result = fn(*args)
                 except BaseException as exc:  # handed to the HTTP thread that asked
+                    box.publish()
                     future.set_exception(exc)
+                else:
+                    box.publish()                # the caller sees its own change at once
+                    future.set_result(result)
+            box.publish()
     finally:
         sd_notify("STOPPING=1")
         log(6, "gurtd stopping")

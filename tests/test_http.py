@@ -491,3 +491,19 @@ def test_a_long_log_is_streamed_whole_with_its_length(gurtd: Gurtd) -> None:
         events = read_events(s, lambda ev: len(ev) >= len(lines) + 1, limit=60)
     assert [e["data"] for e in events[:-1]] == lines
     assert events[-1]["event"] == "end" and events[-1]["data"] == {"state": "done"}
+
+
+def test_a_reader_never_sees_half_a_step(gurtd: Gurtd) -> None:
+    """An ask makes an approval pending and its task waiting in one step of the loop: whoever
+    reads (from the snapshots, without the loop) sees both or neither."""
+    task = gurtd.create("gurtd tool ask '{\"question\": \"go on?\"}'", tools=["ask"])
+    deadline = time.monotonic() + 30
+    while True:
+        assert time.monotonic() < deadline, gurtd.task(task["id"])
+        pending = gurtd.api("GET", f"/api/approvals?state=pending&task={task['id']}")
+        if pending:
+            assert gurtd.task(task["id"])["state"] == "waiting"
+            break
+        assert gurtd.task(task["id"])["state"] in ("queued", "running"), task
+    gurtd.api("POST", f"/api/approvals/{pending[0]['id']}/answer", {"answer": "yes"})
+    assert gurtd.wait(task["id"])["state"] == "done"
