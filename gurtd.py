@@ -36,8 +36,8 @@ Importing this module does nothing: no root check, no threads, no mounts.
 
 from __future__ import annotations
 
-import contextlib
 import bisect
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
@@ -1607,7 +1607,7 @@ class Box:
         self.events_changed = threading.Condition()
         self.tasks: dict[str, Task] = {}
         self.rendered: dict[str, bytes] = {}
-        # Snapshots for HTTP threads (the loop writes them in render): (seq, id) in creation
+        # Snapshots for HTTP threads (the loop writes them in publish): (seq, id) in creation
         # order, and per task (state, workspace, doneSeq, JSON) replaced in one assignment.
         self.order: list[tuple[int, str]] = []
         self.listed: dict[str, tuple[str, str, int, bytes]] = {}
