@@ -264,16 +264,18 @@ class Sampler:
 def churn(g: Gurtd, stop: threading.Event) -> None:
     """50 tasks start and end, again and again, until stop."""
     while not stop.is_set():
-        ids = [g.create("true", title="churn")["id"] for _ in range(50)]
+        ids = [g.create("true", title="churn", workspace="churn")["id"] for _ in range(50)]
         for task_id in ids:
             g.wait(task_id, timeout=120)
 
 
 def burst(g: Gurtd, count: int) -> float:
-    """count fake tasks posted at once (maxRunningTasks 50): tasks per second, from the
-    first POST until the last one is done."""
+    """count fake tasks posted at once (maxRunningTasks 50) on a workspace of their own (each
+    done task is one more layer of it): tasks per second, from the first POST until the last
+    one is done."""
+    g.api("POST", "/api/workspaces", {"name": "burst"}, status=201)
     t0 = time.perf_counter()
-    ids = {g.create("true", title="burst")["id"] for _ in range(count)}
+    ids = {g.create("true", title="burst", workspace="burst")["id"] for _ in range(count)}
     while True:
         done = {t["id"] for t in g.api("GET", "/api/tasks?state=done&limit=1000")}
         if ids <= done:
@@ -289,6 +291,7 @@ def api_figures() -> list[tuple[str, str, str]]:
     g.start()
     try:
         g.api("PUT", "/api/settings", {"maxRunningTasks": 50})
+        g.api("POST", "/api/workspaces", {"name": "churn"}, status=201)
         big = g.run("mkdir d && cd d && seq 1 30000 | xargs touch", title="30,000 files")
         assert big["state"] == "done", big
         paths = ["/api/tasks?limit=20", f"/api/tasks/{big['id']}"]
