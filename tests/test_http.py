@@ -507,3 +507,41 @@ def test_a_reader_never_sees_half_a_step(gurtd: Gurtd) -> None:
         assert gurtd.task(task["id"])["state"] in ("queued", "running"), task
     gurtd.api("POST", f"/api/approvals/{pending[0]['id']}/answer", {"answer": "yes"})
     assert gurtd.wait(task["id"])["state"] == "done"
+
+
+def test_a_flood_of_stalled_connections_does_not_stop_the_api(gurtd: Gurtd) -> None:
+    """100 connections each send half a request and stall; gurtd keeps answering everyone
+    else, and every stalled one is dropped once its deadline has passed."""
+    stalled = []
+    try:
+        for i in range(100):
+            s = socket.create_connection(("127.0.0.1", gurtd.port), timeout=5)
+            s.sendall(b"POST /api/tasks HTTP/1.1\r\nHost: x\r\n" if i % 2 else
+                      head(gurtd, "POST", "/api/tasks", b"{" * 50)[:-40])
+            stalled.append(s)
+        start = time.monotonic()
+        for _ in range(5):
+            status, data, _ = gurtd.request("GET", "/api/tasks?limit=5")
+            assert status == 200, data
+        assert time.monotonic() - start < DEADLINE, "the API waited for the stalled ones"
+        time.sleep(DEADLINE + 1)
+        for s in stalled:
+            s.settimeout(5)
+            answer = b""
+            try:
+                while chunk := s.recv(65536):
+                    answer += chunk
+            except ConnectionResetError:
+                pass
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer
+    finally:
+        for s in stalled:
+            s.close()
+
+
+def test_a_get_declaring_a_huge_body_is_refused_and_closed(gurtd: Gurtd) -> None:
+    data = (f"GET /api/tasks HTTP/1.1\r\nHost: 127.0.0.1:{gurtd.port}\r\n"
+            f"Authorization: Bearer {gurtd.token}\r\nContent-Length: {64 << 20}\r\n\r\n").encode()
+    responses = exchange(gurtd, data + smuggled(gurtd))
+    assert [r[0] for r in responses] == [413], responses
+    assert responses[0][1]["connection"] == "close"
