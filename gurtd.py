@@ -1625,11 +1625,11 @@ class Box:
         self.wake_r = self.wake_w = -1
         self.stopping = False
         self.log_followers = LogFollowers()
+        self.call_timeout = env_seconds("GURT_CALL_TIMEOUT", CALL_TIMEOUT)
         self.views: dict[str, tuple[tuple[str, ...], int]] = {}   # workspace -> (stack, fd)
         self.views_lock = threading.Lock()
         self.seq = 0
         self.done_seq = 0
-        self.call_timeout = env_seconds("GURT_CALL_TIMEOUT", CALL_TIMEOUT)
 
     # paths
     def path(self, *parts: str) -> str:
@@ -1651,8 +1651,14 @@ class Box:
         A loop that does not answer within call_timeout gives 503 busy, never a dropped
         connection: a command that had not started is withdrawn (nothing was done).
         """
+        def step(*args: Any) -> Any:
+            try:
+                return fn(*args)
+            finally:
+                self.publish()          # the caller sees its own change in what it reads next
+
         future: Future[Any] = Future()
-        self.commands.put((fn, args, future))
+        self.commands.put((step, args, future))
         os.write(self.wake_w, b"c")
         try:
             return future.result(timeout=self.call_timeout)
@@ -4044,14 +4050,10 @@ def serve(box: Box) -> None:
                 if not future.set_running_or_notify_cancel():
                     continue
                 try:
-                    result = fn(*args)
+                    future.set_result(fn(*args))
                 except BaseException as exc:  # handed to the HTTP thread that asked
-                    box.publish()
                     future.set_exception(exc)
-                else:
-                    box.publish()                # the caller sees its own change at once
-                    future.set_result(result)
-            box.publish()
+            box.publish()                        # what this step changed, for HTTP threads
     finally:
         sd_notify("STOPPING=1")
         log(6, "gurtd stopping")
