@@ -90,9 +90,10 @@ UID_COUNT = 100_000
 MAX_LOWER_LAYERS = 500               # the kernel's overlay limit; the base is one of them
 MAX_BODY = 1 << 20                   # larger request bodies get 413
 HANDLER_TIMEOUT = 10.0               # seconds a client may stall in the middle of a request
+CALL_TIMEOUT = 30.0                  # seconds an HTTP thread waits for the loop
+
 REQUEST_DEADLINE = 30.0              # seconds for a whole request (GURT_REQUEST_DEADLINE)
 HEADER_DEADLINE = 10.0               # seconds for the request line and headers
-CALL_TIMEOUT = 30.0                  # seconds an HTTP thread waits for the loop (GURT_CALL_TIMEOUT)
 EVENTS_KEPT = 1000                   # /api/events replays at most this many past events
 
 VIEW_DIR = "/run/gurt/view"          # where a worker sees its view, inside its mount namespace
