@@ -1733,6 +1733,8 @@ class Box:
         sees half a step (an approval pending while its task is not yet waiting, an event
         about a task that GET still shows as before)."""
         for task in self.staged.values():
+            if self.tasks.get(task.id) is not task:
+                continue                  # a create that failed after its first save
             data = json.dumps(task.to_api()).encode()
             if task.id not in self.listed:
                 bisect.insort(self.order, (task.seq, task.id))
