@@ -35,7 +35,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           approvals, approve, deny, answer, wallet, and inside a task tool, mcp
 
 Threads: the loop thread owns the state.  HTTP and broker handler threads hand it commands
-through ``Box.call`` and wait for the answer; they read finished JSON renderings without a lock.
+through ``Box.call`` and wait for the answer (503 busy past a time limit); they read finished
+JSON renderings, published by the loop after each change, without waiting for it.
 Importing this module does nothing: no root check, no threads, no mounts.
 
 Crashes and full disks: a terminal state is on disk before anyone hears of it; a write that
@@ -45,6 +46,8 @@ cut short (temp files, a payment's log line).
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
@@ -57,6 +60,7 @@ import hmac
 import http.client
 import http.server
 import importlib
+import io
 import ipaddress
 import json
 import os
@@ -101,6 +105,10 @@ MAX_BODY = 1 << 20                   # larger request bodies get 413
 HANDLER_TIMEOUT = 10.0               # seconds a client may stall in the middle of a request
 MAX_WORKER_LINE = 1 << 20            # a longer line from a worker is cut into pieces this long
 CALL_TIMEOUT = 30.0                  # seconds an HTTP thread waits for the loop
+
+REQUEST_DEADLINE = 30.0              # seconds for a whole request (GURT_REQUEST_DEADLINE)
+HEADER_DEADLINE = 10.0               # seconds for the request line and headers
+EVENTS_KEPT = 1000                   # /api/events replays at most this many past events
 
 VIEW_DIR = "/run/gurt/view"          # where a worker sees its view, inside its mount namespace
 TASK_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -517,6 +525,10 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
                 except ValueError as exc:
                     raise ApiError(400, str(exc)) from None
         new[key] = value
+    if new["droidModel"] not in new["droidPrices"]:   # an unpriced model would be free
+        raise ApiError(400, f"droidModel {new['droidModel']} has no droidPrices entry (its "
+                            "usage would cost nothing and its budget never pause it); priced: "
+                            f"{', '.join(sorted(new['droidPrices'])) or 'none'}")
     return new
 
 
@@ -2428,8 +2440,9 @@ class Box:
     """The box: its tasks, workspaces and settings, and every change to them.
 
     Methods for HTTP threads: call(fn, *args) runs fn on the loop thread and returns its result;
-    rendered[id] is a task's JSON, readable without a lock.  Everything else runs on the loop
-    thread: serve() reconciles, announces READY and loops until SIGTERM.
+    rendered[id] is a task's JSON, readable without a lock; list_tasks, workspace_snapshot and
+    events_after read what the loop published.  Everything else runs on the loop thread:
+    serve() reconciles, announces READY and loops until SIGTERM.
     """
 
     def __init__(self, home: str, listen: str, dns_upstream: str | None = None) -> None:
@@ -2438,10 +2451,18 @@ class Box:
         self.network = Network(self, dns_upstream)
         self.broker = Broker(self)
         self.events: list[tuple[int, str, bytes]] = []   # (seq, kind, JSON) for /api/events
-        self.event_seq = 0
+        # Event ids go on from a clock reading, so that an id from before a restart is older
+        # than every id of this run (its stream gets a reset event, not silence).
+        self.event_seq = int(time.time() * 1000)
         self.events_changed = threading.Condition()
         self.tasks: dict[str, Task] = {}
         self.rendered: dict[str, bytes] = {}
+        # Snapshots for HTTP threads (the loop writes them in publish): (seq, id) in creation
+        # order, and per task (state, workspace, doneSeq, JSON) replaced in one assignment.
+        self.order: list[tuple[int, str]] = []
+        self.listed: dict[str, tuple[str, str, int, bytes]] = {}
+        self.staged: dict[str, Task] = {}                 # changed in this loop step
+        self.staged_events: list[tuple[str, bytes]] = []
         self.workers: dict[str, Worker] = {}
         self.settings: dict[str, Any] = dict(DEFAULT_SETTINGS)
         self.state: dict[str, int] = {"nextUid": UID_FIRST}
@@ -2453,7 +2474,8 @@ class Box:
         self.selector = selectors.DefaultSelector()
         self.wake_r = self.wake_w = -1
         self.stopping = False
-        self.log_changed = threading.Condition()
+        self.log_followers = LogFollowers()
+        self.call_timeout = env_seconds("GURT_CALL_TIMEOUT", CALL_TIMEOUT)
         self.views: dict[str, tuple[tuple[str, ...], int]] = {}   # workspace -> (stack, fd)
         self.views_lock = threading.Lock()
         self.followers = Counter(MAX_LOG_FOLLOWERS)       # log followers per task
@@ -2477,11 +2499,30 @@ class Box:
 
     # calls from HTTP threads
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run fn(*args) on the loop thread and return its result (or raise its error)."""
+        """Run fn(*args) on the loop thread and return its result (or raise its error).
+
+        A loop that does not answer within call_timeout gives 503 busy, never a dropped
+        connection: a command that had not started is withdrawn (nothing was done).
+        """
+        def step(*args: Any) -> Any:
+            try:
+                return fn(*args)
+            finally:
+                self.publish()          # the caller sees its own change in what it reads next
+
         future: Future[Any] = Future()
-        self.commands.put((fn, args, future))
+        self.commands.put((step, args, future))
         os.write(self.wake_w, b"c")
-        return future.result(timeout=CALL_TIMEOUT)
+        try:
+            return future.result(timeout=self.call_timeout)
+        except TimeoutError:
+            if future.done():
+                raise                         # fn's own TimeoutError
+            if future.cancel():
+                raise ApiError(503, "gurtd is busy; nothing was done, try again", "busy",
+                               {"Retry-After": "1"}) from None
+            raise ApiError(503, "gurtd is busy; the request is still being carried out",
+                           "busy", {"Retry-After": "1"}) from None
 
     # state on disk
     def load(self) -> None:
@@ -2542,7 +2583,33 @@ class Box:
         self.broker.load()
 
     def render(self, task: Task) -> None:
-        self.rendered[task.id] = json.dumps(task.to_api()).encode()
+        """The task changed: its JSON is published for HTTP threads at the end of this step."""
+        self.staged[task.id] = task
+
+    def publish(self) -> None:
+        """The end of a loop step (and of load): what it changed becomes visible to HTTP
+        threads together, tasks first, then approvals, then events, so that a reader never
+        sees half a step (an approval pending while its task is not yet waiting, an event
+        about a task that GET still shows as before)."""
+        for task in self.staged.values():
+            if self.tasks.get(task.id) is not task:
+                continue                  # a create that failed after its first save
+            data = json.dumps(task.to_api()).encode()
+            if task.id not in self.listed:
+                bisect.insort(self.order, (task.seq, task.id))
+            self.listed[task.id] = (task.state, task.workspace, task.doneSeq, data)
+            self.rendered[task.id] = data
+            self.log_followers.notify(task.id)    # a follower ends when the task does
+        self.staged.clear()
+        self.broker.publish()
+        if self.staged_events:
+            with self.events_changed:
+                for kind, data in self.staged_events:
+                    self.event_seq += 1
+                    self.events.append((self.event_seq, kind, data))
+                del self.events[:-EVENTS_KEPT]
+                self.events_changed.notify_all()
+            self.staged_events.clear()
 
     def save(self, task: Task, sync: bool = True) -> None:
         """Persist and re-render a task after a change; every change moves updatedAt."""
@@ -2567,8 +2634,7 @@ class Box:
                 append_line(fd, line)
             finally:
                 os.close(fd)
-        with self.log_changed:
-            self.log_changed.notify_all()
+        self.log_followers.notify(task_id)
 
     def set_state(self, task: Task, state: str, **fields: Any) -> None:
         """Change state.  Never raises for the disk: a task whose state cannot be saved fails.
@@ -2681,12 +2747,19 @@ class Box:
             return False
 
     def emit(self, kind: str, obj: Any) -> None:
-        """An event for /api/events: every task state change, every approval made or answered."""
+        """An event for /api/events: every state a task takes (queued too), every approval
+        made or answered; sent at the end of the step (publish), with ids counting up by one;
+        the last EVENTS_KEPT are kept for replay."""
+        self.staged_events.append((kind, json.dumps(obj).encode()))
+
+    def events_after(self, last: int) -> tuple[bool, list[tuple[int, str, bytes]]]:
+        """The kept events after id last, and whether some after it are no longer kept (or
+        last is no id of this run): the caller then says reset.  Any thread."""
         with self.events_changed:
-            self.event_seq += 1
-            self.events.append((self.event_seq, kind, json.dumps(obj).encode()))
-            del self.events[:-1000]
-            self.events_changed.notify_all()
+            if last > self.event_seq:
+                return True, []
+            first = self.events[0][0] if self.events else self.event_seq + 1
+            return last < first - 1, [e for e in self.events if e[0] > last]
 
     # workspaces
     def workspace_create_dir(self, name: str) -> None:
@@ -2772,6 +2845,7 @@ class Box:
                                "insufficient_storage") from None
             raise
         self.tasks[task_id] = task
+        self.emit("task", task.to_api())
         self.schedule()
         return task.to_api()
 
@@ -3013,16 +3087,29 @@ class Box:
             raise ApiError(400, "No task with this id")
         return task
 
-    def list_tasks(self, state: str | None, workspace: str | None, limit: int) -> list[Any]:
-        tasks = sorted(self.tasks.values(), key=lambda t: t.seq, reverse=True)
+    # snapshots (any thread: they read what render published, never the loop's objects)
+    def list_tasks(self, state: str | None, workspace: str | None, limit: int) -> bytes:
+        """The task list as JSON, newest first, from the published snapshots."""
         out = []
-        for t in tasks:
-            if (state is None or t.state == state) and \
-                    (workspace is None or t.workspace == workspace):
-                out.append(t.to_api())
+        for _, task_id in reversed(self.order[:]):        # a copy: the loop may insert
+            entry = self.listed.get(task_id)
+            if entry is not None and (state is None or entry[0] == state) and \
+                    (workspace is None or entry[1] == workspace):
+                out.append(entry[3])
                 if len(out) >= limit:
                     break
-        return out
+        return b"[" + b", ".join(out) + b"]"
+
+    def workspace_snapshot(self, name: str, full: bool = False) -> dict[str, Any]:
+        """workspace_info from the snapshots: its done tasks, newest first."""
+        if not self.workspace_exists(name):
+            raise ApiError(404, f"no workspace named {name}", "not_found")
+        stack = sorted(((e[2], e[3]) for e in list(self.listed.values())
+                        if e[0] == "done" and e[1] == name), reverse=True)
+        info: dict[str, Any] = {"name": name, "layers": len(stack)}
+        if full:
+            info["stack"] = [json.loads(data) for _, data in stack]
+        return info
 
     def changes(self, task_id: str) -> tuple[str, list[str]] | None:
         """What to walk for a task's changes: its upper and its lowers (newest first, base
@@ -3837,6 +3924,8 @@ class Broker:
     def __init__(self, box: "Box") -> None:
         self.box = box
         self.approvals: dict[str, Approval] = {}
+        self.rendered: dict[str, tuple[str, str, str, bytes]] = {}
+        self.staged: dict[str, Approval] = {}
         self.waiters: dict[str, Future[Approval]] = {}
         self.wallet: dict[str, Any] = {"balanceCents": 0, "ledger": []}
         self.server: BrokerServer | None = None
@@ -3864,6 +3953,7 @@ class Broker:
                     log(3, f"approval file {name} set aside")
                 continue
             self.approvals[approval.id] = approval
+            self.render(approval)
 
     def start(self) -> None:
         """Bind the broker socket (any local user may connect; only task uids are answered)."""
@@ -3891,6 +3981,24 @@ class Broker:
     def save(self, approval: Approval) -> None:
         write_json(self.box.path("approvals", approval.id + ".json"),
                    dataclasses.asdict(approval))
+        self.render(approval)
+
+    def render(self, approval: Approval) -> None:
+        """The approval changed: published with the step's tasks (Box.publish)."""
+        self.staged[approval.id] = approval
+
+    def publish(self) -> None:
+        """(createdAt, state, task, JSON) of each changed approval, for HTTP threads."""
+        for approval in self.staged.values():
+            self.rendered[approval.id] = (approval.createdAt, approval.state, approval.task,
+                                          json.dumps(approval.to_api()).encode())
+        self.staged.clear()
+
+    def list_snapshot(self, state: str | None, task: str | None) -> bytes:
+        """list() from the published snapshots, for HTTP threads."""
+        rows = sorted(list(self.rendered.values()), key=lambda r: r[0], reverse=True)
+        return b"[" + b", ".join(r[3] for r in rows if (state is None or r[1] == state) and
+                                 (task is None or r[2] == task)) + b"]"
 
     # loop thread
     def get(self, approval_id: str) -> Approval:
@@ -4386,6 +4494,51 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
 Route = tuple[str, str, Callable[..., Any], str]
 
 
+class LogWatch:
+    """One task's followers: a condition and a count of the log lines written since."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.generation = 0
+        self.followers = 0
+
+    def wait(self, seen: int, timeout: float) -> None:
+        """Until a line is written after generation seen was read (or timeout)."""
+        with self.cond:
+            if self.generation == seen:
+                self.cond.wait(timeout)
+
+
+class LogFollowers:
+    """Who follows which task's log (GET .../log?follow=1): append_log wakes only the
+    followers of the task it wrote to, not every follower of every task."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.watches: dict[str, LogWatch] = {}
+
+    def notify(self, task_id: str) -> None:
+        """A line was appended to the task's log (the loop thread; cheap when nobody reads)."""
+        watch = self.watches.get(task_id)
+        if watch is not None:
+            with watch.cond:
+                watch.generation += 1
+                watch.cond.notify_all()
+
+    @contextlib.contextmanager
+    def follow(self, task_id: str) -> Iterator[LogWatch]:
+        with self.lock:
+            watch = self.watches.setdefault(task_id, LogWatch())
+            watch.followers += 1
+        try:
+            yield watch
+        finally:
+            with self.lock:
+                watch.followers -= 1
+                if not watch.followers:
+                    del self.watches[task_id]
+
+
 def h_health(req: "Handler", params: dict[str, str]) -> Any:
     return 200, {"ok": True, "version": VERSION}
 
@@ -4398,7 +4551,7 @@ def h_tasks_list(req: "Handler", params: dict[str, str]) -> Any:
     limit_text = req.query_one("limit") or "200"
     if not limit_text.isdigit() or not 1 <= int(limit_text) <= 1000:
         raise ApiError(400, "limit must be a whole number from 1 to 1000")
-    return 200, req.box.call(req.box.list_tasks, state, workspace, int(limit_text))
+    return 200, req.box.list_tasks(state, workspace, int(limit_text))
 
 
 def h_tasks_create(req: "Handler", params: dict[str, str]) -> Any:
@@ -4459,47 +4612,76 @@ def h_task_log(req: "Handler", params: dict[str, str]) -> Any:
     follow = req.query_one("follow") in ("1", "true", "yes")
     path = box.log_file(task_id)
     if not follow:
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            data = b""
-        return 200, (data, "application/jsonl")
+        return send_log(req, path)
+    return follow_log(req, task_id, path)
+
+
+def send_log(req: "Handler", path: str) -> None:
+    """The log as it is now, streamed from the file in chunks (never read whole): its length
+    is the file's size when we opened it; lines appended meanwhile wait for the next read."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        req.send_json(200, (b"", "application/jsonl"))
+        return None
+    with f:
+        left = os.fstat(f.fileno()).st_size
+        req.send_response(200)
+        req.send_header("Content-Type", "application/jsonl")
+        req.send_header("Content-Length", str(left))
+        req.end_headers()
+        while left > 0:
+            chunk = f.read(min(left, 65536))
+            if not chunk:                 # shorter than its size said: the length is wrong
+                req.close_connection = True
+                break
+            req.wfile.write(chunk)
+            left -= len(chunk)
+    return None
+
+
+def follow_log(req: "Handler", task_id: str, path: str) -> None:
+    """?follow=1: Server-Sent Events, one per log line, read on from a file offset in bounded
+    chunks; woken only by lines of this task; `event: end` once the task has ended."""
+    box = req.box
     req.send_response(200)
     req.send_header("Content-Type", "text/event-stream")
     req.send_header("Cache-Control", "no-cache")
     req.send_header("Connection", "close")
     req.end_headers()
     req.close_connection = True
-    offset, last_beat = 0, time.monotonic()
-    while True:
-        ended = json.loads(box.rendered[task_id])["state"] not in ACTIVE_STATES
-        try:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read()
-        except FileNotFoundError:
-            data = b""
-        complete = data[:data.rfind(b"\n") + 1]
-        offset += len(complete)
-        for line in complete.splitlines():
-            req.wfile.write(b"data: " + line + b"\n\n")
-        if ended:
-            state = json.loads(box.rendered[task_id])["state"]
-            req.wfile.write(b"event: end\ndata: " + json.dumps({"state": state}).encode() +
-                            b"\n\n")
+    last_beat, partial, f = time.monotonic(), b"", None
+    with box.log_followers.follow(task_id) as watch, contextlib.ExitStack() as stack:
+        while not box.stopping:
+            seen = watch.generation
+            ended = json.loads(box.rendered[task_id])["state"] not in ACTIVE_STATES
+            if f is None:
+                try:
+                    f = stack.enter_context(open(path, "rb"))
+                except FileNotFoundError:
+                    pass
+            while f is not None and (chunk := f.read(65536)):
+                lines = (partial + chunk).split(b"\n")
+                partial = lines.pop()
+                req.wfile.write(b"".join(b"data: " + line + b"\n\n" for line in lines))
+            if ended:
+                state = json.loads(box.rendered[task_id])["state"]
+                req.wfile.write(b"event: end\ndata: " + json.dumps({"state": state}).encode() +
+                                b"\n\n")
+                req.wfile.flush()
+                return None
+            if time.monotonic() - last_beat > 15:
+                req.wfile.write(b": keep-alive\n\n")
+                last_beat = time.monotonic()
             req.wfile.flush()
-            return None
-        if time.monotonic() - last_beat > 15:
-            req.wfile.write(b": keep-alive\n\n")
-            last_beat = time.monotonic()
-        req.wfile.flush()
-        with box.log_changed:
-            box.log_changed.wait(0.5)
+            watch.wait(seen, 5.0)
+    return None
 
 
 def h_workspaces_list(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.list_workspaces)
+    box = req.box
+    names = sorted(n for n in os.listdir(box.path("workspaces")) if box.workspace_exists(n))
+    return 200, [box.workspace_snapshot(n) for n in names]
 
 
 def h_workspaces_create(req: "Handler", params: dict[str, str]) -> Any:
@@ -4507,7 +4689,7 @@ def h_workspaces_create(req: "Handler", params: dict[str, str]) -> Any:
 
 
 def h_workspace_get(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.workspace_info, params["name"], True)
+    return 200, req.box.workspace_snapshot(params["name"], True)
 
 
 def h_workspace_files(req: "Handler", params: dict[str, str]) -> Any:
@@ -4566,11 +4748,14 @@ def h_approvals_list(req: "Handler", params: dict[str, str]) -> Any:
     state = req.query_one("state")
     if state is not None and state not in APPROVAL_STATES:
         raise ApiError(400, f"state must be one of: {', '.join(APPROVAL_STATES)}")
-    return 200, req.box.call(req.box.broker.list, state, req.query_one("task"))
+    return 200, req.box.broker.list_snapshot(state, req.query_one("task"))
 
 
 def h_approval_get(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(lambda: req.box.broker.get(params["id"]).to_api())
+    row = req.box.broker.rendered.get(params["id"])
+    if row is None:
+        raise ApiError(404, "No approval with this id", "not_found")
+    return 200, row[3]
 
 
 def _reason(body: dict[str, Any]) -> str | None:
@@ -4614,7 +4799,7 @@ def h_approvals_approve_all(req: "Handler", params: dict[str, str]) -> Any:
 
 
 def h_wallet_get(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(lambda: req.box.broker.wallet)
+    return 200, req.box.broker.wallet      # the loop replaces it whole, never edits it
 
 
 def h_wallet_put(req: "Handler", params: dict[str, str]) -> Any:
@@ -4622,15 +4807,18 @@ def h_wallet_put(req: "Handler", params: dict[str, str]) -> Any:
 
 
 def h_tools(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.broker.tools)
+    return 200, req.box.broker.tools()     # constants and a folder listing: any thread
 
 
 def h_events(req: "Handler", params: dict[str, str]) -> Any:
-    """Server-Sent Events: task state changes and approvals made or answered, as they come."""
+    """Server-Sent Events: every state a task takes and approvals made or answered, as they
+    come.  ?since=ID or the Last-Event-ID header (a browser's EventSource sends it when it
+    reconnects) replays what followed that id; past the kept window, `event: reset` first."""
     box = req.box
-    since = req.query_one("since")
-    with box.events_changed:
-        last = int(since) if since and since.isdigit() else box.event_seq
+    since = req.query_one("since") or (req.headers.get("Last-Event-ID") or "").strip()
+    if since and not since.isdigit():
+        raise ApiError(400, "since (or Last-Event-ID) must be an event id")
+    last = int(since) if since else box.event_seq
     req.send_response(200)
     req.send_header("Content-Type", "text/event-stream")
     req.send_header("Cache-Control", "no-cache")
@@ -4638,17 +4826,27 @@ def h_events(req: "Handler", params: dict[str, str]) -> Any:
     req.end_headers()
     req.close_connection = True
     req.wfile.write(b": gurtd events\n\n")
+    missed, fresh = box.events_after(last)
+    if missed:
+        req.wfile.write(b"event: reset\ndata: %s\n\n" % json.dumps(
+            {"missed": True, "after": last, "next": fresh[0][0] if fresh else None}).encode())
+        if not fresh:
+            last = box.event_seq
     req.wfile.flush()
     beat = time.monotonic()
     while not box.stopping:
-        with box.events_changed:
-            fresh = [e for e in box.events if e[0] > last]
-            if not fresh:
-                box.events_changed.wait(1.0)
-                fresh = [e for e in box.events if e[0] > last]
+        if not fresh:
+            with box.events_changed:
+                if box.event_seq == last:
+                    box.events_changed.wait(1.0)
+            missed, fresh = box.events_after(last)
+            if missed:      # a reader slower than EVENTS_KEPT events
+                req.wfile.write(b"event: reset\ndata: %s\n\n" % json.dumps(
+                    {"missed": True, "after": last}).encode())
         for seq, kind, data in fresh:
             req.wfile.write(b"id: %d\nevent: %s\ndata: %s\n\n" % (seq, kind.encode(), data))
             last = seq
+        fresh = []
         if time.monotonic() - beat > 15:
             req.wfile.write(b": keep-alive\n\n")
             beat = time.monotonic()
@@ -4809,6 +5007,64 @@ def openapi() -> dict[str, Any]:
     }
 
 
+def env_seconds(name: str, default: float) -> float:
+    """A number of seconds from the environment (tests shorten limits this way), else default."""
+    try:
+        value = float(os.environ.get(name, ""))
+    except ValueError:
+        return default
+    return value if 0 < value < 86400 else default
+
+
+class DeadlineReader(io.RawIOBase):
+    """The request side of a connection, where a whole request must arrive by a deadline.
+
+    A socket timeout bounds one read only, so a client that drips a byte every few seconds
+    would hold a thread forever; here each read gets what is left of the request's time.
+    Between requests (keep-alive) a read waits HANDLER_TIMEOUT; the first byte of a request
+    starts its clock: the headers within HEADER_DEADLINE, all of it within REQUEST_DEADLINE.
+    """
+
+    def __init__(self, sock: socket.socket, limits: tuple[float, float]) -> None:
+        super().__init__()
+        self.sock = sock
+        self.header_limit, self.request_limit = limits
+        self.started: float | None = None     # the first byte of the current request
+        self.deadline: float | None = None
+        self.timed_out = False
+
+    def readable(self) -> bool:
+        return True
+
+    def next_request(self) -> None:
+        self.started = self.deadline = None
+        self.timed_out = False
+
+    def headers_read(self) -> None:
+        if self.started is not None:
+            self.deadline = self.started + self.request_limit
+
+    def readinto(self, buffer: Any) -> int:
+        timeout = HANDLER_TIMEOUT
+        if self.deadline is not None:
+            timeout = min(timeout, self.deadline - time.monotonic())
+            if timeout <= 0:
+                self.timed_out = True
+                raise TimeoutError("the request did not arrive in time")
+        self.sock.settimeout(timeout)
+        try:
+            n = self.sock.recv_into(buffer)
+        except TimeoutError:
+            self.timed_out = True
+            raise
+        finally:
+            self.sock.settimeout(HANDLER_TIMEOUT)   # writes keep the plain timeout
+        if n and self.started is None:
+            self.started = time.monotonic()
+            self.deadline = self.started + self.header_limit
+        return n
+
+
 class Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -4824,11 +5080,19 @@ class Server(http.server.ThreadingHTTPServer):
         self.origins = {"http://" + h for h in self.hosts}
         self.expected_auth = ("Bearer " + box.token).encode()
         self.debug = bool(os.environ.get("GURT_DEBUG"))
+        request = env_seconds("GURT_REQUEST_DEADLINE", REQUEST_DEADLINE)
+        self.limits = (min(HEADER_DEADLINE, request), request)
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
     """One request: guard, route, auth, body, handler, JSON.  Methods you may call from a
-    route handler: query_one, json_body, and the BaseHTTPRequestHandler writers."""
+    route handler: query_one, json_body, and the BaseHTTPRequestHandler writers.
+
+    Keep-alive stays in step: every answer goes through send_response, which first reads and
+    drops a body nobody read (drain_body), or marks the connection to be closed when the body
+    cannot be skipped (chunked, too large, bad length).  Any method reaches dispatch, so a
+    method we do not serve gets 405 with Allow, not http.server's 501.
+    """
 
     protocol_version = "HTTP/1.1"
     default_request_version = "HTTP/1.0"  # even a garbled request line gets a status line
@@ -4837,10 +5101,48 @@ class Handler(http.server.BaseHTTPRequestHandler):
     disable_nagle_algorithm = True   # headers and body leave at once, no delayed-ACK stall
     timeout = HANDLER_TIMEOUT
     server: Server
+    body_left = -1                   # body bytes not read yet; -1: unknown, close after answering
+    answered = False                 # a status line went out for this request
 
     @property
     def box(self) -> Box:
         return self.server.box
+
+    def setup(self) -> None:
+        super().setup()
+        self.reader = DeadlineReader(self.connection, self.server.limits)
+        self.rfile = io.BufferedReader(self.reader, 65536)
+
+    def handle_one_request(self) -> None:
+        """http.server's, with a deadline on the whole request and every method dispatched."""
+        self.reader.next_request()
+        self.body_left, self.answered, self.command, self.requestline = -1, False, "", ""
+        try:
+            self.raw_requestline = self.rfile.readline(65537)
+            if len(self.raw_requestline) > 65536:
+                self.requestline = self.request_version = ""
+                self.send_error(414)
+                return
+            if not self.raw_requestline:
+                self.close_connection = True
+                return
+            if not self.parse_request():
+                return
+            self.reader.headers_read()
+            self.dispatch()
+            self.wfile.flush()
+        except TimeoutError as exc:   # the request's deadline, or a stalled reader of ours
+            self.close_connection = True
+            if self.answered or self.reader.started is None:
+                return
+            try:
+                if self.reader.timed_out:
+                    self.send_error(408, "the request did not arrive in time")
+                else:
+                    log(3, f"{self.command} {self.path}: TimeoutError: {exc}")
+                    self.send_error(500, f"internal error: TimeoutError: {exc}")
+            except OSError:
+                pass
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
         if self.server.debug:
@@ -4848,9 +5150,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def send_error(self, code: int, message: str | None = None,
                    explain: str | None = None) -> None:
-        """http.server's own errors (bad request line, 414, 501...) as JSON too."""
+        """http.server's own errors (bad request line, 414, 408...) as JSON too."""
         self.close_connection = True
+        if not hasattr(self, "request_version"):
+            self.request_version = self.default_request_version
         self.send_json(code, {"error": message or self.responses.get(code, ("error",))[0]})
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        """Every answer starts here: first the request's unread body is dropped."""
+        if code >= 200:
+            self.drain_body()
+            self.answered = True
+        super().send_response(code, message)
 
     def send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
         if isinstance(obj, tuple):
@@ -4868,11 +5179,6 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
-
-    def do_GET(self) -> None:
-        self.dispatch()
-
-    do_POST = do_PUT = do_DELETE = do_PATCH = do_GET
 
     def guard(self) -> None:
         """The request guard: a Host we answer to, and no browser cross-site request."""
@@ -4894,31 +5200,51 @@ class Handler(http.server.BaseHTTPRequestHandler):
         values = self.query.get(name)
         return values[-1] if values else None
 
-    def json_body(self, optional: bool = False) -> Any:
-        """The request's JSON; with optional, an empty body is {}."""
+    def body_length(self) -> int:
+        """The declared body length, checked before anything is read: -1 when the body
+        cannot be skipped and the connection must close after the answer."""
         if self.headers.get("Transfer-Encoding"):
-            raise ApiError(411, "send the body with Content-Length", "length_required")
-        length_text = self.headers.get("Content-Length") or "0"
-        if not length_text.isdigit():
-            raise ApiError(400, "bad Content-Length")
-        length = int(length_text)
-        if length > MAX_BODY:
-            self.close_connection = True
-            raise ApiError(413, f"the body is larger than {MAX_BODY} bytes", "too_large")
+            return -1
+        lengths = self.headers.get_all("Content-Length") or ["0"]
+        if len(lengths) > 1 or not lengths[0].strip().isdigit():
+            return -1
+        return int(lengths[0]) if int(lengths[0]) <= MAX_BODY else -1
+
+    def body_error(self) -> ApiError:
+        """Why a body cannot be read (body_length said -1)."""
+        if self.headers.get("Transfer-Encoding"):
+            return ApiError(411, "send the body with Content-Length", "length_required")
+        lengths = self.headers.get_all("Content-Length") or ["0"]
+        if len(lengths) > 1 or not lengths[0].strip().isdigit():
+            return ApiError(400, "bad Content-Length")
+        return ApiError(413, f"the body is larger than {MAX_BODY} bytes", "too_large")
+
+    def json_body(self, optional: bool = False) -> dict[str, Any]:
+        """The request's JSON object; with optional, an empty body is {}.  Anything but an
+        object is a 400 here, so no route handler ever indexes a list, a number or null."""
+        if self.body_left < 0:
+            raise self.body_error()
+        length, self.body_left = self.body_left, -1     # a short read leaves it unknown
         data = self.rfile.read(length) if length else b""
         if len(data) < length:
-            self.close_connection = True
             raise ApiError(400, "the body ended early")
+        self.body_left = 0
         if not data.strip():
             if optional:
                 return {}
             raise ApiError(400, "the body must be a JSON object")
         try:
-            return json.loads(data)
+            body = json.loads(data)
+        except RecursionError:
+            raise ApiError(400, "JSON nested too deeply") from None
         except ValueError as exc:
             raise ApiError(400, f"malformed JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        return body
 
     def dispatch(self) -> None:
+        self.body_left = self.body_length()
         try:
             self.guard()
             raw_path, _, query = self.path.partition("?")
@@ -4926,8 +5252,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             fn, params = match_route(self.command, raw_path)
             if fn is not h_health:
                 self.authorize()
-            if self.command in ("POST", "PUT") and fn in (h_task_undo, h_task_stop):
-                self.drain_body()
+            if self.body_left < 0:
+                raise self.body_error()            # any route: 400, 411 or 413, then close
             result = fn(self, params)
             if result is not None:
                 self.send_json(*result)
@@ -4935,12 +5261,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             body = {"error": exc.message}
             if exc.code:
                 body["code"] = exc.code
-            if exc.status in (411, 413):
-                self.close_connection = True
             self.send_json(exc.status, body, exc.headers)
             if exc.status == 413:
                 self.linger()
-        except (TimeoutError, ConnectionError, BrokenPipeError):
+        except TimeoutError:
+            raise                 # handle_one_request answers 408 (or 500) if it still can
+        except (ConnectionError, BrokenPipeError):
             self.close_connection = True
         except Exception as exc:  # the one place an unexpected error becomes a 500
             log(3, f"{self.command} {self.path}: {type(exc).__name__}: {exc}")
@@ -4967,14 +5293,20 @@ class Handler(http.server.BaseHTTPRequestHandler):
             pass
 
     def drain_body(self) -> None:
-        """Read and ignore a body where none is used, so keep-alive stays in step."""
-        length_text = self.headers.get("Content-Length") or "0"
-        if not length_text.isdigit() or int(length_text) > MAX_BODY:
+        """Read and drop what is left of the request's body, so that keep-alive stays in step
+        (it is never taken for the next request); a body that cannot be skipped closes the
+        connection after this answer."""
+        left, self.body_left = self.body_left, -1
+        if left < 0:
             self.close_connection = True
-            if length_text.isdigit():
-                raise ApiError(413, f"the body is larger than {MAX_BODY} bytes", "too_large")
-            raise ApiError(400, "bad Content-Length")
-        self.rfile.read(int(length_text))
+            return
+        while left > 0:
+            chunk = self.rfile.read(min(left, 65536))
+            if not chunk:
+                self.close_connection = True
+                return
+            left -= len(chunk)
+        self.body_left = 0
 
 
 # Loop ##########################################################################################
@@ -5075,6 +5407,7 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    box.publish()                            # what load and reconcile found, for HTTP
     try:
         server = Server(box, host, port)
     except OSError as exc:
@@ -5177,6 +5510,7 @@ def loop(box: Box) -> None:
                 future.set_result(fn(*args))
             except BaseException as exc:  # handed to the HTTP thread that asked
                 future.set_exception(exc)
+        box.guard(None, box.publish)        # what this step changed, for HTTP threads
 
 
 # CLI ###########################################################################################

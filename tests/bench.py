@@ -2,7 +2,9 @@
 
 Prints task start latency (POST until the worker runs inside its boxed view) with 1 and with
 400 layers, undo latency, GET /api/tasks/{id} rate with 10,000 stored tasks next to a bare
-http.server answering the same JSON, and gurtd's RSS with 100 tasks running.
+http.server answering the same JSON, gurtd's RSS with 100 tasks running, GET latencies while
+the loop is busy, and tasks per second through a burst (`python tests/bench.py api`: those
+last figures only).
 """
 
 from __future__ import annotations
@@ -233,7 +235,113 @@ def pause_to_event(g: Gurtd) -> float:
     return (received - ts(approval["createdAt"])) * 1000
 
 
+class Sampler:
+    """GET paths in a loop on one kept-alive connection (a thread); ms per request."""
+
+    def __init__(self, g: Gurtd, paths: list[str]) -> None:
+        self.g, self.paths = g, paths
+        self.times: list[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        conn = self.g.connection()
+        headers = {"Authorization": f"Bearer {self.g.token}"}
+        while not self.stop.is_set():
+            t0 = time.perf_counter()
+            conn.request("GET", random.choice(self.paths), headers=headers)
+            resp = conn.getresponse()
+            resp.read()
+            assert resp.status == 200, resp.status
+            self.times.append((time.perf_counter() - t0) * 1000)
+            time.sleep(0.005)
+        conn.close()
+
+    def figure(self) -> str:
+        return f"{statistics.median(self.times):.1f} / {pct(self.times, 95):.1f}"
+
+
+def churn(g: Gurtd, stop: threading.Event) -> None:
+    """50 tasks start and end, again and again, until stop."""
+    while not stop.is_set():
+        ids = [g.create("true", title="churn", workspace="churn")["id"] for _ in range(50)]
+        for task_id in ids:
+            g.wait(task_id, timeout=120)
+
+
+def burst(g: Gurtd, count: int) -> float:
+    """count fake tasks posted at once (maxRunningTasks 50) on a workspace of their own (each
+    done task is one more layer of it): tasks per second, from the first POST until the last
+    one is done."""
+    g.api("POST", "/api/workspaces", {"name": "burst"}, status=201)
+    t0 = time.perf_counter()
+    ids = {g.create("true", title="burst", workspace="burst")["id"] for _ in range(count)}
+    while True:
+        done = {t["id"] for t in g.api("GET", "/api/tasks?state=done&limit=1000")}
+        if ids <= done:
+            return count / (time.perf_counter() - t0)
+        time.sleep(0.05)
+
+
+def api_figures() -> list[tuple[str, str, str]]:
+    """Reads while the loop is busy: tasks starting and ending, a 30,000-file layer's
+    changes; and a burst of 300 tasks."""
+    results: list[tuple[str, str, str]] = []
+    g = Gurtd(make_home())
+    g.start()
+    try:
+        g.api("PUT", "/api/settings", {"maxRunningTasks": 50})
+        g.api("POST", "/api/workspaces", {"name": "churn"}, status=201)
+        big = g.run("mkdir d && cd d && seq 1 30000 | xargs touch", title="30,000 files")
+        assert big["state"] == "done", big
+        paths = ["/api/tasks?limit=20", f"/api/tasks/{big['id']}"]
+        for label, make_load in (("50 tasks start and end", "churn"),
+                                 ("a 30,000-file layer's changes", "changes")):
+            stop = threading.Event()
+            if make_load == "churn":
+                load = threading.Thread(target=churn, args=(g, stop), daemon=True)
+            else:
+                def walk() -> None:
+                    while not stop.is_set():
+                        g.request("GET", f"/api/tasks/{big['id']}/changes")
+                load = threading.Thread(target=walk, daemon=True)
+            load.start()
+            time.sleep(0.5)
+            samplers = [Sampler(g, [p]) for p in paths]
+            for sampler in samplers:
+                sampler.thread.start()
+            time.sleep(8)
+            for sampler in samplers:
+                sampler.stop.set()
+                sampler.thread.join()
+            stop.set()
+            load.join(timeout=180)
+            results += [
+                (f"GET /api/tasks?limit=20 while {label}, p50 / p95 (ms)", samplers[0].figure(),
+                 "p95 <= 20"),
+                (f"GET /api/tasks/{{id}} while {label}, p50 / p95 (ms)", samplers[1].figure(),
+                 "p95 <= 20"),
+            ]
+        rate = burst(g, 300)
+        results.append(("burst of 300 fake tasks, maxRunningTasks 50 (tasks/s)", f"{rate:.0f}",
+                        ">= 100 (49 before)"))
+    finally:
+        g.stop()
+        remove_home(g.home)
+    return results
+
+
+def print_results(results: list[tuple[str, str, str]]) -> None:
+    width = max(len(r[0]) for r in results)
+    print(f"\ngurtd {G.VERSION} bench, {os.cpu_count()} cores, kernel {os.uname().release}")
+    for name, value, target in results:
+        print(f"{name:<{width}}  {value:>16}  {('target ' + target) if target else ''}")
+
+
 def main() -> None:
+    if sys.argv[1:] == ["api"]:          # python tests/bench.py api: the API figures only
+        print_results(api_figures())
+        return
     results: list[tuple[str, str, str]] = []
     # 1. start and undo latency, 1 layer then 400 layers
     g = Gurtd(make_home())
@@ -360,10 +468,8 @@ def main() -> None:
     finally:
         g.stop()
         remove_home(g.home)
-    width = max(len(r[0]) for r in results)
-    print(f"\ngurtd {G.VERSION} bench, {os.cpu_count()} cores, kernel {os.uname().release}")
-    for name, value, target in results:
-        print(f"{name:<{width}}  {value:>16}  {('target ' + target) if target else ''}")
+    results += api_figures()
+    print_results(results)
 
 
 if __name__ == "__main__":
