@@ -1286,29 +1286,35 @@ def tree_bytes(path: str) -> int:
     return total
 
 
-def cgroup_own_groups() -> tuple[str | None, dict[str, str]]:
+def cgroup_own_groups(cgroups: str | None = None,
+                      mountinfo: str | None = None) -> tuple[str | None, dict[str, str]]:
     """This process's own group: in the v2 hierarchy (a path under its mount, or None) and in
-    each v1 hierarchy that carries one of CGROUP_CONTROLLERS (controller -> path)."""
+    each v1 hierarchy that carries one of CGROUP_CONTROLLERS (controller -> path).  From
+    /proc/self/cgroup and /proc/self/mountinfo, or from their texts."""
+    if cgroups is None:
+        with open("/proc/self/cgroup") as f:
+            cgroups = f.read()
+    if mountinfo is None:
+        with open("/proc/self/mountinfo") as f:
+            mountinfo = f.read()
     own_v2, own_v1 = None, {}
-    with open("/proc/self/cgroup") as f:
-        for line in f:
-            hier, ctrls, path = line.rstrip("\n").split(":", 2)
-            if hier == "0" and not ctrls:
-                own_v2 = path
-            for ctrl in ctrls.split(","):
-                own_v1[ctrl] = path
+    for line in cgroups.splitlines():
+        hier, ctrls, path = line.split(":", 2)
+        if hier == "0" and not ctrls:
+            own_v2 = path
+        for ctrl in ctrls.split(","):
+            own_v1[ctrl] = path
     v2, v1 = None, {}
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields, (fstype, _, options) = left.split(), right.split()[:3]
-            root, point = fields[3], fields[4].replace("\\040", " ")
-            if fstype == "cgroup2" and own_v2 is not None and v2 is None:
-                v2 = point + _cgroup_rel(own_v2, root)
-            elif fstype == "cgroup":
-                for ctrl in CGROUP_CONTROLLERS:
-                    if ctrl in options.split(",") and ctrl in own_v1 and ctrl not in v1:
-                        v1[ctrl] = point + _cgroup_rel(own_v1[ctrl], root)
+    for line in mountinfo.splitlines():
+        left, _, right = line.partition(" - ")
+        fields, (fstype, _, options) = left.split(), right.split()[:3]
+        root, point = fields[3], fields[4].replace("\\040", " ")
+        if fstype == "cgroup2" and own_v2 is not None and v2 is None:
+            v2 = point + _cgroup_rel(own_v2, root)
+        elif fstype == "cgroup":
+            for ctrl in CGROUP_CONTROLLERS:
+                if ctrl in options.split(",") and ctrl in own_v1 and ctrl not in v1:
+                    v1[ctrl] = point + _cgroup_rel(own_v1[ctrl], root)
     return v2, v1
 
 
@@ -1359,26 +1365,36 @@ class Cgroups:
         self.v2_limits: set[str] = set()      # controllers its task groups have (pure v2)
 
     def start(self) -> None:
-        """Find gurtd's own groups and make the tasks' parent groups below them."""
+        """Find gurtd's own groups and make the tasks' parent groups below them.  What cannot
+        be made (a read-only cgroupfs) is logged and left out: tasks then run untracked there
+        and are still ended by uid."""
         own_v2, own_v1 = cgroup_own_groups()
         if own_v2 is not None and os.path.isdir(own_v2):
-            self.v2 = os.path.join(own_v2, self.name)
-            os.makedirs(self.v2, exist_ok=True)
-            self.v2_limits = self._v2_delegate(own_v2)
-            if "cpu" in self.v2_limits:
-                cgroup_write(self.v2, "cpu.weight", str(int(100 * TASKS_CPU_SHARE)))
+            try:
+                self.v2 = os.path.join(own_v2, self.name)
+                os.makedirs(self.v2, exist_ok=True)
+                self.v2_limits = self._v2_delegate(own_v2)
+                if "cpu" in self.v2_limits:
+                    cgroup_write(self.v2, "cpu.weight", str(int(100 * TASKS_CPU_SHARE)))
+            except (OSError, SysError) as exc:
+                log(3, f"cgroups: no v2 group for tasks: {exc}")
+                self.v2, self.v2_limits = None, set()
         for ctrl in CGROUP_CONTROLLERS:
             if ctrl in own_v1 and ctrl not in self.v2_limits and os.path.isdir(own_v1[ctrl]):
-                self.v1[ctrl] = os.path.join(own_v1[ctrl], self.name)
-                os.makedirs(self.v1[ctrl], exist_ok=True)
-        if "cpu" in self.v1:
-            own = int(cgroup_read(os.path.dirname(self.v1["cpu"]), "cpu.shares") or 1024)
-            cgroup_write(self.v1["cpu"], "cpu.shares", str(max(2, int(own * TASKS_CPU_SHARE))))
-        if "memory" in self.v1:
-            try:                              # children count in their parent (default on)
+                try:
+                    os.makedirs(os.path.join(own_v1[ctrl], self.name), exist_ok=True)
+                    self.v1[ctrl] = os.path.join(own_v1[ctrl], self.name)
+                except OSError as exc:
+                    log(3, f"cgroups: no {ctrl} group for tasks: {exc}")
+        try:
+            if "cpu" in self.v1:
+                own = int(cgroup_read(os.path.dirname(self.v1["cpu"]), "cpu.shares") or 1024)
+                cgroup_write(self.v1["cpu"], "cpu.shares",
+                             str(max(2, int(own * TASKS_CPU_SHARE))))
+            if "memory" in self.v1:           # children count in their parent (default on)
                 cgroup_write(self.v1["memory"], "memory.use_hierarchy", "1")
-            except SysError:
-                pass
+        except SysError as exc:
+            log(4, f"cgroups: {exc}")
         limits = [f"{c} (v2)" for c in sorted(self.v2_limits)] + [f"{c} (v1)" for c in self.v1]
         log(6, f"cgroups: tasks tracked in {self.tracking_parent() or 'no group (by uid only)'}; "
                f"limits: {', '.join(limits) or 'none'}")
@@ -1596,8 +1612,8 @@ class DiskReserve:
         if held and self.paused_free is not None and free > self.paused_free - DISK_STEP:
             return DISK_CHECK_INTERVAL         # nothing else is eating the disk
         candidates = [(i, box.layer_dir(i)) for i, w in box.workers.items()
-                      if box.tasks[i].state == "running" and "disk" not in w.holds
-                      and free < w.disk_floor]
+                      if box.tasks[i].state in ("running", "waiting")
+                      and "disk" not in w.holds and free < w.disk_floor]
         if candidates and not self.walking:
             self.walking = True
             threading.Thread(target=self._measure, args=(candidates,), name="disk",
@@ -1623,7 +1639,7 @@ class DiskReserve:
             return
         for task_id, size in sorted(sizes.items(), key=lambda kv: -kv[1]):
             task, worker = box.tasks.get(task_id), box.workers.get(task_id)
-            if task is None or worker is None or task.state != "running" or \
+            if task is None or worker is None or task.state not in ("running", "waiting") or \
                     "disk" in worker.holds or free >= worker.disk_floor:
                 continue
             self.pause(task, worker, size, free, reserve)

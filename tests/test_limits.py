@@ -493,3 +493,27 @@ def test_cgroups_of_this_box_and_the_cpu_share_of_its_tasks(box: Gurtd) -> None:
     g.api("POST", f"/api/tasks/{task['id']}/undo")
     assert [p for p in groups if os.path.exists(p)] == []
     assert json.loads(json.dumps(g.task(task["id"])))["state"] == "undone"
+
+
+@pytest.mark.parametrize("cgroups, mountinfo, v2, v1", [
+    (   # this kind of VM: v1 hierarchies, a v2 one without controllers; memory in a group
+        "8:pids:/\n4:memory:/process_api/abc\n1:cpu:/\n0::/\n",
+        "30 25 0:26 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n"
+        "31 25 0:27 / /sys/fs/cgroup/pids rw - cgroup cgroup rw,pids\n"
+        "32 25 0:28 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"
+        "33 25 0:29 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n",
+        "/sys/fs/cgroup/unified",
+        {"pids": "/sys/fs/cgroup/pids", "memory": "/sys/fs/cgroup/memory/process_api/abc",
+         "cpu": "/sys/fs/cgroup/cpu,cpuacct"}),
+    (   # Debian 12 under systemd: pure v2, gurtd in its service's group
+        "0::/system.slice/gurtd.service\n",
+        "35 24 0:30 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n",
+        "/sys/fs/cgroup/system.slice/gurtd.service", {}),
+    (   # a container whose cgroupfs is mounted at its own group (mount root is not /)
+        "0::/lxc/box1/init.scope\n",
+        "40 30 0:31 /lxc/box1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
+        "/sys/fs/cgroup/init.scope", {}),
+])
+def test_gurtds_own_groups_are_found_on_every_kind_of_host(cgroups: str, mountinfo: str,
+                                                           v2: str, v1: dict) -> None:
+    assert G.cgroup_own_groups(cgroups, mountinfo) == (v2, v1)
