@@ -1502,7 +1502,11 @@ class Cgroups:
     def _freeze(self, task_id: str, value: str) -> bool:
         if not self.v2 or not os.path.exists(os.path.join(self.v2, task_id, "cgroup.freeze")):
             return False
-        cgroup_write(os.path.join(self.v2, task_id), "cgroup.freeze", value)
+        try:
+            cgroup_write(os.path.join(self.v2, task_id), "cgroup.freeze", value)
+        except SysError as exc:
+            log(3, f"cgroups: {exc}; signals instead")
+            return False
         return True
 
     def kill(self, task_id: str, timeout: float = 5.0) -> None:

@@ -68,6 +68,16 @@ def threads_of_uid(uid: int) -> list[str]:
     return out
 
 
+def start_time(pid: int) -> int | None:
+    """When a process started (clock ticks since boot), to tell it from a later one with its
+    pid; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def task_group_parents(home: str) -> list[str]:
     """Where gurtd (a child of this test, so in the same groups) keeps the groups of its
     tasks: gurt-<hash of BOX_HOME> below its own group in each hierarchy."""
@@ -241,11 +251,14 @@ def test_after_kill_9_a_survivor_of_an_earlier_task_is_ended_even_without_its_us
                 pass
         return False
     eventually(survivor, what="the survivor")
+    survivors = {pid: start_time(pid) for pid in G.processes_by_uid({uid}).get(uid, [])}
     G.user_del(task["user"])
     assert task_groups(g.home), "the survivor's group is there to find"
     g.start()
     assert g.task(task["id"])["state"] == "failed"
-    assert threads_of_uid(uid) == []
+    # (its uid is free now: another gurtd on this machine may already have given it to a task)
+    alive = G.processes_by_uid({uid}).get(uid, [])        # zombies (unreaped) are not
+    assert [p for p, t in survivors.items() if p in alive and start_time(p) == t] == []
 
 
 # the network of a task ends with it ##########################################################
@@ -461,7 +474,7 @@ def test_a_task_that_fills_the_disk_is_paused_at_the_reserve(small_disk: Gurtd) 
     eventually(lambda: len(os.listdir(upper)) > frozen + 2, what="the task to write on")
     second = disk_approval(g, task["id"])
     assert second["id"] != first["id"]
-    assert second["args"]["freeBytes"] <= first["args"]["freeBytes"] // 2
+    assert second["args"]["freeBytes"] < first["args"]["freeBytes"] * 0.6   # about half
     assert free_bytes(g.home) > 0
 
     g.api("POST", f"/api/approvals/{second['id']}/deny", {"reason": "enough"})
