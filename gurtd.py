@@ -1562,7 +1562,7 @@ class Cgroups:
 @dataclass
 class LogCap:
     """A running task's log up to its logBytes; past it lines are counted, not stored (state
-    lines always are), and one line at the end says how many."""
+    changes and approvals always are), and one line at the end says how many."""
 
     limit: int
     size: int = 0
@@ -1570,7 +1570,8 @@ class LogCap:
     dropped_bytes: int = 0
 
     def admit(self, kind: Any, size: int) -> bool:
-        if kind != "state" and (self.dropped_lines or self.size + size > self.limit):
+        if kind not in ("state", "approval") and \
+                (self.dropped_lines or self.size + size > self.limit):
             self.dropped_lines += 1
             self.dropped_bytes += size
             return False
@@ -2504,11 +2505,11 @@ class Box:
             os.close(worker.fd)
             if worker.log_fd >= 0:
                 os.close(worker.log_fd)
-            note = worker.log_cap.note()
-            if note:
-                self.append_log(task.id, note)
         self.cleanup_user(task)
         self.network.release(task.id)
+        note = worker.log_cap.note() if worker is not None else None
+        if note:                                 # the last line before its end state
+            self.append_log(task.id, note)
 
     def cleanup_user(self, task: Task) -> None:
         """End the task's processes (its cgroup: every thread, wherever it went; then its uid),
