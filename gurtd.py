@@ -1481,16 +1481,31 @@ class Cgroups:
                 cgroup_write(group, name, value)
         return group
 
-    def remove(self, task_id: str) -> None:
-        """Remove the task's (empty) groups; SysError if one still holds a process."""
+    def remove(self, task_id: str, timeout: float = 2.0) -> None:
+        """Remove the task's (emptied) groups; SysError if one still holds a process.
+
+        An emptied group may refuse rmdir (EBUSY) for a moment while its last tasks finish
+        dying (measured on 6.18 under load), and a sandbox that was still joining may have
+        come in: kill what is listed and try again, for at most timeout seconds."""
+        deadline = time.monotonic() + timeout
         for group in self.groups(task_id):
-            try:
-                os.rmdir(group)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                raise SysError(f"rmdir {group}", exc.errno or errno.EIO,
-                               exc.strerror or "") from None
+            while True:
+                try:
+                    os.rmdir(group)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                        raise SysError(f"rmdir {group}", exc.errno or errno.EIO,
+                                       exc.strerror or "") from None
+                for name in ("cgroup.threads", "tasks"):
+                    for tid in cgroup_read(group, name).split():
+                        try:
+                            os.kill(int(tid), signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                time.sleep(0.005)
 
     def freeze(self, task_id: str) -> bool:
         """Pause every process of the task (cgroup.freeze); False without a v2 group."""
