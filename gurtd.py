@@ -1198,10 +1198,11 @@ def net_addresses(index: int) -> tuple[str, str]:
 # thread of it (a main thread that exited while another runs, a double-forked daemon), whose
 # cgroup.freeze pauses it, and whose cgroup.events says when it is empty.  The groups are named
 # per BOX_HOME, below gurtd's own group (gurt-<hash of BOX_HOME>/<task id>), so a restart finds
-# what any earlier task left, its user deleted or not, and never touches another gurtd's tasks.  Limits go where the controllers
-# are: on a host with v1 hierarchies (pids, memory, cpu; the v2 one has no controllers) in child
-# groups of gurtd's own group in each; on a pure v2 host in the v2 group itself.  The tasks'
-# parent group weighs half of gurtd on the CPU, so that gurtd keeps answering.
+# what any earlier task left, its user deleted or not, and never touches another gurtd's tasks.
+# Limits go where the controllers are: on a host with v1 hierarchies (pids, memory, cpu; the v2
+# one has no controllers) in child groups of gurtd's own group in each; on a pure v2 host in the
+# v2 group itself.  The tasks' parent group weighs half of gurtd on the CPU, so that gurtd keeps
+# answering.
 
 TASK_LIMITS = {       # a task body's `limits` key: (its setting, the smallest value accepted)
     "processes": ("taskMaxProcesses", 8),
