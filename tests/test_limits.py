@@ -219,6 +219,8 @@ def test_a_thread_that_outlives_its_main_thread_ends_with_the_task(box: Gurtd) -
 
 
 def test_a_double_forked_daemon_ends_with_the_task(box: Gurtd) -> None:
+    """A task starts a classic daemon (fork, setsid, fork again: reparented, its own session)
+    and finishes; the daemon ends with it."""
     g = box
     daemon = python_line("import os, time\nif os.fork(): os._exit(0)\nos.setsid()\n"
                          "if os.fork(): os._exit(0)\n"
@@ -356,6 +358,8 @@ FORK_BOMB = python_line("import os, time\nn = 0\nfor i in range(400):\n"
 
 
 def test_a_fork_bomb_stops_at_the_process_limit_and_gurtd_keeps_answering(box: Gurtd) -> None:
+    """With limits.processes 50, a task forks 400 sleepers: the forks past the limit fail, the
+    task never has more than 50 processes and threads, gurtd answers, and stop ends them all."""
     g = box
     task = g.create("id -u\n" + FORK_BOMB + "\nsleep 30",
                     limits={"processes": 50})
@@ -374,6 +378,8 @@ def test_a_fork_bomb_stops_at_the_process_limit_and_gurtd_keeps_answering(box: G
 
 
 def test_a_task_that_takes_too_much_memory_fails_with_out_of_memory(box: Gurtd) -> None:
+    """With limits.memoryBytes 64 MiB, a line that fills 200 MiB is killed by the kernel and the
+    task fails with exactly `out of memory`; 20 MiB is fine."""
     g = box
     task = g.run("python3 -c 'b = bytearray(200 << 20); print(len(b))'",
                  limits={"memoryBytes": 64 << 20})
@@ -389,6 +395,8 @@ def test_a_task_that_takes_too_much_memory_fails_with_out_of_memory(box: Gurtd) 
                           "/tmp, /var/tmp, /dev/shm and HOME; remove this mark once merged",
                    strict=False)
 def test_the_tmp_mounts_together_are_bounded_by_tmp_bytes(box: Gurtd) -> None:
+    """With limits.tmpBytes 8 MiB, 6 MiB in /tmp and 6 more in /dev/shm do not fit: the
+    second write fails with ENOSPC (they are one tmpfs)."""
     g = box
     task = g.run("head -c 6291456 /dev/zero > /tmp/a\nhead -c 6291456 /dev/zero > /dev/shm/b",
                  limits={"tmpBytes": 8 << 20})
@@ -397,6 +405,8 @@ def test_the_tmp_mounts_together_are_bounded_by_tmp_bytes(box: Gurtd) -> None:
 
 
 def test_a_flood_of_output_is_stored_up_to_log_bytes_and_the_rest_counted(box: Gurtd) -> None:
+    """With limits.logBytes 64 KiB, a task prints 20,000 lines: the stored log stops near 64 KiB
+    (its first lines, in order), one `log` line counts the rest, the state lines are all there."""
     g = box
     task = g.run("seq 1 20000\necho after", limits={"logBytes": 65536})
     assert task["state"] == "done", task
