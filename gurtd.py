@@ -20,6 +20,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     System layer          users, processes, mounts, network namespaces, nftables; each verb
                           beside its inverse, idempotent
     Layer walks           a layer's changes, read beneath its root without following symlinks
+    Limits and tracking   a cgroup per task (tracking, kill, freeze; processes, memory, CPU),
+                          task limits, the log cap, BOX_HOME's disk reserve
     Spawner               a single-threaded process forked before any thread: it forks workers
     Sandbox               what a worker's child does as root before it becomes the box user:
                           the task's root built from nothing, pivot_root, the fake worker
@@ -138,6 +140,8 @@ DEFAULT_SETTINGS: dict[str, Any] = {
     "taskTimeoutSeconds": 3600, "droidPath": "", "droidModel": DEFAULT_DROID_MODEL,
     "droidAutonomy": "high", "droidHosts": ["factory.ai", "*.factory.ai"],
     "droidPrices": DEFAULT_DROID_PRICES, "dnsAllowedNets": [],
+    "taskMaxProcesses": 1024, "taskMemoryBytes": 0, "taskTmpBytes": 1 << 30,
+    "taskLogBytes": 50 << 20, "diskReserveBytes": 0,
 }
 
 # x86_64 and aarch64 share these numbers for the new mount API.
@@ -416,6 +420,7 @@ def grant_change(granted: dict[str, set[int] | None], target: str,
 TASK_FIELDS = {
     "title": str, "prompt": str, "workspace": str, "worker": str, "tools": list, "hosts": list,
     "budgetCents": (int, float), "source": str, "folder": str, "folders": list,
+    "limits": dict,
 }
 
 
@@ -432,7 +437,8 @@ def validate_task_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
             raise ApiError(400, f"unknown field: {key}")
     for key, kind in TASK_FIELDS.items():
         if key in body and (not isinstance(body[key], kind) or isinstance(body[key], bool)):
-            names = {str: "a string", list: "an array", (int, float): "a number"}
+            names = {str: "a string", list: "an array", (int, float): "a number",
+                     dict: "an object"}
             raise ApiError(400, f"{key} must be {names[kind]}")
     if "folder" in body or "folders" in body:
         raise ApiError(400, "personal folders are not supported yet")
@@ -466,6 +472,7 @@ def validate_task_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
     out["source"] = body.get("source", "api")
     if not out["source"] or len(out["source"]) > 100:
         raise ApiError(400, "source must be a non-empty string of at most 100 characters")
+    out["limits"] = validate_limits(body.get("limits", {}))
     return out
 
 
@@ -524,6 +531,8 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
                     parse_upstream(value)
                 except ValueError as exc:
                     raise ApiError(400, str(exc)) from None
+        if key in LIMIT_SETTINGS:
+            check_limit(key, value, *LIMIT_SETTINGS[key])
         new[key] = value
     if new["droidModel"] not in new["droidPrices"]:   # an unpriced model would be free
         raise ApiError(400, f"droidModel {new['droidModel']} has no droidPrices entry (its "
@@ -534,8 +543,8 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
 
 PUBLIC_FIELDS = ("id", "title", "prompt", "workspace", "worker", "tools", "hosts", "budgetCents",
                  "source", "state", "user", "layers", "costCents", "step", "createdAt",
-                 "updatedAt", "error", "summary")
-OPTIONAL_FIELDS = ("step", "error", "summary")
+                 "updatedAt", "error", "summary", "limits")
+OPTIONAL_FIELDS = ("step", "error", "summary", "limits")
 
 
 @dataclass
@@ -560,6 +569,7 @@ class Task:
     step: str | None = None
     error: str | None = None
     summary: str | None = None
+    limits: dict[str, int] | None = None    # the effective limits, fixed when it is created
     seq: int = 0                    # creation order, for first in first out
     doneSeq: int = 0                # finish order of done tasks: the stack order
     uid: int = 0                    # while the box user exists
@@ -1151,10 +1161,29 @@ def system_user_ensure(name: str) -> tuple[int, int]:
 
 
 # Processes: a task's processes are exactly those of its uid (no_new_privs, no capabilities:
-# they cannot change it), so "every process of the task" is found by uid.
+# they cannot change it), so "every process of the task" is found by uid (and by its cgroup,
+# see Limits and tracking).
+
+def _live_thread(pid: str) -> bool:
+    """Whether a process whose main thread is a zombie still has a running thread."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                state = f.read().rpartition(b")")[2].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in (b"Z", b"X"):
+            return True
+    return False
+
 
 def processes_by_uid(uids: set[int] | None = None) -> dict[int, list[int]]:
-    """Live (not zombie) processes by real uid, for uids in the set (or the task range)."""
+    """Live processes by real uid, for uids in the set (or the task range).  A zombie counts
+    while one of its threads runs (its main thread exited, another did not)."""
     out: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -1171,7 +1200,7 @@ def processes_by_uid(uids: set[int] | None = None) -> dict[int, list[int]]:
             elif line.startswith(b"Uid:"):
                 uid = int(line.split()[1])
                 break
-        if uid is None or state == b"Z":
+        if uid is None or (state == b"Z" and not _live_thread(entry)):
             continue
         if (uids is not None and uid in uids) or \
                 (uids is None and UID_FIRST <= uid < UID_FIRST + UID_COUNT):
@@ -1646,6 +1675,507 @@ def _changes_in_dir(walk: WalkDir, visible: list[int],
         else:
             out.append({"path": path, "change": "modified" if found else "added"})
     return subdirs
+# Limits and tracking ###########################################################################
+###############################################################################################
+# A task's processes are tracked by a cgroup they cannot leave (no capabilities, no write access
+# to cgroupfs): a v2 group whose cgroup.kill, with kill(2) of each thread it lists, ends every
+# thread of it (a main thread that exited while another runs, a double-forked daemon), whose
+# cgroup.freeze pauses it, and whose cgroup.events says when it is empty.  The groups are named
+# per BOX_HOME, below gurtd's own group (gurt-<hash of BOX_HOME>/<task id>), so a restart finds
+# what any earlier task left, its user deleted or not, and never touches another gurtd's tasks.
+# Limits go where the controllers are: on a host with v1 hierarchies (pids, memory, cpu; the v2
+# one has no controllers) in child groups of gurtd's own group in each; on a pure v2 host in the
+# v2 group itself.  The tasks' parent group weighs half of gurtd on the CPU, so that gurtd keeps
+# answering.
+
+TASK_LIMITS = {       # a task body's `limits` key: (its setting, the smallest value accepted)
+    "processes": ("taskMaxProcesses", 8),
+    "memoryBytes": ("taskMemoryBytes", 16 << 20),
+    "tmpBytes": ("taskTmpBytes", 1 << 20),
+    "logBytes": ("taskLogBytes", 64 << 10),
+}
+LIMIT_SETTINGS = {    # setting: (smallest value, whether 0 means "computed on this machine")
+    "taskMaxProcesses": (8, False), "taskMemoryBytes": (16 << 20, True),
+    "taskTmpBytes": (1 << 20, False), "taskLogBytes": (64 << 10, False),
+    "diskReserveBytes": (0, True),
+}
+LIMIT_MAX = 1 << 50
+CGROUP_CONTROLLERS = ("pids", "memory", "cpu")
+TASKS_CPU_SHARE = 0.5           # the tasks' parent group against gurtd's own weight
+DISK_CHECK_INTERVAL = 0.2       # seconds between statvfs(BOX_HOME) while tasks run
+DISK_STEP = 1 << 20             # free space must fall this much more before a second pause
+
+
+def check_limit(name: str, value: Any, low: int, zero_ok: bool = False) -> None:
+    """ApiError(400) unless value is a whole number from low to LIMIT_MAX (or 0 if zero_ok)."""
+    if isinstance(value, bool) or not isinstance(value, int) or \
+            not (low <= value <= LIMIT_MAX or (zero_ok and value == 0)):
+        raise ApiError(400, f"{name} must be a whole number from {low} to {LIMIT_MAX}"
+                       + (", or 0 for the default" if zero_ok else ""))
+
+
+def validate_limits(body: Any) -> dict[str, int]:
+    """A task body's `limits`: any of processes, memoryBytes, tmpBytes, logBytes."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "limits must be an object")
+    for key, value in body.items():
+        if key not in TASK_LIMITS:
+            raise ApiError(400, f"limits: unknown limit: {key} (known: "
+                                f"{', '.join(TASK_LIMITS)})")
+        check_limit(f"limits.{key}", value, TASK_LIMITS[key][1])
+    return dict(body)
+
+
+def effective_limits(overrides: dict[str, int], settings: dict[str, Any],
+                     mem_total: int) -> dict[str, int]:
+    """A task's limits: its overrides, else the settings; memory 0 is half of the RAM."""
+    out = {key: int(overrides.get(key, settings[setting]))
+           for key, (setting, _) in TASK_LIMITS.items()}
+    if not out["memoryBytes"]:
+        out["memoryBytes"] = max(mem_total // 2, TASK_LIMITS["memoryBytes"][1])
+    return out
+
+
+def disk_reserve(setting: int, fs_bytes: int) -> int:
+    """The bytes of BOX_HOME's file system that tasks cannot eat: the setting, or by default
+    the smaller of 1 GiB and 5% of the file system."""
+    return setting if setting else min(1 << 30, fs_bytes // 20)
+
+
+def mem_total() -> int:
+    """The machine's RAM in bytes (MemTotal)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise SysError("read /proc/meminfo", errno.EIO, "no MemTotal")
+
+
+def tree_bytes(path: str) -> int:
+    """Disk space a directory tree takes (st_blocks), symlinks not followed; what vanishes
+    during the walk is skipped.  Runs off the loop thread."""
+    total, stack = 0, [path]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            total += st.st_blocks * 512
+            if stat.S_ISDIR(st.st_mode):
+                stack.append(entry.path)
+    return total
+
+
+def cgroup_own_groups(cgroups: str | None = None,
+                      mountinfo: str | None = None) -> tuple[str | None, dict[str, str]]:
+    """This process's own group: in the v2 hierarchy (a path under its mount, or None) and in
+    each v1 hierarchy that carries one of CGROUP_CONTROLLERS (controller -> path).  From
+    /proc/self/cgroup and /proc/self/mountinfo, or from their texts."""
+    if cgroups is None:
+        with open("/proc/self/cgroup") as f:
+            cgroups = f.read()
+    if mountinfo is None:
+        with open("/proc/self/mountinfo") as f:
+            mountinfo = f.read()
+    own_v2, own_v1 = None, {}
+    for line in cgroups.splitlines():
+        hier, ctrls, path = line.split(":", 2)
+        if hier == "0" and not ctrls:
+            own_v2 = path
+        for ctrl in ctrls.split(","):
+            own_v1[ctrl] = path
+    v2, v1 = None, {}
+    for line in mountinfo.splitlines():
+        left, _, right = line.partition(" - ")
+        fields, (fstype, _, options) = left.split(), right.split()[:3]
+        root, point = fields[3], fields[4].replace("\\040", " ")
+        if fstype == "cgroup2" and own_v2 is not None and v2 is None:
+            v2 = point + _cgroup_rel(own_v2, root)
+        elif fstype == "cgroup":
+            for ctrl in CGROUP_CONTROLLERS:
+                if ctrl in options.split(",") and ctrl in own_v1 and ctrl not in v1:
+                    v1[ctrl] = point + _cgroup_rel(own_v1[ctrl], root)
+    return v2, v1
+
+
+def _cgroup_rel(path: str, root: str) -> str:
+    """A group path from /proc/self/cgroup as seen below a mount whose root is `root`."""
+    if root != "/" and (path == root or path.startswith(root + "/")):
+        path = path[len(root):]
+    return path.rstrip("/")
+
+
+def cgroup_write(group: str, name: str, value: str) -> None:
+    """Write one control file of a group; SysError says which and why."""
+    try:
+        with open(os.path.join(group, name), "w") as f:
+            f.write(value)
+    except OSError as exc:
+        raise SysError(f"write {value} to {group}/{name}", exc.errno or errno.EIO,
+                       exc.strerror or "") from None
+
+
+def cgroup_read(group: str, name: str) -> str:
+    """A control file's text, or "" when the group or the file is gone."""
+    try:
+        with open(os.path.join(group, name)) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def cgroup_count(text: str, key: str) -> int:
+    """A `key N` line of a flat-keyed file (memory.events, memory.oom_control, cgroup.events)."""
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == key and parts[1].isdigit():
+            return int(parts[1])
+    return 0
+
+
+class Cgroups:
+    """The tasks' groups of one BOX_HOME.  Verbs beside their inverses, each idempotent:
+    start/stop (the parent groups), create/remove (a task's groups), freeze/thaw; then kill,
+    oom_kills and leftovers.  Loop thread."""
+
+    def __init__(self, home: str) -> None:
+        self.name = "gurt-" + hashlib.sha1(home.encode()).hexdigest()[:12]
+        self.v2: str | None = None            # the tasks' parent group in the v2 hierarchy
+        self.v1: dict[str, str] = {}          # controller -> the tasks' parent group in v1
+        self.v2_limits: set[str] = set()      # controllers its task groups have (pure v2)
+
+    def start(self) -> None:
+        """Find gurtd's own groups and make the tasks' parent groups below them.  What cannot
+        be made (a read-only cgroupfs) is logged and left out: tasks then run untracked there
+        and are still ended by uid."""
+        own_v2, own_v1 = cgroup_own_groups()
+        if own_v2 is not None and os.path.isdir(own_v2):
+            try:
+                self.v2 = os.path.join(own_v2, self.name)
+                os.makedirs(self.v2, exist_ok=True)
+                self.v2_limits = self._v2_delegate(own_v2)
+                if "cpu" in self.v2_limits:
+                    cgroup_write(self.v2, "cpu.weight", str(int(100 * TASKS_CPU_SHARE)))
+            except (OSError, SysError) as exc:
+                log(3, f"cgroups: no v2 group for tasks: {exc}")
+                self.v2, self.v2_limits = None, set()
+        for ctrl in CGROUP_CONTROLLERS:
+            if ctrl in own_v1 and ctrl not in self.v2_limits and os.path.isdir(own_v1[ctrl]):
+                try:
+                    os.makedirs(os.path.join(own_v1[ctrl], self.name), exist_ok=True)
+                    self.v1[ctrl] = os.path.join(own_v1[ctrl], self.name)
+                except OSError as exc:
+                    log(3, f"cgroups: no {ctrl} group for tasks: {exc}")
+        try:
+            if "cpu" in self.v1:
+                own = int(cgroup_read(os.path.dirname(self.v1["cpu"]), "cpu.shares") or 1024)
+                cgroup_write(self.v1["cpu"], "cpu.shares",
+                             str(max(2, int(own * TASKS_CPU_SHARE))))
+            if "memory" in self.v1:           # children count in their parent (default on)
+                cgroup_write(self.v1["memory"], "memory.use_hierarchy", "1")
+        except SysError as exc:
+            log(4, f"cgroups: {exc}")
+        limits = [f"{c} (v2)" for c in sorted(self.v2_limits)] + [f"{c} (v1)" for c in self.v1]
+        log(6, f"cgroups: tasks tracked in {self.tracking_parent() or 'no group (by uid only)'}; "
+               f"limits: {', '.join(limits) or 'none'}")
+
+    def _v2_delegate(self, own: str) -> set[str]:
+        """Enable pids, memory and cpu for gurtd's children on a pure v2 host.  A group with
+        controllers for its children may hold no process itself, so gurtd moves itself and the
+        spawner into a leaf of its own group first (the processes of a systemd service with
+        Delegate=yes are all gurtd's)."""
+        wanted = set(CGROUP_CONTROLLERS) & set(cgroup_read(own, "cgroup.controllers").split())
+        if not wanted:
+            return set()
+        enable = " ".join("+" + c for c in sorted(wanted))
+        try:
+            if not set(cgroup_read(own, "cgroup.subtree_control").split()) >= wanted:
+                try:
+                    cgroup_write(own, "cgroup.subtree_control", enable)
+                except SysError as exc:
+                    if exc.code != errno.EBUSY:
+                        raise
+                    leaf = os.path.join(own, "gurtd")
+                    os.makedirs(leaf, exist_ok=True)
+                    for pid in [os.getpid()] + self._children(os.getpid()):
+                        cgroup_write(leaf, "cgroup.procs", str(pid))
+                    cgroup_write(own, "cgroup.subtree_control", enable)
+            cgroup_write(self.v2 or "", "cgroup.subtree_control", enable)
+        except (SysError, OSError) as exc:
+            log(4, f"cgroups: no v2 limits ({exc}); tasks are tracked, not bounded, there")
+            return set()
+        return wanted
+
+    @staticmethod
+    def _children(pid: int) -> list[int]:
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                return [int(p) for p in f.read().split()]
+        except OSError:
+            return []
+
+    def stop(self) -> None:
+        """Remove the parent groups when no task group is left in them."""
+        for group in [self.v2] + list(self.v1.values()):
+            if group:
+                try:
+                    os.rmdir(group)
+                except OSError as exc:
+                    log(4, f"cgroups: {group} kept: {exc.strerror}")
+
+    def tracking_parent(self) -> str | None:
+        """Where a task's processes are tracked: the v2 group, else the v1 pids group."""
+        return self.v2 or self.v1.get("pids")
+
+    def groups(self, task_id: str) -> list[str]:
+        return [os.path.join(p, task_id) for p in [self.v2] + list(self.v1.values()) if p]
+
+    def create(self, task_id: str, limits: dict[str, int]) -> list[str]:
+        """Make the task's groups with its limits; the cgroup.procs files its sandbox joins."""
+        values = {"pids": [("pids.max", str(limits["processes"]))],
+                  "memory": [("memory.limit_in_bytes", str(limits["memoryBytes"])),
+                             ("memory.memsw.limit_in_bytes", str(limits["memoryBytes"]))],
+                  "cpu": []}
+        v2_values = {"pids": [("pids.max", str(limits["processes"]))],
+                     "memory": [("memory.max", str(limits["memoryBytes"])),
+                                ("memory.swap.max", "0"), ("memory.oom.group", "1")],
+                     "cpu": []}
+        made = []
+        try:
+            if self.v2:
+                made.append(self._make(os.path.join(self.v2, task_id),
+                                       [v for c in sorted(self.v2_limits) for v in v2_values[c]]))
+            for ctrl, parent in self.v1.items():
+                made.append(self._make(os.path.join(parent, task_id), values[ctrl]))
+        except (SysError, OSError):
+            self.remove(task_id)
+            raise
+        log(7, f"cgroups: {task_id} in {', '.join(made)}")
+        return [os.path.join(g, "cgroup.procs") for g in made]
+
+    @staticmethod
+    def _make(group: str, values: list[tuple[str, str]]) -> str:
+        os.makedirs(group, exist_ok=True)
+        for name, value in values:
+            if os.path.exists(os.path.join(group, name)):   # memsw, swap: only if present
+                cgroup_write(group, name, value)
+        return group
+
+    def remove(self, task_id: str, timeout: float = 2.0) -> None:
+        """Remove the task's (emptied) groups; SysError if one still holds a process.
+
+        An emptied group may refuse rmdir (EBUSY) for a moment while its last tasks finish
+        dying (measured on 6.18 under load), and a sandbox that was still joining may have
+        come in: kill what is listed and try again, for at most timeout seconds."""
+        deadline = time.monotonic() + timeout
+        for group in self.groups(task_id):
+            while True:
+                try:
+                    os.rmdir(group)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                        raise SysError(f"rmdir {group}", exc.errno or errno.EIO,
+                                       exc.strerror or "") from None
+                for name in ("cgroup.threads", "tasks"):
+                    for tid in cgroup_read(group, name).split():
+                        try:
+                            os.kill(int(tid), signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                time.sleep(0.005)
+
+    def freeze(self, task_id: str) -> bool:
+        """Pause every process of the task (cgroup.freeze); False without a v2 group."""
+        return self._freeze(task_id, "1")
+
+    def thaw(self, task_id: str) -> bool:
+        return self._freeze(task_id, "0")
+
+    def _freeze(self, task_id: str, value: str) -> bool:
+        if not self.v2 or not os.path.exists(os.path.join(self.v2, task_id, "cgroup.freeze")):
+            return False
+        try:
+            cgroup_write(os.path.join(self.v2, task_id), "cgroup.freeze", value)
+        except SysError as exc:
+            log(3, f"cgroups: {exc}; signals instead")
+            return False
+        return True
+
+    def kill(self, task_id: str, timeout: float = 5.0) -> None:
+        """SIGKILL every thread of the task and wait until its group is empty.  Idempotent.
+
+        v2: cgroup.kill (no fork can race it) until cgroup.events says `populated 0`, and
+        kill(2) of each thread listed: cgroup.kill misses a process whose main thread exited
+        while another runs (measured on 6.18), kill(2) of any of its threads does not.
+        v1 only: kill(2) of each thread in the pids group's `tasks` until none is left."""
+        parent = self.tracking_parent()
+        group = os.path.join(parent, task_id) if parent else ""
+        if not parent or not os.path.isdir(group):
+            return
+        deadline = time.monotonic() + timeout
+        v2 = parent == self.v2 and os.path.exists(os.path.join(group, "cgroup.kill"))
+        while True:
+            if v2:
+                if not cgroup_count(cgroup_read(group, "cgroup.events"), "populated"):
+                    return
+                cgroup_write(group, "cgroup.kill", "1")
+            left = cgroup_read(group, "cgroup.threads" if v2 else "tasks").split()
+            if not v2 and not left:
+                return
+            for tid in left:
+                try:
+                    os.kill(int(tid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if time.monotonic() > deadline:
+                raise SysError(f"kill cgroup {group}", errno.EBUSY, f"processes left: {left}")
+            time.sleep(0.002)
+
+    def oom_kills(self, task_id: str) -> int:
+        """How many processes of the task the kernel killed for want of memory."""
+        if "memory" in self.v2_limits and self.v2:
+            return cgroup_count(cgroup_read(os.path.join(self.v2, task_id), "memory.events"),
+                                "oom_kill")
+        if "memory" in self.v1:
+            return cgroup_count(cgroup_read(os.path.join(self.v1["memory"], task_id),
+                                            "memory.oom_control"), "oom_kill")
+        return 0
+
+    def leftovers(self) -> list[str]:
+        """Task groups under the parents: what earlier tasks of this BOX_HOME left."""
+        out: set[str] = set()
+        for parent in [self.v2] + list(self.v1.values()):
+            if parent and os.path.isdir(parent):
+                out.update(n for n in os.listdir(parent)
+                           if ID_RE.match(n) and os.path.isdir(os.path.join(parent, n)))
+        return sorted(out)
+
+
+@dataclass
+class LogCap:
+    """A running task's log up to its logBytes; past it lines are counted, not stored (state
+    changes and approvals always are), and one line at the end says how many."""
+
+    limit: int
+    size: int = 0
+    dropped_lines: int = 0
+    dropped_bytes: int = 0
+
+    def admit(self, kind: Any, size: int) -> bool:
+        if kind not in ("state", "approval") and \
+                (self.dropped_lines or self.size + size > self.limit):
+            self.dropped_lines += 1
+            self.dropped_bytes += size
+            return False
+        self.size += size
+        return True
+
+    def note(self) -> dict[str, Any] | None:
+        """The final log line, or None when nothing was dropped."""
+        if not self.dropped_lines:
+            return None
+        return {"type": "log", "droppedLines": self.dropped_lines,
+                "droppedBytes": self.dropped_bytes,
+                "text": f"{self.dropped_lines} lines ({self.dropped_bytes} bytes) not stored: "
+                        f"the log reached its limit of {self.limit} bytes"}
+
+
+class DiskReserve:
+    """BOX_HOME's free space against diskReserveBytes.  Below the reserve the running task that
+    wrote most (its layer's upper, measured off the loop thread) is frozen with an approval of
+    kind `disk`: approved, it goes on and is not paused again until free space has halved;
+    denied, it fails with `disk full: <reason>`.  Loop thread, but for the walk."""
+
+    def __init__(self, box: "Box") -> None:
+        self.box = box
+        self.next_check = 0.0
+        self.walking = False
+        self.paused_free: int | None = None      # free bytes when the last task was paused
+
+    def tick(self) -> float:
+        """Check the free space while tasks run; seconds until the next check."""
+        box = self.box
+        if not box.workers:
+            return 1.0
+        now = time.monotonic()
+        if now < self.next_check:
+            return self.next_check - now
+        self.next_check = now + DISK_CHECK_INTERVAL
+        free, reserve = self.free_and_reserve()
+        if free >= reserve:
+            self.paused_free = None
+            return DISK_CHECK_INTERVAL
+        held = any("disk" in w.holds for w in box.workers.values())
+        if held and self.paused_free is not None and free > self.paused_free - DISK_STEP:
+            return DISK_CHECK_INTERVAL         # nothing else is eating the disk
+        candidates = [(i, box.layer_dir(i)) for i, w in box.workers.items()
+                      if box.tasks[i].state in ("running", "waiting")
+                      and "disk" not in w.holds and free < w.disk_floor]
+        if candidates and not self.walking:
+            self.walking = True
+            threading.Thread(target=self._measure, args=(candidates,), name="disk",
+                             daemon=True).start()
+        return DISK_CHECK_INTERVAL
+
+    def free_and_reserve(self) -> tuple[int, int]:
+        st = os.statvfs(self.box.home)
+        return st.f_bavail * st.f_frsize, disk_reserve(self.box.settings["diskReserveBytes"],
+                                                       st.f_blocks * st.f_frsize)
+
+    def _measure(self, candidates: list[tuple[str, str]]) -> None:
+        sizes = {task_id: tree_bytes(os.path.join(path, "upper")) for task_id, path in candidates}
+        self.box.commands.put((self.on_sizes, (sizes,), Future()))
+        os.write(self.box.wake_w, b"d")
+
+    def on_sizes(self, sizes: dict[str, int]) -> None:
+        """Back on the loop thread: pause the biggest writer still running, if still short."""
+        self.walking = False
+        box = self.box
+        free, reserve = self.free_and_reserve()
+        if free >= reserve:
+            return
+        for task_id, size in sorted(sizes.items(), key=lambda kv: -kv[1]):
+            task, worker = box.tasks.get(task_id), box.workers.get(task_id)
+            if task is None or worker is None or task.state not in ("running", "waiting") or \
+                    "disk" in worker.holds or free >= worker.disk_floor:
+                continue
+            self.pause(task, worker, size, free, reserve)
+            return
+
+    def pause(self, task: Task, worker: "Worker", size: int, free: int, reserve: int) -> None:
+        log(4, f"task {task.id} paused: {free} bytes free in {self.box.home}, reserve {reserve}")
+        self.box.hold(task, worker, "disk")
+        self.paused_free = free
+        plan = self.box.broker.create(
+            task, "disk", "disk", {"bytes": size, "freeBytes": free, "reserveBytes": reserve},
+            0, f"The task has written {size} bytes and the disk of BOX_HOME has {free} bytes "
+               f"free, below the reserve of {reserve} bytes. Let it write on?")
+        worker.disk_wait = plan["wait"]
+
+    def on_approval(self, approval: Approval) -> None:
+        """Approved: thaw, and no new pause until free space halves; denied: the task fails."""
+        box = self.box
+        task, worker = box.tasks.get(approval.task), box.workers.get(approval.task)
+        if task is None or worker is None or worker.disk_wait != approval.id:
+            return
+        worker.disk_wait = None
+        if approval.state == "approved":
+            worker.disk_floor = self.free_and_reserve()[0] // 2
+            box.unhold(task, worker, "disk")
+            return
+        if approval.answeredBy == "api":
+            box.release_worker(task)
+            box.set_state(task, "failed", error=f"disk full: {approval.reason or 'denied'}")
+            box.gc_layers()
+            box.schedule()
 
 
 # Spawner #######################################################################################
@@ -1945,6 +2475,11 @@ def _bind(fd: int, path: str, target: str, attrs: int, recursive: bool = False) 
 
 def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
     uid, gid = spec["uid"], spec["gid"]
+    for procs in spec.get("cgroups", []):     # tracked and bounded before anything else
+        with open(procs, "w") as f:
+            f.write("0")
+    if spec.get("nproc"):                     # per uid, threads too: the cgroup's backup
+        resource.setrlimit(resource.RLIMIT_NPROC, (spec["nproc"], spec["nproc"]))
     os.setsid()
     if "netnsFd" in spec:      # a task with hosts: the namespace gurtd made, with its veth
         libc_call("setns", fds[spec["netnsFd"]], CLONE_NEWNET)
@@ -2434,6 +2969,10 @@ class Worker:
     model_cents: float = 0.0         # model cost counted so far (usage is cumulative)
     budget_limit: float = 0.0        # costCents above this pauses a droid worker
     paused: str | None = None        # the approval a paused (SIGSTOP) worker waits for
+    holds: set[str] = field(default_factory=set)   # why it is frozen: budget, disk
+    disk_wait: str | None = None     # the disk approval it waits for
+    disk_floor: int = LIMIT_MAX      # free bytes below which it may be paused for disk
+    log_cap: LogCap = field(default_factory=lambda: LogCap(LIMIT_MAX))
 
 
 class Box:
@@ -2450,6 +2989,8 @@ class Box:
         self.listen = listen
         self.network = Network(self, dns_upstream)
         self.broker = Broker(self)
+        self.cgroups = Cgroups(self.home)
+        self.disk = DiskReserve(self)
         self.events: list[tuple[int, str, bytes]] = []   # (seq, kind, JSON) for /api/events
         # Event ids go on from a clock reading, so that an id from before a restart is older
         # than every id of this run (its stream gets a reset event, not silence).
@@ -2625,6 +3166,8 @@ class Box:
         entry = {"time": now_iso(), **entry}
         line = (json.dumps(entry) + "\n").encode()
         worker = self.workers.get(task_id)
+        if worker is not None and not worker.log_cap.admit(entry.get("type"), len(line)):
+            return                              # past logBytes: counted, not stored
         if worker is not None and worker.log_fd >= 0:
             append_line(worker.log_fd, line)
         else:
@@ -2815,6 +3358,7 @@ class Box:
     # task lifecycle (loop thread)
     def create_task(self, body: Any) -> dict[str, Any]:
         fields = validate_task_body(body, self.settings)
+        fields["limits"] = effective_limits(fields["limits"], self.settings, mem_total())
         if not self.workspace_exists(fields["workspace"]):
             raise ApiError(400, f"workspace {fields['workspace']} does not exist")
         if fields["worker"] == "droid" and not self.droid_path():
@@ -2890,6 +3434,9 @@ class Box:
                         "LANG": "C.UTF-8", "TMPDIR": "/tmp", "PWD": VIEW_DIR,
                         "GURT_TASK": task.id, "GURT_BROKER": BROKER_IN_BOX},
             }
+            limits = task.limits or effective_limits({}, self.settings, mem_total())
+            spec["cgroups"] = self.cgroups.create(task.id, limits)
+            spec["nproc"], spec["tmpBytes"] = limits["processes"], limits["tmpBytes"]
             hosts = list(task.hosts)
             if task.worker == "droid":
                 hosts += [h for h in self.settings["droidHosts"] if h not in hosts]
@@ -2913,7 +3460,8 @@ class Box:
         os.set_blocking(out_r, False)
         log_fd = os.open(self.log_file(task.id), os.O_WRONLY | os.O_APPEND | os.O_CREAT |
                          os.O_CLOEXEC, 0o600)
-        worker = Worker(task.id, pid, out_r, log_fd=log_fd, budget_limit=task.budgetCents)
+        worker = Worker(task.id, pid, out_r, log_fd=log_fd, budget_limit=task.budgetCents,
+                        log_cap=LogCap(limits["logBytes"], os.fstat(log_fd).st_size))
         self.workers[task.id] = worker
         self.selector.register(out_r, selectors.EVENT_READ, task.id)
         self.set_state(task, "running")
@@ -2993,12 +3541,15 @@ class Box:
             self.on_worker_output(worker.task_id)  # the writer is gone: read to the end
             return
         task = self.tasks[worker.task_id]
+        oom = self.cgroups.oom_kills(task.id) > 0     # read before its groups go
         self.release_worker(task)
         code = worker.exit_code
         if code < 0:
             code = 128 - code                    # killed by signal N: 128+N, as a shell says
         if worker.error:
             self.set_state(task, "failed", error=worker.error)
+        elif oom:
+            self.set_state(task, "failed", error="out of memory")
         elif code == 0:
             self.done_seq += 1
             summary = (task.summary if task.worker == "droid" else worker.last_out) or None
@@ -3015,9 +3566,8 @@ class Box:
         self.schedule()
 
     def release_worker(self, task: Task) -> None:
-        """End every process of the task, remove its user, clear set-id bits of its layer.
-
-        Idempotent."""
+        """End every process of the task, remove its groups, user and network, clear
+        set-id bits of its layer.  Idempotent."""
         worker = self.workers.pop(task.id, None)
         if worker is not None:
             if not worker.eof:
@@ -3028,18 +3578,37 @@ class Box:
         self.cleanup_user(task)
         self.network.release(task.id)
         setid_strip(os.path.join(self.layer_dir(task.id), "upper"))   # its processes are gone
+        note = worker.log_cap.note() if worker is not None else None
+        if note:                                 # the last line before its end state
+            self.append_log(task.id, note)
 
     def cleanup_user(self, task: Task) -> None:
-        """End the task's processes, then remove its user (kept while a process lives)."""
-        if task.uid:
-            try:
+        """End the task's processes (its cgroup: every thread, wherever it went; then its uid),
+        remove its groups, then its user (kept while a process lives)."""
+        try:
+            self.cgroups.kill(task.id)
+            if task.uid:
                 kill_uid(task.uid)
-            except SysError as exc:
-                log(3, f"task {task.id}: {exc}; its user stays until the next start")
-                return
+            self.cgroups.remove(task.id)
+        except SysError as exc:
+            log(3, f"task {task.id}: {exc}; its user and groups stay until the next start")
+            return
+        if task.uid:
             keys_clear(task.uid)
             user_del(task.user)
             task.uid = 0
+
+    def hold(self, task: Task, worker: Worker, why: str) -> None:
+        """Pause every process of the task (its cgroup frozen, else SIGSTOP) for a reason."""
+        if not worker.holds and not self.cgroups.freeze(task.id):
+            signal_uid(task.uid, signal.SIGSTOP)
+        worker.holds.add(why)
+
+    def unhold(self, task: Task, worker: Worker, why: str) -> None:
+        """Drop one reason; the task goes on once no reason is left."""
+        worker.holds.discard(why)
+        if not worker.holds and not self.cgroups.thaw(task.id):
+            signal_uid(task.uid, signal.SIGCONT)
 
     def stop(self, task_id: str, reason: str = "stopped") -> dict[str, Any]:
         task = self.get(task_id)
@@ -3215,8 +3784,8 @@ class Box:
             self.pause_for_budget(task, worker)
 
     def pause_for_budget(self, task: Task, worker: Worker) -> None:
-        """Model spending passed the budget: stop every process (SIGSTOP) and ask."""
-        signal_uid(task.uid, signal.SIGSTOP)
+        """Model spending passed the budget: pause every process and ask."""
+        self.hold(task, worker, "budget")
         plan = self.broker.create(task, "budget", "model",
                                   {"model": self.settings["droidModel"],
                                    "costCents": task.costCents}, task.costCents, None)
@@ -3231,7 +3800,7 @@ class Box:
         worker.paused = None
         if approval.state == "approved":
             worker.budget_limit = task.costCents + task.budgetCents
-            signal_uid(task.uid, signal.SIGCONT)
+            self.unhold(task, worker, "budget")
             return
         if approval.answeredBy == "api":
             self.release_worker(task)
@@ -3240,8 +3809,9 @@ class Box:
             self.gc_layers()
             self.schedule()
 
-    def tick(self) -> None:
-        """Timers of the loop: a worker past taskTimeoutSeconds is stopped."""
+    def tick(self) -> float:
+        """Timers of the loop: a worker past taskTimeoutSeconds is stopped; BOX_HOME's free
+        space is checked.  Seconds until the next timer."""
         limit = self.settings["taskTimeoutSeconds"]
         now = time.monotonic()
         for task_id, worker in list(self.workers.items()):
@@ -3249,6 +3819,7 @@ class Box:
             if now - worker.started > limit and task.state in ("running", "waiting"):
                 log(4, f"task {task_id} timed out after {limit} s")
                 self.stop(task_id, "timed out")
+        return self.disk.tick()
 
     def put_settings(self, body: Any) -> dict[str, Any]:
         new = validate_settings(body, self.settings)
@@ -3306,7 +3877,8 @@ class Box:
     def reconcile(self) -> None:
         """Before answering: fail orphaned tasks, end their processes, remove leftovers.
         Each step in its own try: a start on a full disk cleans what it can and says what
-        it could not."""
+        it could not.  Only what is provably this box's is ended: its task groups (of any
+        earlier task, its user deleted or not) and the uids of its users."""
         problems: list[str] = []
 
         def attempt(what: str, fn: Callable[..., Any], *args: Any) -> None:
@@ -3315,21 +3887,28 @@ class Box:
             except Exception as exc:
                 problems.append(f"{what}: {type(exc).__name__}: {exc}")
 
+        attempt("find the task groups", self.cgroups.start)
+        for name in self.cgroups.leftovers():
+            log(4, f"reconcile: ending leftover task group {name} and its processes")
+            attempt(f"end the task group {name}", self.cgroups.kill, name)
+            attempt(f"remove the task group {name}", self.cgroups.remove, name)
         attempt("recover payments from the ledger", self.broker.recover_ledger)
         mine = {t.user for t in self.tasks.values()}
         marker = f"gurt task in {self.home}"
-        leftovers = {}
+        leftovers, taken = {}, set()
         crashed: list[str] = []
         with open("/etc/passwd") as f:
             for line in f:
                 parts = line.rstrip("\n").split(":")
+                if len(parts) > 2 and parts[2].isdigit():
+                    taken.add(int(parts[2]))
                 if len(parts) > 4 and parts[0].startswith(TASK_USER_PREFIX) and \
                         (parts[0] in mine or parts[4] == marker) and parts[2].isdigit():
                     leftovers[parts[0]] = int(parts[2])
         for task in sorted(self.tasks.values(), key=lambda t: t.seq):
+            if task.uid and task.uid not in taken:   # never a uid someone else has now
+                leftovers.setdefault(task.user, task.uid)
             if task.state in ("running", "waiting"):
-                if task.uid:
-                    leftovers.setdefault(task.user, task.uid)
                 task.uid = 0
                 attempt(f"fail task {task.id}", lambda t=task: self.set_state(
                     t, "failed", error="gurtd restarted while the task was running"))
@@ -3367,6 +3946,7 @@ class Box:
             for _, fd in self.views.values():
                 os.close(fd)
             self.views.clear()
+        self.cgroups.stop()
 
 
 # Hosts #########################################################################################
@@ -3553,7 +4133,8 @@ class Network:
         return net
 
     def release(self, task_id: str) -> None:
-        """End a task's grants at once, log its refusals, and let its namespace go."""
+        """End a task's grants and delete its veth at once, log its refusals, and let its
+        namespace go."""
         net = self.nets.pop(task_id, None)
         if net is None:
             return
@@ -3577,6 +4158,12 @@ class Network:
                 self.nft.run(command)
             except SysError:
                 pass
+        try:                      # its veth now (~30 ms), not once its namespace is free:
+            links = self.ipr.link_lookup(ifname=net.ifname)   # a survivor must reach nothing
+            if links:
+                self.ipr.link("del", index=links[0])
+        except Exception as exc:  # pyroute2's NetlinkError; the namespace takes it anyway
+            log(3, f"could not delete {net.ifname} of task {task_id}: {exc}")
         for key, up in list(self.pending.items()):
             if up.net is net:
                 self.selector_drop(up.sock)
@@ -4114,6 +4701,8 @@ class Broker:
             self.box.on_model_approval(approval)
             if state == "denied":
                 return approval.to_api()
+        if approval.kind == "disk":
+            self.box.disk.on_approval(approval)
         if by == "api" and task is not None and task.state == "waiting" and not any(
                 a.task == task.id and a.state == "pending" for a in self.approvals.values()):
             self.box.set_state(task, "running")
@@ -4956,6 +5545,21 @@ TASK_SCHEMA: dict[str, Any] = {
         "updatedAt": {"type": "string", "format": "date-time"},
         "error": {"type": "string"},
         "summary": {"type": "string"},
+        "limits": {"type": "object", "additionalProperties": False,
+                   "description": "What the task may take; on create, any of these overrides "
+                                  "its setting; the task shows the effective values.",
+                   "properties": {
+                       "processes": {"type": "integer", "minimum": 8,
+                                     "description": "Processes and threads (taskMaxProcesses)."},
+                       "memoryBytes": {"type": "integer", "minimum": 16 << 20,
+                                       "description": "Memory, tmpfs pages included "
+                                                      "(taskMemoryBytes)."},
+                       "tmpBytes": {"type": "integer", "minimum": 1 << 20,
+                                    "description": "/tmp, /var/tmp, /dev/shm and HOME together "
+                                                   "(taskTmpBytes)."},
+                       "logBytes": {"type": "integer", "minimum": 64 << 10,
+                                    "description": "Stored log; past it lines are counted "
+                                                   "(taskLogBytes)."}}},
     },
 }
 
@@ -5481,7 +6085,7 @@ def loop(box: Box) -> None:
             box.unsaved_retry = time.monotonic() + 5.0
             box.guard(None, box.save_unsaved)
         try:
-            timeout = box.network.tick()
+            timeout = min(box.network.tick(), box.disk.tick())
         except Exception as exc:
             log(3, f"the network timers failed: {type(exc).__name__}: {exc}")
             timeout = 1.0

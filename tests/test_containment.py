@@ -203,8 +203,13 @@ def test_a_task_cannot_see_another_running_tasks_view(gurtd: Gurtd) -> None:
 def test_a_task_cannot_see_or_kill_another_tasks_processes(gurtd: Gurtd) -> None:
     a = gurtd.create(prompt("sleep 3"), title="task A")
     wait_for_step(gurtd, a["id"], "sleep 3")
-    pids = gurtd.worker_pids(a)
-    assert any(cmdline(p) == "sleep 3" for p in pids), [cmdline(p) for p in pids]
+    deadline = time.monotonic() + 10     # the step is reported just before its shell forks
+    while True:
+        pids = gurtd.worker_pids(a)
+        if any(cmdline(p) == "sleep 3" for p in pids):
+            break
+        assert time.monotonic() < deadline, [cmdline(p) for p in pids]
+        time.sleep(0.005)
     b = run_done(gurtd, prompt(
         "ps ax -o pid=,user:32=,args=",
         "echo ---",

@@ -288,7 +288,7 @@ def test_a_new_task_has_every_field_and_default(gurtd: Gurtd) -> None:
         assert key not in task, (key, task)
     expected_keys = {"id", "title", "prompt", "workspace", "worker", "tools", "hosts",
                      "budgetCents", "source", "state", "user", "layers", "costCents",
-                     "createdAt", "updatedAt"}
+                     "createdAt", "updatedAt", "limits"}
     assert set(task) == expected_keys
 
     # watch it to the end: each change of the task comes with a later updatedAt

@@ -22,7 +22,8 @@ def test_ids_look_like_the_seed_pages():
 def test_a_minimal_body_gets_every_default_of_the_seed_page():
     fields = G.validate_task_body({"title": "t", "prompt": "p"}, SETTINGS)
     assert fields == {"title": "t", "prompt": "p", "workspace": "home", "worker": "droid",
-                      "tools": [], "hosts": [], "budgetCents": 0, "source": "api"}
+                      "tools": [], "hosts": [], "budgetCents": 0, "source": "api",
+                      "limits": {}}
 
 
 def test_the_default_budget_comes_from_settings():

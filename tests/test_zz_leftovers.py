@@ -38,3 +38,12 @@ def test_no_network_namespace_veth_or_nftables_table_is_left():
 
 def test_no_test_box_home_is_left():
     assert not [d for d in os.listdir("/var/tmp") if d.startswith("gurt-test-")]
+
+
+def test_no_task_cgroup_is_left():
+    """gurtd's task groups (gurt-<hash>/<id>) and their parents, below this process's own
+    group in each hierarchy (gurtd runs as a child of the tests, in the same groups)."""
+    v2, v1 = G.cgroup_own_groups()
+    left = [os.path.join(p, n) for p in [v2] + list(v1.values()) if p and os.path.isdir(p)
+            for n in os.listdir(p) if n.startswith("gurt-")]
+    assert left == []
