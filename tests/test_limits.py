@@ -391,9 +391,6 @@ def test_a_task_that_takes_too_much_memory_fails_with_out_of_memory(box: Gurtd) 
     assert ok["state"] == "done", ok
 
 
-@pytest.mark.xfail(reason="needs the rootfs branch: one tmpfs of size spec['tmpBytes'] for "
-                          "/tmp, /var/tmp, /dev/shm and HOME; remove this mark once merged",
-                   strict=False)
 def test_the_tmp_mounts_together_are_bounded_by_tmp_bytes(box: Gurtd) -> None:
     """With limits.tmpBytes 8 MiB, 6 MiB in /tmp and 6 more in /dev/shm do not fit: the
     second write fails with ENOSPC (they are one tmpfs)."""
