@@ -2152,13 +2152,12 @@ class DiskReserve:
 
     def pause(self, task: Task, worker: "Worker", size: int, free: int, reserve: int) -> None:
         log(4, f"task {task.id} paused: {free} bytes free in {self.box.home}, reserve {reserve}")
-        self.box.hold(task, worker, "disk")
         self.paused_free = free
-        plan = self.box.broker.create(
-            task, "disk", "disk", {"bytes": size, "freeBytes": free, "reserveBytes": reserve},
+        worker.disk_wait = self.box.pause_and_ask(
+            task, worker, "disk", "disk full", "disk", "disk",
+            {"bytes": size, "freeBytes": free, "reserveBytes": reserve},
             0, f"The task has written {size} bytes and the disk of BOX_HOME has {free} bytes "
                f"free, below the reserve of {reserve} bytes. Let it write on?")
-        worker.disk_wait = plan["wait"]
 
     def on_approval(self, approval: Approval) -> None:
         """Approved: thaw, and no new pause until free space halves; denied: the task fails."""
@@ -3002,6 +3001,7 @@ class Box:
         # order, and per task (state, workspace, doneSeq, JSON) replaced in one assignment.
         self.order: list[tuple[int, str]] = []
         self.listed: dict[str, tuple[str, str, int, bytes]] = {}
+        self.listed_lock = threading.Lock()     # a list is read whole between two publishes
         self.staged: dict[str, Task] = {}                 # changed in this loop step
         self.staged_events: list[tuple[str, bytes]] = []
         self.workers: dict[str, Worker] = {}
@@ -3132,14 +3132,15 @@ class Box:
         threads together, tasks first, then approvals, then events, so that a reader never
         sees half a step (an approval pending while its task is not yet waiting, an event
         about a task that GET still shows as before)."""
-        for task in self.staged.values():
-            if self.tasks.get(task.id) is not task:
-                continue                  # a create that failed after its first save
-            data = json.dumps(task.to_api()).encode()
-            if task.id not in self.listed:
-                bisect.insort(self.order, (task.seq, task.id))
-            self.listed[task.id] = (task.state, task.workspace, task.doneSeq, data)
-            self.rendered[task.id] = data
+        fresh = [(task, json.dumps(task.to_api()).encode()) for task in self.staged.values()
+                 if self.tasks.get(task.id) is task]   # not a create that failed after saving
+        with self.listed_lock:
+            for task, data in fresh:
+                if task.id not in self.listed:
+                    bisect.insort(self.order, (task.seq, task.id))
+                self.listed[task.id] = (task.state, task.workspace, task.doneSeq, data)
+                self.rendered[task.id] = data
+        for task, _ in fresh:
             self.log_followers.notify(task.id)    # a follower ends when the task does
         self.staged.clear()
         self.broker.publish()
@@ -3660,20 +3661,23 @@ class Box:
     def list_tasks(self, state: str | None, workspace: str | None, limit: int) -> bytes:
         """The task list as JSON, newest first, from the published snapshots."""
         out = []
-        for _, task_id in reversed(self.order[:]):        # a copy: the loop may insert
-            entry = self.listed.get(task_id)
-            if entry is not None and (state is None or entry[0] == state) and \
-                    (workspace is None or entry[1] == workspace):
-                out.append(entry[3])
-                if len(out) >= limit:
-                    break
+        with self.listed_lock:              # one step's changes, all of them or none
+            for _, task_id in reversed(self.order):
+                entry = self.listed.get(task_id)
+                if entry is not None and (state is None or entry[0] == state) and \
+                        (workspace is None or entry[1] == workspace):
+                    out.append(entry[3])
+                    if len(out) >= limit:
+                        break
         return b"[" + b", ".join(out) + b"]"
 
     def workspace_snapshot(self, name: str, full: bool = False) -> dict[str, Any]:
         """workspace_info from the snapshots: its done tasks, newest first."""
         if not self.workspace_exists(name):
             raise ApiError(404, f"no workspace named {name}", "not_found")
-        stack = sorted(((e[2], e[3]) for e in list(self.listed.values())
+        with self.listed_lock:
+            entries = list(self.listed.values())
+        stack = sorted(((e[2], e[3]) for e in entries
                         if e[0] == "done" and e[1] == name), reverse=True)
         info: dict[str, Any] = {"name": name, "layers": len(stack)}
         if full:
@@ -3783,13 +3787,28 @@ class Box:
                 task.state == "running":
             self.pause_for_budget(task, worker)
 
+    def pause_and_ask(self, task: Task, worker: Worker, why: str, failed: str,
+                      *approval: Any) -> str | None:
+        """Pause every process of the task and make an approval (Broker.create's arguments);
+        its id.  An approval that cannot be saved (a full disk) would leave the task paused
+        with no one to ask: the task fails instead, with error `<failed>: <why not>`."""
+        self.hold(task, worker, why)
+        try:
+            return self.broker.create(task, *approval)["wait"]
+        except (ApiError, OSError) as exc:
+            message = exc.message if isinstance(exc, ApiError) else str(exc)
+            log(3, f"task {task.id}: could not ask for a {why} approval: {message}")
+            self.fail_task(task, f"{failed}: {message}")
+            self.gc_layers()
+            self.schedule()
+            return None
+
     def pause_for_budget(self, task: Task, worker: Worker) -> None:
         """Model spending passed the budget: pause every process and ask."""
-        self.hold(task, worker, "budget")
-        plan = self.broker.create(task, "budget", "model",
-                                  {"model": self.settings["droidModel"],
-                                   "costCents": task.costCents}, task.costCents, None)
-        worker.paused = plan["wait"]
+        worker.paused = self.pause_and_ask(
+            task, worker, "budget", "budget exceeded", "budget", "model",
+            {"model": self.settings["droidModel"], "costCents": task.costCents},
+            task.costCents, None)
 
     def on_model_approval(self, approval: Approval) -> None:
         """Approved: continue (SIGCONT) up to one more budget; denied: the task fails."""
