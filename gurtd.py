@@ -826,17 +826,25 @@ def append_line(fd: int, data: bytes) -> None:
         raise
 
 
-def atomic_write(path: str, data: bytes, mode: int = 0o600, sync: bool = True) -> None:
-    """Write a file so that a crash leaves the old or the new version: temp, fsync, rename.
-    On any error the temp file is removed and the old version stays; the error is raised.
-    Temp names end in .tmp-PID-THREAD: remove_temp_leftovers finds a crashed run's."""
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+def atomic_write(path: str, data: bytes, mode: int = 0o600, sync: bool = True,
+                 owner: tuple[int, int] | None = None, tmp: str | None = None) -> None:
+    """Write a file so that a crash leaves the old or the new version: temp, every byte,
+    fsync, size checked, rename.  On any error the temp file is removed and the old version
+    stays; the error is raised.  Temp names end in .tmp-PID-THREAD (or tmp):
+    remove_temp_leftovers finds a crashed run's."""
+    tmp = tmp or f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
         try:
+            os.fchmod(fd, mode)               # exactly mode, whatever gurtd's umask (0077 as
+            if owner is not None:             # a service would make /etc/passwd unreadable)
+                os.fchown(fd, *owner)
             write_all(fd, data)
             if sync:
                 os.fsync(fd)
+            if os.fstat(fd).st_size != len(data):
+                raise OSError(errno.EIO, f"{tmp} holds {os.fstat(fd).st_size} bytes, "
+                                         f"not {len(data)}")
         finally:
             os.close(fd)
         os.rename(tmp, path)
@@ -1093,26 +1101,8 @@ def _replace_account_file(path: str, data: bytes) -> None:
     owner), every byte written, fsync, size checked, rename.  On any error the temp is
     removed and the original stays untouched: /etc/passwd is never truncated."""
     st = os.stat(path)
-    tmp = f"{path}.gurtd-{os.getpid()}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                     st.st_mode & 0o7777)
-        try:
-            os.fchown(fd, st.st_uid, st.st_gid)
-            write_all(fd, data)
-            os.fsync(fd)
-            if os.fstat(fd).st_size != len(data):
-                raise OSError(errno.EIO, f"{tmp} holds {os.fstat(fd).st_size} bytes, "
-                                         f"not {len(data)}")
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(path, data, st.st_mode & 0o7777, sync=True, owner=(st.st_uid, st.st_gid),
+                 tmp=f"{path}.gurtd-{os.getpid()}")
 
 
 def account_temp_leftovers() -> list[str]:

@@ -591,3 +591,22 @@ def test_an_error_that_belongs_to_no_task_is_logged_and_gurtd_keeps_serving() ->
         if g.proc is not None:
             g.stop(signal.SIGKILL)
         remove_home(home)
+
+
+def test_a_replaced_file_keeps_its_mode_and_owner_whatever_gurtd_s_umask(tmp_path) -> None:
+    """Under systemd gurtd runs with UMask=0077: a rewritten /etc/passwd must still be 0644
+    (a 0600 passwd breaks every program of every user).  The same write path, on a file of
+    the test's own."""
+    path = tmp_path / "passwd"
+    path.write_text("root:x:0:0::/root:/bin/sh\n")
+    os.chmod(path, 0o644)
+    os.chown(path, 0, 42)
+    old = os.umask(0o077)
+    try:
+        G._replace_account_file(str(path), b"root:x:0:0::/root:/bin/sh\nx:x:1:1::/:/bin/sh\n")
+    finally:
+        os.umask(old)
+    st = os.stat(path)
+    assert (oct(st.st_mode & 0o7777), st.st_uid, st.st_gid) == ("0o644", 0, 42)
+    assert path.read_text().endswith("x:x:1:1::/:/bin/sh\n")
+    assert sorted(os.listdir(tmp_path)) == ["passwd"]
