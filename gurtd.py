@@ -924,6 +924,19 @@ def is_disk_error(exc: BaseException) -> bool:
                                                       errno.EIO, errno.EFBIG)
 
 
+@contextlib.contextmanager
+def saved_or_507(what: str) -> Iterator[None]:
+    """A write that the disk refuses (full, read-only...) answers 507 `cannot save the
+    <what>: <why>` to the person who asked; any other error passes as it is."""
+    try:
+        yield
+    except OSError as exc:
+        if is_disk_error(exc):
+            raise ApiError(507, f"cannot save the {what}: {exc.strerror}",
+                           "insufficient_storage") from None
+        raise
+
+
 def fsync_dir(directory: str) -> None:
     """Make a rename or a new file in directory durable."""
     dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
@@ -3841,13 +3854,9 @@ class Box:
             if models and body["droidModel"] not in models:
                 raise ApiError(400, f"droidModel {body['droidModel']} is not one the Droid CLI "
                                     f"knows; it knows: {', '.join(models)}")
-        try:       # saved first: settings that are not on disk are not in force either
+        # saved first: settings that are not on disk are not in force either
+        with saved_or_507("settings"):
             write_json(self.path("settings.json"), new)
-        except OSError as exc:
-            if is_disk_error(exc):
-                raise ApiError(507, f"cannot save the settings: {exc.strerror}",
-                               "insufficient_storage") from None
-            raise
         self.settings = new
         self.schedule()
         return dict(self.settings)
@@ -4658,13 +4667,9 @@ class Broker:
         approval = Approval(id=new_approval_id(), task=task.id, kind=kind, tool=tool, args=args,
                             cents=cents, question=question, state="pending",
                             createdAt=now_iso())
-        try:       # saved first: an approval that is not on disk is not in memory either
+        # saved first: an approval that is not on disk is not in memory either
+        with saved_or_507("approval"):
             self.save(approval)
-        except OSError as exc:
-            if is_disk_error(exc):
-                raise ApiError(507, f"cannot save the approval: {exc.strerror}",
-                               "insufficient_storage") from None
-            raise
         self.approvals[approval.id] = approval
         future: Future[Approval] = Future()
         self.waiters[approval.id] = future
@@ -4686,13 +4691,9 @@ class Broker:
                            "conflict")
         answered = dataclasses.replace(approval, state=state, reason=reason, answer=answer,
                                        answeredBy=by, answeredAt=now_iso())
-        try:       # saved first: an answer that is not on disk is not given
+        # saved first: an answer that is not on disk is not given
+        with saved_or_507("approval"):
             self.save(answered)
-        except OSError as exc:
-            if is_disk_error(exc):
-                raise ApiError(507, f"cannot save the approval: {exc.strerror}",
-                               "insufficient_storage") from None
-            raise
         approval.state, approval.reason, approval.answer = state, reason, answer
         approval.answeredBy, approval.answeredAt = by, answered.answeredAt
         self.box.emit("approval", approval.to_api())
@@ -4774,13 +4775,8 @@ class Broker:
         entry = {"time": now_iso(), "task": task_id, "call": call, "to": args["to"],
                  "cents": args["cents"], "memo": args.get("memo"),
                  "balanceAfterCents": balance - cents}
-        try:
+        with saved_or_507("payment"):
             self.ledger_append(entry)
-        except OSError as exc:
-            if is_disk_error(exc):
-                raise ApiError(507, f"cannot save the payment: {exc.strerror}",
-                               "insufficient_storage") from None
-            raise
         crash_point("after-ledger")
         result = {"paid": True, "to": args["to"], "cents": args["cents"],
                   "balanceCents": entry["balanceAfterCents"]}
@@ -4851,13 +4847,8 @@ class Broker:
             raise ApiError(400, 'the body must be {"balanceCents": a number of at least 0}')
         entry = {"time": now_iso(), "set": body["balanceCents"],
                  "balanceAfterCents": body["balanceCents"]}
-        try:
+        with saved_or_507("wallet"):
             self.ledger_append(entry)
-        except OSError as exc:
-            if is_disk_error(exc):
-                raise ApiError(507, f"cannot save the wallet: {exc.strerror}",
-                               "insufficient_storage") from None
-            raise
         return self.wallet
 
     def tools(self) -> list[dict[str, Any]]:

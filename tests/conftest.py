@@ -172,6 +172,18 @@ class Gurtd:
         return gurtd.processes_by_uid({uid}).get(uid, [])
 
 
+def wait_for_step(g: Gurtd, task_id: str, step: str, timeout: float = 30.0) -> dict[str, Any]:
+    """Wait until the task is running the prompt line `step`; the task then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        task = g.task(task_id)
+        if task["state"] == "running" and task.get("step") == step:
+            return task
+        assert task["state"] in ("queued", "running"), (task, g.log(task_id))
+        assert time.monotonic() < deadline, f"task never reached {step!r}: {task}"
+        time.sleep(0.02)
+
+
 def eventually(check: Callable[[], Any], timeout: float = 20.0, what: str = "") -> Any:
     """Poll check() until it returns something truthy; its value, or AssertionError."""
     deadline = time.monotonic() + timeout

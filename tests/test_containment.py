@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import pytest
 
 import gurtd as gurtd_module
-from conftest import Gurtd, put_base_file
+from conftest import Gurtd, put_base_file, wait_for_step
 
 VIEW = "/run/gurt/view"
 SUID_COPY = "/usr/local/bin/gurt-test-suid-id"
@@ -54,16 +54,6 @@ def run_done(g: Gurtd, text: str, **fields: Any) -> dict[str, Any]:
     return task
 
 
-def wait_for_step(g: Gurtd, task_id: str, step: str, timeout: float = 15.0) -> dict[str, Any]:
-    """Wait until the task is running the prompt line `step`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        task = g.task(task_id)
-        if task["state"] == "running" and task.get("step") == step:
-            return task
-        assert task["state"] in ("queued", "running"), (task, g.log(task_id))
-        assert time.monotonic() < deadline, f"task never reached {step!r}: {task}"
-        time.sleep(0.02)
 
 
 def cmdline(pid: int) -> str:

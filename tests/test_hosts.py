@@ -51,7 +51,7 @@ import dns.rdatatype
 import dns.rrset
 import pytest
 
-from conftest import Gurtd
+from conftest import Gurtd, wait_for_step
 
 NETNS = "gtinet"
 HOST_VETH = "gtv0"
@@ -509,15 +509,6 @@ def start(g: Gurtd, hosts: list[str] | None, *lines: str) -> str:
     return g.create("\n".join(lines), **fields)["id"]
 
 
-def wait_for_step(g: Gurtd, task_id: str, step: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        task = g.task(task_id)
-        if task["state"] == "running" and task.get("step") == step:
-            return
-        assert task["state"] in ("queued", "running"), (task, g.log(task_id))
-        assert time.monotonic() < deadline, f"task never reached {step!r}: {task}"
-        time.sleep(0.02)
 
 
 # the host's view ###############################################################################

@@ -27,23 +27,13 @@ from typing import Any, Iterator
 import pytest
 
 import gurtd as G
-from conftest import Gurtd, eventually
+from conftest import Gurtd, eventually, wait_for_step
 
 VIEW = "/run/gurt/view"
 
 
 # helpers ######################################################################################
 
-def wait_step(g: Gurtd, task_id: str, step: str, timeout: float = 30.0) -> dict[str, Any]:
-    """Wait until the task runs the prompt line `step`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        task = g.task(task_id)
-        if task["state"] == "running" and task.get("step") == step:
-            return task
-        assert task["state"] in ("queued", "running"), (task, g.log(task_id))
-        assert time.monotonic() < deadline, f"task never reached {step!r}: {task}"
-        time.sleep(0.02)
 
 
 def threads_of_uid(uid: int) -> list[str]:
@@ -199,7 +189,7 @@ def test_a_thread_that_outlives_its_main_thread_ends_with_the_task(box: Gurtd) -
     ends no thread of its uid is left and the layer stops changing."""
     g = box
     task = g.create(f"id -u\n{ORPHAN_THREAD} > /dev/null 2>&1 &\nsleep 1.5\nsleep 0.5")
-    wait_step(g, task["id"], "sleep 0.5")
+    wait_for_step(g, task["id"], "sleep 0.5")
     uid = int(g.output(task["id"])[0])
     leftover = G.processes_by_uid({uid}).get(uid, [])
     zombies = []
@@ -240,7 +230,7 @@ def test_after_kill_9_a_survivor_of_an_earlier_task_is_ended_even_without_its_us
     steps of an end could leave it).  The restart finds it by its cgroup and ends it."""
     g = box
     task = g.create("id -u\nsetsid sleep 300 > /dev/null 2>&1 &\nsleep 30")
-    wait_step(g, task["id"], "sleep 30")
+    wait_for_step(g, task["id"], "sleep 30")
     uid = int(g.output(task["id"])[0])
     g.stop(signal.SIGKILL)
     def survivor() -> bool:
@@ -308,7 +298,7 @@ def test_a_task_with_hosts_loses_its_veth_at_its_end_and_a_survivor_reaches_noth
     inside that namespace nothing answers: no interface but lo, the gateway unreachable."""
     g = box
     task = g.create("sleep 30", hosts=["example.com"])
-    wait_step(g, task["id"], "sleep 30")
+    wait_for_step(g, task["id"], "sleep 30")
     pid = g.worker_pids(task)[0]
     nsfd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
     try:
@@ -363,7 +353,7 @@ def test_a_fork_bomb_stops_at_the_process_limit_and_gurtd_keeps_answering(box: G
     g = box
     task = g.create("id -u\n" + FORK_BOMB + "\nsleep 30",
                     limits={"processes": 50})
-    wait_step(g, task["id"], "sleep 30")
+    wait_for_step(g, task["id"], "sleep 30")
     uid, forked = (int(x) for x in g.output(task["id"]))
     assert 20 <= forked < 50, forked
     assert len(G.processes_by_uid({uid}).get(uid, [])) <= 50
@@ -507,7 +497,7 @@ def test_cgroups_of_this_box_and_the_cpu_share_of_its_tasks(box: Gurtd) -> None:
         with open(os.path.join(parent, "cpu.shares")) as f:
             assert int(f.read()) == own // 2
     task = g.create("sleep 30")
-    wait_step(g, task["id"], "sleep 30")
+    wait_for_step(g, task["id"], "sleep 30")
     groups = task_groups(g.home)
     assert sorted(os.path.basename(p) for p in groups) == [task["id"]] * len(parents)
     pid = g.worker_pids(task)[0]

@@ -21,13 +21,12 @@ import shutil
 import stat
 import subprocess
 import sys
-import time
 from typing import Any, Callable
 
 import pytest
 
 import gurtd as G
-from conftest import ROOT, Gurtd, eventually, put_base_file
+from conftest import ROOT, Gurtd, eventually, put_base_file, wait_for_step
 
 VIEW = "/run/gurt/view"
 
@@ -46,15 +45,6 @@ def stderr_of(g: Gurtd, task_id: str) -> list[str]:
     return [e.get("text", "") for e in g.log(task_id) if e["type"] == "stderr"]
 
 
-def wait_for_step(g: Gurtd, task_id: str, step: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        task = g.task(task_id)
-        if task["state"] == "running" and task.get("step") == step:
-            return
-        assert task["state"] in ("queued", "running"), (task, g.log(task_id))
-        assert time.monotonic() < deadline, f"task never reached {step!r}: {task}"
-        time.sleep(0.02)
 
 
 def key_users() -> set[int]:
