@@ -2180,6 +2180,75 @@ class DiskReserve:
             box.schedule()
 
 
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+Visit = Callable[[int, str, os.stat_result, list[str]], None]
+
+
+def tree_visit(top: str, visit: Visit, leave: Callable[[int, str], None] | None = None) -> None:
+    """Every entry below top, depth first, no symlink followed: visit(dir_fd, name, st,
+    parents) for each one that is not a directory (parents: the names from top down to its
+    directory), leave(parent_fd, name) once a directory's entries are
+    done.  One directory fd open at a time (it moves down by name and up by ".."), a list of
+    names per level instead of recursion: a task's tree may be thousands of levels deep and
+    longer than PATH_MAX.  For trees no process writes any more (a finished layer)."""
+    fd = os.open(top, DIR_FLAGS)
+    path: list[str] = []
+    pending = [_visit_dir(fd, visit, path)]
+    try:
+        while True:
+            if pending[-1]:
+                name = pending[-1].pop()
+                try:
+                    child = os.open(name, DIR_FLAGS, dir_fd=fd)
+                except OSError:
+                    continue
+                os.close(fd)
+                fd = child
+                path.append(name)
+                pending.append(_visit_dir(fd, visit, path))
+                continue
+            pending.pop()
+            if not path:
+                return
+            parent = os.open("..", DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = parent
+            if leave is not None:
+                leave(fd, path.pop())
+            else:
+                path.pop()
+    finally:
+        os.close(fd)
+
+
+def _visit_dir(fd: int, visit: Visit, parents: list[str]) -> list[str]:
+    """visit() each entry of the directory fd that is not a directory; its subdirectories."""
+    subdirs = []
+    for name in os.listdir(fd):
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            subdirs.append(name)
+        else:
+            visit(fd, name, st, parents)
+    return subdirs
+
+
+def tree_remove(top: str) -> None:
+    """Delete a directory tree, however deep (shutil.rmtree recurses and stops near 1,000
+    levels, which would make a layer impossible to delete); nothing if top is missing."""
+    try:
+        tree_visit(top, lambda fd, name, st, parents: os.unlink(name, dir_fd=fd),
+                   lambda fd, name: os.rmdir(name, dir_fd=fd))
+    except FileNotFoundError:
+        return
+    os.rmdir(top)
+
+
 # Spawner #######################################################################################
 ###############################################################################################
 # HTTP threads make fork unsafe in gurtd itself (locks held by other threads stay held in the
@@ -2903,31 +2972,34 @@ with open("/proc/keys") as f:
 
 
 def setid_strip(top: str) -> list[str]:
-    """Clear the set-uid and set-gid bits of every regular file under top; the paths cleared.
+    """Clear the set-uid and set-gid bits of every regular file under top; the names cleared.
 
-    Walks with directory fds and never follows a symlink: a task's symlink may name any host
-    file.  Each file is opened with O_NOFOLLOW and checked again through its fd before fchmod.
+    Walks with directory fds (tree_visit: any depth) and never follows a symlink: a task's
+    symlink may name any host file.  Each file is opened with O_NOFOLLOW and checked again
+    through its fd before fchmod.
     """
     cleared: list[str] = []
-    if not os.path.lexists(top):          # a task that never started has no layer
-        return cleared
-    for dirpath, _dirs, files, dirfd in os.fwalk(top, follow_symlinks=False):
-        for name in files:
+
+    def strip(dir_fd: int, name: str, st: os.stat_result, parents: list[str]) -> None:
+        if not stat.S_ISREG(st.st_mode) or not st.st_mode & SETID_BITS:
+            return
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=dir_fd)
             try:
-                st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-                if not stat.S_ISREG(st.st_mode) or not st.st_mode & SETID_BITS:
-                    continue
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                             dir_fd=dirfd)
-                try:
-                    st = os.fstat(fd)
-                    if stat.S_ISREG(st.st_mode):
-                        os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~SETID_BITS)
-                        cleared.append(os.path.join(dirpath, name))
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                log(3, f"set-id bits of {os.path.join(dirpath, name)}: {exc}")
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode):
+                    os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~SETID_BITS)
+                    cleared.append(os.path.join(top, *parents, name))
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log(3, f"set-id bits of {name} in {top}: {exc}")
+
+    try:
+        tree_visit(top, strip)
+    except FileNotFoundError:             # a task that never started has no layer
+        pass
     return cleared
 
 
@@ -3422,7 +3494,7 @@ class Box:
             self.state["nextUid"] = uid + 1
             self.save_state()
             layer = self.layer_dir(task.id)
-            shutil.rmtree(layer, ignore_errors=True)  # a start cut short by a crash
+            tree_remove(layer)                        # a start cut short by a crash
             for sub in ("", "upper", "work"):
                 os.makedirs(os.path.join(layer, sub), 0o755, exist_ok=True)
                 os.chown(os.path.join(layer, sub), self.store_uid, self.store_gid)
@@ -3646,7 +3718,10 @@ class Box:
                 in_use.add(t.id)
         for t in self.tasks.values():
             if t.state == "undone" and not t.layerDeleted and t.id not in in_use:
-                shutil.rmtree(self.layer_dir(t.id), ignore_errors=True)
+                try:
+                    tree_remove(self.layer_dir(t.id))
+                except OSError as exc:
+                    log(3, f"layer {t.id}: {exc}")
                 if os.path.exists(self.layer_dir(t.id)):
                     log(3, f"could not delete layer {t.id}")
                     continue

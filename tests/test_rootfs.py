@@ -511,3 +511,59 @@ def test_setid_strip_never_follows_a_symlink(tmp_path: Any) -> None:
     assert stat.S_IMODE((top / "d" / "s").stat().st_mode) == 0o755
     assert stat.S_IMODE(outside.stat().st_mode) == 0o4755
     assert G.setid_strip(str(tmp_path / "missing")) == []
+
+
+DEEP_SUID = r'''
+import os
+fd = os.open(".", os.O_RDONLY)
+for _ in range(1200):                       # one level at a time: no path gets too long
+    os.mkdir("d" * 60, dir_fd=fd)
+    down = os.open("d" * 60, os.O_RDONLY, dir_fd=fd)
+    os.close(fd)
+    fd = down
+with open("/usr/bin/id", "rb") as src:
+    out = os.open("deep-id", os.O_CREAT | os.O_WRONLY, 0o755, dir_fd=fd)
+    os.write(out, src.read())
+    os.fchmod(out, 0o6755)
+    os.close(out)
+print("planted", oct(os.stat("deep-id", dir_fd=fd).st_mode & 0o7777))
+'''
+
+
+def test_a_layer_too_deep_for_a_path_is_stripped_and_undone_whole(gurtd: Gurtd) -> None:
+    """A task hides a set-id file 1,200 folders deep (its path is far past PATH_MAX, and
+    Python's own recursion stops near 1,000): the bits are gone from the layer on disk, and
+    an undo deletes the whole layer."""
+    # the fake worker runs one line at a time: the script travels as one line of hex
+    task = run_done(gurtd, f"python3 -c \"exec(bytes.fromhex('{DEEP_SUID.encode().hex()}'))\"")
+    assert gurtd.output(task["id"]) == ["planted 0o6755"]
+    upper = os.path.join(gurtd.home, "layers", task["id"], "upper")
+    modes: list[int] = []
+    G.tree_visit(upper, lambda fd, name, st, parents: modes.append(st.st_mode)
+                 if name == "deep-id" else None)
+    assert [stat.S_IMODE(m) for m in modes] == [0o755]
+    undone = gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
+    assert undone["state"] == "undone", undone
+    eventually(lambda: not os.path.exists(os.path.join(gurtd.home, "layers", task["id"])),
+               what="the deep layer to be deleted")
+
+
+def test_tree_remove_and_setid_strip_go_deeper_than_a_path(tmp_path: Any) -> None:
+    fd = os.open(tmp_path, os.O_RDONLY)
+    os.mkdir("top", dir_fd=fd)
+    for name in ["top"] + ["x" * 100] * 2500:     # 250,000 bytes of path
+        if name != "top":
+            os.mkdir(name, dir_fd=fd)
+        down = os.open(name, os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = down
+    out = os.open("s", os.O_CREAT | os.O_WRONLY, 0o4755, dir_fd=fd)
+    os.fchmod(out, 0o4755)
+    os.close(out)
+    os.mknod("whiteout", stat.S_IFCHR, 0, dir_fd=fd)
+    os.close(fd)
+    cleared = G.setid_strip(str(tmp_path / "top"))
+    assert len(cleared) == 1 and cleared[0].endswith("/s") and len(cleared[0]) > 250_000
+    G.tree_remove(str(tmp_path / "top"))
+    assert os.listdir(tmp_path) == []
+    G.tree_remove(str(tmp_path / "top"))          # idempotent
