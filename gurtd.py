@@ -179,13 +179,22 @@ class SysError(Exception):
 
 
 def log(priority: int, message: str) -> None:
-    """One line to stderr with a journald priority prefix (3 error, 4 warning, 6 info, 7 debug)."""
+    """One line to stderr with a journald priority prefix (3 error, 4 warning, 6 info, 7 debug).
+    Control characters are shown escaped (a task's error text may carry escape sequences for
+    the terminal that shows this log); a traceback keeps its lines."""
+    message = "\n".join(printable(line) for line in message.split("\n"))
     sys.stderr.write(f"<{priority}>{message}\n")
     sys.stderr.flush()
 
 
 # Pure model ####################################################################################
 ###############################################################################################
+
+def is_digits(text: str) -> bool:
+    """Only the ASCII digits 0-9: str.isdigit() also takes "²" and "٣", which int() refuses
+    (a header `Content-Length: ²` would raise where a 400 is due)."""
+    return text.isascii() and text.isdigit()
+
 
 def now_iso() -> str:
     """RFC 3339 UTC with milliseconds, e.g. 2026-11-29T19:50:40.123Z."""
@@ -231,7 +240,7 @@ def parse_host(entry: Any) -> tuple[str, str, int | None]:
     host, port = entry, None
     if ":" in entry:
         host, _, port_text = entry.rpartition(":")
-        if not port_text.isdigit() or not 1 <= int(port_text) <= 65535 or port_text[0] == "0":
+        if not is_digits(port_text) or not 1 <= int(port_text) <= 65535 or port_text[0] == "0":
             raise ValueError("port must be a number from 1 to 65535")
         port = int(port_text)
     host = host.lower()
@@ -254,7 +263,7 @@ def parse_host(entry: Any) -> tuple[str, str, int | None]:
     if kind == "wildcard" and (len(labels) < 2 or public_suffixes().is_public(".".join(labels))):
         raise ValueError("a wildcard must name a domain under a public suffix, like "
                          "*.example.com, not a public suffix itself")
-    if labels[-1].isdigit():
+    if is_digits(labels[-1]):
         raise ValueError("not a valid host name")
     return kind, ".".join(labels), port
 
@@ -1072,7 +1081,7 @@ def _edit_accounts(name: str, lines: dict[str, str] | None,
                     with open(path) as f:
                         for line in f:
                             parts = line.split(":")
-                            if len(parts) > 2 and parts[2].isdigit():
+                            if len(parts) > 2 and is_digits(parts[2]):
                                 taken.add(int(parts[2]))
                 for i in range(count):
                     uid = first + (hint - first + i) % count
@@ -1145,7 +1154,7 @@ def task_users() -> dict[str, int]:
     with open("/etc/passwd") as f:
         for line in f:
             parts = line.split(":")
-            if len(parts) > 2 and parts[0].startswith(TASK_USER_PREFIX) and parts[2].isdigit():
+            if len(parts) > 2 and parts[0].startswith(TASK_USER_PREFIX) and is_digits(parts[2]):
                 out[parts[0]] = int(parts[2])
     return out
 
@@ -1189,7 +1198,7 @@ def processes_by_uid(uids: set[int] | None = None) -> dict[int, list[int]]:
     while one of its threads runs (its main thread exited, another did not)."""
     out: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not is_digits(entry):
             continue
         try:
             with open(f"/proc/{entry}/status", "rb") as f:
@@ -1433,7 +1442,7 @@ def net_index_next() -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         raw = os.pread(fd, 32, 0).strip()
-        index = (int(raw) + 1 if raw.isdigit() else 1) % TASK_NET_SIZE or 1
+        index = (int(raw) + 1 if is_digits(raw) else 1) % TASK_NET_SIZE or 1
         os.pwrite(fd, f"{index}\n".encode().ljust(16), 0)
         return index
     finally:
@@ -1836,7 +1845,7 @@ def cgroup_count(text: str, key: str) -> int:
     """A `key N` line of a flat-keyed file (memory.events, memory.oom_control, cgroup.events)."""
     for line in text.splitlines():
         parts = line.split()
-        if len(parts) == 2 and parts[0] == key and parts[1].isdigit():
+        if len(parts) == 2 and parts[0] == key and is_digits(parts[1]):
             return int(parts[1])
     return 0
 
@@ -2848,6 +2857,7 @@ CLONE_NEWTIME = 0x80                 # unshare only: in clone's flags these bits
 TIOCSTI, TIOCLINUX = 0x5412, 0x541C
 PERSONA_QUERY = 0x80000000           # personality(0xffffffff) asks; no persona has this bit
 PERSONA_FLAGS = 0x0FFC0000           # ADDR_NO_RANDOMIZE ... ADDR_LIMIT_3GB (UNAME26 stays)
+AF_VSOCK = 40
 ArgTest = tuple[int, int, int]       # (argument, mask, value): refused if arg & mask == value
 
 
@@ -2882,6 +2892,10 @@ KERNEL_REFUSALS: tuple[tuple[str, tuple[ArgTest, ...], int, str], ...] = (
     ("ioctl", ((1, 0xFFFFFFFF, TIOCSTI),), errno.EPERM,
      "TIOCSTI: typing into a terminal, a person's included"),
     ("ioctl", ((1, 0xFFFFFFFF, TIOCLINUX),), errno.EPERM, "TIOCLINUX: the console's selection"),
+    # Sockets that no network namespace or nftables rule confines
+    ("socket", ((0, 0xFFFFFFFF, AF_VSOCK),), errno.EPERM,
+     "AF_VSOCK: the hypervisor's and other VMs' services, whatever the task's hosts say"),
+    ("socketpair", ((0, 0xFFFFFFFF, AF_VSOCK),), errno.EPERM, "AF_VSOCK, the same"),
     # Mounts (they need CAP_SYS_ADMIN; refused here as well should a capability ever leak)
     ("mount", (), errno.EPERM, "mounts"),
     ("umount2", (), errno.EPERM, "unmounting what hides the host"),
@@ -3993,10 +4007,10 @@ class Box:
         with open("/etc/passwd") as f:
             for line in f:
                 parts = line.rstrip("\n").split(":")
-                if len(parts) > 2 and parts[2].isdigit():
+                if len(parts) > 2 and is_digits(parts[2]):
                     taken.add(int(parts[2]))
                 if len(parts) > 4 and parts[0].startswith(TASK_USER_PREFIX) and \
-                        (parts[0] in mine or parts[4] == marker) and parts[2].isdigit():
+                        (parts[0] in mine or parts[4] == marker) and is_digits(parts[2]):
                     leftovers[parts[0]] = int(parts[2])
         for task in sorted(self.tasks.values(), key=lambda t: t.seq):
             if task.uid and task.uid not in taken:   # never a uid someone else has now
@@ -4305,7 +4319,7 @@ class Network:
         except Exception as exc:  # no route: the connection fails by itself
             log(7, f"no route to {address}: {exc}")
             return
-        if ifname == "lo" or (ifname.startswith("g") and ifname[1:].isdigit()):
+        if ifname == "lo" or (ifname.startswith("g") and is_digits(ifname[1:])):
             return
         old = sysctl_write(f"net.ipv4.conf.{ifname}.forwarding", "1")
         if old != "1" and ifname not in self.forwarding:
@@ -4572,7 +4586,7 @@ def parse_upstream(text: str) -> tuple[str, int]:
     except ValueError:
         raise ValueError(f"upstream DNS must be an IPv4 address with an optional :port, "
                          f"not {text!r}") from None
-    if port and (not port.isdigit() or not 1 <= int(port) <= 65535):
+    if port and (not is_digits(port) or not 1 <= int(port) <= 65535):
         raise ValueError(f"bad port in upstream DNS {text!r}")
     return host, int(port or 53)
 
@@ -4956,7 +4970,7 @@ def run_tool(box: "Box", name: str, args: Any, task_id: str) -> tuple[Any, float
         raise ApiError(502, f"the tool {name} exited with {proc.returncode}" +
                        (f": {lines[-1]}" if lines else ""), "tool_failed")
     try:
-        result = json.loads(proc.stdout)
+        result = loads_bounded(proc.stdout)
     except ValueError:
         raise ApiError(502, f"the tool {name} did not print JSON", "tool_failed") from None
     cost = result.get("costCents", 0) if isinstance(result, dict) else 0
@@ -5094,7 +5108,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
             if self.path.split("?")[0] != "/call":
                 raise ApiError(404, "no route; POST /call or GET /tools", "not_found")
             length = self.headers.get("Content-Length") or ""
-            if not length.isdigit():
+            if not is_digits(length):
                 raise ApiError(411, "send the body with Content-Length", "length_required")
             if int(length) > MAX_BROKER_BODY:
                 self.close_connection = True
@@ -5103,7 +5117,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                 Handler.linger(self)   # type: ignore[arg-type]  (the same socket dance)
                 return
             try:
-                body = json.loads(self.rfile.read(int(length)) or b"null")
+                body = loads_bounded(self.rfile.read(int(length)) or b"null")
             except ValueError as exc:
                 raise ApiError(400, f"malformed JSON: {exc}") from None
             if not isinstance(body, dict) or not isinstance(body.get("tool"), str) or \
@@ -5213,7 +5227,7 @@ def h_tasks_list(req: "Handler", params: dict[str, str]) -> Any:
         raise ApiError(400, f"state must be one of: {', '.join(STATES)}")
     workspace = req.query_one("workspace")
     limit_text = req.query_one("limit") or "200"
-    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 1000:
+    if not is_digits(limit_text) or not 1 <= int(limit_text) <= 1000:
         raise ApiError(400, "limit must be a whole number from 1 to 1000")
     return 200, req.box.list_tasks(state, workspace, int(limit_text))
 
@@ -5480,7 +5494,7 @@ def h_events(req: "Handler", params: dict[str, str]) -> Any:
     reconnects) replays what followed that id; past the kept window, `event: reset` first."""
     box = req.box
     since = req.query_one("since") or (req.headers.get("Last-Event-ID") or "").strip()
-    if since and not since.isdigit():
+    if since and not is_digits(since):
         raise ApiError(400, "since (or Last-Event-ID) must be an event id")
     last = int(since) if since else box.event_seq
     req.send_response(200)
@@ -5885,7 +5899,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if self.headers.get("Transfer-Encoding"):
             return -1
         lengths = self.headers.get_all("Content-Length") or ["0"]
-        if len(lengths) > 1 or not lengths[0].strip().isdigit():
+        if len(lengths) > 1 or not is_digits(lengths[0].strip()):
             return -1
         return int(lengths[0]) if int(lengths[0]) <= MAX_BODY else -1
 
@@ -5894,7 +5908,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if self.headers.get("Transfer-Encoding"):
             return ApiError(411, "send the body with Content-Length", "length_required")
         lengths = self.headers.get_all("Content-Length") or ["0"]
-        if len(lengths) > 1 or not lengths[0].strip().isdigit():
+        if len(lengths) > 1 or not is_digits(lengths[0].strip()):
             return ApiError(400, "bad Content-Length")
         return ApiError(413, f"the body is larger than {MAX_BODY} bytes", "too_large")
 
@@ -6005,7 +6019,7 @@ def sd_notify(state: str) -> None:
 
 def parse_listen(listen: str) -> tuple[str, int]:
     host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
+    if not sep or not is_digits(port) or not 0 <= int(port) <= 65535 or not host:
         raise ValueError(f"listen address must be HOST:PORT, not {listen!r}")
     return host.strip("[]"), int(port)
 

@@ -140,6 +140,15 @@ def test_two_content_lengths_are_refused_and_close(gurtd: Gurtd) -> None:
     assert not os.path.exists(os.path.join(gurtd.home, "workspaces", "twice"))
 
 
+def test_a_content_length_of_non_ascii_digits_gets_400(gurtd: Gurtd) -> None:
+    """"²" is a digit to str.isdigit() (and \xb2 is "²" in latin-1, http.server's header
+    charset) but not to int(): the request gets a 400, not a dropped connection."""
+    data = head(gurtd, "POST", "/api/workspaces", extra="Content-Length: ²\r\n")
+    responses = exchange(gurtd, data.replace("²".encode(), b"\xb2"))
+    assert [r[0] for r in responses] == [400], responses
+    assert b"Traceback" not in open(gurtd.log_path, "rb").read()
+
+
 def test_pipelined_good_requests_all_get_their_answers_in_order(gurtd: Gurtd) -> None:
     body = b'{"name": "pipelined"}'
     data = (head(gurtd, "GET", "/api/health") + head(gurtd, "POST", "/api/workspaces", body) +

@@ -540,6 +540,22 @@ def test_three_hundred_idle_broker_connections_cost_gurtd_a_bounded_count(
     assert g.wait(flood["id"])["state"] == "done"
 
 
+def test_a_broker_call_nested_too_deep_gets_a_400(gurtd: Gurtd) -> None:
+    """A task sends a call whose args are 5,000 lists deep: the broker answers 400 (no
+    RecursionError, no dropped connection), and the task's next call is answered."""
+    g = gurtd
+    deep = "[" * 5000 + "]" * 5000
+    body = '{"tool": "wallet.pay", "args": ' + deep + '}'
+    task = g.run(f"curl -s -o /dev/null -w '%{{http_code}}\\n' --unix-socket "
+                 f"/run/gurt/broker.sock -H 'Content-Type: application/json' "
+                 f"-d '{body}' http://box/call\n"
+                 "curl -s --unix-socket /run/gurt/broker.sock http://box/tools",
+                 tools=["wallet.pay"])
+    assert task["state"] == "done", task
+    assert stdout_of(g, task["id"]) == ["400", '{"tools": ["wallet.pay"]}']
+    assert "RecursionError" not in g.log_text()
+
+
 def test_a_task_cannot_keep_more_than_its_share_of_approvals_waiting(gurtd: Gurtd) -> None:
     """Each `ask` waits for a person; past MAX_PENDING_APPROVALS the next one is refused with
     429 and a clear error, and the task's earlier asks are still there to answer."""

@@ -288,6 +288,9 @@ probes = {
     "kexec_load": lambda: sc(246, 0, 0, 0, 0),
     "init_module": lambda: sc(175, 0, 0, b""),
     "clock_settime": lambda: sc(227, 0, 0),
+    "socket vsock": lambda: sc(41, 40, 1, 0),
+    "socketpair vsock": lambda: sc(53, 40, 1, 0, ctypes.create_string_buffer(8)),
+    "socket unix": lambda: sc(41, 1, 1, 0),
 }
 for name, probe in probes.items():
     print(f"{name}: {probe()}", flush=True)
@@ -304,6 +307,7 @@ REFUSED = {
     "personality no aslr": "EPERM", "personality query": "ok", "mount": "EPERM",
     "open_tree": "EPERM", "open_by_handle_at": "EPERM", "kexec_load": "EPERM",
     "init_module": "EPERM", "clock_settime": "EPERM",
+    "socket vsock": "EPERM", "socketpair vsock": "EPERM", "socket unix": "ok",
 }
 
 INT80 = r'''
