@@ -1754,6 +1754,12 @@ def disk_reserve(setting: int, fs_bytes: int) -> int:
     return setting if setting else min(1 << 30, fs_bytes // 20)
 
 
+def inode_reserve(fs_inodes: int) -> int:
+    """The inodes of BOX_HOME's file system that tasks cannot eat: the smaller of 65,536 and
+    5% of them (0 where the file system reports none, as btrfs does)."""
+    return min(1 << 16, fs_inodes // 20)
+
+
 def mem_total() -> int:
     """The machine's RAM in bytes (MemTotal)."""
     with open("/proc/meminfo") as f:
@@ -1763,9 +1769,10 @@ def mem_total() -> int:
     raise SysError("read /proc/meminfo", errno.EIO, "no MemTotal")
 
 
-def tree_bytes(path: str) -> int:
-    """Disk space a directory tree takes (st_blocks), symlinks not followed; what vanishes
-    during the walk is skipped.  Runs off the loop thread."""
+def tree_bytes(path: str, inode_bytes: int = 0) -> int:
+    """Disk space a directory tree takes (st_blocks, plus inode_bytes for each entry: what an
+    inode is worth against the reserve), symlinks not followed; what vanishes during the
+    walk is skipped.  Runs off the loop thread."""
     total, stack = 0, [path]
     while stack:
         try:
@@ -1777,7 +1784,7 @@ def tree_bytes(path: str) -> int:
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            total += st.st_blocks * 512
+            total += st.st_blocks * 512 + inode_bytes
             if stat.S_ISDIR(st.st_mode):
                 stack.append(entry.path)
     return total
@@ -2138,12 +2145,28 @@ class DiskReserve:
         return DISK_CHECK_INTERVAL
 
     def free_and_reserve(self) -> tuple[int, int]:
+        """Free bytes and the reserve.  Inodes count too (a task making empty files runs out
+        of inodes long before bytes): each free inode is worth reserve / inode reserve bytes,
+        and free space is the smaller of the two."""
         st = os.statvfs(self.box.home)
-        return st.f_bavail * st.f_frsize, disk_reserve(self.box.settings["diskReserveBytes"],
-                                                       st.f_blocks * st.f_frsize)
+        reserve = disk_reserve(self.box.settings["diskReserveBytes"], st.f_blocks * st.f_frsize)
+        free = st.f_bavail * st.f_frsize
+        inodes = inode_reserve(st.f_files)
+        if inodes:
+            free = min(free, st.f_favail * (reserve // inodes))
+        return free, reserve
+
+    def inode_bytes(self) -> int:
+        """What one inode is worth against the reserve (0 on a file system without inodes)."""
+        st = os.statvfs(self.box.home)
+        inodes = inode_reserve(st.f_files)
+        return disk_reserve(self.box.settings["diskReserveBytes"],
+                            st.f_blocks * st.f_frsize) // inodes if inodes else 0
 
     def _measure(self, candidates: list[tuple[str, str]]) -> None:
-        sizes = {task_id: tree_bytes(os.path.join(path, "upper")) for task_id, path in candidates}
+        per_inode = self.inode_bytes()
+        sizes = {task_id: tree_bytes(os.path.join(path, "upper"), per_inode)
+                 for task_id, path in candidates}
         self.box.commands.put((self.on_sizes, (sizes,), Future()))
         os.write(self.box.wake_w, b"d")
 
@@ -2167,7 +2190,8 @@ class DiskReserve:
         self.paused_free = free
         worker.disk_wait = self.box.pause_and_ask(
             task, worker, "disk", "disk full", "disk", "disk",
-            {"bytes": size, "freeBytes": free, "reserveBytes": reserve},
+            {"bytes": size, "freeBytes": free, "reserveBytes": reserve,
+             "freeInodes": os.statvfs(self.box.home).f_favail},
             0, f"The task has written {size} bytes and the disk of BOX_HOME has {free} bytes "
                f"free, below the reserve of {reserve} bytes. Let it write on?")
 

@@ -484,6 +484,34 @@ def test_a_task_that_fills_the_disk_is_paused_at_the_reserve(small_disk: Gurtd) 
     assert failed["error"] == "disk full: enough"
 
 
+INODE_EATER = python_line(    # empty files, 100 at a time: no bytes, only inodes
+    "import os, time\n"
+    "n = 0\n"
+    "while n < 40000:\n"
+    "    for _ in range(100):\n"
+    "        open('e%d' % n, 'w').close(); n += 1\n"
+    "    time.sleep(0.05)\n")
+
+
+def test_a_task_that_eats_inodes_is_paused_at_the_reserve_too(small_disk: Gurtd) -> None:
+    """A task makes empty files: bytes stay plenty, inodes run out.  Free inodes count against
+    the reserve like free bytes, so the task is paused with a disk approval before the last
+    inode goes, and the box can still take new tasks; denied, the task fails."""
+    g = small_disk
+    st = os.statvfs(g.home)
+    assert st.f_favail > 10000 and free_bytes(g.home) > 40 << 20
+    task = g.create(INODE_EATER)
+    approval = disk_approval(g, task["id"])
+    st = os.statvfs(g.home)
+    assert 0 < approval["args"]["freeInodes"] < G.inode_reserve(st.f_files), approval
+    assert st.f_favail > 0 and free_bytes(g.home) > 40 << 20
+    other = g.api("POST", "/api/tasks", {"title": "t", "prompt": "echo room", "worker": "fake"},
+                  status=201)
+    g.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": "too many files"})
+    assert g.wait(task["id"])["error"] == "disk full: too many files"
+    assert g.wait(other["id"])["state"] == "done"
+
+
 def test_cgroups_of_this_box_and_the_cpu_share_of_its_tasks(box: Gurtd) -> None:
     """gurtd makes its tasks' parent groups below its own (half its CPU weight), one group per
     running task in each, and removes them when the task ends."""
