@@ -4125,6 +4125,8 @@ class Upstream:
 # Caps per task: going over one fails or throttles that task's own requests, nobody else's.
 MAX_DNS_PENDING = 32                 # queries waiting upstream; beyond: SERVFAIL, no socket
 MAX_DNS_CONNS = 16                   # DNS TCP connections; beyond: the new one is closed
+MAX_ANSWER_ADDRESSES = 8             # addresses of one answer taken (and granted); the rest cut
+MAX_TASK_GRANTS = 256                # addresses granted to one task by DNS; beyond: SERVFAIL
 
 
 class Network:
@@ -4542,7 +4544,10 @@ class Network:
         kept = [rrset for rrset in response.answer if rrset.name in names
                 and rrset.rdtype in (dns.rdatatype.A, dns.rdatatype.CNAME)]
         addresses = sorted({rr.address for rrset in kept if rrset.rdtype == dns.rdatatype.A
-                            for rr in rrset})
+                            for rr in rrset}, key=ipaddress.IPv4Address)
+        if len(addresses) > MAX_ANSWER_ADDRESSES:    # an upstream answering thousands would
+            addresses = addresses[:MAX_ANSWER_ADDRESSES]   # stall the loop and grow the table
+            kept = answer_only(kept, set(addresses))
         own = self.own_addresses()
         nets = up.net.answer_nets() + [ipaddress.IPv4Network(n)
                                        for n in self.box.settings.get("dnsAllowedNets", [])]
@@ -4571,6 +4576,12 @@ class Network:
         """Grant a name's addresses in one nft step; False (and the error logged in entry,
         nothing granted) when nftables refuses."""
         assert self.nft is not None
+        new = [a for a in addresses if a not in net.granted]
+        if len(net.granted) + len(new) > MAX_TASK_GRANTS:
+            entry.update(allowed=False, error=f"the task has {len(net.granted)} granted "
+                                              f"addresses, at most {MAX_TASK_GRANTS}")
+            self.box.append_log(net.task_id, entry)
+            return False
         saved = (dict(net.granted), list(net.elements))
         commands, fresh = [], []
         for address in addresses:
@@ -4600,6 +4611,19 @@ class Network:
             else:
                 nearest = min(nearest, up.deadline - now)
         return nearest
+
+
+def answer_only(rrsets: list[Any], addresses: set[str]) -> list[Any]:
+    """The answer's CNAME and A records, with only these addresses left in its A records."""
+    import dns.rdatatype
+    import dns.rrset
+    out = []
+    for rrset in rrsets:
+        if rrset.rdtype == dns.rdatatype.A:
+            rrset = dns.rrset.from_rdata_list(rrset.name, rrset.ttl,
+                                              [rr for rr in rrset if rr.address in addresses])
+        out.append(rrset)
+    return out
 
 
 def parse_upstream(text: str) -> tuple[str, int]:

@@ -51,7 +51,8 @@ import dns.rdatatype
 import dns.rrset
 import pytest
 
-from conftest import Gurtd, wait_for_step
+import gurtd as G
+from conftest import Gurtd, eventually, wait_for_step
 
 NETNS = "gtinet"
 HOST_VETH = "gtv0"
@@ -211,6 +212,12 @@ class FakeResolver:
         question = query.question[0]
         name = question.name.to_text(omit_final_dot=True).lower()
         self.queries.append((name, dns.rdatatype.to_text(question.rdtype)))
+        many = re.fullmatch(r"many(\d+)\.m\.test", name)
+        if many and question.rdtype == dns.rdatatype.A:   # 200 addresses, 198.18.(100+N).*
+            response.answer.append(dns.rrset.from_text(
+                question.name, 60, "IN", "A",
+                *(f"198.18.{100 + int(many[1])}.{i}" for i in range(1, 201))))
+            return response.to_wire()
         if name not in ZONE:
             response.set_rcode(dns.rcode.NXDOMAIN)
             return response.to_wire()
@@ -783,6 +790,32 @@ def test_a_grant_nftables_refuses_fails_that_lookup_only(g: Gurtd) -> None:
 
 
 # 3. the log ####################################################################################
+
+def test_an_answer_of_hundreds_of_addresses_grants_a_few_and_a_task_a_bounded_number(
+        g: Gurtd) -> None:
+    """An upstream answers 200 addresses a name: the task gets (and is granted) the first
+    MAX_ANSWER_ADDRESSES of them.  Names after name: once the task holds MAX_TASK_GRANTS
+    addresses, the next lookups fail (SERVFAIL) and say why, and the table stops growing."""
+    g.api("PUT", "/api/settings", {"dnsAllowedNets": ["198.18.0.0/16"]})
+    per = G.MAX_ANSWER_ADDRESSES
+    names = G.MAX_TASK_GRANTS // per + 2
+    task = start(g, ["*.m.test"], IFLINK,
+                 *(py(f"n{i}", "udp53", "127.0.0.53", 53, f"many{i}.m.test")
+                   for i in range(names)), "echo probed", "sleep 60")
+    eventually(lambda: "probed" in g.output(task), 60, "the lookups")
+    granted = allowed(g, task_ifname(g, task))
+    assert sorted(a for a, _ in granted if a.startswith("198.18.100.")) == \
+        sorted(f"198.18.100.{i}" for i in range(1, per + 1)), granted
+    assert len(granted) == G.MAX_TASK_GRANTS, len(granted)
+    g.api("POST", f"/api/tasks/{task}/stop")
+    run = finished(g, task, "failed")
+    run["n0"].ok(f"rcode=0 an={per}")
+    outcomes = [run[f"n{i}"].out for i in range(names)]
+    assert sum("rcode=0" in o for o in outcomes) == G.MAX_TASK_GRANTS // per, outcomes
+    assert sum("rcode=2" in o for o in outcomes) == 2, outcomes
+    refused = [e for e in run.log if e.get("type") == "dns" and "at most" in e.get("error", "")]
+    assert len(refused) == 2, refused
+
 
 def test_the_log_tells_every_lookup_and_the_refused_attempts(g: Gurtd) -> None:
     task_id = start(g, ["a.test", "*.b.test"],
