@@ -610,7 +610,8 @@ def record_from(cls: Any, data: Any, valid: Callable[[Any], Any]) -> Any:
 
 APPROVAL_STATES = ("pending", "approved", "denied")
 BUILTIN_TOOLS = {
-    "wallet.pay": 'pay out of the box\'s wallet: {"to": str, "cents": number > 0, "memo"?: str}',
+    "wallet.pay": 'pay out of the box\'s wallet: {"to": str, "cents": number >= 0.01, '
+                  '"memo"?: str}',
     "ask": 'ask a person and wait for the answer: {"question": str}',
 }
 
@@ -657,6 +658,9 @@ def is_cents(value: Any) -> bool:
         value == value and value not in (float("inf"), float("-inf"))
 
 
+MIN_PAYMENT_CENTS = 0.01     # a budget bounds how many payments a task makes (and ledger lines)
+
+
 def check_tool_args(tool: str, args: Any) -> float:
     """Check a built-in tool's arguments; the cents the call would spend.  ValueError says why."""
     if not isinstance(args, dict):
@@ -667,8 +671,8 @@ def check_tool_args(tool: str, args: Any) -> float:
             raise ValueError(f"unknown argument: {sorted(extra)[0]}")
         if not isinstance(args.get("to"), str) or not args["to"].strip() or len(args["to"]) > 200:
             raise ValueError("to must be a non-empty string (at most 200 characters)")
-        if not is_cents(args.get("cents")) or args["cents"] <= 0:
-            raise ValueError("cents must be a number greater than 0")
+        if not is_cents(args.get("cents")) or args["cents"] < MIN_PAYMENT_CENTS:
+            raise ValueError(f"cents must be a number of at least {MIN_PAYMENT_CENTS}")
         if "memo" in args and (not isinstance(args["memo"], str) or len(args["memo"]) > 1000):
             raise ValueError("memo must be a string (at most 1000 characters)")
         return args["cents"]
@@ -6659,7 +6663,7 @@ def cmd_tool(name: str, args: str) -> None:
 TOOL_SCHEMAS: dict[str, dict[str, Any]] = {
     "wallet.pay": {"type": "object", "required": ["to", "cents"], "additionalProperties": False,
                    "properties": {"to": {"type": "string"},
-                                  "cents": {"type": "number", "exclusiveMinimum": 0},
+                                  "cents": {"type": "number", "minimum": MIN_PAYMENT_CENTS},
                                   "memo": {"type": "string"}}},
     "ask": {"type": "object", "required": ["question"], "additionalProperties": False,
             "properties": {"question": {"type": "string"}}},

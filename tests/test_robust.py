@@ -111,6 +111,15 @@ def test_usage_costs_stay_finite_whatever_the_counts() -> None:
     assert G.usage_cents({"input_tokens": 1_000_000}, {"input": "cheap"}) == 0
 
 
+def test_a_payment_below_a_hundredth_of_a_cent_is_refused() -> None:
+    """A task paying 1e-9 cents at a time could write millions of synced ledger lines inside
+    a one-cent budget: a payment is at least MIN_PAYMENT_CENTS, so a budget bounds the count."""
+    for cents in (1e-9, 0.001, 0, -1):
+        with pytest.raises(ValueError, match="at least 0.01"):
+            G.check_tool_args("wallet.pay", {"to": "x", "cents": cents})
+    assert G.check_tool_args("wallet.pay", {"to": "x", "cents": 0.01}) == 0.01
+
+
 def test_printable_shows_terminal_controls_escaped() -> None:
     evil = "a\x1b]0;pwned\x07b\x1b[2Jc\rd\ne\x9bf\u202eg\th"
     shown = G.printable(evil)
