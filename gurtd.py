@@ -3998,10 +3998,6 @@ class Box:
             info["stack"] = [t.to_api() for t in stack]
         return info
 
-    def list_workspaces(self) -> list[dict[str, Any]]:
-        names = sorted(n for n in os.listdir(self.path("workspaces")) if self.workspace_exists(n))
-        return [self.workspace_info(n) for n in names]
-
     # start and stop
     def remove_temp_leftovers(self) -> None:
         """At start (under the BOX_HOME lock): temp files of writes a crash cut short."""
@@ -4752,12 +4748,6 @@ class Broker:
         if approval is None:
             raise ApiError(404, "No approval with this id", "not_found")
         return approval
-
-    def list(self, state: str | None, task: str | None) -> list[dict[str, Any]]:
-        out = [a.to_api() for a in sorted(self.approvals.values(), key=lambda a: a.createdAt,
-                                          reverse=True)
-               if (state is None or a.state == state) and (task is None or a.task == task)]
-        return out
 
     def task_of_uid(self, uid: int) -> Task | None:
         for task in self.box.tasks.values():
