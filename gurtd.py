@@ -2211,10 +2211,7 @@ class DiskReserve:
             box.unhold(task, worker, "disk")
             return
         if approval.answeredBy == "api":
-            box.release_worker(task)
-            box.set_state(task, "failed", error=f"disk full: {approval.reason or 'denied'}")
-            box.gc_layers()
-            box.schedule()
+            box.fail_task(task, f"disk full: {approval.reason or 'denied'}")
 
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -3918,9 +3915,7 @@ class Box:
         except (ApiError, OSError) as exc:
             message = exc.message if isinstance(exc, ApiError) else str(exc)
             log(3, f"task {task.id}: could not ask for a {why} approval: {message}")
-            self.fail_task(task, f"{failed}: {message}")
-            self.gc_layers()
-            self.schedule()
+            self.fail_task(task, f"{failed}: {message}")   # it collects and schedules too
             return None
 
     def pause_for_budget(self, task: Task, worker: Worker) -> None:
@@ -3942,11 +3937,7 @@ class Box:
             self.unhold(task, worker, "budget")
             return
         if approval.answeredBy == "api":
-            self.release_worker(task)
-            self.set_state(task, "failed",
-                           error=f"budget exceeded: {approval.reason or 'denied'}")
-            self.gc_layers()
-            self.schedule()
+            self.fail_task(task, f"budget exceeded: {approval.reason or 'denied'}")
 
     def tick(self) -> float:
         """Timers of the loop: a worker past taskTimeoutSeconds is stopped; BOX_HOME's free
