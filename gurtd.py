@@ -142,6 +142,7 @@ DEFAULT_SETTINGS: dict[str, Any] = {
     "droidPrices": DEFAULT_DROID_PRICES, "dnsAllowedNets": [],
     "taskMaxProcesses": 1024, "taskMemoryBytes": 0, "taskTmpBytes": 1 << 30,
     "taskLogBytes": 50 << 20, "diskReserveBytes": 0,
+    "folderRoots": ["/home", "/srv"],      # personal mode: where a task's folders may be
 }
 
 # x86_64 and aarch64 share these numbers for the new mount API.
@@ -164,10 +165,12 @@ class ApiError(Exception):
     """An answer to an HTTP request that is not a success: status, message, optional code."""
 
     def __init__(self, status: int, message: str, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
         self.headers = headers or {}
+        self.extra = extra or {}          # more fields of the JSON answer (conflicts)
 
 
 class SysError(Exception):
@@ -449,9 +452,7 @@ def validate_task_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
             names = {str: "a string", list: "an array", (int, float): "a number",
                      dict: "an object"}
             raise ApiError(400, f"{key} must be {names[kind]}")
-    if "folder" in body or "folders" in body:
-        raise ApiError(400, "personal folders are not supported yet")
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"folders": folders_of(body)}   # on disk: Box.create_task
     for key in ("title", "prompt"):
         if key not in body or not body[key].strip():
             raise ApiError(400, f"{key} is required and must be a non-empty string")
@@ -542,6 +543,8 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
                     raise ApiError(400, str(exc)) from None
         if key in LIMIT_SETTINGS:
             check_limit(key, value, *LIMIT_SETTINGS[key])
+        if key == "folderRoots":
+            value = valid_folder_roots(value)
         new[key] = value
     if new["droidModel"] not in new["droidPrices"]:   # an unpriced model would be free
         raise ApiError(400, f"droidModel {new['droidModel']} has no droidPrices entry (its "
@@ -552,8 +555,8 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
 
 PUBLIC_FIELDS = ("id", "title", "prompt", "workspace", "worker", "tools", "hosts", "budgetCents",
                  "source", "state", "user", "layers", "costCents", "step", "createdAt",
-                 "updatedAt", "error", "summary", "limits")
-OPTIONAL_FIELDS = ("step", "error", "summary", "limits")
+                 "updatedAt", "error", "summary", "limits", "folder", "folders", "review")
+OPTIONAL_FIELDS = ("step", "error", "summary", "limits", "folder", "folders", "review")
 
 
 @dataclass
@@ -583,6 +586,13 @@ class Task:
     doneSeq: int = 0                # finish order of done tasks: the stack order
     uid: int = 0                    # while the box user exists
     layerDeleted: bool = False
+    # personal mode (Review): the real folders, their owners and inodes as checked at create,
+    # the review, and when the task started (what changed since is a conflict)
+    folder: str | None = None
+    folders: list[str] | None = None
+    review: str | None = None
+    folderInfo: list[dict[str, Any]] | None = None
+    folderStartNs: int = 0
 
     def to_api(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in PUBLIC_FIELDS}
@@ -2594,12 +2604,14 @@ def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
         libc_call("unshare", CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC)
     _mount("none", "/", None, MS_REC | MS_SLAVE, None)
     view = _view_open(spec)
+    folders = folder_overlays_open(spec)      # personal mode: before the host's root goes
     held = {"broker": os.open(spec["broker"], os.O_PATH | os.O_CLOEXEC),  # before the host's
             "module": os.open(spec["module"], os.O_PATH | os.O_CLOEXEC)}  # root goes
     if spec.get("droid"):
         held["droid"] = os.open(spec["droid"], os.O_PATH | os.O_CLOEXEC)
     _root_build(NEW_ROOT, spec)
     _run_build(NEW_ROOT, spec, view, held)
+    folder_overlays_place(NEW_ROOT, folders)
     _mount_attrs(-100, NEW_ROOT, MOUNT_ATTR_RDONLY, False)  # the root's own folders, read-only
     _root_pivot(NEW_ROOT)
     _lo_up()
@@ -3060,6 +3072,1130 @@ def keys_clear(uid: int) -> None:
              "--no-new-privs", sys.executable, "-I", "-c", _KEYS_CLEAR])
 
 
+# Review ########################################################################################
+###############################################################################################
+# Personal mode: a task works on copies of the owner's real folders, and nothing of it reaches
+# them until the owner keeps it.  Inside the task each folder is an overlay at its own real
+# path: its lower is the real folder, idmapped folder owner -> task uid (every other id shows
+# as itself, so root's files stay root's); its upper and work dir are under
+# BOX_HOME/review/<id>/f<N>, on the idmapped store clone, as the view's are.  Nothing writes the
+# real folder while the task runs.
+#
+# Conflicts: "was the real path created, changed or deleted after the task started?" must be
+# exact and cheap.  A start snapshot of a 100,000-file folder would cost the start its speed,
+# so the answer comes from what the kernel already records:
+#   - ctime: every change to a path (content, mode, owner, link count, a rename onto it, its
+#     creation) sets its ctime, and nobody can set it back (utimensat does not touch it).  The
+#     task's start is recorded as folderStartNs (the wall clock minus CLOCK_SLACK_NS: a ctime
+#     comes from the coarse clock, at most one tick behind).  A real path whose ctime is at or
+#     after it changed after the start; a change in the last 20 ms before the start counts as
+#     one too (the safe side).  A folder's ctime says an entry of it was added or removed.
+#   - overlay's origin xattr (trusted.overlay.origin): an upper entry that has it was copied up
+#     from the real folder, so the real path existed after the start; if it is gone now, the
+#     owner deleted it.  A whiteout likewise exists only over a path that was there.
+# What this does not see: a path that existed at the start, was deleted by the owner before the
+# task touched it, and was then created anew by the task (no origin): the task's file is kept.
+# A clock set back by the owner would hide changes; gurtd runs on the box's own clock.
+#
+# Keep: a journal first (BOX_HOME/review/<id>/journal.json: every write, and where each
+# original goes), then the originals are copied under BOX_HOME (saved/<n>), then the writes:
+# each through a temporary name in the same folder and a rename, every path resolved beneath
+# the folder's fd with openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS, never into a folder its
+# owner may not write.  A gurtd killed while saving puts nothing back (nothing was written); one
+# killed while writing finishes the keep at its next start (every write is repeatable from the
+# upper).  Undo of a keep is journaled the same way and restores the saved originals.
+
+MAX_FOLDERS = 16
+REVIEW_STATES = ("pending", "kept", "conflict", "undone")
+DEFAULT_FOLDER_ROOTS = ["/home", "/srv"]
+PSEUDO_FS = ("/proc", "/sys", "/dev", "/run")
+NOT_FOLDER_ROOTS = ("/", "/proc", "/sys", "/dev", "/run", "/usr", "/etc", "/tmp", "/var/tmp",
+                    "/bin", "/sbin", "/lib", "/lib64", "/boot")   # the box's own places
+CLOCK_SLACK_NS = 20_000_000
+ID_END = 4294967295                  # (uid_t)-1 is no id
+ORIGIN_XATTR = "trusted.overlay.origin"
+KEEP_TEMP = ".gurt-keep-"            # temp names in the real folders: .gurt-keep-<task>-<n>
+FOLDER_RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
+
+
+def folders_of(body: dict[str, Any]) -> list[str] | None:
+    """The task's folders from folder and folders (shape only; folder_check looks at disk)."""
+    folder, folders = body.get("folder"), body.get("folders")
+    if folder is None and folders is None:
+        return None
+    if folders is None:
+        folders = [folder]
+    if not folders:
+        raise ApiError(400, "folders must name at least one folder")
+    if len(folders) > MAX_FOLDERS:
+        raise ApiError(400, f"folders: at most {MAX_FOLDERS} folders, not {len(folders)}")
+    for path in folders:
+        if not isinstance(path, str) or not path or "\0" in path or len(path) > 4000:
+            raise ApiError(400, f"folders: not a path: {json.dumps(path)}")
+    if folder is not None and folder != folders[0]:
+        raise ApiError(400, f"folder {folder} must be folders[0] ({folders[0]})")
+    return list(folders)
+
+
+def valid_folder_roots(value: Any) -> list[str]:
+    """The folderRoots setting: absolute, normal paths, none of the box's own places."""
+    if not isinstance(value, list) or len(value) > 64 or \
+            not all(isinstance(p, str) and p for p in value):
+        raise ApiError(400, "folderRoots must be an array of absolute paths")
+    for path in value:
+        if not path.startswith("/") or os.path.normpath(path) != path or "\0" in path:
+            raise ApiError(400, f"folderRoots: {json.dumps(path)} is not an absolute, normal "
+                                "path")
+        if path in NOT_FOLDER_ROOTS or any(_under(path, p) for p in PSEUDO_FS):
+            raise ApiError(400, f"folderRoots: {path} is a system place, not one for people's "
+                                "folders")
+    return list(value)
+
+
+def _under(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def folder_check(path: str, roots: list[str], home: str) -> os.stat_result:
+    """The folder's stat if it may be a task's folder; else ApiError(400) naming it."""
+    def no(why: str) -> ApiError:
+        return ApiError(400, f"folder {path}: {why}")
+    if not path.startswith("/"):
+        raise no("must be an absolute path")
+    if ".." in path.split("/") or "." in path.split("/") or os.path.normpath(path) != path:
+        raise no("must be a normal absolute path (no .., no ., no double or trailing /)")
+    if path == "/":
+        raise no("the root of the file system is not a folder of a person")
+    if any(_under(path, p) for p in PSEUDO_FS):
+        raise no("is on a pseudo file system")
+    if not os.path.lexists(path):
+        raise no("does not exist")
+    real = os.path.realpath(path)
+    if real != path:
+        raise no(f"goes through a symlink: it resolves to {real}")
+    st = os.stat(path, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode):
+        raise no("is not a directory")
+    home = os.path.realpath(home)
+    if _under(path, home) or _under(home, path):
+        raise no(f"{'is inside' if _under(path, home) else 'holds'} BOX_HOME ({home})")
+    own = os.path.dirname(os.path.realpath(__file__))
+    if _under(path, own) or _under(own, path):
+        raise no(f"{'is inside' if _under(path, own) else 'holds'} gurtd's own files ({own})")
+    if not any(_under(path, root) for root in roots):
+        raise no(f"is outside folderRoots ({', '.join(roots) or 'none'})")
+    if st.st_uid == 0:
+        raise no("is owned by root; personal mode works on a person's own folders")
+    if UID_FIRST <= st.st_uid < UID_FIRST + UID_COUNT:
+        raise no("is owned by a task user")
+    return st
+
+
+def folders_check(paths: list[str], roots: list[str], home: str) -> list[dict[str, Any]]:
+    """Every folder checked, and no folder inside another; [{path, uid, gid, dev, ino}]."""
+    out = []
+    for path in paths:
+        st = folder_check(path, roots, home)
+        out.append({"path": path, "uid": st.st_uid, "gid": st.st_gid, "dev": st.st_dev,
+                    "ino": st.st_ino})
+    for a in paths:
+        for b in paths:
+            if a is not b and _under(b, a):
+                raise ApiError(400, f"folder {a} holds folder {b}" if a != b else
+                               f"folder {a} is named twice")
+    return out
+
+
+def idmap_swap(src: int, dst: int) -> str:
+    """A uid_map (or gid_map) that shows src as dst and every other id as itself (dst, then
+    shown by nothing, stays unmapped: no file on disk belongs to a task uid)."""
+    lines, start = [], 0
+    for low, high in sorted([(src, dst), (dst, None)], key=lambda p: p[0]) if src != dst \
+            else [(src, None)]:
+        if low > start:
+            lines.append(f"{start} {start} {low - start}")
+        if high is not None:
+            lines.append(f"{src} {dst} 1")
+        start = low + 1
+    lines.append(f"{start} {start} {ID_END - start}")
+    return "\n".join(lines) + "\n"
+
+
+def folder_open(path: str, dev: int, ino: int) -> int:
+    """An O_PATH fd of a task's folder, reached from / without following any symlink, and
+    still the very folder checked when the task was made (an owner who swapped a part of the
+    path for a symlink since gets an error, not /etc)."""
+    root = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        how = OpenHow(os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, 0,
+                      RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
+        fd = syscall("openat2", SYS_OPENAT2, root, path.lstrip("/").encode(),
+                     ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+    finally:
+        os.close(root)
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != (dev, ino):
+        os.close(fd)
+        raise SysError(f"folder {path}", errno.ESTALE, "it is not the folder the task was "
+                       "given (replaced since)")
+    return fd
+
+
+def folder_overlays_open(spec: dict[str, Any]) -> list[tuple[str, int]]:
+    """In the sandbox, as root: each folder's overlay (a detached mount fd) and its path.
+
+    lower: the real folder, idmapped owner -> task (others as themselves); upper and work: on
+    an idmapped clone of BOX_HOME, store -> task and 0 -> 0, as the view's."""
+    out: list[tuple[str, int]] = []
+    uid, gid = spec["uid"], spec["gid"]
+    if not spec.get("folders"):
+        return out
+    store_ns = _idmap_userns(f"0 0 1\n{spec['storeUid']} {uid} 1\n",
+                             f"0 0 1\n{spec['storeGid']} {gid} 1\n")
+    store = syscall("open_tree", SYS_OPEN_TREE, -100, spec["boxHome"].encode(),
+                    OPEN_TREE_CLONE | os.O_CLOEXEC)
+    try:
+        _idmap_set(store, store_ns)
+        for folder in spec["folders"]:
+            ns = _idmap_userns(idmap_swap(folder["uid"], uid), idmap_swap(folder["gid"], gid))
+            fd = folder_open(folder["path"], folder["dev"], folder["ino"])
+            try:
+                tree = syscall("open_tree", SYS_OPEN_TREE, fd, b"",
+                               OPEN_TREE_CLONE | os.O_CLOEXEC | AT_EMPTY_PATH)
+            finally:
+                os.close(fd)
+            held = [ns, tree]
+            try:
+                _idmap_set(tree, ns)
+                held.append(os.open(folder["upper"], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC,
+                                    dir_fd=store))
+                held.append(os.open(folder["work"], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC,
+                                    dir_fd=store))
+                out.append((folder["path"], overlay_open([tree], held[2], held[3])))
+            finally:
+                for fd in held:
+                    os.close(fd)
+    finally:
+        os.close(store)
+        os.close(store_ns)
+    return out
+
+
+def _idmap_set(tree: int, userns: int) -> None:
+    attr = MountAttr(MOUNT_ATTR_IDMAP, 0, 0, userns)
+    syscall("mount_setattr", SYS_MOUNT_SETATTR, tree, b"", AT_EMPTY_PATH, ctypes.byref(attr),
+            ctypes.c_size_t(ctypes.sizeof(attr)))
+
+
+def folder_overlays_place(root: str, overlays: list[tuple[str, int]]) -> None:
+    """Each folder's overlay at its real path inside the new root (its parents made there)."""
+    for path, fd in overlays:
+        try:
+            os.makedirs(root + path, 0o755, exist_ok=True)
+            syscall("move_mount", SYS_MOVE_MOUNT, fd, b"", -100, (root + path).encode(),
+                    MOVE_MOUNT_F_EMPTY_PATH)
+        finally:
+            os.close(fd)
+
+
+# Reading an upper and the real folder: both beneath their roots, no symlink followed.
+
+def _lstat_at(dir_fd: int | None, name: str) -> os.stat_result | None:
+    if dir_fd is None:
+        return None
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
+
+
+def _parent_fd(root_fd: int, rel: str) -> int | None:
+    """The directory holding rel, beneath root_fd, no symlink on the way; or None."""
+    parent = os.path.dirname(rel)
+    return open_dir_beneath(root_fd, parent) if parent else os.dup(root_fd)
+
+
+def real_lstat(root_fd: int, rel: str) -> os.stat_result | None:
+    fd = _parent_fd(root_fd, rel)
+    try:
+        return _lstat_at(fd, os.path.basename(rel))
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _has_xattr(dir_fd: int, name: str, key: str) -> bool:
+    try:
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        os.getxattr(f"/proc/self/fd/{fd}", key)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Change:
+    """One entry of a folder's upper: what the task left at path (relative to the folder)."""
+
+    path: str
+    kind: str          # file, dir, symlink, delete, other (a fifo, socket or device)
+    mode: int
+    origin: bool       # copied up from the real folder (it was there after the start)
+    opaque: bool       # a directory that hides the real one (the task replaced it)
+    size: int = 0
+
+
+def upper_changes(upper: str) -> list[Change]:
+    """Every entry of an upper, parents before children, sorted by path.  A directory that
+    is only there because something below it changed is listed too (kind dir, not opaque,
+    with origin): keep makes sure it still exists."""
+    out: list[Change] = []
+    try:
+        top = os.open(upper, DIR_FLAGS)
+    except OSError:
+        return out
+    stack: list[tuple[str, int]] = [("", top)]
+    try:
+        while stack:
+            rel, fd = stack.pop()
+            try:
+                names = sorted(os.listdir(fd), reverse=True)
+                for name in names:
+                    st = _lstat_at(fd, name)
+                    if st is None:
+                        continue
+                    path = f"{rel}/{name}" if rel else name
+                    mode = stat.S_IMODE(st.st_mode)
+                    if is_whiteout(st):
+                        out.append(Change(path, "delete", 0, False, False))
+                    elif stat.S_ISDIR(st.st_mode):
+                        out.append(Change(path, "dir", mode, _has_xattr(fd, name, ORIGIN_XATTR),
+                                          _opaque_child(fd, name)))
+                        child = _open_child(fd, name)
+                        if child is not None:
+                            stack.append((path, child))
+                    else:
+                        kind = "file" if stat.S_ISREG(st.st_mode) else \
+                            "symlink" if stat.S_ISLNK(st.st_mode) else "other"
+                        out.append(Change(path, kind, mode, _has_xattr(fd, name, ORIGIN_XATTR),
+                                          False, st.st_size))
+            finally:
+                os.close(fd)
+    finally:
+        for _, fd in stack:
+            os.close(fd)
+    return sorted(out, key=lambda c: c.path.split("/"))
+
+
+def change_name(change: Change, real: os.stat_result | None) -> str | None:
+    """added, modified or deleted against the real path now; None: nothing would change."""
+    if change.kind == "delete":
+        return "deleted" if real is not None else None
+    if change.kind == "dir" and not change.opaque and real is not None and \
+            stat.S_ISDIR(real.st_mode):
+        return None                    # a folder the task only wrote into
+    return "modified" if real is not None else "added"
+
+
+def _tree_conflict(root_fd: int, rel: str, start: int) -> str | None:
+    """The first path under the real folder rel changed since start, or None."""
+    fd = open_dir_beneath(root_fd, rel)
+    if fd is None:
+        return None
+    found: list[str] = []
+
+    def visit(dir_fd: int, name: str, st: os.stat_result, parents: list[str]) -> None:
+        if not found and st.st_ctime_ns >= start:
+            found.append("/".join([rel] + parents + [name]))
+
+    def leave(dir_fd: int, name: str) -> None:
+        st = _lstat_at(dir_fd, name)
+        if not found and st is not None and st.st_ctime_ns >= start:
+            found.append(f"{rel}/{name}")
+    try:
+        tree_visit(f"/proc/self/fd/{fd}", visit, leave)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return found[0] if found else None
+
+
+def change_conflict(root_fd: int, change: Change, start: int,
+                    owner: tuple[int, list[int]]) -> str | None:
+    """Why keeping this change would clobber the owner's work or is not allowed; or None."""
+    if change.kind == "other":
+        return "a fifo, socket or device file is never kept"
+    if change.kind in ("file", "dir") and change.mode & (stat.S_ISUID | stat.S_ISGID):
+        return "set-uid or set-gid bits are never kept"
+    real = real_lstat(root_fd, change.path)
+    parent = os.path.dirname(change.path)
+    if real is None:
+        on_way = _on_the_way(root_fd, parent)
+        if on_way:
+            return on_way
+        if change.origin or change.kind == "delete":
+            return "deleted by the owner after the task started"
+    elif real.st_ctime_ns >= start:
+        return "changed by the owner after the task started" if change.origin or \
+            change.kind == "delete" else "created by the owner after the task started"
+    if real is not None and stat.S_ISDIR(real.st_mode) and \
+            (change.kind != "dir" or change.opaque):
+        changed = _tree_conflict(root_fd, change.path, start)
+        if changed:
+            return f"{changed} changed by the owner after the task started"
+    if change_name(change, real) is not None and not _owner_may_write(root_fd, parent, owner):
+        return "the folder's owner may not write in this folder"
+    return None
+
+
+def _on_the_way(root_fd: int, parent: str) -> str | None:
+    """A symlink or a file where the path needs a folder (the nearest that exists)."""
+    while parent:
+        st = real_lstat(root_fd, parent)
+        if st is not None:
+            if stat.S_ISLNK(st.st_mode):
+                return f"{parent} is a symlink in the real folder"
+            return None if stat.S_ISDIR(st.st_mode) else f"{parent} is not a folder"
+        parent = os.path.dirname(parent)
+    return None
+
+
+def _owner_may_write(root_fd: int, parent: str, owner: tuple[int, list[int]]) -> bool:
+    """Whether the owner could add and remove entries in the nearest existing real folder of
+    parent (its mode bits for the owner's uid and groups; a folder keep makes is the owner's)."""
+    while True:
+        st = real_lstat(root_fd, parent) if parent else os.fstat(root_fd)
+        if st is not None or not parent:
+            break
+        parent = os.path.dirname(parent)
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        return False
+    uid, gids = owner
+    if st.st_uid == uid:
+        bits = st.st_mode >> 6
+    elif st.st_gid in gids:
+        bits = st.st_mode >> 3
+    else:
+        bits = st.st_mode
+    return bits & 0o3 == 0o3
+
+
+# Copies beneath directory fds: the originals a keep overwrites go under BOX_HOME, and back.
+
+def _entry_copy(src_dir: int, src: str, dst_dir: int, dst: str) -> None:
+    """Copy one entry (a file, a symlink, a whole folder) with its mode, owner and times, no
+    symlink followed; a fifo, socket or device is left out (keep never writes one)."""
+    st = os.stat(src, dir_fd=src_dir, follow_symlinks=False)
+    if stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(src, dir_fd=src_dir), dst, dir_fd=dst_dir)
+    elif stat.S_ISDIR(st.st_mode):
+        os.mkdir(dst, 0o700, dir_fd=dst_dir)
+        sfd = os.open(src, DIR_FLAGS, dir_fd=src_dir)
+        dfd = os.open(dst, DIR_FLAGS, dir_fd=dst_dir)
+        try:
+            for name in os.listdir(sfd):
+                _entry_copy(sfd, name, dfd, name)
+            os.fchmod(dfd, stat.S_IMODE(st.st_mode))
+            os.fchown(dfd, st.st_uid, st.st_gid)
+            os.utime(dfd, ns=(st.st_atime_ns, st.st_mtime_ns))
+        finally:
+            os.close(sfd)
+            os.close(dfd)
+        return
+    elif stat.S_ISREG(st.st_mode):
+        sfd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                      dir_fd=src_dir)
+        try:
+            dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                          os.O_CLOEXEC, 0o600, dir_fd=dst_dir)
+            try:
+                while os.sendfile(dfd, sfd, None, 1 << 30):
+                    pass
+                os.fchown(dfd, st.st_uid, st.st_gid)
+                os.fchmod(dfd, stat.S_IMODE(st.st_mode))
+                os.utime(dfd, ns=(st.st_atime_ns, st.st_mtime_ns))
+            finally:
+                os.close(dfd)
+        finally:
+            os.close(sfd)
+        return
+    else:
+        return
+    os.chown(dst, st.st_uid, st.st_gid, dir_fd=dst_dir, follow_symlinks=False)
+
+
+def _entry_remove(dir_fd: int, name: str, aside: str) -> None:
+    """Remove an entry (a folder with all it holds): first renamed aside, so that a crash
+    leaves the name either whole or gone; nothing if it is not there."""
+    st = _lstat_at(dir_fd, name)
+    if st is None:
+        return
+    if name != aside:
+        os.rename(name, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    if stat.S_ISDIR(st.st_mode):
+        tree_remove(f"/proc/self/fd/{dir_fd}/{aside}")
+    else:
+        os.unlink(aside, dir_fd=dir_fd)
+
+
+def _syncfs(fd: int) -> None:
+    libc_call("syncfs", fd)
+
+
+class Review:
+    """The folders of personal tasks: their uppers, the review (keep, conflicts, undo of a
+    keep), the diff and the changes.  Box only wires it.  Keep and undo run on the loop thread
+    (one writer of the real folders); the diff and the changes are read in the HTTP thread."""
+
+    def __init__(self, box: "Box") -> None:
+        self.box = box
+
+    def dir(self, task_id: str, *parts: str) -> str:
+        return self.box.path("review", task_id, *parts)
+
+    def upper(self, task_id: str, n: int) -> str:
+        return self.dir(task_id, f"f{n}", "upper")
+
+    # a task's start and end
+    def prepare(self, task: Task, spec: dict[str, Any]) -> None:
+        """The task's uppers and work dirs (store-owned), and the folders in its spec."""
+        base = self.dir(task.id)
+        tree_remove(base)                       # a start cut short by a crash
+        os.makedirs(base, 0o700)
+        spec["folders"] = []
+        for n, info in enumerate(task.folderInfo or []):
+            for sub in (f"f{n}", f"f{n}/upper", f"f{n}/work"):
+                os.mkdir(os.path.join(base, sub), 0o755)
+                os.chown(os.path.join(base, sub), self.box.store_uid, self.box.store_gid)
+            spec["folders"].append(dict(info, upper=f"review/{task.id}/f{n}/upper",
+                                        work=f"review/{task.id}/f{n}/work"))
+        task.folderStartNs = time.time_ns() - CLOCK_SLACK_NS
+
+    def forget(self, task: Task) -> None:
+        """A task whose folder changes will never be kept (failed, undone): its uppers and
+        saved originals go."""
+        try:
+            tree_remove(self.dir(task.id))
+        except OSError as exc:
+            log(3, f"task {task.id}: could not remove its review files: {exc}")
+
+    def announce(self, task: Task, action: str, text: str, **extra: Any) -> None:
+        """A keep, conflict or undo: a log line of the task's, one of gurtd's, an event."""
+        entry = {"type": "review", "review": task.review, "action": action, "text": text}
+        entry.update(extra)
+        try:
+            self.box.append_log(task.id, entry)
+        except OSError as exc:
+            log(3, f"task {task.id}: review log line lost: {exc}")
+        log(6, f"task {task.id} review {action}: {text}")
+        self.box.emit("review", {"task": task.id, "review": task.review, "action": action,
+                                 "text": text, **extra})
+        self.box.emit("task", task.to_api())
+
+    # reading
+    def owner(self, info: dict[str, Any]) -> tuple[int, list[int]]:
+        import pwd
+        try:
+            name = pwd.getpwuid(info["uid"]).pw_name
+            return info["uid"], os.getgrouplist(name, info["gid"])
+        except KeyError:
+            return info["uid"], [info["gid"]]
+
+    def open_folder(self, info: dict[str, Any]) -> int:
+        """A readable fd of the real folder, the very one the task was given; 409 if not."""
+        try:
+            path_fd = folder_open(info["path"], info["dev"], info["ino"])
+        except SysError as exc:
+            raise ApiError(409, f"folder {info['path']}: {exc.stderr or exc}",
+                           "conflict") from None
+        try:
+            return os.open(f"/proc/self/fd/{path_fd}/.", DIR_FLAGS)
+        finally:
+            os.close(path_fd)
+
+    def pending(self, task: Task) -> list[tuple[int, Change, str]]:
+        """What keep would still apply: (folder number, change, added|modified|deleted)."""
+        applied = set(self.kept(task)["applied"])
+        out = []
+        for n, info in enumerate(task.folderInfo or []):
+            root = self.open_folder(info)
+            try:
+                for change in upper_changes(self.upper(task.id, n)):
+                    if f"{n}:{change.path}" in applied:
+                        continue
+                    name = change_name(change, real_lstat(root, change.path))
+                    if name is not None or change.kind == "delete" or change.origin:
+                        out.append((n, change, name or "none"))
+            finally:
+                os.close(root)
+        return out
+
+    def kept(self, task: Task) -> dict[str, Any]:
+        try:
+            data = load_json(self.dir(task.id, "kept.json"))
+        except (OSError, ValueError):
+            data = None
+        return data if isinstance(data, dict) else {"applied": [], "keeps": []}
+
+    # for the HTTP handlers (on the loop thread)
+    def keep_task(self, task_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.keep(self.box.get(task_id), body)
+
+    def sources(self, task_id: str) -> dict[str, Any]:
+        """What the diff and the changes read, off the loop: a personal task's folders with
+        their uppers, and its layer with the layers below (None once deleted)."""
+        task = self.box.get(task_id)
+        out: dict[str, Any] = {"folders": [], "layer": self.box.changes(task_id)}
+        if task.folderInfo and task.review != "undone" and os.path.isdir(self.dir(task.id)):
+            out["folders"] = [(info["path"], self.upper(task.id, n), info)
+                              for n, info in enumerate(task.folderInfo)]
+        return out
+
+    # keep
+    def keep(self, task: Task, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /api/tasks/{id}/keep: every pending change (or those under paths) applied to
+        the real folders, or nothing and 409 with the conflicts."""
+        if task.folders is None:
+            raise ApiError(400, "not a personal task: it has no folders to keep")
+        unknown = set(body) - {"force", "paths"}
+        if unknown:
+            raise ApiError(400, f"unknown field: {sorted(unknown)[0]}")
+        force = body.get("force", False)
+        paths = body.get("paths")
+        if not isinstance(force, bool):
+            raise ApiError(400, "force must be true or false")
+        if paths is not None and (not isinstance(paths, list) or not paths or
+                                  not all(isinstance(p, str) and p for p in paths)):
+            raise ApiError(400, "paths must be a non-empty array of paths")
+        if task.review not in ("pending", "conflict"):
+            raise ApiError(409, f"the task's review is {task.review or 'not open'}: only a "
+                                "pending or conflict review can be kept", "conflict")
+        todo = [t for t in self.pending(task) if paths is None or self.selected(task, t, paths)]
+        if paths is not None:
+            self.check_paths(task, todo, paths)
+        conflicts = self.conflicts(task, todo)
+        hard = [c for c in conflicts if "by the owner after" not in c["why"]]
+        if conflicts and (hard or not force):
+            task.review = "conflict"
+            self.box.save(task)
+            self.announce(task, "conflict", f"{len(conflicts)} conflicts, nothing kept",
+                          conflicts=conflicts)
+            what = "; ".join(f"{c['folder']}/{c['path']}: {c['why']}" for c in conflicts[:3])
+            raise ApiError(409, f"nothing was kept: {len(conflicts)} conflicts ({what})"
+                           + (" (force does not override these)" if force and hard else ""),
+                           "conflict", extra={"conflicts": conflicts})
+        ops = self.plan(task, todo)
+        journal = {"id": secrets.token_hex(6), "action": "keep", "phase": "saving",
+                   "ops": ops, "applied": [f"{n}:{c.path}" for n, c, _ in todo]}
+        self.keep_run(task, journal)
+        return task.to_api()
+
+    def selected(self, task: Task, item: tuple[int, Change, str], paths: list[str]) -> bool:
+        """Whether a pending change is under one of paths (absolute, or relative to its
+        folder), or a folder on the way to one."""
+        n, change, _ = item
+        folder = (task.folders or [])[n]
+        for path in paths:
+            rel = path[len(folder) + 1:] if path.startswith(folder + "/") else \
+                None if path.startswith("/") else path.strip("/")
+            if rel is None:
+                continue
+            if change.path == rel or change.path.startswith(rel + "/") or \
+                    (change.kind == "dir" and rel.startswith(change.path + "/")):
+                return True
+        return False
+
+    def check_paths(self, task: Task, todo: list[tuple[int, Change, str]],
+                    paths: list[str]) -> None:
+        for path in paths:
+            if not any(self.selected(task, item, [path]) and
+                       (item[1].path == path or path.endswith("/" + item[1].path) or
+                        item[1].path.startswith(path.strip("/") + "/") or
+                        path.startswith((task.folders or [])[item[0]] + "/"))
+                       for item in todo):
+                raise ApiError(400, f"paths: {path} is no pending change of the task")
+
+    def conflicts(self, task: Task, todo: list[tuple[int, Change, str]]) -> list[dict[str, str]]:
+        out, roots = [], {}
+        try:
+            for n, change, _ in todo:
+                info = (task.folderInfo or [])[n]
+                if n not in roots:
+                    roots[n] = self.open_folder(info)
+                why = change_conflict(roots[n], change, task.folderStartNs, self.owner(info))
+                if why:
+                    out.append({"folder": info["path"], "path": change.path, "why": why})
+        finally:
+            for fd in roots.values():
+                os.close(fd)
+        return out
+
+    def plan(self, task: Task, todo: list[tuple[int, Change, str]]) -> list[dict[str, Any]]:
+        """The writes of a keep, parents first; each real entry a write replaces or deletes
+        gets a place for its original (saved), unless a folder above it goes whole."""
+        ops: list[dict[str, Any]] = []
+        replaced: list[tuple[int, str]] = []
+        keeps = len(self.kept(task)["keeps"])
+        roots: dict[int, int] = {}
+        try:
+            for n, change, name in todo:
+                if name == "none":
+                    continue
+                if n not in roots:
+                    roots[n] = self.open_folder((task.folderInfo or [])[n])
+                op: dict[str, Any] = {"folder": n, "path": change.path, "kind": change.kind,
+                                      "mode": change.mode, "saved": None,
+                                      "replace": change.opaque}
+                under = any(m == n and change.path.startswith(p + "/") for m, p in replaced)
+                real = real_lstat(roots[n], change.path)
+                if real is not None and not under:
+                    op["saved"] = f"{keeps}-{len(ops)}"
+                    if change.kind != "dir" or change.opaque or not stat.S_ISDIR(real.st_mode):
+                        op["replace"] = True
+                        if stat.S_ISDIR(real.st_mode):
+                            replaced.append((n, change.path))
+                ops.append(op)
+        finally:
+            for fd in roots.values():
+                os.close(fd)
+        return ops
+
+    def keep_run(self, task: Task, journal: dict[str, Any]) -> None:
+        """The keep itself, journaled: originals saved, then the writes, then the record.  Run
+        again by recover() on a journal a crash left behind."""
+        path = self.dir(task.id, "journal.json")
+        ops = journal["ops"]
+        roots = {n: self.open_folder(info) for n, info in enumerate(task.folderInfo or [])}
+        try:
+            if journal["phase"] == "saving":
+                write_json(path, journal)
+                os.makedirs(self.dir(task.id, "saved"), 0o700, exist_ok=True)
+                saved = os.open(self.dir(task.id, "saved"), DIR_FLAGS)
+                try:
+                    for op in ops:
+                        if op["saved"] is not None:
+                            _entry_remove(saved, op["saved"], op["saved"])
+                            parent = _parent_fd(roots[op["folder"]], op["path"])
+                            if parent is None:
+                                raise SysError("keep", errno.ENOENT, f"{op['path']}: gone")
+                            try:
+                                _entry_copy(parent, os.path.basename(op["path"]), saved,
+                                            op["saved"])
+                            finally:
+                                os.close(parent)
+                    _syncfs(saved)
+                finally:
+                    os.close(saved)
+                crash_point("keep-saved")
+                journal["phase"] = "applying"
+                write_json(path, journal)
+            for i, op in enumerate(ops):
+                self.apply(task, roots[op["folder"]], op, i)
+                crash_point(f"keep-op-{i}")
+            for fd in roots.values():
+                _syncfs(fd)
+            self.keep_record(task, journal, roots)
+        finally:
+            for fd in roots.values():
+                os.close(fd)
+        left = [t for t in self.pending(task) if t[2] != "none"]
+        task.review = "pending" if left else "kept"
+        self.box.save(task)
+        os.unlink(path)
+        fsync_dir(self.dir(task.id))
+        self.announce(task, "kept", f"kept {len(ops)} changes" +
+                      (f"; {len(left)} still pending" if left else ""),
+                      paths=[f"{(task.folders or [])[op['folder']]}/{op['path']}"
+                             for op in ops][:1000])
+
+    def keep_record(self, task: Task, journal: dict[str, Any], roots: dict[int, int]) -> None:
+        """kept.json gets this keep: its writes and what each path looked like right after
+        (inode and ctime), for undo to see the owner's later changes.  Folders of earlier
+        keeps that this one wrote into are looked at again."""
+        record = self.kept(task)
+        if record["keeps"] and record["keeps"][-1].get("id") == journal["id"]:
+            return                                    # recorded before a crash
+        for op in journal["ops"]:
+            st = real_lstat(roots[op["folder"]], op["path"])
+            op["after"] = None if st is None else [st.st_ino, st.st_ctime_ns]
+        written = {(op["folder"], op["path"]) for op in journal["ops"]}
+        for keep in record["keeps"]:
+            for op in keep["ops"]:
+                if op["kind"] == "dir" and any(n == op["folder"] and p.startswith(
+                        op["path"] + "/") for n, p in written):
+                    st = real_lstat(roots[op["folder"]], op["path"])
+                    op["after"] = None if st is None else [st.st_ino, st.st_ctime_ns]
+        record["keeps"].append({"id": journal["id"], "at": now_iso(), "ops": journal["ops"]})
+        record["applied"] = record["applied"] + journal["applied"]
+        write_json(self.dir(task.id, "kept.json"), record)
+
+    def apply(self, task: Task, root: int, op: dict[str, Any], i: int) -> None:
+        """One write of a keep, repeatable: what the upper holds at op's path ends up at the
+        real path, through a temporary name and a rename, beneath the folder's fd."""
+        rel, name = op["path"], os.path.basename(op["path"])
+        parent = _parent_fd(root, rel)
+        if parent is None:
+            raise SysError("keep", errno.ENOENT, f"{rel}: its folder is gone or a symlink")
+        tmp = f"{KEEP_TEMP}{task.id}-{i}"
+        aside = tmp + "-old"
+        try:
+            for leftover in (tmp, aside):
+                _entry_remove(parent, leftover, leftover)
+            real, pst = _lstat_at(parent, name), os.fstat(parent)
+            if op["kind"] == "delete":
+                _entry_remove(parent, name, aside)
+                return
+            if op["kind"] == "dir":
+                if real is not None and stat.S_ISDIR(real.st_mode) and not op["replace"]:
+                    return
+                _entry_remove(parent, name, aside)
+                os.mkdir(name, 0o700, dir_fd=parent)
+                fd = os.open(name, DIR_FLAGS, dir_fd=parent)
+                try:
+                    os.fchown(fd, pst.st_uid, pst.st_gid)
+                    os.fchmod(fd, op["mode"] & 0o1777)
+                finally:
+                    os.close(fd)
+                return
+            owner = (real.st_uid, real.st_gid) if real is not None and \
+                not stat.S_ISDIR(real.st_mode) and not op["replace"] else (pst.st_uid, pst.st_gid)
+            if real is not None and stat.S_ISDIR(real.st_mode):
+                owner = (pst.st_uid, pst.st_gid)
+            self.write_temp(task, op, parent, tmp, owner)
+            if real is not None and stat.S_ISDIR(real.st_mode):
+                os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=parent)
+            os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
+            _entry_remove(parent, aside, aside)
+        finally:
+            os.close(parent)
+
+    def write_temp(self, task: Task, op: dict[str, Any], parent: int, tmp: str,
+                   owner: tuple[int, int]) -> None:
+        """The upper's file or symlink at op's path, copied to tmp in the real folder."""
+        upper = os.open(self.upper(task.id, op["folder"]), DIR_FLAGS)
+        try:
+            src_dir = _parent_fd(upper, op["path"])
+        finally:
+            os.close(upper)
+        if src_dir is None:
+            raise SysError("keep", errno.ENOENT, f"{op['path']}: not in the task's copy")
+        name = os.path.basename(op["path"])
+        try:
+            if op["kind"] == "symlink":
+                os.symlink(os.readlink(name, dir_fd=src_dir), tmp, dir_fd=parent)
+                os.chown(tmp, *owner, dir_fd=parent, follow_symlinks=False)
+                return
+            src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                          dir_fd=src_dir)
+            try:
+                if not stat.S_ISREG(os.fstat(src).st_mode):
+                    raise SysError("keep", errno.EINVAL, f"{op['path']}: not a regular file")
+                dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                              os.O_CLOEXEC, 0o600, dir_fd=parent)
+                try:
+                    while os.sendfile(dst, src, None, 1 << 30):
+                        pass
+                    os.fchown(dst, *owner)
+                    os.fchmod(dst, op["mode"] & 0o1777)
+                finally:
+                    os.close(dst)
+            finally:
+                os.close(src)
+        finally:
+            os.close(src_dir)
+
+    # undo of a keep
+    def undo(self, task: Task, force: bool) -> None:
+        """The real folders put back as they were before the keeps: 409 (nothing changed) if
+        the owner changed a kept path since, unless force."""
+        if task.review != "kept" and not self.kept(task)["keeps"]:
+            return
+        record = self.kept(task)
+        if not force:
+            conflicts = self.undo_conflicts(task, record)
+            if conflicts:
+                self.announce(task, "conflict", f"undo refused: {len(conflicts)} kept paths "
+                              "changed since the keep", conflicts=conflicts)
+                raise ApiError(409, f"nothing was undone: {len(conflicts)} kept paths were "
+                                    "changed by the owner after the keep (undo with force "
+                                    "puts the versions from before the keep back anyway)",
+                               "conflict", extra={"conflicts": conflicts})
+        ops = [op for keep in reversed(record["keeps"]) for op in reversed(keep["ops"])]
+        self.undo_run(task, {"id": secrets.token_hex(6), "action": "undo", "ops": ops})
+
+    def undo_conflicts(self, task: Task, record: dict[str, Any]) -> list[dict[str, str]]:
+        out, roots = [], {}
+        try:
+            for keep in record["keeps"]:
+                for op in keep["ops"]:
+                    info = (task.folderInfo or [])[op["folder"]]
+                    if op["folder"] not in roots:
+                        roots[op["folder"]] = self.open_folder(info)
+                    st = real_lstat(roots[op["folder"]], op["path"])
+                    now = None if st is None else [st.st_ino, st.st_ctime_ns]
+                    if now != op.get("after"):
+                        why = ("deleted" if now is None else "created" if op.get("after") is
+                               None else "changed") + " by the owner after the keep"
+                        out.append({"folder": info["path"], "path": op["path"], "why": why})
+        finally:
+            for fd in roots.values():
+                os.close(fd)
+        return out
+
+    def undo_run(self, task: Task, journal: dict[str, Any]) -> None:
+        path = self.dir(task.id, "journal.json")
+        write_json(path, journal)
+        roots = {n: self.open_folder(info) for n, info in enumerate(task.folderInfo or [])}
+        saved = os.open(self.dir(task.id, "saved"), DIR_FLAGS) \
+            if os.path.isdir(self.dir(task.id, "saved")) else -1
+        try:
+            for i, op in enumerate(journal["ops"]):
+                self.restore(task, roots[op["folder"]], saved, op, i)
+                crash_point(f"undo-op-{i}")
+            for fd in roots.values():
+                _syncfs(fd)
+        finally:
+            for fd in list(roots.values()) + ([saved] if saved >= 0 else []):
+                os.close(fd)
+        task.review = "undone"
+        self.box.save(task)
+        os.unlink(path)
+        self.announce(task, "undone", f"the real folders are back as before the keep "
+                      f"({len(journal['ops'])} paths)")
+
+    def restore(self, task: Task, root: int, saved: int, op: dict[str, Any], i: int) -> None:
+        """One path back as before the keep (its saved original, or nothing); repeatable."""
+        rel, name = op["path"], os.path.basename(op["path"])
+        parent = _parent_fd(root, rel)
+        if parent is None:
+            log(4, f"task {task.id}: undo: the folder of {rel} is gone; left as it is")
+            return
+        tmp = f"{KEEP_TEMP}{task.id}-u{i}"
+        aside = tmp + "-old"
+        try:
+            for leftover in (tmp, aside):
+                _entry_remove(parent, leftover, leftover)
+            if op["saved"] is None or saved < 0:
+                _entry_remove(parent, name, aside)
+                return
+            _entry_copy(saved, op["saved"], parent, tmp)
+            real = _lstat_at(parent, name)
+            if real is not None and (stat.S_ISDIR(real.st_mode) or
+                                     stat.S_ISDIR(_lstat_at(parent, tmp).st_mode)):
+                os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=parent)
+            os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
+            _entry_remove(parent, aside, aside)
+        finally:
+            os.close(parent)
+
+    def recover(self) -> None:
+        """At start: a keep or an undo a crash cut short is finished, or (a keep that had not
+        written anything yet) dropped; the task's log says which."""
+        for task in self.box.tasks.values():
+            path = self.dir(task.id, "journal.json")
+            if not task.folderInfo or not os.path.exists(path):
+                continue
+            try:
+                journal = load_json(path)
+                if journal["action"] == "undo":
+                    self.undo_run(task, journal)
+                    self.announce(task, "recovered", "an undo cut short by a restart was "
+                                  "finished")
+                elif journal["phase"] == "saving":
+                    os.unlink(path)
+                    self.announce(task, "recovered", "a keep cut short by a restart before "
+                                  "it wrote anything was dropped: nothing was kept")
+                else:
+                    self.keep_run(task, journal)
+                    self.announce(task, "recovered", "a keep cut short by a restart was "
+                                  "finished")
+            except Exception as exc:
+                log(3, f"task {task.id}: could not finish its keep or undo: "
+                       f"{type(exc).__name__}: {exc}")
+
+
+# The diff: unified, as git prints it (a/ and b/ paths), binary files and modes named.
+
+DIFF_TEXT_MAX = 8 << 20              # a larger file is named, not shown line by line
+
+
+def _read_entry(dir_fd: int | None, name: str) -> tuple[str, int, bytes] | None:
+    """(kind, mode, content) of an entry, no symlink followed: a symlink's content is its
+    target; a fifo or device has none.  None if it is not there."""
+    st = _lstat_at(dir_fd, name)
+    if st is None or dir_fd is None or is_whiteout(st):
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return "symlink", 0o120000, os.readlink(name, dir_fd=dir_fd).encode(errors="replace")
+    if stat.S_ISDIR(st.st_mode):
+        return "dir", 0o040000 | stat.S_IMODE(st.st_mode), b""
+    if not stat.S_ISREG(st.st_mode):
+        return "other", st.st_mode, b""
+    if st.st_size > DIFF_TEXT_MAX:
+        return "file", 0o100000 | stat.S_IMODE(st.st_mode), b"\0large"
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                 dir_fd=dir_fd)
+    with os.fdopen(fd, "rb") as f:
+        return "file", 0o100000 | stat.S_IMODE(st.st_mode), f.read(DIFF_TEXT_MAX + 1)
+
+
+def _entry_at(root_fd: int, rel: str) -> tuple[str, int, bytes] | None:
+    fd = _parent_fd(root_fd, rel)
+    try:
+        return _read_entry(fd, os.path.basename(rel))
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def file_diff(rel: str, old: tuple[str, int, bytes] | None,
+              new: tuple[str, int, bytes] | None) -> str:
+    """One path's part of a unified diff (empty if nothing differs); folders have none."""
+    import difflib
+    if old is not None and old[0] == "dir":
+        old = None
+    if new is not None and new[0] == "dir":
+        new = None
+    if old == new:
+        return ""
+    head = [f"diff --git a/{rel} b/{rel}"]
+    if old is None and new is not None:
+        head.append(f"new file mode {new[1]:06o}")
+    elif new is None and old is not None:
+        head.append(f"deleted file mode {old[1]:06o}")
+    elif old is not None and new is not None and old[1] != new[1]:
+        head += [f"old mode {old[1]:06o}", f"new mode {new[1]:06o}"]
+    a, b = (old or ("", 0, b""))[2], (new or ("", 0, b""))[2]
+    if a == b:
+        return "\n".join(head) + "\n"
+    try:
+        if b"\0" in a or b"\0" in b:
+            raise UnicodeDecodeError("utf-8", b"", 0, 1, "binary")
+        a_text, b_text = a.decode(), b.decode()
+    except UnicodeDecodeError:
+        head.append(f"Binary files {'a/' + rel if old else '/dev/null'} and "
+                    f"{'b/' + rel if new else '/dev/null'} differ")
+        return "\n".join(head) + "\n"
+    lines = difflib.unified_diff(a_text.splitlines(keepends=True),
+                                 b_text.splitlines(keepends=True),
+                                 f"a/{rel}" if old else "/dev/null",
+                                 f"b/{rel}" if new else "/dev/null")
+    body = "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+                   for line in lines)
+    return "\n".join(head) + "\n" + body
+
+
+def _wanted(rel: str, only: str | None) -> bool:
+    return only is None or rel == only or rel.startswith(only.rstrip("/") + "/")
+
+
+def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None) -> str:
+    """A personal task's changes to one folder against the real folder as it is now."""
+    try:
+        root = folder_open(info["path"], info["dev"], info["ino"])
+    except (SysError, OSError) as exc:
+        return f"# folder {folder}: cannot be read: {exc}\n"
+    real = os.open(f"/proc/self/fd/{root}/.", DIR_FLAGS)
+    os.close(root)
+    try:
+        up = os.open(upper, DIR_FLAGS)
+    except OSError:
+        os.close(real)
+        return ""
+    parts = []
+    try:
+        for change in upper_changes(upper):
+            full = f"{folder}/{change.path}"
+            if not (_wanted(change.path, only) or _wanted(full, only)):
+                continue
+            if change.kind == "delete":
+                parts.append(_tree_diff(real, change.path, None))
+            elif change.kind == "dir":
+                if change.opaque:
+                    parts.append(_tree_diff(real, change.path, None, keep_top=True))
+            else:
+                old = _entry_at(real, change.path)
+                if old is not None and old[0] == "dir":
+                    parts.append(_tree_diff(real, change.path, None))
+                parts.append(file_diff(change.path, old, _entry_at(up, change.path)))
+    finally:
+        os.close(real)
+        os.close(up)
+    text = "".join(parts)
+    return f"# folder {folder}\n{text}" if text else ""
+
+
+def _tree_diff(root: int, rel: str, new: Any, keep_top: bool = False) -> str:
+    """Deletions of everything at and under rel in the real folder (a folder the task removed
+    or replaced)."""
+    entry = _entry_at(root, rel)
+    if entry is None:
+        return ""
+    if entry[0] != "dir":
+        return file_diff(rel, entry, new)
+    fd = open_dir_beneath(root, rel)
+    if fd is None:
+        return ""
+    parts: list[str] = []
+    try:
+        for name in sorted(os.listdir(fd)):
+            parts.append(_tree_diff(root, f"{rel}/{name}", None))
+    finally:
+        os.close(fd)
+    return "".join(parts)
+
+
+def layer_diff(upper: str, lowers: list[str], only: str | None) -> str:
+    """A workspace task's layer against the layers below it (the first that has a path)."""
+    parts = []
+    up = os.open(upper, DIR_FLAGS) if os.path.isdir(upper) else -1
+    if up < 0:
+        return ""
+    lower_fds = [os.open(p, DIR_FLAGS) for p in lowers if os.path.isdir(p)]
+    try:
+        for change in changed_paths(upper, lowers):
+            rel = change["path"].rstrip("/")
+            if change["path"].endswith("/") or not _wanted(rel, only):
+                continue
+            old = None
+            for fd in lower_fds:
+                old = _entry_at(fd, rel)
+                if old is not None:
+                    break
+            new = None if change["change"] == "deleted" else _entry_at(up, rel)
+            parts.append(file_diff(rel, old, new))
+    finally:
+        for fd in [up] + lower_fds:
+            os.close(fd)
+    return "".join(parts)
+
+
+def folder_change_list(task_folders: list[str], uppers: list[str],
+                       infos: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """GET /api/tasks/{id}/changes for a task's folders: [{folder, path, change}]."""
+    out = []
+    for folder, upper, info in zip(task_folders, uppers, infos):
+        try:
+            root = folder_open(info["path"], info["dev"], info["ino"])
+        except (SysError, OSError):
+            continue
+        try:
+            for change in upper_changes(upper):
+                name = change_name(change, real_lstat(root, change.path))
+                if name is not None:
+                    path = change.path + ("/" if change.kind == "dir" else "")
+                    out.append({"folder": folder, "path": path, "change": name})
+        finally:
+            os.close(root)
+    return out
+
+
 # Tasks #########################################################################################
 ###############################################################################################
 
@@ -3104,6 +4240,7 @@ class Box:
         self.broker = Broker(self)
         self.cgroups = Cgroups(self.home)
         self.disk = DiskReserve(self)
+        self.review = Review(self)
         self.events: list[tuple[int, str, bytes]] = []   # (seq, kind, JSON) for /api/events
         # Event ids go on from a clock reading, so that an id from before a restart is older
         # than every id of this run (its stream gets a reset event, not silence).
@@ -3479,6 +4616,10 @@ class Box:
         if fields["worker"] == "droid" and not self.droid_path():
             raise ApiError(400, "the droid worker needs the Droid CLI: run make (it installs "
                                 f"droid {DROID_VERSION}) or set droidPath")
+        if fields["folders"]:
+            fields["folderInfo"] = folders_check(fields["folders"],
+                                                 self.settings["folderRoots"], self.home)
+            fields["folder"] = fields["folders"][0]
         task_id = new_task_id()
         while task_id in self.tasks:
             task_id = new_task_id()
@@ -3537,7 +4678,7 @@ class Box:
             for sub in ("", "upper", "work"):
                 os.makedirs(os.path.join(layer, sub), 0o755, exist_ok=True)
                 os.chown(os.path.join(layer, sub), self.store_uid, self.store_gid)
-            spec = {
+            spec: dict[str, Any] = {
                 "id": task.id, "uid": uid, "gid": uid, "home": f"/home/{task.user}",
                 "storeUid": self.store_uid, "storeGid": self.store_gid, "boxHome": self.home,
                 "lowers": lower_layer_paths(task.layers) + [f"workspaces/{task.workspace}"],
@@ -3549,6 +4690,8 @@ class Box:
                         "LANG": "C.UTF-8", "TMPDIR": "/tmp", "PWD": VIEW_DIR,
                         "GURT_TASK": task.id, "GURT_BROKER": BROKER_IN_BOX},
             }
+            if task.folderInfo:
+                self.review.prepare(task, spec)
             limits = task.limits or effective_limits({}, self.settings, mem_total())
             spec["cgroups"] = self.cgroups.create(task.id, limits)
             spec["nproc"], spec["tmpBytes"] = limits["processes"], limits["tmpBytes"]
@@ -3668,7 +4811,8 @@ class Box:
         elif code == 0:
             self.done_seq += 1
             summary = (task.summary if task.worker == "droid" else worker.last_out) or None
-            self.set_state(task, "done", doneSeq=self.done_seq, summary=summary)
+            self.set_state(task, "done", doneSeq=self.done_seq, summary=summary,
+                           review="pending" if task.folders else None)
             self.drop_view(task.workspace)
         else:
             error = f"worker exited with {code}"
@@ -3677,6 +4821,8 @@ class Box:
                 error += f": {last}"
             self.set_state(task, "failed", error=error)
         log(6, f"task {task.id} {task.state}" + (f": {task.error}" if task.error else ""))
+        if task.folders and task.state != "done":
+            self.review.forget(task)            # a failed task's folder changes never apply
         self.gc_layers()
         self.schedule()
 
@@ -3733,15 +4879,29 @@ class Box:
         self.fail_task(task, reason, by="stop")
         return task.to_api()
 
-    def undo(self, task_id: str) -> dict[str, Any]:
-        """The seed page's undo: stop, deny approvals, leave the view, delete when unused."""
+    def undo(self, task_id: str, force: bool = False) -> dict[str, Any]:
+        """The seed page's undo: stop, deny approvals, leave the view, delete when unused.
+        A personal task's keep is undone first (Review.undo; 409 if the owner changed a kept
+        path since, unless force)."""
         task = self.get(task_id)
+        if task.folders and task.review in ("kept", "pending", "conflict"):
+            self.review.undo(task, force)
+            if task.review != "undone":
+                task.review = "undone"
+                self.review.announce(task, "undone", "the task's folder changes were dropped; "
+                                     "the real folders were not touched")
+            if task.state == "undone":
+                self.save(task)
         if task.state == "undone":
+            if task.folders:
+                self.review.forget(task)
             return task.to_api()
         was_active = task.state in ACTIVE_STATES
         self.broker.deny_pending(task.id, "undo", "answered by undo")
         self.release_worker(task)
         self.set_state(task, "undone")
+        if task.folders:
+            self.review.forget(task)
         self.drop_view(task.workspace)
         self.gc_layers()
         if was_active:
@@ -3854,6 +5014,10 @@ class Box:
             "`gurtd tool NAME '{\"json\": \"args\"}'` or through the gurtd MCP server.\n"
             f"- Budget: {task.budgetCents} US cents; spending above it pauses you until a "
             "person approves.\n")
+        if task.folders:
+            system += ("- Folders: " + ", ".join(task.folders) + " are your own copy-on-write "
+                       "copies of the owner's real folders, at their real paths; the owner "
+                       "reviews your changes there and keeps them or not.\n")
         spec["mode"] = "droid"
         spec["droid"] = path
         spec["files"] = {"/run/gurt/prompt.md": task.prompt,
@@ -4051,6 +5215,7 @@ class Box:
             log(4, f"reconcile: unmounting leftover {point}")
             attempt(f"unmount {point}", umount, point)
         attempt("delete undone layers", self.gc_layers)
+        attempt("finish keeps and undos cut short", self.review.recover)
         for task_id in sorted(self.unsaved):
             problems.append(f"save task {task_id}: its state ({self.tasks[task_id].state}) is "
                             "only in memory until the disk has room")
@@ -5278,7 +6443,10 @@ def h_task_get(req: "Handler", params: dict[str, str]) -> Any:
 
 
 def h_task_undo(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.undo, params["id"])
+    body = req.json_body(optional=True)
+    if set(body) - {"force"} or not isinstance(body.get("force", False), bool):
+        raise ApiError(400, 'the body must be empty or {"force": true|false}')
+    return 200, req.box.call(req.box.undo, params["id"], body.get("force", False))
 
 
 def h_task_stop(req: "Handler", params: dict[str, str]) -> Any:
@@ -5292,7 +6460,12 @@ def h_task_changes(req: "Handler", params: dict[str, str]) -> Any:
         return 200, []
     found = changed_paths(*layers)
     # undone and deleted during the walk: what was read is no change of the workspace any more
-    return 200, found if box.call(box.changes, params["id"]) is not None else []
+    if box.call(box.changes, params["id"]) is None:
+        return 200, []
+    folders = box.call(box.review.sources, params["id"])["folders"]
+    if folders:
+        found += folder_change_list(*(list(x) for x in zip(*folders)))
+    return 200, found
 
 
 MAX_LOG_FOLLOWERS = 32              # GET /api/tasks/{id}/log?follow=1 at once, per task
@@ -5565,6 +6738,28 @@ def h_events(req: "Handler", params: dict[str, str]) -> Any:
     return None
 
 
+def h_task_keep(req: "Handler", params: dict[str, str]) -> Any:
+    box = req.box
+    return 200, box.call(box.review.keep_task, params["id"], req.json_body(optional=True))
+
+
+def h_task_diff(req: "Handler", params: dict[str, str]) -> Any:
+    """The task's changes as a unified diff, read in this thread (never on the loop)."""
+    box = req.box
+    only = req.query_one("path")
+    if only is not None:
+        only = only if only.startswith("/") else clean_relpath(only)
+    source = box.call(box.review.sources, params["id"])
+    if source["folders"]:
+        text = "".join(folder_diff(folder, upper, info, only)
+                       for folder, upper, info in source["folders"])
+    elif source["layer"] is not None:
+        text = layer_diff(source["layer"][0], source["layer"][1], only)
+    else:
+        text = ""
+    return 200, (text.encode(), "text/x-diff; charset=utf-8")
+
+
 def h_openapi(req: "Handler", params: dict[str, str]) -> Any:
     return 200, openapi()
 
@@ -5601,6 +6796,11 @@ ROUTES: list[Route] = [
      "Server-Sent Events: task state changes, approvals made and answered"),
     ("GET", "/api/settings", h_settings_get, "Read settings"),
     ("PUT", "/api/settings", h_settings_put, "Change settings"),
+    # personal mode: review
+    ("POST", "/api/tasks/{id}/keep", h_task_keep,
+     "Keep a personal task's folder changes {force?, paths?}: 409 conflict names the paths"),
+    ("GET", "/api/tasks/{id}/diff", h_task_diff,
+     "A task's changes as a unified diff (?path=): its folders, or its layer"),
     ("GET", "/api/openapi.json", h_openapi, "This description"),
 ]
 
@@ -5667,6 +6867,13 @@ TASK_SCHEMA: dict[str, Any] = {
         "updatedAt": {"type": "string", "format": "date-time"},
         "error": {"type": "string"},
         "summary": {"type": "string"},
+        "folder": {"type": "string", "description": "Personal: the first real folder the task "
+                                                     "works on a copy of."},
+        "folders": {"type": "array", "items": {"type": "string"}, "maxItems": MAX_FOLDERS,
+                    "description": "Personal: every real folder the task works on."},
+        "review": {"type": "string", "enum": list(REVIEW_STATES),
+                   "description": "Personal: done and waiting for the owner, kept, stopped by "
+                                  "a conflict, or undone."},
         "limits": {"type": "object", "additionalProperties": False,
                    "description": "What the task may take; on create, any of these overrides "
                                   "its setting; the task shows the effective values.",
@@ -5691,8 +6898,9 @@ def openapi() -> dict[str, Any]:
     paths: dict[str, Any] = {}
     bodies = {h_tasks_create: True, h_workspaces_create: True, h_settings_put: True,
               h_wallet_put: True, h_approval_answer: True, h_approval_approve: False,
-              h_approval_deny: False, h_approvals_approve_all: False}   # required or not
-    answers_task = (h_tasks_create, h_task_get, h_task_undo, h_task_stop)
+              h_approval_deny: False, h_approvals_approve_all: False,
+              h_task_keep: False, h_task_undo: False}   # required or not
+    answers_task = (h_tasks_create, h_task_get, h_task_undo, h_task_stop, h_task_keep)
     for method, pattern, fn, summary in ROUTES:
         ok = "201" if fn in (h_tasks_create, h_workspaces_create) else "200"
         op: dict[str, Any] = {"summary": summary, "responses": {
@@ -5987,6 +7195,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             body = {"error": exc.message}
             if exc.code:
                 body["code"] = exc.code
+            body.update(exc.extra)
             self.send_json(exc.status, body, exc.headers)
             if exc.status == 413:
                 self.linger()
