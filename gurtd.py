@@ -3441,6 +3441,8 @@ def change_conflict(root_fd: int, change: Change, start: int,
             return on_way
         if change.origin or change.kind == "delete":
             return "deleted by the owner after the task started"
+    elif change.kind == "dir" and not change.opaque and stat.S_ISDIR(real.st_mode):
+        return None            # a folder the task wrote into: its entries are checked alone
     elif real.st_ctime_ns >= start:
         return "changed by the owner after the task started" if change.origin or \
             change.kind == "delete" else "created by the owner after the task started"

@@ -1,0 +1,412 @@
+"""Personal mode, told as an owner's stories: a task works on a copy of my real folder, I read
+the diff, keep it (or part of it), see conflicts with my own edits, and take it back.
+
+A real unprivileged owner user is made by this module (and removed), with real folders in its
+home: nested folders, a file of root's, a symlink to /etc/passwd, a name with spaces and
+unicode.  Real gurtd, real overlays and idmapped mounts; kill -9 in the middle of a keep.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pwd
+import secrets
+import shutil
+import signal
+import stat
+import subprocess
+import time
+from typing import Any, Iterator
+
+import pytest
+
+import gurtd as G
+from conftest import Gurtd, make_home, remove_home
+
+UNICODE_NAME = "my file é ✓.txt"
+
+
+# helpers #####################################################################################
+
+@pytest.fixture(scope="module")
+def owner() -> Iterator[pwd.struct_passwd]:
+    """A real unprivileged user with a home under /home, removed afterwards."""
+    name = "gurtrv" + secrets.token_hex(3)
+    subprocess.run(["useradd", "-m", "-d", f"/home/{name}", "-s", "/usr/sbin/nologin", name],
+                   check=True, capture_output=True)
+    try:
+        yield pwd.getpwnam(name)
+    finally:
+        subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
+        shutil.rmtree(f"/home/{name}", ignore_errors=True)
+        assert not os.path.exists(f"/home/{name}")
+
+
+@pytest.fixture
+def folder(owner: pwd.struct_passwd) -> Iterator[str]:
+    """The owner's project: nested folders, root's file, a symlink out, a unicode name."""
+    top = os.path.join(owner.pw_dir, "proj-" + secrets.token_hex(3))
+    files = {"a.txt": "hello\n", "sub/b.txt": "bee\n", "sub/deeper/c.txt": "sea\n",
+             "olddir/x.txt": "x\n", "olddir/y/z.txt": "z\n", UNICODE_NAME: "unicode\n",
+             "script.sh": "#!/bin/sh\necho hi\n"}
+    for rel, text in files.items():
+        os.makedirs(os.path.dirname(os.path.join(top, rel)), exist_ok=True)
+        with open(os.path.join(top, rel), "w") as f:
+            f.write(text)
+    os.symlink("/etc/passwd", os.path.join(top, "link"))
+    for root, dirs, names in os.walk(top):
+        for name in [root] + [os.path.join(root, n) for n in dirs + names]:
+            os.chown(name, owner.pw_uid, owner.pw_gid, follow_symlinks=False)
+    with open(os.path.join(top, "root.txt"), "w") as f:     # root's, inside the owner's
+        f.write("root's own\n")
+    os.chmod(os.path.join(top, "root.txt"), 0o644)
+    time.sleep(0.05)                 # the folder's ctimes are before any task's start
+    yield top
+    shutil.rmtree(top, ignore_errors=True)
+
+
+def snapshot(top: str) -> dict[str, tuple[Any, ...]]:
+    """Every path under top: (type, mode, uid, gid, content or link target)."""
+    out = {}
+    for root, dirs, names in os.walk(top):
+        for name in dirs + names:
+            path = os.path.join(root, name)
+            st = os.lstat(path)
+            rel = os.path.relpath(path, top)
+            if stat.S_ISLNK(st.st_mode):
+                data: Any = os.readlink(path)
+            elif stat.S_ISREG(st.st_mode):
+                with open(path, "rb") as f:
+                    data = f.read()
+            else:
+                data = None
+            out[rel] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid,
+                        st.st_gid, data)
+    return out
+
+
+def digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.fixture
+def scratch() -> Iterator[Any]:
+    """A folder of root's outside every folder root (pytest's tmp_path is shared with other
+    suites' leftovers)."""
+    import pathlib
+    import tempfile
+    path = tempfile.mkdtemp(prefix="gurt-review-", dir="/var/tmp")
+    try:
+        yield pathlib.Path(path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def g() -> Iterator[Gurtd]:
+    box = Gurtd(make_home())
+    box.start()
+    try:
+        yield box
+    finally:
+        if box.proc is not None:
+            assert box.stop() == 0, box.log_text()
+        remove_home(box.home)
+
+
+def run_on(g: Gurtd, folder: str, *lines: str, **fields: Any) -> dict[str, Any]:
+    """A fake task on folder; each line runs in the folder (the fake worker's lines are each
+    their own shell)."""
+    return g.run("\n".join(f"cd '{folder}' && {line}" for line in lines), folder=folder,
+                 **fields)
+
+
+def keep(g: Gurtd, task_id: str, body: Any = None) -> tuple[int, Any]:
+    code, data, _ = g.request("POST", f"/api/tasks/{task_id}/keep", body or {})
+    return code, data
+
+
+def no_leftovers(g: Gurtd, task_id: str, folder: str) -> None:
+    """After undo: the task's review files are gone and no temp name is in the folder."""
+    assert not os.path.exists(os.path.join(g.home, "review", task_id))
+    for root, dirs, names in os.walk(folder):
+        assert not [n for n in dirs + names if n.startswith(G.KEEP_TEMP)], (root, dirs, names)
+
+
+# pure ########################################################################################
+
+def test_idmap_shows_the_owner_as_the_task_and_everyone_else_as_themselves() -> None:
+    assert G.idmap_swap(1000, 600123) == ("0 0 1000\n1000 600123 1\n1001 1001 599122\n"
+                                          "600124 600124 4294367171\n")
+    assert G.idmap_swap(700000, 600123).splitlines()[2] == "700000 600123 1"
+
+
+def test_folder_fields_are_one_list() -> None:
+    assert G.folders_of({"folder": "/home/a/p"}) == ["/home/a/p"]
+    assert G.folders_of({"folders": ["/home/a/p", "/home/a/q"], "folder": "/home/a/p"}) == \
+        ["/home/a/p", "/home/a/q"]
+    assert G.folders_of({}) is None
+    for bad in ({"folders": []}, {"folders": ["/srv/x"] * 17}, {"folders": [3]},
+                {"folder": "/home/a/q", "folders": ["/home/a/p", "/home/a/q"]}):
+        with pytest.raises(G.ApiError):
+            G.folders_of(bad)
+
+
+# stories #####################################################################################
+
+def test_a_task_works_on_a_copy_and_keep_applies_exactly_its_diff(
+        g: Gurtd, folder: str, owner: pwd.struct_passwd) -> None:
+    before = snapshot(folder)
+    task = run_on(
+        g, folder,
+                "echo more >> a.txt",
+        "mkdir -p newdir/inner && printf 'n\\n' > newdir/inner/n.txt",
+        "rm sub/deeper/c.txt",
+        "rm -r olddir",
+        f"printf 'changed\\n' > '{UNICODE_NAME}'",
+        "chmod 755 script.sh",
+        "echo pwned > root.txt || echo root-refused",
+        "echo pwned > link || echo link-refused",
+        "stat -c '%U' a.txt")
+    assert task["state"] == "done", g.log(task["id"])
+    assert task["review"] == "pending" and task["folders"] == [folder]
+    assert task["folder"] == folder
+    out = g.output(task["id"])
+    assert "root-refused" in out and "link-refused" in out
+    assert out[-1] == task["user"]               # the owner's files look like the task's own
+    assert snapshot(folder) == before            # nothing written while it ran, or after
+    changes = g.api("GET", f"/api/tasks/{task['id']}/changes")
+    assert {(c["folder"], c["path"], c["change"]) for c in changes} >= {
+        (folder, "a.txt", "modified"), (folder, "newdir/", "added"),
+        (folder, "sub/deeper/c.txt", "deleted"), (folder, "olddir", "deleted"),
+        (folder, UNICODE_NAME, "modified"), (folder, "script.sh", "modified")}
+    code, diff, _ = g.request("GET", f"/api/tasks/{task['id']}/diff")
+    diff = diff.decode()
+    assert code == 200 and "+more" in diff and "-sea" in diff and "old mode 100644" in diff
+    assert f"+++ b/{UNICODE_NAME}" in diff and "+n" in diff
+
+    code, kept = keep(g, task["id"])
+    assert code == 200 and kept["review"] == "kept", kept
+    after = snapshot(folder)
+    uid, gid = owner.pw_uid, owner.pw_gid
+    assert after["a.txt"] == (stat.S_IFREG, 0o644, uid, gid, b"hello\nmore\n")
+    assert after["newdir/inner/n.txt"][2:] == (uid, gid, b"n\n")
+    assert after["newdir"][2:4] == (uid, gid)
+    assert "sub/deeper/c.txt" not in after and "olddir" not in after
+    assert not [p for p in after if p.startswith("olddir")]
+    assert after[UNICODE_NAME][4] == b"changed\n"
+    assert after["script.sh"][1] == 0o755
+    assert after["root.txt"] == before["root.txt"] and after["root.txt"][2] == 0
+    assert after["link"] == before["link"]
+    with open("/etc/passwd") as f:
+        assert "pwned" not in f.read()
+    assert g.task(task["id"])["review"] == "kept"
+    kinds = [e.get("action") for e in g.log(task["id"]) if e["type"] == "review"]
+    assert kinds == ["kept"]
+
+    undone = g.api("POST", f"/api/tasks/{task['id']}/undo")
+    assert undone["state"] == "undone" and undone["review"] == "undone"
+    assert snapshot(folder) == before            # byte for byte, modes and owners
+    assert g.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"  # idempotent
+    no_leftovers(g, task["id"], folder)
+
+
+def test_my_edits_since_the_start_are_conflicts_then_paths_force_and_undo(
+        g: Gurtd, folder: str) -> None:
+    task = run_on(g, folder, "echo task > a.txt", "echo task > sub/b.txt",
+                  "echo new > new.txt", "echo task >> script.sh")
+    assert task["review"] == "pending"
+    with open(os.path.join(folder, "a.txt"), "w") as f:        # the owner, after the start
+        f.write("mine\n")
+    os.unlink(os.path.join(folder, "sub/b.txt"))
+    code, data = keep(g, task["id"])
+    assert code == 409 and data["code"] == "conflict", data
+    assert {(c["path"], c["why"]) for c in data["conflicts"]} == {
+        ("a.txt", "changed by the owner after the task started"),
+        ("sub/b.txt", "deleted by the owner after the task started")}
+    assert all(c["folder"] == folder for c in data["conflicts"])
+    assert not os.path.exists(os.path.join(folder, "new.txt"))          # nothing applied
+    assert g.task(task["id"])["review"] == "conflict"
+
+    code, data = keep(g, task["id"], {"paths": [f"{folder}/new.txt", "script.sh"]})
+    assert code == 200 and data["review"] == "pending", data
+    assert open(os.path.join(folder, "new.txt")).read() == "new\n"
+    assert open(os.path.join(folder, "script.sh")).read().endswith("task\n")
+    assert open(os.path.join(folder, "a.txt")).read() == "mine\n"
+    code, data = keep(g, task["id"], {"paths": ["nothing/here"]})
+    assert code == 400, data
+
+    code, data = keep(g, task["id"], {"force": True})
+    assert code == 200 and data["review"] == "kept", data
+    assert open(os.path.join(folder, "a.txt")).read() == "task\n"
+    assert open(os.path.join(folder, "sub/b.txt")).read() == "task\n"
+
+    with open(os.path.join(folder, "new.txt"), "a") as f:      # the owner edits a kept file
+        f.write("mine too\n")
+    code, data, _ = g.request("POST", f"/api/tasks/{task['id']}/undo", {})
+    assert code == 409 and [c["path"] for c in data["conflicts"]] == ["new.txt"], data
+    assert open(os.path.join(folder, "a.txt")).read() == "task\n"      # nothing changed
+    assert g.task(task["id"])["review"] == "kept"
+    undone = g.api("POST", f"/api/tasks/{task['id']}/undo", {"force": True})
+    assert undone["review"] == "undone"
+    assert open(os.path.join(folder, "a.txt")).read() == "mine\n"     # as before the keep
+    assert not os.path.exists(os.path.join(folder, "sub/b.txt"))
+    assert not os.path.exists(os.path.join(folder, "new.txt"))
+    assert open(os.path.join(folder, "script.sh")).read() == "#!/bin/sh\necho hi\n"
+    no_leftovers(g, task["id"], folder)
+
+
+def test_keep_never_follows_a_symlink_the_task_planted(g: Gurtd, folder: str,
+                                                       scratch: Any) -> None:
+    secret = scratch / "secret"          # root's file outside the folder
+    secret.write_text("root only\n")
+    os.chmod(scratch, 0o755)
+    before = snapshot(folder)
+    task = run_on(g, folder, "ln -s /etc/shadow x", f"ln -s {secret} y",
+                  "rm -r sub && ln -s /etc sub",
+                  "ln /etc/passwd hard 2>/dev/null || echo no-hard-link",
+                  "echo pwned > link || echo link-refused")
+    assert task["state"] == "done" and "no-hard-link" in g.output(task["id"])
+    code, data = keep(g, task["id"])
+    assert code == 200, data
+    assert os.readlink(os.path.join(folder, "x")) == "/etc/shadow"
+    assert os.readlink(os.path.join(folder, "sub")) == "/etc"
+    assert not os.path.exists(os.path.join(folder, "hard"))
+    assert os.readlink(os.path.join(folder, "y")) == str(secret)
+    assert secret.read_text() == "root only\n" and os.stat(secret).st_uid == 0
+    with open("/etc/passwd") as f:
+        assert "pwned" not in f.read()
+    g.api("POST", f"/api/tasks/{task['id']}/undo")
+    assert snapshot(folder) == before
+    no_leftovers(g, task["id"], folder)
+
+
+def test_a_symlink_the_owner_put_on_the_way_stops_keep_even_forced(
+        g: Gurtd, folder: str, scratch: Any) -> None:
+    outside = scratch / "outside"
+    outside.mkdir()
+    task = run_on(g, folder, "echo task > sub/deeper/new.txt")
+    shutil.rmtree(os.path.join(folder, "sub/deeper"))
+    os.symlink(str(outside), os.path.join(folder, "sub/deeper"))
+    code, data = keep(g, task["id"], {"force": True})
+    assert code == 409, data
+    assert any("symlink" in c["why"] for c in data["conflicts"]), data
+    assert os.listdir(outside) == []
+    assert g.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
+
+
+def test_setid_bits_and_fifos_are_never_kept(g: Gurtd, folder: str) -> None:
+    task = run_on(g, folder, "chmod u+s script.sh", "mkfifo pipe")
+    code, data = keep(g, task["id"], {"force": True})
+    assert code == 409
+    whys = {c["path"]: c["why"] for c in data["conflicts"]}
+    assert "set-uid" in whys["script.sh"] and "fifo" in whys["pipe"]
+    assert not os.path.exists(os.path.join(folder, "pipe"))
+    assert not os.stat(os.path.join(folder, "script.sh")).st_mode & stat.S_ISUID
+    assert g.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
+
+
+def test_a_failed_task_gets_no_review_and_nothing_is_kept(g: Gurtd, folder: str) -> None:
+    task = run_on(g, folder, "echo x > failed.txt", "false")
+    assert task["state"] == "failed" and "review" not in task
+    code, data = keep(g, task["id"])
+    assert code == 409 and not os.path.exists(os.path.join(folder, "failed.txt"))
+    assert not os.path.exists(os.path.join(g.home, "review", task["id"]))
+
+
+def test_refused_folders_say_why_and_create_nothing(
+        g: Gurtd, folder: str, owner: pwd.struct_passwd, scratch: Any) -> None:
+    os.symlink(folder, os.path.join(owner.pw_dir, "via-link"))
+    afile = os.path.join(folder, "a.txt")
+    outside = str(scratch)
+    cases = {
+        "proj": "absolute", f"{folder}/../x": "normal", "/": "root",
+        f"{folder}/missing": "does not exist", afile: "not a directory",
+        os.path.join(owner.pw_dir, "via-link"): f"resolves to {folder}",
+        g.home: "BOX_HOME", os.path.join(g.home, "workspaces"): "BOX_HOME",
+        "/proc/self": "pseudo", outside: "outside folderRoots",
+    }
+    for path, why in cases.items():
+        code, data, _ = g.request("POST", "/api/tasks", {"title": "t", "prompt": "true",
+                                                         "worker": "fake", "folder": path})
+        assert code == 400 and why in data["error"] and path in data["error"], (path, data)
+    code, data, _ = g.request("POST", "/api/tasks", {
+        "title": "t", "prompt": "true", "worker": "fake",
+        "folders": [folder, os.path.join(folder, "sub")]})
+    assert code == 400 and "holds" in data["error"], data
+    code, data, _ = g.request("POST", "/api/tasks", {
+        "title": "t", "prompt": "true", "worker": "fake", "folders": [folder] * 17})
+    assert code == 400, data
+    for bad in ([], ["relative"], ["/proc"], ["/"], "/home", ["/home/../etc"]):
+        code, data, _ = g.request("PUT", "/api/settings", {"folderRoots": bad})
+        assert (code == 400) == (bad != []), (bad, data)
+    assert g.api("GET", "/api/tasks") == []
+    os.unlink(os.path.join(owner.pw_dir, "via-link"))
+
+
+def test_kill_9_in_the_middle_of_a_big_keep_finishes_it_at_the_next_start(
+        folder: str) -> None:
+    box = Gurtd(make_home(), {"GURT_TEST_CRASH_AT": "keep-op-150"})
+    box.start()
+    try:
+        task = run_on(box, folder,                       "mkdir many && for i in $(seq 300); do echo $i > many/f$i; done",
+                      "echo task > a.txt")
+        with pytest.raises(Exception):
+            keep(box, task["id"])
+        assert box.proc is not None and box.proc.wait(timeout=30) == 137
+        box.proc = None
+        written = len(os.listdir(os.path.join(folder, "many")))
+        assert 0 < written < 300                       # it did die in the middle
+        box.env = {}
+        box.start()
+        assert box.task(task["id"])["review"] == "kept"
+        assert sorted(os.listdir(os.path.join(folder, "many"))) == \
+            sorted(f"f{i}" for i in range(1, 301))
+        assert open(os.path.join(folder, "a.txt")).read() == "task\n"
+        assert any(e.get("action") == "recovered" for e in box.log(task["id"]))
+        box.api("POST", f"/api/tasks/{task['id']}/undo")
+        assert not os.path.exists(os.path.join(folder, "many"))
+        assert open(os.path.join(folder, "a.txt")).read() == "hello\n"
+        no_leftovers(box, task["id"], folder)
+    finally:
+        if box.proc is not None:
+            box.stop(signal.SIGKILL)
+        remove_home(box.home)
+
+
+def test_kill_9_before_a_keep_writes_leaves_the_folder_untouched(folder: str) -> None:
+    box = Gurtd(make_home(), {"GURT_TEST_CRASH_AT": "keep-saved"})
+    box.start()
+    try:
+        before = snapshot(folder)
+        task = run_on(box, folder, "echo task > a.txt", "rm -r olddir")
+        with pytest.raises(Exception):
+            keep(box, task["id"])
+        assert box.proc is not None and box.proc.wait(timeout=30) == 137
+        box.proc = None
+        box.env = {}
+        box.start()
+        assert snapshot(folder) == before
+        assert box.task(task["id"])["review"] == "pending"
+        code, data = keep(box, task["id"])
+        assert code == 200 and data["review"] == "kept"
+        assert open(os.path.join(folder, "a.txt")).read() == "task\n"
+        box.api("POST", f"/api/tasks/{task['id']}/undo")
+        assert snapshot(folder) == before
+    finally:
+        if box.proc is not None:
+            box.stop(signal.SIGKILL)
+        remove_home(box.home)
+
+
+def test_a_workspace_task_has_a_diff_of_its_layer(g: Gurtd) -> None:
+    first = g.run("printf 'one\\n' > f.txt")
+    second = g.run("printf 'two\\n' > f.txt && printf 'b\\n' > g.txt")
+    assert first["state"] == second["state"] == "done"
+    code, diff, _ = g.request("GET", f"/api/tasks/{second['id']}/diff")
+    text = diff.decode()
+    assert code == 200 and "-one" in text and "+two" in text and "+++ b/g.txt" in text
+    code, diff, _ = g.request("GET", f"/api/tasks/{second['id']}/diff?path=g.txt")
+    assert "f.txt" not in diff.decode() and "g.txt" in diff.decode()
