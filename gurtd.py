@@ -452,7 +452,10 @@ def validate_task_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
             names = {str: "a string", list: "an array", (int, float): "a number",
                      dict: "an object"}
             raise ApiError(400, f"{key} must be {names[kind]}")
-    out: dict[str, Any] = {"folders": folders_of(body)}   # on disk: Box.create_task
+    out: dict[str, Any] = {}
+    folders = folders_of(body)                 # on disk: Box.create_task (folders_check)
+    if folders:
+        out["folders"] = folders
     for key in ("title", "prompt"):
         if key not in body or not body[key].strip():
             raise ApiError(400, f"{key} is required and must be a non-empty string")
@@ -4618,7 +4621,7 @@ class Box:
         if fields["worker"] == "droid" and not self.droid_path():
             raise ApiError(400, "the droid worker needs the Droid CLI: run make (it installs "
                                 f"droid {DROID_VERSION}) or set droidPath")
-        if fields["folders"]:
+        if fields.get("folders"):
             fields["folderInfo"] = folders_check(fields["folders"],
                                                  self.settings["folderRoots"], self.home)
             fields["folder"] = fields["folders"][0]
@@ -7633,12 +7636,15 @@ def cmd_token(box_home: str) -> None:
 @click.option("--host", "hosts", multiple=True, help="a host the task may reach (repeatable)")
 @click.option("--tool", "tools", multiple=True, help="a tool the task may call (repeatable)")
 @click.option("--budget", type=float, default=None, help="budgetCents (US cents)")
+@click.option("--folder", "folders", multiple=True,
+              help="personal: a real folder the task works on a copy of (repeatable)")
 @click.option("--wait", is_flag=True, help="follow the task to its end; exit 1 unless done")
 @click.option("--json", "as_json", is_flag=True, help="print the task as JSON")
 @client_options
 def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title: str | None,
-            hosts: tuple[str, ...], tools: tuple[str, ...], budget: float | None, wait: bool,
-            as_json: bool, box_home: str, listen: str) -> None:
+            hosts: tuple[str, ...], tools: tuple[str, ...], budget: float | None,
+            folders: tuple[str, ...], wait: bool, as_json: bool, box_home: str,
+            listen: str) -> None:
     """Create a task.  PROMPT is an argument, or standard input when absent or -."""
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
@@ -7653,6 +7659,8 @@ def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title
         body["hosts"] = list(hosts)
     if tools:
         body["tools"] = list(tools)
+    if folders:
+        body["folders"] = [os.path.abspath(f) for f in folders]
     client = Client(listen, box_home)
     task = client.request("POST", "/tasks", body)
     if not wait:
@@ -7709,7 +7717,6 @@ def _task_command(name: str, method: str, suffix: str, doc: str) -> None:
 
 
 _task_command("show", "GET", "", "Show a task.")
-_task_command("undo", "POST", "/undo", "Undo a task: stop it and take its changes away.")
 _task_command("stop", "POST", "/stop", "Stop a task: it ends as failed with error stopped.")
 
 
@@ -7919,6 +7926,89 @@ def cmd_mcp() -> None:
         if reply is not None:
             sys.stdout.write(json.dumps(reply) + "\n")
             sys.stdout.flush()
+
+
+# personal mode: review
+def review_post(client: Client, path: str, body: dict[str, Any]) -> Any:
+    """POST a keep or an undo; a 409 prints its conflicts, one a line, and exits 1."""
+    conn = client.connect()
+    try:
+        conn.request("POST", "/api" + path, body=json.dumps(body).encode(), headers={
+            "Authorization": f"Bearer {client.token}", "Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+    except OSError as exc:
+        raise click.ClickException(f"cannot reach gurtd at {client.host}:{client.port}: {exc}")
+    finally:
+        conn.close()
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        raise click.ClickException(f"{resp.status}: {raw.decode(errors='replace')}") from None
+    if resp.status >= 400:
+        for c in data.get("conflicts", []) if isinstance(data, dict) else []:
+            click.echo(printable(f"conflict  {c.get('folder')}/{c.get('path')}: {c.get('why')}"),
+                       err=True)
+        raise click.ClickException(f"{resp.status}: {data.get('error')}")
+    return data
+
+
+@cli.command("review")
+@click.option("--json", "as_json", is_flag=True)
+@client_options
+def cmd_review(as_json: bool, box_home: str, listen: str) -> None:
+    """The personal tasks waiting for the owner: done, with review pending or conflict."""
+    tasks = [t for t in Client(listen, box_home).request("GET", "/tasks?state=done&limit=1000")
+             if t.get("review") in ("pending", "conflict")]
+    if as_json:
+        click.echo(json.dumps(tasks, indent=1))
+        return
+    print_table([[t["id"], t["review"], ", ".join(t.get("folders") or []), t["title"][:50]]
+                 for t in tasks], ["ID", "REVIEW", "FOLDERS", "TITLE"])
+
+
+@cli.command("diff")
+@click.argument("task_id")
+@click.option("--path", default=None, help="only this path (or folder)")
+@client_options
+def cmd_diff(task_id: str, path: str | None, box_home: str, listen: str) -> None:
+    """A task's changes as a unified diff (its folders, or its workspace layer)."""
+    query = "?path=" + urllib.parse.quote(path) if path else ""
+    text = Client(listen, box_home).request("GET", f"/tasks/{task_id}/diff{query}")
+    click.echo(text.decode(errors="replace"), nl=False)
+
+
+@cli.command("keep")
+@click.argument("task_id")
+@click.option("--force", is_flag=True, help="the task's version wins over the owner's edits")
+@click.option("--path", "paths", multiple=True, help="keep only this path (repeatable)")
+@click.option("--json", "as_json", is_flag=True)
+@client_options
+def cmd_keep(task_id: str, force: bool, paths: tuple[str, ...], as_json: bool, box_home: str,
+             listen: str) -> None:
+    """Apply a personal task's changes to the real folders (409: the conflicts, one a line)."""
+    body: dict[str, Any] = {"force": True} if force else {}
+    if paths:
+        body["paths"] = [os.path.abspath(p) if os.path.exists(p) or p.startswith("./")
+                         else p for p in paths]
+    task = review_post(Client(listen, box_home), f"/tasks/{task_id}/keep", body)
+    click.echo(json.dumps(task, indent=1) if as_json else f"{task['id']} {task['review']}")
+
+
+@cli.command("undo")
+@click.argument("task_id")
+@click.option("--force", is_flag=True, help="a kept task: put the versions from before the "
+                                            "keep back even over the owner's later edits")
+@click.option("--json", "as_json", is_flag=True)
+@client_options
+def cmd_undo(task_id: str, force: bool, as_json: bool, box_home: str, listen: str) -> None:
+    """Undo a task: stop it and take its changes away (a kept one's from the real folders)."""
+    task = review_post(Client(listen, box_home), f"/tasks/{task_id}/undo",
+                       {"force": True} if force else {})
+    if as_json:
+        click.echo(json.dumps(task, indent=1))
+    else:
+        print_task(task)
 
 
 def main() -> None:

@@ -324,12 +324,15 @@ def test_a_bad_task_field_is_refused_by_name(gurtd: Gurtd, fields: dict[str, Any
     assert named in data["error"], data
 
 
-@pytest.mark.parametrize("fields", [{"folder": "/home/me/notes"}, {"folders": ["notes"]}],
-                         ids=["folder", "folders"])
-def test_personal_folders_are_not_supported_yet(gurtd: Gurtd, fields: dict[str, Any]) -> None:
+@pytest.mark.parametrize("fields, why", [
+    ({"folder": "/home/me-nobody/notes"}, "folder /home/me-nobody/notes: does not exist"),
+    ({"folders": ["notes"]}, "folder notes: must be an absolute path")],
+    ids=["folder", "folders"])
+def test_a_personal_folder_that_cannot_be_is_refused_by_name(
+        gurtd: Gurtd, fields: dict[str, Any], why: str) -> None:
     with changes_nothing(gurtd):
         data = assert_json_error(gurtd.request("POST", "/api/tasks", valid_body(**fields)), 400)
-    assert data["error"] == "personal folders are not supported yet", data
+    assert data["error"] == why, data
 
 
 @pytest.mark.parametrize("size", [(1 << 20) + 1, 8 << 20], ids=["1MiB+1", "8MiB"])

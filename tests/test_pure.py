@@ -48,7 +48,8 @@ def test_the_default_budget_comes_from_settings():
     ({"title": "t", "prompt": "p", "workspace": "%2e%2e"}, "workspace"),
     ({"title": "t", "prompt": "p", "tools": ["Wallet Pay"]}, "tools"),
     ({"title": "t", "prompt": "p", "hosts": ["*"]}, "hosts"),
-    ({"title": "t", "prompt": "p", "folder": "/home/me"}, "personal folders"),
+    ({"title": "t", "prompt": "p", "folders": []}, "at least one folder"),
+    ({"title": "t", "prompt": "p", "folder": "/a", "folders": ["/b"]}, "folders[0]"),
 ])
 def test_bad_bodies_name_what_is_wrong(body, words):
     with pytest.raises(G.ApiError) as err:

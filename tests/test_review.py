@@ -8,7 +8,6 @@ unicode.  Real gurtd, real overlays and idmapped mounts; kill -9 in the middle o
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pwd
 import secrets
@@ -84,11 +83,6 @@ def snapshot(top: str) -> dict[str, tuple[Any, ...]]:
             out[rel] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid,
                         st.st_gid, data)
     return out
-
-
-def digest(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
 
 
 @pytest.fixture
@@ -351,7 +345,8 @@ def test_kill_9_in_the_middle_of_a_big_keep_finishes_it_at_the_next_start(
     box = Gurtd(make_home(), {"GURT_TEST_CRASH_AT": "keep-op-150"})
     box.start()
     try:
-        task = run_on(box, folder,                       "mkdir many && for i in $(seq 300); do echo $i > many/f$i; done",
+        task = run_on(box, folder,
+                      "mkdir many && for i in $(seq 300); do echo $i > many/f$i; done",
                       "echo task > a.txt")
         with pytest.raises(Exception):
             keep(box, task["id"])
