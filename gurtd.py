@@ -3560,6 +3560,7 @@ class Review:
 
     def __init__(self, box: "Box") -> None:
         self.box = box
+        self.upper_fds: dict[int, int] = {}     # the uppers of the task being kept
 
     def dir(self, task_id: str, *parts: str) -> str:
         return self.box.path("review", task_id, *parts)
@@ -3727,13 +3728,13 @@ class Review:
                 raise ApiError(400, f"paths: {path} is no pending change of the task")
 
     def conflicts(self, task: Task, todo: list[tuple[int, Change, str]]) -> list[dict[str, str]]:
-        out, roots = [], {}
+        out, roots, owners = [], {}, {}
         try:
             for n, change, _ in todo:
                 info = (task.folderInfo or [])[n]
                 if n not in roots:
-                    roots[n] = self.open_folder(info)
-                why = change_conflict(roots[n], change, task.folderStartNs, self.owner(info))
+                    roots[n], owners[n] = self.open_folder(info), self.owner(info)
+                why = change_conflict(roots[n], change, task.folderStartNs, owners[n])
                 if why:
                     out.append({"folder": info["path"], "path": change.path, "why": why})
         finally:
@@ -3777,6 +3778,7 @@ class Review:
         path = self.dir(task.id, "journal.json")
         ops = journal["ops"]
         roots = {n: self.open_folder(info) for n, info in enumerate(task.folderInfo or [])}
+        self.upper_fds = {n: os.open(self.upper(task.id, n), DIR_FLAGS) for n in roots}
         try:
             if journal["phase"] == "saving":
                 write_json(path, journal)
@@ -3800,15 +3802,21 @@ class Review:
                 crash_point("keep-saved")
                 journal["phase"] = "applying"
                 write_json(path, journal)
+            # every new file first, under its temporary name, and flushed in one go: the
+            # renames then find no data to write (ext4 flushes a file renamed over another)
+            ready = self.write_temps(task, roots, ops)
+            for fd in roots.values():
+                _syncfs(fd)
             for i, op in enumerate(ops):
-                self.apply(task, roots[op["folder"]], op, i)
+                self.apply(task, roots[op["folder"]], op, i, i in ready)
                 crash_point(f"keep-op-{i}")
             for fd in roots.values():
                 _syncfs(fd)
             self.keep_record(task, journal, roots)
         finally:
-            for fd in roots.values():
+            for fd in list(roots.values()) + list(self.upper_fds.values()):
                 os.close(fd)
+            self.upper_fds = {}
         left = [t for t in self.pending(task) if t[2] != "none"]
         task.review = "pending" if left else "kept"
         self.box.save(task)
@@ -3840,9 +3848,42 @@ class Review:
         record["applied"] = record["applied"] + journal["applied"]
         write_json(self.dir(task.id, "kept.json"), record)
 
-    def apply(self, task: Task, root: int, op: dict[str, Any], i: int) -> None:
+    def write_temps(self, task: Task, roots: dict[int, int],
+                    ops: list[dict[str, Any]]) -> set[int]:
+        """The temporary files and symlinks of ops whose folder is there already (not one a
+        folder op of this keep makes or replaces); their numbers."""
+        ready, made = set(), [(op["folder"], op["path"]) for op in ops
+                              if op["kind"] in ("dir", "delete")]
+        for i, op in enumerate(ops):
+            if op["kind"] not in ("file", "symlink") or any(
+                    n == op["folder"] and op["path"].startswith(p + "/") for n, p in made):
+                continue
+            parent = _parent_fd(roots[op["folder"]], op["path"])
+            if parent is None:
+                continue
+            try:
+                tmp = f"{KEEP_TEMP}{task.id}-{i}"
+                _entry_remove(parent, tmp, tmp)
+                real, pst = _lstat_at(parent, os.path.basename(op["path"])), os.fstat(parent)
+                self.write_temp(task, op, parent, tmp, self.new_owner(op, real, pst))
+                ready.add(i)
+            finally:
+                os.close(parent)
+        return ready
+
+    @staticmethod
+    def new_owner(op: dict[str, Any], real: os.stat_result | None,
+                  pst: os.stat_result) -> tuple[int, int]:
+        """A changed file keeps its owner; a new one gets the owner of its folder."""
+        if real is not None and not stat.S_ISDIR(real.st_mode) and not op["replace"]:
+            return real.st_uid, real.st_gid
+        return pst.st_uid, pst.st_gid
+
+    def apply(self, task: Task, root: int, op: dict[str, Any], i: int,
+              ready: bool = False) -> None:
         """One write of a keep, repeatable: what the upper holds at op's path ends up at the
-        real path, through a temporary name and a rename, beneath the folder's fd."""
+        real path, through a temporary name (ready: written already) and a rename, beneath
+        the folder's fd."""
         rel, name = op["path"], os.path.basename(op["path"])
         parent = _parent_fd(root, rel)
         if parent is None:
@@ -3850,7 +3891,7 @@ class Review:
         tmp = f"{KEEP_TEMP}{task.id}-{i}"
         aside = tmp + "-old"
         try:
-            for leftover in (tmp, aside):
+            for leftover in (aside,) if ready else (tmp, aside):
                 _entry_remove(parent, leftover, leftover)
             real, pst = _lstat_at(parent, name), os.fstat(parent)
             if op["kind"] == "delete":
@@ -3868,11 +3909,8 @@ class Review:
                 finally:
                     os.close(fd)
                 return
-            owner = (real.st_uid, real.st_gid) if real is not None and \
-                not stat.S_ISDIR(real.st_mode) and not op["replace"] else (pst.st_uid, pst.st_gid)
-            if real is not None and stat.S_ISDIR(real.st_mode):
-                owner = (pst.st_uid, pst.st_gid)
-            self.write_temp(task, op, parent, tmp, owner)
+            if not ready:
+                self.write_temp(task, op, parent, tmp, self.new_owner(op, real, pst))
             if real is not None and stat.S_ISDIR(real.st_mode):
                 os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=parent)
             os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
@@ -3883,11 +3921,8 @@ class Review:
     def write_temp(self, task: Task, op: dict[str, Any], parent: int, tmp: str,
                    owner: tuple[int, int]) -> None:
         """The upper's file or symlink at op's path, copied to tmp in the real folder."""
-        upper = os.open(self.upper(task.id, op["folder"]), DIR_FLAGS)
-        try:
-            src_dir = _parent_fd(upper, op["path"])
-        finally:
-            os.close(upper)
+        upper = self.upper_fds.get(op["folder"], -1)
+        src_dir = _parent_fd(upper, op["path"]) if upper >= 0 else None
         if src_dir is None:
             raise SysError("keep", errno.ENOENT, f"{op['path']}: not in the task's copy")
         name = os.path.basename(op["path"])

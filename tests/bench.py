@@ -470,8 +470,75 @@ def main() -> None:
         g.stop()
         remove_home(g.home)
     results += api_figures()
+    results += personal_figures()
     print_results(results)
 
 
+# personal mode: a task on a 100,000-file folder, keep and diff of 1,000 files ################
+
+def folder_starts(g: Gurtd, n: int, folder: str | None) -> list[float]:
+    """ms from POST to the first step in the box, n tasks, on folder or workspace-only."""
+    starts = []
+    for _ in range(n):
+        fields = {"folder": folder} if folder else {}
+        t0 = time.time()
+        task = g.wait(g.create("true", title="bench", **fields)["id"])
+        assert task["state"] == "done", task
+        step = next(e for e in g.log(task["id"]) if e["type"] == "step")
+        starts.append((ts(step["time"]) - t0) * 1000)
+        g.api("POST", f"/api/tasks/{task['id']}/undo")
+    return starts
+
+
+def personal_figures() -> list[tuple[str, str, str]]:
+    import pwd
+    import shutil
+    import subprocess
+    name = "gurtbench" + os.urandom(2).hex()
+    subprocess.run(["useradd", "-m", "-d", f"/home/{name}", "-s", "/usr/sbin/nologin", name],
+                   check=True, capture_output=True)
+    owner = pwd.getpwnam(name)
+    folder = f"/home/{name}/big"
+    g = Gurtd(make_home())
+    try:
+        for d in range(100):                      # 100 folders of 1,000 files
+            os.makedirs(f"{folder}/d{d}")
+            for i in range(1000):
+                with open(f"{folder}/d{d}/f{i}.txt", "w") as f:
+                    f.write(f"line one of {d}/{i}\nline two\n")
+        subprocess.run(["chown", "-R", f"{owner.pw_uid}:{owner.pw_gid}", folder], check=True)
+        g.start()
+        plain = folder_starts(g, 20, None)
+        personal = folder_starts(g, 20, folder)
+        edit = "for f in {}/d{}/*; do echo changed >> $f; done"
+        task = g.run(edit.format(folder, 0), title="keep", folder=folder)
+        t0 = time.perf_counter()
+        kept = g.api("POST", f"/api/tasks/{task['id']}/keep")
+        keep_s = time.perf_counter() - t0
+        assert kept["review"] == "kept", kept
+        task = g.run(edit.format(folder, 1), title="diff", folder=folder)
+        t0 = time.perf_counter()
+        code, diff, _ = g.request("GET", f"/api/tasks/{task['id']}/diff")
+        diff_s = time.perf_counter() - t0
+        assert code == 200 and diff.count(b"+changed") == 1000
+    finally:
+        if g.proc is not None:
+            g.stop()
+        remove_home(g.home)
+        subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
+        shutil.rmtree(f"/home/{name}", ignore_errors=True)
+    p50_plain, p50_personal = statistics.median(plain), statistics.median(personal)
+    return [
+        ("task start, workspace only, p50 (ms)", f"{p50_plain:.1f}", ""),
+        ("task start, one 100,000-file folder, p50 (ms)", f"{p50_personal:.1f}", ""),
+        ("  folder start / workspace start", f"{p50_personal / p50_plain:.2f}x", "<= 1.2x"),
+        ("keep of 1,000 changed files (s)", f"{keep_s:.2f}", "<= 1"),
+        ("diff of 1,000 changed text files (s)", f"{diff_s:.2f}", "<= 1"),
+    ]
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["personal"]:     # python tests/bench.py personal: this section only
+        print_results(personal_figures())
+    else:
+        main()
