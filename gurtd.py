@@ -27,6 +27,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           the task's root built from nothing, pivot_root, the fake worker
     Kernel filter         the seccomp refusals every worker runs under, one table by name
     Task leftovers        set-id bits of a finished layer, kernel keys of a finished uid
+    Review                personal mode: a task's real folders checked, their copy-on-write
+                          overlays, conflicts, keep with its journal, undo of a keep, diff
     Tasks                 the Box: lifecycle, undo, reconcile, layers and views, the droid worker
     Hosts                 task networks: veth, grants, and gurtd's DNS for the tasks
     Broker and approvals  tools called from tasks, the wallet, approvals, the broker socket
@@ -34,7 +36,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Loop                  the BOX_HOME lock, the start as steps with their undo, the select
                           loop that owns the box state and guards each event, signals, sd_notify
     CLI                   click commands: serve, token, run, tasks, show, undo, stop, log,
-                          approvals, approve, deny, answer, wallet, and inside a task tool, mcp
+                          approvals, approve, deny, answer, wallet, review, diff, keep, and
+                          inside a task tool, mcp
 
 Threads: the loop thread owns the state.  HTTP and broker handler threads hand it commands
 through ``Box.call`` and wait for the answer (503 busy past a time limit); they read finished
