@@ -4558,6 +4558,8 @@ class Box:
                 task.state, task.error = "failed", error
                 self.render(task)
                 self.unsaved.add(task.id)
+        if task.folders and task.state == "failed":   # its folder changes are never kept
+            self.review.forget(task)
         for what, step in (("collect layers", self.gc_layers), ("schedule", self.schedule)):
             try:
                 step()

@@ -405,3 +405,85 @@ def test_a_workspace_task_has_a_diff_of_its_layer(g: Gurtd) -> None:
     assert code == 200 and "-one" in text and "+two" in text and "+++ b/g.txt" in text
     code, diff, _ = g.request("GET", f"/api/tasks/{second['id']}/diff?path=g.txt")
     assert "f.txt" not in diff.decode() and "g.txt" in diff.decode()
+
+
+def cli(g: Gurtd, *args: str) -> subprocess.CompletedProcess[str]:
+    from conftest import GURTD, ROOT
+    env = {k: v for k, v in os.environ.items() if k != "GURT_TOKEN"}
+    env.update(BOX_HOME=g.home, GURT_LISTEN=f"127.0.0.1:{g.port}")
+    return subprocess.run([os.path.join(ROOT, ".venv", "bin", "python"), GURTD, *args],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_two_folders_from_the_command_line(g: Gurtd, folder: str,
+                                           owner: pwd.struct_passwd) -> None:
+    second = os.path.join(owner.pw_dir, "second-" + secrets.token_hex(3))
+    os.mkdir(second)
+    os.chown(second, owner.pw_uid, owner.pw_gid)
+    try:
+        run = cli(g, "run", "--worker", "fake", "--wait", "--folder", folder, "--folder",
+                  second, f"echo one > {folder}/one.txt && echo two > {second}/two.txt")
+        assert run.returncode == 0, run
+        task_id = run.stderr.split()[0]
+        task = g.task(task_id)
+        assert task["folders"] == [folder, second] and task["folder"] == folder
+        review = cli(g, "review")
+        assert task_id in review.stdout and "pending" in review.stdout, review
+        diff = cli(g, "diff", task_id)
+        assert f"# folder {second}" in diff.stdout and "+two" in diff.stdout, diff
+        diff = cli(g, "diff", task_id, "--path", f"{folder}/one.txt")
+        assert "+one" in diff.stdout and "two" not in diff.stdout, diff
+        with open(os.path.join(second, "two.txt"), "w") as f:       # the owner was quicker
+            f.write("mine\n")
+        refused = cli(g, "keep", task_id)
+        assert refused.returncode == 1 and f"conflict  {second}/two.txt" in refused.stderr
+        kept = cli(g, "keep", task_id, "--force")
+        assert kept.returncode == 0 and kept.stdout.split() == [task_id, "kept"], kept
+        assert open(os.path.join(second, "two.txt")).read() == "two\n"
+        assert os.stat(os.path.join(folder, "one.txt")).st_uid == owner.pw_uid
+        assert task_id not in cli(g, "review").stdout
+        os.unlink(os.path.join(folder, "one.txt"))                 # the owner again
+        assert cli(g, "undo", task_id).returncode == 1
+        undone = cli(g, "undo", task_id, "--force", "--json")
+        assert undone.returncode == 0 and '"review": "undone"' in undone.stdout, undone
+        assert open(os.path.join(second, "two.txt")).read() == "mine\n"
+        assert not os.path.exists(os.path.join(folder, "one.txt"))
+        no_leftovers(g, task_id, second)
+    finally:
+        shutil.rmtree(second, ignore_errors=True)
+
+
+def test_keep_and_undo_are_events(g: Gurtd, folder: str) -> None:
+    import http.client
+    import json
+    task = run_on(g, folder, "echo task > a.txt")
+    conn = http.client.HTTPConnection("127.0.0.1", g.port, timeout=30)
+    conn.request("GET", "/api/events", headers={"Authorization": f"Bearer {g.token}"})
+    resp = conn.getresponse()
+    resp.fp.readline()
+    assert keep(g, task["id"])[0] == 200
+    g.api("POST", f"/api/tasks/{task['id']}/undo")
+    seen, kind = [], ""
+    deadline = time.monotonic() + 20
+    while len(seen) < 2 and time.monotonic() < deadline:
+        line = resp.fp.readline().decode().strip()
+        if line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: ") and kind == "review":
+            seen.append(json.loads(line[6:]))
+    conn.close()
+    assert [(e["task"], e["action"], e["review"]) for e in seen] == [
+        (task["id"], "kept", "kept"), (task["id"], "undone", "undone")]
+
+
+def test_a_stopped_task_drops_its_folder_changes(g: Gurtd, folder: str) -> None:
+    task = g.create(f"echo x > {folder}/x.txt\nsleep 30", folder=folder)
+    deadline = time.monotonic() + 30
+    while g.task(task["id"]).get("step") != "sleep 30":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    stopped = g.api("POST", f"/api/tasks/{task['id']}/stop")
+    assert stopped["state"] == "failed" and "review" not in stopped
+    assert not os.path.exists(os.path.join(g.home, "review", task["id"]))
+    assert not os.path.exists(os.path.join(folder, "x.txt"))
+    assert keep(g, task["id"])[0] == 409
