@@ -3413,23 +3413,17 @@ def _tree_conflict(root_fd: int, rel: str, start: int) -> str | None:
     fd = open_dir_beneath(root_fd, rel)
     if fd is None:
         return None
-    found: list[str] = []
-
-    def visit(dir_fd: int, name: str, st: os.stat_result, parents: list[str]) -> None:
-        if not found and st.st_ctime_ns >= start:
-            found.append("/".join([rel] + parents + [name]))
-
-    def leave(dir_fd: int, name: str) -> None:
-        st = _lstat_at(dir_fd, name)
-        if not found and st is not None and st.st_ctime_ns >= start:
-            found.append(f"{rel}/{name}")
     try:
-        tree_visit(f"/proc/self/fd/{fd}", visit, leave)
-    except OSError:
-        pass
+        for top, dirs, names, dir_fd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
+            for name in sorted(dirs + names):
+                st = _lstat_at(dir_fd, name)
+                if st is not None and st.st_ctime_ns >= start:
+                    return os.path.normpath(os.path.join(rel, top, name))
+    except RecursionError:          # deeper than Python walks: the safe answer
+        return f"{rel} (too deep to look through)"
     finally:
         os.close(fd)
-    return found[0] if found else None
+    return None
 
 
 def change_conflict(root_fd: int, change: Change, start: int,

@@ -487,3 +487,36 @@ def test_a_stopped_task_drops_its_folder_changes(g: Gurtd, folder: str) -> None:
     assert not os.path.exists(os.path.join(g.home, "review", task["id"]))
     assert not os.path.exists(os.path.join(folder, "x.txt"))
     assert keep(g, task["id"])[0] == 409
+
+
+def test_an_edit_inside_a_folder_the_task_deleted_is_a_conflict(g: Gurtd, folder: str) -> None:
+    task = run_on(g, folder, "rm -r olddir", "rm -r sub && echo now-a-file > sub")
+    with open(os.path.join(folder, "olddir/y/z.txt"), "a") as f:
+        f.write("mine\n")
+    os.mkdir(os.path.join(folder, "sub/deeper/mine"))
+    code, data = keep(g, task["id"])
+    assert code == 409, data
+    whys = {c["path"]: c["why"] for c in data["conflicts"]}
+    assert whys == {"olddir": "olddir/y/z.txt changed by the owner after the task started",
+                    "sub": "sub/deeper changed by the owner after the task started"}, whys
+    assert os.path.isdir(os.path.join(folder, "olddir"))
+    code, data = keep(g, task["id"], {"force": True})
+    assert code == 200 and not os.path.exists(os.path.join(folder, "olddir"))
+    assert open(os.path.join(folder, "sub")).read() == "now-a-file\n"
+    g.api("POST", f"/api/tasks/{task['id']}/undo")
+    assert open(os.path.join(folder, "olddir/y/z.txt")).read() == "z\nmine\n"
+    assert os.path.isdir(os.path.join(folder, "sub/deeper/mine"))
+
+
+def test_keep_never_writes_where_the_owner_may_not(g: Gurtd, folder: str) -> None:
+    locked = os.path.join(folder, "sub/deeper")
+    os.chmod(locked, 0o555)                  # the owner's own read-only folder
+    time.sleep(0.05)
+    task = run_on(g, folder, "chmod u+w sub/deeper && echo task > sub/deeper/new.txt")
+    assert task["state"] == "done", g.log(task["id"])
+    code, data = keep(g, task["id"], {"force": True})
+    assert code == 409, data
+    assert {c["path"]: c["why"] for c in data["conflicts"]} == {
+        "sub/deeper/new.txt": "the folder's owner may not write in this folder"}
+    assert sorted(os.listdir(locked)) == ["c.txt"]
+    assert g.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
