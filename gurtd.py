@@ -3152,7 +3152,7 @@ def valid_folder_roots(value: Any) -> list[str]:
         if not path.startswith("/") or os.path.normpath(path) != path or "\0" in path:
             raise ApiError(400, f"folderRoots: {json.dumps(path)} is not an absolute, normal "
                                 "path")
-        if path in NOT_FOLDER_ROOTS or any(_under(path, p) for p in PSEUDO_FS):
+        if path == "/" or any(_under(path, p) for p in NOT_FOLDER_ROOTS if p != "/"):
             raise ApiError(400, f"folderRoots: {path} is a system place, not one for people's "
                                 "folders")
     return list(value)

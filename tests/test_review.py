@@ -163,6 +163,7 @@ def test_a_task_works_on_a_copy_and_keep_applies_exactly_its_diff(
         "chmod 755 script.sh",
         "echo pwned > root.txt || echo root-refused",
         "echo pwned > link || echo link-refused",
+        "stat -c '%U' root.txt",
         "stat -c '%U' a.txt")
     assert task["state"] == "done", g.log(task["id"])
     assert task["review"] == "pending" and task["folders"] == [folder]
@@ -170,6 +171,7 @@ def test_a_task_works_on_a_copy_and_keep_applies_exactly_its_diff(
     out = g.output(task["id"])
     assert "root-refused" in out and "link-refused" in out
     assert out[-1] == task["user"]               # the owner's files look like the task's own
+    assert out[-2] == "root"                     # root's stay root's
     assert snapshot(folder) == before            # nothing written while it ran, or after
     changes = g.api("GET", f"/api/tasks/{task['id']}/changes")
     assert {(c["folder"], c["path"], c["change"]) for c in changes} >= {
@@ -333,7 +335,8 @@ def test_refused_folders_say_why_and_create_nothing(
     code, data, _ = g.request("POST", "/api/tasks", {
         "title": "t", "prompt": "true", "worker": "fake", "folders": [folder] * 17})
     assert code == 400, data
-    for bad in ([], ["relative"], ["/proc"], ["/"], "/home", ["/home/../etc"]):
+    for bad in ([], ["relative"], ["/proc"], ["/"], "/home", ["/home/../etc"], ["/usr/local"],
+                ["/run/user"]):
         code, data, _ = g.request("PUT", "/api/settings", {"folderRoots": bad})
         assert (code == 400) == (bad != []), (bad, data)
     assert g.api("GET", "/api/tasks") == []
