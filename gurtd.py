@@ -4036,7 +4036,11 @@ class Review:
         written anything yet) dropped; the task's log says which."""
         for task in self.box.tasks.values():
             path = self.dir(task.id, "journal.json")
-            if not task.folderInfo or not os.path.exists(path):
+            if not task.folderInfo:
+                continue
+            if not os.path.exists(path):
+                if task.state == "failed" and os.path.isdir(self.dir(task.id)):
+                    self.forget(task)          # failed by a restart: never kept
                 continue
             try:
                 journal = load_json(path)

@@ -523,3 +523,16 @@ def test_keep_never_writes_where_the_owner_may_not(g: Gurtd, folder: str) -> Non
         "sub/deeper/new.txt": "the folder's owner may not write in this folder"}
     assert sorted(os.listdir(locked)) == ["c.txt"]
     assert g.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
+
+
+def test_a_task_cut_short_by_a_restart_keeps_nothing(g: Gurtd, folder: str) -> None:
+    task = g.create(f"echo x > {folder}/x.txt\nsleep 30", folder=folder)
+    deadline = time.monotonic() + 30
+    while g.task(task["id"]).get("step") != "sleep 30":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    g.restart(kill=True)
+    after = g.task(task["id"])
+    assert after["state"] == "failed" and "review" not in after
+    assert not os.path.exists(os.path.join(g.home, "review", task["id"]))
+    assert not os.path.exists(os.path.join(folder, "x.txt"))
