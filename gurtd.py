@@ -4149,19 +4149,22 @@ def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None)
     except OSError:
         os.close(real)
         return ""
-    parts = []
+    parts, replaced = [], []      # folders the task replaced: what was in them is deleted
     try:
         for change in upper_changes(upper):
             full = f"{folder}/{change.path}"
+            under = any(change.path.startswith(p + "/") for p in replaced)
+            if change.kind == "dir" and change.opaque:
+                replaced.append(change.path)
             if not (_wanted(change.path, only) or _wanted(full, only)):
                 continue
             if change.kind == "delete":
-                parts.append(_tree_diff(real, change.path, None))
+                parts.append("" if under else _tree_diff(real, change.path, None))
             elif change.kind == "dir":
-                if change.opaque:
-                    parts.append(_tree_diff(real, change.path, None, keep_top=True))
+                if change.opaque and not under:
+                    parts.append(_tree_diff(real, change.path, None))
             else:
-                old = _entry_at(real, change.path)
+                old = None if under else _entry_at(real, change.path)
                 if old is not None and old[0] == "dir":
                     parts.append(_tree_diff(real, change.path, None))
                 parts.append(file_diff(change.path, old, _entry_at(up, change.path)))
@@ -4172,7 +4175,7 @@ def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None)
     return f"# folder {folder}\n{text}" if text else ""
 
 
-def _tree_diff(root: int, rel: str, new: Any, keep_top: bool = False) -> str:
+def _tree_diff(root: int, rel: str, new: Any) -> str:
     """Deletions of everything at and under rel in the real folder (a folder the task removed
     or replaced)."""
     entry = _entry_at(root, rel)

@@ -536,3 +536,16 @@ def test_a_task_cut_short_by_a_restart_keeps_nothing(g: Gurtd, folder: str) -> N
     assert after["state"] == "failed" and "review" not in after
     assert not os.path.exists(os.path.join(g.home, "review", task["id"]))
     assert not os.path.exists(os.path.join(folder, "x.txt"))
+
+
+def test_a_folder_made_anew_replaces_the_old_one_whole(g: Gurtd, folder: str) -> None:
+    before = snapshot(folder)
+    task = run_on(g, folder, "rm -r olddir && mkdir olddir && echo fresh > olddir/x.txt")
+    code, diff, _ = g.request("GET", f"/api/tasks/{task['id']}/diff")
+    text = diff.decode()
+    assert "deleted file mode 100644" in text and "-z" in text and "+fresh" in text, text
+    assert keep(g, task["id"])[0] == 200
+    assert sorted(os.listdir(os.path.join(folder, "olddir"))) == ["x.txt"]
+    assert open(os.path.join(folder, "olddir/x.txt")).read() == "fresh\n"
+    g.api("POST", f"/api/tasks/{task['id']}/undo")
+    assert snapshot(folder) == before
