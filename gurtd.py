@@ -3104,12 +3104,13 @@ def keys_clear(uid: int) -> None:
 # A clock set back by the owner would hide changes; gurtd runs on the box's own clock.
 #
 # Keep: a journal first (BOX_HOME/review/<id>/journal.json: every write, and where each
-# original goes), then the originals are copied under BOX_HOME (saved/<n>), then the writes:
-# each through a temporary name in the same folder and a rename, every path resolved beneath
-# the folder's fd with openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS, never into a folder its
-# owner may not write.  A gurtd killed while saving puts nothing back (nothing was written); one
-# killed while writing finishes the keep at its next start (every write is repeatable from the
-# upper).  Undo of a keep is journaled the same way and restores the saved originals.
+# original goes), then the writes: each original first saved under BOX_HOME (saved/<n>: a hard
+# link when it is a file with no other name on the same file system, else a copy), then the
+# new version through a temporary name in the same folder and a rename, every path resolved
+# beneath the folder's fd with openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS, never into a
+# folder its owner may not write.  A gurtd killed before the journal is written has written
+# nothing; one killed after it finishes the keep at its next start (every step is repeatable
+# from the upper).  Undo of a keep is journaled the same way and puts the saved originals back.
 
 MAX_FOLDERS = 16
 REVIEW_STATES = ("pending", "kept", "conflict", "undone")
@@ -3532,6 +3533,22 @@ def _entry_copy(src_dir: int, src: str, dst_dir: int, dst: str) -> None:
     os.chown(dst, st.st_uid, st.st_gid, dir_fd=dst_dir, follow_symlinks=False)
 
 
+def _entry_keep(src_dir: int, src: str, dst_dir: int, dst: str) -> None:
+    """An original saved (or put back): a file that has no other name is hard-linked, as
+    keep and undo never write into an inode, only rename a new one over its name, so the
+    saved name holds the very original (content, times, xattrs) at the cost of one link; a
+    folder, a file with other names and another file system get a copy."""
+    st = os.stat(src, dir_fd=src_dir, follow_symlinks=False)
+    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+        try:
+            os.link(src, dst, src_dir_fd=src_dir, dst_dir_fd=dst_dir, follow_symlinks=False)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+                raise
+    _entry_copy(src_dir, src, dst_dir, dst)
+
+
 def _entry_remove(dir_fd: int, name: str, aside: str) -> None:
     """Remove an entry (a folder with all it holds): first renamed aside, so that a crash
     leaves the name either whole or gone; nothing if it is not there."""
@@ -3694,8 +3711,9 @@ class Review:
                            + (" (force does not override these)" if force and hard else ""),
                            "conflict", extra={"conflicts": conflicts})
         ops = self.plan(task, todo)
-        journal = {"id": secrets.token_hex(6), "action": "keep", "phase": "saving",
-                   "ops": ops, "applied": [f"{n}:{c.path}" for n, c, _ in todo]}
+        journal = {"id": secrets.token_hex(6), "action": "keep", "phase": "applying",
+                   "ops": ops, "applied": [f"{n}:{c.path}" for n, c, _ in todo],
+                   "partial": paths is not None}
         self.keep_run(task, journal)
         return task.to_api()
 
@@ -3770,51 +3788,40 @@ class Review:
         return ops
 
     def keep_run(self, task: Task, journal: dict[str, Any]) -> None:
-        """The keep itself, journaled: originals saved, then the writes, then the record.  Run
-        again by recover() on a journal a crash left behind."""
+        """The keep itself: the journal, then each write after its original is saved, then
+        the record.  Run again by recover() on a journal a crash left behind: every step is
+        repeatable, and an original is saved (under a temporary name, then renamed) before
+        its path is written, so a saved original is always the one from before the keep."""
         path = self.dir(task.id, "journal.json")
         ops = journal["ops"]
         roots = {n: self.open_folder(info) for n, info in enumerate(task.folderInfo or [])}
         self.upper_fds = {n: os.open(self.upper(task.id, n), DIR_FLAGS) for n in roots}
+        saved = -1
         try:
-            if journal["phase"] == "saving":
-                write_json(path, journal)
-                os.makedirs(self.dir(task.id, "saved"), 0o700, exist_ok=True)
-                saved = os.open(self.dir(task.id, "saved"), DIR_FLAGS)
-                try:
-                    for op in ops:
-                        if op["saved"] is not None:
-                            _entry_remove(saved, op["saved"], op["saved"])
-                            parent = _parent_fd(roots[op["folder"]], op["path"])
-                            if parent is None:
-                                raise SysError("keep", errno.ENOENT, f"{op['path']}: gone")
-                            try:
-                                _entry_copy(parent, os.path.basename(op["path"]), saved,
-                                            op["saved"])
-                            finally:
-                                os.close(parent)
-                    _syncfs(saved)
-                finally:
-                    os.close(saved)
-                crash_point("keep-saved")
-                journal["phase"] = "applying"
-                write_json(path, journal)
+            crash_point("keep-planned")
+            write_json(path, journal)
+            os.makedirs(self.dir(task.id, "saved"), 0o700, exist_ok=True)
+            saved = os.open(self.dir(task.id, "saved"), DIR_FLAGS)
             # every new file first, under its temporary name, and flushed in one go: the
             # renames then find no data to write (ext4 flushes a file renamed over another)
             ready = self.write_temps(task, roots, ops)
             for fd in roots.values():
                 _syncfs(fd)
             for i, op in enumerate(ops):
+                if op["saved"] is not None:
+                    self.save_original(roots[op["folder"]], saved, op)
                 self.apply(task, roots[op["folder"]], op, i, i in ready)
                 crash_point(f"keep-op-{i}")
-            for fd in roots.values():
+            for fd in list(roots.values()) + [saved]:
                 _syncfs(fd)
             self.keep_record(task, journal, roots)
         finally:
-            for fd in list(roots.values()) + list(self.upper_fds.values()):
+            for fd in list(roots.values()) + list(self.upper_fds.values()) + \
+                    ([saved] if saved >= 0 else []):
                 os.close(fd)
             self.upper_fds = {}
-        left = [t for t in self.pending(task) if t[2] != "none"]
+        left = [t for t in self.pending(task) if t[2] != "none"] \
+            if journal.get("partial", True) else []
         task.review = "pending" if left else "kept"
         self.box.save(task)
         os.unlink(path)
@@ -3844,6 +3851,26 @@ class Review:
         record["keeps"].append({"id": journal["id"], "at": now_iso(), "ops": journal["ops"]})
         record["applied"] = record["applied"] + journal["applied"]
         write_json(self.dir(task.id, "kept.json"), record)
+
+    @staticmethod
+    def save_original(root: int, saved: int, op: dict[str, Any]) -> None:
+        """The real entry at op's path into saved/<op's name>, once: a saved name that exists
+        is whole (it is renamed into place) and older than any write of this keep."""
+        if _lstat_at(saved, op["saved"]) is not None:
+            return
+        parent = _parent_fd(root, op["path"])
+        if parent is None:
+            raise SysError("keep", errno.ENOENT, f"{op['path']}: its folder is gone")
+        part = op["saved"] + ".part"
+        try:
+            _entry_remove(saved, part, part)
+            _entry_keep(parent, os.path.basename(op["path"]), saved, part)
+            if not stat.S_ISREG(os.stat(part, dir_fd=saved, follow_symlinks=False).st_mode) \
+                    or os.stat(part, dir_fd=saved, follow_symlinks=False).st_nlink == 1:
+                _syncfs(saved)                         # a copy: its data before the write
+            os.rename(part, op["saved"], src_dir_fd=saved, dst_dir_fd=saved)
+        finally:
+            os.close(parent)
 
     def write_temps(self, task: Task, roots: dict[int, int],
                     ops: list[dict[str, Any]]) -> set[int]:
@@ -4021,7 +4048,7 @@ class Review:
             if op["saved"] is None or saved < 0:
                 _entry_remove(parent, name, aside)
                 return
-            _entry_copy(saved, op["saved"], parent, tmp)
+            _entry_keep(saved, op["saved"], parent, tmp)
             real = _lstat_at(parent, name)
             if real is not None and (stat.S_ISDIR(real.st_mode) or
                                      stat.S_ISDIR(_lstat_at(parent, tmp).st_mode)):
@@ -4048,10 +4075,6 @@ class Review:
                     self.undo_run(task, journal)
                     self.announce(task, "recovered", "an undo cut short by a restart was "
                                   "finished")
-                elif journal["phase"] == "saving":
-                    os.unlink(path)
-                    self.announce(task, "recovered", "a keep cut short by a restart before "
-                                  "it wrote anything was dropped: nothing was kept")
                 else:
                     self.keep_run(task, journal)
                     self.announce(task, "recovered", "a keep cut short by a restart was "

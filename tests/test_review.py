@@ -375,7 +375,7 @@ def test_kill_9_in_the_middle_of_a_big_keep_finishes_it_at_the_next_start(
 
 
 def test_kill_9_before_a_keep_writes_leaves_the_folder_untouched(folder: str) -> None:
-    box = Gurtd(make_home(), {"GURT_TEST_CRASH_AT": "keep-saved"})
+    box = Gurtd(make_home(), {"GURT_TEST_CRASH_AT": "keep-planned"})
     box.start()
     try:
         before = snapshot(folder)
