@@ -3114,7 +3114,6 @@ def keys_clear(uid: int) -> None:
 
 MAX_FOLDERS = 16
 REVIEW_STATES = ("pending", "kept", "conflict", "undone")
-DEFAULT_FOLDER_ROOTS = ["/home", "/srv"]
 PSEUDO_FS = ("/proc", "/sys", "/dev", "/run")
 NOT_FOLDER_ROOTS = ("/", "/proc", "/sys", "/dev", "/run", "/usr", "/etc", "/tmp", "/var/tmp",
                     "/bin", "/sbin", "/lib", "/lib64", "/boot")   # the box's own places
@@ -3717,29 +3716,36 @@ class Review:
         self.keep_run(task, journal)
         return task.to_api()
 
+    @staticmethod
+    def rel_in(folder: str, path: str) -> str | None:
+        """path relative to folder: path is absolute (in it, or the folder itself: "") or
+        relative to it; None if it is an absolute path elsewhere."""
+        if path == folder:
+            return ""
+        if path.startswith(folder + "/"):
+            return path[len(folder) + 1:].strip("/")
+        return None if path.startswith("/") else path.strip("/")
+
     def selected(self, task: Task, item: tuple[int, Change, str], paths: list[str]) -> bool:
-        """Whether a pending change is under one of paths (absolute, or relative to its
-        folder), or a folder on the way to one."""
+        """Whether a pending change is at or under one of paths, or a folder on the way to
+        one (a new folder must be made before what is kept in it)."""
         n, change, _ = item
-        folder = (task.folders or [])[n]
         for path in paths:
-            rel = path[len(folder) + 1:] if path.startswith(folder + "/") else \
-                None if path.startswith("/") else path.strip("/")
+            rel = self.rel_in((task.folders or [])[n], path)
             if rel is None:
                 continue
-            if change.path == rel or change.path.startswith(rel + "/") or \
+            if not rel or change.path == rel or change.path.startswith(rel + "/") or \
                     (change.kind == "dir" and rel.startswith(change.path + "/")):
                 return True
         return False
 
     def check_paths(self, task: Task, todo: list[tuple[int, Change, str]],
                     paths: list[str]) -> None:
+        """Each of paths names a pending change, or a folder with some under it: 400 if not."""
         for path in paths:
-            if not any(self.selected(task, item, [path]) and
-                       (item[1].path == path or path.endswith("/" + item[1].path) or
-                        item[1].path.startswith(path.strip("/") + "/") or
-                        path.startswith((task.folders or [])[item[0]] + "/"))
-                       for item in todo):
+            if not any((rel := self.rel_in((task.folders or [])[n], path)) is not None and
+                       (not rel or change.path == rel or change.path.startswith(rel + "/"))
+                       for n, change, _ in todo):
                 raise ApiError(400, f"paths: {path} is no pending change of the task")
 
     def conflicts(self, task: Task, todo: list[tuple[int, Change, str]]) -> list[dict[str, str]]:
