@@ -6821,9 +6821,9 @@ def h_task_keep(req: "Handler", params: dict[str, str]) -> Any:
 def h_task_diff(req: "Handler", params: dict[str, str]) -> Any:
     """The task's changes as a unified diff, read in this thread (never on the loop)."""
     box = req.box
-    only = req.query_one("path")
+    only = req.query_one("path")           # a filter only: never opened as it is
     if only is not None:
-        only = only if only.startswith("/") else clean_relpath(only)
+        only = only if only.startswith("/") else only.strip("/")
     source = box.call(box.review.sources, params["id"])
     if source["folders"]:
         text = "".join(folder_diff(folder, upper, info, only)
