@@ -161,6 +161,7 @@ def test_a_task_works_on_a_copy_and_keep_applies_exactly_its_diff(
         "rm -r olddir",
         f"printf 'changed\\n' > '{UNICODE_NAME}'",
         "chmod 755 script.sh",
+        "printf '\\000\\001\\002' > blob.bin",
         "echo pwned > root.txt || echo root-refused",
         "echo pwned > link || echo link-refused",
         "stat -c '%U' root.txt",
@@ -182,6 +183,7 @@ def test_a_task_works_on_a_copy_and_keep_applies_exactly_its_diff(
     diff = diff.decode()
     assert code == 200 and "+more" in diff and "-sea" in diff and "old mode 100644" in diff
     assert f"+++ b/{UNICODE_NAME}" in diff and "+n" in diff
+    assert "Binary files /dev/null and b/blob.bin differ" in diff
 
     code, kept = keep(g, task["id"])
     assert code == 200 and kept["review"] == "kept", kept
@@ -194,6 +196,7 @@ def test_a_task_works_on_a_copy_and_keep_applies_exactly_its_diff(
     assert not [p for p in after if p.startswith("olddir")]
     assert after[UNICODE_NAME][4] == b"changed\n"
     assert after["script.sh"][1] == 0o755
+    assert after["blob.bin"][4] == b"\0\1\2"
     assert after["root.txt"] == before["root.txt"] and after["root.txt"][2] == 0
     assert after["link"] == before["link"]
     with open("/etc/passwd") as f:
@@ -549,3 +552,18 @@ def test_a_folder_made_anew_replaces_the_old_one_whole(g: Gurtd, folder: str) ->
     assert open(os.path.join(folder, "olddir/x.txt")).read() == "fresh\n"
     g.api("POST", f"/api/tasks/{task['id']}/undo")
     assert snapshot(folder) == before
+
+
+def test_the_droid_worker_is_told_about_its_folders(g: Gurtd, folder: str,
+                                                    scratch: Any) -> None:
+    stand_in = scratch / "droid"             # a droid that copies its system prompt
+    stand_in.write_text(f"#!/bin/sh\ncat /run/gurt/system-prompt.md > {folder}/seen.md\n")
+    os.chmod(stand_in, 0o755)
+    os.chmod(scratch, 0o755)
+    g.api("PUT", "/api/settings", {"droidPath": str(stand_in)})
+    task = g.wait(g.api("POST", "/api/tasks", {"title": "droid", "prompt": "look",
+                                               "folder": folder}, status=201)["id"])
+    assert task["state"] == "done", g.log(task["id"])
+    assert keep(g, task["id"])[0] == 200
+    seen = open(os.path.join(folder, "seen.md")).read()
+    assert f"- Folders: {folder} are your own copy-on-write copies" in seen, seen
