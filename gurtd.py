@@ -3695,6 +3695,10 @@ class Review:
         if task.review not in ("pending", "conflict"):
             raise ApiError(409, f"the task's review is {task.review or 'not open'}: only a "
                                 "pending or conflict review can be kept", "conflict")
+        cut_short = load_json(self.dir(task.id, "journal.json"))
+        if isinstance(cut_short, dict) and cut_short.get("action") == "keep":
+            self.keep_guarded(task, cut_short)       # a keep a full disk cut short goes on
+            return task.to_api()
         todo = [t for t in self.pending(task) if paths is None or self.selected(task, t, paths)]
         if paths is not None:
             self.check_paths(task, todo, paths)
@@ -3713,8 +3717,18 @@ class Review:
         journal = {"id": secrets.token_hex(6), "action": "keep", "phase": "applying",
                    "ops": ops, "applied": [f"{n}:{c.path}" for n, c, _ in todo],
                    "partial": paths is not None}
-        self.keep_run(task, journal)
+        self.keep_guarded(task, journal)
         return task.to_api()
+
+    def keep_guarded(self, task: Task, journal: dict[str, Any]) -> None:
+        """keep_run, its failures as answers: the journal stays, and the next keep (or the
+        next start) goes on from it."""
+        try:
+            with saved_or_507("kept files (the keep goes on with the next keep)"):
+                self.keep_run(task, journal)
+        except SysError as exc:
+            raise ApiError(409, f"the keep stopped: {exc.stderr or exc}; it goes on with the "
+                                "next keep or at the next start", "conflict") from None
 
     @staticmethod
     def rel_in(folder: str, path: str) -> str | None:
@@ -3984,6 +3998,13 @@ class Review:
     def undo(self, task: Task, force: bool) -> None:
         """The real folders put back as they were before the keeps: 409 (nothing changed) if
         the owner changed a kept path since, unless force."""
+        cut_short = load_json(self.dir(task.id, "journal.json"))
+        if isinstance(cut_short, dict) and cut_short.get("action") == "undo":
+            with saved_or_507("restored files (the undo goes on with the next undo)"):
+                self.undo_run(task, cut_short)
+            return
+        if isinstance(cut_short, dict) and cut_short.get("action") == "keep":
+            self.keep_guarded(task, cut_short)   # finished, so that all of it is undone
         if task.review != "kept" and not self.kept(task)["keeps"]:
             return
         record = self.kept(task)
@@ -3997,7 +4018,8 @@ class Review:
                                     "puts the versions from before the keep back anyway)",
                                "conflict", extra={"conflicts": conflicts})
         ops = [op for keep in reversed(record["keeps"]) for op in reversed(keep["ops"])]
-        self.undo_run(task, {"id": secrets.token_hex(6), "action": "undo", "ops": ops})
+        with saved_or_507("restored files (the undo goes on with the next undo)"):
+            self.undo_run(task, {"id": secrets.token_hex(6), "action": "undo", "ops": ops})
 
     def undo_conflicts(self, task: Task, record: dict[str, Any]) -> list[dict[str, str]]:
         out, roots = [], {}

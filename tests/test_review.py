@@ -567,3 +567,46 @@ def test_the_droid_worker_is_told_about_its_folders(g: Gurtd, folder: str,
     assert keep(g, task["id"])[0] == 200
     seen = open(os.path.join(folder, "seen.md")).read()
     assert f"- Folders: {folder} are your own copy-on-write copies" in seen, seen
+
+
+def test_a_keep_cut_short_by_a_full_disk_goes_on_with_the_next_keep(
+        g: Gurtd, owner: pwd.struct_passwd, scratch: Any) -> None:
+    """The owner's folder is on a small ext4 image under /srv; the disk fills mid-keep."""
+    image, mnt = str(scratch / "disk.img"), f"/srv/gurt-review-{secrets.token_hex(3)}"
+    with open(image, "wb") as f:
+        f.truncate(16 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-m", "0", "-F", image], check=True)
+    os.mkdir(mnt)
+    loop = subprocess.run(["losetup", "--find", "--show", image], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    try:
+        subprocess.run(["mount", "-t", "ext4", loop, mnt], check=True)
+        folder = os.path.join(mnt, "proj")
+        os.mkdir(folder)
+        os.chown(folder, owner.pw_uid, owner.pw_gid)
+        task = run_on(g, folder, "for i in $(seq 40); do head -c 100000 /dev/urandom > f$i; done")
+        assert task["review"] == "pending", g.log(task["id"])
+        filler = os.path.join(mnt, "filler")
+        with open(filler, "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 20))
+                    f.flush()
+            except OSError:
+                pass
+        os.truncate(filler, max(0, os.path.getsize(filler) - (1 << 20)))   # 1 MiB left
+        code, data = keep(g, task["id"])
+        assert code == 507 and data["code"] == "insufficient_storage", data
+        assert g.task(task["id"])["review"] == "pending"
+        os.unlink(filler)
+        code, data = keep(g, task["id"])
+        assert code == 200 and data["review"] == "kept", data
+        assert sorted(os.listdir(folder)) == sorted(f"f{i}" for i in range(1, 41))
+        assert all(os.path.getsize(os.path.join(folder, f"f{i}")) == 100000
+                   for i in range(1, 41))
+        g.api("POST", f"/api/tasks/{task['id']}/undo")
+        assert os.listdir(folder) == []
+    finally:
+        subprocess.run(["umount", mnt], check=False)
+        subprocess.run(["losetup", "-d", loop], check=False)
+        os.rmdir(mnt)
