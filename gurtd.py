@@ -488,7 +488,8 @@ def validate_task_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
     if not out["source"] or len(out["source"]) > 100:
         raise ApiError(400, "source must be a non-empty string of at most 100 characters")
     out["limits"] = validate_limits(body.get("limits", {}))
-    out["askHosts"] = body.get("askHosts", bool(settings.get("askHostsDefault")))
+    if body.get("askHosts", bool(settings.get("askHostsDefault"))):
+        out["askHosts"] = True        # (the Task's default is false)
     return out
 
 
@@ -4814,8 +4815,22 @@ class Policy:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Policy":
-        return record_from(cls, data, lambda p: POLICY_ID_RE.match(p.id) and
-                           p.scope in POLICY_SCOPES and isinstance(p.tool, str))
+        return record_from(cls, data, valid_policy)
+
+
+def valid_policy(policy: Policy) -> bool:
+    """A stored policy that matching can rely on (a hand-edited file may hold anything)."""
+    try:
+        if policy.expiresAt is not None:
+            parse_time(policy.expiresAt)
+        if policy.host is not None:
+            host_policy_entry(policy.host)
+    except (ValueError, TypeError, ApiError):
+        return False
+    return bool(POLICY_ID_RE.match(policy.id)) and policy.scope in POLICY_SCOPES and \
+        isinstance(policy.tool, str) and (policy.tool == "host") == (policy.host is not None) \
+        and all(v is None or (is_cents(v) and v >= 0)
+                for v in (policy.maxCents, policy.totalCents)) and is_cents(policy.spentCents)
 
 
 def parse_time(text: str) -> datetime.datetime:
@@ -6253,6 +6268,7 @@ def openapi() -> dict[str, Any]:
     bodies = {h_tasks_create: True, h_workspaces_create: True, h_settings_put: True,
               h_wallet_put: True, h_approval_answer: True, h_approval_approve: False,
               h_approval_deny: False, h_approvals_approve_all: False}   # required or not
+    bodies.update({h_approval_always: True, h_policies_create: True})   # decisions
     answers_task = (h_tasks_create, h_task_get, h_task_undo, h_task_stop)
     for method, pattern, fn, summary in ROUTES:
         ok = "201" if fn in (h_tasks_create, h_workspaces_create) else "200"

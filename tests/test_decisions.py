@@ -427,7 +427,7 @@ def dns_probe(name: str) -> str:
 
 
 def fetch(name: str) -> str:
-    return f"curl -sS --max-time 5 http://{name}/ 2>&1 | tr -d '\\r' | head -c 200; echo"
+    return f"curl -sS --max-time 5 http://{name}/ 2>&1 | tr -d '\\r\\n' | head -c 200; echo"
 
 
 class Resolver:
@@ -618,3 +618,41 @@ def test_a_restart_while_a_host_is_asked_denies_it(gn: Gurtd) -> None:
     assert g.task(task["id"])["state"] == "failed"
     code, data, _ = g.request("POST", f"/api/approvals/{asked['id']}/approve")
     assert code == 409, data
+
+
+FLOOD = r'''
+import socket, struct
+ns = [l.split()[1] for l in open("/etc/resolv.conf") if l.startswith("nameserver")][0]
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.connect((ns, 53))
+for i in range(100):
+    q = struct.pack("!HHHHHH", i, 0x100, 1, 0, 0, 0)
+    for label in ("n%d" % i, "flood", "test"):
+        q += bytes([len(label)]) + label.encode()
+    s.send(q + b"\0" + struct.pack("!HH", 1, 1))
+s.settimeout(3)
+nx = 0
+try:
+    while True:
+        d = s.recv(4096)
+        nx += (d[3] & 15) == 3
+except OSError:
+    pass
+print("nxdomain", nx)
+'''
+
+
+def test_a_task_asking_for_a_flood_of_names_asks_a_bounded_number(gn: Gurtd) -> None:
+    g = gn
+    code = base64.b64encode(FLOOD.encode()).decode()
+    task = g.create(f"python3 -c 'import base64;exec(base64.b64decode(\"{code}\"))'\nsleep 60",
+                    askHosts=True)
+    out = eventually(lambda: g.output(task["id"]), 60, "the flood's count")
+    asked = approvals(g, state="pending", task=task["id"])
+    assert len(asked) == G.MAX_PENDING_APPROVALS, len(asked)
+    assert out == [f"nxdomain {100 - G.MAX_PENDING_APPROVALS}"], out   # the rest, at once
+    assert any("not asked" in (e.get("reason") or "") for e in g.log(task["id"]))
+    g.api("POST", f"/api/tasks/{task['id']}/stop")
+    stopped = approvals(g, task=task["id"])
+    assert len(stopped) == G.MAX_PENDING_APPROVALS
+    assert all(a["state"] == "denied" and a["answeredBy"] == "stop" for a in stopped)
