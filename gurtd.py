@@ -4498,14 +4498,14 @@ class Network:
         name = question.name.to_text(omit_final_dot=True).lower()
         qtype = dns.rdatatype.to_text(question.rdtype)
         ports = ports_for_name(net.grants, name)
-        verdict = self.unlisted_name(net, name, data, reply) if not ports else "granted"
+        verdict, why = self.unlisted_name(net, name, data, reply) if not ports else ("", None)
         if verdict == "held":                            # a person decides; the answer waits
             return
         ports = ports_for_name(net.grants, name)         # a host policy may have granted it
         if not ports:
             entry = {"type": "dns", "name": name, "qtype": qtype, "allowed": False}
-            if name in net.denied:
-                entry["reason"] = net.denied[name]
+            if why:
+                entry["reason"] = why
             self.box.append_log(net.task_id, entry)
             answer.set_rcode(dns.rcode.NXDOMAIN)
             reply(answer.to_wire())
@@ -4644,40 +4644,46 @@ class Network:
 
     # askHosts: a name outside the grants asks a person
     def unlisted_name(self, net: TaskNet, name: str, data: bytes,
-                      reply: Callable[[bytes], None]) -> str:
-        """A query for a name outside the task's grants: "granted" (a host policy in the
-        task's scope allows it: now a grant of the task), "held" (an askHosts task: a host
-        approval decides, the query waits for it, and so do the resolver's retries) or
-        "refused" (NXDOMAIN: no askHosts, denied before, or over a cap)."""
+                      reply: Callable[[bytes], None]) -> tuple[str, str | None]:
+        """A query for a name outside the task's grants, and why not when refused:
+        "granted" (a host policy in the task's scope allows it: now a grant of the task),
+        "held" (an askHosts task: a host approval decides, the query waits for it, and so do
+        the resolver's retries) or "refused" (NXDOMAIN: no askHosts, denied, over a cap).
+        Only answers of a person are remembered (denied), so a flood of names grows nothing
+        past the caps."""
         task = self.box.tasks.get(net.task_id)
         try:
             entry = host_policy_entry(name)
         except ApiError:             # not a name a grant could hold (an address, junk)
-            return "refused"
-        if task is None or name in net.denied or entry.startswith("*."):
-            return "refused"
+            return "refused", None
+        if name in net.denied:
+            return "refused", net.denied[name]
+        if task is None or entry.startswith("*."):
+            return "refused", None
         policies = self.box.broker.policies
         policy = policies.find(task, "host", 0, host=name)
         if policy is not None:
+            if len(net.grants) >= MAX_TASK_GRANTS:        # a *.domain policy, many names
+                return "refused", f"not granted by policy {policy.id}: the task has " \
+                                  f"{len(net.grants)} host grants (at most {MAX_TASK_GRANTS})"
             policies.use(policy, 0)
             net.grants.append(Grant("name", name, None))
             self.box.append_log(net.task_id, {"type": "net", "name": name, "policy": policy.id,
                                               "text": f"{name} granted by policy {policy.id}"})
-            return "granted"
+            return "granted", None
         if not net.ask or task.state not in ("running", "waiting"):
-            return "refused"
+            return "refused", None
         now = time.monotonic()
         for other in list(net.held):             # what no resolver waits for any more
             net.held[other] = [h for h in net.held[other] if h[2] > now]
         if sum(len(h) for h in net.held.values()) >= MAX_HELD_QUERIES:
-            return "refused"
+            return "refused", f"not held: {MAX_HELD_QUERIES} queries wait for a person already"
         if name not in net.asked:
             why = self.ask_host(net, task, name)
             if why is not None:
-                net.denied[name] = why
-                return "refused"
+                return "refused", why
         net.held.setdefault(name, []).append((data, reply, now + HELD_SECONDS))
-        return "held"
+        return "held", None
 
     def ask_host(self, net: TaskNet, task: Task, name: str) -> str | None:
         """Make the host approval for name; why not (a cap, a full disk), or None."""
@@ -4685,23 +4691,19 @@ class Network:
         pending = sum(1 for a in broker.approvals.values()
                       if a.task == task.id and a.state == "pending")
         if len(net.asked) >= MAX_HOST_ASKS or pending >= MAX_PENDING_APPROVALS:
-            why = f"not asked: the task asked about {len(net.asked)} names (at most " \
-                  f"{MAX_HOST_ASKS}) or has {pending} approvals pending (at most " \
-                  f"{MAX_PENDING_APPROVALS})"
-        else:
-            try:
-                net.asked[name] = broker.create(task, "host", "host", {"name": name}, 0,
-                                                None)["wait"]
-                self.box.append_log(task.id, {
-                    "type": "dns", "name": name, "approval": net.asked[name],
-                    "text": f"{name} is not in the task's hosts: its lookup waits for a "
-                            f"person (approval {net.asked[name]})"})
-                return None
-            except (ApiError, OSError) as exc:
-                why = f"not asked: {exc.message if isinstance(exc, ApiError) else exc}"
-        self.box.append_log(task.id, {"type": "dns", "name": name, "allowed": False,
-                                      "reason": why})
-        return why
+            return f"not asked: the task asked about {len(net.asked)} names (at most " \
+                   f"{MAX_HOST_ASKS}) and has {pending} approvals pending (at most " \
+                   f"{MAX_PENDING_APPROVALS})"
+        try:
+            net.asked[name] = broker.create(task, "host", "host", {"name": name}, 0,
+                                            None)["wait"]
+        except (ApiError, OSError) as exc:
+            return f"not asked: {exc.message if isinstance(exc, ApiError) else exc}"
+        self.box.append_log(task.id, {
+            "type": "dns", "name": name, "approval": net.asked[name],
+            "text": f"{name} is not in the task's hosts: its lookup waits for a person "
+                    f"(approval {net.asked[name]})"})
+        return None
 
     def on_host_approval(self, approval: Approval) -> None:
         """A person answered a host approval: approved, the name becomes a grant of the

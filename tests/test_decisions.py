@@ -327,6 +327,7 @@ def test_never_auto_approve_and_approve_all_skip_and_count(g: Gurtd) -> None:
 
     # approve-all: the small payment; the ask and the big one wait for a person's own look
     assert g.api("POST", "/api/approvals/approve-all", {}) == {"approved": 1, "skipped": 2}
+    assert g.wait(small["id"])["state"] == "done"
     assert payments(g, small["id"]) == [("small", 5)]
     assert {a["id"] for a in approvals(g, state="pending")} == {big_approval["id"],
                                                                 question["id"]}
@@ -608,11 +609,12 @@ def test_a_policy_never_grants_a_name_that_resolves_to_loopback(gn: Gurtd) -> No
     assert approvals(g, task=task["id"]) == []
 
 
-def test_a_restart_while_a_host_is_asked_denies_it(gn: Gurtd) -> None:
+@pytest.mark.parametrize("kill", [False, True], ids=["stopped", "killed"])
+def test_a_restart_while_a_host_is_asked_denies_it(gn: Gurtd, kill: bool) -> None:
     g = gn
     task = g.create(dns_probe("restart.test"), askHosts=True)
     asked = host_approval(g, task["id"], "restart.test")
-    g.restart()
+    g.restart(kill=kill)
     after = g.api("GET", f"/api/approvals/{asked['id']}")
     assert after["state"] == "denied" and after["answeredBy"] == "restart", after
     assert g.task(task["id"])["state"] == "failed"
