@@ -6935,6 +6935,8 @@ def log_entry_text(entry: dict[str, Any]) -> str:
                 (f": {entry['reason']}" if entry.get("reason") else "")
         return f"{entry['approval']} pending: {entry.get('kind')} {entry.get('tool')} " \
                f"{entry.get('cents')} cents"
+    if kind == "dns" and "allowed" not in entry:      # a name held for a person (askHosts)
+        return str(entry.get("text", ""))
     if kind == "dns":
         verdict = "allowed" if entry.get("allowed") else "refused"
         return f"{entry.get('name')} {entry.get('qtype')} {verdict} " + \

@@ -17,9 +17,11 @@ import http.client
 import json
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Iterator
@@ -369,6 +371,63 @@ def test_the_command_line_approves_with_args_always_and_manages_policies(g: Gurt
     assert g.api("GET", "/api/policies") == []
     proc = cli(g, "policy", "rm", policy_id)
     assert proc.returncode != 0 and "404" in proc.stderr
+
+
+def test_a_damaged_policies_file_is_set_aside_and_gurtd_starts(g: Gurtd) -> None:
+    g.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "box"}, status=201)
+    path = os.path.join(g.home, "policies.json")
+    stored = json.load(open(path))
+    assert len(stored["policies"]) == 1
+    stored["policies"][0]["expiresAt"] = "not a time"       # a hand edit gone wrong
+    with open(path, "w") as f:
+        json.dump(stored, f)
+    g.restart()
+    assert g.api("GET", "/api/policies") == []               # nothing half-trusted
+    assert [n for n in os.listdir(g.home) if n.startswith("policies.json.damaged-")]
+    assert "policies.json set aside" in g.log_text()
+    task = g.create(pay_line("x", 5), tools=["wallet.pay"])  # so a payment asks again
+    g.api("POST", f"/api/approvals/{pending(g, task['id'])['id']}/deny", {})
+    assert g.wait(task["id"])["costCents"] == 0
+
+
+# droid: a budget raise while paused, and what its system prompt says ##########################
+
+@pytest.fixture
+def droid_stand_in(gurtd: Gurtd) -> Iterator[Gurtd]:
+    """gurtd with a stand-in Droid CLI that prints its system prompt (as plain output), then
+    replays the documented stream-json events of tests/fixtures (usage passing 50 cents)."""
+    from test_droid import events, stand_in
+    directory = tempfile.mkdtemp(prefix="gurt-test-decisions-", dir="/var/tmp")
+    try:
+        path = stand_in(directory, [json.dumps(e) for e in events("documented")], "true")
+        with open(path) as f:
+            script = f.read().replace("#!/bin/sh\n", "#!/bin/sh\ncat /run/gurt/system-prompt.md\n",
+                                      1)
+        with open(path, "w") as f:
+            f.write(script)
+        gurtd.api("PUT", "/api/settings", {"droidPath": path})
+        yield gurtd
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_paused_droid_task_goes_on_up_to_a_raised_budget(droid_stand_in: Gurtd) -> None:
+    g = droid_stand_in
+    task = g.api("POST", "/api/tasks", {"title": "raise", "prompt": "go", "budgetCents": 50,
+                                        "askHosts": True}, status=201)
+    approval = pending(g, task["id"])
+    assert approval["tool"] == "model" and approval["canAlwaysApprove"] is False
+    assert "budgetCents" in approval["alwaysBlockedReason"]
+    g.api("POST", f"/api/approvals/{approval['id']}/approve", {"budgetCents": 10_000})
+    done = g.wait(task["id"], timeout=60)
+    assert done["state"] == "done" and done["budgetCents"] == 10_000, done
+    assert len(approvals(g, task=task["id"])) == 1      # no second pause below 10000 cents
+    said = "\n".join(g.output(task["id"]))
+    assert "Other hosts: looking up a name outside that list asks a person" in said
+    plain = g.api("POST", "/api/tasks", {"title": "plain", "prompt": "go",
+                                         "budgetCents": 10_000}, status=201)
+    g.wait(plain["id"], timeout=60)
+    assert "Other hosts" not in "\n".join(g.output(plain["id"]))
 
 
 # hosts asked at run time #####################################################################
