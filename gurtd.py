@@ -30,13 +30,17 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Review                personal mode: a task's real folders checked, their copy-on-write
                           overlays, conflicts, keep with its journal, undo of a keep, diff
     Tasks                 the Box: lifecycle, undo, reconcile, layers and views, the droid worker
-    Hosts                 task networks: veth, grants, and gurtd's DNS for the tasks
+    Hosts                 task networks: veth, grants, and gurtd's DNS for the tasks; names
+                          outside the grants asked of a person (askHosts)
+    Policies              always-approve: standing yeses for a tool or a host in a scope, with
+                          limits and expiry, stored as one atomic JSON file
     Broker and approvals  tools called from tasks, the wallet, approvals, the broker socket
     HTTP                  request guard, auth, one routing table, JSON errors, OpenAPI
     Loop                  the BOX_HOME lock, the start as steps with their undo, the select
                           loop that owns the box state and guards each event, signals, sd_notify
     CLI                   click commands: serve, token, run, tasks, show, undo, stop, log,
-                          approvals, approve, deny, answer, wallet, review, diff, keep, and
+                          approvals, approve, deny, answer, wallet, review, diff, keep,
+                          policies, policy rm, and
                           inside a task tool, mcp
 
 Threads: the loop thread owns the state.  HTTP and broker handler threads hand it commands
@@ -146,6 +150,7 @@ DEFAULT_SETTINGS: dict[str, Any] = {
     "taskMaxProcesses": 1024, "taskMemoryBytes": 0, "taskTmpBytes": 1 << 30,
     "taskLogBytes": 50 << 20, "diskReserveBytes": 0,
     "folderRoots": ["/home", "/srv"],      # personal mode: where a task's folders may be
+    "neverAutoApproveCents": None, "askHostsDefault": False,
 }
 
 # x86_64 and aarch64 share these numbers for the new mount API.
@@ -435,7 +440,7 @@ def grant_change(granted: dict[str, set[int] | None], target: str,
 TASK_FIELDS = {
     "title": str, "prompt": str, "workspace": str, "worker": str, "tools": list, "hosts": list,
     "budgetCents": (int, float), "source": str, "folder": str, "folders": list,
-    "limits": dict,
+    "limits": dict, "askHosts": bool,
 }
 
 
@@ -451,9 +456,10 @@ def validate_task_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
         if key not in TASK_FIELDS:
             raise ApiError(400, f"unknown field: {key}")
     for key, kind in TASK_FIELDS.items():
-        if key in body and (not isinstance(body[key], kind) or isinstance(body[key], bool)):
+        if key in body and (not isinstance(body[key], kind) or
+                            (isinstance(body[key], bool) and kind is not bool)):
             names = {str: "a string", list: "an array", (int, float): "a number",
-                     dict: "an object"}
+                     dict: "an object", bool: "true or false"}
             raise ApiError(400, f"{key} must be {names[kind]}")
     out: dict[str, Any] = {}
     folders = folders_of(body)                 # on disk: Box.create_task (folders_check)
@@ -489,6 +495,8 @@ def validate_task_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
     if not out["source"] or len(out["source"]) > 100:
         raise ApiError(400, "source must be a non-empty string of at most 100 characters")
     out["limits"] = validate_limits(body.get("limits", {}))
+    if body.get("askHosts", bool(settings.get("askHostsDefault"))):
+        out["askHosts"] = True        # (the Task's default is false)
     return out
 
 
@@ -547,6 +555,12 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
                     parse_upstream(value)
                 except ValueError as exc:
                     raise ApiError(400, str(exc)) from None
+        if key == "neverAutoApproveCents" and value is not None and \
+                (not is_cents(value) or value < 0):
+            raise ApiError(400, "neverAutoApproveCents must be a number of at least 0, or null "
+                                "(no call is too large for a policy)")
+        if key == "askHostsDefault" and not isinstance(value, bool):
+            raise ApiError(400, "askHostsDefault must be true or false")
         if key in LIMIT_SETTINGS:
             check_limit(key, value, *LIMIT_SETTINGS[key])
         if key == "folderRoots":
@@ -561,7 +575,8 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
 
 PUBLIC_FIELDS = ("id", "title", "prompt", "workspace", "worker", "tools", "hosts", "budgetCents",
                  "source", "state", "user", "layers", "costCents", "step", "createdAt",
-                 "updatedAt", "error", "summary", "limits", "folder", "folders", "review")
+                 "updatedAt", "error", "summary", "limits", "folder", "folders", "review",
+                 "askHosts")
 OPTIONAL_FIELDS = ("step", "error", "summary", "limits", "folder", "folders", "review")
 
 
@@ -599,6 +614,7 @@ class Task:
     review: str | None = None
     folderInfo: list[dict[str, Any]] | None = None
     folderStartNs: int = 0
+    askHosts: bool = False          # a name outside hosts asks a person (a host approval)
 
     def to_api(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in PUBLIC_FIELDS}
@@ -649,6 +665,12 @@ class Approval:
     answer: str | None = None
     answeredBy: str | None = None
     answeredAt: str | None = None
+    # decisions: what a person changed, the policy involved, whether always is offered
+    approvedArgs: Any = None            # approved with these arguments instead of args
+    budgetCents: float | None = None    # approved by raising the task's budget to this
+    policy: str | None = None           # the policy that approved it, or that always made
+    canAlwaysApprove: bool = False      # kept current by Broker.render
+    alwaysBlockedReason: str | None = None
 
     def to_api(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -4797,7 +4819,7 @@ class Box:
                 hosts += [h for h in self.settings["droidHosts"] if h not in hosts]
                 self.droid_spec(task, spec, hosts)
             fds = []
-            if hosts:
+            if hosts or task.askHosts or self.broker.policies.has_hosts(task):
                 spec["netnsFd"] = 2
                 fds.append(self.network.prepare(task, hosts).nsfd)
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
@@ -5106,7 +5128,12 @@ class Box:
             f"- The current directory ({VIEW_DIR}) is your own copy-on-write view of the "
             f"workspace {task.workspace}; a person may undo your changes.\n"
             f"- Network: you can reach only {', '.join(task.hosts) or 'no hosts of your own'} "
-            "(everything else is refused).\n"
+            "(everything else is refused).\n" + (
+                "- Other hosts: looking up a name outside that list asks a person. The lookup "
+                "waits while they decide; if it fails with a temporary DNS error, wait a minute "
+                "and try again (the question stays open). A name that is approved then "
+                "resolves and is reachable; a denied one answers NXDOMAIN from then on: do "
+                "without it.\n" if task.askHosts else "") +
             f"- Tools: {tools}. Call one with the shell command "
             "`gurtd tool NAME '{\"json\": \"args\"}'` or through the gurtd MCP server.\n"
             f"- Budget: {task.budgetCents} US cents; spending above it pauses you until a "
@@ -5194,7 +5221,8 @@ class Box:
             return
         worker.paused = None
         if approval.state == "approved":
-            worker.budget_limit = task.costCents + task.budgetCents
+            worker.budget_limit = approval.budgetCents if approval.budgetCents is not None \
+                else task.costCents + task.budgetCents    # raised to, or one more budget
             self.unhold(task, worker, "budget")
             return
         if approval.answeredBy == "api":
@@ -5227,6 +5255,9 @@ class Box:
         with saved_or_507("settings"):
             write_json(self.path("settings.json"), new)
         self.settings = new
+        for approval in self.broker.approvals.values():   # canAlwaysApprove may change
+            if approval.state == "pending":
+                self.broker.render(approval)
         self.schedule()
         return dict(self.settings)
 
@@ -5338,7 +5369,9 @@ class Box:
 # A task with hosts gets a veth pair out of its network namespace, NAT, and nftables grants
 # (interface . address . port) that gurtd adds as it answers the task's DNS: a granted name is
 # resolved upstream and its addresses granted before the answer goes back; any other name is
-# NXDOMAIN.  A task without hosts has lo only.  Everything here runs on the loop thread.
+# NXDOMAIN, unless a host policy grants it or the task has askHosts: then the query is held
+# and a host approval asks a person.  A task without hosts (nor askHosts nor a host policy in
+# its scope) has lo only.  Everything here runs on the loop thread.
 
 @dataclass
 class TaskNet:
@@ -5355,6 +5388,13 @@ class TaskNet:
     granted: dict[str, set[int] | None] = field(default_factory=dict)  # target -> ports
     upstreams: int = 0               # queries of this task waiting for the upstream server
     capped: bool = False             # went over MAX_DNS_CONNS (logged once)
+    # askHosts: names a person is asked about (name -> approval), queries held meanwhile
+    # (name -> [(query, reply, until)]), and names denied (name -> reason)
+    ask: bool = False
+    asked: dict[str, str] = field(default_factory=dict)
+    held: dict[str, list[tuple[bytes, Callable[[bytes], None], float]]] = \
+        field(default_factory=dict)
+    denied: dict[str, str] = field(default_factory=dict)
 
     def answer_nets(self) -> list[ipaddress.IPv4Network]:
         """The networks that this task's ip and cidr entries grant explicitly."""
@@ -5380,6 +5420,10 @@ MAX_DNS_PENDING = 32                 # queries waiting upstream; beyond: SERVFAI
 MAX_DNS_CONNS = 16                   # DNS TCP connections; beyond: the new one is closed
 MAX_ANSWER_ADDRESSES = 8             # addresses of one answer taken (and granted); the rest cut
 MAX_TASK_GRANTS = 256                # addresses granted to one task by DNS; beyond: SERVFAIL
+MAX_HOST_ASKS = 64                   # names an askHosts task may ask about; beyond: NXDOMAIN
+MAX_HELD_QUERIES = 64                # queries held for a person's answer; beyond: NXDOMAIN
+HELD_SECONDS = 60.0                  # a held query older than this gets no answer (its
+                                     # resolver gave up long before)
 
 
 class Network:
@@ -5491,7 +5535,7 @@ class Network:
             return udp, tcp
 
         nsfd, (udp, tcp) = netns_new(setup)
-        net = TaskNet(task.id, nsfd, ifname, grants, udp, tcp)
+        net = TaskNet(task.id, nsfd, ifname, grants, udp, tcp, ask=task.askHosts)
         self.nets[task.id] = net
         try:
             link = self.ipr.link_lookup(ifname=ifname)[0]
@@ -5717,9 +5761,15 @@ class Network:
         name = question.name.to_text(omit_final_dot=True).lower()
         qtype = dns.rdatatype.to_text(question.rdtype)
         ports = ports_for_name(net.grants, name)
+        verdict, why = self.unlisted_name(net, name, data, reply) if not ports else ("", None)
+        if verdict == "held":                            # a person decides; the answer waits
+            return
+        ports = ports_for_name(net.grants, name)         # a host policy may have granted it
         if not ports:
-            self.box.append_log(net.task_id, {"type": "dns", "name": name, "qtype": qtype,
-                                              "allowed": False})
+            entry = {"type": "dns", "name": name, "qtype": qtype, "allowed": False}
+            if why:
+                entry["reason"] = why
+            self.box.append_log(net.task_id, entry)
             answer.set_rcode(dns.rcode.NXDOMAIN)
             reply(answer.to_wire())
             return
@@ -5855,6 +5905,89 @@ class Network:
             self.ensure_forwarding(address)
         return True
 
+    # askHosts: a name outside the grants asks a person
+    def unlisted_name(self, net: TaskNet, name: str, data: bytes,
+                      reply: Callable[[bytes], None]) -> tuple[str, str | None]:
+        """A query for a name outside the task's grants, and why not when refused:
+        "granted" (a host policy in the task's scope allows it: now a grant of the task),
+        "held" (an askHosts task: a host approval decides, the query waits for it, and so do
+        the resolver's retries) or "refused" (NXDOMAIN: no askHosts, denied, over a cap).
+        Only answers of a person are remembered (denied), so a flood of names grows nothing
+        past the caps."""
+        task = self.box.tasks.get(net.task_id)
+        try:
+            entry = host_policy_entry(name)
+        except ApiError:             # not a name a grant could hold (an address, junk)
+            return "refused", None
+        if name in net.denied:
+            return "refused", net.denied[name]
+        if task is None or entry.startswith("*."):
+            return "refused", None
+        policies = self.box.broker.policies
+        policy = policies.find(task, "host", 0, host=name)
+        if policy is not None:
+            if len(net.grants) >= MAX_TASK_GRANTS:        # a *.domain policy, many names
+                return "refused", f"not granted by policy {policy.id}: the task has " \
+                                  f"{len(net.grants)} host grants (at most {MAX_TASK_GRANTS})"
+            policies.use(policy, 0)
+            net.grants.append(Grant("name", name, None))
+            self.box.append_log(net.task_id, {"type": "net", "name": name, "policy": policy.id,
+                                              "text": f"{name} granted by policy {policy.id}"})
+            return "granted", None
+        if not net.ask or task.state not in ("running", "waiting"):
+            return "refused", None
+        now = time.monotonic()
+        for other in list(net.held):             # what no resolver waits for any more
+            net.held[other] = [h for h in net.held[other] if h[2] > now]
+        if sum(len(h) for h in net.held.values()) >= MAX_HELD_QUERIES:
+            return "refused", f"not held: {MAX_HELD_QUERIES} queries wait for a person already"
+        if name not in net.asked:
+            why = self.ask_host(net, task, name)
+            if why is not None:
+                return "refused", why
+        net.held.setdefault(name, []).append((data, reply, now + HELD_SECONDS))
+        return "held", None
+
+    def ask_host(self, net: TaskNet, task: Task, name: str) -> str | None:
+        """Make the host approval for name; why not (a cap, a full disk), or None."""
+        broker = self.box.broker
+        pending = sum(1 for a in broker.approvals.values()
+                      if a.task == task.id and a.state == "pending")
+        if len(net.asked) >= MAX_HOST_ASKS or pending >= MAX_PENDING_APPROVALS:
+            return f"not asked: the task asked about {len(net.asked)} names (at most " \
+                   f"{MAX_HOST_ASKS}) and has {pending} approvals pending (at most " \
+                   f"{MAX_PENDING_APPROVALS})"
+        try:
+            net.asked[name] = broker.create(task, "host", "host", {"name": name}, 0,
+                                            None)["wait"]
+        except (ApiError, OSError) as exc:
+            return f"not asked: {exc.message if isinstance(exc, ApiError) else exc}"
+        self.box.append_log(task.id, {
+            "type": "dns", "name": name, "approval": net.asked[name],
+            "text": f"{name} is not in the task's hosts: its lookup waits for a person "
+                    f"(approval {net.asked[name]})"})
+        return None
+
+    def on_host_approval(self, approval: Approval) -> None:
+        """A person answered a host approval: approved, the name becomes a grant of the
+        task and its held queries are answered (resolved upstream); denied, NXDOMAIN to them
+        and to every later query of the name, the reason in the task's log."""
+        net = self.nets.get(approval.task)
+        name = approval.args.get("name") if isinstance(approval.args, dict) else None
+        if net is None or not isinstance(name, str):
+            return
+        if approval.state == "approved":
+            net.grants.append(Grant("name", name, None))
+            self.box.append_log(net.task_id, {
+                "type": "net", "name": name, "approval": approval.id,
+                "text": f"{name} granted by approval {approval.id}"})
+        else:
+            net.denied[name] = approval.reason or "denied"
+        now = time.monotonic()
+        for data, reply, until in net.held.pop(name, []):
+            if until > now:
+                self.on_query(net, data, reply)
+
     def tick(self) -> float:
         """Answer SERVFAIL to queries whose upstream is silent; seconds until the next."""
         now, nearest = time.monotonic(), 1.0
@@ -5892,6 +6025,277 @@ def parse_upstream(text: str) -> tuple[str, int]:
     return host, int(port or 53)
 
 
+# Policies ######################################################################################
+###############################################################################################
+# "Always approve": a person answering an approval may record a policy, so that matching calls
+# later run without asking.  A policy names a tool (or `host`, a name a task may look up), a
+# scope (one task, one workspace, or the whole box) and optional limits: cents per call, cents
+# over its life, an expiry.  An `ask` is never automatic, nor a call above the owner's
+# neverAutoApproveCents.  Policies live in BOX_HOME/policies.json, written whole and
+# atomically; a deleted policy is gone from memory and disk in the same loop step, so the
+# next call asks again.  Loop thread only.
+
+POLICY_SCOPES = ("task", "workspace", "box")
+MAX_POLICIES = 500                    # beyond: 409, delete some first
+POLICY_FIELDS = {"tool", "scope", "task", "workspace", "host", "maxCents", "totalCents",
+                 "expiresAt", "reason"}
+POLICY_ID_RE = re.compile(r"^p[a-z0-9]{9}$")
+
+
+@dataclass
+class Policy:
+    """A standing yes: calls of `tool` in `scope` run without asking, within its limits."""
+
+    id: str
+    tool: str                        # a tool name, or "host"
+    scope: str                       # task | workspace | box
+    createdAt: str
+    createdBy: str                   # "api", or the approval it was made from
+    task: str | None = None          # scope task: the task
+    workspace: str | None = None     # scope workspace: the workspace
+    host: str | None = None          # tool host: a name or *.domain entry
+    maxCents: float | None = None    # at most this per call
+    totalCents: float | None = None  # at most this over its life
+    expiresAt: str | None = None     # not after this time (ISO 8601, UTC)
+    reason: str | None = None
+    spentCents: float = 0
+    uses: int = 0
+
+    def ended(self, now: datetime.datetime | None = None) -> str | None:
+        """Why the policy no longer allows anything (expired, used up), or None."""
+        now = now or datetime.datetime.now(datetime.timezone.utc)
+        if self.expiresAt is not None and parse_time(self.expiresAt) <= now:
+            return f"expired at {self.expiresAt}"
+        if self.totalCents is not None and self.spentCents >= self.totalCents:
+            return f"its totalCents ({self.totalCents}) are spent"
+        return None
+
+    def to_api(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        ended = self.ended()
+        out["active"] = ended is None
+        if ended:
+            out["endedBecause"] = ended
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Policy":
+        return record_from(cls, data, valid_policy)
+
+
+def valid_policy(policy: Policy) -> bool:
+    """A stored policy that matching can rely on (a hand-edited file may hold anything)."""
+    try:
+        if policy.expiresAt is not None:
+            parse_time(policy.expiresAt)
+        if policy.host is not None:
+            host_policy_entry(policy.host)
+    except (ValueError, TypeError, ApiError):
+        return False
+    return bool(POLICY_ID_RE.match(policy.id)) and policy.scope in POLICY_SCOPES and \
+        isinstance(policy.tool, str) and (policy.tool == "host") == (policy.host is not None) \
+        and all(v is None or (is_cents(v) and v >= 0)
+                for v in (policy.maxCents, policy.totalCents)) and is_cents(policy.spentCents)
+
+
+def parse_time(text: str) -> datetime.datetime:
+    """An ISO 8601 time with its zone (Z allowed); ValueError otherwise."""
+    when = datetime.datetime.fromisoformat(text)
+    if when.tzinfo is None:
+        raise ValueError("a time needs its zone, e.g. 2026-12-01T00:00:00Z")
+    return when
+
+
+def in_scope(policy: Policy, task: Task) -> bool:
+    return policy.scope == "box" or (policy.scope == "task" and policy.task == task.id) or \
+        (policy.scope == "workspace" and policy.workspace == task.workspace)
+
+
+def policy_allows(policy: Policy, cents: float, never_auto: float | None) -> str | None:
+    """Why this policy does not allow a call of `cents` now, or None when it does."""
+    ended = policy.ended()
+    if ended:
+        return ended
+    if never_auto is not None and cents > never_auto:
+        return f"{cents} cents is above neverAutoApproveCents ({never_auto})"
+    if policy.maxCents is not None and cents > policy.maxCents:
+        return f"{cents} cents is above its maxCents ({policy.maxCents})"
+    if policy.totalCents is not None and policy.spentCents + cents > policy.totalCents:
+        return f"{cents} cents would pass its totalCents ({policy.totalCents})"
+    return None
+
+
+def always_blocked(approval: Approval, never_auto: float | None) -> str | None:
+    """Why this approval cannot be answered with a policy (the canAlwaysApprove false), or
+    None."""
+    if approval.state != "pending":
+        return f"the approval is {approval.state} already"
+    if approval.kind == "ask":
+        return "an ask is a question for a person: each one needs its own answer"
+    if approval.kind == "disk":
+        return "a disk approval is about the box's free space, not a call: answer it each time"
+    if approval.tool == "model":
+        return "model spending has no call to repeat: approve it with a higher budgetCents"
+    if never_auto is not None and approval.cents > never_auto:
+        return (f"{approval.cents} cents is above neverAutoApproveCents ({never_auto}): the "
+                "owner wants a person to look at each call this large")
+    return None
+
+
+def check_limits(body: dict[str, Any]) -> dict[str, Any]:
+    """maxCents, totalCents, expiresAt of a policy body (each optional); ApiError(400)."""
+    out: dict[str, Any] = {}
+    for key in ("maxCents", "totalCents"):
+        if body.get(key) is not None:
+            if not is_cents(body[key]) or body[key] < 0:
+                raise ApiError(400, f"{key} must be a number of at least 0")
+            out[key] = body[key]
+    if body.get("expiresAt") is not None:
+        try:
+            when = parse_time(body["expiresAt"]) if isinstance(body["expiresAt"], str) else None
+        except ValueError:
+            when = None
+        if when is None:
+            raise ApiError(400, "expiresAt must be a time such as 2026-12-01T00:00:00Z")
+        out["expiresAt"] = when.astimezone(datetime.timezone.utc).isoformat(
+            timespec="seconds").replace("+00:00", "Z")
+    reason = body.get("reason")
+    if reason is not None and (not isinstance(reason, str) or len(reason) > 2000):
+        raise ApiError(400, "reason must be a string of at most 2000 characters")
+    out["reason"] = reason
+    return out
+
+
+def validate_policy_body(body: Any) -> dict[str, Any]:
+    """A POST /api/policies body: the new policy's fields (the caller checks that its task or
+    workspace exists).  Pure; ApiError(400) names what is wrong."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    extra = set(body) - POLICY_FIELDS
+    if extra:
+        raise ApiError(400, f"unknown field: {sorted(extra)[0]}")
+    tool, scope = body.get("tool"), body.get("scope")
+    if not isinstance(tool, str) or len(tool) > 64 or not TOOL_RE.match(tool):
+        raise ApiError(400, "tool must be a tool name, or host")
+    if tool == "ask":
+        raise ApiError(400, "an ask is never automatic: each one needs a person's answer")
+    if scope not in POLICY_SCOPES:
+        raise ApiError(400, "scope must be one of: task, workspace, box")
+    out: dict[str, Any] = {"tool": tool, "scope": scope, **check_limits(body)}
+    for key in ("task", "workspace"):
+        if (scope == key) != (body.get(key) is not None):
+            raise ApiError(400, f"{key} is required with scope {key}, and only then")
+    if scope == "task":
+        if not isinstance(body["task"], str) or not ID_RE.match(body["task"]):
+            raise ApiError(400, "task must be a task id")
+        out["task"] = body["task"]
+    if scope == "workspace":
+        if not isinstance(body["workspace"], str) or not valid_workspace_name(body["workspace"]):
+            raise ApiError(400, "workspace must be a workspace name")
+        out["workspace"] = body["workspace"]
+    if (tool == "host") != (body.get("host") is not None):
+        raise ApiError(400, "host (a name or *.domain) is required with tool host, and only then")
+    if tool == "host":
+        out["host"] = host_policy_entry(body["host"])
+    return out
+
+
+def host_policy_entry(entry: Any) -> str:
+    """A host policy's name: example.com or *.example.com, no port, no address (an address is
+    granted with the task's hosts, where its owner sees it)."""
+    try:
+        kind, value, port = parse_host(entry)
+    except ValueError as exc:
+        raise ApiError(400, f"host: {json.dumps(entry)}: {exc}") from None
+    if kind not in ("name", "wildcard") or port is not None:
+        raise ApiError(400, "host must be a name or *.domain, without a port")
+    return ("*." if kind == "wildcard" else "") + value
+
+
+class Policies:
+    """The box's policies: stored, matched, used, deleted.  Methods run on the loop thread."""
+
+    def __init__(self, box: "Box") -> None:
+        self.box = box
+        self.items: dict[str, Policy] = {}
+
+    @property
+    def file(self) -> str:
+        return self.box.path("policies.json")
+
+    def load(self) -> None:
+        data = load_json(self.file)
+        if data is None:
+            return
+        try:
+            if not isinstance(data, dict) or not isinstance(data.get("policies"), list):
+                raise ValueError("not a policies file")
+            items = [Policy.from_dict(p) for p in data["policies"]]
+        except (TypeError, ValueError) as exc:
+            os.replace(self.file, self.file + f".damaged-{int(time.time())}")
+            log(3, f"policies.json set aside: {exc}")
+            return
+        self.items = {p.id: p for p in items}
+
+    def write(self, items: dict[str, Policy]) -> None:
+        """Saved first, then in force: a policy that is not on disk is not in memory."""
+        with saved_or_507("policies"):
+            write_json(self.file, {"policies": [dataclasses.asdict(p) for p in items.values()]})
+        self.items = items
+
+    def listing(self) -> list[dict[str, Any]]:
+        return [p.to_api() for p in sorted(self.items.values(), key=lambda p: p.createdAt,
+                                           reverse=True)]
+
+    def add(self, fields: dict[str, Any], by: str) -> Policy:
+        if len(self.items) >= MAX_POLICIES:
+            raise ApiError(409, f"the box has {len(self.items)} policies (at most "
+                                f"{MAX_POLICIES}); delete some first", "conflict")
+        if fields.get("task") is not None and fields["task"] not in self.box.tasks:
+            raise ApiError(400, "No task with this id")
+        if fields.get("workspace") is not None and \
+                not self.box.workspace_exists(fields["workspace"]):
+            raise ApiError(400, f"no workspace named {fields['workspace']}")
+        policy = Policy(id=new_task_id("p"), createdAt=now_iso(), createdBy=by, **fields)
+        self.write({**self.items, policy.id: policy})
+        self.box.emit("policy", {"action": "created", "policy": policy.to_api()})
+        log(6, f"policy {policy.id} created by {by}: {policy.tool} in {policy.scope}")
+        return policy
+
+    def delete(self, policy_id: str) -> dict[str, Any]:
+        policy = self.items.get(policy_id) if isinstance(policy_id, str) else None
+        if policy is None:
+            raise ApiError(404, "No policy with this id", "not_found")
+        self.write({k: v for k, v in self.items.items() if k != policy_id})
+        self.box.emit("policy", {"action": "deleted", "policy": policy.to_api()})
+        return policy.to_api()
+
+    def find(self, task: Task, tool: str, cents: float, host: str | None = None) -> Policy | None:
+        """The policy that allows this call (or this name) now, narrowest scope first."""
+        never = self.box.settings.get("neverAutoApproveCents")
+        order = {"task": 0, "workspace": 1, "box": 2}
+        for policy in sorted(self.items.values(), key=lambda p: (order[p.scope], p.createdAt)):
+            if policy.tool != tool or not in_scope(policy, task):
+                continue
+            if host is not None and not Grant(*parse_host(policy.host or "")).matches_name(host):
+                continue
+            if policy_allows(policy, cents, never) is None:
+                return policy
+        return None
+
+    def has_hosts(self, task: Task) -> bool:
+        """Whether a host policy may grant this task a name (then it needs a network)."""
+        return any(p.tool == "host" and in_scope(p, task) and p.ended() is None
+                   for p in self.items.values())
+
+    def use(self, policy: Policy, cents: float) -> None:
+        """Count one automatic approval (saved before the call runs)."""
+        used = dataclasses.replace(policy, spentCents=policy.spentCents + cents,
+                                   uses=policy.uses + 1)
+        self.write({**self.items, policy.id: used})
+        self.box.emit("policy", {"action": "used", "policy": used.to_api()})
+
+
 # Broker and approvals #########################################################################
 ###############################################################################################
 # Tasks call tools through gurtd, never directly: an HTTP/JSON unix socket that each task sees
@@ -5925,6 +6329,7 @@ class Broker:
         self.wallet: dict[str, Any] = {"balanceCents": 0, "ledger": []}
         self.server: BrokerServer | None = None
         self.tools_ids = (0, 0)
+        self.policies = Policies(box)
 
     @property
     def socket_path(self) -> str:
@@ -5935,6 +6340,7 @@ class Broker:
         os.makedirs(self.box.path("tools"), mode=0o755, exist_ok=True)
         os.makedirs(self.box.path("run"), mode=0o711, exist_ok=True)
         self.wallet = load_ledger(self.box.path("wallet.jsonl"))
+        self.policies.load()
         for name in sorted(os.listdir(self.box.path("approvals"))):
             if not name.endswith(".json"):
                 continue
@@ -5980,6 +6386,8 @@ class Broker:
 
     def render(self, approval: Approval) -> None:
         """The approval changed: published with the step's tasks (Box.publish)."""
+        blocked = always_blocked(approval, self.box.settings.get("neverAutoApproveCents"))
+        approval.canAlwaysApprove, approval.alwaysBlockedReason = blocked is None, blocked
         self.staged[approval.id] = approval
 
     def publish(self) -> None:
@@ -6028,7 +6436,8 @@ class Broker:
         except ValueError as exc:
             self.box.append_log(task.id, {**entry, "error": str(exc)})
             raise ApiError(400, f"{tool}: {exc}") from None
-        if tool == "ask" or (cents > 0 and task.costCents + cents > task.budgetCents):
+        if tool == "ask" or (cents > 0 and task.costCents + cents > task.budgetCents
+                             and self.policies.find(task, tool, cents) is None):
             waiting = sum(1 for a in self.approvals.values()
                           if a.task == task.id and a.state == "pending")
             if waiting >= MAX_PENDING_APPROVALS:
@@ -6039,7 +6448,10 @@ class Broker:
         if tool == "ask":
             return {**self.create(task, "ask", tool, args, 0, args["question"]), "call": call}
         if cents > 0 and task.costCents + cents > task.budgetCents:
-            return {**self.create(task, "budget", tool, args, cents, None), "call": call}
+            policy = self.policies.find(task, tool, cents)
+            if policy is None:
+                return {**self.create(task, "budget", tool, args, cents, None), "call": call}
+            self.auto_approve(task, tool, args, cents, policy)
         if tool == "wallet.pay":   # paid here (and logged), in the same step as the budget check
             result = self.pay(task.id, args, call)
             return {"task": task.id, "cents": cents, "result": result, "logged": True,
@@ -6065,27 +6477,38 @@ class Broker:
         return {"task": task.id, "cents": cents, "wait": approval.id, "future": future}
 
     def answer(self, approval_id: str, state: str, reason: str | None, answer: str | None,
-               by: str = "api") -> dict[str, Any]:
-        """Approve or deny (an ask is approved by its answer); 409 once answered."""
+               by: str = "api", extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Approve or deny (an ask is approved by its answer); 409 once answered.  extra: the
+        record's decision fields (approvedArgs, budgetCents, policy), saved with the answer."""
         approval = self.get(approval_id)
         if approval.state != "pending":
             raise ApiError(409, f"the approval is {approval.state} already", "conflict")
         if approval.kind == "ask" and state == "approved" and answer is None:
             raise ApiError(409, 'an ask is answered with POST /api/approvals/{id}/answer',
                            "conflict")
+        extra = extra or {}
         answered = dataclasses.replace(approval, state=state, reason=reason, answer=answer,
-                                       answeredBy=by, answeredAt=now_iso())
+                                       answeredBy=by, answeredAt=now_iso(), **extra)
         # saved first: an answer that is not on disk is not given
         with saved_or_507("approval"):
             self.save(answered)
         approval.state, approval.reason, approval.answer = state, reason, answer
         approval.answeredBy, approval.answeredAt = by, answered.answeredAt
+        for key, value in extra.items():
+            setattr(approval, key, value)
+        self.render(approval)
         self.box.emit("approval", approval.to_api())
         task = self.box.tasks.get(approval.task)
         if task is not None:
             try:
-                self.box.append_log(task.id, {"type": "approval", "approval": approval.id,
-                                              "state": state, "reason": reason, "by": by})
+                entry = {"type": "approval", "approval": approval.id, "state": state,
+                         "reason": reason, "by": by}
+                if approval.approvedArgs is not None:     # the log keeps both
+                    entry.update(args=approval.approvedArgs, originalArgs=approval.args)
+                for key in ("budgetCents", "policy"):
+                    if getattr(approval, key) is not None:
+                        entry[key] = getattr(approval, key)
+                self.box.append_log(task.id, entry)
             except OSError as exc:   # the answer stands (it is saved); the waiter must hear it
                 log(3, f"task {task.id}: the answer to {approval.id} is not in its log: {exc}")
         future = self.waiters.pop(approval.id, None)
@@ -6097,17 +6520,126 @@ class Broker:
                 return approval.to_api()
         if approval.kind == "disk":
             self.box.disk.on_approval(approval)
+        if approval.kind == "host":
+            self.box.network.on_host_approval(approval)
         if by == "api" and task is not None and task.state == "waiting" and not any(
                 a.task == task.id and a.state == "pending" for a in self.approvals.values()):
             self.box.set_state(task, "running")
         return approval.to_api()
 
     def approve_all(self, task: str | None) -> dict[str, Any]:
+        """Approve every pending spending and host (of one task); skip, and count, what needs
+        a person's own look: asks, disk approvals, calls above neverAutoApproveCents."""
+        never = self.box.settings.get("neverAutoApproveCents")
         pending = [a for a in self.approvals.values() if a.state == "pending"
-                   and a.kind == "budget" and (task is None or a.task == task)]
+                   and (task is None or a.task == task)]
+        approved, skipped = 0, 0
         for approval in sorted(pending, key=lambda a: a.createdAt):
+            why = "an ask needs an answer" if approval.kind == "ask" else \
+                "a disk approval is answered one by one" if approval.kind == "disk" else \
+                f"above neverAutoApproveCents ({never})" if never is not None and \
+                approval.cents > never and approval.tool != "model" else None
+            if why is not None:
+                skipped += 1
+                log(6, f"approve-all skipped {approval.id}: {why}")
+                continue
             self.answer(approval.id, "approved", None, None)
-        return {"approved": len(pending)}
+            approved += 1
+        return {"approved": approved, "skipped": skipped}
+
+    # decisions (policies live in their own section; this only wires them)
+    def approve(self, approval_id: str, reason: str | None, args: Any = None,
+                budget: float | None = None) -> dict[str, Any]:
+        """Approve, as it is, with other arguments (checked like the originals), or by
+        raising the task's budget to `budget` (a budget approval only)."""
+        approval = self.get(approval_id)
+        if approval.state != "pending":
+            raise ApiError(409, f"the approval is {approval.state} already", "conflict")
+        extra: dict[str, Any] = {}
+        if args is not None:
+            if approval.kind != "budget" or approval.tool == "model":
+                raise ApiError(409, "only a pending tool call is approved with other args",
+                               "conflict")
+            try:
+                check_tool_args(approval.tool, args)
+            except ValueError as exc:
+                raise ApiError(400, f"args: {approval.tool}: {exc}") from None
+            extra["approvedArgs"] = args
+        if budget is not None:
+            self.raise_budget(approval, budget)
+            extra["budgetCents"] = budget
+        return self.answer(approval_id, "approved", reason, None, extra=extra)
+
+    def raise_budget(self, approval: Approval, budget: float) -> None:
+        """The task's budget becomes `budget`, enough for the call that asked (saved)."""
+        task = self.box.tasks.get(approval.task)
+        if approval.kind != "budget" or task is None:
+            raise ApiError(409, "budgetCents answers a budget approval only", "conflict")
+        need = task.costCents + (approval.cents if approval.tool != "model" else 0)
+        if not is_cents(budget) or budget <= need or budget < task.budgetCents:
+            raise ApiError(400, f"budgetCents must be a number above {need} (the task's cost "
+                                "with this call) and not below its budget "
+                                f"({task.budgetCents})")
+        old, task.budgetCents = task.budgetCents, budget
+        with saved_or_507("task"):
+            self.box.save(task)
+        worker = self.box.workers.get(task.id)
+        if worker is not None:
+            worker.budget_limit = max(worker.budget_limit, budget)
+        self.box.append_log(task.id, {"type": "budget", "budgetCents": budget, "was": old,
+                                      "approval": approval.id,
+                                      "text": f"budget raised from {old} to {budget} cents"})
+        self.box.render(task)
+        self.box.emit("task", task.to_api())
+
+    def always(self, approval_id: str, body: Any) -> dict[str, Any]:
+        """Approve and record a policy {scope, maxCents?, totalCents?, expiresAt?, reason?}
+        for calls like this one (the same tool, or the same host name)."""
+        approval = self.get(approval_id)
+        blocked = always_blocked(approval, self.box.settings.get("neverAutoApproveCents"))
+        if blocked is not None:
+            raise ApiError(409, f"cannot always-approve: {blocked}", "conflict")
+        task = self.box.tasks.get(approval.task)
+        if not isinstance(body, dict) or set(body) - {"scope", "reason", "maxCents",
+                                                      "totalCents", "expiresAt"}:
+            raise ApiError(400, 'the body must be {"scope": "task"|"workspace"|"box", '
+                                '"reason"?, "maxCents"?, "totalCents"?, "expiresAt"?}')
+        if task is None:
+            raise ApiError(409, "the approval's task is gone", "conflict")
+        scope = body.get("scope")
+        fields = validate_policy_body({
+            **body, "tool": approval.tool,
+            **({"task": task.id} if scope == "task" else {}),
+            **({"workspace": task.workspace} if scope == "workspace" else {}),
+            **({"host": approval.args["name"]} if approval.kind == "host" else {})})
+        trial = Policy(id="p000000000", createdAt=now_iso(), createdBy="check", **fields)
+        why = policy_allows(trial, approval.cents, None)
+        if why is not None:
+            raise ApiError(400, f"the limits given would not allow this very call: {why}")
+        policy = self.policies.add(fields, f"approval {approval.id}")
+        if approval.cents:
+            self.policies.use(policy, approval.cents)
+        return self.answer(approval_id, "approved", body.get("reason"), None,
+                           extra={"policy": policy.id})
+
+    def auto_approve(self, task: Task, tool: str, args: Any, cents: float,
+                     policy: Policy) -> None:
+        """A call a policy allows: counted on the policy (saved first), then kept as an
+        approved approval and logged with the policy's id."""
+        self.policies.use(policy, cents)
+        stamp = now_iso()
+        approval = Approval(id=new_approval_id(), task=task.id, kind="budget", tool=tool,
+                            args=args, cents=cents, question=None, state="approved",
+                            createdAt=stamp, answeredBy="policy", answeredAt=stamp,
+                            policy=policy.id)
+        with saved_or_507("approval"):
+            self.save(approval)
+        self.approvals[approval.id] = approval
+        self.box.append_log(task.id, {"type": "approval", "approval": approval.id,
+                                      "kind": "budget", "tool": tool, "cents": cents,
+                                      "state": "approved", "by": "policy",
+                                      "policy": policy.id})
+        self.box.emit("approval", approval.to_api())
 
     def deny_pending(self, task_id: str, by: str, reason: str) -> None:
         for approval in list(self.approvals.values()):
@@ -6426,6 +6958,9 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                 if approval.state != "approved":
                     raise ApiError(403, rejected_by_owner(tool, approval.reason or "denied"),
                                    "rejected")
+                if approval.approvedArgs is not None:     # approved with changes: these run
+                    args = approval.approvedArgs
+                    plan["cents"] = check_tool_args(tool, args)
                 if tool == "ask":
                     result = {"answer": approval.answer}
                     box.call(box.broker.record, task_id, {
@@ -6749,8 +7284,19 @@ def _reason(body: dict[str, Any]) -> str | None:
 
 
 def h_approval_approve(req: "Handler", params: dict[str, str]) -> Any:
-    reason = _reason(req.json_body(optional=True))
-    return 200, req.box.call(req.box.broker.answer, params["id"], "approved", reason, None)
+    body = req.json_body(optional=True)
+    if not isinstance(body, dict):
+        raise ApiError(400, 'the body must be {"reason"?, "args"? | "budgetCents"?}')
+    changes = {k: body.pop(k) for k in ("args", "budgetCents") if k in body}
+    reason = _reason(body)
+    if len(changes) > 1:
+        raise ApiError(400, "give args or budgetCents, not both")
+    if "args" in changes and not isinstance(changes["args"], dict):
+        raise ApiError(400, "args must be a JSON object: the tool's arguments")
+    if "budgetCents" in changes and not is_cents(changes["budgetCents"]):
+        raise ApiError(400, "budgetCents must be a number")
+    return 200, req.box.call(req.box.broker.approve, params["id"], reason,
+                             changes.get("args"), changes.get("budgetCents"))
 
 
 def h_approval_deny(req: "Handler", params: dict[str, str]) -> Any:
@@ -6777,6 +7323,24 @@ def h_approvals_approve_all(req: "Handler", params: dict[str, str]) -> Any:
             not isinstance(body.get("task", ""), str):
         raise ApiError(400, 'the body must be {} or {"task": "<id>"}')
     return 200, req.box.call(req.box.broker.approve_all, body.get("task"))
+
+
+# decisions: always-approve and policies
+def h_approval_always(req: "Handler", params: dict[str, str]) -> Any:
+    return 200, req.box.call(req.box.broker.always, params["id"], req.json_body())
+
+
+def h_policies_list(req: "Handler", params: dict[str, str]) -> Any:
+    return 200, req.box.call(req.box.broker.policies.listing)
+
+
+def h_policies_create(req: "Handler", params: dict[str, str]) -> Any:
+    fields = validate_policy_body(req.json_body())
+    return 201, req.box.call(lambda: req.box.broker.policies.add(fields, "api").to_api())
+
+
+def h_policy_delete(req: "Handler", params: dict[str, str]) -> Any:
+    return 200, req.box.call(req.box.broker.policies.delete, params["id"])
 
 
 def h_wallet_get(req: "Handler", params: dict[str, str]) -> Any:
@@ -6880,12 +7444,13 @@ ROUTES: list[Route] = [
      "List approvals, newest first (?state=pending|approved|denied ?task=)"),
     ("GET", "/api/approvals/{id}", h_approval_get, "Read an approval"),
     ("POST", "/api/approvals/{id}/approve", h_approval_approve,
-     "Approve a pending spending {reason?}: the call runs"),
+     "Approve a pending approval {reason?, args? | budgetCents?}: the call runs (with these "
+     "args), or the task's budget is raised"),
     ("POST", "/api/approvals/{id}/deny", h_approval_deny,
      "Deny a pending approval {reason?}: the call returns a refusal carrying the reason"),
     ("POST", "/api/approvals/{id}/answer", h_approval_answer, "Answer an ask {answer}"),
     ("POST", "/api/approvals/approve-all", h_approvals_approve_all,
-     "Approve every pending spending {task?}: {approved: n}"),
+     "Approve every pending spending and host {task?}: {approved: n, skipped: m}"),
     ("GET", "/api/wallet", h_wallet_get, "The wallet: balance and ledger"),
     ("PUT", "/api/wallet", h_wallet_put, "Set the wallet's balance {balanceCents}"),
     ("GET", "/api/tools", h_tools, "The tools tasks can be granted"),
@@ -6898,6 +7463,15 @@ ROUTES: list[Route] = [
      "Keep a personal task's folder changes {force?, paths?}: 409 conflict names the paths"),
     ("GET", "/api/tasks/{id}/diff", h_task_diff,
      "A task's changes as a unified diff (?path=): its folders, or its layer"),
+    # decisions
+    ("POST", "/api/approvals/{id}/always", h_approval_always,
+     "Approve and record a policy {scope: task|workspace|box, maxCents?, totalCents?, "
+     "expiresAt?, reason?}: later calls like it run without asking"),
+    ("GET", "/api/policies", h_policies_list, "List policies (always-approve), newest first"),
+    ("POST", "/api/policies", h_policies_create,
+     "Create a policy {tool, scope, task?|workspace?, host?, maxCents?, totalCents?, "
+     "expiresAt?, reason?}"),
+    ("DELETE", "/api/policies/{id}", h_policy_delete, "Delete a policy: matching calls ask again"),
     ("GET", "/api/openapi.json", h_openapi, "This description"),
 ]
 
@@ -6990,6 +7564,11 @@ TASK_SCHEMA: dict[str, Any] = {
 }
 
 
+TASK_SCHEMA["properties"]["askHosts"] = {
+    "type": "boolean", "description": "A name outside hosts asks a person (an approval of kind "
+    "host) instead of failing; default the askHostsDefault setting."}
+
+
 def openapi() -> dict[str, Any]:
     """An OpenAPI 3.1 description generated from ROUTES, so it cannot drift from them."""
     paths: dict[str, Any] = {}
@@ -6997,6 +7576,7 @@ def openapi() -> dict[str, Any]:
               h_wallet_put: True, h_approval_answer: True, h_approval_approve: False,
               h_approval_deny: False, h_approvals_approve_all: False,
               h_task_keep: False, h_task_undo: False}   # required or not
+    bodies.update({h_approval_always: True, h_policies_create: True})   # decisions
     answers_task = (h_tasks_create, h_task_get, h_task_undo, h_task_stop, h_task_keep)
     for method, pattern, fn, summary in ROUTES:
         ok = "201" if fn in (h_tasks_create, h_workspaces_create) else "200"
@@ -7662,6 +8242,8 @@ def log_entry_text(entry: dict[str, Any]) -> str:
                 (f": {entry['reason']}" if entry.get("reason") else "")
         return f"{entry['approval']} pending: {entry.get('kind')} {entry.get('tool')} " \
                f"{entry.get('cents')} cents"
+    if kind == "dns" and "allowed" not in entry:      # a name held for a person (askHosts)
+        return str(entry.get("text", ""))
     if kind == "dns":
         verdict = "allowed" if entry.get("allowed") else "refused"
         return f"{entry.get('name')} {entry.get('qtype')} {verdict} " + \
@@ -7871,7 +8453,6 @@ def _answer_command(name: str, suffix: str, doc: str, reason_required: bool) -> 
                    f"{approval['id']} {approval['state']}")
 
 
-_answer_command("approve", "approve", "Approve a pending spending: the call runs.", False)
 _answer_command("deny", "deny", "Deny a pending approval; the reason goes back to the task.",
                 True)
 
@@ -8101,6 +8682,77 @@ def cmd_undo(task_id: str, force: bool, as_json: bool, box_home: str, listen: st
         click.echo(json.dumps(task, indent=1))
     else:
         print_task(task)
+
+
+# decisions: approve with changes or always, policies
+@cli.command("approve")
+@click.argument("approval_id")
+@click.option("--reason", default=None, help="kept with it")
+@click.option("--args", "args_json", default=None, metavar="JSON",
+              help="run the call with these arguments instead (checked like the originals)")
+@click.option("--budget", type=float, default=None, metavar="CENTS",
+              help="a budget approval: raise the task's budget to CENTS instead")
+@click.option("--always", type=click.Choice(POLICY_SCOPES), default=None,
+              help="also record a policy: later calls like it in this scope run without asking")
+@click.option("--json", "as_json", is_flag=True)
+@client_options
+def cmd_approve(approval_id: str, reason: str | None, args_json: str | None,
+                budget: float | None, always: str | None, as_json: bool, box_home: str,
+                listen: str) -> None:
+    """Approve a pending approval: the call runs (or the host is granted)."""
+    if sum(x is not None for x in (args_json, budget, always)) > 1:
+        raise click.UsageError("give one of --args, --budget, --always")
+    body: dict[str, Any] = {"reason": reason} if reason else {}
+    suffix = "approve"
+    if args_json is not None:
+        try:
+            body["args"] = json.loads(args_json)
+        except ValueError as exc:
+            raise click.UsageError(f"--args is not JSON: {exc}") from None
+    if budget is not None:
+        body["budgetCents"] = budget
+    if always is not None:
+        body["scope"], suffix = always, "always"
+    approval = Client(listen, box_home).request("POST", f"/approvals/{approval_id}/{suffix}",
+                                                body)
+    click.echo(json.dumps(approval, indent=1) if as_json else
+               f"{approval['id']} {approval['state']}" +
+               (f" (policy {approval['policy']})" if approval.get("policy") else ""))
+
+
+@cli.command("policies")
+@click.option("--json", "as_json", is_flag=True)
+@client_options
+def cmd_policies(as_json: bool, box_home: str, listen: str) -> None:
+    """List the policies (always-approve)."""
+    policies = Client(listen, box_home).request("GET", "/policies")
+    if as_json:
+        click.echo(json.dumps(policies, indent=1))
+        return
+    def limits(p: dict[str, Any]) -> str:
+        return " ".join(f"{k}={p[k]}" for k in ("maxCents", "totalCents", "expiresAt")
+                        if p.get(k) is not None) or "-"
+    print_table([[p["id"], p["tool"] + (f" {p['host']}" if p.get("host") else ""),
+                  p["scope"] + (f" {p.get('task') or p.get('workspace')}"
+                                if p["scope"] != "box" else ""),
+                  limits(p), str(p["spentCents"]), str(p["uses"]),
+                  "yes" if p["active"] else f"no: {p.get('endedBecause')}"]
+                 for p in policies],
+                ["ID", "TOOL", "SCOPE", "LIMITS", "SPENT", "USES", "ACTIVE"])
+
+
+@cli.group("policy")
+def cmd_policy() -> None:
+    """Change policies (always-approve)."""
+
+
+@cmd_policy.command("rm")
+@click.argument("policy_id")
+@client_options
+def cmd_policy_rm(policy_id: str, box_home: str, listen: str) -> None:
+    """Delete a policy: matching calls ask a person again."""
+    policy = Client(listen, box_home).request("DELETE", f"/policies/{policy_id}")
+    click.echo(f"{policy['id']} deleted")
 
 
 def main() -> None:

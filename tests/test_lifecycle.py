@@ -288,8 +288,9 @@ def test_a_new_task_has_every_field_and_default(gurtd: Gurtd) -> None:
         assert key not in task, (key, task)
     expected_keys = {"id", "title", "prompt", "workspace", "worker", "tools", "hosts",
                      "budgetCents", "source", "state", "user", "layers", "costCents",
-                     "createdAt", "updatedAt", "limits"}
+                     "createdAt", "updatedAt", "limits", "askHosts"}
     assert set(task) == expected_keys
+    assert task["askHosts"] is False             # the askHostsDefault setting
 
     # watch it to the end: each change of the task comes with a later updatedAt
     seen = [task]
