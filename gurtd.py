@@ -30,6 +30,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Tasks                 the Box: lifecycle, undo, reconcile, layers and views, the droid worker
     Hosts                 task networks: veth, grants, and gurtd's DNS for the tasks
     Broker and approvals  tools called from tasks, the wallet, approvals, the broker socket
+    Files in and out      uploads (a file, a tar archive) as layers of their own, each member
+                          checked; tar.gz archives of a view or a task's changes, streamed
     HTTP                  request guard, auth, one routing table, JSON errors, OpenAPI
     Loop                  the BOX_HOME lock, the start as steps with their undo, the select
                           loop that owns the box state and guards each event, signals, sd_notify
@@ -142,6 +144,7 @@ DEFAULT_SETTINGS: dict[str, Any] = {
     "droidPrices": DEFAULT_DROID_PRICES, "dnsAllowedNets": [],
     "taskMaxProcesses": 1024, "taskMemoryBytes": 0, "taskTmpBytes": 1 << 30,
     "taskLogBytes": 50 << 20, "diskReserveBytes": 0,
+    "uploadMaxBytes": 1 << 30,
 }
 
 # x86_64 and aarch64 share these numbers for the new mount API.
@@ -542,6 +545,8 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
                     raise ApiError(400, str(exc)) from None
         if key in LIMIT_SETTINGS:
             check_limit(key, value, *LIMIT_SETTINGS[key])
+        if key == "uploadMaxBytes":
+            check_limit(key, value, 1 << 10)
         new[key] = value
     if new["droidModel"] not in new["droidPrices"]:   # an unpriced model would be free
         raise ApiError(400, f"droidModel {new['droidModel']} has no droidPrices entry (its "
@@ -3995,6 +4000,8 @@ class Box:
         dirs = [self.home] + [self.path(d) for d in ("tasks", "approvals", "logs")]
         for path in remove_temp_leftovers(dirs) + account_temp_leftovers():
             log(4, f"removed the leftover temp file {path}")
+        for name in upload_leftovers_remove(self.path("layers")):
+            log(4, f"removed layers/{name}, an upload that a crash cut short")
 
     def reconcile(self) -> None:
         """Before answering: fail orphaned tasks, end their processes, remove leftovers.
@@ -5197,6 +5204,542 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
             self.reply(503, {"error": "gurtd is stopping", "code": "stopping"})
 
 
+# Files in and out ##############################################################################
+###############################################################################################
+# A person puts files into a workspace through the API, and each upload lands as a layer of its
+# own: a task with worker `upload` and source `api`, done at once, undone like any task.  The
+# files are written into a staging folder under layers/ that nothing else reads or mounts,
+# every tar member checked by us before tarfile (with its `data` filter, the second line) sees
+# it: no name that climbs out or is absolute, no link that leaves the workspace, no device,
+# FIFO or set-id bit, no member through a link or twice, sizes and counts capped.  Then the
+# folder is owned by the store user (as a task's upper is), renamed into place and committed on
+# the loop.  Archives go out as tar.gz streams, written from a walk by directory fds that
+# follows no symlink, in the HTTP thread that asked.
+
+UPLOAD_WORKER = "upload"              # the worker of an upload's task (never started)
+UPLOAD_STAGING = ".upload-"           # layers/.upload-<random>: an upload being written
+UPLOAD_MAX_MEMBERS = 100_000          # members of one archive
+UPLOAD_MAX_PATH = 1024                # bytes of one member's name inside the workspace
+UPLOAD_MAX_HEADER = 1 << 20           # a pax or GNU long-name header (tarfile reads it whole)
+UPLOAD_CHUNK = 1 << 16
+
+
+class UploadRefused(Exception):
+    """A tar member that is refused: the member's name and why."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"{name}: {why}")
+        self.name, self.why = name, why
+
+
+def upload_path(raw: str) -> str:
+    """A member's name (or a PUT path) as a path inside the workspace; UploadRefused if it is
+    absolute, climbs out with .., holds a NUL or is too long.  "" is the workspace's top."""
+    if raw.startswith("/"):
+        raise UploadRefused(raw, "an absolute name")
+    if "\x00" in raw:
+        raise UploadRefused(raw, "a NUL in the name")
+    parts = [p for p in raw.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise UploadRefused(raw, "the name climbs out of the workspace (..)")
+    rel = "/".join(parts)
+    if len(rel.encode(errors="surrogateescape")) > UPLOAD_MAX_PATH or \
+            any(len(p.encode(errors="surrogateescape")) > 255 for p in parts):
+        raise UploadRefused(raw, f"the name is longer than {UPLOAD_MAX_PATH} bytes (or a part "
+                                 "of it longer than 255)")
+    return rel
+
+
+def link_target_inside(rel: str, target: str) -> bool:
+    """Whether a symlink at rel pointing at target stays inside the workspace, read as text:
+    relative, and its .. never above the top."""
+    if not target or target.startswith("/") or "\x00" in target:
+        return False
+    depth = rel.count("/")               # the folders rel is in
+    for part in target.split("/"):
+        if part == "..":
+            depth -= 1
+            if depth < 0:
+                return False
+        elif part not in ("", "."):
+            depth += 1
+    return True
+
+
+@dataclass
+class UploadCheck:
+    """What one archive's members have been so far: name -> kind, and the bytes and members
+    admitted against the caps."""
+
+    max_bytes: int
+    kinds: dict[str, str] = field(default_factory=dict)
+    size: int = 0
+    members: int = 0
+
+    def admit(self, member: Any) -> str:
+        """Check one tarfile.TarInfo before anything of it is written; its path, or
+        UploadRefused naming it.  Pure: no file is looked at."""
+        name = member.name
+        rel = upload_path(name)
+        self.members += 1
+        if self.members > UPLOAD_MAX_MEMBERS:
+            raise UploadRefused(name, f"more than {UPLOAD_MAX_MEMBERS} members")
+        if member.ischr() or member.isblk():
+            raise UploadRefused(name, "a device file")
+        if member.isfifo():
+            raise UploadRefused(name, "a FIFO")
+        if not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
+            raise UploadRefused(name, "not a file, folder or link")
+        if member.mode & (stat.S_ISUID | stat.S_ISGID):
+            raise UploadRefused(name, "a set-uid or set-gid bit")
+        if not rel:
+            if member.isdir():
+                return rel                          # ./ itself: the top, nothing to write
+            raise UploadRefused(name, "not a name of a file")
+        parts = rel.split("/")
+        for i in range(1, len(parts)):
+            above = "/".join(parts[:i])
+            if self.kinds.get(above, "dir") != "dir":
+                raise UploadRefused(name, f"goes through {above}, which is not a folder "
+                                          "(a link or a file of the archive)")
+        if rel in self.kinds:
+            raise UploadRefused(name, "appears twice in the archive")
+        if member.issym() and not link_target_inside(rel, member.linkname):
+            raise UploadRefused(name, f"a link that leaves the workspace ({member.linkname})")
+        if member.islnk():
+            try:
+                target = upload_path(member.linkname)
+            except UploadRefused:
+                target = ""
+            if self.kinds.get(target) != "file":
+                raise UploadRefused(name, "a hard link to something that is not a file "
+                                          f"earlier in the archive ({member.linkname})")
+            member.linkname = target
+        if member.size < 0 or member.size > self.max_bytes - self.size:
+            raise UploadRefused(name, f"the files are larger than {self.max_bytes} bytes "
+                                      "(uploadMaxBytes)")
+        self.size += member.size if member.isreg() else 0
+        self.kinds[rel] = "dir" if member.isdir() else "link" if member.issym() else "file"
+        member.name = rel
+        return rel
+
+
+def bounded_tarinfo() -> Any:
+    """tarfile.TarInfo that refuses a pax or GNU long-name header larger than
+    UPLOAD_MAX_HEADER: tarfile reads such a header into memory whole, so a gzip of a few
+    kilobytes could otherwise ask for gigabytes."""
+    import tarfile
+
+    class BoundedTarInfo(tarfile.TarInfo):
+        def _proc_member(self, tarfile_: Any) -> Any:
+            if self.type in (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK,
+                             tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE) \
+                    and self.size > UPLOAD_MAX_HEADER:
+                raise UploadRefused(self.name or "(a header)",
+                                    f"a header larger than {UPLOAD_MAX_HEADER} bytes")
+            return super()._proc_member(tarfile_)
+    return BoundedTarInfo
+
+
+def extract_member(tar: Any, member: Any, upper: str) -> None:
+    """Write one member that UploadCheck admitted, with tarfile's `data` filter as a second
+    line.  Python 3.11 has that filter from 3.11.4 only (Debian 12 ships 3.11.2), so its core
+    is also done here: the member, and a link's target, must resolve inside upper on disk,
+    no set-id bit, no owner taken from the archive (the store user gets the tree after)."""
+    import tarfile
+    top = os.path.realpath(upper)
+    where = os.path.realpath(os.path.join(upper, os.path.dirname(member.name)))
+    inside = where == top or where.startswith(top + os.sep)
+    if member.issym():
+        target = os.path.realpath(os.path.join(where, member.linkname))
+        inside = inside and (target == top or target.startswith(top + os.sep))
+    if not inside:
+        raise UploadRefused(member.name, "it would be written outside the upload")
+    member.mode &= 0o777
+    member.uid = member.gid = 0
+    member.uname = member.gname = ""
+    if hasattr(tarfile, "data_filter"):
+        tar.extract(member, upper, set_attrs=True, numeric_owner=True, filter="data")
+    else:
+        tar.extract(member, upper, set_attrs=True, numeric_owner=True)
+
+
+class BodyStream(io.RawIOBase):
+    """The request's body, read as it comes and never past its Content-Length; what is read
+    is taken off the handler's body_left, so keep-alive stays in step.  Each read counts
+    against a cap (the decompressed bytes of an archive are counted by another one)."""
+
+    def __init__(self, req: "Handler") -> None:
+        super().__init__()
+        self.req = req
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self.req.body_left
+        if left <= 0:
+            return 0
+        self.req.body_left = -1             # a short read leaves it unknown
+        data = self.req.rfile.read(min(len(buffer), left, UPLOAD_CHUNK))
+        if not data:
+            raise ApiError(400, "the body ended early")
+        self.req.body_left = left - len(data)
+        buffer[:len(data)] = data
+        return len(data)
+
+
+class CappedReader(io.RawIOBase):
+    """A reader that gives at most cap bytes and then refuses (a gzip bomb stops here)."""
+
+    def __init__(self, inner: Any, cap: int) -> None:
+        super().__init__()
+        self.inner, self.left, self.cap = inner, cap, cap
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.inner.read(min(len(buffer), UPLOAD_CHUNK))
+        self.left -= len(data)
+        if self.left < 0:
+            raise ApiError(413, f"the archive unpacks to more than {self.cap} bytes "
+                                "(uploadMaxBytes)", "too_large")
+        buffer[:len(data)] = data
+        return len(data)
+
+
+def upload_length(req: "Handler") -> int:
+    """The body's length, checked against uploadMaxBytes (413, and the connection closes
+    without reading it) and BOX_HOME's disk reserve (507)."""
+    box = req.box
+    if req.body_left < 0:
+        raise req.body_error()
+    cap = box.settings["uploadMaxBytes"]
+    if req.body_left > cap:
+        req.body_left = -1
+        raise ApiError(413, f"the body is larger than {cap} bytes (uploadMaxBytes)",
+                       "too_large")
+    free, reserve = box.disk.free_and_reserve()
+    if free - req.body_left < reserve:
+        raise ApiError(507, f"BOX_HOME has {free} bytes free and keeps {reserve} in reserve "
+                            "(diskReserveBytes)", "insufficient_storage")
+    return req.body_left
+
+
+@contextlib.contextmanager
+def upload_staging(box: "Box") -> Iterator[str]:
+    """A new layer folder (upper and work, owned by the store user) under layers/ that only
+    this upload writes; removed unless committed (renamed away) by the end."""
+    staging = box.path("layers", UPLOAD_STAGING + secrets.token_hex(8))
+    for sub in ("", "upper", "work"):
+        os.mkdir(os.path.join(staging, sub), 0o755)
+        os.chown(os.path.join(staging, sub), box.store_uid, box.store_gid)
+    try:
+        yield staging
+    finally:
+        if os.path.lexists(staging):
+            tree_remove(staging)
+
+
+def upload_leftovers_remove(layers: str) -> list[str]:
+    """At start: staging folders of uploads a crash cut short (never a committed layer)."""
+    removed = []
+    for name in os.listdir(layers):
+        if name.startswith(UPLOAD_STAGING):
+            tree_remove(os.path.join(layers, name))
+            removed.append(name)
+    return removed
+
+
+def upload_finish(box: "Box", workspace: str, upper: str, explicit: set[str]) -> None:
+    """Give the written tree to the store user, as a task's upper is on disk, and give each
+    folder the archive did not describe the mode of the folder it lies over in the view (a
+    copy-up would), else 0755; set-id bits never survive."""
+    view = box.call(box.view_fd, workspace)
+    try:
+        top = os.open(upper, DIR_FLAGS)
+        try:
+            for dir_fd, name, rel, st in tree_entries(top):
+                os.chown(name, box.store_uid, box.store_gid, dir_fd=dir_fd,
+                         follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):
+                    continue
+                mode = stat.S_IMODE(st.st_mode) & ~SETID_BITS
+                if stat.S_ISDIR(st.st_mode) and rel not in explicit:
+                    mode = 0o755
+                    with contextlib.suppress(SysError):
+                        below = open_beneath(view, rel, os.O_PATH | os.O_DIRECTORY |
+                                             os.O_NOFOLLOW)
+                        mode = stat.S_IMODE(os.fstat(below).st_mode) & ~SETID_BITS
+                        os.close(below)
+                os.chmod(name, mode, dir_fd=dir_fd)      # not a link, and nothing else writes here
+        finally:
+            os.close(top)
+    finally:
+        os.close(view)
+
+
+def upload_commit(box: "Box", workspace: str, staging: str, title: str, prompt: str,
+                  summary: str) -> dict[str, Any]:
+    """On the loop: the staged layer becomes a done task of worker upload on top of the
+    workspace's stack.  The layer is renamed into place before the task is saved, so a crash
+    between the two leaves an unused folder, never a task without its layer."""
+    if not box.workspace_exists(workspace):
+        raise ApiError(404, f"no workspace named {workspace}", "not_found")
+    stack = box.stack(workspace)
+    if len(stack) + 1 > MAX_LOWER_LAYERS:
+        raise ApiError(409, f"the workspace has {len(stack)} layers; at most "
+                            f"{MAX_LOWER_LAYERS - 1} are supported until compaction exists",
+                       "conflict")
+    task_id = new_task_id()
+    while task_id in box.tasks or os.path.lexists(box.layer_dir(task_id)):
+        task_id = new_task_id()
+    stamp = now_iso()
+    task = Task(id=task_id, title=title, prompt=prompt, workspace=workspace,
+                worker=UPLOAD_WORKER, tools=[], hosts=[], budgetCents=0, source="api",
+                state="done", user=TASK_USER_PREFIX + task_id, layers=[t.id for t in stack],
+                costCents=0, createdAt=stamp, updatedAt=stamp, summary=summary,
+                seq=box.seq + 1, doneSeq=box.done_seq + 1)
+    with saved_or_507("upload"):
+        os.rename(staging, box.layer_dir(task_id))
+        try:
+            box.save(task)
+        except OSError:
+            os.rename(box.layer_dir(task_id), staging)     # the caller removes it
+            box.staged.pop(task_id, None)
+            raise
+    box.seq, box.done_seq = task.seq, task.doneSeq
+    box.tasks[task_id] = task
+    with contextlib.suppress(OSError):   # the task is saved done; its log is a courtesy
+        box.append_log(task_id, {"type": "upload", "text": summary})
+        box.append_log(task_id, {"type": "state", "state": "done"})
+    box.drop_view(workspace)
+    box.emit("task", task.to_api())
+    log(6, f"task {task_id} done: an upload into {workspace}: {summary}")
+    return task.to_api()
+
+
+def tree_entries(top: int) -> Iterator[tuple[int, str, str, os.stat_result]]:
+    """(dir_fd, name, path, stat) of every entry below the directory fd top, a folder before
+    what it holds; no symlink followed.  As tree_visit: one directory fd open at a time (down
+    by name, up by ".."), so any depth; for trees no process writes any more.  dir_fd is
+    valid until the next entry is asked for."""
+    fd = os.open(".", DIR_FLAGS, dir_fd=top)
+    path: list[str] = []
+    pending = [sorted(os.listdir(fd), reverse=True)]
+    try:
+        while True:
+            if not pending[-1]:
+                pending.pop()
+                if not path:
+                    return
+                parent = os.open("..", DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = parent
+                path.pop()
+                continue
+            name = pending[-1].pop()
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                continue
+            yield fd, name, "/".join(path + [name]), st
+            if stat.S_ISDIR(st.st_mode):
+                try:
+                    child = os.open(name, DIR_FLAGS, dir_fd=fd)
+                except OSError:
+                    continue
+                os.close(fd)
+                fd = child
+                path.append(name)
+                pending.append(sorted(os.listdir(fd), reverse=True))
+    finally:
+        os.close(fd)
+
+
+class ExactReader:
+    """A file's first size bytes, padded with zeros if it shrank meanwhile: a tar member's
+    length is written before its data."""
+
+    def __init__(self, f: Any, size: int) -> None:
+        self.f, self.left = f, size
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n < 0 else min(n, self.left)
+        data = self.f.read(n) or b""
+        data += b"\0" * (n - len(data))
+        self.left -= n
+        return data
+
+
+def archive_write(out: Any, top: int) -> int:
+    """A tar.gz of everything below the directory fd top, written to out; the members written.
+    Devices and FIFOs never go in (nor a layer's whiteouts, which are devices), nor set-id
+    bits; owners are left out (uid and gid 0)."""
+    import gzip
+    import tarfile
+    count = 0
+    with gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6, mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        for dir_fd, name, rel, st in tree_entries(top):
+            info = tarfile.TarInfo(rel)
+            info.mode = stat.S_IMODE(st.st_mode) & ~SETID_BITS
+            info.mtime = int(st.st_mtime)
+            if stat.S_ISDIR(st.st_mode):
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            elif stat.S_ISLNK(st.st_mode):
+                info.type, info.linkname = tarfile.SYMTYPE, os.readlink(name, dir_fd=dir_fd)
+                tar.addfile(info)
+            elif stat.S_ISREG(st.st_mode):
+                try:
+                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK |
+                                 os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dir_fd)
+                except OSError:
+                    continue
+                with os.fdopen(fd, "rb") as f:
+                    fst = os.fstat(fd)
+                    if not stat.S_ISREG(fst.st_mode):
+                        continue
+                    info.size = fst.st_size
+                    tar.addfile(info, ExactReader(f, fst.st_size))
+            else:
+                continue        # a whiteout of a layer, a FIFO, a device: not a file
+            count += 1
+    return count
+
+
+def send_archive(req: "Handler", top: int, filename: str) -> None:
+    """200 and the tar.gz, streamed (its length is not known: the connection closes after)."""
+    req.send_response(200)
+    req.send_header("Content-Type", "application/gzip")
+    req.send_header("Content-Disposition", f'attachment; filename="{filename}"')
+    req.send_header("Connection", "close")
+    req.end_headers()
+    req.close_connection = True
+    if req.command == "HEAD":
+        return
+    try:
+        archive_write(req.wfile, top)
+    except OSError as exc:      # the answer has begun: all that is left is to cut it short
+        if not isinstance(exc, (ConnectionError, BrokenPipeError)):
+            log(3, f"archive {filename}: {exc}")
+
+
+def h_workspace_put_file(req: "Handler", params: dict[str, str]) -> Any:
+    """PUT a file: the body is its content, a layer of its own (201: the upload's task)."""
+    box, name = req.box, params["name"]
+    if not box.workspace_exists(name):
+        raise ApiError(404, f"no workspace named {name}", "not_found")
+    try:
+        rel = upload_path(clean_relpath(params.get("path", "")))
+    except UploadRefused as exc:
+        raise ApiError(400, f"{exc.name}: {exc.why}") from None
+    if not rel:
+        raise ApiError(400, "name the file: PUT /api/workspaces/{name}/files/PATH")
+    length = upload_length(req)
+    parts = rel.split("/")
+    with upload_staging(box) as staging:
+        upper = os.path.join(staging, "upper")
+        with saved_or_507("upload"):
+            os.makedirs(os.path.join(upper, *parts[:-1]), 0o755, exist_ok=True)
+            fd = os.open(os.path.join(upper, *parts), os.O_WRONLY | os.O_CREAT | os.O_EXCL |
+                         os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                shutil.copyfileobj(BodyStream(req), f, UPLOAD_CHUNK)
+            upload_finish(box, name, upper, {rel})
+        return 201, box.call(upload_commit, box, name, staging, f"put {rel}",
+                             f"PUT /api/workspaces/{name}/files/{rel}",
+                             f"{rel}: {length} bytes")
+
+
+def h_workspace_upload(req: "Handler", params: dict[str, str]) -> Any:
+    """POST a tar archive (plain or gzip): its members land as one layer (201: the task)."""
+    import gzip
+    import tarfile
+    import zlib
+    box, name = req.box, params["name"]
+    if not box.workspace_exists(name):
+        raise ApiError(404, f"no workspace named {name}", "not_found")
+    upload_length(req)
+    check = UploadCheck(box.settings["uploadMaxBytes"])
+    body = io.BufferedReader(BodyStream(req), UPLOAD_CHUNK)
+    source: Any = body
+    if body.peek(2)[:2] == b"\x1f\x8b":
+        source = gzip.GzipFile(fileobj=body, mode="rb")
+    # the members' data within the cap, plus their headers (a bounded number, each bounded)
+    capped = CappedReader(source, check.max_bytes + (64 << 20))
+    with upload_staging(box) as staging:
+        upper = os.path.join(staging, "upper")
+        try:
+            with tarfile.open(fileobj=capped, mode="r|", tarinfo=bounded_tarinfo()) as tar:
+                for member in tar:
+                    check.admit(member)
+                    if member.name:
+                        extract_member(tar, member, upper)
+        except UploadRefused as exc:
+            raise ApiError(400, f"refused member {json.dumps(exc.name)}: {exc.why}") from None
+        except getattr(tarfile, "FilterError", UploadRefused) as exc:   # the second line
+            raise ApiError(400, f"refused member: {exc}") from None
+        except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            raise ApiError(400, f"not a tar archive (plain or gzip): {exc}") from None
+        except OSError as exc:
+            if is_disk_error(exc):
+                raise ApiError(507, f"cannot save the upload: {exc.strerror}",
+                               "insufficient_storage") from None
+            raise ApiError(400, f"cannot unpack the archive: {exc}") from None
+        if not check.kinds:
+            raise ApiError(400, "the archive holds no files")
+        with saved_or_507("upload"):
+            upload_finish(box, name, upper, {r for r, k in check.kinds.items() if k == "dir"})
+        files = sum(1 for k in check.kinds.values() if k == "file")
+        return 201, box.call(upload_commit, box, name, staging,
+                             f"upload into {name}", f"POST /api/workspaces/{name}/upload",
+                             f"{files} files, {check.size} bytes")
+
+
+def h_workspace_archive(req: "Handler", params: dict[str, str]) -> Any:
+    """The workspace's current view as a tar.gz, streamed."""
+    box, name = req.box, params["name"]
+    if not box.workspace_exists(name):
+        raise ApiError(404, f"no workspace named {name}", "not_found")
+    view = box.call(box.view_fd, name)
+    try:
+        send_archive(req, view, f"{name}.tar.gz")
+    finally:
+        os.close(view)
+    return None
+
+
+def h_task_archive(req: "Handler", params: dict[str, str]) -> Any:
+    """A finished task's changes (its layer: what it added or changed) as a tar.gz."""
+    box = req.box
+
+    def layer() -> str:
+        task = box.get(params["id"])
+        if task.state in ACTIVE_STATES:
+            raise ApiError(409, f"the task is {task.state}; its changes can be archived once "
+                                "it has ended", "conflict")
+        if task.layerDeleted:
+            raise ApiError(409, "the task was undone and its layer deleted", "conflict")
+        return os.path.join(box.layer_dir(task.id), "upper")
+
+    path = box.call(layer)
+    try:
+        top = os.open(path, DIR_FLAGS)
+    except FileNotFoundError:
+        raise ApiError(409, "the task has no layer (it never started)", "conflict") from None
+    try:
+        send_archive(req, top, f"{params['id']}.tar.gz")
+    finally:
+        os.close(top)
+    return None
+
+
+STREAMED_BODIES = (h_workspace_put_file, h_workspace_upload)   # they read their own body
+
+
 # HTTP ##########################################################################################
 ###############################################################################################
 # One routing table; handlers parse, ask the Box, render.  Errors of every kind, http.server's
@@ -5601,6 +6144,15 @@ ROUTES: list[Route] = [
      "Server-Sent Events: task state changes, approvals made and answered"),
     ("GET", "/api/settings", h_settings_get, "Read settings"),
     ("PUT", "/api/settings", h_settings_put, "Change settings"),
+    # files in and out
+    ("PUT", "/api/workspaces/{name}/files/{path}", h_workspace_put_file,
+     "Put one file (the body is its content) as a layer of its own: the upload's task"),
+    ("POST", "/api/workspaces/{name}/upload", h_workspace_upload,
+     "Upload a tar archive (plain or gzip) as a layer of its own: the upload's task"),
+    ("GET", "/api/workspaces/{name}/archive", h_workspace_archive,
+     "The workspace's current view as a tar.gz, streamed"),
+    ("GET", "/api/tasks/{id}/archive", h_task_archive,
+     "What a finished task added or changed, as a tar.gz"),
     ("GET", "/api/openapi.json", h_openapi, "This description"),
 ]
 
@@ -5926,7 +6478,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         values = self.query.get(name)
         return values[-1] if values else None
 
-    def body_length(self) -> int:
+    def body_length(self, cap: int = MAX_BODY) -> int:
         """The declared body length, checked before anything is read: -1 when the body
         cannot be skipped and the connection must close after the answer."""
         if self.headers.get("Transfer-Encoding"):
@@ -5934,7 +6486,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         lengths = self.headers.get_all("Content-Length") or ["0"]
         if len(lengths) > 1 or not is_digits(lengths[0].strip()):
             return -1
-        return int(lengths[0]) if int(lengths[0]) <= MAX_BODY else -1
+        return int(lengths[0]) if int(lengths[0]) <= cap else -1
 
     def body_error(self) -> ApiError:
         """Why a body cannot be read (body_length said -1)."""
@@ -5978,6 +6530,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             fn, params = match_route(self.command, raw_path)
             if fn is not h_health:
                 self.authorize()
+            if fn in STREAMED_BODIES:         # files in: they check the length themselves
+                self.body_left = self.body_length(LIMIT_MAX)
             if self.body_left < 0:
                 raise self.body_error()            # any route: 400, 411 or 413, then close
             result = fn(self, params)
