@@ -5864,6 +5864,9 @@ def h_task_log(req: "Handler", params: dict[str, str]) -> Any:
     if task_id not in box.rendered:
         raise ApiError(400, "No task with this id")
     follow = req.query_one("follow") in ("1", "true", "yes")
+    given = urllib.parse.parse_qs(req.path.partition("?")[2], keep_blank_values=True)
+    if given.get("follow", ["true"])[-1] not in ("1", "true", "yes", "0", "false", "no"):
+        raise ApiError(400, "follow must be true or false")
     path = box.log_file(task_id)
     if not follow:
         return send_log(req, path)
@@ -6109,7 +6112,9 @@ def h_events(req: "Handler", params: dict[str, str]) -> Any:
 
 
 def h_openapi(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, openapi()
+    host = req.box.listen.rpartition(":")[0] or "127.0.0.1"
+    host = f"[{host.strip('[]')}]" if ":" in host else host
+    return 200, openapi(f"http://{host}:{req.server.server_address[1]}")
 
 
 ROUTES: list[Route] = [
@@ -6238,51 +6243,401 @@ TASK_SCHEMA: dict[str, Any] = {
 }
 
 
-def openapi() -> dict[str, Any]:
-    """An OpenAPI 3.1 description generated from ROUTES, so it cannot drift from them."""
-    paths: dict[str, Any] = {}
-    bodies = {h_tasks_create: True, h_workspaces_create: True, h_settings_put: True,
-              h_wallet_put: True, h_approval_answer: True, h_approval_approve: False,
-              h_approval_deny: False, h_approvals_approve_all: False}   # required or not
-    answers_task = (h_tasks_create, h_task_get, h_task_undo, h_task_stop)
-    for method, pattern, fn, summary in ROUTES:
-        ok = "201" if fn in (h_tasks_create, h_workspaces_create) else "200"
-        op: dict[str, Any] = {"summary": summary, "responses": {
-            ok: {"description": "OK"},
-            "default": {"description": "Error",
-                        "content": {"application/json": {"schema": {
-                            "$ref": "#/components/schemas/Error"}}}}}}
-        if fn in bodies:
-            schema = {"$ref": "#/components/schemas/TaskCreate"} if fn is h_tasks_create \
-                else {"type": "object"}
-            op["requestBody"] = {"required": bodies[fn],
-                                 "content": {"application/json": {"schema": schema}}}
-        if fn in answers_task:
-            op["responses"][ok] = {"description": "The task", "content": {
-                "application/json": {"schema": {"$ref": "#/components/schemas/Task"}}}}
-        params = re.findall(r"\{(\w+)\}", pattern)
-        if params:
-            op["parameters"] = [{"name": p, "in": "path", "required": True,
-                                 "schema": {"type": "string"}} for p in params]
-        if pattern != "/api/health":
-            op["security"] = [{"bearer": []}]
-        paths.setdefault(pattern, {})[method.lower()] = op
+# The OpenAPI description is generated: ROUTES gives the paths, methods and summaries; API_DOCS
+# (keyed like ROUTES) adds what a client generator needs (operationId, tag, query parameters,
+# request body, every status with its content); the schemas come from the tables that
+# validate requests (TASK_FIELDS and TASK_SCHEMA, DEFAULT_SETTINGS and LIMIT_SETTINGS, the
+# Approval record, the states), so the description cannot drift from what gurtd does.  A route
+# without an API_DOCS entry still gets a minimal valid description (tests list them).
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _array(items: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "array", "items": items}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {**schema, "type": [schema["type"], "null"]}
+
+
+_LABEL, _TOP = "[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", "[a-z]([a-z0-9-]{0,61}[a-z0-9])?"
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_PORT = "(:([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]))?"
+HOST_SCHEMA = {   # parse_host's forms; a wildcard under a public suffix is refused besides
+    "type": "string", "maxLength": 259, "examples": ["example.com", "*.example.com:443"],
+    "pattern": f"^((\\*\\.)?({_LABEL}\\.)+{_TOP}|{_TOP}|({_OCTET}\\.){{3}}{_OCTET}){_PORT}$"}
+NET_SCHEMA = {"type": "string", "pattern": f"^({_OCTET}\\.){{3}}{_OCTET}/(3[0-2]|[12]?[0-9])$",
+              "description": "An IPv4 network (no host bits) outside the absolute special "
+                             "ranges, e.g. 10.0.0.0/8"}
+ID_SCHEMA = {"type": "string", "description": "A task id.", "examples": ["t3k9x2a1b2"]}
+NAME_SCHEMA = {"type": "string", "pattern": r"^(?!\.{1,2}$)[A-Za-z0-9_.-]{1,64}$",
+               "description": "A workspace: a folder in BOX_HOME/workspaces.",
+               "examples": ["home"]}
+BINARY = {"type": "string", "format": "binary"}
+JSONL = "application/jsonl"
+SSE = {"type": "object", "description": "One Server-Sent Event", "properties": {
+    "event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"},
+    "retry": {"type": "integer"}}}
+REASON_BODY = {"type": "object", "additionalProperties": False, "properties": {
+    "reason": {"type": "string", "maxLength": 2000, "description": "Handed back to the task."}}}
+
+# (method, pattern) -> operationId, tag, query (name -> schema, description), body (schema,
+# required, content type; JSON unless said), responses (status -> description and content:
+# a schema is JSON, a dict of content types is each; a bare description is an Error).
+API_DOCS: dict[tuple[str, str], dict[str, Any]] = {
+    ("GET", "/api/health"): {
+        "operationId": "getHealth", "tag": "service",
+        "responses": {200: ("gurtd is up", _ref("Health"))}},
+    ("GET", "/api/tasks"): {
+        "operationId": "listTasks", "tag": "tasks",
+        "query": {"state": ({"type": "string", "enum": list(STATES)}, "Only tasks in this state"),
+                  "workspace": ({"type": "string"}, "Only tasks of this workspace"),
+                  "limit": ({"type": "integer", "minimum": 1, "maximum": 1000, "default": 200},
+                            "At most this many")},
+        "responses": {200: ("Tasks, newest first", _array(_ref("Task"))),
+                      400: "A query parameter is wrong"}},
+    ("POST", "/api/tasks"): {
+        "operationId": "createTask", "tag": "tasks", "body": (_ref("TaskCreate"), True),
+        "responses": {201: ("The task, queued", _ref("Task")),
+                      400: "A field is wrong, the workspace does not exist, or the droid "
+                           "worker has no Droid CLI",
+                      507: "The disk is full: nothing was created"}},
+    ("GET", "/api/tasks/{id}"): {
+        "operationId": "getTask", "tag": "tasks",
+        "responses": {200: ("The task", _ref("Task")), 400: "No task with this id"}},
+    ("POST", "/api/tasks/{id}/undo"): {
+        "operationId": "undoTask", "tag": "tasks",
+        "responses": {200: ("The task, now undone", _ref("Task")), 400: "No task with this id"}},
+    ("POST", "/api/tasks/{id}/stop"): {
+        "operationId": "stopTask", "tag": "tasks",
+        "responses": {200: ("The task, failed with error stopped", _ref("Task")),
+                      400: "No task with this id", 409: "The task has ended already"}},
+    ("GET", "/api/tasks/{id}/log"): {
+        "operationId": "getTaskLog", "tag": "tasks",
+        "query": {"follow": ({"type": "boolean"},
+                             "true: Server-Sent Events, one per log line as it comes, then "
+                             "`event: end` once the task has ended")},
+        "responses": {200: ("The log as JSON lines; with follow, an event stream",
+                            {JSONL: {"type": "string"}, "text/event-stream": SSE}),
+                      400: "No task with this id", 429: "The log has too many followers"}},
+    ("GET", "/api/tasks/{id}/changes"): {
+        "operationId": "getTaskChanges", "tag": "tasks",
+        "responses": {200: ("The task's layer against what it was made on (empty once the "
+                            "layer is deleted); undo is per file", _array(_ref("Change"))),
+                      400: "No task with this id"}},
+    ("GET", "/api/workspaces"): {
+        "operationId": "listWorkspaces", "tag": "workspaces",
+        "responses": {200: ("Every workspace", _array(_ref("Workspace")))}},
+    ("POST", "/api/workspaces"): {
+        "operationId": "createWorkspace", "tag": "workspaces",
+        "body": ({"type": "object", "additionalProperties": False, "required": ["name"],
+                  "properties": {"name": NAME_SCHEMA}}, True),
+        "responses": {201: ("The new, empty workspace", _ref("Workspace")),
+                      400: "The name is not a workspace name", 409: "It exists"}},
+    ("GET", "/api/workspaces/{name}"): {
+        "operationId": "getWorkspace", "tag": "workspaces",
+        "responses": {200: ("The workspace and its stack, newest first", _ref("Workspace")),
+                      404: "No workspace of this name"}},
+    ("GET", "/api/workspaces/{name}/files"): {
+        "operationId": "listWorkspaceTop", "tag": "files",
+        "responses": {200: ("The top folder of the current view", _ref("FileList")),
+                      404: "No workspace of this name"}},
+    ("GET", "/api/workspaces/{name}/files/{path}"): {
+        "operationId": "getWorkspaceFile", "tag": "files",
+        "responses": {200: ("A folder's listing, or a file's content",
+                            {"application/json": _ref("FileList"),
+                             "application/octet-stream": BINARY}),
+                      400: "The path leaves the workspace, or is not a file or folder",
+                      404: "No such workspace or file"}},
+    ("PUT", "/api/workspaces/{name}/files/{path}"): {
+        "operationId": "putWorkspaceFile", "tag": "files",
+        "body": (BINARY, False, ("application/octet-stream",)),   # none: an empty file
+        "responses": {201: ("The upload's task: done, a layer of its own", _ref("Task")),
+                      400: "A bad path", 404: "No workspace of this name",
+                      409: "The workspace has too many layers",
+                      413: "Larger than uploadMaxBytes", 507: "The disk is full"}},
+    ("POST", "/api/workspaces/{name}/upload"): {
+        "operationId": "uploadWorkspaceArchive", "tag": "files",
+        "body": (BINARY, True, ("application/x-tar", "application/gzip",
+                                "application/octet-stream")),
+        "responses": {201: ("The upload's task: done, a layer of its own", _ref("Task")),
+                      400: "Not a tar archive, or a member is refused (named)",
+                      404: "No workspace of this name",
+                      409: "The workspace has too many layers",
+                      413: "Larger than uploadMaxBytes", 507: "The disk is full"}},
+    ("GET", "/api/workspaces/{name}/archive"): {
+        "operationId": "getWorkspaceArchive", "tag": "files",
+        "responses": {200: ("The current view as a tar.gz", {"application/gzip": BINARY}),
+                      404: "No workspace of this name"}},
+    ("GET", "/api/tasks/{id}/archive"): {
+        "operationId": "getTaskArchive", "tag": "files",
+        "responses": {200: ("What the task added or changed, as a tar.gz",
+                            {"application/gzip": BINARY}),
+                      400: "No task with this id",
+                      409: "The task has not ended, or its layer is deleted"}},
+    ("GET", "/api/approvals"): {
+        "operationId": "listApprovals", "tag": "approvals",
+        "query": {"state": ({"type": "string", "enum": list(APPROVAL_STATES)},
+                            "Only approvals in this state"),
+                  "task": ({"type": "string"}, "Only approvals of this task")},
+        "responses": {200: ("Approvals, newest first", _array(_ref("Approval"))),
+                      400: "A query parameter is wrong"}},
+    ("GET", "/api/approvals/{id}"): {
+        "operationId": "getApproval", "tag": "approvals",
+        "responses": {200: ("The approval", _ref("Approval")), 404: "No approval with this id"}},
+    ("POST", "/api/approvals/{id}/approve"): {
+        "operationId": "approveApproval", "tag": "approvals", "body": (REASON_BODY, False),
+        "responses": {200: ("The approval, approved", _ref("Approval")),
+                      400: "The body is wrong", 404: "No approval with this id",
+                      409: "Answered already, or an ask (answer it)",
+                      507: "The disk is full: nothing was answered"}},
+    ("POST", "/api/approvals/{id}/deny"): {
+        "operationId": "denyApproval", "tag": "approvals", "body": (REASON_BODY, False),
+        "responses": {200: ("The approval, denied", _ref("Approval")),
+                      400: "The body is wrong", 404: "No approval with this id",
+                      409: "Answered already", 507: "The disk is full: nothing was answered"}},
+    ("POST", "/api/approvals/{id}/answer"): {
+        "operationId": "answerApproval", "tag": "approvals",
+        "body": ({"type": "object", "additionalProperties": False, "required": ["answer"],
+                  "properties": {"answer": {"type": "string", "maxLength": 10000}}}, True),
+        "responses": {200: ("The ask, answered", _ref("Approval")),
+                      400: "The body is wrong", 404: "No approval with this id",
+                      409: "Not an ask, or answered already",
+                      507: "The disk is full: nothing was answered"}},
+    ("POST", "/api/approvals/approve-all"): {
+        "operationId": "approveAllApprovals", "tag": "approvals",
+        "body": ({"type": "object", "additionalProperties": False,
+                  "properties": {"task": {"type": "string"}}}, False),
+        "responses": {200: ("How many were approved", {
+            "type": "object", "required": ["approved"],
+            "properties": {"approved": {"type": "integer", "minimum": 0}}}),
+            400: "The body is wrong", 507: "The disk is full"}},
+    ("GET", "/api/wallet"): {
+        "operationId": "getWallet", "tag": "wallet",
+        "responses": {200: ("The balance and the ledger", _ref("Wallet"))}},
+    ("PUT", "/api/wallet"): {
+        "operationId": "setWalletBalance", "tag": "wallet",
+        "body": ({"type": "object", "additionalProperties": False, "required": ["balanceCents"],
+                  "properties": {"balanceCents": {"type": "number", "minimum": 0}}}, True),
+        "responses": {200: ("The wallet", _ref("Wallet")), 400: "The body is wrong",
+                      507: "The disk is full: the balance is unchanged"}},
+    ("GET", "/api/tools"): {
+        "operationId": "listTools", "tag": "tools",
+        "responses": {200: ("The tools a task can be granted", _array(_ref("Tool")))}},
+    ("GET", "/api/events"): {
+        "operationId": "streamEvents", "tag": "service",
+        "query": {"since": ({"type": "string", "pattern": "^[0-9]+$"},
+                            "Replay what followed this event id (or send Last-Event-ID)")},
+        "responses": {200: ("Server-Sent Events: task states, approvals made and answered",
+                            {"text/event-stream": SSE}),
+                      400: "since is not an event id"}},
+    ("GET", "/api/settings"): {
+        "operationId": "getSettings", "tag": "settings",
+        "responses": {200: ("Every setting", _ref("Settings"))}},
+    ("PUT", "/api/settings"): {
+        "operationId": "putSettings", "tag": "settings", "body": (_ref("SettingsUpdate"), True),
+        "responses": {200: ("Every setting, after the change", _ref("Settings")),
+                      400: "A setting is wrong (named); nothing changed",
+                      507: "The disk is full: nothing changed"}},
+    ("GET", "/api/openapi.json"): {
+        "operationId": "getOpenapi", "tag": "service",
+        "responses": {200: ("This description", {"type": "object"})}},
+}
+
+# Constraints of settings beyond their default's type (validate_settings says the same).
+SETTING_SCHEMAS: dict[str, dict[str, Any]] = {
+    "defaultBudgetCents": {"type": "number", "minimum": 0},
+    "maxRunningTasks": {"type": "integer", "minimum": 1, "maximum": 1000},
+    "taskTimeoutSeconds": {"type": "integer", "minimum": 1, "maximum": 7 * 86400},
+    "droidPath": {"type": "string", "description": "An absolute path, or empty."},
+    "droidModel": {"type": "string", "pattern": "^[a-z0-9][a-z0-9._-]{0,99}$"},
+    "droidAutonomy": {"type": "string", "enum": ["low", "medium", "high"]},
+    "droidHosts": {"type": "array", "items": HOST_SCHEMA},
+    "droidPrices": {"type": "object", "additionalProperties": {
+        "type": "object", "additionalProperties": False,
+        "required": ["input", "output", "cacheRead", "cacheWrite"],
+        "properties": {k: {"type": "number", "minimum": 0}
+                       for k in ("input", "output", "cacheRead", "cacheWrite")}}},
+    "dnsAllowedNets": {"type": "array", "maxItems": 100, "items": NET_SCHEMA},
+    "upstreamDns": {"type": "string", "description": "HOST[:PORT], or empty."},
+    "uploadMaxBytes": {"type": "integer", "minimum": 1 << 10, "maximum": LIMIT_MAX},
+}
+
+
+def type_schema(value: Any) -> dict[str, Any]:
+    """The JSON schema type of a default value (for a setting without its own schema)."""
+    if isinstance(value, bool):
+        return {"type": "boolean"}
+    if isinstance(value, int):
+        return {"type": "integer"}
+    if isinstance(value, float):
+        return {"type": "number"}
+    if isinstance(value, str):
+        return {"type": "string"}
+    if isinstance(value, list):
+        return {"type": "array"}
+    return {"type": "object"}
+
+
+def setting_schema(key: str) -> dict[str, Any]:
+    schema = dict(SETTING_SCHEMAS.get(key) or type_schema(DEFAULT_SETTINGS[key]))
+    if key in LIMIT_SETTINGS:
+        low, zero_ok = LIMIT_SETTINGS[key]
+        schema = {"type": "integer", "maximum": LIMIT_MAX}
+        if zero_ok:
+            schema["anyOf"] = [{"const": 0}, {"minimum": low}]
+        else:
+            schema["minimum"] = low
+    schema["default"] = DEFAULT_SETTINGS[key]
+    return schema
+
+
+def api_schemas() -> dict[str, Any]:
+    """The component schemas, from the records and tables that validate requests."""
+    task = json.loads(json.dumps(TASK_SCHEMA))
+    task["properties"]["worker"]["enum"] = list(WORKERS) + [UPLOAD_WORKER]
+    for key in PUBLIC_FIELDS:                 # a field added later is described, if loosely
+        task["properties"].setdefault(key, {})
+    create_rules: dict[str, dict[str, Any]] = {
+        "title": {"minLength": 1, "maxLength": 200, "pattern": r"\S"},
+        "prompt": {"minLength": 1, "pattern": r"\S"},
+        "workspace": {"pattern": NAME_SCHEMA["pattern"]},
+        "tools": {"items": {"type": "string", "maxLength": 64, "pattern": TOOL_RE.pattern}},
+        "hosts": {"items": HOST_SCHEMA},
+        "budgetCents": {"minimum": 0},
+        "source": {"minLength": 1, "maxLength": 100}}
     create = {"type": "object", "additionalProperties": False, "required": ["title", "prompt"],
-              "properties": {k: v for k, v in TASK_SCHEMA["properties"].items()
-                             if k in TASK_FIELDS}}
+              "properties": {k: {**v, **create_rules.get(k, {})}
+                             for k, v in TASK_SCHEMA["properties"].items() if k in TASK_FIELDS}}
+    settings = {k: setting_schema(k) for k in DEFAULT_SETTINGS}
+    approval_required = [f.name for f in dataclasses.fields(Approval)
+                         if f.default is dataclasses.MISSING]
+    string, number = {"type": "string"}, {"type": "number"}
+    return {
+        "Task": task, "TaskCreate": create,
+        "Approval": {"type": "object", "required": approval_required, "properties": {
+            "id": {"type": "string"}, "task": {"type": "string"},
+            "kind": {"type": "string", "description": "budget (a spending above the task's "
+                     "budget), ask (a question), disk (BOX_HOME is below its reserve)"},
+            "tool": string, "args": {}, "cents": number, "question": _nullable(string),
+            "state": {"type": "string", "enum": list(APPROVAL_STATES)},
+            "createdAt": {"type": "string", "format": "date-time"},
+            "reason": _nullable(string), "answer": _nullable(string),
+            "answeredBy": _nullable(string),
+            "answeredAt": _nullable({"type": "string", "format": "date-time"})}},
+        "Workspace": {"type": "object", "required": ["name", "layers"], "properties": {
+            "name": {"type": "string"},
+            "layers": {"type": "integer", "minimum": 0,
+                       "description": "How many done tasks' layers make its view"},
+            "stack": {**_array(_ref("Task")), "description": "Its done tasks, newest first "
+                                                             "(GET of one workspace)"}}},
+        "Wallet": {"type": "object", "required": ["balanceCents", "ledger"], "properties": {
+            "balanceCents": number, "ledger": _array(_ref("LedgerEntry"))}},
+        "LedgerEntry": {"type": "object", "required": ["balanceAfterCents"], "properties": {
+            "time": {"type": "string", "format": "date-time"}, "balanceAfterCents": number,
+            "set": {**number, "description": "The balance was set to this"},
+            "task": string, "call": string, "to": string, "cents": number,
+            "memo": _nullable(string)}},
+        "Settings": {"type": "object", "required": list(DEFAULT_SETTINGS),
+                     "properties": settings},
+        "SettingsUpdate": {"type": "object", "additionalProperties": False,
+                           "properties": settings},
+        "Change": {"type": "object", "required": ["path", "change"], "properties": {
+            "path": {"type": "string", "description": "A folder's ends with /"},
+            "change": {"type": "string", "enum": ["added", "modified", "deleted"]}}},
+        "FileEntry": {"type": "object", "required": ["name", "type", "size"], "properties": {
+            "name": string, "size": {"type": "integer", "minimum": 0},
+            "type": {"type": "string", "enum": ["file", "directory", "symlink", "other"]}}},
+        "FileList": {"type": "object", "required": ["workspace", "path", "entries"],
+                     "properties": {"workspace": string, "path": string,
+                                    "entries": _array(_ref("FileEntry"))}},
+        "Tool": {"type": "object", "required": ["name", "kind"], "properties": {
+            "name": string, "kind": {"type": "string", "enum": ["builtin", "executable"]},
+            "description": string}},
+        "Health": {"type": "object", "required": ["ok", "version"], "properties": {
+            "ok": {"type": "boolean"}, "version": string}},
+        "Error": {"type": "object", "required": ["error"], "properties": {
+            "error": {"type": "string", "description": "What went wrong"},
+            "code": {"type": "string", "description": "A stable name for it, e.g. not_found"}}},
+    }
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema":
+                                                                         _ref("Error")}}}
+
+
+def api_operation(method: str, pattern: str, summary: str) -> dict[str, Any]:
+    """One operation: from API_DOCS when it has an entry, else a minimal valid one."""
+    docs = API_DOCS.get((method, pattern))
+    name = re.sub(r"\W+", "_", f"{method.lower()}{pattern}").strip("_")
+    op: dict[str, Any] = {"summary": summary, "operationId": name,
+                          "tags": [pattern.split("/")[2] if pattern.count("/") > 1 else "api"]}
+    params = [{"name": p, "in": "path", "required": True,
+               "schema": ID_SCHEMA if p == "id" else NAME_SCHEMA if p == "name" else
+               {"type": "string", "description": "A path inside the workspace; / as %2F"}}
+              for p in re.findall(r"\{(\w+)\}", pattern)]
+    responses: dict[str, Any] = {}
+    if docs is None:
+        responses["200"] = {"description": "OK"}
+        responses["default"] = _error("An error")
+    else:
+        op["operationId"], op["tags"] = docs["operationId"], [docs["tag"]]
+        for qname, (schema, text) in docs.get("query", {}).items():
+            params.append({"name": qname, "in": "query", "required": False,
+                           "description": text, "schema": schema})
+        if "body" in docs:
+            schema, required, *types = docs["body"]
+            op["requestBody"] = {"required": required, "content": {
+                t: {"schema": schema} for t in (types[0] if types else ("application/json",))}}
+        for status, answer in docs["responses"].items():
+            if isinstance(answer, str):
+                responses[str(status)] = _error(answer)
+                continue
+            text, content = answer
+            if not any("/" in key for key in content):
+                content = {"application/json": content}
+            responses[str(status)] = {"description": text, "content": {
+                t: {"schema": s} for t, s in content.items()}}
+    if pattern != "/api/health":
+        op["security"] = [{"bearer": []}]
+        responses.setdefault("401", _error("No or a wrong bearer token"))
+        responses.setdefault("403", _error("A Host header or an Origin gurtd does not answer"))
+        responses.setdefault("503", _error("gurtd is busy; try again (Retry-After)"))
+    if "requestBody" in op:
+        responses.setdefault("411", _error("A body without Content-Length"))
+        responses.setdefault("413", _error(f"A body larger than {MAX_BODY} bytes"))
+    if params:
+        op["parameters"] = params
+    op["responses"] = responses
+    return op
+
+
+def openapi(server: str = "http://127.0.0.1:7700") -> dict[str, Any]:
+    """An OpenAPI 3.1 description generated from ROUTES, API_DOCS and the validation tables,
+    so it cannot drift from them; server is where this gurtd listens."""
+    paths: dict[str, Any] = {}
+    for method, pattern, _fn, summary in ROUTES:
+        paths.setdefault(pattern, {})[method.lower()] = api_operation(method, pattern, summary)
     return {
         "openapi": "3.1.0",
         "info": {"title": "gurtd", "version": VERSION,
                  "description": "The daemon of a box: tasks on layered, undoable workspaces."},
-        "servers": [{"url": "http://127.0.0.1:7700"}],
+        "servers": [{"url": server}],
+        "tags": [{"name": t} for t in dict.fromkeys(
+            op["tags"][0] for ops in paths.values() for op in ops.values())],
         "paths": paths,
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-            "schemas": {
-                "Task": TASK_SCHEMA, "TaskCreate": create,
-                "Error": {"type": "object", "required": ["error"], "properties": {
-                    "error": {"type": "string"}, "code": {"type": "string"}}}}},
+            "schemas": api_schemas()},
     }
+
+
+def undocumented_routes() -> list[tuple[str, str]]:
+    """Routes that have no API_DOCS entry yet (their description is minimal)."""
+    return [(m, p) for m, p, _, _ in ROUTES if (m, p) not in API_DOCS]
 
 
 def env_seconds(name: str, default: float) -> float:
