@@ -36,7 +36,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Loop                  the BOX_HOME lock, the start as steps with their undo, the select
                           loop that owns the box state and guards each event, signals, sd_notify
     CLI                   click commands: serve, token, run, tasks, show, undo, stop, log,
-                          approvals, approve, deny, answer, wallet, and inside a task tool, mcp
+                          approvals, approve, deny, answer, wallet, put, get, and inside a task
+                          tool, mcp
 
 Threads: the loop thread owns the state.  HTTP and broker handler threads hand it commands
 through ``Box.call`` and wait for the answer (503 busy past a time limit); they read finished
@@ -7617,6 +7618,127 @@ def cmd_mcp() -> None:
         if reply is not None:
             sys.stdout.write(json.dumps(reply) + "\n")
             sys.stdout.flush()
+
+
+# files in and out: gurtd put / gurtd get
+
+def transfer(client: Client, method: str, path: str, body: Any = None, length: int = 0,
+             content_type: str = "application/octet-stream") -> Any:
+    """One request whose body (a file object of length bytes) and answer are streamed; the
+    answer's response object, or a ClickException that says what went wrong."""
+    conn = client.connect()
+    conn.timeout = 600
+    headers = {"Authorization": f"Bearer {client.token}"}
+    if body is not None:
+        headers.update({"Content-Type": content_type, "Content-Length": str(length)})
+    try:
+        conn.request(method, "/api" + path, body=body, headers=headers)
+        resp = conn.getresponse()
+    except OSError as exc:
+        raise click.ClickException(f"cannot reach gurtd at {client.host}:{client.port}: {exc}")
+    if resp.status >= 400:
+        raw = resp.read()
+        try:
+            message = json.loads(raw)["error"]
+        except (ValueError, KeyError, TypeError):
+            message = raw.decode(errors="replace") or resp.reason
+        raise click.ClickException(printable(message))
+    return resp
+
+
+def say_upload(task: dict[str, Any]) -> None:
+    click.echo(printable(f"{task.get('summary', '')} into {task['workspace']}: task "
+                         f"{task['id']} (undo it with: gurtd undo {task['id']})"))
+
+
+@cli.command("put")
+@click.argument("workspace")
+@click.argument("source", type=click.Path(exists=False, allow_dash=True))
+@click.argument("dest", required=False)
+@click.option("--json", "as_json", is_flag=True, help="print the upload's task as JSON")
+@client_options
+def cmd_put(workspace: str, source: str, dest: str | None, as_json: bool, box_home: str,
+            listen: str) -> None:
+    """Put a file or a folder into a workspace, as a layer of its own (undo takes it out).
+
+    SOURCE is a file (it lands at DEST, default its name), a folder (its contents land under
+    DEST, default the top), or - for standard input (a file at DEST, else a tar archive)."""
+    import tarfile
+    import tempfile
+    client = Client(listen, box_home)
+    quoted = urllib.parse.quote(workspace, safe="")
+    if source != "-" and not os.path.lexists(source):
+        raise click.ClickException(f"{source}: no such file or folder")
+    with tempfile.TemporaryFile() as spool:
+        if source == "-":
+            shutil.copyfileobj(sys.stdin.buffer, spool)
+        elif os.path.isdir(source):
+            with tarfile.open(fileobj=spool, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
+                tar.add(source, arcname=(dest or ".").strip("/") or ".")
+        else:
+            with open(source, "rb") as f:
+                shutil.copyfileobj(f, spool)
+        length = spool.tell()
+        spool.seek(0)
+        if os.path.isdir(source) or (source == "-" and not dest):
+            path, ctype = f"/workspaces/{quoted}/upload", "application/x-tar"
+        else:
+            name = dest or os.path.basename(source.rstrip("/"))
+            if not name or name == "-":
+                raise click.ClickException("name the file: gurtd put WORKSPACE - DEST")
+            path = f"/workspaces/{quoted}/files/" + urllib.parse.quote(name.lstrip("/"))
+            ctype = "application/octet-stream"
+        resp = transfer(client, "PUT" if "/files/" in path else "POST", path, spool, length,
+                        ctype)
+        task = json.loads(resp.read())
+    if as_json:
+        click.echo(json.dumps(task, indent=1))
+    else:
+        say_upload(task)
+
+
+@cli.command("get")
+@click.argument("workspace", required=False)
+@click.argument("path", required=False)
+@click.option("--task", "task_id", default=None, help="a task's changes instead (tar.gz)")
+@click.option("-o", "--output", default=None,
+              help="where to write (- for standard output); default: the file's name, or "
+                   "WORKSPACE.tar.gz / TASK.tar.gz")
+@client_options
+def cmd_get(workspace: str | None, path: str | None, task_id: str | None, output: str | None,
+            box_home: str, listen: str) -> None:
+    """Get a file of a workspace's current view, the whole view as a tar.gz, or (--task) what
+    one task added or changed as a tar.gz."""
+    client = Client(listen, box_home)
+    if task_id:
+        if workspace or path:
+            raise click.ClickException("give either --task ID or WORKSPACE [PATH]")
+        url, default = f"/tasks/{urllib.parse.quote(task_id, safe='')}/archive", \
+            f"{task_id}.tar.gz"
+    elif not workspace:
+        raise click.ClickException("name a workspace (gurtd get WORKSPACE [PATH]) or a task "
+                                   "(gurtd get --task ID)")
+    elif path:
+        url = f"/workspaces/{urllib.parse.quote(workspace, safe='')}/files/" + \
+            urllib.parse.quote(path.lstrip("/"))
+        default = os.path.basename(path.rstrip("/")) or workspace
+    else:
+        url, default = f"/workspaces/{urllib.parse.quote(workspace, safe='')}/archive", \
+            f"{workspace}.tar.gz"
+    resp = transfer(client, "GET", url)
+    if resp.getheader("Content-Type", "").startswith("application/json"):
+        listing = json.loads(resp.read())        # a folder: say what is in it
+        for entry in listing.get("entries", []):
+            click.echo(printable(entry["name"] + ("/" if entry["type"] == "directory" else "")))
+        return
+    target = output or default
+    out = sys.stdout.buffer if target == "-" else open(target, "wb")
+    try:
+        shutil.copyfileobj(resp, out, 65536)
+    finally:
+        if out is not sys.stdout.buffer:
+            out.close()
+            click.echo(f"wrote {target}", err=True)
 
 
 def main() -> None:

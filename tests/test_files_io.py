@@ -12,13 +12,15 @@ import os
 import pwd
 import socket
 import stat
+import subprocess
+import sys
 import tarfile
 import time
 from typing import Any, Iterator
 
 import pytest
 
-from conftest import Gurtd, running_gurtd
+from conftest import GURTD, Gurtd, running_gurtd
 
 STORE = "gurt-store"
 
@@ -308,3 +310,47 @@ def test_a_staging_folder_left_by_a_crash_is_removed_at_start() -> None:
         box.restart(kill=True)
         assert not os.path.exists(leftover)
         assert "an upload that a crash cut short" in box.log_text()
+
+
+# The command line #############################################################################
+
+def cli(g: Gurtd, *args: str, cwd: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "GURT_TOKEN"}
+    env.update(BOX_HOME=g.home, GURT_LISTEN=f"127.0.0.1:{g.port}")
+    return subprocess.run([sys.executable, GURTD, *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_gurtd_put_and_get_a_folder_a_file_and_a_tasks_changes(g: Gurtd, tmp_path: Any) -> None:
+    ws = workspace(g)
+    src = tmp_path / "project"
+    (src / "lib").mkdir(parents=True)
+    (src / "lib" / "util.py").write_text("def f(): pass\n")
+    (src / "README").write_text("read me\n")
+    put = cli(g, "put", ws, str(src), cwd=str(tmp_path))
+    assert put.returncode == 0, put.stderr
+    assert "2 files" in put.stdout and "gurtd undo t" in put.stdout
+    assert g.file(ws, "lib/util.py") == b"def f(): pass\n"
+    (tmp_path / "one.txt").write_text("one\n")
+    put = cli(g, "put", ws, "one.txt", "docs/one.txt", cwd=str(tmp_path))
+    assert put.returncode == 0, put.stderr
+    assert g.file(ws, "docs/one.txt") == b"one\n"
+    got = cli(g, "get", ws, "docs/one.txt", "-o", "-", cwd=str(tmp_path))
+    assert got.returncode == 0 and got.stdout == "one\n", got.stderr
+    got = cli(g, "get", ws, cwd=str(tmp_path))
+    assert got.returncode == 0, got.stderr
+    assert {"README", "lib/util.py", "docs/one.txt"} <= \
+        set(archive_names((tmp_path / f"{ws}.tar.gz").read_bytes()))
+    last = g.api("GET", f"/api/tasks?workspace={ws}&limit=1")[0]
+    got = cli(g, "get", "--task", last["id"], "-o", "changes.tar.gz", cwd=str(tmp_path))
+    assert got.returncode == 0, got.stderr
+    assert set(archive_names((tmp_path / "changes.tar.gz").read_bytes())) == \
+        {"docs", "docs/one.txt"}
+    # errors say what is wrong, not an HTTP status
+    bad = cli(g, "put", "nosuch", "one.txt", cwd=str(tmp_path))
+    assert bad.returncode == 1 and "no workspace named nosuch" in bad.stderr, bad.stderr
+    assert "404" not in bad.stderr
+    os.symlink("/etc/passwd", src / "passwd")
+    bad = cli(g, "put", ws, str(src), cwd=str(tmp_path))
+    assert bad.returncode == 1 and 'passwd"' in bad.stderr and "leaves" in bad.stderr, \
+        bad.stderr
