@@ -5697,7 +5697,7 @@ def h_workspace_upload(req: "Handler", params: dict[str, str]) -> Any:
         files = sum(1 for k in check.kinds.values() if k == "file")
         return 201, box.call(upload_commit, box, name, staging,
                              f"upload into {name}", f"POST /api/workspaces/{name}/upload",
-                             f"{files} files, {check.size} bytes")
+                             f"{files} file{'' if files == 1 else 's'}, {check.size} bytes")
 
 
 def h_workspace_archive(req: "Handler", params: dict[str, str]) -> Any:
