@@ -5453,28 +5453,44 @@ def upload_leftovers_remove(layers: str) -> list[str]:
     return removed
 
 
+def view_entry(view: int, rel: str) -> os.stat_result | None:
+    """What the view has at rel (a link itself, not what it points at), or None: missing, or
+    beneath a link (the link is met first, as the walk goes down)."""
+    try:
+        fd = open_beneath(view, rel, os.O_PATH | os.O_NOFOLLOW)
+    except SysError:
+        return None
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
 def upload_finish(box: "Box", workspace: str, upper: str, explicit: set[str]) -> None:
-    """Give the written tree to the store user, as a task's upper is on disk, and give each
-    folder the archive did not describe the mode of the folder it lies over in the view (a
-    copy-up would), else 0755; set-id bits never survive."""
+    """Check the written tree against the view and give it to the store user, as a task's
+    upper is on disk.  A folder where the view has a file or a link (or the reverse) is a 409:
+    the layer would hide it silently.  A folder the archive did not describe gets the mode of
+    the folder it lies over (as a copy-up would), else 0755; set-id bits never survive."""
     view = box.call(box.view_fd, workspace)
     try:
         top = os.open(upper, DIR_FLAGS)
         try:
             for dir_fd, name, rel, st in tree_entries(top):
+                below = view_entry(view, rel)
+                if below is not None and stat.S_ISDIR(below.st_mode) != stat.S_ISDIR(st.st_mode):
+                    there = "a folder" if stat.S_ISDIR(below.st_mode) else \
+                        "a link" if stat.S_ISLNK(below.st_mode) else "a file"
+                    raise ApiError(409, f"{rel}: the workspace has {there} there; the upload "
+                                        "would hide it (undo or change it with a task first)",
+                                   "conflict")
                 os.chown(name, box.store_uid, box.store_gid, dir_fd=dir_fd,
                          follow_symlinks=False)
                 if stat.S_ISLNK(st.st_mode):
                     continue
                 mode = stat.S_IMODE(st.st_mode) & ~SETID_BITS
                 if stat.S_ISDIR(st.st_mode) and rel not in explicit:
-                    mode = 0o755
-                    with contextlib.suppress(SysError):
-                        below = open_beneath(view, rel, os.O_PATH | os.O_DIRECTORY |
-                                             os.O_NOFOLLOW)
-                        mode = stat.S_IMODE(os.fstat(below).st_mode) & ~SETID_BITS
-                        os.close(below)
-                os.chmod(name, mode, dir_fd=dir_fd)      # not a link, and nothing else writes here
+                    mode = stat.S_IMODE(below.st_mode) & ~SETID_BITS if below else 0o755
+                os.chmod(name, mode, dir_fd=dir_fd)    # not a link, and nothing else writes here
         finally:
             os.close(top)
     finally:
@@ -6357,7 +6373,8 @@ API_DOCS: dict[tuple[str, str], dict[str, Any]] = {
         "body": (BINARY, False, ("application/octet-stream",)),   # none: an empty file
         "responses": {201: ("The upload's task: done, a layer of its own", _ref("Task")),
                       400: "A bad path", 404: "No workspace of this name",
-                      409: "The workspace has too many layers",
+                      409: "A folder where the workspace has a file or a link (or the "
+                           "reverse), or too many layers",
                       413: "Larger than uploadMaxBytes", 507: "The disk is full"}},
     ("POST", "/api/workspaces/{name}/upload"): {
         "operationId": "uploadWorkspaceArchive", "tag": "files",
@@ -6366,7 +6383,8 @@ API_DOCS: dict[tuple[str, str], dict[str, Any]] = {
         "responses": {201: ("The upload's task: done, a layer of its own", _ref("Task")),
                       400: "Not a tar archive, or a member is refused (named)",
                       404: "No workspace of this name",
-                      409: "The workspace has too many layers",
+                      409: "A folder where the workspace has a file or a link (or the "
+                           "reverse), or too many layers",
                       413: "Larger than uploadMaxBytes", 507: "The disk is full"}},
     ("GET", "/api/workspaces/{name}/archive"): {
         "operationId": "getWorkspaceArchive", "tag": "files",

@@ -354,3 +354,24 @@ def test_gurtd_put_and_get_a_folder_a_file_and_a_tasks_changes(g: Gurtd, tmp_pat
     bad = cli(g, "put", ws, str(src), cwd=str(tmp_path))
     assert bad.returncode == 1 and 'passwd"' in bad.stderr and "leaves" in bad.stderr, \
         bad.stderr
+
+
+def test_an_upload_never_hides_a_folder_a_file_or_a_link_of_the_workspace(g: Gurtd) -> None:
+    ws = workspace(g)
+    t = g.run("ln -s /etc docs\necho a > a.txt\nmkdir src && echo s > src/s.txt", workspace=ws)
+    assert t["state"] == "done", g.log(t["id"])
+    before = box_state(g)
+    for data, where in ((tar_bytes(member("docs/x", b"through the link")), "docs"),
+                        (tar_bytes(member("src", b"a file over a folder")), "src"),
+                        (tar_bytes(member("a.txt/b", b"a folder over a file")), "a.txt")):
+        status, answer, _ = upload(g, ws, data)
+        assert status == 409 and answer["error"].startswith(where + ":"), answer
+    status, answer, _ = g.request("PUT", f"/api/workspaces/{ws}/files/a.txt/b", raw=b"x")
+    assert status == 409 and answer["code"] == "conflict", answer
+    assert box_state(g) == before
+    assert g.file(ws, "src/s.txt") == b"s\n" and g.file(ws, "a.txt") == b"a\n"
+    # a link over a link, a file over a file: replaced, as a task would
+    status, _, _ = upload(g, ws, tar_bytes(member("docs", kind=tarfile.SYMTYPE,
+                                                  linkname="src"), member("a.txt", b"A")))
+    assert status == 201
+    assert g.file(ws, "a.txt") == b"A" and g.file(ws, "docs/s.txt") == b"s\n"
