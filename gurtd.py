@@ -5273,6 +5273,7 @@ class UploadCheck:
     admitted against the caps."""
 
     max_bytes: int
+    room: int = LIMIT_MAX           # free bytes of BOX_HOME above its disk reserve
     kinds: dict[str, str] = field(default_factory=dict)
     size: int = 0
     members: int = 0
@@ -5320,6 +5321,9 @@ class UploadCheck:
             raise UploadRefused(name, f"the files are larger than {self.max_bytes} bytes "
                                       "(uploadMaxBytes)")
         self.size += member.size if member.isreg() else 0
+        if self.size > self.room:
+            raise ApiError(507, f"the files would eat into BOX_HOME's disk reserve (they reach "
+                                f"{self.size} bytes at {name})", "insufficient_storage")
         self.kinds[rel] = "dir" if member.isdir() else "link" if member.issym() else "file"
         member.name = rel
         return rel
@@ -5680,7 +5684,8 @@ def h_workspace_upload(req: "Handler", params: dict[str, str]) -> Any:
     if not box.workspace_exists(name):
         raise ApiError(404, f"no workspace named {name}", "not_found")
     upload_length(req)
-    check = UploadCheck(box.settings["uploadMaxBytes"])
+    free, reserve = box.disk.free_and_reserve()
+    check = UploadCheck(box.settings["uploadMaxBytes"], free - reserve)
     body = io.BufferedReader(BodyStream(req), UPLOAD_CHUNK)
     source: Any = body
     if body.peek(2)[:2] == b"\x1f\x8b":
