@@ -6593,11 +6593,15 @@ def _error(description: str) -> dict[str, Any]:
                                                                          _ref("Error")}}}
 
 
+def auto_operation_id(method: str, pattern: str) -> str:
+    """The operationId of a route without an API_DOCS entry: post_api_tasks_id_frobnicate."""
+    return re.sub(r"\W+", "_", f"{method.lower()}{pattern}").strip("_")
+
+
 def api_operation(method: str, pattern: str, summary: str) -> dict[str, Any]:
     """One operation: from API_DOCS when it has an entry, else a minimal valid one."""
     docs = API_DOCS.get((method, pattern))
-    name = re.sub(r"\W+", "_", f"{method.lower()}{pattern}").strip("_")
-    op: dict[str, Any] = {"summary": summary, "operationId": name,
+    op: dict[str, Any] = {"summary": summary, "operationId": auto_operation_id(method, pattern),
                           "tags": [pattern.split("/")[2] if pattern.count("/") > 1 else "api"]}
     params = [{"name": p, "in": "path", "required": True,
                "schema": ID_SCHEMA if p == "id" else NAME_SCHEMA if p == "name" else
@@ -6605,7 +6609,7 @@ def api_operation(method: str, pattern: str, summary: str) -> dict[str, Any]:
               for p in re.findall(r"\{(\w+)\}", pattern)]
     responses: dict[str, Any] = {}
     if docs is None:
-        responses["200"] = {"description": "OK"}
+        responses["200"] = {"description": "OK", "content": {"*/*": {"schema": {}}}}
         responses["default"] = _error("An error")
     else:
         op["operationId"], op["tags"] = docs["operationId"], [docs["tag"]]
