@@ -6518,6 +6518,9 @@ def setting_schema(key: str) -> dict[str, Any]:
     return schema
 
 
+CREATE_REFUSED = ("folder", "folders")    # TASK_FIELDS that get 400 for now (personal mode)
+
+
 def api_schemas() -> dict[str, Any]:
     """The component schemas, from the records and tables that validate requests."""
     task = json.loads(json.dumps(TASK_SCHEMA))
@@ -6532,9 +6535,11 @@ def api_schemas() -> dict[str, Any]:
         "hosts": {"items": HOST_SCHEMA},
         "budgetCents": {"minimum": 0},
         "source": {"minLength": 1, "maxLength": 100}}
+    types = {str: "string", list: "array", dict: "object", (int, float): "number"}
     create = {"type": "object", "additionalProperties": False, "required": ["title", "prompt"],
-              "properties": {k: {**v, **create_rules.get(k, {})}
-                             for k, v in TASK_SCHEMA["properties"].items() if k in TASK_FIELDS}}
+              "properties": {k: {**TASK_SCHEMA["properties"].get(k, {"type": types[kind]}),
+                                 **create_rules.get(k, {})}
+                             for k, kind in TASK_FIELDS.items() if k not in CREATE_REFUSED}}
     settings = {k: setting_schema(k) for k in DEFAULT_SETTINGS}
     approval_required = [f.name for f in dataclasses.fields(Approval)
                          if f.default is dataclasses.MISSING]
