@@ -6305,9 +6305,10 @@ SSE = {"type": "object", "description": "One Server-Sent Event", "properties": {
 REASON_BODY = {"type": "object", "additionalProperties": False, "properties": {
     "reason": {"type": "string", "maxLength": 2000, "description": "Handed back to the task."}}}
 
-# (method, pattern) -> operationId, tag, query (name -> schema, description), body (schema,
-# required, content type; JSON unless said), responses (status -> description and content:
-# a schema is JSON, a dict of content types is each; a bare description is an Error).
+# (method, pattern) -> operationId, tag, query and headers (name -> schema, description),
+# body (schema, required, content types; JSON unless said), responses (status -> description
+# and content: a schema is JSON, a dict of content types is each; a bare description is an
+# Error).
 API_DOCS: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/api/health"): {
         "operationId": "getHealth", "tag": "service",
@@ -6454,6 +6455,9 @@ API_DOCS: dict[tuple[str, str], dict[str, Any]] = {
         "operationId": "streamEvents", "tag": "service",
         "query": {"since": ({"type": "string", "pattern": "^[0-9]+$"},
                             "Replay what followed this event id (or send Last-Event-ID)")},
+        "headers": {"Last-Event-ID": ({"type": "string", "pattern": "^[0-9]*$"},
+                                      "What a browser's EventSource sends when it reconnects: "
+                                      "the same as since")},
         "responses": {200: ("Server-Sent Events: task states, approvals made and answered",
                             {"text/event-stream": SSE}),
                       400: "since is not an event id"}},
@@ -6618,9 +6622,11 @@ def api_operation(method: str, pattern: str, summary: str) -> dict[str, Any]:
         responses["default"] = _error("An error")
     else:
         op["operationId"], op["tags"] = docs["operationId"], [docs["tag"]]
-        for qname, (schema, text) in docs.get("query", {}).items():
-            params.append({"name": qname, "in": "query", "required": False,
-                           "description": text, "schema": schema})
+        for where in ("query", "header"):
+            for qname, (schema, text) in docs.get(where if where == "query" else "headers",
+                                                  {}).items():
+                params.append({"name": qname, "in": where, "required": False,
+                               "description": text, "schema": schema})
         if "body" in docs:
             schema, required, *types = docs["body"]
             op["requestBody"] = {"required": required, "content": {
