@@ -19,14 +19,14 @@ DROID := $(VENV)/droid/node_modules/droid/bin/droid
 
 deps: $(VENV)/.installed $(VENV)/.seccomp $(VENV)/.droid-$(DROID_VERSION)
 
-$(VENV)/.installed: requirements.txt
+$(VENV)/.installed: requirements.txt requirements-test.txt
 	@missing=""; for p in $(APT_PACKAGES); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt
+	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements-test.txt
 	touch $@
 
 # The venv gets the one module of python3-seccomp, linked into its site-packages, rather than

@@ -35,13 +35,14 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Policies              always-approve: standing yeses for a tool or a host in a scope, with
                           limits and expiry, stored as one atomic JSON file
     Broker and approvals  tools called from tasks, the wallet, approvals, the broker socket
+    Files in and out      uploads (a file, a tar archive) as layers of their own, each member
+                          checked; tar.gz archives of a view or a task's changes, streamed
     HTTP                  request guard, auth, one routing table, JSON errors, OpenAPI
     Loop                  the BOX_HOME lock, the start as steps with their undo, the select
                           loop that owns the box state and guards each event, signals, sd_notify
     CLI                   click commands: serve, token, run, tasks, show, undo, stop, log,
                           approvals, approve, deny, answer, wallet, review, diff, keep,
-                          policies, policy rm, and
-                          inside a task tool, mcp
+                          policies, policy rm, put, get, and inside a task tool, mcp
 
 Threads: the loop thread owns the state.  HTTP and broker handler threads hand it commands
 through ``Box.call`` and wait for the answer (503 busy past a time limit); they read finished
@@ -151,6 +152,7 @@ DEFAULT_SETTINGS: dict[str, Any] = {
     "taskLogBytes": 50 << 20, "diskReserveBytes": 0,
     "folderRoots": ["/home", "/srv"],      # personal mode: where a task's folders may be
     "neverAutoApproveCents": None, "askHostsDefault": False,
+    "uploadMaxBytes": 1 << 30,
 }
 
 # x86_64 and aarch64 share these numbers for the new mount API.
@@ -565,6 +567,8 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
             check_limit(key, value, *LIMIT_SETTINGS[key])
         if key == "folderRoots":
             value = valid_folder_roots(value)
+        if key == "uploadMaxBytes":
+            check_limit(key, value, 1 << 10)
         new[key] = value
     if new["droidModel"] not in new["droidPrices"]:   # an unpriced model would be free
         raise ApiError(400, f"droidModel {new['droidModel']} has no droidPrices entry (its "
@@ -5287,6 +5291,8 @@ class Box:
         dirs = [self.home] + [self.path(d) for d in ("tasks", "approvals", "logs")]
         for path in remove_temp_leftovers(dirs) + account_temp_leftovers():
             log(4, f"removed the leftover temp file {path}")
+        for name in upload_leftovers_remove(self.path("layers")):
+            log(4, f"removed layers/{name}, an upload that a crash cut short")
 
     def reconcile(self) -> None:
         """Before answering: fail orphaned tasks, end their processes, remove leftovers.
@@ -6994,6 +7000,563 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
             self.reply(503, {"error": "gurtd is stopping", "code": "stopping"})
 
 
+# Files in and out ##############################################################################
+###############################################################################################
+# A person puts files into a workspace through the API, and each upload lands as a layer of its
+# own: a task with worker `upload` and source `api`, done at once, undone like any task.  The
+# files are written into a staging folder under layers/ that nothing else reads or mounts,
+# every tar member checked by us before tarfile (with its `data` filter, the second line) sees
+# it: no name that climbs out or is absolute, no link that leaves the workspace, no device,
+# FIFO or set-id bit, no member through a link or twice, sizes and counts capped.  Then the
+# folder is owned by the store user (as a task's upper is), renamed into place and committed on
+# the loop.  Archives go out as tar.gz streams, written from a walk by directory fds that
+# follows no symlink, in the HTTP thread that asked.
+
+UPLOAD_WORKER = "upload"              # the worker of an upload's task (never started)
+UPLOAD_STAGING = ".upload-"           # layers/.upload-<random>: an upload being written
+UPLOAD_MAX_MEMBERS = 100_000          # members of one archive
+UPLOAD_MAX_PATH = 1024                # bytes of one member's name inside the workspace
+UPLOAD_MAX_HEADER = 1 << 20           # a pax or GNU long-name header (tarfile reads it whole)
+UPLOAD_CHUNK = 1 << 16
+
+
+class UploadRefused(Exception):
+    """A tar member that is refused: the member's name and why."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"{name}: {why}")
+        self.name, self.why = name, why
+
+
+def upload_path(raw: str) -> str:
+    """A member's name (or a PUT path) as a path inside the workspace; UploadRefused if it is
+    absolute, climbs out with .., holds a NUL or is too long.  "" is the workspace's top."""
+    if raw.startswith("/"):
+        raise UploadRefused(raw, "an absolute name")
+    if "\x00" in raw:
+        raise UploadRefused(raw, "a NUL in the name")
+    parts = [p for p in raw.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise UploadRefused(raw, "the name climbs out of the workspace (..)")
+    rel = "/".join(parts)
+    if len(rel.encode(errors="surrogateescape")) > UPLOAD_MAX_PATH or \
+            any(len(p.encode(errors="surrogateescape")) > 255 for p in parts):
+        raise UploadRefused(raw, f"the name is longer than {UPLOAD_MAX_PATH} bytes (or a part "
+                                 "of it longer than 255)")
+    return rel
+
+
+def link_target_inside(rel: str, target: str) -> bool:
+    """Whether a symlink at rel pointing at target stays inside the workspace, read as text:
+    relative, and its .. never above the top."""
+    if not target or target.startswith("/") or "\x00" in target:
+        return False
+    depth = rel.count("/")               # the folders rel is in
+    for part in target.split("/"):
+        if part == "..":
+            depth -= 1
+            if depth < 0:
+                return False
+        elif part not in ("", "."):
+            depth += 1
+    return True
+
+
+@dataclass
+class UploadCheck:
+    """What one archive's members have been so far: name -> kind, and the bytes and members
+    admitted against the caps."""
+
+    max_bytes: int
+    room: int = LIMIT_MAX           # free bytes of BOX_HOME above its disk reserve
+    kinds: dict[str, str] = field(default_factory=dict)
+    size: int = 0
+    members: int = 0
+
+    def admit(self, member: Any) -> str:
+        """Check one tarfile.TarInfo before anything of it is written; its path, or
+        UploadRefused naming it.  Pure: no file is looked at."""
+        name = member.name
+        rel = upload_path(name)
+        self.members += 1
+        if self.members > UPLOAD_MAX_MEMBERS:
+            raise UploadRefused(name, f"more than {UPLOAD_MAX_MEMBERS} members")
+        if member.ischr() or member.isblk():
+            raise UploadRefused(name, "a device file")
+        if member.isfifo():
+            raise UploadRefused(name, "a FIFO")
+        if not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
+            raise UploadRefused(name, "not a file, folder or link")
+        if member.mode & (stat.S_ISUID | stat.S_ISGID):
+            raise UploadRefused(name, "a set-uid or set-gid bit")
+        if not rel:
+            if member.isdir():
+                return rel                          # ./ itself: the top, nothing to write
+            raise UploadRefused(name, "not a name of a file")
+        parts = rel.split("/")
+        for i in range(1, len(parts)):
+            above = "/".join(parts[:i])
+            if self.kinds.get(above, "dir") != "dir":
+                raise UploadRefused(name, f"goes through {above}, which is not a folder "
+                                          "(a link or a file of the archive)")
+        if rel in self.kinds:
+            raise UploadRefused(name, "appears twice in the archive")
+        if member.issym() and not link_target_inside(rel, member.linkname):
+            raise UploadRefused(name, f"a link that leaves the workspace ({member.linkname})")
+        if member.islnk():
+            try:
+                target = upload_path(member.linkname)
+            except UploadRefused:
+                target = ""
+            if self.kinds.get(target) != "file":
+                raise UploadRefused(name, "a hard link to something that is not a file "
+                                          f"earlier in the archive ({member.linkname})")
+            member.linkname = target
+        if member.size < 0 or member.size > self.max_bytes - self.size:
+            raise UploadRefused(name, f"the files are larger than {self.max_bytes} bytes "
+                                      "(uploadMaxBytes)")
+        self.size += member.size if member.isreg() else 0
+        if self.size > self.room:
+            raise ApiError(507, f"the files would eat into BOX_HOME's disk reserve (they reach "
+                                f"{self.size} bytes at {name})", "insufficient_storage")
+        self.kinds[rel] = "dir" if member.isdir() else "link" if member.issym() else "file"
+        member.name = rel
+        return rel
+
+
+def bounded_tarinfo() -> Any:
+    """tarfile.TarInfo that refuses a pax or GNU long-name header larger than
+    UPLOAD_MAX_HEADER: tarfile reads such a header into memory whole, so a gzip of a few
+    kilobytes could otherwise ask for gigabytes."""
+    import tarfile
+
+    class BoundedTarInfo(tarfile.TarInfo):
+        def _proc_member(self, tarfile_: Any) -> Any:
+            if self.type in (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK,
+                             tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE) \
+                    and self.size > UPLOAD_MAX_HEADER:
+                raise UploadRefused(self.name or "(a header)",
+                                    f"a header larger than {UPLOAD_MAX_HEADER} bytes")
+            return super()._proc_member(tarfile_)
+    return BoundedTarInfo
+
+
+def extract_member(tar: Any, member: Any, upper: str) -> None:
+    """Write one member that UploadCheck admitted, with tarfile's `data` filter as a second
+    line.  Python 3.11 has that filter from 3.11.4 only (Debian 12 ships 3.11.2), so its core
+    is also done here: the member, and a link's target, must resolve inside upper on disk,
+    no set-id bit, no owner taken from the archive (the store user gets the tree after)."""
+    import tarfile
+    top = os.path.realpath(upper)
+    where = os.path.realpath(os.path.join(upper, os.path.dirname(member.name)))
+    inside = where == top or where.startswith(top + os.sep)
+    if member.issym():
+        target = os.path.realpath(os.path.join(where, member.linkname))
+        inside = inside and (target == top or target.startswith(top + os.sep))
+    if not inside:
+        raise UploadRefused(member.name, "it would be written outside the upload")
+    member.mode &= 0o777
+    member.uid = member.gid = 0
+    member.uname = member.gname = ""
+    if hasattr(tarfile, "data_filter"):
+        tar.extract(member, upper, set_attrs=True, numeric_owner=True, filter="data")
+    else:
+        tar.extract(member, upper, set_attrs=True, numeric_owner=True)
+
+
+class BodyStream(io.RawIOBase):
+    """The request's body, read as it comes and never past its Content-Length; what is read
+    is taken off the handler's body_left, so keep-alive stays in step.  Each read counts
+    against a cap (the decompressed bytes of an archive are counted by another one)."""
+
+    def __init__(self, req: "Handler") -> None:
+        super().__init__()
+        self.req = req
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self.req.body_left
+        if left <= 0:
+            return 0
+        self.req.body_left = -1             # a short read leaves it unknown
+        data = self.req.rfile.read(min(len(buffer), left, UPLOAD_CHUNK))
+        if not data:
+            raise ApiError(400, "the body ended early")
+        self.req.body_left = left - len(data)
+        buffer[:len(data)] = data
+        return len(data)
+
+
+class CappedReader(io.RawIOBase):
+    """A reader that gives at most cap bytes and then refuses (a gzip bomb stops here)."""
+
+    def __init__(self, inner: Any, cap: int) -> None:
+        super().__init__()
+        self.inner, self.left, self.cap = inner, cap, cap
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.inner.read(min(len(buffer), UPLOAD_CHUNK))
+        self.left -= len(data)
+        if self.left < 0:
+            raise ApiError(413, f"the archive unpacks to more than {self.cap} bytes "
+                                "(uploadMaxBytes)", "too_large")
+        buffer[:len(data)] = data
+        return len(data)
+
+
+def upload_length(req: "Handler") -> int:
+    """The body's length, checked against uploadMaxBytes (413, and the connection closes
+    without reading it) and BOX_HOME's disk reserve (507)."""
+    box = req.box
+    if req.body_left < 0:
+        raise req.body_error()
+    cap = box.settings["uploadMaxBytes"]
+    if req.body_left > cap:
+        req.body_left = -1
+        raise ApiError(413, f"the body is larger than {cap} bytes (uploadMaxBytes)",
+                       "too_large")
+    free, reserve = box.disk.free_and_reserve()
+    if free - req.body_left < reserve:
+        raise ApiError(507, f"BOX_HOME has {free} bytes free and keeps {reserve} in reserve "
+                            "(diskReserveBytes)", "insufficient_storage")
+    return req.body_left
+
+
+@contextlib.contextmanager
+def upload_staging(box: "Box") -> Iterator[str]:
+    """A new layer folder (upper and work, owned by the store user) under layers/ that only
+    this upload writes; removed unless committed (renamed away) by the end."""
+    staging = box.path("layers", UPLOAD_STAGING + secrets.token_hex(8))
+    for sub in ("", "upper", "work"):
+        os.mkdir(os.path.join(staging, sub), 0o755)
+        os.chown(os.path.join(staging, sub), box.store_uid, box.store_gid)
+    try:
+        yield staging
+    finally:
+        if os.path.lexists(staging):
+            tree_remove(staging)
+
+
+def upload_leftovers_remove(layers: str) -> list[str]:
+    """At start: staging folders of uploads a crash cut short (never a committed layer)."""
+    removed = []
+    for name in os.listdir(layers):
+        if name.startswith(UPLOAD_STAGING):
+            tree_remove(os.path.join(layers, name))
+            removed.append(name)
+    return removed
+
+
+def view_entry(view: int, rel: str) -> os.stat_result | None:
+    """What the view has at rel (a link itself, not what it points at), or None: missing, or
+    beneath a link (the link is met first, as the walk goes down)."""
+    try:
+        fd = open_beneath(view, rel, os.O_PATH | os.O_NOFOLLOW)
+    except SysError:
+        return None
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+def upload_finish(box: "Box", workspace: str, upper: str, explicit: set[str]) -> None:
+    """Check the written tree against the view and give it to the store user, as a task's
+    upper is on disk.  A folder where the view has a file or a link (or the reverse) is a 409:
+    the layer would hide it silently.  A folder the archive did not describe gets the mode of
+    the folder it lies over (as a copy-up would), else 0755; set-id bits never survive."""
+    view = box.call(box.view_fd, workspace)
+    try:
+        top = os.open(upper, DIR_FLAGS)
+        try:
+            for dir_fd, name, rel, st in tree_entries(top):
+                below = view_entry(view, rel)
+                if below is not None and stat.S_ISDIR(below.st_mode) != stat.S_ISDIR(st.st_mode):
+                    there = "a folder" if stat.S_ISDIR(below.st_mode) else \
+                        "a link" if stat.S_ISLNK(below.st_mode) else "a file"
+                    raise ApiError(409, f"{rel}: the workspace has {there} there; the upload "
+                                        "would hide it (undo or change it with a task first)",
+                                   "conflict")
+                os.chown(name, box.store_uid, box.store_gid, dir_fd=dir_fd,
+                         follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):
+                    continue
+                mode = stat.S_IMODE(st.st_mode) & ~SETID_BITS
+                if stat.S_ISDIR(st.st_mode) and rel not in explicit:
+                    mode = stat.S_IMODE(below.st_mode) & ~SETID_BITS if below else 0o755
+                os.chmod(name, mode, dir_fd=dir_fd)    # not a link, and nothing else writes here
+        finally:
+            os.close(top)
+    finally:
+        os.close(view)
+
+
+def upload_commit(box: "Box", workspace: str, staging: str, title: str, prompt: str,
+                  summary: str) -> dict[str, Any]:
+    """On the loop: the staged layer becomes a done task of worker upload on top of the
+    workspace's stack.  The layer is renamed into place before the task is saved, so a crash
+    between the two leaves an unused folder, never a task without its layer."""
+    if not box.workspace_exists(workspace):
+        raise ApiError(404, f"no workspace named {workspace}", "not_found")
+    stack = box.stack(workspace)
+    if len(stack) + 1 > MAX_LOWER_LAYERS:
+        raise ApiError(409, f"the workspace has {len(stack)} layers; at most "
+                            f"{MAX_LOWER_LAYERS - 1} are supported until compaction exists",
+                       "conflict")
+    task_id = new_task_id()
+    while task_id in box.tasks or os.path.lexists(box.layer_dir(task_id)):
+        task_id = new_task_id()
+    stamp = now_iso()
+    task = Task(id=task_id, title=title, prompt=prompt, workspace=workspace,
+                worker=UPLOAD_WORKER, tools=[], hosts=[], budgetCents=0, source="api",
+                state="done", user=TASK_USER_PREFIX + task_id, layers=[t.id for t in stack],
+                costCents=0, createdAt=stamp, updatedAt=stamp, summary=summary,
+                seq=box.seq + 1, doneSeq=box.done_seq + 1)
+    with saved_or_507("upload"):
+        os.rename(staging, box.layer_dir(task_id))
+        try:
+            box.save(task)
+        except OSError:
+            os.rename(box.layer_dir(task_id), staging)     # the caller removes it
+            box.staged.pop(task_id, None)
+            raise
+    box.seq, box.done_seq = task.seq, task.doneSeq
+    box.tasks[task_id] = task
+    with contextlib.suppress(OSError):   # the task is saved done; its log is a courtesy
+        box.append_log(task_id, {"type": "upload", "text": summary})
+        box.append_log(task_id, {"type": "state", "state": "done"})
+    box.drop_view(workspace)
+    box.emit("task", task.to_api())
+    log(6, f"task {task_id} done: an upload into {workspace}: {summary}")
+    return task.to_api()
+
+
+def tree_entries(top: int) -> Iterator[tuple[int, str, str, os.stat_result]]:
+    """(dir_fd, name, path, stat) of every entry below the directory fd top, a folder before
+    what it holds; no symlink followed.  As tree_visit: one directory fd open at a time (down
+    by name, up by ".."), so any depth; for trees no process writes any more.  dir_fd is
+    valid until the next entry is asked for."""
+    fd = os.open(".", DIR_FLAGS, dir_fd=top)
+    path: list[str] = []
+    pending = [sorted(os.listdir(fd), reverse=True)]
+    try:
+        while True:
+            if not pending[-1]:
+                pending.pop()
+                if not path:
+                    return
+                parent = os.open("..", DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = parent
+                path.pop()
+                continue
+            name = pending[-1].pop()
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                continue
+            yield fd, name, "/".join(path + [name]), st
+            if stat.S_ISDIR(st.st_mode):
+                try:
+                    child = os.open(name, DIR_FLAGS, dir_fd=fd)
+                except OSError:
+                    continue
+                os.close(fd)
+                fd = child
+                path.append(name)
+                pending.append(sorted(os.listdir(fd), reverse=True))
+    finally:
+        os.close(fd)
+
+
+class ExactReader:
+    """A file's first size bytes, padded with zeros if it shrank meanwhile: a tar member's
+    length is written before its data."""
+
+    def __init__(self, f: Any, size: int) -> None:
+        self.f, self.left = f, size
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n < 0 else min(n, self.left)
+        data = self.f.read(n) or b""
+        data += b"\0" * (n - len(data))
+        self.left -= n
+        return data
+
+
+def archive_write(out: Any, top: int) -> int:
+    """A tar.gz of everything below the directory fd top, written to out; the members written.
+    Devices and FIFOs never go in (nor a layer's whiteouts, which are devices), nor set-id
+    bits; owners are left out (uid and gid 0)."""
+    import gzip
+    import tarfile
+    count = 0
+    with gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6, mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        for dir_fd, name, rel, st in tree_entries(top):
+            info = tarfile.TarInfo(rel)
+            info.mode = stat.S_IMODE(st.st_mode) & ~SETID_BITS
+            info.mtime = int(st.st_mtime)
+            if stat.S_ISDIR(st.st_mode):
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            elif stat.S_ISLNK(st.st_mode):
+                info.type, info.linkname = tarfile.SYMTYPE, os.readlink(name, dir_fd=dir_fd)
+                tar.addfile(info)
+            elif stat.S_ISREG(st.st_mode):
+                try:
+                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK |
+                                 os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dir_fd)
+                except OSError:
+                    continue
+                with os.fdopen(fd, "rb") as f:
+                    fst = os.fstat(fd)
+                    if not stat.S_ISREG(fst.st_mode):
+                        continue
+                    info.size = fst.st_size
+                    tar.addfile(info, ExactReader(f, fst.st_size))
+            else:
+                continue        # a whiteout of a layer, a FIFO, a device: not a file
+            count += 1
+    return count
+
+
+def send_archive(req: "Handler", top: int, filename: str) -> None:
+    """200 and the tar.gz, streamed (its length is not known: the connection closes after)."""
+    req.send_response(200)
+    req.send_header("Content-Type", "application/gzip")
+    req.send_header("Content-Disposition", f'attachment; filename="{filename}"')
+    req.send_header("Connection", "close")
+    req.end_headers()
+    req.close_connection = True
+    if req.command == "HEAD":
+        return
+    try:
+        archive_write(req.wfile, top)
+    except OSError as exc:      # the answer has begun: all that is left is to cut it short
+        if not isinstance(exc, (ConnectionError, BrokenPipeError)):
+            log(3, f"archive {filename}: {exc}")
+
+
+def h_workspace_put_file(req: "Handler", params: dict[str, str]) -> Any:
+    """PUT a file: the body is its content, a layer of its own (201: the upload's task)."""
+    box, name = req.box, params["name"]
+    if not box.workspace_exists(name):
+        raise ApiError(404, f"no workspace named {name}", "not_found")
+    try:
+        rel = upload_path(clean_relpath(params.get("path", "")))
+    except UploadRefused as exc:
+        raise ApiError(400, f"{exc.name}: {exc.why}") from None
+    if not rel:
+        raise ApiError(400, "name the file: PUT /api/workspaces/{name}/files/PATH")
+    length = upload_length(req)
+    parts = rel.split("/")
+    with upload_staging(box) as staging:
+        upper = os.path.join(staging, "upper")
+        with saved_or_507("upload"):
+            os.makedirs(os.path.join(upper, *parts[:-1]), 0o755, exist_ok=True)
+            fd = os.open(os.path.join(upper, *parts), os.O_WRONLY | os.O_CREAT | os.O_EXCL |
+                         os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                shutil.copyfileobj(BodyStream(req), f, UPLOAD_CHUNK)
+            upload_finish(box, name, upper, {rel})
+        return 201, box.call(upload_commit, box, name, staging, f"put {rel}",
+                             f"PUT /api/workspaces/{name}/files/{rel}",
+                             f"{rel}: {length} bytes")
+
+
+def h_workspace_upload(req: "Handler", params: dict[str, str]) -> Any:
+    """POST a tar archive (plain or gzip): its members land as one layer (201: the task)."""
+    import gzip
+    import tarfile
+    import zlib
+    box, name = req.box, params["name"]
+    if not box.workspace_exists(name):
+        raise ApiError(404, f"no workspace named {name}", "not_found")
+    upload_length(req)
+    free, reserve = box.disk.free_and_reserve()
+    check = UploadCheck(box.settings["uploadMaxBytes"], free - reserve)
+    body = io.BufferedReader(BodyStream(req), UPLOAD_CHUNK)
+    source: Any = body
+    if body.peek(2)[:2] == b"\x1f\x8b":
+        source = gzip.GzipFile(fileobj=body, mode="rb")
+    # the members' data within the cap, plus their headers (a bounded number, each bounded)
+    capped = CappedReader(source, check.max_bytes + (64 << 20))
+    with upload_staging(box) as staging:
+        upper = os.path.join(staging, "upper")
+        try:
+            with tarfile.open(fileobj=capped, mode="r|", tarinfo=bounded_tarinfo()) as tar:
+                for member in tar:
+                    check.admit(member)
+                    if member.name:
+                        extract_member(tar, member, upper)
+        except UploadRefused as exc:
+            raise ApiError(400, f"refused member {json.dumps(exc.name)}: {exc.why}") from None
+        except getattr(tarfile, "FilterError", UploadRefused) as exc:   # the second line
+            raise ApiError(400, f"refused member: {exc}") from None
+        except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            raise ApiError(400, f"not a tar archive (plain or gzip): {exc}") from None
+        except OSError as exc:
+            if is_disk_error(exc):
+                raise ApiError(507, f"cannot save the upload: {exc.strerror}",
+                               "insufficient_storage") from None
+            raise ApiError(400, f"cannot unpack the archive: {exc}") from None
+        if not check.kinds:
+            raise ApiError(400, "the archive holds no files")
+        with saved_or_507("upload"):
+            upload_finish(box, name, upper, {r for r, k in check.kinds.items() if k == "dir"})
+        files = sum(1 for k in check.kinds.values() if k == "file")
+        return 201, box.call(upload_commit, box, name, staging,
+                             f"upload into {name}", f"POST /api/workspaces/{name}/upload",
+                             f"{files} file{'' if files == 1 else 's'}, {check.size} bytes")
+
+
+def h_workspace_archive(req: "Handler", params: dict[str, str]) -> Any:
+    """The workspace's current view as a tar.gz, streamed."""
+    box, name = req.box, params["name"]
+    if not box.workspace_exists(name):
+        raise ApiError(404, f"no workspace named {name}", "not_found")
+    view = box.call(box.view_fd, name)
+    try:
+        send_archive(req, view, f"{name}.tar.gz")
+    finally:
+        os.close(view)
+    return None
+
+
+def h_task_archive(req: "Handler", params: dict[str, str]) -> Any:
+    """A finished task's changes (its layer: what it added or changed) as a tar.gz."""
+    box = req.box
+
+    def layer() -> str:
+        task = box.get(params["id"])
+        if task.state in ACTIVE_STATES:
+            raise ApiError(409, f"the task is {task.state}; its changes can be archived once "
+                                "it has ended", "conflict")
+        if task.layerDeleted:
+            raise ApiError(409, "the task was undone and its layer deleted", "conflict")
+        return os.path.join(box.layer_dir(task.id), "upper")
+
+    path = box.call(layer)
+    try:
+        top = os.open(path, DIR_FLAGS)
+    except FileNotFoundError:
+        raise ApiError(409, "the task has no layer (it never started)", "conflict") from None
+    try:
+        send_archive(req, top, f"{params['id']}.tar.gz")
+    finally:
+        os.close(top)
+    return None
+
+
+STREAMED_BODIES = (h_workspace_put_file, h_workspace_upload)   # they read their own body
+
+
 # HTTP ##########################################################################################
 ###############################################################################################
 # One routing table; handlers parse, ask the Box, render.  Errors of every kind, http.server's
@@ -7126,6 +7689,9 @@ def h_task_log(req: "Handler", params: dict[str, str]) -> Any:
     if task_id not in box.rendered:
         raise ApiError(400, "No task with this id")
     follow = req.query_one("follow") in ("1", "true", "yes")
+    given = urllib.parse.parse_qs(req.path.partition("?")[2], keep_blank_values=True)
+    if given.get("follow", ["true"])[-1] not in ("1", "true", "yes", "0", "false", "no"):
+        raise ApiError(400, "follow must be true or false")
     path = box.log_file(task_id)
     if not follow:
         return send_log(req, path)
@@ -7422,7 +7988,9 @@ def h_task_diff(req: "Handler", params: dict[str, str]) -> Any:
 
 
 def h_openapi(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, openapi()
+    host = req.box.listen.rpartition(":")[0] or "127.0.0.1"
+    host = f"[{host.strip('[]')}]" if ":" in host else host
+    return 200, openapi(f"http://{host}:{req.server.server_address[1]}")
 
 
 ROUTES: list[Route] = [
@@ -7472,6 +8040,15 @@ ROUTES: list[Route] = [
      "Create a policy {tool, scope, task?|workspace?, host?, maxCents?, totalCents?, "
      "expiresAt?, reason?}"),
     ("DELETE", "/api/policies/{id}", h_policy_delete, "Delete a policy: matching calls ask again"),
+    # files in and out
+    ("PUT", "/api/workspaces/{name}/files/{path}", h_workspace_put_file,
+     "Put one file (the body is its content) as a layer of its own: the upload's task"),
+    ("POST", "/api/workspaces/{name}/upload", h_workspace_upload,
+     "Upload a tar archive (plain or gzip) as a layer of its own: the upload's task"),
+    ("GET", "/api/workspaces/{name}/archive", h_workspace_archive,
+     "The workspace's current view as a tar.gz, streamed"),
+    ("GET", "/api/tasks/{id}/archive", h_task_archive,
+     "What a finished task added or changed, as a tar.gz"),
     ("GET", "/api/openapi.json", h_openapi, "This description"),
 ]
 
@@ -7569,53 +8146,416 @@ TASK_SCHEMA["properties"]["askHosts"] = {
     "host) instead of failing; default the askHostsDefault setting."}
 
 
-def openapi() -> dict[str, Any]:
-    """An OpenAPI 3.1 description generated from ROUTES, so it cannot drift from them."""
-    paths: dict[str, Any] = {}
-    bodies = {h_tasks_create: True, h_workspaces_create: True, h_settings_put: True,
-              h_wallet_put: True, h_approval_answer: True, h_approval_approve: False,
-              h_approval_deny: False, h_approvals_approve_all: False,
-              h_task_keep: False, h_task_undo: False}   # required or not
-    bodies.update({h_approval_always: True, h_policies_create: True})   # decisions
-    answers_task = (h_tasks_create, h_task_get, h_task_undo, h_task_stop, h_task_keep)
-    for method, pattern, fn, summary in ROUTES:
-        ok = "201" if fn in (h_tasks_create, h_workspaces_create) else "200"
-        op: dict[str, Any] = {"summary": summary, "responses": {
-            ok: {"description": "OK"},
-            "default": {"description": "Error",
-                        "content": {"application/json": {"schema": {
-                            "$ref": "#/components/schemas/Error"}}}}}}
-        if fn in bodies:
-            schema = {"$ref": "#/components/schemas/TaskCreate"} if fn is h_tasks_create \
-                else {"type": "object"}
-            op["requestBody"] = {"required": bodies[fn],
-                                 "content": {"application/json": {"schema": schema}}}
-        if fn in answers_task:
-            op["responses"][ok] = {"description": "The task", "content": {
-                "application/json": {"schema": {"$ref": "#/components/schemas/Task"}}}}
-        params = re.findall(r"\{(\w+)\}", pattern)
-        if params:
-            op["parameters"] = [{"name": p, "in": "path", "required": True,
-                                 "schema": {"type": "string"}} for p in params]
-        if pattern != "/api/health":
-            op["security"] = [{"bearer": []}]
-        paths.setdefault(pattern, {})[method.lower()] = op
+
+# The OpenAPI description is generated: ROUTES gives the paths, methods and summaries; API_DOCS
+# (keyed like ROUTES) adds what a client generator needs (operationId, tag, query parameters,
+# request body, every status with its content); the schemas come from the tables that
+# validate requests (TASK_FIELDS and TASK_SCHEMA, DEFAULT_SETTINGS and LIMIT_SETTINGS, the
+# Approval record, the states), so the description cannot drift from what gurtd does.  A route
+# without an API_DOCS entry still gets a minimal valid description (tests list them).
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _array(items: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "array", "items": items}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {**schema, "type": [schema["type"], "null"]}
+
+
+_LABEL, _TOP = "[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", "[a-z]([a-z0-9-]{0,61}[a-z0-9])?"
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_PORT = "(:([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]))?"
+HOST_SCHEMA = {   # parse_host's forms; a wildcard under a public suffix is refused besides
+    "type": "string", "maxLength": 259, "examples": ["example.com", "*.example.com:443"],
+    "pattern": f"^((\\*\\.)?({_LABEL}\\.)+{_TOP}|{_TOP}|({_OCTET}\\.){{3}}{_OCTET}){_PORT}$"}
+NET_SCHEMA = {"type": "string", "pattern": f"^({_OCTET}\\.){{3}}{_OCTET}/(3[0-2]|[12]?[0-9])$",
+              "description": "An IPv4 network (no host bits) outside the absolute special "
+                             "ranges, e.g. 10.0.0.0/8"}
+ID_SCHEMA = {"type": "string", "description": "A task id.", "examples": ["t3k9x2a1b2"]}
+NAME_SCHEMA = {"type": "string", "pattern": r"^(?!\.{1,2}$)[A-Za-z0-9_.-]{1,64}$",
+               "description": "A workspace: a folder in BOX_HOME/workspaces.",
+               "examples": ["home"]}
+BINARY = {"type": "string", "format": "binary"}
+JSONL = "application/jsonl"
+SSE = {"type": "object", "description": "One Server-Sent Event", "properties": {
+    "event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"},
+    "retry": {"type": "integer"}}}
+REASON_BODY = {"type": "object", "additionalProperties": False, "properties": {
+    "reason": {"type": "string", "maxLength": 2000, "description": "Handed back to the task."}}}
+
+# (method, pattern) -> operationId, tag, query and headers (name -> schema, description),
+# body (schema, required, content types; JSON unless said), responses (status -> description
+# and content: a schema is JSON, a dict of content types is each; a bare description is an
+# Error).
+API_DOCS: dict[tuple[str, str], dict[str, Any]] = {
+    ("GET", "/api/health"): {
+        "operationId": "getHealth", "tag": "service",
+        "responses": {200: ("gurtd is up", _ref("Health"))}},
+    ("GET", "/api/tasks"): {
+        "operationId": "listTasks", "tag": "tasks",
+        "query": {"state": ({"type": "string", "enum": list(STATES)}, "Only tasks in this state"),
+                  "workspace": ({"type": "string"}, "Only tasks of this workspace"),
+                  "limit": ({"type": "integer", "minimum": 1, "maximum": 1000, "default": 200},
+                            "At most this many")},
+        "responses": {200: ("Tasks, newest first", _array(_ref("Task"))),
+                      400: "A query parameter is wrong"}},
+    ("POST", "/api/tasks"): {
+        "operationId": "createTask", "tag": "tasks", "body": (_ref("TaskCreate"), True),
+        "responses": {201: ("The task, queued", _ref("Task")),
+                      400: "A field is wrong, the workspace does not exist, or the droid "
+                           "worker has no Droid CLI",
+                      507: "The disk is full: nothing was created"}},
+    ("GET", "/api/tasks/{id}"): {
+        "operationId": "getTask", "tag": "tasks",
+        "responses": {200: ("The task", _ref("Task")), 400: "No task with this id"}},
+    ("POST", "/api/tasks/{id}/undo"): {
+        "operationId": "undoTask", "tag": "tasks",
+        "responses": {200: ("The task, now undone", _ref("Task")), 400: "No task with this id"}},
+    ("POST", "/api/tasks/{id}/stop"): {
+        "operationId": "stopTask", "tag": "tasks",
+        "responses": {200: ("The task, failed with error stopped", _ref("Task")),
+                      400: "No task with this id", 409: "The task has ended already"}},
+    ("GET", "/api/tasks/{id}/log"): {
+        "operationId": "getTaskLog", "tag": "tasks",
+        "query": {"follow": ({"type": "boolean"},
+                             "true: Server-Sent Events, one per log line as it comes, then "
+                             "`event: end` once the task has ended")},
+        "responses": {200: ("The log as JSON lines; with follow, an event stream",
+                            {JSONL: {"type": "string"}, "text/event-stream": SSE}),
+                      400: "No task with this id", 429: "The log has too many followers"}},
+    ("GET", "/api/tasks/{id}/changes"): {
+        "operationId": "getTaskChanges", "tag": "tasks",
+        "responses": {200: ("The task's layer against what it was made on (empty once the "
+                            "layer is deleted); undo is per file", _array(_ref("Change"))),
+                      400: "No task with this id"}},
+    ("GET", "/api/workspaces"): {
+        "operationId": "listWorkspaces", "tag": "workspaces",
+        "responses": {200: ("Every workspace", _array(_ref("Workspace")))}},
+    ("POST", "/api/workspaces"): {
+        "operationId": "createWorkspace", "tag": "workspaces",
+        "body": ({"type": "object", "additionalProperties": False, "required": ["name"],
+                  "properties": {"name": NAME_SCHEMA}}, True),
+        "responses": {201: ("The new, empty workspace", _ref("Workspace")),
+                      400: "The name is not a workspace name", 409: "It exists"}},
+    ("GET", "/api/workspaces/{name}"): {
+        "operationId": "getWorkspace", "tag": "workspaces",
+        "responses": {200: ("The workspace and its stack, newest first", _ref("Workspace")),
+                      404: "No workspace of this name"}},
+    ("GET", "/api/workspaces/{name}/files"): {
+        "operationId": "listWorkspaceTop", "tag": "files",
+        "responses": {200: ("The top folder of the current view", _ref("FileList")),
+                      404: "No workspace of this name"}},
+    ("GET", "/api/workspaces/{name}/files/{path}"): {
+        "operationId": "getWorkspaceFile", "tag": "files",
+        "responses": {200: ("A folder's listing, or a file's content",
+                            {"application/json": _ref("FileList"),
+                             "application/octet-stream": BINARY}),
+                      400: "The path leaves the workspace, or is not a file or folder",
+                      404: "No such workspace or file"}},
+    ("PUT", "/api/workspaces/{name}/files/{path}"): {
+        "operationId": "putWorkspaceFile", "tag": "files",
+        "body": (BINARY, False, ("application/octet-stream",)),   # none: an empty file
+        "responses": {201: ("The upload's task: done, a layer of its own", _ref("Task")),
+                      400: "A bad path", 404: "No workspace of this name",
+                      409: "A folder where the workspace has a file or a link (or the "
+                           "reverse), or too many layers",
+                      413: "Larger than uploadMaxBytes", 507: "The disk is full"}},
+    ("POST", "/api/workspaces/{name}/upload"): {
+        "operationId": "uploadWorkspaceArchive", "tag": "files",
+        "body": (BINARY, True, ("application/x-tar", "application/gzip",
+                                "application/octet-stream")),
+        "responses": {201: ("The upload's task: done, a layer of its own", _ref("Task")),
+                      400: "Not a tar archive, or a member is refused (named)",
+                      404: "No workspace of this name",
+                      409: "A folder where the workspace has a file or a link (or the "
+                           "reverse), or too many layers",
+                      413: "Larger than uploadMaxBytes", 507: "The disk is full"}},
+    ("GET", "/api/workspaces/{name}/archive"): {
+        "operationId": "getWorkspaceArchive", "tag": "files",
+        "responses": {200: ("The current view as a tar.gz", {"application/gzip": BINARY}),
+                      404: "No workspace of this name"}},
+    ("GET", "/api/tasks/{id}/archive"): {
+        "operationId": "getTaskArchive", "tag": "files",
+        "responses": {200: ("What the task added or changed, as a tar.gz",
+                            {"application/gzip": BINARY}),
+                      400: "No task with this id",
+                      409: "The task has not ended, or its layer is deleted"}},
+    ("GET", "/api/approvals"): {
+        "operationId": "listApprovals", "tag": "approvals",
+        "query": {"state": ({"type": "string", "enum": list(APPROVAL_STATES)},
+                            "Only approvals in this state"),
+                  "task": ({"type": "string"}, "Only approvals of this task")},
+        "responses": {200: ("Approvals, newest first", _array(_ref("Approval"))),
+                      400: "A query parameter is wrong"}},
+    ("GET", "/api/approvals/{id}"): {
+        "operationId": "getApproval", "tag": "approvals",
+        "responses": {200: ("The approval", _ref("Approval")), 404: "No approval with this id"}},
+    ("POST", "/api/approvals/{id}/approve"): {
+        "operationId": "approveApproval", "tag": "approvals", "body": (REASON_BODY, False),
+        "responses": {200: ("The approval, approved", _ref("Approval")),
+                      400: "The body is wrong", 404: "No approval with this id",
+                      409: "Answered already, or an ask (answer it)",
+                      507: "The disk is full: nothing was answered"}},
+    ("POST", "/api/approvals/{id}/deny"): {
+        "operationId": "denyApproval", "tag": "approvals", "body": (REASON_BODY, False),
+        "responses": {200: ("The approval, denied", _ref("Approval")),
+                      400: "The body is wrong", 404: "No approval with this id",
+                      409: "Answered already", 507: "The disk is full: nothing was answered"}},
+    ("POST", "/api/approvals/{id}/answer"): {
+        "operationId": "answerApproval", "tag": "approvals",
+        "body": ({"type": "object", "additionalProperties": False, "required": ["answer"],
+                  "properties": {"answer": {"type": "string", "maxLength": 10000}}}, True),
+        "responses": {200: ("The ask, answered", _ref("Approval")),
+                      400: "The body is wrong", 404: "No approval with this id",
+                      409: "Not an ask, or answered already",
+                      507: "The disk is full: nothing was answered"}},
+    ("POST", "/api/approvals/approve-all"): {
+        "operationId": "approveAllApprovals", "tag": "approvals",
+        "body": ({"type": "object", "additionalProperties": False,
+                  "properties": {"task": {"type": "string"}}}, False),
+        "responses": {200: ("How many were approved", {
+            "type": "object", "required": ["approved"],
+            "properties": {"approved": {"type": "integer", "minimum": 0}}}),
+            400: "The body is wrong", 507: "The disk is full"}},
+    ("GET", "/api/wallet"): {
+        "operationId": "getWallet", "tag": "wallet",
+        "responses": {200: ("The balance and the ledger", _ref("Wallet"))}},
+    ("PUT", "/api/wallet"): {
+        "operationId": "setWalletBalance", "tag": "wallet",
+        "body": ({"type": "object", "additionalProperties": False, "required": ["balanceCents"],
+                  "properties": {"balanceCents": {"type": "number", "minimum": 0}}}, True),
+        "responses": {200: ("The wallet", _ref("Wallet")), 400: "The body is wrong",
+                      507: "The disk is full: the balance is unchanged"}},
+    ("GET", "/api/tools"): {
+        "operationId": "listTools", "tag": "tools",
+        "responses": {200: ("The tools a task can be granted", _array(_ref("Tool")))}},
+    ("GET", "/api/events"): {
+        "operationId": "streamEvents", "tag": "service",
+        "query": {"since": ({"type": "string", "pattern": "^[0-9]+$"},
+                            "Replay what followed this event id (or send Last-Event-ID)")},
+        "headers": {"Last-Event-ID": ({"type": "string", "pattern": "^[0-9]*$"},
+                                      "What a browser's EventSource sends when it reconnects: "
+                                      "the same as since")},
+        "responses": {200: ("Server-Sent Events: task states, approvals made and answered",
+                            {"text/event-stream": SSE}),
+                      400: "since is not an event id"}},
+    ("GET", "/api/settings"): {
+        "operationId": "getSettings", "tag": "settings",
+        "responses": {200: ("Every setting", _ref("Settings"))}},
+    ("PUT", "/api/settings"): {
+        "operationId": "putSettings", "tag": "settings", "body": (_ref("SettingsUpdate"), True),
+        "responses": {200: ("Every setting, after the change", _ref("Settings")),
+                      400: "A setting is wrong (named); nothing changed",
+                      507: "The disk is full: nothing changed"}},
+    ("GET", "/api/openapi.json"): {
+        "operationId": "getOpenapi", "tag": "service",
+        "responses": {200: ("This description", {"type": "object"})}},
+}
+
+# Constraints of settings beyond their default's type (validate_settings says the same).
+SETTING_SCHEMAS: dict[str, dict[str, Any]] = {
+    "defaultBudgetCents": {"type": "number", "minimum": 0},
+    "maxRunningTasks": {"type": "integer", "minimum": 1, "maximum": 1000},
+    "taskTimeoutSeconds": {"type": "integer", "minimum": 1, "maximum": 7 * 86400},
+    "droidPath": {"type": "string", "description": "An absolute path, or empty."},
+    "droidModel": {"type": "string", "pattern": "^[a-z0-9][a-z0-9._-]{0,99}$"},
+    "droidAutonomy": {"type": "string", "enum": ["low", "medium", "high"]},
+    "droidHosts": {"type": "array", "items": HOST_SCHEMA},
+    "droidPrices": {"type": "object", "additionalProperties": {
+        "type": "object", "additionalProperties": False,
+        "required": ["input", "output", "cacheRead", "cacheWrite"],
+        "properties": {k: {"type": "number", "minimum": 0}
+                       for k in ("input", "output", "cacheRead", "cacheWrite")}}},
+    "dnsAllowedNets": {"type": "array", "maxItems": 100, "items": NET_SCHEMA},
+    "upstreamDns": {"type": "string", "description": "HOST[:PORT], or empty."},
+    "uploadMaxBytes": {"type": "integer", "minimum": 1 << 10, "maximum": LIMIT_MAX},
+}
+
+
+def type_schema(value: Any) -> dict[str, Any]:
+    """The JSON schema type of a default value (for a setting without its own schema)."""
+    if isinstance(value, bool):
+        return {"type": "boolean"}
+    if isinstance(value, int):
+        return {"type": "integer"}
+    if isinstance(value, float):
+        return {"type": "number"}
+    if isinstance(value, str):
+        return {"type": "string"}
+    if isinstance(value, list):
+        return {"type": "array"}
+    return {"type": "object"}
+
+
+def setting_schema(key: str) -> dict[str, Any]:
+    schema = dict(SETTING_SCHEMAS.get(key) or type_schema(DEFAULT_SETTINGS[key]))
+    if key in LIMIT_SETTINGS:
+        low, zero_ok = LIMIT_SETTINGS[key]
+        schema = {"type": "integer", "maximum": LIMIT_MAX}
+        if zero_ok:
+            schema["anyOf"] = [{"const": 0}, {"minimum": low}]
+        else:
+            schema["minimum"] = low
+    schema["default"] = DEFAULT_SETTINGS[key]
+    return schema
+
+
+def api_schemas() -> dict[str, Any]:
+    """The component schemas, from the records and tables that validate requests."""
+    task = json.loads(json.dumps(TASK_SCHEMA))
+    task["properties"]["worker"]["enum"] = list(WORKERS) + [UPLOAD_WORKER]
+    for key in PUBLIC_FIELDS:                 # a field added later is described, if loosely
+        task["properties"].setdefault(key, {})
+    create_rules: dict[str, dict[str, Any]] = {
+        "title": {"minLength": 1, "maxLength": 200, "pattern": r"\S"},
+        "prompt": {"minLength": 1, "pattern": r"\S"},
+        "workspace": {"pattern": NAME_SCHEMA["pattern"]},
+        "tools": {"items": {"type": "string", "maxLength": 64, "pattern": TOOL_RE.pattern}},
+        "hosts": {"items": HOST_SCHEMA},
+        "budgetCents": {"minimum": 0},
+        "source": {"minLength": 1, "maxLength": 100}}
+    types = {str: "string", list: "array", dict: "object", (int, float): "number"}
     create = {"type": "object", "additionalProperties": False, "required": ["title", "prompt"],
-              "properties": {k: v for k, v in TASK_SCHEMA["properties"].items()
-                             if k in TASK_FIELDS}}
+              "properties": {k: {**TASK_SCHEMA["properties"].get(k, {"type": types[kind]}),
+                                 **create_rules.get(k, {})}
+                             for k, kind in TASK_FIELDS.items()}}
+    settings = {k: setting_schema(k) for k in DEFAULT_SETTINGS}
+    approval_required = [f.name for f in dataclasses.fields(Approval)
+                         if f.default is dataclasses.MISSING]
+    string, number = {"type": "string"}, {"type": "number"}
+    return {
+        "Task": task, "TaskCreate": create,
+        "Approval": {"type": "object", "required": approval_required, "properties": {
+            "id": {"type": "string"}, "task": {"type": "string"},
+            "kind": {"type": "string", "description": "budget (a spending above the task's "
+                     "budget), ask (a question), disk (BOX_HOME is below its reserve)"},
+            "tool": string, "args": {}, "cents": number, "question": _nullable(string),
+            "state": {"type": "string", "enum": list(APPROVAL_STATES)},
+            "createdAt": {"type": "string", "format": "date-time"},
+            "reason": _nullable(string), "answer": _nullable(string),
+            "answeredBy": _nullable(string),
+            "answeredAt": _nullable({"type": "string", "format": "date-time"})}},
+        "Workspace": {"type": "object", "required": ["name", "layers"], "properties": {
+            "name": {"type": "string"},
+            "layers": {"type": "integer", "minimum": 0,
+                       "description": "How many done tasks' layers make its view"},
+            "stack": {**_array(_ref("Task")), "description": "Its done tasks, newest first "
+                                                             "(GET of one workspace)"}}},
+        "Wallet": {"type": "object", "required": ["balanceCents", "ledger"], "properties": {
+            "balanceCents": number, "ledger": _array(_ref("LedgerEntry"))}},
+        "LedgerEntry": {"type": "object", "required": ["balanceAfterCents"], "properties": {
+            "time": {"type": "string", "format": "date-time"}, "balanceAfterCents": number,
+            "set": {**number, "description": "The balance was set to this"},
+            "task": string, "call": string, "to": string, "cents": number,
+            "memo": _nullable(string)}},
+        "Settings": {"type": "object", "required": list(DEFAULT_SETTINGS),
+                     "properties": settings},
+        "SettingsUpdate": {"type": "object", "additionalProperties": False,
+                           "properties": settings},
+        "Change": {"type": "object", "required": ["path", "change"], "properties": {
+            "path": {"type": "string", "description": "A folder's ends with /"},
+            "change": {"type": "string", "enum": ["added", "modified", "deleted"]}}},
+        "FileEntry": {"type": "object", "required": ["name", "type", "size"], "properties": {
+            "name": string, "size": {"type": "integer", "minimum": 0},
+            "type": {"type": "string", "enum": ["file", "directory", "symlink", "other"]}}},
+        "FileList": {"type": "object", "required": ["workspace", "path", "entries"],
+                     "properties": {"workspace": string, "path": string,
+                                    "entries": _array(_ref("FileEntry"))}},
+        "Tool": {"type": "object", "required": ["name", "kind"], "properties": {
+            "name": string, "kind": {"type": "string", "enum": ["builtin", "executable"]},
+            "description": string}},
+        "Health": {"type": "object", "required": ["ok", "version"], "properties": {
+            "ok": {"type": "boolean"}, "version": string}},
+        "Error": {"type": "object", "required": ["error"], "properties": {
+            "error": {"type": "string", "description": "What went wrong"},
+            "code": {"type": "string", "description": "A stable name for it, e.g. not_found"}}},
+    }
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema":
+                                                                         _ref("Error")}}}
+
+
+def auto_operation_id(method: str, pattern: str) -> str:
+    """The operationId of a route without an API_DOCS entry: post_api_tasks_id_frobnicate."""
+    return re.sub(r"\W+", "_", f"{method.lower()}{pattern}").strip("_")
+
+
+def api_operation(method: str, pattern: str, summary: str) -> dict[str, Any]:
+    """One operation: from API_DOCS when it has an entry, else a minimal valid one."""
+    docs = API_DOCS.get((method, pattern))
+    op: dict[str, Any] = {"summary": summary, "operationId": auto_operation_id(method, pattern),
+                          "tags": [pattern.split("/")[2] if pattern.count("/") > 1 else "api"]}
+    params = [{"name": p, "in": "path", "required": True,
+               "schema": ID_SCHEMA if p == "id" else NAME_SCHEMA if p == "name" else
+               {"type": "string", "description": "A path inside the workspace; / as %2F"}}
+              for p in re.findall(r"\{(\w+)\}", pattern)]
+    responses: dict[str, Any] = {}
+    if docs is None:
+        responses["200"] = {"description": "OK", "content": {"*/*": {"schema": {}}}}
+        responses["default"] = _error("An error")
+    else:
+        op["operationId"], op["tags"] = docs["operationId"], [docs["tag"]]
+        for where in ("query", "header"):
+            for qname, (schema, text) in docs.get(where if where == "query" else "headers",
+                                                  {}).items():
+                params.append({"name": qname, "in": where, "required": False,
+                               "description": text, "schema": schema})
+        if "body" in docs:
+            schema, required, *types = docs["body"]
+            op["requestBody"] = {"required": required, "content": {
+                t: {"schema": schema} for t in (types[0] if types else ("application/json",))}}
+        for status, answer in docs["responses"].items():
+            if isinstance(answer, str):
+                responses[str(status)] = _error(answer)
+                continue
+            text, content = answer
+            if not any("/" in key for key in content):
+                content = {"application/json": content}
+            responses[str(status)] = {"description": text, "content": {
+                t: {"schema": s} for t, s in content.items()}}
+    if pattern != "/api/health":
+        op["security"] = [{"bearer": []}]
+        responses.setdefault("401", _error("No or a wrong bearer token"))
+        responses.setdefault("403", _error("A Host header or an Origin gurtd does not answer"))
+        responses.setdefault("503", _error("gurtd is busy; try again (Retry-After)"))
+    if "requestBody" in op:
+        responses.setdefault("411", _error("A body without Content-Length"))
+        responses.setdefault("413", _error(f"A body larger than {MAX_BODY} bytes"))
+    if params:
+        op["parameters"] = params
+    op["responses"] = responses
+    return op
+
+
+def openapi(server: str = "http://127.0.0.1:7700") -> dict[str, Any]:
+    """An OpenAPI 3.1 description generated from ROUTES, API_DOCS and the validation tables,
+    so it cannot drift from them; server is where this gurtd listens."""
+    paths: dict[str, Any] = {}
+    for method, pattern, _fn, summary in ROUTES:
+        paths.setdefault(pattern, {})[method.lower()] = api_operation(method, pattern, summary)
     return {
         "openapi": "3.1.0",
         "info": {"title": "gurtd", "version": VERSION,
                  "description": "The daemon of a box: tasks on layered, undoable workspaces."},
-        "servers": [{"url": "http://127.0.0.1:7700"}],
+        "servers": [{"url": server}],
+        "tags": [{"name": t} for t in dict.fromkeys(
+            op["tags"][0] for ops in paths.values() for op in ops.values())],
         "paths": paths,
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-            "schemas": {
-                "Task": TASK_SCHEMA, "TaskCreate": create,
-                "Error": {"type": "object", "required": ["error"], "properties": {
-                    "error": {"type": "string"}, "code": {"type": "string"}}}}},
+            "schemas": api_schemas()},
     }
+
+
+def undocumented_routes() -> list[tuple[str, str]]:
+    """Routes that have no API_DOCS entry yet (their description is minimal)."""
+    return [(m, p) for m, p, _, _ in ROUTES if (m, p) not in API_DOCS]
 
 
 def env_seconds(name: str, default: float) -> float:
@@ -7811,7 +8751,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         values = self.query.get(name)
         return values[-1] if values else None
 
-    def body_length(self) -> int:
+    def body_length(self, cap: int = MAX_BODY) -> int:
         """The declared body length, checked before anything is read: -1 when the body
         cannot be skipped and the connection must close after the answer."""
         if self.headers.get("Transfer-Encoding"):
@@ -7819,7 +8759,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         lengths = self.headers.get_all("Content-Length") or ["0"]
         if len(lengths) > 1 or not is_digits(lengths[0].strip()):
             return -1
-        return int(lengths[0]) if int(lengths[0]) <= MAX_BODY else -1
+        return int(lengths[0]) if int(lengths[0]) <= cap else -1
 
     def body_error(self) -> ApiError:
         """Why a body cannot be read (body_length said -1)."""
@@ -7863,6 +8803,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             fn, params = match_route(self.command, raw_path)
             if fn is not h_health:
                 self.authorize()
+            if fn in STREAMED_BODIES:         # files in: they check the length themselves
+                self.body_left = self.body_length(LIMIT_MAX)
             if self.body_left < 0:
                 raise self.body_error()            # any route: 400, 411 or 413, then close
             result = fn(self, params)
@@ -8753,6 +9695,127 @@ def cmd_policy_rm(policy_id: str, box_home: str, listen: str) -> None:
     """Delete a policy: matching calls ask a person again."""
     policy = Client(listen, box_home).request("DELETE", f"/policies/{policy_id}")
     click.echo(f"{policy['id']} deleted")
+
+
+# files in and out: gurtd put / gurtd get
+
+def transfer(client: Client, method: str, path: str, body: Any = None, length: int = 0,
+             content_type: str = "application/octet-stream") -> Any:
+    """One request whose body (a file object of length bytes) and answer are streamed; the
+    answer's response object, or a ClickException that says what went wrong."""
+    conn = client.connect()
+    conn.timeout = 600
+    headers = {"Authorization": f"Bearer {client.token}"}
+    if body is not None:
+        headers.update({"Content-Type": content_type, "Content-Length": str(length)})
+    try:
+        conn.request(method, "/api" + path, body=body, headers=headers)
+        resp = conn.getresponse()
+    except OSError as exc:
+        raise click.ClickException(f"cannot reach gurtd at {client.host}:{client.port}: {exc}")
+    if resp.status >= 400:
+        raw = resp.read()
+        try:
+            message = json.loads(raw)["error"]
+        except (ValueError, KeyError, TypeError):
+            message = raw.decode(errors="replace") or resp.reason
+        raise click.ClickException(printable(message))
+    return resp
+
+
+def say_upload(task: dict[str, Any]) -> None:
+    click.echo(printable(f"{task.get('summary', '')} into {task['workspace']}: task "
+                         f"{task['id']} (undo it with: gurtd undo {task['id']})"))
+
+
+@cli.command("put")
+@click.argument("workspace")
+@click.argument("source", type=click.Path(exists=False, allow_dash=True))
+@click.argument("dest", required=False)
+@click.option("--json", "as_json", is_flag=True, help="print the upload's task as JSON")
+@client_options
+def cmd_put(workspace: str, source: str, dest: str | None, as_json: bool, box_home: str,
+            listen: str) -> None:
+    """Put a file or a folder into a workspace, as a layer of its own (undo takes it out).
+
+    SOURCE is a file (it lands at DEST, default its name), a folder (its contents land under
+    DEST, default the top), or - for standard input (a file at DEST, else a tar archive)."""
+    import tarfile
+    import tempfile
+    client = Client(listen, box_home)
+    quoted = urllib.parse.quote(workspace, safe="")
+    if source != "-" and not os.path.lexists(source):
+        raise click.ClickException(f"{source}: no such file or folder")
+    with tempfile.TemporaryFile() as spool:
+        if source == "-":
+            shutil.copyfileobj(sys.stdin.buffer, spool)
+        elif os.path.isdir(source):
+            with tarfile.open(fileobj=spool, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
+                tar.add(source, arcname=(dest or ".").strip("/") or ".")
+        else:
+            with open(source, "rb") as f:
+                shutil.copyfileobj(f, spool)
+        length = spool.tell()
+        spool.seek(0)
+        if os.path.isdir(source) or (source == "-" and not dest):
+            path, ctype = f"/workspaces/{quoted}/upload", "application/x-tar"
+        else:
+            name = dest or os.path.basename(source.rstrip("/"))
+            if not name or name == "-":
+                raise click.ClickException("name the file: gurtd put WORKSPACE - DEST")
+            path = f"/workspaces/{quoted}/files/" + urllib.parse.quote(name.lstrip("/"))
+            ctype = "application/octet-stream"
+        resp = transfer(client, "PUT" if "/files/" in path else "POST", path, spool, length,
+                        ctype)
+        task = json.loads(resp.read())
+    if as_json:
+        click.echo(json.dumps(task, indent=1))
+    else:
+        say_upload(task)
+
+
+@cli.command("get")
+@click.argument("workspace", required=False)
+@click.argument("path", required=False)
+@click.option("--task", "task_id", default=None, help="a task's changes instead (tar.gz)")
+@click.option("-o", "--output", default=None,
+              help="where to write (- for standard output); default: the file's name, or "
+                   "WORKSPACE.tar.gz / TASK.tar.gz")
+@client_options
+def cmd_get(workspace: str | None, path: str | None, task_id: str | None, output: str | None,
+            box_home: str, listen: str) -> None:
+    """Get a file of a workspace's current view, the whole view as a tar.gz, or (--task) what
+    one task added or changed as a tar.gz."""
+    client = Client(listen, box_home)
+    if task_id:
+        if workspace or path:
+            raise click.ClickException("give either --task ID or WORKSPACE [PATH]")
+        url, default = f"/tasks/{urllib.parse.quote(task_id, safe='')}/archive", \
+            f"{task_id}.tar.gz"
+    elif not workspace:
+        raise click.ClickException("name a workspace (gurtd get WORKSPACE [PATH]) or a task "
+                                   "(gurtd get --task ID)")
+    elif path:
+        url = f"/workspaces/{urllib.parse.quote(workspace, safe='')}/files/" + \
+            urllib.parse.quote(path.lstrip("/"))
+        default = os.path.basename(path.rstrip("/")) or workspace
+    else:
+        url, default = f"/workspaces/{urllib.parse.quote(workspace, safe='')}/archive", \
+            f"{workspace}.tar.gz"
+    resp = transfer(client, "GET", url)
+    if resp.getheader("Content-Type", "").startswith("application/json"):
+        listing = json.loads(resp.read())        # a folder: say what is in it
+        for entry in listing.get("entries", []):
+            click.echo(printable(entry["name"] + ("/" if entry["type"] == "directory" else "")))
+        return
+    target = output or default
+    out = sys.stdout.buffer if target == "-" else open(target, "wb")
+    try:
+        shutil.copyfileobj(resp, out, 65536)
+    finally:
+        if out is not sys.stdout.buffer:
+            out.close()
+            click.echo(f"wrote {target}", err=True)
 
 
 def main() -> None:

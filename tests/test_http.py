@@ -253,7 +253,8 @@ def test_every_body_route_refuses_a_body_that_is_not_an_object(gurtd: Gurtd,
                                                                name: str) -> None:
     before = (gurtd.api("GET", "/api/tasks"), gurtd.api("GET", "/api/settings"),
               gurtd.api("GET", "/api/wallet"), gurtd.api("GET", "/api/workspaces"))
-    routes = [(m, p) for m, p, _, _ in G.ROUTES if m in ("POST", "PUT")]
+    routes = [(m, p) for m, p, fn, _ in G.ROUTES
+              if m in ("POST", "PUT") and fn not in G.STREAMED_BODIES]   # files: any bytes
     assert len(routes) >= 9
     for method, pattern in routes:
         status, data, headers = gurtd.request(method, filled(pattern), raw=ODD_BODIES[name],
