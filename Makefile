@@ -8,9 +8,10 @@ LISTEN ?= 127.0.0.1:7700
 # python-prctl; python3-venv: the virtual environment; systemd: systemd-analyze for the tests;
 # python3-click: the `gurtd` command inside a task (its tool client) runs on the system python;
 # python3-seccomp: libseccomp's own Python binding (not on PyPI), for the tasks' kernel filter;
-# e2fsprogs, mount: mkfs.ext4 and losetup for the full-disk tests (a small loop-mounted image).
+# e2fsprogs, mount: mkfs.ext4 and losetup for the full-disk tests (a small loop-mounted image);
+# chromium, chromium-driver: the portal's tests and bench drive a real headless browser.
 APT_PACKAGES := nftables iproute2 util-linux libcap-dev gcc python3-dev python3-venv curl systemd \
-  python3-click python3-seccomp e2fsprogs mount
+  python3-click python3-seccomp e2fsprogs mount chromium chromium-driver
 
 DROID_VERSION := 0.215.0
 DROID := $(VENV)/droid/node_modules/droid/bin/droid
@@ -51,18 +52,23 @@ $(VENV)/.droid-$(DROID_VERSION): $(VENV)/.installed
 	test "$$($(DROID) --version)" = "$(DROID_VERSION)"
 	touch $@
 
+# Packages only the tests and the bench use (selenium for the portal's browser tests).
+$(VENV)/.test-installed: requirements-test.txt $(VENV)/.installed
+	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements-test.txt
+	touch $@
+
 run: deps
 	BOX_HOME=$(BOX_HOME) $(VENV)/bin/python gurtd.py serve --listen $(LISTEN)
 
-test: deps
+test: deps $(VENV)/.test-installed
 	$(VENV)/bin/python -m pytest -v -p no:cacheprovider tests
 
-bench: deps
+bench: deps $(VENV)/.test-installed
 	$(VENV)/bin/python tests/bench.py
 
 install: deps
 	install -d $(PREFIX)/lib/gurtd $(PREFIX)/bin /etc/systemd/system
-	install -m 0644 gurtd.py requirements.txt $(PREFIX)/lib/gurtd/
+	install -m 0644 gurtd.py portal.html requirements.txt $(PREFIX)/lib/gurtd/
 	$(PYTHON) -m venv $(PREFIX)/lib/gurtd/venv
 	$(PREFIX)/lib/gurtd/venv/bin/pip install -q --disable-pip-version-check \
 	  -r $(PREFIX)/lib/gurtd/requirements.txt

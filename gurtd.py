@@ -5397,10 +5397,10 @@ def h_portal(req: "Handler", params: dict[str, str]) -> Any:
 
 def h_sessions_create(req: "Handler", params: dict[str, str]) -> Any:
     """Sign in with {code} or {token}: the answer sets the session cookie."""
+    body = req.json_body()
     if req.headers.get(PORTAL_HEADER) != "1":
         raise ApiError(403, f"sign in from the portal's page (header {PORTAL_HEADER}: 1)",
                        "cross_origin")
-    body = req.json_body()
     if len(body) != 1 or not set(body) <= {"code", "token"} or \
             not isinstance(next(iter(body.values())), str) or \
             len(next(iter(body.values()))) > 1000:
@@ -5435,6 +5435,8 @@ def h_session_delete(req: "Handler", params: dict[str, str]) -> Any:
 
 def h_sign_in_code(req: "Handler", params: dict[str, str]) -> Any:
     """A one-time sign-in code, for the token's holder only (`gurtd portal`)."""
+    if req.json_body(optional=True):
+        raise ApiError(400, "the body must be {} or empty")
     if req.session is not None:
         raise ApiError(403, "sign-in codes are made with the bearer token", "forbidden")
     code, life = req.server.sessions.new_code()

@@ -378,6 +378,8 @@ def test_every_page_at_1280_and_360_px(g: Gurtd, browser: Any, shots: str) -> No
                 "width": width, "height": 800, "deviceScaleFactor": 1, "mobile": width < 600})
             for name, hash_, ready in pages:
                 go(d, hash_, ready)
+                text = d.find_element(By.TAG_NAME, "main").text
+                assert "null" not in text and "undefined" not in text, (name, text)
                 wide = d.execute_script("return document.documentElement.scrollWidth")
                 assert wide <= width, f"{name} at {width} px scrolls sideways: {wide}"
                 path = os.path.join(shots, f"{name}-{width}.png")
