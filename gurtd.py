@@ -5313,6 +5313,8 @@ class PortalSessions:
         session = PortalSession(new_task_id("s"), secret_hash(secret), now_iso(),
                                 time.time() + self.life, printable(agent)[:200], via)
         with self.lock:
+            now = time.time()
+            self.sessions = {h: s for h, s in self.sessions.items() if s.expiresAt > now}
             self.sessions[session.hash] = session
             while len(self.sessions) > MAX_SESSIONS:
                 oldest = min(self.sessions.values(), key=lambda s: s.expiresAt)
@@ -5336,6 +5338,11 @@ class PortalSessions:
             live = sorted((s for s in self.sessions.values() if s.expiresAt > now),
                           key=lambda s: s.createdAt, reverse=True)
             return [s.to_api(current) for s in live]
+
+    def alive(self, session: PortalSession) -> bool:
+        """Still signed in: not revoked, not expired (a stream checks it as it goes)."""
+        with self.lock:
+            return self.sessions.get(session.hash) is session and session.expiresAt > time.time()
 
     def revoke(self, session_id: str) -> None:
         with self.lock:
@@ -5367,6 +5374,11 @@ def portal_authorize(req: "Handler") -> None:
                                 f"{PORTAL_HEADER}: 1 from the portal's own page",
                            "cross_origin")
     req.session = session
+
+
+def session_ended(req: "Handler") -> bool:
+    """A stream opened with the cookie ends once its session is revoked or expires."""
+    return req.session is not None and not req.server.sessions.alive(req.session)
 
 
 def portal_csp(page: bytes) -> str:
@@ -5612,7 +5624,7 @@ def follow_log(req: "Handler", task_id: str, path: str) -> None:
     req.close_connection = True
     last_beat, partial, f = time.monotonic(), b"", None
     with box.log_followers.follow(task_id) as watch, contextlib.ExitStack() as stack:
-        while not box.stopping:
+        while not box.stopping and not session_ended(req):
             seen = watch.generation
             ended = json.loads(box.rendered[task_id])["state"] not in ACTIVE_STATES
             if f is None:
@@ -5794,7 +5806,7 @@ def h_events(req: "Handler", params: dict[str, str]) -> Any:
             last = box.event_seq
     req.wfile.flush()
     beat = time.monotonic()
-    while not box.stopping:
+    while not box.stopping and not session_ended(req):
         if not fresh:
             with box.events_changed:
                 if box.event_seq == last:

@@ -163,6 +163,15 @@ def no_console_errors(request: pytest.FixtureRequest) -> Iterator[None]:
         assert console_errors(driver) == []
 
 
+NOTIFICATION_RECORDER = """
+window.shown = [];
+const Real = window.Notification;
+window.Notification = class extends Real {
+  constructor(title, opts) { super(title, opts); window.shown.push(title + "|" + opts.body); }
+};
+"""
+
+
 # sign-in ######################################################################################
 
 def test_a_one_time_url_signs_in_once_and_leaves_nothing_secret_behind(g: Gurtd,
@@ -264,6 +273,10 @@ def test_a_budget_pause_reaches_the_inbox_within_a_second_and_a_denial_needs_a_r
     d = browser
     g.api("PUT", "/api/wallet", {"balanceCents": 1000})
     go(d, "#/inbox", "#inbox")
+    # the person allowed notifications: a new decision raises one
+    d.execute_cdp_cmd("Browser.grantPermissions", {"permissions": ["notifications"],
+                                                   "origin": f"http://127.0.0.1:{g.port}"})
+    d.execute_script(NOTIFICATION_RECORDER)
     pay = "gurtd tool wallet.pay '{\"to\": \"shop\", \"cents\": 40}'; echo \"pay exit $?\""
     task = g.create(pay, title="wants to pay", tools=["wallet.pay"])
     g.wait(task["id"], ("waiting",))
@@ -274,6 +287,8 @@ def test_a_budget_pause_reaches_the_inbox_within_a_second_and_a_denial_needs_a_r
     assert time.monotonic() - paused < 1.0
     assert "40" in card.text and "wants to pay" in card.text and "wallet.pay" in card.text
     assert d.title.startswith("(1) ")
+    assert wait(d, lambda x: x.execute_script("return window.shown"), "a notification") == [
+        "gurtd: a decision waits|wants to pay: wallet.pay 40¢"]
     # deny without a reason: refused in the page, nothing sent
     card.find_element(By.CSS_SELECTOR, "button.danger").click()
     assert "reason is required" in card.find_element(By.CSS_SELECTOR, ".err").text
@@ -287,6 +302,31 @@ def test_a_budget_pause_reaches_the_inbox_within_a_second_and_a_denial_needs_a_r
     stderr = [e["text"] for e in g.log(task["id"]) if e["type"] == "stderr"]
     assert any(REJECTED.format(tool="wallet.pay", reason=reason) in s for s in stderr), stderr
     assert g.api("GET", "/api/wallet")["balanceCents"] == 1000
+
+
+def test_approve_all_pays_every_spending_and_the_wallet_shows_it(g: Gurtd,
+                                                                  browser: Any) -> None:
+    d = browser
+    g.api("PUT", "/api/wallet", {"balanceCents": 500})
+    go(d, "#/inbox", "#inbox")
+    made = [g.create(f"gurtd tool wallet.pay '{{\"to\": \"{to}\", \"cents\": {c}}}'",
+                     title=f"pays {to}", tools=["wallet.pay"]) for to, c in (("ann", 7),
+                                                                            ("bo", 9))]
+    for task in made:
+        approval = pending(g, task["id"])
+        wait(d, lambda x: x.find_elements(By.ID, f"approval-{approval['id']}"), "its card")
+    assert d.title.startswith("(2) ")
+    d.find_element(By.ID, "approve-all").click()
+    confirm(d)
+    for task in made:
+        assert g.wait(task["id"])["state"] == "done"
+    wait(d, lambda x: not x.find_elements(By.CSS_SELECTOR, "#inbox article"), "an empty inbox")
+    go(d, "#/wallet", "#ledger tr")
+    wait(d, lambda x: "4.84" in x.find_element(By.ID, "balance").text or
+         "484" in x.find_element(By.ID, "balance").text, "the balance after paying")
+    ledger = d.find_element(By.ID, "ledger").text
+    assert "ann" in ledger and "bo" in ledger
+    assert d.find_elements(By.CSS_SELECTOR, "#ledger time[title]")     # exact time on hover
 
 
 def test_an_ask_is_answered_from_the_inbox(g: Gurtd, browser: Any) -> None:
@@ -368,8 +408,11 @@ def test_settings_errors_show_next_to_their_field(g: Gurtd, browser: Any) -> Non
 def test_every_page_at_1280_and_360_px(g: Gurtd, browser: Any, shots: str) -> None:
     d = browser
     some = g.run("echo shot > shot.txt", title="for the pictures")
+    asking = g.create("gurtd tool ask '{\"question\": \"Ship the release?\"}'",
+                      title="asks for the pictures", tools=["ask"])
+    ask = pending(g, asking["id"])
     pages = [("tasks", "#/tasks", "#task-rows"), ("task", f"#/task/{some['id']}", "#task-log li"),
-             ("inbox", "#/inbox", "#inbox"), ("new", "#/new", "#new-task"),
+             ("inbox", "#/inbox", "#inbox article"), ("new", "#/new", "#new-task"),
              ("files", "#/files/home", "#files li"), ("wallet", "#/wallet", "#ledger"),
              ("settings", "#/settings", "#settings")]
     try:
@@ -388,6 +431,7 @@ def test_every_page_at_1280_and_360_px(g: Gurtd, browser: Any, shots: str) -> No
                 assert d.switch_to.active_element.tag_name == "h1"
     finally:
         d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+        g.api("POST", f"/api/approvals/{ask['id']}/answer", {"answer": "yes"})
     assert len(os.listdir(shots)) >= 2 * len(pages)
 
 
@@ -532,6 +576,21 @@ def test_codes_and_sessions_expire_and_survive_a_restart(new_gurtd: Any) -> None
     assert code == 200, data
     with open(os.path.join(g.home, "sessions.json")) as f:
         assert secret not in f.read()
+    # a revoked session's open event stream ends too
+    code, data, headers = g.request("POST", "/api/sessions", {"token": g.token}, token=False,
+                                    headers=portal)
+    other = {"Cookie": headers["set-cookie"].split(";")[0]}
+    conn = http.client.HTTPConnection("127.0.0.1", g.port, timeout=10)
+    conn.request("GET", "/api/events", headers=other)
+    stream = conn.getresponse()
+    assert stream.status == 200 and stream.readline().startswith(b": gurtd events")
+    code, listed, _ = g.request("GET", "/api/sessions", token=False, headers=other)
+    mine = next(s for s in listed if s["current"])
+    g.api("DELETE", f"/api/sessions/{mine['id']}")
+    started = time.monotonic()
+    assert stream.read() is not None                          # returns at the stream's end
+    assert time.monotonic() - started < 5
+    conn.close()
     time.sleep(3.2)
     code, data, _ = g.request("GET", "/api/tasks", token=False, headers=jar)
     assert code == 401, data                                  # expired
