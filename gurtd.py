@@ -5253,7 +5253,8 @@ class PortalSession:
     def to_api(self, current: str | None = None) -> dict[str, Any]:
         return {"id": self.id, "createdAt": self.createdAt,
                 "expiresAt": datetime.datetime.fromtimestamp(
-                    self.expiresAt, datetime.timezone.utc).isoformat(timespec="seconds"),
+                    self.expiresAt, datetime.timezone.utc).isoformat(
+                        timespec="milliseconds").replace("+00:00", "Z"),
                 "userAgent": self.userAgent, "via": self.via, "current": self.id == current}
 
 
@@ -5270,7 +5271,8 @@ class PortalSessions:
         self.life = env_seconds("GURT_SESSION_SECONDS", SESSION_SECONDS)
         self.code_life = env_seconds("GURT_SIGN_IN_CODE_SECONDS", SIGN_IN_CODE_SECONDS)
         data = load_json(path)
-        for row in (data or {}).get("sessions", []) if isinstance(data, dict) else []:
+        rows = data.get("sessions") if isinstance(data, dict) else None
+        for row in rows if isinstance(rows, list) else []:
             try:
                 s = record_from(PortalSession, row, lambda s: isinstance(s.hash, str) and
                                 isinstance(s.expiresAt, (int, float)))

@@ -10,6 +10,7 @@ same browser, can neither start a task nor read one.  Every page is photographed
 from __future__ import annotations
 
 import http.client
+import json
 import http.server
 import os
 import shutil
@@ -606,3 +607,22 @@ def test_codes_and_sessions_expire_and_survive_a_restart(new_gurtd: Any) -> None
     assert g.token.encode() not in page
     assert "script-src 'sha256-" in resp.getheader("Content-Security-Policy")
     assert len(page) <= 100_000
+
+
+def test_a_damaged_sessions_file_is_set_aside_and_gurtd_starts(new_gurtd: Any) -> None:
+    g = new_gurtd()
+    path = os.path.join(g.home, "sessions.json")
+    g.stop()
+    with open(path, "w") as f:
+        f.write('{"sessions": [{"id": "s1", "hash": ')          # cut short by a crash
+    g.start()
+    assert g.api("GET", "/api/sessions") == []
+    assert [n for n in os.listdir(g.home) if n.startswith("sessions.json.damaged-")]
+    g.stop()
+    with open(path, "w") as f:
+        json.dump({"sessions": 7}, f)                           # the wrong shape
+    g.start()
+    assert g.api("GET", "/api/sessions") == []
+    code, data, headers = g.request("POST", "/api/sessions", {"token": g.token}, token=False,
+                                    headers={"X-Gurt-Portal": "1"})
+    assert code == 201 and len(g.api("GET", "/api/sessions")) == 1
