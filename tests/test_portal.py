@@ -55,10 +55,14 @@ def chromium() -> tuple[Any, str]:
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                  "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+                 "--disable-breakpad",
                  f"--user-data-dir={profile}", "--window-size=1280,900"):
         opts.add_argument(flag)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    service = webdriver.ChromeService(executable_path=CHROMEDRIVER)
+    # its HOME and caches in the profile too, so that nothing lands in root's home
+    env = {**os.environ, "HOME": profile, "XDG_CONFIG_HOME": os.path.join(profile, "config"),
+           "XDG_CACHE_HOME": os.path.join(profile, "cache")}
+    service = webdriver.ChromeService(executable_path=CHROMEDRIVER, env=env)
     return webdriver.Chrome(options=opts, service=service), profile
 
 
@@ -430,7 +434,16 @@ def test_every_page_at_1280_and_360_px(g: Gurtd, browser: Any, shots: str) -> No
                 assert d.save_screenshot(path) and os.path.getsize(path) > 1000
                 # keyboard: the page's heading has focus, and Tab reaches a link or control
                 assert d.switch_to.active_element.tag_name == "h1"
+        # dark and light follow the system's setting
+        background = "return getComputedStyle(document.body).backgroundColor"
+        light = d.execute_script(background)
+        d.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": [
+            {"name": "prefers-color-scheme", "value": "dark"}]})
+        dark = d.execute_script(background)
+        assert light == "rgb(255, 255, 255)" and dark != light, (light, dark)
+        assert d.save_screenshot(os.path.join(shots, f"settings-{WIDTHS[-1]}-dark.png"))
     finally:
+        d.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
         d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
         g.api("POST", f"/api/approvals/{ask['id']}/answer", {"answer": "yes"})
     assert len(os.listdir(shots)) >= 2 * len(pages)
