@@ -228,9 +228,11 @@ def test_a_task_started_from_the_form_goes_to_done_without_a_reload(g: Gurtd,
     d = browser
     go(d, "#/new", "#new-task")
     d.execute_script("window.notReloaded = true")
-    d.find_element(By.ID, "in-title").send_keys("from the portal")
-    d.find_element(By.ID, "in-prompt").send_keys("echo hello from the form\nsleep 0.5\n"
-                                                 "echo made > portal-made.txt")
+    # by keyboard: the title, Tab, the prompt
+    d.find_element(By.ID, "in-title").send_keys("from the portal", Keys.TAB)
+    assert d.switch_to.active_element.get_attribute("id") == "in-prompt"
+    d.switch_to.active_element.send_keys("echo hello from the form\nsleep 0.5\n"
+                                         "echo made > portal-made.txt")
     Select(d.find_element(By.ID, "in-worker")).select_by_visible_text("fake")
     d.find_element(By.ID, "start").click()
     wait(d, lambda x: "#/task/" in x.current_url, "the new task's page")
