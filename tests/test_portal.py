@@ -228,6 +228,20 @@ def test_a_task_started_from_the_form_goes_to_done_without_a_reload(g: Gurtd,
     d = browser
     go(d, "#/new", "#new-task")
     d.execute_script("window.notReloaded = true")
+    # a bad host: the API's own error, next to its field, and no task
+    before = len(g.api("GET", "/api/tasks"))
+    d.find_element(By.ID, "in-title").send_keys("bad")
+    d.find_element(By.ID, "in-prompt").send_keys("true")
+    d.find_element(By.ID, "in-hosts").send_keys("http://nope/")
+    d.find_element(By.ID, "start").click()
+    err = wait(d, lambda x: x.find_element(By.ID, "err-hosts").text, "the hosts error")
+    assert err.startswith('hosts: "http://nope/"'), err
+    assert d.switch_to.active_element.get_attribute("id") == "in-hosts"
+    assert len(g.api("GET", "/api/tasks")) == before
+    assert console_errors(d, ("/api/tasks - Failed to load resource: the server responded "
+                              "with a status of 400",)) == []
+    for field in ("in-title", "in-prompt", "in-hosts"):
+        d.find_element(By.ID, field).clear()
     # by keyboard: the title, Tab, the prompt
     d.find_element(By.ID, "in-title").send_keys("from the portal", Keys.TAB)
     assert d.switch_to.active_element.get_attribute("id") == "in-prompt"
