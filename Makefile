@@ -11,6 +11,8 @@ LISTEN ?= 127.0.0.1:7700
 # e2fsprogs, mount: mkfs.ext4 and losetup for the full-disk tests (a small loop-mounted image).
 APT_PACKAGES := nftables iproute2 util-linux libcap-dev gcc python3-dev python3-venv curl systemd \
   python3-click python3-seccomp e2fsprogs mount
+# Only the tests and the bench: the portal's tests drive a real headless browser.
+TEST_APT_PACKAGES := chromium chromium-driver
 
 DROID_VERSION := 0.215.0
 DROID := $(VENV)/droid/node_modules/droid/bin/droid
@@ -19,14 +21,14 @@ DROID := $(VENV)/droid/node_modules/droid/bin/droid
 
 deps: $(VENV)/.installed $(VENV)/.seccomp $(VENV)/.droid-$(DROID_VERSION)
 
-$(VENV)/.installed: requirements.txt requirements-test.txt
+$(VENV)/.installed: requirements.txt
 	@missing=""; for p in $(APT_PACKAGES); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements-test.txt
+	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt
 	touch $@
 
 # The venv gets the one module of python3-seccomp, linked into its site-packages, rather than
@@ -51,18 +53,28 @@ $(VENV)/.droid-$(DROID_VERSION): $(VENV)/.installed
 	test "$$($(DROID) --version)" = "$(DROID_VERSION)"
 	touch $@
 
+# Packages only the tests and the bench use (schemathesis, selenium and its browser, ...).
+$(VENV)/.test-installed: requirements-test.txt $(VENV)/.installed
+	@missing=""; for p in $(TEST_APT_PACKAGES); do \
+	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
+	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements-test.txt
+	touch $@
+
 run: deps
 	BOX_HOME=$(BOX_HOME) $(VENV)/bin/python gurtd.py serve --listen $(LISTEN)
 
-test: deps
+test: deps $(VENV)/.test-installed
 	$(VENV)/bin/python -m pytest -v -p no:cacheprovider tests
 
-bench: deps
+bench: deps $(VENV)/.test-installed
 	$(VENV)/bin/python tests/bench.py
 
 install: deps
 	install -d $(PREFIX)/lib/gurtd $(PREFIX)/bin /etc/systemd/system
-	install -m 0644 gurtd.py requirements.txt $(PREFIX)/lib/gurtd/
+	install -m 0644 gurtd.py portal.html requirements.txt $(PREFIX)/lib/gurtd/
 	$(PYTHON) -m venv $(PREFIX)/lib/gurtd/venv
 	$(PREFIX)/lib/gurtd/venv/bin/pip install -q --disable-pip-version-check \
 	  -r $(PREFIX)/lib/gurtd/requirements.txt

@@ -37,12 +37,15 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Broker and approvals  tools called from tasks, the wallet, approvals, the broker socket
     Files in and out      uploads (a file, a tar archive) as layers of their own, each member
                           checked; tar.gz archives of a view or a task's changes, streamed
+    Portal sessions       the portal page at /, one-time sign-in codes, session cookies
+                          (hashed on disk), the cookie's check beside the bearer token
     HTTP                  request guard, auth, one routing table, JSON errors, OpenAPI
     Loop                  the BOX_HOME lock, the start as steps with their undo, the select
                           loop that owns the box state and guards each event, signals, sd_notify
     CLI                   click commands: serve, token, run, tasks, show, undo, stop, log,
                           approvals, approve, deny, answer, wallet, review, diff, keep,
-                          policies, policy rm, put, get, and inside a task tool, mcp
+                          policies, policy rm, put, get, portal, and inside a task
+                          tool, mcp
 
 Threads: the loop thread owns the state.  HTTP and broker handler threads hand it commands
 through ``Box.call`` and wait for the answer (503 busy past a time limit); they read finished
@@ -56,6 +59,7 @@ cut short (temp files, a payment's log line).
 
 from __future__ import annotations
 
+import base64
 import bisect
 import contextlib
 import ctypes
@@ -7557,6 +7561,265 @@ def h_task_archive(req: "Handler", params: dict[str, str]) -> Any:
 STREAMED_BODIES = (h_workspace_put_file, h_workspace_upload)   # they read their own body
 
 
+# Portal sessions ###############################################################################
+###############################################################################################
+# The portal is one static page (portal.html beside this file) served at /.  A browser cannot
+# put a bearer token on an EventSource, so the page signs in once, with a one-time code that
+# `gurtd portal` prints or with the token pasted into its form, and then holds a session
+# cookie: HttpOnly (the page's own code never sees it), SameSite=Strict, random, expiring,
+# listed and revocable.  On disk (BOX_HOME/sessions.json) only a hash of each secret is kept,
+# so a copy of the file signs nobody in; a restart keeps the sessions.  A request that changes
+# something with the cookie must also carry X-Gurt-Portal: 1, a header no cross-site form can
+# send (and fetch only with a CORS preflight that gurtd never grants); the request guard's
+# Origin and Sec-Fetch-Site checks stand in front of it all.
+
+PORTAL_PAGE = "portal.html"          # beside gurtd.py; `make install` puts it there
+SESSION_COOKIE = "gurt_session"
+PORTAL_HEADER = "X-Gurt-Portal"
+SESSION_SECONDS = 7 * 86400          # a session's life (GURT_SESSION_SECONDS)
+SIGN_IN_CODE_SECONDS = 120.0         # a one-time code's life (GURT_SIGN_IN_CODE_SECONDS)
+MAX_SESSIONS = 64                    # past it, the oldest session ends
+MAX_SIGN_IN_CODES = 16               # unused codes kept; past it, the oldest is dropped
+SAFE_METHODS = ("GET", "HEAD")
+
+
+def secret_hash(secret: str) -> str:
+    """What is stored of a session secret or a code: they are long random strings, so a
+    plain SHA-256 cannot be reversed by guessing."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def cookie_values(header: str, name: str) -> list[str]:
+    """Every value of cookie name in a Cookie header (a browser may send more than one)."""
+    out = []
+    for part in header.split(";"):
+        key, sep, value = part.strip().partition("=")
+        if sep and key == name:
+            out.append(value.strip())
+    return out
+
+
+@dataclass
+class PortalSession:
+    """A signed-in browser.  id names it in the API; only the hash of its secret is kept."""
+
+    id: str
+    hash: str
+    createdAt: str
+    expiresAt: float
+    userAgent: str = ""
+    via: str = "code"                 # code (a one-time URL) or token (pasted in the form)
+
+    def to_api(self, current: str | None = None) -> dict[str, Any]:
+        return {"id": self.id, "createdAt": self.createdAt,
+                "expiresAt": datetime.datetime.fromtimestamp(
+                    self.expiresAt, datetime.timezone.utc).isoformat(
+                        timespec="milliseconds").replace("+00:00", "Z"),
+                "userAgent": self.userAgent, "via": self.via, "current": self.id == current}
+
+
+class PortalSessions:
+    """Sign-in codes (in memory: short lived, single use) and sessions (on disk, hashed).
+    Any HTTP thread; one short lock, never held while waiting for the loop."""
+
+    def __init__(self, path: str, token: str) -> None:
+        self.path = path
+        self.token = token
+        self.lock = threading.Lock()
+        self.codes: dict[str, float] = {}              # hash -> monotonic expiry
+        self.sessions: dict[str, PortalSession] = {}   # hash -> session
+        self.life = env_seconds("GURT_SESSION_SECONDS", SESSION_SECONDS)
+        self.code_life = env_seconds("GURT_SIGN_IN_CODE_SECONDS", SIGN_IN_CODE_SECONDS)
+        data = load_json(path)
+        rows = data.get("sessions") if isinstance(data, dict) else None
+        for row in rows if isinstance(rows, list) else []:
+            try:
+                s = record_from(PortalSession, row, lambda s: isinstance(s.hash, str) and
+                                isinstance(s.expiresAt, (int, float)))
+            except (ValueError, TypeError):
+                continue
+            if s.expiresAt > time.time():
+                self.sessions[s.hash] = s
+
+    def save(self) -> None:
+        """Under the lock.  A disk that refuses the write is a 507 for the caller."""
+        rows = [dataclasses.asdict(s) for s in self.sessions.values()]
+        with saved_or_507("the portal sessions"):
+            write_json(self.path, {"sessions": rows})
+
+    def new_code(self) -> tuple[str, float]:
+        """A one-time sign-in code and its life in seconds."""
+        code = secrets.token_urlsafe(24)
+        with self.lock:
+            now = time.monotonic()
+            self.codes = {h: t for h, t in self.codes.items() if t > now}
+            while len(self.codes) >= MAX_SIGN_IN_CODES:
+                del self.codes[min(self.codes, key=self.codes.__getitem__)]
+            self.codes[secret_hash(code)] = now + self.code_life
+        return code, self.code_life
+
+    def sign_in(self, code: str | None, token: str | None, agent: str) -> tuple[str, float]:
+        """A new session for a valid code (used up now) or the token: its secret and life."""
+        if code is not None:
+            with self.lock:
+                expiry = self.codes.pop(secret_hash(code), 0.0)
+            if expiry <= time.monotonic():
+                raise ApiError(401, "this sign-in code is wrong, used or expired; run "
+                                    "`gurtd portal` for a new one", "unauthorized")
+            via = "code"
+        elif token is not None and hmac.compare_digest(token.encode(), self.token.encode()):
+            via = "token"
+        else:
+            raise ApiError(401, "wrong token", "unauthorized")
+        secret = secrets.token_urlsafe(32)
+        session = PortalSession(new_task_id("s"), secret_hash(secret), now_iso(),
+                                time.time() + self.life, printable(agent)[:200], via)
+        with self.lock:
+            now = time.time()
+            self.sessions = {h: s for h, s in self.sessions.items() if s.expiresAt > now}
+            self.sessions[session.hash] = session
+            while len(self.sessions) > MAX_SESSIONS:
+                oldest = min(self.sessions.values(), key=lambda s: s.expiresAt)
+                del self.sessions[oldest.hash]
+            self.save()
+        return secret, self.life
+
+    def find(self, cookie_header: str) -> PortalSession | None:
+        """The live session a Cookie header names, if any."""
+        now = time.time()
+        with self.lock:
+            for value in cookie_values(cookie_header, SESSION_COOKIE):
+                session = self.sessions.get(secret_hash(value))
+                if session is not None and session.expiresAt > now:
+                    return session
+        return None
+
+    def listing(self, current: str | None) -> list[dict[str, Any]]:
+        now = time.time()
+        with self.lock:
+            live = sorted((s for s in self.sessions.values() if s.expiresAt > now),
+                          key=lambda s: s.createdAt, reverse=True)
+            return [s.to_api(current) for s in live]
+
+    def alive(self, session: PortalSession) -> bool:
+        """Still signed in: not revoked, not expired (a stream checks it as it goes)."""
+        with self.lock:
+            return self.sessions.get(session.hash) is session and session.expiresAt > time.time()
+
+    def revoke(self, session_id: str) -> None:
+        with self.lock:
+            for key, session in list(self.sessions.items()):
+                if session.id == session_id:
+                    del self.sessions[key]
+                    self.save()
+                    return
+        raise ApiError(404, "No session with this id", "not_found")
+
+
+def session_cookie(secret: str, life: float) -> str:
+    """The Set-Cookie value; an empty secret and no life clears it."""
+    return (f"{SESSION_COOKIE}={secret}; Path=/; Max-Age={int(life)}; HttpOnly; "
+            "SameSite=Strict")
+
+
+def portal_authorize(req: "Handler") -> None:
+    """The cookie where a bearer token is missing; a change also needs the portal's header
+    and a same-origin fetch (the guard already refused other sites)."""
+    session = req.server.sessions.find(req.headers.get("Cookie") or "")
+    if session is None:
+        raise ApiError(401, "missing or wrong bearer token, or no live portal session",
+                       "unauthorized")
+    if req.command not in SAFE_METHODS:
+        site = (req.headers.get("Sec-Fetch-Site") or "same-origin").lower()
+        if req.headers.get(PORTAL_HEADER) != "1" or site != "same-origin":
+            raise ApiError(403, f"a change made with the portal's cookie needs the header "
+                                f"{PORTAL_HEADER}: 1 from the portal's own page",
+                           "cross_origin")
+    req.session = session
+
+
+def session_ended(req: "Handler") -> bool:
+    """A stream opened with the cookie ends once its session is revoked or expires."""
+    return req.session is not None and not req.server.sessions.alive(req.session)
+
+
+def portal_csp(page: bytes) -> str:
+    """A Content-Security-Policy that lets exactly the page's own inline script run."""
+    scripts = re.findall(rb"<script>(.*?)</script>", page, re.S)
+    hashes = " ".join("'sha256-%s'" % base64.b64encode(
+        hashlib.sha256(s).digest()).decode() for s in scripts)
+    return (f"default-src 'none'; script-src {hashes}; style-src 'unsafe-inline'; "
+            "connect-src 'self'; img-src 'self' data:; form-action 'self'; "
+            "frame-ancestors 'none'; base-uri 'none'")
+
+
+def h_portal(req: "Handler", params: dict[str, str]) -> Any:
+    """The page, always the same static file (no secret in it): a browser without a live
+    session gets its sign-in form, never a task list."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), PORTAL_PAGE)
+    try:
+        with open(path, "rb") as f:
+            page = f.read()
+    except OSError as exc:
+        raise ApiError(500, f"the portal page is missing: {exc.strerror}") from None
+    req.send_json(200, (page, "text/html; charset=utf-8"), {
+        "Content-Security-Policy": portal_csp(page), "X-Frame-Options": "DENY",
+        "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+        "Cache-Control": "no-store"})
+    return None
+
+
+def h_sessions_create(req: "Handler", params: dict[str, str]) -> Any:
+    """Sign in with {code} or {token}: the answer sets the session cookie."""
+    body = req.json_body()
+    if req.headers.get(PORTAL_HEADER) != "1":
+        raise ApiError(403, f"sign in from the portal's page (header {PORTAL_HEADER}: 1)",
+                       "cross_origin")
+    if len(body) != 1 or not set(body) <= {"code", "token"} or \
+            not isinstance(next(iter(body.values())), str) or \
+            len(next(iter(body.values()))) > 1000:
+        raise ApiError(400, 'the body must be {"code": "..."} or {"token": "..."}')
+    secret, life = req.server.sessions.sign_in(body.get("code"), body.get("token"),
+                                               req.headers.get("User-Agent") or "")
+    return 201, {"signedIn": True}, {"Set-Cookie": session_cookie(secret, life),
+                                      "Cache-Control": "no-store"}
+
+
+def h_session_current(req: "Handler", params: dict[str, str]) -> Any:
+    """Whether this browser is signed in (no token needed: the page asks before anything)."""
+    session = req.server.sessions.find(req.headers.get("Cookie") or "")
+    if session is None:
+        return 200, {"signedIn": False}
+    return 200, {"signedIn": True, "session": session.to_api(session.id)}
+
+
+def h_sessions_list(req: "Handler", params: dict[str, str]) -> Any:
+    current = req.session.id if req.session is not None else None
+    return 200, req.server.sessions.listing(current)
+
+
+def h_session_delete(req: "Handler", params: dict[str, str]) -> Any:
+    """Revoke a session; revoking one's own also clears the cookie (signing out)."""
+    req.server.sessions.revoke(params["id"])
+    headers = {}
+    if req.session is not None and req.session.id == params["id"]:
+        headers["Set-Cookie"] = session_cookie("", 0)
+    return 200, {"revoked": params["id"]}, headers
+
+
+def h_sign_in_code(req: "Handler", params: dict[str, str]) -> Any:
+    """A one-time sign-in code, for the token's holder only (`gurtd portal`)."""
+    if req.json_body(optional=True):
+        raise ApiError(400, "the body must be {} or empty")
+    if req.session is not None:
+        raise ApiError(403, "sign-in codes are made with the bearer token", "forbidden")
+    code, life = req.server.sessions.new_code()
+    return 201, {"code": code, "path": "/?code=" + code, "expiresInSeconds": life}
+
+
+OPEN_HANDLERS = (h_portal, h_sessions_create, h_session_current)   # besides h_health
+
+
 # HTTP ##########################################################################################
 ###############################################################################################
 # One routing table; handlers parse, ask the Box, render.  Errors of every kind, http.server's
@@ -7734,7 +7997,7 @@ def follow_log(req: "Handler", task_id: str, path: str) -> None:
     req.close_connection = True
     last_beat, partial, f = time.monotonic(), b"", None
     with box.log_followers.follow(task_id) as watch, contextlib.ExitStack() as stack:
-        while not box.stopping:
+        while not box.stopping and not session_ended(req):
             seen = watch.generation
             ended = json.loads(box.rendered[task_id])["state"] not in ACTIVE_STATES
             if f is None:
@@ -7945,7 +8208,7 @@ def h_events(req: "Handler", params: dict[str, str]) -> Any:
             last = box.event_seq
     req.wfile.flush()
     beat = time.monotonic()
-    while not box.stopping:
+    while not box.stopping and not session_ended(req):
         if not fresh:
             with box.events_changed:
                 if box.event_seq == last:
@@ -8049,6 +8312,15 @@ ROUTES: list[Route] = [
      "The workspace's current view as a tar.gz, streamed"),
     ("GET", "/api/tasks/{id}/archive", h_task_archive,
      "What a finished task added or changed, as a tar.gz"),
+    # portal
+    ("GET", "/", h_portal, "The portal: one page to watch tasks and answer decisions"),
+    ("POST", "/api/sessions", h_sessions_create,
+     "Sign the portal in {code} or {token}: sets the session cookie"),
+    ("GET", "/api/sessions/current", h_session_current, "Is this browser signed in"),
+    ("GET", "/api/sessions", h_sessions_list, "List the portal's live sessions"),
+    ("DELETE", "/api/sessions/{id}", h_session_delete, "Revoke a session (sign out)"),
+    ("POST", "/api/sessions/codes", h_sign_in_code,
+     "A one-time sign-in code for the portal (bearer token only)"),
     ("GET", "/api/openapi.json", h_openapi, "This description"),
 ]
 
@@ -8519,9 +8791,10 @@ def api_operation(method: str, pattern: str, summary: str) -> dict[str, Any]:
                 content = {"application/json": content}
             responses[str(status)] = {"description": text, "content": {
                 t: {"schema": s} for t, s in content.items()}}
-    if pattern != "/api/health":
-        op["security"] = [{"bearer": []}]
-        responses.setdefault("401", _error("No or a wrong bearer token"))
+    if pattern != "/api/health" and not any(fn in OPEN_HANDLERS for m, p, fn, _ in ROUTES
+                                            if (m, p) == (method, pattern)):
+        op["security"] = [{"bearer": []}, {"portal": []}]
+        responses.setdefault("401", _error("No or a wrong bearer token or session cookie"))
         responses.setdefault("403", _error("A Host header or an Origin gurtd does not answer"))
         responses.setdefault("503", _error("gurtd is busy; try again (Retry-After)"))
     if "requestBody" in op:
@@ -8548,7 +8821,9 @@ def openapi(server: str = "http://127.0.0.1:7700") -> dict[str, Any]:
             op["tags"][0] for ops in paths.values() for op in ops.values())],
         "paths": paths,
         "components": {
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                                "portal": {"type": "apiKey", "in": "cookie",
+                                           "name": SESSION_COOKIE}},
             "schemas": api_schemas()},
     }
 
@@ -8630,6 +8905,7 @@ class Server(http.server.ThreadingHTTPServer):
         self.hosts = {f"{h}:{port}" for h in ("127.0.0.1", "localhost", "[::1]", listen_host)}
         self.origins = {"http://" + h for h in self.hosts}
         self.expected_auth = ("Bearer " + box.token).encode()
+        self.sessions = PortalSessions(box.path("sessions.json"), box.token)
         self.debug = bool(os.environ.get("GURT_DEBUG"))
         request = env_seconds("GURT_REQUEST_DEADLINE", REQUEST_DEADLINE)
         self.limits = (min(HEADER_DEADLINE, request), request)
@@ -8654,6 +8930,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     server: Server
     body_left = -1                   # body bytes not read yet; -1: unknown, close after answering
     answered = False                 # a status line went out for this request
+    session: PortalSession | None = None   # the portal session that authorized it
 
     @property
     def box(self) -> Box:
@@ -8743,6 +9020,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             raise ApiError(403, "cross-origin requests are refused", "cross_origin")
 
     def authorize(self) -> None:
+        self.session = None
+        if self.headers.get("Authorization") is None and self.headers.get("Cookie"):
+            return portal_authorize(self)
         given = self.headers.get("Authorization") or ""
         if not hmac.compare_digest(given.encode(), self.server.expected_auth):
             raise ApiError(401, "missing or wrong bearer token", "unauthorized")
@@ -8801,7 +9081,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             raw_path, _, query = self.path.partition("?")
             self.query = urllib.parse.parse_qs(query)
             fn, params = match_route(self.command, raw_path)
-            if fn is not h_health:
+            if fn is not h_health and fn not in OPEN_HANDLERS:
                 self.authorize()
             if fn in STREAMED_BODIES:         # files in: they check the length themselves
                 self.body_left = self.body_length(LIMIT_MAX)
@@ -9816,6 +10096,18 @@ def cmd_get(workspace: str | None, path: str | None, task_id: str | None, output
         if out is not sys.stdout.buffer:
             out.close()
             click.echo(f"wrote {target}", err=True)
+
+
+@cli.command("portal")
+@client_options
+def cmd_portal(box_home: str, listen: str) -> None:
+    """Print a one-time sign-in URL for the portal (a browser on this machine, or through an
+    SSH tunnel to the same port); it works once, within two minutes."""
+    client = Client(listen, box_home)
+    made = client.request("POST", "/sessions/codes", {})
+    host = f"[{client.host}]" if ":" in client.host else client.host
+    click.echo(f"http://{host}:{client.port}{made['path']}")
+    click.echo(f"(one use, valid for {int(made['expiresInSeconds'])} seconds)", err=True)
 
 
 def main() -> None:

@@ -4,7 +4,8 @@ Prints task start latency (POST until the worker runs inside its boxed view) wit
 400 layers, undo latency, GET /api/tasks/{id} rate with 10,000 stored tasks next to a bare
 http.server answering the same JSON, gurtd's RSS with 100 tasks running, GET latencies while
 the loop is busy, and tasks per second through a burst (`python tests/bench.py api`: those
-last figures only).
+figures only); then the portal's: a state change to a real browser showing it, and the page's
+size (`python tests/bench.py portal`: those only).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import Gurtd, make_home, remove_home  # noqa: E402
+from conftest import GURTD as GURTD_PATH, Gurtd, make_home, remove_home  # noqa: E402
 
 import gurtd as G  # noqa: E402
 
@@ -471,6 +472,7 @@ def main() -> None:
         remove_home(g.home)
     results += api_figures()
     results += personal_figures()
+    results += portal_figures()
     print_results(results)
 
 
@@ -537,8 +539,59 @@ def personal_figures() -> list[tuple[str, str, str]]:
     ]
 
 
+# portal ########################################################################################
+
+SEEN_DONE_JS = """
+window.seenDone = {};
+new MutationObserver(() => {
+  for (const row of document.querySelectorAll('#task-rows tr[data-state="done"]')) {
+    const id = row.id.slice(5);
+    if (!(id in window.seenDone)) window.seenDone[id] = Date.now();
+  }
+}).observe(document.getElementById("task-rows"), {childList: true, subtree: true,
+                                                  attributes: true});
+"""
+
+
+def portal_figures() -> list[tuple[str, str, str]]:
+    """A task's state change (its done, as saved) to the task list in a real headless
+    Chromium showing it (a MutationObserver notes the time), p50 over 20 tasks one after the
+    other; and the page's size."""
+    from test_portal import chromium, quit_browser, sign_in
+    page = os.path.getsize(os.path.join(os.path.dirname(GURTD_PATH), "portal.html"))
+    g = Gurtd(make_home())
+    g.start()
+    driver, profile = chromium()
+    try:
+        sign_in(driver, g)
+        driver.execute_script("location.hash = '#/tasks'")
+        time.sleep(0.2)
+        driver.execute_script(SEEN_DONE_JS)
+        delays = []
+        for _ in range(20):
+            task = g.wait(g.create("true", title="portal bench")["id"])
+            assert task["state"] == "done", task
+            deadline = time.monotonic() + 10
+            while (seen := driver.execute_script("return window.seenDone[arguments[0]]",
+                                                 task["id"])) is None:
+                assert time.monotonic() < deadline, "the portal never showed the task done"
+                time.sleep(0.01)
+            delays.append(seen - ts(task["updatedAt"]) * 1000)
+    finally:
+        quit_browser(driver, profile)
+        g.stop()
+        remove_home(g.home)
+    return [
+        ("portal: state change to shown in the browser, p50 / p95 (ms)",
+         f"{statistics.median(delays):.1f} / {pct(delays, 95):.1f}", "p50 <= 300"),
+        ("portal: page size (KB, uncompressed)", f"{page / 1000:.1f}", "<= 100"),
+    ]
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["personal"]:     # python tests/bench.py personal: this section only
         print_results(personal_figures())
+    elif sys.argv[1:] == ["portal"]:     # python tests/bench.py portal: the portal's only
+        print_results(portal_figures())
     else:
         main()

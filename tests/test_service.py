@@ -54,8 +54,10 @@ def test_the_openapi_description_has_exactly_the_routes(gurtd):
 def test_health_needs_no_token_and_nothing_else_is_open(gurtd):
     code, body, _ = gurtd.request("GET", "/api/health", token=False)
     assert code == 200 and body["ok"] is True
-    for method, pattern, _, _ in G.ROUTES:
-        if pattern == "/api/health":
+    opened = {(m, p) for m, p, fn, _ in G.ROUTES if fn in G.OPEN_HANDLERS}
+    assert opened == {("GET", "/"), ("POST", "/api/sessions"), ("GET", "/api/sessions/current")}
+    for method, pattern, fn, _ in G.ROUTES:
+        if pattern == "/api/health" or fn in G.OPEN_HANDLERS:
             continue
         path = pattern.replace("{id}", "t000000000").replace("{name}", "home") \
             .replace("{path}", "x")

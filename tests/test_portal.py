@@ -1,0 +1,657 @@
+"""The portal, told by a person in a real browser (headless Chromium driven by selenium).
+
+They sign in with the one-time URL that `gurtd portal` prints, start a fake task from the form
+and watch it finish without reloading, follow a log, deny a spending with a reason, answer an
+ask, undo a task and see its file go, and sign out.  A page from another origin, open in the
+same browser, can neither start a task nor read one.  Every page is photographed at 1280 and
+360 px wide into the test's output folder, and the browser's console stays free of errors.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import http.server
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Iterator
+
+import pytest
+
+from conftest import GURTD, ROOT, Gurtd, eventually, running_gurtd
+
+try:
+    from selenium import webdriver
+    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+except ImportError:                         # a missing prerequisite fails, never skips
+    webdriver = None
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+REJECTED = 'Tool call "{tool}" was rejected by the owner: {reason}'
+WIDTHS = (1280, 360)
+
+
+# the browser ##################################################################################
+
+def chromium() -> tuple[Any, str]:
+    """A headless Chromium under chromedriver with an empty profile of its own: (driver,
+    profile dir).  The flags keep it off every network but loopback (no updates, sync, QUIC)."""
+    assert webdriver is not None, "selenium is missing: pip install -r requirements-test.txt"
+    for path in (CHROMIUM, CHROMEDRIVER):
+        assert os.access(path, os.X_OK), f"{path} is missing: apt-get install chromium " \
+                                         "chromium-driver"
+    profile = tempfile.mkdtemp(prefix="gurt-chromium-")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+                 "--disable-breakpad",
+                 f"--user-data-dir={profile}", "--window-size=1280,900"):
+        opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    # its HOME and caches in the profile too, so that nothing lands in root's home
+    env = {**os.environ, "HOME": profile, "XDG_CONFIG_HOME": os.path.join(profile, "config"),
+           "XDG_CACHE_HOME": os.path.join(profile, "cache")}
+    service = webdriver.ChromeService(executable_path=CHROMEDRIVER, env=env)
+    return webdriver.Chrome(options=opts, service=service), profile
+
+
+def quit_browser(driver: Any, profile: str) -> None:
+    """Quit, and check that no process of this browser outlives it."""
+    pid = driver.service.process.pid
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+    eventually(lambda: not os.path.exists(f"/proc/{pid}"), 10, "chromedriver to exit")
+    left = subprocess.run(["pgrep", "-f", profile], capture_output=True, text=True).stdout.split()
+    assert not left, f"browser processes left behind: {left}"
+
+
+def sign_in_url(g: Gurtd) -> str:
+    """What `gurtd portal` prints: a one-time sign-in URL."""
+    out = subprocess.run([sys.executable, GURTD, "portal", "--listen", f"127.0.0.1:{g.port}",
+                          "--box-home", g.home], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    url = out.stdout.strip()
+    assert url.startswith(f"http://127.0.0.1:{g.port}/?code="), url
+    return url
+
+
+def sign_in(driver: Any, g: Gurtd) -> None:
+    driver.get(sign_in_url(g))
+    wait(driver, lambda d: d.find_element(By.ID, "top").is_displayed(), "the portal's pages")
+
+
+def wait(driver: Any, check: Any, what: str, timeout: float = 20.0) -> Any:
+    try:
+        return WebDriverWait(driver, timeout, poll_frequency=0.02,
+                             ignored_exceptions=(StaleElementReferenceException,)).until(check)
+    except TimeoutException:
+        raise AssertionError(f"timed out waiting for {what}; page:\n" +
+                             driver.find_element(By.TAG_NAME, "body").text[:3000]) from None
+
+
+def go(driver: Any, hash_: str, ready: str) -> None:
+    """Follow a link inside the page (no reload) and wait for an element of the new page."""
+    driver.execute_script("location.hash = arguments[0]", hash_)
+    wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, ready), hash_)
+
+
+def confirm(driver: Any) -> None:
+    """Say yes in the page's own confirm dialog (by keyboard: focus is on OK)."""
+    wait(driver, lambda d: d.find_element(By.ID, "confirm").get_attribute("open") is not None,
+         "the confirm dialog")
+    assert driver.switch_to.active_element.get_attribute("id") == "confirm-yes"
+    driver.switch_to.active_element.send_keys(Keys.ENTER)
+
+
+def console_errors(driver: Any, allowed: tuple[str, ...] = ()) -> list[str]:
+    """The console's errors since the last call, less those the story expects."""
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"
+            and not any(a in e["message"] for a in allowed)]
+
+
+def state_shown(driver: Any, task_id: str) -> str | None:
+    rows = driver.find_elements(By.ID, f"task-{task_id}")
+    return rows[0].get_attribute("data-state") if rows else None
+
+
+def pending(g: Gurtd, task_id: str) -> dict[str, Any]:
+    found = eventually(lambda: g.api("GET", f"/api/approvals?state=pending&task={task_id}"),
+                       20, f"a pending approval of {task_id}")
+    return found[0]
+
+
+# fixtures #####################################################################################
+
+@pytest.fixture(scope="module")
+def g() -> Iterator[Gurtd]:
+    with running_gurtd() as gurtd:
+        yield gurtd
+
+
+@pytest.fixture(scope="module")
+def browser(g: Gurtd) -> Iterator[Any]:
+    driver, profile = chromium()
+    try:
+        sign_in(driver, g)
+        yield driver
+    finally:
+        quit_browser(driver, profile)
+
+
+@pytest.fixture(scope="module")
+def shots() -> str:
+    """The test's output folder for screenshots, kept for people to look at:
+    $GURT_TEST_OUTPUT/portal, else tests/output/portal (ignored by git); emptied first."""
+    base = os.environ.get("GURT_TEST_OUTPUT") or os.path.join(ROOT, "tests", "output")
+    path = os.path.join(base, "portal")
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def no_console_errors(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "browser" in request.fixturenames:
+        driver = request.getfixturevalue("browser")
+        assert console_errors(driver) == []
+
+
+NOTIFICATION_RECORDER = """
+window.shown = [];
+const Real = window.Notification;
+window.Notification = class extends Real {
+  constructor(title, opts) { super(title, opts); window.shown.push(title + "|" + opts.body); }
+};
+"""
+
+
+# sign-in ######################################################################################
+
+def test_a_one_time_url_signs_in_once_and_leaves_nothing_secret_behind(g: Gurtd,
+                                                                       browser: Any) -> None:
+    d = browser
+    # signed in by the fixture through the printed URL; the code left the address bar
+    assert "code=" not in d.current_url
+    assert d.execute_script("return location.search") == ""
+    assert d.execute_script("return document.cookie") == ""          # HttpOnly
+    cookie = next(c for c in d.get_cookies() if c["name"] == "gurt_session")
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/"
+    assert cookie["expiry"] > time.time() + 3600
+    html = d.page_source
+    assert g.token not in html and cookie["value"] not in html
+    # on disk, only a hash of the secret
+    with open(os.path.join(g.home, "sessions.json")) as f:
+        stored = f.read()
+    assert cookie["value"] not in stored and '"hash"' in stored
+    sessions = g.api("GET", "/api/sessions")
+    assert [s["via"] for s in sessions] == ["code"]
+    assert sessions[0]["id"] not in d.find_element(By.TAG_NAME, "body").text
+
+    # a second browser: its code works once; used again it gets the sign-in form
+    url = sign_in_url(g)
+    other, profile = chromium()
+    try:
+        other.get(url)
+        wait(other, lambda x: x.find_element(By.ID, "top").is_displayed(), "signed in")
+        other.delete_all_cookies()
+        other.get(url)                       # used already
+        wait(other, lambda x: "did not work" in x.find_element(By.ID, "signin-error").text,
+             "the refusal")
+        assert not other.find_element(By.ID, "top").is_displayed()
+        assert other.find_elements(By.ID, "task-rows") == []
+        assert "code=" not in other.current_url
+        # the token pasted into the form signs in too
+        other.find_element(By.ID, "token").send_keys(g.token + Keys.ENTER)
+        wait(other, lambda x: x.find_element(By.ID, "top").is_displayed(), "the pages")
+        assert console_errors(other, ("/api/sessions - Failed to load resource",)) == []
+    finally:
+        quit_browser(other, profile)
+    assert sorted(s["via"] for s in g.api("GET", "/api/sessions")) == ["code", "code", "token"]
+
+
+# tasks ########################################################################################
+
+def test_a_task_started_from_the_form_goes_to_done_without_a_reload(g: Gurtd,
+                                                                     browser: Any) -> None:
+    d = browser
+    go(d, "#/new", "#new-task")
+    d.execute_script("window.notReloaded = true")
+    # a bad host: the API's own error, next to its field, and no task
+    before = len(g.api("GET", "/api/tasks"))
+    d.find_element(By.ID, "in-title").send_keys("bad")
+    d.find_element(By.ID, "in-prompt").send_keys("true")
+    d.find_element(By.ID, "in-hosts").send_keys("http://nope/")
+    d.find_element(By.ID, "start").click()
+    err = wait(d, lambda x: x.find_element(By.ID, "err-hosts").text, "the hosts error")
+    assert err.startswith('hosts: "http://nope/"'), err
+    assert d.switch_to.active_element.get_attribute("id") == "in-hosts"
+    assert len(g.api("GET", "/api/tasks")) == before
+    assert console_errors(d, ("/api/tasks - Failed to load resource: the server responded "
+                              "with a status of 400",)) == []
+    for field in ("in-title", "in-prompt", "in-hosts"):
+        d.find_element(By.ID, field).clear()
+    # by keyboard: the title, Tab, the prompt
+    d.find_element(By.ID, "in-title").send_keys("from the portal", Keys.TAB)
+    assert d.switch_to.active_element.get_attribute("id") == "in-prompt"
+    d.switch_to.active_element.send_keys("echo hello from the form\nsleep 0.5\n"
+                                         "echo made > portal-made.txt")
+    Select(d.find_element(By.ID, "in-worker")).select_by_visible_text("fake")
+    d.find_element(By.ID, "start").click()
+    wait(d, lambda x: "#/task/" in x.current_url, "the new task's page")
+    task_id = d.current_url.rsplit("/", 1)[1]
+    assert g.task(task_id)["source"] == "portal"
+    wait(d, lambda x: x.find_element(By.CSS_SELECTOR, "#task-fields .state")
+         .get_attribute("data-state") == "done", "done on the task page")
+    assert d.execute_script("return window.notReloaded") is True
+    log = wait(d, lambda x: [e.text for e in x.find_elements(By.CSS_SELECTOR,
+                                                               "#task-log li.k-stdout")],
+               "stdout lines")
+    assert any("hello from the form" in line for line in log)
+    wait(d, lambda x: "portal-made.txt" in x.find_element(By.ID, "task-changes").text,
+         "the change")
+    go(d, "#/tasks", "#task-rows")
+    assert state_shown(d, task_id) == "done"
+    # a task made elsewhere appears in the list by itself
+    other = g.create("sleep 0.3", title="made by curl")
+    wait(d, lambda x: state_shown(x, other["id"]) == "done", "the curl task, done")
+    assert d.execute_script("return window.notReloaded") is True
+    # filters: by state
+    Select(d.find_element(By.ID, "f-state")).select_by_value("failed")
+    assert state_shown(d, other["id"]) is None
+    Select(d.find_element(By.ID, "f-state")).select_by_value("")
+    assert state_shown(d, other["id"]) == "done"
+
+
+def test_a_log_follows_live_with_kinds_told_apart(g: Gurtd, browser: Any) -> None:
+    d = browser
+    task = g.create("echo first\necho oops >&2\nsleep 1.5\necho last", title="chatty")
+    go(d, f"#/task/{task['id']}", "#task-log")
+    wait(d, lambda x: x.find_elements(By.CSS_SELECTOR, "#task-log li.k-stderr"), "stderr")
+    assert g.task(task["id"])["state"] == "running"         # seen while it still runs
+    kinds = [e.get_attribute("data-kind") for e in
+             d.find_elements(By.CSS_SELECTOR, "#task-log li")]
+    assert "stdout" in kinds and "state" in kinds and "step" in kinds
+    wait(d, lambda x: "last" in x.find_element(By.ID, "task-log").text, "the last line")
+    assert g.wait(task["id"])["state"] == "done"
+
+
+# decisions ####################################################################################
+
+def test_a_budget_pause_reaches_the_inbox_within_a_second_and_a_denial_needs_a_reason(
+        g: Gurtd, browser: Any) -> None:
+    d = browser
+    g.api("PUT", "/api/wallet", {"balanceCents": 1000})
+    go(d, "#/inbox", "#inbox")
+    # the person allowed notifications: a new decision raises one
+    d.execute_cdp_cmd("Browser.grantPermissions", {"permissions": ["notifications"],
+                                                   "origin": f"http://127.0.0.1:{g.port}"})
+    d.execute_script(NOTIFICATION_RECORDER)
+    pay = "gurtd tool wallet.pay '{\"to\": \"shop\", \"cents\": 40}'; echo \"pay exit $?\""
+    task = g.create(pay, title="wants to pay", tools=["wallet.pay"])
+    g.wait(task["id"], ("waiting",))
+    paused = time.monotonic()
+    approval = pending(g, task["id"])
+    card = wait(d, lambda x: x.find_elements(By.ID, f"approval-{approval['id']}"),
+                "the approval card", timeout=5)[0]
+    assert time.monotonic() - paused < 1.0
+    assert "40" in card.text and "wants to pay" in card.text and "wallet.pay" in card.text
+    assert d.title.startswith("(1) ")
+    assert wait(d, lambda x: x.execute_script("return window.shown"), "a notification") == [
+        "gurtd: a decision waits|wants to pay: wallet.pay 40¢"]
+    # deny without a reason: refused in the page, nothing sent
+    card.find_element(By.CSS_SELECTOR, "button.danger").click()
+    assert "reason is required" in card.find_element(By.CSS_SELECTOR, ".err").text
+    assert g.api("GET", f"/api/approvals/{approval['id']}")["state"] == "pending"
+    reason = "not this month"
+    card.find_element(By.ID, f"reason-{approval['id']}").send_keys(reason + Keys.ENTER)
+    wait(d, lambda x: not x.find_elements(By.ID, f"approval-{approval['id']}"), "the card gone")
+    assert not d.title.startswith("(")
+    done = g.wait(task["id"])
+    assert done["state"] == "done"
+    stderr = [e["text"] for e in g.log(task["id"]) if e["type"] == "stderr"]
+    assert any(REJECTED.format(tool="wallet.pay", reason=reason) in s for s in stderr), stderr
+    assert g.api("GET", "/api/wallet")["balanceCents"] == 1000
+
+
+def test_approve_all_pays_every_spending_and_the_wallet_shows_it(g: Gurtd,
+                                                                  browser: Any) -> None:
+    d = browser
+    g.api("PUT", "/api/wallet", {"balanceCents": 500})
+    go(d, "#/inbox", "#inbox")
+    made = [g.create(f"gurtd tool wallet.pay '{{\"to\": \"{to}\", \"cents\": {c}}}'",
+                     title=f"pays {to}", tools=["wallet.pay"]) for to, c in (("ann", 7),
+                                                                            ("bo", 9))]
+    for task in made:
+        approval = pending(g, task["id"])
+        wait(d, lambda x: x.find_elements(By.ID, f"approval-{approval['id']}"), "its card")
+    assert d.title.startswith("(2) ")
+    d.find_element(By.ID, "approve-all").click()
+    confirm(d)
+    for task in made:
+        assert g.wait(task["id"])["state"] == "done"
+    wait(d, lambda x: not x.find_elements(By.CSS_SELECTOR, "#inbox article"), "an empty inbox")
+    go(d, "#/wallet", "#ledger tr")
+    wait(d, lambda x: "4.84" in x.find_element(By.ID, "balance").text or
+         "484" in x.find_element(By.ID, "balance").text, "the balance after paying")
+    ledger = d.find_element(By.ID, "ledger").text
+    assert "ann" in ledger and "bo" in ledger
+    assert d.find_elements(By.CSS_SELECTOR, "#ledger time[title]")     # exact time on hover
+
+
+def test_an_ask_is_answered_from_the_inbox(g: Gurtd, browser: Any) -> None:
+    d = browser
+    go(d, "#/inbox", "#inbox")
+    task = g.create("gurtd tool ask '{\"question\": \"Which colour?\"}'", title="asks",
+                    tools=["ask"])
+    approval = pending(g, task["id"])
+    card = wait(d, lambda x: x.find_elements(By.ID, f"approval-{approval['id']}"),
+                "the ask")[0]
+    assert "Which colour?" in card.text
+    card.find_element(By.ID, f"answer-{approval['id']}").send_keys("teal" + Keys.ENTER)
+    wait(d, lambda x: not x.find_elements(By.ID, f"approval-{approval['id']}"), "answered")
+    answered = g.api("GET", f"/api/approvals/{approval['id']}")
+    assert answered["state"] == "approved" and answered["answer"] == "teal"
+    assert g.wait(task["id"])["state"] == "done"
+    assert any("teal" in line for line in g.output(task["id"]))
+
+
+def test_undo_from_the_task_page_and_the_file_leaves_the_files_view(g: Gurtd,
+                                                                    browser: Any) -> None:
+    d = browser
+    task = g.run("echo bye > portal-undo.txt", title="to be undone")
+    assert task["state"] == "done"
+    go(d, "#/files/home", "#files li")
+    wait(d, lambda x: x.find_elements(By.CSS_SELECTOR, '#files li[data-name="portal-undo.txt"]'),
+         "the file listed")
+    go(d, f"#/task/{task['id']}", "#btn-undo")
+    d.find_element(By.ID, "btn-undo").click()
+    confirm(d)
+    wait(d, lambda x: x.find_element(By.CSS_SELECTOR, "#task-fields .state")
+         .get_attribute("data-state") == "undone", "undone")
+    assert g.task(task["id"])["state"] == "undone"
+    assert not d.find_elements(By.ID, "btn-undo") and not d.find_elements(By.ID, "btn-stop")
+    go(d, "#/files/home", "#files li")
+    wait(d, lambda x: not x.find_elements(By.CSS_SELECTOR,
+                                          '#files li[data-name="portal-undo.txt"]'),
+         "the file gone")
+    assert g.file("home", "portal-undo.txt") is None
+
+
+def test_a_stop_needs_a_yes(g: Gurtd, browser: Any) -> None:
+    d = browser
+    task = g.create("sleep 30", title="long")
+    g.wait(task["id"], ("running",))
+    go(d, f"#/task/{task['id']}", "#btn-stop")
+    d.find_element(By.ID, "btn-stop").click()
+    wait(d, lambda x: x.find_element(By.ID, "confirm").get_attribute("open") is not None,
+         "the dialog")
+    d.switch_to.active_element.send_keys(Keys.ESCAPE)          # no: nothing happens
+    time.sleep(0.3)
+    assert g.task(task["id"])["state"] == "running"
+    d.find_element(By.ID, "btn-stop").click()
+    confirm(d)
+    assert g.wait(task["id"])["error"] == "stopped"
+
+
+def test_settings_errors_show_next_to_their_field(g: Gurtd, browser: Any) -> None:
+    d = browser
+    go(d, "#/settings", "#in-maxRunningTasks")
+    field = d.find_element(By.ID, "in-maxRunningTasks")
+    field.clear()
+    field.send_keys("0")
+    d.find_element(By.ID, "save-settings").click()
+    err = wait(d, lambda x: x.find_element(By.ID, "err-maxRunningTasks").text, "the error")
+    assert "maxRunningTasks must be a whole number" in err
+    assert g.api("GET", "/api/settings")["maxRunningTasks"] == 8
+    # the API's 400 is the one console line, and an expected one
+    assert console_errors(d, ("/api/settings - Failed to load resource: the server responded "
+                              "with a status of 400",)) == []
+    field.clear()
+    field.send_keys("9")
+    d.find_element(By.ID, "save-settings").click()
+    eventually(lambda: g.api("GET", "/api/settings")["maxRunningTasks"] == 9, 10, "saved")
+    assert d.find_element(By.ID, "err-maxRunningTasks").text == ""
+    g.api("PUT", "/api/settings", {"maxRunningTasks": 8})
+
+
+def test_every_page_at_1280_and_360_px(g: Gurtd, browser: Any, shots: str) -> None:
+    d = browser
+    some = g.run("echo shot > shot.txt", title="for the pictures")
+    asking = g.create("gurtd tool ask '{\"question\": \"Ship the release?\"}'",
+                      title="asks for the pictures", tools=["ask"])
+    ask = pending(g, asking["id"])
+    pages = [("tasks", "#/tasks", "#task-rows"), ("task", f"#/task/{some['id']}", "#task-log li"),
+             ("inbox", "#/inbox", "#inbox article"), ("new", "#/new", "#new-task"),
+             ("files", "#/files/home", "#files li"), ("wallet", "#/wallet", "#ledger"),
+             ("settings", "#/settings", "#settings")]
+    try:
+        for width in WIDTHS:
+            d.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+                "width": width, "height": 800, "deviceScaleFactor": 1, "mobile": width < 600})
+            for name, hash_, ready in pages:
+                go(d, hash_, ready)
+                text = d.find_element(By.TAG_NAME, "main").text
+                assert "null" not in text and "undefined" not in text, (name, text)
+                wide = d.execute_script("return document.documentElement.scrollWidth")
+                assert wide <= width, f"{name} at {width} px scrolls sideways: {wide}"
+                path = os.path.join(shots, f"{name}-{width}.png")
+                assert d.save_screenshot(path) and os.path.getsize(path) > 1000
+                # keyboard: the page's heading has focus, and Tab reaches a link or control
+                assert d.switch_to.active_element.tag_name == "h1"
+        # dark and light follow the system's setting
+        background = "return getComputedStyle(document.body).backgroundColor"
+        light = d.execute_script(background)
+        d.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": [
+            {"name": "prefers-color-scheme", "value": "dark"}]})
+        dark = d.execute_script(background)
+        assert light == "rgb(255, 255, 255)" and dark != light, (light, dark)
+        assert d.save_screenshot(os.path.join(shots, f"settings-{WIDTHS[-1]}-dark.png"))
+    finally:
+        d.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
+        d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+        g.api("POST", f"/api/approvals/{ask['id']}/answer", {"answer": "yes"})
+    assert len(os.listdir(shots)) >= 2 * len(pages)
+
+
+# other origins ################################################################################
+
+EVIL_PAGE = """<!doctype html><meta charset="utf-8"><title>evil</title>
+<form id="f" method="post" enctype="text/plain" action="http://127.0.0.1:{port}/api/tasks">
+<input name='{{"title": "evil", "prompt": "touch evil", "worker": "fake", "x": "' value='"}}'>
+</form>
+<pre id="out"></pre>
+<script>
+const out = document.getElementById("out");
+const target = "http://127.0.0.1:{port}";
+async function tryIt(name, p) {{
+  try {{ const r = await p; out.textContent += name + ": status " + r.status + " " +
+           (r.type === "opaque" ? "opaque" : await r.text()) + "\\n"; }}
+  catch (e) {{ out.textContent += name + ": refused\\n"; }}
+}}
+(async () => {{
+  await tryIt("read", fetch(target + "/api/tasks", {{credentials: "include"}}));
+  await tryIt("start", fetch(target + "/api/tasks", {{method: "POST", credentials: "include",
+    mode: "no-cors", headers: {{"Content-Type": "text/plain"}},
+    body: JSON.stringify({{title: "evil", prompt: "touch evil", worker: "fake"}})}}));
+  await tryIt("start-header", fetch(target + "/api/tasks", {{method: "POST",
+    credentials: "include", headers: {{"X-Gurt-Portal": "1", "Content-Type": "application/json"}},
+    body: JSON.stringify({{title: "evil", prompt: "touch evil", worker: "fake"}})}}));
+  out.textContent += "done\\n";
+}})();
+</script>"""
+
+
+@pytest.fixture
+def evil_site(g: Gurtd) -> Iterator[str]:
+    """A page of another origin: the same loopback address on another port (same-site for a
+    browser, so the SameSite=Strict cookie alone would not stop it)."""
+    page = EVIL_PAGE.format(port=g.port).encode()
+
+    class Evil(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Evil)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_a_page_of_another_origin_can_neither_start_nor_read(g: Gurtd, browser: Any,
+                                                             evil_site: str) -> None:
+    d = browser
+    before = len(g.api("GET", "/api/tasks"))
+    d.get(evil_site)
+    out = wait(d, lambda x: "done" in x.find_element(By.ID, "out").text and
+               x.find_element(By.ID, "out").text, "the evil page's tries")
+    assert "read: refused" in out, out                   # nothing read
+    assert "start-header: refused" in out, out           # the preflight is not granted
+    assert "opaque" in out or "start: refused" in out, out
+    d.execute_script("document.getElementById('f').submit()")
+    wait(d, lambda x: "cross" in x.find_element(By.TAG_NAME, "body").text, "gurtd's refusal")
+    assert "cross-origin requests are refused" in d.find_element(By.TAG_NAME, "body").text
+    time.sleep(0.3)
+    assert len(g.api("GET", "/api/tasks")) == before
+    assert not any(t["title"] == "evil" for t in g.api("GET", "/api/tasks"))
+    d.get_log("browser")            # the evil page's own refusals are its console's errors
+    sign_in(d, g)                    # back home (a cross-site visit to / is refused too)
+
+
+def test_a_change_with_the_cookie_needs_the_portal_header(g: Gurtd, browser: Any) -> None:
+    cookie = next(c for c in browser.get_cookies() if c["name"] == "gurt_session")["value"]
+    jar = {"Cookie": f"gurt_session={cookie}", "Content-Type": "application/json"}
+    body = {"title": "t", "prompt": "true", "worker": "fake"}
+    code, data, _ = g.request("POST", "/api/tasks", body, headers=jar, token=False)
+    assert code == 403 and data["code"] == "cross_origin", data
+    code, data, _ = g.request("POST", "/api/tasks", body, token=False,
+                              headers={**jar, "X-Gurt-Portal": "1",
+                                       "Sec-Fetch-Site": "same-site"})
+    assert code == 403, data
+    code, data, _ = g.request("GET", "/api/tasks", headers=jar, token=False)
+    assert code == 200 and isinstance(data, list)
+    # a sign-in code is made with the token only
+    code, data, _ = g.request("POST", "/api/sessions/codes", {}, token=False,
+                              headers={**jar, "X-Gurt-Portal": "1"})
+    assert code == 403, data
+
+
+# last: sign out ###############################################################################
+
+def test_sign_out_and_be_refused(g: Gurtd, browser: Any) -> None:
+    d = browser
+    cookie = next(c for c in d.get_cookies() if c["name"] == "gurt_session")["value"]
+    go(d, "#/settings", "#sign-out")
+    d.find_element(By.ID, "sign-out").click()
+    confirm(d)
+    wait(d, lambda x: x.find_elements(By.ID, "signin"), "the sign-in form")
+    assert not d.find_element(By.ID, "top").is_displayed()
+    assert not [c for c in d.get_cookies() if c["name"] == "gurt_session"]
+    code, data, _ = g.request("GET", "/api/tasks", token=False,
+                              headers={"Cookie": f"gurt_session={cookie}"})
+    assert code == 401, data
+    d.refresh()
+    wait(d, lambda x: x.find_elements(By.ID, "signin"), "the sign-in form after a reload")
+    assert d.find_elements(By.ID, "task-rows") == []
+
+
+# sessions without a browser ###################################################################
+
+def test_codes_and_sessions_expire_and_survive_a_restart(new_gurtd: Any) -> None:
+    g = new_gurtd({"GURT_SESSION_SECONDS": "3", "GURT_SIGN_IN_CODE_SECONDS": "1"})
+    portal = {"X-Gurt-Portal": "1"}
+    made = g.api("POST", "/api/sessions/codes", {}, status=201)
+    time.sleep(1.2)
+    code, data, _ = g.request("POST", "/api/sessions", {"code": made["code"]}, token=False,
+                              headers=portal)
+    assert code == 401, data                                  # too late
+    code, data, _ = g.request("POST", "/api/sessions", {"token": "wrong"}, token=False,
+                              headers=portal)
+    assert code == 401, data
+    code, data, _ = g.request("POST", "/api/sessions", {"token": g.token}, token=False)
+    assert code == 403, data                                  # not from the page
+    code, data, headers = g.request("POST", "/api/sessions", {"token": g.token}, token=False,
+                                    headers=portal)
+    assert code == 201, data
+    set_cookie = headers["set-cookie"]
+    for part in ("HttpOnly", "SameSite=Strict", "Path=/", "Max-Age=3"):
+        assert part in set_cookie, set_cookie
+    secret = set_cookie.split(";")[0].split("=", 1)[1]
+    jar = {"Cookie": f"gurt_session={secret}"}
+    g.restart()                                               # sessions are kept on disk
+    code, data, _ = g.request("GET", "/api/tasks", token=False, headers=jar)
+    assert code == 200, data
+    with open(os.path.join(g.home, "sessions.json")) as f:
+        assert secret not in f.read()
+    # a revoked session's open event stream ends too
+    code, data, headers = g.request("POST", "/api/sessions", {"token": g.token}, token=False,
+                                    headers=portal)
+    other = {"Cookie": headers["set-cookie"].split(";")[0]}
+    conn = http.client.HTTPConnection("127.0.0.1", g.port, timeout=10)
+    conn.request("GET", "/api/events", headers=other)
+    stream = conn.getresponse()
+    assert stream.status == 200 and stream.readline().startswith(b": gurtd events")
+    code, listed, _ = g.request("GET", "/api/sessions", token=False, headers=other)
+    mine = next(s for s in listed if s["current"])
+    g.api("DELETE", f"/api/sessions/{mine['id']}")
+    started = time.monotonic()
+    assert stream.read() is not None                          # returns at the stream's end
+    assert time.monotonic() - started < 5
+    conn.close()
+    time.sleep(3.2)
+    code, data, _ = g.request("GET", "/api/tasks", token=False, headers=jar)
+    assert code == 401, data                                  # expired
+    code, data, _ = g.request("GET", "/api/sessions/current", token=False, headers=jar)
+    assert data == {"signedIn": False}
+    # the page itself is no secret; it comes without a token and sets a strict policy
+    conn = http.client.HTTPConnection("127.0.0.1", g.port, timeout=10)
+    conn.request("GET", "/", headers={"Host": f"127.0.0.1:{g.port}"})
+    resp = conn.getresponse()
+    page = resp.read()
+    conn.close()
+    assert resp.status == 200 and b"<title>gurtd</title>" in page
+    assert g.token.encode() not in page
+    assert "script-src 'sha256-" in resp.getheader("Content-Security-Policy")
+    assert len(page) <= 100_000
+
+
+def test_a_damaged_sessions_file_is_set_aside_and_gurtd_starts(new_gurtd: Any) -> None:
+    g = new_gurtd()
+    path = os.path.join(g.home, "sessions.json")
+    g.stop()
+    with open(path, "w") as f:
+        f.write('{"sessions": [{"id": "s1", "hash": ')          # cut short by a crash
+    g.start()
+    assert g.api("GET", "/api/sessions") == []
+    assert [n for n in os.listdir(g.home) if n.startswith("sessions.json.damaged-")]
+    g.stop()
+    with open(path, "w") as f:
+        json.dump({"sessions": 7}, f)                           # the wrong shape
+    g.start()
+    assert g.api("GET", "/api/sessions") == []
+    code, data, headers = g.request("POST", "/api/sessions", {"token": g.token}, token=False,
+                                    headers={"X-Gurt-Portal": "1"})
+    assert code == 201 and len(g.api("GET", "/api/sessions")) == 1
