@@ -8690,7 +8690,7 @@ def api_schemas() -> dict[str, Any]:
         "hosts": {"items": HOST_SCHEMA},
         "budgetCents": {"minimum": 0},
         "source": {"minLength": 1, "maxLength": 100}}
-    types = {str: "string", list: "array", dict: "object", (int, float): "number"}
+    types = {str: "string", list: "array", dict: "object", (int, float): "number", bool: "boolean"}
     create = {"type": "object", "additionalProperties": False, "required": ["title", "prompt"],
               "properties": {k: {**TASK_SCHEMA["properties"].get(k, {"type": types[kind]}),
                                  **create_rules.get(k, {})}
