@@ -97,7 +97,6 @@ from typing import Any, Callable, Iterator
 
 import click
 import zoneinfo
-from croniter import CroniterError, croniter
 
 # Constants and paths ###########################################################################
 ###############################################################################################
@@ -5278,7 +5277,10 @@ def cron_next(cron: str, zone: str, after: float, count: int) -> list[float]:
     croniter walks the wall clock: in a repeated hour (autumn) a fixed-hour line would match
     twice; that second match (fold=1) is left out.  A line whose hour is a wildcard (`*`,
     `*/2`) runs by elapsed time and keeps both.  A time that does not exist (spring) is moved
-    to the end of the gap by croniter; a run that lands on an instant already given is one."""
+    to the end of the gap by croniter; a run that lands on an instant already given is one.
+    croniter is imported here, not at the top: `gurtd tool` runs this module inside a task,
+    where gurtd's virtual environment is not."""
+    from croniter import croniter
     tz = cron_zone(zone)
     fixed_hour = "*" not in cron.split()[1]
     it = croniter(cron, datetime.datetime.fromtimestamp(after, tz))
@@ -5303,6 +5305,7 @@ def cron_check(cron: Any, zone: str) -> str:
     """A cron line in the standard five-field form (minute hour day-of-month month
     day-of-week; ranges, steps, lists, names such as MON or JAN), or ApiError(400) naming the
     field.  A line that never matches (February 30) is refused too."""
+    from croniter import CroniterError, croniter
     if not isinstance(cron, str):
         raise ApiError(400, "cron must be a string such as '0 3 * * MON-FRI'")
     fields = cron.split()
