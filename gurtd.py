@@ -5804,7 +5804,6 @@ class Jira:
         self.wake = threading.Event()
         self.thread: threading.Thread | None = None
         self.backoff = 0.0
-        self.status: dict[str, Any] = {"lastPoll": None, "lastError": None}
 
     @property
     def file(self) -> str:
@@ -5927,12 +5926,10 @@ class Jira:
                         self.poll(config)
                         next_poll = time.monotonic() + config["pollSeconds"]
                     self.backoff = 0.0
-                    self.status["lastError"] = None
                     wait = max(0.0, next_poll - time.monotonic())
                 except JiraError as exc:
                     self.backoff = min(JIRA_BACKOFF_MAX, max(2.0, self.backoff * 2))
                     wait = max(self.backoff, exc.retry_after or 0.0)
-                    self.status["lastError"] = str(exc)
                     log(4, f"jira: {exc}; trying again in {wait:.0f} s")
                 except ApiError as exc:          # the loop was busy: try again soon
                     wait = 5.0
@@ -5955,7 +5952,6 @@ class Jira:
                               "maxResults": JIRA_MAX_ISSUES})
         keys = [i.get("key") for i in (found or {}).get("issues", []) if isinstance(i, dict)]
         keys = [k for k in keys if isinstance(k, str) and JIRA_KEY_RE.match(k)]
-        self.status["lastPoll"] = now_iso()
         taken = set(self.box.call(self.known, keys))
         for key in keys:
             if key in taken or self.box.stopping:

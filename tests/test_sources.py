@@ -206,6 +206,9 @@ class JiraStandIn:
         self.requests: list[dict[str, Any]] = []
         self.fail_next: list[tuple[str, int]] = []      # (path prefix, status) answered once
         self.status: dict[str, str] = {}
+        self.searching = threading.Event()   # a search arrived
+        self.hold = threading.Event()        # searches are answered once it is set
+        self.hold.set()
         self.lock = threading.Lock()
         stand_in = self
 
@@ -225,6 +228,7 @@ class JiraStandIn:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def close(self) -> None:
+        self.hold.set()                      # a held search ends too
         self.server.shutdown()
         self.server.server_close()
 
@@ -252,6 +256,8 @@ class JiraStandIn:
         path = req.path.split("?")[0]
         parts = path.split("/")
         if req.command == "POST" and path == "/rest/api/3/search/jql":
+            self.searching.set()
+            self.hold.wait(60)
             keys = [k for k in self.issues if self.status[k] == "To Do"]
             return self.answer(req, 200, {"issues": [
                 {"id": str(i), "key": k, "fields": {"summary": self.issues[k]["summary"]}}
@@ -341,8 +347,15 @@ def test_a_labelled_issue_becomes_one_task_and_hears_back_when_it_ends() -> None
         assert "wrong-token" not in json.dumps(g.api("GET", "/api/settings"))
         eventually(lambda: "401" in g.log_text(), what="the 401 of a wrong token")
         assert not [t for t in g.api("GET", "/api/tasks") if t["source"].startswith("jira")]
+        # Jira hangs on the search: the box goes on meanwhile (a task runs to its end)
+        jira.hold.clear()
+        jira.searching.clear()
         g.api("PUT", "/api/settings", {"jira": {**config, "token": "right-token"}})
         assert open(token_file).read() == "right-token"
+        assert jira.searching.wait(30)
+        assert g.run("echo meanwhile")["state"] == "done"
+        assert not [t for t in g.api("GET", "/api/tasks") if t["source"].startswith("jira")]
+        jira.hold.set()
         done = eventually(lambda: [t for t in g.api("GET", "/api/tasks")
                                    if t["source"] == "jira:GT-7"], what="the GT-7 task")
         assert done[0]["title"] == "GT-7: Say hello" and done[0]["prompt"] == "echo hello jira"
