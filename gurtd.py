@@ -5956,8 +5956,14 @@ class Jira:
         for key in keys:
             if key in taken or self.box.stopping:
                 continue
-            issue = jira_request(config, token, "GET", f"/rest/api/3/issue/{key}"
-                                 "?fields=summary,description")
+            try:
+                issue = jira_request(config, token, "GET", f"/rest/api/3/issue/{key}"
+                                     "?fields=summary,description")
+            except JiraError as exc:
+                if exc.transient or exc.status == 401:
+                    raise
+                log(4, f"jira: issue {key} cannot be read, left for the next poll: {exc}")
+                continue
             fields = (issue or {}).get("fields") or {}
             self.box.call(self.take, key, fields if isinstance(fields, dict) else {})
 
@@ -5969,11 +5975,16 @@ class Jira:
             return
         token = self.token()
         for key, notice in pending:
-            jira_request(config, token, "POST", f"/rest/api/3/issue/{key}/comment",
-                         {"body": text_adf(jira_comment(notice))})
-            target = (config.get("transitions") or {}).get(notice["state"])
-            if target:
-                self.transition(config, token, key, target)
+            try:
+                jira_request(config, token, "POST", f"/rest/api/3/issue/{key}/comment",
+                             {"body": text_adf(jira_comment(notice))})
+                target = (config.get("transitions") or {}).get(notice["state"])
+                if target:
+                    self.transition(config, token, key, target)
+            except JiraError as exc:
+                if exc.transient or exc.status == 401:
+                    raise                     # Jira or its token: tried again with backoff
+                log(4, f"jira: issue {key}: gave up answering: {exc}")   # gone, forbidden
             self.box.call(self.noticed, key)
 
     def transition(self, config: dict[str, Any], token: str, key: str, target: str) -> None:

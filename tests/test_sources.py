@@ -334,6 +334,7 @@ def test_a_labelled_issue_becomes_one_task_and_hears_back_when_it_ends() -> None
         jira.issues["GT-8"] = {"summary": "Break", "description": adf("exit 3")}
         jira.status.update({"GT-7": "To Do", "GT-8": "To Do"})
         jira.fail_next.append(("/rest/api/3/search/jql", 429))     # Jira is busy at first
+        jira.fail_next.append(("/rest/api/3/issue/GT-7/comment", 503))   # and then down
         config = {"baseUrl": jira.url, "email": "bot@example.com", "token": "wrong-token",
                   "jql": 'labels = gurt AND status = "To Do"', "worker": "fake",
                   "pollSeconds": 10, "transitions": {"done": "Done", "failed": "Failed"}}
@@ -368,7 +369,8 @@ def test_a_labelled_issue_becomes_one_task_and_hears_back_when_it_ends() -> None
         search = jira.calls("POST", "/rest/api/3/search/jql")[-1]["body"]
         assert search["jql"] == config["jql"] and "summary" in search["fields"]
         comments = jira.calls("POST", "/rest/api/3/issue/GT-7/comment")
-        assert len(comments) == 1 and comments[0]["type"] == "application/json"
+        assert len(comments) == 2 and comments[0]["body"] == comments[1]["body"]  # the 503
+        assert comments[0]["type"] == "application/json"
         text = G.adf_text(comments[0]["body"]["body"])
         assert comments[0]["body"]["body"]["type"] == "doc"
         assert done[0]["id"] in text and "done" in text and "Summary: hello jira" in text
@@ -385,7 +387,7 @@ def test_a_labelled_issue_becomes_one_task_and_hears_back_when_it_ends() -> None
                    what="a poll after the restart")
         time.sleep(1)
         assert len([t for t in g.api("GET", "/api/tasks") if t["source"] == "jira:GT-7"]) == 1
-        assert len(jira.calls("POST", "/rest/api/3/issue/GT-7/comment")) == 1
+        assert len(jira.calls("POST", "/rest/api/3/issue/GT-7/comment")) == 2
 
 
 # Hooks #########################################################################################
