@@ -96,7 +96,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import click
-import zoneinfo
 
 # Constants and paths ###########################################################################
 ###############################################################################################
@@ -5261,7 +5260,9 @@ def wall_now() -> float:
 
 
 def cron_zone(name: Any) -> Any:
-    """The zoneinfo time zone of this name, or ApiError(400) naming the field."""
+    """The zoneinfo time zone of this name, or ApiError(400) naming the field.  (zoneinfo
+    is imported here: it pulls in sysconfig, which `gurtd tool` in a task need not load.)"""
+    import zoneinfo
     if not isinstance(name, str) or not name or len(name) > 64 or ".." in name or \
             name.startswith("/"):
         raise ApiError(400, "timezone must be an IANA time zone name such as Europe/Berlin")

@@ -137,6 +137,8 @@ def test_a_schedule_from_creation_to_a_run_now_and_its_deletion() -> None:
                     "echo", "weekly")
         assert added.returncode == 0, added.stderr
         assert len(g.api("GET", "/api/schedules")) == 2
+        off = g.api("PUT", f"/api/schedules/{item['id']}", {"enabled": False})
+        assert off["nextRuns"] == [] and not off["enabled"]
         g.api("DELETE", f"/api/schedules/{item['id']}")
         code, _, _ = g.request("GET", f"/api/schedules/{item['id']}")
         assert code == 404 and len(g.api("GET", "/api/schedules")) == 1
@@ -436,6 +438,8 @@ def test_a_signed_delivery_starts_a_task_and_nothing_else_does() -> None:
         assert code == 400 and "workspace" in answer["error"]    # not a field it allows
         code, answer = deliver(g, "asi", {**body, "source": "api"}, secret, "d-3")
         assert code == 400
+        code, answer = deliver(g, "asi", body, secret, "")      # no delivery id
+        assert code == 400 and "X-Gurt-Delivery" in answer["error"]
         # behind a tunnel: its Host name only when listed, and only on hook deliveries
         tunnel = "hooks.example.org"
         code, answer = deliver(g, "asi", body, secret, "d-4", host=tunnel)
