@@ -6103,9 +6103,12 @@ class Hooks:
                     self.deliveries[str(entry["id"])] = float(entry["at"])
             except (ValueError, KeyError, TypeError):
                 continue                      # a torn last line: that delivery was not taken
-        write_json_lines = b"".join(json.dumps({"id": k, "at": v}).encode() + b"\n"
-                                    for k, v in self.deliveries.items())
-        atomic_write(self.deliveries_file, write_json_lines)
+        kept = b"".join(json.dumps({"id": k, "at": v}).encode() + b"\n"
+                        for k, v in self.deliveries.items())
+        try:
+            atomic_write(self.deliveries_file, kept)
+        except OSError as exc:        # a full disk: the old file stays, with older ids too
+            log(4, f"could not rewrite {self.deliveries_file}: {exc}")
 
     def save(self) -> None:
         write_json(self.file, {"hooks": self.items})
