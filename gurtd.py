@@ -5588,8 +5588,12 @@ class Schedules:
             self.due.discard(sched_id)
             item = self.items.get(sched_id)
             if item is not None and item.queued and self.active_run(item) is None:
-                with contextlib.suppress(ApiError):     # start logged why
+                try:
                     self.start(item, "queued run: the previous one ended")
+                except ApiError:
+                    pass                                 # start logged why
+                except Exception as exc:
+                    log(3, f"schedule {item.id}: {type(exc).__name__}: {exc}")
         for item in list(self.items.values()):
             if not item.enabled:
                 continue
