@@ -39,13 +39,19 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           checked; tar.gz archives of a view or a task's changes, streamed
     Portal sessions       the portal page at /, one-time sign-in codes, session cookies
                           (hashed on disk), the cookie's check beside the bearer token
+    Schedules             cron lines in a time zone start tasks: runs spent up to now, missed
+                          runs once, overlap skip or queue, daylight saving neither doubled
+                          nor skipped; the loop's timeout is the next run
+    Jira                  a Jira Cloud poll thread: one task per matching issue (recorded
+                          before it is made), a comment and a transition when it ends
+    Hooks                 signed webhooks (HMAC-SHA256, delivery ids refused twice a day)
     HTTP                  request guard, auth, one routing table, JSON errors, OpenAPI
     Loop                  the BOX_HOME lock, the start as steps with their undo, the select
                           loop that owns the box state and guards each event, signals, sd_notify
     CLI                   click commands: serve, token, run, tasks, show, undo, stop, log,
                           approvals, approve, deny, answer, wallet, review, diff, keep,
-                          policies, policy rm, put, get, portal, and inside a task
-                          tool, mcp
+                          policies, policy rm, put, get, portal, schedules, schedule,
+                          hooks, and inside a task tool, mcp
 
 Threads: the loop thread owns the state.  HTTP and broker handler threads hand it commands
 through ``Box.call`` and wait for the answer (503 busy past a time limit); they read finished
@@ -157,6 +163,7 @@ DEFAULT_SETTINGS: dict[str, Any] = {
     "folderRoots": ["/home", "/srv"],      # personal mode: where a task's folders may be
     "neverAutoApproveCents": None, "askHostsDefault": False,
     "uploadMaxBytes": 1 << 30,
+    "jira": {}, "hookHosts": [],
 }
 
 # x86_64 and aarch64 share these numbers for the new mount API.
@@ -573,6 +580,14 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
             value = valid_folder_roots(value)
         if key == "uploadMaxBytes":
             check_limit(key, value, 1 << 10)
+        if key == "jira":
+            value = validate_jira(value, current)
+        if key == "hookHosts":
+            if not isinstance(value, list) or len(value) > 20 or not all(
+                    isinstance(h, str) and re.fullmatch(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?",
+                                                        h) and "." in h for h in value):
+                raise ApiError(400, "hookHosts must be an array of lower-case host names "
+                                    "(without port) that hook deliveries may arrive under")
         new[key] = value
     if new["droidModel"] not in new["droidPrices"]:   # an unpriced model would be free
         raise ApiError(400, f"droidModel {new['droidModel']} has no droidPrices entry (its "
@@ -584,8 +599,9 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
 PUBLIC_FIELDS = ("id", "title", "prompt", "workspace", "worker", "tools", "hosts", "budgetCents",
                  "source", "state", "user", "layers", "costCents", "step", "createdAt",
                  "updatedAt", "error", "summary", "limits", "folder", "folders", "review",
-                 "askHosts")
-OPTIONAL_FIELDS = ("step", "error", "summary", "limits", "folder", "folders", "review")
+                 "askHosts", "schedule")
+OPTIONAL_FIELDS = ("step", "error", "summary", "limits", "folder", "folders", "review",
+                   "schedule")
 
 
 @dataclass
@@ -623,6 +639,7 @@ class Task:
     folderInfo: list[dict[str, Any]] | None = None
     folderStartNs: int = 0
     askHosts: bool = False          # a name outside hosts asks a person (a host approval)
+    schedule: str | None = None     # the schedule that started it
 
     def to_api(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in PUBLIC_FIELDS}
@@ -4400,6 +4417,9 @@ class Box:
         self.done_seq = 0
         self.unsaved: set[str] = set()      # tasks whose (terminal) state is not on disk yet
         self.unsaved_retry = 0.0
+        self.schedules = Schedules(self)
+        self.jira = Jira(self)
+        self.hooks = Hooks(self)
 
     # paths
     def path(self, *parts: str) -> str:
@@ -4498,6 +4518,9 @@ class Box:
             self.seq = max(self.seq, task.seq)
             self.done_seq = max(self.done_seq, task.doneSeq)
         self.broker.load()
+        self.schedules.load()
+        self.jira.load()
+        self.hooks.load()
 
     def render(self, task: Task) -> None:
         """The task changed: its JSON is published for HTTP threads at the end of this step."""
@@ -4673,6 +4696,12 @@ class Box:
         made or answered; sent at the end of the step (publish), with ids counting up by one;
         the last EVENTS_KEPT are kept for replay."""
         self.staged_events.append((kind, json.dumps(obj).encode()))
+        if kind == "task":
+            for source in (self.schedules, self.jira):
+                try:
+                    source.on_task(obj)
+                except Exception as exc:   # their bookkeeping never fails the task
+                    log(3, f"{type(source).__name__}: task {obj.get('id')}: {exc}")
 
     def events_after(self, last: int) -> tuple[bool, list[tuple[int, str, bytes]]]:
         """The kept events after id last, and whether some after it are no longer kept (or
@@ -4735,8 +4764,10 @@ class Box:
                 os.close(cached[1])
 
     # task lifecycle (loop thread)
-    def create_task(self, body: Any) -> dict[str, Any]:
+    def create_task(self, body: Any, origin: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A new queued task; origin: fields of gurtd's own a body cannot set (schedule)."""
         fields = validate_task_body(body, self.settings)
+        fields.update(origin or {})
         fields["limits"] = effective_limits(fields["limits"], self.settings, mem_total())
         if not self.workspace_exists(fields["workspace"]):
             raise ApiError(400, f"workspace {fields['workspace']} does not exist")
@@ -5259,13 +5290,18 @@ class Box:
             if models and body["droidModel"] not in models:
                 raise ApiError(400, f"droidModel {body['droidModel']} is not one the Droid CLI "
                                     f"knows; it knows: {', '.join(models)}")
+        token = new["jira"].get("token") if new["jira"] is not self.settings["jira"] else None
+        new["jira"] = {k: v for k, v in new["jira"].items() if k != "token"}
         # saved first: settings that are not on disk are not in force either
         with saved_or_507("settings"):
+            if token is not None:
+                self.jira.save_token(token)       # BOX_HOME/secrets/jira-token, never answered
             write_json(self.path("settings.json"), new)
         self.settings = new
         for approval in self.broker.approvals.values():   # canAlwaysApprove may change
             if approval.state == "pending":
                 self.broker.render(approval)
+        self.jira.wake.set()
         self.schedule()
         return dict(self.settings)
 
@@ -7820,6 +7856,1003 @@ def h_sign_in_code(req: "Handler", params: dict[str, str]) -> Any:
 OPEN_HANDLERS = (h_portal, h_sessions_create, h_session_current)   # besides h_health
 
 
+# Schedules #####################################################################################
+###############################################################################################
+# A schedule starts a task at the times of a standard five-field cron line in a time zone.
+# Times are spent, not counted: `after` is the instant up to which a schedule's slots are used
+# up; a run spends every slot up to now, so that a gurtd that was down (or a clock that jumped
+# forward) runs once for everything it missed, and a clock that jumped back waits for the time
+# it already spent (never a second run).  Daylight saving: a fixed-hour run in the repeated
+# hour runs once; a run in the hour that does not exist runs when it ends (croniter's way).
+
+MAX_SCHEDULES = 200
+MISSED_COUNT_CAP = 1000              # missed slots are counted up to this many, for the message
+SCHEDULE_ID_RE = re.compile(r"^s[a-z0-9]{9}$")
+CRON_FIELD_RE = re.compile(r"^[0-9A-Za-z*,/-]{1,40}$")
+OVERLAPS = ("skip", "queue")
+
+
+def wall_now() -> float:
+    """The wall clock for schedules, moved by GURT_TEST_CLOCK_OFFSET seconds (tests move time
+    this way; the machine's clock is never touched)."""
+    try:
+        offset = float(os.environ.get("GURT_TEST_CLOCK_OFFSET", "0"))
+    except ValueError:
+        offset = 0.0
+    return time.time() + offset
+
+
+def cron_zone(name: Any) -> Any:
+    """The zoneinfo time zone of this name, or ApiError(400) naming the field.  (zoneinfo
+    is imported here: it pulls in sysconfig, which `gurtd tool` in a task need not load.)"""
+    import zoneinfo
+    if not isinstance(name, str) or not name or len(name) > 64 or ".." in name or \
+            name.startswith("/"):
+        raise ApiError(400, "timezone must be an IANA time zone name such as Europe/Berlin")
+    try:
+        return zoneinfo.ZoneInfo(name)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):
+        raise ApiError(400, f"timezone: no time zone named {json.dumps(name)}") from None
+
+
+def cron_next(cron: str, zone: str, after: float, count: int) -> list[float]:
+    """The next `count` run instants (UTC timestamps) strictly after `after`.
+
+    croniter walks the wall clock: in a repeated hour (autumn) a fixed-hour line would match
+    twice; that second match (fold=1) is left out.  A line whose hour is a wildcard (`*`,
+    `*/2`) runs by elapsed time and keeps both.  A time that does not exist (spring) is moved
+    to the end of the gap by croniter; a run that lands on an instant already given is one.
+    croniter is imported here, not at the top: `gurtd tool` runs this module inside a task,
+    where gurtd's virtual environment is not."""
+    from croniter import croniter
+    tz = cron_zone(zone)
+    fixed_hour = "*" not in cron.split()[1]
+    it = croniter(cron, datetime.datetime.fromtimestamp(after, tz))
+    out: list[float] = []
+    last = after
+    for _ in range(count * 4 + 8):
+        if len(out) == count:
+            break
+        when = it.get_next(datetime.datetime)
+        stamp = when.timestamp()
+        if stamp <= last:
+            continue
+        if fixed_hour and when.fold == 1 and \
+                when.replace(fold=0).utcoffset() != when.utcoffset():
+            continue
+        out.append(stamp)
+        last = stamp
+    return out
+
+
+def cron_check(cron: Any, zone: str) -> str:
+    """A cron line in the standard five-field form (minute hour day-of-month month
+    day-of-week; ranges, steps, lists, names such as MON or JAN), or ApiError(400) naming the
+    field.  A line that never matches (February 30) is refused too."""
+    from croniter import CroniterError, croniter
+    if not isinstance(cron, str):
+        raise ApiError(400, "cron must be a string such as '0 3 * * MON-FRI'")
+    fields = cron.split()
+    names = ("minute", "hour", "day of month", "month", "day of week")
+    if len(fields) != 5:
+        raise ApiError(400, "cron must have five fields: minute hour day-of-month month "
+                            f"day-of-week (got {len(fields)})")
+    for name, text in zip(names, fields):
+        if not CRON_FIELD_RE.match(text):
+            raise ApiError(400, f"cron: the {name} field {json.dumps(text)} is not valid")
+    line = " ".join(fields)
+    try:
+        croniter(line)
+        if not cron_next(line, zone, wall_now(), 1):
+            raise ValueError("it never matches")
+    except (CroniterError, ValueError, KeyError, IndexError, OverflowError) as exc:
+        raise ApiError(400, f"cron: {json.dumps(cron)} is not valid: {exc}") from None
+    return line
+
+
+def iso_local(stamp: float, zone: str) -> str:
+    """An instant in the schedule's own zone, RFC 3339 with its offset."""
+    return datetime.datetime.fromtimestamp(stamp, cron_zone(zone)).isoformat(timespec="seconds")
+
+
+@dataclass
+class Schedule:
+    """A schedule as stored in BOX_HOME/schedules.json; `after` and `queued` are gurtd's own."""
+
+    id: str
+    name: str
+    cron: str
+    timezone: str
+    task: dict[str, Any]
+    enabled: bool
+    overlap: str
+    createdAt: str
+    updatedAt: str
+    after: float                      # slots up to this instant are spent
+    lastRun: str | None = None
+    lastTask: str | None = None
+    lastState: str | None = None
+    lastNote: str | None = None       # what happened at the latest slot (missed, skipped...)
+    queued: bool = False              # overlap queue: a run waits for the active one
+
+    def to_api(self, count: int = 5) -> dict[str, Any]:
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("after",)}
+        out["nextRuns"] = [iso_local(t, self.timezone) for t in
+                           cron_next(self.cron, self.timezone, max(self.after, wall_now()),
+                                     count)] if self.enabled else []
+        return out
+
+
+SCHEDULE_FIELDS = {"name": str, "cron": str, "timezone": str, "task": dict, "enabled": bool,
+                   "overlap": str}
+
+
+def validate_schedule_body(body: Any, current: dict[str, Any] | None,
+                           settings: dict[str, Any]) -> dict[str, Any]:
+    """A POST (current None) or PUT (a partial update of current) body of a schedule, checked;
+    the schedule's fields.  ApiError(400) naming the field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    for key, value in body.items():
+        kind = SCHEDULE_FIELDS.get(key)
+        if kind is None:
+            raise ApiError(400, f"unknown field: {key}")
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise ApiError(400, f"{key} must be a" + {str: " string", dict: "n object",
+                                                       bool: " boolean"}[kind])
+    out = dict(current or {"timezone": "UTC", "enabled": True, "overlap": "skip"})
+    out.update(body)
+    for key in ("name", "cron", "task"):
+        if key not in out:
+            raise ApiError(400, f"{key} is required")
+    if not out["name"].strip() or len(out["name"]) > 100:
+        raise ApiError(400, "name must be a non-empty string of at most 100 characters")
+    cron_zone(out["timezone"])
+    out["cron"] = cron_check(out["cron"], out["timezone"])
+    if out["overlap"] not in OVERLAPS:
+        raise ApiError(400, "overlap must be one of: skip, queue")
+    if "source" in out["task"]:
+        raise ApiError(400, "task: source is set by gurtd (schedule)")
+    try:
+        validate_task_body({"title": out["name"][:200], **out["task"]}, settings)
+    except ApiError as exc:
+        raise ApiError(400, f"task: {exc.message}") from None
+    return out
+
+
+class Schedules:
+    """The box's schedules: CRUD, timers and runs.  Loop thread only (HTTP goes through
+    Box.call); a timer is the select loop's timeout (tick), never a thread."""
+
+    def __init__(self, box: "Box") -> None:
+        self.box = box
+        self.items: dict[str, Schedule] = {}
+        self.next_at: dict[str, float] = {}       # cached first slot after `after`
+        self.due: set[str] = set()                # queued runs whose turn came
+
+    @property
+    def file(self) -> str:
+        return self.box.path("schedules.json")
+
+    def load(self) -> None:
+        """Read schedules.json; lastTask and lastState are repaired from the tasks (a crash
+        between the run's start and the schedule's save)."""
+        data = load_json(self.file)
+        for raw in (data or {}).get("schedules", []) if isinstance(data, dict) else []:
+            try:
+                item = record_from(Schedule, raw, lambda s: SCHEDULE_ID_RE.match(s.id))
+            except (TypeError, ValueError) as exc:
+                log(3, f"schedules.json: a schedule is damaged and left out: {exc}")
+                continue
+            self.items[item.id] = item
+        for task in sorted(self.box.tasks.values(), key=lambda t: t.seq):
+            item = self.items.get(task.schedule or "")
+            if item is not None:
+                item.lastTask, item.lastState = task.id, task.state
+
+    def save(self) -> None:
+        write_json(self.file, {"schedules": [dataclasses.asdict(s) for s in
+                                             sorted(self.items.values(),
+                                                    key=lambda s: s.createdAt)]})
+
+    def get(self, sched_id: str) -> Schedule:
+        item = self.items.get(sched_id)
+        if item is None:
+            raise ApiError(404, f"no schedule {sched_id}", "not_found")
+        return item
+
+    def check_workspace(self, fields: dict[str, Any]) -> None:
+        workspace = fields["task"].get("workspace", "home")
+        if not self.box.workspace_exists(workspace):
+            raise ApiError(400, f"task: workspace {workspace} does not exist")
+
+    def create(self, body: Any) -> dict[str, Any]:
+        fields = validate_schedule_body(body, None, self.box.settings)
+        self.check_workspace(fields)
+        if len(self.items) >= MAX_SCHEDULES:
+            raise ApiError(409, f"at most {MAX_SCHEDULES} schedules", "conflict")
+        sched_id = new_task_id("s")
+        stamp = now_iso()
+        item = Schedule(id=sched_id, createdAt=stamp, updatedAt=stamp, after=wall_now(),
+                        **fields)
+        self.items[sched_id] = item
+        try:
+            with saved_or_507("schedule"):
+                self.save()
+        except BaseException:
+            del self.items[sched_id]
+            raise
+        log(6, f"schedule {sched_id} ({item.name}) created: {item.cron} {item.timezone}")
+        return item.to_api()
+
+    def update(self, sched_id: str, body: Any) -> dict[str, Any]:
+        item = self.get(sched_id)
+        old = dataclasses.asdict(item)
+        fields = validate_schedule_body(body, {k: old[k] for k in SCHEDULE_FIELDS},
+                                        self.box.settings)
+        self.check_workspace(fields)
+        changed = dataclasses.replace(item, **fields, updatedAt=now_iso())
+        # a new time line, or a schedule switched on, starts from now: no catch-up run
+        if (fields["cron"], fields["timezone"]) != (item.cron, item.timezone) or \
+                (fields["enabled"] and not item.enabled):
+            changed.after = wall_now()
+        self.items[sched_id] = changed
+        try:
+            with saved_or_507("schedule"):
+                self.save()
+        except BaseException:
+            self.items[sched_id] = item
+            raise
+        self.next_at.pop(sched_id, None)
+        return changed.to_api()
+
+    def delete(self, sched_id: str) -> dict[str, Any]:
+        item = self.get(sched_id)
+        del self.items[sched_id]
+        try:
+            with saved_or_507("schedules"):
+                self.save()
+        except BaseException:
+            self.items[sched_id] = item
+            raise
+        self.next_at.pop(sched_id, None)
+        return {"deleted": sched_id}
+
+    def active_run(self, item: Schedule) -> Task | None:
+        task = self.box.tasks.get(item.lastTask or "")
+        return task if task is not None and task.state in ACTIVE_STATES else None
+
+    def run_now(self, sched_id: str) -> tuple[int, dict[str, Any]]:
+        """POST /api/schedules/{id}/run: a run now, under the schedule's overlap rule; its
+        slots are left as they are."""
+        item = self.get(sched_id)
+        active = self.active_run(item)
+        if active is not None and item.overlap == "skip":
+            raise ApiError(409, f"the previous run {active.id} is still {active.state} "
+                                "(overlap: skip); nothing was started", "conflict")
+        if active is not None:
+            item.queued = True
+            with saved_or_507("schedule"):
+                self.save()
+            return 202, {"schedule": item.to_api(), "queued": True}
+        task = self.start(item, "run now")
+        return 201, {"schedule": item.to_api(), "task": task}
+
+    def start(self, item: Schedule, note: str) -> dict[str, Any]:
+        """Create the run's task (source schedule); its id and state go to the schedule."""
+        body = {"title": item.name[:200], **item.task, "source": "schedule"}
+        item.lastRun, item.lastNote, item.queued = now_iso(), note, False
+        try:
+            task = self.box.create_task(body, {"schedule": item.id})
+        except ApiError as exc:
+            item.lastState, item.lastNote = "failed", f"{note}; not started: {exc.message}"
+            log(4, f"schedule {item.id} ({item.name}): {item.lastNote}")
+            self.save_quietly()
+            raise
+        item.lastTask, item.lastState = task["id"], task["state"]
+        self.box.append_log(task["id"], {"type": "schedule", "schedule": item.id,
+                                         "text": f"schedule {item.name}: {note}"})
+        self.save_quietly()
+        log(6, f"schedule {item.id} ({item.name}) started task {task['id']}: {note}")
+        return task
+
+    def save_quietly(self) -> None:
+        """A save after the fact (a run's task id): a failure is logged, the next save
+        writes it; load repairs lastTask from the tasks anyway."""
+        try:
+            self.save()
+        except OSError as exc:
+            log(3, f"could not save schedules.json: {exc}")
+
+    def missed(self, item: Schedule, now: float) -> int:
+        """How many slots in (after, now] (at most MISSED_COUNT_CAP)."""
+        count, when = 0, item.after
+        while count < MISSED_COUNT_CAP:
+            step = cron_next(item.cron, item.timezone, when, 50)
+            inside = [t for t in step if t <= now]
+            count += len(inside)
+            if len(inside) < len(step) or not step:
+                break
+            when = step[-1]
+        return min(count, MISSED_COUNT_CAP)
+
+    def fire(self, item: Schedule, now: float) -> None:
+        """A slot came: spend every slot up to now (saved first: a crash after it loses one
+        run, never doubles one), then run once, or skip or queue behind an active run."""
+        count = self.missed(item, now)
+        since = iso_local(item.after, item.timezone)
+        item.after = now
+        self.next_at.pop(item.id, None)
+        note = f"slot {iso_local(now, item.timezone)}"
+        if count > 1:
+            note = f"missed {count}{'+' if count >= MISSED_COUNT_CAP else ''} runs since " \
+                   f"{since} (gurtd was down or the clock moved): running once for them"
+        active = self.active_run(item)
+        if active is not None:
+            if item.overlap == "skip":
+                item.lastNote = f"skipped at {iso_local(now, item.timezone)}: the previous " \
+                                f"run {active.id} is still {active.state}"
+            else:
+                item.queued, item.lastNote = True, f"queued behind {active.id} ({note})"
+            log(6, f"schedule {item.id} ({item.name}): {item.lastNote}")
+            self.save()
+            return
+        self.save()
+        with contextlib.suppress(ApiError):
+            self.start(item, note)
+
+    def tick(self) -> float:
+        """The loop's timer: run what is due; seconds until the next slot (at most 60, so
+        that a clock that jumps is seen within a minute).  Never raises: a schedule whose run
+        fails is logged and the others go on."""
+        now = wall_now()
+        wait = 60.0
+        for sched_id in sorted(self.due):
+            self.due.discard(sched_id)
+            item = self.items.get(sched_id)
+            if item is not None and item.queued and self.active_run(item) is None:
+                try:
+                    self.start(item, "queued run: the previous one ended")
+                except ApiError:
+                    pass                                 # start logged why
+                except Exception as exc:
+                    log(3, f"schedule {item.id}: {type(exc).__name__}: {exc}")
+        for item in list(self.items.values()):
+            if not item.enabled:
+                continue
+            try:
+                if item.id not in self.next_at:
+                    runs = cron_next(item.cron, item.timezone, item.after, 1)
+                    self.next_at[item.id] = runs[0] if runs else float("inf")
+                if self.next_at[item.id] <= now:
+                    self.fire(item, now)
+                    continue
+                wait = min(wait, self.next_at[item.id] - now)
+            except Exception as exc:
+                log(3, f"schedule {item.id}: {type(exc).__name__}: {exc}")
+        return max(0.0, wait)
+
+    def on_task(self, task: dict[str, Any]) -> None:
+        """A task changed state (Box.emit): the schedule that ran it keeps lastState; a
+        queued run is due once the active one ended."""
+        item = self.items.get(task.get("schedule") or "")
+        if item is None or item.lastTask != task["id"]:
+            return
+        item.lastState = task["state"]
+        if task["state"] in TERMINAL_STATES and item.queued:
+            self.due.add(item.id)           # tick starts it, after this step
+        self.save_quietly()
+
+    def list(self) -> list[dict[str, Any]]:
+        return [s.to_api() for s in sorted(self.items.values(), key=lambda s: s.createdAt)]
+
+
+def h_schedules_list(req: "Handler", params: dict[str, str]) -> Any:
+    return 200, req.box.call(req.box.schedules.list)
+
+
+def h_schedules_create(req: "Handler", params: dict[str, str]) -> Any:
+    return 201, req.box.call(req.box.schedules.create, req.json_body())
+
+
+def h_schedule_get(req: "Handler", params: dict[str, str]) -> Any:
+    return 200, req.box.call(lambda: req.box.schedules.get(params["id"]).to_api())
+
+
+def h_schedule_put(req: "Handler", params: dict[str, str]) -> Any:
+    return 200, req.box.call(req.box.schedules.update, params["id"], req.json_body())
+
+
+def h_schedule_delete(req: "Handler", params: dict[str, str]) -> Any:
+    return 200, req.box.call(req.box.schedules.delete, params["id"])
+
+
+def h_schedule_run(req: "Handler", params: dict[str, str]) -> Any:
+    return req.box.call(req.box.schedules.run_now, params["id"])
+
+
+# Jira ##########################################################################################
+###############################################################################################
+# A Jira Cloud connection (REST API v3): one poll thread asks Jira for the issues of the `jql`
+# setting and hands each new one to the loop (Box.call), which records the issue key in
+# BOX_HOME/jira.json BEFORE it creates the task: an issue never gets two tasks, across
+# restarts too (a crash between the two leaves an issue recorded without a task: no task
+# rather than two).  When the task ends, the loop adds a notice to the same record; the thread
+# comments on the issue and moves it (transitions), retrying 429/5xx/unreachable with backoff.
+# The loop never waits for Jira; Jira being down only delays its own work.
+
+JIRA_TIMEOUT = 20.0                  # seconds for one request to Jira
+JIRA_BACKOFF_MAX = 600.0             # seconds between retries, at most
+JIRA_MAX_ISSUES = 50                 # issues taken per poll
+JIRA_TEXT_MAX = 100_000              # characters of a description made into a prompt
+JIRA_KEY_RE = re.compile(r"^[A-Z][A-Z0-9_]{0,49}-[1-9][0-9]{0,9}$")
+JIRA_FIELDS = {"baseUrl": str, "email": str, "token": str, "jql": str, "workspace": str,
+               "worker": str, "hosts": list, "tools": list, "budgetCents": (int, float),
+               "pollSeconds": int, "transitions": dict, "enabled": bool}
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def validate_jira(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """The `jira` setting: {} (no connection) or a connection; ApiError(400) naming the field.
+    The token may be given here; Box.put_settings moves it to BOX_HOME/secrets/jira-token."""
+    if not isinstance(value, dict):
+        raise ApiError(400, "jira must be an object (or {} for no Jira connection)")
+    for key, item in value.items():
+        kind = JIRA_FIELDS.get(key)
+        if kind is None:
+            raise ApiError(400, f"jira: unknown field: {key}")
+        if not isinstance(item, kind) or (kind is not bool and isinstance(item, bool)):
+            raise ApiError(400, f"jira.{key} has the wrong type")
+    if not value:
+        return {}
+    for key in ("baseUrl", "email", "jql"):
+        if not value.get(key, "").strip():
+            raise ApiError(400, f"jira.{key} is required")
+    url = urllib.parse.urlsplit(value["baseUrl"])
+    if url.scheme not in ("https", "http") or not url.hostname or url.query or url.fragment \
+            or url.username or (url.scheme == "http" and url.hostname not in LOOPBACK_HOSTS):
+        raise ApiError(400, "jira.baseUrl must be https://SITE.atlassian.net (http only on "
+                            "loopback: the token would cross the network in clear)")
+    if not 10 <= value.get("pollSeconds", 60) <= 86400:
+        raise ApiError(400, "jira.pollSeconds must be a whole number from 10 to 86400")
+    transitions = value.get("transitions", {})
+    if set(transitions) - {"done", "failed"} or \
+            not all(isinstance(v, str) and 0 < len(v) <= 100 for v in transitions.values()):
+        raise ApiError(400, 'jira.transitions must be {"done"?: NAME, "failed"?: NAME}')
+    try:
+        validate_task_body({"title": "t", "prompt": "p", **{
+            k: value[k] for k in ("workspace", "worker", "hosts", "tools", "budgetCents")
+            if k in value}}, settings)
+    except ApiError as exc:
+        raise ApiError(400, f"jira.{exc.message}") from None
+    return {"enabled": True, "pollSeconds": 60, **value,
+            "baseUrl": value["baseUrl"].rstrip("/")}
+
+
+def adf_text(node: Any, depth: int = 0) -> str:
+    """Atlassian Document Format as plain text: paragraphs and headings as lines, lists as
+    `- ` and `1. ` items, code blocks kept, mentions and links by their text.  Bounded: past
+    depth 100 a subtree is left out (an issue's text is anyone's input)."""
+    if depth > 100 or not isinstance(node, dict):
+        return ""
+    kind = node.get("type")
+    attrs = node.get("attrs") if isinstance(node.get("attrs"), dict) else {}
+    if kind == "text":
+        return str(node.get("text", ""))
+    if kind == "hardBreak":
+        return "\n"
+    if kind in ("mention", "emoji", "status", "date"):
+        return str(attrs.get("text") or attrs.get("shortName") or attrs.get("timestamp") or "")
+    if kind in ("inlineCard", "blockCard", "embedCard"):
+        return str(attrs.get("url", ""))
+    children = node.get("content") if isinstance(node.get("content"), list) else []
+    if kind in ("bulletList", "orderedList"):
+        items = []
+        for number, child in enumerate(children, int(attrs.get("order", 1) or 1)):
+            mark = "- " if kind == "bulletList" else f"{number}. "
+            text = adf_text(child, depth + 1).strip("\n")
+            items.append(mark + text.replace("\n", "\n  "))
+        return "\n".join(items) + "\n\n"
+    inner = "".join(adf_text(child, depth + 1) for child in children)
+    if kind == "codeBlock":
+        return "```\n" + inner + "\n```\n\n"
+    if kind in ("paragraph", "heading", "blockquote", "panel", "rule", "table", "tableRow"):
+        return inner.rstrip("\n") + "\n\n" if kind != "tableRow" else inner + "\n"
+    if kind in ("tableCell", "tableHeader"):
+        return inner.strip() + " | "
+    return inner
+
+
+def text_adf(text: str) -> dict[str, Any]:
+    """Plain text as an ADF document: a paragraph per block, hard breaks inside."""
+    paragraphs = []
+    for block in text.strip().split("\n\n"):
+        content: list[dict[str, Any]] = []
+        for number, line in enumerate(block.split("\n")):
+            if number:
+                content.append({"type": "hardBreak"})
+            if line:
+                content.append({"type": "text", "text": line})
+        if content:
+            paragraphs.append({"type": "paragraph", "content": content})
+    return {"type": "doc", "version": 1, "content": paragraphs}
+
+
+class JiraError(Exception):
+    """A Jira request that did not succeed: its status (0: unreachable) and when to retry."""
+
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.retry_after = status, retry_after
+
+    @property
+    def transient(self) -> bool:
+        return self.status in (0, 408, 429) or self.status >= 500
+
+
+def jira_request(config: dict[str, Any], token: str, method: str, path: str,
+                 body: Any = None) -> Any:
+    """One request to Jira's REST API (basic auth: email and API token); its JSON or None.
+    JiraError on anything but 2xx.  Any thread; never the loop's."""
+    import base64
+    import urllib.error
+    import urllib.request
+    auth = base64.b64encode(f"{config['email']}:{token}".encode()).decode()
+    request = urllib.request.Request(
+        config["baseUrl"] + path, method=method,
+        data=json.dumps(body).encode() if body is not None else None,
+        headers={"Authorization": f"Basic {auth}", "Accept": "application/json",
+                 "Content-Type": "application/json", "User-Agent": f"gurtd/{VERSION}"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # no env proxies
+    try:
+        with opener.open(request, timeout=JIRA_TIMEOUT) as resp:
+            data = resp.read(MAX_BODY * 8)
+    except urllib.error.HTTPError as exc:
+        retry = exc.headers.get("Retry-After", "") if exc.headers else ""
+        detail = exc.read(2000).decode(errors="replace")
+        raise JiraError(exc.code, f"{method} {path}: {exc.code} {printable(detail)[:300]}",
+                        float(retry) if is_digits(retry) else None) from None
+    except (OSError, http.client.HTTPException) as exc:
+        raise JiraError(0, f"{method} {path}: {type(exc).__name__}: {exc}") from None
+    if not data.strip():
+        return None
+    try:
+        return loads_bounded(data)
+    except ValueError as exc:
+        raise JiraError(502, f"{method} {path}: not JSON: {exc}") from None
+
+
+class Jira:
+    """Jira intake and answers.  The records (BOX_HOME/jira.json: key -> {task, state,
+    notice?, noticed?}) belong to the loop; the thread sees copies through Box.call."""
+
+    def __init__(self, box: "Box") -> None:
+        self.box = box
+        self.issues: dict[str, dict[str, Any]] = {}
+        self.wake = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.backoff = 0.0
+
+    @property
+    def file(self) -> str:
+        return self.box.path("jira.json")
+
+    @property
+    def token_file(self) -> str:
+        return self.box.path("secrets", "jira-token")
+
+    def load(self) -> None:
+        data = load_json(self.file)
+        issues = data.get("issues") if isinstance(data, dict) else None
+        self.issues = {k: v for k, v in (issues or {}).items()
+                       if JIRA_KEY_RE.match(k) and isinstance(v, dict)}
+        for key, record in self.issues.items():
+            if record.get("task") is None:
+                log(4, f"jira: issue {key} was taken but its task was not created (gurtd "
+                       "stopped in between); it is not started again")
+
+    def save(self) -> None:
+        write_json(self.file, {"issues": self.issues})
+
+    def save_token(self, token: str) -> None:
+        """The API token, 0600 in BOX_HOME/secrets (0700); never answered back."""
+        os.makedirs(self.box.path("secrets"), mode=0o700, exist_ok=True)
+        os.chmod(self.box.path("secrets"), 0o700)
+        atomic_write(self.token_file, token.encode(), mode=0o600)
+        self.wake.set()
+
+    def token(self) -> str:
+        try:
+            with open(self.token_file) as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
+    # loop thread
+    def take(self, key: str, fields: dict[str, Any]) -> dict[str, Any] | None:
+        """A new issue from the thread: recorded (saved) first, then its task created.  None
+        if it was taken before (or the connection changed)."""
+        config = self.box.settings.get("jira") or {}
+        if key in self.issues or not config.get("enabled") or not JIRA_KEY_RE.match(key):
+            return None
+        self.issues[key] = {"task": None, "takenAt": now_iso()}
+        try:
+            self.save()
+        except OSError:
+            del self.issues[key]
+            raise
+        summary = printable(fields.get("summary") or key)
+        prompt = adf_text(fields.get("description")).strip()[:JIRA_TEXT_MAX] or summary
+        body = {"title": f"{key}: {summary}"[:200], "prompt": prompt, "source": f"jira:{key}",
+                **{k: config[k] for k in ("workspace", "worker", "hosts", "tools", "budgetCents")
+                   if k in config}}
+        try:
+            task = self.box.create_task(body)
+        except ApiError as exc:
+            self.issues[key].update(state="failed", error=exc.message)
+            self.issues[key]["notice"] = {"state": "failed", "error": exc.message,
+                                          "task": None}
+            self.save()
+            log(4, f"jira: issue {key}: no task: {exc.message}")
+            self.wake.set()
+            return None
+        self.issues[key].update(task=task["id"], state=task["state"])
+        with contextlib.suppress(OSError):     # the task's source names the issue anyway
+            self.save()
+        log(6, f"jira: issue {key} started task {task['id']}")
+        return task
+
+    def on_task(self, task: dict[str, Any]) -> None:
+        """A task changed state (Box.emit): the end of a Jira task is noticed for the thread."""
+        source = str(task.get("source", ""))
+        key = source[5:] if source.startswith("jira:") else ""
+        record = self.issues.get(key)
+        if record is None or record.get("task") != task["id"] or \
+                task["state"] not in ("done", "failed") or "notice" in record:
+            return
+        record["state"] = task["state"]
+        record["notice"] = {k: task.get(k) for k in ("state", "summary", "error", "costCents",
+                                                      "title", "folder", "folders")}
+        record["notice"]["task"] = task["id"]
+        try:
+            self.save()
+        except OSError as exc:
+            log(3, f"jira: could not save the end of {task['id']} for issue {key}: {exc}")
+        self.wake.set()
+
+    def notices(self) -> list[tuple[str, dict[str, Any]]]:
+        return [(k, dict(v["notice"])) for k, v in sorted(self.issues.items())
+                if "notice" in v and not v.get("noticed")]
+
+    def noticed(self, key: str) -> None:
+        self.issues[key]["noticed"] = now_iso()
+        self.save()
+
+    def known(self, keys: list[str]) -> list[str]:
+        return [k for k in keys if k in self.issues]
+
+    # the thread
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.run, name="jira", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.wake.set()
+        if self.thread is not None:
+            self.thread.join(timeout=JIRA_TIMEOUT + 5)
+
+    def run(self) -> None:
+        """Poll, answer ended tasks, sleep pollSeconds (or the backoff); until gurtd stops."""
+        next_poll = 0.0
+        while not self.box.stopping:
+            config = dict(self.box.settings.get("jira") or {})
+            wait = 3600.0
+            if config.get("enabled"):
+                try:
+                    self.answer(config)
+                    if time.monotonic() >= next_poll:
+                        self.poll(config)
+                        next_poll = time.monotonic() + config["pollSeconds"]
+                    self.backoff = 0.0
+                    wait = max(0.0, next_poll - time.monotonic())
+                except JiraError as exc:
+                    self.backoff = min(JIRA_BACKOFF_MAX, max(2.0, self.backoff * 2))
+                    wait = max(self.backoff, exc.retry_after or 0.0)
+                    log(4, f"jira: {exc}; trying again in {wait:.0f} s")
+                except ApiError as exc:          # the loop was busy: try again soon
+                    wait = 5.0
+                    log(4, f"jira: {exc.message}")
+                except Exception as exc:
+                    wait = 60.0
+                    log(3, f"jira: {type(exc).__name__}: {exc}")
+            self.wake.wait(wait)
+            self.wake.clear()
+
+    def poll(self, config: dict[str, Any]) -> None:
+        """Search with the JQL (POST /rest/api/3/search/jql), then read each issue gurtd has
+        not taken (GET /rest/api/3/issue/KEY) and hand it to the loop."""
+        token = self.token()
+        if not token:
+            raise JiraError(401, f"no API token in {self.token_file}: PUT /api/settings "
+                                 '{"jira": {..., "token": "..."}}')
+        found = jira_request(config, token, "POST", "/rest/api/3/search/jql",
+                             {"jql": config["jql"], "fields": ["summary"],
+                              "maxResults": JIRA_MAX_ISSUES})
+        keys = [i.get("key") for i in (found or {}).get("issues", []) if isinstance(i, dict)]
+        keys = [k for k in keys if isinstance(k, str) and JIRA_KEY_RE.match(k)]
+        taken = set(self.box.call(self.known, keys))
+        for key in keys:
+            if key in taken or self.box.stopping:
+                continue
+            try:
+                issue = jira_request(config, token, "GET", f"/rest/api/3/issue/{key}"
+                                     "?fields=summary,description")
+            except JiraError as exc:
+                if exc.transient or exc.status == 401:
+                    raise
+                log(4, f"jira: issue {key} cannot be read, left for the next poll: {exc}")
+                continue
+            fields = (issue or {}).get("fields") or {}
+            self.box.call(self.take, key, fields if isinstance(fields, dict) else {})
+
+    def answer(self, config: dict[str, Any]) -> None:
+        """For each ended task not answered yet: a comment, then the transition if one is
+        configured for its end.  A notice is marked done only after both went through."""
+        pending = self.box.call(self.notices)
+        if not pending:
+            return
+        token = self.token()
+        for key, notice in pending:
+            try:
+                jira_request(config, token, "POST", f"/rest/api/3/issue/{key}/comment",
+                             {"body": text_adf(jira_comment(notice))})
+                target = (config.get("transitions") or {}).get(notice["state"])
+                if target:
+                    self.transition(config, token, key, target)
+            except JiraError as exc:
+                if exc.transient or exc.status == 401:
+                    raise                     # Jira or its token: tried again with backoff
+                log(4, f"jira: issue {key}: gave up answering: {exc}")   # gone, forbidden
+            self.box.call(self.noticed, key)
+
+    def transition(self, config: dict[str, Any], token: str, key: str, target: str) -> None:
+        """Move the issue by the transition named target (or leading to a status so named)."""
+        found = jira_request(config, token, "GET", f"/rest/api/3/issue/{key}/transitions")
+        for item in (found or {}).get("transitions", []):
+            to = item.get("to") if isinstance(item.get("to"), dict) else {}
+            if target.lower() in (str(item.get("name", "")).lower(),
+                                  str(to.get("name", "")).lower()):
+                jira_request(config, token, "POST", f"/rest/api/3/issue/{key}/transitions",
+                             {"transition": {"id": str(item.get("id"))}})
+                return
+        log(4, f"jira: issue {key} has no transition {target!r} now; left where it is")
+
+
+def jira_comment(notice: dict[str, Any]) -> str:
+    """The comment on an issue whose task ended: state, summary, error, cost."""
+    lines = [f"gurt task {notice.get('task') or '(none)'} {notice['state']}."]
+    if notice.get("summary"):
+        lines.append(f"Summary: {notice['summary']}")
+    if notice.get("error"):
+        lines.append(f"Error: {notice['error']}")
+    if notice.get("costCents") is not None:
+        lines.append(f"Cost: {notice['costCents']:.2f} cents")
+    if notice.get("folder") or notice.get("folders"):
+        lines.append("The change waits for review before it reaches the personal folder.")
+    return "\n".join(lines)
+
+
+# Hooks #########################################################################################
+###############################################################################################
+# Signed webhooks (GitHub's convention): POST /api/hooks/{name} with X-Gurt-Signature:
+# sha256=<hex HMAC-SHA256 of the body, keyed with the hook's secret> and X-Gurt-Delivery: <a
+# unique id>.  The only routes without the bearer token: the signature is the credential.
+# The secret is made by gurtd per hook and answered once.  A delivery id is remembered for a
+# day (BOX_HOME/hook-deliveries.jsonl, append-only): a replay within it is refused.
+
+MAX_HOOKS = 100
+MAX_DELIVERIES = 10_000              # remembered at once; past it deliveries get 429
+DELIVERY_KEPT = 86400.0              # seconds a delivery id is remembered
+HOOK_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+DELIVERY_RE = re.compile(r"^[\x21-\x7e]{1,200}$")
+HOOK_PATH_RE = re.compile(r"^/api/hooks/[^/]+$")
+HOOK_BODY_FIELDS = ("workspace", "worker", "hosts", "tools", "budgetCents")
+
+
+def validate_hook_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """POST /api/hooks {name, source, task?, allow?}: the hook's fields, or ApiError(400)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    for key in body:
+        if key not in ("name", "source", "task", "allow"):
+            raise ApiError(400, f"unknown field: {key}")
+    name = body.get("name")
+    if not isinstance(name, str) or not HOOK_NAME_RE.match(name):
+        raise ApiError(400, "name must match ^[a-z0-9][a-z0-9_-]{0,63}$")
+    source = body.get("source")
+    if not isinstance(source, str) or not re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,49}", source) \
+            or source in ("api", "schedule") or source.startswith("jira"):
+        raise ApiError(400, "source must be a name such as asi1 (not api, schedule or jira)")
+    task = body.get("task", {})
+    if not isinstance(task, dict) or "source" in task:
+        raise ApiError(400, "task must be an object of task defaults (without source)")
+    allow = body.get("allow", [])
+    if not isinstance(allow, list) or not all(a in HOOK_BODY_FIELDS for a in allow):
+        raise ApiError(400, f"allow must list fields of: {', '.join(HOOK_BODY_FIELDS)}")
+    try:
+        validate_task_body({"title": "t", "prompt": "p", **task}, settings)
+    except ApiError as exc:
+        raise ApiError(400, f"task: {exc.message}") from None
+    return {"name": name, "source": source, "task": task, "allow": sorted(set(allow))}
+
+
+def hook_signature_ok(secret: str, body: bytes, header: str) -> bool:
+    """X-Gurt-Signature is sha256=<hex HMAC-SHA256 of the raw body>; compared in constant
+    time."""
+    expected = "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected.encode(), header.strip().lower().encode())
+
+
+class Hooks:
+    """The box's hooks (BOX_HOME/hooks.json, 0600: it holds the secrets) and the delivery ids
+    of the last day.  Loop thread only."""
+
+    def __init__(self, box: "Box") -> None:
+        self.box = box
+        self.items: dict[str, dict[str, Any]] = {}
+        self.deliveries: dict[str, float] = {}     # "hook/delivery id" -> when (wall time)
+
+    @property
+    def file(self) -> str:
+        return self.box.path("hooks.json")
+
+    @property
+    def deliveries_file(self) -> str:
+        return self.box.path("hook-deliveries.jsonl")
+
+    def load(self) -> None:
+        """Read the hooks, and the delivery ids younger than a day (the file is rewritten
+        with only those: it never grows past a day's deliveries)."""
+        data = load_json(self.file)
+        hooks = data.get("hooks") if isinstance(data, dict) else None
+        self.items = {k: v for k, v in (hooks or {}).items() if isinstance(v, dict)
+                      and isinstance(v.get("secret"), str) and HOOK_NAME_RE.match(k)}
+        now = time.time()
+        try:
+            with open(self.deliveries_file, "rb") as f:
+                lines = f.read().split(b"\n")
+        except FileNotFoundError:
+            lines = []
+        for raw in lines:
+            try:
+                entry = json.loads(raw)
+                if now - float(entry["at"]) < DELIVERY_KEPT:
+                    self.deliveries[str(entry["id"])] = float(entry["at"])
+            except (ValueError, KeyError, TypeError):
+                continue                      # a torn last line: that delivery was not taken
+        kept = b"".join(json.dumps({"id": k, "at": v}).encode() + b"\n"
+                        for k, v in self.deliveries.items())
+        try:
+            atomic_write(self.deliveries_file, kept)
+        except OSError as exc:        # a full disk: the old file stays, with older ids too
+            log(4, f"could not rewrite {self.deliveries_file}: {exc}")
+
+    def save(self) -> None:
+        write_json(self.file, {"hooks": self.items})
+
+    def public(self, hook: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in hook.items() if k != "secret"}
+
+    def list(self) -> list[dict[str, Any]]:
+        return [self.public(h) for _, h in sorted(self.items.items())]
+
+    def create(self, body: Any) -> dict[str, Any]:
+        """A new hook; its secret is in this answer and never again."""
+        fields = validate_hook_body(body, self.box.settings)
+        if fields["name"] in self.items:
+            raise ApiError(409, f"hook {fields['name']} exists", "conflict")
+        if len(self.items) >= MAX_HOOKS:
+            raise ApiError(409, f"at most {MAX_HOOKS} hooks", "conflict")
+        hook = {**fields, "secret": secrets.token_hex(32), "createdAt": now_iso(),
+                "url": f"/api/hooks/{fields['name']}"}
+        self.items[hook["name"]] = hook
+        try:
+            with saved_or_507("hook"):
+                self.save()
+        except BaseException:
+            del self.items[hook["name"]]
+            raise
+        log(6, f"hook {hook['name']} created (source {hook['source']})")
+        return dict(hook)
+
+    def delete(self, name: str) -> dict[str, Any]:
+        hook = self.items.pop(name, None)
+        if hook is None:
+            raise ApiError(404, f"no hook {name}", "not_found")
+        try:
+            with saved_or_507("hooks"):
+                self.save()
+        except BaseException:
+            self.items[name] = hook
+            raise
+        return {"deleted": name}
+
+    def deliver(self, name: str, raw: bytes, signature: str, delivery: str) -> dict[str, Any]:
+        """A delivery: signature, then delivery id (remembered, synced, before the task is
+        made: a crash between them loses the delivery, never runs it twice), then the task."""
+        hook = self.items.get(name)
+        if hook is None or not signature or not hook_signature_ok(hook["secret"], raw,
+                                                                  signature):
+            # one answer for both: an unknown hook name is not told apart from a bad signature
+            raise ApiError(401, "missing or wrong X-Gurt-Signature", "bad_signature")
+        if not DELIVERY_RE.match(delivery):
+            raise ApiError(400, "X-Gurt-Delivery must be a unique id (1-200 visible ASCII)")
+        now = time.time()
+        for key in [k for k, at in self.deliveries.items() if now - at >= DELIVERY_KEPT]:
+            del self.deliveries[key]
+        key = f"{name}/{delivery}"
+        if key in self.deliveries:
+            raise ApiError(409, f"delivery {delivery} was taken already", "replayed")
+        if len(self.deliveries) >= MAX_DELIVERIES:
+            raise ApiError(429, "too many deliveries within a day", "too_many",
+                           {"Retry-After": "60"})
+        try:
+            body = loads_bounded(raw)
+        except (ValueError, RecursionError) as exc:
+            raise ApiError(400, f"malformed JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        for field_name in body:
+            if field_name not in ("title", "prompt", *hook["allow"]):
+                raise ApiError(400, f"{field_name}: this hook does not let a delivery set it")
+        task_body = {**hook["task"], **body, "source": hook["source"]}
+        validate_task_body(task_body, self.box.settings)      # a 400 before the id is spent
+        with saved_or_507("delivery"):
+            fd = os.open(self.deliveries_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT |
+                         os.O_CLOEXEC, 0o600)
+            try:
+                append_line(fd, json.dumps({"id": key, "at": now}).encode() + b"\n")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self.deliveries[key] = now
+        task = self.box.create_task(task_body)
+        log(6, f"hook {name}: delivery {printable(delivery)} started task {task['id']}")
+        return task
+
+
+def hook_raw_body(req: "Handler") -> bytes:
+    """The delivery's body as sent (the signature is over these bytes, not over JSON)."""
+    if req.body_left < 0:
+        raise req.body_error()
+    length, req.body_left = req.body_left, -1
+    data = req.rfile.read(length) if length else b""
+    if len(data) < length:
+        raise ApiError(400, "the body ended early")
+    req.body_left = 0
+    return data
+
+
+def h_hooks_list(req: "Handler", params: dict[str, str]) -> Any:
+    return 200, req.box.call(req.box.hooks.list)
+
+
+def h_hooks_create(req: "Handler", params: dict[str, str]) -> Any:
+    return 201, req.box.call(req.box.hooks.create, req.json_body())
+
+
+def h_hook_delete(req: "Handler", params: dict[str, str]) -> Any:
+    return 200, req.box.call(req.box.hooks.delete, params["name"])
+
+
+def h_hook_deliver(req: "Handler", params: dict[str, str]) -> Any:
+    """No bearer token here (Handler.dispatch): the signature is checked instead."""
+    raw = hook_raw_body(req)
+    return 201, req.box.call(req.box.hooks.deliver, params["name"], raw,
+                             req.headers.get("X-Gurt-Signature") or "",
+                             req.headers.get("X-Gurt-Delivery") or "")
+
+
 # HTTP ##########################################################################################
 ###############################################################################################
 # One routing table; handlers parse, ask the Box, render.  Errors of every kind, http.server's
@@ -8321,6 +9354,20 @@ ROUTES: list[Route] = [
     ("DELETE", "/api/sessions/{id}", h_session_delete, "Revoke a session (sign out)"),
     ("POST", "/api/sessions/codes", h_sign_in_code,
      "A one-time sign-in code for the portal (bearer token only)"),
+    # sources: schedules and hooks
+    ("GET", "/api/schedules", h_schedules_list, "List schedules with their next runs"),
+    ("POST", "/api/schedules", h_schedules_create,
+     "Create a schedule {name, cron, timezone?, task, enabled?, overlap?}"),
+    ("GET", "/api/schedules/{id}", h_schedule_get, "Read a schedule and its nextRuns"),
+    ("PUT", "/api/schedules/{id}", h_schedule_put, "Change a schedule (any of its fields)"),
+    ("DELETE", "/api/schedules/{id}", h_schedule_delete, "Delete a schedule"),
+    ("POST", "/api/schedules/{id}/run", h_schedule_run, "Run a schedule now"),
+    ("GET", "/api/hooks", h_hooks_list, "List hooks (never their secrets)"),
+    ("POST", "/api/hooks", h_hooks_create,
+     "Create a hook {name, source, task?, allow?}: its secret is answered this once"),
+    ("DELETE", "/api/hooks/{name}", h_hook_delete, "Delete a hook"),
+    ("POST", "/api/hooks/{name}", h_hook_deliver,
+     "Deliver to a hook (no token: X-Gurt-Signature and X-Gurt-Delivery)"),
     ("GET", "/api/openapi.json", h_openapi, "This description"),
 ]
 
@@ -8394,6 +9441,7 @@ TASK_SCHEMA: dict[str, Any] = {
         "review": {"type": "string", "enum": list(REVIEW_STATES),
                    "description": "Personal: done and waiting for the owner, kept, stopped by "
                                   "a conflict, or undone."},
+        "schedule": {"type": "string", "description": "The schedule that started it."},
         "limits": {"type": "object", "additionalProperties": False,
                    "description": "What the task may take; on create, any of these overrides "
                                   "its setting; the task shows the effective values.",
@@ -8791,7 +9839,8 @@ def api_operation(method: str, pattern: str, summary: str) -> dict[str, Any]:
                 content = {"application/json": content}
             responses[str(status)] = {"description": text, "content": {
                 t: {"schema": s} for t, s in content.items()}}
-    if pattern != "/api/health" and not any(fn in OPEN_HANDLERS for m, p, fn, _ in ROUTES
+    if pattern != "/api/health" and not any(fn in OPEN_HANDLERS or fn is h_hook_deliver
+                                            for m, p, fn, _ in ROUTES
                                             if (m, p) == (method, pattern)):
         op["security"] = [{"bearer": []}, {"portal": []}]
         responses.setdefault("401", _error("No or a wrong bearer token or session cookie"))
@@ -9011,8 +10060,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def guard(self) -> None:
         """The request guard: a Host we answer to, and no browser cross-site request."""
         host = (self.headers.get("Host") or "").lower()
-        if host not in self.server.hosts:
-            raise ApiError(403, "Host header not allowed", "host_not_allowed")
+        if host not in self.server.hosts:     # a tunnel's name is taken on hook deliveries only
+            name = host.rpartition(":")[0] if re.search(r":\d+$", host) else host
+            if not (name in self.box.settings["hookHosts"] and self.command == "POST" and
+                    HOOK_PATH_RE.match(self.path.partition("?")[0])):
+                raise ApiError(403, "Host header not allowed", "host_not_allowed")
         origin = self.headers.get("Origin")
         if origin is not None and origin.lower() not in self.server.origins:
             raise ApiError(403, "cross-origin requests are refused", "cross_origin")
@@ -9081,7 +10133,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             raw_path, _, query = self.path.partition("?")
             self.query = urllib.parse.parse_qs(query)
             fn, params = match_route(self.command, raw_path)
-            if fn is not h_health and fn not in OPEN_HANDLERS:
+            if fn is not h_health and fn not in OPEN_HANDLERS and fn is not h_hook_deliver:
                 self.authorize()
             if fn in STREAMED_BODIES:         # files in: they check the length themselves
                 self.body_left = self.body_length(LIMIT_MAX)
@@ -9253,6 +10305,8 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     box.selector.register(box.wake_r, selectors.EVENT_READ, "wake")
     assert box.spawner.sock is not None
     box.selector.register(box.spawner.sock, selectors.EVENT_READ, "spawner")
+    undo.append(("stop the Jira thread", box.jira.stop))
+    box.jira.start()
     box.schedule()
 
 
@@ -9319,6 +10373,7 @@ def loop(box: Box) -> None:
         except Exception as exc:
             log(3, f"the network timers failed: {type(exc).__name__}: {exc}")
             timeout = 1.0
+        timeout = min(timeout, box.schedules.tick())   # runs what is due; never raises
         for key, _ in box.selector.select(timeout=timeout):
             if isinstance(key.data, tuple):
                 box.guard(event_task(box, *key.data), box.network.on_event, *key.data)
@@ -9594,9 +10649,9 @@ def cmd_tasks(state: str | None, workspace: str | None, limit: int, as_json: boo
     if as_json:
         click.echo(json.dumps(tasks, indent=1))
         return
-    print_table([[t["id"], t["state"], t["worker"], t["workspace"], t["createdAt"][:19],
-                  t["title"][:50]] for t in tasks],
-                ["ID", "STATE", "WORKER", "WORKSPACE", "CREATED", "TITLE"])
+    print_table([[t["id"], t["state"], t["worker"], t["workspace"], t.get("source", "api"),
+                  t["createdAt"][:19], t["title"][:50]] for t in tasks],
+                ["ID", "STATE", "WORKER", "WORKSPACE", "SOURCE", "CREATED", "TITLE"])
 
 
 def _task_command(name: str, method: str, suffix: str, doc: str) -> None:
@@ -9710,6 +10765,77 @@ def cmd_wallet(balance: float | None, as_json: bool, box_home: str, listen: str)
             click.echo(printable(f"{entry['time']}  {entry['task']} paid {entry['cents']} to "
                                  f"{entry['to']}" + (f" ({entry['memo']})" if entry.get("memo")
                                                      else "")))
+
+
+# sources: schedules and hooks
+@cli.command("schedules")
+@click.option("--json", "as_json", is_flag=True)
+@client_options
+def cmd_schedules(as_json: bool, box_home: str, listen: str) -> None:
+    """List schedules with their next run."""
+    items = Client(listen, box_home).request("GET", "/schedules")
+    if as_json:
+        click.echo(json.dumps(items, indent=1))
+        return
+    print_table([[s["id"], s["name"][:30], s["cron"], s["timezone"],
+                  "on" if s["enabled"] else "off", (s["nextRuns"] or ["-"])[0],
+                  f"{s.get('lastTask') or '-'} {s.get('lastState') or ''}".strip()]
+                 for s in items],
+                ["ID", "NAME", "CRON", "TIMEZONE", "ENABLED", "NEXT RUN", "LAST RUN"])
+
+
+@cli.group("schedule")
+def cmd_schedule() -> None:
+    """Add a schedule, or run one now."""
+
+
+@cmd_schedule.command("add")
+@click.argument("name")
+@click.argument("cron")
+@click.argument("prompt", nargs=-1, required=True)
+@click.option("--timezone", default="UTC", show_default=True, help="an IANA zone")
+@click.option("--worker", type=click.Choice(WORKERS), default=None, help="default droid")
+@click.option("--workspace", default=None, help="default home")
+@click.option("--overlap", type=click.Choice(OVERLAPS), default="skip", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@client_options
+def cmd_schedule_add(name: str, cron: str, prompt: tuple[str, ...], timezone: str,
+                     worker: str | None, workspace: str | None, overlap: str, as_json: bool,
+                     box_home: str, listen: str) -> None:
+    """Add a schedule: gurtd schedule add NAME 'CRON' -- PROMPT"""
+    task: dict[str, Any] = {"prompt": " ".join(prompt)}
+    for key, value in (("worker", worker), ("workspace", workspace)):
+        if value is not None:
+            task[key] = value
+    item = Client(listen, box_home).request("POST", "/schedules", {
+        "name": name, "cron": cron, "timezone": timezone, "overlap": overlap, "task": task})
+    if as_json:
+        click.echo(json.dumps(item, indent=1))
+    else:
+        click.echo(f"{item['id']}  next: {', '.join(item['nextRuns'][:3])}")
+
+
+@cmd_schedule.command("run")
+@click.argument("schedule_id")
+@client_options
+def cmd_schedule_run(schedule_id: str, box_home: str, listen: str) -> None:
+    """Run a schedule now (its overlap rule applies); prints the task's id."""
+    answer = Client(listen, box_home).request("POST", f"/schedules/{schedule_id}/run")
+    click.echo(answer["task"]["id"] if answer.get("task") else "queued behind the active run")
+
+
+@cli.command("hooks")
+@click.option("--json", "as_json", is_flag=True)
+@client_options
+def cmd_hooks(as_json: bool, box_home: str, listen: str) -> None:
+    """List hooks (their secrets are never shown again)."""
+    items = Client(listen, box_home).request("GET", "/hooks")
+    if as_json:
+        click.echo(json.dumps(items, indent=1))
+        return
+    print_table([[h["name"], h["source"], h["url"], ", ".join(h["allow"]) or "-",
+                  h["createdAt"][:19]] for h in items],
+                ["NAME", "SOURCE", "URL", "BODY MAY SET", "CREATED"])
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):

@@ -259,7 +259,8 @@ def test_every_body_route_refuses_a_body_that_is_not_an_object(gurtd: Gurtd,
     for method, pattern in routes:
         status, data, headers = gurtd.request(method, filled(pattern), raw=ODD_BODIES[name],
                                               headers={"Content-Type": "application/json"})
-        assert status in (400, 404, 409), (method, pattern, status, data)
+        signed = pattern == "/api/hooks/{name}"     # no signature: 401 before the body
+        assert status in ((401,) if signed else (400, 404, 409)), (method, pattern, status, data)
         assert headers["content-type"] == "application/json" and data["error"], data
         if name.startswith("deep") and status == 400 and pattern.count("{") == 0:
             assert data["error"] == "JSON nested too deeply", (pattern, data)

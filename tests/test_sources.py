@@ -1,0 +1,464 @@
+"""Work that arrives by itself: schedules, a Jira project and signed webhooks start tasks.
+
+Schedules are told as an owner's stories (a nightly job, a job that overlaps itself, a box that
+was down for days, a daylight-saving night in Berlin); time is moved for gurtd with the
+test-only GURT_TEST_CLOCK_OFFSET, never on the machine.  Jira is a stand-in of the tests' own
+on 127.0.0.1 that follows the documented REST API v3 endpoints and records every request
+gurtd sends.  Hooks are delivered the way an outside system would: signed, without a token,
+under a tunnel's Host name.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime
+import hashlib
+import hmac
+import http.server
+import json
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+import zoneinfo
+from typing import Any, Iterator
+
+import gurtd as G
+from conftest import GURTD, Gurtd, eventually, running_gurtd
+
+BERLIN = "Europe/Berlin"
+
+
+def berlin(*args: int, fold: int = 0) -> float:
+    return datetime.datetime(*args, tzinfo=zoneinfo.ZoneInfo(BERLIN), fold=fold).timestamp()
+
+
+def local(stamp: float) -> str:
+    return datetime.datetime.fromtimestamp(stamp, zoneinfo.ZoneInfo(BERLIN)).isoformat()
+
+
+def cli(g: Gurtd, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "BOX_HOME": g.home, "GURT_LISTEN": f"127.0.0.1:{g.port}"}
+    return subprocess.run([sys.executable, GURTD, *args], capture_output=True, text=True,
+                          env=env, timeout=60)
+
+
+def schedule_tasks(g: Gurtd, sched_id: str) -> list[dict[str, Any]]:
+    return [t for t in g.api("GET", "/api/tasks") if t.get("schedule") == sched_id]
+
+
+# schedules: pure ###############################################################################
+
+def test_a_daily_run_in_berlin_is_neither_doubled_nor_skipped_by_daylight_saving() -> None:
+    # spring: 02:30 does not exist on 29 March 2026; that night's run happens at 03:00, once
+    runs = G.cron_next("30 2 * * *", BERLIN, berlin(2026, 3, 27, 12, 0), 4)
+    assert [local(t) for t in runs] == [
+        "2026-03-28T02:30:00+01:00", "2026-03-29T03:00:00+02:00",
+        "2026-03-30T02:30:00+02:00", "2026-03-31T02:30:00+02:00"]
+    # autumn: 02:30 comes twice on 25 October 2026; the job runs at the first one only
+    runs = G.cron_next("30 2 * * *", BERLIN, berlin(2026, 10, 24, 12, 0), 3)
+    assert [local(t) for t in runs] == [
+        "2026-10-25T02:30:00+02:00", "2026-10-26T02:30:00+01:00", "2026-10-27T02:30:00+01:00"]
+    assert runs[1] - runs[0] == 25 * 3600        # the long day: 25 hours apart, one run each
+    # after the first 02:30 has run, the repeated 02:30 is not a run of its own
+    after_first = G.cron_next("30 2 * * *", BERLIN, berlin(2026, 10, 25, 2, 40), 1)
+    assert local(after_first[0]) == "2026-10-26T02:30:00+01:00"
+
+
+def test_an_every_half_hour_job_keeps_real_time_across_both_switches() -> None:
+    autumn = G.cron_next("*/30 * * * *", BERLIN, berlin(2026, 10, 25, 1, 50), 6)
+    assert [b - a for a, b in zip(autumn, autumn[1:])] == [1800] * 5   # the repeated hour too
+    spring = G.cron_next("0 * * * *", BERLIN, berlin(2026, 3, 29, 0, 30), 3)
+    assert [local(t) for t in spring] == ["2026-03-29T01:00:00+01:00",
+                                          "2026-03-29T03:00:00+02:00",
+                                          "2026-03-29T04:00:00+02:00"]
+    assert spring[1] - spring[0] == 3600         # an hour of real time, not two
+
+
+def test_cron_lines_are_checked_field_by_field() -> None:
+    assert G.cron_check("0  9 * * mon-fri", "UTC") == "0 9 * * mon-fri"
+    assert G.cron_check("*/15 0-6,22 1 JAN,JUL *", "UTC")
+    for line, said in (("0 9 * *", "five fields"), ("61 * * * *", "cron"),
+                       ("0 9 * * * *", "five fields"), ("0 9 30 2 *", "cron"),
+                       ("0 $(id) * * *", "hour"), (7, "cron")):
+        try:
+            G.cron_check(line, "UTC")
+        except G.ApiError as exc:
+            assert exc.status == 400 and said in exc.message, (line, exc.message)
+        else:
+            raise AssertionError(f"{line!r} was taken")
+
+
+# schedules: a real gurtd #######################################################################
+
+def test_a_schedule_from_creation_to_a_run_now_and_its_deletion() -> None:
+    with running_gurtd() as g:
+        for body, field in (({"name": "x", "cron": "0 99 * * *", "task": {"prompt": "p"}},
+                             "cron"),
+                            ({"name": "x", "cron": "0 3 * * *", "timezone": "Mars/Base",
+                              "task": {"prompt": "p"}}, "timezone"),
+                            ({"name": "x", "cron": "0 3 * * *", "task": {}}, "prompt"),
+                            ({"name": "x", "cron": "0 3 * * *", "overlap": "both",
+                              "task": {"prompt": "p"}}, "overlap"),
+                            ({"name": "x", "cron": "0 3 * * *", "task": {"prompt": "p",
+                                                                          "worker": "x"}},
+                             "worker")):
+            code, answer, _ = g.request("POST", "/api/schedules", body)
+            assert code == 400 and field in answer["error"], (body, answer)
+        assert g.api("GET", "/api/schedules") == []          # bad input made nothing
+        item = g.api("POST", "/api/schedules", {
+            "name": "nightly", "cron": "17 3 * * *", "timezone": BERLIN,
+            "task": {"prompt": "echo nightly run", "worker": "fake"}}, status=201)
+        assert item["enabled"] and item["overlap"] == "skip" and len(item["nextRuns"]) == 5
+        firsts = [datetime.datetime.fromisoformat(t) for t in item["nextRuns"]]
+        assert all(t.hour == 3 and t.minute == 17 for t in firsts)
+        assert firsts == sorted(firsts) and firsts[0].timestamp() > time.time()
+        changed = g.api("PUT", f"/api/schedules/{item['id']}", {"cron": "0 12 * * SUN"})
+        assert all(datetime.datetime.fromisoformat(t).weekday() == 6
+                   for t in changed["nextRuns"])
+        listed = cli(g, "schedules")
+        assert listed.returncode == 0 and item["id"] in listed.stdout and "0 12 * * SUN" in \
+            listed.stdout, listed
+        ran = cli(g, "schedule", "run", item["id"])
+        assert ran.returncode == 0, ran.stderr
+        task = g.wait(ran.stdout.strip())
+        assert task["state"] == "done" and task["source"] == "schedule" and \
+            task["schedule"] == item["id"] and task["title"] == "nightly"
+        assert g.output(task["id"]) == ["nightly run"]
+        after = eventually(lambda: (s := g.api("GET", f"/api/schedules/{item['id']}"))
+                           ["lastState"] == "done" and s)
+        assert after["lastTask"] == task["id"] and after["lastRun"]
+        tasks = cli(g, "tasks")
+        assert "schedule" in tasks.stdout and "SOURCE" in tasks.stdout
+        added = cli(g, "schedule", "add", "weekly", "0 6 * * MON", "--worker", "fake", "--",
+                    "echo", "weekly")
+        assert added.returncode == 0, added.stderr
+        assert len(g.api("GET", "/api/schedules")) == 2
+        off = g.api("PUT", f"/api/schedules/{item['id']}", {"enabled": False})
+        assert off["nextRuns"] == [] and not off["enabled"]
+        g.api("DELETE", f"/api/schedules/{item['id']}")
+        code, _, _ = g.request("GET", f"/api/schedules/{item['id']}")
+        assert code == 404 and len(g.api("GET", "/api/schedules")) == 1
+
+
+def test_a_run_that_is_still_going_is_skipped_or_queued() -> None:
+    with running_gurtd() as g:
+        item = g.api("POST", "/api/schedules", {
+            "name": "slow", "cron": "17 3 * * *",
+            "task": {"prompt": "sleep 60", "worker": "fake"}}, status=201)
+        first = g.api("POST", f"/api/schedules/{item['id']}/run", status=201)["task"]
+        code, answer, _ = g.request("POST", f"/api/schedules/{item['id']}/run")
+        assert code == 409 and first["id"] in answer["error"] and "skip" in answer["error"]
+        assert len(schedule_tasks(g, item["id"])) == 1
+        g.api("PUT", f"/api/schedules/{item['id']}", {"overlap": "queue",
+                                                      "task": {"prompt": "echo second",
+                                                               "worker": "fake"}})
+        queued = g.api("POST", f"/api/schedules/{item['id']}/run", status=202)
+        assert queued["queued"] and len(schedule_tasks(g, item["id"])) == 1
+        g.api("POST", f"/api/tasks/{first['id']}/stop")
+        second = eventually(lambda: [t for t in schedule_tasks(g, item["id"])
+                                     if t["id"] != first["id"]], what="the queued run")
+        assert len(second) == 1 and g.wait(second[0]["id"])["state"] == "done"
+        assert g.output(second[0]["id"]) == ["second"]
+        assert g.task(first["id"])["error"] == "stopped"
+
+
+def test_a_box_down_for_three_days_runs_a_daily_job_once_and_keeps_it_after_kill_9() -> None:
+    with running_gurtd() as g:
+        item = g.api("POST", "/api/schedules", {
+            "name": "daily", "cron": "17 3 * * *",
+            "task": {"prompt": "echo caught up", "worker": "fake"}}, status=201)
+        g.stop(9)                                   # kill -9: the schedule is on disk
+        g.env["GURT_TEST_CLOCK_OFFSET"] = str(3 * 86400 + 3600)   # three days later
+        g.start()
+        runs = eventually(lambda: schedule_tasks(g, item["id"]), what="the catch-up run")
+        time.sleep(2)                               # and no second one
+        runs = schedule_tasks(g, item["id"])
+        assert len(runs) == 1 and g.wait(runs[0]["id"])["state"] == "done"
+        after = g.api("GET", f"/api/schedules/{item['id']}")
+        assert after["lastNote"].startswith("missed 3 runs") or \
+            after["lastNote"].startswith("missed 4 runs"), after
+        assert any("missed" in e.get("text", "") for e in g.log(runs[0]["id"]))
+        assert "missed" in g.log_text()
+        # the clock goes back three days (a wrong clock corrected): no second run for the
+        # time already spent; the next run is after it
+        g.stop(9)
+        g.env["GURT_TEST_CLOCK_OFFSET"] = "0"
+        g.start()
+        time.sleep(2)
+        assert len(schedule_tasks(g, item["id"])) == 1
+        after = g.api("GET", f"/api/schedules/{item['id']}")
+        assert datetime.datetime.fromisoformat(after["nextRuns"][0]).timestamp() > \
+            time.time() + 3 * 86400
+
+
+# Jira ##########################################################################################
+
+class JiraStandIn:
+    """Jira Cloud REST API v3 as documented, on 127.0.0.1: POST /rest/api/3/search/jql, GET
+    /rest/api/3/issue/{key}, POST .../comment (ADF body), GET/POST .../transitions; 401 for a
+    wrong basic auth, and 429/503 answers the test asks for.  Every request is recorded."""
+
+    def __init__(self, email: str, token: str) -> None:
+        self.auth = "Basic " + base64.b64encode(f"{email}:{token}".encode()).decode()
+        self.issues: dict[str, dict[str, Any]] = {}
+        self.requests: list[dict[str, Any]] = []
+        self.fail_next: list[tuple[str, int]] = []      # (path prefix, status) answered once
+        self.status: dict[str, str] = {}
+        self.searching = threading.Event()   # a search arrived
+        self.hold = threading.Event()        # searches are answered once it is set
+        self.hold.set()
+        self.lock = threading.Lock()
+        stand_in = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                stand_in.handle(self)
+
+            def do_POST(self) -> None:
+                stand_in.handle(self)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.hold.set()                      # a held search ends too
+        self.server.shutdown()
+        self.server.server_close()
+
+    def calls(self, method: str, path: str) -> list[dict[str, Any]]:
+        with self.lock:
+            return [r for r in self.requests if r["method"] == method and
+                    r["path"].split("?")[0] == path]
+
+    def handle(self, req: http.server.BaseHTTPRequestHandler) -> None:
+        length = int(req.headers.get("Content-Length") or 0)
+        raw = req.rfile.read(length) if length else b""
+        record = {"method": req.command, "path": req.path, "auth": req.headers.get(
+            "Authorization"), "type": req.headers.get("Content-Type"),
+                  "body": json.loads(raw) if raw else None}
+        with self.lock:
+            self.requests.append(record)
+            failure = next((f for f in self.fail_next if req.path.startswith(f[0])), None)
+            if failure:
+                self.fail_next.remove(failure)
+        if failure:
+            return self.answer(req, failure[1], {"errorMessages": ["try later"]},
+                               {"Retry-After": "1"})
+        if req.headers.get("Authorization") != self.auth:
+            return self.answer(req, 401, {"errorMessages": ["not authenticated"]})
+        path = req.path.split("?")[0]
+        parts = path.split("/")
+        if req.command == "POST" and path == "/rest/api/3/search/jql":
+            self.searching.set()
+            self.hold.wait(60)
+            keys = [k for k in self.issues if self.status[k] == "To Do"]
+            return self.answer(req, 200, {"issues": [
+                {"id": str(i), "key": k, "fields": {"summary": self.issues[k]["summary"]}}
+                for i, k in enumerate(keys)], "isLast": True})
+        if len(parts) >= 6 and parts[5] in self.issues:
+            key = parts[5]
+            if req.command == "GET" and len(parts) == 6:
+                return self.answer(req, 200, {"id": "1", "key": key,
+                                              "fields": self.issues[key]})
+            if req.command == "POST" and parts[6:] == ["comment"]:
+                return self.answer(req, 201, {"id": "100", "body": record["body"]["body"]})
+            if req.command == "GET" and parts[6:] == ["transitions"]:
+                return self.answer(req, 200, {"transitions": [
+                    {"id": "11", "name": "Start", "to": {"name": "In Progress"}},
+                    {"id": "31", "name": "Finish", "to": {"name": "Done"}},
+                    {"id": "41", "name": "Give up", "to": {"name": "Failed"}}]})
+            if req.command == "POST" and parts[6:] == ["transitions"]:
+                names = {"11": "In Progress", "31": "Done", "41": "Failed"}
+                self.status[key] = names[record["body"]["transition"]["id"]]
+                return self.answer(req, 204, None)
+        return self.answer(req, 404, {"errorMessages": ["no such thing"]})
+
+    def answer(self, req: http.server.BaseHTTPRequestHandler, status: int, body: Any,
+               headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(body).encode() if body is not None else b""
+        req.send_response(status)
+        for key, value in (headers or {}).items():
+            req.send_header(key, value)
+        req.send_header("Content-Type", "application/json")
+        req.send_header("Content-Length", str(len(data)))
+        req.end_headers()
+        req.wfile.write(data)
+
+
+@contextlib.contextmanager
+def jira_stand_in() -> Iterator[JiraStandIn]:
+    jira = JiraStandIn("bot@example.com", "right-token")
+    try:
+        yield jira
+    finally:
+        jira.close()
+
+
+def adf(*paragraphs: str) -> dict[str, Any]:
+    return {"type": "doc", "version": 1, "content": [
+        {"type": "paragraph", "content": [{"type": "text", "text": p}]} for p in paragraphs]}
+
+
+def test_adf_becomes_plain_text_and_back() -> None:
+    doc = {"type": "doc", "version": 1, "content": [
+        {"type": "heading", "attrs": {"level": 2}, "content": [{"type": "text", "text": "Do"}]},
+        {"type": "paragraph", "content": [{"type": "text", "text": "one"},
+                                          {"type": "hardBreak"},
+                                          {"type": "mention", "attrs": {"text": "@ann"}}]},
+        {"type": "bulletList", "content": [
+            {"type": "listItem", "content": [{"type": "paragraph", "content": [
+                {"type": "text", "text": "a"}]}]},
+            {"type": "listItem", "content": [{"type": "paragraph", "content": [
+                {"type": "text", "text": "b"}]}]}]},
+        {"type": "codeBlock", "content": [{"type": "text", "text": "make test"}]}]}
+    assert G.adf_text(doc).strip() == "Do\n\none\n@ann\n\n- a\n- b\n\n```\nmake test\n```"
+    nested: dict[str, Any] = {"type": "text", "text": "deep"}
+    for _ in range(5000):                       # an attacker's issue: nested far too deep
+        nested = {"type": "paragraph", "content": [nested]}
+    assert G.adf_text(nested).strip() == ""
+    back = G.text_adf("line one\nline two\n\nnext")
+    assert back["type"] == "doc" and len(back["content"]) == 2
+    assert G.adf_text(back).strip() == "line one\nline two\n\nnext"
+
+
+def test_a_labelled_issue_becomes_one_task_and_hears_back_when_it_ends() -> None:
+    with jira_stand_in() as jira, running_gurtd() as g:
+        jira.issues["GT-7"] = {"summary": "Say hello", "description": adf("echo hello jira")}
+        jira.issues["GT-8"] = {"summary": "Break", "description": adf("exit 3")}
+        jira.status.update({"GT-7": "To Do", "GT-8": "To Do"})
+        jira.fail_next.append(("/rest/api/3/search/jql", 429))     # Jira is busy at first
+        jira.fail_next.append(("/rest/api/3/issue/GT-7/comment", 503))   # and then down
+        config = {"baseUrl": jira.url, "email": "bot@example.com", "token": "wrong-token",
+                  "jql": 'labels = gurt AND status = "To Do"', "worker": "fake",
+                  "pollSeconds": 10, "transitions": {"done": "Done", "failed": "Failed"}}
+        code, answer, _ = g.request("PUT", "/api/settings", {"jira": {**config,
+                                                                     "baseUrl": "http://x.org"}})
+        assert code == 400 and "baseUrl" in answer["error"]
+        settings = g.api("PUT", "/api/settings", {"jira": config})
+        assert "token" not in settings["jira"]
+        token_file = os.path.join(g.home, "secrets", "jira-token")
+        assert stat.S_IMODE(os.stat(token_file).st_mode) == 0o600
+        assert "wrong-token" not in json.dumps(g.api("GET", "/api/settings"))
+        eventually(lambda: "401" in g.log_text(), what="the 401 of a wrong token")
+        assert not [t for t in g.api("GET", "/api/tasks") if t["source"].startswith("jira")]
+        # Jira hangs on the search: the box goes on meanwhile (a task runs to its end)
+        jira.hold.clear()
+        jira.searching.clear()
+        g.api("PUT", "/api/settings", {"jira": {**config, "token": "right-token"}})
+        assert open(token_file).read() == "right-token"
+        assert jira.searching.wait(30)
+        assert g.run("echo meanwhile")["state"] == "done"
+        assert not [t for t in g.api("GET", "/api/tasks") if t["source"].startswith("jira")]
+        jira.hold.set()
+        done = eventually(lambda: [t for t in g.api("GET", "/api/tasks")
+                                   if t["source"] == "jira:GT-7"], what="the GT-7 task")
+        assert done[0]["title"] == "GT-7: Say hello" and done[0]["prompt"] == "echo hello jira"
+        assert g.wait(done[0]["id"])["state"] == "done"
+        eventually(lambda: jira.status["GT-7"] == "Done" and jira.status["GT-8"] == "Failed",
+                   what="both issues moved")
+        # what gurtd sent: basic auth, the JQL, an ADF comment naming the task and its end
+        wrong = "Basic " + base64.b64encode(b"bot@example.com:wrong-token").decode()
+        assert {r["auth"] for r in jira.requests} == {jira.auth, wrong}
+        search = jira.calls("POST", "/rest/api/3/search/jql")[-1]["body"]
+        assert search["jql"] == config["jql"] and "summary" in search["fields"]
+        comments = jira.calls("POST", "/rest/api/3/issue/GT-7/comment")
+        assert len(comments) == 2 and comments[0]["body"] == comments[1]["body"]  # the 503
+        assert comments[0]["type"] == "application/json"
+        text = G.adf_text(comments[0]["body"]["body"])
+        assert comments[0]["body"]["body"]["type"] == "doc"
+        assert done[0]["id"] in text and "done" in text and "Summary: hello jira" in text
+        failed = G.adf_text(jira.calls("POST", "/rest/api/3/issue/GT-8/comment")[0]["body"]
+                            ["body"])
+        assert "failed" in failed and "exited with 3" in failed
+        moves = jira.calls("POST", "/rest/api/3/issue/GT-7/transitions")
+        assert [m["body"] for m in moves] == [{"transition": {"id": "31"}}]
+        # a restart, and the issue back in To Do: still no second task for it
+        jira.status["GT-7"] = "To Do"
+        searches = len(jira.calls("POST", "/rest/api/3/search/jql"))
+        g.restart(kill=True)
+        eventually(lambda: len(jira.calls("POST", "/rest/api/3/search/jql")) > searches,
+                   what="a poll after the restart")
+        time.sleep(1)
+        assert len([t for t in g.api("GET", "/api/tasks") if t["source"] == "jira:GT-7"]) == 1
+        assert len(jira.calls("POST", "/rest/api/3/issue/GT-7/comment")) == 2
+
+
+# Hooks #########################################################################################
+
+def deliver(g: Gurtd, name: str, body: Any, secret: str | None, delivery: str,
+            host: str | None = None, signature: str | None = None) -> tuple[int, Any]:
+    raw = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", "X-Gurt-Delivery": delivery}
+    if secret is not None:
+        headers["X-Gurt-Signature"] = signature or "sha256=" + hmac.new(
+            secret.encode(), raw, hashlib.sha256).hexdigest()
+    if host:
+        headers["Host"] = host
+    code, answer, _ = g.request("POST", f"/api/hooks/{name}", headers=headers, token=False,
+                                raw=raw)
+    return code, answer
+
+
+def test_a_signed_delivery_starts_a_task_and_nothing_else_does() -> None:
+    with running_gurtd() as g:
+        code, answer, _ = g.request("POST", "/api/hooks", {"name": "asi", "source": "jira"})
+        assert code == 400 and "source" in answer["error"]
+        hook = g.api("POST", "/api/hooks", {"name": "asi", "source": "asi1",
+                                            "task": {"worker": "fake"}}, status=201)
+        secret = hook["secret"]
+        assert len(secret) == 64 and hook["url"] == "/api/hooks/asi"
+        assert "secret" not in json.dumps(g.api("GET", "/api/hooks"))
+        assert stat.S_IMODE(os.stat(os.path.join(g.home, "hooks.json")).st_mode) == 0o600
+        listed = cli(g, "hooks")
+        assert listed.returncode == 0 and "asi1" in listed.stdout and secret not in listed.stdout
+        body = {"title": "from asi1", "prompt": "echo delivered"}
+        before = len(g.api("GET", "/api/tasks"))
+        for sig_secret, signature in ((None, None), ("not-the-secret", None),
+                                      (secret, "sha256=" + "0" * 64), (secret, "sha1=x")):
+            code, answer = deliver(g, "asi", body, sig_secret, "d-1", signature=signature)
+            assert code == 401, answer
+        code, _ = deliver(g, "nohook", body, secret, "d-1")
+        assert code == 401
+        assert len(g.api("GET", "/api/tasks")) == before        # nothing was created
+        code, task = deliver(g, "asi", body, secret, "d-1")
+        assert code == 201 and task["source"] == "asi1", task
+        assert g.wait(task["id"])["state"] == "done" and g.output(task["id"]) == ["delivered"]
+        code, answer = deliver(g, "asi", body, secret, "d-1")
+        assert code == 409 and "d-1" in answer["error"]          # a replay
+        code, answer = deliver(g, "asi", {**body, "workspace": "home"}, secret, "d-2")
+        assert code == 400 and "workspace" in answer["error"]    # not a field it allows
+        code, answer = deliver(g, "asi", {**body, "source": "api"}, secret, "d-3")
+        assert code == 400
+        code, answer = deliver(g, "asi", body, secret, "")      # no delivery id
+        assert code == 400 and "X-Gurt-Delivery" in answer["error"]
+        # behind a tunnel: its Host name only when listed, and only on hook deliveries
+        tunnel = "hooks.example.org"
+        code, answer = deliver(g, "asi", body, secret, "d-4", host=tunnel)
+        assert code == 403 and answer["code"] == "host_not_allowed"
+        code, answer, _ = g.request("PUT", "/api/settings", {"hookHosts": ["Not a host"]})
+        assert code == 400 and "hookHosts" in answer["error"]
+        g.api("PUT", "/api/settings", {"hookHosts": [tunnel]})
+        code, task2 = deliver(g, "asi", body, secret, "d-4", host=tunnel + ":443")
+        assert code == 201 and task2["source"] == "asi1"
+        for method, path in (("GET", "/api/tasks"), ("DELETE", "/api/hooks/asi"),
+                             ("POST", "/api/hooks"), ("GET", "/api/settings")):
+            code, answer, _ = g.request(method, path, headers={"Host": tunnel})
+            assert code == 403 and answer["code"] == "host_not_allowed", (method, path)
+        assert len(g.api("GET", "/api/hooks")) == 1
+        # a replay after kill -9 is refused too: the delivery ids are on disk
+        g.restart(kill=True)
+        code, answer = deliver(g, "asi", body, secret, "d-1")
+        assert code == 409
+        g.wait(task2["id"])
+        g.api("DELETE", "/api/hooks/asi")
+        code, _ = deliver(g, "asi", body, secret, "d-9")
+        assert code == 401
