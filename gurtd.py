@@ -4835,10 +4835,16 @@ class Broker:
                 return approval.to_api()
         if approval.kind == "disk":
             self.box.disk.on_approval(approval)
-        if by == "api" and task is not None and task.state == "waiting" and not any(
+        if by in ("api", "task") and task is not None and task.state == "waiting" and not any(
                 a.task == task.id and a.state == "pending" for a in self.approvals.values()):
             self.box.set_state(task, "running")
         return approval.to_api()
+
+    def withdraw(self, approval_id: str) -> None:
+        """The task hung up the call that waits for this approval: denied by the task."""
+        if self.approvals[approval_id].state == "pending":
+            self.answer(approval_id, "denied", "withdrawn: the task cancelled the call", None,
+                        "task")
 
     def approve_all(self, task: str | None) -> dict[str, Any]:
         pending = [a for a in self.approvals.values() if a.state == "pending"
@@ -5133,6 +5139,26 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
         except ApiError as exc:
             self.reply(exc.status, {"error": exc.message, "code": exc.code})
 
+    def wait_for_person(self, plan: dict[str, Any]) -> Approval | None:
+        """The answer to the call's approval; None once the caller hangs up while it waits
+        (an MCP client cancelled the call, `gurtd tool` got Ctrl-C): the approval is then
+        withdrawn, denied by the task, so that nobody answers a call no one waits for."""
+        future: Future[Approval] = plan["future"]
+        while True:
+            try:
+                return future.result(timeout=0.5)
+            except TimeoutError:
+                pass
+            readable, _, _ = select.select([self.request], [], [], 0)
+            try:
+                gone = bool(readable) and self.request.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                gone = True
+            if gone:
+                self.server.box.call(self.server.box.broker.withdraw, plan["wait"])
+                self.close_connection = True
+                return None
+
     def do_POST(self) -> None:
         box = self.server.box
         uid = self.peer_uid()
@@ -5160,7 +5186,9 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
             plan = box.call(box.broker.begin_call, uid, tool, args)
             task_id, call = plan["task"], plan["call"]
             if "wait" in plan:
-                approval = plan["future"].result()
+                approval = self.wait_for_person(plan)
+                if approval is None:        # the caller hung up: nobody to answer
+                    return
                 if approval.state != "approved":
                     raise ApiError(403, rejected_by_owner(tool, approval.reason or "denied"),
                                    "rejected")
@@ -6609,10 +6637,16 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(self.unix_path)
 
 
-def broker_request(method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    """One request to the broker socket of the task this runs in."""
+def broker_request(method: str, path: str, body: Any = None,
+                   opened: Callable[[UnixHTTPConnection], None] | None = None
+                   ) -> tuple[int, Any]:
+    """One request to the broker socket of the task this runs in.  opened(conn) hears of the
+    connection once it is made: hanging it up withdraws a call that waits for a person."""
     conn = UnixHTTPConnection(os.environ.get("GURT_BROKER", BROKER_IN_BOX))
     try:
+        conn.connect()
+        if opened is not None:
+            opened(conn)
         conn.request(method, path, body=None if body is None else json.dumps(body),
                      headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
@@ -6649,65 +6683,205 @@ TOOL_SCHEMAS: dict[str, dict[str, Any]] = {
     "ask": {"type": "object", "required": ["question"], "additionalProperties": False,
             "properties": {"question": {"type": "string"}}},
 }
+# What the built-in tools answer (MCP's outputSchema): a client checks structuredContent by it.
+TOOL_OUTPUT_SCHEMAS: dict[str, dict[str, Any]] = {
+    "wallet.pay": {"type": "object", "required": ["paid", "to", "cents", "balanceCents"],
+                   "properties": {"paid": {"type": "boolean"}, "to": {"type": "string"},
+                                  "cents": {"type": "number"},
+                                  "balanceCents": {"type": "number"}}},
+    "ask": {"type": "object", "required": ["answer"],
+            "properties": {"answer": {"type": "string"}}},
+}
+# Protocol revisions gurtd speaks, newest first: the client's if it is one, else the newest.
+MCP_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
 
 
-def mcp_answer(message: Any) -> dict[str, Any] | None:
-    """One JSON-RPC message of the Model Context Protocol; the reply (None for a notice)."""
-    if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
-        return {"jsonrpc": "2.0", "id": None,
-                "error": {"code": -32600, "message": "not a JSON-RPC 2.0 request"}}
-    if "id" not in message:
-        return None
-    method, params = message.get("method"), message.get("params") or {}
-    reply: dict[str, Any] = {"jsonrpc": "2.0", "id": message["id"]}
-    if method == "initialize":
-        reply["result"] = {"protocolVersion": params.get("protocolVersion", "2025-06-18"),
-                           "capabilities": {"tools": {"listChanged": False}},
-                           "serverInfo": {"name": "gurtd", "version": VERSION}}
-    elif method == "ping":
-        reply["result"] = {}
-    elif method == "tools/list":
-        status, answer = broker_request("GET", "/tools")
+class McpError(Exception):
+    """A JSON-RPC error answer: -32600 invalid request, -32602 invalid params, ..."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def mcp_rpc_id(message: dict[str, Any]) -> Any:
+    """The id to answer with: JSON-RPC ids are strings or numbers (null when unusable)."""
+    value = message.get("id")
+    return value if isinstance(value, (str, int, float)) and not isinstance(value, bool) \
+        else None
+
+
+class McpServer:
+    """`gurtd mcp`: a Model Context Protocol server on stdio, inside a task.  Each request runs
+    in a thread of its own (a pending ask blocks neither ping nor other calls) and answers
+    under a lock on stdout; notifications/cancelled hangs up the request's broker connection,
+    and the broker withdraws the approval it was waiting for."""
+
+    def __init__(self, out: Any) -> None:
+        self.out = out
+        self.lock = threading.Lock()
+        self.version = MCP_VERSIONS[0]
+        self.calls: dict[Any, UnixHTTPConnection | None] = {}   # in flight, by request id
+        self.cancelled: set[Any] = set()
+
+    def send(self, reply: dict[str, Any]) -> None:
+        with self.lock:
+            self.out.write(json.dumps(reply) + "\n")
+            self.out.flush()
+
+    def serve(self, lines: Iterator[str]) -> None:
+        threads: list[threading.Thread] = []
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                message = json.loads(line)
+            except ValueError:
+                self.send({"jsonrpc": "2.0", "id": None,
+                           "error": {"code": -32700, "message": "parse error"}})
+                continue
+            thread = self.dispatch(message)
+            if thread is not None:
+                threads = [t for t in threads if t.is_alive()] + [thread]
+        with self.lock:      # stdin closed: calls still waiting are withdrawn, not left pending
+            pending = list(self.calls.values())
+        for conn in pending:
+            self.hang_up(conn)
+        for thread in threads:
+            thread.join(timeout=5.0)
+
+    def dispatch(self, message: Any) -> threading.Thread | None:
+        """Check the envelope here (in order); a request then gets a thread of its own."""
+        if not isinstance(message, dict):
+            self.send({"jsonrpc": "2.0", "id": None,
+                       "error": {"code": -32600, "message": "a message is a JSON object"}})
+            return None
+        rpc_id = mcp_rpc_id(message)
+        problem = None
+        if message.get("jsonrpc") != "2.0":
+            problem = 'not a JSON-RPC 2.0 message: "jsonrpc" must be "2.0"'
+        elif "method" not in message:
+            problem = "a request needs a method (this server sends no requests to answer)"
+        elif not isinstance(message["method"], str):
+            problem = "method must be a string"
+        if problem is not None:
+            self.send({"jsonrpc": "2.0", "id": rpc_id,
+                       "error": {"code": -32600, "message": problem}})
+            return None
+        if "id" not in message:
+            self.notice(message)
+            return None
+        with self.lock:
+            self.calls[rpc_id] = None
+        thread = threading.Thread(target=self.handle, args=(message, rpc_id), daemon=True)
+        thread.start()
+        return thread
+
+    def notice(self, message: dict[str, Any]) -> None:
+        """A notification: no answer.  Cancelling hangs up the call's broker connection."""
+        params = message.get("params")
+        if message["method"] != "notifications/cancelled" or not isinstance(params, dict):
+            return
+        with self.lock:
+            if params.get("requestId") not in self.calls:
+                return
+            self.cancelled.add(params["requestId"])
+            conn = self.calls[params["requestId"]]
+        self.hang_up(conn)
+
+    @staticmethod
+    def hang_up(conn: UnixHTTPConnection | None) -> None:
+        if conn is not None and conn.sock is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
+    def handle(self, message: dict[str, Any], rpc_id: Any) -> None:
+        reply: dict[str, Any] = {"jsonrpc": "2.0", "id": rpc_id}
+        try:
+            params = message.get("params", {})
+            if params is None:
+                params = {}
+            if not isinstance(params, dict):
+                raise McpError(-32602, "params must be an object")
+            reply["result"] = self.answer(message["method"], params, rpc_id)
+        except McpError as exc:
+            reply["error"] = {"code": exc.code, "message": str(exc)}
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            reply["error"] = {"code": -32603, "message": f"the broker did not answer: {exc}"}
+        finally:
+            with self.lock:
+                self.calls.pop(rpc_id, None)
+                cancelled = rpc_id in self.cancelled
+                self.cancelled.discard(rpc_id)
+        if not cancelled:    # a cancelled request is not answered (the spec's SHOULD NOT)
+            self.send(reply)
+
+    def broker(self, rpc_id: Any, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        def opened(conn: UnixHTTPConnection) -> None:
+            with self.lock:
+                if rpc_id in self.cancelled:
+                    self.hang_up(conn)
+                self.calls[rpc_id] = conn
+        return broker_request(method, path, body, opened)
+
+    def answer(self, method: str, params: dict[str, Any], rpc_id: Any) -> dict[str, Any]:
+        if method == "initialize":
+            asked = params.get("protocolVersion")
+            self.version = asked if asked in MCP_VERSIONS else MCP_VERSIONS[0]
+            return {"protocolVersion": self.version,
+                    "capabilities": {"tools": {"listChanged": False}},
+                    "serverInfo": {"name": "gurtd", "version": VERSION}}
+        if method == "ping":
+            return {}
+        if method == "tools/list":
+            status, answer = self.broker(rpc_id, "GET", "/tools")
+            if status != 200:
+                raise McpError(-32603, answer.get("error", f"the broker answered {status}"))
+            return {"tools": [self.tool(name) for name in answer["tools"]]}
+        if method == "tools/call":
+            return self.call(params, rpc_id)
+        raise McpError(-32601, f"no method {method}")
+
+    def structured(self) -> bool:
+        return self.version >= "2025-06-18"
+
+    def tool(self, name: str) -> dict[str, Any]:
+        out = {"name": name, "description": BUILTIN_TOOLS.get(name, "a tool of this box"),
+               "inputSchema": TOOL_SCHEMAS.get(name, {"type": "object"})}
+        if name in TOOL_OUTPUT_SCHEMAS and self.structured():
+            out["outputSchema"] = TOOL_OUTPUT_SCHEMAS[name]
+        return out
+
+    def call(self, params: dict[str, Any], rpc_id: Any) -> dict[str, Any]:
+        """A tool call.  Unknown or ungranted tools are a protocol error (-32602); a call the
+        tool or a person refuses is a result with isError, which the model gets to read."""
+        name, args = params.get("name"), params.get("arguments", {})
+        if not isinstance(name, str) or not name:
+            raise McpError(-32602, "tools/call needs the tool's name (params.name)")
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            raise McpError(-32602, "params.arguments must be an object")
+        status, answer = self.broker(rpc_id, "POST", "/call", {"tool": name, "args": args})
+        if answer.get("code") in ("tool_not_allowed", "not_found"):
+            raise McpError(-32602, f"unknown tool: {name} ({answer.get('error')})")
         if status != 200:
-            reply["error"] = {"code": -32000, "message": answer.get("error", str(status))}
-        else:
-            reply["result"] = {"tools": [
-                {"name": name, "description": BUILTIN_TOOLS.get(name, "a tool of this box"),
-                 "inputSchema": TOOL_SCHEMAS.get(name, {"type": "object"})}
-                for name in answer["tools"]]}
-    elif method == "tools/call":
-        status, answer = broker_request("POST", "/call", {
-            "tool": params.get("name"), "args": params.get("arguments") or {}})
-        text = json.dumps(answer["result"]) if status == 200 else \
-            answer.get("error", f"refused ({status})")
-        reply["result"] = {"content": [{"type": "text", "text": text}],
-                           "isError": status != 200}
-    else:
-        reply["error"] = {"code": -32601, "message": f"no method {method}"}
-    return reply
+            return {"content": [{"type": "text", "text": answer.get("error",
+                                                                     f"refused ({status})")}],
+                    "isError": True}
+        result = answer["result"]
+        out: dict[str, Any] = {"content": [{"type": "text", "text": json.dumps(result)}],
+                               "isError": False}
+        if isinstance(result, dict) and self.structured():
+            out["structuredContent"] = result
+        return out
 
 
 @cli.command("mcp")
 def cmd_mcp() -> None:
     """A Model Context Protocol server on stdio, inside a task: lists exactly the task's tools
-    and forwards calls to the broker (initialize, tools/list, tools/call)."""
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            message = json.loads(line)
-        except ValueError:
-            reply: dict[str, Any] | None = {"jsonrpc": "2.0", "id": None,
-                                            "error": {"code": -32700, "message": "parse error"}}
-        else:
-            try:
-                reply = mcp_answer(message)
-            except OSError as exc:
-                reply = {"jsonrpc": "2.0", "id": message.get("id"),
-                         "error": {"code": -32000, "message": f"the broker: {exc}"}}
-        if reply is not None:
-            sys.stdout.write(json.dumps(reply) + "\n")
-            sys.stdout.flush()
+    and forwards calls to the broker (initialize, ping, tools/list, tools/call)."""
+    McpServer(sys.stdout).serve(iter(sys.stdin.readline, ""))
 
 
 def main() -> None:
