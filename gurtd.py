@@ -6078,6 +6078,49 @@ def sd_notify(state: str) -> None:
         s.sendall(state.encode())
 
 
+class Notifier:
+    """What the loop tells systemd as it goes: WATCHDOG=1 at half of WatchdogSec (a loop that
+    stalls stops saying it, and systemd restarts gurtd) and STATUS= with the task counts when
+    they change, checked at most once a second.  Silent without NOTIFY_SOCKET."""
+
+    def __init__(self) -> None:
+        usec, pid = os.environ.get("WATCHDOG_USEC", ""), os.environ.get("WATCHDOG_PID", "")
+        self.interval = int(usec) / 2e6 if is_digits(usec) and int(usec) > 0 and \
+            pid in ("", str(os.getpid())) else None
+        self.next_ping = self.next_status = 0.0
+        self.status = ""
+        self.failed = False
+
+    def send(self, state: str) -> None:
+        try:
+            sd_notify(state)
+        except OSError as exc:
+            if not self.failed:      # once: a gone notify socket must not flood the log
+                log(4, f"sd_notify: {exc}")
+            self.failed = True
+
+    def tick(self, box: Box) -> float:
+        """Ping and report as due; how long the loop may sleep before the next ping."""
+        now = time.monotonic()
+        if now >= self.next_status:
+            self.next_status = now + 1.0
+            counts = {state: 0 for state in ACTIVE_STATES}
+            for task in box.tasks.values():
+                if task.state in counts:
+                    counts[task.state] += 1
+            status = f"STATUS={counts['running']} running, {counts['waiting']} waiting, " \
+                     f"{counts['queued']} queued"
+            if status != self.status:
+                self.status = status
+                self.send(status)
+        if self.interval is None:
+            return 3600.0
+        if now >= self.next_ping:
+            self.send("WATCHDOG=1")
+            self.next_ping = now + self.interval
+        return max(0.0, self.next_ping - now)
+
+
 def parse_listen(listen: str) -> tuple[str, int]:
     host, sep, port = listen.rpartition(":")
     if not sep or not is_digits(port) or not 0 <= int(port) <= 65535 or not host:
@@ -6229,6 +6272,7 @@ def loop(box: Box) -> None:
     """The select loop that owns the box state, until SIGTERM.  Every event handler runs
     under box.guard: an error while handling a task's event fails that task, any other error
     is logged, and the loop goes on.  Commands from Box.call hand their errors to the caller."""
+    notifier = Notifier()
     while not box.stopping:
         box.guard(None, box.tick)
         if box.unsaved and time.monotonic() > box.unsaved_retry:
@@ -6239,6 +6283,7 @@ def loop(box: Box) -> None:
         except Exception as exc:
             log(3, f"the network timers failed: {type(exc).__name__}: {exc}")
             timeout = 1.0
+        timeout = min(timeout, notifier.tick(box), 1.0)
         for key, _ in box.selector.select(timeout=timeout):
             if isinstance(key.data, tuple):
                 box.guard(event_task(box, *key.data), box.network.on_event, *key.data)
