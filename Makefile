@@ -15,18 +15,22 @@ APT_PACKAGES := nftables iproute2 util-linux libcap-dev gcc python3-dev python3-
 DROID_VERSION := 0.215.0
 DROID := $(VENV)/droid/node_modules/droid/bin/droid
 
-.PHONY: deps run test bench install uninstall clean
+.PHONY: apt deps run test bench install uninstall clean
 
 deps: $(VENV)/.installed $(VENV)/.seccomp $(VENV)/.droid-$(DROID_VERSION)
 
-$(VENV)/.installed: requirements.txt
+# The Debian packages gurtd and its tests need, those missing only.
+apt:
 	@missing=""; for p in $(APT_PACKAGES); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
+
+# The checkout's venv: run-time and test packages (requirements-test.txt includes the other).
+$(VENV)/.installed: requirements.txt requirements-test.txt | apt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt
+	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements-test.txt
 	touch $@
 
 # The venv gets the one module of python3-seccomp, linked into its site-packages, rather than
@@ -60,9 +64,10 @@ test: deps
 bench: deps
 	$(VENV)/bin/python tests/bench.py
 
-install: deps
+# Only what gurtd needs at run time: requirements.txt into its own venv (no test packages).
+install: apt
 	install -d $(PREFIX)/lib/gurtd $(PREFIX)/bin /etc/systemd/system
-	install -m 0644 gurtd.py requirements.txt $(PREFIX)/lib/gurtd/
+	install -m 0644 gurtd.py requirements.txt README.md $(PREFIX)/lib/gurtd/
 	$(PYTHON) -m venv $(PREFIX)/lib/gurtd/venv
 	$(PREFIX)/lib/gurtd/venv/bin/pip install -q --disable-pip-version-check \
 	  -r $(PREFIX)/lib/gurtd/requirements.txt
@@ -78,6 +83,7 @@ install: deps
 uninstall:
 	if [ -d /run/systemd/system ]; then systemctl disable --now gurtd || true; fi
 	rm -rf $(PREFIX)/lib/gurtd $(PREFIX)/bin/gurtd /etc/systemd/system/gurtd.service
+	if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
 
 clean:
 	rm -rf $(VENV)

@@ -14,7 +14,6 @@ import os
 import pwd
 import subprocess
 import sys
-import time
 from typing import Any
 
 import anyio

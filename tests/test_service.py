@@ -232,3 +232,24 @@ def test_the_loop_pings_the_watchdog_and_reports_its_tasks(tmp_path, new_gurtd):
         assert until("STATUS=0 running")
     finally:
         sock.close()
+
+
+def test_make_install_takes_only_run_time_packages_and_uninstall_reloads_systemd():
+    def read(name: str) -> str:
+        with open(os.path.join(ROOT, name)) as f:
+            return f.read()
+    run_time = read("requirements.txt")
+    for test_only in ("pytest", "mcp"):
+        assert not re.search(rf"^{test_only}\b", run_time, re.M), test_only
+        assert re.search(rf"^{test_only}==", read("requirements-test.txt"), re.M), test_only
+    assert "-r requirements.txt" in read("requirements-test.txt")
+    dry = subprocess.run(["make", "-n", "install", "uninstall", "PREFIX=/nonexistent/gurtd"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    pip_lines = [line for line in dry.stdout.splitlines() if "pip install" in line or
+                 line.strip().startswith("-r ")]
+    assert pip_lines and all("requirements-test" not in line for line in pip_lines), pip_lines
+    assert "requirements-test" not in dry.stdout.split("uninstall")[0]
+    uninstall = dry.stdout[dry.stdout.index("systemctl disable"):]
+    assert "rm -rf" in uninstall and "systemctl daemon-reload" in uninstall, uninstall
+    assert "sudo make uninstall" in read("README.md")
