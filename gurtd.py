@@ -33,8 +33,12 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     HTTP                  request guard, auth, one routing table, JSON errors, OpenAPI
     Loop                  the BOX_HOME lock, the start as steps with their undo, the select
                           loop that owns the box state and guards each event, signals, sd_notify
-    CLI                   click commands: serve, token, run, tasks, show, undo, stop, log,
-                          approvals, approve, deny, answer, wallet, and inside a task tool, mcp
+                          (READY, WATCHDOG from the loop, STATUS with the task counts)
+    CLI                   click commands: serve, token, run (--wait follows the task: spinner,
+                          approvals, Ctrl-C), tasks, show, undo, stop, log, approvals, approve,
+                          deny, answer, wallet, status, workspaces, files, approve-all, events,
+                          settings; errors said for people; inside a task tool, and mcp (the
+                          McpServer: a thread per request, cancellation withdraws approvals)
 
 Threads: the loop thread owns the state.  HTTP and broker handler threads hand it commands
 through ``Box.call`` and wait for the answer (503 busy past a time limit); they read finished
@@ -6579,9 +6583,10 @@ class Spinner:
     def spin(self) -> None:
         if not self.enabled:
             return
-        self.frame = (self.frame + 1) % len(self.FRAMES)
+        frames = self.FRAMES if "utf" in (sys.stderr.encoding or "").lower() else "|/-\\"
+        self.frame = (self.frame + 1) % len(frames)
         width = shutil.get_terminal_size((80, 24)).columns - 1
-        line = short(printable(f"{self.FRAMES[self.frame]} {self.state}" +
+        line = short(printable(f"{frames[self.frame]} {self.state}" +
                                (f": {self.step}" if self.step else "")), width)
         sys.stderr.write("\r\x1b[K" + line)
         sys.stderr.flush()
@@ -7162,6 +7167,7 @@ TOOL_OUTPUT_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 # Protocol revisions gurtd speaks, newest first: the client's if it is one, else the newest.
 MCP_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
+MCP_EOF_GRACE = 10.0         # seconds calls in flight may still take once stdin is closed
 
 
 class McpError(Exception):
@@ -7211,7 +7217,13 @@ class McpServer:
             thread = self.dispatch(message)
             if thread is not None:
                 threads = [t for t in threads if t.is_alive()] + [thread]
-        with self.lock:      # stdin closed: calls still waiting are withdrawn, not left pending
+        # stdin closed: calls in flight get MCP_EOF_GRACE seconds to be answered (a piped
+        # client reads on); those still waiting then (for a person) are withdrawn, never
+        # left pending with nobody to hear the answer.
+        deadline = time.monotonic() + MCP_EOF_GRACE
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        with self.lock:
             pending = list(self.calls.values())
         for conn in pending:
             self.hang_up(conn)
@@ -7276,6 +7288,8 @@ class McpServer:
             reply["error"] = {"code": exc.code, "message": str(exc)}
         except (OSError, ValueError, http.client.HTTPException) as exc:
             reply["error"] = {"code": -32603, "message": f"the broker did not answer: {exc}"}
+        except Exception as exc:   # one request fails, never the agent's whole session
+            reply["error"] = {"code": -32603, "message": f"{type(exc).__name__}: {exc}"}
         finally:
             with self.lock:
                 self.calls.pop(rpc_id, None)

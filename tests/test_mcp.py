@@ -215,3 +215,24 @@ def test_inside_a_task_the_sdk_lists_calls_cancels_and_pings_meanwhile(gurtd: Gu
     finally:
         g.api("POST", f"/api/tasks/{task['id']}/stop")
         g.wait(task["id"])
+
+
+def test_a_client_that_goes_away_withdraws_its_waiting_ask(gurtd: Gurtd) -> None:
+    g = gurtd
+    task = g.create("sleep 60", tools=["ask"])
+    wait_for_step(g, task["id"], "sleep 60")
+    raw = Raw(inside(g, g.task(task["id"])))
+    try:
+        raw.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                  "params": {"name": "ask", "arguments": {"question": "Still there?"}}})
+        asked = eventually(lambda: approvals(g, task["id"], "pending"), 20, "the ask")
+        assert raw.ask({"jsonrpc": "2.0", "id": 2, "method": "ping"})["id"] == 2
+        assert raw.close() == 0          # stdin closed: after a grace, the ask is withdrawn
+        gone = eventually(lambda: approvals(g, task["id"], "denied"), 20, "the withdrawal")
+        assert [a["id"] for a in gone] == [asked[0]["id"]] and gone[0]["answeredBy"] == "task"
+        assert g.task(task["id"])["state"] == "running"
+    finally:
+        if raw.proc.poll() is None:
+            raw.proc.kill()
+        g.api("POST", f"/api/tasks/{task['id']}/stop")
+        g.wait(task["id"])
