@@ -6996,12 +6996,16 @@ def cmd_workspaces(as_json: bool, box_home: str, listen: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="a folder's listing as JSON")
 @client_options
 def cmd_files(workspace: str, path: str, as_json: bool, box_home: str, listen: str) -> None:
-    """List a folder of a workspace's current view, or print a file (as it is, bytes)."""
+    """List a folder of a workspace's current view, or print a file: its bytes as they are
+    when piped, with control characters escaped on a terminal."""
     quoted = urllib.parse.quote(path.strip("/"))
     answer = Client(listen, box_home).request(
         "GET", f"/workspaces/{urllib.parse.quote(workspace, safe='')}/files" +
         (f"/{quoted}" if quoted else ""))
-    if isinstance(answer, bytes):
+    if isinstance(answer, bytes) and sys.stdout.isatty():   # a task's bytes: no escapes
+        for line in answer.decode(errors="replace").split("\n"):
+            click.echo(printable(line))
+    elif isinstance(answer, bytes):
         sys.stdout.buffer.write(answer)
         sys.stdout.flush()
     elif as_json:

@@ -272,6 +272,12 @@ def test_status_workspaces_files_settings_and_the_wallet(gurtd: Gurtd) -> None:
     assert re.search(r"^file\s+8\s+notes.txt$", inner.stdout, re.M), inner.stdout
     assert cli(g, "files", "home", "src/notes.txt").stdout == "one\ntwo\n"
     assert made["state"] == "done"
+    # a file a task wrote reaches a terminal with its escape sequences escaped
+    assert g.run(r"printf 'a\033[2Jb\n' > src/evil.txt")["state"] == "done"
+    assert cli(g, "files", "home", "src/evil.txt").stdout == "a\x1b[2Jb\n"   # piped: as is
+    term = Terminal([sys.executable, GURTD, "files", "home", "src/evil.txt"], env_for(g))
+    term.expect(rb"a\\x1b\[2Jb")
+    assert term.close() == 0 and b"\x1b[2J" not in term.seen, term.seen
 
     assert re.search(r"^maxRunningTasks: 8$", cli(g, "settings").stdout, re.M)
     assert cli(g, "settings", "maxRunningTasks").stdout == "8\n"
