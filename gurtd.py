@@ -6629,10 +6629,11 @@ def follow_entry(client: Client, entry: dict[str, Any], spinner: Spinner) -> Non
             text = f"the task asks: {approval.get('question')}\n  answer it: gurtd answer " \
                    f"{ap} 'TEXT'   (or: gurtd deny {ap} --reason TEXT)"
         else:
+            why = "BOX_HOME's disk is nearly full" if approval["kind"] == "disk" else \
+                f"{cents_text(approval['cents'])} cents, over the budget"
             text = f"waiting for approval {ap}: {approval['tool']} " \
-                   f"{json.dumps(approval['args'])} ({cents_text(approval['cents'])} cents, " \
-                   f"over the budget)\n  gurtd approve {ap}   or   gurtd deny {ap} " \
-                   "--reason TEXT"
+                   f"{json.dumps(approval['args'])} ({why})\n  gurtd approve {ap}   or   " \
+                   f"gurtd deny {ap} --reason TEXT"
         text = "\n".join(printable(line) for line in text.split("\n"))
         click.echo(click.style(text, fg="yellow", bold=True) if use_color(True) else text,
                    err=True)
@@ -7248,6 +7249,8 @@ class McpServer:
             problem = "a request needs a method (this server sends no requests to answer)"
         elif not isinstance(message["method"], str):
             problem = "method must be a string"
+        elif message.get("id") is not None and rpc_id is None:
+            problem = "id must be a string or a number"
         if problem is not None:
             self.send({"jsonrpc": "2.0", "id": rpc_id,
                        "error": {"code": -32600, "message": problem}})
@@ -7266,11 +7269,12 @@ class McpServer:
         params = message.get("params")
         if message["method"] != "notifications/cancelled" or not isinstance(params, dict):
             return
+        request_id = mcp_rpc_id({"id": params.get("requestId")})
         with self.lock:
-            if params.get("requestId") not in self.calls:
+            if request_id is None or request_id not in self.calls:
                 return
-            self.cancelled.add(params["requestId"])
-            conn = self.calls[params["requestId"]]
+            self.cancelled.add(request_id)
+            conn = self.calls[request_id]
         self.hang_up(conn)
 
     @staticmethod

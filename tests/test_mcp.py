@@ -117,7 +117,10 @@ def test_malformed_messages_get_json_rpc_errors_and_the_session_goes_on(gurtd: G
         assert error("{not json") == (None, -32700)
         assert error({"jsonrpc": "2.0", "id": 10, "method": "no/such"}) == (10, -32601)
         raw.send({"jsonrpc": "2.0", "method": "notifications/initialized"})   # no answer
+        assert error({"jsonrpc": "2.0", "id": True, "method": "ping"}) == (None, -32600)
         raw.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": "x"})
+        raw.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                  "params": {"requestId": [1, 2]}})                     # unhashable: ignored
         assert raw.ask({"jsonrpc": "2.0", "id": 11, "method": "ping"}) == \
             {"jsonrpc": "2.0", "id": 11, "result": {}}
         assert raw.proc.poll() is None
