@@ -17,18 +17,22 @@ TEST_APT_PACKAGES := chromium chromium-driver
 DROID_VERSION := 0.215.0
 DROID := $(VENV)/droid/node_modules/droid/bin/droid
 
-.PHONY: deps run test bench install uninstall clean
+.PHONY: apt deps run test bench install uninstall clean
 
 deps: $(VENV)/.installed $(VENV)/.seccomp $(VENV)/.droid-$(DROID_VERSION)
 
-$(VENV)/.installed: requirements.txt
+# The Debian packages gurtd and its tests need, those missing only.
+apt:
 	@missing=""; for p in $(APT_PACKAGES); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
+
+# The checkout's venv: run-time and test packages (requirements-test.txt includes the other).
+$(VENV)/.installed: requirements.txt requirements-test.txt | apt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt
+	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements-test.txt
 	touch $@
 
 # The venv gets the one module of python3-seccomp, linked into its site-packages, rather than
@@ -53,14 +57,13 @@ $(VENV)/.droid-$(DROID_VERSION): $(VENV)/.installed
 	test "$$($(DROID) --version)" = "$(DROID_VERSION)"
 	touch $@
 
-# Packages only the tests and the bench use (schemathesis, selenium and its browser, ...).
-$(VENV)/.test-installed: requirements-test.txt $(VENV)/.installed
+# Debian packages only the tests and the bench use: the browser the portal's tests drive.
+$(VENV)/.test-installed: $(VENV)/.installed
 	@missing=""; for p in $(TEST_APT_PACKAGES); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
-	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements-test.txt
 	touch $@
 
 run: deps
@@ -72,9 +75,10 @@ test: deps $(VENV)/.test-installed
 bench: deps $(VENV)/.test-installed
 	$(VENV)/bin/python tests/bench.py
 
-install: deps
+# Only what gurtd needs at run time: requirements.txt into its own venv (no test packages).
+install: apt
 	install -d $(PREFIX)/lib/gurtd $(PREFIX)/bin /etc/systemd/system
-	install -m 0644 gurtd.py portal.html requirements.txt $(PREFIX)/lib/gurtd/
+	install -m 0644 gurtd.py portal.html requirements.txt README.md $(PREFIX)/lib/gurtd/
 	$(PYTHON) -m venv $(PREFIX)/lib/gurtd/venv
 	$(PREFIX)/lib/gurtd/venv/bin/pip install -q --disable-pip-version-check \
 	  -r $(PREFIX)/lib/gurtd/requirements.txt
@@ -90,6 +94,7 @@ install: deps
 uninstall:
 	if [ -d /run/systemd/system ]; then systemctl disable --now gurtd || true; fi
 	rm -rf $(PREFIX)/lib/gurtd $(PREFIX)/bin/gurtd /etc/systemd/system/gurtd.service
+	if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
 
 clean:
 	rm -rf $(VENV)

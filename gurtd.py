@@ -48,10 +48,14 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     HTTP                  request guard, auth, one routing table, JSON errors, OpenAPI
     Loop                  the BOX_HOME lock, the start as steps with their undo, the select
                           loop that owns the box state and guards each event, signals, sd_notify
-    CLI                   click commands: serve, token, run, tasks, show, undo, stop, log,
-                          approvals, approve, deny, answer, wallet, review, diff, keep,
-                          policies, policy rm, put, get, portal, schedules, schedule,
-                          hooks, and inside a task tool, mcp
+                          (READY, WATCHDOG from the loop, STATUS with the task counts)
+    CLI                   click commands: serve, token, run (--wait follows the task: spinner,
+                          approvals, Ctrl-C), tasks, show, undo, stop, log, approvals, approve,
+                          deny, answer, wallet, status, workspaces, files, approve-all, events,
+                          settings, review, diff, keep, policies, policy rm, put, get, portal,
+                          schedules, schedule, hooks; errors said for people; inside a task
+                          tool, and mcp (the McpServer: a thread per request, cancellation
+                          withdraws approvals)
 
 Threads: the loop thread owns the state.  HTTP and broker handler threads hand it commands
 through ``Box.call`` and wait for the answer (503 busy past a time limit); they read finished
@@ -203,12 +207,29 @@ class SysError(Exception):
 
 
 def log(priority: int, message: str) -> None:
-    """One line to stderr with a journald priority prefix (3 error, 4 warning, 6 info, 7 debug).
+    """One line to stderr with a journald priority prefix (3 error, 4 warning, 6 info, 7 debug)
+    when stderr is not a terminal (journald reads it); on a terminal, the time instead.
     Control characters are shown escaped (a task's error text may carry escape sequences for
     the terminal that shows this log); a traceback keeps its lines."""
     message = "\n".join(printable(line) for line in message.split("\n"))
-    sys.stderr.write(f"<{priority}>{message}\n")
+    try:
+        tty = sys.stderr.isatty()
+    except ValueError:                  # stderr closed
+        return
+    prefix = time.strftime("%H:%M:%S ") + ("error: " if priority <= 3 else "warning: "
+                                            if priority == 4 else "") if tty else f"<{priority}>"
+    sys.stderr.write(f"{prefix}{message}\n")
     sys.stderr.flush()
+
+
+def log_uncaught(kind: type[BaseException], exc: BaseException, tb: Any,
+                 thread: str = "main") -> None:
+    """sys.excepthook and threading.excepthook of `gurtd serve`: an uncaught exception is an
+    error (priority 3), with its traceback, never an info line."""
+    if issubclass(kind, KeyboardInterrupt):
+        return
+    log(3, f"uncaught {kind.__name__} in the {thread} thread: {exc}\n" +
+        "".join(traceback.format_exception(kind, exc, tb)).rstrip())
 
 
 # Pure model ####################################################################################
@@ -6568,10 +6589,16 @@ class Broker:
             self.box.disk.on_approval(approval)
         if approval.kind == "host":
             self.box.network.on_host_approval(approval)
-        if by == "api" and task is not None and task.state == "waiting" and not any(
+        if by in ("api", "task") and task is not None and task.state == "waiting" and not any(
                 a.task == task.id and a.state == "pending" for a in self.approvals.values()):
             self.box.set_state(task, "running")
         return approval.to_api()
+
+    def withdraw(self, approval_id: str) -> None:
+        """The task hung up the call that waits for this approval: denied by the task."""
+        if self.approvals[approval_id].state == "pending":
+            self.answer(approval_id, "denied", "withdrawn: the task cancelled the call", None,
+                        "task")
 
     def approve_all(self, task: str | None) -> dict[str, Any]:
         """Approve every pending spending and host (of one task); skip, and count, what needs
@@ -6890,6 +6917,9 @@ class BrokerServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     request_queue_size = 128
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log_uncaught(*sys.exc_info(), thread="broker")    # type: ignore[arg-type]
+
     def __init__(self, path: str, box: "Box") -> None:
         self.box = box
         self.callers = Counter(MAX_BROKER_CONNS, MAX_BROKER_THREADS)
@@ -6973,6 +7003,26 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
         except ApiError as exc:
             self.reply(exc.status, {"error": exc.message, "code": exc.code})
 
+    def wait_for_person(self, plan: dict[str, Any]) -> Approval | None:
+        """The answer to the call's approval; None once the caller hangs up while it waits
+        (an MCP client cancelled the call, `gurtd tool` got Ctrl-C): the approval is then
+        withdrawn, denied by the task, so that nobody answers a call no one waits for."""
+        future: Future[Approval] = plan["future"]
+        while True:
+            try:
+                return future.result(timeout=0.5)
+            except TimeoutError:
+                pass
+            readable, _, _ = select.select([self.request], [], [], 0)
+            try:
+                gone = bool(readable) and self.request.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                gone = True
+            if gone:
+                self.server.box.call(self.server.box.broker.withdraw, plan["wait"])
+                self.close_connection = True
+                return None
+
     def do_POST(self) -> None:
         box = self.server.box
         uid = self.peer_uid()
@@ -7000,7 +7050,9 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
             plan = box.call(box.broker.begin_call, uid, tool, args)
             task_id, call = plan["task"], plan["call"]
             if "wait" in plan:
-                approval = plan["future"].result()
+                approval = self.wait_for_person(plan)
+                if approval is None:        # the caller hung up: nobody to answer
+                    return
                 if approval.state != "approved":
                     raise ApiError(403, rejected_by_owner(tool, approval.reason or "denied"),
                                    "rejected")
@@ -9945,6 +9997,9 @@ class Server(http.server.ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 128
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log_uncaught(*sys.exc_info(), thread="http")      # type: ignore[arg-type]
+
     def __init__(self, box: Box, host: str, port: int) -> None:
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.box = box
@@ -10210,6 +10265,49 @@ def sd_notify(state: str) -> None:
         s.sendall(state.encode())
 
 
+class Notifier:
+    """What the loop tells systemd as it goes: WATCHDOG=1 at half of WatchdogSec (a loop that
+    stalls stops saying it, and systemd restarts gurtd) and STATUS= with the task counts when
+    they change, checked at most once a second.  Silent without NOTIFY_SOCKET."""
+
+    def __init__(self) -> None:
+        usec, pid = os.environ.get("WATCHDOG_USEC", ""), os.environ.get("WATCHDOG_PID", "")
+        self.interval = int(usec) / 2e6 if is_digits(usec) and int(usec) > 0 and \
+            pid in ("", str(os.getpid())) else None
+        self.next_ping = self.next_status = 0.0
+        self.status = ""
+        self.failed = False
+
+    def send(self, state: str) -> None:
+        try:
+            sd_notify(state)
+        except OSError as exc:
+            if not self.failed:      # once: a gone notify socket must not flood the log
+                log(4, f"sd_notify: {exc}")
+            self.failed = True
+
+    def tick(self, box: Box) -> float:
+        """Ping and report as due; how long the loop may sleep before the next ping."""
+        now = time.monotonic()
+        if now >= self.next_status:
+            self.next_status = now + 1.0
+            counts = {state: 0 for state in ACTIVE_STATES}
+            for task in box.tasks.values():
+                if task.state in counts:
+                    counts[task.state] += 1
+            status = f"STATUS={counts['running']} running, {counts['waiting']} waiting, " \
+                     f"{counts['queued']} queued"
+            if status != self.status:
+                self.status = status
+                self.send(status)
+        if self.interval is None:
+            return 3600.0
+        if now >= self.next_ping:
+            self.send("WATCHDOG=1")
+            self.next_ping = now + self.interval
+        return max(0.0, self.next_ping - now)
+
+
 def parse_listen(listen: str) -> tuple[str, int]:
     host, sep, port = listen.rpartition(":")
     if not sep or not is_digits(port) or not 0 <= int(port) <= 65535 or not host:
@@ -10363,6 +10461,7 @@ def loop(box: Box) -> None:
     """The select loop that owns the box state, until SIGTERM.  Every event handler runs
     under box.guard: an error while handling a task's event fails that task, any other error
     is logged, and the loop goes on.  Commands from Box.call hand their errors to the caller."""
+    notifier = Notifier()
     while not box.stopping:
         box.guard(None, box.tick)
         if box.unsaved and time.monotonic() > box.unsaved_retry:
@@ -10374,6 +10473,7 @@ def loop(box: Box) -> None:
             log(3, f"the network timers failed: {type(exc).__name__}: {exc}")
             timeout = 1.0
         timeout = min(timeout, box.schedules.tick())   # runs what is due; never raises
+        timeout = min(timeout, notifier.tick(box), 1.0)
         for key, _ in box.selector.select(timeout=timeout):
             if isinstance(key.data, tuple):
                 box.guard(event_task(box, *key.data), box.network.on_event, *key.data)
@@ -10420,9 +10520,17 @@ class Client:
                 with open(os.path.join(box_home, "token")) as f:
                     token = f.read().strip()
             except OSError as exc:
-                raise click.ClickException(f"cannot read the token: {exc} (run as root, or set "
-                                           "GURT_TOKEN)") from None
+                raise click.ClickException(
+                    f"cannot read gurtd's token in {box_home}: {exc.strerror or exc}.  Run "
+                    "this as root (sudo), set GURT_TOKEN (`sudo gurtd token` prints it), or "
+                    "point --box-home (BOX_HOME) at gurtd's folder") from None
         self.token = token
+
+    def unreachable(self, exc: OSError) -> click.ClickException:
+        return click.ClickException(
+            f"cannot reach gurtd at {self.host}:{self.port} ({exc.strerror or exc}).  Is it "
+            "running?  `sudo systemctl start gurtd`, or `sudo gurtd serve` in the foreground; "
+            "--listen (GURT_LISTEN) must be its address")
 
     def connect(self) -> Any:
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -10440,26 +10548,32 @@ class Client:
             resp = conn.getresponse()
             raw = resp.read()
         except OSError as exc:
-            raise click.ClickException(f"cannot reach gurtd at {self.host}:{self.port}: {exc}")
+            raise self.unreachable(exc) from None
         finally:
             conn.close()
         if resp.status >= 400:
-            try:
-                message = json.loads(raw)["error"]
-            except (ValueError, KeyError, TypeError):
-                message = raw.decode(errors="replace")
-            raise click.ClickException(f"{resp.status}: {message}")
+            raise CliError.of(resp.status, raw, path)
         if resp.getheader("Content-Type", "").split(";")[0] == "application/json":
             return json.loads(raw)
         return raw
 
     def events(self, path: str) -> Iterator[tuple[str, str]]:
-        """Server-Sent Events from path as (event, data) pairs."""
+        """Server-Sent Events from path as (event, data) pairs; connected (or refused) at
+        once, before the first pair is asked for."""
         conn = self.connect()
-        conn.request("GET", "/api" + path, headers={"Authorization": f"Bearer {self.token}"})
-        resp = conn.getresponse()
+        conn.timeout = None                  # a quiet task sends nothing for a long time
+        try:
+            conn.request("GET", "/api" + path,
+                         headers={"Authorization": f"Bearer {self.token}"})
+            resp = conn.getresponse()
+        except OSError as exc:
+            raise self.unreachable(exc) from None
         if resp.status >= 400:
-            raise click.ClickException(f"{resp.status}: {resp.read().decode(errors='replace')}")
+            raise CliError.of(resp.status, resp.read(), path)
+        return self.event_pairs(conn, resp)
+
+    @staticmethod
+    def event_pairs(conn: Any, resp: Any) -> Iterator[tuple[str, str]]:
         event, data = "message", []
         for raw in resp:
             line = raw.decode(errors="replace").rstrip("\n")
@@ -10474,6 +10588,40 @@ class Client:
         conn.close()
 
 
+class CliError(click.ClickException):
+    """An API error said for people: gurtd's message and what to do, never a bare status."""
+
+    HINTS = {"tasks": "`gurtd tasks` lists the tasks", "approvals":
+             "`gurtd approvals --state approved` (or denied, pending) lists the approvals",
+             "workspaces": "`gurtd workspaces` lists the workspaces"}
+
+    def __init__(self, message: str, status: int, code: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+    @classmethod
+    def of(cls, status: int, raw: bytes, path: str) -> "CliError":
+        try:
+            body = json.loads(raw)
+            message, code = str(body["error"]), str(body.get("code") or "")
+        except (ValueError, KeyError, TypeError):
+            message, code = raw.decode(errors="replace").strip()[:200] or "no answer", ""
+        message = printable(message)
+        topic = path.split("?")[0].split("/")[1] if path.count("/") else ""
+        if status == 401:
+            message = "gurtd refused the token: BOX_HOME (--box-home) or GURT_TOKEN is not " \
+                      "the running gurtd's (`sudo gurtd token` prints its token)"
+        elif topic in cls.HINTS and (status == 404 or message.lower().startswith("no ")):
+            message = f"{message}: {cls.HINTS[topic]}"
+        elif status in (429, 503):
+            message = f"{message} (gurtd is busy: try again in a moment)"
+        elif status == 507:
+            message = f"{message} (BOX_HOME's disk is full: undo or remove old tasks' layers)"
+        elif status >= 500:
+            message = f"gurtd failed: {message} (its log: `journalctl -u gurtd`)"
+        return cls(message, status, code)
+
+
 def client_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     fn = click.option("--listen", envvar="GURT_LISTEN", default=DEFAULT_LISTEN,
                       show_default=True, help="gurtd's address (env GURT_LISTEN)")(fn)
@@ -10481,11 +10629,18 @@ def client_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                         show_default=True, help="where the token is (env BOX_HOME)")(fn)
 
 
-def print_table(rows: list[list[str]], headers: list[str]) -> None:
+def print_table(rows: list[list[str]], headers: list[str], state_column: int | None = None
+                ) -> None:
+    """Columns padded to their widest cell; the state column in colour on a terminal."""
     rows = [[printable(c) for c in row] for row in rows]
     widths = [max(len(str(r[i])) for r in rows + [headers]) for i in range(len(headers))]
-    for row in [headers] + rows:
-        click.echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+    color = use_color()
+    for n, row in enumerate([headers] + rows):
+        cells = [str(c).ljust(w) for c, w in zip(row, widths)]
+        if color and n and state_column is not None:
+            cells[state_column] = paint(row[state_column]) + \
+                " " * (widths[state_column] - len(row[state_column]))
+        click.echo("  ".join(cells).rstrip())
 
 
 def print_task(task: dict[str, Any]) -> None:
@@ -10537,11 +10692,184 @@ def print_log_entry(entry: dict[str, Any]) -> None:
                          f"{log_entry_text(entry)}").rstrip())
 
 
+STATE_COLORS = {"queued": "cyan", "running": "blue", "waiting": "yellow", "done": "green",
+                "failed": "red", "undone": "magenta", "pending": "yellow",
+                "approved": "green", "denied": "red"}
+
+
+def use_color(err: bool = False) -> bool:
+    """Colours on a terminal only, and never with NO_COLOR set (no-color.org)."""
+    stream = sys.stderr if err else sys.stdout
+    return stream.isatty() and not os.environ.get("NO_COLOR")
+
+
+def paint(state: str) -> str:
+    return click.style(state, fg=STATE_COLORS.get(state), bold=state == "waiting")
+
+
+def cents_text(value: Any) -> str:
+    """100.0 as 100, 0.25 as 0.25: whole cents are printed whole."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{value:.4f}".rstrip("0").rstrip(".")
+
+
+def ago(stamp: str, now: float | None = None) -> str:
+    """An ISO time as people say it: just now, 5 s ago, 2 min ago, 3 h ago, 4 days ago."""
+    try:
+        when = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except (ValueError, AttributeError):
+        return str(stamp)
+    seconds = int((time.time() if now is None else now) - when)
+    for size, unit in ((86400, " days"), (3600, " h"), (60, " min"), (1, " s")):
+        if seconds >= size * (2 if unit == " days" else 1):
+            return f"{seconds // size}{unit} ago"
+    return "just now"
+
+
+def short(text: Any, width: int) -> str:
+    """The first line of text, cut to width with an ellipsis."""
+    line = str(text or "").split("\n", 1)[0]
+    return line if len(line) <= width else line[:width - 1] + "…"
+
+
+class Spinner:
+    """The task's state and current step on one erasable line of a terminal's stderr, while
+    nothing else prints; nothing at all when stderr is not a terminal."""
+
+    FRAMES = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.state, self.step, self.frame, self.shown = "queued", "", 0, False
+
+    def spin(self) -> None:
+        if not self.enabled:
+            return
+        frames = self.FRAMES if "utf" in (sys.stderr.encoding or "").lower() else "|/-\\"
+        self.frame = (self.frame + 1) % len(frames)
+        width = shutil.get_terminal_size((80, 24)).columns - 1
+        line = short(printable(f"{frames[self.frame]} {self.state}" +
+                               (f": {self.step}" if self.step else "")), width)
+        sys.stderr.write("\r\x1b[K" + line)
+        sys.stderr.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+            self.shown = False
+
+
+def follow_entry(client: Client, entry: dict[str, Any], spinner: Spinner) -> None:
+    """One log entry of a followed task: output to stdout and stderr as the task wrote it;
+    steps, tool calls and approvals (with the command that answers them) to stderr."""
+    kind = entry.get("type")
+    if kind == "stdout":
+        click.echo(printable(entry.get("text", "")))
+    elif kind == "stderr":
+        click.echo(printable(entry.get("text", "")), err=True)
+    elif kind == "state":
+        spinner.state = entry.get("state", spinner.state)
+    elif kind == "step":
+        spinner.step = entry.get("text", "")
+        click.echo(click.style(printable(f"> {spinner.step}"), dim=use_color(True)), err=True)
+    elif kind == "approval" and "state" not in entry:
+        for _ in range(50):       # the log line may come before the approval is published
+            try:
+                approval = client.request("GET", f"/approvals/{entry['approval']}")
+                break
+            except CliError as exc:
+                if exc.status != 404:
+                    raise
+                time.sleep(0.05)
+        else:
+            approval = {"id": entry["approval"], "kind": entry.get("kind"), "args": {},
+                        "tool": entry.get("tool"), "cents": entry.get("cents")}
+        ap = approval["id"]
+        if approval["kind"] == "ask":
+            text = f"the task asks: {approval.get('question')}\n  answer it: gurtd answer " \
+                   f"{ap} 'TEXT'   (or: gurtd deny {ap} --reason TEXT)"
+        else:
+            why = "BOX_HOME's disk is nearly full" if approval["kind"] == "disk" else \
+                f"{cents_text(approval['cents'])} cents, over the budget"
+            text = f"waiting for approval {ap}: {approval['tool']} " \
+                   f"{json.dumps(approval['args'])} ({why})\n  gurtd approve {ap}   or   " \
+                   f"gurtd deny {ap} --reason TEXT"
+        text = "\n".join(printable(line) for line in text.split("\n"))
+        click.echo(click.style(text, fg="yellow", bold=True) if use_color(True) else text,
+                   err=True)
+    elif kind in ("approval", "tool") or (kind == "event" and droid_step(
+            entry.get("event") or {})):
+        click.echo(printable(f"· {log_entry_text(entry)}"), err=True)
+
+
+def follow_task(client: Client, task_id: str, as_json: bool) -> None:
+    """Print a task's log as it comes until the task ends, a spinner meanwhile on a
+    terminal.  The events come from a thread of their own, so that the spinner turns."""
+    events: queue.Queue[tuple[str, Any]] = queue.Queue()
+
+    def read() -> None:
+        try:
+            for event, data in client.events(f"/tasks/{task_id}/log?follow=1"):
+                events.put((event, data))
+            events.put(("eof", None))
+        except BaseException as exc:       # handed to the main thread, which raises it
+            events.put(("error", exc))
+
+    threading.Thread(target=read, name="follow", daemon=True).start()
+    spinner = Spinner(sys.stderr.isatty() and not as_json)
+    while True:
+        try:
+            event, data = events.get(timeout=0.1)
+        except queue.Empty:
+            spinner.spin()
+            continue
+        if event == "error":
+            spinner.clear()
+            raise data
+        if event in ("end", "eof"):
+            spinner.clear()
+            return
+        if not as_json:
+            spinner.clear()
+            follow_entry(client, json.loads(data), spinner)
+
+
+def interrupted(client: Client, task_id: str) -> None:
+    """Ctrl-C while following a task: on a terminal, ask whether to stop it; else say how
+    to, and leave it running.  Exit 130, as a shell does after SIGINT."""
+    click.echo("", err=True)
+    if sys.stdin.isatty() and sys.stderr.isatty():
+        try:
+            stop = click.confirm(f"Stop task {task_id}?", default=False, err=True)
+        except (click.Abort, EOFError, KeyboardInterrupt):
+            stop = False
+        if stop:
+            task = client.request("POST", f"/tasks/{task_id}/stop")
+            click.echo(f"{task_id} {task['state']}: stopped", err=True)
+            sys.exit(130)
+    click.echo(f"{task_id} goes on running: `gurtd log -f {task_id}` follows it, "
+               f"`gurtd stop {task_id}` stops it", err=True)
+    sys.exit(130)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(VERSION, prog_name="gurtd")
 def cli() -> None:
     """gurtd: run AI agent tasks boxed in and undoable.  `gurtd serve` runs the daemon; the
     other commands talk to it on localhost."""
+
+
+def log_uncaught_everywhere() -> None:
+    """Uncaught exceptions of any thread of `gurtd serve` go through log() at priority 3."""
+    sys.excepthook = log_uncaught
+    threading.excepthook = lambda a: log_uncaught(
+        a.exc_type, a.exc_value or a.exc_type(), a.exc_traceback,
+        a.thread.name if a.thread else "?")
 
 
 @cli.command("serve")
@@ -10556,6 +10884,7 @@ def cmd_serve(box_home: str, listen: str, dns_upstream: str | None) -> None:
     """Run gurtd in the foreground (as root)."""
     if os.geteuid() != 0:
         raise click.ClickException("gurtd serve must run as root")
+    log_uncaught_everywhere()
     try:
         parse_listen(listen)
         if dns_upstream:
@@ -10598,10 +10927,15 @@ def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title
             listen: str) -> None:
     """Create a task.  PROMPT is an argument, or standard input when absent or -."""
     if prompt is None or prompt == "-":
+        if sys.stdin.isatty():
+            click.echo("Type the prompt; end it with Ctrl-D on a line of its own.", err=True)
         prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise click.UsageError("the prompt is empty: give it as an argument (gurtd run 'fix "
+                               "the failing test') or on standard input")
     body: dict[str, Any] = {"prompt": prompt,
                             "title": title or (prompt.strip().splitlines() or [""])[0][:60]}
-    if budget is not None and budget == int(budget):
+    if budget is not None and budget.is_integer():
         budget = int(budget)                  # 50, not 50.0
     for key, value in (("worker", worker), ("workspace", workspace), ("budgetCents", budget)):
         if value is not None:
@@ -10617,20 +10951,22 @@ def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title
     if not wait:
         click.echo(json.dumps(task, indent=1) if as_json else task["id"])
         return
-    for event, data in client.events(f"/tasks/{task['id']}/log?follow=1"):
-        if event == "end" or as_json:
-            continue
-        entry = json.loads(data)
-        if entry.get("type") == "stdout":
-            click.echo(printable(entry.get("text", "")))
-        elif entry.get("type") == "stderr":
-            click.echo(printable(entry.get("text", "")), err=True)
+    if not as_json:
+        click.echo(f"{task['id']} {task['state']}: following it (Ctrl-C: stop it, or leave it "
+                   "running)", err=True)
+    try:
+        follow_task(client, task["id"], as_json)
+    except KeyboardInterrupt:
+        interrupted(client, task["id"])
     task = client.request("GET", f"/tasks/{task['id']}")
     if as_json:
         click.echo(json.dumps(task, indent=1))
     else:
-        click.echo(f"{task['id']} {task['state']}" +
-                   (f": {printable(task['error'])}" if task.get("error") else ""), err=True)
+        state = paint(task["state"]) if use_color(True) else task["state"]
+        click.echo(f"{task['id']} {state}" + (f": {printable(task['error'])}" if
+                                               task.get("error") else "") +
+                   (f" ({cents_text(task['costCents'])} cents)" if task.get("costCents")
+                    else ""), err=True)
     sys.exit(0 if task["state"] == "done" else 1)
 
 
@@ -10649,9 +10985,12 @@ def cmd_tasks(state: str | None, workspace: str | None, limit: int, as_json: boo
     if as_json:
         click.echo(json.dumps(tasks, indent=1))
         return
-    print_table([[t["id"], t["state"], t["worker"], t["workspace"], t.get("source", "api"),
-                  t["createdAt"][:19], t["title"][:50]] for t in tasks],
-                ["ID", "STATE", "WORKER", "WORKSPACE", "SOURCE", "CREATED", "TITLE"])
+    now = time.time()
+    print_table([[t["id"], t["state"], t["worker"], t["workspace"], ago(t["createdAt"], now),
+                  t.get("source", "api"),
+                  cents_text(t.get("costCents", 0)), short(t["title"], 40),
+                  short(t.get("error") or "", 30)] for t in tasks],
+                ["ID", "STATE", "WORKER", "WORKSPACE", "SOURCE", "CREATED", "COST", "TITLE", "ERROR"], 1)
 
 
 def _task_command(name: str, method: str, suffix: str, doc: str) -> None:
@@ -10707,9 +11046,11 @@ def cmd_approvals(state: str, task_id: str | None, as_json: bool, box_home: str,
     if as_json:
         click.echo(json.dumps(approvals, indent=1))
         return
-    print_table([[a["id"], a["state"], a["task"], a["kind"], a["tool"], str(a["cents"]),
-                  (a.get("question") or json.dumps(a["args"]))[:60]] for a in approvals],
-                ["ID", "STATE", "TASK", "KIND", "TOOL", "CENTS", "WHAT"])
+    now = time.time()
+    print_table([[a["id"], a["state"], a["task"], a["kind"], a["tool"], cents_text(a["cents"]),
+                  ago(a["createdAt"], now), short(a.get("question") or json.dumps(a["args"]),
+                                                  60)] for a in approvals],
+                ["ID", "STATE", "TASK", "KIND", "TOOL", "CENTS", "CREATED", "WHAT"], 1)
 
 
 def _answer_command(name: str, suffix: str, doc: str, reason_required: bool) -> None:
@@ -10724,8 +11065,16 @@ def _answer_command(name: str, suffix: str, doc: str, reason_required: bool) -> 
         if reason_required and not reason:
             raise click.UsageError("--reason is required: it goes back to the task")
         body = {"reason": reason} if reason else {}
-        approval = Client(listen, box_home).request("POST", f"/approvals/{approval_id}/{suffix}",
-                                                    body)
+        client = Client(listen, box_home)
+        try:
+            approval = client.request("POST", f"/approvals/{approval_id}/{suffix}", body)
+        except CliError as exc:
+            if exc.code == "conflict" and suffix == "approve" and \
+                    client.request("GET", f"/approvals/{approval_id}")["kind"] == "ask":
+                raise click.ClickException(
+                    f"{approval_id} is a question from the task, not a spending: answer it "
+                    f"with `gurtd answer {approval_id} 'TEXT'`") from None
+            raise
         click.echo(json.dumps(approval, indent=1) if as_json else
                    f"{approval['id']} {approval['state']}")
 
@@ -10752,17 +11101,20 @@ def cmd_answer(approval_id: str, text: str, box_home: str, listen: str) -> None:
 def cmd_wallet(balance: float | None, as_json: bool, box_home: str, listen: str) -> None:
     """Show the wallet (or set its balance)."""
     client = Client(listen, box_home)
+    if balance is not None and balance.is_integer():
+        balance = int(balance)                # 100, not 100.0
     wallet = client.request("PUT", "/wallet", {"balanceCents": balance}) \
         if balance is not None else client.request("GET", "/wallet")
     if as_json:
         click.echo(json.dumps(wallet, indent=1))
         return
-    click.echo(f"balance: {wallet['balanceCents']} cents")
+    click.echo(f"balance: {cents_text(wallet['balanceCents'])} cents")
     for entry in wallet["ledger"][-20:]:
         if "set" in entry:
-            click.echo(f"{entry['time']}  set to {entry['set']}")
+            click.echo(f"{entry['time']}  set to {cents_text(entry['set'])}")
         else:
-            click.echo(printable(f"{entry['time']}  {entry['task']} paid {entry['cents']} to "
+            click.echo(printable(f"{entry['time']}  {entry['task']} paid "
+                                 f"{cents_text(entry['cents'])} to "
                                  f"{entry['to']}" + (f" ({entry['memo']})" if entry.get("memo")
                                                      else "")))
 
@@ -10838,6 +11190,161 @@ def cmd_hooks(as_json: bool, box_home: str, listen: str) -> None:
                 ["NAME", "SOURCE", "URL", "BODY MAY SET", "CREATED"])
 
 
+# Commands for people at a terminal (issue 12): status, workspaces, files, approve-all,
+# events, settings.
+
+@cli.command("status")
+@click.option("--json", "as_json", is_flag=True)
+@client_options
+def cmd_status(as_json: bool, box_home: str, listen: str) -> None:
+    """Is gurtd up: its version, how many tasks run, wait and queue, the wallet, pending
+    approvals."""
+    client = Client(listen, box_home)
+    health = client.request("GET", "/health")
+    counts = {state: len(client.request("GET", f"/tasks?state={state}&limit=1000"))
+              for state in ("running", "waiting", "queued")}
+    pending = client.request("GET", "/approvals?state=pending")
+    wallet = client.request("GET", "/wallet")
+    if as_json:
+        click.echo(json.dumps({"health": health, "tasks": counts, "pendingApprovals":
+                               len(pending), "balanceCents": wallet["balanceCents"]}, indent=1))
+        return
+    click.echo(f"gurtd {health.get('version')} at {client.host}:{client.port}: " +
+               ("up" if health.get("ok") else "not ok"))
+    click.echo("tasks:      " + ", ".join(
+        f"{n}{'+' if n >= 1000 else ''} {paint(s) if use_color() else s}"
+        for s, n in counts.items()))
+    click.echo(f"wallet:     {cents_text(wallet['balanceCents'])} cents")
+    click.echo(f"approvals:  {len(pending)} pending" +
+               (" (`gurtd approvals` lists them)" if pending else ""))
+
+
+@cli.command("workspaces")
+@click.option("--json", "as_json", is_flag=True)
+@client_options
+def cmd_workspaces(as_json: bool, box_home: str, listen: str) -> None:
+    """List workspaces and how many layers (done tasks) each has."""
+    workspaces = Client(listen, box_home).request("GET", "/workspaces")
+    if as_json:
+        click.echo(json.dumps(workspaces, indent=1))
+        return
+    print_table([[w["name"], str(w.get("layers", 0))] for w in workspaces], ["NAME", "LAYERS"])
+
+
+@cli.command("files")
+@click.argument("workspace")
+@click.argument("path", required=False, default="")
+@click.option("--json", "as_json", is_flag=True, help="a folder's listing as JSON")
+@client_options
+def cmd_files(workspace: str, path: str, as_json: bool, box_home: str, listen: str) -> None:
+    """List a folder of a workspace's current view, or print a file: its bytes as they are
+    when piped, with control characters escaped on a terminal."""
+    quoted = urllib.parse.quote(path.strip("/"))
+    answer = Client(listen, box_home).request(
+        "GET", f"/workspaces/{urllib.parse.quote(workspace, safe='')}/files" +
+        (f"/{quoted}" if quoted else ""))
+    if isinstance(answer, bytes) and sys.stdout.isatty():   # a task's bytes: no escapes
+        for line in answer.decode(errors="replace").split("\n"):
+            click.echo(printable(line))
+    elif isinstance(answer, bytes):
+        sys.stdout.buffer.write(answer)
+        sys.stdout.flush()
+    elif as_json:
+        click.echo(json.dumps(answer, indent=1))
+    else:
+        print_table([[e["type"], str(e["size"]) if e["type"] == "file" else "-",
+                      e["name"] + ("/" if e["type"] == "directory" else "")]
+                     for e in answer["entries"]], ["TYPE", "SIZE", "NAME"])
+
+
+@cli.command("approve-all")
+@click.option("--task", "task_id", default=None, help="only this task's")
+@client_options
+def cmd_approve_all(task_id: str | None, box_home: str, listen: str) -> None:
+    """Approve every pending spending (asks wait for an answer: gurtd answer)."""
+    client = Client(listen, box_home)
+    done = client.request("POST", "/approvals/approve-all", {"task": task_id} if task_id else {})
+    click.echo(f"approved {done['approved']}")
+    query = "state=pending" + (f"&task={urllib.parse.quote(task_id)}" if task_id else "")
+    for ask in client.request("GET", f"/approvals?{query}"):
+        if ask["kind"] == "ask":
+            click.echo(printable(f"{ask['id']} asks: {short(ask.get('question'), 60)}  "
+                                 f"(gurtd answer {ask['id']} 'TEXT')"))
+
+
+def event_text(kind: str, data: dict[str, Any]) -> str:
+    """One event of /api/events in a line for people."""
+    if kind == "task":
+        state = paint(data["state"]) if use_color() else data["state"]
+        return printable(f"task {data.get('id')} ") + state + printable(
+            f"  {short(data.get('title'), 50)}" + (f"  ({short(data['error'], 60)})"
+                                                   if data.get("error") else ""))
+    if kind == "approval":
+        state = paint(data["state"]) if use_color() else data["state"]
+        what = data.get("question") or f"{data.get('tool')} {cents_text(data.get('cents'))} " \
+                                        "cents"
+        return printable(f"approval {data.get('id')} ") + state + printable(
+            f"  {data.get('kind')} of task {data.get('task')}: {short(what, 60)}")
+    return printable(f"{kind} {json.dumps(data)[:150]}")
+
+
+@cli.command("events")
+@click.option("--since", default=None, help="replay what followed this event id")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object a line")
+@client_options
+def cmd_events(since: str | None, as_json: bool, box_home: str, listen: str) -> None:
+    """Follow gurtd's events (task states, approvals) as they come, until Ctrl-C."""
+    client = Client(listen, box_home)
+    try:
+        stream = client.events("/events" + (f"?since={urllib.parse.quote(since)}"
+                                            if since else ""))
+        click.echo("following gurtd's events (Ctrl-C ends)", err=True)
+        for kind, data in stream:
+            parsed = json.loads(data)
+            if as_json:
+                click.echo(json.dumps({"event": kind, "data": parsed}))
+            elif kind == "reset":
+                click.echo("(some events were missed: too many at once)")
+            else:
+                click.echo(f"{time.strftime('%H:%M:%S')}  {event_text(kind, parsed)}")
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def setting_value(text: str) -> Any:
+    """A value given on the command line: JSON when it reads as JSON (8, true, ["a"]),
+    else the text itself (claude-opus-5)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+@cli.command("settings")
+@click.argument("key", required=False)
+@click.argument("value", required=False)
+@click.option("--json", "as_json", is_flag=True)
+@client_options
+def cmd_settings(key: str | None, value: str | None, as_json: bool, box_home: str,
+                 listen: str) -> None:
+    """Show the settings, one, or change one: gurtd settings maxRunningTasks 4."""
+    client = Client(listen, box_home)
+    if value is not None:
+        settings = client.request("PUT", "/settings", {key: setting_value(value)})
+    else:
+        settings = client.request("GET", "/settings")
+    if key is not None and key not in settings:
+        raise click.ClickException(f"no setting named {key}; there are: "
+                                   f"{', '.join(sorted(settings))}")
+    shown = {key: settings[key]} if key is not None else settings
+    if as_json:
+        click.echo(json.dumps(shown[key] if key is not None else shown, indent=1))
+        return
+    for name, current in shown.items():
+        click.echo(printable(f"{name}: {json.dumps(current)}") if key is None else
+                   printable(json.dumps(current)))
+
+
 class UnixHTTPConnection(http.client.HTTPConnection):
     def __init__(self, path: str, timeout: float | None = None) -> None:
         super().__init__("box", timeout=timeout)
@@ -10848,10 +11355,16 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(self.unix_path)
 
 
-def broker_request(method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    """One request to the broker socket of the task this runs in."""
+def broker_request(method: str, path: str, body: Any = None,
+                   opened: Callable[[UnixHTTPConnection], None] | None = None
+                   ) -> tuple[int, Any]:
+    """One request to the broker socket of the task this runs in.  opened(conn) hears of the
+    connection once it is made: hanging it up withdraws a call that waits for a person."""
     conn = UnixHTTPConnection(os.environ.get("GURT_BROKER", BROKER_IN_BOX))
     try:
+        conn.connect()
+        if opened is not None:
+            opened(conn)
         conn.request(method, path, body=None if body is None else json.dumps(body),
                      headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
@@ -10888,65 +11401,217 @@ TOOL_SCHEMAS: dict[str, dict[str, Any]] = {
     "ask": {"type": "object", "required": ["question"], "additionalProperties": False,
             "properties": {"question": {"type": "string"}}},
 }
+# What the built-in tools answer (MCP's outputSchema): a client checks structuredContent by it.
+TOOL_OUTPUT_SCHEMAS: dict[str, dict[str, Any]] = {
+    "wallet.pay": {"type": "object", "required": ["paid", "to", "cents", "balanceCents"],
+                   "properties": {"paid": {"type": "boolean"}, "to": {"type": "string"},
+                                  "cents": {"type": "number"},
+                                  "balanceCents": {"type": "number"}}},
+    "ask": {"type": "object", "required": ["answer"],
+            "properties": {"answer": {"type": "string"}}},
+}
+# Protocol revisions gurtd speaks, newest first: the client's if it is one, else the newest.
+MCP_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
+MCP_EOF_GRACE = 10.0         # seconds calls in flight may still take once stdin is closed
 
 
-def mcp_answer(message: Any) -> dict[str, Any] | None:
-    """One JSON-RPC message of the Model Context Protocol; the reply (None for a notice)."""
-    if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
-        return {"jsonrpc": "2.0", "id": None,
-                "error": {"code": -32600, "message": "not a JSON-RPC 2.0 request"}}
-    if "id" not in message:
-        return None
-    method, params = message.get("method"), message.get("params") or {}
-    reply: dict[str, Any] = {"jsonrpc": "2.0", "id": message["id"]}
-    if method == "initialize":
-        reply["result"] = {"protocolVersion": params.get("protocolVersion", "2025-06-18"),
-                           "capabilities": {"tools": {"listChanged": False}},
-                           "serverInfo": {"name": "gurtd", "version": VERSION}}
-    elif method == "ping":
-        reply["result"] = {}
-    elif method == "tools/list":
-        status, answer = broker_request("GET", "/tools")
+class McpError(Exception):
+    """A JSON-RPC error answer: -32600 invalid request, -32602 invalid params, ..."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def mcp_rpc_id(message: dict[str, Any]) -> Any:
+    """The id to answer with: JSON-RPC ids are strings or numbers (null when unusable)."""
+    value = message.get("id")
+    return value if isinstance(value, (str, int, float)) and not isinstance(value, bool) \
+        else None
+
+
+class McpServer:
+    """`gurtd mcp`: a Model Context Protocol server on stdio, inside a task.  Each request runs
+    in a thread of its own (a pending ask blocks neither ping nor other calls) and answers
+    under a lock on stdout; notifications/cancelled hangs up the request's broker connection,
+    and the broker withdraws the approval it was waiting for."""
+
+    def __init__(self, out: Any) -> None:
+        self.out = out
+        self.lock = threading.Lock()
+        self.version = MCP_VERSIONS[0]
+        self.calls: dict[Any, UnixHTTPConnection | None] = {}   # in flight, by request id
+        self.cancelled: set[Any] = set()
+
+    def send(self, reply: dict[str, Any]) -> None:
+        with self.lock:
+            self.out.write(json.dumps(reply) + "\n")
+            self.out.flush()
+
+    def serve(self, lines: Iterator[str]) -> None:
+        threads: list[threading.Thread] = []
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                message = json.loads(line)
+            except ValueError:
+                self.send({"jsonrpc": "2.0", "id": None,
+                           "error": {"code": -32700, "message": "parse error"}})
+                continue
+            thread = self.dispatch(message)
+            if thread is not None:
+                threads = [t for t in threads if t.is_alive()] + [thread]
+        # stdin closed: calls in flight get MCP_EOF_GRACE seconds to be answered (a piped
+        # client reads on); those still waiting then (for a person) are withdrawn, never
+        # left pending with nobody to hear the answer.
+        deadline = time.monotonic() + MCP_EOF_GRACE
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        with self.lock:
+            pending = list(self.calls.values())
+        for conn in pending:
+            self.hang_up(conn)
+        for thread in threads:
+            thread.join(timeout=5.0)
+
+    def dispatch(self, message: Any) -> threading.Thread | None:
+        """Check the envelope here (in order); a request then gets a thread of its own."""
+        if not isinstance(message, dict):
+            self.send({"jsonrpc": "2.0", "id": None,
+                       "error": {"code": -32600, "message": "a message is a JSON object"}})
+            return None
+        rpc_id = mcp_rpc_id(message)
+        problem = None
+        if message.get("jsonrpc") != "2.0":
+            problem = 'not a JSON-RPC 2.0 message: "jsonrpc" must be "2.0"'
+        elif "method" not in message:
+            problem = "a request needs a method (this server sends no requests to answer)"
+        elif not isinstance(message["method"], str):
+            problem = "method must be a string"
+        elif message.get("id") is not None and rpc_id is None:
+            problem = "id must be a string or a number"
+        if problem is not None:
+            self.send({"jsonrpc": "2.0", "id": rpc_id,
+                       "error": {"code": -32600, "message": problem}})
+            return None
+        if "id" not in message:
+            self.notice(message)
+            return None
+        with self.lock:
+            self.calls[rpc_id] = None
+        thread = threading.Thread(target=self.handle, args=(message, rpc_id), daemon=True)
+        thread.start()
+        return thread
+
+    def notice(self, message: dict[str, Any]) -> None:
+        """A notification: no answer.  Cancelling hangs up the call's broker connection."""
+        params = message.get("params")
+        if message["method"] != "notifications/cancelled" or not isinstance(params, dict):
+            return
+        request_id = mcp_rpc_id({"id": params.get("requestId")})
+        with self.lock:
+            if request_id is None or request_id not in self.calls:
+                return
+            self.cancelled.add(request_id)
+            conn = self.calls[request_id]
+        self.hang_up(conn)
+
+    @staticmethod
+    def hang_up(conn: UnixHTTPConnection | None) -> None:
+        if conn is not None and conn.sock is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
+    def handle(self, message: dict[str, Any], rpc_id: Any) -> None:
+        reply: dict[str, Any] = {"jsonrpc": "2.0", "id": rpc_id}
+        try:
+            params = message.get("params", {})
+            if params is None:
+                params = {}
+            if not isinstance(params, dict):
+                raise McpError(-32602, "params must be an object")
+            reply["result"] = self.answer(message["method"], params, rpc_id)
+        except McpError as exc:
+            reply["error"] = {"code": exc.code, "message": str(exc)}
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            reply["error"] = {"code": -32603, "message": f"the broker did not answer: {exc}"}
+        except Exception as exc:   # one request fails, never the agent's whole session
+            reply["error"] = {"code": -32603, "message": f"{type(exc).__name__}: {exc}"}
+        finally:
+            with self.lock:
+                self.calls.pop(rpc_id, None)
+                cancelled = rpc_id in self.cancelled
+                self.cancelled.discard(rpc_id)
+        if not cancelled:    # a cancelled request is not answered (the spec's SHOULD NOT)
+            self.send(reply)
+
+    def broker(self, rpc_id: Any, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        def opened(conn: UnixHTTPConnection) -> None:
+            with self.lock:
+                if rpc_id in self.cancelled:
+                    self.hang_up(conn)
+                self.calls[rpc_id] = conn
+        return broker_request(method, path, body, opened)
+
+    def answer(self, method: str, params: dict[str, Any], rpc_id: Any) -> dict[str, Any]:
+        if method == "initialize":
+            asked = params.get("protocolVersion")
+            self.version = asked if asked in MCP_VERSIONS else MCP_VERSIONS[0]
+            return {"protocolVersion": self.version,
+                    "capabilities": {"tools": {"listChanged": False}},
+                    "serverInfo": {"name": "gurtd", "version": VERSION}}
+        if method == "ping":
+            return {}
+        if method == "tools/list":
+            status, answer = self.broker(rpc_id, "GET", "/tools")
+            if status != 200:
+                raise McpError(-32603, answer.get("error", f"the broker answered {status}"))
+            return {"tools": [self.tool(name) for name in answer["tools"]]}
+        if method == "tools/call":
+            return self.call(params, rpc_id)
+        raise McpError(-32601, f"no method {method}")
+
+    def structured(self) -> bool:
+        return self.version >= "2025-06-18"
+
+    def tool(self, name: str) -> dict[str, Any]:
+        out = {"name": name, "description": BUILTIN_TOOLS.get(name, "a tool of this box"),
+               "inputSchema": TOOL_SCHEMAS.get(name, {"type": "object"})}
+        if name in TOOL_OUTPUT_SCHEMAS and self.structured():
+            out["outputSchema"] = TOOL_OUTPUT_SCHEMAS[name]
+        return out
+
+    def call(self, params: dict[str, Any], rpc_id: Any) -> dict[str, Any]:
+        """A tool call.  Unknown or ungranted tools are a protocol error (-32602); a call the
+        tool or a person refuses is a result with isError, which the model gets to read."""
+        name, args = params.get("name"), params.get("arguments", {})
+        if not isinstance(name, str) or not name:
+            raise McpError(-32602, "tools/call needs the tool's name (params.name)")
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            raise McpError(-32602, "params.arguments must be an object")
+        status, answer = self.broker(rpc_id, "POST", "/call", {"tool": name, "args": args})
+        if answer.get("code") in ("tool_not_allowed", "not_found"):
+            raise McpError(-32602, f"unknown tool: {name} ({answer.get('error')})")
         if status != 200:
-            reply["error"] = {"code": -32000, "message": answer.get("error", str(status))}
-        else:
-            reply["result"] = {"tools": [
-                {"name": name, "description": BUILTIN_TOOLS.get(name, "a tool of this box"),
-                 "inputSchema": TOOL_SCHEMAS.get(name, {"type": "object"})}
-                for name in answer["tools"]]}
-    elif method == "tools/call":
-        status, answer = broker_request("POST", "/call", {
-            "tool": params.get("name"), "args": params.get("arguments") or {}})
-        text = json.dumps(answer["result"]) if status == 200 else \
-            answer.get("error", f"refused ({status})")
-        reply["result"] = {"content": [{"type": "text", "text": text}],
-                           "isError": status != 200}
-    else:
-        reply["error"] = {"code": -32601, "message": f"no method {method}"}
-    return reply
+            return {"content": [{"type": "text", "text": answer.get("error",
+                                                                     f"refused ({status})")}],
+                    "isError": True}
+        result = answer["result"]
+        out: dict[str, Any] = {"content": [{"type": "text", "text": json.dumps(result)}],
+                               "isError": False}
+        if isinstance(result, dict) and self.structured():
+            out["structuredContent"] = result
+        return out
 
 
 @cli.command("mcp")
 def cmd_mcp() -> None:
     """A Model Context Protocol server on stdio, inside a task: lists exactly the task's tools
-    and forwards calls to the broker (initialize, tools/list, tools/call)."""
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            message = json.loads(line)
-        except ValueError:
-            reply: dict[str, Any] | None = {"jsonrpc": "2.0", "id": None,
-                                            "error": {"code": -32700, "message": "parse error"}}
-        else:
-            try:
-                reply = mcp_answer(message)
-            except OSError as exc:
-                reply = {"jsonrpc": "2.0", "id": message.get("id"),
-                         "error": {"code": -32000, "message": f"the broker: {exc}"}}
-        if reply is not None:
-            sys.stdout.write(json.dumps(reply) + "\n")
-            sys.stdout.flush()
+    and forwards calls to the broker (initialize, ping, tools/list, tools/call)."""
+    McpServer(sys.stdout).serve(iter(sys.stdin.readline, ""))
 
 
 # personal mode: review

@@ -283,8 +283,8 @@ def test_the_mcp_server_lists_and_calls_exactly_the_tasks_tools(gurtd: Gurtd) ->
     assert tools[0]["inputSchema"]["required"] == ["to", "cents"]
     paid = replies[3]["result"]
     assert paid["isError"] is False and json.loads(paid["content"][0]["text"])["paid"] is True
-    refused = replies[4]["result"]
-    assert refused["isError"] is True and "not granted" in refused["content"][0]["text"]
+    refused = replies[4]["error"]           # an ungranted tool: a JSON-RPC error (issue 12)
+    assert refused["code"] == -32602 and "not granted" in refused["message"]
     assert replies[5]["error"]["code"] == -32601
     assert g.api("GET", "/api/wallet")["balanceCents"] == 93
     assert g.task(task["id"])["costCents"] == 7
@@ -298,7 +298,7 @@ def test_the_mcp_server_answers_on_stdio_outside_a_task_too() -> None:
     out = subprocess.run([sys.executable, GURTD, "mcp"], input=lines, capture_output=True,
                          text=True, timeout=60,
                          env={**os.environ, "GURT_BROKER": "/nonexistent/broker.sock"})
-    replies = [json.loads(line) for line in out.stdout.splitlines()]
-    assert replies[0]["result"]["serverInfo"]["name"] == "gurtd"
-    assert replies[1]["error"]["code"] == -32000
-    assert replies[2]["error"]["code"] == -32700
+    replies = {r["id"]: r for r in map(json.loads, out.stdout.splitlines())}  # any order
+    assert replies[1]["result"]["serverInfo"]["name"] == "gurtd"
+    assert replies[2]["error"]["code"] == -32603 and "broker" in replies[2]["error"]["message"]
+    assert replies[None]["error"]["code"] == -32700

@@ -80,3 +80,182 @@ def test_make_install_and_the_readme_agree():
         assert any(form in readme for form in forms), pattern
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         assert "make test" in f.read()
+
+
+# The unit's system call filter, watchdog and status (issue 12) ###############################
+
+def unit_lines(key: str) -> list[str]:
+    with open(os.path.join(ROOT, "gurtd.service")) as f:
+        return [line.split("=", 1)[1] for line in f.read().splitlines()
+                if line.startswith(key + "=")]
+
+
+def syscall_groups() -> dict[str, list[str]]:
+    """systemd's own syscall groups (systemd-analyze syscall-filter), as it expands them."""
+    out = subprocess.run(["systemd-analyze", "syscall-filter"], capture_output=True, text=True,
+                         check=True).stdout
+    groups: dict[str, list[str]] = {}
+    current = None
+    for line in out.splitlines():
+        if line.startswith("@"):
+            current = line.strip()
+            groups[current] = []
+        elif current and line.strip() and not line.strip().startswith("#"):
+            groups[current].append(line.strip())
+    return groups
+
+
+def expand(names: list[str], groups: dict[str, list[str]]) -> set[str]:
+    out: set[str] = set()
+    for name in names:
+        out |= expand(groups[name], groups) if name.startswith("@") else {name}
+    return out
+
+
+def unit_allowed() -> tuple[set[str], set[str]]:
+    """(what the unit's SystemCallFilter allows, every syscall systemd knows), native only."""
+    import seccomp
+    groups = syscall_groups()
+    assert all(not line.startswith("~") for line in unit_lines("SystemCallFilter"))
+    allowed = expand([n for line in unit_lines("SystemCallFilter") for n in line.split()], groups)
+    native = {n for n in expand(["@known"], groups)
+              if seccomp.resolve_syscall(seccomp.Arch.NATIVE, n) >= 0}
+    return allowed & native, native
+
+
+def gurtd_own_syscalls() -> set[str]:
+    """What gurtd.py calls by name (syscall("x", ...), libc_call("x", ...)) and through os."""
+    with open(os.path.join(ROOT, "gurtd.py")) as f:
+        source = f.read()
+    called = set(re.findall(r'(?:syscall|libc_call)\("([a-z_0-9]+)', source))
+    called.discard("lckpwdf")          # a libc function (a lock file), not a system call
+    return called | {"seccomp", "setgroups", "setresuid", "setresgid", "setrlimit", "prlimit64",
+                     "kill", "clone", "fchownat", "chown", "pidfd_open", "wait4"}
+
+
+def test_the_syscall_filter_keeps_what_gurtd_and_every_worker_may_call():
+    allowed, native = unit_allowed()
+    assert gurtd_own_syscalls() - allowed == set()
+    # A worker may call anything its kernel filter does not refuse outright: the unit may cut
+    # only what that filter refuses, what ProtectClock= refuses, or what this kernel lacks.
+    refused_for_workers = {name for name, tests, _, _ in G.KERNEL_REFUSALS if not tests}
+    clock = expand(["@clock"], syscall_groups()) if unit_lines("ProtectClock") == ["yes"] \
+        else set()
+    cut = native - allowed - refused_for_workers - clock
+    probe = ("import ctypes, sys, seccomp\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+             "for name in sys.argv[1:]:\n"
+             "    nr = seccomp.resolve_syscall(seccomp.Arch.NATIVE, name)\n"
+             "    if libc.syscall(nr, 0, 0, 0, 0, 0, 0) != -1 or ctypes.get_errno() != 38:\n"
+             "        print(name)\n")
+    # only calls that refusing cannot cover are probed, and only in a child process
+    out = subprocess.run([sys.executable, "-c", probe, *sorted(cut)], capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout == "", \
+        f"the unit refuses what a worker may call: {out.stdout.split()} {out.stderr}"
+    # and what it refuses on purpose stays refused
+    for name in ("bpf", "perf_event_open", "init_module", "reboot", "kexec_load", "swapon",
+                 "iopl", "settimeofday", "acct", "open_by_handle_at"):
+        assert name not in allowed, name
+
+
+def test_the_unit_scores_5_or_less_and_keeps_its_promises(tmp_path):
+    unit = (tmp_path / "gurtd.service")
+    with open(os.path.join(ROOT, "gurtd.service")) as f:
+        unit.write_text(f.read())
+    out = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(unit)],
+                         capture_output=True, text=True)
+    score = float(re.search(r"Overall exposure level for gurtd.service: ([\d.]+)",
+                            out.stdout).group(1))
+    assert score <= 5.0, out.stdout[-3000:]
+    assert int(unit_lines("LimitNOFILE")[0]) >= 8192
+    assert unit_lines("WatchdogSec") and unit_lines("StateDirectory") == ["gurt"]
+    assert any("README" in d or "readme" in d for d in unit_lines("Documentation"))
+    assert "/run" not in " ".join(unit_lines("ReadWritePaths")).split()
+
+
+def seccomp_sitecustomize(tmp_path, allowed: set[str], native: set[str]) -> str:
+    """A sitecustomize.py that loads the unit's filter the way systemd builds it (allowed:
+    yes; other known calls: EPERM; calls systemd does not know: ENOSYS) into the Python
+    process that starts with it, before gurtd runs: gurtd and every worker inherit it."""
+    folder = tmp_path / "filtered"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(
+        "import errno, os, seccomp\n"
+        f"ALLOWED, KNOWN = {sorted(allowed)!r}, {sorted(native)!r}\n"
+        "if os.environ.get('GURT_TEST_UNIT_FILTER') == '1':\n"
+        "    f = seccomp.SyscallFilter(defaction=seccomp.ERRNO(errno.ENOSYS))\n"
+        "    for name in KNOWN:\n"
+        "        f.add_rule(seccomp.ALLOW if name in ALLOWED else seccomp.ERRNO(errno.EPERM),"
+        " name)\n"
+        "    f.load()\n")
+    return str(folder)
+
+
+def test_tasks_live_their_whole_life_under_the_units_filter(tmp_path, new_gurtd):
+    allowed, native = unit_allowed()
+    folder = seccomp_sitecustomize(tmp_path, allowed, native)
+    g = new_gurtd({"PYTHONPATH": folder, "GURT_TEST_UNIT_FILTER": "1"})
+    with open(f"/proc/{g.proc.pid}/status") as f:
+        assert re.search(r"^Seccomp:\s+2$", f.read(), re.M)     # gurtd runs filtered
+    g.api("PUT", "/api/wallet", {"balanceCents": 10})
+    task = g.run("echo hi > made.txt\ncat /proc/self/status | grep ^Seccomp_filters\n"
+                 "gurtd tool wallet.pay '{\"to\": \"shop\", \"cents\": 1}'",
+                 tools=["wallet.pay"], budgetCents=5)
+    assert task["state"] == "done", (task, g.log(task["id"]))
+    out = g.output(task["id"])
+    assert any(re.match(r"Seccomp_filters:\s+[2-9]", line) for line in out), out  # both
+    assert g.file("home", "made.txt") == b"hi\n"
+    g.api("POST", f"/api/tasks/{task['id']}/undo")
+    g.wait(task["id"], ("undone",))
+    assert g.file("home", "made.txt") is None
+    assert g.api("GET", "/api/wallet")["balanceCents"] == 9
+
+
+def test_the_loop_pings_the_watchdog_and_reports_its_tasks(tmp_path, new_gurtd):
+    import socket
+    path = str(tmp_path / "notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(20)
+    try:
+        g = new_gurtd({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"})
+
+        def until(wanted: str) -> list[str]:
+            seen = []
+            while not any(m.startswith(wanted) for m in seen):
+                seen.append(sock.recv(4096).decode())
+            return seen
+
+        assert "READY=1" in until("READY=1")
+        assert until("STATUS=0 running, 0 waiting, 0 queued")
+        pings = [m for m in until("WATCHDOG=1") + until("WATCHDOG=1") if m == "WATCHDOG=1"]
+        assert pings
+        task = g.create("sleep 30")
+        assert until("STATUS=1 running, 0 waiting, 0 queued")
+        assert until("WATCHDOG=1")         # still pinging while a task runs
+        g.api("POST", f"/api/tasks/{task['id']}/stop")
+        g.wait(task["id"])
+        assert until("STATUS=0 running")
+    finally:
+        sock.close()
+
+
+def test_make_install_takes_only_run_time_packages_and_uninstall_reloads_systemd():
+    def read(name: str) -> str:
+        with open(os.path.join(ROOT, name)) as f:
+            return f.read()
+    run_time = read("requirements.txt")
+    for test_only in ("pytest", "mcp"):
+        assert not re.search(rf"^{test_only}\b", run_time, re.M), test_only
+        assert re.search(rf"^{test_only}==", read("requirements-test.txt"), re.M), test_only
+    assert "-r requirements.txt" in read("requirements-test.txt")
+    dry = subprocess.run(["make", "-n", "install", "uninstall", "PREFIX=/nonexistent/gurtd"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    pip_lines = [line for line in dry.stdout.splitlines() if "pip install" in line or
+                 line.strip().startswith("-r ")]
+    assert pip_lines and all("requirements-test" not in line for line in pip_lines), pip_lines
+    assert "requirements-test" not in dry.stdout.split("uninstall")[0]
+    uninstall = dry.stdout[dry.stdout.index("systemctl disable"):]
+    assert "rm -rf" in uninstall and "systemctl daemon-reload" in uninstall, uninstall
+    assert "sudo make uninstall" in read("README.md")
