@@ -3095,6 +3095,7 @@ LAYER_GROUP = 128                    # layers per merged layer
 LAYER_KEEP = 64                      # the newest done layers are never merged
 MERGED_DIR = "merged"                # under BOX_HOME: merged layers and their registry
 MERGE_TEMP = ".tmp-"                 # a merged layer being built; thrown away at start
+LAYER_BYTES_AGE = 30.0               # seconds a workspace's counted layer bytes are reused
 
 
 def env_count(name: str, default: int) -> int:
@@ -3302,6 +3303,29 @@ def _merge_dir(fds: dict[int, int], visible: list[int], out: int, rel: str,
         # overlay's own copy-up gives.
         os.setxattr(out, "trusted.overlay.origin", b"")
     return subdirs
+
+
+def layer_bytes(tops: list[str]) -> int:
+    """Bytes of disk under these layer directories, each inode counted once (a merged
+    layer's hard links cost nothing but its directories).  No symlink followed."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+
+    def count(st: os.stat_result) -> None:
+        nonlocal total
+        if (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
+
+    for top in tops:
+        try:
+            count(os.lstat(top))
+            tree_visit(top, lambda fd, name, st, parents: count(st),
+                       lambda fd, name: count(os.stat(name, dir_fd=fd,
+                                                      follow_symlinks=False)))
+        except OSError:                    # deleted meanwhile
+            continue
+    return total
 
 
 class LayerStack:
@@ -3545,6 +3569,10 @@ class Box:
         self.merging: dict[str, MergedLayer] = {}         # being built, by name
         self.merge_failed: set[tuple[str, int, tuple[str, ...]]] = set()
         self.task_lowers: dict[str, list[str]] = {}      # a running task's view, flat
+        # per workspace, published by the loop for GET /api/workspaces/{name}: (version,
+        # merged layers, layer directories); and the bytes an HTTP thread counted for it
+        self.layer_dirs: dict[str, tuple[int, int, list[str]]] = {}
+        self.layer_bytes: dict[str, tuple[int, float, int]] = {}
 
     # paths
     def path(self, *parts: str) -> str:
@@ -3645,6 +3673,7 @@ class Box:
         self.layerstack.load()
         for name in {t.workspace for t in self.tasks.values()}:
             self.layerstack.regroup(name, self.ever_done(name))
+            self.publish_layers(name)
         self.broker.load()
 
     def render(self, task: Task) -> None:
@@ -3896,6 +3925,28 @@ class Box:
         self.layerstack.regroup(workspace, self.ever_done(workspace))
         self.drop_view(workspace)
         self.plan_merges(workspace)
+        self.publish_layers(workspace)
+
+    def publish_layers(self, workspace: str) -> None:
+        """What GET /api/workspaces/{name} counts: the layer directories on disk of the
+        workspace's tasks and its merged layers (any thread reads it, one assignment)."""
+        merged = [m.name for m in self.layerstack.merged.values() if m.workspace == workspace]
+        dirs = [self.layer_dir(t.id) for t in self.tasks.values()
+                if t.workspace == workspace and not t.layerDeleted and t.state != "queued"]
+        old = self.layer_dirs.get(workspace, (0, 0, []))
+        self.layer_dirs[workspace] = (old[0] + 1, len(merged), dirs + [
+            os.path.join(self.layerstack.dir, name) for name in merged])
+
+    def layer_usage(self, workspace: str) -> dict[str, int]:
+        """mergedLayers and layerBytes of a workspace; the bytes are counted in the calling
+        HTTP thread, again once the layers changed or LAYER_BYTES_AGE passed."""
+        version, merged, dirs = self.layer_dirs.get(workspace, (0, 0, []))
+        cached = self.layer_bytes.get(workspace)
+        if cached is None or cached[0] != version or \
+                time.monotonic() - cached[1] > LAYER_BYTES_AGE:
+            cached = (version, time.monotonic(), layer_bytes(dirs))
+            self.layer_bytes[workspace] = cached
+        return {"mergedLayers": merged, "layerBytes": cached[2]}
 
     def plan_merges(self, workspace: str) -> None:
         """Hand the merges due in workspace to the merger thread (once it runs)."""
@@ -3935,6 +3986,7 @@ class Box:
             return
         log(6, f"merged layer {merged.name}: {len(merged.members)} layers of "
                f"{merged.workspace} in one")
+        self.publish_layers(merged.workspace)
         self.drop_view(merged.workspace)
         self.gc_layers()
         self.schedule()                      # a start that waited for room under the limit
@@ -4244,6 +4296,7 @@ class Box:
                     self.layerstack.forget(unused)
                 except OSError as exc:
                     log(3, f"merged layers {unused}: {exc}")
+                self.publish_layers(name)
         for t in self.tasks.values():
             if t.state == "undone" and not t.layerDeleted and t.id not in in_use:
                 try:
@@ -4256,6 +4309,7 @@ class Box:
                 t.layerDeleted = True
                 self.save(t)
                 self.append_log(t.id, {"type": "layer", "text": "layer files deleted"})
+                self.publish_layers(t.workspace)
 
     def get(self, task_id: str) -> Task:
         task = self.tasks.get(task_id) if isinstance(task_id, str) else None
@@ -4285,7 +4339,7 @@ class Box:
             entries = list(self.listed.values())
         stack = sorted(((e[2], e[3]) for e in entries
                         if e[0] == "done" and e[1] == name), reverse=True)
-        info: dict[str, Any] = {"name": name, "layers": len(stack)}
+        info: dict[str, Any] = {"name": name, "layers": len(stack), **self.layer_usage(name)}
         if full:
             info["stack"] = [json.loads(data) for _, data in stack]
         return info
@@ -4473,7 +4527,7 @@ class Box:
         if not self.workspace_exists(name):
             raise ApiError(404, f"no workspace named {name}", "not_found")
         stack = self.stack(name)
-        info: dict[str, Any] = {"name": name, "layers": len(stack)}
+        info: dict[str, Any] = {"name": name, "layers": len(stack), **self.layer_usage(name)}
         if full:
             info["stack"] = [t.to_api() for t in stack]
         return info
