@@ -3424,14 +3424,31 @@ class LayerStack:
         return [m.name for m in self.merged.values() if m.workspace == workspace and
                 wanted.get(m.group) != m.members and f"{MERGED_DIR}/{m.name}" not in pinned]
 
-    def forget(self, names: list[str]) -> None:
-        """Delete merged layers: out of the registry first, then their files (a crash between
-        leaves an unrecorded directory, thrown away at the next start)."""
+    def forget(self, names: list[str], remove: Callable[[str], None] = tree_remove) -> None:
+        """Delete merged layers: out of the registry first, then their files by remove()
+        under a trash name (a crash between leaves an unrecorded directory or a trash name,
+        both thrown away at the next start)."""
         for name in names:
             self.merged.pop(name, None)
         self.save()
         for name in names:
-            tree_remove(os.path.join(self.dir, name))
+            remove(trash_name(os.path.join(self.dir, name)))
+
+
+def trash_name(path: str) -> str:
+    """Rename path (a layer or merged layer nothing reads) to its trash name beside it, at
+    once; the trash name, for Merger.remove."""
+    trash = os.path.join(os.path.dirname(path), MERGE_TEMP + "trash-" + os.path.basename(path))
+    os.rename(path, trash)
+    return trash
+
+
+def trash_sweep(directory: str) -> None:
+    """At start: delete what a crash left under trash or temp names in directory."""
+    for name in os.listdir(directory):
+        if name.startswith(MERGE_TEMP):
+            log(4, f"reconcile: deleting the leftover {name} in {directory}")
+            tree_remove(os.path.join(directory, name))
 
 
 class Merger:
@@ -3442,7 +3459,7 @@ class Merger:
     def __init__(self, home: str, done: Callable[[MergedLayer, str | None], None]) -> None:
         self.dir = os.path.join(home, MERGED_DIR)
         self.done = done
-        self.jobs: queue.Queue[tuple[MergedLayer, list[str]] | None] = queue.Queue()
+        self.jobs: queue.Queue[tuple[MergedLayer, list[str]] | str | None] = queue.Queue()
         self.thread: threading.Thread | None = None
         self.stopping = False
 
@@ -3463,8 +3480,23 @@ class Merger:
     def submit(self, merged: MergedLayer, sources: list[str]) -> None:
         self.jobs.put((merged, sources))
 
+    def remove(self, path: str) -> None:
+        """Delete a tree that nothing reads any more, off the loop (undo must answer at once
+        however big the layer).  The caller renamed it to a trash name first (trash_name):
+        a crash leaves a trash name, which the next start deletes."""
+        if self.thread is None:
+            tree_remove(path)
+        else:
+            self.jobs.put(path)
+
     def run(self) -> None:
         while (job := self.jobs.get()) is not None:
+            if isinstance(job, str):
+                try:
+                    tree_remove(job)
+                except OSError as exc:
+                    log(3, f"could not delete {job}: {exc}")
+                continue
             if self.stopping:
                 continue                         # the jobs left are planned again at start
             merged, sources = job
@@ -3671,6 +3703,7 @@ class Box:
             self.seq = max(self.seq, task.seq)
             self.done_seq = max(self.done_seq, task.doneSeq)
         self.layerstack.load()
+        trash_sweep(self.path("layers"))        # undone layers a crash left half deleted
         for name in {t.workspace for t in self.tasks.values()}:
             self.layerstack.regroup(name, self.ever_done(name))
             self.publish_layers(name)
@@ -3928,25 +3961,27 @@ class Box:
         self.publish_layers(workspace)
 
     def publish_layers(self, workspace: str) -> None:
-        """What GET /api/workspaces/{name} counts: the layer directories on disk of the
-        workspace's tasks and its merged layers (any thread reads it, one assignment)."""
+        """For GET /api/workspaces/{name}: the workspace's merged layers, and a new version
+        of what its layers hold (any thread reads it, one assignment)."""
         merged = [m.name for m in self.layerstack.merged.values() if m.workspace == workspace]
-        dirs = [self.layer_dir(t.id) for t in self.tasks.values()
-                if t.workspace == workspace and not t.layerDeleted and t.state != "queued"]
         old = self.layer_dirs.get(workspace, (0, 0, []))
-        self.layer_dirs[workspace] = (old[0] + 1, len(merged), dirs + [
-            os.path.join(self.layerstack.dir, name) for name in merged])
+        self.layer_dirs[workspace] = (old[0] + 1, len(merged), merged)
 
     def layer_usage(self, workspace: str) -> dict[str, int]:
-        """mergedLayers and layerBytes of a workspace; the bytes are counted in the calling
-        HTTP thread, again once the layers changed or LAYER_BYTES_AGE passed."""
-        version, merged, dirs = self.layer_dirs.get(workspace, (0, 0, []))
+        """mergedLayers and layerBytes of a workspace: its tasks' layer directories and its
+        merged layers, counted in the calling HTTP thread (never the loop), again once the
+        layers changed or LAYER_BYTES_AGE passed.  A layer deleted meanwhile counts 0."""
+        version, count, merged = self.layer_dirs.get(workspace, (0, 0, []))
         cached = self.layer_bytes.get(workspace)
         if cached is None or cached[0] != version or \
                 time.monotonic() - cached[1] > LAYER_BYTES_AGE:
+            with self.listed_lock:
+                ids = [i for i, e in self.listed.items() if e[1] == workspace]
+            dirs = [os.path.join(self.home, "layers", i) for i in ids] + \
+                [os.path.join(self.home, MERGED_DIR, name) for name in merged]
             cached = (version, time.monotonic(), layer_bytes(dirs))
             self.layer_bytes[workspace] = cached
-        return {"mergedLayers": merged, "layerBytes": cached[2]}
+        return {"mergedLayers": count, "layerBytes": cached[2]}
 
     def plan_merges(self, workspace: str) -> None:
         """Hand the merges due in workspace to the merger thread (once it runs)."""
@@ -4293,17 +4328,18 @@ class Box:
             unused = self.layerstack.unused(name, [t.id for t in self.stack(name)], pinned)
             if unused:
                 try:
-                    self.layerstack.forget(unused)
+                    self.layerstack.forget(unused, self.merger.remove)
                 except OSError as exc:
                     log(3, f"merged layers {unused}: {exc}")
                 self.publish_layers(name)
         for t in self.tasks.values():
             if t.state == "undone" and not t.layerDeleted and t.id not in in_use:
-                try:
-                    tree_remove(self.layer_dir(t.id))
+                try:      # gone from its name at once; its files off the loop
+                    if os.path.lexists(self.layer_dir(t.id)):
+                        self.merger.remove(trash_name(self.layer_dir(t.id)))
                 except OSError as exc:
                     log(3, f"layer {t.id}: {exc}")
-                if os.path.exists(self.layer_dir(t.id)):
+                if os.path.lexists(self.layer_dir(t.id)):
                     log(3, f"could not delete layer {t.id}")
                     continue
                 t.layerDeleted = True
