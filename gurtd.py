@@ -3451,6 +3451,59 @@ def trash_sweep(directory: str) -> None:
             tree_remove(os.path.join(directory, name))
 
 
+STACK_INLINE = 32                    # a task's layers up to this many stay in its own file
+
+
+class StackStore:
+    """Tasks' `layers` on disk, shared: BOX_HOME/stacks/<ref>.json, each written once, holds
+    {"ids": [...], "parent": ref or null}: the stack is ids (newest first) and then the
+    parent's stack.  A task that starts on the previous stack of its workspace with new
+    layers on top stores only those; after an undo a stack is stored whole once.  So a task
+    file stays small however many layers its task saw, and a year of tasks does not write
+    their 10,000 ids at every save.  Loop thread only."""
+
+    def __init__(self, home: str) -> None:
+        self.dir = os.path.join(home, "stacks")
+        self.lists: dict[str, list[str]] = {}            # ref -> the stack, shared
+        self.last: dict[str, tuple[str, list[str]]] = {}  # workspace -> latest (ref, stack)
+
+    def ref(self, workspace: str, layers: list[str]) -> str:
+        """The ref of this stack, stored durably if new."""
+        last = self.last.get(workspace)
+        if last is not None and last[1] is layers:
+            return last[0]
+        node: dict[str, Any] = {"ids": layers, "parent": None}
+        if last is not None and 0 < len(last[1]) <= len(layers) and \
+                layers[len(layers) - len(last[1]):] == last[1]:
+            node = {"ids": layers[:len(layers) - len(last[1])], "parent": last[0]}
+        text = json.dumps(node, separators=(",", ":")).encode()
+        ref = hashlib.sha256(text).hexdigest()[:32]
+        if ref not in self.lists:
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)
+            if not os.path.exists(os.path.join(self.dir, ref + ".json")):
+                atomic_write(os.path.join(self.dir, ref + ".json"), text + b"\n")
+            self.lists[ref] = layers
+        self.last[workspace] = (ref, layers)
+        return ref
+
+    def stack(self, ref: str) -> list[str]:
+        """The stack a ref names (ValueError if a file of its chain is missing or damaged);
+        the same list object for every task of that ref."""
+        chain: list[tuple[str, list[str]]] = []
+        at: str | None = ref
+        while at is not None and at not in self.lists:
+            node = load_json(os.path.join(self.dir, at + ".json")) \
+                if re.fullmatch(r"[0-9a-f]{32}", at) else None
+            if not isinstance(node, dict) or not isinstance(node.get("ids"), list):
+                raise ValueError(f"stack {at} is missing or damaged")
+            chain.append((at, node["ids"]))
+            at = node.get("parent")
+        below = self.lists[at] if at is not None else []
+        for name, ids in reversed(chain):
+            below = self.lists[name] = ids + below
+        return self.lists[ref]
+
+
 class Merger:
     """The thread that builds merged layers, one at a time, never on the loop.  A job is
     (merged layer, source paths); done(merged, error) is called on the thread when it ends
@@ -3574,6 +3627,7 @@ class Box:
         self.order: list[tuple[int, str]] = []
         self.listed: dict[str, tuple[str, str, int, bytes]] = {}
         self.listed_lock = threading.Lock()     # a list is read whole between two publishes
+        self.listed_api: dict[str, dict[str, Any]] = {}   # the same as dicts, for ?fields=
         self.staged: dict[str, Task] = {}                 # changed in this loop step
         self.staged_events: list[tuple[str, bytes]] = []
         self.workers: dict[str, Worker] = {}
@@ -3597,6 +3651,8 @@ class Box:
         self.unsaved: set[str] = set()      # tasks whose (terminal) state is not on disk yet
         self.unsaved_retry = 0.0
         self.layerstack = LayerStack(self.home)
+        self.stacks = StackStore(self.home)
+        self.stack_refs: dict[str, tuple[list[str], str]] = {}   # task -> (its layers, ref)
         self.merger = Merger(self.home, self.merge_done)
         self.merging: dict[str, MergedLayer] = {}         # being built, by name
         self.merge_failed: set[tuple[str, int, tuple[str, ...]]] = set()
@@ -3688,6 +3744,11 @@ class Box:
             data = load_json(self.path("tasks", name))
             if data is None:
                 continue
+            if isinstance(data, dict) and isinstance(data.get("layersRef"), str):
+                try:
+                    data["layers"] = self.stacks.stack(data["layersRef"])
+                except ValueError as exc:
+                    log(3, f"task file {name}: its layers are lost: {exc}")
             try:
                 task = Task.from_dict(data)
             except (TypeError, ValueError) as exc:
@@ -3699,6 +3760,8 @@ class Box:
                     log(3, f"task file {name} is damaged ({exc}), not set aside: {err}")
                 continue
             self.tasks[task.id] = task
+            if isinstance(data.get("layersRef"), str):
+                self.stack_refs[task.id] = (task.layers, data["layersRef"])
             self.render(task)
             self.seq = max(self.seq, task.seq)
             self.done_seq = max(self.done_seq, task.doneSeq)
@@ -3708,6 +3771,18 @@ class Box:
             self.layerstack.regroup(name, self.ever_done(name))
             self.publish_layers(name)
         self.broker.load()
+
+    def stored(self, task: Task) -> dict[str, Any]:
+        """A task as its file holds it: a long `layers` by reference to a shared stack file
+        (StackStore), written before the task file that names it."""
+        data = {f.name: getattr(task, f.name) for f in dataclasses.fields(Task)}
+        if len(task.layers) > STACK_INLINE:
+            cached = self.stack_refs.get(task.id)
+            if cached is None or cached[0] is not task.layers:
+                cached = (task.layers, self.stacks.ref(task.workspace, task.layers))
+                self.stack_refs[task.id] = cached
+            data["layers"], data["layersRef"] = [], cached[1]
+        return data
 
     def render(self, task: Task) -> None:
         """The task changed: its JSON is published for HTTP threads at the end of this step."""
@@ -3721,6 +3796,8 @@ class Box:
         fresh = [(task, json.dumps(task.to_api()).encode()) for task in self.staged.values()
                  if self.tasks.get(task.id) is task]   # not a create that failed after saving
         with self.listed_lock:
+            for task, _ in fresh:          # for ?fields= (a list of few fields of many tasks)
+                self.listed_api[task.id] = task.to_api()
             for task, data in fresh:
                 if task.id not in self.listed:
                     bisect.insort(self.order, (task.seq, task.id))
@@ -3742,7 +3819,7 @@ class Box:
     def save(self, task: Task, sync: bool = True) -> None:
         """Persist and re-render a task after a change; every change moves updatedAt."""
         task.updatedAt = now_iso()
-        write_json(self.task_file(task.id), dataclasses.asdict(task), sync=sync)
+        write_json(self.task_file(task.id), self.stored(task), sync=sync)
         self.render(task)
         self.unsaved.discard(task.id)
 
@@ -4354,17 +4431,22 @@ class Box:
         return task
 
     # snapshots (any thread: they read what render published, never the loop's objects)
-    def list_tasks(self, state: str | None, workspace: str | None, limit: int) -> bytes:
-        """The task list as JSON, newest first, from the published snapshots."""
-        out = []
+    def list_tasks(self, state: str | None, workspace: str | None, limit: int,
+                   fields: tuple[str, ...] | None = None) -> bytes:
+        """The task list as JSON, newest first, from the published snapshots; only the
+        given fields of each task when fields is set (rendered from the published dicts)."""
+        out: list[Any] = []
         with self.listed_lock:              # one step's changes, all of them or none
             for _, task_id in reversed(self.order):
                 entry = self.listed.get(task_id)
                 if entry is not None and (state is None or entry[0] == state) and \
                         (workspace is None or entry[1] == workspace):
-                    out.append(entry[3])
+                    out.append(entry[3] if fields is None else self.listed_api[task_id])
                     if len(out) >= limit:
                         break
+        if fields is not None:
+            out = [json.dumps({k: api[k] for k in fields if k in api}).encode()
+                   for api in out]
         return b"[" + b", ".join(out) + b"]"
 
     def workspace_snapshot(self, name: str, full: bool = False) -> dict[str, Any]:
@@ -5841,7 +5923,21 @@ def h_tasks_list(req: "Handler", params: dict[str, str]) -> Any:
     limit_text = req.query_one("limit") or "200"
     if not is_digits(limit_text) or not 1 <= int(limit_text) <= 1000:
         raise ApiError(400, "limit must be a whole number from 1 to 1000")
-    return 200, req.box.list_tasks(state, workspace, int(limit_text))
+    fields = task_fields(req.query_one("fields"))
+    return 200, req.box.list_tasks(state, workspace, int(limit_text), fields)
+
+
+def task_fields(text: str | None) -> tuple[str, ...] | None:
+    """?fields=id,state: the Task fields a list keeps (a task of 10,000 layers is large),
+    or None for all; 400 for a name that is no Task field."""
+    if text is None:
+        return None
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in PUBLIC_FIELDS]
+    if not names or unknown:
+        raise ApiError(400, f"unknown field {', '.join(unknown) or '(none given)'}; fields "
+                            f"are: {', '.join(PUBLIC_FIELDS)}")
+    return names
 
 
 def h_tasks_create(req: "Handler", params: dict[str, str]) -> Any:
@@ -6150,7 +6246,8 @@ def h_openapi(req: "Handler", params: dict[str, str]) -> Any:
 
 ROUTES: list[Route] = [
     ("GET", "/api/health", h_health, "Is gurtd up (no token needed)"),
-    ("GET", "/api/tasks", h_tasks_list, "List tasks, newest first (?state= ?workspace= ?limit=)"),
+    ("GET", "/api/tasks", h_tasks_list,
+     "List tasks, newest first (?state= ?workspace= ?limit= ?fields=id,state)"),
     ("POST", "/api/tasks", h_tasks_create, "Create a task"),
     ("GET", "/api/tasks/{id}", h_task_get, "Read a task"),
     ("POST", "/api/tasks/{id}/undo", h_task_undo, "Undo a task"),

@@ -352,8 +352,16 @@ def test_ten_thousand_layers_start_view_and_undo_at_once() -> None:
             assert g.output(again["id"])[1:] == ["2", "9000"], g.log(again["id"])
             info = g.api("GET", "/api/workspaces/home")
             assert info["layers"] == 10_000 - 2 + 2          # the two tasks of this test
+            # the task file names its 10,000 layers by reference to a shared stack file
+            assert os.path.getsize(os.path.join(home, "tasks", task["id"] + ".json")) < 4096
+            listed = g.api("GET", "/api/tasks?fields=id,layers,state&limit=3")
+            assert [set(t) for t in listed] == [{"id", "layers", "state"}] * 3
+            assert listed[1]["layers"] == task["layers"]
+            g.api("GET", "/api/tasks?fields=id,secret", status=400)
             assert info["mergedLayers"] >= (10_000 - 64) // 128
             assert info["layerBytes"] > 0
+            g.restart()
+            assert g.task(task["id"])["layers"] == task["layers"]   # read back whole
         finally:
             g.stop()
     finally:
