@@ -3362,9 +3362,8 @@ class LayerStack:
                     continue
                 if os.path.isdir(os.path.join(self.dir, m.name)):
                     self.merged[m.name] = m
-        for name in os.listdir(self.dir):
-            if name != "registry.json" and name not in self.merged and \
-                    not name.startswith("registry.json."):
+        for name in os.listdir(self.dir):       # registry temp files went at load
+            if name != "registry.json" and name not in self.merged:
                 log(4, f"reconcile: throwing away the unfinished merged layer {name}")
                 path = os.path.join(self.dir, name)
                 if os.path.isdir(path) and not os.path.islink(path):
@@ -4457,8 +4456,9 @@ class Box:
             entries = list(self.listed.values())
         stack = sorted(((e[2], e[3]) for e in entries
                         if e[0] == "done" and e[1] == name), reverse=True)
-        info: dict[str, Any] = {"name": name, "layers": len(stack), **self.layer_usage(name)}
+        info: dict[str, Any] = {"name": name, "layers": len(stack)}
         if full:
+            info.update(self.layer_usage(name))
             info["stack"] = [json.loads(data) for _, data in stack]
         return info
 
@@ -4645,7 +4645,7 @@ class Box:
         if not self.workspace_exists(name):
             raise ApiError(404, f"no workspace named {name}", "not_found")
         stack = self.stack(name)
-        info: dict[str, Any] = {"name": name, "layers": len(stack), **self.layer_usage(name)}
+        info: dict[str, Any] = {"name": name, "layers": len(stack)}
         if full:
             info["stack"] = [t.to_api() for t in stack]
         return info
@@ -4653,7 +4653,8 @@ class Box:
     # start and stop
     def remove_temp_leftovers(self) -> None:
         """At start (under the BOX_HOME lock): temp files of writes a crash cut short."""
-        dirs = [self.home] + [self.path(d) for d in ("tasks", "approvals", "logs")]
+        dirs = [self.home] + [self.path(d) for d in ("tasks", "approvals", "logs", "stacks",
+                                                     MERGED_DIR)]
         for path in remove_temp_leftovers(dirs) + account_temp_leftovers():
             log(4, f"removed the leftover temp file {path}")
 

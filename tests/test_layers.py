@@ -14,16 +14,15 @@ import json
 import os
 import pwd
 import random
-import signal
 import stat
 import tempfile
 import time
 from typing import Any
 
 import pytest
+from conftest import Gurtd, eventually, make_home, remove_home
 
 import gurtd
-from conftest import Gurtd, eventually, make_home, remove_home
 
 O_DIR = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
 NAMES = ["a", "b", "c"]
@@ -249,8 +248,8 @@ def test_tasks_undo_and_files_through_merged_layers() -> None:
                 if rng.random() < 0.25:
                     prompt, text = f"rm -rf {name}", None
                 elif rng.random() < 0.3:
-                    prompt, text = f"rm -rf {name}; mkdir -p {name}/in; echo s{step} > " \
-                                   f"{name}/in/x", f"dir:s{step}"
+                    prompt = f"rm -rf {name}; mkdir -p {name}/in; echo s{step} > {name}/in/x"
+                    text = f"dir:s{step}"
                 else:
                     prompt, text = f"rm -rf {name}; echo s{step} > {name}", f"s{step}"
                 task = g.run(prompt)
