@@ -367,6 +367,32 @@ def test_ten_thousand_layers_start_view_and_undo_at_once() -> None:
         remove_home(home)
 
 
+def test_a_task_on_an_inner_overlay_sees_and_changes_everything_as_its_own() -> None:
+    """600 done layers and merging held back (as while many groups are rebuilt): the task's
+    view nests its oldest layers in an inner overlay built from idmapped layers; the task
+    reads the oldest and newest files, overwrites and deletes files of the inner overlay as
+    their owner, and the files API (the same plan) agrees."""
+    home = make_home()
+    try:
+        make_done_layers(home, 600)
+        g = Gurtd(home, {"GURT_LAYER_KEEP": "100000"})     # nothing is merged
+        g.start(timeout=60)
+        try:
+            assert not registry(home)["merged"]
+            task = g.run("cat n1 n600; stat -c %U n1; echo changed >> n1; rm n2; id -un")
+            assert task["state"] == "done", g.log(task["id"])
+            assert g.output(task["id"]) == ["1", "600", task["user"], task["user"]]
+            assert g.file("home", "n1") == b"1\nchanged\n"
+            assert g.file("home", "n2") is None and g.file("home", "n3") == b"3\n"
+            changes = g.api("GET", f"/api/tasks/{task['id']}/changes")
+            assert changes == [{"path": "n1", "change": "modified"},
+                               {"path": "n2", "change": "deleted"}]
+        finally:
+            g.stop()
+    finally:
+        remove_home(home)
+
+
 def test_kill_9_in_the_middle_of_a_merge_loses_nothing() -> None:
     """gurtd dies (as kill -9) inside a merge, and again between the rename and the record;
     the next start throws away the half-made merged layers, keeps every done layer, and the
