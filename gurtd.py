@@ -3085,9 +3085,11 @@ def keys_clear(uid: int) -> None:
 #     inner overlay (depth 2), which is exact because the inner overlay holds everything below
 #     it: its whiteouts and opaque directories have nothing left to hide.  Task start, the
 #     files API and changes all use the same plan (view_plan).
-#   - Registry: BOX_HOME/merged/registry.json, written atomically by the loop after the merged
-#     directory was renamed into place from its temp name.  At start, temp names and merged
-#     directories the registry does not name are thrown away; no done layer is ever touched.
+#   - Registry: BOX_HOME/merged/<name>.json beside each merged layer's directory, written
+#     atomically by the loop after the directory was renamed into place from its temp name
+#     (one small file per merged layer: recording or deleting one costs the same at 10,000
+#     layers).  At start, temp names, trash and merged directories without a record are
+#     thrown away; no done layer is ever touched.
 #   - A merged layer is deleted once it no longer matches its group and no running task and
 #     no cached view uses it (Box.gc_layers).
 
@@ -3345,35 +3347,36 @@ class LayerStack:
         self.gen = 0
         self.groups: dict[str, dict[str, int]] = {}   # workspace -> task id -> group
 
-    def registry(self) -> str:
-        return os.path.join(self.dir, "registry.json")
+    def record_path(self, name: str) -> str:
+        return os.path.join(self.dir, name + ".json")
 
     def load(self) -> None:
-        """Read the registry; throw away temp builds and merged directories it does not name
-        (a crash between the rename and the record), and forget records without a directory."""
+        """Read the registry (one record file per merged layer: a small write per merge or
+        delete, whatever the number of layers); throw away temp builds, trash, merged
+        directories without a record (a crash between the rename and the record) and records
+        without a directory (a crash in the middle of a delete)."""
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        data = load_json(self.registry())
-        if isinstance(data, dict):
-            self.gen = data.get("gen", 0) if isinstance(data.get("gen"), int) else 0
-            for raw in data.get("merged", []) if isinstance(data.get("merged"), list) else []:
-                try:
-                    m = record_from(MergedLayer, raw, lambda m: isinstance(m.members, list))
-                except (TypeError, ValueError):
-                    continue
-                if os.path.isdir(os.path.join(self.dir, m.name)):
-                    self.merged[m.name] = m
-        for name in os.listdir(self.dir):       # registry temp files went at load
-            if name != "registry.json" and name not in self.merged:
+        names = os.listdir(self.dir)            # temp files of records went at load
+        for name in names:
+            if not name.endswith(".json"):
+                continue
+            raw = load_json(os.path.join(self.dir, name))
+            try:
+                m = record_from(MergedLayer, raw, lambda m: isinstance(m.members, list) and
+                                m.name + ".json" == name)
+            except (TypeError, ValueError):
+                continue
+            if os.path.isdir(os.path.join(self.dir, m.name)):
+                self.merged[m.name] = m
+                self.gen = max(self.gen, int(m.name.split("-")[1]))
+        for name in os.listdir(self.dir):
+            if name.removesuffix(".json") not in self.merged:
                 log(4, f"reconcile: throwing away the unfinished merged layer {name}")
                 path = os.path.join(self.dir, name)
                 if os.path.isdir(path) and not os.path.islink(path):
                     tree_remove(path)
                 else:
                     os.unlink(path)
-
-    def save(self) -> None:
-        write_json(self.registry(), {"gen": self.gen,
-                                     "merged": [m.to_json() for m in self.merged.values()]})
 
     def regroup(self, workspace: str, ever: list[str]) -> None:
         """The workspace's positions changed (a task became done): its groups again."""
@@ -3413,8 +3416,8 @@ class LayerStack:
 
     def record(self, merged: MergedLayer) -> None:
         """A merged layer built and renamed into place: in the registry, durably."""
+        write_json(self.record_path(merged.name), merged.to_json())
         self.merged[merged.name] = merged
-        self.save()
 
     def unused(self, workspace: str, stack: list[str], pinned: set[str]) -> list[str]:
         """The workspace's merged layers that match no group now and that no view in pinned
@@ -3429,7 +3432,8 @@ class LayerStack:
         both thrown away at the next start)."""
         for name in names:
             self.merged.pop(name, None)
-        self.save()
+            os.unlink(self.record_path(name))
+        fsync_dir(self.dir)
         for name in names:
             remove(trash_name(os.path.join(self.dir, name)))
 
@@ -4087,7 +4091,7 @@ class Box:
                 self.layerstack.record(merged)
                 crash_point("merge-recorded")
             except OSError as exc:
-                error = f"cannot save the registry: {exc}"
+                error = f"cannot save its record: {exc}"
                 self.layerstack.merged.pop(merged.name, None)
         if error is not None:
             log(3, f"merged layer {merged.name} of {merged.workspace}: {error}")

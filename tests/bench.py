@@ -524,7 +524,7 @@ def layer_figures() -> list[tuple[str, str, str]]:
                             f"{statistics.median(reads):.1f} / {pct(reads, 95):.1f}", ""))
             singles = [os.path.join(g.home, "layers", i) for i in ids]
             merged = [os.path.join(g.home, "merged", n) for n in os.listdir(
-                os.path.join(g.home, "merged")) if n != "registry.json"]
+                os.path.join(g.home, "merged")) if not n.endswith(".json")]
             added = G.layer_bytes(singles + merged) - G.layer_bytes(singles)
             results.append(("disk added by merging 10,000 layers (bytes)", f"{added}",
                             "no file data"))

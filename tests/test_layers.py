@@ -174,7 +174,7 @@ def test_a_random_history_of_merged_layers_matches_the_model(scratch: str) -> No
     assert any(p.startswith("merged/") for p in plan), "no merged layer was ever used"
     # merged layers add no file data: every file in them is a hard link
     for root, _, files in os.walk(stack.dir):
-        for name in files if root != stack.dir else []:
+        for name in files if root != stack.dir else []:     # not the records
             st = os.lstat(os.path.join(root, name))
             assert not stat.S_ISREG(st.st_mode) or st.st_nlink >= 2, name
 
@@ -219,12 +219,14 @@ GROUP_ENV = {"GURT_LAYER_GROUP": "3", "GURT_LAYER_KEEP": "2"}
 
 
 def registry(home: str) -> dict[str, Any]:
-    """The merged layers gurtd has recorded (none before its first merge)."""
-    try:
-        with open(os.path.join(home, "merged", "registry.json")) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return {"merged": []}
+    """The merged layers gurtd has recorded (BOX_HOME/merged/<name>.json each)."""
+    top = os.path.join(home, "merged")
+    out = []
+    for name in sorted(os.listdir(top)) if os.path.isdir(top) else []:
+        if name.endswith(".json"):
+            with open(os.path.join(top, name)) as f:
+                out.append(json.load(f))
+    return {"merged": out}
 
 
 def test_tasks_undo_and_files_through_merged_layers() -> None:
@@ -410,7 +412,7 @@ def test_kill_9_in_the_middle_of_a_merge_loses_nothing() -> None:
                 assert g.proc is not None and g.proc.wait(timeout=60) == 137
             g.proc = None
             leftovers = [n for n in os.listdir(os.path.join(home, "merged"))
-                         if n != "registry.json"]
+                         if n not in {m["name"] for m in registry(home)["merged"]}]
             assert leftovers, "the crash left nothing to throw away: not inside a merge"
         g = Gurtd(home, GROUP_ENV)
         g.start(timeout=60)
@@ -421,7 +423,8 @@ def test_kill_9_in_the_middle_of_a_merge_loses_nothing() -> None:
                        for i in range(1, 301))
             eventually(lambda: len(registry(home)["merged"]) == (300 - 2) // 3, timeout=60,
                        what="the merges redone")
-            names = set(os.listdir(os.path.join(home, "merged"))) - {"registry.json"}
+            names = {n for n in os.listdir(os.path.join(home, "merged"))
+                     if not n.endswith(".json")}
             assert names == {m["name"] for m in registry(home)["merged"]}
         finally:
             g.stop()
