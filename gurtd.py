@@ -3346,6 +3346,7 @@ class LayerStack:
         self.merged: dict[str, MergedLayer] = {}
         self.gen = 0
         self.groups: dict[str, dict[str, int]] = {}   # workspace -> task id -> group
+        self.ever: dict[str, list[str]] = {}     # workspace -> its ever-done ids, in order
 
     def record_path(self, name: str) -> str:
         return os.path.join(self.dir, name + ".json")
@@ -3380,6 +3381,7 @@ class LayerStack:
 
     def regroup(self, workspace: str, ever: list[str]) -> None:
         """The workspace's positions changed (a task became done): its groups again."""
+        self.ever[workspace] = ever
         self.groups[workspace] = {t: g for g, ids in
                                   enumerate(layer_groups(ever, self.group, self.keep))
                                   for t in ids}
@@ -3992,7 +3994,7 @@ class Box:
         it is a read-only detached overlay of the same plan a task would start on (the Layer
         stack), rebuilt when the plan changes.
         """
-        stack = [t.id for t in self.stack(workspace)]
+        stack = self.stack_ids(workspace)
         lowers = self.view_lowers(workspace, stack) if stack else []
         key = tuple(flat_lowers(lowers))
         with self.views_lock:
@@ -4027,15 +4029,25 @@ class Box:
         done = [t for t in self.tasks.values() if t.workspace == workspace and t.doneSeq > 0]
         return [t.id for t in sorted(done, key=lambda t: t.doneSeq)]
 
+    def stack_ids(self, workspace: str) -> list[str]:
+        """The ids of stack(workspace), from the finish order the Layer stack keeps (no sort
+        of every task at each start, undo and collection)."""
+        ever = self.layerstack.ever.get(workspace, [])
+        return [i for i in reversed(ever) if self.tasks[i].state == "done"]
+
     def view_lowers(self, workspace: str, layers: list[str]) -> list[Any]:
         """The lowers of a view of these layers (newest first) and the base, fitted to the
         kernel's limit; 409 while too many merged layers are being rebuilt at once."""
         return fit_lowers(self.layerstack.plan(workspace, layers), f"workspaces/{workspace}")
 
-    def layers_changed(self, workspace: str) -> None:
-        """A task of the workspace became done or undone: its groups again, its cached view
-        dropped, the merges now due queued."""
-        self.layerstack.regroup(workspace, self.ever_done(workspace))
+    def layers_changed(self, workspace: str, done: str | None = None) -> None:
+        """A task of the workspace became done (its id in done: the groups again, it is the
+        newest) or undone (the groups stay: an undone task keeps its position); its cached
+        view dropped, the merges now due queued."""
+        if done is not None:
+            ever = self.layerstack.ever.get(workspace)
+            self.layerstack.regroup(workspace, ever + [done] if ever is not None and
+                                    done not in ever[-1:] else self.ever_done(workspace))
         self.drop_view(workspace)
         self.plan_merges(workspace)
         self.publish_layers(workspace)
@@ -4067,7 +4079,7 @@ class Box:
         """Hand the merges due in workspace to the merger thread (once it runs)."""
         if self.merger.thread is None:
             return
-        stack = [t.id for t in self.stack(workspace)]
+        stack = self.stack_ids(workspace)
         busy = {(m.workspace, m.group, tuple(m.members)) for m in self.merging.values()}
         for group, members in self.layerstack.due(workspace, stack):
             key = (workspace, group, tuple(members))
@@ -4155,7 +4167,7 @@ class Box:
             self.start_task(task)
 
     def start_task(self, task: Task) -> None:
-        layers = [t.id for t in self.stack(task.workspace)]
+        layers = self.stack_ids(task.workspace)
         try:
             lowers = self.view_lowers(task.workspace, layers)
         except ApiError as exc:              # stays queued: a merge that ends schedules again
@@ -4307,7 +4319,7 @@ class Box:
             self.done_seq += 1
             summary = (task.summary if task.worker == "droid" else worker.last_out) or None
             self.set_state(task, "done", doneSeq=self.done_seq, summary=summary)
-            self.layers_changed(task.workspace)
+            self.layers_changed(task.workspace, task.id)
         else:
             error = f"worker exited with {code}"
             last = worker.droid_error or worker.last_err
@@ -4405,7 +4417,7 @@ class Box:
         for merged in self.merging.values():
             in_use.update(merged.members)
         for name in sorted({m.workspace for m in self.layerstack.merged.values()}):
-            unused = self.layerstack.unused(name, [t.id for t in self.stack(name)], pinned)
+            unused = self.layerstack.unused(name, self.stack_ids(name), pinned)
             if unused:
                 try:
                     self.layerstack.forget(unused, self.merger.remove)
