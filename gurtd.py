@@ -4390,7 +4390,8 @@ class Box:
             return task.to_api()
         was_active = task.state in ACTIVE_STATES
         self.broker.deny_pending(task.id, "undo", "answered by undo")
-        self.release_worker(task)
+        if was_active or task.uid:      # a finished task was released (and its layer's
+            self.release_worker(task)   # set-id bits cleared) when it ended: no walk again
         self.set_state(task, "undone")
         self.layers_changed(task.workspace)
         self.gc_layers()
