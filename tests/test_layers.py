@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 import pytest
-from conftest import Gurtd, eventually, make_home, remove_home
+from conftest import Gurtd, eventually, make_home, remove_home, wait_for_step
 
 import gurtd
 
@@ -389,6 +389,40 @@ def test_a_task_on_an_inner_overlay_sees_and_changes_everything_as_its_own() -> 
             changes = g.api("GET", f"/api/tasks/{task['id']}/changes")
             assert changes == [{"path": "n1", "change": "modified"},
                                {"path": "n2", "change": "deleted"}]
+        finally:
+            g.stop()
+    finally:
+        remove_home(home)
+
+
+def test_a_running_task_keeps_the_merged_layer_it_started_on() -> None:
+    """Undo of an old task while a task runs on the merged layer that holds it: the files API
+    stops showing the undone file at once, the running task still reads it (its view is
+    kept), a new generation replaces the group's merged layer, and the old one is deleted
+    only once the running task has ended."""
+    home = make_home()
+    try:
+        make_done_layers(home, 20)
+        g = Gurtd(home, GROUP_ENV)
+        g.start(timeout=60)
+        try:
+            eventually(lambda: len(registry(home)["merged"]) == 6, timeout=60,
+                       what="the first merges")
+            first = [m["name"] for m in registry(home)["merged"] if m["group"] == 0]
+            task = g.create("cat n1\nsleep 3\ncat n1")
+            wait_for_step(g, task["id"], "sleep 3")
+            g.api("POST", "/api/tasks/t000000001/undo")
+            assert g.file("home", "n1") is None
+            eventually(lambda: [m for m in registry(home)["merged"]
+                                if m["group"] == 0 and m["name"] not in first],
+                       timeout=60, what="the group's new generation")
+            assert os.path.isdir(os.path.join(home, "merged", first[0]))   # still read
+            assert g.wait(task["id"])["state"] == "done"
+            assert g.output(task["id"]) == ["1", "1"]
+            g.run("true")          # a later step of the loop collects what nothing reads
+            eventually(lambda: not os.path.exists(os.path.join(home, "merged", first[0])),
+                       timeout=30, what="the old generation deleted")
+            assert g.file("home", "n1") is None and g.file("home", "n2") == b"2\n"
         finally:
             g.stop()
     finally:
