@@ -29,6 +29,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Task leftovers        set-id bits of a finished layer, kernel keys of a finished uid
     Review                personal mode: a task's real folders checked, their copy-on-write
                           overlays, conflicts, keep with its journal, undo of a keep, diff
+    Layer stack           views past 500 layers: which lowers a view uses, merged layers of
+                          old groups (built off the loop), their generations and registry
     Tasks                 the Box: lifecycle, undo, reconcile, layers and views, the droid worker
     Hosts                 task networks: veth, grants, and gurtd's DNS for the tasks; names
                           outside the grants asked of a person (askHosts)
@@ -2704,14 +2706,10 @@ def _view_open(spec: dict[str, Any]) -> int:
     attr = MountAttr(MOUNT_ATTR_IDMAP, 0, 0, userns)
     syscall("mount_setattr", SYS_MOUNT_SETATTR, tree, b"", AT_EMPTY_PATH, ctypes.byref(attr),
             ctypes.c_size_t(ctypes.sizeof(attr)))
-    lowers = [os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=tree)
-              for p in spec["lowers"]]
-    upper = os.open(spec["upper"], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=tree)
-    work = os.open(spec["work"], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=tree)
     try:
-        return overlay_open(lowers, upper, work)
+        return overlay_open_plan(tree, spec["lowers"], spec["upper"], spec["work"])
     finally:
-        for fd in lowers + [upper, work, tree, userns]:
+        for fd in (tree, userns):
             os.close(fd)
 
 
@@ -4359,6 +4357,524 @@ def folder_change_list(task_folders: list[str], uppers: list[str],
     return out
 
 
+# Layer stack ###################################################################################
+###############################################################################################
+# A workspace's view is its base under the layers of its done tasks, newest on top; overlay
+# takes at most 500 lower layers, and a busy box passes 500 done tasks in a few weeks.  Why
+# this design (issue 10), measured on kernel 6.18:
+#   - Per-task nested overlays alone would cost ~4.6 ms per 500 layers at every start (an
+#     idmapped mount OF an overlay is refused, so each inner overlay must be rebuilt per task
+#     from idmapped layers).  Merged layers cost nothing at start and no data on disk.
+#   - Groups: a workspace's tasks that ever became done, in finish order (doneSeq), are cut
+#     into groups of `group` consecutive positions (LAYER_GROUP); the newest `keep` positions
+#     (LAYER_KEEP) are never grouped, so undoing a recent task touches no merged layer.  An
+#     undone task keeps its position: a group's range never moves.
+#   - A merged layer stands for a group: a directory in layer format (hard links to the files,
+#     symlinks and whiteouts of the group's layers; directories made anew with the top one's
+#     owner, mode, xattrs and times; opaque where nothing below the group may show through)
+#     that is exactly the group's layers stacked (with metacopy, redirect_dir and index off a
+#     layer means its files, whiteouts and opaque directories, nothing else).  Layers are never
+#     written after their task is done (its set-id bits are stripped before it is done), so
+#     hard links are safe.  It is built once, off the loop (Merger), and never written again:
+#     other members make a new generation under a new name, so running tasks keep theirs.
+#   - A view's plan: a group whose merged layer has exactly its done layers as members takes
+#     one lower; a group without one (not built yet, or one of its tasks was undone since: it
+#     is dirty until the new generation is built) shows its remaining layers one by one, so an
+#     undo answers at once.  Past the kernel's limit the oldest lowers and the base become an
+#     inner overlay (depth 2), which is exact because the inner overlay holds everything below
+#     it: its whiteouts and opaque directories have nothing left to hide.  Task start, the
+#     files API and changes all use the same plan (view_plan).
+#   - Registry: BOX_HOME/merged/<name>.json beside each merged layer's directory, written
+#     atomically by the loop after the directory was renamed into place from its temp name
+#     (one small file per merged layer: recording or deleting one costs the same at 10,000
+#     layers).  At start, temp names, trash and merged directories without a record are
+#     thrown away; no done layer is ever touched.
+#   - A merged layer is deleted once it no longer matches its group and no running task and
+#     no cached view uses it (Box.gc_layers).
+
+LAYER_GROUP = 128                    # layers per merged layer
+LAYER_KEEP = 64                      # the newest done layers are never merged
+MERGED_DIR = "merged"                # under BOX_HOME: merged layers and their registry
+MERGE_TEMP = ".tmp-"                 # a merged layer being built; thrown away at start
+LAYER_BYTES_AGE = 30.0               # seconds a workspace's counted layer bytes are reused
+
+
+def env_count(name: str, default: int) -> int:
+    """A positive whole number from the environment (tests make groups small), else default."""
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() and int(value) > 0 else default
+
+
+@dataclass
+class MergedLayer:
+    """One generation of a group's merged layer, as the registry records it."""
+
+    name: str                        # BOX_HOME/merged/<name>
+    workspace: str
+    group: int
+    members: list[str]               # the task ids it stands for, newest first
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def layer_groups(ever: list[str], group: int, keep: int) -> list[list[str]]:
+    """The groups due for a merged layer: full runs of `group` positions of ever (the ids of
+    a workspace's tasks that ever became done, oldest first) below the newest `keep`."""
+    full = max(0, len(ever) - keep) // group
+    return [ever[g * group:(g + 1) * group] for g in range(full)]
+
+
+def view_plan(stack: list[str], group_of: dict[str, int],
+              merged: dict[int, list[MergedLayer]]) -> list[str]:
+    """The lowers of a view of stack (layer ids, newest first), newest first, as paths
+    relative to BOX_HOME, base left out.  A group's merged layer stands in for its layers only
+    when its members are exactly the group's layers in stack (they are consecutive there:
+    both go by finish order); otherwise they come one by one."""
+    out: list[str] = []
+    i = 0
+    while i < len(stack):
+        g = group_of.get(stack[i])
+        j = i + 1
+        while g is not None and j < len(stack) and group_of.get(stack[j]) == g:
+            j += 1
+        run = stack[i:j]
+        found = [m for m in merged.get(g, []) if m.members == run] if g is not None else []
+        out.extend([f"{MERGED_DIR}/{found[0].name}"] if found else lower_layer_paths(run))
+        i = j
+    return out
+
+
+def fit_lowers(lowers: list[str], base: str, limit: int = MAX_LOWER_LAYERS) -> list[Any]:
+    """lowers and then the base, as one overlay takes them: past the limit the oldest lowers
+    and the base become an inner overlay (the last item, a list); 409 past twice the limit."""
+    if len(lowers) + 1 <= limit:
+        return lowers + [base]
+    inner = lowers[limit - 1:] + [base]
+    if len(inner) > limit:
+        raise ApiError(409, f"the workspace's view needs {len(lowers) + 1} layers while its "
+                            "merged layers are rebuilt; try again in a moment", "conflict")
+    return lowers[:limit - 1] + [inner]
+
+
+def flat_lowers(lowers: list[Any]) -> list[str]:
+    """A fitted list of lowers, the inner overlay's layers in line (for walks and counts)."""
+    return [p for item in lowers for p in (item if isinstance(item, list) else [item])]
+
+
+def overlay_open_plan(dir_fd: int, lowers: list[Any], upper: str | None = None,
+                      work: str | None = None) -> int:
+    """A detached overlay of fitted lowers (fit_lowers), their paths relative to dir_fd (an
+    idmapped clone of BOX_HOME for a task, BOX_HOME itself for people); an inner overlay is
+    built from the same dir_fd, so it shows the same owners."""
+    def at(path: str) -> int:
+        return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+
+    fds: list[int] = []
+    try:
+        for item in lowers:
+            if isinstance(item, list):
+                inner = []
+                try:
+                    inner = [at(p) for p in item]
+                    fds.append(overlay_open(inner))
+                finally:
+                    for fd in inner:
+                        os.close(fd)
+            else:
+                fds.append(at(item))
+        if upper is None or work is None:
+            return overlay_open(fds)
+        fds += [at(upper), at(work)]
+        return overlay_open(fds[:-2], fds[-2], fds[-1])
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _copy_dir_meta(src_fd: int, dst_fd: int, opaque: bool) -> None:
+    """A merged directory takes its top layer directory's owner, mode and xattrs (overlay's
+    own trusted.overlay.* left out, opaque set as the merge decided)."""
+    st = os.fstat(src_fd)
+    os.fchown(dst_fd, st.st_uid, st.st_gid)
+    os.fchmod(dst_fd, stat.S_IMODE(st.st_mode))
+    for key in os.listxattr(src_fd):
+        if not key.startswith("trusted.overlay."):
+            with contextlib.suppress(OSError):
+                os.setxattr(dst_fd, key, os.getxattr(src_fd, key))
+    if opaque:
+        os.setxattr(dst_fd, "trusted.overlay.opaque", b"y")
+
+
+def _merge_entry(fds: list[int], visible: list[int], name: str
+                 ) -> tuple[int | None, list[int], bool]:
+    """One name of a directory, walked down the layers where the directory is visible (top
+    first): the layer whose non-directory (file, symlink, whiteout) wins, or None and the
+    layers where it is a directory, and whether that directory is opaque in the merge (the
+    walk ended on an opaque directory or on a non-directory beneath it)."""
+    dirs: list[int] = []
+    for layer in visible:
+        st = _entry(fds[layer], name)
+        if st is None:
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            return (None, dirs, True) if dirs else (layer, [], False)
+        dirs.append(layer)
+        if _opaque_child(fds[layer], name):
+            return None, dirs, True
+    return None, dirs, False
+
+
+def merge_layers(sources: list[str], dest: str, crash_at: str | None = None) -> None:
+    """Make dest a layer exactly equal to sources (layer directories, newest first) stacked.
+
+    dest must not exist; it is made here.  Depth first with an explicit stack of relative
+    paths (a task's tree may be thousands of levels deep); each directory is opened beneath
+    its layer's root without following symlinks, one directory's fds at a time.  Directory
+    times are set last, once nothing more is made inside them.
+    """
+    roots = [os.open(s, DIR_FLAGS) for s in sources]
+    os.mkdir(dest, 0o700)
+    out_root = os.open(dest, DIR_FLAGS)
+    times: list[tuple[str, os.stat_result]] = [("", os.fstat(roots[0]))]
+    try:
+        _copy_dir_meta(roots[0], out_root, False)
+        pending: list[tuple[str, list[int]]] = [("", list(range(len(roots))))]
+        while pending:
+            rel, visible = pending.pop()
+            fds = {layer: fd for layer in visible
+                   if (fd := open_dir_beneath(roots[layer], rel)) is not None}
+            out = open_dir_beneath(out_root, rel)
+            if out is None:
+                raise OSError(errno.ENOENT, f"merged directory {rel} vanished")
+            try:
+                pending += _merge_dir(fds, [v for v in visible if v in fds], out, rel, times)
+            finally:
+                for fd in list(fds.values()) + [out]:
+                    os.close(fd)
+            if crash_at:
+                crash_point(crash_at)      # a test's kill -9 in the middle of a merge
+        for rel, st in times:
+            fd = open_dir_beneath(out_root, rel)
+            if fd is not None:
+                os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+                os.close(fd)
+    finally:
+        for fd in roots + [out_root]:
+            os.close(fd)
+
+
+def _merge_dir(fds: dict[int, int], visible: list[int], out: int, rel: str,
+               times: list[tuple[str, os.stat_result]]) -> list[tuple[str, list[int]]]:
+    """Merge one directory (its fds per layer, visible top first) into out; its
+    subdirectories to walk, each with the layers in which it is visible."""
+    names: dict[str, None] = {}
+    for layer in visible:
+        with contextlib.suppress(OSError):
+            names.update(dict.fromkeys(os.listdir(fds[layer])))
+    subdirs, whiteouts = [], False
+    for name in names:
+        winner, dirs, opaque = _merge_entry(fds, visible, name)
+        if winner is not None:
+            os.link(name, name, src_dir_fd=fds[winner], dst_dir_fd=out, follow_symlinks=False)
+            whiteouts = whiteouts or is_whiteout(os.stat(name, dir_fd=out,
+                                                         follow_symlinks=False))
+            continue
+        if not dirs:
+            continue
+        top = _open_child(fds[dirs[0]], name)
+        if top is None:
+            continue
+        try:
+            os.mkdir(name, 0o700, dir_fd=out)
+            made = os.open(name, DIR_FLAGS, dir_fd=out)
+            try:
+                _copy_dir_meta(top, made, opaque)
+            finally:
+                os.close(made)
+            child = f"{rel}/{name}" if rel else name
+            times.append((child, os.fstat(top)))
+        finally:
+            os.close(top)
+        subdirs.append((child, dirs))
+    if whiteouts:
+        # Overlay hides whiteouts from a listing only in a directory it merges from several
+        # layers or that carries an origin xattr (copied up); once merged, a directory may
+        # come from one layer alone, so it gets the empty origin ("origin unknown") that
+        # overlay's own copy-up gives.
+        os.setxattr(out, "trusted.overlay.origin", b"")
+    return subdirs
+
+
+def layer_bytes(tops: list[str]) -> int:
+    """Bytes of disk under these layer directories, each inode counted once (a merged
+    layer's hard links cost nothing but its directories).  No symlink followed."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+
+    def count(st: os.stat_result) -> None:
+        nonlocal total
+        if (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
+
+    for top in tops:
+        try:
+            count(os.lstat(top))
+            tree_visit(top, lambda fd, name, st, parents: count(st),
+                       lambda fd, name: count(os.stat(name, dir_fd=fd,
+                                                      follow_symlinks=False)))
+        except OSError:                    # deleted meanwhile
+            continue
+    return total
+
+
+class LayerStack:
+    """The merged layers of every workspace and the plans of views.  Loop thread only.
+
+    Methods for Box: load() at start (throws away what a crash left half made), plan() the
+    lowers of a view, due() the merges to build, record() a built one, unused() / forget()
+    the generations nothing needs any more.
+    """
+
+    def __init__(self, home: str) -> None:
+        self.home = home
+        self.dir = os.path.join(home, MERGED_DIR)
+        self.group = env_count("GURT_LAYER_GROUP", LAYER_GROUP)
+        self.keep = env_count("GURT_LAYER_KEEP", LAYER_KEEP)
+        self.merged: dict[str, MergedLayer] = {}
+        self.gen = 0
+        self.groups: dict[str, dict[str, int]] = {}   # workspace -> task id -> group
+        self.ever: dict[str, list[str]] = {}     # workspace -> its ever-done ids, in order
+
+    def record_path(self, name: str) -> str:
+        return os.path.join(self.dir, name + ".json")
+
+    def load(self) -> None:
+        """Read the registry (one record file per merged layer: a small write per merge or
+        delete, whatever the number of layers); throw away temp builds, trash, merged
+        directories without a record (a crash between the rename and the record) and records
+        without a directory (a crash in the middle of a delete)."""
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        names = os.listdir(self.dir)            # temp files of records went at load
+        for name in names:
+            if not name.endswith(".json"):
+                continue
+            raw = load_json(os.path.join(self.dir, name))
+            try:
+                m = record_from(MergedLayer, raw, lambda m: isinstance(m.members, list) and
+                                m.name + ".json" == name)
+            except (TypeError, ValueError):
+                continue
+            if os.path.isdir(os.path.join(self.dir, m.name)):
+                self.merged[m.name] = m
+                self.gen = max(self.gen, int(m.name.split("-")[1]))
+        for name in os.listdir(self.dir):
+            if name.removesuffix(".json") not in self.merged:
+                log(4, f"reconcile: throwing away the unfinished merged layer {name}")
+                path = os.path.join(self.dir, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    tree_remove(path)
+                else:
+                    os.unlink(path)
+
+    def regroup(self, workspace: str, ever: list[str]) -> None:
+        """The workspace's positions changed (a task became done): its groups again."""
+        self.ever[workspace] = ever
+        self.groups[workspace] = {t: g for g, ids in
+                                  enumerate(layer_groups(ever, self.group, self.keep))
+                                  for t in ids}
+
+    def by_group(self, workspace: str) -> dict[int, list[MergedLayer]]:
+        out: dict[int, list[MergedLayer]] = {}
+        for m in self.merged.values():
+            if m.workspace == workspace:
+                out.setdefault(m.group, []).append(m)
+        return out
+
+    def plan(self, workspace: str, stack: list[str]) -> list[str]:
+        return view_plan(stack, self.groups.get(workspace, {}), self.by_group(workspace))
+
+    def wanted(self, workspace: str, stack: list[str]) -> dict[int, list[str]]:
+        """Each group's members as they should be merged now: its layers in the stack."""
+        group_of = self.groups.get(workspace, {})
+        out: dict[int, list[str]] = {}
+        for task_id in stack:
+            g = group_of.get(task_id)
+            if g is not None:
+                out.setdefault(g, []).append(task_id)
+        return out
+
+    def due(self, workspace: str, stack: list[str]) -> list[tuple[int, list[str]]]:
+        """The groups whose merged layer is missing or stale: (group, members newest first)."""
+        have = self.by_group(workspace)
+        return [(g, members) for g, members in sorted(self.wanted(workspace, stack).items())
+                if not any(m.members == members for m in have.get(g, []))]
+
+    def new_name(self, workspace: str, group: int) -> str:
+        self.gen += 1
+        return f"{group}-{self.gen}-{workspace}"
+
+    def record(self, merged: MergedLayer) -> None:
+        """A merged layer built and renamed into place: in the registry, durably."""
+        write_json(self.record_path(merged.name), merged.to_json())
+        self.merged[merged.name] = merged
+
+    def unused(self, workspace: str, stack: list[str], pinned: set[str]) -> list[str]:
+        """The workspace's merged layers that match no group now and that no view in pinned
+        (paths relative to BOX_HOME) uses."""
+        wanted = self.wanted(workspace, stack)
+        return [m.name for m in self.merged.values() if m.workspace == workspace and
+                wanted.get(m.group) != m.members and f"{MERGED_DIR}/{m.name}" not in pinned]
+
+    def forget(self, names: list[str], remove: Callable[[str], None] = tree_remove) -> None:
+        """Delete merged layers: out of the registry first, then their files by remove()
+        under a trash name (a crash between leaves an unrecorded directory or a trash name,
+        both thrown away at the next start)."""
+        for name in names:
+            self.merged.pop(name, None)
+            os.unlink(self.record_path(name))
+        fsync_dir(self.dir)
+        for name in names:
+            remove(trash_name(os.path.join(self.dir, name)))
+
+
+def trash_name(path: str) -> str:
+    """Rename path (a layer or merged layer nothing reads) to its trash name beside it, at
+    once; the trash name, for Merger.remove."""
+    trash = os.path.join(os.path.dirname(path), MERGE_TEMP + "trash-" + os.path.basename(path))
+    os.rename(path, trash)
+    return trash
+
+
+def trash_sweep(directory: str) -> None:
+    """At start: delete what a crash left under trash or temp names in directory."""
+    for name in os.listdir(directory):
+        if name.startswith(MERGE_TEMP):
+            log(4, f"reconcile: deleting the leftover {name} in {directory}")
+            tree_remove(os.path.join(directory, name))
+
+
+STACK_INLINE = 32                    # a task's layers up to this many stay in its own file
+
+
+class StackStore:
+    """Tasks' `layers` on disk, shared: BOX_HOME/stacks/<ref>.json, each written once, holds
+    {"ids": [...], "parent": ref or null}: the stack is ids (newest first) and then the
+    parent's stack.  A task that starts on the previous stack of its workspace with new
+    layers on top stores only those; after an undo a stack is stored whole once.  So a task
+    file stays small however many layers its task saw, and a year of tasks does not write
+    their 10,000 ids at every save.  Loop thread only."""
+
+    def __init__(self, home: str) -> None:
+        self.dir = os.path.join(home, "stacks")
+        self.lists: dict[str, list[str]] = {}            # ref -> the stack, shared
+        self.last: dict[str, tuple[str, list[str]]] = {}  # workspace -> latest (ref, stack)
+
+    def ref(self, workspace: str, layers: list[str]) -> str:
+        """The ref of this stack, stored durably if new."""
+        last = self.last.get(workspace)
+        if last is not None and last[1] is layers:
+            return last[0]
+        node: dict[str, Any] = {"ids": layers, "parent": None}
+        if last is not None and 0 < len(last[1]) <= len(layers) and \
+                layers[len(layers) - len(last[1]):] == last[1]:
+            node = {"ids": layers[:len(layers) - len(last[1])], "parent": last[0]}
+        text = json.dumps(node, separators=(",", ":")).encode()
+        ref = hashlib.sha256(text).hexdigest()[:32]
+        if ref not in self.lists:
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)
+            if not os.path.exists(os.path.join(self.dir, ref + ".json")):
+                atomic_write(os.path.join(self.dir, ref + ".json"), text + b"\n")
+            self.lists[ref] = layers
+        self.last[workspace] = (ref, layers)
+        return ref
+
+    def stack(self, ref: str) -> list[str]:
+        """The stack a ref names (ValueError if a file of its chain is missing or damaged);
+        the same list object for every task of that ref."""
+        chain: list[tuple[str, list[str]]] = []
+        at: str | None = ref
+        while at is not None and at not in self.lists:
+            node = load_json(os.path.join(self.dir, at + ".json")) \
+                if re.fullmatch(r"[0-9a-f]{32}", at) else None
+            if not isinstance(node, dict) or not isinstance(node.get("ids"), list):
+                raise ValueError(f"stack {at} is missing or damaged")
+            chain.append((at, node["ids"]))
+            at = node.get("parent")
+        below = self.lists[at] if at is not None else []
+        for name, ids in reversed(chain):
+            below = self.lists[name] = ids + below
+        return self.lists[ref]
+
+
+class Merger:
+    """The thread that builds merged layers, one at a time, never on the loop.  A job is
+    (merged layer, source paths); done(merged, error) is called on the thread when it ends
+    (Box hands it to the loop).  The build goes to a temp name and is renamed into place."""
+
+    def __init__(self, home: str, done: Callable[[MergedLayer, str | None], None]) -> None:
+        self.dir = os.path.join(home, MERGED_DIR)
+        self.done = done
+        self.jobs: queue.Queue[tuple[MergedLayer, list[str]] | str | None] = queue.Queue()
+        self.thread: threading.Thread | None = None
+        self.stopping = False
+
+    def start(self) -> None:
+        self.stopping = False
+        self.thread = threading.Thread(target=self.run, name="merger", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Ends after the build in progress (a build cut short by exit is thrown away at the
+        next start anyway)."""
+        if self.thread is not None:
+            self.stopping = True
+            self.jobs.put(None)
+            self.thread.join(timeout=5)
+            self.thread = None
+
+    def submit(self, merged: MergedLayer, sources: list[str]) -> None:
+        self.jobs.put((merged, sources))
+
+    def remove(self, path: str) -> None:
+        """Delete a tree that nothing reads any more, off the loop (undo must answer at once
+        however big the layer).  The caller renamed it to a trash name first (trash_name):
+        a crash leaves a trash name, which the next start deletes."""
+        if self.thread is None:
+            tree_remove(path)
+        else:
+            self.jobs.put(path)
+
+    def run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            if isinstance(job, str):
+                try:
+                    tree_remove(job)
+                except OSError as exc:
+                    log(3, f"could not delete {job}: {exc}")
+                continue
+            if self.stopping:
+                continue                         # the jobs left are planned again at start
+            merged, sources = job
+            temp = os.path.join(self.dir, MERGE_TEMP + merged.name)
+            error = None
+            try:
+                tree_remove(temp)
+                merge_layers(sources, temp, "merge-half-built")
+                os.rename(temp, os.path.join(self.dir, merged.name))
+                fsync_dir(self.dir)
+                crash_point("merge-renamed")
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                with contextlib.suppress(OSError):
+                    tree_remove(temp)
+            try:
+                self.done(merged, error)
+            except Exception as exc:            # the loop is gone (stopping)
+                log(4, f"merged layer {merged.name}: not handed over: {exc}")
+
+
 # Tasks #########################################################################################
 ###############################################################################################
 
@@ -4416,6 +4932,7 @@ class Box:
         self.order: list[tuple[int, str]] = []
         self.listed: dict[str, tuple[str, str, int, bytes]] = {}
         self.listed_lock = threading.Lock()     # a list is read whole between two publishes
+        self.listed_api: dict[str, dict[str, Any]] = {}   # the same as dicts, for ?fields=
         self.staged: dict[str, Task] = {}                 # changed in this loop step
         self.staged_events: list[tuple[str, bytes]] = []
         self.workers: dict[str, Worker] = {}
@@ -4441,6 +4958,17 @@ class Box:
         self.schedules = Schedules(self)
         self.jira = Jira(self)
         self.hooks = Hooks(self)
+        self.layerstack = LayerStack(self.home)
+        self.stacks = StackStore(self.home)
+        self.stack_refs: dict[str, tuple[list[str], str]] = {}   # task -> (its layers, ref)
+        self.merger = Merger(self.home, self.merge_done)
+        self.merging: dict[str, MergedLayer] = {}         # being built, by name
+        self.merge_failed: set[tuple[str, int, tuple[str, ...]]] = set()
+        self.task_lowers: dict[str, list[str]] = {}      # a running task's view, flat
+        # per workspace, published by the loop for GET /api/workspaces/{name}: (version,
+        # merged layers, layer directories); and the bytes an HTTP thread counted for it
+        self.layer_dirs: dict[str, tuple[int, int, list[str]]] = {}
+        self.layer_bytes: dict[str, tuple[int, float, int]] = {}
 
     # paths
     def path(self, *parts: str) -> str:
@@ -4524,6 +5052,11 @@ class Box:
             data = load_json(self.path("tasks", name))
             if data is None:
                 continue
+            if isinstance(data, dict) and isinstance(data.get("layersRef"), str):
+                try:
+                    data["layers"] = self.stacks.stack(data["layersRef"])
+                except ValueError as exc:
+                    log(3, f"task file {name}: its layers are lost: {exc}")
             try:
                 task = Task.from_dict(data)
             except (TypeError, ValueError) as exc:
@@ -4535,13 +5068,32 @@ class Box:
                     log(3, f"task file {name} is damaged ({exc}), not set aside: {err}")
                 continue
             self.tasks[task.id] = task
+            if isinstance(data.get("layersRef"), str):
+                self.stack_refs[task.id] = (task.layers, data["layersRef"])
             self.render(task)
             self.seq = max(self.seq, task.seq)
             self.done_seq = max(self.done_seq, task.doneSeq)
+        self.layerstack.load()
+        trash_sweep(self.path("layers"))        # undone layers a crash left half deleted
+        for name in {t.workspace for t in self.tasks.values()}:
+            self.layerstack.regroup(name, self.ever_done(name))
+            self.publish_layers(name)
         self.broker.load()
         self.schedules.load()
         self.jira.load()
         self.hooks.load()
+
+    def stored(self, task: Task) -> dict[str, Any]:
+        """A task as its file holds it: a long `layers` by reference to a shared stack file
+        (StackStore), written before the task file that names it."""
+        data = {f.name: getattr(task, f.name) for f in dataclasses.fields(Task)}
+        if len(task.layers) > STACK_INLINE:
+            cached = self.stack_refs.get(task.id)
+            if cached is None or cached[0] is not task.layers:
+                cached = (task.layers, self.stacks.ref(task.workspace, task.layers))
+                self.stack_refs[task.id] = cached
+            data["layers"], data["layersRef"] = [], cached[1]
+        return data
 
     def render(self, task: Task) -> None:
         """The task changed: its JSON is published for HTTP threads at the end of this step."""
@@ -4555,6 +5107,8 @@ class Box:
         fresh = [(task, json.dumps(task.to_api()).encode()) for task in self.staged.values()
                  if self.tasks.get(task.id) is task]   # not a create that failed after saving
         with self.listed_lock:
+            for task, _ in fresh:          # for ?fields= (a list of few fields of many tasks)
+                self.listed_api[task.id] = task.to_api()
             for task, data in fresh:
                 if task.id not in self.listed:
                     bisect.insort(self.order, (task.seq, task.id))
@@ -4576,7 +5130,7 @@ class Box:
     def save(self, task: Task, sync: bool = True) -> None:
         """Persist and re-render a task after a change; every change moves updatedAt."""
         task.updatedAt = now_iso()
-        write_json(self.task_file(task.id), dataclasses.asdict(task), sync=sync)
+        write_json(self.task_file(task.id), self.stored(task), sync=sync)
         self.render(task)
         self.unsaved.discard(task.id)
 
@@ -4750,32 +5304,30 @@ class Box:
     def view_fd(self, workspace: str) -> int:
         """A new fd (the caller closes it) on the workspace's current view for people.
 
-        Any thread.  The base alone is the base directory; with layers it is a read-only
-        detached overlay, rebuilt when the stack changes.
+        Loop thread (it reads the tasks).  The base alone is the base directory; with layers
+        it is a read-only detached overlay of the same plan a task would start on (the Layer
+        stack), rebuilt when the plan changes.
         """
-        stack = tuple(t.id for t in self.stack(workspace))
+        stack = self.stack_ids(workspace)
+        lowers = self.view_lowers(workspace, stack) if stack else []
+        key = tuple(flat_lowers(lowers))
         with self.views_lock:
             cached = self.views.get(workspace)
-            if cached and cached[0] == stack:
+            if cached and cached[0] == key:
                 return os.dup(cached[1])
             if cached:
                 os.close(cached[1])
                 del self.views[workspace]
-            base = self.path("workspaces", workspace)
             if not stack:
-                fd = os.open(base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                fd = os.open(self.path("workspaces", workspace),
+                             os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             else:
-                if len(stack) + 1 > MAX_LOWER_LAYERS:
-                    raise ApiError(409, f"the workspace has {len(stack)} layers; at most "
-                                        f"{MAX_LOWER_LAYERS - 1} can be viewed")
-                paths = [self.path("layers", t, "upper") for t in stack] + [base]
-                lowers = [os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for p in paths]
+                home = os.open(self.home, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
                 try:
-                    fd = overlay_open(lowers)
+                    fd = overlay_open_plan(home, lowers)
                 finally:
-                    for lower in lowers:
-                        os.close(lower)
-            self.views[workspace] = (stack, fd)
+                    os.close(home)
+            self.views[workspace] = (key, fd)
             return os.dup(fd)
 
     def drop_view(self, workspace: str) -> None:
@@ -4783,6 +5335,102 @@ class Box:
             cached = self.views.pop(workspace, None)
             if cached:
                 os.close(cached[1])
+
+    # layers: plans and merges (the logic is in the Layer stack section)
+    def ever_done(self, workspace: str) -> list[str]:
+        """The workspace's tasks that ever became done (undone ones too), oldest first: the
+        positions that make its groups."""
+        done = [t for t in self.tasks.values() if t.workspace == workspace and t.doneSeq > 0]
+        return [t.id for t in sorted(done, key=lambda t: t.doneSeq)]
+
+    def stack_ids(self, workspace: str) -> list[str]:
+        """The ids of stack(workspace), from the finish order the Layer stack keeps (no sort
+        of every task at each start, undo and collection)."""
+        ever = self.layerstack.ever.get(workspace, [])
+        return [i for i in reversed(ever) if self.tasks[i].state == "done"]
+
+    def view_lowers(self, workspace: str, layers: list[str]) -> list[Any]:
+        """The lowers of a view of these layers (newest first) and the base, fitted to the
+        kernel's limit; 409 while too many merged layers are being rebuilt at once."""
+        return fit_lowers(self.layerstack.plan(workspace, layers), f"workspaces/{workspace}")
+
+    def layers_changed(self, workspace: str, done: str | None = None) -> None:
+        """A task of the workspace became done (its id in done: the groups again, it is the
+        newest) or undone (the groups stay: an undone task keeps its position); its cached
+        view dropped, the merges now due queued."""
+        if done is not None:
+            ever = self.layerstack.ever.get(workspace)
+            self.layerstack.regroup(workspace, ever + [done] if ever is not None and
+                                    done not in ever[-1:] else self.ever_done(workspace))
+        self.drop_view(workspace)
+        self.plan_merges(workspace)
+        self.publish_layers(workspace)
+
+    def publish_layers(self, workspace: str) -> None:
+        """For GET /api/workspaces/{name}: the workspace's merged layers, and a new version
+        of what its layers hold (any thread reads it, one assignment)."""
+        merged = [m.name for m in self.layerstack.merged.values() if m.workspace == workspace]
+        old = self.layer_dirs.get(workspace, (0, 0, []))
+        self.layer_dirs[workspace] = (old[0] + 1, len(merged), merged)
+
+    def layer_usage(self, workspace: str) -> dict[str, int]:
+        """mergedLayers and layerBytes of a workspace: its tasks' layer directories and its
+        merged layers, counted in the calling HTTP thread (never the loop), again once the
+        layers changed or LAYER_BYTES_AGE passed.  A layer deleted meanwhile counts 0."""
+        version, count, merged = self.layer_dirs.get(workspace, (0, 0, []))
+        cached = self.layer_bytes.get(workspace)
+        if cached is None or cached[0] != version or \
+                time.monotonic() - cached[1] > LAYER_BYTES_AGE:
+            with self.listed_lock:
+                ids = [i for i, e in self.listed.items() if e[1] == workspace]
+            dirs = [os.path.join(self.home, "layers", i) for i in ids] + \
+                [os.path.join(self.home, MERGED_DIR, name) for name in merged]
+            cached = (version, time.monotonic(), layer_bytes(dirs))
+            self.layer_bytes[workspace] = cached
+        return {"mergedLayers": count, "layerBytes": cached[2]}
+
+    def plan_merges(self, workspace: str) -> None:
+        """Hand the merges due in workspace to the merger thread (once it runs)."""
+        if self.merger.thread is None:
+            return
+        stack = self.stack_ids(workspace)
+        busy = {(m.workspace, m.group, tuple(m.members)) for m in self.merging.values()}
+        for group, members in self.layerstack.due(workspace, stack):
+            key = (workspace, group, tuple(members))
+            if key in busy or key in self.merge_failed:
+                continue
+            merged = MergedLayer(self.layerstack.new_name(workspace, group), workspace, group,
+                                 members)
+            self.merging[merged.name] = merged
+            self.merger.submit(merged, [self.path(p) for p in lower_layer_paths(members)])
+
+    def merge_done(self, merged: MergedLayer, error: str | None) -> None:
+        """Merger thread: a build ended; the loop takes it from here (merge_built)."""
+        self.commands.put((self.merge_built, (merged, error), Future()))
+        os.write(self.wake_w, b"c")
+
+    def merge_built(self, merged: MergedLayer, error: str | None) -> None:
+        """Loop: record a merged layer that was built (then views use it), or log why not."""
+        self.merging.pop(merged.name, None)
+        if error is None:
+            try:
+                self.layerstack.record(merged)
+                crash_point("merge-recorded")
+            except OSError as exc:
+                error = f"cannot save its record: {exc}"
+                self.layerstack.merged.pop(merged.name, None)
+        if error is not None:
+            log(3, f"merged layer {merged.name} of {merged.workspace}: {error}")
+            self.merge_failed.add((merged.workspace, merged.group, tuple(merged.members)))
+            with contextlib.suppress(OSError):
+                tree_remove(os.path.join(self.layerstack.dir, merged.name))
+            return
+        log(6, f"merged layer {merged.name}: {len(merged.members)} layers of "
+               f"{merged.workspace} in one")
+        self.publish_layers(merged.workspace)
+        self.drop_view(merged.workspace)
+        self.gc_layers()
+        self.schedule()                      # a start that waited for room under the limit
 
     # task lifecycle (loop thread)
     def create_task(self, body: Any, origin: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -4839,12 +5487,13 @@ class Box:
             self.start_task(task)
 
     def start_task(self, task: Task) -> None:
-        stack = self.stack(task.workspace)
-        if len(stack) + 1 > MAX_LOWER_LAYERS:
-            self.set_state(task, "failed", error=f"the workspace has {len(stack)} layers; at most "
-                           f"{MAX_LOWER_LAYERS - 1} are supported until compaction exists")
+        layers = self.stack_ids(task.workspace)
+        try:
+            lowers = self.view_lowers(task.workspace, layers)
+        except ApiError as exc:              # stays queued: a merge that ends schedules again
+            log(4, f"task {task.id} waits: {exc.message}")
             return
-        task.layers = [t.id for t in stack]
+        task.layers = layers
         out_r = out_w = -1
         try:
             # uids go round the range, so that one is not reused soon after its task ended
@@ -4860,7 +5509,7 @@ class Box:
             spec: dict[str, Any] = {
                 "id": task.id, "uid": uid, "gid": uid, "home": f"/home/{task.user}",
                 "storeUid": self.store_uid, "storeGid": self.store_gid, "boxHome": self.home,
-                "lowers": lower_layer_paths(task.layers) + [f"workspaces/{task.workspace}"],
+                "lowers": lowers,
                 "upper": f"layers/{task.id}/upper", "work": f"layers/{task.id}/work",
                 "mode": task.worker, "prompt": task.prompt,
                 "broker": self.broker.socket_path, "module": os.path.abspath(__file__),
@@ -4884,6 +5533,7 @@ class Box:
                 fds.append(self.network.prepare(task, hosts).nsfd)
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
             pid = self.spawner.spawn(spec, [out_w] + fds)
+            self.task_lowers[task.id] = flat_lowers(lowers)
         except (OSError, SysError) as exc:
             for fd in (out_r, out_w):
                 if fd >= 0:
@@ -4992,7 +5642,7 @@ class Box:
             summary = (task.summary if task.worker == "droid" else worker.last_out) or None
             self.set_state(task, "done", doneSeq=self.done_seq, summary=summary,
                            review="pending" if task.folders else None)
-            self.drop_view(task.workspace)
+            self.layers_changed(task.workspace, task.id)
         else:
             error = f"worker exited with {code}"
             last = worker.droid_error or worker.last_err
@@ -5077,35 +5727,57 @@ class Box:
             return task.to_api()
         was_active = task.state in ACTIVE_STATES
         self.broker.deny_pending(task.id, "undo", "answered by undo")
-        self.release_worker(task)
+        if was_active or task.uid:      # a finished task was released (and its layer's
+            self.release_worker(task)   # set-id bits cleared) when it ended: no walk again
         self.set_state(task, "undone")
         if task.folders:
             self.review.forget(task)
-        self.drop_view(task.workspace)
+        self.layers_changed(task.workspace)
         self.gc_layers()
         if was_active:
             self.schedule()
         return task.to_api()
 
     def gc_layers(self) -> None:
-        """Delete the files of undone tasks' layers that no running task's view uses."""
+        """Delete the files of undone tasks' layers that no running task's view uses, and
+        the merged layers that match no group any more and that no running task's view and
+        no cached view uses (a merge in progress keeps its sources)."""
         in_use: set[str] = set()
+        pinned: set[str] = set()              # lowers of views in use, relative to BOX_HOME
         for t in self.tasks.values():
             if t.state in ("running", "waiting"):
                 in_use.update(t.layers)
                 in_use.add(t.id)
+                pinned.update(self.task_lowers.get(t.id, ()))
+            else:
+                self.task_lowers.pop(t.id, None)
+        with self.views_lock:
+            for key, _ in self.views.values():
+                pinned.update(key)
+        for merged in self.merging.values():
+            in_use.update(merged.members)
+        for name in sorted({m.workspace for m in self.layerstack.merged.values()}):
+            unused = self.layerstack.unused(name, self.stack_ids(name), pinned)
+            if unused:
+                try:
+                    self.layerstack.forget(unused, self.merger.remove)
+                except OSError as exc:
+                    log(3, f"merged layers {unused}: {exc}")
+                self.publish_layers(name)
         for t in self.tasks.values():
             if t.state == "undone" and not t.layerDeleted and t.id not in in_use:
-                try:
-                    tree_remove(self.layer_dir(t.id))
+                try:      # gone from its name at once; its files off the loop
+                    if os.path.lexists(self.layer_dir(t.id)):
+                        self.merger.remove(trash_name(self.layer_dir(t.id)))
                 except OSError as exc:
                     log(3, f"layer {t.id}: {exc}")
-                if os.path.exists(self.layer_dir(t.id)):
+                if os.path.lexists(self.layer_dir(t.id)):
                     log(3, f"could not delete layer {t.id}")
                     continue
                 t.layerDeleted = True
                 self.save(t)
                 self.append_log(t.id, {"type": "layer", "text": "layer files deleted"})
+                self.publish_layers(t.workspace)
 
     def get(self, task_id: str) -> Task:
         task = self.tasks.get(task_id) if isinstance(task_id, str) else None
@@ -5114,17 +5786,22 @@ class Box:
         return task
 
     # snapshots (any thread: they read what render published, never the loop's objects)
-    def list_tasks(self, state: str | None, workspace: str | None, limit: int) -> bytes:
-        """The task list as JSON, newest first, from the published snapshots."""
-        out = []
+    def list_tasks(self, state: str | None, workspace: str | None, limit: int,
+                   fields: tuple[str, ...] | None = None) -> bytes:
+        """The task list as JSON, newest first, from the published snapshots; only the
+        given fields of each task when fields is set (rendered from the published dicts)."""
+        out: list[Any] = []
         with self.listed_lock:              # one step's changes, all of them or none
             for _, task_id in reversed(self.order):
                 entry = self.listed.get(task_id)
                 if entry is not None and (state is None or entry[0] == state) and \
                         (workspace is None or entry[1] == workspace):
-                    out.append(entry[3])
+                    out.append(entry[3] if fields is None else self.listed_api[task_id])
                     if len(out) >= limit:
                         break
+        if fields is not None:
+            out = [json.dumps({k: api[k] for k in fields if k in api}).encode()
+                   for api in out]
         return b"[" + b", ".join(out) + b"]"
 
     def workspace_snapshot(self, name: str, full: bool = False) -> dict[str, Any]:
@@ -5137,6 +5814,7 @@ class Box:
                         if e[0] == "done" and e[1] == name), reverse=True)
         info: dict[str, Any] = {"name": name, "layers": len(stack)}
         if full:
+            info.update(self.layer_usage(name))
             info["stack"] = [json.loads(data) for _, data in stack]
         return info
 
@@ -5147,7 +5825,7 @@ class Box:
         task = self.get(task_id)
         if task.layerDeleted:
             return None
-        lowers = [self.path(p) for p in lower_layer_paths(task.layers)]
+        lowers = [self.path(p) for p in self.layerstack.plan(task.workspace, task.layers)]
         return (self.path("layers", task.id, "upper"),
                 lowers + [self.path("workspaces", task.workspace)])
 
@@ -5349,7 +6027,8 @@ class Box:
     # start and stop
     def remove_temp_leftovers(self) -> None:
         """At start (under the BOX_HOME lock): temp files of writes a crash cut short."""
-        dirs = [self.home] + [self.path(d) for d in ("tasks", "approvals", "logs")]
+        dirs = [self.home] + [self.path(d) for d in ("tasks", "approvals", "logs", "stacks",
+                                                     MERGED_DIR)]
         for path in remove_temp_leftovers(dirs) + account_temp_leftovers():
             log(4, f"removed the leftover temp file {path}")
         for name in upload_leftovers_remove(self.path("layers")):
@@ -7395,18 +8074,14 @@ def upload_commit(box: "Box", workspace: str, staging: str, title: str, prompt: 
     between the two leaves an unused folder, never a task without its layer."""
     if not box.workspace_exists(workspace):
         raise ApiError(404, f"no workspace named {workspace}", "not_found")
-    stack = box.stack(workspace)
-    if len(stack) + 1 > MAX_LOWER_LAYERS:
-        raise ApiError(409, f"the workspace has {len(stack)} layers; at most "
-                            f"{MAX_LOWER_LAYERS - 1} are supported until compaction exists",
-                       "conflict")
+    stack = box.stack_ids(workspace)
     task_id = new_task_id()
     while task_id in box.tasks or os.path.lexists(box.layer_dir(task_id)):
         task_id = new_task_id()
     stamp = now_iso()
     task = Task(id=task_id, title=title, prompt=prompt, workspace=workspace,
                 worker=UPLOAD_WORKER, tools=[], hosts=[], budgetCents=0, source="api",
-                state="done", user=TASK_USER_PREFIX + task_id, layers=[t.id for t in stack],
+                state="done", user=TASK_USER_PREFIX + task_id, layers=stack,
                 costCents=0, createdAt=stamp, updatedAt=stamp, summary=summary,
                 seq=box.seq + 1, doneSeq=box.done_seq + 1)
     with saved_or_507("upload"):
@@ -7422,7 +8097,7 @@ def upload_commit(box: "Box", workspace: str, staging: str, title: str, prompt: 
     with contextlib.suppress(OSError):   # the task is saved done; its log is a courtesy
         box.append_log(task_id, {"type": "upload", "text": summary})
         box.append_log(task_id, {"type": "state", "state": "done"})
-    box.drop_view(workspace)
+    box.layers_changed(workspace, task_id)
     box.emit("task", task.to_api())
     log(6, f"task {task_id} done: an upload into {workspace}: {summary}")
     return task.to_api()
@@ -8970,7 +9645,21 @@ def h_tasks_list(req: "Handler", params: dict[str, str]) -> Any:
     limit_text = req.query_one("limit") or "200"
     if not is_digits(limit_text) or not 1 <= int(limit_text) <= 1000:
         raise ApiError(400, "limit must be a whole number from 1 to 1000")
-    return 200, req.box.list_tasks(state, workspace, int(limit_text))
+    fields = task_fields(req.query_one("fields"))
+    return 200, req.box.list_tasks(state, workspace, int(limit_text), fields)
+
+
+def task_fields(text: str | None) -> tuple[str, ...] | None:
+    """?fields=id,state: the Task fields a list keeps (a task of 10,000 layers is large),
+    or None for all; 400 for a name that is no Task field."""
+    if text is None:
+        return None
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in PUBLIC_FIELDS]
+    if not names or unknown:
+        raise ApiError(400, f"unknown field {', '.join(unknown) or '(none given)'}; fields "
+                            f"are: {', '.join(PUBLIC_FIELDS)}")
+    return names
 
 
 def h_tasks_create(req: "Handler", params: dict[str, str]) -> Any:
@@ -9343,7 +10032,8 @@ def h_openapi(req: "Handler", params: dict[str, str]) -> Any:
 
 ROUTES: list[Route] = [
     ("GET", "/api/health", h_health, "Is gurtd up (no token needed)"),
-    ("GET", "/api/tasks", h_tasks_list, "List tasks, newest first (?state= ?workspace= ?limit=)"),
+    ("GET", "/api/tasks", h_tasks_list,
+     "List tasks, newest first (?state= ?workspace= ?limit= ?fields=id,state)"),
     ("POST", "/api/tasks", h_tasks_create, "Create a task"),
     ("GET", "/api/tasks/{id}", h_task_get, "Read a task"),
     ("POST", "/api/tasks/{id}/undo", h_task_undo, "Undo a task"),
@@ -10384,6 +11074,10 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     public_suffixes()                        # loaded now, not on the first wildcard host
     box.wake_r, box.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(box.wake_w)
+    undo.append(("stop the merger", box.merger.stop))
+    box.merger.start()                       # merges due since the last run, off the loop
+    for name in sorted(box.layerstack.groups):
+        box.plan_merges(name)
 
     def on_signal(signum: int, frame: Any) -> None:
         box.stopping = True

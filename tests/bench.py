@@ -10,6 +10,7 @@ size (`python tests/bench.py portal`: those only).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import http.client
 import http.server
@@ -20,6 +21,7 @@ import statistics
 import sys
 import threading
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import GURTD as GURTD_PATH, Gurtd, make_home, remove_home  # noqa: E402
@@ -473,6 +475,7 @@ def main() -> None:
     results += api_figures()
     results += personal_figures()
     results += portal_figures()
+    results += layer_figures()
     print_results(results)
 
 
@@ -588,10 +591,105 @@ def portal_figures() -> list[tuple[str, str, str]]:
     ]
 
 
+# Layers (issue 10) ###########################################################################
+# Workspaces of 1, 500, 2,000 and 10,000 done layers, made directly on disk the way gurtd
+# makes them (test_layers.make_done_layers), gurtd started on them and its merges awaited.
+
+def merged_due(count: int) -> int:
+    return max(0, count - G.LAYER_KEEP) // G.LAYER_GROUP
+
+
+def layer_home(count: int) -> tuple[Gurtd, list[str]]:
+    from test_layers import make_done_layers, registry
+    g = Gurtd(make_home())
+    ids = make_done_layers(g.home, count)
+    g.start(timeout=120)
+    deadline = time.monotonic() + 600
+    while len(registry(g.home)["merged"]) < merged_due(count):
+        assert time.monotonic() < deadline, "the merges did not end"
+        time.sleep(0.2)
+    return g, ids
+
+
+def timed_ms(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1000
+
+
+def layer_figures() -> list[tuple[str, str, str]]:
+    """Start p50 at 1/500/2,000/10,000 layers; at 10,000: undo of the oldest and newest
+    tasks, a files API read, the bytes merging added, a list of 200 tasks of 10,000 layers."""
+    results: list[tuple[str, str, str]] = []
+    start_p50: dict[int, float] = {}
+    for count in (1, 500, 2000, 10_000):
+        g, ids = layer_home(count)
+        try:
+            starts, _ = start_latencies(g, 20)
+            start_p50[count] = statistics.median(starts)
+            results.append((f"task start, {count} layers, p50 / p95 (ms)",
+                            f"{start_p50[count]:.1f} / {pct(starts, 95):.1f}",
+                            "p50 <= 1.3x the 1-layer p50" if count == 10_000 else ""))
+            if count != 10_000:
+                continue
+            results.append(("  ratio 10,000 layers / 1 layer (p50)",
+                            f"{start_p50[count] / start_p50[1]:.2f}x", "<= 1.3x"))
+            reads = [timed_ms(lambda: g.file("home", "n5000")) for _ in range(50)]
+            results.append(("files API read of one file, 10,000 layers, p50 / p95 (ms)",
+                            f"{statistics.median(reads):.1f} / {pct(reads, 95):.1f}", ""))
+            singles = [os.path.join(g.home, "layers", i) for i in ids]
+            merged = [os.path.join(g.home, "merged", n) for n in os.listdir(
+                os.path.join(g.home, "merged")) if not n.endswith(".json")]
+            added = G.layer_bytes(singles + merged) - G.layer_bytes(singles)
+            results.append(("disk added by merging 10,000 layers (bytes)", f"{added}",
+                            "no file data"))
+            for name, victims in (("oldest", ids[:20]), ("newest", ids[-20:])):
+                undos = [timed_ms(lambda v=v: g.api("POST", f"/api/tasks/{v}/undo"))
+                         for v in victims]
+                results.append((f"undo of the {name} tasks, 10,000 layers, p50 / p95 (ms)",
+                                f"{statistics.median(undos):.1f} / {pct(undos, 95):.1f}",
+                                "p95 <= 50"))
+        finally:
+            g.stop()
+            remove_home(g.home)
+    results += list_figures()
+    return results
+
+
+def list_figures() -> list[tuple[str, str, str]]:
+    """GET /api/tasks?limit=200 where each of the 200 tasks saw 10,000 layers, whole and with
+    ?fields=id,state."""
+    from test_layers import make_done_layers
+    g = Gurtd(make_home())
+    ids = make_done_layers(g.home, 10_000)
+    stack = ids[::-1]
+    stamp = "2026-01-02T00:00:00Z"
+    for n in range(200):
+        task = G.Task(id=f"tz{n:08d}", title="saw them all", prompt="true",
+                      workspace="home", worker="fake", tools=[], hosts=[], budgetCents=0,
+                      source="api", state="failed", user="", layers=stack, costCents=0,
+                      createdAt=stamp, updatedAt=stamp, seq=20_000 + n)
+        with open(os.path.join(g.home, "tasks", task.id + ".json"), "w") as f:
+            json.dump(dataclasses.asdict(task), f)
+    g.start(timeout=120)
+    try:
+        out = []
+        for query in ("limit=200", "limit=200&fields=id,state"):
+            times = [timed_ms(lambda q=query: g.api("GET", f"/api/tasks?{q}")) for _ in range(5)]
+            out.append((f"GET /api/tasks?{query}, 200 tasks of 10,000 layers, p50 (ms)",
+                        f"{statistics.median(times):.1f}", ""))
+        return out
+    finally:
+        g.stop()
+        remove_home(g.home)
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["personal"]:     # python tests/bench.py personal: this section only
         print_results(personal_figures())
     elif sys.argv[1:] == ["portal"]:     # python tests/bench.py portal: the portal's only
         print_results(portal_figures())
+    elif sys.argv[1:] == ["layers"]:     # python tests/bench.py layers: these figures only
+        print_results(layer_figures())
     else:
         main()

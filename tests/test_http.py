@@ -156,7 +156,8 @@ def test_pipelined_good_requests_all_get_their_answers_in_order(gurtd: Gurtd) ->
             head(gurtd, "GET", "/api/tasks?limit=1", close=True))
     responses = exchange(gurtd, data)
     assert [r[0] for r in responses] == [200, 201, 200, 200], responses
-    assert json.loads(responses[2][2]) == {"name": "pipelined", "layers": 0, "stack": []}
+    assert json.loads(responses[2][2]) == {"name": "pipelined", "layers": 0, "stack": [],
+                                           "mergedLayers": 0, "layerBytes": 0}
 
 
 # 10. the whole request has a deadline ########################################################

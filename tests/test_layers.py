@@ -1,0 +1,466 @@
+"""Ten thousand undoable layers (issue 10): views past overlay's 500-layer limit stay exact.
+
+Stories: a random history of layers (files, folders, deletions, a folder replaced by a file and
+back, opaque folders) merged in groups and viewed through the real kernel overlay, checked
+after every step against a plain Python model of what the workspace must contain; the same
+through gurtd's own tasks, undo and files API with tiny groups; a workspace with 10,000 done
+layers (made directly on disk, see below) where tasks start, see everything, and any task is
+undone at once; kill -9 of gurtd in the middle of a merge, and nothing half made is trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import random
+import stat
+import tempfile
+import time
+from typing import Any
+
+import pytest
+from conftest import Gurtd, eventually, make_home, remove_home, wait_for_step
+
+import gurtd
+
+O_DIR = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+NAMES = ["a", "b", "c"]
+
+
+@pytest.fixture
+def scratch() -> Any:
+    """A folder of the test's own, removed after it however deep its trees."""
+    path = tempfile.mkdtemp(prefix="gurt-layers-", dir="/var/tmp")
+    yield path
+    gurtd.tree_remove(path)
+
+
+# A plain model: a layer is {path: entry}, entry ("f", text) | ("w",) | ("d", opaque)
+
+def random_layer(rng: random.Random, depth: int = 3) -> dict[str, tuple[Any, ...]]:
+    """A well-formed layer: every entry's parents are folders of the layer."""
+    layer: dict[str, tuple[Any, ...]] = {}
+
+    def fill(prefix: str, level: int) -> None:
+        for name in NAMES:
+            path = f"{prefix}/{name}" if prefix else name
+            roll = rng.random()
+            if roll < 0.45:
+                continue
+            if roll < 0.7 or level >= depth:
+                layer[path] = ("f", f"{path}@{rng.randrange(10**6)}")
+            elif roll < 0.8:
+                layer[path] = ("w",)
+            else:
+                layer[path] = ("d", rng.random() < 0.25)
+                fill(path, level + 1)
+
+    fill("", 1)
+    return layer
+
+
+def model_view(layers_newest_first: list[dict[str, tuple[Any, ...]]]) -> dict[str, Any]:
+    """What the stack must show, computed in Python (oldest applied first): a file or a
+    whiteout replaces what was there with all below it; an opaque folder starts empty; a
+    plain folder merges into a folder, and replaces a file."""
+    view: dict[str, Any] = {}
+    for layer in reversed(layers_newest_first):
+        for path in sorted(layer, key=lambda p: p.count("/")):
+            entry = layer[path]
+            clear = entry[0] in ("f", "w") or (entry[0] == "d" and (entry[1] or
+                                                                   view.get(path) != "d"))
+            if clear:
+                for key in [k for k in view if k == path or k.startswith(path + "/")]:
+                    del view[key]
+            if entry[0] == "f":
+                view[path] = entry[1]
+            elif entry[0] == "d":
+                view[path] = "d"
+    return view
+
+
+def write_layer(top: str, layer: dict[str, tuple[Any, ...]], owner: tuple[int, int]) -> None:
+    """A layer on disk as overlay makes it: files, whiteouts (char 0/0), opaque folders."""
+    os.makedirs(top)
+    os.chown(top, *owner)
+    for path in sorted(layer, key=lambda p: p.count("/")):
+        entry, full = layer[path], os.path.join(top, path)
+        if entry[0] == "f":
+            with open(full, "w") as f:
+                f.write(entry[1])
+            os.chown(full, *owner)
+        elif entry[0] == "w":
+            os.mknod(full, stat.S_IFCHR | 0o600, os.makedev(0, 0))
+            if "/" in path:                   # copied up: overlay marks it with an origin
+                os.setxattr(os.path.dirname(full), "trusted.overlay.origin", b"")
+        else:
+            os.mkdir(full, 0o755)
+            os.chown(full, *owner)
+            if entry[1]:
+                os.setxattr(full, "trusted.overlay.opaque", b"y")
+
+
+def read_tree(top: str) -> dict[str, Any]:
+    """What a mounted view shows: {path: text or "d"}."""
+    out: dict[str, Any] = {}
+    for root, dirs, files in os.walk(top):
+        rel = os.path.relpath(root, top)
+        for name in dirs:
+            out[os.path.normpath(os.path.join(rel, name))] = "d"
+        for name in files:
+            with open(os.path.join(root, name)) as f:
+                out[os.path.normpath(os.path.join(rel, name))] = f.read()
+    return out
+
+
+def mounted_view(home: str, lowers: list[Any]) -> dict[str, Any]:
+    """The real kernel overlay of a fitted plan, read whole."""
+    home_fd = os.open(home, O_DIR)
+    try:
+        fd = gurtd.overlay_open_plan(home_fd, lowers)
+    finally:
+        os.close(home_fd)
+    try:
+        return read_tree(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+
+
+def test_a_random_history_of_merged_layers_matches_the_model(scratch: str) -> None:
+    """Hundreds of random layers; groups merged as they fill, rebuilt after undos of old and
+    new layers; after every step the kernel's view of the plan (merged layers, single layers,
+    an inner overlay past the limit) equals the model of the plain stack."""
+    rng = random.Random(10)
+    home = scratch
+    owner = (os.getuid(), os.getgid())
+    base_layer = {p: ("d", False) if e[0] == "d" else e
+                  for p, e in random_layer(rng).items() if e[0] != "w"}
+    write_layer(os.path.join(home, "workspaces", "w"), base_layer, owner)
+    os.makedirs(os.path.join(home, "layers"))
+    stack = gurtd.LayerStack(home)
+    stack.group, stack.keep = 8, 6
+    stack.load()
+    content: dict[str, dict[str, tuple[Any, ...]]] = {}
+    ever: list[str] = []
+    done: list[str] = []                               # oldest first
+    limit, nested = 30, 0                               # a small limit, to nest too
+    for step in range(260):
+        if done and rng.random() < 0.2:
+            victim = rng.choice(done[:8] if rng.random() < 0.5 else done[-8:])
+            done.remove(victim)
+        else:
+            layer_id = f"t{step:09d}"
+            content[layer_id] = random_layer(rng)
+            write_layer(os.path.join(home, "layers", layer_id, "upper"), content[layer_id],
+                        owner)
+            ever.append(layer_id)
+            done.append(layer_id)
+        stack.regroup("w", ever)
+        newest_first = done[::-1]
+        if step % 3 == 0:                             # merges catch up now and then
+            for group, members in stack.due("w", newest_first):
+                merged = gurtd.MergedLayer(stack.new_name("w", group), "w", group, members)
+                gurtd.merge_layers([os.path.join(home, "layers", m, "upper") for m in members],
+                                   os.path.join(stack.dir, merged.name))
+                stack.record(merged)
+            stack.forget(stack.unused("w", newest_first, set()))
+        plan = stack.plan("w", newest_first)
+        lowers = gurtd.fit_lowers(plan, "workspaces/w", limit)
+        expected = model_view([content[i] for i in newest_first] + [base_layer])
+        assert mounted_view(home, lowers) == expected, (step, plan)
+        nested += isinstance(lowers[-1], list)
+    assert nested, "the view never needed an inner overlay"
+    assert any(p.startswith("merged/") for p in plan), "no merged layer was ever used"
+    # merged layers add no file data: every file in them is a hard link
+    for root, _, files in os.walk(stack.dir):
+        for name in files if root != stack.dir else []:     # not the records
+            st = os.lstat(os.path.join(root, name))
+            assert not stat.S_ISREG(st.st_mode) or st.st_nlink >= 2, name
+
+
+def test_a_merged_layer_keeps_owners_modes_links_and_deep_trees(scratch: str) -> None:
+    """A folder's owner, mode and user xattrs come from the top layer; a symlink stays a
+    symlink (never followed); a tree thousands of levels deep merges whole."""
+    home, store = scratch, (4242, 4343)
+    top, low = os.path.join(home, "top"), os.path.join(home, "low")
+    for layer in (top, low):
+        os.makedirs(os.path.join(layer, "d"))
+    os.chown(os.path.join(top, "d"), *store)
+    os.chmod(os.path.join(top, "d"), 0o750)
+    os.setxattr(os.path.join(top, "d"), "user.note", b"kept")
+    os.symlink("/etc/shadow", os.path.join(top, "d", "link"))
+    deep = os.path.join(low, "deep")
+    os.mkdir(deep)
+    fd = os.open(deep, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(1500):                              # longer than PATH_MAX
+        os.mkdir("n" * 20, dir_fd=fd)
+        nxt = os.open("n" * 20, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = nxt
+    os.close(os.open("bottom", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd))
+    os.close(fd)
+    gurtd.merge_layers([top, low], os.path.join(home, "m"))
+    st = os.lstat(os.path.join(home, "m", "d"))
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (*store, 0o750)
+    assert os.getxattr(os.path.join(home, "m", "d"), "user.note") == b"kept"
+    assert os.readlink(os.path.join(home, "m", "d", "link")) == "/etc/shadow"
+    root = os.open(os.path.join(home, "m", "deep"), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fd = gurtd.open_dir_beneath(root, "/".join(["n" * 20] * 1500))
+        assert fd is not None
+        assert "bottom" in os.listdir(fd)
+        os.close(fd)
+    finally:
+        os.close(root)
+
+
+GROUP_ENV = {"GURT_LAYER_GROUP": "3", "GURT_LAYER_KEEP": "2"}
+
+
+def registry(home: str) -> dict[str, Any]:
+    """The merged layers gurtd has recorded (BOX_HOME/merged/<name>.json each)."""
+    top = os.path.join(home, "merged")
+    out = []
+    for name in sorted(os.listdir(top)) if os.path.isdir(top) else []:
+        if name.endswith(".json"):
+            with open(os.path.join(top, name)) as f:
+                out.append(json.load(f))
+    return {"merged": out}
+
+
+def test_tasks_undo_and_files_through_merged_layers() -> None:
+    """Through gurtd with tiny groups: tasks that add, change, delete files and folders;
+    merges happen in the background; undo of old and new tasks answers at once and the
+    files API and the next task see exactly the model; the undone tasks' layers go."""
+    rng = random.Random(7)
+    g = Gurtd(make_home(), GROUP_ENV)
+    g.start()
+    try:
+        history: list[tuple[str, str, str | None]] = []   # (task, path, text or None)
+        done: list[str] = []
+        for step in range(18):
+            if done and step % 5 == 4:
+                victim = done.pop(rng.randrange(len(done)))
+                t0 = time.monotonic()
+                assert g.api("POST", f"/api/tasks/{victim}/undo")["state"] == "undone"
+                assert time.monotonic() - t0 < 5
+            else:
+                name = f"f{rng.randrange(5)}"
+                if rng.random() < 0.25:
+                    prompt, text = f"rm -rf {name}", None
+                elif rng.random() < 0.3:
+                    prompt = f"rm -rf {name}; mkdir -p {name}/in; echo s{step} > {name}/in/x"
+                    text = f"dir:s{step}"
+                else:
+                    prompt, text = f"rm -rf {name}; echo s{step} > {name}", f"s{step}"
+                task = g.run(prompt)
+                assert task["state"] == "done", g.log(task["id"])
+                done.append(task["id"])
+                history.append((task["id"], name, text))
+            expected: dict[str, str | None] = {}
+            for task_id, name, text in history:
+                if task_id in done:
+                    expected[name] = text
+            for name, text in expected.items():
+                if text is None:
+                    assert g.file("home", name) is None, (step, name)
+                elif text.startswith("dir:"):
+                    assert g.file("home", f"{name}/in/x") == text[4:].encode() + b"\n"
+                else:
+                    assert g.file("home", name) == text.encode() + b"\n", (step, name)
+        eventually(lambda: registry(g.home)["merged"], what="a merged layer")
+        info = g.api("GET", "/api/workspaces/home")
+        assert info["layers"] == len(done)
+        # a new task sees the same as the files API
+        names = sorted({n for _, n, t in history})
+        check = g.run("for f in " + " ".join(names) + "; do if [ -d $f ]; then cat $f/in/x; "
+                      "elif [ -e $f ]; then cat $f; else echo none; fi; done")
+        seen = g.output(check["id"])
+        for name, line in zip(names, seen):
+            text = None
+            for task_id, n, t in history:
+                if task_id in done and n == name:
+                    text = t
+            assert line == ("none" if text is None else text.removeprefix("dir:")), name
+    finally:
+        g.stop()
+        remove_home(g.home)
+
+
+# 10,000 layers: made directly on disk with the structure gurtd makes (layers/<id>/upper and
+# work owned by the store user, tasks/<id>.json in the Task record's format, doneSeq in order),
+# because 10,000 real tasks would take too long for CI.
+
+def make_done_layers(home: str, count: int) -> list[str]:
+    """count done tasks of workspace home, each writing n<i>, every 1000th rewriting
+    `shared`."""
+    store = pwd.getpwnam("gurt-store")
+    owner = (store.pw_uid, store.pw_gid)
+    for sub in ("tasks", "logs", "layers", "workspaces/home"):
+        os.makedirs(os.path.join(home, sub), exist_ok=True)
+    os.chown(os.path.join(home, "workspaces", "home"), *owner)
+    ids = []
+    stamp = "2026-01-01T00:00:00Z"
+    for i in range(1, count + 1):
+        task_id = f"t{i:09d}"
+        ids.append(task_id)
+        layer = os.path.join(home, "layers", task_id)
+        for sub in ("", "upper", "work"):
+            os.makedirs(os.path.join(layer, sub), exist_ok=True)
+            os.chown(os.path.join(layer, sub), *owner)
+        for name, text in [(f"n{i}", f"{i}\n")] + [("shared", f"{i}\n")] * (i % 1000 == 0):
+            path = os.path.join(layer, "upper", name)
+            with open(path, "w") as f:
+                f.write(text)
+            os.chown(path, *owner)
+        task = {"id": task_id, "title": "made on disk", "prompt": "true", "workspace": "home",
+                "worker": "fake", "tools": [], "hosts": [], "budgetCents": 0, "source": "api",
+                "state": "done", "user": f"box-{task_id}", "layers": [], "costCents": 0,
+                "createdAt": stamp, "updatedAt": stamp, "seq": i, "doneSeq": i}
+        with open(os.path.join(home, "tasks", task_id + ".json"), "w") as f:
+            json.dump(task, f)
+    return ids
+
+
+def test_ten_thousand_layers_start_view_and_undo_at_once() -> None:
+    """A workspace with 10,000 done layers: gurtd merges the old ones in the background; a
+    task starts and sees every layer's file; undo of the oldest and of the newest answer at
+    once and are gone for the files API and the next task; merges then catch up."""
+    home = make_home()
+    try:
+        ids = make_done_layers(home, 10_000)
+        g = Gurtd(home)
+        g.start(timeout=60)
+        try:
+            # 10,000 layers that were never merged need the merges first (a view takes at
+            # most 499 x 2 layers): 409 until then, then every file at once
+            eventually(lambda: len(registry(home)["merged"]) == (10_000 - 64) // 128,
+                       timeout=120, what="every group merged")
+            assert g.file("home", "n1") == b"1\n"
+            assert g.file("home", "n7777") == b"7777\n"
+            assert g.file("home", "shared") == b"10000\n"
+            task = g.run("cat n1 n5000 n10000 shared")
+            assert g.output(task["id"]) == ["1", "5000", "10000", "10000"], g.log(task["id"])
+            assert len(task["layers"]) == 10_000 and task["layers"][0] == ids[-1]
+            for victim, name in ((ids[0], "n1"), (ids[-1], "n10000")):
+                t0 = time.monotonic()
+                g.api("POST", f"/api/tasks/{victim}/undo")
+                assert time.monotonic() - t0 < 10            # speed belongs to the bench
+                assert g.file("home", name) is None
+            assert g.file("home", "shared") == b"9000\n"
+            again = g.run("cat n1 n2 shared 2>&1; true")
+            assert g.output(again["id"])[1:] == ["2", "9000"], g.log(again["id"])
+            info = g.api("GET", "/api/workspaces/home")
+            assert info["layers"] == 10_000 - 2 + 2          # the two tasks of this test
+            # the task file names its 10,000 layers by reference to a shared stack file
+            assert os.path.getsize(os.path.join(home, "tasks", task["id"] + ".json")) < 4096
+            listed = g.api("GET", "/api/tasks?fields=id,layers,state&limit=3")
+            assert [set(t) for t in listed] == [{"id", "layers", "state"}] * 3
+            assert listed[1]["layers"] == task["layers"]
+            g.api("GET", "/api/tasks?fields=id,secret", status=400)
+            assert info["mergedLayers"] >= (10_000 - 64) // 128
+            assert info["layerBytes"] > 0
+            g.restart()
+            assert g.task(task["id"])["layers"] == task["layers"]   # read back whole
+        finally:
+            g.stop()
+    finally:
+        remove_home(home)
+
+
+def test_a_task_on_an_inner_overlay_sees_and_changes_everything_as_its_own() -> None:
+    """600 done layers and merging held back (as while many groups are rebuilt): the task's
+    view nests its oldest layers in an inner overlay built from idmapped layers; the task
+    reads the oldest and newest files, overwrites and deletes files of the inner overlay as
+    their owner, and the files API (the same plan) agrees."""
+    home = make_home()
+    try:
+        make_done_layers(home, 600)
+        g = Gurtd(home, {"GURT_LAYER_KEEP": "100000"})     # nothing is merged
+        g.start(timeout=60)
+        try:
+            assert not registry(home)["merged"]
+            task = g.run("cat n1 n600; stat -c %U n1; echo changed >> n1; rm n2; id -un")
+            assert task["state"] == "done", g.log(task["id"])
+            assert g.output(task["id"]) == ["1", "600", task["user"], task["user"]]
+            assert g.file("home", "n1") == b"1\nchanged\n"
+            assert g.file("home", "n2") is None and g.file("home", "n3") == b"3\n"
+            changes = g.api("GET", f"/api/tasks/{task['id']}/changes")
+            assert changes == [{"path": "n1", "change": "modified"},
+                               {"path": "n2", "change": "deleted"}]
+        finally:
+            g.stop()
+    finally:
+        remove_home(home)
+
+
+def test_a_running_task_keeps_the_merged_layer_it_started_on() -> None:
+    """Undo of an old task while a task runs on the merged layer that holds it: the files API
+    stops showing the undone file at once, the running task still reads it (its view is
+    kept), a new generation replaces the group's merged layer, and the old one is deleted
+    only once the running task has ended."""
+    home = make_home()
+    try:
+        make_done_layers(home, 20)
+        g = Gurtd(home, GROUP_ENV)
+        g.start(timeout=60)
+        try:
+            eventually(lambda: len(registry(home)["merged"]) == 6, timeout=60,
+                       what="the first merges")
+            first = [m["name"] for m in registry(home)["merged"] if m["group"] == 0]
+            task = g.create("cat n1\nsleep 3\ncat n1")
+            wait_for_step(g, task["id"], "sleep 3")
+            g.api("POST", "/api/tasks/t000000001/undo")
+            assert g.file("home", "n1") is None
+            eventually(lambda: [m for m in registry(home)["merged"]
+                                if m["group"] == 0 and m["name"] not in first],
+                       timeout=60, what="the group's new generation")
+            assert os.path.isdir(os.path.join(home, "merged", first[0]))   # still read
+            assert g.wait(task["id"])["state"] == "done"
+            assert g.output(task["id"]) == ["1", "1"]
+            g.run("true")          # a later step of the loop collects what nothing reads
+            eventually(lambda: not os.path.exists(os.path.join(home, "merged", first[0])),
+                       timeout=30, what="the old generation deleted")
+            assert g.file("home", "n1") is None and g.file("home", "n2") == b"2\n"
+        finally:
+            g.stop()
+    finally:
+        remove_home(home)
+
+
+def test_kill_9_in_the_middle_of_a_merge_loses_nothing() -> None:
+    """gurtd dies (as kill -9) inside a merge, and again between the rename and the record;
+    the next start throws away the half-made merged layers, keeps every done layer, and the
+    view is whole."""
+    home = make_home()
+    try:
+        make_done_layers(home, 300)
+        for point in ("merge-half-built", "merge-renamed"):
+            g = Gurtd(home, {"GURT_TEST_CRASH_AT": point, **GROUP_ENV})
+            try:
+                g.start(timeout=60)          # merges start before the API listens
+            except AssertionError as exc:
+                assert "exited with 137" in str(exc), exc
+            else:
+                assert g.proc is not None and g.proc.wait(timeout=60) == 137
+            g.proc = None
+            leftovers = [n for n in os.listdir(os.path.join(home, "merged"))
+                         if n not in {m["name"] for m in registry(home)["merged"]}]
+            assert leftovers, "the crash left nothing to throw away: not inside a merge"
+        g = Gurtd(home, GROUP_ENV)
+        g.start(timeout=60)
+        try:
+            for i in (1, 150, 300):
+                assert g.file("home", f"n{i}") == f"{i}\n".encode()
+            assert all(os.path.isdir(os.path.join(home, "layers", f"t{i:09d}", "upper"))
+                       for i in range(1, 301))
+            eventually(lambda: len(registry(home)["merged"]) == (300 - 2) // 3, timeout=60,
+                       what="the merges redone")
+            names = {n for n in os.listdir(os.path.join(home, "merged"))
+                     if not n.endswith(".json")}
+            assert names == {m["name"] for m in registry(home)["merged"]}
+        finally:
+            g.stop()
+    finally:
+        remove_home(home)
