@@ -437,6 +437,9 @@ def test_every_page_at_1280_and_360_px(g: Gurtd, browser: Any, shots: str) -> No
     asking = g.create("gurtd tool ask '{\"question\": \"Ship the release?\"}'",
                       title="asks for the pictures", tools=["ask"])
     ask = pending(g, asking["id"])
+    paying = g.create("gurtd tool wallet.pay '{\"to\": \"shop\", \"cents\": 5}'",
+                      title="pays for the pictures", tools=["wallet.pay"])
+    spend = pending(g, paying["id"])
     sched = g.api("POST", "/api/schedules", {"name": "weekly digest", "cron": "0 9 * * MON",
                                              "timezone": "Europe/Berlin",
                                              "task": {"worker": "fake", "prompt": "true"}})
@@ -454,7 +457,7 @@ def test_every_page_at_1280_and_360_px(g: Gurtd, browser: Any, shots: str) -> No
                 "width": width, "height": 800, "deviceScaleFactor": 1, "mobile": width < 600})
             for name, hash_, ready in pages:
                 go(d, hash_, ready)
-                text = d.find_element(By.TAG_NAME, "main").text
+                text = d.find_element(By.TAG_NAME, "main").text.replace("/dev/null", "")
                 assert "null" not in text and "undefined" not in text, (name, text)
                 wide = d.execute_script("return document.documentElement.scrollWidth")
                 assert wide <= width, f"{name} at {width} px scrolls sideways: {wide}"
@@ -474,6 +477,7 @@ def test_every_page_at_1280_and_360_px(g: Gurtd, browser: Any, shots: str) -> No
         d.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
         d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
         g.api("POST", f"/api/approvals/{ask['id']}/answer", {"answer": "yes"})
+        g.api("POST", f"/api/approvals/{spend['id']}/deny", {"reason": "only a picture"})
         g.api("DELETE", f"/api/schedules/{sched['id']}")
         g.api("DELETE", f"/api/policies/{policy['id']}")
     assert len(os.listdir(shots)) >= 2 * len(pages)
