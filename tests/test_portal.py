@@ -595,6 +595,23 @@ def test_always_at_task_scope_from_the_inbox_and_the_next_call_asks_no_one(
     wait(d, lambda x: not x.find_elements(By.ID, f"policy-{made['id']}"), "deleted elsewhere")
 
 
+def test_a_host_asked_at_run_time_is_shown_by_name_and_denied_from_the_inbox(
+        g: Gurtd, browser: Any) -> None:
+    d = browser
+    go(d, "#/inbox", "#inbox")
+    task = g.create("getent hosts portal.test; echo getent $?", title="wants a host",
+                    askHosts=True)
+    asked = pending(g, task["id"])
+    assert asked["kind"] == "host"
+    card = wait(d, lambda x: x.find_elements(By.ID, f"approval-{asked['id']}"), "its card")[0]
+    assert card.text.startswith("Host portal.test") and "wants a host" in card.text
+    assert card.find_elements(By.ID, f"always-{asked['id']}")      # a host can be always
+    card.find_element(By.ID, f"reason-{asked['id']}").send_keys("not today" + Keys.ENTER)
+    wait(d, lambda x: not x.find_elements(By.ID, f"approval-{asked['id']}"), "answered")
+    assert g.wait(task["id"], timeout=60)["state"] == "done"
+    assert g.output(task["id"])[-1] == "getent 2"                  # NXDOMAIN
+
+
 def test_a_schedule_run_now_from_the_schedules_page_shows_its_task(g: Gurtd,
                                                                    browser: Any) -> None:
     d = browser
