@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import pytest
 
 from conftest import GURTD, ROOT, Gurtd, eventually, running_gurtd
+from test_review import folder, owner, run_on     # noqa: F401 (the owner's real folder)
 
 try:
     from selenium import webdriver
@@ -343,6 +344,7 @@ def test_approve_all_pays_every_spending_and_the_wallet_shows_it(g: Gurtd,
     for task in made:
         assert g.wait(task["id"])["state"] == "done"
     wait(d, lambda x: not x.find_elements(By.CSS_SELECTOR, "#inbox article"), "an empty inbox")
+    assert d.find_element(By.ID, "approve-all-result").text.startswith("Approved 2, skipped 0")
     go(d, "#/wallet", "#ledger tr")
     wait(d, lambda x: "4.84" in x.find_element(By.ID, "balance").text or
          "484" in x.find_element(By.ID, "balance").text, "the balance after paying")
@@ -360,6 +362,9 @@ def test_an_ask_is_answered_from_the_inbox(g: Gurtd, browser: Any) -> None:
     card = wait(d, lambda x: x.find_elements(By.ID, f"approval-{approval['id']}"),
                 "the ask")[0]
     assert "Which colour?" in card.text
+    assert "each one needs its own answer" in card.find_element(By.CLASS_NAME,
+                                                                "always-blocked").text
+    assert not card.find_elements(By.ID, f"always-{approval['id']}")
     card.find_element(By.ID, f"answer-{approval['id']}").send_keys("teal" + Keys.ENTER)
     wait(d, lambda x: not x.find_elements(By.ID, f"approval-{approval['id']}"), "answered")
     answered = g.api("GET", f"/api/approvals/{approval['id']}")
@@ -433,10 +438,20 @@ def test_every_page_at_1280_and_360_px(g: Gurtd, browser: Any, shots: str) -> No
     asking = g.create("gurtd tool ask '{\"question\": \"Ship the release?\"}'",
                       title="asks for the pictures", tools=["ask"])
     ask = pending(g, asking["id"])
+    paying = g.create("gurtd tool wallet.pay '{\"to\": \"shop\", \"cents\": 5}'",
+                      title="pays for the pictures", tools=["wallet.pay"])
+    spend = pending(g, paying["id"])
+    sched = g.api("POST", "/api/schedules", {"name": "weekly digest", "cron": "0 9 * * MON",
+                                             "timezone": "Europe/Berlin",
+                                             "task": {"worker": "fake", "prompt": "true"}})
+    policy = g.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "task",
+                                             "task": some["id"], "maxCents": 50})
     pages = [("tasks", "#/tasks", "#task-rows"), ("task", f"#/task/{some['id']}", "#task-log li"),
              ("inbox", "#/inbox", "#inbox article"), ("new", "#/new", "#new-task"),
              ("files", "#/files/home", "#files li"), ("wallet", "#/wallet", "#ledger"),
-             ("settings", "#/settings", "#settings")]
+             ("settings", "#/settings", "#settings"),
+             ("schedules", "#/schedules", "#schedule-rows tr"),
+             ("policies", "#/policies", "#policy-rows tr")]
     try:
         for width in WIDTHS:
             d.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
@@ -463,7 +478,183 @@ def test_every_page_at_1280_and_360_px(g: Gurtd, browser: Any, shots: str) -> No
         d.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
         d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
         g.api("POST", f"/api/approvals/{ask['id']}/answer", {"answer": "yes"})
+        g.api("POST", f"/api/approvals/{spend['id']}/deny", {"reason": "only a picture"})
+        g.api("DELETE", f"/api/schedules/{sched['id']}")
+        g.api("DELETE", f"/api/policies/{policy['id']}")
     assert len(os.listdir(shots)) >= 2 * len(pages)
+
+
+# personal mode, decisions, sources ############################################################
+
+def click(driver: Any, css: str) -> None:
+    """Click what css finds (found again if a live update redrew it meanwhile)."""
+    wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, css).click() or True, css)
+
+
+def click_and_confirm(driver: Any, element_id: str) -> None:
+    click(driver, "#" + element_id)
+    confirm(driver)
+
+
+def read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def test_keep_a_personal_task_through_its_conflict_then_undo_it(g: Gurtd, browser: Any,
+                                                                 folder: str) -> None:
+    d = browser
+    task = run_on(g, folder, "echo task > a.txt", "echo new > new.txt", title="edits my folder")
+    assert task["state"] == "done" and task["review"] == "pending"
+    with open(os.path.join(folder, "a.txt"), "w") as f:      # my own edit since its start
+        f.write("mine\n")
+    go(d, f"#/task/{task['id']}", "#task-changes input.pick")
+    wait(d, lambda x: "+task" in x.find_element(By.ID, "task-diff").text, "the diff")
+    # keep: 409, the conflict named per path, nothing written
+    click_and_confirm(d, "btn-keep")
+    conflicts = wait(d, lambda x: x.find_elements(By.CSS_SELECTOR, "#conflicts li"),
+                     "the conflicts")
+    assert [c.get_attribute("data-path") for c in conflicts] == ["a.txt"]
+    assert "a.txt" in conflicts[0].text and "owner" in conflicts[0].text
+    assert read(os.path.join(folder, "new.txt")) is None
+    assert g.task(task["id"])["review"] == "conflict"
+    # keep only new.txt: it lands, owned by the folder's owner; mine stays
+    go(d, f"#/task/{task['id']}", '#task-changes[data-review="conflict"] input.pick')
+    pick = d.find_element(By.CSS_SELECTOR, f'input.pick[value="{folder}/new.txt"]')
+    pick.click()
+    click_and_confirm(d, "btn-keep-paths")
+    eventually(lambda: read(os.path.join(folder, "new.txt")) == "new\n", 10, "new.txt kept")
+    assert os.stat(os.path.join(folder, "new.txt")).st_uid == os.stat(folder).st_uid
+    assert read(os.path.join(folder, "a.txt")) == "mine\n"
+    wait(d, lambda x: x.find_elements(By.CSS_SELECTOR, '#task-changes[data-review="pending"]'),
+         "the rest pending")
+    # keep anyway: the task's version wins
+    click_and_confirm(d, "btn-keep")
+    click_and_confirm(d, "btn-keep-force")
+    wait(d, lambda x: "kept" in x.find_element(By.ID, "task-fields").text, "review: kept")
+    assert read(os.path.join(folder, "a.txt")) == "task\n"
+    # undo after my later edit: 409 naming it, then undo anyway puts back what was before
+    with open(os.path.join(folder, "a.txt"), "w") as f:
+        f.write("mine again\n")
+    click_and_confirm(d, "btn-undo")
+    wait(d, lambda x: x.find_elements(By.CSS_SELECTOR, '#conflicts li[data-path="a.txt"]'),
+         "the undo's conflict")
+    assert read(os.path.join(folder, "a.txt")) == "mine again\n"
+    click_and_confirm(d, "btn-undo-force")
+    wait(d, lambda x: "undone" in x.find_element(By.ID, "task-fields").text, "undone")
+    assert read(os.path.join(folder, "a.txt")) == "mine\n"
+    assert read(os.path.join(folder, "new.txt")) is None
+    assert g.task(task["id"])["review"] == "undone"
+    assert console_errors(d, ("/keep - Failed to load resource: the server responded with a "
+                              "status of 409", "/undo - Failed to load resource: the server "
+                              "responded with a status of 409")) == []
+
+
+def test_always_at_task_scope_from_the_inbox_and_the_next_call_asks_no_one(
+        g: Gurtd, browser: Any) -> None:
+    d = browser
+    g.api("PUT", "/api/wallet", {"balanceCents": 1000})
+    pay = "gurtd tool wallet.pay '{{\"to\": \"shop\", \"cents\": {}}}'"
+    go(d, "#/inbox", "#inbox")
+    task = g.create(pay.format(3) + "\nsleep 0.5\n" + pay.format(4), title="pays twice",
+                    tools=["wallet.pay"])
+    first = pending(g, task["id"])
+    assert first["canAlwaysApprove"] is True
+    card = wait(d, lambda x: x.find_elements(By.ID, f"approval-{first['id']}"), "its card")[0]
+    Select(card.find_element(By.ID, f"scope-{first['id']}")).select_by_value("task")
+    card.find_element(By.ID, f"always-{first['id']}").click()
+    wait(d, lambda x: not x.find_elements(By.ID, f"approval-{first['id']}"), "the card gone")
+    assert g.wait(task["id"])["state"] == "done"
+    answers = g.api("GET", f"/api/approvals?task={task['id']}")
+    policy = g.api("GET", f"/api/approvals/{first['id']}")["policy"]
+    assert sorted(a["answeredBy"] for a in answers) == ["api", "policy"]
+    assert all(a["policy"] == policy for a in answers)
+    assert g.task(task["id"])["costCents"] == 7
+    # not outside its scope: another task's payment still asks
+    other = g.create(pay.format(2), title="pays once", tools=["wallet.pay"])
+    asked = pending(g, other["id"])
+    wait(d, lambda x: x.find_elements(By.ID, f"approval-{asked['id']}"), "the other's card")
+    # a budget approval can raise the budget instead
+    d.find_element(By.ID, f"budget-{asked['id']}").send_keys("25" + Keys.ENTER)
+    wait(d, lambda x: not x.find_elements(By.ID, f"approval-{asked['id']}"), "answered")
+    assert g.wait(other["id"])["budgetCents"] == 25
+    # the Policies page lists it, and its delete is seen live
+    go(d, "#/policies", f"#policy-{policy}")
+    row = d.find_element(By.ID, f"policy-{policy}")
+    assert "wallet.pay" in row.text and "task" in row.text and "pays twice" in row.text
+    click_and_confirm(d, f"delete-{policy}")
+    wait(d, lambda x: not x.find_elements(By.ID, f"policy-{policy}"), "the policy gone")
+    assert all(p["id"] != policy for p in g.api("GET", "/api/policies"))
+    made = g.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "task",
+                                           "task": other["id"], "maxCents": 5}, status=201)
+    row = wait(d, lambda x: x.find_elements(By.ID, f"policy-{made['id']}"), "a new policy")[0]
+    assert "5" in row.text
+    g.api("DELETE", f"/api/policies/{made['id']}")
+    wait(d, lambda x: not x.find_elements(By.ID, f"policy-{made['id']}"), "deleted elsewhere")
+
+
+def test_a_host_asked_at_run_time_is_shown_by_name_and_denied_from_the_inbox(
+        g: Gurtd, browser: Any) -> None:
+    d = browser
+    go(d, "#/inbox", "#inbox")
+    task = g.create("getent hosts portal.test; echo getent $?", title="wants a host",
+                    askHosts=True)
+    asked = pending(g, task["id"])
+    assert asked["kind"] == "host"
+    card = wait(d, lambda x: x.find_elements(By.ID, f"approval-{asked['id']}"), "its card")[0]
+    assert card.text.startswith("Host portal.test") and "wants a host" in card.text
+    assert card.find_elements(By.ID, f"always-{asked['id']}")      # a host can be always
+    card.find_element(By.ID, f"reason-{asked['id']}").send_keys("not today" + Keys.ENTER)
+    wait(d, lambda x: not x.find_elements(By.ID, f"approval-{asked['id']}"), "answered")
+    assert g.wait(task["id"], timeout=60)["state"] == "done"
+    assert g.output(task["id"])[-1] == "getent 2"                  # NXDOMAIN
+
+
+def test_a_schedule_run_now_from_the_schedules_page_shows_its_task(g: Gurtd,
+                                                                   browser: Any) -> None:
+    d = browser
+    sched = g.api("POST", "/api/schedules", {"name": "nightly report", "cron": "0 3 * * *",
+                                             "task": {"worker": "fake",
+                                                      "prompt": "echo scheduled"}},
+                  status=201)
+    try:
+        go(d, f"#/schedules/{sched['id']}", f"#schedule-{sched['id']}")
+        row = d.find_element(By.ID, f"schedule-{sched['id']}")
+        assert "never" in row.text and "0 3 * * *" in row.text
+        assert len(row.find_elements(By.CSS_SELECTOR, "time[title]")) == 3   # next runs
+        click_and_confirm(d, f"run-{sched['id']}")
+        wait(d, lambda x: x.find_elements(By.CSS_SELECTOR, f"#schedule-{sched['id']} "
+                                          '.state[data-state="done"]'), "its task done")
+        ran = g.api("GET", f"/api/schedules/{sched['id']}")
+        assert ran["lastState"] == "done" and ran["lastTask"]
+        click(d, f"#schedule-{sched['id']} a.last-task")
+        wait(d, lambda x: x.current_url.endswith(f"#/task/{ran['lastTask']}"), "its page")
+        task = g.task(ran["lastTask"])
+        assert task["source"] == "schedule" and task["schedule"] == sched["id"]
+        click(d, "#task-schedule")
+        wait(d, lambda x: x.find_elements(By.ID, f"schedule-{sched['id']}"), "back to it")
+    finally:
+        g.api("DELETE", f"/api/schedules/{sched['id']}")
+
+
+def test_a_jira_task_links_to_its_issue_only_with_a_base_url(g: Gurtd, browser: Any) -> None:
+    d = browser
+    task = g.run("true", title="from jira", source="jira:ABC-7")
+    go(d, f"#/task/{task['id']}", "#task-fields")
+    time.sleep(0.3)
+    assert not d.find_elements(By.ID, "task-issue")           # no jira.baseUrl: no link
+    g.api("PUT", "/api/settings", {"jira": {"baseUrl": "http://127.0.0.1:9/", "email": "a@b.c",
+                                            "jql": "labels = gurt", "enabled": False}})
+    try:
+        go(d, "#/tasks", "#task-rows")
+        go(d, f"#/task/{task['id']}", "#task-issue")
+        link = d.find_element(By.ID, "task-issue")
+        assert link.get_attribute("href") == "http://127.0.0.1:9/browse/ABC-7"
+    finally:
+        g.api("PUT", "/api/settings", {"jira": {}})
 
 
 # other origins ################################################################################
