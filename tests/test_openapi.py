@@ -103,7 +103,8 @@ include-path-regex = "^/api/tasks/\\\\{id\\\\}"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403", "404", "409"]
 
 [[operations]]
-include-operation-id = ["createTask", "putSettings", "uploadWorkspaceArchive"]
+include-operation-id = ["createTask", "putSettings", "uploadWorkspaceArchive", "createPolicy",
+                        "createSchedule", "updateSchedule", "runSchedule", "createHook"]
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403", "404", "409"]
 
 """
