@@ -9809,7 +9809,9 @@ API_DOCS: dict[tuple[str, str], dict[str, Any]] = {
                           "properties": {"code": {"type": "string"},
                                          "path": {"type": "string", "description": "/?code="},
                                          "expiresInSeconds": {"type": "number"}}}),
-                      400: "The body is not {} or empty"}},
+                      400: "The body is not {} or empty",
+                      403: "Asked with the portal's cookie: codes are made with the bearer "
+                           "token only (or a Host or Origin gurtd does not answer)"}},
     # sources: schedules and hooks
     ("GET", "/api/schedules"): {
         "operationId": "listSchedules", "tag": "schedules",
@@ -9889,6 +9891,7 @@ API_DOCS: dict[tuple[str, str], dict[str, Any]] = {
                       403: "A Host header (not in hookHosts) or an Origin gurtd does not "
                            "answer",
                       409: "This delivery id was taken already (a replay)",
+                      503: "gurtd is busy; try again (Retry-After)",
                       429: ("Too many deliveries within a day (Retry-After)", _ref("Error"),
                             {"Retry-After": ({"type": "string"}, "Seconds", True)}),
                       507: "The disk is full: nothing was started"}},
@@ -9960,6 +9963,7 @@ def api_schemas() -> dict[str, Any]:
     """The component schemas, from the records and tables that validate requests."""
     task = json.loads(json.dumps(TASK_SCHEMA))
     task["properties"]["worker"]["enum"] = list(WORKERS) + [UPLOAD_WORKER]
+    task["required"] = [k for k in PUBLIC_FIELDS if k not in OPTIONAL_FIELDS]   # to_api's
     for key in PUBLIC_FIELDS:                 # a field added later is described, if loosely
         task["properties"].setdefault(key, {})
     create_rules: dict[str, dict[str, Any]] = {

@@ -220,6 +220,8 @@ def test_the_new_routes_answer_what_their_description_says(g: Gurtd) -> None:
     assert call("GET", "/api/sessions/current", "/api/sessions/current", 200,
                 token=False)[0] == {"signedIn": False}
     code, _ = call("POST", "/api/sessions/codes", "/api/sessions/codes", 201)
+    call("POST", "/api/sessions/codes", "/api/sessions/codes", 403,
+         headers={"Cookie": cookie, "X-Gurt-Portal": "1"}, token=False)
     assert code["path"] == "/?code=" + code["code"]
     sessions, _ = call("GET", "/api/sessions", "/api/sessions", 200)
     call("DELETE", "/api/sessions/{id}", f"/api/sessions/{sessions[0]['id']}", 200)
