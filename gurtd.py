@@ -10187,6 +10187,8 @@ def api_operation(method: str, pattern: str, summary: str) -> dict[str, Any]:
                     where if where == "query" else "headers", {}).items():
                 params.append({"name": qname, "in": where, "required": bool(required),
                                "description": text, "schema": schema})
+                if where == "query":     # parse_qs drops name= : an empty value is no value
+                    params[-1]["allowEmptyValue"] = True
         if "body" in docs:
             schema, required, *types = docs["body"]
             op["requestBody"] = {"required": required, "content": {
