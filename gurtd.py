@@ -9513,6 +9513,14 @@ APPROVE_BODY = {"type": "object", "additionalProperties": False,
                                               "(a tool call only; checked like the task's)"},
     "budgetCents": {"type": "number", "description": "Raise the task's budget to this (a "
                                                      "budget approval only; not with args)"}}}
+APPROVAL_DECISIONS = {      # the Approval's fields of decisions: what a person changed
+    "approvedArgs": {"description": "Approved with these arguments instead of args"},
+    "budgetCents": {"type": ["number", "null"],
+                    "description": "Approved by raising the task's budget to this"},
+    "policy": {"type": ["string", "null"],
+               "description": "The policy that approved it, or that always-approve made"},
+    "canAlwaysApprove": {"type": "boolean", "description": "Whether POST .../always is offered"},
+    "alwaysBlockedReason": {"type": ["string", "null"], "description": "Why not, when not"}}
 PATH_SCHEMA = {"type": "string", "pattern": "^(?!([^/]*/)*\\.\\.(/|$))[^\\\\\\u0000]*$",
                "description": "A path inside the workspace; / as %2F (no .. part, no "
                               "backslash, no NUL: clean_relpath)"}
@@ -9980,9 +9988,7 @@ def api_schemas() -> dict[str, Any]:
                                  **create_rules.get(k, {})}
                              for k, kind in TASK_FIELDS.items()}}
     settings = {k: setting_schema(k) for k in DEFAULT_SETTINGS}
-    task_defaults = {k: v for k, v in create["properties"].items() if k != "source"}
-    approval_required = [f.name for f in dataclasses.fields(Approval)
-                         if f.default is dataclasses.MISSING]
+    approval_required = [f.name for f in dataclasses.fields(Approval)]   # to_api: asdict
     string, number = {"type": "string"}, {"type": "number"}
     return {
         "Task": task, "TaskCreate": create,
@@ -9998,14 +10004,50 @@ def api_schemas() -> dict[str, Any]:
             "reason": _nullable(string), "answer": _nullable(string),
             "answeredBy": _nullable(string),
             "answeredAt": _nullable({"type": "string", "format": "date-time"}),
-            "approvedArgs": {"description": "Approved with these arguments instead of args"},
-            "budgetCents": {**_nullable(number), "description": "Approved by raising the "
-                                                                "task's budget to this"},
-            "policy": {**_nullable(string), "description": "The policy that approved it, or "
-                                                           "that always-approve made"},
-            "canAlwaysApprove": {"type": "boolean", "description": "Whether POST .../always "
-                                                                  "is offered"},
-            "alwaysBlockedReason": {**_nullable(string), "description": "Why not, when not"}}},
+            **APPROVAL_DECISIONS}},
+        "Workspace": {"type": "object", "required": ["name", "layers"], "properties": {
+            "name": {"type": "string"},
+            "layers": {"type": "integer", "minimum": 0,
+                       "description": "How many done tasks' layers make its view"},
+            "stack": {**_array(_ref("Task")), "description": "Its done tasks, newest first "
+                                                             "(GET of one workspace)"}}},
+        "Wallet": {"type": "object", "required": ["balanceCents", "ledger"], "properties": {
+            "balanceCents": number, "ledger": _array(_ref("LedgerEntry"))}},
+        "LedgerEntry": {"type": "object", "required": ["balanceAfterCents"], "properties": {
+            "time": {"type": "string", "format": "date-time"}, "balanceAfterCents": number,
+            "set": {**number, "description": "The balance was set to this"},
+            "task": string, "call": string, "to": string, "cents": number,
+            "memo": _nullable(string)}},
+        "Settings": {"type": "object", "required": list(DEFAULT_SETTINGS),
+                     "properties": settings},
+        "SettingsUpdate": {"type": "object", "additionalProperties": False,
+                           "properties": settings},
+        "Change": {"type": "object", "required": ["path", "change"], "properties": {
+            "path": {"type": "string", "description": "A folder's ends with /"},
+            "change": {"type": "string", "enum": ["added", "modified", "deleted"]}}},
+        "FileEntry": {"type": "object", "required": ["name", "type", "size"], "properties": {
+            "name": string, "size": {"type": "integer", "minimum": 0},
+            "type": {"type": "string", "enum": ["file", "directory", "symlink", "other"]}}},
+        "FileList": {"type": "object", "required": ["workspace", "path", "entries"],
+                     "properties": {"workspace": string, "path": string,
+                                    "entries": _array(_ref("FileEntry"))}},
+        "Tool": {"type": "object", "required": ["name", "kind"], "properties": {
+            "name": string, "kind": {"type": "string", "enum": ["builtin", "executable"]},
+            "description": string}},
+        "Health": {"type": "object", "required": ["ok", "version"], "properties": {
+            "ok": {"type": "boolean"}, "version": string}},
+        "Error": {"type": "object", "required": ["error"], "properties": {
+            "error": {"type": "string", "description": "What went wrong"},
+            "code": {"type": "string", "description": "A stable name for it, e.g. not_found"}}},
+        **decision_schemas(), **source_schemas(create["properties"]),
+    }
+
+
+def decision_schemas() -> dict[str, Any]:
+    """Policy (and the body that makes one), the portal's Session, and the Conflict a keep
+    answers."""
+    string, number = {"type": "string"}, {"type": "number"}
+    return {
         "Policy": {"type": "object", "required": [f.name for f in dataclasses.fields(Policy)]
                    + ["active"], "properties": {
             "id": string, "tool": {"type": "string", "description": "A tool name, or host"},
@@ -10030,6 +10072,26 @@ def api_schemas() -> dict[str, Any]:
                 "host": {"type": ["string", "null"], "examples": ["*.example.com"],
                          "description": "A name or *.domain, no port, no address"},
                 **POLICY_LIMITS}},
+        "Session": {"type": "object", "required": ["id", "createdAt", "expiresAt", "userAgent",
+                                                   "via", "current"], "properties": {
+            "id": string, "createdAt": {"type": "string", "format": "date-time"},
+            "expiresAt": {"type": "string", "format": "date-time"}, "userAgent": string,
+            "via": {"type": "string", "enum": ["code", "token"]},
+            "current": {"type": "boolean", "description": "This browser's"}}},
+        "Conflict": {"type": "object", "required": ["error"], "properties": {
+            "error": string, "code": string,
+            "conflicts": _array({"type": "object", "required": ["folder", "path", "why"],
+                                 "properties": {"folder": string, "path": string,
+                                                "why": string}})}},
+    }
+
+
+def source_schemas(create: dict[str, Any]) -> dict[str, Any]:
+    """Schedules and hooks; create: TaskCreate's properties (a schedule's or a hook's task
+    takes them, but source)."""
+    string = {"type": "string"}
+    task_defaults = {k: v for k, v in create.items() if k != "source"}
+    return {
         "Schedule": {"type": "object", "required": [
             f.name for f in dataclasses.fields(Schedule) if f.name != "after"] + ["nextRuns"],
             "properties": {
@@ -10070,53 +10132,7 @@ def api_schemas() -> dict[str, Any]:
             "type": "object", "additionalProperties": False,
             "description": "title and prompt (unless the hook's task gives them), and the "
                            "fields its allow lists",
-            "properties": {k: create["properties"][k]
-                           for k in ("title", "prompt", *HOOK_BODY_FIELDS)}},
-        "Session": {"type": "object", "required": ["id", "createdAt", "expiresAt", "userAgent",
-                                                   "via", "current"], "properties": {
-            "id": string, "createdAt": {"type": "string", "format": "date-time"},
-            "expiresAt": {"type": "string", "format": "date-time"}, "userAgent": string,
-            "via": {"type": "string", "enum": ["code", "token"]},
-            "current": {"type": "boolean", "description": "This browser's"}}},
-        "Conflict": {"type": "object", "required": ["error"], "properties": {
-            "error": string, "code": string,
-            "conflicts": _array({"type": "object", "required": ["folder", "path", "why"],
-                                 "properties": {"folder": string, "path": string,
-                                                "why": string}})}},
-        "Workspace": {"type": "object", "required": ["name", "layers"], "properties": {
-            "name": {"type": "string"},
-            "layers": {"type": "integer", "minimum": 0,
-                       "description": "How many done tasks' layers make its view"},
-            "stack": {**_array(_ref("Task")), "description": "Its done tasks, newest first "
-                                                             "(GET of one workspace)"}}},
-        "Wallet": {"type": "object", "required": ["balanceCents", "ledger"], "properties": {
-            "balanceCents": number, "ledger": _array(_ref("LedgerEntry"))}},
-        "LedgerEntry": {"type": "object", "required": ["balanceAfterCents"], "properties": {
-            "time": {"type": "string", "format": "date-time"}, "balanceAfterCents": number,
-            "set": {**number, "description": "The balance was set to this"},
-            "task": string, "call": string, "to": string, "cents": number,
-            "memo": _nullable(string)}},
-        "Settings": {"type": "object", "required": list(DEFAULT_SETTINGS),
-                     "properties": settings},
-        "SettingsUpdate": {"type": "object", "additionalProperties": False,
-                           "properties": settings},
-        "Change": {"type": "object", "required": ["path", "change"], "properties": {
-            "path": {"type": "string", "description": "A folder's ends with /"},
-            "change": {"type": "string", "enum": ["added", "modified", "deleted"]}}},
-        "FileEntry": {"type": "object", "required": ["name", "type", "size"], "properties": {
-            "name": string, "size": {"type": "integer", "minimum": 0},
-            "type": {"type": "string", "enum": ["file", "directory", "symlink", "other"]}}},
-        "FileList": {"type": "object", "required": ["workspace", "path", "entries"],
-                     "properties": {"workspace": string, "path": string,
-                                    "entries": _array(_ref("FileEntry"))}},
-        "Tool": {"type": "object", "required": ["name", "kind"], "properties": {
-            "name": string, "kind": {"type": "string", "enum": ["builtin", "executable"]},
-            "description": string}},
-        "Health": {"type": "object", "required": ["ok", "version"], "properties": {
-            "ok": {"type": "boolean"}, "version": string}},
-        "Error": {"type": "object", "required": ["error"], "properties": {
-            "error": {"type": "string", "description": "What went wrong"},
-            "code": {"type": "string", "description": "A stable name for it, e.g. not_found"}}},
+            "properties": {k: create[k] for k in ("title", "prompt", *HOOK_BODY_FIELDS)}},
     }
 
 
