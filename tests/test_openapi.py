@@ -279,6 +279,34 @@ def test_the_new_routes_answer_what_their_description_says(g: Gurtd) -> None:
     call("GET", "/api/tasks/{id}/diff", "/api/tasks/t000000000/diff", 400)
 
 
+def test_an_approval_and_its_always_answer_fit_their_description(g: Gurtd) -> None:
+    """A task pays above its budget: the approval gurtd answers, and the always-approve that
+    answers it with a policy, are what the description says (decision fields included)."""
+    import time
+    call = Documented(g)
+    g.api("PUT", "/api/wallet", {"balanceCents": 100})
+    task = g.create("gurtd tool wallet.pay '{\"to\": \"shop\", \"cents\": 2}'",
+                    tools=["wallet.pay"], budgetCents=0)
+    deadline = time.monotonic() + 30
+    while not (pending := g.api("GET", f"/api/approvals?state=pending&task={task['id']}")):
+        assert time.monotonic() < deadline, g.task(task["id"])
+        time.sleep(0.1)
+    one = f"/api/approvals/{pending[0]['id']}"
+    approval, _ = call("GET", "/api/approvals/{id}", one, 200)
+    assert approval["kind"] == "budget" and approval["canAlwaysApprove"] is True
+    call("POST", "/api/approvals/{id}/always", one + "/always", 400,
+         {"scope": "task", "maxCents": 1})               # would not allow this very call
+    approved, _ = call("POST", "/api/approvals/{id}/always", one + "/always", 200,
+                       {"scope": "task", "totalCents": 10, "reason": "small payments"})
+    assert approved["state"] == "approved" and approved["policy"].startswith("p")
+    assert approved["canAlwaysApprove"] is False and approved["alwaysBlockedReason"]
+    call("POST", "/api/approvals/{id}/approve", one + "/approve", 409)
+    call("POST", "/api/approvals/{id}/always", one + "/always", 409, {"scope": "box"})
+    policies, _ = call("GET", "/api/policies", "/api/policies", 200)
+    assert [p["spentCents"] for p in policies if p["id"] == approved["policy"]] == [2]
+    assert g.wait(task["id"])["state"] == "done"
+
+
 def test_a_generated_client_creates_a_workspace_and_puts_a_file(g: Gurtd, tmp_path: Any) -> None:
     spec = tmp_path / "openapi.json"
     spec.write_text(json.dumps(g.api("GET", "/api/openapi.json")))
