@@ -9557,15 +9557,24 @@ API_DOCS: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/api/tasks"): {
         "operationId": "createTask", "tag": "tasks", "body": (_ref("TaskCreate"), True),
         "responses": {201: ("The task, queued", _ref("Task")),
-                      400: "A field is wrong, the workspace does not exist, or the droid "
-                           "worker has no Droid CLI",
+                      400: "A field is wrong, the workspace does not exist, the droid "
+                           "worker has no Droid CLI, or a folder is refused (personal: not "
+                           "a folder under folderRoots, or inside another)",
                       507: "The disk is full: nothing was created"}},
     ("GET", "/api/tasks/{id}"): {
         "operationId": "getTask", "tag": "tasks",
         "responses": {200: ("The task", _ref("Task")), 400: "No task with this id"}},
     ("POST", "/api/tasks/{id}/undo"): {
         "operationId": "undoTask", "tag": "tasks",
-        "responses": {200: ("The task, now undone", _ref("Task")), 400: "No task with this id"}},
+        "body": ({"type": "object", "additionalProperties": False, "properties": {
+            "force": {"type": "boolean", "default": False,
+                      "description": "Personal: put the versions from before the keep back "
+                                     "even over the owner's later edits"}}}, False),
+        "responses": {200: ("The task, now undone", _ref("Task")),
+                      400: "No task with this id, or the body is wrong",
+                      409: ("Personal: kept paths the owner changed since the keep (each "
+                            "named in conflicts): nothing was undone", _ref("Conflict")),
+                      507: "The disk is full: the undo goes on with the next undo"}},
     ("POST", "/api/tasks/{id}/stop"): {
         "operationId": "stopTask", "tag": "tasks",
         "responses": {200: ("The task, failed with error stopped", _ref("Task")),

@@ -307,6 +307,51 @@ def test_an_approval_and_its_always_answer_fit_their_description(g: Gurtd) -> No
     assert g.wait(task["id"])["state"] == "done"
 
 
+def test_a_personal_tasks_diff_keep_and_undo_fit_their_description(g: Gurtd) -> None:
+    """My folder, a task's edit of it, and my own edit after the start: the diff, the 409
+    of a keep and of an undo (with conflicts), and the forced answers are as described."""
+    import pwd
+    import secrets
+    import shutil
+    import time
+    call = Documented(g)
+    name = "gurtoa" + secrets.token_hex(3)
+    subprocess.run(["useradd", "-m", "-d", f"/home/{name}", "-s", "/usr/sbin/nologin", name],
+                   check=True, capture_output=True)
+    try:
+        owner = pwd.getpwnam(name)
+        folder = os.path.join(owner.pw_dir, "proj")
+        os.mkdir(folder)
+        with open(os.path.join(folder, "a.txt"), "w") as f:
+            f.write("hello\n")
+        for path in (folder, os.path.join(folder, "a.txt")):
+            os.chown(path, owner.pw_uid, owner.pw_gid)
+        time.sleep(0.05)                   # its ctimes are before the task's start
+        task = g.run(f"cd '{folder}' && echo task > a.txt", folder=folder)
+        one = f"/api/tasks/{task['id']}"
+        diff, _ = call("GET", "/api/tasks/{id}/diff", one + "/diff", 200)
+        assert b"-hello" in diff and b"+task" in diff, diff
+        with open(os.path.join(folder, "a.txt"), "w") as f:       # mine, after the start
+            f.write("mine\n")
+        refused, _ = call("POST", "/api/tasks/{id}/keep", one + "/keep", 409, {})
+        assert [c["path"] for c in refused["conflicts"]] == ["a.txt"], refused
+        call("POST", "/api/tasks/{id}/keep", one + "/keep", 400, {"paths": []})
+        kept, _ = call("POST", "/api/tasks/{id}/keep", one + "/keep", 200, {"force": True})
+        assert kept["review"] == "kept"
+        with open(os.path.join(folder, "a.txt"), "a") as f:       # mine again, after it
+            f.write("more\n")
+        refused, _ = call("POST", "/api/tasks/{id}/undo", one + "/undo", 409, {})
+        assert [c["path"] for c in refused["conflicts"]] == ["a.txt"], refused
+        undone, _ = call("POST", "/api/tasks/{id}/undo", one + "/undo", 200, {"force": True})
+        assert undone["state"] == "undone"
+        assert open(os.path.join(folder, "a.txt")).read() == "mine\n"    # from before it
+        assert not os.path.exists(os.path.join(g.home, "review", task["id"]))
+    finally:
+        subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
+        shutil.rmtree(f"/home/{name}", ignore_errors=True)
+    assert not os.path.exists(f"/home/{name}")
+
+
 def test_a_generated_client_creates_a_workspace_and_puts_a_file(g: Gurtd, tmp_path: Any) -> None:
     spec = tmp_path / "openapi.json"
     spec.write_text(json.dumps(g.api("GET", "/api/openapi.json")))
