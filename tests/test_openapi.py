@@ -96,7 +96,9 @@ def test_the_schemas_come_from_the_tables_that_validate() -> None:
 
 # Task ids that do not exist are a 400 ("No task with this id", the GurtOS contract), not a
 # 404; whether a workspace exists, the droid CLI is installed, a wildcard is under a public
-# suffix, a model is priced, or a body is a tar archive are not things a schema can say.
+# suffix, a model is priced, or a body is a tar archive are not things a schema can say; nor
+# are a policy's fields that go with its scope and tool, whether a cron line ever matches or a
+# time zone exists, or whether a schedule's run can still make its task (its workspace).
 SCHEMATHESIS_CONFIG = """
 [[operations]]
 include-path-regex = "^/api/tasks/\\\\{id\\\\}"
