@@ -10248,11 +10248,42 @@ SSE = {"type": "object", "description": "One Server-Sent Event", "properties": {
     "retry": {"type": "integer"}}}
 REASON_BODY = {"type": "object", "additionalProperties": False, "properties": {
     "reason": {"type": "string", "maxLength": 2000, "description": "Handed back to the task."}}}
+APPROVE_BODY = {"type": "object", "additionalProperties": False,
+                "not": {"required": ["args", "budgetCents"]}, "properties": {
+    **REASON_BODY["properties"],
+    "args": {"type": "object", "description": "Run the call with these arguments instead "
+                                              "(a tool call only; checked like the task's)"},
+    "budgetCents": {"type": "number", "description": "Raise the task's budget to this (a "
+                                                     "budget approval only; not with args)"}}}
+APPROVAL_DECISIONS = {      # the Approval's fields of decisions: what a person changed
+    "approvedArgs": {"description": "Approved with these arguments instead of args"},
+    "budgetCents": {"type": ["number", "null"],
+                    "description": "Approved by raising the task's budget to this"},
+    "policy": {"type": ["string", "null"],
+               "description": "The policy that approved it, or that always-approve made"},
+    "canAlwaysApprove": {"type": "boolean", "description": "Whether POST .../always is offered"},
+    "alwaysBlockedReason": {"type": ["string", "null"], "description": "Why not, when not"}}
+PATH_SCHEMA = {"type": "string", "pattern": "^(?!([^/]*/)*\\.\\.(/|$))[^\\\\\\u0000]*$",
+               "description": "A path inside the workspace; / as %2F (no .. part, no "
+                              "backslash, no NUL: clean_relpath)"}
+CENTS_OR_NULL = {"type": ["number", "null"], "minimum": 0}
+POLICY_LIMITS = {
+    "maxCents": {**CENTS_OR_NULL, "description": "At most this per call"},
+    "totalCents": {**CENTS_OR_NULL, "description": "At most this over the policy's life"},
+    "expiresAt": {"type": ["string", "null"], "format": "date-time",
+                  "description": "Not after this time (with its zone), e.g. "
+                                 "2026-12-01T00:00:00Z"},
+    "reason": {"type": ["string", "null"], "maxLength": 2000}}
+SCHEDULE_ID = {"type": "string", "description": "A schedule id.", "examples": ["s3k9x2a1b2"]}
+HOOK_NAME = {"type": "string", "pattern": HOOK_NAME_RE.pattern, "description": "A hook's name"}
+PORTAL_ONLY = ({"type": "string", "enum": ["1"]},
+               "Sent by the portal's own page; no cross-site form can send it", True)
 
-# (method, pattern) -> operationId, tag, query and headers (name -> schema, description),
-# body (schema, required, content types; JSON unless said), responses (status -> description
-# and content: a schema is JSON, a dict of content types is each; a bare description is an
-# Error).
+# (method, pattern) -> operationId, tag, path (name -> schema, where the default id/name/path
+# schema does not fit), query and headers (name -> schema, description, optional True:
+# required), body (schema, required, content types; JSON unless said), responses (status ->
+# description and content, and optional headers (name -> schema, description, required): a
+# schema is JSON, a dict of content types is each; a bare description is an Error).
 API_DOCS: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/api/health"): {
         "operationId": "getHealth", "tag": "service",
@@ -10268,15 +10299,24 @@ API_DOCS: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/api/tasks"): {
         "operationId": "createTask", "tag": "tasks", "body": (_ref("TaskCreate"), True),
         "responses": {201: ("The task, queued", _ref("Task")),
-                      400: "A field is wrong, the workspace does not exist, or the droid "
-                           "worker has no Droid CLI",
+                      400: "A field is wrong, the workspace does not exist, the droid "
+                           "worker has no Droid CLI, or a folder is refused (personal: not "
+                           "a folder under folderRoots, or inside another)",
                       507: "The disk is full: nothing was created"}},
     ("GET", "/api/tasks/{id}"): {
         "operationId": "getTask", "tag": "tasks",
         "responses": {200: ("The task", _ref("Task")), 400: "No task with this id"}},
     ("POST", "/api/tasks/{id}/undo"): {
         "operationId": "undoTask", "tag": "tasks",
-        "responses": {200: ("The task, now undone", _ref("Task")), 400: "No task with this id"}},
+        "body": ({"type": "object", "additionalProperties": False, "properties": {
+            "force": {"type": "boolean", "default": False,
+                      "description": "Personal: put the versions from before the keep back "
+                                     "even over the owner's later edits"}}}, False),
+        "responses": {200: ("The task, now undone", _ref("Task")),
+                      400: "No task with this id, or the body is wrong",
+                      409: ("Personal: kept paths the owner changed since the keep (each "
+                            "named in conflicts): nothing was undone", _ref("Conflict")),
+                      507: "The disk is full: the undo goes on with the next undo"}},
     ("POST", "/api/tasks/{id}/stop"): {
         "operationId": "stopTask", "tag": "tasks",
         "responses": {200: ("The task, failed with error stopped", _ref("Task")),
@@ -10357,10 +10397,13 @@ API_DOCS: dict[tuple[str, str], dict[str, Any]] = {
         "operationId": "getApproval", "tag": "approvals",
         "responses": {200: ("The approval", _ref("Approval")), 404: "No approval with this id"}},
     ("POST", "/api/approvals/{id}/approve"): {
-        "operationId": "approveApproval", "tag": "approvals", "body": (REASON_BODY, False),
+        "operationId": "approveApproval", "tag": "approvals", "body": (APPROVE_BODY, False),
         "responses": {200: ("The approval, approved", _ref("Approval")),
-                      400: "The body is wrong", 404: "No approval with this id",
-                      409: "Answered already, or an ask (answer it)",
+                      400: "The body is wrong: both args and budgetCents, args the tool "
+                           "refuses, or a budgetCents not above the task's cost with this "
+                           "call", 404: "No approval with this id",
+                      409: "Answered already, an ask (answer it), args for what is not a "
+                           "tool call, or budgetCents for what is not a budget approval",
                       507: "The disk is full: nothing was answered"}},
     ("POST", "/api/approvals/{id}/deny"): {
         "operationId": "denyApproval", "tag": "approvals", "body": (REASON_BODY, False),
@@ -10379,9 +10422,11 @@ API_DOCS: dict[tuple[str, str], dict[str, Any]] = {
         "operationId": "approveAllApprovals", "tag": "approvals",
         "body": ({"type": "object", "additionalProperties": False,
                   "properties": {"task": {"type": "string"}}}, False),
-        "responses": {200: ("How many were approved", {
-            "type": "object", "required": ["approved"],
-            "properties": {"approved": {"type": "integer", "minimum": 0}}}),
+        "responses": {200: ("How many were approved, and how many need a person's own look "
+                            "(asks, disk approvals, calls above neverAutoApproveCents)", {
+            "type": "object", "required": ["approved", "skipped"],
+            "properties": {"approved": {"type": "integer", "minimum": 0},
+                           "skipped": {"type": "integer", "minimum": 0}}}),
             400: "The body is wrong", 507: "The disk is full"}},
     ("GET", "/api/wallet"): {
         "operationId": "getWallet", "tag": "wallet",
@@ -10413,6 +10458,202 @@ API_DOCS: dict[tuple[str, str], dict[str, Any]] = {
         "responses": {200: ("Every setting, after the change", _ref("Settings")),
                       400: "A setting is wrong (named); nothing changed",
                       507: "The disk is full: nothing changed"}},
+    # personal mode: review
+    ("POST", "/api/tasks/{id}/keep"): {
+        "operationId": "keepTask", "tag": "tasks",
+        "body": ({"type": "object", "additionalProperties": False, "properties": {
+            "force": {"type": "boolean", "default": False,
+                      "description": "Keep over paths the owner changed after the start (never "
+                                     "over other conflicts)"},
+            "paths": {"type": "array", "minItems": 1,
+                      "items": {"type": "string", "minLength": 1},
+                      "description": "Keep only these (absolute, or relative to a folder) and "
+                                     "what is under them; the rest stays pending"}}}, False),
+        "responses": {200: ("The task, its changes now in its real folders", _ref("Task")),
+                      400: "No task with this id, not a personal task, or the body is wrong "
+                           "(a path that is no pending change is named)",
+                      409: ("Nothing was kept: conflicts (each named in conflicts); or the "
+                            "review is not pending or conflict; or the keep stopped (it goes "
+                            "on with the next keep or at the next start)", _ref("Conflict")),
+                      507: "The disk is full: the keep goes on with the next keep"}},
+    ("GET", "/api/tasks/{id}/diff"): {
+        "operationId": "getTaskDiff", "tag": "tasks",
+        "query": {"path": ({"type": "string"}, "Only this file or folder (absolute in a "
+                           "folder, or relative)")},
+        "responses": {200: ("A unified diff of its folders' pending changes (personal), or of "
+                            "its layer; empty when there is none",
+                            {"text/x-diff": {"type": "string"}}),
+                      400: "No task with this id"}},
+    # decisions
+    ("POST", "/api/approvals/{id}/always"): {
+        "operationId": "alwaysApproveApproval", "tag": "approvals",
+        "path": {"id": {"type": "string", "description": "An approval id."}},
+        "body": ({"type": "object", "additionalProperties": False, "required": ["scope"],
+                  "properties": {"scope": {"type": "string", "enum": list(POLICY_SCOPES)},
+                                 **POLICY_LIMITS}}, True),
+        "responses": {200: ("The approval, approved; policy names the policy made",
+                            _ref("Approval")),
+                      400: "The body is wrong, or its limits would not allow this very call",
+                      404: "No approval with this id",
+                      409: "Not offered (alwaysBlockedReason says why: answered, an ask, a "
+                           "disk approval, model spending, above neverAutoApproveCents), the "
+                           "task is gone, or the box has too many policies",
+                      507: "The disk is full: nothing was answered"}},
+    ("GET", "/api/policies"): {
+        "operationId": "listPolicies", "tag": "policies",
+        "responses": {200: ("Policies, newest first", _array(_ref("Policy")))}},
+    ("POST", "/api/policies"): {
+        "operationId": "createPolicy", "tag": "policies", "body": (_ref("PolicyCreate"), True),
+        "responses": {201: ("The policy", _ref("Policy")),
+                      400: "A field is wrong (named), task or workspace missing or not "
+                           "matching scope, host missing or not matching tool host, an ask, "
+                           "or no such task or workspace",
+                      409: f"The box has {MAX_POLICIES} policies: delete some first",
+                      507: "The disk is full: nothing was created"}},
+    ("DELETE", "/api/policies/{id}"): {
+        "operationId": "deletePolicy", "tag": "policies",
+        "path": {"id": {"type": "string", "description": "A policy id."}},
+        "responses": {200: ("The policy deleted: matching calls ask again", _ref("Policy")),
+                      404: "No policy with this id", 507: "The disk is full: it stays"}},
+    # portal
+    ("GET", "/"): {
+        "operationId": "getPortal", "tag": "portal",
+        "query": {"code": ({"type": "string"}, "A one-time sign-in code (gurtd portal): the "
+                           "page signs in with it")},
+        "responses": {200: ("The portal's page (the same static page for everyone)",
+                            {"text/html": {"type": "string"}}),
+                      403: "A Host header or an Origin gurtd does not answer",
+                      500: "The page is missing (portal.html beside gurtd.py)"}},
+    ("POST", "/api/sessions"): {
+        "operationId": "signIn", "tag": "portal", "headers": {PORTAL_HEADER: PORTAL_ONLY},
+        "body": ({"type": "object", "additionalProperties": False, "minProperties": 1,
+                  "maxProperties": 1, "properties": {
+                      "code": {"type": "string", "maxLength": 1000,
+                               "description": "A one-time code (gurtd portal)"},
+                      "token": {"type": "string", "maxLength": 1000,
+                                "description": "The bearer token, pasted in the form"}}}, True),
+        "responses": {201: ("Signed in", {
+                          "type": "object", "required": ["signedIn"],
+                          "properties": {"signedIn": {"type": "boolean", "const": True}}},
+                          {"Set-Cookie": ({"type": "string"}, f"{SESSION_COOKIE}=...; "
+                                          "HttpOnly; SameSite=Strict", True)}),
+                      400: "The body is not {code} or {token}",
+                      401: "The code is wrong, used or expired; or the token is wrong",
+                      403: f"Without {PORTAL_HEADER}: 1, or from another site",
+                      507: "The disk is full: nobody was signed in"}},
+    ("GET", "/api/sessions/current"): {
+        "operationId": "getCurrentSession", "tag": "portal",
+        "responses": {200: ("Whether the session cookie sent is live, and its session", {
+                          "type": "object", "required": ["signedIn"], "properties": {
+                              "signedIn": {"type": "boolean"}, "session": _ref("Session")}}),
+                      403: "A Host header or an Origin gurtd does not answer"}},
+    ("GET", "/api/sessions"): {
+        "operationId": "listSessions", "tag": "portal",
+        "responses": {200: ("The live sessions, newest first", _array(_ref("Session")))}},
+    ("DELETE", "/api/sessions/{id}"): {
+        "operationId": "revokeSession", "tag": "portal",
+        "path": {"id": {"type": "string", "description": "A session id."}},
+        "responses": {200: ("Revoked; one's own session also clears the cookie", {
+                          "type": "object", "required": ["revoked"],
+                          "properties": {"revoked": {"type": "string"}}},
+                          {"Set-Cookie": ({"type": "string"}, "Clears the cookie (signing "
+                                          "out) when the session was this browser's", False)}),
+                      404: "No session with this id",
+                      507: "The disk is full: the session stays"}},
+    ("POST", "/api/sessions/codes"): {
+        "operationId": "createSignInCode", "tag": "portal",
+        "body": ({"type": "object", "maxProperties": 0}, False),
+        "responses": {201: ("A one-time code, for this long", {
+                          "type": "object", "required": ["code", "path", "expiresInSeconds"],
+                          "properties": {"code": {"type": "string"},
+                                         "path": {"type": "string", "description": "/?code="},
+                                         "expiresInSeconds": {"type": "number"}}}),
+                      400: "The body is not {} or empty",
+                      403: "Asked with the portal's cookie: codes are made with the bearer "
+                           "token only (or a Host or Origin gurtd does not answer)"}},
+    # sources: schedules and hooks
+    ("GET", "/api/schedules"): {
+        "operationId": "listSchedules", "tag": "schedules",
+        "responses": {200: ("Schedules, oldest first, with their next runs",
+                            _array(_ref("Schedule")))}},
+    ("POST", "/api/schedules"): {
+        "operationId": "createSchedule", "tag": "schedules",
+        "body": (_ref("ScheduleCreate"), True),
+        "responses": {201: ("The schedule", _ref("Schedule")),
+                      400: "A field is wrong (named): a cron line that is not five fields or "
+                           "never matches, an unknown time zone, a task field, a workspace "
+                           "that does not exist",
+                      409: f"The box has {MAX_SCHEDULES} schedules",
+                      507: "The disk is full: nothing was created"}},
+    ("GET", "/api/schedules/{id}"): {
+        "operationId": "getSchedule", "tag": "schedules", "path": {"id": SCHEDULE_ID},
+        "responses": {200: ("The schedule", _ref("Schedule")),
+                      404: "No schedule with this id"}},
+    ("PUT", "/api/schedules/{id}"): {
+        "operationId": "updateSchedule", "tag": "schedules", "path": {"id": SCHEDULE_ID},
+        "body": (_ref("ScheduleUpdate"), True),
+        "responses": {200: ("The schedule; a new cron line or time zone, or switching it on, "
+                            "starts from now", _ref("Schedule")),
+                      400: "A field is wrong (named)", 404: "No schedule with this id",
+                      507: "The disk is full: nothing changed"}},
+    ("DELETE", "/api/schedules/{id}"): {
+        "operationId": "deleteSchedule", "tag": "schedules", "path": {"id": SCHEDULE_ID},
+        "responses": {200: ("Deleted", {"type": "object", "required": ["deleted"],
+                                        "properties": {"deleted": {"type": "string"}}}),
+                      404: "No schedule with this id", 507: "The disk is full: it stays"}},
+    ("POST", "/api/schedules/{id}/run"): {
+        "operationId": "runSchedule", "tag": "schedules", "path": {"id": SCHEDULE_ID},
+        "responses": {201: ("Started: the run's task", {
+                          "type": "object", "required": ["schedule", "task"], "properties": {
+                              "schedule": _ref("Schedule"), "task": _ref("Task")}}),
+                      202: ("Queued behind the active run (overlap queue)", {
+                          "type": "object", "required": ["schedule", "queued"], "properties": {
+                              "schedule": _ref("Schedule"),
+                              "queued": {"type": "boolean", "const": True}}}),
+                      400: "The task could not be made (named: e.g. its workspace is gone)",
+                      404: "No schedule with this id",
+                      409: "The previous run is still active (overlap skip): nothing started",
+                      507: "The disk is full: nothing was started"}},
+    ("GET", "/api/hooks"): {
+        "operationId": "listHooks", "tag": "hooks",
+        "responses": {200: ("Hooks by name, never their secrets", _array(_ref("Hook")))}},
+    ("POST", "/api/hooks"): {
+        "operationId": "createHook", "tag": "hooks", "body": (_ref("HookCreate"), True),
+        "responses": {201: ("The hook, with its secret: answered this once", {
+                          "allOf": [_ref("Hook"), {"type": "object", "required": ["secret"],
+                                                   "properties": {"secret": {
+                                                       "type": "string",
+                                                       "pattern": "^[0-9a-f]{64}$"}}}]}),
+                      400: "A field is wrong (named)",
+                      409: f"A hook of this name exists, or the box has {MAX_HOOKS} hooks",
+                      507: "The disk is full: nothing was created"}},
+    ("DELETE", "/api/hooks/{name}"): {
+        "operationId": "deleteHook", "tag": "hooks", "path": {"name": HOOK_NAME},
+        "responses": {200: ("Deleted", {"type": "object", "required": ["deleted"],
+                                        "properties": {"deleted": {"type": "string"}}}),
+                      404: "No hook of this name", 507: "The disk is full: it stays"}},
+    ("POST", "/api/hooks/{name}"): {
+        "operationId": "deliverToHook", "tag": "hooks", "path": {"name": HOOK_NAME},
+        "headers": {
+            "X-Gurt-Signature": ({"type": "string", "pattern": "^sha256=[0-9a-fA-F]{64}$"},
+                                 "sha256=<hex HMAC-SHA256 of the raw body, keyed with the "
+                                 "hook's secret>: the credential (no bearer token)", True),
+            "X-Gurt-Delivery": ({"type": "string", "pattern": DELIVERY_RE.pattern},
+                                "A unique id of this delivery: the same id again within a day "
+                                "is refused", True)},
+        "body": (_ref("HookDelivery"), True),
+        "responses": {201: ("The task it started", _ref("Task")),
+                      400: "A bad delivery id, not a JSON object, a field the hook does not "
+                           "let a delivery set, or a task field that is wrong",
+                      401: "A missing or wrong signature, or no hook of this name (the same "
+                           "answer)",
+                      403: "A Host header (not in hookHosts) or an Origin gurtd does not "
+                           "answer",
+                      409: "This delivery id was taken already (a replay)",
+                      503: "gurtd is busy; try again (Retry-After)",
+                      429: ("Too many deliveries within a day (Retry-After)", _ref("Error"),
+                            {"Retry-After": ({"type": "string"}, "Seconds", True)}),
+                      507: "The disk is full: nothing was started"}},
     ("GET", "/api/openapi.json"): {
         "operationId": "getOpenapi", "tag": "service",
         "responses": {200: ("This description", {"type": "object"})}},
@@ -10435,6 +10676,17 @@ SETTING_SCHEMAS: dict[str, dict[str, Any]] = {
     "dnsAllowedNets": {"type": "array", "maxItems": 100, "items": NET_SCHEMA},
     "upstreamDns": {"type": "string", "description": "HOST[:PORT], or empty."},
     "uploadMaxBytes": {"type": "integer", "minimum": 1 << 10, "maximum": LIMIT_MAX},
+    "folderRoots": {"type": "array", "maxItems": 64, "items": {"type": "string", "minLength": 1},
+                    "description": "Absolute, normal paths where a personal task's folders "
+                                   "may be; none of the box's own places (/, /usr, /etc...)"},
+    "neverAutoApproveCents": {**CENTS_OR_NULL, "description": "No policy approves a call "
+                              "above this; null: no call is too large for a policy"},
+    "jira": {"type": "object", "description": "{} (no Jira connection) or {baseUrl, email, "
+             "token?, jql, workspace?, worker?, hosts?, tools?, budgetCents?, pollSeconds?, "
+             "transitions?, enabled?}; the token is kept apart and never shown"},
+    "hookHosts": {"type": "array", "maxItems": 20, "items": {
+        "type": "string", "pattern": "^(?=.*\\.)[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$"},
+        "description": "Host names (no port) hook deliveries may arrive under (a tunnel's)"},
 }
 
 
@@ -10470,6 +10722,7 @@ def api_schemas() -> dict[str, Any]:
     """The component schemas, from the records and tables that validate requests."""
     task = json.loads(json.dumps(TASK_SCHEMA))
     task["properties"]["worker"]["enum"] = list(WORKERS) + [UPLOAD_WORKER]
+    task["required"] = [k for k in PUBLIC_FIELDS if k not in OPTIONAL_FIELDS]   # to_api's
     for key in PUBLIC_FIELDS:                 # a field added later is described, if loosely
         task["properties"].setdefault(key, {})
     create_rules: dict[str, dict[str, Any]] = {
@@ -10486,21 +10739,23 @@ def api_schemas() -> dict[str, Any]:
                                  **create_rules.get(k, {})}
                              for k, kind in TASK_FIELDS.items()}}
     settings = {k: setting_schema(k) for k in DEFAULT_SETTINGS}
-    approval_required = [f.name for f in dataclasses.fields(Approval)
-                         if f.default is dataclasses.MISSING]
+    approval_required = [f.name for f in dataclasses.fields(Approval)]   # to_api: asdict
     string, number = {"type": "string"}, {"type": "number"}
     return {
         "Task": task, "TaskCreate": create,
         "Approval": {"type": "object", "required": approval_required, "properties": {
             "id": {"type": "string"}, "task": {"type": "string"},
-            "kind": {"type": "string", "description": "budget (a spending above the task's "
-                     "budget), ask (a question), disk (BOX_HOME is below its reserve)"},
+            "kind": {"type": "string", "enum": ["budget", "ask", "disk", "host"],
+                     "description": "budget (a spending above the task's budget), ask (a "
+                     "question), disk (BOX_HOME is below its reserve), host (a name outside "
+                     "the task's hosts, with askHosts)"},
             "tool": string, "args": {}, "cents": number, "question": _nullable(string),
             "state": {"type": "string", "enum": list(APPROVAL_STATES)},
             "createdAt": {"type": "string", "format": "date-time"},
             "reason": _nullable(string), "answer": _nullable(string),
             "answeredBy": _nullable(string),
-            "answeredAt": _nullable({"type": "string", "format": "date-time"})}},
+            "answeredAt": _nullable({"type": "string", "format": "date-time"}),
+            **APPROVAL_DECISIONS}},
         "Workspace": {"type": "object", "required": ["name", "layers"], "properties": {
             "name": {"type": "string"},
             "layers": {"type": "integer", "minimum": 0,
@@ -10535,12 +10790,142 @@ def api_schemas() -> dict[str, Any]:
         "Error": {"type": "object", "required": ["error"], "properties": {
             "error": {"type": "string", "description": "What went wrong"},
             "code": {"type": "string", "description": "A stable name for it, e.g. not_found"}}},
+        **decision_schemas(), **source_schemas(create["properties"]),
     }
+
+
+def decision_schemas() -> dict[str, Any]:
+    """Policy (and the body that makes one), the portal's Session, and the Conflict a keep
+    answers."""
+    string, number = {"type": "string"}, {"type": "number"}
+    return {
+        "Policy": {"type": "object", "required": [f.name for f in dataclasses.fields(Policy)]
+                   + ["active"], "properties": {
+            "id": string, "tool": {"type": "string", "description": "A tool name, or host"},
+            "scope": {"type": "string", "enum": list(POLICY_SCOPES)},
+            "createdAt": {"type": "string", "format": "date-time"},
+            "createdBy": {"type": "string", "description": "api, or approval <id>"},
+            "task": _nullable(string), "workspace": _nullable(string),
+            "host": _nullable(string), **POLICY_LIMITS,
+            "spentCents": number, "uses": {"type": "integer", "minimum": 0},
+            "active": {"type": "boolean"},
+            "endedBecause": {"type": "string", "description": "Expired, or spent"}}},
+        "PolicyCreate": {
+            "type": "object", "additionalProperties": False, "required": ["tool", "scope"],
+            "description": "task with scope task only, workspace with scope workspace only, "
+                           "host with tool host only; never tool ask",
+            "properties": {
+                "tool": {"type": "string", "maxLength": 64, "pattern": TOOL_RE.pattern,
+                         "description": "A tool name, or host (names a task may look up)"},
+                "scope": {"type": "string", "enum": list(POLICY_SCOPES)},
+                "task": {"type": ["string", "null"], "pattern": ID_RE.pattern},
+                "workspace": {"type": ["string", "null"], "pattern": NAME_SCHEMA["pattern"]},
+                "host": {"type": ["string", "null"], "examples": ["*.example.com"],
+                         "description": "A name or *.domain, no port, no address"},
+                **POLICY_LIMITS}},
+        "Session": {"type": "object", "required": ["id", "createdAt", "expiresAt", "userAgent",
+                                                   "via", "current"], "properties": {
+            "id": string, "createdAt": {"type": "string", "format": "date-time"},
+            "expiresAt": {"type": "string", "format": "date-time"}, "userAgent": string,
+            "via": {"type": "string", "enum": ["code", "token"]},
+            "current": {"type": "boolean", "description": "This browser's"}}},
+        "Conflict": {"type": "object", "required": ["error"], "properties": {
+            "error": string, "code": string,
+            "conflicts": _array({"type": "object", "required": ["folder", "path", "why"],
+                                 "properties": {"folder": string, "path": string,
+                                                "why": string}})}},
+    }
+
+
+def source_schemas(create: dict[str, Any]) -> dict[str, Any]:
+    """Schedules and hooks; create: TaskCreate's properties (a schedule's or a hook's task
+    takes them, but source)."""
+    string = {"type": "string"}
+    task_defaults = {k: v for k, v in create.items() if k != "source"}
+    return {
+        "Schedule": {"type": "object", "required": [
+            f.name for f in dataclasses.fields(Schedule) if f.name != "after"] + ["nextRuns"],
+            "properties": {
+                "id": string, "name": string, "cron": string, "timezone": string,
+                "task": {"type": "object", "description": "What each run creates"},
+                "enabled": {"type": "boolean"}, "overlap": {"type": "string",
+                                                            "enum": list(OVERLAPS)},
+                "createdAt": {"type": "string", "format": "date-time"},
+                "updatedAt": {"type": "string", "format": "date-time"},
+                "lastRun": _nullable({"type": "string", "format": "date-time"}),
+                "lastTask": _nullable(string), "lastState": _nullable(string),
+                "lastNote": {**_nullable(string), "description": "What happened at the latest "
+                                                                "slot (missed, skipped...)"},
+                "queued": {"type": "boolean"},
+                "nextRuns": {**_array({"type": "string", "format": "date-time"}),
+                             "description": "The next five, in its own zone; none when off"}}},
+        "ScheduleCreate": schedule_body(task_defaults, ["name", "cron", "task"]),
+        "ScheduleUpdate": schedule_body(task_defaults, []),
+        "Hook": {"type": "object", "required": ["name", "source", "task", "allow", "createdAt",
+                                                "url"], "properties": {
+            "name": HOOK_NAME, "source": string, "task": {"type": "object"},
+            "allow": _array({"type": "string", "enum": list(HOOK_BODY_FIELDS)}),
+            "createdAt": {"type": "string", "format": "date-time"},
+            "url": {"type": "string", "description": "Where to deliver: /api/hooks/<name>"}}},
+        "HookCreate": {
+            "type": "object", "additionalProperties": False, "required": ["name", "source"],
+            "properties": {
+                "name": HOOK_NAME,
+                "source": {"type": "string", "pattern":
+                           "^(?!(api|schedule)$)(?!jira)[a-z0-9][a-z0-9_.-]{0,49}$",
+                           "description": "The tasks' source (not api, schedule, jira...)"},
+                "task": {"type": "object", "additionalProperties": False,
+                         "properties": task_defaults,
+                         "description": "Task defaults of every delivery"},
+                "allow": {**_array({"type": "string", "enum": list(HOOK_BODY_FIELDS)}),
+                          "description": "Fields a delivery may set besides title and prompt"}}},
+        "HookDelivery": {
+            "type": "object", "additionalProperties": False,
+            "description": "title and prompt (unless the hook's task gives them), and the "
+                           "fields its allow lists",
+            "properties": {k: create[k] for k in ("title", "prompt", *HOOK_BODY_FIELDS)}},
+    }
+
+
+def schedule_body(task_defaults: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    """A POST (name, cron, task required) or PUT (any of them) body of a schedule."""
+    return {"type": "object", "additionalProperties": False, "required": required,
+            "properties": {
+                "name": {"type": "string", "minLength": 1, "maxLength": 100, "pattern": r"\S",
+                         "description": "Also the title of its tasks (unless task has one)"},
+                "cron": {"type": "string", "examples": ["0 3 * * MON-FRI"],
+                         "description": "Five fields: minute hour day-of-month month "
+                                        "day-of-week (ranges, steps, lists, names)"},
+                "timezone": {"type": "string", "maxLength": 64, "default": "UTC",
+                             "examples": ["Europe/Berlin"]},
+                "task": {"type": "object", "additionalProperties": False,
+                         "required": ["prompt"], "properties": task_defaults,
+                         "description": "What each run creates (source is schedule)"},
+                "enabled": {"type": "boolean", "default": True},
+                "overlap": {"type": "string", "enum": list(OVERLAPS), "default": "skip",
+                            "description": "A slot while a run is active: skip it, or "
+                                           "queue one run behind it"}}}
 
 
 def _error(description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema":
                                                                          _ref("Error")}}}
+
+
+def api_response(answer: Any) -> dict[str, Any]:
+    """One response of API_DOCS: a bare description is an Error; (description, content) or
+    (description, content, headers): a schema is JSON, a dict of content types is each;
+    headers: name -> (schema, description, required)."""
+    if isinstance(answer, str):
+        return _error(answer)
+    text, content, *headers = answer
+    if not any("/" in key for key in content):
+        content = {"application/json": content}
+    out = {"description": text, "content": {t: {"schema": s} for t, s in content.items()}}
+    if headers:
+        out["headers"] = {name: {"schema": schema, "description": about, "required": required}
+                          for name, (schema, about, required) in headers[0].items()}
+    return out
 
 
 def auto_operation_id(method: str, pattern: str) -> str:
@@ -10553,9 +10938,10 @@ def api_operation(method: str, pattern: str, summary: str) -> dict[str, Any]:
     docs = API_DOCS.get((method, pattern))
     op: dict[str, Any] = {"summary": summary, "operationId": auto_operation_id(method, pattern),
                           "tags": [pattern.split("/")[2] if pattern.count("/") > 1 else "api"]}
+    given = (docs or {}).get("path", {})
     params = [{"name": p, "in": "path", "required": True,
-               "schema": ID_SCHEMA if p == "id" else NAME_SCHEMA if p == "name" else
-               {"type": "string", "description": "A path inside the workspace; / as %2F"}}
+               "schema": given.get(p) or (ID_SCHEMA if p == "id" else NAME_SCHEMA if p == "name"
+                                          else PATH_SCHEMA)}
               for p in re.findall(r"\{(\w+)\}", pattern)]
     responses: dict[str, Any] = {}
     if docs is None:
@@ -10564,23 +10950,18 @@ def api_operation(method: str, pattern: str, summary: str) -> dict[str, Any]:
     else:
         op["operationId"], op["tags"] = docs["operationId"], [docs["tag"]]
         for where in ("query", "header"):
-            for qname, (schema, text) in docs.get(where if where == "query" else "headers",
-                                                  {}).items():
-                params.append({"name": qname, "in": where, "required": False,
+            for qname, (schema, text, *required) in docs.get(
+                    where if where == "query" else "headers", {}).items():
+                params.append({"name": qname, "in": where, "required": bool(required),
                                "description": text, "schema": schema})
+                if where == "query":     # parse_qs drops name= : an empty value is no value
+                    params[-1]["allowEmptyValue"] = True
         if "body" in docs:
             schema, required, *types = docs["body"]
             op["requestBody"] = {"required": required, "content": {
                 t: {"schema": schema} for t in (types[0] if types else ("application/json",))}}
         for status, answer in docs["responses"].items():
-            if isinstance(answer, str):
-                responses[str(status)] = _error(answer)
-                continue
-            text, content = answer
-            if not any("/" in key for key in content):
-                content = {"application/json": content}
-            responses[str(status)] = {"description": text, "content": {
-                t: {"schema": s} for t, s in content.items()}}
+            responses[str(status)] = api_response(answer)
     if pattern != "/api/health" and not any(fn in OPEN_HANDLERS or fn is h_hook_deliver
                                             for m, p, fn, _ in ROUTES
                                             if (m, p) == (method, pattern)):

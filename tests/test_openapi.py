@@ -96,14 +96,17 @@ def test_the_schemas_come_from_the_tables_that_validate() -> None:
 
 # Task ids that do not exist are a 400 ("No task with this id", the GurtOS contract), not a
 # 404; whether a workspace exists, the droid CLI is installed, a wildcard is under a public
-# suffix, a model is priced, or a body is a tar archive are not things a schema can say.
+# suffix, a model is priced, or a body is a tar archive are not things a schema can say; nor
+# are a policy's fields that go with its scope and tool, whether a cron line ever matches or a
+# time zone exists, or whether a schedule's run can still make its task (its workspace).
 SCHEMATHESIS_CONFIG = """
 [[operations]]
 include-path-regex = "^/api/tasks/\\\\{id\\\\}"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403", "404", "409"]
 
 [[operations]]
-include-operation-id = ["createTask", "putSettings", "uploadWorkspaceArchive"]
+include-operation-id = ["createTask", "putSettings", "uploadWorkspaceArchive", "createPolicy",
+                        "createSchedule", "updateSchedule", "runSchedule", "createHook"]
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403", "404", "409"]
 
 """
@@ -115,13 +118,33 @@ CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,"
           "positive_data_acceptance,unsupported_method,missing_required_header")
 
 
+# A schedule of its own for the routes of one schedule (a drawn id is only ever a 404), and
+# another for the delete.  POST /api/hooks/{name} is exercised too, but schemathesis cannot
+# sign a body with a hook's secret: every case is the 401 of a wrong signature, and signed
+# deliveries are test_the_new_routes_answer_what_their_description_says's and test_sources'.
+PINNED_SCHEDULES = """
+[[operations]]
+include-operation-id = ["getSchedule", "updateSchedule", "runSchedule"]
+parameters = {{ "path.id" = "{kept}" }}
+
+[[operations]]
+include-operation-id = ["deleteSchedule"]
+parameters = {{ "path.id" = "{deleted}" }}
+"""
+
+
 def test_schemathesis_finds_no_fault_in_a_live_gurtd(tmp_path: Any) -> None:
     config = tmp_path / "schemathesis.toml"
-    config.write_text(SCHEMATHESIS_CONFIG)
     with running_gurtd() as box:
         # a droid task would start the real Droid CLI: schemathesis gets fake ones only
         box.api("PUT", "/api/settings", {"droidPath": "/nonexistent/droid"})
         box.run("echo a task to read", workspace="home")
+        kept, deleted = (box.api("POST", "/api/schedules", {
+            "name": name, "cron": "0 3 * * *", "overlap": overlap,
+            "task": {"prompt": "echo scheduled", "worker": "fake"}})["id"]
+            for name, overlap in (("kept", "skip"), ("deleted", "queue")))
+        config.write_text(SCHEMATHESIS_CONFIG + PINNED_SCHEDULES.format(kept=kept,
+                                                                         deleted=deleted))
         undocumented = [arg for m, p in G.undocumented_routes()   # test_every_route_is_...
                         for arg in ("--exclude-operation-id", G.auto_operation_id(m, p))]
         result = subprocess.run(
@@ -135,6 +158,200 @@ def test_schemathesis_finds_no_fault_in_a_live_gurtd(tmp_path: Any) -> None:
             capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
         assert box.proc is not None and box.proc.poll() is None, box.log_text()
     assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-3000:]
+
+
+def inline_refs(node: Any, schemas: dict[str, Any]) -> Any:
+    """A schema with every #/components/schemas/X replaced by X (they do not nest in a loop)."""
+    if isinstance(node, dict):
+        if "$ref" in node:
+            return inline_refs(schemas[node["$ref"].rsplit("/", 1)[1]], schemas)
+        return {k: inline_refs(v, schemas) for k, v in node.items()}
+    if isinstance(node, list):
+        return [inline_refs(v, schemas) for v in node]
+    return node
+
+
+class Documented:
+    """Requests to a live gurtd, each answer checked against the description it serves: the
+    status is listed, the content type is listed, the body (JSON) fits its schema, and the
+    headers it says are required are there."""
+
+    def __init__(self, g: Gurtd) -> None:
+        self.g = g
+        self.doc = g.api("GET", "/api/openapi.json")
+
+    def __call__(self, method: str, pattern: str, path: str, status: int, body: Any = None,
+                 headers: dict[str, str] | None = None, token: bool = True,
+                 raw: bytes | None = None) -> tuple[Any, dict[str, str]]:
+        import jsonschema
+        code, data, got = self.g.request(method, path, body, headers, token, raw)
+        assert code == status, (method, path, code, data)
+        op = self.doc["paths"][pattern][method.lower()]
+        assert str(code) in op["responses"], (method, pattern, code, "not documented")
+        answer = op["responses"][str(code)]
+        ctype = {k.lower(): v for k, v in got.items()}["content-type"].split(";")[0].strip()
+        assert ctype in answer["content"], (method, pattern, code, ctype)
+        if ctype == "application/json":
+            schema = inline_refs(answer["content"][ctype]["schema"],
+                                 self.doc["components"]["schemas"])
+            jsonschema.Draft202012Validator(
+                schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
+            ).validate(data)
+        for name, header in answer.get("headers", {}).items():
+            if header["required"]:
+                assert name.lower() in {k.lower() for k in got}, (method, pattern, name)
+        return data, got
+
+
+def test_the_new_routes_answer_what_their_description_says(g: Gurtd) -> None:
+    """A client written from the description signs the portal in, makes a policy, a
+    schedule and a hook, delivers to the hook, and reads a diff: every answer is one the
+    description lists, in its content type and schema."""
+    import hashlib
+    import hmac
+    call = Documented(g)
+    portal = {"X-Gurt-Portal": "1"}
+    _, got = call("POST", "/api/sessions", "/api/sessions", 201, {"token": g.token}, portal,
+                  token=False)
+    cookie = {k.lower(): v for k, v in got.items()}["set-cookie"].split(";")[0]
+    call("POST", "/api/sessions", "/api/sessions", 401, {"token": "wrong"}, portal, token=False)
+    call("POST", "/api/sessions", "/api/sessions", 403, {"token": g.token}, token=False)
+    current, _ = call("GET", "/api/sessions/current", "/api/sessions/current", 200,
+                      headers={"Cookie": cookie}, token=False)
+    assert current["signedIn"] is True and current["session"]["current"] is True
+    assert call("GET", "/api/sessions/current", "/api/sessions/current", 200,
+                token=False)[0] == {"signedIn": False}
+    code, _ = call("POST", "/api/sessions/codes", "/api/sessions/codes", 201)
+    call("POST", "/api/sessions/codes", "/api/sessions/codes", 403,
+         headers={"Cookie": cookie, "X-Gurt-Portal": "1"}, token=False)
+    assert code["path"] == "/?code=" + code["code"]
+    sessions, _ = call("GET", "/api/sessions", "/api/sessions", 200)
+    call("DELETE", "/api/sessions/{id}", f"/api/sessions/{sessions[0]['id']}", 200)
+    call("DELETE", "/api/sessions/{id}", f"/api/sessions/{sessions[0]['id']}", 404)
+    page, _ = call("GET", "/", "/", 200, token=False)
+    assert b"<html" in page.lower()
+
+    policy, _ = call("POST", "/api/policies", "/api/policies", 201,
+                     {"tool": "host", "scope": "workspace", "workspace": "home",
+                      "host": "*.example.com", "maxCents": None, "totalCents": 50,
+                      "expiresAt": "2099-01-01T00:00:00+01:00"})
+    assert policy["active"] is True and policy["expiresAt"] == "2098-12-31T23:00:00Z"
+    call("POST", "/api/policies", "/api/policies", 400, {"tool": "ask", "scope": "box"})
+    call("GET", "/api/policies", "/api/policies", 200)
+    call("DELETE", "/api/policies/{id}", f"/api/policies/{policy['id']}", 200)
+    call("DELETE", "/api/policies/{id}", f"/api/policies/{policy['id']}", 404)
+
+    sched, _ = call("POST", "/api/schedules", "/api/schedules", 201,
+                    {"name": "nightly", "cron": "0 3 * * MON-FRI", "timezone": "Europe/Berlin",
+                     "task": {"prompt": "sleep 30", "worker": "fake"}})
+    assert len(sched["nextRuns"]) == 5
+    one = f"/api/schedules/{sched['id']}"
+    run, _ = call("POST", "/api/schedules/{id}/run", one + "/run", 201)
+    call("POST", "/api/schedules/{id}/run", one + "/run", 409)     # overlap: skip
+    call("PUT", "/api/schedules/{id}", one, 200, {"overlap": "queue", "enabled": False})
+    queued, _ = call("POST", "/api/schedules/{id}/run", one + "/run", 202)
+    assert queued["queued"] is True and queued["schedule"]["nextRuns"] == []
+    call("PUT", "/api/schedules/{id}", one, 400, {"cron": "0 3 30 2 *"})
+    call("GET", "/api/schedules", "/api/schedules", 200)
+    g.api("POST", f"/api/tasks/{run['task']['id']}/stop")
+    call("DELETE", "/api/schedules/{id}", one, 200)
+    call("GET", "/api/schedules/{id}", one, 404)
+
+    hook, _ = call("POST", "/api/hooks", "/api/hooks", 201,
+                   {"name": "gh", "source": "gh", "task": {"worker": "fake"}, "allow": ["hosts"]})
+    call("POST", "/api/hooks", "/api/hooks", 409, {"name": "gh", "source": "gh"})
+    raw = json.dumps({"title": "from a hook", "prompt": "echo hooked"}).encode()
+    signed = {"X-Gurt-Signature": "sha256=" + hmac.new(hook["secret"].encode(), raw,
+                                                       hashlib.sha256).hexdigest(),
+              "X-Gurt-Delivery": "delivery-1", "Content-Type": "application/json"}
+    task, _ = call("POST", "/api/hooks/{name}", "/api/hooks/gh", 201, headers=signed,
+                   token=False, raw=raw)
+    call("POST", "/api/hooks/{name}", "/api/hooks/gh", 409, headers=signed, token=False,
+         raw=raw)
+    call("POST", "/api/hooks/{name}", "/api/hooks/gh", 401, headers={**signed,
+         "X-Gurt-Signature": "sha256=" + "0" * 64}, token=False, raw=raw)
+    hooks, _ = call("GET", "/api/hooks", "/api/hooks", 200)
+    assert "secret" not in hooks[0]
+    call("DELETE", "/api/hooks/{name}", "/api/hooks/gh", 200)
+
+    done = g.wait(task["id"])
+    diff, _ = call("GET", "/api/tasks/{id}/diff", f"/api/tasks/{done['id']}/diff", 200)
+    assert diff == b""                          # echo changed nothing in its layer
+    call("POST", "/api/tasks/{id}/keep", f"/api/tasks/{done['id']}/keep", 400)  # not personal
+    call("GET", "/api/tasks/{id}/diff", "/api/tasks/t000000000/diff", 400)
+
+
+def test_an_approval_and_its_always_answer_fit_their_description(g: Gurtd) -> None:
+    """A task pays above its budget: the approval gurtd answers, and the always-approve that
+    answers it with a policy, are what the description says (decision fields included)."""
+    import time
+    call = Documented(g)
+    g.api("PUT", "/api/wallet", {"balanceCents": 100})
+    task = g.create("gurtd tool wallet.pay '{\"to\": \"shop\", \"cents\": 2}'",
+                    tools=["wallet.pay"], budgetCents=0)
+    deadline = time.monotonic() + 30
+    while not (pending := g.api("GET", f"/api/approvals?state=pending&task={task['id']}")):
+        assert time.monotonic() < deadline, g.task(task["id"])
+        time.sleep(0.1)
+    one = f"/api/approvals/{pending[0]['id']}"
+    approval, _ = call("GET", "/api/approvals/{id}", one, 200)
+    assert approval["kind"] == "budget" and approval["canAlwaysApprove"] is True
+    call("POST", "/api/approvals/{id}/always", one + "/always", 400,
+         {"scope": "task", "maxCents": 1})               # would not allow this very call
+    approved, _ = call("POST", "/api/approvals/{id}/always", one + "/always", 200,
+                       {"scope": "task", "totalCents": 10, "reason": "small payments"})
+    assert approved["state"] == "approved" and approved["policy"].startswith("p")
+    assert approved["canAlwaysApprove"] is False and approved["alwaysBlockedReason"]
+    call("POST", "/api/approvals/{id}/approve", one + "/approve", 409)
+    call("POST", "/api/approvals/{id}/always", one + "/always", 409, {"scope": "box"})
+    policies, _ = call("GET", "/api/policies", "/api/policies", 200)
+    assert [p["spentCents"] for p in policies if p["id"] == approved["policy"]] == [2]
+    assert g.wait(task["id"])["state"] == "done"
+
+
+def test_a_personal_tasks_diff_keep_and_undo_fit_their_description(g: Gurtd) -> None:
+    """My folder, a task's edit of it, and my own edit after the start: the diff, the 409
+    of a keep and of an undo (with conflicts), and the forced answers are as described."""
+    import pwd
+    import secrets
+    import shutil
+    import time
+    call = Documented(g)
+    name = "gurtoa" + secrets.token_hex(3)
+    subprocess.run(["useradd", "-m", "-d", f"/home/{name}", "-s", "/usr/sbin/nologin", name],
+                   check=True, capture_output=True)
+    try:
+        owner = pwd.getpwnam(name)
+        folder = os.path.join(owner.pw_dir, "proj")
+        os.mkdir(folder)
+        with open(os.path.join(folder, "a.txt"), "w") as f:
+            f.write("hello\n")
+        for path in (folder, os.path.join(folder, "a.txt")):
+            os.chown(path, owner.pw_uid, owner.pw_gid)
+        time.sleep(0.05)                   # its ctimes are before the task's start
+        task = g.run(f"cd '{folder}' && echo task > a.txt", folder=folder)
+        one = f"/api/tasks/{task['id']}"
+        diff, _ = call("GET", "/api/tasks/{id}/diff", one + "/diff", 200)
+        assert b"-hello" in diff and b"+task" in diff, diff
+        with open(os.path.join(folder, "a.txt"), "w") as f:       # mine, after the start
+            f.write("mine\n")
+        refused, _ = call("POST", "/api/tasks/{id}/keep", one + "/keep", 409, {})
+        assert [c["path"] for c in refused["conflicts"]] == ["a.txt"], refused
+        call("POST", "/api/tasks/{id}/keep", one + "/keep", 400, {"paths": []})
+        kept, _ = call("POST", "/api/tasks/{id}/keep", one + "/keep", 200, {"force": True})
+        assert kept["review"] == "kept"
+        with open(os.path.join(folder, "a.txt"), "a") as f:       # mine again, after it
+            f.write("more\n")
+        refused, _ = call("POST", "/api/tasks/{id}/undo", one + "/undo", 409, {})
+        assert [c["path"] for c in refused["conflicts"]] == ["a.txt"], refused
+        undone, _ = call("POST", "/api/tasks/{id}/undo", one + "/undo", 200, {"force": True})
+        assert undone["state"] == "undone"
+        assert open(os.path.join(folder, "a.txt")).read() == "mine\n"    # from before it
+        assert not os.path.exists(os.path.join(g.home, "review", task["id"]))
+    finally:
+        subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
+        shutil.rmtree(f"/home/{name}", ignore_errors=True)
+    assert not os.path.exists(f"/home/{name}")
 
 
 def test_a_generated_client_creates_a_workspace_and_puts_a_file(g: Gurtd, tmp_path: Any) -> None:
