@@ -198,8 +198,8 @@ def test_tables_say_when_cost_and_why_with_colours_only_on_a_terminal(gurtd: Gur
     piped = cli(g, "tasks")
     assert piped.returncode == 0, piped
     header, *rows = piped.stdout.splitlines()
-    assert header.split() == ["ID", "STATE", "WORKER", "WORKSPACE", "CREATED", "COST", "TITLE",
-                              "ERROR"]
+    assert header.split() == ["ID", "STATE", "WORKER", "WORKSPACE", "SOURCE", "CREATED", "COST",
+                              "TITLE", "ERROR"]
     assert rows[0].startswith(good["id"]) and rows[1].startswith(bad["id"])
     assert re.search(r"(just now|\d+ s ago)\s+0\s+test task\s+worker exited with 3", rows[1]), \
         rows[1]
