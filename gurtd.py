@@ -12061,8 +12061,8 @@ def cmd_tasks(state: str | None, workspace: str | None, limit: int, as_json: boo
         click.echo(json.dumps(tasks, indent=1))
         return
     now = time.time()
-    print_table([[t["id"], t["state"], t["worker"], t["workspace"], ago(t["createdAt"], now),
-                  t.get("source", "api"),
+    print_table([[t["id"], t["state"], t["worker"], t["workspace"], t.get("source", "api"),
+                  ago(t["createdAt"], now),
                   cents_text(t.get("costCents", 0)), short(t["title"], 40),
                   short(t.get("error") or "", 30)] for t in tasks],
                 ["ID", "STATE", "WORKER", "WORKSPACE", "SOURCE", "CREATED", "COST", "TITLE", "ERROR"], 1)
