@@ -9130,7 +9130,17 @@ def jira_request(config: dict[str, Any], token: str, method: str, path: str,
         data=json.dumps(body).encode() if body is not None else None,
         headers={"Authorization": f"Basic {auth}", "Accept": "application/json",
                  "Content-Type": "application/json", "User-Agent": f"gurtd/{VERSION}"})
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # no env proxies
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        """A redirect is refused: urllib would send the Authorization header along to any
+        host (and over http), giving the token to whoever the answer names."""
+        def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any,
+                             newurl: str) -> None:
+            raise JiraError(code, f"{method} {path}: Jira redirected to "
+                                  f"{printable(newurl)[:200]}; gurtd follows no redirect (the "
+                                  "token would go along): correct jira.baseUrl")
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),  # no env proxies
+                                         NoRedirect())
     try:
         with opener.open(request, timeout=JIRA_TIMEOUT) as resp:
             data = resp.read(MAX_BODY * 8)
