@@ -9077,7 +9077,8 @@ def adf_text(node: Any, depth: int = 0) -> str:
         items = []
         for number, child in enumerate(children, int(attrs.get("order", 1) or 1)):
             mark = "- " if kind == "bulletList" else f"{number}. "
-            text = adf_text(child, depth + 1).strip("\n")
+            # cut before indenting: nested lists would otherwise grow each line at every level
+            text = adf_text(child, depth + 1).strip("\n")[:JIRA_TEXT_MAX]
             items.append(mark + text.replace("\n", "\n  "))
         return "\n".join(items) + "\n\n"
     inner = "".join(adf_text(child, depth + 1) for child in children)

@@ -70,3 +70,22 @@ def test_a_jira_that_redirects_elsewhere_never_gets_the_token_sent_there(status:
                 assert "redirect" in str(caught.value) and caught.value.status == status
             assert len(asked) == 2 and asked[0]["headers"].get("Authorization")
             assert stolen == []                 # the other host never heard of us
+
+
+def test_an_issue_of_nested_lists_cannot_blow_up_its_prompt() -> None:
+    """An issue's description is anyone's text: a million lines inside lists nested as deep
+    as the JSON bound lets them would be indented again at every level, a prompt (and a loop
+    thread's work) thirty times the issue's size.  What comes out is bounded by the cap."""
+    node: dict[str, Any] = {"type": "text", "text": "a\n" * 1_000_000}
+    for _ in range(15):
+        node = {"type": "bulletList", "content": [{"type": "listItem", "content": [node]}]}
+    raw = json.dumps({"type": "doc", "version": 1, "content": [node]})
+    doc = G.loads_bounded(raw)                  # the bound Jira's answers are read with
+    text = G.adf_text(doc)
+    assert len(text) <= 2 * G.JIRA_TEXT_MAX
+    assert text.startswith("- - - ") and "a\n" in text
+    # a plain nested list still reads as before
+    small = {"type": "bulletList", "content": [{"type": "listItem", "content": [
+        {"type": "bulletList", "content": [{"type": "listItem", "content": [
+            {"type": "paragraph", "content": [{"type": "text", "text": "x\ny"}]}]}]}]}]}
+    assert G.adf_text(small).strip() == "- - x\n    y"
