@@ -256,7 +256,7 @@ def new_task_id(prefix: str = "t") -> str:
 
 
 def valid_workspace_name(name: Any) -> bool:
-    return (isinstance(name, str) and 0 < len(name) <= 64 and bool(WORKSPACE_RE.match(name))
+    return (isinstance(name, str) and 0 < len(name) <= 64 and bool(WORKSPACE_RE.fullmatch(name))
             and name not in (".", ".."))
 
 
@@ -515,7 +515,7 @@ def validate_task_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
         raise ApiError(400, "worker must be one of: droid, fake")
     out["tools"] = body.get("tools", [])
     for tool in out["tools"]:
-        if not isinstance(tool, str) or len(tool) > 64 or not TOOL_RE.match(tool):
+        if not isinstance(tool, str) or len(tool) > 64 or not TOOL_RE.fullmatch(tool):
             raise ApiError(400, f"tools: not a tool name: {json.dumps(tool)}")
     out["hosts"] = body.get("hosts", [])
     for host in out["hosts"]:
@@ -673,7 +673,7 @@ class Task:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Task":
-        return record_from(cls, data, lambda t: t.state in STATES and ID_RE.match(t.id))
+        return record_from(cls, data, lambda t: t.state in STATES and ID_RE.fullmatch(t.id))
 
 
 def record_from(cls: Any, data: Any, valid: Callable[[Any], Any]) -> Any:
@@ -726,7 +726,7 @@ class Approval:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Approval":
         return record_from(cls, data,
-                           lambda a: a.state in APPROVAL_STATES and ID_RE.match(a.task))
+                           lambda a: a.state in APPROVAL_STATES and ID_RE.fullmatch(a.task))
 
 
 def new_approval_id() -> str:
@@ -2164,7 +2164,7 @@ class Cgroups:
         for parent in [self.v2] + list(self.v1.values()):
             if parent and os.path.isdir(parent):
                 out.update(n for n in os.listdir(parent)
-                           if ID_RE.match(n) and os.path.isdir(os.path.join(parent, n)))
+                           if ID_RE.fullmatch(n) and os.path.isdir(os.path.join(parent, n)))
         return sorted(out)
 
 
@@ -6838,7 +6838,7 @@ def valid_policy(policy: Policy) -> bool:
             host_policy_entry(policy.host)
     except (ValueError, TypeError, ApiError):
         return False
-    return bool(POLICY_ID_RE.match(policy.id)) and policy.scope in POLICY_SCOPES and \
+    return bool(POLICY_ID_RE.fullmatch(policy.id)) and policy.scope in POLICY_SCOPES and \
         isinstance(policy.tool, str) and (policy.tool == "host") == (policy.host is not None) \
         and all(v is None or (is_cents(v) and v >= 0)
                 for v in (policy.maxCents, policy.totalCents)) and is_cents(policy.spentCents)
@@ -6921,7 +6921,7 @@ def validate_policy_body(body: Any) -> dict[str, Any]:
     if extra:
         raise ApiError(400, f"unknown field: {sorted(extra)[0]}")
     tool, scope = body.get("tool"), body.get("scope")
-    if not isinstance(tool, str) or len(tool) > 64 or not TOOL_RE.match(tool):
+    if not isinstance(tool, str) or len(tool) > 64 or not TOOL_RE.fullmatch(tool):
         raise ApiError(400, "tool must be a tool name, or host")
     if tool == "ask":
         raise ApiError(400, "an ask is never automatic: each one needs a person's answer")
@@ -6932,7 +6932,7 @@ def validate_policy_body(body: Any) -> dict[str, Any]:
         if (scope == key) != (body.get(key) is not None):
             raise ApiError(400, f"{key} is required with scope {key}, and only then")
     if scope == "task":
-        if not isinstance(body["task"], str) or not ID_RE.match(body["task"]):
+        if not isinstance(body["task"], str) or not ID_RE.fullmatch(body["task"]):
             raise ApiError(400, "task must be a task id")
         out["task"] = body["task"]
     if scope == "workspace":
@@ -7524,7 +7524,7 @@ class Broker:
                for name, text in BUILTIN_TOOLS.items()]
         for name in sorted(os.listdir(self.box.path("tools"))):
             path = self.box.path("tools", name)
-            if TOOL_RE.match(name) and name not in BUILTIN_TOOLS and os.path.isfile(path) \
+            if TOOL_RE.fullmatch(name) and name not in BUILTIN_TOOLS and os.path.isfile(path) \
                     and os.access(path, os.X_OK):
                 out.append({"name": name, "kind": "executable"})
         return out
@@ -8767,7 +8767,7 @@ class Schedules:
         data = load_json(self.file)
         for raw in (data or {}).get("schedules", []) if isinstance(data, dict) else []:
             try:
-                item = record_from(Schedule, raw, lambda s: SCHEDULE_ID_RE.match(s.id))
+                item = record_from(Schedule, raw, lambda s: SCHEDULE_ID_RE.fullmatch(s.id))
             except (TypeError, ValueError) as exc:
                 log(3, f"schedules.json: a schedule is damaged and left out: {exc}")
                 continue
@@ -9183,7 +9183,7 @@ class Jira:
         data = load_json(self.file)
         issues = data.get("issues") if isinstance(data, dict) else None
         self.issues = {k: v for k, v in (issues or {}).items()
-                       if JIRA_KEY_RE.match(k) and isinstance(v, dict)}
+                       if JIRA_KEY_RE.fullmatch(k) and isinstance(v, dict)}
         for key, record in self.issues.items():
             if record.get("task") is None:
                 log(4, f"jira: issue {key} was taken but its task was not created (gurtd "
@@ -9211,7 +9211,7 @@ class Jira:
         """A new issue from the thread: recorded (saved) first, then its task created.  None
         if it was taken before (or the connection changed)."""
         config = self.box.settings.get("jira") or {}
-        if key in self.issues or not config.get("enabled") or not JIRA_KEY_RE.match(key):
+        if key in self.issues or not config.get("enabled") or not JIRA_KEY_RE.fullmatch(key):
             return None
         self.issues[key] = {"task": None, "takenAt": now_iso()}
         try:
@@ -9317,7 +9317,7 @@ class Jira:
                              {"jql": config["jql"], "fields": ["summary"],
                               "maxResults": JIRA_MAX_ISSUES})
         keys = [i.get("key") for i in (found or {}).get("issues", []) if isinstance(i, dict)]
-        keys = [k for k in keys if isinstance(k, str) and JIRA_KEY_RE.match(k)]
+        keys = [k for k in keys if isinstance(k, str) and JIRA_KEY_RE.fullmatch(k)]
         taken = set(self.box.call(self.known, keys))
         for key in keys:
             if key in taken or self.box.stopping:
@@ -9405,7 +9405,7 @@ def validate_hook_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
         if key not in ("name", "source", "task", "allow"):
             raise ApiError(400, f"unknown field: {key}")
     name = body.get("name")
-    if not isinstance(name, str) or not HOOK_NAME_RE.match(name):
+    if not isinstance(name, str) or not HOOK_NAME_RE.fullmatch(name):
         raise ApiError(400, "name must match ^[a-z0-9][a-z0-9_-]{0,63}$")
     source = body.get("source")
     if not isinstance(source, str) or not re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,49}", source) \
@@ -9454,7 +9454,7 @@ class Hooks:
         data = load_json(self.file)
         hooks = data.get("hooks") if isinstance(data, dict) else None
         self.items = {k: v for k, v in (hooks or {}).items() if isinstance(v, dict)
-                      and isinstance(v.get("secret"), str) and HOOK_NAME_RE.match(k)}
+                      and isinstance(v.get("secret"), str) and HOOK_NAME_RE.fullmatch(k)}
         now = time.time()
         try:
             with open(self.deliveries_file, "rb") as f:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import os
 import threading
 from typing import Any, Iterator
 
 import pytest
 
 import gurtd as G
+from conftest import running_gurtd
 
 
 @contextlib.contextmanager
@@ -89,3 +91,63 @@ def test_an_issue_of_nested_lists_cannot_blow_up_its_prompt() -> None:
         {"type": "bulletList", "content": [{"type": "listItem", "content": [
             {"type": "paragraph", "content": [{"type": "text", "text": "x\ny"}]}]}]}]}]}
     assert G.adf_text(small).strip() == "- - x\n    y"
+
+
+def test_a_name_with_a_trailing_newline_is_refused_everywhere_a_name_is_checked() -> None:
+    """Python's `$` also matches before a final newline, so `^[\\w.-]+$` let "demo\\n" through:
+    a workspace folder, a hook URL, a tool and a policy named with a newline, and a Jira
+    search answer whose key "GT-1\\n" then broke every request line (the intake wedged)."""
+    for pattern, good in ((G.JIRA_KEY_RE, "GT-1"), (G.WORKSPACE_RE, "demo"),
+                          (G.HOOK_NAME_RE, "gh"), (G.TOOL_RE, "fs.read"),
+                          (G.ID_RE, "t123456789"), (G.POLICY_ID_RE, "p123456789"),
+                          (G.SCHEDULE_ID_RE, "s123456789")):
+        assert pattern.fullmatch(good)
+    assert not G.valid_workspace_name("demo\n")
+    with running_gurtd() as g:
+        before = sorted(os.listdir(os.path.join(g.home, "workspaces")))
+        for path, body in (("/api/workspaces", {"name": "demo\n"}),
+                           ("/api/hooks", {"name": "gh\n", "source": "gh",
+                                           "task": {"worker": "fake"}}),
+                           ("/api/tasks", {"title": "t", "prompt": "true", "worker": "fake",
+                                           "tools": ["fs.read\n"]}),
+                           ("/api/tasks", {"title": "t", "prompt": "true", "worker": "fake",
+                                           "workspace": "home\n"}),
+                           ("/api/policies", {"tool": "fs.read\n", "scope": "box"}),
+                           ("/api/policies", {"tool": "fs.read", "scope": "task",
+                                              "task": "t123456789\n"})):
+            code, data, _ = g.request("POST", path, body)
+            assert code == 400 and "error" in data, (path, body, code, data)
+        assert sorted(os.listdir(os.path.join(g.home, "workspaces"))) == before
+        assert g.api("GET", "/api/hooks") == [] and g.api("GET", "/api/tasks") == []
+        assert g.api("GET", "/api/policies") == []
+    with jira_search_answering(["GT-1\n", "GT-2"]) as (config, asked):
+        taken: list[str] = []
+
+        class Loop:                                     # the loop's part: call at once
+            stopping = False
+
+            def call(self, fn: Any, *args: Any) -> Any:
+                return fn(*args)
+
+        jira = G.Jira(Loop())                            # type: ignore[arg-type]
+        jira.token = lambda: "t"                         # type: ignore[method-assign]
+        jira.take = lambda key, fields: taken.append(key)  # type: ignore[method-assign]
+        jira.poll(config)                                # no error: GT-1\n is not a key
+        assert taken == ["GT-2"]
+        assert [r["path"] for r in asked][1:] == ["/rest/api/3/issue/GT-2?fields=summary,"
+                                                  "description"]
+
+
+@contextlib.contextmanager
+def jira_search_answering(keys: list[str]) -> Iterator[tuple[dict[str, Any], list[Any]]]:
+    """A Jira whose search answers these keys and whose issues are all {summary: x}."""
+    def handle(req: http.server.BaseHTTPRequestHandler) -> None:
+        length = int(req.headers.get("Content-Length") or 0)
+        req.rfile.read(length)
+        if req.path.startswith("/rest/api/3/search/jql"):
+            answer(req, 200, json.dumps({"issues": [{"key": k} for k in keys]}).encode())
+        else:
+            answer(req, 200, json.dumps({"fields": {"summary": "x"}}).encode())
+    with loopback_server(handle) as (server, asked):
+        yield {"baseUrl": f"http://127.0.0.1:{server.server_address[1]}",
+               "email": "bot@example.com", "jql": "x"}, asked
