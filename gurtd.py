@@ -9295,7 +9295,9 @@ class Jira:
                     wait = max(0.0, next_poll - time.monotonic())
                 except JiraError as exc:
                     self.backoff = min(JIRA_BACKOFF_MAX, max(2.0, self.backoff * 2))
-                    wait = max(self.backoff, exc.retry_after or 0.0)
+                    # Jira's Retry-After is obeyed up to the backoff's cap: a huge one would
+                    # put the thread to sleep for years (or kill it: Event.wait overflows)
+                    wait = min(JIRA_BACKOFF_MAX, max(self.backoff, exc.retry_after or 0.0))
                     log(4, f"jira: {exc}; trying again in {wait:.0f} s")
                 except ApiError as exc:          # the loop was busy: try again soon
                     wait = 5.0

@@ -12,6 +12,7 @@ import http.server
 import json
 import os
 import threading
+import time
 from typing import Any, Iterator
 
 import pytest
@@ -151,3 +152,49 @@ def jira_search_answering(keys: list[str]) -> Iterator[tuple[dict[str, Any], lis
     with loopback_server(handle) as (server, asked):
         yield {"baseUrl": f"http://127.0.0.1:{server.server_address[1]}",
                "email": "bot@example.com", "jql": "x"}, asked
+
+
+def test_a_jira_asking_to_be_left_alone_for_centuries_is_asked_again_within_the_backoff() -> None:
+    """A hostile Jira answers 429 with Retry-After: 99999999999.  Obeyed as is, the poll
+    thread died (Event.wait overflows) or would sleep for years: no issue taken, no ended
+    task answered, until gurtd restarts.  It is capped at the backoff's maximum."""
+    searches: list[int] = []
+
+    def handle(req: http.server.BaseHTTPRequestHandler) -> None:
+        req.rfile.read(int(req.headers.get("Content-Length") or 0))
+        searches.append(1)
+        if len(searches) == 1:
+            answer(req, 429, b"{}", {"Retry-After": "99999999999"})
+        else:
+            answer(req, 200, b'{"issues": []}')
+
+    with loopback_server(handle) as (server, _):
+        config = {"baseUrl": f"http://127.0.0.1:{server.server_address[1]}",
+                  "email": "bot@example.com", "jql": "x", "enabled": True, "pollSeconds": 10}
+
+        class Loop:                                     # the loop's part: call at once
+            stopping = False
+            settings = {"jira": config}
+
+            def call(self, fn: Any, *args: Any) -> Any:
+                return fn(*args)
+
+        loop = Loop()
+        jira = G.Jira(loop)                              # type: ignore[arg-type]
+        jira.token = lambda: "t"                         # type: ignore[method-assign]
+        jira.start()
+        try:
+            deadline = time.monotonic() + 10
+            while not searches and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert searches
+            time.sleep(0.5)
+            assert jira.thread is not None and jira.thread.is_alive()
+            jira.wake.set()                  # what a settings change or an ended task does
+            while len(searches) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(searches) == 2
+        finally:
+            loop.stopping = True
+            jira.stop()
+        assert not jira.thread.is_alive()
