@@ -8438,13 +8438,17 @@ class PortalSessions:
         session = PortalSession(new_task_id("s"), secret_hash(secret), now_iso(),
                                 time.time() + self.life, printable(agent)[:200], via)
         with self.lock:
-            now = time.time()
+            now, before = time.time(), self.sessions
             self.sessions = {h: s for h, s in self.sessions.items() if s.expiresAt > now}
             self.sessions[session.hash] = session
             while len(self.sessions) > MAX_SESSIONS:
                 oldest = min(self.sessions.values(), key=lambda s: s.expiresAt)
                 del self.sessions[oldest.hash]
-            self.save()
+            try:
+                self.save()
+            except BaseException:          # 507: memory stays what the disk has
+                self.sessions = before
+                raise
         return secret, self.life
 
     def find(self, cookie_header: str) -> PortalSession | None:
@@ -8474,7 +8478,11 @@ class PortalSessions:
             for key, session in list(self.sessions.items()):
                 if session.id == session_id:
                     del self.sessions[key]
-                    self.save()
+                    try:
+                        self.save()
+                    except BaseException:  # 507: still signed in, here and after a restart
+                        self.sessions[key] = session
+                        raise
                     return
         raise ApiError(404, "No session with this id", "not_found")
 

@@ -198,3 +198,40 @@ def test_a_jira_asking_to_be_left_alone_for_centuries_is_asked_again_within_the_
             loop.stopping = True
             jira.stop()
         assert not jira.thread.is_alive()
+
+
+def portal_sign_in(g: Any) -> tuple[str, str]:
+    """A browser signs in with the token pasted into the portal: (its cookie, session id)."""
+    code, data, headers = g.request("POST", "/api/sessions", {"token": g.token},
+                                    headers={"X-Gurt-Portal": "1"}, token=False)
+    assert code == 201, (code, data)
+    cookie = headers["set-cookie"].split(";")[0]
+    code, me, _ = g.request("GET", "/api/sessions/current", headers={"Cookie": cookie},
+                            token=False)
+    assert me["signedIn"], me
+    return cookie, me["session"]["id"]
+
+
+def test_a_stolen_session_revoked_on_a_full_disk_is_not_back_after_a_restart() -> None:
+    """The owner revokes a stolen portal session while BOX_HOME is full: 507.  The revoke
+    must then have changed nothing (before, it was gone in memory only: the retry said 404,
+    "no session", and the next restart brought the thief's cookie back to life)."""
+    from test_durable import gurtd_on_small_disk
+    with gurtd_on_small_disk() as (g, disk):
+        stolen, stolen_id = portal_sign_in(g)
+        disk.fill()
+        try:
+            code, data, _ = g.request("DELETE", f"/api/sessions/{stolen_id}")
+            assert code == 507 and data["code"] == "insufficient_storage", (code, data)
+            code, data, headers = g.request("POST", "/api/sessions", {"token": g.token},
+                                            headers={"X-Gurt-Portal": "1"}, token=False)
+            assert code == 507 and "set-cookie" not in headers, (code, data)
+            # nothing changed: the session is listed and still signed in
+            assert [s["id"] for s in g.api("GET", "/api/sessions")] == [stolen_id]
+        finally:
+            disk.free()
+        assert g.api("DELETE", f"/api/sessions/{stolen_id}") == {"revoked": stolen_id}
+        g.restart(kill=True)
+        code, data, _ = g.request("GET", "/api/tasks", headers={"Cookie": stolen}, token=False)
+        assert code == 401, (code, data)
+        assert g.api("GET", "/api/sessions") == []
