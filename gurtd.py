@@ -6849,6 +6849,10 @@ def parse_time(text: str) -> datetime.datetime:
     when = datetime.datetime.fromisoformat(text)
     if when.tzinfo is None:
         raise ValueError("a time needs its zone, e.g. 2026-12-01T00:00:00Z")
+    try:
+        when.astimezone(datetime.timezone.utc)   # year 1 at +01:00 is no time in UTC
+    except OverflowError:
+        raise ValueError("the time is out of range") from None
     return when
 
 

@@ -235,3 +235,17 @@ def test_a_stolen_session_revoked_on_a_full_disk_is_not_back_after_a_restart() -
         code, data, _ = g.request("GET", "/api/tasks", headers={"Cookie": stolen}, token=False)
         assert code == 401, (code, data)
         assert g.api("GET", "/api/sessions") == []
+
+
+def test_a_policy_expiring_at_the_edge_of_the_calendar_is_a_400_not_a_crash() -> None:
+    """expiresAt of year 1 at +01:00 (or 9999-12-31 at -01:00) parses, but is no time in
+    UTC: the policy's check crashed with OverflowError, a 500 for bad input."""
+    with running_gurtd() as g:
+        for when in ("0001-01-01T00:00:00+01:00", "9999-12-31T23:59:59-01:00"):
+            code, data, _ = g.request("POST", "/api/policies", {
+                "tool": "fs.read", "scope": "box", "expiresAt": when})
+            assert code == 400 and "expiresAt" in data["error"], (when, code, data)
+        assert g.api("GET", "/api/policies") == []
+        made = g.api("POST", "/api/policies", {"tool": "fs.read", "scope": "box",
+                                               "expiresAt": "9999-12-31T00:00:00+01:00"})
+        assert made["expiresAt"] == "9999-12-30T23:00:00Z" and made["active"]
