@@ -9331,7 +9331,9 @@ class Jira:
                              {"jql": config["jql"], "fields": ["summary"],
                               "maxResults": JIRA_MAX_ISSUES})
         keys = [i.get("key") for i in (found or {}).get("issues", []) if isinstance(i, dict)]
-        keys = [k for k in keys if isinstance(k, str) and JIRA_KEY_RE.fullmatch(k)]
+        # at most what was asked for: a Jira answering thousands of keys starts no more
+        keys = list(dict.fromkeys(k for k in keys if isinstance(k, str) and
+                                  JIRA_KEY_RE.fullmatch(k)))[:JIRA_MAX_ISSUES]
         taken = set(self.box.call(self.known, keys))
         for key in keys:
             if key in taken or self.box.stopping:

@@ -249,3 +249,25 @@ def test_a_policy_expiring_at_the_edge_of_the_calendar_is_a_400_not_a_crash() ->
         made = g.api("POST", "/api/policies", {"tool": "fs.read", "scope": "box",
                                                "expiresAt": "9999-12-31T00:00:00+01:00"})
         assert made["expiresAt"] == "9999-12-30T23:00:00Z" and made["active"]
+
+
+def test_a_jira_answering_thousands_of_issues_starts_at_most_a_page_of_them_per_poll() -> None:
+    """gurtd asks for JIRA_MAX_ISSUES issues; a hostile Jira answers 2,000 keys (and some
+    twice).  Each would be read and made a task in one poll, the loop saving jira.json
+    after each: a task flood.  A poll takes at most the page it asked for, each key once."""
+    keys = [f"GT-{n}" for n in range(1, 2001)]
+    with jira_search_answering(keys[:3] + keys) as (config, asked):
+        taken: list[str] = []
+
+        class Loop:                                     # the loop's part: call at once
+            stopping = False
+
+            def call(self, fn: Any, *args: Any) -> Any:
+                return fn(*args)
+
+        jira = G.Jira(Loop())                            # type: ignore[arg-type]
+        jira.token = lambda: "t"                         # type: ignore[method-assign]
+        jira.take = lambda key, fields: taken.append(key)  # type: ignore[method-assign]
+        jira.poll(config)
+        assert taken == keys[:G.JIRA_MAX_ISSUES]
+        assert len(asked) == 1 + G.JIRA_MAX_ISSUES
