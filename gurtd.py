@@ -9087,7 +9087,9 @@ def adf_text(node: Any, depth: int = 0) -> str:
     children = node.get("content") if isinstance(node.get("content"), list) else []
     if kind in ("bulletList", "orderedList"):
         items = []
-        for number, child in enumerate(children, int(attrs.get("order", 1) or 1)):
+        order = attrs.get("order")           # anyone's value: a whole number, else 1
+        start = order if type(order) is int and 0 <= order < 10**9 else 1
+        for number, child in enumerate(children, start):
             mark = "- " if kind == "bulletList" else f"{number}. "
             # cut before indenting: nested lists would otherwise grow each line at every level
             text = adf_text(child, depth + 1).strip("\n")[:JIRA_TEXT_MAX]

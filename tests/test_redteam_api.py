@@ -271,3 +271,27 @@ def test_a_jira_answering_thousands_of_issues_starts_at_most_a_page_of_them_per_
         jira.poll(config)
         assert taken == keys[:G.JIRA_MAX_ISSUES]
         assert len(asked) == 1 + G.JIRA_MAX_ISSUES
+
+
+def test_an_issue_whose_list_starts_at_x_still_becomes_its_task() -> None:
+    """An ordered list's `order` is whatever the issue's author sent through Jira's API:
+    "x" or {} raised in the middle of taking the issue, after it was recorded, so the issue
+    stayed taken without a task (and without a comment) for good."""
+    from test_sources import jira_stand_in
+    from conftest import eventually
+    odd = [{"type": "orderedList", "attrs": {"order": order}, "content": [
+        {"type": "listItem", "content": [{"type": "paragraph", "content": [
+            {"type": "text", "text": "echo from a list"}]}]}]}
+        for order in ("x", {}, [1], 10**30, True)]
+    assert all(G.adf_text(doc).strip() == "1. echo from a list" for doc in odd)
+    with jira_stand_in() as jira, running_gurtd() as g:
+        jira.issues["GT-9"] = {"summary": "Odd list", "description": {
+            "type": "doc", "version": 1, "content": odd[:1]}}
+        jira.status["GT-9"] = "To Do"
+        g.api("PUT", "/api/settings", {"jira": {
+            "baseUrl": jira.url, "email": "bot@example.com", "token": "right-token",
+            "jql": "labels = gurt", "worker": "fake", "pollSeconds": 10}})
+        task = eventually(lambda: [t for t in g.api("GET", "/api/tasks")
+                                   if t["source"] == "jira:GT-9"], what="the GT-9 task")[0]
+        assert task["prompt"] == "1. echo from a list"
+        g.wait(task["id"])
