@@ -8163,10 +8163,12 @@ class ExactReader:
 def archive_write(out: Any, top: int) -> int:
     """A tar.gz of everything below the directory fd top, written to out; the members written.
     Devices and FIFOs never go in (nor a layer's whiteouts, which are devices), nor set-id
-    bits; owners are left out (uid and gid 0)."""
+    bits; owners are left out (uid and gid 0); a file's data goes in once, its other names
+    as hard links to the first."""
     import gzip
     import tarfile
     count = 0
+    linked: dict[tuple[int, int], str] = {}   # a file of several names -> its first name
     with gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6, mtime=0) as gz, \
             tarfile.open(fileobj=gz, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         for dir_fd, name, rel, st in tree_entries(top):
@@ -8178,6 +8180,11 @@ def archive_write(out: Any, top: int) -> int:
                 tar.addfile(info)
             elif stat.S_ISLNK(st.st_mode):
                 info.type, info.linkname = tarfile.SYMTYPE, os.readlink(name, dir_fd=dir_fd)
+                tar.addfile(info)
+            elif stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) in linked:
+                # a hard link goes out as one: a task's file of 10,000 names is not 10,000
+                # copies of its data (the archive would be 10,000 times its size)
+                info.type, info.linkname = tarfile.LNKTYPE, linked[(st.st_dev, st.st_ino)]
                 tar.addfile(info)
             elif stat.S_ISREG(st.st_mode):
                 try:
@@ -8191,6 +8198,8 @@ def archive_write(out: Any, top: int) -> int:
                         continue
                     info.size = fst.st_size
                     tar.addfile(info, ExactReader(f, fst.st_size))
+                    if fst.st_nlink > 1 and (fst.st_dev, fst.st_ino) == (st.st_dev, st.st_ino):
+                        linked[(st.st_dev, st.st_ino)] = rel
             else:
                 continue        # a whiteout of a layer, a FIFO, a device: not a file
             count += 1

@@ -295,3 +295,37 @@ def test_an_issue_whose_list_starts_at_x_still_becomes_its_task() -> None:
                                    if t["source"] == "jira:GT-9"], what="the GT-9 task")[0]
         assert task["prompt"] == "1. echo from a list"
         g.wait(task["id"])
+
+
+def test_a_task_file_of_many_names_comes_out_once_in_an_archive() -> None:
+    """A hostile task writes a megabyte of noise and gives it 60 more names (hard links cost
+    nothing).  The owner downloads its changes to review them: each name used to carry the
+    whole data, 61 MB for 1 MB written (a gigabyte times 10,000 names fills the reviewer's
+    disk).  The data goes in once; the other names come out as hard links, and back in."""
+    import io
+    import tarfile
+    with running_gurtd() as g:
+        t = g.run("head -c 1000000 /dev/urandom > noise\n"
+                  "for i in $(seq 1 60); do ln noise name$i; done\n"
+                  "echo small > other", title="many names")
+        assert t["state"] == "done", g.log(t["id"])
+        for path in (f"/api/tasks/{t['id']}/archive", "/api/workspaces/home/archive"):
+            code, body, _ = g.request("GET", path)
+            assert code == 200
+            assert len(body) < 3_000_000, len(body)
+            with tarfile.open(fileobj=io.BytesIO(body), mode="r:gz") as tar:
+                members = {m.name: m for m in tar.getmembers()}
+            regular = [m for m in members.values() if m.isreg() and m.size == 1_000_000]
+            links = [m for m in members.values() if m.islnk()]
+            assert len(regular) == 1 and len(links) == 60
+            assert {m.linkname for m in links} == {regular[0].name}
+        # what came out goes back in: every name, one file
+        g.api("POST", "/api/workspaces", {"name": "copy"}, status=201)
+        code, task, _ = g.request("POST", "/api/workspaces/copy/upload", raw=body,
+                                  headers={"Content-Type": "application/gzip"})
+        assert code == 201, task
+        upper = os.path.join(g.home, "layers", task["id"], "upper")
+        inodes = {os.stat(os.path.join(upper, n)).st_ino
+                  for n in ["noise"] + [f"name{i}" for i in range(1, 61)]}
+        assert len(inodes) == 1
+        assert g.file("copy", "other") == b"small\n"
