@@ -256,7 +256,7 @@ def new_task_id(prefix: str = "t") -> str:
 
 
 def valid_workspace_name(name: Any) -> bool:
-    return (isinstance(name, str) and 0 < len(name) <= 64 and bool(WORKSPACE_RE.match(name))
+    return (isinstance(name, str) and 0 < len(name) <= 64 and bool(WORKSPACE_RE.fullmatch(name))
             and name not in (".", ".."))
 
 
@@ -515,7 +515,7 @@ def validate_task_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
         raise ApiError(400, "worker must be one of: droid, fake")
     out["tools"] = body.get("tools", [])
     for tool in out["tools"]:
-        if not isinstance(tool, str) or len(tool) > 64 or not TOOL_RE.match(tool):
+        if not isinstance(tool, str) or len(tool) > 64 or not TOOL_RE.fullmatch(tool):
             raise ApiError(400, f"tools: not a tool name: {json.dumps(tool)}")
     out["hosts"] = body.get("hosts", [])
     for host in out["hosts"]:
@@ -673,7 +673,7 @@ class Task:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Task":
-        return record_from(cls, data, lambda t: t.state in STATES and ID_RE.match(t.id))
+        return record_from(cls, data, lambda t: t.state in STATES and ID_RE.fullmatch(t.id))
 
 
 def record_from(cls: Any, data: Any, valid: Callable[[Any], Any]) -> Any:
@@ -726,7 +726,7 @@ class Approval:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Approval":
         return record_from(cls, data,
-                           lambda a: a.state in APPROVAL_STATES and ID_RE.match(a.task))
+                           lambda a: a.state in APPROVAL_STATES and ID_RE.fullmatch(a.task))
 
 
 def new_approval_id() -> str:
@@ -2164,7 +2164,7 @@ class Cgroups:
         for parent in [self.v2] + list(self.v1.values()):
             if parent and os.path.isdir(parent):
                 out.update(n for n in os.listdir(parent)
-                           if ID_RE.match(n) and os.path.isdir(os.path.join(parent, n)))
+                           if ID_RE.fullmatch(n) and os.path.isdir(os.path.join(parent, n)))
         return sorted(out)
 
 
@@ -6838,7 +6838,7 @@ def valid_policy(policy: Policy) -> bool:
             host_policy_entry(policy.host)
     except (ValueError, TypeError, ApiError):
         return False
-    return bool(POLICY_ID_RE.match(policy.id)) and policy.scope in POLICY_SCOPES and \
+    return bool(POLICY_ID_RE.fullmatch(policy.id)) and policy.scope in POLICY_SCOPES and \
         isinstance(policy.tool, str) and (policy.tool == "host") == (policy.host is not None) \
         and all(v is None or (is_cents(v) and v >= 0)
                 for v in (policy.maxCents, policy.totalCents)) and is_cents(policy.spentCents)
@@ -6849,6 +6849,10 @@ def parse_time(text: str) -> datetime.datetime:
     when = datetime.datetime.fromisoformat(text)
     if when.tzinfo is None:
         raise ValueError("a time needs its zone, e.g. 2026-12-01T00:00:00Z")
+    try:
+        when.astimezone(datetime.timezone.utc)   # year 1 at +01:00 is no time in UTC
+    except OverflowError:
+        raise ValueError("the time is out of range") from None
     return when
 
 
@@ -6921,7 +6925,7 @@ def validate_policy_body(body: Any) -> dict[str, Any]:
     if extra:
         raise ApiError(400, f"unknown field: {sorted(extra)[0]}")
     tool, scope = body.get("tool"), body.get("scope")
-    if not isinstance(tool, str) or len(tool) > 64 or not TOOL_RE.match(tool):
+    if not isinstance(tool, str) or len(tool) > 64 or not TOOL_RE.fullmatch(tool):
         raise ApiError(400, "tool must be a tool name, or host")
     if tool == "ask":
         raise ApiError(400, "an ask is never automatic: each one needs a person's answer")
@@ -6932,7 +6936,7 @@ def validate_policy_body(body: Any) -> dict[str, Any]:
         if (scope == key) != (body.get(key) is not None):
             raise ApiError(400, f"{key} is required with scope {key}, and only then")
     if scope == "task":
-        if not isinstance(body["task"], str) or not ID_RE.match(body["task"]):
+        if not isinstance(body["task"], str) or not ID_RE.fullmatch(body["task"]):
             raise ApiError(400, "task must be a task id")
         out["task"] = body["task"]
     if scope == "workspace":
@@ -7524,7 +7528,7 @@ class Broker:
                for name, text in BUILTIN_TOOLS.items()]
         for name in sorted(os.listdir(self.box.path("tools"))):
             path = self.box.path("tools", name)
-            if TOOL_RE.match(name) and name not in BUILTIN_TOOLS and os.path.isfile(path) \
+            if TOOL_RE.fullmatch(name) and name not in BUILTIN_TOOLS and os.path.isfile(path) \
                     and os.access(path, os.X_OK):
                 out.append({"name": name, "kind": "executable"})
         return out
@@ -8159,10 +8163,12 @@ class ExactReader:
 def archive_write(out: Any, top: int) -> int:
     """A tar.gz of everything below the directory fd top, written to out; the members written.
     Devices and FIFOs never go in (nor a layer's whiteouts, which are devices), nor set-id
-    bits; owners are left out (uid and gid 0)."""
+    bits; owners are left out (uid and gid 0); a file's data goes in once, its other names
+    as hard links to the first."""
     import gzip
     import tarfile
     count = 0
+    linked: dict[tuple[int, int], str] = {}   # a file of several names -> its first name
     with gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6, mtime=0) as gz, \
             tarfile.open(fileobj=gz, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         for dir_fd, name, rel, st in tree_entries(top):
@@ -8174,6 +8180,11 @@ def archive_write(out: Any, top: int) -> int:
                 tar.addfile(info)
             elif stat.S_ISLNK(st.st_mode):
                 info.type, info.linkname = tarfile.SYMTYPE, os.readlink(name, dir_fd=dir_fd)
+                tar.addfile(info)
+            elif stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) in linked:
+                # a hard link goes out as one: a task's file of 10,000 names is not 10,000
+                # copies of its data (the archive would be 10,000 times its size)
+                info.type, info.linkname = tarfile.LNKTYPE, linked[(st.st_dev, st.st_ino)]
                 tar.addfile(info)
             elif stat.S_ISREG(st.st_mode):
                 try:
@@ -8187,6 +8198,8 @@ def archive_write(out: Any, top: int) -> int:
                         continue
                     info.size = fst.st_size
                     tar.addfile(info, ExactReader(f, fst.st_size))
+                    if fst.st_nlink > 1 and (fst.st_dev, fst.st_ino) == (st.st_dev, st.st_ino):
+                        linked[(st.st_dev, st.st_ino)] = rel
             else:
                 continue        # a whiteout of a layer, a FIFO, a device: not a file
             count += 1
@@ -8438,13 +8451,17 @@ class PortalSessions:
         session = PortalSession(new_task_id("s"), secret_hash(secret), now_iso(),
                                 time.time() + self.life, printable(agent)[:200], via)
         with self.lock:
-            now = time.time()
+            now, before = time.time(), self.sessions
             self.sessions = {h: s for h, s in self.sessions.items() if s.expiresAt > now}
             self.sessions[session.hash] = session
             while len(self.sessions) > MAX_SESSIONS:
                 oldest = min(self.sessions.values(), key=lambda s: s.expiresAt)
                 del self.sessions[oldest.hash]
-            self.save()
+            try:
+                self.save()
+            except BaseException:          # 507: memory stays what the disk has
+                self.sessions = before
+                raise
         return secret, self.life
 
     def find(self, cookie_header: str) -> PortalSession | None:
@@ -8474,7 +8491,11 @@ class PortalSessions:
             for key, session in list(self.sessions.items()):
                 if session.id == session_id:
                     del self.sessions[key]
-                    self.save()
+                    try:
+                        self.save()
+                    except BaseException:  # 507: still signed in, here and after a restart
+                        self.sessions[key] = session
+                        raise
                     return
         raise ApiError(404, "No session with this id", "not_found")
 
@@ -8767,7 +8788,7 @@ class Schedules:
         data = load_json(self.file)
         for raw in (data or {}).get("schedules", []) if isinstance(data, dict) else []:
             try:
-                item = record_from(Schedule, raw, lambda s: SCHEDULE_ID_RE.match(s.id))
+                item = record_from(Schedule, raw, lambda s: SCHEDULE_ID_RE.fullmatch(s.id))
             except (TypeError, ValueError) as exc:
                 log(3, f"schedules.json: a schedule is damaged and left out: {exc}")
                 continue
@@ -9075,9 +9096,12 @@ def adf_text(node: Any, depth: int = 0) -> str:
     children = node.get("content") if isinstance(node.get("content"), list) else []
     if kind in ("bulletList", "orderedList"):
         items = []
-        for number, child in enumerate(children, int(attrs.get("order", 1) or 1)):
+        order = attrs.get("order")           # anyone's value: a whole number, else 1
+        start = order if type(order) is int and 0 <= order < 10**9 else 1
+        for number, child in enumerate(children, start):
             mark = "- " if kind == "bulletList" else f"{number}. "
-            text = adf_text(child, depth + 1).strip("\n")
+            # cut before indenting: nested lists would otherwise grow each line at every level
+            text = adf_text(child, depth + 1).strip("\n")[:JIRA_TEXT_MAX]
             items.append(mark + text.replace("\n", "\n  "))
         return "\n".join(items) + "\n\n"
     inner = "".join(adf_text(child, depth + 1) for child in children)
@@ -9130,7 +9154,17 @@ def jira_request(config: dict[str, Any], token: str, method: str, path: str,
         data=json.dumps(body).encode() if body is not None else None,
         headers={"Authorization": f"Basic {auth}", "Accept": "application/json",
                  "Content-Type": "application/json", "User-Agent": f"gurtd/{VERSION}"})
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # no env proxies
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        """A redirect is refused: urllib would send the Authorization header along to any
+        host (and over http), giving the token to whoever the answer names."""
+        def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any,
+                             newurl: str) -> None:
+            raise JiraError(code, f"{method} {path}: Jira redirected to "
+                                  f"{printable(newurl)[:200]}; gurtd follows no redirect (the "
+                                  "token would go along): correct jira.baseUrl")
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),  # no env proxies
+                                         NoRedirect())
     try:
         with opener.open(request, timeout=JIRA_TIMEOUT) as resp:
             data = resp.read(MAX_BODY * 8)
@@ -9172,7 +9206,7 @@ class Jira:
         data = load_json(self.file)
         issues = data.get("issues") if isinstance(data, dict) else None
         self.issues = {k: v for k, v in (issues or {}).items()
-                       if JIRA_KEY_RE.match(k) and isinstance(v, dict)}
+                       if JIRA_KEY_RE.fullmatch(k) and isinstance(v, dict)}
         for key, record in self.issues.items():
             if record.get("task") is None:
                 log(4, f"jira: issue {key} was taken but its task was not created (gurtd "
@@ -9200,7 +9234,7 @@ class Jira:
         """A new issue from the thread: recorded (saved) first, then its task created.  None
         if it was taken before (or the connection changed)."""
         config = self.box.settings.get("jira") or {}
-        if key in self.issues or not config.get("enabled") or not JIRA_KEY_RE.match(key):
+        if key in self.issues or not config.get("enabled") or not JIRA_KEY_RE.fullmatch(key):
             return None
         self.issues[key] = {"task": None, "takenAt": now_iso()}
         try:
@@ -9284,7 +9318,9 @@ class Jira:
                     wait = max(0.0, next_poll - time.monotonic())
                 except JiraError as exc:
                     self.backoff = min(JIRA_BACKOFF_MAX, max(2.0, self.backoff * 2))
-                    wait = max(self.backoff, exc.retry_after or 0.0)
+                    # Jira's Retry-After is obeyed up to the backoff's cap: a huge one would
+                    # put the thread to sleep for years (or kill it: Event.wait overflows)
+                    wait = min(JIRA_BACKOFF_MAX, max(self.backoff, exc.retry_after or 0.0))
                     log(4, f"jira: {exc}; trying again in {wait:.0f} s")
                 except ApiError as exc:          # the loop was busy: try again soon
                     wait = 5.0
@@ -9306,7 +9342,9 @@ class Jira:
                              {"jql": config["jql"], "fields": ["summary"],
                               "maxResults": JIRA_MAX_ISSUES})
         keys = [i.get("key") for i in (found or {}).get("issues", []) if isinstance(i, dict)]
-        keys = [k for k in keys if isinstance(k, str) and JIRA_KEY_RE.match(k)]
+        # at most what was asked for: a Jira answering thousands of keys starts no more
+        keys = list(dict.fromkeys(k for k in keys if isinstance(k, str) and
+                                  JIRA_KEY_RE.fullmatch(k)))[:JIRA_MAX_ISSUES]
         taken = set(self.box.call(self.known, keys))
         for key in keys:
             if key in taken or self.box.stopping:
@@ -9394,7 +9432,7 @@ def validate_hook_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
         if key not in ("name", "source", "task", "allow"):
             raise ApiError(400, f"unknown field: {key}")
     name = body.get("name")
-    if not isinstance(name, str) or not HOOK_NAME_RE.match(name):
+    if not isinstance(name, str) or not HOOK_NAME_RE.fullmatch(name):
         raise ApiError(400, "name must match ^[a-z0-9][a-z0-9_-]{0,63}$")
     source = body.get("source")
     if not isinstance(source, str) or not re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,49}", source) \
@@ -9443,7 +9481,7 @@ class Hooks:
         data = load_json(self.file)
         hooks = data.get("hooks") if isinstance(data, dict) else None
         self.items = {k: v for k, v in (hooks or {}).items() if isinstance(v, dict)
-                      and isinstance(v.get("secret"), str) and HOOK_NAME_RE.match(k)}
+                      and isinstance(v.get("secret"), str) and HOOK_NAME_RE.fullmatch(k)}
         now = time.time()
         try:
             with open(self.deliveries_file, "rb") as f:
