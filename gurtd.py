@@ -4212,6 +4212,25 @@ def _entry_at(root_fd: int, rel: str) -> tuple[str, int, bytes] | None:
             os.close(fd)
 
 
+_DIFF_ESCAPES = {7: "\\a", 8: "\\b", 9: "\\t", 10: "\\n", 11: "\\v", 12: "\\f", 13: "\\r",
+                 34: '\\"', 92: "\\\\"}
+
+
+def diff_name(name: str) -> str:
+    """A path as git prints it in a diff: as it is, or C-quoted when it holds a control byte,
+    a quote, a backslash or bytes that are not UTF-8 (a task's file name must not end a diff
+    line early, forge a header, or make the diff unprintable)."""
+    raw = os.fsencode(name)
+    try:
+        raw.decode()
+        if not any(b < 32 or b == 127 or b in (34, 92) for b in raw):
+            return name
+    except UnicodeDecodeError:
+        pass
+    return '"' + "".join(_DIFF_ESCAPES.get(b) or (chr(b) if 32 <= b < 127 else f"\\{b:03o}")
+                         for b in raw) + '"'
+
+
 def file_diff(rel: str, old: tuple[str, int, bytes] | None,
               new: tuple[str, int, bytes] | None) -> str:
     """One path's part of a unified diff (empty if nothing differs); folders have none."""
@@ -4222,7 +4241,8 @@ def file_diff(rel: str, old: tuple[str, int, bytes] | None,
         new = None
     if old == new:
         return ""
-    head = [f"diff --git a/{rel} b/{rel}"]
+    a_name, b_name = diff_name(f"a/{rel}"), diff_name(f"b/{rel}")
+    head = [f"diff --git {a_name} {b_name}"]
     if old is None and new is not None:
         head.append(f"new file mode {new[1]:06o}")
     elif new is None and old is not None:
@@ -4237,13 +4257,13 @@ def file_diff(rel: str, old: tuple[str, int, bytes] | None,
             raise UnicodeDecodeError("utf-8", b"", 0, 1, "binary")
         a_text, b_text = a.decode(), b.decode()
     except UnicodeDecodeError:
-        head.append(f"Binary files {'a/' + rel if old else '/dev/null'} and "
-                    f"{'b/' + rel if new else '/dev/null'} differ")
+        head.append(f"Binary files {a_name if old else '/dev/null'} and "
+                    f"{b_name if new else '/dev/null'} differ")
         return "\n".join(head) + "\n"
     lines = difflib.unified_diff(a_text.splitlines(keepends=True),
                                  b_text.splitlines(keepends=True),
-                                 f"a/{rel}" if old else "/dev/null",
-                                 f"b/{rel}" if new else "/dev/null")
+                                 a_name if old else "/dev/null",
+                                 b_name if new else "/dev/null")
     body = "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
                    for line in lines)
     return "\n".join(head) + "\n" + body

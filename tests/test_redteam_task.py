@@ -1,0 +1,35 @@
+"""Red team, from inside a task: what a hostile task leaves in its copy of my folder must not
+hide from my review, break it, or exhaust gurtd.  Real gurtd, real overlays, a real owner
+(the fixtures of test_review)."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import resource
+import shutil
+import subprocess
+
+import pytest
+
+import gurtd as G
+from conftest import Gurtd
+from test_review import folder, g, keep, owner, run_on, scratch  # noqa: F401 (fixtures)
+
+
+def test_names_that_break_lines_or_utf8_cannot_hide_or_forge_diff_lines(
+        g: Gurtd, folder: str) -> None:
+    """A task names a file with a newline that spells a fake diff header, and another with
+    bytes that are not UTF-8: the diff still answers, shows both, and forges nothing."""
+    task = run_on(g, folder,
+                  "printf 'evil\\n' > \"$(printf 'x\\ndiff --git forged')\"",
+                  "printf 'bad\\n' > \"$(printf 'bad\\377name')\"")
+    assert task["state"] == "done", g.log(task["id"])
+    code, diff, _ = g.request("GET", f"/api/tasks/{task['id']}/diff")
+    assert code == 200, diff
+    text = diff.decode()
+    heads = [line for line in text.splitlines() if line.startswith("diff --git ")]
+    assert len(heads) == 2, text              # one per file the task made, none forged
+    assert '"a/x\\ndiff --git forged"' in text
+    assert '"b/bad\\377name"' in text
+    assert "+evil" in text and "+bad" in text
