@@ -3431,10 +3431,13 @@ def upper_changes(upper: str) -> list[Change]:
         top = os.open(upper, DIR_FLAGS)
     except OSError:
         return out
-    stack: list[tuple[str, int]] = [("", top)]
-    try:
+    stack: list[str] = [""]              # paths, not fds: a task's 100,000 folders are no
+    try:                                  # 100,000 open files of gurtd's
         while stack:
-            rel, fd = stack.pop()
+            rel = stack.pop()
+            fd = open_dir_beneath(top, rel) if rel else os.dup(top)
+            if fd is None:
+                continue
             try:
                 names = sorted(os.listdir(fd), reverse=True)
                 for name in names:
@@ -3448,9 +3451,7 @@ def upper_changes(upper: str) -> list[Change]:
                     elif stat.S_ISDIR(st.st_mode):
                         out.append(Change(path, "dir", mode, _has_xattr(fd, name, ORIGIN_XATTR),
                                           _opaque_child(fd, name)))
-                        child = _open_child(fd, name)
-                        if child is not None:
-                            stack.append((path, child))
+                        stack.append(path)
                     else:
                         kind = "file" if stat.S_ISREG(st.st_mode) else \
                             "symlink" if stat.S_ISLNK(st.st_mode) else "other"
@@ -3459,8 +3460,7 @@ def upper_changes(upper: str) -> list[Change]:
             finally:
                 os.close(fd)
     finally:
-        for _, fd in stack:
-            os.close(fd)
+        os.close(top)
     return sorted(out, key=lambda c: c.path.split("/"))
 
 

@@ -33,3 +33,26 @@ def test_names_that_break_lines_or_utf8_cannot_hide_or_forge_diff_lines(
     assert '"a/x\\ndiff --git forged"' in text
     assert '"b/bad\\377name"' in text
     assert "+evil" in text and "+bad" in text
+
+
+def test_a_task_with_thousands_of_new_folders_neither_exhausts_gurtds_files_nor_hides_any(
+        g: Gurtd, folder: str) -> None:
+    """A task makes more new folders than gurtd may hold open files (its limit lowered for
+    the story): the changes, the diff and keep still see every one, and gurtd keeps
+    answering."""
+    count = 1600
+    task = run_on(g, folder, f"seq 1 {count} | sed 's/^/d/' | xargs mkdir",
+                  f"seq 1 {count} | sed 's|^|d|; s|$|/f|' | xargs touch")
+    assert task["state"] == "done", g.log(task["id"])
+    subprocess.run(["prlimit", f"--pid={g.proc.pid}", "--nofile=1200:1200"], check=True)
+    changes = g.api("GET", f"/api/tasks/{task['id']}/changes")
+    assert len([c for c in changes if c["path"].endswith("/f")]) == count
+    code, diff, _ = g.request("GET", f"/api/tasks/{task['id']}/diff")
+    assert code == 200 and diff.decode().count("new file mode") == count
+    code, kept = keep(g, task["id"])
+    assert code == 200 and kept["review"] == "kept", kept
+    assert len([n for n in os.listdir(folder) if n.startswith("d")]) == count
+    assert all(os.path.exists(os.path.join(folder, f"d{i}", "f")) for i in range(1, count + 1))
+    assert g.api("GET", "/api/health")
+    assert g.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
+    assert not [n for n in os.listdir(folder) if n.startswith("d")]
