@@ -9,11 +9,12 @@ import pwd
 import resource
 import shutil
 import subprocess
+import time
 
 import pytest
 
 import gurtd as G
-from conftest import Gurtd
+from conftest import Gurtd, running_gurtd
 from test_review import folder, g, keep, owner, run_on, scratch  # noqa: F401 (fixtures)
 
 
@@ -56,3 +57,25 @@ def test_a_task_with_thousands_of_new_folders_neither_exhausts_gurtds_files_nor_
     assert g.api("GET", "/api/health")
     assert g.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
     assert not [n for n in os.listdir(folder) if n.startswith("d")]
+
+
+def test_keeping_tens_of_thousands_of_new_folders_does_not_hold_the_loop(folder: str) -> None:
+    """A task makes 20,000 empty folders and 10,000 files in one more: keep runs on the
+    loop, so it must cost about its writes, not folders x files comparisons (which held the
+    loop past the HTTP call timeout: 503 busy for everyone, and at the next start the same).
+    The call timeout is 20 s here; the keep takes a few seconds."""
+    dirs, files = 20000, 10000
+    with running_gurtd({"GURT_CALL_TIMEOUT": "20"}) as box:
+        task = run_on(box, folder, f"seq 1 {dirs} | sed 's/^/d/' | xargs mkdir",
+                      f"mkdir zz && cd zz && seq 1 {files} | xargs touch")
+        assert task["state"] == "done", box.log(task["id"])
+        code, kept = keep(box, task["id"])
+        assert code == 200 and kept["review"] == "kept", kept
+        assert len(os.listdir(os.path.join(folder, "zz"))) == files
+        code, data, _ = box.request("POST", f"/api/tasks/{task['id']}/undo")
+        assert code in (200, 503), data      # 503: still being carried out
+        deadline = time.monotonic() + 300
+        while box.task(task["id"])["review"] != "undone" and time.monotonic() < deadline:
+            time.sleep(1)
+        assert box.task(task["id"])["review"] == "undone"
+        assert not os.path.exists(os.path.join(folder, "zz"))
