@@ -3187,6 +3187,8 @@ CLOCK_SLACK_NS = 20_000_000
 ID_END = 4294967295                  # (uid_t)-1 is no id
 ORIGIN_XATTR = "trusted.overlay.origin"
 KEEP_TEMP = ".gurt-keep-"            # temp names in the real folders: .gurt-keep-<task>-<n>
+KEEP_PATH_MAX = 4096                 # bytes: a task's folder deeper than this is listed (as
+                                     # kind "deep"), never walked into, and never kept
 FOLDER_RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
 
 
@@ -3415,7 +3417,7 @@ class Change:
     """One entry of a folder's upper: what the task left at path (relative to the folder)."""
 
     path: str
-    kind: str          # file, dir, symlink, delete, other (a fifo, socket or device)
+    kind: str          # file, dir, symlink, delete, other (a fifo, socket or device), deep
     mode: int
     origin: bool       # copied up from the real folder (it was there after the start)
     opaque: bool       # a directory that hides the real one (the task replaced it)
@@ -3448,6 +3450,11 @@ def upper_changes(upper: str) -> list[Change]:
                     mode = stat.S_IMODE(st.st_mode)
                     if is_whiteout(st):
                         out.append(Change(path, "delete", 0, False, False))
+                    elif stat.S_ISDIR(st.st_mode) and \
+                            len(path.encode(errors="surrogateescape")) > KEEP_PATH_MAX:
+                        # a chain of long names thousands deep would cost gurtd gigabytes of
+                        # paths (each entry's whole path) and can be read by no tool anyway
+                        out.append(Change(path, "deep", mode, False, False))
                     elif stat.S_ISDIR(st.st_mode):
                         out.append(Change(path, "dir", mode, _has_xattr(fd, name, ORIGIN_XATTR),
                                           _opaque_child(fd, name)))
@@ -3497,6 +3504,8 @@ def change_conflict(root_fd: int, change: Change, start: int,
     """Why keeping this change would clobber the owner's work or is not allowed; or None."""
     if change.kind == "other":
         return "a fifo, socket or device file is never kept"
+    if change.kind == "deep":
+        return f"a folder whose path is longer than {KEEP_PATH_MAX} bytes is never kept"
     if change.kind in ("file", "dir") and change.mode & (stat.S_ISUID | stat.S_ISGID):
         return "set-uid or set-gid bits are never kept"
     real = real_lstat(root_fd, change.path)
@@ -4382,7 +4391,7 @@ def folder_change_list(task_folders: list[str], uppers: list[str],
             for change in upper_changes(upper):
                 name = change_name(change, real_lstat(root, change.path))
                 if name is not None:
-                    path = change.path + ("/" if change.kind == "dir" else "")
+                    path = change.path + ("/" if change.kind in ("dir", "deep") else "")
                     out.append({"folder": folder, "path": path, "change": name})
         finally:
             os.close(root)

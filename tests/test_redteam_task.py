@@ -79,3 +79,31 @@ def test_keeping_tens_of_thousands_of_new_folders_does_not_hold_the_loop(folder:
             time.sleep(1)
         assert box.task(task["id"])["review"] == "undone"
         assert not os.path.exists(os.path.join(folder, "zz"))
+
+
+def test_a_chain_of_long_folder_names_is_listed_to_a_bound_and_never_kept(
+        g: Gurtd, folder: str) -> None:
+    """A task digs folders of 250-byte names deeper than any path a tool can open (each
+    entry's whole path, thousands deep, would cost gurtd gigabytes): the changes stop at
+    KEEP_PATH_MAX bytes, keep refuses that folder even forced, and the rest can be kept."""
+    long = "n" * 250                              # the task's folder name
+    task = run_on(g, folder, "echo kept > ok.txt",
+                  "python3 -c \"import os; [(os.mkdir(n), os.chdir(n)) for n in ['n' * 250] "
+                  "* 24]; open('f', 'w').write('deep')\"")
+    assert task["state"] == "done", g.log(task["id"])
+    changes = g.api("GET", f"/api/tasks/{task['id']}/changes")
+    assert all(len(c["path"].encode()) <= G.KEEP_PATH_MAX + 256 for c in changes), \
+        max(len(c["path"]) for c in changes)
+    assert (folder, "ok.txt", "added") in {(c["folder"], c["path"], c["change"])
+                                           for c in changes}
+    code, data = keep(g, task["id"], {"force": True})
+    assert code == 409
+    whys = [c["why"] for c in data["conflicts"]]
+    assert len(whys) == 1 and "longer than" in whys[0], whys
+    assert not os.path.exists(os.path.join(folder, long))
+    code, kept = keep(g, task["id"], {"paths": ["ok.txt"]})
+    assert code == 200, kept
+    with open(os.path.join(folder, "ok.txt")) as f:
+        assert f.read() == "kept\n"
+    assert g.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
+    assert not os.path.exists(os.path.join(folder, "ok.txt"))
