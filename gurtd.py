@@ -1558,6 +1558,8 @@ RESOLVE_NO_SYMLINKS = 0x04
 
 
 WALK_FDS = 256                       # directory fds one walk keeps open along its path
+WALK_PATH_MAX = 4096                 # bytes: a walk that keeps paths goes no deeper (a task's
+                                     # chain of 250-byte names 6,000 deep: gigabytes of paths)
 
 
 def open_dir_beneath(root_fd: int, rel: str) -> int | None:
@@ -1677,6 +1679,8 @@ def changed_paths(upper: str, lowers: list[str]) -> list[dict[str, str]]:
             if not parent.fds:
                 kept.reopen(parent, _walk_reopen(root, parent))
             walk = WalkDir(f"{parent.rel}/{name}" if parent.rel else name, [])
+            if len(walk.rel.encode(errors="surrogateescape")) > WALK_PATH_MAX:
+                continue                   # listed (as new), not walked into
             fds = {layer: fd for layer in [0] + visible if layer in parent.fds
                    and (fd := _open_child(parent.fds[layer], name)) is not None}
             walk.layers = list(fds)
@@ -3187,7 +3191,7 @@ CLOCK_SLACK_NS = 20_000_000
 ID_END = 4294967295                  # (uid_t)-1 is no id
 ORIGIN_XATTR = "trusted.overlay.origin"
 KEEP_TEMP = ".gurt-keep-"            # temp names in the real folders: .gurt-keep-<task>-<n>
-KEEP_PATH_MAX = 4096                 # bytes: a task's folder deeper than this is listed (as
+KEEP_PATH_MAX = WALK_PATH_MAX        # bytes: a task's folder deeper than this is listed (as
                                      # kind "deep"), never walked into, and never kept
 FOLDER_RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
 
@@ -4623,6 +4627,9 @@ def _merge_dir(fds: dict[int, int], visible: list[int], out: int, rel: str,
             continue
         if not dirs:
             continue
+        if len(f"{rel}/{name}".encode(errors="surrogateescape")) > WALK_PATH_MAX:
+            raise OSError(errno.ENAMETOOLONG, f"a folder path longer than {WALK_PATH_MAX} "
+                          "bytes is never merged (the group stays as its layers)")
         top = _open_child(fds[dirs[0]], name)
         if top is None:
             continue

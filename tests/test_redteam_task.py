@@ -14,7 +14,8 @@ import time
 import pytest
 
 import gurtd as G
-from conftest import Gurtd, running_gurtd
+from conftest import Gurtd, eventually, make_home, remove_home, running_gurtd
+from test_layers import registry
 from test_review import folder, g, keep, owner, run_on, scratch  # noqa: F401 (fixtures)
 
 
@@ -107,3 +108,36 @@ def test_a_chain_of_long_folder_names_is_listed_to_a_bound_and_never_kept(
         assert f.read() == "kept\n"
     assert g.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
     assert not os.path.exists(os.path.join(folder, "ok.txt"))
+
+
+def test_a_layer_of_long_folder_names_dug_deep_is_never_merged_nor_walked_past_the_bound() -> None:
+    """A workspace task digs 250-byte folder names deeper than any tool can open: its
+    changes stop at WALK_PATH_MAX bytes, the Merger refuses its group (a merge keeps every
+    folder's path: gigabytes for a chain thousands deep) and the next group merges; the view
+    still shows every task's files, the deep one included."""
+    g = Gurtd(make_home(), {"GURT_LAYER_GROUP": "3", "GURT_LAYER_KEEP": "2"})
+    g.start()
+    try:
+        deep = g.run("python3 -c \"import os; [(os.mkdir(n), os.chdir(n)) for n in ['n' * 250]"
+                     " * 24]; open('f', 'w').write('deep')\"")
+        assert deep["state"] == "done", g.log(deep["id"])
+        changes = g.api("GET", f"/api/tasks/{deep['id']}/changes")
+        assert changes and all(len(c["path"].encode()) <= G.WALK_PATH_MAX + 257
+                           for c in changes)
+        others = []
+        for i in range(7):
+            task = g.run(f"echo {i} > file{i}")
+            assert task["state"] == "done", g.log(task["id"])
+            others.append(task["id"])
+        eventually(lambda: "is never merged" in g.log_text(), timeout=60,
+                   what="the deep group refused")
+        eventually(lambda: registry(g.home)["merged"], timeout=60, what="the next group merged")
+        assert not [m for m in registry(g.home)["merged"] if deep["id"] in m["members"]]
+        for i in range(7):
+            assert g.file("home", f"file{i}") == f"{i}\n".encode()
+        check = g.run("python3 -c \"import os; [os.chdir(n) for n in ['n' * 250] * 24]; "
+                      "print(open('f').read())\"")
+        assert g.output(check["id"]) == ["deep"], g.log(check["id"])
+    finally:
+        assert g.stop() == 0, g.log_text()
+        remove_home(g.home)
