@@ -1558,8 +1558,6 @@ RESOLVE_NO_SYMLINKS = 0x04
 
 
 WALK_FDS = 256                       # directory fds one walk keeps open along its path
-WALK_PATH_MAX = 4096                 # bytes: a walk that keeps paths goes no deeper (a task's
-                                     # chain of 250-byte names 6,000 deep: gigabytes of paths)
 
 
 def open_dir_beneath(root_fd: int, rel: str) -> int | None:
@@ -1679,8 +1677,6 @@ def changed_paths(upper: str, lowers: list[str]) -> list[dict[str, str]]:
             if not parent.fds:
                 kept.reopen(parent, _walk_reopen(root, parent))
             walk = WalkDir(f"{parent.rel}/{name}" if parent.rel else name, [])
-            if len(walk.rel.encode(errors="surrogateescape")) > WALK_PATH_MAX:
-                continue                   # listed (as new), not walked into
             fds = {layer: fd for layer in [0] + visible if layer in parent.fds
                    and (fd := _open_child(parent.fds[layer], name)) is not None}
             walk.layers = list(fds)
@@ -3191,7 +3187,9 @@ CLOCK_SLACK_NS = 20_000_000
 ID_END = 4294967295                  # (uid_t)-1 is no id
 ORIGIN_XATTR = "trusted.overlay.origin"
 KEEP_TEMP = ".gurt-keep-"            # temp names in the real folders: .gurt-keep-<task>-<n>
-KEEP_PATH_MAX = WALK_PATH_MAX        # bytes: a task's folder deeper than this is listed (as
+SAVE_DEPTH_MAX = 500                 # levels of a real folder keep saves (copied by recursion)
+TOO_DEEP = "\0too deep"              # _tree_conflict's answer for a folder deeper than that
+KEEP_PATH_MAX = 4096                 # bytes: a task's folder deeper than this is listed (as
                                      # kind "deep"), never walked into, and never kept
 FOLDER_RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
 
@@ -3486,21 +3484,25 @@ def change_name(change: Change, real: os.stat_result | None) -> str | None:
 
 
 def _tree_conflict(root_fd: int, rel: str, start: int) -> str | None:
-    """The first path under the real folder rel changed since start, or None."""
+    """The first path under the real folder rel changed since start, or None; TOO_DEEP if
+    the folder is deeper than a keep can save it (walked whole to know: keep copies it)."""
     fd = open_dir_beneath(root_fd, rel)
     if fd is None:
         return None
+    changed = None
     try:
         for top, dirs, names, dir_fd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
-            for name in sorted(dirs + names):
+            if top.count("/") >= SAVE_DEPTH_MAX:
+                return TOO_DEEP
+            for name in sorted(dirs + names) if changed is None else ():
                 st = _lstat_at(dir_fd, name)
                 if st is not None and st.st_ctime_ns >= start:
-                    return os.path.normpath(os.path.join(rel, top, name))
+                    changed = os.path.normpath(os.path.join(rel, top, name))
     except RecursionError:          # deeper than Python walks: the safe answer
-        return f"{rel} (too deep to look through)"
+        return TOO_DEEP
     finally:
         os.close(fd)
-    return None
+    return changed
 
 
 def change_conflict(root_fd: int, change: Change, start: int,
@@ -3514,25 +3516,29 @@ def change_conflict(root_fd: int, change: Change, start: int,
         return "set-uid or set-gid bits are never kept"
     real = real_lstat(root_fd, change.path)
     parent = os.path.dirname(change.path)
+    soft = None              # the owner's edit: force overrides it, never what follows it
     if real is None:
         on_way = _on_the_way(root_fd, parent)
         if on_way:
             return on_way
         if change.origin or change.kind == "delete":
-            return "deleted by the owner after the task started"
+            soft = "deleted by the owner after the task started"
     elif change.kind == "dir" and not change.opaque and stat.S_ISDIR(real.st_mode):
         return None            # a folder the task wrote into: its entries are checked alone
     elif real.st_ctime_ns >= start:
-        return "changed by the owner after the task started" if change.origin or \
+        soft = "changed by the owner after the task started" if change.origin or \
             change.kind == "delete" else "created by the owner after the task started"
     if real is not None and stat.S_ISDIR(real.st_mode) and \
             (change.kind != "dir" or change.opaque):
         changed = _tree_conflict(root_fd, change.path, start)
-        if changed:
-            return f"{changed} changed by the owner after the task started"
+        if changed == TOO_DEEP:
+            return f"a folder more than {SAVE_DEPTH_MAX} levels deep is never replaced or " \
+                   "deleted (keep could not save it for undo)"
+        if changed and soft is None:
+            soft = f"{changed} changed by the owner after the task started"
     if change_name(change, real) is not None and not _owner_may_write(root_fd, parent, owner):
         return "the folder's owner may not write in this folder"
-    return None
+    return soft
 
 
 def _on_the_way(root_fd: int, parent: str) -> str | None:
@@ -4339,21 +4345,24 @@ def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None)
 
 def _tree_diff(root: int, rel: str, new: Any) -> str:
     """Deletions of everything at and under rel in the real folder (a folder the task removed
-    or replaced)."""
-    entry = _entry_at(root, rel)
-    if entry is None:
-        return ""
-    if entry[0] != "dir":
-        return file_diff(rel, entry, new)
-    fd = open_dir_beneath(root, rel)
-    if fd is None:
-        return ""
+    or replaced); a stack of paths, not recursion: the folder may be thousands deep."""
     parts: list[str] = []
-    try:
-        for name in sorted(os.listdir(fd)):
-            parts.append(_tree_diff(root, f"{rel}/{name}", None))
-    finally:
-        os.close(fd)
+    stack = [rel]
+    while stack:
+        path = stack.pop()
+        entry = _entry_at(root, path)
+        if entry is None:
+            continue
+        if entry[0] != "dir":
+            parts.append(file_diff(path, entry, new if path == rel else None))
+            continue
+        fd = open_dir_beneath(root, path)
+        if fd is None:
+            continue
+        try:
+            stack += [f"{path}/{name}" for name in sorted(os.listdir(fd), reverse=True)]
+        finally:
+            os.close(fd)
     return "".join(parts)
 
 
@@ -4573,34 +4582,39 @@ def _merge_entry(fds: list[int], visible: list[int], name: str
 def merge_layers(sources: list[str], dest: str, crash_at: str | None = None) -> None:
     """Make dest a layer exactly equal to sources (layer directories, newest first) stacked.
 
-    dest must not exist; it is made here.  Depth first with an explicit stack of relative
-    paths (a task's tree may be thousands of levels deep); each directory is opened beneath
-    its layer's root without following symlinks, one directory's fds at a time.  Directory
-    times are set last, once nothing more is made inside them.
+    dest must not exist; it is made here.  Depth first with an explicit stack of folders
+    (a task's tree may be thousands of levels deep), each kept as its parent's number and its
+    name, its path made only while it is merged (whole paths of a chain of long names 6,000
+    deep would be gigabytes); each directory is opened beneath its layer's root without
+    following symlinks, one directory's fds at a time.  Directory times are set last, once
+    nothing more is made inside them.
     """
     roots = [os.open(s, DIR_FLAGS) for s in sources]
     os.mkdir(dest, 0o700)
     out_root = os.open(dest, DIR_FLAGS)
-    times: list[tuple[str, os.stat_result]] = [("", os.fstat(roots[0]))]
+    folders: list[tuple[int, str]] = [(-1, "")]     # every merged folder: (parent, name)
+    times: list[os.stat_result] = [os.fstat(roots[0])]   # and its times, by the same number
     try:
         _copy_dir_meta(roots[0], out_root, False)
-        pending: list[tuple[str, list[int]]] = [("", list(range(len(roots))))]
+        pending: list[tuple[int, list[int]]] = [(0, list(range(len(roots))))]
         while pending:
-            rel, visible = pending.pop()
+            node, visible = pending.pop()
+            rel = _folder_path(folders, node)
             fds = {layer: fd for layer in visible
                    if (fd := open_dir_beneath(roots[layer], rel)) is not None}
             out = open_dir_beneath(out_root, rel)
             if out is None:
                 raise OSError(errno.ENOENT, f"merged directory {rel} vanished")
             try:
-                pending += _merge_dir(fds, [v for v in visible if v in fds], out, rel, times)
+                pending += _merge_dir(fds, [v for v in visible if v in fds], out, node,
+                                      folders, times)
             finally:
                 for fd in list(fds.values()) + [out]:
                     os.close(fd)
             if crash_at:
                 crash_point(crash_at)      # a test's kill -9 in the middle of a merge
-        for rel, st in times:
-            fd = open_dir_beneath(out_root, rel)
+        for node, st in enumerate(times):
+            fd = open_dir_beneath(out_root, _folder_path(folders, node))
             if fd is not None:
                 os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
                 os.close(fd)
@@ -4609,10 +4623,21 @@ def merge_layers(sources: list[str], dest: str, crash_at: str | None = None) -> 
             os.close(fd)
 
 
-def _merge_dir(fds: dict[int, int], visible: list[int], out: int, rel: str,
-               times: list[tuple[str, os.stat_result]]) -> list[tuple[str, list[int]]]:
-    """Merge one directory (its fds per layer, visible top first) into out; its
-    subdirectories to walk, each with the layers in which it is visible."""
+def _folder_path(folders: list[tuple[int, str]], node: int) -> str:
+    """The path of folder number node of a merge (from its parents' numbers and names)."""
+    names = []
+    while node > 0:
+        node, name = folders[node]
+        names.append(name)
+    return "/".join(reversed(names))
+
+
+def _merge_dir(fds: dict[int, int], visible: list[int], out: int, node: int,
+               folders: list[tuple[int, str]], times: list[os.stat_result]
+               ) -> list[tuple[int, list[int]]]:
+    """Merge one directory (folder number node: its fds per layer, visible top first) into
+    out; its subdirectories to walk (numbered in folders and times), each with the layers in
+    which it is visible."""
     names: dict[str, None] = {}
     for layer in visible:
         with contextlib.suppress(OSError):
@@ -4627,9 +4652,6 @@ def _merge_dir(fds: dict[int, int], visible: list[int], out: int, rel: str,
             continue
         if not dirs:
             continue
-        if len(f"{rel}/{name}".encode(errors="surrogateescape")) > WALK_PATH_MAX:
-            raise OSError(errno.ENAMETOOLONG, f"a folder path longer than {WALK_PATH_MAX} "
-                          "bytes is never merged (the group stays as its layers)")
         top = _open_child(fds[dirs[0]], name)
         if top is None:
             continue
@@ -4640,11 +4662,11 @@ def _merge_dir(fds: dict[int, int], visible: list[int], out: int, rel: str,
                 _copy_dir_meta(top, made, opaque)
             finally:
                 os.close(made)
-            child = f"{rel}/{name}" if rel else name
-            times.append((child, os.fstat(top)))
+            times.append(os.fstat(top))
+            folders.append((node, name))
         finally:
             os.close(top)
-        subdirs.append((child, dirs))
+        subdirs.append((len(folders) - 1, dirs))
     if whiteouts:
         # Overlay hides whiteouts from a listing only in a directory it merges from several
         # layers or that carries an origin xattr (copied up); once merged, a directory may
