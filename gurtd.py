@@ -1558,6 +1558,8 @@ RESOLVE_NO_SYMLINKS = 0x04
 
 
 WALK_FDS = 256                       # directory fds one walk keeps open along its path
+CHANGES_MAX_BYTES = 64 << 20         # paths one changes list holds (a task's chain of long
+                                     # names 6,000 deep would list gigabytes of them)
 
 
 def open_dir_beneath(root_fd: int, rel: str) -> int | None:
@@ -1655,6 +1657,7 @@ def changed_paths(upper: str, lowers: list[str]) -> list[dict[str, str]]:
     an explicit stack, each directory opened from its parent's fd: one pass, however deep.
     Past WALK_FDS the oldest kept fds are let go (and reopened beneath the root if the walk
     comes back to that directory).  A layer deleted meanwhile gives what was read so far.
+    More than CHANGES_MAX_BYTES of paths: ApiError 413 (the memory of a request is bounded).
     """
     roots = [os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if os.path.isdir(p)
              else -1 for p in [upper] + lowers]
@@ -1662,11 +1665,18 @@ def changed_paths(upper: str, lowers: list[str]) -> list[dict[str, str]]:
     root = WalkDir("", [layer for layer, fd in enumerate(roots) if fd >= 0])
     root.fds = {layer: roots[layer] for layer in root.layers}
     stack, kept = [root], Kept()
+    size, counted = 0, 0
     try:
         if roots[0] < 0:
             return []
         root.subdirs = _changes_in_dir(root, root.layers[1:], out)
         while stack:
+            size += sum(len(c["path"]) for c in out[counted:])
+            counted = len(out)
+            if size > CHANGES_MAX_BYTES:
+                raise ApiError(413, f"the changes are more than {CHANGES_MAX_BYTES >> 20} MiB of "
+                                    "paths (folders thousands deep); the task's archive has "
+                                    "them all", "too_large")
             parent = stack[-1]
             if not parent.subdirs:
                 stack.pop()

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import gurtd as G
-from conftest import Gurtd, running_gurtd
+from conftest import Gurtd, eventually, running_gurtd
 from test_review import folder, g, keep, owner, run_on, scratch  # noqa: F401 (fixtures)
 
 
@@ -167,3 +167,23 @@ def test_a_folder_too_deep_to_save_is_never_replaced_and_nothing_gets_stuck(
     assert g.api("POST", f"/api/tasks/{gone['id']}/undo")["review"] == "undone"
     assert g.api("POST", f"/api/tasks/{made['id']}/undo")["review"] == "undone"
     assert not os.path.exists(os.path.join(folder, "a"))
+
+
+def test_changes_of_long_folder_names_dug_deep_are_refused_not_gigabytes(g: Gurtd) -> None:
+    """A workspace task digs 250-byte folder names 2,000 deep: listed whole, its changes
+    would be 500 MB of paths in gurtd (gigabytes at 6,000 deep).  They are a 413 that says
+    so, the diff too, and gurtd answers on."""
+    deep = g.run("python3 -c \"import os; [(os.mkdir(n), os.chdir(n)) for n in ['n' * 250] "
+                 "* 2000]\"")
+    try:
+        assert deep["state"] == "done", g.log(deep["id"])
+        code, data, _ = g.request("GET", f"/api/tasks/{deep['id']}/changes")
+        assert code == 413 and data["code"] == "too_large", str(data)[:200]
+        code, data, _ = g.request("GET", f"/api/tasks/{deep['id']}/diff")
+        assert code == 413, str(data)[:200]
+        assert g.api("GET", "/api/health")
+    finally:          # the layer goes (in gurtd's own thread) before the home is removed
+        assert g.api("POST", f"/api/tasks/{deep['id']}/undo")["state"] == "undone"
+        layers = os.path.join(g.home, "layers")
+        eventually(lambda: not [n for n in os.listdir(layers) if deep["id"] in n],
+                   timeout=120, what="the undone layer deleted")
