@@ -4633,6 +4633,36 @@ def merge_layers(sources: list[str], dest: str, crash_at: str | None = None) -> 
             os.close(fd)
 
 
+def _merge_copy(src_dir: int, name: str, out: int) -> None:
+    """A copy of a layer's file, symlink or whiteout whose inode takes no more links (ext4
+    allows 65,000; overlay links a layer's whiteouts to one inode, and a task may link a file
+    of its own 64,999 times): content, owner, mode, xattrs and times, so that the merged
+    layer is still exactly its layers stacked."""
+    st = os.stat(name, dir_fd=src_dir, follow_symlinks=False)
+    if stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(name, dir_fd=src_dir), name, dir_fd=out)
+    elif not stat.S_ISREG(st.st_mode):
+        os.mknod(name, st.st_mode, st.st_rdev, dir_fd=out)          # a whiteout
+    else:
+        src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=src_dir)
+        try:
+            dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                          os.O_CLOEXEC, 0o600, dir_fd=out)
+            try:
+                while os.sendfile(dst, src, None, 1 << 30):
+                    pass
+                os.fchown(dst, st.st_uid, st.st_gid)
+                os.fchmod(dst, stat.S_IMODE(st.st_mode))
+                for key in os.listxattr(src):
+                    os.setxattr(dst, key, os.getxattr(src, key))
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+    os.chown(name, st.st_uid, st.st_gid, dir_fd=out, follow_symlinks=False)
+    os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=out, follow_symlinks=False)
+
+
 def _folder_path(folders: list[tuple[int, str]], node: int) -> str:
     """The path of folder number node of a merge (from its parents' numbers and names)."""
     names = []
@@ -4656,7 +4686,13 @@ def _merge_dir(fds: dict[int, int], visible: list[int], out: int, node: int,
     for name in names:
         winner, dirs, opaque = _merge_entry(fds, visible, name)
         if winner is not None:
-            os.link(name, name, src_dir_fd=fds[winner], dst_dir_fd=out, follow_symlinks=False)
+            try:
+                os.link(name, name, src_dir_fd=fds[winner], dst_dir_fd=out,
+                        follow_symlinks=False)
+            except OSError as exc:
+                if exc.errno != errno.EMLINK:
+                    raise
+                _merge_copy(fds[winner], name, out)
             whiteouts = whiteouts or is_whiteout(os.stat(name, dir_fd=out,
                                                          follow_symlinks=False))
             continue

@@ -4,6 +4,7 @@ hide from my review, break it, or exhaust gurtd.  Real gurtd, real overlays, a r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -187,3 +188,39 @@ def test_changes_of_long_folder_names_dug_deep_are_refused_not_gigabytes(g: Gurt
         layers = os.path.join(g.home, "layers")
         eventually(lambda: not [n for n in os.listdir(layers) if deep["id"] in n],
                    timeout=120, what="the undone layer deleted")
+
+
+def test_a_layer_whose_file_has_no_link_left_still_merges_exactly(scratch: Any) -> None:
+    """A task links one file of its own 64,999 times (ext4's limit; overlay links a layer's
+    whiteouts to one inode the same way): a merge made of hard links would fail on it at
+    every try, and the group would never merge.  Past the limit the entries are copied: the
+    merged layer still holds every name, with the file's content, mode and owner, and the
+    whiteouts."""
+    low, top = str(scratch / "low"), str(scratch / "top")
+    for layer in (low, top):
+        os.makedirs(os.path.join(layer, "d"))
+    with open(os.path.join(top, "f"), "w") as f:
+        f.write("x")
+    os.chown(os.path.join(top, "f"), 4242, 4343)
+    os.chmod(os.path.join(top, "f"), 0o640)
+    os.mknod(os.path.join(top, "w"), 0o600 | G.stat.S_IFCHR, os.makedev(0, 0))
+    count = 0
+    with contextlib.suppress(OSError):
+        while True:
+            os.link(os.path.join(top, "f"), os.path.join(top, "d", f"f{count}"))
+            count += 1
+    assert count == 64999
+    for i in range(200):                       # a few whiteouts linked to one inode
+        with contextlib.suppress(OSError):
+            os.link(os.path.join(top, "w"), os.path.join(top, "d", f"w{i}"))
+    G.merge_layers([top, low], str(scratch / "m"))
+    merged = os.path.join(str(scratch / "m"), "d")
+    names = os.listdir(merged)
+    assert len([n for n in names if n.startswith("f")]) == count
+    st = os.lstat(os.path.join(merged, f"f{count - 1}"))
+    assert (st.st_uid, st.st_gid, G.stat.S_IMODE(st.st_mode)) == (4242, 4343, 0o640)
+    with open(os.path.join(merged, f"f{count - 1}")) as f:
+        assert f.read() == "x"
+    whiteouts = [n for n in names if n.startswith("w")]
+    assert all(G.is_whiteout(os.lstat(os.path.join(merged, n))) for n in whiteouts)
+    G.tree_remove(str(scratch / "m"))
