@@ -1558,6 +1558,8 @@ RESOLVE_NO_SYMLINKS = 0x04
 
 
 WALK_FDS = 256                       # directory fds one walk keeps open along its path
+CHANGES_MAX_BYTES = 64 << 20         # paths one changes list holds (a task's chain of long
+                                     # names 6,000 deep would list gigabytes of them)
 
 
 def open_dir_beneath(root_fd: int, rel: str) -> int | None:
@@ -1655,6 +1657,7 @@ def changed_paths(upper: str, lowers: list[str]) -> list[dict[str, str]]:
     an explicit stack, each directory opened from its parent's fd: one pass, however deep.
     Past WALK_FDS the oldest kept fds are let go (and reopened beneath the root if the walk
     comes back to that directory).  A layer deleted meanwhile gives what was read so far.
+    More than CHANGES_MAX_BYTES of paths: ApiError 413 (the memory of a request is bounded).
     """
     roots = [os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if os.path.isdir(p)
              else -1 for p in [upper] + lowers]
@@ -1662,11 +1665,18 @@ def changed_paths(upper: str, lowers: list[str]) -> list[dict[str, str]]:
     root = WalkDir("", [layer for layer, fd in enumerate(roots) if fd >= 0])
     root.fds = {layer: roots[layer] for layer in root.layers}
     stack, kept = [root], Kept()
+    size, counted = 0, 0
     try:
         if roots[0] < 0:
             return []
         root.subdirs = _changes_in_dir(root, root.layers[1:], out)
         while stack:
+            size += sum(len(c["path"]) for c in out[counted:])
+            counted = len(out)
+            if size > CHANGES_MAX_BYTES:
+                raise ApiError(413, f"the changes are more than {CHANGES_MAX_BYTES >> 20} MiB of "
+                                    "paths (folders thousands deep); the task's archive has "
+                                    "them all", "too_large")
             parent = stack[-1]
             if not parent.subdirs:
                 stack.pop()
@@ -3187,6 +3197,10 @@ CLOCK_SLACK_NS = 20_000_000
 ID_END = 4294967295                  # (uid_t)-1 is no id
 ORIGIN_XATTR = "trusted.overlay.origin"
 KEEP_TEMP = ".gurt-keep-"            # temp names in the real folders: .gurt-keep-<task>-<n>
+SAVE_DEPTH_MAX = 500                 # levels of a real folder keep saves (copied by recursion)
+TOO_DEEP = "\0too deep"              # _tree_conflict's answer for a folder deeper than that
+KEEP_PATH_MAX = 4096                 # bytes: a task's folder deeper than this is listed (as
+                                     # kind "deep"), never walked into, and never kept
 FOLDER_RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
 
 
@@ -3415,7 +3429,7 @@ class Change:
     """One entry of a folder's upper: what the task left at path (relative to the folder)."""
 
     path: str
-    kind: str          # file, dir, symlink, delete, other (a fifo, socket or device)
+    kind: str          # file, dir, symlink, delete, other (a fifo, socket or device), deep
     mode: int
     origin: bool       # copied up from the real folder (it was there after the start)
     opaque: bool       # a directory that hides the real one (the task replaced it)
@@ -3431,10 +3445,13 @@ def upper_changes(upper: str) -> list[Change]:
         top = os.open(upper, DIR_FLAGS)
     except OSError:
         return out
-    stack: list[tuple[str, int]] = [("", top)]
-    try:
+    stack: list[str] = [""]              # paths, not fds: a task's 100,000 folders are no
+    try:                                  # 100,000 open files of gurtd's
         while stack:
-            rel, fd = stack.pop()
+            rel = stack.pop()
+            fd = open_dir_beneath(top, rel) if rel else os.dup(top)
+            if fd is None:
+                continue
             try:
                 names = sorted(os.listdir(fd), reverse=True)
                 for name in names:
@@ -3445,12 +3462,15 @@ def upper_changes(upper: str) -> list[Change]:
                     mode = stat.S_IMODE(st.st_mode)
                     if is_whiteout(st):
                         out.append(Change(path, "delete", 0, False, False))
+                    elif stat.S_ISDIR(st.st_mode) and \
+                            len(path.encode(errors="surrogateescape")) > KEEP_PATH_MAX:
+                        # a chain of long names thousands deep would cost gurtd gigabytes of
+                        # paths (each entry's whole path) and can be read by no tool anyway
+                        out.append(Change(path, "deep", mode, False, False))
                     elif stat.S_ISDIR(st.st_mode):
                         out.append(Change(path, "dir", mode, _has_xattr(fd, name, ORIGIN_XATTR),
                                           _opaque_child(fd, name)))
-                        child = _open_child(fd, name)
-                        if child is not None:
-                            stack.append((path, child))
+                        stack.append(path)
                     else:
                         kind = "file" if stat.S_ISREG(st.st_mode) else \
                             "symlink" if stat.S_ISLNK(st.st_mode) else "other"
@@ -3459,8 +3479,7 @@ def upper_changes(upper: str) -> list[Change]:
             finally:
                 os.close(fd)
     finally:
-        for _, fd in stack:
-            os.close(fd)
+        os.close(top)
     return sorted(out, key=lambda c: c.path.split("/"))
 
 
@@ -3475,21 +3494,25 @@ def change_name(change: Change, real: os.stat_result | None) -> str | None:
 
 
 def _tree_conflict(root_fd: int, rel: str, start: int) -> str | None:
-    """The first path under the real folder rel changed since start, or None."""
+    """The first path under the real folder rel changed since start, or None; TOO_DEEP if
+    the folder is deeper than a keep can save it (walked whole to know: keep copies it)."""
     fd = open_dir_beneath(root_fd, rel)
     if fd is None:
         return None
+    changed = None
     try:
         for top, dirs, names, dir_fd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
-            for name in sorted(dirs + names):
+            if top.count("/") >= SAVE_DEPTH_MAX:
+                return TOO_DEEP
+            for name in sorted(dirs + names) if changed is None else ():
                 st = _lstat_at(dir_fd, name)
                 if st is not None and st.st_ctime_ns >= start:
-                    return os.path.normpath(os.path.join(rel, top, name))
+                    changed = os.path.normpath(os.path.join(rel, top, name))
     except RecursionError:          # deeper than Python walks: the safe answer
-        return f"{rel} (too deep to look through)"
+        return TOO_DEEP
     finally:
         os.close(fd)
-    return None
+    return changed
 
 
 def change_conflict(root_fd: int, change: Change, start: int,
@@ -3497,29 +3520,35 @@ def change_conflict(root_fd: int, change: Change, start: int,
     """Why keeping this change would clobber the owner's work or is not allowed; or None."""
     if change.kind == "other":
         return "a fifo, socket or device file is never kept"
+    if change.kind == "deep":
+        return f"a folder whose path is longer than {KEEP_PATH_MAX} bytes is never kept"
     if change.kind in ("file", "dir") and change.mode & (stat.S_ISUID | stat.S_ISGID):
         return "set-uid or set-gid bits are never kept"
     real = real_lstat(root_fd, change.path)
     parent = os.path.dirname(change.path)
+    soft = None              # the owner's edit: force overrides it, never what follows it
     if real is None:
         on_way = _on_the_way(root_fd, parent)
         if on_way:
             return on_way
         if change.origin or change.kind == "delete":
-            return "deleted by the owner after the task started"
+            soft = "deleted by the owner after the task started"
     elif change.kind == "dir" and not change.opaque and stat.S_ISDIR(real.st_mode):
         return None            # a folder the task wrote into: its entries are checked alone
     elif real.st_ctime_ns >= start:
-        return "changed by the owner after the task started" if change.origin or \
+        soft = "changed by the owner after the task started" if change.origin or \
             change.kind == "delete" else "created by the owner after the task started"
     if real is not None and stat.S_ISDIR(real.st_mode) and \
             (change.kind != "dir" or change.opaque):
         changed = _tree_conflict(root_fd, change.path, start)
-        if changed:
-            return f"{changed} changed by the owner after the task started"
+        if changed == TOO_DEEP:
+            return f"a folder more than {SAVE_DEPTH_MAX} levels deep is never replaced or " \
+                   "deleted (keep could not save it for undo)"
+        if changed and soft is None:
+            soft = f"{changed} changed by the owner after the task started"
     if change_name(change, real) is not None and not _owner_may_write(root_fd, parent, owner):
         return "the folder's owner may not write in this folder"
-    return None
+    return soft
 
 
 def _on_the_way(root_fd: int, parent: str) -> str | None:
@@ -3630,6 +3659,17 @@ def _entry_remove(dir_fd: int, name: str, aside: str) -> None:
 
 def _syncfs(fd: int) -> None:
     libc_call("syncfs", fd)
+
+
+def _below_any(folders: set[tuple[int, str]], n: int, path: str) -> bool:
+    """Whether a folder above path (in folder n) is in folders, each parent looked up: a
+    task's 50,000 new folders must not make a keep 50,000 x 50,000 comparisons on the loop."""
+    parent = os.path.dirname(path)
+    while parent:
+        if (n, parent) in folders:
+            return True
+        parent = os.path.dirname(parent)
+    return False
 
 
 class Review:
@@ -3847,7 +3887,7 @@ class Review:
         """The writes of a keep, parents first; each real entry a write replaces or deletes
         gets a place for its original (saved), unless a folder above it goes whole."""
         ops: list[dict[str, Any]] = []
-        replaced: list[tuple[int, str]] = []
+        replaced: set[tuple[int, str]] = set()
         keeps = len(self.kept(task)["keeps"])
         roots: dict[int, int] = {}
         try:
@@ -3859,14 +3899,14 @@ class Review:
                 op: dict[str, Any] = {"folder": n, "path": change.path, "kind": change.kind,
                                       "mode": change.mode, "saved": None,
                                       "replace": change.opaque}
-                under = any(m == n and change.path.startswith(p + "/") for m, p in replaced)
+                under = _below_any(replaced, n, change.path)
                 real = real_lstat(roots[n], change.path)
                 if real is not None and not under:
                     op["saved"] = f"{keeps}-{len(ops)}"
                     if change.kind != "dir" or change.opaque or not stat.S_ISDIR(real.st_mode):
                         op["replace"] = True
                         if stat.S_ISDIR(real.st_mode):
-                            replaced.append((n, change.path))
+                            replaced.add((n, change.path))
                 ops.append(op)
         finally:
             for fd in roots.values():
@@ -3962,11 +4002,11 @@ class Review:
                     ops: list[dict[str, Any]]) -> set[int]:
         """The temporary files and symlinks of ops whose folder is there already (not one a
         folder op of this keep makes or replaces); their numbers."""
-        ready, made = set(), [(op["folder"], op["path"]) for op in ops
-                              if op["kind"] in ("dir", "delete")]
+        ready, made = set(), {(op["folder"], op["path"]) for op in ops
+                              if op["kind"] in ("dir", "delete")}
         for i, op in enumerate(ops):
-            if op["kind"] not in ("file", "symlink") or any(
-                    n == op["folder"] and op["path"].startswith(p + "/") for n, p in made):
+            if op["kind"] not in ("file", "symlink") or \
+                    _below_any(made, op["folder"], op["path"]):
                 continue
             parent = _parent_fd(roots[op["folder"]], op["path"])
             if parent is None:
@@ -4212,6 +4252,25 @@ def _entry_at(root_fd: int, rel: str) -> tuple[str, int, bytes] | None:
             os.close(fd)
 
 
+_DIFF_ESCAPES = {7: "\\a", 8: "\\b", 9: "\\t", 10: "\\n", 11: "\\v", 12: "\\f", 13: "\\r",
+                 34: '\\"', 92: "\\\\"}
+
+
+def diff_name(name: str) -> str:
+    """A path as git prints it in a diff: as it is, or C-quoted when it holds a control byte,
+    a quote, a backslash or bytes that are not UTF-8 (a task's file name must not end a diff
+    line early, forge a header, or make the diff unprintable)."""
+    raw = os.fsencode(name)
+    try:
+        raw.decode()
+        if not any(b < 32 or b == 127 or b in (34, 92) for b in raw):
+            return name
+    except UnicodeDecodeError:
+        pass
+    return '"' + "".join(_DIFF_ESCAPES.get(b) or (chr(b) if 32 <= b < 127 else f"\\{b:03o}")
+                         for b in raw) + '"'
+
+
 def file_diff(rel: str, old: tuple[str, int, bytes] | None,
               new: tuple[str, int, bytes] | None) -> str:
     """One path's part of a unified diff (empty if nothing differs); folders have none."""
@@ -4222,7 +4281,8 @@ def file_diff(rel: str, old: tuple[str, int, bytes] | None,
         new = None
     if old == new:
         return ""
-    head = [f"diff --git a/{rel} b/{rel}"]
+    a_name, b_name = diff_name(f"a/{rel}"), diff_name(f"b/{rel}")
+    head = [f"diff --git {a_name} {b_name}"]
     if old is None and new is not None:
         head.append(f"new file mode {new[1]:06o}")
     elif new is None and old is not None:
@@ -4237,13 +4297,13 @@ def file_diff(rel: str, old: tuple[str, int, bytes] | None,
             raise UnicodeDecodeError("utf-8", b"", 0, 1, "binary")
         a_text, b_text = a.decode(), b.decode()
     except UnicodeDecodeError:
-        head.append(f"Binary files {'a/' + rel if old else '/dev/null'} and "
-                    f"{'b/' + rel if new else '/dev/null'} differ")
+        head.append(f"Binary files {a_name if old else '/dev/null'} and "
+                    f"{b_name if new else '/dev/null'} differ")
         return "\n".join(head) + "\n"
     lines = difflib.unified_diff(a_text.splitlines(keepends=True),
                                  b_text.splitlines(keepends=True),
-                                 f"a/{rel}" if old else "/dev/null",
-                                 f"b/{rel}" if new else "/dev/null")
+                                 a_name if old else "/dev/null",
+                                 b_name if new else "/dev/null")
     body = "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
                    for line in lines)
     return "\n".join(head) + "\n" + body
@@ -4266,13 +4326,14 @@ def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None)
     except OSError:
         os.close(real)
         return ""
-    parts, replaced = [], []      # folders the task replaced: what was in them is deleted
+    parts: list[str] = []
+    replaced: set[tuple[int, str]] = set()   # folders the task replaced: their old entries
     try:
         for change in upper_changes(upper):
             full = f"{folder}/{change.path}"
-            under = any(change.path.startswith(p + "/") for p in replaced)
+            under = _below_any(replaced, 0, change.path)
             if change.kind == "dir" and change.opaque:
-                replaced.append(change.path)
+                replaced.add((0, change.path))
             if not (_wanted(change.path, only) or _wanted(full, only)):
                 continue
             if change.kind == "delete":
@@ -4294,21 +4355,24 @@ def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None)
 
 def _tree_diff(root: int, rel: str, new: Any) -> str:
     """Deletions of everything at and under rel in the real folder (a folder the task removed
-    or replaced)."""
-    entry = _entry_at(root, rel)
-    if entry is None:
-        return ""
-    if entry[0] != "dir":
-        return file_diff(rel, entry, new)
-    fd = open_dir_beneath(root, rel)
-    if fd is None:
-        return ""
+    or replaced); a stack of paths, not recursion: the folder may be thousands deep."""
     parts: list[str] = []
-    try:
-        for name in sorted(os.listdir(fd)):
-            parts.append(_tree_diff(root, f"{rel}/{name}", None))
-    finally:
-        os.close(fd)
+    stack = [rel]
+    while stack:
+        path = stack.pop()
+        entry = _entry_at(root, path)
+        if entry is None:
+            continue
+        if entry[0] != "dir":
+            parts.append(file_diff(path, entry, new if path == rel else None))
+            continue
+        fd = open_dir_beneath(root, path)
+        if fd is None:
+            continue
+        try:
+            stack += [f"{path}/{name}" for name in sorted(os.listdir(fd), reverse=True)]
+        finally:
+            os.close(fd)
     return "".join(parts)
 
 
@@ -4350,7 +4414,7 @@ def folder_change_list(task_folders: list[str], uppers: list[str],
             for change in upper_changes(upper):
                 name = change_name(change, real_lstat(root, change.path))
                 if name is not None:
-                    path = change.path + ("/" if change.kind == "dir" else "")
+                    path = change.path + ("/" if change.kind in ("dir", "deep") else "")
                     out.append({"folder": folder, "path": path, "change": name})
         finally:
             os.close(root)
@@ -4528,34 +4592,39 @@ def _merge_entry(fds: list[int], visible: list[int], name: str
 def merge_layers(sources: list[str], dest: str, crash_at: str | None = None) -> None:
     """Make dest a layer exactly equal to sources (layer directories, newest first) stacked.
 
-    dest must not exist; it is made here.  Depth first with an explicit stack of relative
-    paths (a task's tree may be thousands of levels deep); each directory is opened beneath
-    its layer's root without following symlinks, one directory's fds at a time.  Directory
-    times are set last, once nothing more is made inside them.
+    dest must not exist; it is made here.  Depth first with an explicit stack of folders
+    (a task's tree may be thousands of levels deep), each kept as its parent's number and its
+    name, its path made only while it is merged (whole paths of a chain of long names 6,000
+    deep would be gigabytes); each directory is opened beneath its layer's root without
+    following symlinks, one directory's fds at a time.  Directory times are set last, once
+    nothing more is made inside them.
     """
     roots = [os.open(s, DIR_FLAGS) for s in sources]
     os.mkdir(dest, 0o700)
     out_root = os.open(dest, DIR_FLAGS)
-    times: list[tuple[str, os.stat_result]] = [("", os.fstat(roots[0]))]
+    folders: list[tuple[int, str]] = [(-1, "")]     # every merged folder: (parent, name)
+    times: list[os.stat_result] = [os.fstat(roots[0])]   # and its times, by the same number
     try:
         _copy_dir_meta(roots[0], out_root, False)
-        pending: list[tuple[str, list[int]]] = [("", list(range(len(roots))))]
+        pending: list[tuple[int, list[int]]] = [(0, list(range(len(roots))))]
         while pending:
-            rel, visible = pending.pop()
+            node, visible = pending.pop()
+            rel = _folder_path(folders, node)
             fds = {layer: fd for layer in visible
                    if (fd := open_dir_beneath(roots[layer], rel)) is not None}
             out = open_dir_beneath(out_root, rel)
             if out is None:
                 raise OSError(errno.ENOENT, f"merged directory {rel} vanished")
             try:
-                pending += _merge_dir(fds, [v for v in visible if v in fds], out, rel, times)
+                pending += _merge_dir(fds, [v for v in visible if v in fds], out, node,
+                                      folders, times)
             finally:
                 for fd in list(fds.values()) + [out]:
                     os.close(fd)
             if crash_at:
                 crash_point(crash_at)      # a test's kill -9 in the middle of a merge
-        for rel, st in times:
-            fd = open_dir_beneath(out_root, rel)
+        for node, st in enumerate(times):
+            fd = open_dir_beneath(out_root, _folder_path(folders, node))
             if fd is not None:
                 os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
                 os.close(fd)
@@ -4564,10 +4633,51 @@ def merge_layers(sources: list[str], dest: str, crash_at: str | None = None) -> 
             os.close(fd)
 
 
-def _merge_dir(fds: dict[int, int], visible: list[int], out: int, rel: str,
-               times: list[tuple[str, os.stat_result]]) -> list[tuple[str, list[int]]]:
-    """Merge one directory (its fds per layer, visible top first) into out; its
-    subdirectories to walk, each with the layers in which it is visible."""
+def _merge_copy(src_dir: int, name: str, out: int) -> None:
+    """A copy of a layer's file, symlink or whiteout whose inode takes no more links (ext4
+    allows 65,000; overlay links a layer's whiteouts to one inode, and a task may link a file
+    of its own 64,999 times): content, owner, mode, xattrs and times, so that the merged
+    layer is still exactly its layers stacked."""
+    st = os.stat(name, dir_fd=src_dir, follow_symlinks=False)
+    if stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(name, dir_fd=src_dir), name, dir_fd=out)
+    elif not stat.S_ISREG(st.st_mode):
+        os.mknod(name, st.st_mode, st.st_rdev, dir_fd=out)          # a whiteout
+    else:
+        src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=src_dir)
+        try:
+            dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                          os.O_CLOEXEC, 0o600, dir_fd=out)
+            try:
+                while os.sendfile(dst, src, None, 1 << 30):
+                    pass
+                os.fchown(dst, st.st_uid, st.st_gid)
+                os.fchmod(dst, stat.S_IMODE(st.st_mode))
+                for key in os.listxattr(src):
+                    os.setxattr(dst, key, os.getxattr(src, key))
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+    os.chown(name, st.st_uid, st.st_gid, dir_fd=out, follow_symlinks=False)
+    os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=out, follow_symlinks=False)
+
+
+def _folder_path(folders: list[tuple[int, str]], node: int) -> str:
+    """The path of folder number node of a merge (from its parents' numbers and names)."""
+    names = []
+    while node > 0:
+        node, name = folders[node]
+        names.append(name)
+    return "/".join(reversed(names))
+
+
+def _merge_dir(fds: dict[int, int], visible: list[int], out: int, node: int,
+               folders: list[tuple[int, str]], times: list[os.stat_result]
+               ) -> list[tuple[int, list[int]]]:
+    """Merge one directory (folder number node: its fds per layer, visible top first) into
+    out; its subdirectories to walk (numbered in folders and times), each with the layers in
+    which it is visible."""
     names: dict[str, None] = {}
     for layer in visible:
         with contextlib.suppress(OSError):
@@ -4576,7 +4686,13 @@ def _merge_dir(fds: dict[int, int], visible: list[int], out: int, rel: str,
     for name in names:
         winner, dirs, opaque = _merge_entry(fds, visible, name)
         if winner is not None:
-            os.link(name, name, src_dir_fd=fds[winner], dst_dir_fd=out, follow_symlinks=False)
+            try:
+                os.link(name, name, src_dir_fd=fds[winner], dst_dir_fd=out,
+                        follow_symlinks=False)
+            except OSError as exc:
+                if exc.errno != errno.EMLINK:
+                    raise
+                _merge_copy(fds[winner], name, out)
             whiteouts = whiteouts or is_whiteout(os.stat(name, dir_fd=out,
                                                          follow_symlinks=False))
             continue
@@ -4592,11 +4708,11 @@ def _merge_dir(fds: dict[int, int], visible: list[int], out: int, rel: str,
                 _copy_dir_meta(top, made, opaque)
             finally:
                 os.close(made)
-            child = f"{rel}/{name}" if rel else name
-            times.append((child, os.fstat(top)))
+            times.append(os.fstat(top))
+            folders.append((node, name))
         finally:
             os.close(top)
-        subdirs.append((child, dirs))
+        subdirs.append((len(folders) - 1, dirs))
     if whiteouts:
         # Overlay hides whiteouts from a listing only in a directory it merges from several
         # layers or that carries an origin xattr (copied up); once merged, a directory may
