@@ -14,6 +14,9 @@ APT_PACKAGES := nftables iproute2 util-linux libcap-dev gcc python3-dev python3-
 # Only the tests and the bench: the portal's tests drive a real headless browser.
 TEST_APT_PACKAGES := chromium chromium-driver
 
+# Is a Debian package installed (not only known: a removed one keeps its config files' record)?
+INSTALLED = test "$$(dpkg-query -W -f='$${db:Status-Status}' $(1) 2>/dev/null)" = installed
+
 DROID_VERSION := 0.215.0
 DROID := $(VENV)/droid/node_modules/droid/bin/droid
 
@@ -24,7 +27,7 @@ deps: $(VENV)/.installed $(VENV)/.seccomp $(VENV)/.droid-$(DROID_VERSION)
 # The Debian packages gurtd and its tests need, those missing only.
 apt:
 	@missing=""; for p in $(APT_PACKAGES); do \
-	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	  $(call INSTALLED,$$p) || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
@@ -41,7 +44,7 @@ SECCOMP_LINK = ln -sf "$$($(PYTHON) -c 'import seccomp; print(seccomp.__file__)'
   "$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/"
 
 $(VENV)/.seccomp: $(VENV)/.installed
-	dpkg -s python3-seccomp >/dev/null 2>&1 || { apt-get update -qq && \
+	$(call INSTALLED,python3-seccomp) || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-seccomp; }
 	$(call SECCOMP_LINK,$(VENV))
 	$(VENV)/bin/python -c 'import seccomp'
@@ -60,7 +63,7 @@ $(VENV)/.droid-$(DROID_VERSION): $(VENV)/.installed
 # Debian packages only the tests and the bench use: the browser the portal's tests drive.
 $(VENV)/.test-installed: $(VENV)/.installed
 	@missing=""; for p in $(TEST_APT_PACKAGES); do \
-	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	  $(call INSTALLED,$$p) || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
