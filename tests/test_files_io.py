@@ -10,13 +10,11 @@ import io
 import json
 import os
 import pwd
-import shutil
 import socket
 import stat
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from typing import Any, Iterator
 
@@ -380,19 +378,10 @@ def test_an_upload_never_hides_a_folder_a_file_or_a_link_of_the_workspace(g: Gur
 
 
 def test_an_upload_that_would_eat_the_disk_reserve_is_refused_with_507() -> None:
-    """BOX_HOME on a 64 MiB file system of its own (a loop device the test makes and removes):
+    """BOX_HOME on a small file system of its own (a loop device the test makes and removes):
     an archive that unpacks past its free space above the reserve is a 507, nothing written."""
-    base = tempfile.mkdtemp(prefix="gurt-test-io-disk-", dir="/var/tmp")
-    image, mnt = os.path.join(base, "disk.img"), os.path.join(base, "mnt")
-    os.mkdir(mnt)
-    with open(image, "wb") as f:
-        f.truncate(64 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", image], check=True)
-    subprocess.run(["mount", "-o", "loop", image, mnt], check=True)
-    box = Gurtd(os.path.join(mnt, "box"))
-    box.log_path = os.path.join(base, "gurtd.log")
-    try:
-        box.start()
+    from test_durable import gurtd_on_small_disk
+    with gurtd_on_small_disk() as (box, _disk):
         before = box_state(box)
         zeros = tarfile.TarInfo("zeros.bin")
         zeros.size = 80 << 20
@@ -407,8 +396,3 @@ def test_an_upload_that_would_eat_the_disk_reserve_is_refused_with_507() -> None
         assert box_state(box) == before
         status, _, _ = upload(box, "home", tar_bytes(member("small.txt", b"fits")))
         assert status == 201 and box.file("home", "small.txt") == b"fits"
-    finally:
-        if box.proc is not None:
-            box.stop()
-        subprocess.run(["umount", mnt], check=False)
-        shutil.rmtree(base, ignore_errors=True)
