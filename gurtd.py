@@ -2322,9 +2322,12 @@ def tree_visit(top: str, visit: Visit, leave: Callable[[int, str], None] | None 
     directory), leave(parent_fd, name) once a directory's entries are
     done.  One directory fd open at a time (it moves down by name and up by ".."), a list of
     names per level instead of recursion: a task's tree may be thousands of levels deep and
-    longer than PATH_MAX.  For trees no process writes any more (a finished layer)."""
+    longer than PATH_MAX.  Each step up is checked against the directory it came down from:
+    a folder someone moves during the walk (an owner's real folder under a keep) raises
+    instead of leading the walk, and a removal, out of the tree."""
     fd = os.open(top, DIR_FLAGS)
     path: list[str] = []
+    ids = [_dir_id(fd)]                   # (dev, ino) of each directory from top down
     pending = [_visit_dir(fd, visit, path)]
     try:
         while True:
@@ -2337,6 +2340,7 @@ def tree_visit(top: str, visit: Visit, leave: Callable[[int, str], None] | None 
                 os.close(fd)
                 fd = child
                 path.append(name)
+                ids.append(_dir_id(fd))
                 pending.append(_visit_dir(fd, visit, path))
                 continue
             pending.pop()
@@ -2345,12 +2349,21 @@ def tree_visit(top: str, visit: Visit, leave: Callable[[int, str], None] | None 
             parent = os.open("..", DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = parent
+            ids.pop()
+            if _dir_id(fd) != ids[-1]:
+                raise OSError(errno.EXDEV, "a folder was moved while it was walked",
+                              os.path.join(top, *path))
             if leave is not None:
                 leave(fd, path.pop())
             else:
                 path.pop()
     finally:
         os.close(fd)
+
+
+def _dir_id(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 def _visit_dir(fd: int, visit: Visit, parents: list[str]) -> list[str]:
