@@ -11005,20 +11005,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
 ###############################################################################################
 # The OpenAPI description is generated: each Route gives its path, method, summary and
 # operation (operationId, tag, query parameters, request body, every status with its content);
-# the component schemas come from the tables that validate requests (TASK_FIELDS and
-# TASK_SCHEMA, DEFAULT_SETTINGS and LIMIT_SETTINGS, the Approval record, the states), so the
-# description cannot drift from what gurtd does.
+# the component schemas come from the tables that validate requests (TASK_FIELDS, TASK_LIMITS,
+# ID_RE and WORKSPACE_RE, DEFAULT_SETTINGS and LIMIT_SETTINGS, the Approval record, the
+# states), so the description cannot drift from what gurtd does.
 
-TASK_SCHEMA: dict[str, Any] = {
+LIMIT_ABOUT = {     # what each of TASK_LIMITS bounds, said in the Task schema
+    "processes": "Processes and threads", "memoryBytes": "Memory, tmpfs pages included",
+    "tmpBytes": "/tmp, /var/tmp, /dev/shm and HOME together",
+    "logBytes": "Stored log; past it lines are counted"}
+TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schemas says
     "type": "object",
-    "required": ["id", "title", "prompt", "workspace", "worker", "tools", "hosts",
-                 "budgetCents", "source", "state", "user", "layers", "costCents", "createdAt",
-                 "updatedAt"],
     "properties": {
-        "id": {"type": "string", "pattern": "^t[a-z0-9]{9}$"},
+        "id": {"type": "string", "pattern": ID_RE.pattern},
         "title": {"type": "string", "description": "A short name for people."},
         "prompt": {"type": "string", "description": "For the fake worker, one command a line."},
-        "workspace": {"type": "string", "default": "home", "pattern": "^[\\w.-]+$"},
+        "workspace": {"type": "string", "default": "home", "pattern": WORKSPACE_RE.pattern},
         "worker": {"type": "string", "enum": list(WORKERS), "default": "droid"},
         "tools": {"type": "array", "items": {"type": "string"}, "default": []},
         "hosts": {"type": "array", "items": {"type": "string"}, "default": []},
@@ -11045,25 +11046,14 @@ TASK_SCHEMA: dict[str, Any] = {
         "limits": {"type": "object", "additionalProperties": False,
                    "description": "What the task may take; on create, any of these overrides "
                                   "its setting; the task shows the effective values.",
-                   "properties": {
-                       "processes": {"type": "integer", "minimum": 8,
-                                     "description": "Processes and threads (taskMaxProcesses)."},
-                       "memoryBytes": {"type": "integer", "minimum": 16 << 20,
-                                       "description": "Memory, tmpfs pages included "
-                                                      "(taskMemoryBytes)."},
-                       "tmpBytes": {"type": "integer", "minimum": 1 << 20,
-                                    "description": "/tmp, /var/tmp, /dev/shm and HOME together "
-                                                   "(taskTmpBytes)."},
-                       "logBytes": {"type": "integer", "minimum": 64 << 10,
-                                    "description": "Stored log; past it lines are counted "
-                                                   "(taskLogBytes)."}}},
+                   "properties": {key: {"type": "integer", "minimum": low,
+                                        "description": f"{LIMIT_ABOUT[key]} ({setting})."}
+                                  for key, (setting, low) in TASK_LIMITS.items()}},
+        "askHosts": {"type": "boolean", "description": "A name outside hosts asks a person (an "
+                     "approval of kind host) instead of failing; default the askHostsDefault "
+                     "setting."},
     },
 }
-
-
-TASK_SCHEMA["properties"]["askHosts"] = {
-    "type": "boolean", "description": "A name outside hosts asks a person (an approval of kind "
-    "host) instead of failing; default the askHostsDefault setting."}
 
 
 
@@ -11155,9 +11145,9 @@ def setting_schema(key: str) -> dict[str, Any]:
 
 def api_schemas() -> dict[str, Any]:
     """The component schemas, from the records and tables that validate requests."""
-    task = json.loads(json.dumps(TASK_SCHEMA))
+    task = {"type": "object", "required": [k for k in PUBLIC_FIELDS if k not in OPTIONAL_FIELDS],
+            "properties": json.loads(json.dumps(TASK_SCHEMA["properties"]))}    # to_api's
     task["properties"]["worker"]["enum"] = list(WORKERS) + [UPLOAD_WORKER]
-    task["required"] = [k for k in PUBLIC_FIELDS if k not in OPTIONAL_FIELDS]   # to_api's
     for key in PUBLIC_FIELDS:                 # a field added later is described, if loosely
         task["properties"].setdefault(key, {})
     create_rules: dict[str, dict[str, Any]] = {
