@@ -9800,14 +9800,19 @@ def h_health(req: "Handler", params: dict[str, str]) -> Any:
     return 200, {"ok": True, "version": VERSION}
 
 
+# GET /api/tasks?limit=: h_tasks_list checks it, its route describes it
+TASKS_LIMIT = {"type": "integer", "minimum": 1, "maximum": 1000, "default": 200}
+
+
 def h_tasks_list(req: "Handler", params: dict[str, str]) -> Any:
     state = req.query_one("state")
     if state is not None and state not in STATES:
         raise ApiError(400, f"state must be one of: {', '.join(STATES)}")
     workspace = req.query_one("workspace")
-    limit_text = req.query_one("limit") or "200"
-    if not is_digits(limit_text) or not 1 <= int(limit_text) <= 1000:
-        raise ApiError(400, "limit must be a whole number from 1 to 1000")
+    limit_text = req.query_one("limit") or str(TASKS_LIMIT["default"])
+    low, high = TASKS_LIMIT["minimum"], TASKS_LIMIT["maximum"]
+    if not is_digits(limit_text) or not low <= int(limit_text) <= high:
+        raise ApiError(400, f"limit must be a whole number from {low} to {high}")
     fields = task_fields(req.query_one("fields"))
     return 200, req.box.list_tasks(state, workspace, int(limit_text), fields)
 
@@ -10287,8 +10292,7 @@ ROUTES: list[Route] = [
           "listTasks", "tasks",
           query={"state": ({"type": "string", "enum": list(STATES)}, "Only tasks in this state"),
                  "workspace": ({"type": "string"}, "Only tasks of this workspace"),
-                 "limit": ({"type": "integer", "minimum": 1, "maximum": 1000, "default": 200},
-                           "At most this many")},
+                 "limit": (TASKS_LIMIT, "At most this many")},
           answers={200: ("Tasks, newest first", _array(_ref("Task"))),
                    400: "A query parameter is wrong"}),
     Route("POST", "/api/tasks", h_tasks_create, "Create a task",
