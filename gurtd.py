@@ -47,7 +47,9 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Jira                  a Jira Cloud poll thread: one task per matching issue (recorded
                           before it is made), a comment and a transition when it ends
     Hooks                 signed webhooks (HMAC-SHA256, delivery ids refused twice a day)
-    HTTP                  request guard, auth, one routing table, JSON errors, OpenAPI
+    HTTP                  request guard, auth, one table of Route records (method, path,
+                          handler, open or streamed, OpenAPI operation), JSON errors
+    OpenAPI               the description generated from the routes and the validation tables
     Loop                  the BOX_HOME lock, the start as steps with their undo, the select
                           loop that owns the box state and guards each event, signals, sd_notify
                           (READY, WATCHDOG from the loop, STATUS with the task counts)
@@ -8463,9 +8465,6 @@ def h_task_archive(req: "Handler", params: dict[str, str]) -> Any:
     return None
 
 
-STREAMED_BODIES = (h_workspace_put_file, h_workspace_upload)   # they read their own body
-
-
 # Portal sessions ###############################################################################
 ###############################################################################################
 # The portal is one static page (portal.html beside this file) served at /.  A browser cannot
@@ -8728,9 +8727,6 @@ def h_sign_in_code(req: "Handler", params: dict[str, str]) -> Any:
         raise ApiError(403, "sign-in codes are made with the bearer token", "forbidden")
     code, life = req.server.sessions.new_code()
     return 201, {"code": code, "path": "/?code=" + code, "expiresInSeconds": life}
-
-
-OPEN_HANDLERS = (h_portal, h_sessions_create, h_session_current)   # besides h_health
 
 
 # Schedules #####################################################################################
@@ -9749,10 +9745,10 @@ def h_hook_deliver(req: "Handler", params: dict[str, str]) -> Any:
 
 # HTTP ##########################################################################################
 ###############################################################################################
-# One routing table; handlers parse, ask the Box, render.  Errors of every kind, http.server's
-# own included, leave as JSON {"error": ..., "code"?: ...} from one place.
-
-Route = tuple[str, str, Callable[..., Any], str]
+# One table of Route records (ROUTES, after the handlers): each says its method, path, handler,
+# whether it is open or streamed, and its OpenAPI operation.  Handlers parse, ask the Box,
+# render.  Errors of every kind, http.server's own included, leave as JSON {"error": ...,
+# "code"?: ...} from one place.
 
 
 class LogWatch:
@@ -9804,14 +9800,19 @@ def h_health(req: "Handler", params: dict[str, str]) -> Any:
     return 200, {"ok": True, "version": VERSION}
 
 
+# GET /api/tasks?limit=: h_tasks_list checks it, its route describes it
+TASKS_LIMIT = {"type": "integer", "minimum": 1, "maximum": 1000, "default": 200}
+
+
 def h_tasks_list(req: "Handler", params: dict[str, str]) -> Any:
     state = req.query_one("state")
     if state is not None and state not in STATES:
         raise ApiError(400, f"state must be one of: {', '.join(STATES)}")
     workspace = req.query_one("workspace")
-    limit_text = req.query_one("limit") or "200"
-    if not is_digits(limit_text) or not 1 <= int(limit_text) <= 1000:
-        raise ApiError(400, "limit must be a whole number from 1 to 1000")
+    limit_text = req.query_one("limit") or str(TASKS_LIMIT["default"])
+    low, high = TASKS_LIMIT["minimum"], TASKS_LIMIT["maximum"]
+    if not is_digits(limit_text) or not low <= int(limit_text) <= high:
+        raise ApiError(400, f"limit must be a whole number from {low} to {high}")
     fields = task_fields(req.query_one("fields"))
     return 200, req.box.list_tasks(state, workspace, int(limit_text), fields)
 
@@ -10197,191 +10198,44 @@ def h_openapi(req: "Handler", params: dict[str, str]) -> Any:
     return 200, openapi(f"http://{host}:{req.server.server_address[1]}")
 
 
-ROUTES: list[Route] = [
-    ("GET", "/api/health", h_health, "Is gurtd up (no token needed)"),
-    ("GET", "/api/tasks", h_tasks_list,
-     "List tasks, newest first (?state= ?workspace= ?limit= ?fields=id,state)"),
-    ("POST", "/api/tasks", h_tasks_create, "Create a task"),
-    ("GET", "/api/tasks/{id}", h_task_get, "Read a task"),
-    ("POST", "/api/tasks/{id}/undo", h_task_undo, "Undo a task"),
-    ("POST", "/api/tasks/{id}/stop", h_task_stop, "Stop a task: it fails with error stopped"),
-    ("GET", "/api/tasks/{id}/log", h_task_log, "A task's log as JSON lines (?follow=1: SSE)"),
-    ("GET", "/api/tasks/{id}/changes", h_task_changes, "A task's layer: [{path, change}]"),
-    ("GET", "/api/workspaces", h_workspaces_list, "List workspaces"),
-    ("POST", "/api/workspaces", h_workspaces_create, "Create an empty workspace"),
-    ("GET", "/api/workspaces/{name}", h_workspace_get, "A workspace and its stack"),
-    ("GET", "/api/workspaces/{name}/files", h_workspace_files, "The view's top folder"),
-    ("GET", "/api/workspaces/{name}/files/{path}", h_workspace_files,
-     "A file of the workspace's current view, or a folder's listing"),
-    ("GET", "/api/approvals", h_approvals_list,
-     "List approvals, newest first (?state=pending|approved|denied ?task=)"),
-    ("GET", "/api/approvals/{id}", h_approval_get, "Read an approval"),
-    ("POST", "/api/approvals/{id}/approve", h_approval_approve,
-     "Approve a pending approval {reason?, args? | budgetCents?}: the call runs (with these "
-     "args), or the task's budget is raised"),
-    ("POST", "/api/approvals/{id}/deny", h_approval_deny,
-     "Deny a pending approval {reason?}: the call returns a refusal carrying the reason"),
-    ("POST", "/api/approvals/{id}/answer", h_approval_answer, "Answer an ask {answer}"),
-    ("POST", "/api/approvals/approve-all", h_approvals_approve_all,
-     "Approve every pending spending and host {task?}: {approved: n, skipped: m}"),
-    ("GET", "/api/wallet", h_wallet_get, "The wallet: balance and ledger"),
-    ("PUT", "/api/wallet", h_wallet_put, "Set the wallet's balance {balanceCents}"),
-    ("GET", "/api/tools", h_tools, "The tools tasks can be granted"),
-    ("GET", "/api/events", h_events,
-     "Server-Sent Events: task state changes, approvals made and answered"),
-    ("GET", "/api/settings", h_settings_get, "Read settings"),
-    ("PUT", "/api/settings", h_settings_put, "Change settings"),
-    # personal mode: review
-    ("POST", "/api/tasks/{id}/keep", h_task_keep,
-     "Keep a personal task's folder changes {force?, paths?}: 409 conflict names the paths"),
-    ("GET", "/api/tasks/{id}/diff", h_task_diff,
-     "A task's changes as a unified diff (?path=): its folders, or its layer"),
-    # decisions
-    ("POST", "/api/approvals/{id}/always", h_approval_always,
-     "Approve and record a policy {scope: task|workspace|box, maxCents?, totalCents?, "
-     "expiresAt?, reason?}: later calls like it run without asking"),
-    ("GET", "/api/policies", h_policies_list, "List policies (always-approve), newest first"),
-    ("POST", "/api/policies", h_policies_create,
-     "Create a policy {tool, scope, task?|workspace?, host?, maxCents?, totalCents?, "
-     "expiresAt?, reason?}"),
-    ("DELETE", "/api/policies/{id}", h_policy_delete, "Delete a policy: matching calls ask again"),
-    # files in and out
-    ("PUT", "/api/workspaces/{name}/files/{path}", h_workspace_put_file,
-     "Put one file (the body is its content) as a layer of its own: the upload's task"),
-    ("POST", "/api/workspaces/{name}/upload", h_workspace_upload,
-     "Upload a tar archive (plain or gzip) as a layer of its own: the upload's task"),
-    ("GET", "/api/workspaces/{name}/archive", h_workspace_archive,
-     "The workspace's current view as a tar.gz, streamed"),
-    ("GET", "/api/tasks/{id}/archive", h_task_archive,
-     "What a finished task added or changed, as a tar.gz"),
-    # portal
-    ("GET", "/", h_portal, "The portal: one page to watch tasks and answer decisions"),
-    ("POST", "/api/sessions", h_sessions_create,
-     "Sign the portal in {code} or {token}: sets the session cookie"),
-    ("GET", "/api/sessions/current", h_session_current, "Is this browser signed in"),
-    ("GET", "/api/sessions", h_sessions_list, "List the portal's live sessions"),
-    ("DELETE", "/api/sessions/{id}", h_session_delete, "Revoke a session (sign out)"),
-    ("POST", "/api/sessions/codes", h_sign_in_code,
-     "A one-time sign-in code for the portal (bearer token only)"),
-    # sources: schedules and hooks
-    ("GET", "/api/schedules", h_schedules_list, "List schedules with their next runs"),
-    ("POST", "/api/schedules", h_schedules_create,
-     "Create a schedule {name, cron, timezone?, task, enabled?, overlap?}"),
-    ("GET", "/api/schedules/{id}", h_schedule_get, "Read a schedule and its nextRuns"),
-    ("PUT", "/api/schedules/{id}", h_schedule_put, "Change a schedule (any of its fields)"),
-    ("DELETE", "/api/schedules/{id}", h_schedule_delete, "Delete a schedule"),
-    ("POST", "/api/schedules/{id}/run", h_schedule_run, "Run a schedule now"),
-    ("GET", "/api/hooks", h_hooks_list, "List hooks (never their secrets)"),
-    ("POST", "/api/hooks", h_hooks_create,
-     "Create a hook {name, source, task?, allow?}: its secret is answered this once"),
-    ("DELETE", "/api/hooks/{name}", h_hook_delete, "Delete a hook"),
-    ("POST", "/api/hooks/{name}", h_hook_deliver,
-     "Deliver to a hook (no token: X-Gurt-Signature and X-Gurt-Delivery)"),
-    ("GET", "/api/openapi.json", h_openapi, "This description"),
-]
+@dataclass
+class Route:
+    """One route, whole: what the router matches, what dispatch asks before the handler runs,
+    and its OpenAPI operation (the OpenAPI section makes the description of them).
+
+    path is a pattern: {name} matches one segment, {path} the rest.  open: no bearer token or
+    session is asked (the handler checks what it needs: a sign-in, a signature; or nothing).
+    streamed: the handler reads its own body, up to LIMIT_MAX (files in).  The operation:
+    query and headers map a name to (schema, description[, True: required]); params gives a
+    path parameter's schema where the id, name or path one does not fit; body is (schema,
+    required[, content types]), JSON unless said; answers map a status to a description (an
+    Error) or to (description, content[, headers]), where content is a JSON schema or a dict
+    of content types, and headers map a name to (schema, description, required).  A route
+    without answers still gets a minimal valid description (undocumented_routes lists them).
+    """
+
+    method: str
+    path: str
+    handler: Callable[..., Any]
+    summary: str
+    operation_id: str = ""                 # "" : auto_operation_id's
+    tag: str = ""                          # "" : the path's second segment
+    answers: dict[int, Any] = field(default_factory=dict)
+    body: tuple[Any, ...] | None = None
+    query: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    headers: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    open: bool = False
+    streamed: bool = False
+    regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        regex = re.escape(self.path).replace(r"\{path\}", "(?P<path>.*)")
+        self.regex = re.compile("^" + re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", regex) + "$")
 
 
-def _compile_route(pattern: str) -> re.Pattern[str]:
-    regex = re.escape(pattern).replace(r"\{path\}", "(?P<path>.*)")
-    regex = re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", regex)
-    return re.compile("^" + regex + "$")
-
-
-COMPILED_ROUTES = [(method, _compile_route(pattern), fn) for method, pattern, fn, _ in ROUTES]
-
-
-def _route_key(pattern_or_path: str) -> str:
-    """Routes are looked up by their first three path segments (/api/tasks/...)."""
-    parts = pattern_or_path.split("/", 4)
-    return "/".join(p if not p.startswith("{") else "*" for p in parts[:3])
-
-
-ROUTES_BY_KEY: dict[str, list[tuple[str, re.Pattern[str], Callable[..., Any]]]] = {}
-for (_method, _pattern, _fn, _summary), _route in zip(ROUTES, COMPILED_ROUTES):
-    ROUTES_BY_KEY.setdefault(_route_key(_pattern), []).append(_route)
-
-
-def match_route(method: str, path: str) -> tuple[Callable[..., Any], dict[str, str]]:
-    """The handler and path parameters, or ApiError 404 / 405 with Allow."""
-    allowed = []
-    for route_method, regex, fn in ROUTES_BY_KEY.get(_route_key(path), ()):
-        m = regex.match(path)
-        if m:
-            if route_method == method:
-                params = {k: (urllib.parse.unquote(v) if k != "path" else v)
-                          for k, v in m.groupdict().items()}
-                return fn, params
-            allowed.append(route_method)
-    if allowed:
-        raise ApiError(405, f"method {method} is not allowed here", "method_not_allowed",
-                       {"Allow": ", ".join(sorted(set(allowed)))})
-    raise ApiError(404, f"no route {path}", "not_found")
-
-
-TASK_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["id", "title", "prompt", "workspace", "worker", "tools", "hosts",
-                 "budgetCents", "source", "state", "user", "layers", "costCents", "createdAt",
-                 "updatedAt"],
-    "properties": {
-        "id": {"type": "string", "pattern": "^t[a-z0-9]{9}$"},
-        "title": {"type": "string", "description": "A short name for people."},
-        "prompt": {"type": "string", "description": "For the fake worker, one command a line."},
-        "workspace": {"type": "string", "default": "home", "pattern": "^[\\w.-]+$"},
-        "worker": {"type": "string", "enum": list(WORKERS), "default": "droid"},
-        "tools": {"type": "array", "items": {"type": "string"}, "default": []},
-        "hosts": {"type": "array", "items": {"type": "string"}, "default": []},
-        "budgetCents": {"type": "number"},
-        "source": {"type": "string", "default": "api"},
-        "state": {"type": "string", "enum": list(STATES)},
-        "user": {"type": "string", "description": "box-<id>"},
-        "layers": {"type": "array", "items": {"type": "string"},
-                   "description": "Finished tasks whose changes it saw, newest first."},
-        "costCents": {"type": "number"},
-        "step": {"type": "string"},
-        "createdAt": {"type": "string", "format": "date-time"},
-        "updatedAt": {"type": "string", "format": "date-time"},
-        "error": {"type": "string"},
-        "summary": {"type": "string"},
-        "folder": {"type": "string", "description": "Personal: the first real folder the task "
-                                                     "works on a copy of."},
-        "folders": {"type": "array", "items": {"type": "string"}, "maxItems": MAX_FOLDERS,
-                    "description": "Personal: every real folder the task works on."},
-        "review": {"type": "string", "enum": list(REVIEW_STATES),
-                   "description": "Personal: done and waiting for the owner, kept, stopped by "
-                                  "a conflict, or undone."},
-        "schedule": {"type": "string", "description": "The schedule that started it."},
-        "limits": {"type": "object", "additionalProperties": False,
-                   "description": "What the task may take; on create, any of these overrides "
-                                  "its setting; the task shows the effective values.",
-                   "properties": {
-                       "processes": {"type": "integer", "minimum": 8,
-                                     "description": "Processes and threads (taskMaxProcesses)."},
-                       "memoryBytes": {"type": "integer", "minimum": 16 << 20,
-                                       "description": "Memory, tmpfs pages included "
-                                                      "(taskMemoryBytes)."},
-                       "tmpBytes": {"type": "integer", "minimum": 1 << 20,
-                                    "description": "/tmp, /var/tmp, /dev/shm and HOME together "
-                                                   "(taskTmpBytes)."},
-                       "logBytes": {"type": "integer", "minimum": 64 << 10,
-                                    "description": "Stored log; past it lines are counted "
-                                                   "(taskLogBytes)."}}},
-    },
-}
-
-
-TASK_SCHEMA["properties"]["askHosts"] = {
-    "type": "boolean", "description": "A name outside hosts asks a person (an approval of kind "
-    "host) instead of failing; default the askHostsDefault setting."}
-
-
-
-# The OpenAPI description is generated: ROUTES gives the paths, methods and summaries; API_DOCS
-# (keyed like ROUTES) adds what a client generator needs (operationId, tag, query parameters,
-# request body, every status with its content); the schemas come from the tables that
-# validate requests (TASK_FIELDS and TASK_SCHEMA, DEFAULT_SETTINGS and LIMIT_SETTINGS, the
-# Approval record, the states), so the description cannot drift from what gurtd does.  A route
-# without an API_DOCS entry still gets a minimal valid description (tests list them).
+# The schemas the routes' requests and answers name; the component schemas (Task, Settings...)
+# are made from the validation tables in the OpenAPI section and named by _ref.
 
 def _ref(name: str) -> dict[str, Any]:
     return {"$ref": f"#/components/schemas/{name}"}
@@ -10391,20 +10245,6 @@ def _array(items: dict[str, Any]) -> dict[str, Any]:
     return {"type": "array", "items": items}
 
 
-def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    return {**schema, "type": [schema["type"], "null"]}
-
-
-_LABEL, _TOP = "[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", "[a-z]([a-z0-9-]{0,61}[a-z0-9])?"
-_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
-_PORT = "(:([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]))?"
-HOST_SCHEMA = {   # parse_host's forms; a wildcard under a public suffix is refused besides
-    "type": "string", "maxLength": 259, "examples": ["example.com", "*.example.com:443"],
-    "pattern": f"^((\\*\\.)?({_LABEL}\\.)+{_TOP}|{_TOP}|({_OCTET}\\.){{3}}{_OCTET}){_PORT}$"}
-NET_SCHEMA = {"type": "string", "pattern": f"^({_OCTET}\\.){{3}}{_OCTET}/(3[0-2]|[12]?[0-9])$",
-              "description": "An IPv4 network (no host bits) outside the absolute special "
-                             "ranges, e.g. 10.0.0.0/8"}
-ID_SCHEMA = {"type": "string", "description": "A task id.", "examples": ["t3k9x2a1b2"]}
 NAME_SCHEMA = {"type": "string", "pattern": r"^(?!\.{1,2}$)[A-Za-z0-9_.-]{1,64}$",
                "description": "A workspace: a folder in BOX_HOME/workspaces.",
                "examples": ["home"]}
@@ -10422,17 +10262,6 @@ APPROVE_BODY = {"type": "object", "additionalProperties": False,
                                               "(a tool call only; checked like the task's)"},
     "budgetCents": {"type": "number", "description": "Raise the task's budget to this (a "
                                                      "budget approval only; not with args)"}}}
-APPROVAL_DECISIONS = {      # the Approval's fields of decisions: what a person changed
-    "approvedArgs": {"description": "Approved with these arguments instead of args"},
-    "budgetCents": {"type": ["number", "null"],
-                    "description": "Approved by raising the task's budget to this"},
-    "policy": {"type": ["string", "null"],
-               "description": "The policy that approved it, or that always-approve made"},
-    "canAlwaysApprove": {"type": "boolean", "description": "Whether POST .../always is offered"},
-    "alwaysBlockedReason": {"type": ["string", "null"], "description": "Why not, when not"}}
-PATH_SCHEMA = {"type": "string", "pattern": "^(?!([^/]*/)*\\.\\.(/|$))[^\\\\\\u0000]*$",
-               "description": "A path inside the workspace; / as %2F (no .. part, no "
-                              "backslash, no NUL: clean_relpath)"}
 CENTS_OR_NULL = {"type": ["number", "null"], "minimum": 0}
 POLICY_LIMITS = {
     "maxCents": {**CENTS_OR_NULL, "description": "At most this per call"},
@@ -10445,731 +10274,419 @@ SCHEDULE_ID = {"type": "string", "description": "A schedule id.", "examples": ["
 HOOK_NAME = {"type": "string", "pattern": HOOK_NAME_RE.pattern, "description": "A hook's name"}
 PORTAL_ONLY = ({"type": "string", "enum": ["1"]},
                "Sent by the portal's own page; no cross-site form can send it", True)
+UPLOAD_REFUSALS = {   # what both ways of putting files in answer besides their own 400
+    404: "No workspace of this name",
+    409: "A folder where the workspace has a file or a link (or the reverse), or too many "
+         "layers",
+    413: "Larger than uploadMaxBytes", 507: "The disk is full"}
+UPLOAD_TASK = ("The upload's task: done, a layer of its own", _ref("Task"))
+DELETED = ("Deleted", {"type": "object", "required": ["deleted"],
+                       "properties": {"deleted": {"type": "string"}}})
+NOT_ANSWERED = "The disk is full: nothing was answered"
 
-# (method, pattern) -> operationId, tag, path (name -> schema, where the default id/name/path
-# schema does not fit), query and headers (name -> schema, description, optional True:
-# required), body (schema, required, content types; JSON unless said), responses (status ->
-# description and content, and optional headers (name -> schema, description, required): a
-# schema is JSON, a dict of content types is each; a bare description is an Error).
-API_DOCS: dict[tuple[str, str], dict[str, Any]] = {
-    ("GET", "/api/health"): {
-        "operationId": "getHealth", "tag": "service",
-        "responses": {200: ("gurtd is up", _ref("Health"))}},
-    ("GET", "/api/tasks"): {
-        "operationId": "listTasks", "tag": "tasks",
-        "query": {"state": ({"type": "string", "enum": list(STATES)}, "Only tasks in this state"),
-                  "workspace": ({"type": "string"}, "Only tasks of this workspace"),
-                  "limit": ({"type": "integer", "minimum": 1, "maximum": 1000, "default": 200},
-                            "At most this many")},
-        "responses": {200: ("Tasks, newest first", _array(_ref("Task"))),
-                      400: "A query parameter is wrong"}},
-    ("POST", "/api/tasks"): {
-        "operationId": "createTask", "tag": "tasks", "body": (_ref("TaskCreate"), True),
-        "responses": {201: ("The task, queued", _ref("Task")),
-                      400: "A field is wrong, the workspace does not exist, the droid "
-                           "worker has no Droid CLI, or a folder is refused (personal: not "
-                           "a folder under folderRoots, or inside another)",
-                      507: "The disk is full: nothing was created"}},
-    ("GET", "/api/tasks/{id}"): {
-        "operationId": "getTask", "tag": "tasks",
-        "responses": {200: ("The task", _ref("Task")), 400: "No task with this id"}},
-    ("POST", "/api/tasks/{id}/undo"): {
-        "operationId": "undoTask", "tag": "tasks",
-        "body": ({"type": "object", "additionalProperties": False, "properties": {
-            "force": {"type": "boolean", "default": False,
-                      "description": "Personal: put the versions from before the keep back "
-                                     "even over the owner's later edits"}}}, False),
-        "responses": {200: ("The task, now undone", _ref("Task")),
-                      400: "No task with this id, or the body is wrong",
-                      409: ("Personal: kept paths the owner changed since the keep (each "
-                            "named in conflicts): nothing was undone", _ref("Conflict")),
-                      507: "The disk is full: the undo goes on with the next undo"}},
-    ("POST", "/api/tasks/{id}/stop"): {
-        "operationId": "stopTask", "tag": "tasks",
-        "responses": {200: ("The task, failed with error stopped", _ref("Task")),
-                      400: "No task with this id", 409: "The task has ended already"}},
-    ("GET", "/api/tasks/{id}/log"): {
-        "operationId": "getTaskLog", "tag": "tasks",
-        "query": {"follow": ({"type": "boolean"},
-                             "true: Server-Sent Events, one per log line as it comes, then "
-                             "`event: end` once the task has ended")},
-        "responses": {200: ("The log as JSON lines; with follow, an event stream",
-                            {JSONL: {"type": "string"}, "text/event-stream": SSE}),
-                      400: "No task with this id", 429: "The log has too many followers"}},
-    ("GET", "/api/tasks/{id}/changes"): {
-        "operationId": "getTaskChanges", "tag": "tasks",
-        "responses": {200: ("The task's layer against what it was made on (empty once the "
-                            "layer is deleted); undo is per file", _array(_ref("Change"))),
-                      400: "No task with this id"}},
-    ("GET", "/api/workspaces"): {
-        "operationId": "listWorkspaces", "tag": "workspaces",
-        "responses": {200: ("Every workspace", _array(_ref("Workspace")))}},
-    ("POST", "/api/workspaces"): {
-        "operationId": "createWorkspace", "tag": "workspaces",
-        "body": ({"type": "object", "additionalProperties": False, "required": ["name"],
-                  "properties": {"name": NAME_SCHEMA}}, True),
-        "responses": {201: ("The new, empty workspace", _ref("Workspace")),
-                      400: "The name is not a workspace name", 409: "It exists"}},
-    ("GET", "/api/workspaces/{name}"): {
-        "operationId": "getWorkspace", "tag": "workspaces",
-        "responses": {200: ("The workspace and its stack, newest first", _ref("Workspace")),
-                      404: "No workspace of this name"}},
-    ("GET", "/api/workspaces/{name}/files"): {
-        "operationId": "listWorkspaceTop", "tag": "files",
-        "responses": {200: ("The top folder of the current view", _ref("FileList")),
-                      404: "No workspace of this name"}},
-    ("GET", "/api/workspaces/{name}/files/{path}"): {
-        "operationId": "getWorkspaceFile", "tag": "files",
-        "responses": {200: ("A folder's listing, or a file's content",
-                            {"application/json": _ref("FileList"),
-                             "application/octet-stream": BINARY}),
-                      400: "The path leaves the workspace, or is not a file or folder",
-                      404: "No such workspace or file"}},
-    ("PUT", "/api/workspaces/{name}/files/{path}"): {
-        "operationId": "putWorkspaceFile", "tag": "files",
-        "body": (BINARY, False, ("application/octet-stream",)),   # none: an empty file
-        "responses": {201: ("The upload's task: done, a layer of its own", _ref("Task")),
-                      400: "A bad path", 404: "No workspace of this name",
-                      409: "A folder where the workspace has a file or a link (or the "
-                           "reverse), or too many layers",
-                      413: "Larger than uploadMaxBytes", 507: "The disk is full"}},
-    ("POST", "/api/workspaces/{name}/upload"): {
-        "operationId": "uploadWorkspaceArchive", "tag": "files",
-        "body": (BINARY, True, ("application/x-tar", "application/gzip",
-                                "application/octet-stream")),
-        "responses": {201: ("The upload's task: done, a layer of its own", _ref("Task")),
-                      400: "Not a tar archive, or a member is refused (named)",
-                      404: "No workspace of this name",
-                      409: "A folder where the workspace has a file or a link (or the "
-                           "reverse), or too many layers",
-                      413: "Larger than uploadMaxBytes", 507: "The disk is full"}},
-    ("GET", "/api/workspaces/{name}/archive"): {
-        "operationId": "getWorkspaceArchive", "tag": "files",
-        "responses": {200: ("The current view as a tar.gz", {"application/gzip": BINARY}),
-                      404: "No workspace of this name"}},
-    ("GET", "/api/tasks/{id}/archive"): {
-        "operationId": "getTaskArchive", "tag": "files",
-        "responses": {200: ("What the task added or changed, as a tar.gz",
-                            {"application/gzip": BINARY}),
-                      400: "No task with this id",
-                      409: "The task has not ended, or its layer is deleted"}},
-    ("GET", "/api/approvals"): {
-        "operationId": "listApprovals", "tag": "approvals",
-        "query": {"state": ({"type": "string", "enum": list(APPROVAL_STATES)},
-                            "Only approvals in this state"),
-                  "task": ({"type": "string"}, "Only approvals of this task")},
-        "responses": {200: ("Approvals, newest first", _array(_ref("Approval"))),
-                      400: "A query parameter is wrong"}},
-    ("GET", "/api/approvals/{id}"): {
-        "operationId": "getApproval", "tag": "approvals",
-        "responses": {200: ("The approval", _ref("Approval")), 404: "No approval with this id"}},
-    ("POST", "/api/approvals/{id}/approve"): {
-        "operationId": "approveApproval", "tag": "approvals", "body": (APPROVE_BODY, False),
-        "responses": {200: ("The approval, approved", _ref("Approval")),
-                      400: "The body is wrong: both args and budgetCents, args the tool "
-                           "refuses, or a budgetCents not above the task's cost with this "
-                           "call", 404: "No approval with this id",
-                      409: "Answered already, an ask (answer it), args for what is not a "
-                           "tool call, or budgetCents for what is not a budget approval",
-                      507: "The disk is full: nothing was answered"}},
-    ("POST", "/api/approvals/{id}/deny"): {
-        "operationId": "denyApproval", "tag": "approvals", "body": (REASON_BODY, False),
-        "responses": {200: ("The approval, denied", _ref("Approval")),
-                      400: "The body is wrong", 404: "No approval with this id",
-                      409: "Answered already", 507: "The disk is full: nothing was answered"}},
-    ("POST", "/api/approvals/{id}/answer"): {
-        "operationId": "answerApproval", "tag": "approvals",
-        "body": ({"type": "object", "additionalProperties": False, "required": ["answer"],
-                  "properties": {"answer": {"type": "string", "maxLength": 10000}}}, True),
-        "responses": {200: ("The ask, answered", _ref("Approval")),
-                      400: "The body is wrong", 404: "No approval with this id",
-                      409: "Not an ask, or answered already",
-                      507: "The disk is full: nothing was answered"}},
-    ("POST", "/api/approvals/approve-all"): {
-        "operationId": "approveAllApprovals", "tag": "approvals",
-        "body": ({"type": "object", "additionalProperties": False,
-                  "properties": {"task": {"type": "string"}}}, False),
-        "responses": {200: ("How many were approved, and how many need a person's own look "
-                            "(asks, disk approvals, calls above neverAutoApproveCents)", {
-            "type": "object", "required": ["approved", "skipped"],
-            "properties": {"approved": {"type": "integer", "minimum": 0},
-                           "skipped": {"type": "integer", "minimum": 0}}}),
-            400: "The body is wrong", 507: "The disk is full"}},
-    ("GET", "/api/wallet"): {
-        "operationId": "getWallet", "tag": "wallet",
-        "responses": {200: ("The balance and the ledger", _ref("Wallet"))}},
-    ("PUT", "/api/wallet"): {
-        "operationId": "setWalletBalance", "tag": "wallet",
-        "body": ({"type": "object", "additionalProperties": False, "required": ["balanceCents"],
-                  "properties": {"balanceCents": {"type": "number", "minimum": 0}}}, True),
-        "responses": {200: ("The wallet", _ref("Wallet")), 400: "The body is wrong",
-                      507: "The disk is full: the balance is unchanged"}},
-    ("GET", "/api/tools"): {
-        "operationId": "listTools", "tag": "tools",
-        "responses": {200: ("The tools a task can be granted", _array(_ref("Tool")))}},
-    ("GET", "/api/events"): {
-        "operationId": "streamEvents", "tag": "service",
-        "query": {"since": ({"type": "string", "pattern": "^[0-9]+$"},
-                            "Replay what followed this event id (or send Last-Event-ID)")},
-        "headers": {"Last-Event-ID": ({"type": "string", "pattern": "^[0-9]*$"},
-                                      "What a browser's EventSource sends when it reconnects: "
-                                      "the same as since")},
-        "responses": {200: ("Server-Sent Events: task states, approvals made and answered",
-                            {"text/event-stream": SSE}),
-                      400: "since is not an event id"}},
-    ("GET", "/api/settings"): {
-        "operationId": "getSettings", "tag": "settings",
-        "responses": {200: ("Every setting", _ref("Settings"))}},
-    ("PUT", "/api/settings"): {
-        "operationId": "putSettings", "tag": "settings", "body": (_ref("SettingsUpdate"), True),
-        "responses": {200: ("Every setting, after the change", _ref("Settings")),
-                      400: "A setting is wrong (named); nothing changed",
-                      507: "The disk is full: nothing changed"}},
+ROUTES: list[Route] = [
+    Route("GET", "/api/health", h_health, "Is gurtd up (no token needed)",
+          "getHealth", "service", open=True, answers={200: ("gurtd is up", _ref("Health"))}),
+    Route("GET", "/api/tasks", h_tasks_list,
+          "List tasks, newest first (?state= ?workspace= ?limit= ?fields=id,state)",
+          "listTasks", "tasks",
+          query={"state": ({"type": "string", "enum": list(STATES)}, "Only tasks in this state"),
+                 "workspace": ({"type": "string"}, "Only tasks of this workspace"),
+                 "limit": (TASKS_LIMIT, "At most this many")},
+          answers={200: ("Tasks, newest first", _array(_ref("Task"))),
+                   400: "A query parameter is wrong"}),
+    Route("POST", "/api/tasks", h_tasks_create, "Create a task",
+          "createTask", "tasks", body=(_ref("TaskCreate"), True),
+          answers={201: ("The task, queued", _ref("Task")),
+                   400: "A field is wrong, the workspace does not exist, the droid worker has "
+                        "no Droid CLI, or a folder is refused (personal: not a folder under "
+                        "folderRoots, or inside another)",
+                   507: "The disk is full: nothing was created"}),
+    Route("GET", "/api/tasks/{id}", h_task_get, "Read a task", "getTask", "tasks",
+          answers={200: ("The task", _ref("Task")), 400: "No task with this id"}),
+    Route("POST", "/api/tasks/{id}/undo", h_task_undo, "Undo a task", "undoTask", "tasks",
+          body=({"type": "object", "additionalProperties": False, "properties": {
+              "force": {"type": "boolean", "default": False,
+                        "description": "Personal: put the versions from before the keep back "
+                                       "even over the owner's later edits"}}}, False),
+          answers={200: ("The task, now undone", _ref("Task")),
+                   400: "No task with this id, or the body is wrong",
+                   409: ("Personal: kept paths the owner changed since the keep (each named "
+                         "in conflicts): nothing was undone", _ref("Conflict")),
+                   507: "The disk is full: the undo goes on with the next undo"}),
+    Route("POST", "/api/tasks/{id}/stop", h_task_stop, "Stop a task: it fails with error stopped",
+          "stopTask", "tasks",
+          answers={200: ("The task, failed with error stopped", _ref("Task")),
+                   400: "No task with this id", 409: "The task has ended already"}),
+    Route("GET", "/api/tasks/{id}/log", h_task_log, "A task's log as JSON lines (?follow=1: SSE)",
+          "getTaskLog", "tasks",
+          query={"follow": ({"type": "boolean"},
+                            "true: Server-Sent Events, one per log line as it comes, then "
+                            "`event: end` once the task has ended")},
+          answers={200: ("The log as JSON lines; with follow, an event stream",
+                         {JSONL: {"type": "string"}, "text/event-stream": SSE}),
+                   400: "No task with this id", 429: "The log has too many followers"}),
+    Route("GET", "/api/tasks/{id}/changes", h_task_changes, "A task's layer: [{path, change}]",
+          "getTaskChanges", "tasks",
+          answers={200: ("The task's layer against what it was made on (empty once the layer "
+                         "is deleted); undo is per file", _array(_ref("Change"))),
+                   400: "No task with this id"}),
+    Route("GET", "/api/workspaces", h_workspaces_list, "List workspaces",
+          "listWorkspaces", "workspaces",
+          answers={200: ("Every workspace", _array(_ref("Workspace")))}),
+    Route("POST", "/api/workspaces", h_workspaces_create, "Create an empty workspace",
+          "createWorkspace", "workspaces",
+          body=({"type": "object", "additionalProperties": False, "required": ["name"],
+                 "properties": {"name": NAME_SCHEMA}}, True),
+          answers={201: ("The new, empty workspace", _ref("Workspace")),
+                   400: "The name is not a workspace name", 409: "It exists"}),
+    Route("GET", "/api/workspaces/{name}", h_workspace_get, "A workspace and its stack",
+          "getWorkspace", "workspaces",
+          answers={200: ("The workspace and its stack, newest first", _ref("Workspace")),
+                   404: "No workspace of this name"}),
+    Route("GET", "/api/workspaces/{name}/files", h_workspace_files, "The view's top folder",
+          "listWorkspaceTop", "files",
+          answers={200: ("The top folder of the current view", _ref("FileList")),
+                   404: "No workspace of this name"}),
+    Route("GET", "/api/workspaces/{name}/files/{path}", h_workspace_files,
+          "A file of the workspace's current view, or a folder's listing",
+          "getWorkspaceFile", "files",
+          answers={200: ("A folder's listing, or a file's content",
+                         {"application/json": _ref("FileList"),
+                          "application/octet-stream": BINARY}),
+                   400: "The path leaves the workspace, or is not a file or folder",
+                   404: "No such workspace or file"}),
+    Route("GET", "/api/approvals", h_approvals_list,
+          "List approvals, newest first (?state=pending|approved|denied ?task=)",
+          "listApprovals", "approvals",
+          query={"state": ({"type": "string", "enum": list(APPROVAL_STATES)},
+                           "Only approvals in this state"),
+                 "task": ({"type": "string"}, "Only approvals of this task")},
+          answers={200: ("Approvals, newest first", _array(_ref("Approval"))),
+                   400: "A query parameter is wrong"}),
+    Route("GET", "/api/approvals/{id}", h_approval_get, "Read an approval",
+          "getApproval", "approvals",
+          answers={200: ("The approval", _ref("Approval")), 404: "No approval with this id"}),
+    Route("POST", "/api/approvals/{id}/approve", h_approval_approve,
+          "Approve a pending approval {reason?, args? | budgetCents?}: the call runs (with "
+          "these args), or the task's budget is raised",
+          "approveApproval", "approvals", body=(APPROVE_BODY, False),
+          answers={200: ("The approval, approved", _ref("Approval")),
+                   400: "The body is wrong: both args and budgetCents, args the tool refuses, "
+                        "or a budgetCents not above the task's cost with this call",
+                   404: "No approval with this id",
+                   409: "Answered already, an ask (answer it), args for what is not a tool "
+                        "call, or budgetCents for what is not a budget approval",
+                   507: NOT_ANSWERED}),
+    Route("POST", "/api/approvals/{id}/deny", h_approval_deny,
+          "Deny a pending approval {reason?}: the call returns a refusal carrying the reason",
+          "denyApproval", "approvals", body=(REASON_BODY, False),
+          answers={200: ("The approval, denied", _ref("Approval")),
+                   400: "The body is wrong", 404: "No approval with this id",
+                   409: "Answered already", 507: NOT_ANSWERED}),
+    Route("POST", "/api/approvals/{id}/answer", h_approval_answer, "Answer an ask {answer}",
+          "answerApproval", "approvals",
+          body=({"type": "object", "additionalProperties": False, "required": ["answer"],
+                 "properties": {"answer": {"type": "string", "maxLength": 10000}}}, True),
+          answers={200: ("The ask, answered", _ref("Approval")),
+                   400: "The body is wrong", 404: "No approval with this id",
+                   409: "Not an ask, or answered already", 507: NOT_ANSWERED}),
+    Route("POST", "/api/approvals/approve-all", h_approvals_approve_all,
+          "Approve every pending spending and host {task?}: {approved: n, skipped: m}",
+          "approveAllApprovals", "approvals",
+          body=({"type": "object", "additionalProperties": False,
+                 "properties": {"task": {"type": "string"}}}, False),
+          answers={200: ("How many were approved, and how many need a person's own look "
+                         "(asks, disk approvals, calls above neverAutoApproveCents)", {
+                             "type": "object", "required": ["approved", "skipped"],
+                             "properties": {"approved": {"type": "integer", "minimum": 0},
+                                            "skipped": {"type": "integer", "minimum": 0}}}),
+                   400: "The body is wrong", 507: "The disk is full"}),
+    Route("GET", "/api/wallet", h_wallet_get, "The wallet: balance and ledger",
+          "getWallet", "wallet",
+          answers={200: ("The balance and the ledger", _ref("Wallet"))}),
+    Route("PUT", "/api/wallet", h_wallet_put, "Set the wallet's balance {balanceCents}",
+          "setWalletBalance", "wallet",
+          body=({"type": "object", "additionalProperties": False, "required": ["balanceCents"],
+                 "properties": {"balanceCents": {"type": "number", "minimum": 0}}}, True),
+          answers={200: ("The wallet", _ref("Wallet")), 400: "The body is wrong",
+                   507: "The disk is full: the balance is unchanged"}),
+    Route("GET", "/api/tools", h_tools, "The tools tasks can be granted", "listTools", "tools",
+          answers={200: ("The tools a task can be granted", _array(_ref("Tool")))}),
+    Route("GET", "/api/events", h_events,
+          "Server-Sent Events: task state changes, approvals made and answered",
+          "streamEvents", "service",
+          query={"since": ({"type": "string", "pattern": "^[0-9]+$"},
+                           "Replay what followed this event id (or send Last-Event-ID)")},
+          headers={"Last-Event-ID": ({"type": "string", "pattern": "^[0-9]*$"},
+                                     "What a browser's EventSource sends when it reconnects: "
+                                     "the same as since")},
+          answers={200: ("Server-Sent Events: task states, approvals made and answered",
+                         {"text/event-stream": SSE}),
+                   400: "since is not an event id"}),
+    Route("GET", "/api/settings", h_settings_get, "Read settings", "getSettings", "settings",
+          answers={200: ("Every setting", _ref("Settings"))}),
+    Route("PUT", "/api/settings", h_settings_put, "Change settings", "putSettings", "settings",
+          body=(_ref("SettingsUpdate"), True),
+          answers={200: ("Every setting, after the change", _ref("Settings")),
+                   400: "A setting is wrong (named); nothing changed",
+                   507: "The disk is full: nothing changed"}),
     # personal mode: review
-    ("POST", "/api/tasks/{id}/keep"): {
-        "operationId": "keepTask", "tag": "tasks",
-        "body": ({"type": "object", "additionalProperties": False, "properties": {
-            "force": {"type": "boolean", "default": False,
-                      "description": "Keep over paths the owner changed after the start (never "
-                                     "over other conflicts)"},
-            "paths": {"type": "array", "minItems": 1,
-                      "items": {"type": "string", "minLength": 1},
-                      "description": "Keep only these (absolute, or relative to a folder) and "
-                                     "what is under them; the rest stays pending"}}}, False),
-        "responses": {200: ("The task, its changes now in its real folders", _ref("Task")),
-                      400: "No task with this id, not a personal task, or the body is wrong "
-                           "(a path that is no pending change is named)",
-                      409: ("Nothing was kept: conflicts (each named in conflicts); or the "
-                            "review is not pending or conflict; or the keep stopped (it goes "
-                            "on with the next keep or at the next start)", _ref("Conflict")),
-                      507: "The disk is full: the keep goes on with the next keep"}},
-    ("GET", "/api/tasks/{id}/diff"): {
-        "operationId": "getTaskDiff", "tag": "tasks",
-        "query": {"path": ({"type": "string"}, "Only this file or folder (absolute in a "
-                           "folder, or relative)")},
-        "responses": {200: ("A unified diff of its folders' pending changes (personal), or of "
-                            "its layer; empty when there is none",
-                            {"text/x-diff": {"type": "string"}}),
-                      400: "No task with this id"}},
+    Route("POST", "/api/tasks/{id}/keep", h_task_keep,
+          "Keep a personal task's folder changes {force?, paths?}: 409 conflict names the paths",
+          "keepTask", "tasks",
+          body=({"type": "object", "additionalProperties": False, "properties": {
+              "force": {"type": "boolean", "default": False,
+                        "description": "Keep over paths the owner changed after the start "
+                                       "(never over other conflicts)"},
+              "paths": {"type": "array", "minItems": 1,
+                        "items": {"type": "string", "minLength": 1},
+                        "description": "Keep only these (absolute, or relative to a folder) "
+                                       "and what is under them; the rest stays pending"}}},
+                False),
+          answers={200: ("The task, its changes now in its real folders", _ref("Task")),
+                   400: "No task with this id, not a personal task, or the body is wrong (a "
+                        "path that is no pending change is named)",
+                   409: ("Nothing was kept: conflicts (each named in conflicts); or the review "
+                         "is not pending or conflict; or the keep stopped (it goes on with the "
+                         "next keep or at the next start)", _ref("Conflict")),
+                   507: "The disk is full: the keep goes on with the next keep"}),
+    Route("GET", "/api/tasks/{id}/diff", h_task_diff,
+          "A task's changes as a unified diff (?path=): its folders, or its layer",
+          "getTaskDiff", "tasks",
+          query={"path": ({"type": "string"},
+                          "Only this file or folder (absolute in a folder, or relative)")},
+          answers={200: ("A unified diff of its folders' pending changes (personal), or of its "
+                         "layer; empty when there is none", {"text/x-diff": {"type": "string"}}),
+                   400: "No task with this id"}),
     # decisions
-    ("POST", "/api/approvals/{id}/always"): {
-        "operationId": "alwaysApproveApproval", "tag": "approvals",
-        "path": {"id": {"type": "string", "description": "An approval id."}},
-        "body": ({"type": "object", "additionalProperties": False, "required": ["scope"],
-                  "properties": {"scope": {"type": "string", "enum": list(POLICY_SCOPES)},
-                                 **POLICY_LIMITS}}, True),
-        "responses": {200: ("The approval, approved; policy names the policy made",
-                            _ref("Approval")),
-                      400: "The body is wrong, or its limits would not allow this very call",
-                      404: "No approval with this id",
-                      409: "Not offered (alwaysBlockedReason says why: answered, an ask, a "
-                           "disk approval, model spending, above neverAutoApproveCents), the "
-                           "task is gone, or the box has too many policies",
-                      507: "The disk is full: nothing was answered"}},
-    ("GET", "/api/policies"): {
-        "operationId": "listPolicies", "tag": "policies",
-        "responses": {200: ("Policies, newest first", _array(_ref("Policy")))}},
-    ("POST", "/api/policies"): {
-        "operationId": "createPolicy", "tag": "policies", "body": (_ref("PolicyCreate"), True),
-        "responses": {201: ("The policy", _ref("Policy")),
-                      400: "A field is wrong (named), task or workspace missing or not "
-                           "matching scope, host missing or not matching tool host, an ask, "
-                           "or no such task or workspace",
-                      409: f"The box has {MAX_POLICIES} policies: delete some first",
-                      507: "The disk is full: nothing was created"}},
-    ("DELETE", "/api/policies/{id}"): {
-        "operationId": "deletePolicy", "tag": "policies",
-        "path": {"id": {"type": "string", "description": "A policy id."}},
-        "responses": {200: ("The policy deleted: matching calls ask again", _ref("Policy")),
-                      404: "No policy with this id", 507: "The disk is full: it stays"}},
+    Route("POST", "/api/approvals/{id}/always", h_approval_always,
+          "Approve and record a policy {scope: task|workspace|box, maxCents?, totalCents?, "
+          "expiresAt?, reason?}: later calls like it run without asking",
+          "alwaysApproveApproval", "approvals",
+          params={"id": {"type": "string", "description": "An approval id."}},
+          body=({"type": "object", "additionalProperties": False, "required": ["scope"],
+                 "properties": {"scope": {"type": "string", "enum": list(POLICY_SCOPES)},
+                                **POLICY_LIMITS}}, True),
+          answers={200: ("The approval, approved; policy names the policy made",
+                         _ref("Approval")),
+                   400: "The body is wrong, or its limits would not allow this very call",
+                   404: "No approval with this id",
+                   409: "Not offered (alwaysBlockedReason says why: answered, an ask, a disk "
+                        "approval, model spending, above neverAutoApproveCents), the task is "
+                        "gone, or the box has too many policies",
+                   507: NOT_ANSWERED}),
+    Route("GET", "/api/policies", h_policies_list, "List policies (always-approve), newest first",
+          "listPolicies", "policies",
+          answers={200: ("Policies, newest first", _array(_ref("Policy")))}),
+    Route("POST", "/api/policies", h_policies_create,
+          "Create a policy {tool, scope, task?|workspace?, host?, maxCents?, totalCents?, "
+          "expiresAt?, reason?}",
+          "createPolicy", "policies", body=(_ref("PolicyCreate"), True),
+          answers={201: ("The policy", _ref("Policy")),
+                   400: "A field is wrong (named), task or workspace missing or not matching "
+                        "scope, host missing or not matching tool host, an ask, or no such "
+                        "task or workspace",
+                   409: f"The box has {MAX_POLICIES} policies: delete some first",
+                   507: "The disk is full: nothing was created"}),
+    Route("DELETE", "/api/policies/{id}", h_policy_delete,
+          "Delete a policy: matching calls ask again", "deletePolicy", "policies",
+          params={"id": {"type": "string", "description": "A policy id."}},
+          answers={200: ("The policy deleted: matching calls ask again", _ref("Policy")),
+                   404: "No policy with this id", 507: "The disk is full: it stays"}),
+    # files in and out
+    Route("PUT", "/api/workspaces/{name}/files/{path}", h_workspace_put_file,
+          "Put one file (the body is its content) as a layer of its own: the upload's task",
+          "putWorkspaceFile", "files", streamed=True,
+          body=(BINARY, False, ("application/octet-stream",)),   # none: an empty file
+          answers={201: UPLOAD_TASK, 400: "A bad path", **UPLOAD_REFUSALS}),
+    Route("POST", "/api/workspaces/{name}/upload", h_workspace_upload,
+          "Upload a tar archive (plain or gzip) as a layer of its own: the upload's task",
+          "uploadWorkspaceArchive", "files", streamed=True,
+          body=(BINARY, True, ("application/x-tar", "application/gzip",
+                               "application/octet-stream")),
+          answers={201: UPLOAD_TASK, 400: "Not a tar archive, or a member is refused (named)",
+                   **UPLOAD_REFUSALS}),
+    Route("GET", "/api/workspaces/{name}/archive", h_workspace_archive,
+          "The workspace's current view as a tar.gz, streamed",
+          "getWorkspaceArchive", "files",
+          answers={200: ("The current view as a tar.gz", {"application/gzip": BINARY}),
+                   404: "No workspace of this name"}),
+    Route("GET", "/api/tasks/{id}/archive", h_task_archive,
+          "What a finished task added or changed, as a tar.gz",
+          "getTaskArchive", "files",
+          answers={200: ("What the task added or changed, as a tar.gz",
+                         {"application/gzip": BINARY}),
+                   400: "No task with this id",
+                   409: "The task has not ended, or its layer is deleted"}),
     # portal
-    ("GET", "/"): {
-        "operationId": "getPortal", "tag": "portal",
-        "query": {"code": ({"type": "string"}, "A one-time sign-in code (gurtd portal): the "
-                           "page signs in with it")},
-        "responses": {200: ("The portal's page (the same static page for everyone)",
-                            {"text/html": {"type": "string"}}),
-                      403: "A Host header or an Origin gurtd does not answer",
-                      500: "The page is missing (portal.html beside gurtd.py)"}},
-    ("POST", "/api/sessions"): {
-        "operationId": "signIn", "tag": "portal", "headers": {PORTAL_HEADER: PORTAL_ONLY},
-        "body": ({"type": "object", "additionalProperties": False, "minProperties": 1,
-                  "maxProperties": 1, "properties": {
-                      "code": {"type": "string", "maxLength": 1000,
-                               "description": "A one-time code (gurtd portal)"},
-                      "token": {"type": "string", "maxLength": 1000,
-                                "description": "The bearer token, pasted in the form"}}}, True),
-        "responses": {201: ("Signed in", {
-                          "type": "object", "required": ["signedIn"],
-                          "properties": {"signedIn": {"type": "boolean", "const": True}}},
-                          {"Set-Cookie": ({"type": "string"}, f"{SESSION_COOKIE}=...; "
-                                          "HttpOnly; SameSite=Strict", True)}),
-                      400: "The body is not {code} or {token}",
-                      401: "The code is wrong, used or expired; or the token is wrong",
-                      403: f"Without {PORTAL_HEADER}: 1, or from another site",
-                      507: "The disk is full: nobody was signed in"}},
-    ("GET", "/api/sessions/current"): {
-        "operationId": "getCurrentSession", "tag": "portal",
-        "responses": {200: ("Whether the session cookie sent is live, and its session", {
-                          "type": "object", "required": ["signedIn"], "properties": {
-                              "signedIn": {"type": "boolean"}, "session": _ref("Session")}}),
-                      403: "A Host header or an Origin gurtd does not answer"}},
-    ("GET", "/api/sessions"): {
-        "operationId": "listSessions", "tag": "portal",
-        "responses": {200: ("The live sessions, newest first", _array(_ref("Session")))}},
-    ("DELETE", "/api/sessions/{id}"): {
-        "operationId": "revokeSession", "tag": "portal",
-        "path": {"id": {"type": "string", "description": "A session id."}},
-        "responses": {200: ("Revoked; one's own session also clears the cookie", {
-                          "type": "object", "required": ["revoked"],
-                          "properties": {"revoked": {"type": "string"}}},
-                          {"Set-Cookie": ({"type": "string"}, "Clears the cookie (signing "
-                                          "out) when the session was this browser's", False)}),
-                      404: "No session with this id",
-                      507: "The disk is full: the session stays"}},
-    ("POST", "/api/sessions/codes"): {
-        "operationId": "createSignInCode", "tag": "portal",
-        "body": ({"type": "object", "maxProperties": 0}, False),
-        "responses": {201: ("A one-time code, for this long", {
-                          "type": "object", "required": ["code", "path", "expiresInSeconds"],
-                          "properties": {"code": {"type": "string"},
-                                         "path": {"type": "string", "description": "/?code="},
-                                         "expiresInSeconds": {"type": "number"}}}),
-                      400: "The body is not {} or empty",
-                      403: "Asked with the portal's cookie: codes are made with the bearer "
-                           "token only (or a Host or Origin gurtd does not answer)"}},
+    Route("GET", "/", h_portal, "The portal: one page to watch tasks and answer decisions",
+          "getPortal", "portal", open=True,
+          query={"code": ({"type": "string"}, "A one-time sign-in code (gurtd portal): the "
+                          "page signs in with it")},
+          answers={200: ("The portal's page (the same static page for everyone)",
+                         {"text/html": {"type": "string"}}),
+                   403: "A Host header or an Origin gurtd does not answer",
+                   500: "The page is missing (portal.html beside gurtd.py)"}),
+    Route("POST", "/api/sessions", h_sessions_create,
+          "Sign the portal in {code} or {token}: sets the session cookie",
+          "signIn", "portal", open=True, headers={PORTAL_HEADER: PORTAL_ONLY},
+          body=({"type": "object", "additionalProperties": False, "minProperties": 1,
+                 "maxProperties": 1, "properties": {
+                     "code": {"type": "string", "maxLength": 1000,
+                              "description": "A one-time code (gurtd portal)"},
+                     "token": {"type": "string", "maxLength": 1000,
+                               "description": "The bearer token, pasted in the form"}}}, True),
+          answers={201: ("Signed in", {
+                       "type": "object", "required": ["signedIn"],
+                       "properties": {"signedIn": {"type": "boolean", "const": True}}},
+                       {"Set-Cookie": ({"type": "string"}, f"{SESSION_COOKIE}=...; "
+                                       "HttpOnly; SameSite=Strict", True)}),
+                   400: "The body is not {code} or {token}",
+                   401: "The code is wrong, used or expired; or the token is wrong",
+                   403: f"Without {PORTAL_HEADER}: 1, or from another site",
+                   507: "The disk is full: nobody was signed in"}),
+    Route("GET", "/api/sessions/current", h_session_current, "Is this browser signed in",
+          "getCurrentSession", "portal", open=True,
+          answers={200: ("Whether the session cookie sent is live, and its session", {
+                       "type": "object", "required": ["signedIn"], "properties": {
+                           "signedIn": {"type": "boolean"}, "session": _ref("Session")}}),
+                   403: "A Host header or an Origin gurtd does not answer"}),
+    Route("GET", "/api/sessions", h_sessions_list, "List the portal's live sessions",
+          "listSessions", "portal",
+          answers={200: ("The live sessions, newest first", _array(_ref("Session")))}),
+    Route("DELETE", "/api/sessions/{id}", h_session_delete, "Revoke a session (sign out)",
+          "revokeSession", "portal",
+          params={"id": {"type": "string", "description": "A session id."}},
+          answers={200: ("Revoked; one's own session also clears the cookie", {
+                       "type": "object", "required": ["revoked"],
+                       "properties": {"revoked": {"type": "string"}}},
+                       {"Set-Cookie": ({"type": "string"}, "Clears the cookie (signing out) "
+                                       "when the session was this browser's", False)}),
+                   404: "No session with this id",
+                   507: "The disk is full: the session stays"}),
+    Route("POST", "/api/sessions/codes", h_sign_in_code,
+          "A one-time sign-in code for the portal (bearer token only)",
+          "createSignInCode", "portal", body=({"type": "object", "maxProperties": 0}, False),
+          answers={201: ("A one-time code, for this long", {
+                       "type": "object", "required": ["code", "path", "expiresInSeconds"],
+                       "properties": {"code": {"type": "string"},
+                                      "path": {"type": "string", "description": "/?code="},
+                                      "expiresInSeconds": {"type": "number"}}}),
+                   400: "The body is not {} or empty",
+                   403: "Asked with the portal's cookie: codes are made with the bearer token "
+                        "only (or a Host or Origin gurtd does not answer)"}),
     # sources: schedules and hooks
-    ("GET", "/api/schedules"): {
-        "operationId": "listSchedules", "tag": "schedules",
-        "responses": {200: ("Schedules, oldest first, with their next runs",
-                            _array(_ref("Schedule")))}},
-    ("POST", "/api/schedules"): {
-        "operationId": "createSchedule", "tag": "schedules",
-        "body": (_ref("ScheduleCreate"), True),
-        "responses": {201: ("The schedule", _ref("Schedule")),
-                      400: "A field is wrong (named): a cron line that is not five fields or "
-                           "never matches, an unknown time zone, a task field, a workspace "
-                           "that does not exist",
-                      409: f"The box has {MAX_SCHEDULES} schedules",
-                      507: "The disk is full: nothing was created"}},
-    ("GET", "/api/schedules/{id}"): {
-        "operationId": "getSchedule", "tag": "schedules", "path": {"id": SCHEDULE_ID},
-        "responses": {200: ("The schedule", _ref("Schedule")),
-                      404: "No schedule with this id"}},
-    ("PUT", "/api/schedules/{id}"): {
-        "operationId": "updateSchedule", "tag": "schedules", "path": {"id": SCHEDULE_ID},
-        "body": (_ref("ScheduleUpdate"), True),
-        "responses": {200: ("The schedule; a new cron line or time zone, or switching it on, "
-                            "starts from now", _ref("Schedule")),
-                      400: "A field is wrong (named)", 404: "No schedule with this id",
-                      507: "The disk is full: nothing changed"}},
-    ("DELETE", "/api/schedules/{id}"): {
-        "operationId": "deleteSchedule", "tag": "schedules", "path": {"id": SCHEDULE_ID},
-        "responses": {200: ("Deleted", {"type": "object", "required": ["deleted"],
-                                        "properties": {"deleted": {"type": "string"}}}),
-                      404: "No schedule with this id", 507: "The disk is full: it stays"}},
-    ("POST", "/api/schedules/{id}/run"): {
-        "operationId": "runSchedule", "tag": "schedules", "path": {"id": SCHEDULE_ID},
-        "responses": {201: ("Started: the run's task", {
-                          "type": "object", "required": ["schedule", "task"], "properties": {
-                              "schedule": _ref("Schedule"), "task": _ref("Task")}}),
-                      202: ("Queued behind the active run (overlap queue)", {
-                          "type": "object", "required": ["schedule", "queued"], "properties": {
-                              "schedule": _ref("Schedule"),
-                              "queued": {"type": "boolean", "const": True}}}),
-                      400: "The task could not be made (named: e.g. its workspace is gone)",
-                      404: "No schedule with this id",
-                      409: "The previous run is still active (overlap skip): nothing started",
-                      507: "The disk is full: nothing was started"}},
-    ("GET", "/api/hooks"): {
-        "operationId": "listHooks", "tag": "hooks",
-        "responses": {200: ("Hooks by name, never their secrets", _array(_ref("Hook")))}},
-    ("POST", "/api/hooks"): {
-        "operationId": "createHook", "tag": "hooks", "body": (_ref("HookCreate"), True),
-        "responses": {201: ("The hook, with its secret: answered this once", {
-                          "allOf": [_ref("Hook"), {"type": "object", "required": ["secret"],
-                                                   "properties": {"secret": {
-                                                       "type": "string",
-                                                       "pattern": "^[0-9a-f]{64}$"}}}]}),
-                      400: "A field is wrong (named)",
-                      409: f"A hook of this name exists, or the box has {MAX_HOOKS} hooks",
-                      507: "The disk is full: nothing was created"}},
-    ("DELETE", "/api/hooks/{name}"): {
-        "operationId": "deleteHook", "tag": "hooks", "path": {"name": HOOK_NAME},
-        "responses": {200: ("Deleted", {"type": "object", "required": ["deleted"],
-                                        "properties": {"deleted": {"type": "string"}}}),
-                      404: "No hook of this name", 507: "The disk is full: it stays"}},
-    ("POST", "/api/hooks/{name}"): {
-        "operationId": "deliverToHook", "tag": "hooks", "path": {"name": HOOK_NAME},
-        "headers": {
-            "X-Gurt-Signature": ({"type": "string", "pattern": "^sha256=[0-9a-fA-F]{64}$"},
-                                 "sha256=<hex HMAC-SHA256 of the raw body, keyed with the "
-                                 "hook's secret>: the credential (no bearer token)", True),
-            "X-Gurt-Delivery": ({"type": "string", "pattern": DELIVERY_RE.pattern},
-                                "A unique id of this delivery: the same id again within a day "
-                                "is refused", True)},
-        "body": (_ref("HookDelivery"), True),
-        "responses": {201: ("The task it started", _ref("Task")),
-                      400: "A bad delivery id, not a JSON object, a field the hook does not "
-                           "let a delivery set, or a task field that is wrong",
-                      401: "A missing or wrong signature, or no hook of this name (the same "
-                           "answer)",
-                      403: "A Host header (not in hookHosts) or an Origin gurtd does not "
-                           "answer",
-                      409: "This delivery id was taken already (a replay)",
-                      503: "gurtd is busy; try again (Retry-After)",
-                      429: ("Too many deliveries within a day (Retry-After)", _ref("Error"),
-                            {"Retry-After": ({"type": "string"}, "Seconds", True)}),
-                      507: "The disk is full: nothing was started"}},
-    ("GET", "/api/openapi.json"): {
-        "operationId": "getOpenapi", "tag": "service",
-        "responses": {200: ("This description", {"type": "object"})}},
-}
-
-# Constraints of settings beyond their default's type (validate_settings says the same).
-SETTING_SCHEMAS: dict[str, dict[str, Any]] = {
-    "defaultBudgetCents": {"type": "number", "minimum": 0},
-    "maxRunningTasks": {"type": "integer", "minimum": 1, "maximum": 1000},
-    "taskTimeoutSeconds": {"type": "integer", "minimum": 1, "maximum": 7 * 86400},
-    "droidPath": {"type": "string", "description": "An absolute path, or empty."},
-    "droidModel": {"type": "string", "pattern": "^[a-z0-9][a-z0-9._-]{0,99}$"},
-    "droidAutonomy": {"type": "string", "enum": ["low", "medium", "high"]},
-    "droidHosts": {"type": "array", "items": HOST_SCHEMA},
-    "droidPrices": {"type": "object", "additionalProperties": {
-        "type": "object", "additionalProperties": False,
-        "required": ["input", "output", "cacheRead", "cacheWrite"],
-        "properties": {k: {"type": "number", "minimum": 0}
-                       for k in ("input", "output", "cacheRead", "cacheWrite")}}},
-    "dnsAllowedNets": {"type": "array", "maxItems": 100, "items": NET_SCHEMA},
-    "upstreamDns": {"type": "string", "description": "HOST[:PORT], or empty."},
-    "uploadMaxBytes": {"type": "integer", "minimum": 1 << 10, "maximum": LIMIT_MAX},
-    "folderRoots": {"type": "array", "maxItems": 64, "items": {"type": "string", "minLength": 1},
-                    "description": "Absolute, normal paths where a personal task's folders "
-                                   "may be; none of the box's own places (/, /usr, /etc...)"},
-    "neverAutoApproveCents": {**CENTS_OR_NULL, "description": "No policy approves a call "
-                              "above this; null: no call is too large for a policy"},
-    "jira": {"type": "object", "description": "{} (no Jira connection) or {baseUrl, email, "
-             "token?, jql, workspace?, worker?, hosts?, tools?, budgetCents?, pollSeconds?, "
-             "transitions?, enabled?}; the token is kept apart and never shown"},
-    "hookHosts": {"type": "array", "maxItems": 20, "items": {
-        "type": "string", "pattern": "^(?=.*\\.)[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$"},
-        "description": "Host names (no port) hook deliveries may arrive under (a tunnel's)"},
-}
+    Route("GET", "/api/schedules", h_schedules_list, "List schedules with their next runs",
+          "listSchedules", "schedules",
+          answers={200: ("Schedules, oldest first, with their next runs",
+                         _array(_ref("Schedule")))}),
+    Route("POST", "/api/schedules", h_schedules_create,
+          "Create a schedule {name, cron, timezone?, task, enabled?, overlap?}",
+          "createSchedule", "schedules", body=(_ref("ScheduleCreate"), True),
+          answers={201: ("The schedule", _ref("Schedule")),
+                   400: "A field is wrong (named): a cron line that is not five fields or "
+                        "never matches, an unknown time zone, a task field, a workspace that "
+                        "does not exist",
+                   409: f"The box has {MAX_SCHEDULES} schedules",
+                   507: "The disk is full: nothing was created"}),
+    Route("GET", "/api/schedules/{id}", h_schedule_get, "Read a schedule and its nextRuns",
+          "getSchedule", "schedules", params={"id": SCHEDULE_ID},
+          answers={200: ("The schedule", _ref("Schedule")), 404: "No schedule with this id"}),
+    Route("PUT", "/api/schedules/{id}", h_schedule_put, "Change a schedule (any of its fields)",
+          "updateSchedule", "schedules", params={"id": SCHEDULE_ID},
+          body=(_ref("ScheduleUpdate"), True),
+          answers={200: ("The schedule; a new cron line or time zone, or switching it on, "
+                         "starts from now", _ref("Schedule")),
+                   400: "A field is wrong (named)", 404: "No schedule with this id",
+                   507: "The disk is full: nothing changed"}),
+    Route("DELETE", "/api/schedules/{id}", h_schedule_delete, "Delete a schedule",
+          "deleteSchedule", "schedules", params={"id": SCHEDULE_ID},
+          answers={200: DELETED, 404: "No schedule with this id",
+                   507: "The disk is full: it stays"}),
+    Route("POST", "/api/schedules/{id}/run", h_schedule_run, "Run a schedule now",
+          "runSchedule", "schedules", params={"id": SCHEDULE_ID},
+          answers={201: ("Started: the run's task", {
+                       "type": "object", "required": ["schedule", "task"], "properties": {
+                           "schedule": _ref("Schedule"), "task": _ref("Task")}}),
+                   202: ("Queued behind the active run (overlap queue)", {
+                       "type": "object", "required": ["schedule", "queued"], "properties": {
+                           "schedule": _ref("Schedule"),
+                           "queued": {"type": "boolean", "const": True}}}),
+                   400: "The task could not be made (named: e.g. its workspace is gone)",
+                   404: "No schedule with this id",
+                   409: "The previous run is still active (overlap skip): nothing started",
+                   507: "The disk is full: nothing was started"}),
+    Route("GET", "/api/hooks", h_hooks_list, "List hooks (never their secrets)",
+          "listHooks", "hooks",
+          answers={200: ("Hooks by name, never their secrets", _array(_ref("Hook")))}),
+    Route("POST", "/api/hooks", h_hooks_create,
+          "Create a hook {name, source, task?, allow?}: its secret is answered this once",
+          "createHook", "hooks", body=(_ref("HookCreate"), True),
+          answers={201: ("The hook, with its secret: answered this once", {
+                       "allOf": [_ref("Hook"), {"type": "object", "required": ["secret"],
+                                                "properties": {"secret": {
+                                                    "type": "string",
+                                                    "pattern": "^[0-9a-f]{64}$"}}}]}),
+                   400: "A field is wrong (named)",
+                   409: f"A hook of this name exists, or the box has {MAX_HOOKS} hooks",
+                   507: "The disk is full: nothing was created"}),
+    Route("DELETE", "/api/hooks/{name}", h_hook_delete, "Delete a hook",
+          "deleteHook", "hooks", params={"name": HOOK_NAME},
+          answers={200: DELETED, 404: "No hook of this name", 507: "The disk is full: it stays"}),
+    Route("POST", "/api/hooks/{name}", h_hook_deliver,
+          "Deliver to a hook (no token: X-Gurt-Signature and X-Gurt-Delivery)",
+          "deliverToHook", "hooks", open=True, params={"name": HOOK_NAME},
+          headers={
+              "X-Gurt-Signature": ({"type": "string", "pattern": "^sha256=[0-9a-fA-F]{64}$"},
+                                   "sha256=<hex HMAC-SHA256 of the raw body, keyed with the "
+                                   "hook's secret>: the credential (no bearer token)", True),
+              "X-Gurt-Delivery": ({"type": "string", "pattern": DELIVERY_RE.pattern},
+                                  "A unique id of this delivery: the same id again within a "
+                                  "day is refused", True)},
+          body=(_ref("HookDelivery"), True),
+          answers={201: ("The task it started", _ref("Task")),
+                   400: "A bad delivery id, not a JSON object, a field the hook does not let "
+                        "a delivery set, or a task field that is wrong",
+                   401: "A missing or wrong signature, or no hook of this name (the same "
+                        "answer)",
+                   403: "A Host header (not in hookHosts) or an Origin gurtd does not answer",
+                   409: "This delivery id was taken already (a replay)",
+                   503: "gurtd is busy; try again (Retry-After)",
+                   429: ("Too many deliveries within a day (Retry-After)", _ref("Error"),
+                         {"Retry-After": ({"type": "string"}, "Seconds", True)}),
+                   507: "The disk is full: nothing was started"}),
+    Route("GET", "/api/openapi.json", h_openapi, "This description", "getOpenapi", "service",
+          answers={200: ("This description", {"type": "object"})}),
+]
 
 
-def type_schema(value: Any) -> dict[str, Any]:
-    """The JSON schema type of a default value (for a setting without its own schema)."""
-    if isinstance(value, bool):
-        return {"type": "boolean"}
-    if isinstance(value, int):
-        return {"type": "integer"}
-    if isinstance(value, float):
-        return {"type": "number"}
-    if isinstance(value, str):
-        return {"type": "string"}
-    if isinstance(value, list):
-        return {"type": "array"}
-    return {"type": "object"}
+def _route_key(pattern_or_path: str) -> str:
+    """Routes are looked up by their first three path segments (/api/tasks/...)."""
+    parts = pattern_or_path.split("/", 4)
+    return "/".join(p if not p.startswith("{") else "*" for p in parts[:3])
 
 
-def setting_schema(key: str) -> dict[str, Any]:
-    schema = dict(SETTING_SCHEMAS.get(key) or type_schema(DEFAULT_SETTINGS[key]))
-    if key in LIMIT_SETTINGS:
-        low, zero_ok = LIMIT_SETTINGS[key]
-        schema = {"type": "integer", "maximum": LIMIT_MAX}
-        if zero_ok:
-            schema["anyOf"] = [{"const": 0}, {"minimum": low}]
-        else:
-            schema["minimum"] = low
-    schema["default"] = DEFAULT_SETTINGS[key]
-    return schema
+ROUTES_BY_KEY: dict[str, list[Route]] = {}
+for _route in ROUTES:
+    ROUTES_BY_KEY.setdefault(_route_key(_route.path), []).append(_route)
 
 
-def api_schemas() -> dict[str, Any]:
-    """The component schemas, from the records and tables that validate requests."""
-    task = json.loads(json.dumps(TASK_SCHEMA))
-    task["properties"]["worker"]["enum"] = list(WORKERS) + [UPLOAD_WORKER]
-    task["required"] = [k for k in PUBLIC_FIELDS if k not in OPTIONAL_FIELDS]   # to_api's
-    for key in PUBLIC_FIELDS:                 # a field added later is described, if loosely
-        task["properties"].setdefault(key, {})
-    create_rules: dict[str, dict[str, Any]] = {
-        "title": {"minLength": 1, "maxLength": 200, "pattern": r"\S"},
-        "prompt": {"minLength": 1, "pattern": r"\S"},
-        "workspace": {"pattern": NAME_SCHEMA["pattern"]},
-        "tools": {"items": {"type": "string", "maxLength": 64, "pattern": TOOL_RE.pattern}},
-        "hosts": {"items": HOST_SCHEMA},
-        "budgetCents": {"minimum": 0},
-        "source": {"minLength": 1, "maxLength": 100}}
-    types = {str: "string", list: "array", dict: "object", (int, float): "number", bool: "boolean"}
-    create = {"type": "object", "additionalProperties": False, "required": ["title", "prompt"],
-              "properties": {k: {**TASK_SCHEMA["properties"].get(k, {"type": types[kind]}),
-                                 **create_rules.get(k, {})}
-                             for k, kind in TASK_FIELDS.items()}}
-    settings = {k: setting_schema(k) for k in DEFAULT_SETTINGS}
-    approval_required = [f.name for f in dataclasses.fields(Approval)]   # to_api: asdict
-    string, number = {"type": "string"}, {"type": "number"}
-    return {
-        "Task": task, "TaskCreate": create,
-        "Approval": {"type": "object", "required": approval_required, "properties": {
-            "id": {"type": "string"}, "task": {"type": "string"},
-            "kind": {"type": "string", "enum": ["budget", "ask", "disk", "host"],
-                     "description": "budget (a spending above the task's budget), ask (a "
-                     "question), disk (BOX_HOME is below its reserve), host (a name outside "
-                     "the task's hosts, with askHosts)"},
-            "tool": string, "args": {}, "cents": number, "question": _nullable(string),
-            "state": {"type": "string", "enum": list(APPROVAL_STATES)},
-            "createdAt": {"type": "string", "format": "date-time"},
-            "reason": _nullable(string), "answer": _nullable(string),
-            "answeredBy": _nullable(string),
-            "answeredAt": _nullable({"type": "string", "format": "date-time"}),
-            **APPROVAL_DECISIONS}},
-        "Workspace": {"type": "object", "required": ["name", "layers"], "properties": {
-            "name": {"type": "string"},
-            "layers": {"type": "integer", "minimum": 0,
-                       "description": "How many done tasks' layers make its view"},
-            "stack": {**_array(_ref("Task")), "description": "Its done tasks, newest first "
-                                                             "(GET of one workspace)"}}},
-        "Wallet": {"type": "object", "required": ["balanceCents", "ledger"], "properties": {
-            "balanceCents": number, "ledger": _array(_ref("LedgerEntry"))}},
-        "LedgerEntry": {"type": "object", "required": ["balanceAfterCents"], "properties": {
-            "time": {"type": "string", "format": "date-time"}, "balanceAfterCents": number,
-            "set": {**number, "description": "The balance was set to this"},
-            "task": string, "call": string, "to": string, "cents": number,
-            "memo": _nullable(string)}},
-        "Settings": {"type": "object", "required": list(DEFAULT_SETTINGS),
-                     "properties": settings},
-        "SettingsUpdate": {"type": "object", "additionalProperties": False,
-                           "properties": settings},
-        "Change": {"type": "object", "required": ["path", "change"], "properties": {
-            "path": {"type": "string", "description": "A folder's ends with /"},
-            "change": {"type": "string", "enum": ["added", "modified", "deleted"]}}},
-        "FileEntry": {"type": "object", "required": ["name", "type", "size"], "properties": {
-            "name": string, "size": {"type": "integer", "minimum": 0},
-            "type": {"type": "string", "enum": ["file", "directory", "symlink", "other"]}}},
-        "FileList": {"type": "object", "required": ["workspace", "path", "entries"],
-                     "properties": {"workspace": string, "path": string,
-                                    "entries": _array(_ref("FileEntry"))}},
-        "Tool": {"type": "object", "required": ["name", "kind"], "properties": {
-            "name": string, "kind": {"type": "string", "enum": ["builtin", "executable"]},
-            "description": string}},
-        "Health": {"type": "object", "required": ["ok", "version"], "properties": {
-            "ok": {"type": "boolean"}, "version": string}},
-        "Error": {"type": "object", "required": ["error"], "properties": {
-            "error": {"type": "string", "description": "What went wrong"},
-            "code": {"type": "string", "description": "A stable name for it, e.g. not_found"}}},
-        **decision_schemas(), **source_schemas(create["properties"]),
-    }
-
-
-def decision_schemas() -> dict[str, Any]:
-    """Policy (and the body that makes one), the portal's Session, and the Conflict a keep
-    answers."""
-    string, number = {"type": "string"}, {"type": "number"}
-    return {
-        "Policy": {"type": "object", "required": [f.name for f in dataclasses.fields(Policy)]
-                   + ["active"], "properties": {
-            "id": string, "tool": {"type": "string", "description": "A tool name, or host"},
-            "scope": {"type": "string", "enum": list(POLICY_SCOPES)},
-            "createdAt": {"type": "string", "format": "date-time"},
-            "createdBy": {"type": "string", "description": "api, or approval <id>"},
-            "task": _nullable(string), "workspace": _nullable(string),
-            "host": _nullable(string), **POLICY_LIMITS,
-            "spentCents": number, "uses": {"type": "integer", "minimum": 0},
-            "active": {"type": "boolean"},
-            "endedBecause": {"type": "string", "description": "Expired, or spent"}}},
-        "PolicyCreate": {
-            "type": "object", "additionalProperties": False, "required": ["tool", "scope"],
-            "description": "task with scope task only, workspace with scope workspace only, "
-                           "host with tool host only; never tool ask",
-            "properties": {
-                "tool": {"type": "string", "maxLength": 64, "pattern": TOOL_RE.pattern,
-                         "description": "A tool name, or host (names a task may look up)"},
-                "scope": {"type": "string", "enum": list(POLICY_SCOPES)},
-                "task": {"type": ["string", "null"], "pattern": ID_RE.pattern},
-                "workspace": {"type": ["string", "null"], "pattern": NAME_SCHEMA["pattern"]},
-                "host": {"type": ["string", "null"], "examples": ["*.example.com"],
-                         "description": "A name or *.domain, no port, no address"},
-                **POLICY_LIMITS}},
-        "Session": {"type": "object", "required": ["id", "createdAt", "expiresAt", "userAgent",
-                                                   "via", "current"], "properties": {
-            "id": string, "createdAt": {"type": "string", "format": "date-time"},
-            "expiresAt": {"type": "string", "format": "date-time"}, "userAgent": string,
-            "via": {"type": "string", "enum": ["code", "token"]},
-            "current": {"type": "boolean", "description": "This browser's"}}},
-        "Conflict": {"type": "object", "required": ["error"], "properties": {
-            "error": string, "code": string,
-            "conflicts": _array({"type": "object", "required": ["folder", "path", "why"],
-                                 "properties": {"folder": string, "path": string,
-                                                "why": string}})}},
-    }
-
-
-def source_schemas(create: dict[str, Any]) -> dict[str, Any]:
-    """Schedules and hooks; create: TaskCreate's properties (a schedule's or a hook's task
-    takes them, but source)."""
-    string = {"type": "string"}
-    task_defaults = {k: v for k, v in create.items() if k != "source"}
-    return {
-        "Schedule": {"type": "object", "required": [
-            f.name for f in dataclasses.fields(Schedule) if f.name != "after"] + ["nextRuns"],
-            "properties": {
-                "id": string, "name": string, "cron": string, "timezone": string,
-                "task": {"type": "object", "description": "What each run creates"},
-                "enabled": {"type": "boolean"}, "overlap": {"type": "string",
-                                                            "enum": list(OVERLAPS)},
-                "createdAt": {"type": "string", "format": "date-time"},
-                "updatedAt": {"type": "string", "format": "date-time"},
-                "lastRun": _nullable({"type": "string", "format": "date-time"}),
-                "lastTask": _nullable(string), "lastState": _nullable(string),
-                "lastNote": {**_nullable(string), "description": "What happened at the latest "
-                                                                "slot (missed, skipped...)"},
-                "queued": {"type": "boolean"},
-                "nextRuns": {**_array({"type": "string", "format": "date-time"}),
-                             "description": "The next five, in its own zone; none when off"}}},
-        "ScheduleCreate": schedule_body(task_defaults, ["name", "cron", "task"]),
-        "ScheduleUpdate": schedule_body(task_defaults, []),
-        "Hook": {"type": "object", "required": ["name", "source", "task", "allow", "createdAt",
-                                                "url"], "properties": {
-            "name": HOOK_NAME, "source": string, "task": {"type": "object"},
-            "allow": _array({"type": "string", "enum": list(HOOK_BODY_FIELDS)}),
-            "createdAt": {"type": "string", "format": "date-time"},
-            "url": {"type": "string", "description": "Where to deliver: /api/hooks/<name>"}}},
-        "HookCreate": {
-            "type": "object", "additionalProperties": False, "required": ["name", "source"],
-            "properties": {
-                "name": HOOK_NAME,
-                "source": {"type": "string", "pattern":
-                           "^(?!(api|schedule)$)(?!jira)[a-z0-9][a-z0-9_.-]{0,49}$",
-                           "description": "The tasks' source (not api, schedule, jira...)"},
-                "task": {"type": "object", "additionalProperties": False,
-                         "properties": task_defaults,
-                         "description": "Task defaults of every delivery"},
-                "allow": {**_array({"type": "string", "enum": list(HOOK_BODY_FIELDS)}),
-                          "description": "Fields a delivery may set besides title and prompt"}}},
-        "HookDelivery": {
-            "type": "object", "additionalProperties": False,
-            "description": "title and prompt (unless the hook's task gives them), and the "
-                           "fields its allow lists",
-            "properties": {k: create[k] for k in ("title", "prompt", *HOOK_BODY_FIELDS)}},
-    }
-
-
-def schedule_body(task_defaults: dict[str, Any], required: list[str]) -> dict[str, Any]:
-    """A POST (name, cron, task required) or PUT (any of them) body of a schedule."""
-    return {"type": "object", "additionalProperties": False, "required": required,
-            "properties": {
-                "name": {"type": "string", "minLength": 1, "maxLength": 100, "pattern": r"\S",
-                         "description": "Also the title of its tasks (unless task has one)"},
-                "cron": {"type": "string", "examples": ["0 3 * * MON-FRI"],
-                         "description": "Five fields: minute hour day-of-month month "
-                                        "day-of-week (ranges, steps, lists, names)"},
-                "timezone": {"type": "string", "maxLength": 64, "default": "UTC",
-                             "examples": ["Europe/Berlin"]},
-                "task": {"type": "object", "additionalProperties": False,
-                         "required": ["prompt"], "properties": task_defaults,
-                         "description": "What each run creates (source is schedule)"},
-                "enabled": {"type": "boolean", "default": True},
-                "overlap": {"type": "string", "enum": list(OVERLAPS), "default": "skip",
-                            "description": "A slot while a run is active: skip it, or "
-                                           "queue one run behind it"}}}
-
-
-def _error(description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema":
-                                                                         _ref("Error")}}}
-
-
-def api_response(answer: Any) -> dict[str, Any]:
-    """One response of API_DOCS: a bare description is an Error; (description, content) or
-    (description, content, headers): a schema is JSON, a dict of content types is each;
-    headers: name -> (schema, description, required)."""
-    if isinstance(answer, str):
-        return _error(answer)
-    text, content, *headers = answer
-    if not any("/" in key for key in content):
-        content = {"application/json": content}
-    out = {"description": text, "content": {t: {"schema": s} for t, s in content.items()}}
-    if headers:
-        out["headers"] = {name: {"schema": schema, "description": about, "required": required}
-                          for name, (schema, about, required) in headers[0].items()}
-    return out
-
-
-def auto_operation_id(method: str, pattern: str) -> str:
-    """The operationId of a route without an API_DOCS entry: post_api_tasks_id_frobnicate."""
-    return re.sub(r"\W+", "_", f"{method.lower()}{pattern}").strip("_")
-
-
-def api_operation(method: str, pattern: str, summary: str) -> dict[str, Any]:
-    """One operation: from API_DOCS when it has an entry, else a minimal valid one."""
-    docs = API_DOCS.get((method, pattern))
-    op: dict[str, Any] = {"summary": summary, "operationId": auto_operation_id(method, pattern),
-                          "tags": [pattern.split("/")[2] if pattern.count("/") > 1 else "api"]}
-    given = (docs or {}).get("path", {})
-    params = [{"name": p, "in": "path", "required": True,
-               "schema": given.get(p) or (ID_SCHEMA if p == "id" else NAME_SCHEMA if p == "name"
-                                          else PATH_SCHEMA)}
-              for p in re.findall(r"\{(\w+)\}", pattern)]
-    responses: dict[str, Any] = {}
-    if docs is None:
-        responses["200"] = {"description": "OK", "content": {"*/*": {"schema": {}}}}
-        responses["default"] = _error("An error")
-    else:
-        op["operationId"], op["tags"] = docs["operationId"], [docs["tag"]]
-        for where in ("query", "header"):
-            for qname, (schema, text, *required) in docs.get(
-                    where if where == "query" else "headers", {}).items():
-                params.append({"name": qname, "in": where, "required": bool(required),
-                               "description": text, "schema": schema})
-                if where == "query":     # parse_qs drops name= : an empty value is no value
-                    params[-1]["allowEmptyValue"] = True
-        if "body" in docs:
-            schema, required, *types = docs["body"]
-            op["requestBody"] = {"required": required, "content": {
-                t: {"schema": schema} for t in (types[0] if types else ("application/json",))}}
-        for status, answer in docs["responses"].items():
-            responses[str(status)] = api_response(answer)
-    if pattern != "/api/health" and not any(fn in OPEN_HANDLERS or fn is h_hook_deliver
-                                            for m, p, fn, _ in ROUTES
-                                            if (m, p) == (method, pattern)):
-        op["security"] = [{"bearer": []}, {"portal": []}]
-        responses.setdefault("401", _error("No or a wrong bearer token or session cookie"))
-        responses.setdefault("403", _error("A Host header or an Origin gurtd does not answer"))
-        responses.setdefault("503", _error("gurtd is busy; try again (Retry-After)"))
-    if "requestBody" in op:
-        responses.setdefault("411", _error("A body without Content-Length"))
-        responses.setdefault("413", _error(f"A body larger than {MAX_BODY} bytes"))
-    if params:
-        op["parameters"] = params
-    op["responses"] = responses
-    return op
-
-
-def openapi(server: str = "http://127.0.0.1:7700") -> dict[str, Any]:
-    """An OpenAPI 3.1 description generated from ROUTES, API_DOCS and the validation tables,
-    so it cannot drift from them; server is where this gurtd listens."""
-    paths: dict[str, Any] = {}
-    for method, pattern, _fn, summary in ROUTES:
-        paths.setdefault(pattern, {})[method.lower()] = api_operation(method, pattern, summary)
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "gurtd", "version": VERSION,
-                 "description": "The daemon of a box: tasks on layered, undoable workspaces."},
-        "servers": [{"url": server}],
-        "tags": [{"name": t} for t in dict.fromkeys(
-            op["tags"][0] for ops in paths.values() for op in ops.values())],
-        "paths": paths,
-        "components": {
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
-                                "portal": {"type": "apiKey", "in": "cookie",
-                                           "name": SESSION_COOKIE}},
-            "schemas": api_schemas()},
-    }
-
-
-def undocumented_routes() -> list[tuple[str, str]]:
-    """Routes that have no API_DOCS entry yet (their description is minimal)."""
-    return [(m, p) for m, p, _, _ in ROUTES if (m, p) not in API_DOCS]
+def match_route(method: str, path: str) -> tuple[Route, dict[str, str]]:
+    """The route and its path parameters, or ApiError 404 / 405 with Allow."""
+    allowed = []
+    for route in ROUTES_BY_KEY.get(_route_key(path), ()):
+        m = route.regex.match(path)
+        if m:
+            if route.method == method:
+                params = {k: (urllib.parse.unquote(v) if k != "path" else v)
+                          for k, v in m.groupdict().items()}
+                return route, params
+            allowed.append(route.method)
+    if allowed:
+        raise ApiError(405, f"method {method} is not allowed here", "method_not_allowed",
+                       {"Allow": ", ".join(sorted(set(allowed)))})
+    raise ApiError(404, f"no route {path}", "not_found")
 
 
 def env_seconds(name: str, default: float) -> float:
@@ -11425,14 +10942,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.guard()
             raw_path, _, query = self.path.partition("?")
             self.query = urllib.parse.parse_qs(query)
-            fn, params = match_route(self.command, raw_path)
-            if fn is not h_health and fn not in OPEN_HANDLERS and fn is not h_hook_deliver:
+            route, params = match_route(self.command, raw_path)
+            if not route.open:
                 self.authorize()
-            if fn in STREAMED_BODIES:         # files in: they check the length themselves
+            if route.streamed:                # files in: they check the length themselves
                 self.body_left = self.body_length(LIMIT_MAX)
             if self.body_left < 0:
                 raise self.body_error()            # any route: 400, 411 or 413, then close
-            result = fn(self, params)
+            result = route.handler(self, params)
             if result is not None:
                 self.send_json(*result)
         except ApiError as exc:
@@ -11486,6 +11003,434 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 return
             left -= len(chunk)
         self.body_left = 0
+
+
+# OpenAPI #######################################################################################
+###############################################################################################
+# The OpenAPI description is generated: each Route gives its path, method, summary and
+# operation (operationId, tag, query parameters, request body, every status with its content);
+# the component schemas come from the tables that validate requests (TASK_FIELDS, TASK_LIMITS,
+# ID_RE and WORKSPACE_RE, DEFAULT_SETTINGS and LIMIT_SETTINGS, the Approval record, the
+# states), so the description cannot drift from what gurtd does.
+
+LIMIT_ABOUT = {     # what each of TASK_LIMITS bounds, said in the Task schema
+    "processes": "Processes and threads", "memoryBytes": "Memory, tmpfs pages included",
+    "tmpBytes": "/tmp, /var/tmp, /dev/shm and HOME together",
+    "logBytes": "Stored log; past it lines are counted"}
+TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schemas says
+    "type": "object",
+    "properties": {
+        "id": {"type": "string", "pattern": ID_RE.pattern},
+        "title": {"type": "string", "description": "A short name for people."},
+        "prompt": {"type": "string", "description": "For the fake worker, one command a line."},
+        "workspace": {"type": "string", "default": "home", "pattern": WORKSPACE_RE.pattern},
+        "worker": {"type": "string", "enum": list(WORKERS), "default": "droid"},
+        "tools": {"type": "array", "items": {"type": "string"}, "default": []},
+        "hosts": {"type": "array", "items": {"type": "string"}, "default": []},
+        "budgetCents": {"type": "number"},
+        "source": {"type": "string", "default": "api"},
+        "state": {"type": "string", "enum": list(STATES)},
+        "user": {"type": "string", "description": "box-<id>"},
+        "layers": {"type": "array", "items": {"type": "string"},
+                   "description": "Finished tasks whose changes it saw, newest first."},
+        "costCents": {"type": "number"},
+        "step": {"type": "string"},
+        "createdAt": {"type": "string", "format": "date-time"},
+        "updatedAt": {"type": "string", "format": "date-time"},
+        "error": {"type": "string"},
+        "summary": {"type": "string"},
+        "folder": {"type": "string", "description": "Personal: the first real folder the task "
+                                                     "works on a copy of."},
+        "folders": {"type": "array", "items": {"type": "string"}, "maxItems": MAX_FOLDERS,
+                    "description": "Personal: every real folder the task works on."},
+        "review": {"type": "string", "enum": list(REVIEW_STATES),
+                   "description": "Personal: done and waiting for the owner, kept, stopped by "
+                                  "a conflict, or undone."},
+        "schedule": {"type": "string", "description": "The schedule that started it."},
+        "limits": {"type": "object", "additionalProperties": False,
+                   "description": "What the task may take; on create, any of these overrides "
+                                  "its setting; the task shows the effective values.",
+                   "properties": {key: {"type": "integer", "minimum": low,
+                                        "description": f"{LIMIT_ABOUT[key]} ({setting})."}
+                                  for key, (setting, low) in TASK_LIMITS.items()}},
+        "askHosts": {"type": "boolean", "description": "A name outside hosts asks a person (an "
+                     "approval of kind host) instead of failing; default the askHostsDefault "
+                     "setting."},
+    },
+}
+
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {**schema, "type": [schema["type"], "null"]}
+
+
+_LABEL, _TOP = "[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", "[a-z]([a-z0-9-]{0,61}[a-z0-9])?"
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_PORT = "(:([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]))?"
+HOST_SCHEMA = {   # parse_host's forms; a wildcard under a public suffix is refused besides
+    "type": "string", "maxLength": 259, "examples": ["example.com", "*.example.com:443"],
+    "pattern": f"^((\\*\\.)?({_LABEL}\\.)+{_TOP}|{_TOP}|({_OCTET}\\.){{3}}{_OCTET}){_PORT}$"}
+NET_SCHEMA = {"type": "string", "pattern": f"^({_OCTET}\\.){{3}}{_OCTET}/(3[0-2]|[12]?[0-9])$",
+              "description": "An IPv4 network (no host bits) outside the absolute special "
+                             "ranges, e.g. 10.0.0.0/8"}
+ID_SCHEMA = {"type": "string", "description": "A task id.", "examples": ["t3k9x2a1b2"]}
+APPROVAL_DECISIONS = {      # the Approval's fields of decisions: what a person changed
+    "approvedArgs": {"description": "Approved with these arguments instead of args"},
+    "budgetCents": {"type": ["number", "null"],
+                    "description": "Approved by raising the task's budget to this"},
+    "policy": {"type": ["string", "null"],
+               "description": "The policy that approved it, or that always-approve made"},
+    "canAlwaysApprove": {"type": "boolean", "description": "Whether POST .../always is offered"},
+    "alwaysBlockedReason": {"type": ["string", "null"], "description": "Why not, when not"}}
+PATH_SCHEMA = {"type": "string", "pattern": "^(?!([^/]*/)*\\.\\.(/|$))[^\\\\\\u0000]*$",
+               "description": "A path inside the workspace; / as %2F (no .. part, no "
+                              "backslash, no NUL: clean_relpath)"}
+
+
+# Constraints of settings beyond their default's type (validate_settings says the same).
+SETTING_SCHEMAS: dict[str, dict[str, Any]] = {
+    "defaultBudgetCents": {"type": "number", "minimum": 0},
+    "maxRunningTasks": {"type": "integer", "minimum": 1, "maximum": 1000},
+    "taskTimeoutSeconds": {"type": "integer", "minimum": 1, "maximum": 7 * 86400},
+    "droidPath": {"type": "string", "description": "An absolute path, or empty."},
+    "droidModel": {"type": "string", "pattern": "^[a-z0-9][a-z0-9._-]{0,99}$"},
+    "droidAutonomy": {"type": "string", "enum": ["low", "medium", "high"]},
+    "droidHosts": {"type": "array", "items": HOST_SCHEMA},
+    "droidPrices": {"type": "object", "additionalProperties": {
+        "type": "object", "additionalProperties": False,
+        "required": ["input", "output", "cacheRead", "cacheWrite"],
+        "properties": {k: {"type": "number", "minimum": 0}
+                       for k in ("input", "output", "cacheRead", "cacheWrite")}}},
+    "dnsAllowedNets": {"type": "array", "maxItems": 100, "items": NET_SCHEMA},
+    "upstreamDns": {"type": "string", "description": "HOST[:PORT], or empty."},
+    "uploadMaxBytes": {"type": "integer", "minimum": 1 << 10, "maximum": LIMIT_MAX},
+    "folderRoots": {"type": "array", "maxItems": 64, "items": {"type": "string", "minLength": 1},
+                    "description": "Absolute, normal paths where a personal task's folders "
+                                   "may be; none of the box's own places (/, /usr, /etc...)"},
+    "neverAutoApproveCents": {**CENTS_OR_NULL, "description": "No policy approves a call "
+                              "above this; null: no call is too large for a policy"},
+    "jira": {"type": "object", "description": "{} (no Jira connection) or {baseUrl, email, "
+             "token?, jql, workspace?, worker?, hosts?, tools?, budgetCents?, pollSeconds?, "
+             "transitions?, enabled?}; the token is kept apart and never shown"},
+    "hookHosts": {"type": "array", "maxItems": 20, "items": {
+        "type": "string", "pattern": "^(?=.*\\.)[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$"},
+        "description": "Host names (no port) hook deliveries may arrive under (a tunnel's)"},
+}
+
+
+def type_schema(value: Any) -> dict[str, Any]:
+    """The JSON schema type of a default value (for a setting without its own schema)."""
+    if isinstance(value, bool):
+        return {"type": "boolean"}
+    if isinstance(value, int):
+        return {"type": "integer"}
+    if isinstance(value, float):
+        return {"type": "number"}
+    if isinstance(value, str):
+        return {"type": "string"}
+    if isinstance(value, list):
+        return {"type": "array"}
+    return {"type": "object"}
+
+
+def setting_schema(key: str) -> dict[str, Any]:
+    schema = dict(SETTING_SCHEMAS.get(key) or type_schema(DEFAULT_SETTINGS[key]))
+    if key in LIMIT_SETTINGS:
+        low, zero_ok = LIMIT_SETTINGS[key]
+        schema = {"type": "integer", "maximum": LIMIT_MAX}
+        if zero_ok:
+            schema["anyOf"] = [{"const": 0}, {"minimum": low}]
+        else:
+            schema["minimum"] = low
+    schema["default"] = DEFAULT_SETTINGS[key]
+    return schema
+
+
+def api_schemas() -> dict[str, Any]:
+    """The component schemas, from the records and tables that validate requests."""
+    task = {"type": "object", "required": [k for k in PUBLIC_FIELDS if k not in OPTIONAL_FIELDS],
+            "properties": json.loads(json.dumps(TASK_SCHEMA["properties"]))}    # to_api's
+    task["properties"]["worker"]["enum"] = list(WORKERS) + [UPLOAD_WORKER]
+    for key in PUBLIC_FIELDS:                 # a field added later is described, if loosely
+        task["properties"].setdefault(key, {})
+    create_rules: dict[str, dict[str, Any]] = {
+        "title": {"minLength": 1, "maxLength": 200, "pattern": r"\S"},
+        "prompt": {"minLength": 1, "pattern": r"\S"},
+        "workspace": {"pattern": NAME_SCHEMA["pattern"]},
+        "tools": {"items": {"type": "string", "maxLength": 64, "pattern": TOOL_RE.pattern}},
+        "hosts": {"items": HOST_SCHEMA},
+        "budgetCents": {"minimum": 0},
+        "source": {"minLength": 1, "maxLength": 100}}
+    types = {str: "string", list: "array", dict: "object", (int, float): "number", bool: "boolean"}
+    create = {"type": "object", "additionalProperties": False, "required": ["title", "prompt"],
+              "properties": {k: {**TASK_SCHEMA["properties"].get(k, {"type": types[kind]}),
+                                 **create_rules.get(k, {})}
+                             for k, kind in TASK_FIELDS.items()}}
+    settings = {k: setting_schema(k) for k in DEFAULT_SETTINGS}
+    approval_required = [f.name for f in dataclasses.fields(Approval)]   # to_api: asdict
+    string, number = {"type": "string"}, {"type": "number"}
+    return {
+        "Task": task, "TaskCreate": create,
+        "Approval": {"type": "object", "required": approval_required, "properties": {
+            "id": {"type": "string"}, "task": {"type": "string"},
+            "kind": {"type": "string", "enum": ["budget", "ask", "disk", "host"],
+                     "description": "budget (a spending above the task's budget), ask (a "
+                     "question), disk (BOX_HOME is below its reserve), host (a name outside "
+                     "the task's hosts, with askHosts)"},
+            "tool": string, "args": {}, "cents": number, "question": _nullable(string),
+            "state": {"type": "string", "enum": list(APPROVAL_STATES)},
+            "createdAt": {"type": "string", "format": "date-time"},
+            "reason": _nullable(string), "answer": _nullable(string),
+            "answeredBy": _nullable(string),
+            "answeredAt": _nullable({"type": "string", "format": "date-time"}),
+            **APPROVAL_DECISIONS}},
+        "Workspace": {"type": "object", "required": ["name", "layers"], "properties": {
+            "name": {"type": "string"},
+            "layers": {"type": "integer", "minimum": 0,
+                       "description": "How many done tasks' layers make its view"},
+            "stack": {**_array(_ref("Task")), "description": "Its done tasks, newest first "
+                                                             "(GET of one workspace)"}}},
+        "Wallet": {"type": "object", "required": ["balanceCents", "ledger"], "properties": {
+            "balanceCents": number, "ledger": _array(_ref("LedgerEntry"))}},
+        "LedgerEntry": {"type": "object", "required": ["balanceAfterCents"], "properties": {
+            "time": {"type": "string", "format": "date-time"}, "balanceAfterCents": number,
+            "set": {**number, "description": "The balance was set to this"},
+            "task": string, "call": string, "to": string, "cents": number,
+            "memo": _nullable(string)}},
+        "Settings": {"type": "object", "required": list(DEFAULT_SETTINGS),
+                     "properties": settings},
+        "SettingsUpdate": {"type": "object", "additionalProperties": False,
+                           "properties": settings},
+        "Change": {"type": "object", "required": ["path", "change"], "properties": {
+            "path": {"type": "string", "description": "A folder's ends with /"},
+            "change": {"type": "string", "enum": ["added", "modified", "deleted"]}}},
+        "FileEntry": {"type": "object", "required": ["name", "type", "size"], "properties": {
+            "name": string, "size": {"type": "integer", "minimum": 0},
+            "type": {"type": "string", "enum": ["file", "directory", "symlink", "other"]}}},
+        "FileList": {"type": "object", "required": ["workspace", "path", "entries"],
+                     "properties": {"workspace": string, "path": string,
+                                    "entries": _array(_ref("FileEntry"))}},
+        "Tool": {"type": "object", "required": ["name", "kind"], "properties": {
+            "name": string, "kind": {"type": "string", "enum": ["builtin", "executable"]},
+            "description": string}},
+        "Health": {"type": "object", "required": ["ok", "version"], "properties": {
+            "ok": {"type": "boolean"}, "version": string}},
+        "Error": {"type": "object", "required": ["error"], "properties": {
+            "error": {"type": "string", "description": "What went wrong"},
+            "code": {"type": "string", "description": "A stable name for it, e.g. not_found"}}},
+        **decision_schemas(), **source_schemas(create["properties"]),
+    }
+
+
+def decision_schemas() -> dict[str, Any]:
+    """Policy (and the body that makes one), the portal's Session, and the Conflict a keep
+    answers."""
+    string, number = {"type": "string"}, {"type": "number"}
+    return {
+        "Policy": {"type": "object", "required": [f.name for f in dataclasses.fields(Policy)]
+                   + ["active"], "properties": {
+            "id": string, "tool": {"type": "string", "description": "A tool name, or host"},
+            "scope": {"type": "string", "enum": list(POLICY_SCOPES)},
+            "createdAt": {"type": "string", "format": "date-time"},
+            "createdBy": {"type": "string", "description": "api, or approval <id>"},
+            "task": _nullable(string), "workspace": _nullable(string),
+            "host": _nullable(string), **POLICY_LIMITS,
+            "spentCents": number, "uses": {"type": "integer", "minimum": 0},
+            "active": {"type": "boolean"},
+            "endedBecause": {"type": "string", "description": "Expired, or spent"}}},
+        "PolicyCreate": {
+            "type": "object", "additionalProperties": False, "required": ["tool", "scope"],
+            "description": "task with scope task only, workspace with scope workspace only, "
+                           "host with tool host only; never tool ask",
+            "properties": {
+                "tool": {"type": "string", "maxLength": 64, "pattern": TOOL_RE.pattern,
+                         "description": "A tool name, or host (names a task may look up)"},
+                "scope": {"type": "string", "enum": list(POLICY_SCOPES)},
+                "task": {"type": ["string", "null"], "pattern": ID_RE.pattern},
+                "workspace": {"type": ["string", "null"], "pattern": NAME_SCHEMA["pattern"]},
+                "host": {"type": ["string", "null"], "examples": ["*.example.com"],
+                         "description": "A name or *.domain, no port, no address"},
+                **POLICY_LIMITS}},
+        "Session": {"type": "object", "required": ["id", "createdAt", "expiresAt", "userAgent",
+                                                   "via", "current"], "properties": {
+            "id": string, "createdAt": {"type": "string", "format": "date-time"},
+            "expiresAt": {"type": "string", "format": "date-time"}, "userAgent": string,
+            "via": {"type": "string", "enum": ["code", "token"]},
+            "current": {"type": "boolean", "description": "This browser's"}}},
+        "Conflict": {"type": "object", "required": ["error"], "properties": {
+            "error": string, "code": string,
+            "conflicts": _array({"type": "object", "required": ["folder", "path", "why"],
+                                 "properties": {"folder": string, "path": string,
+                                                "why": string}})}},
+    }
+
+
+def source_schemas(create: dict[str, Any]) -> dict[str, Any]:
+    """Schedules and hooks; create: TaskCreate's properties (a schedule's or a hook's task
+    takes them, but source)."""
+    string = {"type": "string"}
+    task_defaults = {k: v for k, v in create.items() if k != "source"}
+    return {
+        "Schedule": {"type": "object", "required": [
+            f.name for f in dataclasses.fields(Schedule) if f.name != "after"] + ["nextRuns"],
+            "properties": {
+                "id": string, "name": string, "cron": string, "timezone": string,
+                "task": {"type": "object", "description": "What each run creates"},
+                "enabled": {"type": "boolean"}, "overlap": {"type": "string",
+                                                            "enum": list(OVERLAPS)},
+                "createdAt": {"type": "string", "format": "date-time"},
+                "updatedAt": {"type": "string", "format": "date-time"},
+                "lastRun": _nullable({"type": "string", "format": "date-time"}),
+                "lastTask": _nullable(string), "lastState": _nullable(string),
+                "lastNote": {**_nullable(string), "description": "What happened at the latest "
+                                                                "slot (missed, skipped...)"},
+                "queued": {"type": "boolean"},
+                "nextRuns": {**_array({"type": "string", "format": "date-time"}),
+                             "description": "The next five, in its own zone; none when off"}}},
+        "ScheduleCreate": schedule_body(task_defaults, ["name", "cron", "task"]),
+        "ScheduleUpdate": schedule_body(task_defaults, []),
+        "Hook": {"type": "object", "required": ["name", "source", "task", "allow", "createdAt",
+                                                "url"], "properties": {
+            "name": HOOK_NAME, "source": string, "task": {"type": "object"},
+            "allow": _array({"type": "string", "enum": list(HOOK_BODY_FIELDS)}),
+            "createdAt": {"type": "string", "format": "date-time"},
+            "url": {"type": "string", "description": "Where to deliver: /api/hooks/<name>"}}},
+        "HookCreate": {
+            "type": "object", "additionalProperties": False, "required": ["name", "source"],
+            "properties": {
+                "name": HOOK_NAME,
+                "source": {"type": "string", "pattern":
+                           "^(?!(api|schedule)$)(?!jira)[a-z0-9][a-z0-9_.-]{0,49}$",
+                           "description": "The tasks' source (not api, schedule, jira...)"},
+                "task": {"type": "object", "additionalProperties": False,
+                         "properties": task_defaults,
+                         "description": "Task defaults of every delivery"},
+                "allow": {**_array({"type": "string", "enum": list(HOOK_BODY_FIELDS)}),
+                          "description": "Fields a delivery may set besides title and prompt"}}},
+        "HookDelivery": {
+            "type": "object", "additionalProperties": False,
+            "description": "title and prompt (unless the hook's task gives them), and the "
+                           "fields its allow lists",
+            "properties": {k: create[k] for k in ("title", "prompt", *HOOK_BODY_FIELDS)}},
+    }
+
+
+def schedule_body(task_defaults: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    """A POST (name, cron, task required) or PUT (any of them) body of a schedule."""
+    return {"type": "object", "additionalProperties": False, "required": required,
+            "properties": {
+                "name": {"type": "string", "minLength": 1, "maxLength": 100, "pattern": r"\S",
+                         "description": "Also the title of its tasks (unless task has one)"},
+                "cron": {"type": "string", "examples": ["0 3 * * MON-FRI"],
+                         "description": "Five fields: minute hour day-of-month month "
+                                        "day-of-week (ranges, steps, lists, names)"},
+                "timezone": {"type": "string", "maxLength": 64, "default": "UTC",
+                             "examples": ["Europe/Berlin"]},
+                "task": {"type": "object", "additionalProperties": False,
+                         "required": ["prompt"], "properties": task_defaults,
+                         "description": "What each run creates (source is schedule)"},
+                "enabled": {"type": "boolean", "default": True},
+                "overlap": {"type": "string", "enum": list(OVERLAPS), "default": "skip",
+                            "description": "A slot while a run is active: skip it, or "
+                                           "queue one run behind it"}}}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema":
+                                                                         _ref("Error")}}}
+
+
+def api_response(answer: Any) -> dict[str, Any]:
+    """One of a route's answers: a bare description is an Error; (description, content) or
+    (description, content, headers): a schema is JSON, a dict of content types is each;
+    headers: name -> (schema, description, required)."""
+    if isinstance(answer, str):
+        return _error(answer)
+    text, content, *headers = answer
+    if not any("/" in key for key in content):
+        content = {"application/json": content}
+    out = {"description": text, "content": {t: {"schema": s} for t, s in content.items()}}
+    if headers:
+        out["headers"] = {name: {"schema": schema, "description": about, "required": required}
+                          for name, (schema, about, required) in headers[0].items()}
+    return out
+
+
+def auto_operation_id(method: str, pattern: str) -> str:
+    """The operationId of a route without one of its own: post_api_tasks_id_frobnicate."""
+    return re.sub(r"\W+", "_", f"{method.lower()}{pattern}").strip("_")
+
+
+def api_parameters(route: Route) -> list[dict[str, Any]]:
+    """The route's path parameters (an id, a name or a path unless it says), then its query
+    parameters and headers."""
+    params = [{"name": p, "in": "path", "required": True,
+               "schema": route.params.get(p) or (ID_SCHEMA if p == "id" else NAME_SCHEMA
+                                                 if p == "name" else PATH_SCHEMA)}
+              for p in re.findall(r"\{(\w+)\}", route.path)]
+    for where, given in (("query", route.query), ("header", route.headers)):
+        for name, (schema, text, *required) in given.items():
+            params.append({"name": name, "in": where, "required": bool(required),
+                           "description": text, "schema": schema})
+            if where == "query":     # parse_qs drops name= : an empty value is no value
+                params[-1]["allowEmptyValue"] = True
+    return params
+
+
+def api_operation(route: Route) -> dict[str, Any]:
+    """One operation, from the route; a route without answers gets a minimal valid one."""
+    tag = route.tag or (route.path.split("/")[2] if route.path.count("/") > 1 else "api")
+    op: dict[str, Any] = {"summary": route.summary, "operationId": route.operation_id or
+                          auto_operation_id(route.method, route.path), "tags": [tag]}
+    responses = {str(status): api_response(answer) for status, answer in route.answers.items()}
+    if not route.answers:
+        responses["200"] = {"description": "OK", "content": {"*/*": {"schema": {}}}}
+        responses["default"] = _error("An error")
+    if route.body is not None:
+        schema, required, *types = route.body
+        op["requestBody"] = {"required": required, "content": {
+            t: {"schema": schema} for t in (types[0] if types else ("application/json",))}}
+    if not route.open:
+        op["security"] = [{"bearer": []}, {"portal": []}]
+        responses.setdefault("401", _error("No or a wrong bearer token or session cookie"))
+        responses.setdefault("403", _error("A Host header or an Origin gurtd does not answer"))
+        responses.setdefault("503", _error("gurtd is busy; try again (Retry-After)"))
+    if "requestBody" in op:
+        responses.setdefault("411", _error("A body without Content-Length"))
+        responses.setdefault("413", _error(f"A body larger than {MAX_BODY} bytes"))
+    params = api_parameters(route)
+    if params:
+        op["parameters"] = params
+    op["responses"] = responses
+    return op
+
+
+def openapi(server: str = "http://127.0.0.1:7700") -> dict[str, Any]:
+    """An OpenAPI 3.1 description generated from ROUTES and the validation tables, so it
+    cannot drift from them; server is where this gurtd listens."""
+    paths: dict[str, Any] = {}
+    for route in ROUTES:
+        paths.setdefault(route.path, {})[route.method.lower()] = api_operation(route)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "gurtd", "version": VERSION,
+                 "description": "The daemon of a box: tasks on layered, undoable workspaces."},
+        "servers": [{"url": server}],
+        "tags": [{"name": t} for t in dict.fromkeys(
+            op["tags"][0] for ops in paths.values() for op in ops.values())],
+        "paths": paths,
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                                "portal": {"type": "apiKey", "in": "cookie",
+                                           "name": SESSION_COOKIE}},
+            "schemas": api_schemas()},
+    }
+
+
+def undocumented_routes() -> list[tuple[str, str]]:
+    """Routes without answers yet (their description is minimal)."""
+    return [(route.method, route.path) for route in ROUTES if not route.answers]
 
 
 # Loop ##########################################################################################

@@ -254,8 +254,8 @@ def test_every_body_route_refuses_a_body_that_is_not_an_object(gurtd: Gurtd,
                                                                name: str) -> None:
     before = (gurtd.api("GET", "/api/tasks"), gurtd.api("GET", "/api/settings"),
               gurtd.api("GET", "/api/wallet"), gurtd.api("GET", "/api/workspaces"))
-    routes = [(m, p) for m, p, fn, _ in G.ROUTES
-              if m in ("POST", "PUT") and fn not in G.STREAMED_BODIES]   # files: any bytes
+    routes = [(r.method, r.path) for r in G.ROUTES
+              if r.method in ("POST", "PUT") and not r.streamed]   # files: any bytes
     assert len(routes) >= 9
     for method, pattern in routes:
         status, data, headers = gurtd.request(method, filled(pattern), raw=ODD_BODIES[name],
@@ -273,9 +273,9 @@ def test_every_body_route_refuses_a_body_that_is_not_an_object(gurtd: Gurtd,
 
 def test_any_method_on_a_known_path_is_405_with_allow(gurtd: Gurtd) -> None:
     allowed: dict[str, set[str]] = {}      # every method whose route matches the path
-    for _, pattern, _, _ in G.ROUTES:
-        path = filled(pattern)
-        allowed[path] = {m for m, regex, _ in G.COMPILED_ROUTES if regex.match(path)}
+    for route in G.ROUTES:
+        path = filled(route.path)
+        allowed[path] = {r.method for r in G.ROUTES if r.regex.match(path)}
     for path, methods in allowed.items():
         for method in ("TRACE", "OPTIONS", "PATCH", "HEAD", "DELETE", "PUT", "POST", "BREW"):
             if method in methods:

@@ -49,19 +49,19 @@ def test_the_description_is_valid_and_names_where_gurtd_listens(g: Gurtd) -> Non
 
 
 def test_every_route_is_documented() -> None:
-    """Routes without an API_DOCS entry get a minimal description; this lists them."""
+    """Routes without answers get a minimal description; this lists them."""
     missing = G.undocumented_routes()
     if missing:
-        print("\nRoutes without an API_DOCS entry (add one beside ROUTES):")
+        print("\nRoutes without answers (add them to their Route in ROUTES):")
         for method, pattern in missing:
             print(f"    ({method!r}, {pattern!r})")
-    assert not missing, "routes without an API_DOCS entry: " + \
+    assert not missing, "routes without answers: " + \
         ", ".join(f"{m} {p}" for m, p in missing)
 
 
 def test_a_route_added_without_docs_still_gets_a_valid_description() -> None:
     from openapi_spec_validator import validate
-    route = ("POST", "/api/tasks/{id}/frobnicate", G.h_health, "A route of tomorrow")
+    route = G.Route("POST", "/api/tasks/{id}/frobnicate", G.h_health, "A route of tomorrow")
     G.ROUTES.append(route)
     try:
         doc = G.openapi()

@@ -151,10 +151,10 @@ def test_atomic_json_files_and_damaged_ones_set_aside(tmp_path):
 
 
 def test_routes_match_and_refuse():
-    fn, params = G.match_route("GET", "/api/tasks/t123456789")
-    assert fn is G.h_task_get and params == {"id": "t123456789"}
-    fn, params = G.match_route("GET", "/api/workspaces/home/files/a/b%20c")
-    assert fn is G.h_workspace_files and params == {"name": "home", "path": "a/b%20c"}
+    route, params = G.match_route("GET", "/api/tasks/t123456789")
+    assert route.handler is G.h_task_get and params == {"id": "t123456789"}
+    route, params = G.match_route("GET", "/api/workspaces/home/files/a/b%20c")
+    assert route.handler is G.h_workspace_files and params == {"name": "home", "path": "a/b%20c"}
     with pytest.raises(G.ApiError) as err:
         G.match_route("DELETE", "/api/tasks")
     assert err.value.status == 405 and err.value.headers["Allow"] == "GET, POST"
