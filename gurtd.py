@@ -1406,14 +1406,23 @@ def open_beneath(dirfd: int, path: str, flags: int) -> int:
                    ctypes.c_size_t(ctypes.sizeof(how)))
 
 
-def mounts_under(prefix: str) -> list[str]:
-    """Mount points at or below prefix in gurtd's mount namespace, deepest first."""
+def overlays_below(prefix: str, mountinfo: str | None = None) -> list[str]:
+    """Overlay mount points strictly below prefix in gurtd's mount namespace (or in the text
+    of a mountinfo), deepest first: what an earlier gurtd may have left of its views.
+
+    Never prefix itself or a mount of another kind: under systemd BOX_HOME is the bind mount
+    StateDirectory= makes (ProtectSystem=strict leaves only it writable), and a person may
+    mount a disk of their own below it."""
+    if mountinfo is None:
+        with open("/proc/self/mountinfo") as f:
+            mountinfo = f.read()
     points = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            point = line.split()[4].encode().decode("unicode_escape")
-            if point == prefix or point.startswith(prefix.rstrip("/") + "/"):
-                points.append(point)
+    below = prefix.rstrip("/") + "/"
+    for line in mountinfo.splitlines():
+        fields, _, tail = line.partition(" - ")
+        point = fields.split()[4].encode().decode("unicode_escape")
+        if point.startswith(below) and tail.split()[:1] == ["overlay"]:
+            points.append(point)
     return sorted(points, key=len, reverse=True)
 
 
@@ -6214,8 +6223,8 @@ class Box:
         for task_id in crashed:                  # their processes are gone now
             attempt(f"strip set-id bits of {task_id}", setid_strip,
                     os.path.join(self.layer_dir(task_id), "upper"))
-        for point in mounts_under(self.home):
-            log(4, f"reconcile: unmounting leftover {point}")
+        for point in overlays_below(self.home):
+            log(4, f"reconcile: unmounting the leftover overlay {point}")
             attempt(f"unmount {point}", umount, point)
         attempt("delete undone layers", self.gc_layers)
         attempt("finish keeps and undos cut short", self.review.recover)
