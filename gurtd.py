@@ -6403,6 +6403,10 @@ class Network:
             # gurtd's namespace), eth0's address and route, the DNS sockets; one netlink socket
             sysctl_write("net.ipv6.conf.all.disable_ipv6", "1")
             sysctl_write("net.ipv6.conf.default.disable_ipv6", "1")
+            # port 53 below without CAP_NET_BIND_SERVICE (the unit keeps none): from 53 up,
+            # ports are anyone's in this namespace, the task's alone, where gurtd's DNS
+            # sockets are bound before the worker starts
+            sysctl_write("net.ipv4.ip_unprivileged_port_start", "53")
             with IPRoute() as ipr:
                 ipr.link("set", index=1, state="up")
                 ipr.link("add", ifname="eth0", kind="veth",
