@@ -1389,8 +1389,10 @@ class OpenHow(ctypes.Structure):
 #     a thread of its own does it (_overlay_legacy): it unshares its mount namespace (with
 #     it its cwd), moves the detached clones in, mounts there, returns a detached clone of
 #     the overlay and ends; its namespace, and every mount in it, goes with it.
-# Measured on 6.18 (500 layers, an inner overlay past them): see overlay_probe's log line and
-# tests/test_layers.py; both ways build the same views from the same plans.
+# Measured on 6.18 (a view of a plan, the fastest of 7, on a loaded 2-core VM), fd / legacy:
+# 2 layers 0.08 / 0.6 ms; 500 layers 8 / 15 ms; 999 (an inner overlay) 20 / 16 ms; the probe
+# 20-30 ms (it forks for its user namespace).  Both ways show the same views of the same
+# plans (tests/test_layers.py); GURT_OVERLAY_API=legacy runs the suite the legacy way.
 
 OVERLAY_API_ENV = "GURT_OVERLAY_API"  # for tests: "legacy" takes the legacy way on any kernel
 MOUNT_DATA_MAX = 4000                 # bytes of mount(2) options; the kernel's page is 4095
