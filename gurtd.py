@@ -2267,8 +2267,7 @@ class DiskReserve:
         per_inode = self.inode_bytes()
         sizes = {task_id: tree_bytes(os.path.join(path, "upper"), per_inode)
                  for task_id, path in candidates}
-        self.box.commands.put((self.on_sizes, (sizes,), Future()))
-        os.write(self.box.wake_w, b"d")
+        self.box.loop.post(self.on_sizes, sizes)
 
     def on_sizes(self, sizes: dict[str, int]) -> None:
         """Back on the loop thread: pause the biggest writer still running, if still short."""
@@ -3732,9 +3731,9 @@ class Review:
         except OSError as exc:
             log(3, f"task {task.id}: review log line lost: {exc}")
         log(6, f"task {task.id} review {action}: {text}")
-        self.box.emit("review", {"task": task.id, "review": task.review, "action": action,
+        self.box.loop.emit("review", {"task": task.id, "review": task.review, "action": action,
                                  "text": text, **extra})
-        self.box.emit("task", task.to_api())
+        self.box.loop.emit("task", task.to_api())
 
     # reading
     def owner(self, info: dict[str, Any]) -> tuple[int, list[int]]:
@@ -5035,55 +5034,35 @@ class Worker:
 class Box:
     """The box: its tasks, workspaces and settings, and every change to them.
 
-    Methods for HTTP threads: call(fn, *args) runs fn on the loop thread and returns its result;
-    rendered[id] is a task's JSON, readable without a lock; list_tasks, workspace_snapshot and
-    events_after read what the loop published.  Everything else runs on the loop thread:
-    serve() reconciles, announces READY and loops until SIGTERM.
+    Its parts: loop (Loop: call from other threads, what the loop published), views (Views:
+    the layer stack and views), droid (DroidWorker), network, broker, review, disk, cgroups,
+    schedules, jira, hooks.  workspace_snapshot reads what the loop published (any thread);
+    everything else runs on the loop thread.
     """
 
     def __init__(self, home: str, listen: str, dns_upstream: str | None = None) -> None:
         self.home = os.path.abspath(home)
         self.listen = listen
+        self.loop = Loop(self)
         self.network = Network(self, dns_upstream)
         self.broker = Broker(self)
         self.cgroups = Cgroups(self.home)
         self.disk = DiskReserve(self)
         self.review = Review(self)
-        self.events: list[tuple[int, str, bytes]] = []   # (seq, kind, JSON) for /api/events
-        # Event ids go on from a clock reading, so that an id from before a restart is older
-        # than every id of this run (its stream gets a reset event, not silence).
-        self.event_seq = int(time.time() * 1000)
-        self.events_changed = threading.Condition()
         self.tasks: dict[str, Task] = {}
-        self.rendered: dict[str, bytes] = {}
-        # Snapshots for HTTP threads (the loop writes them in publish): (seq, id) in creation
-        # order, and per task (state, workspace, doneSeq, JSON) replaced in one assignment.
-        self.order: list[tuple[int, str]] = []
-        self.listed: dict[str, tuple[str, str, int, bytes]] = {}
-        self.listed_lock = threading.Lock()     # a list is read whole between two publishes
-        self.listed_api: dict[str, dict[str, Any]] = {}   # the same as dicts, for ?fields=
-        self.staged: dict[str, Task] = {}                 # changed in this loop step
-        self.staged_events: list[tuple[str, bytes]] = []
         self.workers: dict[str, Worker] = {}
         self.settings: dict[str, Any] = dict(DEFAULT_SETTINGS)
         self.state: dict[str, int] = {"nextUid": UID_FIRST}
         self.token = ""
         self.store_uid = self.store_gid = 0
         self.spawner = Spawner()
-        self.commands: queue.Queue[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = \
-            queue.Queue()
-        self.selector = selectors.DefaultSelector()
-        self.wake_r = self.wake_w = -1
-        self.stopping = False
         self.log_followers = LogFollowers()
-        self.call_timeout = env_seconds("GURT_CALL_TIMEOUT", CALL_TIMEOUT)
         self.views: dict[str, tuple[tuple[str, ...], int]] = {}   # workspace -> (stack, fd)
         self.views_lock = threading.Lock()
         self.followers = Counter(MAX_LOG_FOLLOWERS)       # log followers per task
         self.seq = 0
         self.done_seq = 0
         self.unsaved: set[str] = set()      # tasks whose (terminal) state is not on disk yet
-        self.unsaved_retry = 0.0
         self.schedules = Schedules(self)
         self.jira = Jira(self)
         self.hooks = Hooks(self)
@@ -5113,32 +5092,6 @@ class Box:
         return self.path("layers", task_id)
 
     # calls from HTTP threads
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run fn(*args) on the loop thread and return its result (or raise its error).
-
-        A loop that does not answer within call_timeout gives 503 busy, never a dropped
-        connection: a command that had not started is withdrawn (nothing was done).
-        """
-        def step(*args: Any) -> Any:
-            try:
-                return fn(*args)
-            finally:
-                self.publish()          # the caller sees its own change in what it reads next
-
-        future: Future[Any] = Future()
-        self.commands.put((step, args, future))
-        os.write(self.wake_w, b"c")
-        try:
-            return future.result(timeout=self.call_timeout)
-        except TimeoutError:
-            if future.done():
-                raise                         # fn's own TimeoutError
-            if future.cancel():
-                raise ApiError(503, "gurtd is busy; nothing was done, try again", "busy",
-                               {"Retry-After": "1"}) from None
-            raise ApiError(503, "gurtd is busy; the request is still being carried out",
-                           "busy", {"Retry-After": "1"}) from None
-
     # state on disk
     def load(self) -> None:
         """Create BOX_HOME's layout if missing, then read settings, counters, token and tasks."""
@@ -5199,7 +5152,7 @@ class Box:
             self.tasks[task.id] = task
             if isinstance(data.get("layersRef"), str):
                 self.stack_refs[task.id] = (task.layers, data["layersRef"])
-            self.render(task)
+            self.loop.render(task)
             self.seq = max(self.seq, task.seq)
             self.done_seq = max(self.done_seq, task.doneSeq)
         self.layerstack.load()
@@ -5224,43 +5177,11 @@ class Box:
             data["layers"], data["layersRef"] = [], cached[1]
         return data
 
-    def render(self, task: Task) -> None:
-        """The task changed: its JSON is published for HTTP threads at the end of this step."""
-        self.staged[task.id] = task
-
-    def publish(self) -> None:
-        """The end of a loop step (and of load): what it changed becomes visible to HTTP
-        threads together, tasks first, then approvals, then events, so that a reader never
-        sees half a step (an approval pending while its task is not yet waiting, an event
-        about a task that GET still shows as before)."""
-        fresh = [(task, json.dumps(task.to_api()).encode()) for task in self.staged.values()
-                 if self.tasks.get(task.id) is task]   # not a create that failed after saving
-        with self.listed_lock:
-            for task, _ in fresh:          # for ?fields= (a list of few fields of many tasks)
-                self.listed_api[task.id] = task.to_api()
-            for task, data in fresh:
-                if task.id not in self.listed:
-                    bisect.insort(self.order, (task.seq, task.id))
-                self.listed[task.id] = (task.state, task.workspace, task.doneSeq, data)
-                self.rendered[task.id] = data
-        for task, _ in fresh:
-            self.log_followers.notify(task.id)    # a follower ends when the task does
-        self.staged.clear()
-        self.broker.publish()
-        if self.staged_events:
-            with self.events_changed:
-                for kind, data in self.staged_events:
-                    self.event_seq += 1
-                    self.events.append((self.event_seq, kind, data))
-                del self.events[:-EVENTS_KEPT]
-                self.events_changed.notify_all()
-            self.staged_events.clear()
-
     def save(self, task: Task, sync: bool = True) -> None:
         """Persist and re-render a task after a change; every change moves updatedAt."""
         task.updatedAt = now_iso()
         write_json(self.task_file(task.id), self.stored(task), sync=sync)
-        self.render(task)
+        self.loop.render(task)
         self.unsaved.discard(task.id)
 
     def save_state(self) -> None:
@@ -5313,7 +5234,7 @@ class Box:
                 self.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
                 return
             log(3, f"task {task.id} is {state} (saved) but its log line was lost: {exc}")
-        self.emit("task", task.to_api())
+        self.loop.emit("task", task.to_api())
 
     def not_saved(self, task: Task, exc: OSError) -> None:
         """A terminal state could not be saved: the task is failed in memory with the reason,
@@ -5324,14 +5245,14 @@ class Box:
         if task.state == "done":        # a failure or an undo keeps its own reason
             task.state, task.error = "failed", error
         task.updatedAt = now_iso()
-        self.render(task)
+        self.loop.render(task)
         self.unsaved.add(task.id)
         try:
             self.append_log(task.id, {"type": "state", "state": task.state,
                                       "error": task.error or error})
         except OSError:
             pass
-        self.emit("task", task.to_api())
+        self.loop.emit("task", task.to_api())
 
     def save_unsaved(self) -> None:
         """Try again to save tasks whose terminal state is only in memory (tick, shutdown)."""
@@ -5365,7 +5286,7 @@ class Box:
             except Exception as exc:
                 log(3, f"task {task.id}: failed in memory only: {type(exc).__name__}: {exc}")
                 task.state, task.error = "failed", error
-                self.render(task)
+                self.loop.render(task)
                 self.unsaved.add(task.id)
         if task.folders and task.state == "failed":   # its folder changes are never kept
             self.review.forget(task)
@@ -5374,47 +5295,6 @@ class Box:
                 step()
             except Exception as exc:
                 log(3, f"could not {what} after task {task.id} failed: {exc}")
-
-    def guard(self, task_id: str | None, fn: Callable[..., Any], *args: Any) -> bool:
-        """Run one event handler of the loop.  An error in handling a task's event fails that
-        task (the traceback to gurtd's log, the error to the task's log); an error with no
-        task is logged.  Either way the loop goes on (asyncio's call_exception_handler).
-        True if fn returned."""
-        try:
-            fn(*args)
-            return True
-        except Exception as exc:
-            where = f"task {task_id}" if task_id else "the loop"
-            log(3, f"error while handling an event of {where}: " +
-                traceback.format_exc().rstrip().replace("\n", "\n    "))
-            task = self.tasks.get(task_id) if task_id else None
-            if task is not None and task.state in ACTIVE_STATES:
-                error = f"cannot save the task: {exc.strerror}" if is_disk_error(exc) and \
-                    isinstance(exc, OSError) and exc.strerror else \
-                    f"internal error: {type(exc).__name__}: {exc}"
-                self.fail_task(task, error)
-            return False
-
-    def emit(self, kind: str, obj: Any) -> None:
-        """An event for /api/events: every state a task takes (queued too), every approval
-        made or answered; sent at the end of the step (publish), with ids counting up by one;
-        the last EVENTS_KEPT are kept for replay."""
-        self.staged_events.append((kind, json.dumps(obj).encode()))
-        if kind == "task":
-            for source in (self.schedules, self.jira):
-                try:
-                    source.on_task(obj)
-                except Exception as exc:   # their bookkeeping never fails the task
-                    log(3, f"{type(source).__name__}: task {obj.get('id')}: {exc}")
-
-    def events_after(self, last: int) -> tuple[bool, list[tuple[int, str, bytes]]]:
-        """The kept events after id last, and whether some after it are no longer kept (or
-        last is no id of this run): the caller then says reset.  Any thread."""
-        with self.events_changed:
-            if last > self.event_seq:
-                return True, []
-            first = self.events[0][0] if self.events else self.event_seq + 1
-            return last < first - 1, [e for e in self.events if e[0] > last]
 
     # workspaces
     def workspace_create_dir(self, name: str) -> None:
@@ -5510,8 +5390,7 @@ class Box:
         cached = self.layer_bytes.get(workspace)
         if cached is None or cached[0] != version or \
                 time.monotonic() - cached[1] > LAYER_BYTES_AGE:
-            with self.listed_lock:
-                ids = [i for i, e in self.listed.items() if e[1] == workspace]
+            ids = [e[0] for e in self.loop.listed_in(workspace)]
             dirs = [os.path.join(self.home, "layers", i) for i in ids] + \
                 [os.path.join(self.home, MERGED_DIR, name) for name in merged]
             cached = (version, time.monotonic(), layer_bytes(dirs))
@@ -5535,8 +5414,7 @@ class Box:
 
     def merge_done(self, merged: MergedLayer, error: str | None) -> None:
         """Merger thread: a build ended; the loop takes it from here (merge_built)."""
-        self.commands.put((self.merge_built, (merged, error), Future()))
-        os.write(self.wake_w, b"c")
+        self.loop.post(self.merge_built, merged, error)
 
     def merge_built(self, merged: MergedLayer, error: str | None) -> None:
         """Loop: record a merged layer that was built (then views use it), or log why not."""
@@ -5594,20 +5472,20 @@ class Box:
                     pass
                 except OSError as err:
                     log(3, f"could not remove {path} of a task that was not created: {err}")
-            self.rendered.pop(task_id, None)
+            self.loop.forget(task_id)
             log(3, f"a task could not be created: {exc}")
             if is_disk_error(exc):
                 raise ApiError(507, f"cannot save the task: {exc.strerror}",
                                "insufficient_storage") from None
             raise
         self.tasks[task_id] = task
-        self.emit("task", task.to_api())
+        self.loop.emit("task", task.to_api())
         self.schedule()
         return task.to_api()
 
     def schedule(self) -> None:
         """Start queued tasks, first in first out, while there is room."""
-        if self.stopping:
+        if self.loop.stopping:
             return
         active = sum(1 for t in self.tasks.values() if t.state in ("running", "waiting"))
         queued = sorted((t for t in self.tasks.values() if t.state == "queued"),
@@ -5679,7 +5557,7 @@ class Box:
         worker = Worker(task.id, pid, out_r, log_fd=log_fd, budget_limit=task.budgetCents,
                         log_cap=LogCap(limits["logBytes"], os.fstat(log_fd).st_size))
         self.workers[task.id] = worker
-        self.selector.register(out_r, selectors.EVENT_READ, task.id)
+        self.loop.watch(out_r, task.id)
         self.set_state(task, "running")
         log(6, f"task {task.id} running as {task.user} ({uid}), pid {pid}, "
                f"{len(task.layers)} layers")
@@ -5694,7 +5572,7 @@ class Box:
             return
         if not data:
             worker.eof = True
-            self.selector.unregister(worker.fd)
+            self.loop.unwatch(worker.fd)
             if worker.buf:
                 self.on_worker_line(worker, worker.buf)
                 worker.buf = b""
@@ -5747,7 +5625,7 @@ class Box:
             worker = by_pid.get(pid)
             if worker is not None:
                 worker.exit_code = code
-                self.guard(worker.task_id, self.maybe_finish, worker)
+                self.loop.guard(worker.task_id, self.maybe_finish, worker)
 
     def maybe_finish(self, worker: Worker) -> None:
         """A worker ended once its process exited and its report pipe is drained."""
@@ -5790,7 +5668,7 @@ class Box:
         worker = self.workers.pop(task.id, None)
         if worker is not None:
             if not worker.eof:
-                self.selector.unregister(worker.fd)
+                self.loop.unwatch(worker.fd)
             os.close(worker.fd)
             if worker.log_fd >= 0:
                 os.close(worker.log_fd)
@@ -5915,32 +5793,12 @@ class Box:
         return task
 
     # snapshots (any thread: they read what render published, never the loop's objects)
-    def list_tasks(self, state: str | None, workspace: str | None, limit: int,
-                   fields: tuple[str, ...] | None = None) -> bytes:
-        """The task list as JSON, newest first, from the published snapshots; only the
-        given fields of each task when fields is set (rendered from the published dicts)."""
-        out: list[Any] = []
-        with self.listed_lock:              # one step's changes, all of them or none
-            for _, task_id in reversed(self.order):
-                entry = self.listed.get(task_id)
-                if entry is not None and (state is None or entry[0] == state) and \
-                        (workspace is None or entry[1] == workspace):
-                    out.append(entry[3] if fields is None else self.listed_api[task_id])
-                    if len(out) >= limit:
-                        break
-        if fields is not None:
-            out = [json.dumps({k: api[k] for k in fields if k in api}).encode()
-                   for api in out]
-        return b"[" + b", ".join(out) + b"]"
-
     def workspace_snapshot(self, name: str, full: bool = False) -> dict[str, Any]:
         """workspace_info from the snapshots: its done tasks, newest first."""
         if not self.workspace_exists(name):
             raise ApiError(404, f"no workspace named {name}", "not_found")
-        with self.listed_lock:
-            entries = list(self.listed.values())
-        stack = sorted(((e[2], e[3]) for e in entries
-                        if e[0] == "done" and e[1] == name), reverse=True)
+        stack = sorted(((e[2], e[3]) for e in self.loop.listed_in(name) if e[1] == "done"),
+                       reverse=True)
         info: dict[str, Any] = {"name": name, "layers": len(stack)}
         if full:
             info.update(self.layer_usage(name))
@@ -6432,9 +6290,8 @@ class Network:
         except BaseException:
             self.release(task.id)
             raise
-        sel = self.box.selector
-        sel.register(udp, selectors.EVENT_READ, ("dns-udp", task.id))
-        sel.register(tcp, selectors.EVENT_READ, ("dns-tcp", task.id))
+        self.box.loop.watch(udp, ("dns-udp", task.id))
+        self.box.loop.watch(tcp, ("dns-tcp", task.id))
         return net
 
     def release(self, task_id: str) -> None:
@@ -6503,7 +6360,7 @@ class Network:
 
     def selector_drop(self, sock: socket.socket) -> None:
         try:
-            self.box.selector.unregister(sock)
+            self.box.loop.unwatch(sock)
         except (KeyError, ValueError):
             pass
         sock.close()
@@ -6588,8 +6445,7 @@ class Network:
                 return
             conn.setblocking(False)
             net.conns[conn.fileno()] = (conn, bytearray())
-            self.box.selector.register(conn, selectors.EVENT_READ,
-                                       ("dns-conn", (net.task_id, conn.fileno())))
+            self.box.loop.watch(conn, ("dns-conn", (net.task_id, conn.fileno())))
         elif kind == "dns-conn":
             if key[1] not in net.conns:      # closed earlier in the same round of events
                 return
@@ -6678,7 +6534,7 @@ class Network:
         self.pending[sock.fileno()] = Upstream(sock, net, query, name, ports, reply,
                                                time.monotonic() + 3.0, forward.id)
         net.upstreams += 1
-        self.box.selector.register(sock, selectors.EVENT_READ, ("upstream", sock.fileno()))
+        self.box.loop.watch(sock, ("upstream", sock.fileno()))
 
     def on_upstream(self, fileno: int) -> None:
         import dns.message
@@ -7137,7 +6993,7 @@ class Policies:
             raise ApiError(400, f"no workspace named {fields['workspace']}")
         policy = Policy(id=new_task_id("p"), createdAt=now_iso(), createdBy=by, **fields)
         self.write({**self.items, policy.id: policy})
-        self.box.emit("policy", {"action": "created", "policy": policy.to_api()})
+        self.box.loop.emit("policy", {"action": "created", "policy": policy.to_api()})
         log(6, f"policy {policy.id} created by {by}: {policy.tool} in {policy.scope}")
         return policy
 
@@ -7146,7 +7002,7 @@ class Policies:
         if policy is None:
             raise ApiError(404, "No policy with this id", "not_found")
         self.write({k: v for k, v in self.items.items() if k != policy_id})
-        self.box.emit("policy", {"action": "deleted", "policy": policy.to_api()})
+        self.box.loop.emit("policy", {"action": "deleted", "policy": policy.to_api()})
         return policy.to_api()
 
     def find(self, task: Task, tool: str, cents: float, host: str | None = None) -> Policy | None:
@@ -7172,7 +7028,7 @@ class Policies:
         used = dataclasses.replace(policy, spentCents=policy.spentCents + cents,
                                    uses=policy.uses + 1)
         self.write({**self.items, policy.id: used})
-        self.box.emit("policy", {"action": "used", "policy": used.to_api()})
+        self.box.loop.emit("policy", {"action": "used", "policy": used.to_api()})
 
 
 # Broker and approvals #########################################################################
@@ -7350,7 +7206,7 @@ class Broker:
         self.waiters[approval.id] = future
         self.box.append_log(task.id, {"type": "approval", "approval": approval.id,
                                       "kind": kind, "tool": tool, "cents": cents})
-        self.box.emit("approval", approval.to_api())
+        self.box.loop.emit("approval", approval.to_api())
         if task.state == "running":
             self.box.set_state(task, "waiting")
         return {"task": task.id, "cents": cents, "wait": approval.id, "future": future}
@@ -7376,7 +7232,7 @@ class Broker:
         for key, value in extra.items():
             setattr(approval, key, value)
         self.render(approval)
-        self.box.emit("approval", approval.to_api())
+        self.box.loop.emit("approval", approval.to_api())
         task = self.box.tasks.get(approval.task)
         if task is not None:
             try:
@@ -7474,8 +7330,8 @@ class Broker:
         self.box.append_log(task.id, {"type": "budget", "budgetCents": budget, "was": old,
                                       "approval": approval.id,
                                       "text": f"budget raised from {old} to {budget} cents"})
-        self.box.render(task)
-        self.box.emit("task", task.to_api())
+        self.box.loop.render(task)
+        self.box.loop.emit("task", task.to_api())
 
     def always(self, approval_id: str, body: Any) -> dict[str, Any]:
         """Approve and record a policy {scope, maxCents?, totalCents?, expiresAt?, reason?}
@@ -7524,7 +7380,7 @@ class Broker:
                                       "kind": "budget", "tool": tool, "cents": cents,
                                       "state": "approved", "by": "policy",
                                       "policy": policy.id})
-        self.box.emit("approval", approval.to_api())
+        self.box.loop.emit("approval", approval.to_api())
 
     def deny_pending(self, task_id: str, by: str, reason: str) -> None:
         for approval in list(self.approvals.values()):
@@ -7808,7 +7664,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
         try:
             if self.path.split("?")[0] != "/tools":
                 raise ApiError(404, "no route; POST /call or GET /tools", "not_found")
-            task = box.call(box.broker.task_of_uid, self.peer_uid())
+            task = box.loop.call(box.broker.task_of_uid, self.peer_uid())
             if task is None:
                 raise ApiError(403, "only a running task may call tools", "forbidden")
             self.reply(200, {"tools": task.tools})
@@ -7831,7 +7687,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
             except OSError:
                 gone = True
             if gone:
-                self.server.box.call(self.server.box.broker.withdraw, plan["wait"])
+                self.server.box.loop.call(self.server.box.broker.withdraw, plan["wait"])
                 self.close_connection = True
                 return None
 
@@ -7859,7 +7715,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                     set(body) - {"tool", "args"}:
                 raise ApiError(400, 'the body must be {"tool": "name", "args": {...}}')
             tool, args = body["tool"], body.get("args", {})
-            plan = box.call(box.broker.begin_call, uid, tool, args)
+            plan = box.loop.call(box.broker.begin_call, uid, tool, args)
             task_id, call = plan["task"], plan["call"]
             if "wait" in plan:
                 approval = self.wait_for_person(plan)
@@ -7873,7 +7729,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                     plan["cents"] = check_tool_args(tool, args)
                 if tool == "ask":
                     result = {"answer": approval.answer}
-                    box.call(box.broker.record, task_id, {
+                    box.loop.call(box.broker.record, task_id, {
                         "type": "tool", "tool": tool, "args": args, "caller": uid, "call": call,
                         "result": result, "cents": 0})
                     self.reply(200, {"result": result})
@@ -7881,19 +7737,19 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
             if "result" in plan:
                 result, cost = plan["result"], 0.0
             elif tool == "wallet.pay":   # pay logs its own line, with the call id
-                result = box.call(box.broker.pay, task_id, args, plan["call"])
+                result = box.loop.call(box.broker.pay, task_id, args, plan["call"])
                 cost, plan["logged"] = 0.0, True
             else:
                 result, cost = run_tool(box, tool, args, task_id)
             if not plan.get("logged"):
-                box.call(box.broker.record, task_id, {
+                box.loop.call(box.broker.record, task_id, {
                     "type": "tool", "tool": tool, "args": args, "caller": uid, "call": call,
                     "result": result, "cents": plan["cents"] or cost}, cost)
             self.reply(200, {"result": result})
         except ApiError as exc:
             if task_id is not None and exc.code != "tool_not_allowed":
                 try:
-                    box.call(box.broker.record, task_id, {
+                    box.loop.call(box.broker.record, task_id, {
                         "type": "tool", "tool": tool, "args": args, "caller": uid, "call": call,
                         "error": exc.message})
                 except Exception:
@@ -8174,7 +8030,7 @@ def upload_finish(box: "Box", workspace: str, upper: str, explicit: set[str]) ->
     upper is on disk.  A folder where the view has a file or a link (or the reverse) is a 409:
     the layer would hide it silently.  A folder the archive did not describe gets the mode of
     the folder it lies over (as a copy-up would), else 0755; set-id bits never survive."""
-    view = box.call(box.view_fd, workspace)
+    view = box.loop.call(box.view_fd, workspace)
     try:
         top = os.open(upper, DIR_FLAGS)
         try:
@@ -8223,7 +8079,7 @@ def upload_commit(box: "Box", workspace: str, staging: str, title: str, prompt: 
             box.save(task)
         except OSError:
             os.rename(box.layer_dir(task_id), staging)     # the caller removes it
-            box.staged.pop(task_id, None)
+            box.loop.forget(task_id)
             raise
     box.seq, box.done_seq = task.seq, task.doneSeq
     box.tasks[task_id] = task
@@ -8231,7 +8087,7 @@ def upload_commit(box: "Box", workspace: str, staging: str, title: str, prompt: 
         box.append_log(task_id, {"type": "upload", "text": summary})
         box.append_log(task_id, {"type": "state", "state": "done"})
     box.layers_changed(workspace, task_id)
-    box.emit("task", task.to_api())
+    box.loop.emit("task", task.to_api())
     log(6, f"task {task_id} done: an upload into {workspace}: {summary}")
     return task.to_api()
 
@@ -8374,7 +8230,7 @@ def h_workspace_put_file(req: "Handler", params: dict[str, str]) -> Any:
             with os.fdopen(fd, "wb") as f:
                 shutil.copyfileobj(BodyStream(req), f, UPLOAD_CHUNK)
             upload_finish(box, name, upper, {rel})
-        return 201, box.call(upload_commit, box, name, staging, f"put {rel}",
+        return 201, box.loop.call(upload_commit, box, name, staging, f"put {rel}",
                              f"PUT /api/workspaces/{name}/files/{rel}",
                              f"{rel}: {length} bytes")
 
@@ -8420,7 +8276,7 @@ def h_workspace_upload(req: "Handler", params: dict[str, str]) -> Any:
         with saved_or_507("upload"):
             upload_finish(box, name, upper, {r for r, k in check.kinds.items() if k == "dir"})
         files = sum(1 for k in check.kinds.values() if k == "file")
-        return 201, box.call(upload_commit, box, name, staging,
+        return 201, box.loop.call(upload_commit, box, name, staging,
                              f"upload into {name}", f"POST /api/workspaces/{name}/upload",
                              f"{files} file{'' if files == 1 else 's'}, {check.size} bytes")
 
@@ -8430,7 +8286,7 @@ def h_workspace_archive(req: "Handler", params: dict[str, str]) -> Any:
     box, name = req.box, params["name"]
     if not box.workspace_exists(name):
         raise ApiError(404, f"no workspace named {name}", "not_found")
-    view = box.call(box.view_fd, name)
+    view = box.loop.call(box.view_fd, name)
     try:
         send_archive(req, view, f"{name}.tar.gz")
     finally:
@@ -8451,7 +8307,7 @@ def h_task_archive(req: "Handler", params: dict[str, str]) -> Any:
             raise ApiError(409, "the task was undone and its layer deleted", "conflict")
         return os.path.join(box.layer_dir(task.id), "upper")
 
-    path = box.call(layer)
+    path = box.loop.call(layer)
     try:
         top = os.open(path, DIR_FLAGS)
     except FileNotFoundError:
@@ -9125,27 +8981,27 @@ class Schedules:
 
 
 def h_schedules_list(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.schedules.list)
+    return 200, req.box.loop.call(req.box.schedules.list)
 
 
 def h_schedules_create(req: "Handler", params: dict[str, str]) -> Any:
-    return 201, req.box.call(req.box.schedules.create, req.json_body())
+    return 201, req.box.loop.call(req.box.schedules.create, req.json_body())
 
 
 def h_schedule_get(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(lambda: req.box.schedules.get(params["id"]).to_api())
+    return 200, req.box.loop.call(lambda: req.box.schedules.get(params["id"]).to_api())
 
 
 def h_schedule_put(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.schedules.update, params["id"], req.json_body())
+    return 200, req.box.loop.call(req.box.schedules.update, params["id"], req.json_body())
 
 
 def h_schedule_delete(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.schedules.delete, params["id"])
+    return 200, req.box.loop.call(req.box.schedules.delete, params["id"])
 
 
 def h_schedule_run(req: "Handler", params: dict[str, str]) -> Any:
-    return req.box.call(req.box.schedules.run_now, params["id"])
+    return req.box.loop.call(req.box.schedules.run_now, params["id"])
 
 
 # Jira ##########################################################################################
@@ -9434,7 +9290,7 @@ class Jira:
     def run(self) -> None:
         """Poll, answer ended tasks, sleep pollSeconds (or the backoff); until gurtd stops."""
         next_poll = 0.0
-        while not self.box.stopping:
+        while not self.box.loop.stopped():
             config = dict(self.box.settings.get("jira") or {})
             wait = 3600.0
             if config.get("enabled"):
@@ -9474,9 +9330,9 @@ class Jira:
         # at most what was asked for: a Jira answering thousands of keys starts no more
         keys = list(dict.fromkeys(k for k in keys if isinstance(k, str) and
                                   JIRA_KEY_RE.fullmatch(k)))[:JIRA_MAX_ISSUES]
-        taken = set(self.box.call(self.known, keys))
+        taken = set(self.box.loop.call(self.known, keys))
         for key in keys:
-            if key in taken or self.box.stopping:
+            if key in taken or self.box.loop.stopped():
                 continue
             try:
                 issue = jira_request(config, token, "GET", f"/rest/api/3/issue/{key}"
@@ -9487,12 +9343,12 @@ class Jira:
                 log(4, f"jira: issue {key} cannot be read, left for the next poll: {exc}")
                 continue
             fields = (issue or {}).get("fields") or {}
-            self.box.call(self.take, key, fields if isinstance(fields, dict) else {})
+            self.box.loop.call(self.take, key, fields if isinstance(fields, dict) else {})
 
     def answer(self, config: dict[str, Any]) -> None:
         """For each ended task not answered yet: a comment, then the transition if one is
         configured for its end.  A notice is marked done only after both went through."""
-        pending = self.box.call(self.notices)
+        pending = self.box.loop.call(self.notices)
         if not pending:
             return
         token = self.token()
@@ -9507,7 +9363,7 @@ class Jira:
                 if exc.transient or exc.status == 401:
                     raise                     # Jira or its token: tried again with backoff
                 log(4, f"jira: issue {key}: gave up answering: {exc}")   # gone, forbidden
-            self.box.call(self.noticed, key)
+            self.box.loop.call(self.noticed, key)
 
     def transition(self, config: dict[str, Any], token: str, key: str, target: str) -> None:
         """Move the issue by the transition named target (or leading to a status so named)."""
@@ -9728,21 +9584,21 @@ def hook_raw_body(req: "Handler") -> bytes:
 
 
 def h_hooks_list(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.hooks.list)
+    return 200, req.box.loop.call(req.box.hooks.list)
 
 
 def h_hooks_create(req: "Handler", params: dict[str, str]) -> Any:
-    return 201, req.box.call(req.box.hooks.create, req.json_body())
+    return 201, req.box.loop.call(req.box.hooks.create, req.json_body())
 
 
 def h_hook_delete(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.hooks.delete, params["name"])
+    return 200, req.box.loop.call(req.box.hooks.delete, params["name"])
 
 
 def h_hook_deliver(req: "Handler", params: dict[str, str]) -> Any:
     """No bearer token here (Handler.dispatch): the signature is checked instead."""
     raw = hook_raw_body(req)
-    return 201, req.box.call(req.box.hooks.deliver, params["name"], raw,
+    return 201, req.box.loop.call(req.box.hooks.deliver, params["name"], raw,
                              req.headers.get("X-Gurt-Signature") or "",
                              req.headers.get("X-Gurt-Delivery") or "")
 
@@ -9813,7 +9669,7 @@ def h_tasks_list(req: "Handler", params: dict[str, str]) -> Any:
     if not is_digits(limit_text) or not 1 <= int(limit_text) <= 1000:
         raise ApiError(400, "limit must be a whole number from 1 to 1000")
     fields = task_fields(req.query_one("fields"))
-    return 200, req.box.list_tasks(state, workspace, int(limit_text), fields)
+    return 200, req.box.loop.list_tasks(state, workspace, int(limit_text), fields)
 
 
 def task_fields(text: str | None) -> tuple[str, ...] | None:
@@ -9830,12 +9686,12 @@ def task_fields(text: str | None) -> tuple[str, ...] | None:
 
 
 def h_tasks_create(req: "Handler", params: dict[str, str]) -> Any:
-    task = req.box.call(req.box.create_task, req.json_body())
+    task = req.box.loop.call(req.box.create_task, req.json_body())
     return 201, task
 
 
 def h_task_get(req: "Handler", params: dict[str, str]) -> Any:
-    rendered = req.box.rendered.get(params["id"])
+    rendered = req.box.loop.task_json(params["id"])
     if rendered is None:
         raise ApiError(400, "No task with this id")
     return 200, rendered
@@ -9845,23 +9701,23 @@ def h_task_undo(req: "Handler", params: dict[str, str]) -> Any:
     body = req.json_body(optional=True)
     if set(body) - {"force"} or not isinstance(body.get("force", False), bool):
         raise ApiError(400, 'the body must be empty or {"force": true|false}')
-    return 200, req.box.call(req.box.undo, params["id"], body.get("force", False))
+    return 200, req.box.loop.call(req.box.undo, params["id"], body.get("force", False))
 
 
 def h_task_stop(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.stop, params["id"])
+    return 200, req.box.loop.call(req.box.stop, params["id"])
 
 
 def h_task_changes(req: "Handler", params: dict[str, str]) -> Any:
     box = req.box
-    layers = box.call(box.changes, params["id"])
+    layers = box.loop.call(box.changes, params["id"])
     if layers is None:
         return 200, []
     found = changed_paths(*layers)
     # undone and deleted during the walk: what was read is no change of the workspace any more
-    if box.call(box.changes, params["id"]) is None:
+    if box.loop.call(box.changes, params["id"]) is None:
         return 200, []
-    folders = box.call(box.review.sources, params["id"])["folders"]
+    folders = box.loop.call(box.review.sources, params["id"])["folders"]
     if folders:
         found += folder_change_list(*(list(x) for x in zip(*folders)))
     return 200, found
@@ -9890,7 +9746,7 @@ def follower_cap(handler: Callable[..., Any]) -> Callable[..., Any]:
 @follower_cap
 def h_task_log(req: "Handler", params: dict[str, str]) -> Any:
     box, task_id = req.box, params["id"]
-    if task_id not in box.rendered:
+    if box.loop.task_json(task_id) is None:
         raise ApiError(400, "No task with this id")
     follow = req.query_one("follow") in ("1", "true", "yes")
     given = urllib.parse.parse_qs(req.path.partition("?")[2], keep_blank_values=True)
@@ -9938,9 +9794,9 @@ def follow_log(req: "Handler", task_id: str, path: str) -> None:
     req.close_connection = True
     last_beat, partial, f = time.monotonic(), b"", None
     with box.log_followers.follow(task_id) as watch, contextlib.ExitStack() as stack:
-        while not box.stopping and not session_ended(req):
+        while not box.loop.stopped() and not session_ended(req):
             seen = watch.generation
-            ended = json.loads(box.rendered[task_id])["state"] not in ACTIVE_STATES
+            ended = box.loop.task_state(task_id) not in ACTIVE_STATES
             if f is None:
                 try:
                     f = stack.enter_context(open(path, "rb"))
@@ -9951,7 +9807,7 @@ def follow_log(req: "Handler", task_id: str, path: str) -> None:
                 partial = lines.pop()
                 req.wfile.write(b"".join(b"data: " + line + b"\n\n" for line in lines))
             if ended:
-                state = json.loads(box.rendered[task_id])["state"]
+                state = box.loop.task_state(task_id)
                 req.wfile.write(b"event: end\ndata: " + json.dumps({"state": state}).encode() +
                                 b"\n\n")
                 req.wfile.flush()
@@ -9971,7 +9827,7 @@ def h_workspaces_list(req: "Handler", params: dict[str, str]) -> Any:
 
 
 def h_workspaces_create(req: "Handler", params: dict[str, str]) -> Any:
-    return 201, req.box.call(req.box.create_workspace, req.json_body())
+    return 201, req.box.loop.call(req.box.create_workspace, req.json_body())
 
 
 def h_workspace_get(req: "Handler", params: dict[str, str]) -> Any:
@@ -9983,7 +9839,7 @@ def h_workspace_files(req: "Handler", params: dict[str, str]) -> Any:
     if not box.workspace_exists(name):
         raise ApiError(404, f"no workspace named {name}", "not_found")
     rel = clean_relpath(params.get("path", ""))
-    view = box.call(box.view_fd, name)
+    view = box.loop.call(box.view_fd, name)
     try:
         try:
             # a FIFO or device a task left opens at once (and is refused below), never blocks
@@ -10027,7 +9883,7 @@ def h_settings_get(req: "Handler", params: dict[str, str]) -> Any:
 
 
 def h_settings_put(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.put_settings, req.json_body())
+    return 200, req.box.loop.call(req.box.put_settings, req.json_body())
 
 
 def h_approvals_list(req: "Handler", params: dict[str, str]) -> Any:
@@ -10065,13 +9921,13 @@ def h_approval_approve(req: "Handler", params: dict[str, str]) -> Any:
         raise ApiError(400, "args must be a JSON object: the tool's arguments")
     if "budgetCents" in changes and not is_cents(changes["budgetCents"]):
         raise ApiError(400, "budgetCents must be a number")
-    return 200, req.box.call(req.box.broker.approve, params["id"], reason,
+    return 200, req.box.loop.call(req.box.broker.approve, params["id"], reason,
                              changes.get("args"), changes.get("budgetCents"))
 
 
 def h_approval_deny(req: "Handler", params: dict[str, str]) -> Any:
     reason = _reason(req.json_body(optional=True)) or "denied by the owner"
-    return 200, req.box.call(req.box.broker.answer, params["id"], "denied", reason, None)
+    return 200, req.box.loop.call(req.box.broker.answer, params["id"], "denied", reason, None)
 
 
 def h_approval_answer(req: "Handler", params: dict[str, str]) -> Any:
@@ -10084,7 +9940,7 @@ def h_approval_answer(req: "Handler", params: dict[str, str]) -> Any:
         if req.box.broker.get(params["id"]).kind != "ask":
             raise ApiError(409, "only an ask is answered; approve or deny this one", "conflict")
         return req.box.broker.answer(params["id"], "approved", None, body["answer"])
-    return 200, req.box.call(answer)
+    return 200, req.box.loop.call(answer)
 
 
 def h_approvals_approve_all(req: "Handler", params: dict[str, str]) -> Any:
@@ -10092,25 +9948,25 @@ def h_approvals_approve_all(req: "Handler", params: dict[str, str]) -> Any:
     if not isinstance(body, dict) or set(body) - {"task"} or \
             not isinstance(body.get("task", ""), str):
         raise ApiError(400, 'the body must be {} or {"task": "<id>"}')
-    return 200, req.box.call(req.box.broker.approve_all, body.get("task"))
+    return 200, req.box.loop.call(req.box.broker.approve_all, body.get("task"))
 
 
 # decisions: always-approve and policies
 def h_approval_always(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.broker.always, params["id"], req.json_body())
+    return 200, req.box.loop.call(req.box.broker.always, params["id"], req.json_body())
 
 
 def h_policies_list(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.broker.policies.listing)
+    return 200, req.box.loop.call(req.box.broker.policies.listing)
 
 
 def h_policies_create(req: "Handler", params: dict[str, str]) -> Any:
     fields = validate_policy_body(req.json_body())
-    return 201, req.box.call(lambda: req.box.broker.policies.add(fields, "api").to_api())
+    return 201, req.box.loop.call(lambda: req.box.broker.policies.add(fields, "api").to_api())
 
 
 def h_policy_delete(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.broker.policies.delete, params["id"])
+    return 200, req.box.loop.call(req.box.broker.policies.delete, params["id"])
 
 
 def h_wallet_get(req: "Handler", params: dict[str, str]) -> Any:
@@ -10118,7 +9974,7 @@ def h_wallet_get(req: "Handler", params: dict[str, str]) -> Any:
 
 
 def h_wallet_put(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.broker.set_balance, req.json_body())
+    return 200, req.box.loop.call(req.box.broker.set_balance, req.json_body())
 
 
 def h_tools(req: "Handler", params: dict[str, str]) -> Any:
@@ -10133,7 +9989,7 @@ def h_events(req: "Handler", params: dict[str, str]) -> Any:
     since = req.query_one("since") or (req.headers.get("Last-Event-ID") or "").strip()
     if since and not is_digits(since):
         raise ApiError(400, "since (or Last-Event-ID) must be an event id")
-    last = int(since) if since else box.event_seq
+    last = int(since) if since else box.loop.last_event()
     req.send_response(200)
     req.send_header("Content-Type", "text/event-stream")
     req.send_header("Cache-Control", "no-cache")
@@ -10141,20 +9997,18 @@ def h_events(req: "Handler", params: dict[str, str]) -> Any:
     req.end_headers()
     req.close_connection = True
     req.wfile.write(b": gurtd events\n\n")
-    missed, fresh = box.events_after(last)
+    missed, fresh = box.loop.events_after(last)
     if missed:
         req.wfile.write(b"event: reset\ndata: %s\n\n" % json.dumps(
             {"missed": True, "after": last, "next": fresh[0][0] if fresh else None}).encode())
         if not fresh:
-            last = box.event_seq
+            last = box.loop.last_event()
     req.wfile.flush()
     beat = time.monotonic()
-    while not box.stopping and not session_ended(req):
+    while not box.loop.stopped() and not session_ended(req):
         if not fresh:
-            with box.events_changed:
-                if box.event_seq == last:
-                    box.events_changed.wait(1.0)
-            missed, fresh = box.events_after(last)
+            box.loop.wait_event(last, 1.0)
+            missed, fresh = box.loop.events_after(last)
             if missed:      # a reader slower than EVENTS_KEPT events
                 req.wfile.write(b"event: reset\ndata: %s\n\n" % json.dumps(
                     {"missed": True, "after": last}).encode())
@@ -10171,7 +10025,7 @@ def h_events(req: "Handler", params: dict[str, str]) -> Any:
 
 def h_task_keep(req: "Handler", params: dict[str, str]) -> Any:
     box = req.box
-    return 200, box.call(box.review.keep_task, params["id"], req.json_body(optional=True))
+    return 200, box.loop.call(box.review.keep_task, params["id"], req.json_body(optional=True))
 
 
 def h_task_diff(req: "Handler", params: dict[str, str]) -> Any:
@@ -10180,7 +10034,7 @@ def h_task_diff(req: "Handler", params: dict[str, str]) -> Any:
     only = req.query_one("path")           # a filter only: never opened as it is
     if only is not None:
         only = only if only.startswith("/") else only.strip("/")
-    source = box.call(box.review.sources, params["id"])
+    source = box.loop.call(box.review.sources, params["id"])
     if source["folders"]:
         text = "".join(folder_diff(folder, upper, info, only)
                        for folder, upper, info in source["folders"])
@@ -11620,20 +11474,13 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     box.broker.start()
     undo.append(("end the tasks", box.shutdown_tasks))
     public_suffixes()                        # loaded now, not on the first wildcard host
-    box.wake_r, box.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.set_wakeup_fd(box.wake_w)
+    box.loop.open_wake()
     undo.append(("stop the merger", box.merger.stop))
     box.merger.start()                       # merges due since the last run, off the loop
     for name in sorted(box.layerstack.groups):
         box.plan_merges(name)
-
-    def on_signal(signum: int, frame: Any) -> None:
-        box.stopping = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    box.publish()                            # what load and reconcile found, for HTTP
+    box.loop.catch_signals()
+    box.loop.publish()                            # what load and reconcile found, for HTTP
     try:
         server = Server(box, host, port)
     except OSError as exc:
@@ -11642,9 +11489,9 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
         box.listen = f"{host}:{server.server_address[1]}"
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     undo.append(("close the API", lambda: (server.shutdown(), server.server_close())))
-    box.selector.register(box.wake_r, selectors.EVENT_READ, "wake")
+    box.loop.watch_wake()
     assert box.spawner.sock is not None
-    box.selector.register(box.spawner.sock, selectors.EVENT_READ, "spawner")
+    box.loop.watch(box.spawner.sock, "spawner")
     undo.append(("stop the Jira thread", box.jira.stop))
     box.jira.start()
     box.schedule()
@@ -11670,7 +11517,7 @@ def serve(box: Box) -> None:
            f"token in {box.path('token')}")
     try:
         sd_notify("READY=1")
-        loop(box)
+        box.loop.run()
     finally:
         log(6, "gurtd stopping")
         try:
@@ -11699,49 +11546,266 @@ def spawner_gone(box: Box) -> bool:
         return True
 
 
-def loop(box: Box) -> None:
-    """The select loop that owns the box state, until SIGTERM.  Every event handler runs
-    under box.guard: an error while handling a task's event fails that task, any other error
-    is logged, and the loop goes on.  Commands from Box.call hand their errors to the caller."""
-    notifier = Notifier()
-    while not box.stopping:
-        box.guard(None, box.tick)
-        if box.unsaved and time.monotonic() > box.unsaved_retry:
-            box.unsaved_retry = time.monotonic() + 5.0
-            box.guard(None, box.save_unsaved)
+class Loop:
+    """The loop thread and its plumbing: it owns the box state, runs every event under guard,
+    and publishes what a step changed for the HTTP and broker threads in one go.
+
+    Methods for other threads: call(fn, *args) runs fn on the loop thread and returns its
+    result (503 busy past a time limit); post(fn, *args) queues fn without waiting (merger and
+    disk threads); task_json, list_tasks, listed_in, last_event and events_after read what the
+    loop published, never the loop's objects.  Methods for the loop thread: guard(task_id, fn)
+    runs one event handler; render(task) and emit(kind, obj) stage a task's JSON and an event;
+    publish() ends the step; watch/unwatch add and drop fds; run() is the select loop until
+    SIGTERM (catch_signals), stopped() says so to threads that loop too.
+    """
+
+    def __init__(self, box: Box) -> None:
+        self.box = box
+        self.commands: queue.Queue[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = \
+            queue.Queue()
+        self.selector = selectors.DefaultSelector()
+        self.wake_r = self.wake_w = -1
+        self.stopping = False
+        self.call_timeout = env_seconds("GURT_CALL_TIMEOUT", CALL_TIMEOUT)
+        self.unsaved_retry = 0.0
+        self.events: list[tuple[int, str, bytes]] = []   # (seq, kind, JSON) for /api/events
+        # Event ids go on from a clock reading, so that an id from before a restart is older
+        # than every id of this run (its stream gets a reset event, not silence).
+        self.event_seq = int(time.time() * 1000)
+        self.events_changed = threading.Condition()
+        self.rendered: dict[str, bytes] = {}
+        # Snapshots for HTTP threads (written in publish): (seq, id) in creation order, and
+        # per task (state, workspace, doneSeq, JSON) replaced in one assignment.
+        self.order: list[tuple[int, str]] = []
+        self.listed: dict[str, tuple[str, str, int, bytes]] = {}
+        self.listed_lock = threading.Lock()     # a list is read whole between two publishes
+        self.listed_api: dict[str, dict[str, Any]] = {}   # the same as dicts, for ?fields=
+        self.staged: dict[str, Task] = {}                 # changed in this loop step
+        self.staged_events: list[tuple[str, bytes]] = []
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run fn(*args) on the loop thread and return its result (or raise its error).
+
+        A loop that does not answer within call_timeout gives 503 busy, never a dropped
+        connection: a command that had not started is withdrawn (nothing was done).
+        """
+        def step(*args: Any) -> Any:
+            try:
+                return fn(*args)
+            finally:
+                self.publish()          # the caller sees its own change in what it reads next
+
+        future: Future[Any] = Future()
+        self.commands.put((step, args, future))
+        os.write(self.wake_w, b"c")
         try:
-            timeout = min(box.network.tick(), box.disk.tick())
+            return future.result(timeout=self.call_timeout)
+        except TimeoutError:
+            if future.done():
+                raise                         # fn's own TimeoutError
+            if future.cancel():
+                raise ApiError(503, "gurtd is busy; nothing was done, try again", "busy",
+                               {"Retry-After": "1"}) from None
+            raise ApiError(503, "gurtd is busy; the request is still being carried out",
+                           "busy", {"Retry-After": "1"}) from None
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Any thread: fn(*args) runs on the loop thread soon; nobody waits for it."""
+        self.commands.put((fn, args, Future()))
+        os.write(self.wake_w, b"c")
+
+    def stopped(self) -> bool:
+        """SIGTERM came: threads that loop on their own (streams, Jira) end too."""
+        return self.stopping
+
+    def catch_signals(self) -> None:
+        """SIGTERM and SIGINT only set a flag the loop reads (the wake pipe ends its wait)."""
+        def on_signal(signum: int, frame: Any) -> None:
+            self.stopping = True
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+
+    def watch(self, fd: Any, data: Any) -> None:
+        self.selector.register(fd, selectors.EVENT_READ, data)
+
+    def unwatch(self, fd: Any) -> None:
+        self.selector.unregister(fd)
+
+    def open_wake(self) -> None:
+        """The wake pipe: commands and signals end the loop's select."""
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self.wake_w)
+
+    def watch_wake(self) -> None:
+        self.watch(self.wake_r, "wake")
+
+    def guard(self, task_id: str | None, fn: Callable[..., Any], *args: Any) -> bool:
+        """Run one event handler of the loop.  An error in handling a task's event fails that
+        task (the traceback to gurtd's log, the error to the task's log); an error with no
+        task is logged.  Either way the loop goes on (asyncio's call_exception_handler).
+        True if fn returned."""
+        try:
+            fn(*args)
+            return True
         except Exception as exc:
-            log(3, f"the network timers failed: {type(exc).__name__}: {exc}")
-            timeout = 1.0
-        timeout = min(timeout, box.schedules.tick())   # runs what is due; never raises
-        timeout = min(timeout, notifier.tick(box), 1.0)
-        for key, _ in box.selector.select(timeout=timeout):
-            if isinstance(key.data, tuple):
-                box.guard(event_task(box, *key.data), box.network.on_event, *key.data)
-            elif key.data == "wake":
+            where = f"task {task_id}" if task_id else "the loop"
+            log(3, f"error while handling an event of {where}: " +
+                traceback.format_exc().rstrip().replace("\n", "\n    "))
+            task = self.box.tasks.get(task_id) if task_id else None
+            if task is not None and task.state in ACTIVE_STATES:
+                error = f"cannot save the task: {exc.strerror}" if is_disk_error(exc) and \
+                    isinstance(exc, OSError) and exc.strerror else \
+                    f"internal error: {type(exc).__name__}: {exc}"
+                self.box.fail_task(task, error)
+            return False
+
+    def emit(self, kind: str, obj: Any) -> None:
+        """An event for /api/events: every state a task takes (queued too), every approval
+        made or answered; sent at the end of the step (publish), with ids counting up by one;
+        the last EVENTS_KEPT are kept for replay."""
+        self.staged_events.append((kind, json.dumps(obj).encode()))
+        if kind == "task":
+            for source in (self.box.schedules, self.box.jira):
                 try:
-                    os.read(box.wake_r, 4096)
-                except BlockingIOError:
-                    pass
-            elif key.data == "spawner":
-                if not box.guard(None, box.on_exits) and spawner_gone(box):
-                    log(2, "the spawner is gone: no task can start until gurtd restarts")
-                    box.selector.unregister(key.fileobj)
-            else:
-                box.guard(key.data, box.on_worker_output, key.data)
+                    source.on_task(obj)
+                except Exception as exc:   # their bookkeeping never fails the task
+                    log(3, f"{type(source).__name__}: task {obj.get('id')}: {exc}")
+
+    def events_after(self, last: int) -> tuple[bool, list[tuple[int, str, bytes]]]:
+        """The kept events after id last, and whether some after it are no longer kept (or
+        last is no id of this run): the caller then says reset.  Any thread."""
+        with self.events_changed:
+            if last > self.event_seq:
+                return True, []
+            first = self.events[0][0] if self.events else self.event_seq + 1
+            return last < first - 1, [e for e in self.events if e[0] > last]
+
+    def last_event(self) -> int:
+        return self.event_seq
+
+    def wait_event(self, last: int, timeout: float) -> None:
+        """Any thread: wait up to timeout for an event after id last."""
+        with self.events_changed:
+            if self.event_seq == last:
+                self.events_changed.wait(timeout)
+
+    def render(self, task: Task) -> None:
+        """The task changed: its JSON is published for HTTP threads at the end of this step."""
+        self.staged[task.id] = task
+
+    def task_json(self, task_id: str) -> bytes | None:
+        """Any thread: a task's published JSON, None for no such task."""
+        return self.rendered.get(task_id)
+
+    def task_state(self, task_id: str) -> str | None:
+        data = self.rendered.get(task_id)
+        return json.loads(data)["state"] if data is not None else None
+
+    def forget(self, task_id: str) -> None:
+        """A task that could not be made after all: nothing of it is published."""
+        self.rendered.pop(task_id, None)
+        self.staged.pop(task_id, None)
+
+    def publish(self) -> None:
+        """The end of a loop step (and of load): what it changed becomes visible to HTTP
+        threads together, tasks first, then approvals, then events, so that a reader never
+        sees half a step (an approval pending while its task is not yet waiting, an event
+        about a task that GET still shows as before)."""
+        fresh = [(task, json.dumps(task.to_api()).encode()) for task in self.staged.values()
+                 if self.box.tasks.get(task.id) is task]   # not a create that failed after saving
+        with self.listed_lock:
+            for task, _ in fresh:          # for ?fields= (a list of few fields of many tasks)
+                self.listed_api[task.id] = task.to_api()
+            for task, data in fresh:
+                if task.id not in self.listed:
+                    bisect.insort(self.order, (task.seq, task.id))
+                self.listed[task.id] = (task.state, task.workspace, task.doneSeq, data)
+                self.rendered[task.id] = data
+        for task, _ in fresh:
+            self.box.log_followers.notify(task.id)    # a follower ends when the task does
+        self.staged.clear()
+        self.box.broker.publish()
+        if self.staged_events:
+            with self.events_changed:
+                for kind, data in self.staged_events:
+                    self.event_seq += 1
+                    self.events.append((self.event_seq, kind, data))
+                del self.events[:-EVENTS_KEPT]
+                self.events_changed.notify_all()
+            self.staged_events.clear()
+
+    def list_tasks(self, state: str | None, workspace: str | None, limit: int,
+                   fields: tuple[str, ...] | None = None) -> bytes:
+        """The task list as JSON, newest first, from the published snapshots; only the
+        given fields of each task when fields is set (rendered from the published dicts)."""
+        out: list[Any] = []
+        with self.listed_lock:              # one step's changes, all of them or none
+            for _, task_id in reversed(self.order):
+                entry = self.listed.get(task_id)
+                if entry is not None and (state is None or entry[0] == state) and \
+                        (workspace is None or entry[1] == workspace):
+                    out.append(entry[3] if fields is None else self.listed_api[task_id])
+                    if len(out) >= limit:
+                        break
+        if fields is not None:
+            out = [json.dumps({k: api[k] for k in fields if k in api}).encode()
+                   for api in out]
+        return b"[" + b", ".join(out) + b"]"
+
+    def listed_in(self, workspace: str) -> list[tuple[str, str, int, bytes]]:
+        """Any thread: the published (id, state, doneSeq, JSON) of a workspace's tasks."""
+        with self.listed_lock:
+            return [(i, e[0], e[2], e[3]) for i, e in self.listed.items() if e[1] == workspace]
+
+    def run(self) -> None:
+        """The select loop that owns the box state, until SIGTERM.  Every event handler runs
+        under guard: an error while handling a task's event fails that task, any other error
+        is logged, and the loop goes on.  Commands from call hand their errors to the caller."""
+        box = self.box
+        notifier = Notifier()
+        while not self.stopping:
+            self.guard(None, box.tick)
+            if box.unsaved and time.monotonic() > self.unsaved_retry:
+                self.unsaved_retry = time.monotonic() + 5.0
+                self.guard(None, box.save_unsaved)
+            try:
+                timeout = min(box.network.tick(), box.disk.tick())
+            except Exception as exc:
+                log(3, f"the network timers failed: {type(exc).__name__}: {exc}")
+                timeout = 1.0
+            timeout = min(timeout, box.schedules.tick())   # runs what is due; never raises
+            timeout = min(timeout, notifier.tick(box), 1.0)
+            for key, _ in self.selector.select(timeout=timeout):
+                if isinstance(key.data, tuple):
+                    self.guard(event_task(box, *key.data), box.network.on_event, *key.data)
+                elif key.data == "wake":
+                    try:
+                        os.read(self.wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                elif key.data == "spawner":
+                    if not self.guard(None, box.on_exits) and spawner_gone(box):
+                        log(2, "the spawner is gone: no task can start until gurtd restarts")
+                        self.selector.unregister(key.fileobj)
+                else:
+                    self.guard(key.data, box.on_worker_output, key.data)
+            self.run_commands()
+            self.guard(None, self.publish)        # what this step changed, for HTTP threads
+
+    def run_commands(self) -> None:
         while True:
             try:
-                fn, args, future = box.commands.get_nowait()
+                fn, args, future = self.commands.get_nowait()
             except queue.Empty:
-                break
+                return
             if not future.set_running_or_notify_cancel():
                 continue
             try:
                 future.set_result(fn(*args))
             except BaseException as exc:  # handed to the HTTP thread that asked
                 future.set_exception(exc)
-        box.guard(None, box.publish)        # what this step changed, for HTTP threads
 
 
 # CLI ###########################################################################################
