@@ -3788,7 +3788,7 @@ class Review:
         """What the diff and the changes read, off the loop: a personal task's folders with
         their uppers, and its layer with the layers below (None once deleted)."""
         task = self.box.get(task_id)
-        out: dict[str, Any] = {"folders": [], "layer": self.box.changes(task_id)}
+        out: dict[str, Any] = {"folders": [], "layer": self.box.views.changes(task_id)}
         if task.folderInfo and task.review != "undone" and os.path.isdir(self.dir(task.id)):
             out["folders"] = [(info["path"], self.upper(task.id, n), info)
                               for n, info in enumerate(task.folderInfo)]
@@ -5003,6 +5003,254 @@ class Merger:
                 log(4, f"merged layer {merged.name}: not handed over: {exc}")
 
 
+class Views:
+    """Views and the layer stack of every workspace, for the Box (loop thread unless said).
+
+    Methods for callers: workspace_exists, workspace_create_dir; stack (done tasks, newest
+    first), stack_ids, ever_done; view_lowers (a task's or a person's plan), view_fd (a view
+    for people), changes (what to walk for a task's changes); layers_changed (a task became
+    done or undone), gc_layers (delete what no view uses); plan_merges, merge_done (merger
+    thread), merge_built; layer_usage (any thread); load, start, stop, pin, close.
+    """
+
+    def __init__(self, box: Box) -> None:
+        self.box = box
+        self.open_views: dict[str, tuple[tuple[str, ...], int]] = {}   # workspace -> (stack, fd)
+        self.lock = threading.Lock()
+        self.layerstack = LayerStack(box.home)
+        self.merger = Merger(box.home, self.merge_done)
+        self.merging: dict[str, MergedLayer] = {}         # being built, by name
+        self.merge_failed: set[tuple[str, int, tuple[str, ...]]] = set()
+        self.task_lowers: dict[str, list[str]] = {}      # a running task's view, flat
+        # per workspace, published by the loop for GET /api/workspaces/{name}: (version,
+        # merged layers, layer directories); and the bytes an HTTP thread counted for it
+        self.layer_dirs: dict[str, tuple[int, int, list[str]]] = {}
+        self.layer_bytes: dict[str, tuple[int, float, int]] = {}
+
+    def load(self) -> None:
+        """At start, once the tasks are read: the merged layers' records, undone layers a
+        crash left half deleted, each workspace's groups."""
+        self.layerstack.load()
+        trash_sweep(self.box.path("layers"))
+        for name in {t.workspace for t in self.box.tasks.values()}:
+            self.layerstack.regroup(name, self.ever_done(name))
+            self.publish_layers(name)
+
+    def start(self) -> None:
+        """The merger thread, and the merges due since the last run, off the loop."""
+        self.merger.start()
+        for name in sorted(self.layerstack.groups):
+            self.plan_merges(name)
+
+    def stop(self) -> None:
+        self.merger.stop()
+
+    def pin(self, task_id: str, lowers: list[Any]) -> None:
+        """A task started on these lowers: gc_layers keeps them while it runs."""
+        self.task_lowers[task_id] = flat_lowers(lowers)
+
+    def close(self) -> None:
+        """At stop: the cached views' fds closed."""
+        with self.lock:
+            for _, fd in self.open_views.values():
+                os.close(fd)
+            self.open_views.clear()
+
+    def workspace_create_dir(self, name: str) -> None:
+        path = self.box.path("workspaces", name)
+        os.mkdir(path, 0o755)
+        os.chown(path, self.box.store_uid, self.box.store_gid)
+
+    def workspace_exists(self, name: str) -> bool:
+        return valid_workspace_name(name) and os.path.isdir(self.box.path("workspaces", name))
+
+    def stack(self, workspace: str) -> list[Task]:
+        """The workspace's done, not undone tasks, newest first."""
+        done = [t for t in self.box.tasks.values()
+                if t.workspace == workspace and t.state == "done"]
+        return sorted(done, key=lambda t: t.doneSeq, reverse=True)
+
+    def view_fd(self, workspace: str) -> int:
+        """A new fd (the caller closes it) on the workspace's current view for people.
+
+        Loop thread (it reads the tasks).  The base alone is the base directory; with layers
+        it is a read-only detached overlay of the same plan a task would start on (the Layer
+        stack), rebuilt when the plan changes.
+        """
+        stack = self.stack_ids(workspace)
+        lowers = self.view_lowers(workspace, stack) if stack else []
+        key = tuple(flat_lowers(lowers))
+        with self.lock:
+            cached = self.open_views.get(workspace)
+            if cached and cached[0] == key:
+                return os.dup(cached[1])
+            if cached:
+                os.close(cached[1])
+                del self.open_views[workspace]
+            if not stack:
+                fd = os.open(self.box.path("workspaces", workspace),
+                             os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            else:
+                home = os.open(self.box.home, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    fd = overlay_open_plan(home, lowers)
+                finally:
+                    os.close(home)
+            self.open_views[workspace] = (key, fd)
+            return os.dup(fd)
+
+    def drop_view(self, workspace: str) -> None:
+        with self.lock:
+            cached = self.open_views.pop(workspace, None)
+            if cached:
+                os.close(cached[1])
+
+    def ever_done(self, workspace: str) -> list[str]:
+        """The workspace's tasks that ever became done (undone ones too), oldest first: the
+        positions that make its groups."""
+        done = [t for t in self.box.tasks.values() if t.workspace == workspace and t.doneSeq > 0]
+        return [t.id for t in sorted(done, key=lambda t: t.doneSeq)]
+
+    def stack_ids(self, workspace: str) -> list[str]:
+        """The ids of stack(workspace), from the finish order the Layer stack keeps (no sort
+        of every task at each start, undo and collection)."""
+        ever = self.layerstack.ever.get(workspace, [])
+        return [i for i in reversed(ever) if self.box.tasks[i].state == "done"]
+
+    def view_lowers(self, workspace: str, layers: list[str]) -> list[Any]:
+        """The lowers of a view of these layers (newest first) and the base, fitted to the
+        kernel's limit; 409 while too many merged layers are being rebuilt at once."""
+        return fit_lowers(self.layerstack.plan(workspace, layers), f"workspaces/{workspace}")
+
+    def layers_changed(self, workspace: str, done: str | None = None) -> None:
+        """A task of the workspace became done (its id in done: the groups again, it is the
+        newest) or undone (the groups stay: an undone task keeps its position); its cached
+        view dropped, the merges now due queued."""
+        if done is not None:
+            ever = self.layerstack.ever.get(workspace)
+            self.layerstack.regroup(workspace, ever + [done] if ever is not None and
+                                    done not in ever[-1:] else self.ever_done(workspace))
+        self.drop_view(workspace)
+        self.plan_merges(workspace)
+        self.publish_layers(workspace)
+
+    def publish_layers(self, workspace: str) -> None:
+        """For GET /api/workspaces/{name}: the workspace's merged layers, and a new version
+        of what its layers hold (any thread reads it, one assignment)."""
+        merged = [m.name for m in self.layerstack.merged.values() if m.workspace == workspace]
+        old = self.layer_dirs.get(workspace, (0, 0, []))
+        self.layer_dirs[workspace] = (old[0] + 1, len(merged), merged)
+
+    def layer_usage(self, workspace: str) -> dict[str, int]:
+        """mergedLayers and layerBytes of a workspace: its tasks' layer directories and its
+        merged layers, counted in the calling HTTP thread (never the loop), again once the
+        layers changed or LAYER_BYTES_AGE passed.  A layer deleted meanwhile counts 0."""
+        version, count, merged = self.layer_dirs.get(workspace, (0, 0, []))
+        cached = self.layer_bytes.get(workspace)
+        if cached is None or cached[0] != version or \
+                time.monotonic() - cached[1] > LAYER_BYTES_AGE:
+            ids = [e[0] for e in self.box.loop.listed_in(workspace)]
+            dirs = [os.path.join(self.box.home, "layers", i) for i in ids] + \
+                [os.path.join(self.box.home, MERGED_DIR, name) for name in merged]
+            cached = (version, time.monotonic(), layer_bytes(dirs))
+            self.layer_bytes[workspace] = cached
+        return {"mergedLayers": count, "layerBytes": cached[2]}
+
+    def plan_merges(self, workspace: str) -> None:
+        """Hand the merges due in workspace to the merger thread (once it runs)."""
+        if self.merger.thread is None:
+            return
+        stack = self.stack_ids(workspace)
+        busy = {(m.workspace, m.group, tuple(m.members)) for m in self.merging.values()}
+        for group, members in self.layerstack.due(workspace, stack):
+            key = (workspace, group, tuple(members))
+            if key in busy or key in self.merge_failed:
+                continue
+            merged = MergedLayer(self.layerstack.new_name(workspace, group), workspace, group,
+                                 members)
+            self.merging[merged.name] = merged
+            self.merger.submit(merged, [self.box.path(p) for p in lower_layer_paths(members)])
+
+    def merge_done(self, merged: MergedLayer, error: str | None) -> None:
+        """Merger thread: a build ended; the loop takes it from here (merge_built)."""
+        self.box.loop.post(self.merge_built, merged, error)
+
+    def merge_built(self, merged: MergedLayer, error: str | None) -> None:
+        """Loop: record a merged layer that was built (then views use it), or log why not."""
+        self.merging.pop(merged.name, None)
+        if error is None:
+            try:
+                self.layerstack.record(merged)
+                crash_point("merge-recorded")
+            except OSError as exc:
+                error = f"cannot save its record: {exc}"
+                self.layerstack.merged.pop(merged.name, None)
+        if error is not None:
+            log(3, f"merged layer {merged.name} of {merged.workspace}: {error}")
+            self.merge_failed.add((merged.workspace, merged.group, tuple(merged.members)))
+            with contextlib.suppress(OSError):
+                tree_remove(os.path.join(self.layerstack.dir, merged.name))
+            return
+        log(6, f"merged layer {merged.name}: {len(merged.members)} layers of "
+               f"{merged.workspace} in one")
+        self.publish_layers(merged.workspace)
+        self.drop_view(merged.workspace)
+        self.gc_layers()
+        self.box.schedule()                      # a start that waited for room under the limit
+
+    def gc_layers(self) -> None:
+        """Delete the files of undone tasks' layers that no running task's view uses, and
+        the merged layers that match no group any more and that no running task's view and
+        no cached view uses (a merge in progress keeps its sources)."""
+        in_use: set[str] = set()
+        pinned: set[str] = set()              # lowers of views in use, relative to BOX_HOME
+        for t in self.box.tasks.values():
+            if t.state in ("running", "waiting"):
+                in_use.update(t.layers)
+                in_use.add(t.id)
+                pinned.update(self.task_lowers.get(t.id, ()))
+            else:
+                self.task_lowers.pop(t.id, None)
+        with self.lock:
+            for key, _ in self.open_views.values():
+                pinned.update(key)
+        for merged in self.merging.values():
+            in_use.update(merged.members)
+        for name in sorted({m.workspace for m in self.layerstack.merged.values()}):
+            unused = self.layerstack.unused(name, self.stack_ids(name), pinned)
+            if unused:
+                try:
+                    self.layerstack.forget(unused, self.merger.remove)
+                except OSError as exc:
+                    log(3, f"merged layers {unused}: {exc}")
+                self.publish_layers(name)
+        for t in self.box.tasks.values():
+            if t.state == "undone" and not t.layerDeleted and t.id not in in_use:
+                try:      # gone from its name at once; its files off the loop
+                    if os.path.lexists(self.box.layer_dir(t.id)):
+                        self.merger.remove(trash_name(self.box.layer_dir(t.id)))
+                except OSError as exc:
+                    log(3, f"layer {t.id}: {exc}")
+                if os.path.lexists(self.box.layer_dir(t.id)):
+                    log(3, f"could not delete layer {t.id}")
+                    continue
+                t.layerDeleted = True
+                self.box.save(t)
+                self.box.append_log(t.id, {"type": "layer", "text": "layer files deleted"})
+                self.publish_layers(t.workspace)
+
+    def changes(self, task_id: str) -> tuple[str, list[str]] | None:
+        """What to walk for a task's changes: its upper and its lowers (newest first, base
+        last), or None once its layer is deleted.  The walk itself (changed_paths) runs in the
+        HTTP thread, off the loop."""
+        task = self.box.get(task_id)
+        if task.layerDeleted:
+            return None
+        lowers = [self.box.path(p) for p in self.layerstack.plan(task.workspace, task.layers)]
+        return (self.box.path("layers", task.id, "upper"),
+                lowers + [self.box.path("workspaces", task.workspace)])
+
+
 # Tasks #########################################################################################
 ###############################################################################################
 
@@ -5057,8 +5305,6 @@ class Box:
         self.store_uid = self.store_gid = 0
         self.spawner = Spawner()
         self.log_followers = LogFollowers()
-        self.views: dict[str, tuple[tuple[str, ...], int]] = {}   # workspace -> (stack, fd)
-        self.views_lock = threading.Lock()
         self.followers = Counter(MAX_LOG_FOLLOWERS)       # log followers per task
         self.seq = 0
         self.done_seq = 0
@@ -5066,17 +5312,9 @@ class Box:
         self.schedules = Schedules(self)
         self.jira = Jira(self)
         self.hooks = Hooks(self)
-        self.layerstack = LayerStack(self.home)
+        self.views = Views(self)
         self.stacks = StackStore(self.home)
         self.stack_refs: dict[str, tuple[list[str], str]] = {}   # task -> (its layers, ref)
-        self.merger = Merger(self.home, self.merge_done)
-        self.merging: dict[str, MergedLayer] = {}         # being built, by name
-        self.merge_failed: set[tuple[str, int, tuple[str, ...]]] = set()
-        self.task_lowers: dict[str, list[str]] = {}      # a running task's view, flat
-        # per workspace, published by the loop for GET /api/workspaces/{name}: (version,
-        # merged layers, layer directories); and the bytes an HTTP thread counted for it
-        self.layer_dirs: dict[str, tuple[int, int, list[str]]] = {}
-        self.layer_bytes: dict[str, tuple[int, float, int]] = {}
 
     # paths
     def path(self, *parts: str) -> str:
@@ -5103,7 +5341,7 @@ class Box:
         self.remove_temp_leftovers()
         self.store_uid, self.store_gid = system_user_ensure(STORE_USER)
         if not os.path.isdir(self.path("workspaces", "home")):
-            self.workspace_create_dir("home")
+            self.views.workspace_create_dir("home")
         settings = load_json(self.path("settings.json"))
         if isinstance(settings, dict):
             try:
@@ -5155,11 +5393,7 @@ class Box:
             self.loop.render(task)
             self.seq = max(self.seq, task.seq)
             self.done_seq = max(self.done_seq, task.doneSeq)
-        self.layerstack.load()
-        trash_sweep(self.path("layers"))        # undone layers a crash left half deleted
-        for name in {t.workspace for t in self.tasks.values()}:
-            self.layerstack.regroup(name, self.ever_done(name))
-            self.publish_layers(name)
+        self.views.load()
         self.broker.load()
         self.schedules.load()
         self.jira.load()
@@ -5290,154 +5524,11 @@ class Box:
                 self.unsaved.add(task.id)
         if task.folders and task.state == "failed":   # its folder changes are never kept
             self.review.forget(task)
-        for what, step in (("collect layers", self.gc_layers), ("schedule", self.schedule)):
+        for what, step in (("collect layers", self.views.gc_layers), ("schedule", self.schedule)):
             try:
                 step()
             except Exception as exc:
                 log(3, f"could not {what} after task {task.id} failed: {exc}")
-
-    # workspaces
-    def workspace_create_dir(self, name: str) -> None:
-        path = self.path("workspaces", name)
-        os.mkdir(path, 0o755)
-        os.chown(path, self.store_uid, self.store_gid)
-
-    def workspace_exists(self, name: str) -> bool:
-        return valid_workspace_name(name) and os.path.isdir(self.path("workspaces", name))
-
-    def stack(self, workspace: str) -> list[Task]:
-        """The workspace's done, not undone tasks, newest first."""
-        done = [t for t in self.tasks.values() if t.workspace == workspace and t.state == "done"]
-        return sorted(done, key=lambda t: t.doneSeq, reverse=True)
-
-    def view_fd(self, workspace: str) -> int:
-        """A new fd (the caller closes it) on the workspace's current view for people.
-
-        Loop thread (it reads the tasks).  The base alone is the base directory; with layers
-        it is a read-only detached overlay of the same plan a task would start on (the Layer
-        stack), rebuilt when the plan changes.
-        """
-        stack = self.stack_ids(workspace)
-        lowers = self.view_lowers(workspace, stack) if stack else []
-        key = tuple(flat_lowers(lowers))
-        with self.views_lock:
-            cached = self.views.get(workspace)
-            if cached and cached[0] == key:
-                return os.dup(cached[1])
-            if cached:
-                os.close(cached[1])
-                del self.views[workspace]
-            if not stack:
-                fd = os.open(self.path("workspaces", workspace),
-                             os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-            else:
-                home = os.open(self.home, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-                try:
-                    fd = overlay_open_plan(home, lowers)
-                finally:
-                    os.close(home)
-            self.views[workspace] = (key, fd)
-            return os.dup(fd)
-
-    def drop_view(self, workspace: str) -> None:
-        with self.views_lock:
-            cached = self.views.pop(workspace, None)
-            if cached:
-                os.close(cached[1])
-
-    # layers: plans and merges (the logic is in the Layer stack section)
-    def ever_done(self, workspace: str) -> list[str]:
-        """The workspace's tasks that ever became done (undone ones too), oldest first: the
-        positions that make its groups."""
-        done = [t for t in self.tasks.values() if t.workspace == workspace and t.doneSeq > 0]
-        return [t.id for t in sorted(done, key=lambda t: t.doneSeq)]
-
-    def stack_ids(self, workspace: str) -> list[str]:
-        """The ids of stack(workspace), from the finish order the Layer stack keeps (no sort
-        of every task at each start, undo and collection)."""
-        ever = self.layerstack.ever.get(workspace, [])
-        return [i for i in reversed(ever) if self.tasks[i].state == "done"]
-
-    def view_lowers(self, workspace: str, layers: list[str]) -> list[Any]:
-        """The lowers of a view of these layers (newest first) and the base, fitted to the
-        kernel's limit; 409 while too many merged layers are being rebuilt at once."""
-        return fit_lowers(self.layerstack.plan(workspace, layers), f"workspaces/{workspace}")
-
-    def layers_changed(self, workspace: str, done: str | None = None) -> None:
-        """A task of the workspace became done (its id in done: the groups again, it is the
-        newest) or undone (the groups stay: an undone task keeps its position); its cached
-        view dropped, the merges now due queued."""
-        if done is not None:
-            ever = self.layerstack.ever.get(workspace)
-            self.layerstack.regroup(workspace, ever + [done] if ever is not None and
-                                    done not in ever[-1:] else self.ever_done(workspace))
-        self.drop_view(workspace)
-        self.plan_merges(workspace)
-        self.publish_layers(workspace)
-
-    def publish_layers(self, workspace: str) -> None:
-        """For GET /api/workspaces/{name}: the workspace's merged layers, and a new version
-        of what its layers hold (any thread reads it, one assignment)."""
-        merged = [m.name for m in self.layerstack.merged.values() if m.workspace == workspace]
-        old = self.layer_dirs.get(workspace, (0, 0, []))
-        self.layer_dirs[workspace] = (old[0] + 1, len(merged), merged)
-
-    def layer_usage(self, workspace: str) -> dict[str, int]:
-        """mergedLayers and layerBytes of a workspace: its tasks' layer directories and its
-        merged layers, counted in the calling HTTP thread (never the loop), again once the
-        layers changed or LAYER_BYTES_AGE passed.  A layer deleted meanwhile counts 0."""
-        version, count, merged = self.layer_dirs.get(workspace, (0, 0, []))
-        cached = self.layer_bytes.get(workspace)
-        if cached is None or cached[0] != version or \
-                time.monotonic() - cached[1] > LAYER_BYTES_AGE:
-            ids = [e[0] for e in self.loop.listed_in(workspace)]
-            dirs = [os.path.join(self.home, "layers", i) for i in ids] + \
-                [os.path.join(self.home, MERGED_DIR, name) for name in merged]
-            cached = (version, time.monotonic(), layer_bytes(dirs))
-            self.layer_bytes[workspace] = cached
-        return {"mergedLayers": count, "layerBytes": cached[2]}
-
-    def plan_merges(self, workspace: str) -> None:
-        """Hand the merges due in workspace to the merger thread (once it runs)."""
-        if self.merger.thread is None:
-            return
-        stack = self.stack_ids(workspace)
-        busy = {(m.workspace, m.group, tuple(m.members)) for m in self.merging.values()}
-        for group, members in self.layerstack.due(workspace, stack):
-            key = (workspace, group, tuple(members))
-            if key in busy or key in self.merge_failed:
-                continue
-            merged = MergedLayer(self.layerstack.new_name(workspace, group), workspace, group,
-                                 members)
-            self.merging[merged.name] = merged
-            self.merger.submit(merged, [self.path(p) for p in lower_layer_paths(members)])
-
-    def merge_done(self, merged: MergedLayer, error: str | None) -> None:
-        """Merger thread: a build ended; the loop takes it from here (merge_built)."""
-        self.loop.post(self.merge_built, merged, error)
-
-    def merge_built(self, merged: MergedLayer, error: str | None) -> None:
-        """Loop: record a merged layer that was built (then views use it), or log why not."""
-        self.merging.pop(merged.name, None)
-        if error is None:
-            try:
-                self.layerstack.record(merged)
-                crash_point("merge-recorded")
-            except OSError as exc:
-                error = f"cannot save its record: {exc}"
-                self.layerstack.merged.pop(merged.name, None)
-        if error is not None:
-            log(3, f"merged layer {merged.name} of {merged.workspace}: {error}")
-            self.merge_failed.add((merged.workspace, merged.group, tuple(merged.members)))
-            with contextlib.suppress(OSError):
-                tree_remove(os.path.join(self.layerstack.dir, merged.name))
-            return
-        log(6, f"merged layer {merged.name}: {len(merged.members)} layers of "
-               f"{merged.workspace} in one")
-        self.publish_layers(merged.workspace)
-        self.drop_view(merged.workspace)
-        self.gc_layers()
-        self.schedule()                      # a start that waited for room under the limit
 
     # task lifecycle (loop thread)
     def create_task(self, body: Any, origin: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -5445,7 +5536,7 @@ class Box:
         fields = validate_task_body(body, self.settings)
         fields.update(origin or {})
         fields["limits"] = effective_limits(fields["limits"], self.settings, mem_total())
-        if not self.workspace_exists(fields["workspace"]):
+        if not self.views.workspace_exists(fields["workspace"]):
             raise ApiError(400, f"workspace {fields['workspace']} does not exist")
         if fields["worker"] == "droid" and not self.droid_path():
             raise ApiError(400, "the droid worker needs the Droid CLI: run make (it installs "
@@ -5494,9 +5585,9 @@ class Box:
             self.start_task(task)
 
     def start_task(self, task: Task) -> None:
-        layers = self.stack_ids(task.workspace)
+        layers = self.views.stack_ids(task.workspace)
         try:
-            lowers = self.view_lowers(task.workspace, layers)
+            lowers = self.views.view_lowers(task.workspace, layers)
         except ApiError as exc:              # stays queued: a merge that ends schedules again
             log(4, f"task {task.id} waits: {exc.message}")
             return
@@ -5540,7 +5631,7 @@ class Box:
                 fds.append(self.network.prepare(task, hosts).nsfd)
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
             pid = self.spawner.spawn(spec, [out_w] + fds)
-            self.task_lowers[task.id] = flat_lowers(lowers)
+            self.views.pin(task.id, lowers)
         except (OSError, SysError) as exc:
             for fd in (out_r, out_w):
                 if fd >= 0:
@@ -5649,7 +5740,7 @@ class Box:
             summary = (task.summary if task.worker == "droid" else worker.last_out) or None
             self.set_state(task, "done", doneSeq=self.done_seq, summary=summary,
                            review="pending" if task.folders else None)
-            self.layers_changed(task.workspace, task.id)
+            self.views.layers_changed(task.workspace, task.id)
         else:
             error = f"worker exited with {code}"
             last = worker.droid_error or worker.last_err
@@ -5659,7 +5750,7 @@ class Box:
         log(6, f"task {task.id} {task.state}" + (f": {task.error}" if task.error else ""))
         if task.folders and task.state != "done":
             self.review.forget(task)            # a failed task's folder changes never apply
-        self.gc_layers()
+        self.views.gc_layers()
         self.schedule()
 
     def release_worker(self, task: Task) -> None:
@@ -5739,52 +5830,11 @@ class Box:
         self.set_state(task, "undone")
         if task.folders:
             self.review.forget(task)
-        self.layers_changed(task.workspace)
-        self.gc_layers()
+        self.views.layers_changed(task.workspace)
+        self.views.gc_layers()
         if was_active:
             self.schedule()
         return task.to_api()
-
-    def gc_layers(self) -> None:
-        """Delete the files of undone tasks' layers that no running task's view uses, and
-        the merged layers that match no group any more and that no running task's view and
-        no cached view uses (a merge in progress keeps its sources)."""
-        in_use: set[str] = set()
-        pinned: set[str] = set()              # lowers of views in use, relative to BOX_HOME
-        for t in self.tasks.values():
-            if t.state in ("running", "waiting"):
-                in_use.update(t.layers)
-                in_use.add(t.id)
-                pinned.update(self.task_lowers.get(t.id, ()))
-            else:
-                self.task_lowers.pop(t.id, None)
-        with self.views_lock:
-            for key, _ in self.views.values():
-                pinned.update(key)
-        for merged in self.merging.values():
-            in_use.update(merged.members)
-        for name in sorted({m.workspace for m in self.layerstack.merged.values()}):
-            unused = self.layerstack.unused(name, self.stack_ids(name), pinned)
-            if unused:
-                try:
-                    self.layerstack.forget(unused, self.merger.remove)
-                except OSError as exc:
-                    log(3, f"merged layers {unused}: {exc}")
-                self.publish_layers(name)
-        for t in self.tasks.values():
-            if t.state == "undone" and not t.layerDeleted and t.id not in in_use:
-                try:      # gone from its name at once; its files off the loop
-                    if os.path.lexists(self.layer_dir(t.id)):
-                        self.merger.remove(trash_name(self.layer_dir(t.id)))
-                except OSError as exc:
-                    log(3, f"layer {t.id}: {exc}")
-                if os.path.lexists(self.layer_dir(t.id)):
-                    log(3, f"could not delete layer {t.id}")
-                    continue
-                t.layerDeleted = True
-                self.save(t)
-                self.append_log(t.id, {"type": "layer", "text": "layer files deleted"})
-                self.publish_layers(t.workspace)
 
     def get(self, task_id: str) -> Task:
         task = self.tasks.get(task_id) if isinstance(task_id, str) else None
@@ -5795,26 +5845,15 @@ class Box:
     # snapshots (any thread: they read what render published, never the loop's objects)
     def workspace_snapshot(self, name: str, full: bool = False) -> dict[str, Any]:
         """workspace_info from the snapshots: its done tasks, newest first."""
-        if not self.workspace_exists(name):
+        if not self.views.workspace_exists(name):
             raise ApiError(404, f"no workspace named {name}", "not_found")
         stack = sorted(((e[2], e[3]) for e in self.loop.listed_in(name) if e[1] == "done"),
                        reverse=True)
         info: dict[str, Any] = {"name": name, "layers": len(stack)}
         if full:
-            info.update(self.layer_usage(name))
+            info.update(self.views.layer_usage(name))
             info["stack"] = [json.loads(data) for _, data in stack]
         return info
-
-    def changes(self, task_id: str) -> tuple[str, list[str]] | None:
-        """What to walk for a task's changes: its upper and its lowers (newest first, base
-        last), or None once its layer is deleted.  The walk itself (changed_paths) runs in the
-        HTTP thread, off the loop."""
-        task = self.get(task_id)
-        if task.layerDeleted:
-            return None
-        lowers = [self.path(p) for p in self.layerstack.plan(task.workspace, task.layers)]
-        return (self.path("layers", task.id, "upper"),
-                lowers + [self.path("workspaces", task.workspace)])
 
     # the droid worker
     def droid_path(self) -> str | None:
@@ -5999,13 +6038,13 @@ class Box:
             raise ApiError(400, "name must match ^[\\w.-]+$ (at most 64) and not be . or ..")
         if os.path.exists(self.path("workspaces", name)):
             raise ApiError(409, f"workspace {name} exists", "conflict")
-        self.workspace_create_dir(name)
+        self.views.workspace_create_dir(name)
         return self.workspace_info(name)
 
     def workspace_info(self, name: str, full: bool = False) -> dict[str, Any]:
-        if not self.workspace_exists(name):
+        if not self.views.workspace_exists(name):
             raise ApiError(404, f"no workspace named {name}", "not_found")
-        stack = self.stack(name)
+        stack = self.views.stack(name)
         info: dict[str, Any] = {"name": name, "layers": len(stack)}
         if full:
             info["stack"] = [t.to_api() for t in stack]
@@ -6075,7 +6114,7 @@ class Box:
         for point in mounts_under(self.home):
             log(4, f"reconcile: unmounting leftover {point}")
             attempt(f"unmount {point}", umount, point)
-        attempt("delete undone layers", self.gc_layers)
+        attempt("delete undone layers", self.views.gc_layers)
         attempt("finish keeps and undos cut short", self.review.recover)
         for task_id in sorted(self.unsaved):
             problems.append(f"save task {task_id}: its state ({self.tasks[task_id].state}) is "
@@ -6090,10 +6129,7 @@ class Box:
             if task.id in self.workers:
                 self.fail_task(task, "gurtd stopped while the task was running", by="restart")
         self.save_unsaved()
-        with self.views_lock:
-            for _, fd in self.views.values():
-                os.close(fd)
-            self.views.clear()
+        self.views.close()
         self.cgroups.stop()
 
 
@@ -6989,7 +7025,7 @@ class Policies:
         if fields.get("task") is not None and fields["task"] not in self.box.tasks:
             raise ApiError(400, "No task with this id")
         if fields.get("workspace") is not None and \
-                not self.box.workspace_exists(fields["workspace"]):
+                not self.box.views.workspace_exists(fields["workspace"]):
             raise ApiError(400, f"no workspace named {fields['workspace']}")
         policy = Policy(id=new_task_id("p"), createdAt=now_iso(), createdBy=by, **fields)
         self.write({**self.items, policy.id: policy})
@@ -8030,7 +8066,7 @@ def upload_finish(box: "Box", workspace: str, upper: str, explicit: set[str]) ->
     upper is on disk.  A folder where the view has a file or a link (or the reverse) is a 409:
     the layer would hide it silently.  A folder the archive did not describe gets the mode of
     the folder it lies over (as a copy-up would), else 0755; set-id bits never survive."""
-    view = box.loop.call(box.view_fd, workspace)
+    view = box.loop.call(box.views.view_fd, workspace)
     try:
         top = os.open(upper, DIR_FLAGS)
         try:
@@ -8061,9 +8097,9 @@ def upload_commit(box: "Box", workspace: str, staging: str, title: str, prompt: 
     """On the loop: the staged layer becomes a done task of worker upload on top of the
     workspace's stack.  The layer is renamed into place before the task is saved, so a crash
     between the two leaves an unused folder, never a task without its layer."""
-    if not box.workspace_exists(workspace):
+    if not box.views.workspace_exists(workspace):
         raise ApiError(404, f"no workspace named {workspace}", "not_found")
-    stack = box.stack_ids(workspace)
+    stack = box.views.stack_ids(workspace)
     task_id = new_task_id()
     while task_id in box.tasks or os.path.lexists(box.layer_dir(task_id)):
         task_id = new_task_id()
@@ -8086,7 +8122,7 @@ def upload_commit(box: "Box", workspace: str, staging: str, title: str, prompt: 
     with contextlib.suppress(OSError):   # the task is saved done; its log is a courtesy
         box.append_log(task_id, {"type": "upload", "text": summary})
         box.append_log(task_id, {"type": "state", "state": "done"})
-    box.layers_changed(workspace, task_id)
+    box.views.layers_changed(workspace, task_id)
     box.loop.emit("task", task.to_api())
     log(6, f"task {task_id} done: an upload into {workspace}: {summary}")
     return task.to_api()
@@ -8211,7 +8247,7 @@ def send_archive(req: "Handler", top: int, filename: str) -> None:
 def h_workspace_put_file(req: "Handler", params: dict[str, str]) -> Any:
     """PUT a file: the body is its content, a layer of its own (201: the upload's task)."""
     box, name = req.box, params["name"]
-    if not box.workspace_exists(name):
+    if not box.views.workspace_exists(name):
         raise ApiError(404, f"no workspace named {name}", "not_found")
     try:
         rel = upload_path(clean_relpath(params.get("path", "")))
@@ -8241,7 +8277,7 @@ def h_workspace_upload(req: "Handler", params: dict[str, str]) -> Any:
     import tarfile
     import zlib
     box, name = req.box, params["name"]
-    if not box.workspace_exists(name):
+    if not box.views.workspace_exists(name):
         raise ApiError(404, f"no workspace named {name}", "not_found")
     upload_length(req)
     free, reserve = box.disk.free_and_reserve()
@@ -8284,9 +8320,9 @@ def h_workspace_upload(req: "Handler", params: dict[str, str]) -> Any:
 def h_workspace_archive(req: "Handler", params: dict[str, str]) -> Any:
     """The workspace's current view as a tar.gz, streamed."""
     box, name = req.box, params["name"]
-    if not box.workspace_exists(name):
+    if not box.views.workspace_exists(name):
         raise ApiError(404, f"no workspace named {name}", "not_found")
-    view = box.loop.call(box.view_fd, name)
+    view = box.loop.call(box.views.view_fd, name)
     try:
         send_archive(req, view, f"{name}.tar.gz")
     finally:
@@ -8796,7 +8832,7 @@ class Schedules:
 
     def check_workspace(self, fields: dict[str, Any]) -> None:
         workspace = fields["task"].get("workspace", "home")
-        if not self.box.workspace_exists(workspace):
+        if not self.box.views.workspace_exists(workspace):
             raise ApiError(400, f"task: workspace {workspace} does not exist")
 
     def create(self, body: Any) -> dict[str, Any]:
@@ -9710,12 +9746,12 @@ def h_task_stop(req: "Handler", params: dict[str, str]) -> Any:
 
 def h_task_changes(req: "Handler", params: dict[str, str]) -> Any:
     box = req.box
-    layers = box.loop.call(box.changes, params["id"])
+    layers = box.loop.call(box.views.changes, params["id"])
     if layers is None:
         return 200, []
     found = changed_paths(*layers)
     # undone and deleted during the walk: what was read is no change of the workspace any more
-    if box.loop.call(box.changes, params["id"]) is None:
+    if box.loop.call(box.views.changes, params["id"]) is None:
         return 200, []
     folders = box.loop.call(box.review.sources, params["id"])["folders"]
     if folders:
@@ -9822,7 +9858,7 @@ def follow_log(req: "Handler", task_id: str, path: str) -> None:
 
 def h_workspaces_list(req: "Handler", params: dict[str, str]) -> Any:
     box = req.box
-    names = sorted(n for n in os.listdir(box.path("workspaces")) if box.workspace_exists(n))
+    names = sorted(n for n in os.listdir(box.path("workspaces")) if box.views.workspace_exists(n))
     return 200, [box.workspace_snapshot(n) for n in names]
 
 
@@ -9836,10 +9872,10 @@ def h_workspace_get(req: "Handler", params: dict[str, str]) -> Any:
 
 def h_workspace_files(req: "Handler", params: dict[str, str]) -> Any:
     box, name = req.box, params["name"]
-    if not box.workspace_exists(name):
+    if not box.views.workspace_exists(name):
         raise ApiError(404, f"no workspace named {name}", "not_found")
     rel = clean_relpath(params.get("path", ""))
-    view = box.loop.call(box.view_fd, name)
+    view = box.loop.call(box.views.view_fd, name)
     try:
         try:
             # a FIFO or device a task left opens at once (and is refused below), never blocks
@@ -11475,10 +11511,8 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     undo.append(("end the tasks", box.shutdown_tasks))
     public_suffixes()                        # loaded now, not on the first wildcard host
     box.loop.open_wake()
-    undo.append(("stop the merger", box.merger.stop))
-    box.merger.start()                       # merges due since the last run, off the loop
-    for name in sorted(box.layerstack.groups):
-        box.plan_merges(name)
+    undo.append(("stop the merger", box.views.stop))
+    box.views.start()                        # merges due since the last run, off the loop
     box.loop.catch_signals()
     box.loop.publish()                            # what load and reconcile found, for HTTP
     try:
