@@ -5297,6 +5297,7 @@ class Box:
         self.cgroups = Cgroups(self.home)
         self.disk = DiskReserve(self)
         self.review = Review(self)
+        self.droid = DroidWorker(self)
         self.tasks: dict[str, Task] = {}
         self.workers: dict[str, Worker] = {}
         self.settings: dict[str, Any] = dict(DEFAULT_SETTINGS)
@@ -5538,7 +5539,7 @@ class Box:
         fields["limits"] = effective_limits(fields["limits"], self.settings, mem_total())
         if not self.views.workspace_exists(fields["workspace"]):
             raise ApiError(400, f"workspace {fields['workspace']} does not exist")
-        if fields["worker"] == "droid" and not self.droid_path():
+        if fields["worker"] == "droid" and not self.droid.path():
             raise ApiError(400, "the droid worker needs the Droid CLI: run make (it installs "
                                 f"droid {DROID_VERSION}) or set droidPath")
         if fields.get("folders"):
@@ -5624,7 +5625,7 @@ class Box:
             hosts = list(task.hosts)
             if task.worker == "droid":
                 hosts += [h for h in self.settings["droidHosts"] if h not in hosts]
-                self.droid_spec(task, spec, hosts)
+                self.droid.spec(task, spec, hosts)
             fds = []
             if hosts or task.askHosts or self.broker.policies.has_hosts(task):
                 spec["netnsFd"] = 2
@@ -5695,7 +5696,7 @@ class Box:
             self.save(task, sync=False)
             self.append_log(task.id, {"type": "step", "text": text})
         elif kind == "out" and task.worker == "droid":
-            self.on_droid_event(task, worker, text)
+            self.droid.on_event(task, worker, text)
         elif kind == "out":
             fault_point(text)
             worker.last_out = text
@@ -5855,107 +5856,6 @@ class Box:
             info["stack"] = [json.loads(data) for _, data in stack]
         return info
 
-    # the droid worker
-    def droid_path(self) -> str | None:
-        """The Droid CLI: the droidPath setting, else the one make installed beside gurtd."""
-        here = os.path.dirname(os.path.abspath(__file__))
-        candidates = [self.settings["droidPath"]] if self.settings["droidPath"] else [
-            os.path.join(here, ".venv", "droid", "node_modules", "droid", "bin", "droid"),
-            os.path.join(here, "droid", "node_modules", "droid", "bin", "droid"),
-            shutil.which("droid") or ""]
-        for path in candidates:
-            if path and os.path.isfile(path) and os.access(path, os.X_OK):
-                return path
-        return None
-
-    def droid_key(self) -> str:
-        """FACTORY_API_KEY: BOX_HOME/secrets/factory-api-key, else gurtd's environment."""
-        try:
-            with open(self.path("secrets", "factory-api-key")) as f:
-                key = f.read().strip()
-            if key:
-                return key
-        except OSError:
-            pass
-        return os.environ.get("FACTORY_API_KEY", "")
-
-    def droid_spec(self, task: Task, spec: dict[str, Any], hosts: list[str]) -> None:
-        """How the sandbox runs Droid: the command, its files, its MCP server, its key; hosts
-        are the grants it gets (the task's and droidHosts)."""
-        path = self.droid_path()
-        if not path:
-            raise SysError("droid", errno.ENOENT, "the Droid CLI is not installed")
-        settings = self.settings
-        tools = ", ".join(task.tools) or "none"
-        system = (
-            "You work inside a gurtd box: an isolated Linux sandbox where you may act freely.\n"
-            f"- The current directory ({VIEW_DIR}) is your own copy-on-write view of the "
-            f"workspace {task.workspace}; a person may undo your changes.\n"
-            f"- Network: you can reach only {', '.join(task.hosts) or 'no hosts of your own'} "
-            "(everything else is refused).\n" + (
-                "- Other hosts: looking up a name outside that list asks a person. The lookup "
-                "waits while they decide; if it fails with a temporary DNS error, wait a minute "
-                "and try again (the question stays open). A name that is approved then "
-                "resolves and is reachable; a denied one answers NXDOMAIN from then on: do "
-                "without it.\n" if task.askHosts else "") +
-            f"- Tools: {tools}. Call one with the shell command "
-            "`gurtd tool NAME '{\"json\": \"args\"}'` or through the gurtd MCP server.\n"
-            f"- Budget: {task.budgetCents} US cents; spending above it pauses you until a "
-            "person approves.\n")
-        if task.folders:
-            system += ("- Folders: " + ", ".join(task.folders) + " are your own copy-on-write "
-                       "copies of the owner's real folders, at their real paths; the owner "
-                       "reviews your changes there and keeps them or not.\n")
-        spec["mode"] = "droid"
-        spec["droid"] = path
-        spec["files"] = {"/run/gurt/prompt.md": task.prompt,
-                         "/run/gurt/system-prompt.md": system}
-        spec["homeFiles"] = {".factory/mcp.json": json.dumps({"mcpServers": {"gurtd": {
-            "type": "stdio", "command": "/run/gurt/bin/gurtd", "args": ["mcp"]}}}, indent=1)}
-        spec["argv"] = ["/run/gurt/bin/droid", "exec", "--output-format", "stream-json",
-                        "--cwd", VIEW_DIR, "-m", settings["droidModel"],
-                        "--auto", settings["droidAutonomy"], "-f", "/run/gurt/prompt.md",
-                        "--append-system-prompt-file", "/run/gurt/system-prompt.md"]
-        key = self.droid_key()
-        if key:
-            spec["env"]["FACTORY_API_KEY"] = key
-        self.append_log(task.id, {"type": "net", "text": "droid hosts added to the grants: " +
-                                  ", ".join(settings["droidHosts"]), "hosts": hosts})
-
-    def on_droid_event(self, task: Task, worker: Worker, text: str) -> None:
-        """One stream-json line: logged as it is; step, summary, cost and errors from it."""
-        try:
-            event = loads_bounded(text)
-            if not isinstance(event, dict):
-                raise ValueError("not an object")
-        except ValueError:       # any other line, deep nesting and NaN included: plain output
-            self.append_log(task.id, {"type": "stdout", "text": text})
-            return
-        self.append_log(task.id, {"type": "event", "event": event})
-        kind = event.get("type")
-        if kind == "system" and event.get("session_id"):
-            self.append_log(task.id, {"type": "session", "text": str(event["session_id"])})
-        if kind == "error" and last_line(event.get("message") or ""):
-            worker.droid_error = last_line(event["message"])
-        step = droid_step(event)
-        changed = False
-        if step:
-            task.step, changed = step, True
-        if kind == "completion" and isinstance(event.get("finalText"), str):
-            task.summary, changed = event["finalText"], True
-        usage = event.get("usage")
-        if usage is not None:
-            model = self.settings["droidModel"]
-            total = usage_cents(usage, self.settings["droidPrices"].get(model))
-            if total > worker.model_cents and is_cents(task.costCents + total):
-                task.costCents += total - worker.model_cents
-                worker.model_cents, changed = total, True
-        if changed:
-            self.save(task, sync=False)
-        if task.costCents > worker.budget_limit and worker.paused is None and \
-                task.state == "running":
-            self.pause_for_budget(task, worker)
-
     def pause_and_ask(self, task: Task, worker: Worker, why: str, failed: str,
                       *approval: Any) -> str | None:
         """Pause every process of the task and make an approval (Broker.create's arguments);
@@ -5969,28 +5869,6 @@ class Box:
             log(3, f"task {task.id}: could not ask for a {why} approval: {message}")
             self.fail_task(task, f"{failed}: {message}")   # it collects and schedules too
             return None
-
-    def pause_for_budget(self, task: Task, worker: Worker) -> None:
-        """Model spending passed the budget: pause every process and ask."""
-        worker.paused = self.pause_and_ask(
-            task, worker, "budget", "budget exceeded", "budget", "model",
-            {"model": self.settings["droidModel"], "costCents": task.costCents},
-            task.costCents, None)
-
-    def on_model_approval(self, approval: Approval) -> None:
-        """Approved: continue (SIGCONT) up to one more budget; denied: the task fails."""
-        task = self.tasks.get(approval.task)
-        worker = self.workers.get(approval.task)
-        if task is None or worker is None or worker.paused != approval.id:
-            return
-        worker.paused = None
-        if approval.state == "approved":
-            worker.budget_limit = approval.budgetCents if approval.budgetCents is not None \
-                else task.costCents + task.budgetCents    # raised to, or one more budget
-            self.unhold(task, worker, "budget")
-            return
-        if approval.answeredBy == "api":
-            self.fail_task(task, f"budget exceeded: {approval.reason or 'denied'}")
 
     def tick(self) -> float:
         """Timers of the loop: a worker past taskTimeoutSeconds is stopped; BOX_HOME's free
@@ -6007,8 +5885,8 @@ class Box:
     def put_settings(self, body: Any) -> dict[str, Any]:
         new = validate_settings(body, self.settings)
         if isinstance(body, dict) and "droidModel" in body:
-            path = self.droid_path() if "droidPath" not in body else \
-                (body["droidPath"] or self.droid_path())
+            path = self.droid.path() if "droidPath" not in body else \
+                (body["droidPath"] or self.droid.path())
             if not path:
                 raise ApiError(400, "cannot check droidModel: the Droid CLI is not installed")
             models = droid_models(path)
@@ -6131,6 +6009,143 @@ class Box:
         self.save_unsaved()
         self.views.close()
         self.cgroups.stop()
+
+
+# Droid worker ##################################################################################
+###############################################################################################
+
+class DroidWorker:
+    """The droid worker of a box's tasks: the Droid CLI and its key, how the sandbox runs it
+    (spec), its stream-json lines (on_event: steps, summary, cost), and the pause once its
+    model spending passes the task's budget (pause_for_budget, on_model_approval).
+
+    Methods for the Box (loop thread): path, key, spec, on_event, on_model_approval.
+    """
+
+    def __init__(self, box: Box) -> None:
+        self.box = box
+
+    def path(self) -> str | None:
+        """The Droid CLI: the droidPath setting, else the one make installed beside gurtd."""
+        here = os.path.dirname(os.path.abspath(__file__))
+        candidates = [self.box.settings["droidPath"]] if self.box.settings["droidPath"] else [
+            os.path.join(here, ".venv", "droid", "node_modules", "droid", "bin", "droid"),
+            os.path.join(here, "droid", "node_modules", "droid", "bin", "droid"),
+            shutil.which("droid") or ""]
+        for path in candidates:
+            if path and os.path.isfile(path) and os.access(path, os.X_OK):
+                return path
+        return None
+
+    def key(self) -> str:
+        """FACTORY_API_KEY: BOX_HOME/secrets/factory-api-key, else gurtd's environment."""
+        try:
+            with open(self.box.path("secrets", "factory-api-key")) as f:
+                key = f.read().strip()
+            if key:
+                return key
+        except OSError:
+            pass
+        return os.environ.get("FACTORY_API_KEY", "")
+
+    def spec(self, task: Task, spec: dict[str, Any], hosts: list[str]) -> None:
+        """How the sandbox runs Droid: the command, its files, its MCP server, its key; hosts
+        are the grants it gets (the task's and droidHosts)."""
+        path = self.path()
+        if not path:
+            raise SysError("droid", errno.ENOENT, "the Droid CLI is not installed")
+        settings = self.box.settings
+        tools = ", ".join(task.tools) or "none"
+        system = (
+            "You work inside a gurtd box: an isolated Linux sandbox where you may act freely.\n"
+            f"- The current directory ({VIEW_DIR}) is your own copy-on-write view of the "
+            f"workspace {task.workspace}; a person may undo your changes.\n"
+            f"- Network: you can reach only {', '.join(task.hosts) or 'no hosts of your own'} "
+            "(everything else is refused).\n" + (
+                "- Other hosts: looking up a name outside that list asks a person. The lookup "
+                "waits while they decide; if it fails with a temporary DNS error, wait a minute "
+                "and try again (the question stays open). A name that is approved then "
+                "resolves and is reachable; a denied one answers NXDOMAIN from then on: do "
+                "without it.\n" if task.askHosts else "") +
+            f"- Tools: {tools}. Call one with the shell command "
+            "`gurtd tool NAME '{\"json\": \"args\"}'` or through the gurtd MCP server.\n"
+            f"- Budget: {task.budgetCents} US cents; spending above it pauses you until a "
+            "person approves.\n")
+        if task.folders:
+            system += ("- Folders: " + ", ".join(task.folders) + " are your own copy-on-write "
+                       "copies of the owner's real folders, at their real paths; the owner "
+                       "reviews your changes there and keeps them or not.\n")
+        spec["mode"] = "droid"
+        spec["droid"] = path
+        spec["files"] = {"/run/gurt/prompt.md": task.prompt,
+                         "/run/gurt/system-prompt.md": system}
+        spec["homeFiles"] = {".factory/mcp.json": json.dumps({"mcpServers": {"gurtd": {
+            "type": "stdio", "command": "/run/gurt/bin/gurtd", "args": ["mcp"]}}}, indent=1)}
+        spec["argv"] = ["/run/gurt/bin/droid", "exec", "--output-format", "stream-json",
+                        "--cwd", VIEW_DIR, "-m", settings["droidModel"],
+                        "--auto", settings["droidAutonomy"], "-f", "/run/gurt/prompt.md",
+                        "--append-system-prompt-file", "/run/gurt/system-prompt.md"]
+        key = self.key()
+        if key:
+            spec["env"]["FACTORY_API_KEY"] = key
+        self.box.append_log(task.id, {"type": "net", "text": "droid hosts added to the grants: " +
+                                  ", ".join(settings["droidHosts"]), "hosts": hosts})
+
+    def on_event(self, task: Task, worker: Worker, text: str) -> None:
+        """One stream-json line: logged as it is; step, summary, cost and errors from it."""
+        try:
+            event = loads_bounded(text)
+            if not isinstance(event, dict):
+                raise ValueError("not an object")
+        except ValueError:       # any other line, deep nesting and NaN included: plain output
+            self.box.append_log(task.id, {"type": "stdout", "text": text})
+            return
+        self.box.append_log(task.id, {"type": "event", "event": event})
+        kind = event.get("type")
+        if kind == "system" and event.get("session_id"):
+            self.box.append_log(task.id, {"type": "session", "text": str(event["session_id"])})
+        if kind == "error" and last_line(event.get("message") or ""):
+            worker.droid_error = last_line(event["message"])
+        step = droid_step(event)
+        changed = False
+        if step:
+            task.step, changed = step, True
+        if kind == "completion" and isinstance(event.get("finalText"), str):
+            task.summary, changed = event["finalText"], True
+        usage = event.get("usage")
+        if usage is not None:
+            model = self.box.settings["droidModel"]
+            total = usage_cents(usage, self.box.settings["droidPrices"].get(model))
+            if total > worker.model_cents and is_cents(task.costCents + total):
+                task.costCents += total - worker.model_cents
+                worker.model_cents, changed = total, True
+        if changed:
+            self.box.save(task, sync=False)
+        if task.costCents > worker.budget_limit and worker.paused is None and \
+                task.state == "running":
+            self.pause_for_budget(task, worker)
+
+    def pause_for_budget(self, task: Task, worker: Worker) -> None:
+        """Model spending passed the budget: pause every process and ask."""
+        worker.paused = self.box.pause_and_ask(
+            task, worker, "budget", "budget exceeded", "budget", "model",
+            {"model": self.box.settings["droidModel"], "costCents": task.costCents},
+            task.costCents, None)
+
+    def on_model_approval(self, approval: Approval) -> None:
+        """Approved: continue (SIGCONT) up to one more budget; denied: the task fails."""
+        task = self.box.tasks.get(approval.task)
+        worker = self.box.workers.get(approval.task)
+        if task is None or worker is None or worker.paused != approval.id:
+            return
+        worker.paused = None
+        if approval.state == "approved":
+            worker.budget_limit = approval.budgetCents if approval.budgetCents is not None \
+                else task.costCents + task.budgetCents    # raised to, or one more budget
+            self.box.unhold(task, worker, "budget")
+            return
+        if approval.answeredBy == "api":
+            self.box.fail_task(task, f"budget exceeded: {approval.reason or 'denied'}")
 
 
 # Hosts #########################################################################################
@@ -7286,7 +7301,7 @@ class Broker:
         if future is not None and not future.done():
             future.set_result(approval)
         if approval.tool == "model":
-            self.box.on_model_approval(approval)
+            self.box.droid.on_model_approval(approval)
             if state == "denied":
                 return approval.to_api()
         if approval.kind == "disk":
