@@ -5546,34 +5546,56 @@ class Box:
             fields["folderInfo"] = folders_check(fields["folders"],
                                                  self.settings["folderRoots"], self.home)
             fields["folder"] = fields["folders"][0]
-        task_id = new_task_id()
-        while task_id in self.tasks:
-            task_id = new_task_id()
-        self.seq += 1
-        stamp = now_iso()
-        task = Task(id=task_id, state="queued", user=TASK_USER_PREFIX + task_id, layers=[],
-                    costCents=0, createdAt=stamp, updatedAt=stamp, seq=self.seq, **fields)
-        try:       # persisted whole, or nothing of it anywhere: a 507 leaves no trace
-            self.save(task)
-            self.append_log(task_id, {"type": "state", "state": "queued"})
-        except OSError as exc:
-            for path in (self.task_file(task_id), self.log_file(task_id)):
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                except OSError as err:
-                    log(3, f"could not remove {path} of a task that was not created: {err}")
-            self.loop.forget(task_id)
-            log(3, f"a task could not be created: {exc}")
-            if is_disk_error(exc):
-                raise ApiError(507, f"cannot save the task: {exc.strerror}",
-                               "insufficient_storage") from None
-            raise
-        self.tasks[task_id] = task
-        self.loop.emit("task", task.to_api())
+        task = self.add_task(fields)
         self.schedule()
         return task.to_api()
+
+    def add_task(self, fields: dict[str, Any], staged: str | None = None) -> Task:
+        """Every way of making a task ends here (the API, schedules, Jira, hooks, uploads): a
+        fresh id, the next seq, the task saved whole or nothing of it anywhere (507 `cannot
+        save the task`, or `the upload`, on a full disk), then the box's and announced.
+        staged: an upload's layer folder; the task is done at once on top of its workspace's
+        stack, the folder renamed into place before the task is saved (a crash between the
+        two leaves an unused folder, never a task without its layer)."""
+        task_id = new_task_id()
+        while task_id in self.tasks or os.path.lexists(self.layer_dir(task_id)):
+            task_id = new_task_id()
+        done, moved, stamp = staged is not None, False, now_iso()
+        task = Task(id=task_id, state="done" if done else "queued",
+                    user=TASK_USER_PREFIX + task_id,
+                    layers=self.views.stack_ids(fields["workspace"]) if done else [],
+                    costCents=0, createdAt=stamp, updatedAt=stamp, seq=self.seq + 1,
+                    doneSeq=self.done_seq + 1 if done else 0, **fields)
+        with saved_or_507("upload" if done else "task"):
+            try:
+                if staged is not None:
+                    os.rename(staged, self.layer_dir(task_id))
+                    moved = True
+                self.save(task)
+                if not done:
+                    self.append_log(task_id, {"type": "state", "state": "queued"})
+            except OSError as exc:
+                if staged is not None and moved:
+                    os.rename(self.layer_dir(task_id), staged)     # the caller removes it
+                for path in (self.task_file(task_id), self.log_file(task_id)):
+                    try:
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        pass
+                    except OSError as err:
+                        log(3, f"could not remove {path} of a task that was not created: {err}")
+                self.loop.forget(task_id)
+                log(3, f"a task could not be created: {exc}")
+                raise
+        self.seq, self.done_seq = task.seq, max(self.done_seq, task.doneSeq)
+        self.tasks[task_id] = task
+        if done:
+            with contextlib.suppress(OSError):   # the task is saved done; its log is a courtesy
+                self.append_log(task_id, {"type": "upload", "text": task.summary or ""})
+                self.append_log(task_id, {"type": "state", "state": "done"})
+            self.views.layers_changed(task.workspace, task_id)
+        self.loop.emit("task", task.to_api())
+        return task
 
     def schedule(self) -> None:
         """Start queued tasks, first in first out, while there is room."""
@@ -8110,36 +8132,13 @@ def upload_finish(box: "Box", workspace: str, upper: str, explicit: set[str]) ->
 def upload_commit(box: "Box", workspace: str, staging: str, title: str, prompt: str,
                   summary: str) -> dict[str, Any]:
     """On the loop: the staged layer becomes a done task of worker upload on top of the
-    workspace's stack.  The layer is renamed into place before the task is saved, so a crash
-    between the two leaves an unused folder, never a task without its layer."""
+    workspace's stack (Box.add_task)."""
     if not box.views.workspace_exists(workspace):
         raise ApiError(404, f"no workspace named {workspace}", "not_found")
-    stack = box.views.stack_ids(workspace)
-    task_id = new_task_id()
-    while task_id in box.tasks or os.path.lexists(box.layer_dir(task_id)):
-        task_id = new_task_id()
-    stamp = now_iso()
-    task = Task(id=task_id, title=title, prompt=prompt, workspace=workspace,
-                worker=UPLOAD_WORKER, tools=[], hosts=[], budgetCents=0, source="api",
-                state="done", user=TASK_USER_PREFIX + task_id, layers=stack,
-                costCents=0, createdAt=stamp, updatedAt=stamp, summary=summary,
-                seq=box.seq + 1, doneSeq=box.done_seq + 1)
-    with saved_or_507("upload"):
-        os.rename(staging, box.layer_dir(task_id))
-        try:
-            box.save(task)
-        except OSError:
-            os.rename(box.layer_dir(task_id), staging)     # the caller removes it
-            box.loop.forget(task_id)
-            raise
-    box.seq, box.done_seq = task.seq, task.doneSeq
-    box.tasks[task_id] = task
-    with contextlib.suppress(OSError):   # the task is saved done; its log is a courtesy
-        box.append_log(task_id, {"type": "upload", "text": summary})
-        box.append_log(task_id, {"type": "state", "state": "done"})
-    box.views.layers_changed(workspace, task_id)
-    box.loop.emit("task", task.to_api())
-    log(6, f"task {task_id} done: an upload into {workspace}: {summary}")
+    task = box.add_task({"title": title, "prompt": prompt, "workspace": workspace,
+                         "worker": UPLOAD_WORKER, "tools": [], "hosts": [], "budgetCents": 0,
+                         "source": "api", "summary": summary}, staging)
+    log(6, f"task {task.id} done: an upload into {workspace}: {summary}")
     return task.to_api()
 
 
