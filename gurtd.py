@@ -2236,7 +2236,7 @@ class DiskReserve:
         if held and self.paused_free is not None and free > self.paused_free - DISK_STEP:
             return DISK_CHECK_INTERVAL         # nothing else is eating the disk
         candidates = [(i, box.layer_dir(i)) for i, w in box.workers.items()
-                      if box.tasks[i].state in ("running", "waiting")
+                      if box.get(i).state in ("running", "waiting")
                       and "disk" not in w.holds and free < w.disk_floor]
         if candidates and not self.walking:
             self.walking = True
@@ -2248,8 +2248,8 @@ class DiskReserve:
         """Free bytes and the reserve.  Inodes count too (a task making empty files runs out
         of inodes long before bytes): each free inode is worth reserve / inode reserve bytes,
         and free space is the smaller of the two."""
-        st = os.statvfs(self.box.home)
-        reserve = disk_reserve(self.box.settings["diskReserveBytes"], st.f_blocks * st.f_frsize)
+        st = os.statvfs(self.box.path())
+        reserve = disk_reserve(self.box.setting("diskReserveBytes"), st.f_blocks * st.f_frsize)
         free = st.f_bavail * st.f_frsize
         inodes = inode_reserve(st.f_files)
         if inodes:
@@ -2258,9 +2258,9 @@ class DiskReserve:
 
     def inode_bytes(self) -> int:
         """What one inode is worth against the reserve (0 on a file system without inodes)."""
-        st = os.statvfs(self.box.home)
+        st = os.statvfs(self.box.path())
         inodes = inode_reserve(st.f_files)
-        return disk_reserve(self.box.settings["diskReserveBytes"],
+        return disk_reserve(self.box.setting("diskReserveBytes"),
                             st.f_blocks * st.f_frsize) // inodes if inodes else 0
 
     def _measure(self, candidates: list[tuple[str, str]]) -> None:
@@ -2277,7 +2277,7 @@ class DiskReserve:
         if free >= reserve:
             return
         for task_id, size in sorted(sizes.items(), key=lambda kv: -kv[1]):
-            task, worker = box.tasks.get(task_id), box.workers.get(task_id)
+            task, worker = box.task(task_id), box.worker(task_id)
             if task is None or worker is None or task.state not in ("running", "waiting") or \
                     "disk" in worker.holds or free >= worker.disk_floor:
                 continue
@@ -2285,19 +2285,19 @@ class DiskReserve:
             return
 
     def pause(self, task: Task, worker: "Worker", size: int, free: int, reserve: int) -> None:
-        log(4, f"task {task.id} paused: {free} bytes free in {self.box.home}, reserve {reserve}")
+        log(4, f"task {task.id} paused: {free} bytes free in {self.box.path()}, reserve {reserve}")
         self.paused_free = free
         worker.disk_wait = self.box.pause_and_ask(
             task, worker, "disk", "disk full", "disk", "disk",
             {"bytes": size, "freeBytes": free, "reserveBytes": reserve,
-             "freeInodes": os.statvfs(self.box.home).f_favail},
+             "freeInodes": os.statvfs(self.box.path()).f_favail},
             0, f"The task has written {size} bytes and the disk of BOX_HOME has {free} bytes "
                f"free, below the reserve of {reserve} bytes. Let it write on?")
 
     def on_approval(self, approval: Approval) -> None:
         """Approved: thaw, and no new pause until free space halves; denied: the task fails."""
         box = self.box
-        task, worker = box.tasks.get(approval.task), box.workers.get(approval.task)
+        task, worker = box.task(approval.task), box.worker(approval.task)
         if task is None or worker is None or worker.disk_wait != approval.id:
             return
         worker.disk_wait = None
@@ -3709,7 +3709,7 @@ class Review:
         for n, info in enumerate(task.folderInfo or []):
             for sub in (f"f{n}", f"f{n}/upper", f"f{n}/work"):
                 os.mkdir(os.path.join(base, sub), 0o755)
-                os.chown(os.path.join(base, sub), self.box.store_uid, self.box.store_gid)
+                os.chown(os.path.join(base, sub), *self.box.store_owner())
             spec["folders"].append(dict(info, upper=f"review/{task.id}/f{n}/upper",
                                         work=f"review/{task.id}/f{n}/work"))
         task.folderStartNs = time.time_ns() - CLOCK_SLACK_NS
@@ -4207,7 +4207,7 @@ class Review:
     def recover(self) -> None:
         """At start: a keep or an undo a crash cut short is finished, or (a keep that had not
         written anything yet) dropped; the task's log says which."""
-        for task in self.box.tasks.values():
+        for task in self.box.all_tasks():
             path = self.dir(task.id, "journal.json")
             if not task.folderInfo:
                 continue
@@ -5017,8 +5017,8 @@ class Views:
         self.box = box
         self.open_views: dict[str, tuple[tuple[str, ...], int]] = {}   # workspace -> (stack, fd)
         self.lock = threading.Lock()
-        self.layerstack = LayerStack(box.home)
-        self.merger = Merger(box.home, self.merge_done)
+        self.layerstack = LayerStack(box.path())
+        self.merger = Merger(box.path(), self.merge_done)
         self.merging: dict[str, MergedLayer] = {}         # being built, by name
         self.merge_failed: set[tuple[str, int, tuple[str, ...]]] = set()
         self.task_lowers: dict[str, list[str]] = {}      # a running task's view, flat
@@ -5032,7 +5032,7 @@ class Views:
         crash left half deleted, each workspace's groups."""
         self.layerstack.load()
         trash_sweep(self.box.path("layers"))
-        for name in {t.workspace for t in self.box.tasks.values()}:
+        for name in {t.workspace for t in self.box.all_tasks()}:
             self.layerstack.regroup(name, self.ever_done(name))
             self.publish_layers(name)
 
@@ -5059,14 +5059,14 @@ class Views:
     def workspace_create_dir(self, name: str) -> None:
         path = self.box.path("workspaces", name)
         os.mkdir(path, 0o755)
-        os.chown(path, self.box.store_uid, self.box.store_gid)
+        os.chown(path, *self.box.store_owner())
 
     def workspace_exists(self, name: str) -> bool:
         return valid_workspace_name(name) and os.path.isdir(self.box.path("workspaces", name))
 
     def stack(self, workspace: str) -> list[Task]:
         """The workspace's done, not undone tasks, newest first."""
-        done = [t for t in self.box.tasks.values()
+        done = [t for t in self.box.all_tasks()
                 if t.workspace == workspace and t.state == "done"]
         return sorted(done, key=lambda t: t.doneSeq, reverse=True)
 
@@ -5091,7 +5091,7 @@ class Views:
                 fd = os.open(self.box.path("workspaces", workspace),
                              os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             else:
-                home = os.open(self.box.home, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                home = os.open(self.box.path(), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
                 try:
                     fd = overlay_open_plan(home, lowers)
                 finally:
@@ -5108,14 +5108,14 @@ class Views:
     def ever_done(self, workspace: str) -> list[str]:
         """The workspace's tasks that ever became done (undone ones too), oldest first: the
         positions that make its groups."""
-        done = [t for t in self.box.tasks.values() if t.workspace == workspace and t.doneSeq > 0]
+        done = [t for t in self.box.all_tasks() if t.workspace == workspace and t.doneSeq > 0]
         return [t.id for t in sorted(done, key=lambda t: t.doneSeq)]
 
     def stack_ids(self, workspace: str) -> list[str]:
         """The ids of stack(workspace), from the finish order the Layer stack keeps (no sort
         of every task at each start, undo and collection)."""
         ever = self.layerstack.ever.get(workspace, [])
-        return [i for i in reversed(ever) if self.box.tasks[i].state == "done"]
+        return [i for i in reversed(ever) if self.box.get(i).state == "done"]
 
     def view_lowers(self, workspace: str, layers: list[str]) -> list[Any]:
         """The lowers of a view of these layers (newest first) and the base, fitted to the
@@ -5150,8 +5150,8 @@ class Views:
         if cached is None or cached[0] != version or \
                 time.monotonic() - cached[1] > LAYER_BYTES_AGE:
             ids = [e[0] for e in self.box.loop.listed_in(workspace)]
-            dirs = [os.path.join(self.box.home, "layers", i) for i in ids] + \
-                [os.path.join(self.box.home, MERGED_DIR, name) for name in merged]
+            dirs = [os.path.join(self.box.path(), "layers", i) for i in ids] + \
+                [os.path.join(self.box.path(), MERGED_DIR, name) for name in merged]
             cached = (version, time.monotonic(), layer_bytes(dirs))
             self.layer_bytes[workspace] = cached
         return {"mergedLayers": count, "layerBytes": cached[2]}
@@ -5204,7 +5204,7 @@ class Views:
         no cached view uses (a merge in progress keeps its sources)."""
         in_use: set[str] = set()
         pinned: set[str] = set()              # lowers of views in use, relative to BOX_HOME
-        for t in self.box.tasks.values():
+        for t in self.box.all_tasks():
             if t.state in ("running", "waiting"):
                 in_use.update(t.layers)
                 in_use.add(t.id)
@@ -5224,7 +5224,7 @@ class Views:
                 except OSError as exc:
                     log(3, f"merged layers {unused}: {exc}")
                 self.publish_layers(name)
-        for t in self.box.tasks.values():
+        for t in self.box.all_tasks():
             if t.state == "undone" and not t.layerDeleted and t.id not in in_use:
                 try:      # gone from its name at once; its files off the loop
                     if os.path.lexists(self.box.layer_dir(t.id)):
@@ -5329,6 +5329,29 @@ class Box:
 
     def layer_dir(self, task_id: str) -> str:
         return self.path("layers", task_id)
+
+    # what the parts read of the box (loop thread; settings are replaced whole: any thread)
+    def task(self, task_id: str | None) -> Task | None:
+        return self.tasks.get(task_id) if isinstance(task_id, str) else None
+
+    def all_tasks(self) -> Iterator[Task]:
+        return iter(self.tasks.values())
+
+    def worker(self, task_id: str) -> Worker | None:
+        return self.workers.get(task_id)
+
+    def all_workers(self) -> Iterator[Worker]:
+        return iter(self.workers.values())
+
+    def setting(self, key: str) -> Any:
+        return self.settings.get(key)
+
+    def settings_now(self) -> dict[str, Any]:
+        return self.settings
+
+    def store_owner(self) -> tuple[int, int]:
+        """The uid and gid that own layers and workspaces (gurt-store)."""
+        return self.store_uid, self.store_gid
 
     # calls from HTTP threads
     # state on disk
@@ -5860,7 +5883,7 @@ class Box:
         return task.to_api()
 
     def get(self, task_id: str) -> Task:
-        task = self.tasks.get(task_id) if isinstance(task_id, str) else None
+        task = self.task(task_id)
         if task is None:
             raise ApiError(400, "No task with this id")
         return task
@@ -6050,7 +6073,7 @@ class DroidWorker:
     def path(self) -> str | None:
         """The Droid CLI: the droidPath setting, else the one make installed beside gurtd."""
         here = os.path.dirname(os.path.abspath(__file__))
-        candidates = [self.box.settings["droidPath"]] if self.box.settings["droidPath"] else [
+        candidates = [self.box.setting("droidPath")] if self.box.setting("droidPath") else [
             os.path.join(here, ".venv", "droid", "node_modules", "droid", "bin", "droid"),
             os.path.join(here, "droid", "node_modules", "droid", "bin", "droid"),
             shutil.which("droid") or ""]
@@ -6076,7 +6099,7 @@ class DroidWorker:
         path = self.path()
         if not path:
             raise SysError("droid", errno.ENOENT, "the Droid CLI is not installed")
-        settings = self.box.settings
+        settings = self.box.settings_now()
         tools = ", ".join(task.tools) or "none"
         system = (
             "You work inside a gurtd box: an isolated Linux sandbox where you may act freely.\n"
@@ -6136,8 +6159,8 @@ class DroidWorker:
             task.summary, changed = event["finalText"], True
         usage = event.get("usage")
         if usage is not None:
-            model = self.box.settings["droidModel"]
-            total = usage_cents(usage, self.box.settings["droidPrices"].get(model))
+            model = self.box.setting("droidModel")
+            total = usage_cents(usage, self.box.setting("droidPrices").get(model))
             if total > worker.model_cents and is_cents(task.costCents + total):
                 task.costCents += total - worker.model_cents
                 worker.model_cents, changed = total, True
@@ -6151,13 +6174,13 @@ class DroidWorker:
         """Model spending passed the budget: pause every process and ask."""
         worker.paused = self.box.pause_and_ask(
             task, worker, "budget", "budget exceeded", "budget", "model",
-            {"model": self.box.settings["droidModel"], "costCents": task.costCents},
+            {"model": self.box.setting("droidModel"), "costCents": task.costCents},
             task.costCents, None)
 
     def on_model_approval(self, approval: Approval) -> None:
         """Approved: continue (SIGCONT) up to one more budget; denied: the task fails."""
-        task = self.box.tasks.get(approval.task)
-        worker = self.box.workers.get(approval.task)
+        task = self.box.task(approval.task)
+        worker = self.box.worker(approval.task)
         if task is None or worker is None or worker.paused != approval.id:
             return
         worker.paused = None
@@ -6238,8 +6261,8 @@ class Network:
     def __init__(self, box: "Box", upstream_override: str | None) -> None:
         self.box = box
         self.upstream_override = upstream_override
-        self.table = "gurt" if box.home == DEFAULT_BOX_HOME else \
-            "gurt_" + hashlib.sha1(box.home.encode()).hexdigest()[:8]
+        self.table = "gurt" if box.path() == DEFAULT_BOX_HOME else \
+            "gurt_" + hashlib.sha1(box.path().encode()).hexdigest()[:8]
         self.nft: Nft | None = None
         self.ipr: Any = None
         self.host_ns = -1
@@ -6295,7 +6318,7 @@ class Network:
             pass
 
     def upstream(self) -> tuple[str, int]:
-        text = self.upstream_override or self.box.settings.get("upstreamDns") or ""
+        text = self.upstream_override or self.box.setting("upstreamDns") or ""
         if not text:
             try:
                 with open("/etc/resolv.conf") as f:
@@ -6479,7 +6502,7 @@ class Network:
                                           f"the task's DNS: {type(exc).__name__}: {exc}"})
             try:
                 self.release(task_id)
-                task = self.box.tasks.get(task_id)
+                task = self.box.task(task_id)
                 if task is not None and task.state in ACTIVE_STATES:
                     self.box.stop(task_id, f"gurtd could not handle the task's DNS: {exc}")
             except Exception as again:        # the task is as good as stopped: its net is gone
@@ -6657,7 +6680,7 @@ class Network:
             kept = answer_only(kept, set(addresses))
         own = self.own_addresses()
         nets = up.net.answer_nets() + [ipaddress.IPv4Network(n)
-                                       for n in self.box.settings.get("dnsAllowedNets", [])]
+                                       for n in (self.box.setting("dnsAllowedNets") or [])]
         bad = [reason for a in addresses if (reason := refused_address(a, own, nets))]
         entry: dict[str, Any] = {"type": "dns", "name": up.name, "qtype": "A",
                                  "addresses": addresses}
@@ -6718,7 +6741,7 @@ class Network:
         the resolver's retries) or "refused" (NXDOMAIN: no askHosts, denied, over a cap).
         Only answers of a person are remembered (denied), so a flood of names grows nothing
         past the caps."""
-        task = self.box.tasks.get(net.task_id)
+        task = self.box.task(net.task_id)
         try:
             entry = host_policy_entry(name)
         except ApiError:             # not a name a grant could hold (an address, junk)
@@ -7059,7 +7082,7 @@ class Policies:
         if len(self.items) >= MAX_POLICIES:
             raise ApiError(409, f"the box has {len(self.items)} policies (at most "
                                 f"{MAX_POLICIES}); delete some first", "conflict")
-        if fields.get("task") is not None and fields["task"] not in self.box.tasks:
+        if fields.get("task") is not None and self.box.task(fields["task"]) is None:
             raise ApiError(400, "No task with this id")
         if fields.get("workspace") is not None and \
                 not self.box.views.workspace_exists(fields["workspace"]):
@@ -7080,7 +7103,7 @@ class Policies:
 
     def find(self, task: Task, tool: str, cents: float, host: str | None = None) -> Policy | None:
         """The policy that allows this call (or this name) now, narrowest scope first."""
-        never = self.box.settings.get("neverAutoApproveCents")
+        never = self.box.setting("neverAutoApproveCents")
         order = {"task": 0, "workspace": 1, "box": 2}
         for policy in sorted(self.items.values(), key=lambda p: (order[p.scope], p.createdAt)):
             if policy.tool != tool or not in_scope(policy, task):
@@ -7194,7 +7217,7 @@ class Broker:
 
     def render(self, approval: Approval) -> None:
         """The approval changed: published with the step's tasks (Box.publish)."""
-        blocked = always_blocked(approval, self.box.settings.get("neverAutoApproveCents"))
+        blocked = always_blocked(approval, self.box.setting("neverAutoApproveCents"))
         approval.canAlwaysApprove, approval.alwaysBlockedReason = blocked is None, blocked
         self.staged[approval.id] = approval
 
@@ -7219,7 +7242,7 @@ class Broker:
         return approval
 
     def task_of_uid(self, uid: int) -> Task | None:
-        for task in self.box.tasks.values():
+        for task in self.box.all_tasks():
             if task.uid == uid and task.state in ("running", "waiting"):
                 return task
         return None
@@ -7306,7 +7329,7 @@ class Broker:
             setattr(approval, key, value)
         self.render(approval)
         self.box.loop.emit("approval", approval.to_api())
-        task = self.box.tasks.get(approval.task)
+        task = self.box.task(approval.task)
         if task is not None:
             try:
                 entry = {"type": "approval", "approval": approval.id, "state": state,
@@ -7344,7 +7367,7 @@ class Broker:
     def approve_all(self, task: str | None) -> dict[str, Any]:
         """Approve every pending spending and host (of one task); skip, and count, what needs
         a person's own look: asks, disk approvals, calls above neverAutoApproveCents."""
-        never = self.box.settings.get("neverAutoApproveCents")
+        never = self.box.setting("neverAutoApproveCents")
         pending = [a for a in self.approvals.values() if a.state == "pending"
                    and (task is None or a.task == task)]
         approved, skipped = 0, 0
@@ -7386,7 +7409,7 @@ class Broker:
 
     def raise_budget(self, approval: Approval, budget: float) -> None:
         """The task's budget becomes `budget`, enough for the call that asked (saved)."""
-        task = self.box.tasks.get(approval.task)
+        task = self.box.task(approval.task)
         if approval.kind != "budget" or task is None:
             raise ApiError(409, "budgetCents answers a budget approval only", "conflict")
         need = task.costCents + (approval.cents if approval.tool != "model" else 0)
@@ -7397,7 +7420,7 @@ class Broker:
         old, task.budgetCents = task.budgetCents, budget
         with saved_or_507("task"):
             self.box.save(task)
-        worker = self.box.workers.get(task.id)
+        worker = self.box.worker(task.id)
         if worker is not None:
             worker.budget_limit = max(worker.budget_limit, budget)
         self.box.append_log(task.id, {"type": "budget", "budgetCents": budget, "was": old,
@@ -7410,10 +7433,10 @@ class Broker:
         """Approve and record a policy {scope, maxCents?, totalCents?, expiresAt?, reason?}
         for calls like this one (the same tool, or the same host name)."""
         approval = self.get(approval_id)
-        blocked = always_blocked(approval, self.box.settings.get("neverAutoApproveCents"))
+        blocked = always_blocked(approval, self.box.setting("neverAutoApproveCents"))
         if blocked is not None:
             raise ApiError(409, f"cannot always-approve: {blocked}", "conflict")
-        task = self.box.tasks.get(approval.task)
+        task = self.box.task(approval.task)
         if not isinstance(body, dict) or set(body) - {"scope", "reason", "maxCents",
                                                       "totalCents", "expiresAt"}:
             raise ApiError(400, 'the body must be {"scope": "task"|"workspace"|"box", '
@@ -7496,7 +7519,7 @@ class Broker:
         """wallet.pay: the ledger line first (synced), then the task's log line, then its
         cost.  Both lines carry the call id: a crash between them is repaired at the next
         start (recover_ledger), and a log line missing means the cost is missing too."""
-        task = self.box.tasks[task_id]
+        task = self.box.get(task_id)
         cents = args["cents"]
         balance = self.wallet["balanceCents"]
         if balance < cents:
@@ -7529,7 +7552,7 @@ class Broker:
                     and is_cents(entry.get("cents")):
                 by_task.setdefault(entry["task"], []).append(entry)
         for task_id, entries in by_task.items():
-            task = self.box.tasks.get(task_id)
+            task = self.box.task(task_id)
             if task is None:
                 continue
             try:
@@ -7560,7 +7583,7 @@ class Broker:
 
     def record(self, task_id: str, entry: dict[str, Any], cost: float = 0) -> None:
         """Log a finished call (and add what an executable tool says it cost)."""
-        task = self.box.tasks.get(task_id)
+        task = self.box.task(task_id)
         if task is None:
             return
         try:
@@ -8048,7 +8071,7 @@ def upload_length(req: "Handler") -> int:
     box = req.box
     if req.body_left < 0:
         raise req.body_error()
-    cap = box.settings["uploadMaxBytes"]
+    cap = box.setting("uploadMaxBytes")
     if req.body_left > cap:
         req.body_left = -1
         raise ApiError(413, f"the body is larger than {cap} bytes (uploadMaxBytes)",
@@ -8067,7 +8090,7 @@ def upload_staging(box: "Box") -> Iterator[str]:
     staging = box.path("layers", UPLOAD_STAGING + secrets.token_hex(8))
     for sub in ("", "upper", "work"):
         os.mkdir(os.path.join(staging, sub), 0o755)
-        os.chown(os.path.join(staging, sub), box.store_uid, box.store_gid)
+        os.chown(os.path.join(staging, sub), *box.store_owner())
     try:
         yield staging
     finally:
@@ -8115,7 +8138,7 @@ def upload_finish(box: "Box", workspace: str, upper: str, explicit: set[str]) ->
                     raise ApiError(409, f"{rel}: the workspace has {there} there; the upload "
                                         "would hide it (undo or change it with a task first)",
                                    "conflict")
-                os.chown(name, box.store_uid, box.store_gid, dir_fd=dir_fd,
+                os.chown(name, *box.store_owner(), dir_fd=dir_fd,
                          follow_symlinks=False)
                 if stat.S_ISLNK(st.st_mode):
                     continue
@@ -8295,7 +8318,7 @@ def h_workspace_upload(req: "Handler", params: dict[str, str]) -> Any:
         raise ApiError(404, f"no workspace named {name}", "not_found")
     upload_length(req)
     free, reserve = box.disk.free_and_reserve()
-    check = UploadCheck(box.settings["uploadMaxBytes"], free - reserve)
+    check = UploadCheck(box.setting("uploadMaxBytes"), free - reserve)
     body = io.BufferedReader(BodyStream(req), UPLOAD_CHUNK)
     source: Any = body
     if body.peek(2)[:2] == b"\x1f\x8b":
@@ -8828,7 +8851,7 @@ class Schedules:
                 log(3, f"schedules.json: a schedule is damaged and left out: {exc}")
                 continue
             self.items[item.id] = item
-        for task in sorted(self.box.tasks.values(), key=lambda t: t.seq):
+        for task in sorted(self.box.all_tasks(), key=lambda t: t.seq):
             item = self.items.get(task.schedule or "")
             if item is not None:
                 item.lastTask, item.lastState = task.id, task.state
@@ -8850,7 +8873,7 @@ class Schedules:
             raise ApiError(400, f"task: workspace {workspace} does not exist")
 
     def create(self, body: Any) -> dict[str, Any]:
-        fields = validate_schedule_body(body, None, self.box.settings)
+        fields = validate_schedule_body(body, None, self.box.settings_now())
         self.check_workspace(fields)
         if len(self.items) >= MAX_SCHEDULES:
             raise ApiError(409, f"at most {MAX_SCHEDULES} schedules", "conflict")
@@ -8872,7 +8895,7 @@ class Schedules:
         item = self.get(sched_id)
         old = dataclasses.asdict(item)
         fields = validate_schedule_body(body, {k: old[k] for k in SCHEDULE_FIELDS},
-                                        self.box.settings)
+                                        self.box.settings_now())
         self.check_workspace(fields)
         changed = dataclasses.replace(item, **fields, updatedAt=now_iso())
         # a new time line, or a schedule switched on, starts from now: no catch-up run
@@ -8902,7 +8925,7 @@ class Schedules:
         return {"deleted": sched_id}
 
     def active_run(self, item: Schedule) -> Task | None:
-        task = self.box.tasks.get(item.lastTask or "")
+        task = self.box.task(item.lastTask or "")
         return task if task is not None and task.state in ACTIVE_STATES else None
 
     def run_now(self, sched_id: str) -> tuple[int, dict[str, Any]]:
@@ -9268,7 +9291,7 @@ class Jira:
     def take(self, key: str, fields: dict[str, Any]) -> dict[str, Any] | None:
         """A new issue from the thread: recorded (saved) first, then its task created.  None
         if it was taken before (or the connection changed)."""
-        config = self.box.settings.get("jira") or {}
+        config = self.box.setting("jira") or {}
         if key in self.issues or not config.get("enabled") or not JIRA_KEY_RE.fullmatch(key):
             return None
         self.issues[key] = {"task": None, "takenAt": now_iso()}
@@ -9341,7 +9364,7 @@ class Jira:
         """Poll, answer ended tasks, sleep pollSeconds (or the backoff); until gurtd stops."""
         next_poll = 0.0
         while not self.box.loop.stopped():
-            config = dict(self.box.settings.get("jira") or {})
+            config = dict(self.box.setting("jira") or {})
             wait = 3600.0
             if config.get("enabled"):
                 try:
@@ -9548,7 +9571,7 @@ class Hooks:
 
     def create(self, body: Any) -> dict[str, Any]:
         """A new hook; its secret is in this answer and never again."""
-        fields = validate_hook_body(body, self.box.settings)
+        fields = validate_hook_body(body, self.box.settings_now())
         if fields["name"] in self.items:
             raise ApiError(409, f"hook {fields['name']} exists", "conflict")
         if len(self.items) >= MAX_HOOKS:
@@ -9606,7 +9629,7 @@ class Hooks:
             if field_name not in ("title", "prompt", *hook["allow"]):
                 raise ApiError(400, f"{field_name}: this hook does not let a delivery set it")
         task_body = {**hook["task"], **body, "source": hook["source"]}
-        validate_task_body(task_body, self.box.settings)      # a 400 before the id is spent
+        validate_task_body(task_body, self.box.settings_now())      # a 400 before the id is spent
         with saved_or_507("delivery"):
             fd = os.open(self.deliveries_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT |
                          os.O_CLOEXEC, 0o600)
@@ -9929,7 +9952,7 @@ def h_workspace_files(req: "Handler", params: dict[str, str]) -> Any:
 
 
 def h_settings_get(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, dict(req.box.settings)
+    return 200, dict(req.box.settings_now())
 
 
 def h_settings_put(req: "Handler", params: dict[str, str]) -> Any:
@@ -11434,7 +11457,7 @@ class Notifier:
         if now >= self.next_status:
             self.next_status = now + 1.0
             counts = {state: 0 for state in ACTIVE_STATES}
-            for task in box.tasks.values():
+            for task in box.all_tasks():
                 if task.state in counts:
                     counts[task.state] += 1
             status = f"STATUS={counts['running']} running, {counts['waiting']} waiting, " \
@@ -11549,7 +11572,7 @@ def serve(box: Box) -> None:
     """Run gurtd: lock, start, READY=1, the loop, then a clean stop.  StartError if it could
     not start (another gurtd on BOX_HOME, a port in use...), after undoing what it made."""
     host, port = parse_listen(box.listen)
-    lock_fd = lock_box_home(box.home)
+    lock_fd = lock_box_home(box.path())
     undo: Undo = [("release the BOX_HOME lock", lambda: os.close(lock_fd))]
     try:
         start(box, host, port, lock_fd, undo)
@@ -11561,7 +11584,7 @@ def serve(box: Box) -> None:
         if isinstance(exc, Exception):
             raise StartError(f"gurtd could not start: {type(exc).__name__}: {exc}") from exc
         raise
-    log(6, f"gurtd {VERSION} listening on http://{box.listen} with BOX_HOME={box.home}; "
+    log(6, f"gurtd {VERSION} listening on http://{box.listen} with BOX_HOME={box.path()}; "
            f"token in {box.path('token')}")
     try:
         sd_notify("READY=1")
@@ -11701,7 +11724,7 @@ class Loop:
             where = f"task {task_id}" if task_id else "the loop"
             log(3, f"error while handling an event of {where}: " +
                 traceback.format_exc().rstrip().replace("\n", "\n    "))
-            task = self.box.tasks.get(task_id) if task_id else None
+            task = self.box.task(task_id) if task_id else None
             if task is not None and task.state in ACTIVE_STATES:
                 error = f"cannot save the task: {exc.strerror}" if is_disk_error(exc) and \
                     isinstance(exc, OSError) and exc.strerror else \
@@ -11762,7 +11785,7 @@ class Loop:
         sees half a step (an approval pending while its task is not yet waiting, an event
         about a task that GET still shows as before)."""
         fresh = [(task, json.dumps(task.to_api()).encode()) for task in self.staged.values()
-                 if self.box.tasks.get(task.id) is task]   # not a create that failed after saving
+                 if self.box.task(task.id) is task]   # not a create that failed after saving
         with self.listed_lock:
             for task, _ in fresh:          # for ?fields= (a list of few fields of many tasks)
                 self.listed_api[task.id] = task.to_api()
