@@ -30,8 +30,11 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Review                personal mode: a task's real folders checked, their copy-on-write
                           overlays, conflicts, keep with its journal, undo of a keep, diff
     Layer stack           views past 500 layers: which lowers a view uses, merged layers of
-                          old groups (built off the loop), their generations and registry
-    Tasks                 the Box: lifecycle, undo, reconcile, layers and views, the droid worker
+                          old groups (built off the loop), their generations and registry;
+                          Views: each workspace's views, its stack, merges due, layer collection
+    Tasks                 the Box, which owns the state and wires its parts: lifecycle, undo,
+                          reconcile, settings; add_task, the one way any task is made
+    Droid worker          DroidWorker: the Droid CLI's spec, its stream, pause for budget
     Hosts                 task networks: veth, grants, and gurtd's DNS for the tasks; names
                           outside the grants asked of a person (askHosts)
     Policies              always-approve: standing yeses for a tool or a host in a scope, with
@@ -48,9 +51,10 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           before it is made), a comment and a transition when it ends
     Hooks                 signed webhooks (HMAC-SHA256, delivery ids refused twice a day)
     HTTP                  request guard, auth, one routing table, JSON errors, OpenAPI
-    Loop                  the BOX_HOME lock, the start as steps with their undo, the select
-                          loop that owns the box state and guards each event, signals, sd_notify
-                          (READY, WATCHDOG from the loop, STATUS with the task counts)
+    Loop                  the BOX_HOME lock, the start as steps with their undo, sd_notify
+                          (READY, WATCHDOG from the loop, STATUS with the task counts); Loop:
+                          call and post from other threads, guard, emit, render and publish,
+                          the published snapshots and events, signals, the select loop
     CLI                   click commands: serve, token, run (--wait follows the task: spinner,
                           approvals, Ctrl-C), tasks, show, undo, stop, log, approvals, approve,
                           deny, answer, wallet, status, workspaces, files, approve-all, events,
@@ -60,8 +64,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           withdraws approvals)
 
 Threads: the loop thread owns the state.  HTTP and broker handler threads hand it commands
-through ``Box.call`` and wait for the answer (503 busy past a time limit); they read finished
-JSON renderings, published by the loop after each change, without waiting for it.
+through ``box.loop.call`` and wait for the answer (503 busy past a time limit); they read
+finished JSON renderings, published by the loop after each change, without waiting for it.
 Importing this module does nothing: no root check, no threads, no mounts.
 
 Crashes and full disks: a terminal state is on disk before anyone hears of it; a write that
@@ -2222,7 +2226,7 @@ class DiskReserve:
     def tick(self) -> float:
         """Check the free space while tasks run; seconds until the next check."""
         box = self.box
-        if not box.workers:
+        if next(box.all_workers(), None) is None:
             return 1.0
         now = time.monotonic()
         if now < self.next_check:
@@ -2232,11 +2236,11 @@ class DiskReserve:
         if free >= reserve:
             self.paused_free = None
             return DISK_CHECK_INTERVAL
-        held = any("disk" in w.holds for w in box.workers.values())
+        held = any("disk" in w.holds for w in box.all_workers())
         if held and self.paused_free is not None and free > self.paused_free - DISK_STEP:
             return DISK_CHECK_INTERVAL         # nothing else is eating the disk
-        candidates = [(i, box.layer_dir(i)) for i, w in box.workers.items()
-                      if box.get(i).state in ("running", "waiting")
+        candidates = [(w.task_id, box.layer_dir(w.task_id)) for w in box.all_workers()
+                      if box.get(w.task_id).state in ("running", "waiting")
                       and "disk" not in w.holds and free < w.disk_floor]
         if candidates and not self.walking:
             self.walking = True
@@ -5006,8 +5010,8 @@ class Merger:
 class Views:
     """Views and the layer stack of every workspace, for the Box (loop thread unless said).
 
-    Methods for callers: workspace_exists, workspace_create_dir; stack (done tasks, newest
-    first), stack_ids, ever_done; view_lowers (a task's or a person's plan), view_fd (a view
+    Methods for callers: workspace_exists, workspace_create_dir; stack_ids (done tasks, newest
+    first), ever_done; view_lowers (a task's or a person's plan), view_fd (a view
     for people), changes (what to walk for a task's changes); layers_changed (a task became
     done or undone), gc_layers (delete what no view uses); plan_merges, merge_done (merger
     thread), merge_built; layer_usage (any thread); load, start, stop, pin, close.
@@ -5064,12 +5068,6 @@ class Views:
     def workspace_exists(self, name: str) -> bool:
         return valid_workspace_name(name) and os.path.isdir(self.box.path("workspaces", name))
 
-    def stack(self, workspace: str) -> list[Task]:
-        """The workspace's done, not undone tasks, newest first."""
-        done = [t for t in self.box.all_tasks()
-                if t.workspace == workspace and t.state == "done"]
-        return sorted(done, key=lambda t: t.doneSeq, reverse=True)
-
     def view_fd(self, workspace: str) -> int:
         """A new fd (the caller closes it) on the workspace's current view for people.
 
@@ -5112,7 +5110,7 @@ class Views:
         return [t.id for t in sorted(done, key=lambda t: t.doneSeq)]
 
     def stack_ids(self, workspace: str) -> list[str]:
-        """The ids of stack(workspace), from the finish order the Layer stack keeps (no sort
+        """The ids of the workspace's done tasks, newest first, from the finish order the Layer stack keeps (no sort
         of every task at each start, undo and collection)."""
         ever = self.layerstack.ever.get(workspace, [])
         return [i for i in reversed(ever) if self.box.get(i).state == "done"]
@@ -5343,11 +5341,12 @@ class Box:
     def all_workers(self) -> Iterator[Worker]:
         return iter(self.workers.values())
 
-    def setting(self, key: str) -> Any:
-        return self.settings.get(key)
+    def setting(self, key: str | None = None) -> Any:
+        """One setting, or all of them (a dict the box replaces whole, never edits)."""
+        return self.settings if key is None else self.settings.get(key)
 
-    def settings_now(self) -> dict[str, Any]:
-        return self.settings
+    def has_unsaved(self) -> bool:
+        return bool(self.unsaved)
 
     def store_owner(self) -> tuple[int, int]:
         """The uid and gid that own layers and workspaces (gurt-store)."""
@@ -5890,7 +5889,7 @@ class Box:
 
     # snapshots (any thread: they read what render published, never the loop's objects)
     def workspace_snapshot(self, name: str, full: bool = False) -> dict[str, Any]:
-        """workspace_info from the snapshots: its done tasks, newest first."""
+        """A workspace and its done tasks, newest first, from the snapshots (any thread)."""
         if not self.views.workspace_exists(name):
             raise ApiError(404, f"no workspace named {name}", "not_found")
         stack = sorted(((e[2], e[3]) for e in self.loop.listed_in(name) if e[1] == "done"),
@@ -5962,16 +5961,7 @@ class Box:
         if os.path.exists(self.path("workspaces", name)):
             raise ApiError(409, f"workspace {name} exists", "conflict")
         self.views.workspace_create_dir(name)
-        return self.workspace_info(name)
-
-    def workspace_info(self, name: str, full: bool = False) -> dict[str, Any]:
-        if not self.views.workspace_exists(name):
-            raise ApiError(404, f"no workspace named {name}", "not_found")
-        stack = self.views.stack(name)
-        info: dict[str, Any] = {"name": name, "layers": len(stack)}
-        if full:
-            info["stack"] = [t.to_api() for t in stack]
-        return info
+        return {"name": name, "layers": len(self.views.stack_ids(name))}
 
     # start and stop
     def remove_temp_leftovers(self) -> None:
@@ -6099,7 +6089,7 @@ class DroidWorker:
         path = self.path()
         if not path:
             raise SysError("droid", errno.ENOENT, "the Droid CLI is not installed")
-        settings = self.box.settings_now()
+        settings = self.box.setting()
         tools = ", ".join(task.tools) or "none"
         system = (
             "You work inside a gurtd box: an isolated Linux sandbox where you may act freely.\n"
@@ -8873,7 +8863,7 @@ class Schedules:
             raise ApiError(400, f"task: workspace {workspace} does not exist")
 
     def create(self, body: Any) -> dict[str, Any]:
-        fields = validate_schedule_body(body, None, self.box.settings_now())
+        fields = validate_schedule_body(body, None, self.box.setting())
         self.check_workspace(fields)
         if len(self.items) >= MAX_SCHEDULES:
             raise ApiError(409, f"at most {MAX_SCHEDULES} schedules", "conflict")
@@ -8895,7 +8885,7 @@ class Schedules:
         item = self.get(sched_id)
         old = dataclasses.asdict(item)
         fields = validate_schedule_body(body, {k: old[k] for k in SCHEDULE_FIELDS},
-                                        self.box.settings_now())
+                                        self.box.setting())
         self.check_workspace(fields)
         changed = dataclasses.replace(item, **fields, updatedAt=now_iso())
         # a new time line, or a schedule switched on, starts from now: no catch-up run
@@ -9571,7 +9561,7 @@ class Hooks:
 
     def create(self, body: Any) -> dict[str, Any]:
         """A new hook; its secret is in this answer and never again."""
-        fields = validate_hook_body(body, self.box.settings_now())
+        fields = validate_hook_body(body, self.box.setting())
         if fields["name"] in self.items:
             raise ApiError(409, f"hook {fields['name']} exists", "conflict")
         if len(self.items) >= MAX_HOOKS:
@@ -9629,7 +9619,7 @@ class Hooks:
             if field_name not in ("title", "prompt", *hook["allow"]):
                 raise ApiError(400, f"{field_name}: this hook does not let a delivery set it")
         task_body = {**hook["task"], **body, "source": hook["source"]}
-        validate_task_body(task_body, self.box.settings_now())      # a 400 before the id is spent
+        validate_task_body(task_body, self.box.setting())      # a 400 before the id is spent
         with saved_or_507("delivery"):
             fd = os.open(self.deliveries_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT |
                          os.O_CLOEXEC, 0o600)
@@ -9952,7 +9942,7 @@ def h_workspace_files(req: "Handler", params: dict[str, str]) -> Any:
 
 
 def h_settings_get(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, dict(req.box.settings_now())
+    return 200, dict(req.box.setting())
 
 
 def h_settings_put(req: "Handler", params: dict[str, str]) -> Any:
@@ -11560,7 +11550,6 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
         box.listen = f"{host}:{server.server_address[1]}"
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     undo.append(("close the API", lambda: (server.shutdown(), server.server_close())))
-    box.loop.watch_wake()
     assert box.spawner.sock is not None
     box.loop.watch(box.spawner.sock, "spawner")
     undo.append(("stop the Jira thread", box.jira.stop))
@@ -11666,9 +11655,7 @@ class Loop:
             finally:
                 self.publish()          # the caller sees its own change in what it reads next
 
-        future: Future[Any] = Future()
-        self.commands.put((step, args, future))
-        os.write(self.wake_w, b"c")
+        future = self.post(step, *args)
         try:
             return future.result(timeout=self.call_timeout)
         except TimeoutError:
@@ -11680,10 +11667,12 @@ class Loop:
             raise ApiError(503, "gurtd is busy; the request is still being carried out",
                            "busy", {"Retry-After": "1"}) from None
 
-    def post(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Any thread: fn(*args) runs on the loop thread soon; nobody waits for it."""
-        self.commands.put((fn, args, Future()))
+    def post(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Any thread: fn(*args) runs on the loop thread soon; its future."""
+        future: Future[Any] = Future()
+        self.commands.put((fn, args, future))
         os.write(self.wake_w, b"c")
+        return future
 
     def stopped(self) -> bool:
         """SIGTERM came: threads that loop on their own (streams, Jira) end too."""
@@ -11708,8 +11697,6 @@ class Loop:
         """The wake pipe: commands and signals end the loop's select."""
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self.wake_w)
-
-    def watch_wake(self) -> None:
         self.watch(self.wake_r, "wake")
 
     def guard(self, task_id: str | None, fn: Callable[..., Any], *args: Any) -> bool:
@@ -11838,7 +11825,7 @@ class Loop:
         notifier = Notifier()
         while not self.stopping:
             self.guard(None, box.tick)
-            if box.unsaved and time.monotonic() > self.unsaved_retry:
+            if box.has_unsaved() and time.monotonic() > self.unsaved_retry:
                 self.unsaved_retry = time.monotonic() + 5.0
                 self.guard(None, box.save_unsaved)
             try:
