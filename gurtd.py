@@ -3713,7 +3713,7 @@ class Review:
         for n, info in enumerate(task.folderInfo or []):
             for sub in (f"f{n}", f"f{n}/upper", f"f{n}/work"):
                 os.mkdir(os.path.join(base, sub), 0o755)
-                os.chown(os.path.join(base, sub), *self.box.store_owner())
+                os.chown(os.path.join(base, sub), self.box.store_uid, self.box.store_gid)
             spec["folders"].append(dict(info, upper=f"review/{task.id}/f{n}/upper",
                                         work=f"review/{task.id}/f{n}/work"))
         task.folderStartNs = time.time_ns() - CLOCK_SLACK_NS
@@ -4211,7 +4211,7 @@ class Review:
     def recover(self) -> None:
         """At start: a keep or an undo a crash cut short is finished, or (a keep that had not
         written anything yet) dropped; the task's log says which."""
-        for task in self.box.all_tasks():
+        for task in self.box.tasks.values():
             path = self.dir(task.id, "journal.json")
             if not task.folderInfo:
                 continue
