@@ -1619,11 +1619,11 @@ def _dir_id(fd: int) -> tuple[int, int]:
 
 
 @dataclass
-class Folder:
+class WalkDir:
     """A folder of a walk: its parent and its name (whole paths of a chain of long names 6,000
     deep would be gigabytes), its (dev, ino) and its fd (while kept) in each of its layers."""
 
-    up: Folder | None
+    up: WalkDir | None
     name: str
     ids: dict[int, tuple[int, int]] = field(default_factory=dict)
     fds: dict[int, int] = field(default_factory=dict)
@@ -1657,9 +1657,9 @@ def _names(fds: list[int]) -> list[str]:
     return sorted(found)
 
 
-def walk(roots: list[str | int], entry: Callable[[Folder, str], list[int] | None],
-         leave: Callable[[Folder], None] | None = None,
-         names: Callable[[Folder], list[str]] = lambda f: _names(list(f.fds.values())[:1])
+def walk(roots: list[str | int], entry: Callable[[WalkDir, str], list[int] | None],
+         leave: Callable[[WalkDir], None] | None = None,
+         names: Callable[[WalkDir], list[str]] = lambda f: _names(list(f.fds.values())[:1])
          ) -> None:
     """Walk the trees of roots (layers: a path, no symlink followed; a directory fd; -1: not
     there) together, depth first.  entry(folder, name) handles each of names(folder) (default:
@@ -1668,7 +1668,7 @@ def walk(roots: list[str | int], entry: Callable[[Folder, str], list[int] | None
     is left out.  leave(folder) once all below it is walked.  Past WALK_FDS fds the shallowest
     folders let theirs go; back at one, each layer is opened by ".." from the folder just left
     (or by path beneath its root) and must be the one the walk came down from, else EXDEV."""
-    top = folder = Folder(None, "")
+    top = folder = WalkDir(None, "")
     stack, first, kept = [top], 1, 0
     try:
         for layer, root in enumerate(roots):
@@ -1703,8 +1703,8 @@ def walk(roots: list[str | int], entry: Callable[[Folder, str], list[int] | None
             open_folder.close()
 
 
-def _walk_down(parent: Folder, name: str, layers: list[int]) -> Folder | None:
-    child = Folder(parent, name)
+def _walk_down(parent: WalkDir, name: str, layers: list[int]) -> WalkDir | None:
+    child = WalkDir(parent, name)
     for layer in layers:
         try:
             fd = os.open(name, DIR_FLAGS, dir_fd=parent.fds[layer])
@@ -1716,7 +1716,7 @@ def _walk_down(parent: Folder, name: str, layers: list[int]) -> Folder | None:
     return child
 
 
-def _walk_up(top: Folder, folder: Folder, child: Folder) -> int:
+def _walk_up(top: WalkDir, folder: WalkDir, child: WalkDir) -> int:
     """The fds of folder again (child: the folder just left), each checked; how many."""
     for layer, dir_id in folder.ids.items():
         if layer in child.fds:
@@ -1755,7 +1755,7 @@ def tree_visit(top: str | int, visit: Visit, leave: Callable[[int, str], None] |
     folder under a keep) raises instead of leading the walk, and a removal, out of the tree."""
     here: list[Any] = [None, []]           # the folder of the last visit and its names
 
-    def entry(folder: Folder, name: str) -> list[int] | None:
+    def entry(folder: WalkDir, name: str) -> list[int] | None:
         st, walk_in = _entry(folder.fds[0], name), True
         if st is not None and (folders or not stat.S_ISDIR(st.st_mode)):
             if here[0] is not folder:
@@ -1763,7 +1763,7 @@ def tree_visit(top: str | int, visit: Visit, leave: Callable[[int, str], None] |
             walk_in = visit(folder.fds[0], name, st, here[1]) is not False
         return [0] if st is not None and stat.S_ISDIR(st.st_mode) and walk_in else None
 
-    def left(folder: Folder) -> None:
+    def left(folder: WalkDir) -> None:
         if leave is not None and folder.up is not None:
             leave(folder.up.fds[0], folder.name)
 
@@ -1808,7 +1808,7 @@ def _entry_copy(src_dir: int, src: str, dst_dir: int, dst: str, exact: bool = Fa
         return
     os.mkdir(dst, 0o700, dir_fd=dst_dir)
 
-    def copy(folder: Folder, name: str) -> list[int] | None:
+    def copy(folder: WalkDir, name: str) -> list[int] | None:
         st = _entry(folder.fds[0], name)
         if st is not None and stat.S_ISDIR(st.st_mode):
             os.mkdir(name, 0o700, dir_fd=folder.fds[1])
@@ -1889,7 +1889,7 @@ def changed_paths(upper: str, lowers: list[str]) -> list[dict[str, str]]:
     out: list[dict[str, str]] = []
     size = 0
 
-    def change(folder: Folder, name: str) -> list[int] | None:
+    def change(folder: WalkDir, name: str) -> list[int] | None:
         nonlocal size
         fds, st = folder.fds, _entry(folder.fds[0], name)
         if st is None:
@@ -4531,7 +4531,7 @@ def merge_layers(sources: list[str], dest: str, crash_at: str | None = None) -> 
     os.mkdir(dest, 0o700)
     out = len(sources)
 
-    def merged(folder: Folder) -> None:
+    def merged(folder: WalkDir) -> None:
         _dir_meta(next(iter(folder.fds.values())), folder.fds[out], True)
         if crash_at:
             crash_point(crash_at)          # a test's kill -9 in the middle of a merge
