@@ -19,7 +19,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           of a crash, the test-only crash points
     System layer          users, processes, mounts, network namespaces, nftables; each verb
                           beside its inverse, idempotent
-    Layer walks           a layer's changes, read beneath its root without following symlinks
+    Layer walks           the one walker of every tree (beneath root fds, no symlink followed,
+                          bounded fds, a moved folder an error); changes, copies, sizes
     Limits and tracking   a cgroup per task (tracking, kill, freeze; processes, memory, CPU),
                           task limits, the log cap, BOX_HOME's disk reserve
     Spawner               a single-threaded process forked before any thread: it forks workers
@@ -1763,14 +1764,18 @@ def net_addresses(index: int) -> tuple[str, str]:
 
 # Layer walks ###################################################################################
 ###############################################################################################
-# Reading a layer on behalf of a person (changes, files) must not let the task that wrote it
-# steer gurtd: every directory is opened beneath its layer's root without following any symlink
-# (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS), every entry is looked at with fstatat on a
-# directory fd (never a path through a lower layer's symlink), the walk is an explicit stack
-# (no recursion limit) that holds the fds of one directory at a time, and it runs in the HTTP
-# thread that asked, never on the loop.
+# Every walk of a tree a task or a person may write (a layer or an upper, an owner's real
+# folder, a view) is one walk(), so that a task's files cannot steer gurtd: each folder is
+# opened by its name from its parent's fd without following a symlink (a path beneath a root
+# with openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS), each entry is looked at with fstatat on
+# a directory fd, the walk is an explicit stack of folders as (parent, name), never whole
+# paths, without recursion, and it keeps WALK_FDS fds open beyond its roots.  A step up to a
+# folder whose fds were let go is checked against the folder the walk came down from (dev,
+# ino): a folder moved meanwhile is an error, never a walk (or a removal) outside the tree.
+# Walks for people run in the HTTP thread that asked, never on the loop.
 
 RESOLVE_NO_SYMLINKS = 0x04
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 WALK_FDS = 256                       # directory fds one walk keeps open along its path
@@ -1811,198 +1816,324 @@ def _entry(dir_fd: int, name: str) -> os.stat_result | None:
         return None
 
 
-def _open_child(dir_fd: int, name: str) -> int | None:
-    """The subdirectory name of dir_fd, opened without following a symlink; or None."""
+def _xattr(dir_fd: int, name: str, key: str) -> bytes | None:
+    """An xattr of the entry name of dir_fd (never of what a symlink names), or None."""
     try:
-        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                       dir_fd=dir_fd)
+        return os.getxattr(f"/proc/self/fd/{dir_fd}/{name}", key, follow_symlinks=False)
     except OSError:
         return None
 
 
 def _opaque_child(dir_fd: int, name: str) -> bool:
     """Is the directory name in dir_fd an opaque one (it hides the layers below)?"""
-    fd = _open_child(dir_fd, name)
-    if fd is None:
-        return False
-    try:
-        return os.getxattr(fd, "trusted.overlay.opaque") == b"y"
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
+    return _xattr(dir_fd, name, "trusted.overlay.opaque") == b"y"
 
 
-def _in_lowers(lower_fds: list[int], name: str) -> tuple[bool, list[int]]:
-    """Whether name shows in the merged lowers (given their fds for its directory, newest first,
-    only those in which that directory is visible), and the positions in lower_fds in which it
-    is a visible directory: a whiteout or a non-directory cuts the list, an opaque dir ends it."""
-    found, below = False, []
-    for index, fd in enumerate(lower_fds):
-        st = _entry(fd, name)
-        if st is None:
-            continue
-        if is_whiteout(st):
-            break
-        found = True
-        if not stat.S_ISDIR(st.st_mode):
-            break
-        below.append(index)
-        if _opaque_child(fd, name):
-            break
-    return found, below
+def _dir_id(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 @dataclass
 class WalkDir:
-    """A directory of a walk: its path, the layers it is opened in (0 the upper, then the lowers
-    in which it is visible), their fds while kept open, and its subdirectories still to walk,
-    each with the lowers in which it is visible."""
+    """A folder of a walk: its parent and its name (whole paths of a chain of long names 6,000
+    deep would be gigabytes), its (dev, ino) and its fd (while kept) in each of its layers."""
 
-    rel: str
-    layers: list[int]
+    up: WalkDir | None
+    name: str
+    ids: dict[int, tuple[int, int]] = field(default_factory=dict)
     fds: dict[int, int] = field(default_factory=dict)
-    subdirs: list[tuple[str, list[int]]] = field(default_factory=list)
+    todo: list[str] = field(default_factory=list)
+
+    def names(self) -> list[str]:
+        """The names from the top of the walk down to this folder."""
+        out, folder = [], self
+        while folder.up is not None:
+            out.append(folder.name)
+            folder = folder.up
+        return out[::-1]
+
+    def path(self, name: str = "") -> str:
+        return "/".join([*self.names(), name]).rstrip("/")     # a name holds no "/"
+
+    def close(self) -> int:
+        """Let its fds go; how many."""
+        for fd in self.fds.values():
+            os.close(fd)
+        count, self.fds = len(self.fds), {}
+        return count
+
+
+def _names(fds: list[int]) -> list[str]:
+    """The names in these directories, sorted, each once (one that cannot be read has none)."""
+    found: set[str] = set()
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            found.update(os.listdir(fd))
+    return sorted(found)
+
+
+def walk(roots: list[str | int], entry: Callable[[WalkDir, str], list[int] | None],
+         leave: Callable[[WalkDir], None] | None = None,
+         names: Callable[[WalkDir], list[str]] = lambda f: _names(list(f.fds.values())[:1])
+         ) -> None:
+    """Walk the trees of roots (layers: a path, no symlink followed; a directory fd; -1: not
+    there) together, depth first.  entry(folder, name) handles each of names(folder) (default:
+    the first layer's, sorted) through folder.fds, and answers the layers to walk it in as a
+    folder (a budget is the caller's: past it, none), or None; a folder not in its first layer
+    is left out.  leave(folder) once all below it is walked.  Past WALK_FDS fds the shallowest
+    folders let theirs go; back at one, each layer is opened by ".." from the folder just left
+    (or by path beneath its root) and must be the one the walk came down from, else EXDEV."""
+    top = folder = WalkDir(None, "")
+    stack, first, kept = [top], 1, 0
+    try:
+        for layer, root in enumerate(roots):
+            if root != -1:
+                top.fds[layer] = os.open(root, DIR_FLAGS) if isinstance(root, str) else \
+                    os.open(".", DIR_FLAGS, dir_fd=root)
+                top.ids[layer] = _dir_id(top.fds[layer])
+        top.todo = names(top)[::-1] if 0 in top.fds else []
+        while stack:
+            folder = stack[-1]
+            if folder.todo:
+                name = folder.todo.pop()
+                layers = entry(folder, name)
+                child = _walk_down(folder, name, layers) if layers else None
+                if child is not None:
+                    stack.append(child)
+                    kept += len(child.fds)
+                    while kept > WALK_FDS and first < len(stack) - 1:
+                        kept -= stack[first].close()
+                        first += 1
+                    child.todo = names(child)[::-1]
+                continue
+            stack.pop()
+            if stack and not stack[-1].fds:
+                kept += _walk_up(top, stack[-1], folder)
+                first = len(stack) - 1
+            if leave is not None:
+                leave(folder)
+            kept -= folder.close()
+    finally:
+        for open_folder in stack + [folder]:
+            open_folder.close()
+
+
+def _walk_down(parent: WalkDir, name: str, layers: list[int]) -> WalkDir | None:
+    child = WalkDir(parent, name)
+    for layer in layers:
+        try:
+            fd = os.open(name, DIR_FLAGS, dir_fd=parent.fds[layer])
+        except (OSError, KeyError):
+            if layer == layers[0]:
+                return None                 # removed (or replaced) meanwhile
+            continue
+        child.fds[layer], child.ids[layer] = fd, _dir_id(fd)
+    return child
+
+
+def _walk_up(top: WalkDir, folder: WalkDir, child: WalkDir) -> int:
+    """The fds of folder again (child: the folder just left), each checked; how many."""
+    for layer, dir_id in folder.ids.items():
+        if layer in child.fds:
+            folder.fds[layer] = os.open("..", DIR_FLAGS, dir_fd=child.fds[layer])
+        elif (fd := open_dir_beneath(top.fds[layer], folder.path())) is not None:
+            folder.fds[layer] = fd
+        else:
+            raise OSError(errno.ENOENT, "a folder vanished while it was walked", folder.path())
+        if _dir_id(folder.fds[layer]) != dir_id:
+            raise OSError(errno.EXDEV, "a folder was moved while it was walked", folder.path())
+    return len(folder.fds)
+
+
+@contextlib.contextmanager
+def moved_is_409() -> Iterator[None]:
+    """A walk for a person: a folder the task or the owner moved meanwhile is a 409."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        raise ApiError(409, f"{exc.filename}: a folder was moved while it was read; ask again",
+                       "conflict") from None
+
+
+Visit = Callable[[int, str, os.stat_result, list[str]], bool | None]
+
+
+def tree_visit(top: str | int, visit: Visit, leave: Callable[[int, str], None] | None = None,
+               folders: bool = False) -> None:
+    """Every entry below top (a path, or a directory fd), depth first, by name: visit(dir_fd,
+    name, st, parents) for each one that is not a folder, and if folders for each folder too
+    (before what it holds: one it answers False for is not walked into); parents: the names
+    from top down to its folder.  leave(parent_fd, name) once a folder's entries are done.
+    One walk: any depth, paths far past PATH_MAX; a folder moved during it (an owner's real
+    folder under a keep) raises instead of leading the walk, and a removal, out of the tree."""
+    here: list[Any] = [None, []]           # the folder of the last visit and its names
+
+    def entry(folder: WalkDir, name: str) -> list[int] | None:
+        st, walk_in = _entry(folder.fds[0], name), True
+        if st is not None and (folders or not stat.S_ISDIR(st.st_mode)):
+            if here[0] is not folder:
+                here[:] = [folder, folder.names()]
+            walk_in = visit(folder.fds[0], name, st, here[1]) is not False
+        return [0] if st is not None and stat.S_ISDIR(st.st_mode) and walk_in else None
+
+    def left(folder: WalkDir) -> None:
+        if leave is not None and folder.up is not None:
+            leave(folder.up.fds[0], folder.name)
+
+    walk([top], entry, left)
+
+
+def tree_remove(top: str) -> None:
+    """Delete a directory tree, however deep (shutil.rmtree recurses and stops near 1,000
+    levels, which would make a layer impossible to delete); nothing if top is missing."""
+    with contextlib.suppress(FileNotFoundError):
+        tree_visit(top, lambda fd, name, st, parents: os.unlink(name, dir_fd=fd),
+                   lambda fd, name: os.rmdir(name, dir_fd=fd))
+        os.rmdir(top)
+
+
+def tree_bytes(path: str, inode_bytes: int = 0, seen: set[tuple[int, int]] | None = None) -> int:
+    """Disk space a directory tree takes below path (st_blocks, plus inode_bytes for each
+    entry: what an inode is worth against the reserve; with seen, each inode once across
+    calls), no symlink followed; what vanishes (or moves) during the walk is skipped."""
+    total = 0
+
+    def count(dir_fd: int, name: str, st: os.stat_result, parents: list[str]) -> None:
+        nonlocal total
+        if seen is not None:
+            if (st.st_dev, st.st_ino) in seen:
+                return
+            seen.add((st.st_dev, st.st_ino))
+        total += st.st_blocks * 512 + inode_bytes
+
+    with contextlib.suppress(OSError):
+        tree_visit(path, count, folders=True)
+    return total
+
+
+def _entry_copy(src_dir: int, src: str, dst_dir: int, dst: str, exact: bool = False) -> None:
+    """Copy one entry (a file, a symlink, a whole folder in one walk) with its owner, mode and
+    times, no symlink followed.  exact (a merged layer): xattrs too, and a device node (a
+    whiteout); else a fifo, socket or device is left out (keep never writes one)."""
+    st = os.stat(src, dir_fd=src_dir, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode):
+        _copy_one(src_dir, src, dst_dir, dst, st, exact)
+        return
+    os.mkdir(dst, 0o700, dir_fd=dst_dir)
+
+    def copy(folder: WalkDir, name: str) -> list[int] | None:
+        st = _entry(folder.fds[0], name)
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            os.mkdir(name, 0o700, dir_fd=folder.fds[1])
+            return [0, 1]
+        if st is not None:
+            _copy_one(folder.fds[0], name, folder.fds[1], name, st, exact)
+        return None
+
+    walk([f"/proc/self/fd/{src_dir}/{src}", f"/proc/self/fd/{dst_dir}/{dst}"], copy,
+         lambda folder: _dir_meta(folder.fds[0], folder.fds[1], exact))
+
+
+def _copy_one(src_dir: int, name: str, dst_dir: int, dst: str, st: os.stat_result,
+              exact: bool) -> None:
+    if stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(name, dir_fd=src_dir), dst, dir_fd=dst_dir)
+    elif stat.S_ISREG(st.st_mode):
+        with open(os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                          dir_fd=src_dir), "rb") as src, \
+                open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                             os.O_CLOEXEC, 0o600, dir_fd=dst_dir), "wb") as out:
+            while os.sendfile(out.fileno(), src.fileno(), None, 1 << 30):
+                pass
+            os.fchown(out.fileno(), st.st_uid, st.st_gid)   # before the mode: chown clears set-id
+            os.fchmod(out.fileno(), stat.S_IMODE(st.st_mode))
+            for key in os.listxattr(src.fileno()) if exact else ():
+                os.setxattr(out.fileno(), key, os.getxattr(src.fileno(), key))
+    elif exact:
+        os.mknod(dst, st.st_mode, st.st_rdev, dir_fd=dst_dir)
+    else:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        os.chown(dst, st.st_uid, st.st_gid, dir_fd=dst_dir, follow_symlinks=False)
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=dst_dir, follow_symlinks=False)
+
+
+def _dir_meta(src: int, dst: int, xattrs: bool) -> None:
+    """A copied folder takes its source's owner, mode and times, and with xattrs its xattrs
+    (overlay's own trusted.overlay.* left out: a merge decides opaque itself)."""
+    st = os.fstat(src)
+    os.fchown(dst, st.st_uid, st.st_gid)
+    os.fchmod(dst, stat.S_IMODE(st.st_mode))
+    for key in os.listxattr(src) if xattrs else ():
+        if not key.startswith("trusted.overlay."):
+            with contextlib.suppress(OSError):
+                os.setxattr(dst, key, os.getxattr(src, key))
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def layers_down(fds: dict[int, int], layers: list[int], name: str
+                ) -> tuple[tuple[int, os.stat_result] | None, list[int], bool]:
+    """One name of a folder seen down its layers (those of fds in which the folder is visible,
+    top first): the layer and lstat of the non-folder (file, symlink, whiteout) that shows, or
+    None and the layers where it is a folder, and whether that folder is opaque stacked (the
+    layers end on an opaque folder, or on a non-folder beneath it)."""
+    dirs: list[int] = []
+    for layer in layers:
+        st = _entry(fds[layer], name)
+        if st is None:
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            return (None, dirs, True) if dirs else ((layer, st), [], False)
+        dirs.append(layer)
+        if _opaque_child(fds[layer], name):
+            return None, dirs, True
+    return None, dirs, False
 
 
 def changed_paths(upper: str, lowers: list[str]) -> list[dict[str, str]]:
     """A layer's changes against the lowers it was made on: [{path, change}], sorted by path.
 
     added: not in the lowers; modified: a file that was there; deleted: a whiteout.  A
-    directory only shows when it is new (or replaced an earlier one, opaque).  Depth first with
-    an explicit stack, each directory opened from its parent's fd: one pass, however deep.
-    Past WALK_FDS the oldest kept fds are let go (and reopened beneath the root if the walk
-    comes back to that directory).  A layer deleted meanwhile gives what was read so far.
-    More than CHANGES_MAX_BYTES of paths: ApiError 413 (the memory of a request is bounded).
+    directory only shows when it is new (or replaced an earlier one, opaque).  One walk of
+    the upper with, beside each of its folders, the lowers in which that folder is visible.
+    A layer deleted meanwhile gives what was read so far, a folder moved meanwhile is a 409,
+    more than CHANGES_MAX_BYTES of paths a 413 (the memory of a request is bounded).
     """
-    roots = [os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if os.path.isdir(p)
-             else -1 for p in [upper] + lowers]
     out: list[dict[str, str]] = []
-    root = WalkDir("", [layer for layer, fd in enumerate(roots) if fd >= 0])
-    root.fds = {layer: roots[layer] for layer in root.layers}
-    stack, kept = [root], Kept()
-    size, counted = 0, 0
-    try:
-        if roots[0] < 0:
-            return []
-        root.subdirs = _changes_in_dir(root, root.layers[1:], out)
-        while stack:
-            size += sum(len(c["path"]) for c in out[counted:])
-            counted = len(out)
-            if size > CHANGES_MAX_BYTES:
-                raise ApiError(413, f"the changes are more than {CHANGES_MAX_BYTES >> 20} MiB of "
-                                    "paths (folders thousands deep); the task's archive has "
-                                    "them all", "too_large")
-            parent = stack[-1]
-            if not parent.subdirs:
-                stack.pop()
-                if stack:
-                    kept.drop(parent)
-                continue
-            name, visible = parent.subdirs.pop()
-            if not parent.fds:
-                kept.reopen(parent, _walk_reopen(root, parent))
-            walk = WalkDir(f"{parent.rel}/{name}" if parent.rel else name, [])
-            fds = {layer: fd for layer in [0] + visible if layer in parent.fds
-                   and (fd := _open_child(parent.fds[layer], name)) is not None}
-            walk.layers = list(fds)
-            if 0 not in fds:               # the task removed it meanwhile
-                for fd in fds.values():
-                    os.close(fd)
-                continue
-            kept.add(walk, fds)
-            walk.subdirs = _changes_in_dir(walk, walk.layers[1:], out)
-            stack.append(walk)
-    finally:
-        kept.close()
-        for fd in roots:
-            if fd >= 0:
-                os.close(fd)
+    size = 0
+
+    def change(folder: WalkDir, name: str) -> list[int] | None:
+        nonlocal size
+        fds, st = folder.fds, _entry(folder.fds[0], name)
+        if st is None:
+            return None
+        winner, dirs, _ = layers_down(fds, list(fds)[1:], name)
+        found = bool(dirs) or (winner is not None and not is_whiteout(winner[1]))
+        subdir, what = None, "modified" if found else "added"
+        if is_whiteout(st):
+            what = "deleted" if found else ""
+        elif stat.S_ISDIR(st.st_mode):
+            opaque = _opaque_child(fds[0], name)
+            subdir, what = [0] + ([] if opaque else dirs), what if opaque or not found else ""
+        if what:
+            path = folder.path(name) + ("/" if subdir is not None else "")
+            out.append({"path": path, "change": what})
+            size += len(path)
+        if size > CHANGES_MAX_BYTES:
+            raise ApiError(413, f"the changes are more than {CHANGES_MAX_BYTES >> 20} MiB of "
+                                "paths (folders thousands deep); the task's archive has "
+                                "them all", "too_large")
+        return subdir
+
+    with moved_is_409(), contextlib.suppress(FileNotFoundError):
+        walk([os.path.realpath(p) if os.path.isdir(p) else -1 for p in [upper] + lowers],
+             change)                 # realpath: a workspace may be an admin's symlink
     return sorted(out, key=lambda c: c["path"])
 
 
-class Kept:
-    """The directory fds a walk keeps open, oldest first; past WALK_FDS the oldest go.  The
-    directories that keep fds are always the deepest of the walk's stack."""
-
-    def __init__(self) -> None:
-        self.walks: list[WalkDir] = []
-        self.first = 0                     # walks[first:] keep their fds
-        self.count = 0
-
-    def add(self, walk: WalkDir, fds: dict[int, int]) -> None:
-        walk.fds = fds
-        self.walks.append(walk)
-        self.count += len(fds)
-        while self.count > WALK_FDS and self.first < len(self.walks) - 1:
-            self._close(self.walks[self.first])
-            self.first += 1
-
-    def reopen(self, walk: WalkDir, fds: dict[int, int]) -> None:
-        """The walk came back to the deepest directory, whose fds had gone (and so had those
-        of every directory above it)."""
-        assert self.walks[-1] is walk and not self.count
-        walk.fds = fds
-        self.count = len(fds)
-        self.first = len(self.walks) - 1
-
-    def drop(self, walk: WalkDir) -> None:
-        """The walk leaves the deepest directory: its fds go."""
-        assert self.walks[-1] is walk
-        self._close(self.walks.pop())
-        self.first = min(self.first, len(self.walks))
-
-    def close(self) -> None:
-        for walk in self.walks[self.first:]:
-            self._close(walk)
-
-    def _close(self, walk: WalkDir) -> None:
-        self.count -= len(walk.fds)
-        for fd in walk.fds.values():
-            os.close(fd)
-        walk.fds = {}
-
-
-def _walk_reopen(root: WalkDir, walk: WalkDir) -> dict[int, int]:
-    """A directory's fds again, beneath the layer roots (its own fds were let go)."""
-    fds = {}
-    for layer in walk.layers:
-        fd = open_dir_beneath(root.fds[layer], walk.rel)
-        if fd is not None:
-            fds[layer] = fd
-    return fds
-
-
-def _changes_in_dir(walk: WalkDir, visible: list[int],
-                    out: list[dict[str, str]]) -> list[tuple[str, list[int]]]:
-    """The changes of one upper directory into out; its subdirectories, each with the lowers
-    (layer numbers) in which it is visible."""
-    lower_fds = [walk.fds[layer] for layer in visible]
-    subdirs: list[tuple[str, list[int]]] = []
-    try:
-        with os.scandir(walk.fds[0]) as it:
-            names = [entry.name for entry in it]
-    except OSError:
-        return []
-    for name in names:
-        st = _entry(walk.fds[0], name)
-        if st is None:
-            continue
-        path = f"{walk.rel}/{name}" if walk.rel else name
-        found, below = _in_lowers(lower_fds, name)
-        if is_whiteout(st):
-            if found:
-                out.append({"path": path, "change": "deleted"})
-        elif stat.S_ISDIR(st.st_mode):
-            opaque = _opaque_child(walk.fds[0], name)
-            if not found:
-                out.append({"path": path + "/", "change": "added"})
-            elif opaque:
-                out.append({"path": path + "/", "change": "modified"})
-            subdirs.append((name, [] if opaque else [visible[b] for b in below]))
-        else:
-            out.append({"path": path, "change": "modified" if found else "added"})
-    return subdirs
 # Limits and tracking ###########################################################################
 ###############################################################################################
 # A task's processes are tracked by a cgroup they cannot leave (no capabilities, no write access
@@ -2083,27 +2214,6 @@ def mem_total() -> int:
             if line.startswith("MemTotal:"):
                 return int(line.split()[1]) * 1024
     raise SysError("read /proc/meminfo", errno.EIO, "no MemTotal")
-
-
-def tree_bytes(path: str, inode_bytes: int = 0) -> int:
-    """Disk space a directory tree takes (st_blocks, plus inode_bytes for each entry: what an
-    inode is worth against the reserve), symlinks not followed; what vanishes during the
-    walk is skipped.  Runs off the loop thread."""
-    total, stack = 0, [path]
-    while stack:
-        try:
-            entries = list(os.scandir(stack.pop()))
-        except OSError:
-            continue
-        for entry in entries:
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            total += st.st_blocks * 512 + inode_bytes
-            if stat.S_ISDIR(st.st_mode):
-                stack.append(entry.path)
-    return total
 
 
 def cgroup_own_groups(cgroups: str | None = None,
@@ -2523,88 +2633,6 @@ class DiskReserve:
             return
         if approval.answeredBy == "api":
             box.fail_task(task, f"disk full: {approval.reason or 'denied'}")
-
-
-DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-Visit = Callable[[int, str, os.stat_result, list[str]], None]
-
-
-def tree_visit(top: str, visit: Visit, leave: Callable[[int, str], None] | None = None) -> None:
-    """Every entry below top, depth first, no symlink followed: visit(dir_fd, name, st,
-    parents) for each one that is not a directory (parents: the names from top down to its
-    directory), leave(parent_fd, name) once a directory's entries are
-    done.  One directory fd open at a time (it moves down by name and up by ".."), a list of
-    names per level instead of recursion: a task's tree may be thousands of levels deep and
-    longer than PATH_MAX.  Each step up is checked against the directory it came down from:
-    a folder someone moves during the walk (an owner's real folder under a keep) raises
-    instead of leading the walk, and a removal, out of the tree."""
-    fd = os.open(top, DIR_FLAGS)
-    path: list[str] = []
-    ids = [_dir_id(fd)]                   # (dev, ino) of each directory from top down
-    pending = [_visit_dir(fd, visit, path)]
-    try:
-        while True:
-            if pending[-1]:
-                name = pending[-1].pop()
-                try:
-                    child = os.open(name, DIR_FLAGS, dir_fd=fd)
-                except OSError:
-                    continue
-                os.close(fd)
-                fd = child
-                path.append(name)
-                ids.append(_dir_id(fd))
-                pending.append(_visit_dir(fd, visit, path))
-                continue
-            pending.pop()
-            if not path:
-                return
-            parent = os.open("..", DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = parent
-            ids.pop()
-            if _dir_id(fd) != ids[-1]:
-                raise OSError(errno.EXDEV, "a folder was moved while it was walked",
-                              os.path.join(top, *path))
-            if leave is not None:
-                leave(fd, path.pop())
-            else:
-                path.pop()
-    finally:
-        os.close(fd)
-
-
-def _dir_id(fd: int) -> tuple[int, int]:
-    st = os.fstat(fd)
-    return st.st_dev, st.st_ino
-
-
-def _visit_dir(fd: int, visit: Visit, parents: list[str]) -> list[str]:
-    """visit() each entry of the directory fd that is not a directory; its subdirectories."""
-    subdirs = []
-    for name in os.listdir(fd):
-        try:
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-        except OSError:
-            continue
-        if stat.S_ISDIR(st.st_mode):
-            subdirs.append(name)
-        else:
-            visit(fd, name, st, parents)
-    return subdirs
-
-
-def tree_remove(top: str) -> None:
-    """Delete a directory tree, however deep (shutil.rmtree recurses and stops near 1,000
-    levels, which would make a layer impossible to delete); nothing if top is missing."""
-    try:
-        tree_visit(top, lambda fd, name, st, parents: os.unlink(name, dir_fd=fd),
-                   lambda fd, name: os.rmdir(name, dir_fd=fd))
-    except FileNotFoundError:
-        return
-    os.rmdir(top)
 
 
 # Spawner #######################################################################################
@@ -3425,7 +3453,8 @@ CLOCK_SLACK_NS = 20_000_000
 ID_END = 4294967295                  # (uid_t)-1 is no id
 ORIGIN_XATTR = "trusted.overlay.origin"
 KEEP_TEMP = ".gurt-keep-"            # temp names in the real folders: .gurt-keep-<task>-<n>
-SAVE_DEPTH_MAX = 500                 # levels of a real folder keep saves (copied by recursion)
+SAVE_DEPTH_MAX = 500                 # levels of a real folder keep saves (a copy made on the
+                                     # loop: a task must not make it copy without end)
 TOO_DEEP = "\0too deep"              # _tree_conflict's answer for a folder deeper than that
 KEEP_PATH_MAX = 4096                 # bytes: a task's folder deeper than this is listed (as
                                      # kind "deep"), never walked into, and never kept
@@ -3635,20 +3664,6 @@ def real_lstat(root_fd: int, rel: str) -> os.stat_result | None:
             os.close(fd)
 
 
-def _has_xattr(dir_fd: int, name: str, key: str) -> bool:
-    try:
-        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError:
-        return False
-    try:
-        os.getxattr(f"/proc/self/fd/{fd}", key)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
 @dataclass
 class Change:
     """One entry of a folder's upper: what the task left at path (relative to the folder)."""
@@ -3664,47 +3679,26 @@ class Change:
 def upper_changes(upper: str) -> list[Change]:
     """Every entry of an upper, parents before children, sorted by path.  A directory that
     is only there because something below it changed is listed too (kind dir, not opaque,
-    with origin): keep makes sure it still exists."""
+    with origin): keep makes sure it still exists.  A folder whose path passes KEEP_PATH_MAX
+    bytes is listed (kind deep), never walked into: a chain of long names thousands deep would
+    cost gurtd gigabytes of paths (each entry's whole path) and can be read by no tool anyway."""
     out: list[Change] = []
-    try:
-        top = os.open(upper, DIR_FLAGS)
-    except OSError:
-        return out
-    stack: list[str] = [""]              # paths, not fds: a task's 100,000 folders are no
-    try:                                  # 100,000 open files of gurtd's
-        while stack:
-            rel = stack.pop()
-            fd = open_dir_beneath(top, rel) if rel else os.dup(top)
-            if fd is None:
-                continue
-            try:
-                names = sorted(os.listdir(fd), reverse=True)
-                for name in names:
-                    st = _lstat_at(fd, name)
-                    if st is None:
-                        continue
-                    path = f"{rel}/{name}" if rel else name
-                    mode = stat.S_IMODE(st.st_mode)
-                    if is_whiteout(st):
-                        out.append(Change(path, "delete", 0, False, False))
-                    elif stat.S_ISDIR(st.st_mode) and \
-                            len(path.encode(errors="surrogateescape")) > KEEP_PATH_MAX:
-                        # a chain of long names thousands deep would cost gurtd gigabytes of
-                        # paths (each entry's whole path) and can be read by no tool anyway
-                        out.append(Change(path, "deep", mode, False, False))
-                    elif stat.S_ISDIR(st.st_mode):
-                        out.append(Change(path, "dir", mode, _has_xattr(fd, name, ORIGIN_XATTR),
-                                          _opaque_child(fd, name)))
-                        stack.append(path)
-                    else:
-                        kind = "file" if stat.S_ISREG(st.st_mode) else \
-                            "symlink" if stat.S_ISLNK(st.st_mode) else "other"
-                        out.append(Change(path, kind, mode, _has_xattr(fd, name, ORIGIN_XATTR),
-                                          False, st.st_size))
-            finally:
-                os.close(fd)
-    finally:
-        os.close(top)
+
+    def change(fd: int, name: str, st: os.stat_result, parents: list[str]) -> bool:
+        path = "/".join([*parents, name])
+        if stat.S_ISDIR(st.st_mode):
+            kind = "deep" if len(path.encode(errors="surrogateescape")) > KEEP_PATH_MAX else "dir"
+        else:
+            kind = "delete" if is_whiteout(st) else "file" if stat.S_ISREG(st.st_mode) else \
+                "symlink" if stat.S_ISLNK(st.st_mode) else "other"
+        out.append(Change(path, kind, 0 if kind == "delete" else stat.S_IMODE(st.st_mode),
+                          kind not in ("delete", "deep") and _xattr(fd, name, ORIGIN_XATTR)
+                          is not None, kind == "dir" and _opaque_child(fd, name),
+                          0 if kind in ("delete", "deep", "dir") else st.st_size))
+        return kind == "dir"
+
+    with moved_is_409(), contextlib.suppress(FileNotFoundError):
+        tree_visit(upper, change, folders=True)
     return sorted(out, key=lambda c: c.path.split("/"))
 
 
@@ -3724,20 +3718,23 @@ def _tree_conflict(root_fd: int, rel: str, start: int) -> str | None:
     fd = open_dir_beneath(root_fd, rel)
     if fd is None:
         return None
-    changed = None
+    changed: str | None = None
+    deep = False
+
+    def check(dir_fd: int, name: str, st: os.stat_result, parents: list[str]) -> bool:
+        nonlocal changed, deep
+        if changed is None and st.st_ctime_ns >= start:
+            changed = "/".join([rel, *parents, name])
+        deep = deep or stat.S_ISDIR(st.st_mode) and len(parents) + 1 >= SAVE_DEPTH_MAX
+        return not deep
+
     try:
-        for top, dirs, names, dir_fd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
-            if top.count("/") >= SAVE_DEPTH_MAX:
-                return TOO_DEEP
-            for name in sorted(dirs + names) if changed is None else ():
-                st = _lstat_at(dir_fd, name)
-                if st is not None and st.st_ctime_ns >= start:
-                    changed = os.path.normpath(os.path.join(rel, top, name))
-    except RecursionError:          # deeper than Python walks: the safe answer
-        return TOO_DEEP
+        tree_visit(fd, check, folders=True)
+    except OSError:                  # a folder moved meanwhile: the owner is at work in it
+        return rel
     finally:
         os.close(fd)
-    return changed
+    return TOO_DEEP if deep else changed
 
 
 def change_conflict(root_fd: int, change: Change, start: int,
@@ -3809,48 +3806,6 @@ def _owner_may_write(root_fd: int, parent: str, owner: tuple[int, list[int]]) ->
 
 
 # Copies beneath directory fds: the originals a keep overwrites go under BOX_HOME, and back.
-
-def _entry_copy(src_dir: int, src: str, dst_dir: int, dst: str) -> None:
-    """Copy one entry (a file, a symlink, a whole folder) with its mode, owner and times, no
-    symlink followed; a fifo, socket or device is left out (keep never writes one)."""
-    st = os.stat(src, dir_fd=src_dir, follow_symlinks=False)
-    if stat.S_ISLNK(st.st_mode):
-        os.symlink(os.readlink(src, dir_fd=src_dir), dst, dir_fd=dst_dir)
-    elif stat.S_ISDIR(st.st_mode):
-        os.mkdir(dst, 0o700, dir_fd=dst_dir)
-        sfd = os.open(src, DIR_FLAGS, dir_fd=src_dir)
-        dfd = os.open(dst, DIR_FLAGS, dir_fd=dst_dir)
-        try:
-            for name in os.listdir(sfd):
-                _entry_copy(sfd, name, dfd, name)
-            os.fchmod(dfd, stat.S_IMODE(st.st_mode))
-            os.fchown(dfd, st.st_uid, st.st_gid)
-            os.utime(dfd, ns=(st.st_atime_ns, st.st_mtime_ns))
-        finally:
-            os.close(sfd)
-            os.close(dfd)
-        return
-    elif stat.S_ISREG(st.st_mode):
-        sfd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                      dir_fd=src_dir)
-        try:
-            dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
-                          os.O_CLOEXEC, 0o600, dir_fd=dst_dir)
-            try:
-                while os.sendfile(dfd, sfd, None, 1 << 30):
-                    pass
-                os.fchown(dfd, st.st_uid, st.st_gid)
-                os.fchmod(dfd, stat.S_IMODE(st.st_mode))
-                os.utime(dfd, ns=(st.st_atime_ns, st.st_mtime_ns))
-            finally:
-                os.close(dfd)
-        finally:
-            os.close(sfd)
-        return
-    else:
-        return
-    os.chown(dst, st.st_uid, st.st_gid, dir_fd=dst_dir, follow_symlinks=False)
-
 
 def _entry_keep(src_dir: int, src: str, dst_dir: int, dst: str) -> None:
     """An original saved (or put back): a file that has no other name is hard-linked, as
@@ -4562,14 +4517,14 @@ def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None)
             if not (_wanted(change.path, only) or _wanted(full, only)):
                 continue
             if change.kind == "delete":
-                parts.append("" if under else _tree_diff(real, change.path, None))
+                parts.append("" if under else _tree_diff(real, change.path))
             elif change.kind == "dir":
                 if change.opaque and not under:
-                    parts.append(_tree_diff(real, change.path, None))
+                    parts.append(_tree_diff(real, change.path))
             else:
                 old = None if under else _entry_at(real, change.path)
                 if old is not None and old[0] == "dir":
-                    parts.append(_tree_diff(real, change.path, None))
+                    parts.append(_tree_diff(real, change.path))
                 parts.append(file_diff(change.path, old, _entry_at(up, change.path)))
     finally:
         os.close(real)
@@ -4578,26 +4533,22 @@ def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None)
     return f"# folder {folder}\n{text}" if text else ""
 
 
-def _tree_diff(root: int, rel: str, new: Any) -> str:
+def _tree_diff(root: int, rel: str) -> str:
     """Deletions of everything at and under rel in the real folder (a folder the task removed
-    or replaced); a stack of paths, not recursion: the folder may be thousands deep."""
+    or replaced), in one walk: the folder may be thousands deep."""
+    entry = _entry_at(root, rel)
+    if entry is None or entry[0] != "dir":
+        return "" if entry is None else file_diff(rel, entry, None)
+    fd = open_dir_beneath(root, rel)
+    if fd is None:
+        return ""
     parts: list[str] = []
-    stack = [rel]
-    while stack:
-        path = stack.pop()
-        entry = _entry_at(root, path)
-        if entry is None:
-            continue
-        if entry[0] != "dir":
-            parts.append(file_diff(path, entry, new if path == rel else None))
-            continue
-        fd = open_dir_beneath(root, path)
-        if fd is None:
-            continue
-        try:
-            stack += [f"{path}/{name}" for name in sorted(os.listdir(fd), reverse=True)]
-        finally:
-            os.close(fd)
+    try:
+        with moved_is_409():
+            tree_visit(fd, lambda dir_fd, name, st, parents: parts.append(file_diff(
+                "/".join([rel, *parents, name]), _read_entry(dir_fd, name), None)))
+    finally:
+        os.close(fd)
     return "".join(parts)
 
 
@@ -4763,170 +4714,53 @@ def overlay_open_plan(dir_fd: int, lowers: list[Any], upper: str | None = None,
                             else (dir_fd, item) for item in lowers], at(upper), at(work))
 
 
-def _copy_dir_meta(src_fd: int, dst_fd: int, opaque: bool) -> None:
-    """A merged directory takes its top layer directory's owner, mode and xattrs (overlay's
-    own trusted.overlay.* left out, opaque set as the merge decided)."""
-    st = os.fstat(src_fd)
-    os.fchown(dst_fd, st.st_uid, st.st_gid)
-    os.fchmod(dst_fd, stat.S_IMODE(st.st_mode))
-    for key in os.listxattr(src_fd):
-        if not key.startswith("trusted.overlay."):
-            with contextlib.suppress(OSError):
-                os.setxattr(dst_fd, key, os.getxattr(src_fd, key))
-    if opaque:
-        os.setxattr(dst_fd, "trusted.overlay.opaque", b"y")
-
-
-def _merge_entry(fds: list[int], visible: list[int], name: str
-                 ) -> tuple[int | None, list[int], bool]:
-    """One name of a directory, walked down the layers where the directory is visible (top
-    first): the layer whose non-directory (file, symlink, whiteout) wins, or None and the
-    layers where it is a directory, and whether that directory is opaque in the merge (the
-    walk ended on an opaque directory or on a non-directory beneath it)."""
-    dirs: list[int] = []
-    for layer in visible:
-        st = _entry(fds[layer], name)
-        if st is None:
-            continue
-        if not stat.S_ISDIR(st.st_mode):
-            return (None, dirs, True) if dirs else (layer, [], False)
-        dirs.append(layer)
-        if _opaque_child(fds[layer], name):
-            return None, dirs, True
-    return None, dirs, False
-
-
 def merge_layers(sources: list[str], dest: str, crash_at: str | None = None) -> None:
     """Make dest a layer exactly equal to sources (layer directories, newest first) stacked.
 
-    dest must not exist; it is made here.  Depth first with an explicit stack of folders
-    (a task's tree may be thousands of levels deep), each kept as its parent's number and its
-    name, its path made only while it is merged (whole paths of a chain of long names 6,000
-    deep would be gigabytes); each directory is opened beneath its layer's root without
-    following symlinks, one directory's fds at a time.  Directory times are set last, once
-    nothing more is made inside them.
+    dest must not exist; it is made here.  One walk of the sources and dest together (any
+    depth, folders as (parent, name): whole paths of a chain of long names 6,000 deep would be
+    gigabytes), each folder in the sources where it is visible; a merged folder takes its top
+    layer's owner, mode, xattrs and times once nothing more is made inside it.
     """
-    roots = [os.open(s, DIR_FLAGS) for s in sources]
     os.mkdir(dest, 0o700)
-    out_root = os.open(dest, DIR_FLAGS)
-    folders: list[tuple[int, str]] = [(-1, "")]     # every merged folder: (parent, name)
-    times: list[os.stat_result] = [os.fstat(roots[0])]   # and its times, by the same number
-    try:
-        _copy_dir_meta(roots[0], out_root, False)
-        pending: list[tuple[int, list[int]]] = [(0, list(range(len(roots))))]
-        while pending:
-            node, visible = pending.pop()
-            rel = _folder_path(folders, node)
-            fds = {layer: fd for layer in visible
-                   if (fd := open_dir_beneath(roots[layer], rel)) is not None}
-            out = open_dir_beneath(out_root, rel)
-            if out is None:
-                raise OSError(errno.ENOENT, f"merged directory {rel} vanished")
-            try:
-                pending += _merge_dir(fds, [v for v in visible if v in fds], out, node,
-                                      folders, times)
-            finally:
-                for fd in list(fds.values()) + [out]:
-                    os.close(fd)
-            if crash_at:
-                crash_point(crash_at)      # a test's kill -9 in the middle of a merge
-        for node, st in enumerate(times):
-            fd = open_dir_beneath(out_root, _folder_path(folders, node))
-            if fd is not None:
-                os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
-                os.close(fd)
-    finally:
-        for fd in roots + [out_root]:
-            os.close(fd)
+    out = len(sources)
+
+    def merged(folder: WalkDir) -> None:
+        _dir_meta(next(iter(folder.fds.values())), folder.fds[out], True)
+        if crash_at:
+            crash_point(crash_at)          # a test's kill -9 in the middle of a merge
+
+    walk([*sources, dest], lambda folder, name: _merge_entry(folder.fds, out, name), merged,
+         lambda folder: _names(list(folder.fds.values())))    # dest's folder is empty when listed
 
 
-def _merge_copy(src_dir: int, name: str, out: int) -> None:
-    """A copy of a layer's file, symlink or whiteout whose inode takes no more links (ext4
-    allows 65,000; overlay links a layer's whiteouts to one inode, and a task may link a file
-    of its own 64,999 times): content, owner, mode, xattrs and times, so that the merged
-    layer is still exactly its layers stacked."""
-    st = os.stat(name, dir_fd=src_dir, follow_symlinks=False)
-    if stat.S_ISLNK(st.st_mode):
-        os.symlink(os.readlink(name, dir_fd=src_dir), name, dir_fd=out)
-    elif not stat.S_ISREG(st.st_mode):
-        os.mknod(name, st.st_mode, st.st_rdev, dir_fd=out)          # a whiteout
-    else:
-        src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=src_dir)
+def _merge_entry(fds: dict[int, int], out: int, name: str) -> list[int] | None:
+    """One name of a folder merged into fds[out]: the non-folder that shows hard-linked (a
+    copy if its inode takes no more links: ext4 allows 65,000, overlay links a layer's
+    whiteouts to one inode, and a task may link a file of its own 64,999 times), a folder
+    made (opaque where nothing below the group may show through) and its layers answered."""
+    winner, dirs, opaque = layers_down(fds, [layer for layer in fds if layer != out], name)
+    if winner is not None:
         try:
-            dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
-                          os.O_CLOEXEC, 0o600, dir_fd=out)
-            try:
-                while os.sendfile(dst, src, None, 1 << 30):
-                    pass
-                os.fchown(dst, st.st_uid, st.st_gid)
-                os.fchmod(dst, stat.S_IMODE(st.st_mode))
-                for key in os.listxattr(src):
-                    os.setxattr(dst, key, os.getxattr(src, key))
-            finally:
-                os.close(dst)
-        finally:
-            os.close(src)
-    os.chown(name, st.st_uid, st.st_gid, dir_fd=out, follow_symlinks=False)
-    os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=out, follow_symlinks=False)
-
-
-def _folder_path(folders: list[tuple[int, str]], node: int) -> str:
-    """The path of folder number node of a merge (from its parents' numbers and names)."""
-    names = []
-    while node > 0:
-        node, name = folders[node]
-        names.append(name)
-    return "/".join(reversed(names))
-
-
-def _merge_dir(fds: dict[int, int], visible: list[int], out: int, node: int,
-               folders: list[tuple[int, str]], times: list[os.stat_result]
-               ) -> list[tuple[int, list[int]]]:
-    """Merge one directory (folder number node: its fds per layer, visible top first) into
-    out; its subdirectories to walk (numbered in folders and times), each with the layers in
-    which it is visible."""
-    names: dict[str, None] = {}
-    for layer in visible:
-        with contextlib.suppress(OSError):
-            names.update(dict.fromkeys(os.listdir(fds[layer])))
-    subdirs, whiteouts = [], False
-    for name in names:
-        winner, dirs, opaque = _merge_entry(fds, visible, name)
-        if winner is not None:
-            try:
-                os.link(name, name, src_dir_fd=fds[winner], dst_dir_fd=out,
-                        follow_symlinks=False)
-            except OSError as exc:
-                if exc.errno != errno.EMLINK:
-                    raise
-                _merge_copy(fds[winner], name, out)
-            whiteouts = whiteouts or is_whiteout(os.stat(name, dir_fd=out,
-                                                         follow_symlinks=False))
-            continue
-        if not dirs:
-            continue
-        top = _open_child(fds[dirs[0]], name)
-        if top is None:
-            continue
-        try:
-            os.mkdir(name, 0o700, dir_fd=out)
-            made = os.open(name, DIR_FLAGS, dir_fd=out)
-            try:
-                _copy_dir_meta(top, made, opaque)
-            finally:
-                os.close(made)
-            times.append(os.fstat(top))
-            folders.append((node, name))
-        finally:
-            os.close(top)
-        subdirs.append((len(folders) - 1, dirs))
-    if whiteouts:
-        # Overlay hides whiteouts from a listing only in a directory it merges from several
-        # layers or that carries an origin xattr (copied up); once merged, a directory may
-        # come from one layer alone, so it gets the empty origin ("origin unknown") that
-        # overlay's own copy-up gives.
-        os.setxattr(out, "trusted.overlay.origin", b"")
-    return subdirs
+            os.link(name, name, src_dir_fd=fds[winner[0]], dst_dir_fd=fds[out],
+                    follow_symlinks=False)
+        except OSError as exc:
+            if exc.errno != errno.EMLINK:
+                raise
+            _entry_copy(fds[winner[0]], name, fds[out], name, exact=True)
+        if is_whiteout(winner[1]):
+            # Overlay hides whiteouts from a listing only in a directory it merges from
+            # several layers or that carries an origin xattr (copied up); once merged, a
+            # directory may come from one layer alone, so it gets the empty origin ("origin
+            # unknown") that overlay's own copy-up gives.
+            os.setxattr(fds[out], "trusted.overlay.origin", b"")
+        return None
+    if not dirs:
+        return None
+    os.mkdir(name, 0o700, dir_fd=fds[out])
+    if opaque:
+        os.setxattr(f"/proc/self/fd/{fds[out]}/{name}", "trusted.overlay.opaque", b"y")
+    return dirs + [out]
 
 
 def layer_bytes(tops: list[str]) -> int:
@@ -4934,21 +4768,11 @@ def layer_bytes(tops: list[str]) -> int:
     layer's hard links cost nothing but its directories).  No symlink followed."""
     seen: set[tuple[int, int]] = set()
     total = 0
-
-    def count(st: os.stat_result) -> None:
-        nonlocal total
-        if (st.st_dev, st.st_ino) not in seen:
-            seen.add((st.st_dev, st.st_ino))
-            total += st.st_blocks * 512
-
     for top in tops:
-        try:
-            count(os.lstat(top))
-            tree_visit(top, lambda fd, name, st, parents: count(st),
-                       lambda fd, name: count(os.stat(name, dir_fd=fd,
-                                                      follow_symlinks=False)))
-        except OSError:                    # deleted meanwhile
-            continue
+        with contextlib.suppress(OSError):                # deleted meanwhile
+            st = os.lstat(top)
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512 + tree_bytes(top, 0, seen)
     return total
 
 
@@ -8311,28 +8135,26 @@ def upload_finish(box: "Box", workspace: str, upper: str, explicit: set[str]) ->
     upper is on disk.  A folder where the view has a file or a link (or the reverse) is a 409:
     the layer would hide it silently.  A folder the archive did not describe gets the mode of
     the folder it lies over (as a copy-up would), else 0755; set-id bits never survive."""
+    def finish(dir_fd: int, name: str, st: os.stat_result, parents: list[str]) -> None:
+        rel = "/".join([*parents, name])
+        below = view_entry(view, rel)
+        if below is not None and stat.S_ISDIR(below.st_mode) != stat.S_ISDIR(st.st_mode):
+            there = "a folder" if stat.S_ISDIR(below.st_mode) else \
+                "a link" if stat.S_ISLNK(below.st_mode) else "a file"
+            raise ApiError(409, f"{rel}: the workspace has {there} there; the upload "
+                                "would hide it (undo or change it with a task first)",
+                           "conflict")
+        os.chown(name, *box.store_owner(), dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            return
+        mode = stat.S_IMODE(st.st_mode) & ~SETID_BITS
+        if stat.S_ISDIR(st.st_mode) and rel not in explicit:
+            mode = stat.S_IMODE(below.st_mode) & ~SETID_BITS if below else 0o755
+        os.chmod(name, mode, dir_fd=dir_fd)    # not a link, and nothing else writes here
+
     view = box.loop.call(box.views.view_fd, workspace)
     try:
-        top = os.open(upper, DIR_FLAGS)
-        try:
-            for dir_fd, name, rel, st in tree_entries(top):
-                below = view_entry(view, rel)
-                if below is not None and stat.S_ISDIR(below.st_mode) != stat.S_ISDIR(st.st_mode):
-                    there = "a folder" if stat.S_ISDIR(below.st_mode) else \
-                        "a link" if stat.S_ISLNK(below.st_mode) else "a file"
-                    raise ApiError(409, f"{rel}: the workspace has {there} there; the upload "
-                                        "would hide it (undo or change it with a task first)",
-                                   "conflict")
-                os.chown(name, *box.store_owner(), dir_fd=dir_fd,
-                         follow_symlinks=False)
-                if stat.S_ISLNK(st.st_mode):
-                    continue
-                mode = stat.S_IMODE(st.st_mode) & ~SETID_BITS
-                if stat.S_ISDIR(st.st_mode) and rel not in explicit:
-                    mode = stat.S_IMODE(below.st_mode) & ~SETID_BITS if below else 0o755
-                os.chmod(name, mode, dir_fd=dir_fd)    # not a link, and nothing else writes here
-        finally:
-            os.close(top)
+        tree_visit(upper, finish, folders=True)
     finally:
         os.close(view)
 
@@ -8348,44 +8170,6 @@ def upload_commit(box: "Box", workspace: str, staging: str, title: str, prompt: 
                          "source": "api", "summary": summary}, staging)
     log(6, f"task {task.id} done: an upload into {workspace}: {summary}")
     return task.to_api()
-
-
-def tree_entries(top: int) -> Iterator[tuple[int, str, str, os.stat_result]]:
-    """(dir_fd, name, path, stat) of every entry below the directory fd top, a folder before
-    what it holds; no symlink followed.  As tree_visit: one directory fd open at a time (down
-    by name, up by ".."), so any depth; for trees no process writes any more.  dir_fd is
-    valid until the next entry is asked for."""
-    fd = os.open(".", DIR_FLAGS, dir_fd=top)
-    path: list[str] = []
-    pending = [sorted(os.listdir(fd), reverse=True)]
-    try:
-        while True:
-            if not pending[-1]:
-                pending.pop()
-                if not path:
-                    return
-                parent = os.open("..", DIR_FLAGS, dir_fd=fd)
-                os.close(fd)
-                fd = parent
-                path.pop()
-                continue
-            name = pending[-1].pop()
-            try:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except OSError:
-                continue
-            yield fd, name, "/".join(path + [name]), st
-            if stat.S_ISDIR(st.st_mode):
-                try:
-                    child = os.open(name, DIR_FLAGS, dir_fd=fd)
-                except OSError:
-                    continue
-                os.close(fd)
-                fd = child
-                path.append(name)
-                pending.append(sorted(os.listdir(fd), reverse=True))
-    finally:
-        os.close(fd)
 
 
 class ExactReader:
@@ -8412,40 +8196,45 @@ def archive_write(out: Any, top: int) -> int:
     import tarfile
     count = 0
     linked: dict[tuple[int, int], str] = {}   # a file of several names -> its first name
+
+    def add(dir_fd: int, name: str, st: os.stat_result, parents: list[str]) -> None:
+        nonlocal count
+        rel = "/".join([*parents, name])
+        info = tarfile.TarInfo(rel)
+        info.mode = stat.S_IMODE(st.st_mode) & ~SETID_BITS
+        info.mtime = int(st.st_mtime)
+        if stat.S_ISDIR(st.st_mode):
+            info.type = tarfile.DIRTYPE
+            tar.addfile(info)
+        elif stat.S_ISLNK(st.st_mode):
+            info.type, info.linkname = tarfile.SYMTYPE, os.readlink(name, dir_fd=dir_fd)
+            tar.addfile(info)
+        elif stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) in linked:
+            # a hard link goes out as one: a task's file of 10,000 names is not 10,000
+            # copies of its data (the archive would be 10,000 times its size)
+            info.type, info.linkname = tarfile.LNKTYPE, linked[(st.st_dev, st.st_ino)]
+            tar.addfile(info)
+        elif stat.S_ISREG(st.st_mode):
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK |
+                             os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dir_fd)
+            except OSError:
+                return
+            with os.fdopen(fd, "rb") as f:
+                fst = os.fstat(fd)
+                if not stat.S_ISREG(fst.st_mode):
+                    return
+                info.size = fst.st_size
+                tar.addfile(info, ExactReader(f, fst.st_size))
+                if fst.st_nlink > 1 and (fst.st_dev, fst.st_ino) == (st.st_dev, st.st_ino):
+                    linked[(st.st_dev, st.st_ino)] = rel
+        else:
+            return              # a whiteout of a layer, a FIFO, a device: not a file
+        count += 1
+
     with gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6, mtime=0) as gz, \
             tarfile.open(fileobj=gz, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-        for dir_fd, name, rel, st in tree_entries(top):
-            info = tarfile.TarInfo(rel)
-            info.mode = stat.S_IMODE(st.st_mode) & ~SETID_BITS
-            info.mtime = int(st.st_mtime)
-            if stat.S_ISDIR(st.st_mode):
-                info.type = tarfile.DIRTYPE
-                tar.addfile(info)
-            elif stat.S_ISLNK(st.st_mode):
-                info.type, info.linkname = tarfile.SYMTYPE, os.readlink(name, dir_fd=dir_fd)
-                tar.addfile(info)
-            elif stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) in linked:
-                # a hard link goes out as one: a task's file of 10,000 names is not 10,000
-                # copies of its data (the archive would be 10,000 times its size)
-                info.type, info.linkname = tarfile.LNKTYPE, linked[(st.st_dev, st.st_ino)]
-                tar.addfile(info)
-            elif stat.S_ISREG(st.st_mode):
-                try:
-                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK |
-                                 os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dir_fd)
-                except OSError:
-                    continue
-                with os.fdopen(fd, "rb") as f:
-                    fst = os.fstat(fd)
-                    if not stat.S_ISREG(fst.st_mode):
-                        continue
-                    info.size = fst.st_size
-                    tar.addfile(info, ExactReader(f, fst.st_size))
-                    if fst.st_nlink > 1 and (fst.st_dev, fst.st_ino) == (st.st_dev, st.st_ino):
-                        linked[(st.st_dev, st.st_ino)] = rel
-            else:
-                continue        # a whiteout of a layer, a FIFO, a device: not a file
-            count += 1
+        tree_visit(top, add, folders=True)
     return count
 
 
