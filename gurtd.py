@@ -622,9 +622,9 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
 PUBLIC_FIELDS = ("id", "title", "prompt", "workspace", "worker", "tools", "hosts", "budgetCents",
                  "source", "state", "user", "layers", "costCents", "step", "createdAt",
                  "updatedAt", "error", "summary", "limits", "folder", "folders", "review",
-                 "askHosts", "schedule")
+                 "askHosts", "schedule", "merged")
 OPTIONAL_FIELDS = ("step", "error", "summary", "limits", "folder", "folders", "review",
-                   "schedule")
+                   "schedule", "merged")
 
 
 @dataclass
@@ -663,6 +663,7 @@ class Task:
     folderStartNs: int = 0
     askHosts: bool = False          # a name outside hosts asks a person (a host approval)
     schedule: str | None = None     # the schedule that started it
+    merged: list[str] | None = None  # paths its finish-time merge joined with the view's
 
     def to_api(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in PUBLIC_FIELDS}
@@ -5004,6 +5005,601 @@ class Merger:
                 log(4, f"merged layer {merged.name}: not handed over: {exc}")
 
 
+# Finish-time merge #############################################################################
+###############################################################################################
+# A layer is a set of whole files, and the layer on top wins every file it holds: two tasks
+# that ran side by side and changed one file would leave only the later one's copy (issue 21).
+# So a task that ends well is checked before it becomes done: the paths its layer changed
+# against the paths changed by the layers the view gained or lost since the stack it saw (its
+# `layers`: layers that became done while it ran, or an undo of one it saw).  For each path
+# both changed (the same path, or one a folder above the other), three versions are read:
+# base (the view it saw), theirs (the view now) and ours (its own view):
+#   - ours equals theirs, or theirs equals base: nothing (its layer on top gives ours);
+#   - ours equals base (a copy-up without a change): its copy is dropped, the view's shows;
+#   - files on all three sides (or added on both): `git merge-file` (Debian's git, well kept)
+#     joins them; a clean merge is written into the task's layer;
+#   - anything else (overlapping hunks, binary, a delete against an edit, a folder against a
+#     file, mode or symlink target changed both ways, a file above MERGE_MAX_BYTES): a
+#     conflict, asked of a person as an approval of kind `conflict` (never by a policy).
+# Why this shape:
+#   - The three versions are read through read-only overlays of the same plans views use
+#     (view_plan, merged layers included), so the check is exact past 128 tasks and past the
+#     kernel's 500 lowers; the sets of paths come from the layers themselves (changed_paths
+#     against the view the task saw, one lower), so only paths both sides touched are read.
+#   - All of it runs in one thread of its own (FinishMerge), never on the loop: git is run
+#     under prlimit (address space) with a timeout, files past MERGE_MAX_BYTES are not read
+#     whole, and the merged texts one check holds are capped.  The thread answers the loop
+#     through Box.commands, like the Merger.
+#   - The result is trusted only for the stack it was computed on: if another task became
+#     done (or undone) meanwhile, the check runs again.  A clean merge is written into the
+#     layer only when the whole check is settled (no conflict left, or the person answered);
+#     from then on the layer is the task's work rebased on that stack, so the next check (if
+#     the view moved again) uses that stack as its base.
+#   - Nothing joins the stack before the task is done, and a task is done only after every
+#     write of its merge is synced: a kill -9 in the middle leaves a running or waiting task,
+#     which the next start fails (reconcile); its half-written layer never shows in a view.
+
+MERGE_MAX_BYTES = 8 << 20            # a file larger than this is a conflict, never merged
+MERGE_HELD_BYTES = 64 << 20          # merged texts one check holds in memory at most
+MERGE_TIMEOUT = 10.0                 # seconds git merge-file may run for one file
+MERGE_MEMORY = 512 << 20             # its address space (prlimit --as)
+MERGE_SHOWN_BYTES = 64 << 10         # a version's text shown in a conflict approval, at most
+MERGE_SHOWN_TOTAL = 1 << 20          # all texts of one conflict approval, at most
+CONFLICT_KEEP = ("task", "view")
+
+
+@dataclass
+class Version:
+    """What one view holds at a path: absent, file, symlink, folder or other (a fifo)."""
+
+    kind: str
+    mode: int = 0
+    size: int = 0
+    data: str = ""                   # a file's sha256, a symlink's target
+
+    def same(self, other: "Version") -> bool:
+        return self == other
+
+
+def view_version(root_fd: int, path: str) -> Version:
+    """The version at path beneath a view's root fd, no symlink followed on the way."""
+    parent, _, name = path.rpartition("/")
+    fd = open_dir_beneath(root_fd, parent)
+    if fd is None:
+        return Version("absent")
+    try:
+        st = _entry(fd, name)
+        if st is None:
+            return Version("absent")
+        mode = stat.S_IMODE(st.st_mode)
+        if stat.S_ISDIR(st.st_mode):
+            return Version("folder", mode)
+        if stat.S_ISLNK(st.st_mode):
+            return Version("symlink", data=os.readlink(name, dir_fd=fd))
+        if not stat.S_ISREG(st.st_mode):
+            return Version("other", mode)
+        digest = hashlib.sha256()
+        with _open_file(fd, name) as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        return Version("file", mode, st.st_size, digest.hexdigest())
+    finally:
+        os.close(fd)
+
+
+def _open_file(dir_fd: int, name: str) -> io.BufferedReader:
+    return os.fdopen(os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                             dir_fd=dir_fd), "rb")
+
+
+def view_bytes(root_fd: int, path: str, cap: int) -> bytes | None:
+    """A file's bytes in a view, or None if it is not a file of at most cap bytes."""
+    parent, _, name = path.rpartition("/")
+    fd = open_dir_beneath(root_fd, parent)
+    if fd is None:
+        return None
+    try:
+        with _open_file(fd, name) as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            data = f.read(cap + 1)
+        return data if len(data) <= cap else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def is_binary(data: bytes) -> bool:
+    """git's own rule: a NUL in the first 8,000 bytes."""
+    return b"\0" in data[:8000]
+
+
+def git_merge(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool, bytes]:
+    """A three-way merge by `git merge-file` (diff3 markers where it does not join): (clean,
+    text).  Bounded: prlimit's address space, a timeout (the child killed); OSError else."""
+    names = []
+    for label, data in (("task", ours), ("before", base), ("view", theirs)):
+        names.append(os.path.join(tmp, label))
+        with open(names[-1], "wb") as f:
+            f.write(data)
+    argv = ["prlimit", f"--as={MERGE_MEMORY}", "--", "git", "merge-file", "-p", "--diff3",
+            "-L", "task", "-L", "before", "-L", "view"] + names
+    env = {"PATH": TASK_PATH, "HOME": tmp, "GIT_CONFIG_NOSYSTEM": "1", "LC_ALL": "C"}
+    try:
+        done = subprocess.run(argv, capture_output=True, timeout=MERGE_TIMEOUT, env=env,
+                              cwd=tmp)
+    except subprocess.TimeoutExpired:
+        raise OSError(errno.ETIME, f"git merge-file took more than {MERGE_TIMEOUT:g} s") \
+            from None
+    if not 0 <= done.returncode < 128:
+        raise OSError(errno.EIO, "git merge-file: " + done.stderr.decode(errors="replace")
+                      .strip()[:200])
+    return done.returncode == 0, done.stdout
+
+
+def merge_text(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool, bytes]:
+    """Three-way merge of texts.  Two appends to one file (a log, a changelog: what tasks
+    side by side do most) keep both, the view's first (it ended first); git merge-file
+    would call two additions at one place a conflict.  Anything else: git merge-file."""
+    if base and ours.startswith(base) and theirs.startswith(base):
+        return True, theirs + ours[len(base):]
+    return git_merge(ours, base, theirs, tmp)
+
+
+def conflict_why(base: Version, theirs: Version, ours: Version) -> str | None:
+    """Why a path both sides changed cannot be merged as text, or None if it can be."""
+    kinds = {ours.kind, theirs.kind}
+    if "absent" in kinds:
+        return "deleted by the task, changed in the view" if ours.kind == "absent" else \
+            "changed by the task, deleted in the view"
+    if "folder" in kinds and kinds != {"folder"}:
+        return "a folder on one side, a file on the other"
+    if kinds == {"symlink"}:
+        return "symlink target changed both ways"
+    if kinds != {"file"} or base.kind not in ("file", "absent"):
+        return f"changed both ways ({ours.kind} by the task, {theirs.kind} in the view)"
+    if len({base.mode, ours.mode, theirs.mode}) == 3:
+        return "mode changed both ways"
+    big = max(base.size, ours.size, theirs.size)
+    if big > MERGE_MAX_BYTES:
+        return f"too large to merge ({big} bytes; at most {MERGE_MAX_BYTES})"
+    return None
+
+
+def version_info(v: Version, root_fd: int, path: str, budget: list[int]) -> dict[str, Any]:
+    """A version as a conflict approval shows it; text while budget[0] (bytes) lasts."""
+    out: dict[str, Any] = {"kind": v.kind}
+    if v.kind in ("file", "folder", "other"):
+        out["mode"] = f"{v.mode:04o}"
+    if v.kind == "symlink":
+        out["target"] = v.data
+    if v.kind == "file":
+        out["size"] = v.size
+        data = view_bytes(root_fd, path, min(MERGE_SHOWN_BYTES, budget[0]))
+        if data is not None and not is_binary(data):
+            budget[0] -= len(data)
+            out["text"] = data.decode(errors="replace")
+        else:
+            out["shown"] = "binary" if data is not None else "too large to show"
+    return out
+
+
+@dataclass
+class MergeCheck:
+    """One finish-time check of a task, as the loop hands it to the thread."""
+
+    task_id: str
+    token: int
+    upper: str                       # its layer, relative to BOX_HOME
+    base: list[str]                  # the plan of the view it saw (base dir left out)
+    now: list[str]                   # the plan of the view now
+    workspace_dir: str
+    others: list[str]                # uppers of the layers the view gained or lost
+    stack: list[str]                 # the ids of the view now
+
+
+@dataclass
+class MergeResult:
+    """What a check found: writes for its layer, the paths merged, conflicts for a person."""
+
+    writes: dict[str, tuple[Any, ...]] = field(default_factory=dict)   # path -> write
+    merged: list[str] = field(default_factory=list)
+    conflicts: list[dict[str, Any]] = field(default_factory=list)
+
+
+def touched(mine: list[str], theirs: list[str]) -> list[str]:
+    """Paths of mine and theirs that touch one in the other set (the same path, or one a
+    folder above the other), sorted: the only ones whose versions need reading."""
+    def above(path: str) -> Iterator[str]:
+        while "/" in path:
+            path = path.rpartition("/")[0]
+            yield path
+
+    sets = [set(mine), set(theirs)]
+    prefixes = [{a for p in s for a in above(p)} for s in sets]
+    out = set()
+    for side in (0, 1):
+        other, under = sets[1 - side], prefixes[1 - side]
+        for path in sets[side]:
+            if path in other or path in under or any(a in other for a in above(path)):
+                out.add(path)
+    return sorted(out)
+
+
+def check_paths(job: MergeCheck, base_fd: int, home: str) -> tuple[set[str], list[str]]:
+    """The paths the task changed, and the candidates of a check: those paths and the
+    other layers' paths that touch one another (each layer listed against the view the
+    task saw, as one lower)."""
+    view = f"/proc/self/fd/{base_fd}"
+    mine = [c["path"].rstrip("/") for c in changed_paths(os.path.join(home, job.upper), [view])]
+    theirs: list[str] = []
+    for upper in job.others if mine else []:
+        theirs += [c["path"].rstrip("/") for c in changed_paths(upper, [view])]
+    return set(mine), touched(mine, theirs)
+
+
+def run_check(job: MergeCheck, home: str, tmp: str) -> MergeResult:
+    """The check itself (the merge thread): three read-only views mounted, each candidate
+    decided, merged texts held in memory (at most MERGE_HELD_BYTES)."""
+    result = MergeResult()
+    home_fd = os.open(home, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    fds: dict[str, int] = {}
+    try:
+        for key, plan in (("base", job.base), ("now", job.now), ("ours", [job.upper] + job.base)):
+            fds[key] = overlay_open_plan(home_fd, fit_lowers(plan, job.workspace_dir))
+        mine, candidates = check_paths(job, fds["base"], home)
+        held, shown = 0, [MERGE_SHOWN_TOTAL]
+        for path in candidates:
+            base, theirs, ours = (view_version(fds[k], path) for k in ("base", "now", "ours"))
+            if ours.same(theirs) or theirs.same(base):
+                continue
+            if ours.same(base):                # only the view changed it
+                if path in mine and ours.kind != "folder":
+                    result.writes[path] = ("view",)
+                continue
+            why = conflict_why(base, theirs, ours)
+            texts = [b"" if v.kind == "absent" else view_bytes(fds[k], path, MERGE_MAX_BYTES)
+                     for v, k in ((ours, "ours"), (base, "base"), (theirs, "now"))] \
+                if why is None else []
+            if why is None and any(t is None or is_binary(t) for t in texts):
+                why = "binary file changed both ways"
+            diff3 = None
+            if why is None:
+                clean, merged = merge_text(texts[0] or b"", texts[1] or b"", texts[2] or b"",
+                                           tmp)
+                mode = ours.mode if ours.mode != base.mode else theirs.mode
+                if clean and held + len(merged) <= MERGE_HELD_BYTES:
+                    held += len(merged)
+                    result.writes[path] = ("text", merged, mode)
+                    result.merged.append(path)
+                    continue
+                why = "overlapping changes" if not clean else "too much merged text at once"
+                diff3 = merged[:min(MERGE_SHOWN_BYTES, shown[0])].decode(errors="replace")
+                shown[0] -= len(diff3)
+            result.conflicts.append({
+                "path": path, "why": why, "diff3": diff3,
+                "before": version_info(base, fds["base"], path, shown),
+                "view": version_info(theirs, fds["now"], path, shown),
+                "task": version_info(ours, fds["ours"], path, shown)})
+        return result
+    finally:
+        for fd in list(fds.values()) + [home_fd]:
+            os.close(fd)
+
+
+def upper_parent(upper_fd: int, path: str, view_fd: int, store: tuple[int, int]
+                 ) -> tuple[int, bool]:
+    """The folder of path in a task's layer, made if missing (a folder the task deleted or
+    replaced by a file becomes an opaque folder: only what is written in it shows); and
+    whether a folder above is opaque (then nothing below shows through)."""
+    fd, opaque, done = os.dup(upper_fd), False, ""
+    try:
+        for name in path.split("/")[:-1]:
+            done = f"{done}/{name}" if done else name
+            st = _entry(fd, name)
+            if st is not None and not stat.S_ISDIR(st.st_mode):
+                os.unlink(name, dir_fd=fd)
+                st = None
+                made_opaque = True
+            else:
+                made_opaque = False
+            if st is None:
+                seen = view_version(view_fd, done)
+                os.mkdir(name, seen.mode if seen.kind == "folder" else 0o755, dir_fd=fd)
+                os.chown(name, *store, dir_fd=fd, follow_symlinks=False)
+            child = os.open(name, DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+            if made_opaque:
+                os.setxattr(fd, "trusted.overlay.opaque", b"y")
+            with contextlib.suppress(OSError):
+                opaque = opaque or os.getxattr(fd, "trusted.overlay.opaque") == b"y"
+        return fd, opaque
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def upper_put(upper_fd: int, path: str, write: tuple[Any, ...], view_fd: int,
+              store: tuple[int, int]) -> None:
+    """One write of a merge into a task's layer: ("text", bytes, mode) a file; ("view",)
+    the view's version (the layer's entry dropped, or the view's file copied where a folder
+    above is opaque)."""
+    fd, opaque = upper_parent(upper_fd, path, view_fd, store)
+    name = path.rpartition("/")[2]
+    try:
+        st = _entry(fd, name)
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            tree_remove(f"/proc/self/fd/{fd}/{name}")
+        elif st is not None:
+            os.unlink(name, dir_fd=fd)
+        if write[0] == "view":
+            seen = view_version(view_fd, path)
+            if not opaque or seen.kind == "absent":
+                return
+            if seen.kind == "symlink":
+                os.symlink(seen.data, name, dir_fd=fd)
+                os.chown(name, *store, dir_fd=fd, follow_symlinks=False)
+                return
+            data = view_bytes(view_fd, path, 1 << 40)
+            write = ("text", data or b"", seen.mode)
+        temp = f".gurt-merge-{secrets.token_hex(4)}"
+        out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      0o600, dir_fd=fd)
+        try:
+            with os.fdopen(os.dup(out), "wb") as f:
+                f.write(write[1])
+            os.fchown(out, *store)
+            os.fchmod(out, write[2])
+            os.fsync(out)
+        finally:
+            os.close(out)
+        os.rename(temp, name, src_dir_fd=fd, dst_dir_fd=fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def apply_writes(home: str, upper: str, writes: dict[str, tuple[Any, ...]],
+                 now: list[str], workspace_dir: str, store: tuple[int, int]) -> None:
+    """A settled merge into the task's layer (the merge thread), every file synced."""
+    if not writes:
+        return
+    home_fd = os.open(home, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    view_fd = upper_fd = -1
+    try:
+        view_fd = overlay_open_plan(home_fd, fit_lowers(now, workspace_dir))
+        upper_fd = os.open(os.path.join(home, upper), DIR_FLAGS)
+        for n, (path, write) in enumerate(sorted(writes.items())):
+            upper_put(upper_fd, path, write, view_fd, store)
+            if n == 0:
+                crash_point("finish-merge-half-written")   # a test's kill -9 in the middle
+    finally:
+        for fd in (upper_fd, view_fd, home_fd):
+            if fd >= 0:
+                os.close(fd)
+
+
+def conflict_answer(approval: Approval, args: Any) -> dict[str, tuple[Any, ...]]:
+    """The writes an answer to a conflict makes (ApiError 400 for args that are not one):
+    approve alone keeps the task's version; args {"keep": "task"|"view", "texts"?: {path:
+    text}} keep one side for every path and take the person's merged text for some."""
+    paths = {c["path"]: c for c in (approval.args or {}).get("paths", [])}
+    args = args or {}
+    if not isinstance(args, dict) or set(args) - {"keep", "texts"} or \
+            args.get("keep", "task") not in CONFLICT_KEEP or \
+            not isinstance(args.get("texts", {}), dict):
+        raise ApiError(400, 'args of a conflict: {"keep"?: "task"|"view", "texts"?: '
+                            '{"<path>": "<merged text>"}}')
+    texts = args.get("texts", {})
+    unknown = [p for p in texts if p not in paths or not isinstance(texts[p], str)]
+    if unknown:
+        raise ApiError(400, f"texts: {unknown[0]!r} is not a conflicting path with a text")
+    writes: dict[str, tuple[Any, ...]] = {}
+    for path, conflict in paths.items():
+        if path in texts:
+            mode = next((int(conflict[k]["mode"], 8) for k in ("task", "view") if
+                         conflict[k]["kind"] == "file"), 0o644)
+            writes[path] = ("text", texts[path].encode(), mode)
+        elif args.get("keep") == "view":
+            writes[path] = ("view",)
+    return writes
+
+
+@dataclass
+class HeldTask:
+    """A task the finish-time merge holds between its worker's end and done."""
+
+    worker: Worker
+    token: int = 0
+    seen: tuple[list[str], list[str]] | None = None   # (stack, plan) its layer is based on
+    merged: list[str] = field(default_factory=list)
+    pending: MergeResult | None = None                # a check waiting for a person
+    pending_check: MergeCheck | None = None
+    approval: str | None = None
+
+
+class FinishMerge:
+    """The finish-time merge of a box (design above).  Loop thread, except run().
+
+    Methods for Box: holds(task, worker) when a worker ended well (True: the task is held
+    until its check is settled, then maybe_finish runs again), on_answer(approval) when a
+    conflict approval is answered."""
+
+    def __init__(self, box: "Box") -> None:
+        self.box = box
+        self.held: dict[str, HeldTask] = {}
+        self.cleared: set[str] = set()
+        self.jobs: queue.Queue[Callable[[], None]] = queue.Queue()
+        self.thread: threading.Thread | None = None
+        self.tokens = 0
+
+    def holds(self, task: Task, worker: Worker) -> bool:
+        if task.id in self.cleared:
+            self.cleared.discard(task.id)
+            return False
+        if self.box.stack_ids(task.workspace) == task.layers:
+            return False                   # nothing became done or undone while it ran
+        self.held[task.id] = HeldTask(worker)
+        self.check(task)
+        return True
+
+    def check(self, task: Task) -> None:
+        """Compare the task's layer with the view now (its check goes to the thread), or let
+        it become done at once if the view is still the one its layer is based on."""
+        held, box = self.held[task.id], self.box
+        stack = box.stack_ids(task.workspace)
+        seen_stack, seen_plan = held.seen or (task.layers, [])
+        if stack == seen_stack:
+            return self.finish(task)
+        if held.seen is None:
+            start = box.task_lowers.get(task.id)
+            seen_plan = start[:-1] if start else box.layerstack.plan(task.workspace,
+                                                                      task.layers)
+            held.seen = (seen_stack, seen_plan)
+        now = box.layerstack.plan(task.workspace, stack)
+        # the views it reads stay pinned (gc_layers keeps a running task's lowers)
+        box.task_lowers[task.id] = seen_plan + now + [f"workspaces/{task.workspace}"]
+        seen = set(seen_stack)
+        others = [i for i in stack if i not in seen] + [i for i in seen_stack
+                                                         if i not in set(stack)]
+        self.tokens += 1
+        held.token = self.tokens
+        job = MergeCheck(task.id, held.token, f"layers/{task.id}/upper", seen_plan, now,
+                         f"workspaces/{task.workspace}",
+                         [p for i in others if os.path.isdir(p := os.path.join(
+                             box.layer_dir(i), "upper"))], stack)
+        self.submit(job, self.checked, lambda tmp: run_check(job, box.home, tmp))
+
+    def submit(self, job: MergeCheck, then: Callable[..., None],
+               work: Callable[[str], Any]) -> None:
+        """Run work(tmp dir) on the merge thread; then(job, result, error) on the loop."""
+        box = self.box
+
+        def run() -> None:
+            result, error = None, None
+            tmp = box.path("run", f"merge-{secrets.token_hex(6)}")
+            try:
+                os.mkdir(tmp, 0o700)
+                result = work(tmp)
+            except Exception as exc:
+                error = exc.message if isinstance(exc, ApiError) else \
+                    f"{type(exc).__name__}: {exc}"
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            box.commands.put((box.guard, (job.task_id, then, job, result, error), Future()))
+            with contextlib.suppress(OSError):        # the loop is gone (stopping)
+                os.write(box.wake_w, b"c")
+
+        if self.thread is None or not self.thread.is_alive():
+            self.thread = threading.Thread(target=self.run, name="finish-merge", daemon=True)
+            self.thread.start()
+        self.jobs.put(run)
+
+    def run(self) -> None:
+        while True:
+            self.jobs.get()()
+
+    def current(self, job: MergeCheck) -> tuple[Task, HeldTask] | None:
+        """The task of a job that came back, if it still waits for exactly that job."""
+        task, held = self.box.tasks.get(job.task_id), self.held.get(job.task_id)
+        if task is None or held is None or held.token != job.token or \
+                task.state not in ("running", "waiting"):
+            if task is None or task.state not in ACTIVE_STATES:
+                self.held.pop(job.task_id, None)
+            return None
+        return task, held
+
+    def checked(self, job: MergeCheck, result: MergeResult | None, error: str | None) -> None:
+        """Loop: a check came back: settled (its writes applied), or a conflict asked."""
+        found = self.current(job)
+        if found is None:
+            return
+        task, held = found
+        if error is not None or result is None:
+            self.box.fail_task(task, f"finish-time merge: {error}")
+            return
+        if not result.conflicts:
+            self.settle(task, held, job, result)
+            return
+        held.pending, held.pending_check = result, job
+        paths = [c["path"] for c in result.conflicts]
+        question = (f"{len(paths)} path(s) changed both by this task and by tasks that ended "
+                    "while it ran: " + ", ".join(paths[:20]) + (" ..." if len(paths) > 20
+                                                                else ""))
+        try:
+            made = self.box.broker.create(task, "conflict", "merge", {
+                "paths": result.conflicts, "merged": result.merged}, 0, question)
+        except (ApiError, OSError) as exc:
+            self.box.fail_task(task, "conflict: cannot ask: " +
+                               (exc.message if isinstance(exc, ApiError) else str(exc)))
+            return
+        held.approval = made["wait"]
+        self.box.append_log(task.id, {"type": "conflict", "approval": held.approval,
+                                      "paths": paths, "text": question})
+
+    def settle(self, task: Task, held: HeldTask, job: MergeCheck, result: MergeResult) -> None:
+        """Write a settled check into the layer (off the loop), then check again."""
+        box = self.box
+        held.token = self.tokens = self.tokens + 1
+        job = dataclasses.replace(job, token=held.token)
+
+        def work(tmp: str) -> MergeResult:
+            apply_writes(box.home, job.upper, result.writes, job.now, job.workspace_dir,
+                         (box.store_uid, box.store_gid))
+            return result
+        self.submit(job, self.applied, work)
+
+    def applied(self, job: MergeCheck, result: MergeResult | None, error: str | None) -> None:
+        """Loop: the layer holds the merge: it is based on the job's stack now."""
+        found = self.current(job)
+        if found is None:
+            return
+        task, held = found
+        if error is not None or result is None:
+            self.box.fail_task(task, f"finish-time merge: cannot write it: {error}")
+            return
+        held.seen = (job.stack, job.now)
+        if result.merged:
+            held.merged += [p for p in result.merged if p not in held.merged]
+            self.box.append_log(task.id, {"type": "merge", "merged": result.merged,
+                                          "text": "merged with tasks that ended meanwhile: " +
+                                          ", ".join(result.merged)})
+        self.check(task)
+
+    def finish(self, task: Task) -> None:
+        """The check is settled on the view now: the task becomes done (maybe_finish again,
+        in this same loop step, so no other task can become done in between)."""
+        held = self.held.pop(task.id)
+        if held.merged:
+            task.merged = sorted(held.merged)
+        self.cleared.add(task.id)
+        self.box.maybe_finish(held.worker)
+
+    def on_answer(self, approval: Approval) -> None:
+        """A conflict answered: by a person (approve: the answer's writes with the merge's
+        own, then checked again; deny: the task fails, nothing applied); by anything else
+        (undo, stop, a restart) it ends with the task, which its caller ends."""
+        held = self.held.get(approval.task)
+        task = self.box.tasks.get(approval.task)
+        if held is None or task is None or held.approval != approval.id or \
+                held.pending is None or held.pending_check is None:
+            return
+        result, job = held.pending, held.pending_check
+        held.pending = held.pending_check = held.approval = None
+        if approval.answeredBy != "api":
+            self.held.pop(task.id, None)
+            return
+        if approval.state != "approved":
+            self.held.pop(task.id, None)
+            self.box.fail_task(task, f"conflict: {approval.reason or 'denied'}")
+            return
+        result.writes.update(conflict_answer(approval, approval.approvedArgs))
+        result.conflicts = []
+        self.settle(task, held, job, result)
+
+
 # Tasks #########################################################################################
 ###############################################################################################
 
@@ -5091,6 +5687,7 @@ class Box:
         self.stacks = StackStore(self.home)
         self.stack_refs: dict[str, tuple[list[str], str]] = {}   # task -> (its layers, ref)
         self.merger = Merger(self.home, self.merge_done)
+        self.finish_merge = FinishMerge(self)
         self.merging: dict[str, MergedLayer] = {}         # being built, by name
         self.merge_failed: set[tuple[str, int, tuple[str, ...]]] = set()
         self.task_lowers: dict[str, list[str]] = {}      # a running task's view, flat
@@ -5766,6 +6363,8 @@ class Box:
             self.set_state(task, "failed", error=worker.error)
         elif oom:
             self.set_state(task, "failed", error="out of memory")
+        elif code == 0 and self.finish_merge.holds(task, worker):
+            return                         # checked off the loop first (Finish-time merge)
         elif code == 0:
             self.done_seq += 1
             summary = (task.summary if task.worker == "droid" else worker.last_out) or None
@@ -7013,6 +7612,8 @@ def always_blocked(approval: Approval, never_auto: float | None) -> str | None:
         return "an ask is a question for a person: each one needs its own answer"
     if approval.kind == "disk":
         return "a disk approval is about the box's free space, not a call: answer it each time"
+    if approval.kind == "conflict":
+        return "a conflict is answered for its own paths by a person, never by a policy"
     if approval.tool == "model":
         return "model spending has no call to repeat: approve it with a higher budgetCents"
     if never_auto is not None and approval.cents > never_auto:
@@ -7401,6 +8002,8 @@ class Broker:
             self.box.disk.on_approval(approval)
         if approval.kind == "host":
             self.box.network.on_host_approval(approval)
+        if approval.kind == "conflict":
+            self.box.finish_merge.on_answer(approval)
         if by in ("api", "task") and task is not None and task.state == "waiting" and not any(
                 a.task == task.id and a.state == "pending" for a in self.approvals.values()):
             self.box.set_state(task, "running")
@@ -7421,6 +8024,7 @@ class Broker:
         approved, skipped = 0, 0
         for approval in sorted(pending, key=lambda a: a.createdAt):
             why = "an ask needs an answer" if approval.kind == "ask" else \
+                "a conflict needs a person's own answer" if approval.kind == "conflict" else \
                 "a disk approval is answered one by one" if approval.kind == "disk" else \
                 f"above neverAutoApproveCents ({never})" if never is not None and \
                 approval.cents > never and approval.tool != "model" else None
@@ -7441,7 +8045,10 @@ class Broker:
         if approval.state != "pending":
             raise ApiError(409, f"the approval is {approval.state} already", "conflict")
         extra: dict[str, Any] = {}
-        if args is not None:
+        if args is not None and approval.kind == "conflict":
+            conflict_answer(approval, args)          # 400 unless an answer to a conflict
+            extra["approvedArgs"] = args
+        elif args is not None:
             if approval.kind != "budget" or approval.tool == "model":
                 raise ApiError(409, "only a pending tool call is approved with other args",
                                "conflict")
@@ -10912,7 +11519,7 @@ def api_schemas() -> dict[str, Any]:
         "Task": task, "TaskCreate": create,
         "Approval": {"type": "object", "required": approval_required, "properties": {
             "id": {"type": "string"}, "task": {"type": "string"},
-            "kind": {"type": "string", "enum": ["budget", "ask", "disk", "host"],
+            "kind": {"type": "string", "enum": ["budget", "ask", "disk", "host", "conflict"],
                      "description": "budget (a spending above the task's budget), ask (a "
                      "question), disk (BOX_HOME is below its reserve), host (a name outside "
                      "the task's hosts, with askHosts)"},

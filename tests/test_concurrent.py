@@ -1,0 +1,299 @@
+"""Tasks side by side (issue 21): the finish-time merge keeps every task's work.
+
+Each story makes tasks that overlap in time on purpose: a task edits its view, then waits on
+an `ask` (its gate) until the test answers it, so the test decides the order in which tasks
+end.  A merge the tasks' layers cannot settle alone becomes an approval of kind `conflict`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+from typing import Any
+
+import pytest
+
+from conftest import Gurtd, eventually, running_gurtd
+
+GATE = "gurtd tool ask '{\"question\": \"end?\"}'"
+
+
+def gated(g: Gurtd, command: str, **fields: Any) -> str:
+    """A task that runs command, then waits at its gate; its id once it waits there."""
+    task = g.create(command + "\n" + GATE, tools=["ask"], **fields)
+    gate(g, task["id"])
+    return task["id"]
+
+
+def pending(g: Gurtd, task_id: str, kind: str) -> dict[str, Any] | None:
+    rows = g.api("GET", f"/api/approvals?state=pending&task={task_id}")
+    return next((a for a in rows if a["kind"] == kind), None)
+
+
+def gate(g: Gurtd, task_id: str) -> dict[str, Any]:
+    def at_gate() -> Any:
+        task = g.task(task_id)
+        assert task["state"] in ("running", "waiting", "queued"), (task, g.log(task_id))
+        return pending(g, task_id, "ask")
+    return eventually(at_gate, 30, f"task {task_id} at its gate")
+
+
+def end(g: Gurtd, task_id: str) -> dict[str, Any]:
+    """Open the task's gate; the task once it is done, failed or waits on a conflict."""
+    g.api("POST", f"/api/approvals/{gate(g, task_id)['id']}/answer", {"answer": "go"})
+    return settled(g, task_id)
+
+
+def settled(g: Gurtd, task_id: str) -> dict[str, Any]:
+    def state() -> Any:
+        task = g.task(task_id)
+        if task["state"] in ("done", "failed", "undone"):
+            return task
+        return task if task["state"] == "waiting" and pending(g, task_id, "conflict") \
+            else None
+    return eventually(state, 30, f"task {task_id} settled")
+
+
+def put(g: Gurtd, path: str, text: str) -> None:
+    """A file in the view of home (an upload: a layer of its own)."""
+    status, task, _ = g.request("PUT", f"/api/workspaces/home/files/{path}",
+                                raw=text.encode(),
+                                headers={"Content-Type": "application/octet-stream"})
+    assert status == 201 and task["state"] == "done", task
+
+
+def lines(n: int) -> str:
+    return "".join(f"line {i}\n" for i in range(1, n + 1))
+
+
+def test_two_tasks_appending_to_one_file_both_kept(gurtd: Gurtd) -> None:
+    """Two tasks made together each append a line to shared.txt: both lines stay, the one
+    that ended first above; the later task says it merged shared.txt, in its log too."""
+    put(gurtd, "shared.txt", "top\n")
+    a = gated(gurtd, "echo from-a >> shared.txt")
+    b = gated(gurtd, "echo from-b >> shared.txt")
+    assert end(gurtd, b)["state"] == "done"
+    task = end(gurtd, a)
+    assert task["state"] == "done", task
+    assert gurtd.file("home", "shared.txt") == b"top\nfrom-b\nfrom-a\n"
+    assert task["merged"] == ["shared.txt"]
+    assert "merged" not in gurtd.task(b)
+    merges = [e for e in gurtd.log(a) if e["type"] == "merge"]
+    assert merges and merges[0]["merged"] == ["shared.txt"]
+
+
+def test_lines_2_and_19_of_a_20_line_file_merged(gurtd: Gurtd) -> None:
+    """One task changes line 2, another line 19 of one file, side by side: the view holds
+    both changes; a file only one of them changed is kept as that one left it."""
+    put(gurtd, "f.txt", lines(20))
+    a = gated(gurtd, "sed -i 's/^line 2$/two by a/' f.txt; echo a > only-a.txt")
+    b = gated(gurtd, "sed -i 's/^line 19$/nineteen by b/' f.txt; echo b > only-b.txt")
+    assert end(gurtd, a)["state"] == "done"
+    assert end(gurtd, b)["state"] == "done"
+    want = lines(20).replace("line 2\n", "two by a\n").replace("line 19\n", "nineteen by b\n")
+    assert gurtd.file("home", "f.txt").decode() == want
+    assert gurtd.file("home", "only-a.txt") == b"a\n"
+    assert gurtd.file("home", "only-b.txt") == b"b\n"
+    assert gurtd.task(b)["merged"] == ["f.txt"]
+
+
+def conflict_story(g: Gurtd, later: str, earlier: str) -> tuple[str, dict[str, Any]]:
+    """Two tasks side by side on f.txt; the later one's pending conflict approval."""
+    put(g, "f.txt", lines(20))
+    a = gated(g, later)
+    b = gated(g, earlier)
+    assert end(g, b)["state"] == "done"
+    task = end(g, a)
+    assert task["state"] == "waiting", task
+    approval = pending(g, a, "conflict")
+    assert approval is not None and approval["canAlwaysApprove"] is False
+    return a, approval
+
+
+def test_delete_against_edit_is_a_conflict(gurtd: Gurtd) -> None:
+    """A task deletes a file another one edited meanwhile: a conflict names the file with
+    its three versions; on /api/events like every approval; approve-all passes it by."""
+    a, approval = conflict_story(gurtd, "rm f.txt", "sed -i 's/^line 5$/five/' f.txt")
+    [path] = approval["args"]["paths"]
+    assert path["path"] == "f.txt" and "deleted by the task" in path["why"]
+    assert path["task"] == {"kind": "absent"}
+    assert path["before"]["text"] == lines(20) and "five\n" in path["view"]["text"]
+    assert gurtd.api("POST", "/api/approvals/approve-all", {})["approved"] == 0
+    assert pending(gurtd, a, "conflict")["id"] == approval["id"]
+    assert gurtd.file("home", "f.txt") is not None and b"five" in gurtd.file("home", "f.txt")
+
+
+@pytest.mark.parametrize("answer", ["task", "view", "text", "deny"])
+def test_a_conflict_answered(gurtd: Gurtd, answer: str) -> None:
+    """Both tasks change line 5 (and the later one line 15): each answer gives its view."""
+    a, approval = conflict_story(gurtd, "sed -i 's/^line 5$/five by a/; s/^line 15$/15 a/' "
+                                 "f.txt; echo new > new.txt",
+                                 "sed -i 's/^line 5$/five by b/' f.txt")
+    path = approval["args"]["paths"][0]
+    assert "<<<<<<< task" in path["diff3"] and "======" in path["diff3"]
+    by_a = lines(20).replace("line 5\n", "five by a\n").replace("line 15\n", "15 a\n")
+    by_b = lines(20).replace("line 5\n", "five by b\n")
+    url = f"/api/approvals/{approval['id']}"
+    if answer == "deny":
+        gurtd.api("POST", url + "/deny", {"reason": "not like this"})
+        task = gurtd.wait(a)
+        assert task["state"] == "failed" and "not like this" in task["error"]
+        assert gurtd.file("home", "f.txt").decode() == by_b
+        assert gurtd.file("home", "new.txt") is None
+        return
+    body: dict[str, Any] = {}
+    if answer == "view":
+        body = {"args": {"keep": "view"}}
+    if answer == "text":
+        body = {"args": {"texts": {"f.txt": "merged by hand\n"}}}
+    gurtd.api("POST", url + "/approve", body)
+    assert gurtd.wait(a)["state"] == "done"
+    want = {"task": by_a, "view": by_b, "text": "merged by hand\n"}[answer]
+    assert gurtd.file("home", "f.txt").decode() == want
+    assert gurtd.file("home", "new.txt") == b"new\n"   # what did not conflict stays
+
+
+def test_conflict_args_are_checked(gurtd: Gurtd) -> None:
+    a, approval = conflict_story(gurtd, "echo x > f.txt", "echo y > f.txt")
+    url = f"/api/approvals/{approval['id']}/approve"
+    for args in ({"keep": "mine"}, {"texts": {"other.txt": "x"}}, {"texts": {"f.txt": 1}}):
+        gurtd.api("POST", url, {"args": args}, status=400)
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/always", {"scope": "task"}, status=409)
+    gurtd.api("POST", url, {})
+    assert gurtd.wait(a)["state"] == "done" and gurtd.file("home", "f.txt") == b"x\n"
+
+
+def test_merge_past_merged_groups() -> None:
+    """With groups of 2 (merged layers from the fifth task on), the check reads the views
+    through merged layers: the appends of two tasks side by side are both kept."""
+    with running_gurtd({"GURT_LAYER_GROUP": "2", "GURT_LAYER_KEEP": "1"}) as g:
+        put(g, "log.txt", "0\n")
+        for i in range(1, 6):
+            assert g.run(f"echo {i} >> log.txt")["state"] == "done"
+        eventually(lambda: g.api("GET", "/api/workspaces/home")["mergedLayers"] >= 1, 20)
+        a = gated(g, "echo a >> log.txt")
+        b = gated(g, "echo b >> log.txt")
+        assert end(g, b)["state"] == "done"
+        assert end(g, a)["state"] == "done"
+        assert g.file("home", "log.txt") == b"0\n1\n2\n3\n4\n5\nb\na\n"
+
+
+def test_kill_during_a_merge_and_while_a_conflict_waits() -> None:
+    """gurtd killed while a merge is written into the task's layer: after the restart the
+    task is failed and the view is the earlier task's alone; killed while a conflict waits:
+    the task is failed too, its approval denied."""
+    with running_gurtd({"GURT_TEST_CRASH_AT": "finish-merge-half-written"}) as g:
+        put(g, "a.txt", lines(20))
+        put(g, "b.txt", lines(20))
+        a = gated(g, "sed -i 's/^line 2$/A/' a.txt b.txt")
+        b = gated(g, "sed -i 's/^line 19$/B/' a.txt b.txt")
+        assert end(g, b)["state"] == "done"
+        g.api("POST", f"/api/approvals/{gate(g, a)['id']}/answer", {"answer": "go"})
+        assert g.proc is not None and g.proc.wait(timeout=30) == 137
+        g.proc = None
+        g.env.pop("GURT_TEST_CRASH_AT")
+        g.start()
+        task = g.task(a)
+        assert task["state"] == "failed" and "restarted" in task["error"]
+        want = lines(20).replace("line 19\n", "B\n").encode()
+        assert g.file("home", "a.txt") == want and g.file("home", "b.txt") == want
+        c, approval = conflict_story(g, "echo c > f.txt", "echo d > f.txt")
+        g.restart(kill=True)
+        assert g.task(c)["state"] == "failed"
+        assert g.api("GET", f"/api/approvals/{approval['id']}")["state"] == "denied"
+        assert g.file("home", "f.txt") == b"d\n"
+
+
+# The random history: a plain model of what the view must hold ##############################
+
+SLOTS = list(range(1, 30, 3))            # lines tasks edit: two untouched lines between
+
+
+def model_merge(base: list[str] | None, theirs: list[str] | None,
+                ours: list[str] | None) -> list[str] | None | str:
+    """The three-way rule on whole files of lines (each task changes whole slot lines or
+    deletes the file): the merged file, or "conflict"."""
+    if ours == theirs or theirs == base:
+        return ours
+    if ours == base:
+        return theirs
+    if base is None or theirs is None or ours is None or len(base) != len(ours) or \
+            len(base) != len(theirs):
+        return "conflict"
+    out = []
+    for b, t, o in zip(base, theirs, ours):
+        if o != b and t != b and o != t:
+            return "conflict"
+        out.append(o if o != b else t)
+    return out
+
+
+def test_random_histories(gurtd: Gurtd) -> None:
+    """Thirty tasks in a random order of starts and ends, up to six side by side, each
+    changing random slot lines of three files or deleting one; conflicts answered at
+    random.  After every end the view is exactly what the model says: no change is lost
+    without a word (a conflict or a person's answer)."""
+    rng = random.Random(int(os.environ.get("GURT_TEST_SEED", "21")))
+    names = ["a.txt", "b.txt", "c.txt"]
+    start = [f"line {i}" for i in range(1, 31)]
+    for name in names:
+        put(gurtd, name, "\n".join(start) + "\n")
+    view: dict[str, list[str] | None] = {n: list(start) for n in names}
+    running: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}   # id -> (base, ours)
+    made = 0
+    while made < 30 or running:
+        if made < 30 and (len(running) < 2 or (len(running) < 6 and rng.random() < 0.5)):
+            made += 1
+            ours = {n: (list(v) if v is not None else None) for n, v in view.items()}
+            commands = []
+            for name in rng.sample(names, rng.randint(1, 2)):
+                if ours[name] is None:
+                    continue
+                if rng.random() < 0.1:
+                    ours[name] = None
+                    commands.append(f"rm {name}")
+                    continue
+                for slot in rng.sample(SLOTS, rng.randint(1, 2)):
+                    if slot >= len(ours[name]):
+                        continue
+                    ours[name][slot] = f"t{made} {name} {slot}"
+                    commands.append(f"sed -i '{slot + 1}s/.*/t{made} {name} {slot}/' {name}")
+            if not commands:
+                commands = ["true"]
+            task_id = gated(gurtd, "; ".join(commands), title=f"t{made}")
+            running[task_id] = ({n: v for n, v in view.items()}, ours)
+            continue
+        task_id = rng.choice(sorted(running))
+        base, ours = running.pop(task_id)
+        task = end(gurtd, task_id)
+        want = {n: model_merge(base[n], view[n], ours[n]) for n in names}
+        conflicts = sorted(n for n, v in want.items() if v == "conflict")
+        if conflicts:
+            assert task["state"] == "waiting", (task, want)
+            approval = pending(gurtd, task_id, "conflict")
+            assert sorted(p["path"] for p in approval["args"]["paths"]) == conflicts
+            choice = rng.choice(["task", "view", "text", "deny"])
+            url = f"/api/approvals/{approval['id']}"
+            if choice == "deny":
+                gurtd.api("POST", url + "/deny", {"reason": "no"})
+                assert gurtd.wait(task_id)["state"] == "failed"
+                want = dict(view)
+            else:
+                args: dict[str, Any] = {"keep": "view" if choice == "view" else "task"}
+                if choice == "text":
+                    args["texts"] = {n: "".join(f"hand {task_id} {i}\n" for i in range(30))
+                                     for n in conflicts}
+                gurtd.api("POST", url + "/approve", {"args": args})
+                assert gurtd.wait(task_id)["state"] == "done"
+                for n in conflicts:
+                    want[n] = ours[n] if choice == "task" else view[n] if choice == "view" \
+                        else [f"hand {task_id} {i}" for i in range(30)]
+        else:
+            assert task["state"] == "done", (task, gurtd.log(task_id))
+        view = {n: v for n, v in want.items()}   # type: ignore[misc]
+        for name in names:
+            got = gurtd.file("home", name)
+            expect = None if view[name] is None else ("\n".join(view[name]) + "\n").encode()
+            assert got == expect, (name, task_id, json.dumps(gurtd.task(task_id)))
