@@ -243,6 +243,7 @@ def test_random_histories(gurtd: Gurtd) -> None:
     view: dict[str, list[str] | None] = {n: list(start) for n in names}
     running: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}   # id -> (base, ours)
     made = 0
+    seen = {"conflict": 0, "merged": 0}
     while made < 30 or running:
         if made < 30 and (len(running) < 2 or (len(running) < 6 and rng.random() < 0.5)):
             made += 1
@@ -270,7 +271,9 @@ def test_random_histories(gurtd: Gurtd) -> None:
         task = end(gurtd, task_id)
         want = {n: model_merge(base[n], view[n], ours[n]) for n in names}
         conflicts = sorted(n for n, v in want.items() if v == "conflict")
+        seen["merged"] += bool(task.get("merged"))
         if conflicts:
+            seen["conflict"] += 1
             assert task["state"] == "waiting", (task, want)
             approval = pending(gurtd, task_id, "conflict")
             assert sorted(p["path"] for p in approval["args"]["paths"]) == conflicts
@@ -297,3 +300,4 @@ def test_random_histories(gurtd: Gurtd) -> None:
             got = gurtd.file("home", name)
             expect = None if view[name] is None else ("\n".join(view[name]) + "\n").encode()
             assert got == expect, (name, task_id, json.dumps(gurtd.task(task_id)))
+    assert seen["conflict"] >= 2 and seen["merged"] >= 2, seen      # the history meant it
