@@ -622,9 +622,9 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
 PUBLIC_FIELDS = ("id", "title", "prompt", "workspace", "worker", "tools", "hosts", "budgetCents",
                  "source", "state", "user", "layers", "costCents", "step", "createdAt",
                  "updatedAt", "error", "summary", "limits", "folder", "folders", "review",
-                 "askHosts", "schedule", "merged")
+                 "askHosts", "schedule", "merged", "undoMerge")
 OPTIONAL_FIELDS = ("step", "error", "summary", "limits", "folder", "folders", "review",
-                   "schedule", "merged")
+                   "schedule", "merged", "undoMerge")
 
 
 @dataclass
@@ -664,6 +664,7 @@ class Task:
     askHosts: bool = False          # a name outside hosts asks a person (a host approval)
     schedule: str | None = None     # the schedule that started it
     merged: list[str] | None = None  # paths its finish-time merge joined with the view's
+    undoMerge: dict[str, Any] | None = None   # its undo in later copies: reverted, kept
 
     def to_api(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in PUBLIC_FIELDS}
@@ -5042,7 +5043,8 @@ class Merger:
 MERGE_MAX_BYTES = 8 << 20            # a file larger than this is a conflict, never merged
 MERGE_HELD_BYTES = 64 << 20          # merged texts one check holds in memory at most
 MERGE_TIMEOUT = 10.0                 # seconds git merge-file may run for one file
-MERGE_MEMORY = 512 << 20             # its address space (prlimit --as)
+MERGE_MEMORY = 1 << 30               # its address space (prlimit --as): 1,000,000 lines
+                                     # of a file changed both ways take ~400 MB
 MERGE_SHOWN_BYTES = 64 << 10         # a version's text shown in a conflict approval, at most
 MERGE_SHOWN_TOTAL = 1 << 20          # all texts of one conflict approval, at most
 CONFLICT_KEEP = ("task", "view")
@@ -5140,11 +5142,30 @@ def git_merge(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool, 
 
 def merge_text(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool, bytes]:
     """Three-way merge of texts.  Two appends to one file (a log, a changelog: what tasks
-    side by side do most) keep both, the view's first (it ended first); git merge-file
-    would call two additions at one place a conflict.  Anything else: git merge-file."""
+    side by side do most) keep both, the view's first (it ended first); an append on one
+    side and the base's tail cut on the other (the undo of an append under a later one)
+    give both; lines deleted on one side and more of them on the other give the larger
+    deletion (an undo of a task whose later copy an earlier undo reverted).  git
+    merge-file would call two changes at one place a conflict.  Anything else: git
+    merge-file."""
     if base and ours.startswith(base) and theirs.startswith(base):
         return True, theirs + ours[len(base):]
+    if ours.startswith(base) and base.startswith(theirs):
+        return True, theirs + ours[len(base):]
+    if theirs.startswith(base) and base.startswith(ours):
+        return True, ours + theirs[len(base):]
+    lines = [text.splitlines(keepends=True) for text in (ours, base, theirs)]
+    if is_subsequence(lines[2], lines[0]) and is_subsequence(lines[0], lines[1]):
+        return True, theirs
+    if is_subsequence(lines[0], lines[2]) and is_subsequence(lines[2], lines[1]):
+        return True, ours
     return git_merge(ours, base, theirs, tmp)
+
+
+def is_subsequence(small: list[bytes], big: list[bytes]) -> bool:
+    """Is small what is left of big once some of its lines are deleted?"""
+    it = iter(big)
+    return len(small) <= len(big) and all(line in it for line in small)
 
 
 def conflict_why(base: Version, theirs: Version, ours: Version) -> str | None:
@@ -5208,14 +5229,16 @@ class MergeResult:
     conflicts: list[dict[str, Any]] = field(default_factory=list)
 
 
+def _folders_above(path: str) -> Iterator[str]:
+    while "/" in path:
+        path = path.rpartition("/")[0]
+        yield path
+
+
 def touched(mine: list[str], theirs: list[str]) -> list[str]:
     """Paths of mine and theirs that touch one in the other set (the same path, or one a
     folder above the other), sorted: the only ones whose versions need reading."""
-    def above(path: str) -> Iterator[str]:
-        while "/" in path:
-            path = path.rpartition("/")[0]
-            yield path
-
+    above = _folders_above
     sets = [set(mine), set(theirs)]
     prefixes = [{a for p in s for a in above(p)} for s in sets]
     out = set()
@@ -5239,6 +5262,14 @@ def check_paths(job: MergeCheck, base_fd: int, home: str) -> tuple[set[str], lis
     return set(mine), touched(mine, theirs)
 
 
+def view_open(home_fd: int, plan: list[str], workspace_dir: str) -> int:
+    """A read-only view of a plan (paths relative to BOX_HOME): the base itself when there
+    is no layer (an overlay needs two layers at least)."""
+    if not plan:
+        return os.open(workspace_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=home_fd)
+    return overlay_open_plan(home_fd, fit_lowers(plan, workspace_dir))
+
+
 def run_check(job: MergeCheck, home: str, tmp: str) -> MergeResult:
     """The check itself (the merge thread): three read-only views mounted, each candidate
     decided, merged texts held in memory (at most MERGE_HELD_BYTES)."""
@@ -5247,7 +5278,7 @@ def run_check(job: MergeCheck, home: str, tmp: str) -> MergeResult:
     fds: dict[str, int] = {}
     try:
         for key, plan in (("base", job.base), ("now", job.now), ("ours", [job.upper] + job.base)):
-            fds[key] = overlay_open_plan(home_fd, fit_lowers(plan, job.workspace_dir))
+            fds[key] = view_open(home_fd, plan, job.workspace_dir)
         mine, candidates = check_paths(job, fds["base"], home)
         held, shown = 0, [MERGE_SHOWN_TOTAL]
         for path in candidates:
@@ -5266,17 +5297,23 @@ def run_check(job: MergeCheck, home: str, tmp: str) -> MergeResult:
                 why = "binary file changed both ways"
             diff3 = None
             if why is None:
-                clean, merged = merge_text(texts[0] or b"", texts[1] or b"", texts[2] or b"",
-                                           tmp)
+                try:
+                    clean, merged = merge_text(texts[0] or b"", texts[1] or b"",
+                                               texts[2] or b"", tmp)
+                except OSError as exc:          # past its time or memory: said so
+                    clean, merged = False, b""
+                    why = f"could not be merged: {exc.strerror or exc}"
                 mode = ours.mode if ours.mode != base.mode else theirs.mode
                 if clean and held + len(merged) <= MERGE_HELD_BYTES:
                     held += len(merged)
                     result.writes[path] = ("text", merged, mode)
                     result.merged.append(path)
                     continue
-                why = "overlapping changes" if not clean else "too much merged text at once"
-                diff3 = merged[:min(MERGE_SHOWN_BYTES, shown[0])].decode(errors="replace")
-                shown[0] -= len(diff3)
+                why = why or ("overlapping changes" if not clean else
+                              "too much merged text at once")
+                diff3 = merged[:min(MERGE_SHOWN_BYTES, shown[0])].decode(errors="replace") \
+                    or None
+                shown[0] -= len(diff3 or "")
             result.conflicts.append({
                 "path": path, "why": why, "diff3": diff3,
                 "before": version_info(base, fds["base"], path, shown),
@@ -5323,9 +5360,9 @@ def upper_parent(upper_fd: int, path: str, view_fd: int, store: tuple[int, int]
 
 def upper_put(upper_fd: int, path: str, write: tuple[Any, ...], view_fd: int,
               store: tuple[int, int]) -> None:
-    """One write of a merge into a task's layer: ("text", bytes, mode) a file; ("view",)
-    the view's version (the layer's entry dropped, or the view's file copied where a folder
-    above is opaque)."""
+    """One write of a merge into a task's layer: ("text", bytes, mode) a file; ("symlink",
+    target); ("absent",) a whiteout; ("view",) the view's version (the layer's entry dropped,
+    or the view's file copied where a folder above is opaque)."""
     fd, opaque = upper_parent(upper_fd, path, view_fd, store)
     name = path.rpartition("/")[2]
     try:
@@ -5338,12 +5375,15 @@ def upper_put(upper_fd: int, path: str, write: tuple[Any, ...], view_fd: int,
             seen = view_version(view_fd, path)
             if not opaque or seen.kind == "absent":
                 return
-            if seen.kind == "symlink":
-                os.symlink(seen.data, name, dir_fd=fd)
-                os.chown(name, *store, dir_fd=fd, follow_symlinks=False)
-                return
-            data = view_bytes(view_fd, path, 1 << 40)
-            write = ("text", data or b"", seen.mode)
+            write = ("symlink", seen.data) if seen.kind == "symlink" else \
+                ("text", view_bytes(view_fd, path, 1 << 40) or b"", seen.mode)
+        if write[0] in ("symlink", "absent"):
+            if write[0] == "symlink":
+                os.symlink(write[1], name, dir_fd=fd)
+            else:
+                os.mknod(name, stat.S_IFCHR, os.makedev(0, 0), dir_fd=fd)   # a whiteout
+            os.chown(name, *store, dir_fd=fd, follow_symlinks=False)
+            return
         temp = f".gurt-merge-{secrets.token_hex(4)}"
         out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                       0o600, dir_fd=fd)
@@ -5351,7 +5391,7 @@ def upper_put(upper_fd: int, path: str, write: tuple[Any, ...], view_fd: int,
             with os.fdopen(os.dup(out), "wb") as f:
                 f.write(write[1])
             os.fchown(out, *store)
-            os.fchmod(out, write[2])
+            os.fchmod(out, write[2] & ~SETID_BITS)   # as every finished layer
             os.fsync(out)
         finally:
             os.close(out)
@@ -5369,7 +5409,7 @@ def apply_writes(home: str, upper: str, writes: dict[str, tuple[Any, ...]],
     home_fd = os.open(home, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     view_fd = upper_fd = -1
     try:
-        view_fd = overlay_open_plan(home_fd, fit_lowers(now, workspace_dir))
+        view_fd = view_open(home_fd, now, workspace_dir)
         upper_fd = os.open(os.path.join(home, upper), DIR_FLAGS)
         for n, (path, write) in enumerate(sorted(writes.items())):
             upper_put(upper_fd, path, write, view_fd, store)
@@ -5431,6 +5471,8 @@ class FinishMerge:
         self.box = box
         self.held: dict[str, HeldTask] = {}
         self.cleared: set[str] = set()
+        self.reading: dict[str, tuple[set[str], list[str]]] = {}   # by job: layers, plans
+        self.undoing: dict[str, int] = {}              # undone task -> its job's token
         self.jobs: queue.Queue[Callable[[], None]] = queue.Queue()
         self.thread: threading.Thread | None = None
         self.tokens = 0
@@ -5444,6 +5486,16 @@ class FinishMerge:
         self.held[task.id] = HeldTask(worker)
         self.check(task)
         return True
+
+    def pin(self, in_use: set[str], pinned: set[str]) -> None:
+        """gc_layers: the layers (ids) and merged layers (paths) jobs still read."""
+        for ids, paths in self.reading.values():
+            in_use.update(ids)
+            pinned.update(paths)
+
+    def drop(self, task_id: str) -> None:
+        self.held.pop(task_id, None)
+        self.reading.pop(task_id, None)
 
     def check(self, task: Task) -> None:
         """Compare the task's layer with the view now (its check goes to the thread), or let
@@ -5459,11 +5511,10 @@ class FinishMerge:
                                                                       task.layers)
             held.seen = (seen_stack, seen_plan)
         now = box.layerstack.plan(task.workspace, stack)
-        # the views it reads stay pinned (gc_layers keeps a running task's lowers)
-        box.task_lowers[task.id] = seen_plan + now + [f"workspaces/{task.workspace}"]
-        seen = set(seen_stack)
+        seen, current = set(seen_stack), set(stack)
+        self.reading[task.id] = (seen | current, seen_plan + now)   # kept by gc_layers
         others = [i for i in stack if i not in seen] + [i for i in seen_stack
-                                                         if i not in set(stack)]
+                                                         if i not in current]
         self.tokens += 1
         held.token = self.tokens
         job = MergeCheck(task.id, held.token, f"layers/{task.id}/upper", seen_plan, now,
@@ -5472,7 +5523,7 @@ class FinishMerge:
                              box.layer_dir(i), "upper"))], stack)
         self.submit(job, self.checked, lambda tmp: run_check(job, box.home, tmp))
 
-    def submit(self, job: MergeCheck, then: Callable[..., None],
+    def submit(self, job: Any, then: Callable[..., None],
                work: Callable[[str], Any]) -> None:
         """Run work(tmp dir) on the merge thread; then(job, result, error) on the loop."""
         box = self.box
@@ -5501,25 +5552,27 @@ class FinishMerge:
         while True:
             self.jobs.get()()
 
-    def current(self, job: MergeCheck) -> tuple[Task, HeldTask] | None:
-        """The task of a job that came back, if it still waits for exactly that job."""
+    def current(self, job: MergeCheck, error: str | None, what: str
+                ) -> tuple[Task, HeldTask] | None:
+        """The task of a job that came back, if it still waits for exactly that job and the
+        job did not fail (else the task fails: `what` could not be done)."""
         task, held = self.box.tasks.get(job.task_id), self.held.get(job.task_id)
         if task is None or held is None or held.token != job.token or \
                 task.state not in ("running", "waiting"):
             if task is None or task.state not in ACTIVE_STATES:
-                self.held.pop(job.task_id, None)
+                self.drop(job.task_id)
+            return None
+        if error is not None:
+            self.box.fail_task(task, f"finish-time merge: {what}: {error}")
             return None
         return task, held
 
     def checked(self, job: MergeCheck, result: MergeResult | None, error: str | None) -> None:
         """Loop: a check came back: settled (its writes applied), or a conflict asked."""
-        found = self.current(job)
-        if found is None:
+        found = self.current(job, error, "cannot compare")
+        if found is None or result is None:
             return
         task, held = found
-        if error is not None or result is None:
-            self.box.fail_task(task, f"finish-time merge: {error}")
-            return
         if not result.conflicts:
             self.settle(task, held, job, result)
             return
@@ -5553,13 +5606,10 @@ class FinishMerge:
 
     def applied(self, job: MergeCheck, result: MergeResult | None, error: str | None) -> None:
         """Loop: the layer holds the merge: it is based on the job's stack now."""
-        found = self.current(job)
-        if found is None:
+        found = self.current(job, error, "cannot write it")
+        if found is None or result is None:
             return
         task, held = found
-        if error is not None or result is None:
-            self.box.fail_task(task, f"finish-time merge: cannot write it: {error}")
-            return
         held.seen = (job.stack, job.now)
         if result.merged:
             held.merged += [p for p in result.merged if p not in held.merged]
@@ -5571,7 +5621,8 @@ class FinishMerge:
     def finish(self, task: Task) -> None:
         """The check is settled on the view now: the task becomes done (maybe_finish again,
         in this same loop step, so no other task can become done in between)."""
-        held = self.held.pop(task.id)
+        held = self.held[task.id]
+        self.drop(task.id)
         if held.merged:
             task.merged = sorted(held.merged)
         self.cleared.add(task.id)
@@ -5589,15 +5640,192 @@ class FinishMerge:
         result, job = held.pending, held.pending_check
         held.pending = held.pending_check = held.approval = None
         if approval.answeredBy != "api":
-            self.held.pop(task.id, None)
+            self.drop(task.id)
             return
         if approval.state != "approved":
-            self.held.pop(task.id, None)
+            self.drop(task.id)
             self.box.fail_task(task, f"conflict: {approval.reason or 'denied'}")
             return
         result.writes.update(conflict_answer(approval, approval.approvedArgs))
         result.conflicts = []
         self.settle(task, held, job, result)
+
+    def undone(self, task: Task) -> None:
+        """Box.undo: a done task was undone; the revert of its change in later layers'
+        copies goes to the thread (design above).  Nothing if no layer is above it."""
+        box, ws = self.box, task.workspace
+        stack = box.stack_ids(ws)
+        above = [i for i in stack if box.tasks[i].doneSeq > task.doneSeq]
+        upper = os.path.join(box.layer_dir(task.id), "upper")
+        if task.doneSeq <= 0 or not above or not os.path.isdir(upper):
+            return
+        below = stack[len(above):]
+        plan = box.layerstack.plan
+        self.tokens += 1
+        self.undoing[task.id] = self.tokens
+        job = UndoJob(task.id, self.tokens, upper, plan(ws, [task.id] + below), plan(ws, below),
+                      plan(ws, stack), f"workspaces/{ws}",
+                      [(i, os.path.join(box.layer_dir(i), "upper")) for i in above], stack)
+        self.reading["undo " + task.id] = (set(stack) | {task.id},
+                                           job.top + job.below + job.now)
+        self.submit(job, self.reverted, lambda tmp: run_undo(job, box, tmp))
+
+    def reverted(self, job: UndoJob, result: UndoResult | None, error: str | None) -> None:
+        """Loop: the revert layer joins the stack (if the stack is still the one it read),
+        and the undone task's record and log say what was reverted and what was kept."""
+        box, task = self.box, self.box.tasks[job.task_id]
+        try:
+            if self.undoing.get(task.id) != job.token:
+                return
+            if error is not None or result is None:
+                box.append_log(task.id, {"type": "undo", "error": error,
+                                         "text": f"later copies not reverted: {error}"})
+                return
+            if box.stack_ids(task.workspace) != job.stack:
+                return self.undone(task)             # built again on the stack now
+            layer = None
+            if not result.reverted and not result.kept:
+                box.append_log(task.id, {"type": "undo", "reverted": [], "kept": [],
+                                         "text": "no later copy held its change"})
+                return
+            if result.staging is not None:
+                layer = upload_commit(
+                    box, task.workspace, result.staging, f"undo of {task.id}",
+                    f"the exact undo of task {task.id}: its change taken out of the later "
+                    "tasks' copies", "reverted: " + ", ".join(result.reverted))["id"]
+            task.undoMerge = {"reverted": result.reverted, "kept": result.kept,
+                              "layer": layer}
+            box.save(task)
+            box.append_log(task.id, {"type": "undo", **task.undoMerge, "text": (
+                f"reverted in later copies: {', '.join(result.reverted) or 'none'}; kept "
+                "whole: " + (", ".join(f"{k['path']} (in {k['task']})" for k in result.kept)
+                             or "none"))})
+            box.emit("task", task.to_api())
+        finally:
+            if self.undoing.get(task.id) == job.token:
+                self.undoing.pop(task.id, None)
+                self.reading.pop("undo " + task.id, None)
+                box.gc_layers()                   # its layer may go now
+            if result is not None and result.cleanup is not None:
+                result.cleanup.close()            # the staged layer, unless it joined
+
+
+# Exact undo: a later task's copy of a file holds the undone task's change too (a layer is
+# whole files), so undo takes that change out of the copy.  Where it lives, and why:
+#   - The reverted versions go into a layer of the undo's own, a done task of worker upload
+#     on top of the stack (upload_commit): every view, plan, merged group and later check
+#     takes it in as any layer, the undone task's and the later tasks' layers stay as they
+#     were written (never changed once done, so merged layers and running views stay
+#     exact), and a later undo of the later task sees the reverted copy as a copy above it
+#     and reverts that one in turn (identical changes on both sides merge cleanly).
+#   - For each path the undone task changed that a layer above it holds: base = the undone
+#     task's version (the view it made), ours = the version on top now, theirs = the version
+#     below it.  ours equal to base: theirs, whole; else a three-way merge; not clean (the
+#     later task changed the same lines again, deleted the file, or a folder stands there):
+#     the later version stays whole, and the undone task's record (`undoMerge.kept`) and log
+#     name each such path and the task that holds it.
+#   - Undo answers at once: the layer is built off the loop (the merge thread) from views of
+#     plans kept by gc_layers until it is done (FinishMerge.pin); if the stack changed
+#     meanwhile it is built again; it joins in one step (renamed, then saved), so a crash
+#     leaves no half layer.  The work is not taken up again after a restart.
+
+@dataclass
+class UndoJob:
+    """The revert of an undone task's change in later copies, as the thread gets it."""
+
+    task_id: str
+    token: int
+    upper: str                       # the undone task's layer (absolute)
+    top: list[str]                   # the plan of the view it made: it and what is below
+    below: list[str]                 # the plan of the view below it
+    now: list[str]                   # the plan of the view now
+    workspace_dir: str
+    above: list[tuple[str, str]]     # (id, absolute upper) of the done layers above it
+    stack: list[str]
+
+
+@dataclass
+class UndoResult:
+    """The reverted versions (in a staged layer) and the paths later versions keep whole."""
+
+    reverted: list[str] = field(default_factory=list)
+    kept: list[dict[str, str]] = field(default_factory=list)   # {path, task, why}
+    staging: str | None = None
+    cleanup: contextlib.ExitStack | None = None
+
+
+def revert_write(path: str, fds: dict[str, int], tmp: str
+                 ) -> tuple[tuple[Any, ...] | None, str | None]:
+    """What takes the undone task's change out of the version on top at path: (a write
+    for upper_put, None) or (None, why the later version stays whole); (None, None) when
+    nothing of its change is left there."""
+    base, ours, theirs = (view_version(fds[k], path) for k in ("top", "now", "below"))
+    if ours.same(theirs) or theirs.same(base) or base.kind == "folder":
+        return None, None
+    if ours.same(base) and theirs.kind in ("absent", "symlink"):
+        return (("absent",) if theirs.kind == "absent" else ("symlink", theirs.data)), None
+    if ours.same(base) and theirs.kind == "file" and theirs.size <= MERGE_MAX_BYTES:
+        data = view_bytes(fds["below"], path, MERGE_MAX_BYTES)
+        return (("text", data, theirs.mode), None) if data is not None else \
+            (None, "its version below cannot be read")
+    if {base.kind, ours.kind, theirs.kind} != {"file"}:
+        return None, f"a later task built on it (there is a {ours.kind} there now)"
+    if max(base.size, ours.size, theirs.size) > MERGE_MAX_BYTES:
+        return None, f"too large to merge (at most {MERGE_MAX_BYTES} bytes)"
+    texts = [view_bytes(fds[k], path, MERGE_MAX_BYTES) for k in ("now", "top", "below")]
+    if any(t is None or is_binary(t) for t in texts):
+        return None, "a binary file a later task changed again"
+    try:
+        clean, merged = merge_text(texts[0] or b"", texts[1] or b"", texts[2] or b"", tmp)
+    except OSError as exc:
+        return None, f"could not be merged: {exc.strerror or exc}"
+    if not clean:
+        return None, "a later task changed the same lines again"
+    return ("text", merged, ours.mode if ours.mode != base.mode else theirs.mode), None
+
+
+def run_undo(job: UndoJob, box: "Box", tmp: str) -> UndoResult:
+    """The thread: the undone task's paths that layers above it touch, each reverted in a
+    staged layer of its own, or named as kept whole."""
+    result = UndoResult()
+    home_fd = os.open(box.home, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    fds: dict[str, int] = {}
+    try:
+        for key in ("top", "below", "now"):
+            fds[key] = view_open(home_fd, getattr(job, key), job.workspace_dir)
+        below = f"/proc/self/fd/{fds['below']}"
+        mine = [c["path"].rstrip("/") for c in changed_paths(job.upper, [below])]
+        holders: dict[str, str] = {}
+        for task_id, upper in job.above if mine else []:      # newest first: the holder
+            for change in changed_paths(upper, [below]):
+                holders.setdefault(change["path"].rstrip("/"), task_id)
+        writes: dict[str, tuple[Any, ...]] = {}
+        for path in touched(mine, list(holders)):
+            write, why = revert_write(path, fds, tmp)
+            if write is not None:
+                writes[path] = write
+            elif why is not None:
+                holder = next((holders[p] for p in [path] + list(_folders_above(path))
+                               if p in holders), "")
+                result.kept.append({"path": path, "task": holder, "why": why})
+        if writes:
+            result.cleanup = contextlib.ExitStack()
+            result.staging = result.cleanup.enter_context(upload_staging(box))
+            upper_fd = os.open(os.path.join(result.staging, "upper"), DIR_FLAGS)
+            try:
+                for path, write in sorted(writes.items()):
+                    upper_put(upper_fd, path, write, fds["now"], (box.store_uid, box.store_gid))
+            finally:
+                os.close(upper_fd)
+            result.reverted = sorted(writes)
+        return result
+    except BaseException:
+        if result.cleanup is not None:
+            result.cleanup.close()
+        raise
+    finally:
+        for fd in list(fds.values()) + [home_fd]:
+            os.close(fd)
 
 
 # Tasks #########################################################################################
@@ -6461,6 +6689,7 @@ class Box:
         if task.folders:
             self.review.forget(task)
         self.layers_changed(task.workspace)
+        self.finish_merge.undone(task)     # its change out of later copies (off the loop)
         self.gc_layers()
         if was_active:
             self.schedule()
@@ -6482,6 +6711,7 @@ class Box:
         with self.views_lock:
             for key, _ in self.views.values():
                 pinned.update(key)
+        self.finish_merge.pin(in_use, pinned)
         for merged in self.merging.values():
             in_use.update(merged.members)
         for name in sorted({m.workspace for m in self.layerstack.merged.values()}):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
+import time
 from typing import Any
 
 import pytest
@@ -209,12 +209,13 @@ def test_kill_during_a_merge_and_while_a_conflict_waits() -> None:
 # The random history: a plain model of what the view must hold ##############################
 
 SLOTS = list(range(1, 30, 3))            # lines tasks edit: two untouched lines between
+Files = dict[str, "list[str] | None"]    # a file's lines, None: deleted
 
 
 def model_merge(base: list[str] | None, theirs: list[str] | None,
                 ours: list[str] | None) -> list[str] | None | str:
-    """The three-way rule on whole files of lines (each task changes whole slot lines or
-    deletes the file): the merged file, or "conflict"."""
+    """The three-way rule on whole files of lines (each change replaces whole slot lines,
+    or deletes the file): the merged file, or "conflict"."""
     if ours == theirs or theirs == base:
         return ours
     if ours == base:
@@ -230,74 +231,231 @@ def model_merge(base: list[str] | None, theirs: list[str] | None,
     return out
 
 
+class Model:
+    """The workspace as gurtd must hold it: a base and a stack of layers (whole files)."""
+
+    def __init__(self, names: list[str], start: list[str]) -> None:
+        self.base: Files = {n: list(start) for n in names}
+        self.layers: list[tuple[str, Files]] = []        # done, oldest first
+
+    def view(self, layers: list[tuple[str, Files]] | None = None) -> Files:
+        out = dict(self.base)
+        for _, files in self.layers if layers is None else layers:
+            out.update(files)
+        return out
+
+    def finish(self, base: Files, ours: Files, answer: Any) -> list[str]:
+        """A task ends: the conflicting files (answer(conflicts) gives the person's answer:
+        None deny, or (keep, texts)); its layer joins unless denied."""
+        view, layer = self.view(), {}
+        results = {n: model_merge(base[n], view[n], o) for n, o in ours.items()}
+        conflicts = sorted(n for n, r in results.items() if r == "conflict")
+        decision = answer(conflicts) if conflicts else ("task", {})
+        if decision is None:
+            return conflicts
+        keep, texts = decision
+        for name, result in results.items():
+            if name in texts:
+                layer[name] = texts[name].splitlines()
+            elif result != "conflict":
+                layer[name] = result             # its copy, or the merged text
+            elif keep == "task":
+                layer[name] = ours[name]
+        self.layers.append(("task", layer))
+        return conflicts
+
+    def undo(self, index: int) -> list[str]:
+        """Undo of the layer at index: its change taken out of later copies (a layer of
+        its own on top); the files kept whole."""
+        below, (_, mine), above = self.layers[:index], self.layers[index], \
+            self.layers[index + 1:]
+        top, under, now = self.view(below + [("", mine)]), self.view(below), self.view()
+        del self.layers[index]
+        revert, kept = {}, []
+        for name in mine:
+            if not any(name in files for _, files in above):
+                continue
+            result = model_merge(top[name], under[name], now[name])
+            if result == "conflict":
+                kept.append(name)
+            elif result != now[name]:
+                revert[name] = result
+        if revert:
+            self.layers.append(("revert", revert))
+        return kept
+
+
 def test_random_histories(gurtd: Gurtd) -> None:
-    """Thirty tasks in a random order of starts and ends, up to six side by side, each
-    changing random slot lines of three files or deleting one; conflicts answered at
-    random.  After every end the view is exactly what the model says: no change is lost
-    without a word (a conflict or a person's answer)."""
+    """Thirty tasks in a random order of starts, ends and undos, up to six side by side,
+    each changing random slot lines of three files or deleting one; conflicts answered at
+    random.  After every end and every undo the view is exactly what the model says: no
+    change is lost without a word (a conflict, a person's answer, an undo's kept list)."""
     rng = random.Random(int(os.environ.get("GURT_TEST_SEED", "21")))
     names = ["a.txt", "b.txt", "c.txt"]
     start = [f"line {i}" for i in range(1, 31)]
     for name in names:
         put(gurtd, name, "\n".join(start) + "\n")
-    view: dict[str, list[str] | None] = {n: list(start) for n in names}
-    running: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}   # id -> (base, ours)
-    made = 0
-    seen = {"conflict": 0, "merged": 0}
+    model = Model(names, start)
+    model.layers = []                       # the uploads above are the model's base
+    running: dict[str, tuple[Files, Files]] = {}     # id -> (the view it saw, its files)
+    ids: list[str] = []                     # the model's layers of tasks, by their ids
+    made, seen = 0, {"conflict": 0, "merged": 0, "undo": 0, "kept": 0}
     while made < 30 or running:
-        if made < 30 and (len(running) < 2 or (len(running) < 6 and rng.random() < 0.5)):
+        step = rng.random()
+        if step < 0.12 and ids:
+            task_id = rng.choice(ids)
+            index = [i for i, (kind, _) in enumerate(model.layers) if kind == "task"][
+                ids.index(task_id)]
+            ids.remove(task_id)
+            above = index < len(model.layers) - 1
+            kept = model.undo(index)
+            assert gurtd.api("POST", f"/api/tasks/{task_id}/undo")["state"] == "undone"
+            if above:
+                eventually(lambda: any(e["type"] == "undo" for e in gurtd.log(task_id)), 30)
+            got = gurtd.task(task_id).get("undoMerge") or {"kept": []}
+            assert sorted(k["path"] for k in got["kept"]) == sorted(kept), (got, kept)
+            seen["undo"] += 1
+            seen["kept"] += len(kept)
+        elif made < 30 and (len(running) < 2 or (len(running) < 6 and step < 0.55)):
             made += 1
-            ours = {n: (list(v) if v is not None else None) for n, v in view.items()}
+            view = model.view()
+            ours: Files = {}
             commands = []
             for name in rng.sample(names, rng.randint(1, 2)):
-                if ours[name] is None:
+                if view[name] is None:
                     continue
                 if rng.random() < 0.1:
                     ours[name] = None
                     commands.append(f"rm {name}")
                     continue
+                ours[name] = list(view[name])
                 for slot in rng.sample(SLOTS, rng.randint(1, 2)):
-                    if slot >= len(ours[name]):
-                        continue
-                    ours[name][slot] = f"t{made} {name} {slot}"
-                    commands.append(f"sed -i '{slot + 1}s/.*/t{made} {name} {slot}/' {name}")
-            if not commands:
-                commands = ["true"]
-            task_id = gated(gurtd, "; ".join(commands), title=f"t{made}")
-            running[task_id] = ({n: v for n, v in view.items()}, ours)
-            continue
-        task_id = rng.choice(sorted(running))
-        base, ours = running.pop(task_id)
-        task = end(gurtd, task_id)
-        want = {n: model_merge(base[n], view[n], ours[n]) for n in names}
-        conflicts = sorted(n for n, v in want.items() if v == "conflict")
-        seen["merged"] += bool(task.get("merged"))
-        if conflicts:
-            seen["conflict"] += 1
-            assert task["state"] == "waiting", (task, want)
-            approval = pending(gurtd, task_id, "conflict")
-            assert sorted(p["path"] for p in approval["args"]["paths"]) == conflicts
-            choice = rng.choice(["task", "view", "text", "deny"])
-            url = f"/api/approvals/{approval['id']}"
-            if choice == "deny":
-                gurtd.api("POST", url + "/deny", {"reason": "no"})
-                assert gurtd.wait(task_id)["state"] == "failed"
-                want = dict(view)
-            else:
+                    if slot < len(ours[name]):
+                        ours[name][slot] = f"t{made} {name} {slot}"
+                        commands.append(f"sed -i '{slot + 1}s/.*/t{made} {name} {slot}/' "
+                                        f"{name}")
+                if ours[name] == view[name]:
+                    del ours[name]
+            task_id = gated(gurtd, "; ".join(commands) or "true", title=f"t{made}")
+            running[task_id] = (view, ours)
+        else:
+            if not running:
+                continue
+            task_id = rng.choice(sorted(running))
+            base, ours = running.pop(task_id)
+            task = end(gurtd, task_id)
+            asked: dict[str, Any] = {}
+
+            def answer(conflicts: list[str]) -> Any:
+                assert task["state"] == "waiting", task
+                approval = pending(gurtd, task_id, "conflict")
+                assert sorted(p["path"] for p in approval["args"]["paths"]) == conflicts
+                choice = rng.choice(["task", "view", "text", "deny"])
+                url = f"/api/approvals/{approval['id']}"
+                asked["choice"] = choice
+                if choice == "deny":
+                    gurtd.api("POST", url + "/deny", {"reason": "no"})
+                    return None
                 args: dict[str, Any] = {"keep": "view" if choice == "view" else "task"}
                 if choice == "text":
                     args["texts"] = {n: "".join(f"hand {task_id} {i}\n" for i in range(30))
                                      for n in conflicts}
                 gurtd.api("POST", url + "/approve", {"args": args})
-                assert gurtd.wait(task_id)["state"] == "done"
-                for n in conflicts:
-                    want[n] = ours[n] if choice == "task" else view[n] if choice == "view" \
-                        else [f"hand {task_id} {i}" for i in range(30)]
-        else:
-            assert task["state"] == "done", (task, gurtd.log(task_id))
-        view = {n: v for n, v in want.items()}   # type: ignore[misc]
+                return args["keep"], args.get("texts", {})
+            conflicts = model.finish(base, ours, answer)
+            if asked.get("choice") == "deny":
+                assert gurtd.wait(task_id)["state"] == "failed"
+            else:
+                task = gurtd.wait(task_id)
+                assert task["state"] == "done", (task, gurtd.log(task_id))
+                ids.append(task_id)
+                seen["merged"] += bool(task.get("merged"))
+            seen["conflict"] += bool(conflicts)
+        view = model.view()
         for name in names:
             got = gurtd.file("home", name)
             expect = None if view[name] is None else ("\n".join(view[name]) + "\n").encode()
-            assert got == expect, (name, task_id, json.dumps(gurtd.task(task_id)))
-    assert seen["conflict"] >= 2 and seen["merged"] >= 2, seen      # the history meant it
+            assert got == expect, (name, json.dumps(seen), gurtd.api("GET", "/api/tasks"))
+    assert seen["conflict"] >= 2 and seen["merged"] >= 2 and seen["undo"] >= 2, seen
+
+def test_a_hostile_task_is_bounded(gurtd: Gurtd) -> None:
+    """A file of 1,000,000 lines changed at both ends is merged off the loop (the API
+    answers meanwhile); one 100 MB line changed both ways is a conflict that says it is
+    too large to merge."""
+    made = gurtd.create("seq 1000000 > big.txt\nhead -c 100000000 /dev/zero | tr '\\0' x > "
+                        "line.txt")
+    assert gurtd.wait(made["id"], timeout=120)["state"] == "done"
+    a = gated(gurtd, "sed -i '1s/.*/by a/' big.txt; echo a >> line.txt")
+    b = gated(gurtd, "sed -i '$s/.*/by b/' big.txt; echo b >> line.txt")
+    assert end(gurtd, b)["state"] == "done"
+    gurtd.api("POST", f"/api/approvals/{gate(gurtd, a)['id']}/answer", {"answer": "go"})
+    slowest = 0.0
+    while gurtd.task(a)["state"] != "waiting" or not pending(gurtd, a, "conflict"):
+        began = time.monotonic()
+        gurtd.api("GET", "/api/tasks?limit=5")
+        slowest = max(slowest, time.monotonic() - began)
+    assert slowest < 1.0, slowest
+    approval = pending(gurtd, a, "conflict")
+    [path] = approval["args"]["paths"]
+    assert path["path"] == "line.txt" and "too large to merge" in path["why"]
+    assert path["task"]["shown"] == "too large to show"
+    assert approval["args"]["merged"] == ["big.txt"]
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/approve", {})
+    task = gurtd.wait(a, timeout=60)
+    assert task["state"] == "done" and task["merged"] == ["big.txt"]
+    big = gurtd.file("home", "big.txt").split(b"\n")
+    assert big[0] == b"by a" and big[-2] == b"by b" and len(big) == 1000001
+
+
+# Exact undo ##################################################################################
+
+def undo(g: Gurtd, task_id: str) -> dict[str, Any]:
+    """Undo (it answers at once); the task once its later copies are reverted."""
+    assert g.api("POST", f"/api/tasks/{task_id}/undo")["state"] == "undone"
+    return eventually(lambda: g.task(task_id).get("undoMerge"), 30, "the revert")
+
+
+def test_undo_takes_its_change_out_of_a_later_copy(gurtd: Gurtd) -> None:
+    """t1 changes line 3, t2 (started after t1 ended) line 17: undo of t1 takes line 3 back
+    inside t2's copy and leaves line 17; a second undo answers the same; undo of t2 then
+    gives the file as it was before both."""
+    put(gurtd, "f.txt", lines(20))
+    t1 = gurtd.run("sed -i 's/^line 3$/three by t1/' f.txt")["id"]
+    t2 = gurtd.run("sed -i 's/^line 17$/17 by t2/' f.txt")["id"]
+    info = undo(gurtd, t1)
+    assert info["reverted"] == ["f.txt"] and info["kept"] == []
+    assert gurtd.file("home", "f.txt").decode() == lines(20).replace("line 17\n", "17 by t2\n")
+    layer = gurtd.task(info["layer"])
+    assert layer["state"] == "done" and layer["worker"] == "upload"
+    again = gurtd.api("POST", f"/api/tasks/{t1}/undo")
+    assert again["state"] == "undone" and again["undoMerge"] == info
+    assert [e for e in gurtd.log(t1) if e["type"] == "undo"][0]["reverted"] == ["f.txt"]
+    undo(gurtd, t2)
+    assert gurtd.file("home", "f.txt").decode() == lines(20)
+
+
+def test_undo_under_a_later_change_of_the_same_lines_keeps_it_whole(gurtd: Gurtd) -> None:
+    """t2 changed t1's line again: the later version stays whole, and t1's record and log
+    name the path and t2; an append under a later append is taken out alone."""
+    put(gurtd, "f.txt", lines(20))
+    put(gurtd, "log.txt", "top\n")
+    t1 = gurtd.run("sed -i 's/^line 3$/three by t1/' f.txt; echo t1 >> log.txt")["id"]
+    t2 = gurtd.run("sed -i 's/^three by t1$/three by t2/' f.txt; echo t2 >> log.txt")["id"]
+    info = undo(gurtd, t1)
+    assert info["reverted"] == ["log.txt"]
+    assert [(k["path"], k["task"]) for k in info["kept"]] == [("f.txt", t2)]
+    assert gurtd.file("home", "f.txt").decode() == lines(20).replace("line 3\n",
+                                                                      "three by t2\n")
+    assert gurtd.file("home", "log.txt") == b"top\nt2\n"
+    text = [e for e in gurtd.log(t1) if e["type"] == "undo"][0]["text"]
+    assert f"f.txt (in {t2})" in text
+
+
+def test_undo_of_a_file_a_later_task_left_alone_deletes_it(gurtd: Gurtd) -> None:
+    """t1 made two files, t2 copied one without a change (touch) and changed the other:
+    after the undo neither of t1's files shows t1's work."""
+    t1 = gurtd.run("echo one > a.txt; printf 'x\\ny\\nz\\n' > b.txt")["id"]
+    gurtd.run("chmod 644 a.txt; touch a.txt; sed -i 's/^z$/Z/' b.txt")
+    info = undo(gurtd, t1)
+    assert gurtd.file("home", "a.txt") is None
+    assert [k["path"] for k in info["kept"]] == ["b.txt"]     # t2 built on it
