@@ -155,6 +155,33 @@ def test_a_conflict_answered(gurtd: Gurtd, answer: str) -> None:
     assert gurtd.file("home", "new.txt") == b"new\n"   # what did not conflict stays
 
 
+def test_every_kind_of_conflict_is_named(gurtd: Gurtd) -> None:
+    """A folder against a file, a binary file, a mode and a symlink target changed both
+    ways: one conflict names each path with why; keep view gives the view's for all."""
+    assert gurtd.run("printf 'a\\0b' > bin; echo m > mode.txt; ln -s one link; "
+                     "echo f > thing")["state"] == "done"
+    a = gated(gurtd, "printf 'task\\0' > bin; chmod 755 mode.txt; ln -sfn two link; "
+                     "rm thing; mkdir thing; echo in > thing/x")
+    b = gated(gurtd, "printf 'view\\0' > bin; chmod 600 mode.txt; ln -sfn three link; "
+                     "echo g > thing")
+    assert end(gurtd, b)["state"] == "done"
+    assert end(gurtd, a)["state"] == "waiting"
+    approval = pending(gurtd, a, "conflict")
+    why = {p["path"]: p["why"] for p in approval["args"]["paths"]}
+    assert why["bin"] == "binary file changed both ways"
+    assert why["mode.txt"] == "mode changed both ways"
+    assert why["link"] == "symlink target changed both ways"
+    assert why["thing"] == "a folder on one side, a file on the other"
+    paths = {p["path"]: p for p in approval["args"]["paths"]}
+    assert paths["link"]["task"] == {"kind": "symlink", "target": "two"}
+    assert paths["mode.txt"]["view"]["mode"] == "0600"
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/approve", {"args": {"keep": "view"}})
+    assert gurtd.wait(a)["state"] == "done"
+    assert gurtd.file("home", "bin") == b"view\0" and gurtd.file("home", "thing") == b"g\n"
+    code, data, _ = gurtd.request("GET", "/api/workspaces/home/files/thing/x")
+    assert code == 404 or code == 400, (code, data)
+
+
 def test_conflict_args_are_checked(gurtd: Gurtd) -> None:
     a, approval = conflict_story(gurtd, "echo x > f.txt", "echo y > f.txt")
     url = f"/api/approvals/{approval['id']}/approve"
