@@ -12872,6 +12872,11 @@ def follow_entry(client: Client, entry: dict[str, Any], spinner: Spinner) -> Non
         if approval["kind"] == "ask":
             text = f"the task asks: {approval.get('question')}\n  answer it: gurtd answer " \
                    f"{ap} 'TEXT'   (or: gurtd deny {ap} --reason TEXT)"
+        elif approval["kind"] == "conflict":
+            paths = ", ".join(p.get("path", "?") for p in approval["args"].get("paths", []))
+            text = f"conflict {ap}: tasks that ended while this one ran changed {paths} too" \
+                   f"\n  keep the task's: gurtd approve {ap}   the view's: gurtd approve {ap} " \
+                   f"--args '{{\"keep\": \"view\"}}'   or: gurtd deny {ap} --reason TEXT"
         else:
             why = "BOX_HOME's disk is nearly full" if approval["kind"] == "disk" else \
                 f"{cents_text(approval['cents'])} cents, over the budget"

@@ -486,3 +486,28 @@ def test_undo_of_a_file_a_later_task_left_alone_deletes_it(gurtd: Gurtd) -> None
     info = undo(gurtd, t1)
     assert gurtd.file("home", "a.txt") is None
     assert [k["path"] for k in info["kept"]] == ["b.txt"]     # t2 built on it
+
+
+def test_run_wait_announces_a_conflict_with_the_commands_that_answer_it(gurtd: Gurtd) -> None:
+    from test_cli import cli, read_until, started
+    put(gurtd, "f.txt", "one\n")
+    proc = started(gurtd, "run", "--worker", "fake", "--wait", "--tool", "ask",
+                   "echo task > f.txt\n" + GATE)
+    try:
+        said = read_until(proc.stderr, r"gurtd answer (a\w+) 'TEXT'")
+        [task_id] = [t["id"] for t in gurtd.api("GET", "/api/tasks?state=waiting")]
+        assert end(gurtd, gated(gurtd, "echo view > f.txt"))["state"] == "done"
+        gurtd.api("POST", f"/api/approvals/{gate(gurtd, task_id)['id']}/answer",
+                  {"answer": "go"})
+        said = read_until(proc.stderr, r"or: gurtd deny \S+ --reason TEXT")
+        assert "changed f.txt too" in said, said
+        ap = pending(gurtd, task_id, "conflict")["id"]
+        assert f"""gurtd approve {ap} --args '{{"keep": "view"}}'""" in said
+        assert cli(gurtd, "approve", ap, "--args", '{"keep": "view"}').returncode == 0
+        proc.communicate(timeout=60)
+        assert proc.returncode == 0
+        assert gurtd.file("home", "f.txt") == b"view\n"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
