@@ -31,6 +31,9 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           overlays, conflicts, keep with its journal, undo of a keep, diff
     Layer stack           views past 500 layers: which lowers a view uses, merged layers of
                           old groups (built off the loop), their generations and registry
+    Finish-time merge     tasks side by side: a task's layer checked against the layers that
+                          became done while it ran (git merge-file off the loop, conflicts as
+                          approvals); undo taken out of later copies (a revert layer)
     Tasks                 the Box: lifecycle, undo, reconcile, layers and views, the droid worker
     Hosts                 task networks: veth, grants, and gurtd's DNS for the tasks; names
                           outside the grants asked of a person (askHosts)
@@ -5018,7 +5021,9 @@ class Merger:
 #   - ours equals theirs, or theirs equals base: nothing (its layer on top gives ours);
 #   - ours equals base (a copy-up without a change): its copy is dropped, the view's shows;
 #   - files on all three sides (or added on both): `git merge-file` (Debian's git, well kept)
-#     joins them; a clean merge is written into the task's layer;
+#     joins them; a clean merge is written into the task's layer.  Before git, merge_text
+#     settles what git calls a conflict but a person would not: two appends to one file
+#     (both kept, the view's first) and deletions nested in one another (the larger);
 #   - anything else (overlapping hunks, binary, a delete against an edit, a folder against a
 #     file, mode or symlink target changed both ways, a file above MERGE_MAX_BYTES): a
 #     conflict, asked of a person as an approval of kind `conflict` (never by a policy).
@@ -5039,6 +5044,8 @@ class Merger:
 #   - Nothing joins the stack before the task is done, and a task is done only after every
 #     write of its merge is synced: a kill -9 in the middle leaves a running or waiting task,
 #     which the next start fails (reconcile); its half-written layer never shows in a view.
+#   - A task waiting on a conflict has no processes left but keeps its place among
+#     maxRunningTasks (it is not done yet); a restart fails it and denies its approval.
 
 MERGE_MAX_BYTES = 8 << 20            # a file larger than this is a conflict, never merged
 MERGE_HELD_BYTES = 64 << 20          # merged texts one check holds in memory at most
@@ -12873,7 +12880,8 @@ def follow_entry(client: Client, entry: dict[str, Any], spinner: Spinner) -> Non
             text = f"the task asks: {approval.get('question')}\n  answer it: gurtd answer " \
                    f"{ap} 'TEXT'   (or: gurtd deny {ap} --reason TEXT)"
         elif approval["kind"] == "conflict":
-            paths = ", ".join(p.get("path", "?") for p in approval["args"].get("paths", []))
+            named = [p.get("path", "?") for p in approval["args"].get("paths", [])]
+            paths = ", ".join(named[:20]) + (f" and {len(named) - 20} more" if named[20:] else "")
             text = f"conflict {ap}: tasks that ended while this one ran changed {paths} too" \
                    f"\n  keep the task's: gurtd approve {ap}   the view's: gurtd approve {ap} " \
                    f"--args '{{\"keep\": \"view\"}}'   or: gurtd deny {ap} --reason TEXT"
