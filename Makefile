@@ -9,8 +9,9 @@ LISTEN ?= 127.0.0.1:7700
 # python3-click: the `gurtd` command inside a task (its tool client) runs on the system python;
 # python3-seccomp: libseccomp's own Python binding (not on PyPI), for the tasks' kernel filter;
 # e2fsprogs, mount: mkfs.ext4 and losetup for the full-disk tests (a small loop-mounted image).
+# git: `git merge-file`, the three-way merge of two tasks that changed one file side by side.
 APT_PACKAGES := nftables iproute2 util-linux libcap-dev gcc python3-dev python3-venv curl systemd \
-  python3-click python3-seccomp e2fsprogs mount
+  python3-click python3-seccomp e2fsprogs mount git
 # Only the tests and the bench: the portal's tests drive a real headless browser.
 TEST_APT_PACKAGES := chromium chromium-driver
 

@@ -33,6 +33,9 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Layer stack           views past 500 layers: which lowers a view uses, merged layers of
                           old groups (built off the loop), their generations and registry;
                           Views: each workspace's views, its stack, merges due, layer collection
+    Finish-time merge     tasks side by side: a task's layer checked against the layers that
+                          became done while it ran (git merge-file off the loop, conflicts as
+                          approvals); undo taken out of later copies (a revert layer)
     Tasks                 the Box, which owns the state and wires its parts: lifecycle, undo,
                           reconcile, settings; add_task, the one way any task is made
     Droid worker          DroidWorker: the Droid CLI's spec, its stream, pause for budget
@@ -629,9 +632,9 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
 PUBLIC_FIELDS = ("id", "title", "prompt", "workspace", "worker", "tools", "hosts", "budgetCents",
                  "source", "state", "user", "layers", "costCents", "step", "createdAt",
                  "updatedAt", "error", "summary", "limits", "folder", "folders", "review",
-                 "askHosts", "schedule")
+                 "askHosts", "schedule", "merged", "undoMerge")
 OPTIONAL_FIELDS = ("step", "error", "summary", "limits", "folder", "folders", "review",
-                   "schedule")
+                   "schedule", "merged", "undoMerge")
 
 
 @dataclass
@@ -670,6 +673,8 @@ class Task:
     folderStartNs: int = 0
     askHosts: bool = False          # a name outside hosts asks a person (a host approval)
     schedule: str | None = None     # the schedule that started it
+    merged: list[str] | None = None  # paths its finish-time merge joined with the view's
+    undoMerge: dict[str, Any] | None = None   # its undo in later copies: reverted, kept
 
     def to_api(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in PUBLIC_FIELDS}
@@ -5227,6 +5232,7 @@ class Views:
         with self.lock:
             for key, _ in self.open_views.values():
                 pinned.update(key)
+        self.box.finish_merge.pin(in_use, pinned)
         for merged in self.merging.values():
             in_use.update(merged.members)
         for name in sorted({m.workspace for m in self.layerstack.merged.values()}):
@@ -5262,6 +5268,831 @@ class Views:
         lowers = [self.box.path(p) for p in self.layerstack.plan(task.workspace, task.layers)]
         return (self.box.path("layers", task.id, "upper"),
                 lowers + [self.box.path("workspaces", task.workspace)])
+
+
+# Finish-time merge #############################################################################
+###############################################################################################
+# A layer is a set of whole files, and the layer on top wins every file it holds: two tasks
+# that ran side by side and changed one file would leave only the later one's copy (issue 21).
+# So a task that ends well is checked before it becomes done: the paths its layer changed
+# against the paths changed by the layers the view gained or lost since the stack it saw (its
+# `layers`: layers that became done while it ran, or an undo of one it saw).  For each path
+# both changed (the same path, or one a folder above the other), three versions are read:
+# base (the view it saw), theirs (the view now) and ours (its own view):
+#   - ours equals theirs, or theirs equals base: nothing (its layer on top gives ours);
+#   - ours equals base (a copy-up without a change): its copy is dropped, the view's shows;
+#   - files on all three sides (or added on both): `git merge-file` (Debian's git, well kept)
+#     joins them; a clean merge is written into the task's layer.  Before git, merge_text
+#     settles what git calls a conflict but a person would not: two appends to one file
+#     (both kept, the view's first) and deletions nested in one another (the larger);
+#   - anything else (overlapping hunks, binary, a delete against an edit, a folder against a
+#     file, mode or symlink target changed both ways, a file above MERGE_MAX_BYTES): a
+#     conflict, asked of a person as an approval of kind `conflict` (never by a policy).
+# Why this shape:
+#   - The three versions are read through read-only overlays of the same plans views use
+#     (view_plan, merged layers included), so the check is exact past 128 tasks and past the
+#     kernel's 500 lowers; the sets of paths come from the layers themselves (changed_paths
+#     against the view the task saw, one lower), so only paths both sides touched are read.
+#   - All of it runs in one thread of its own (FinishMerge), never on the loop: git is run
+#     under prlimit (address space) with a timeout, files past MERGE_MAX_BYTES are not read
+#     whole, and the merged texts one check holds are capped.  The thread answers the loop
+#     through Box.commands, like the Merger.
+#   - The result is trusted only for the stack it was computed on: if another task became
+#     done (or undone) meanwhile, the check runs again.  A clean merge is written into the
+#     layer only when the whole check is settled (no conflict left, or the person answered);
+#     from then on the layer is the task's work rebased on that stack, so the next check (if
+#     the view moved again) uses that stack as its base.
+#   - Nothing joins the stack before the task is done, and a task is done only after every
+#     write of its merge is synced: a kill -9 in the middle leaves a running or waiting task,
+#     which the next start fails (reconcile); its half-written layer never shows in a view.
+#   - A task waiting on a conflict has no processes left but keeps its place among
+#     maxRunningTasks (it is not done yet); a restart fails it and denies its approval.
+
+MERGE_MAX_BYTES = 8 << 20            # a file larger than this is a conflict, never merged
+MERGE_HELD_BYTES = 64 << 20          # merged texts one check holds in memory at most
+MERGE_TIMEOUT = 10.0                 # seconds git merge-file may run for one file
+MERGE_MEMORY = 1 << 30               # its address space (prlimit --as): 1,000,000 lines
+                                     # of a file changed both ways take ~400 MB
+MERGE_SHOWN_BYTES = 64 << 10         # a version's text shown in a conflict approval, at most
+MERGE_SHOWN_TOTAL = 1 << 20          # all texts of one conflict approval, at most
+CONFLICT_KEEP = ("task", "view")
+
+
+@dataclass
+class Version:
+    """What one view holds at a path: absent, file, symlink, folder or other (a fifo)."""
+
+    kind: str
+    mode: int = 0
+    size: int = 0
+    data: str = ""                   # a file's sha256, a symlink's target
+
+    def same(self, other: "Version") -> bool:
+        return self == other
+
+
+def view_version(root_fd: int, path: str) -> Version:
+    """The version at path beneath a view's root fd, no symlink followed on the way."""
+    parent, _, name = path.rpartition("/")
+    fd = open_dir_beneath(root_fd, parent)
+    if fd is None:
+        return Version("absent")
+    try:
+        st = _entry(fd, name)
+        if st is None:
+            return Version("absent")
+        mode = stat.S_IMODE(st.st_mode)
+        if stat.S_ISDIR(st.st_mode):
+            return Version("folder", mode)
+        if stat.S_ISLNK(st.st_mode):
+            return Version("symlink", data=os.readlink(name, dir_fd=fd))
+        if not stat.S_ISREG(st.st_mode):
+            return Version("other", mode)
+        digest = hashlib.sha256()
+        with _open_file(fd, name) as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        return Version("file", mode, st.st_size, digest.hexdigest())
+    finally:
+        os.close(fd)
+
+
+def _open_file(dir_fd: int, name: str) -> io.BufferedReader:
+    return os.fdopen(os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                             dir_fd=dir_fd), "rb")
+
+
+def view_bytes(root_fd: int, path: str, cap: int) -> bytes | None:
+    """A file's bytes in a view, or None if it is not a file of at most cap bytes."""
+    parent, _, name = path.rpartition("/")
+    fd = open_dir_beneath(root_fd, parent)
+    if fd is None:
+        return None
+    try:
+        with _open_file(fd, name) as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            data = f.read(cap + 1)
+        return data if len(data) <= cap else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def is_binary(data: bytes) -> bool:
+    """git's own rule: a NUL in the first 8,000 bytes."""
+    return b"\0" in data[:8000]
+
+
+def git_merge(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool, bytes]:
+    """A three-way merge by `git merge-file` (diff3 markers where it does not join): (clean,
+    text).  Bounded: prlimit's address space, a timeout (the child killed); OSError else."""
+    names = []
+    for label, data in (("task", ours), ("before", base), ("view", theirs)):
+        names.append(os.path.join(tmp, label))
+        with open(names[-1], "wb") as f:
+            f.write(data)
+    argv = ["prlimit", f"--as={MERGE_MEMORY}", "--", "git", "merge-file", "-p", "--diff3",
+            "-L", "task", "-L", "before", "-L", "view"] + names
+    env = {"PATH": TASK_PATH, "HOME": tmp, "GIT_CONFIG_NOSYSTEM": "1", "LC_ALL": "C"}
+    try:
+        done = subprocess.run(argv, capture_output=True, timeout=MERGE_TIMEOUT, env=env,
+                              cwd=tmp)
+    except subprocess.TimeoutExpired:
+        raise OSError(errno.ETIME, f"git merge-file took more than {MERGE_TIMEOUT:g} s") \
+            from None
+    if not 0 <= done.returncode < 128:
+        raise OSError(errno.EIO, "git merge-file: " + done.stderr.decode(errors="replace")
+                      .strip()[:200])
+    return done.returncode == 0, done.stdout
+
+
+def merge_text(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool, bytes]:
+    """Three-way merge of texts.  Two appends to one file (a log, a changelog: what tasks
+    side by side do most) keep both, the view's first (it ended first); an append on one
+    side and the base's tail cut on the other (the undo of an append under a later one)
+    give both; lines deleted on one side and more of them on the other give the larger
+    deletion (an undo of a task whose later copy an earlier undo reverted).  git
+    merge-file would call two changes at one place a conflict.  Anything else: git
+    merge-file."""
+    if base and ours.startswith(base) and theirs.startswith(base):
+        return True, theirs + ours[len(base):]
+    if ours.startswith(base) and base.startswith(theirs):
+        return True, theirs + ours[len(base):]
+    if theirs.startswith(base) and base.startswith(ours):
+        return True, ours + theirs[len(base):]
+    lines = [text.splitlines(keepends=True) for text in (ours, base, theirs)]
+    if is_subsequence(lines[2], lines[0]) and is_subsequence(lines[0], lines[1]):
+        return True, theirs
+    if is_subsequence(lines[0], lines[2]) and is_subsequence(lines[2], lines[1]):
+        return True, ours
+    return git_merge(ours, base, theirs, tmp)
+
+
+def is_subsequence(small: list[bytes], big: list[bytes]) -> bool:
+    """Is small what is left of big once some of its lines are deleted?"""
+    it = iter(big)
+    return len(small) <= len(big) and all(line in it for line in small)
+
+
+def conflict_why(base: Version, theirs: Version, ours: Version) -> str | None:
+    """Why a path both sides changed cannot be merged as text, or None if it can be."""
+    kinds = {ours.kind, theirs.kind}
+    if "absent" in kinds:
+        return "deleted by the task, changed in the view" if ours.kind == "absent" else \
+            "changed by the task, deleted in the view"
+    if "folder" in kinds and kinds != {"folder"}:
+        return "a folder on one side, a file on the other"
+    if kinds == {"symlink"}:
+        return "symlink target changed both ways"
+    if kinds != {"file"} or base.kind not in ("file", "absent"):
+        return f"changed both ways ({ours.kind} by the task, {theirs.kind} in the view)"
+    if len({base.mode, ours.mode, theirs.mode}) == 3:
+        return "mode changed both ways"
+    big = max(base.size, ours.size, theirs.size)
+    if big > MERGE_MAX_BYTES:
+        return f"too large to merge ({big} bytes; at most {MERGE_MAX_BYTES})"
+    return None
+
+
+def version_info(v: Version, root_fd: int, path: str, budget: list[int]) -> dict[str, Any]:
+    """A version as a conflict approval shows it; text while budget[0] (bytes) lasts."""
+    out: dict[str, Any] = {"kind": v.kind}
+    if v.kind in ("file", "folder", "other"):
+        out["mode"] = f"{v.mode:04o}"
+    if v.kind == "symlink":
+        out["target"] = v.data
+    if v.kind == "file":
+        out["size"] = v.size
+        data = view_bytes(root_fd, path, min(MERGE_SHOWN_BYTES, budget[0]))
+        if data is not None and not is_binary(data):
+            budget[0] -= len(data)
+            out["text"] = data.decode(errors="replace")
+        else:
+            out["shown"] = "binary" if data is not None else "too large to show"
+    return out
+
+
+@dataclass
+class MergeCheck:
+    """One finish-time check of a task, as the loop hands it to the thread."""
+
+    task_id: str
+    token: int
+    upper: str                       # its layer, relative to BOX_HOME
+    base: list[str]                  # the plan of the view it saw (base dir left out)
+    now: list[str]                   # the plan of the view now
+    workspace_dir: str
+    others: list[str]                # uppers of the layers the view gained or lost
+    stack: list[str]                 # the ids of the view now
+
+
+@dataclass
+class MergeResult:
+    """What a check found: writes for its layer, the paths merged, conflicts for a person."""
+
+    writes: dict[str, tuple[Any, ...]] = field(default_factory=dict)   # path -> write
+    merged: list[str] = field(default_factory=list)
+    conflicts: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _folders_above(path: str) -> Iterator[str]:
+    while "/" in path:
+        path = path.rpartition("/")[0]
+        yield path
+
+
+def touched(mine: list[str], theirs: list[str]) -> list[str]:
+    """Paths of mine and theirs that touch one in the other set (the same path, or one a
+    folder above the other), sorted: the only ones whose versions need reading."""
+    above = _folders_above
+    sets = [set(mine), set(theirs)]
+    prefixes = [{a for p in s for a in above(p)} for s in sets]
+    out = set()
+    for side in (0, 1):
+        other, under = sets[1 - side], prefixes[1 - side]
+        for path in sets[side]:
+            if path in other or path in under or any(a in other for a in above(path)):
+                out.add(path)
+    return sorted(out)
+
+
+def check_paths(job: MergeCheck, base_fd: int, home: str) -> tuple[set[str], list[str]]:
+    """The paths the task changed, and the candidates of a check: those paths and the
+    other layers' paths that touch one another (each layer listed against the view the
+    task saw, as one lower)."""
+    view = f"/proc/self/fd/{base_fd}"
+    mine = [c["path"].rstrip("/") for c in changed_paths(os.path.join(home, job.upper), [view])]
+    theirs: list[str] = []
+    for upper in job.others if mine else []:
+        theirs += [c["path"].rstrip("/") for c in changed_paths(upper, [view])]
+    return set(mine), touched(mine, theirs)
+
+
+def view_open(home_fd: int, plan: list[str], workspace_dir: str) -> int:
+    """A read-only view of a plan (paths relative to BOX_HOME): the base itself when there
+    is no layer (an overlay needs two layers at least)."""
+    if not plan:
+        return os.open(workspace_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=home_fd)
+    return overlay_open_plan(home_fd, fit_lowers(plan, workspace_dir))
+
+
+def run_check(job: MergeCheck, home: str, tmp: str) -> MergeResult:
+    """The check itself (the merge thread): three read-only views mounted, each candidate
+    decided, merged texts held in memory (at most MERGE_HELD_BYTES)."""
+    result = MergeResult()
+    home_fd = os.open(home, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    fds: dict[str, int] = {}
+    try:
+        for key, plan in (("base", job.base), ("now", job.now), ("ours", [job.upper] + job.base)):
+            fds[key] = view_open(home_fd, plan, job.workspace_dir)
+        mine, candidates = check_paths(job, fds["base"], home)
+        held, shown = 0, [MERGE_SHOWN_TOTAL]
+        for path in candidates:
+            base, theirs, ours = (view_version(fds[k], path) for k in ("base", "now", "ours"))
+            if ours.same(theirs) or theirs.same(base):
+                continue
+            if ours.same(base):                # only the view changed it
+                if path in mine and ours.kind != "folder":
+                    result.writes[path] = ("view",)
+                continue
+            why = conflict_why(base, theirs, ours)
+            texts = [b"" if v.kind == "absent" else view_bytes(fds[k], path, MERGE_MAX_BYTES)
+                     for v, k in ((ours, "ours"), (base, "base"), (theirs, "now"))] \
+                if why is None else []
+            if why is None and any(t is None or is_binary(t) for t in texts):
+                why = "binary file changed both ways"
+            diff3 = None
+            if why is None:
+                try:
+                    clean, merged = merge_text(texts[0] or b"", texts[1] or b"",
+                                               texts[2] or b"", tmp)
+                except OSError as exc:          # past its time or memory: said so
+                    clean, merged = False, b""
+                    why = f"could not be merged: {exc.strerror or exc}"
+                mode = ours.mode if ours.mode != base.mode else theirs.mode
+                if clean and held + len(merged) <= MERGE_HELD_BYTES:
+                    held += len(merged)
+                    result.writes[path] = ("text", merged, mode)
+                    result.merged.append(path)
+                    continue
+                why = why or ("overlapping changes" if not clean else
+                              "too much merged text at once")
+                diff3 = merged[:min(MERGE_SHOWN_BYTES, shown[0])].decode(errors="replace") \
+                    or None
+                shown[0] -= len(diff3 or "")
+            result.conflicts.append({
+                "path": path, "why": why, "diff3": diff3,
+                "before": version_info(base, fds["base"], path, shown),
+                "view": version_info(theirs, fds["now"], path, shown),
+                "task": version_info(ours, fds["ours"], path, shown)})
+        return result
+    finally:
+        for fd in list(fds.values()) + [home_fd]:
+            os.close(fd)
+
+
+def upper_parent(upper_fd: int, path: str, view_fd: int, store: tuple[int, int]
+                 ) -> tuple[int, bool]:
+    """The folder of path in a task's layer, made if missing (a folder the task deleted or
+    replaced by a file becomes an opaque folder: only what is written in it shows); and
+    whether a folder above is opaque (then nothing below shows through)."""
+    fd, opaque, done = os.dup(upper_fd), False, ""
+    try:
+        for name in path.split("/")[:-1]:
+            done = f"{done}/{name}" if done else name
+            st = _entry(fd, name)
+            if st is not None and not stat.S_ISDIR(st.st_mode):
+                os.unlink(name, dir_fd=fd)
+                st = None
+                made_opaque = True
+            else:
+                made_opaque = False
+            if st is None:
+                seen = view_version(view_fd, done)
+                os.mkdir(name, seen.mode if seen.kind == "folder" else 0o755, dir_fd=fd)
+                os.chown(name, *store, dir_fd=fd, follow_symlinks=False)
+            child = os.open(name, DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+            if made_opaque:
+                os.setxattr(fd, "trusted.overlay.opaque", b"y")
+            with contextlib.suppress(OSError):
+                opaque = opaque or os.getxattr(fd, "trusted.overlay.opaque") == b"y"
+        return fd, opaque
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def upper_put(upper_fd: int, path: str, write: tuple[Any, ...], view_fd: int,
+              store: tuple[int, int]) -> None:
+    """One write of a merge into a task's layer: ("text", bytes, mode) a file; ("symlink",
+    target); ("absent",) a whiteout; ("view",) the view's version (the layer's entry dropped,
+    or the view's file copied where a folder above is opaque)."""
+    fd, opaque = upper_parent(upper_fd, path, view_fd, store)
+    name = path.rpartition("/")[2]
+    try:
+        st = _entry(fd, name)
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            tree_remove(f"/proc/self/fd/{fd}/{name}")
+        elif st is not None:
+            os.unlink(name, dir_fd=fd)
+        if write[0] == "view":
+            seen = view_version(view_fd, path)
+            if not opaque or seen.kind == "absent":
+                return
+            write = ("symlink", seen.data) if seen.kind == "symlink" else \
+                ("text", view_bytes(view_fd, path, 1 << 40) or b"", seen.mode)
+        if write[0] in ("symlink", "absent"):
+            if write[0] == "symlink":
+                os.symlink(write[1], name, dir_fd=fd)
+            else:
+                os.mknod(name, stat.S_IFCHR, os.makedev(0, 0), dir_fd=fd)   # a whiteout
+            os.chown(name, *store, dir_fd=fd, follow_symlinks=False)
+            return
+        temp = f".gurt-merge-{secrets.token_hex(4)}"
+        out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      0o600, dir_fd=fd)
+        try:
+            with os.fdopen(os.dup(out), "wb") as f:
+                f.write(write[1])
+            os.fchown(out, *store)
+            os.fchmod(out, write[2] & ~SETID_BITS)   # as every finished layer
+            os.fsync(out)
+        finally:
+            os.close(out)
+        os.rename(temp, name, src_dir_fd=fd, dst_dir_fd=fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def apply_writes(home: str, upper: str, writes: dict[str, tuple[Any, ...]],
+                 now: list[str], workspace_dir: str, store: tuple[int, int]) -> None:
+    """A settled merge into the task's layer (the merge thread), every file synced."""
+    if not writes:
+        return
+    home_fd = os.open(home, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    view_fd = upper_fd = -1
+    try:
+        view_fd = view_open(home_fd, now, workspace_dir)
+        upper_fd = os.open(os.path.join(home, upper), DIR_FLAGS)
+        for n, (path, write) in enumerate(sorted(writes.items())):
+            upper_put(upper_fd, path, write, view_fd, store)
+            if n == 0:
+                crash_point("finish-merge-half-written")   # a test's kill -9 in the middle
+    finally:
+        for fd in (upper_fd, view_fd, home_fd):
+            if fd >= 0:
+                os.close(fd)
+
+
+def conflict_answer(approval: Approval, args: Any) -> dict[str, tuple[Any, ...]]:
+    """The writes an answer to a conflict makes (ApiError 400 for args that are not one):
+    approve alone keeps the task's version; args {"keep": "task"|"view", "texts"?: {path:
+    text}} keep one side for every path and take the person's merged text for some."""
+    paths = {c["path"]: c for c in (approval.args or {}).get("paths", [])}
+    args = args or {}
+    if not isinstance(args, dict) or set(args) - {"keep", "texts"} or \
+            args.get("keep", "task") not in CONFLICT_KEEP or \
+            not isinstance(args.get("texts", {}), dict):
+        raise ApiError(400, 'args of a conflict: {"keep"?: "task"|"view", "texts"?: '
+                            '{"<path>": "<merged text>"}}')
+    texts = args.get("texts", {})
+    unknown = [p for p in texts if p not in paths or not isinstance(texts[p], str)]
+    if unknown:
+        raise ApiError(400, f"texts: {unknown[0]!r} is not a conflicting path with a text")
+    writes: dict[str, tuple[Any, ...]] = {}
+    for path, conflict in paths.items():
+        if path in texts:
+            mode = next((int(conflict[k]["mode"], 8) for k in ("task", "view") if
+                         conflict[k]["kind"] == "file"), 0o644)
+            writes[path] = ("text", texts[path].encode(), mode)
+        elif args.get("keep") == "view":
+            writes[path] = ("view",)
+    return writes
+
+
+@dataclass
+class HeldTask:
+    """A task the finish-time merge holds between its worker's end and done."""
+
+    worker: Worker
+    token: int = 0
+    seen: tuple[list[str], list[str]] | None = None   # (stack, plan) its layer is based on
+    merged: list[str] = field(default_factory=list)
+    pending: MergeResult | None = None                # a check waiting for a person
+    pending_check: MergeCheck | None = None
+    approval: str | None = None
+
+
+class FinishMerge:
+    """The finish-time merge of a box (design above).  Loop thread, except run().
+
+    Methods for Box: holds(task, worker) when a worker ended well (True: the task is held
+    until its check is settled, then maybe_finish runs again), on_answer(approval) when a
+    conflict approval is answered."""
+
+    def __init__(self, box: "Box") -> None:
+        self.box = box
+        self.held: dict[str, HeldTask] = {}
+        self.cleared: set[str] = set()
+        self.reading: dict[str, tuple[set[str], list[str]]] = {}   # by job: layers, plans
+        self.undoing: dict[str, int] = {}              # undone task -> its job's token
+        self.jobs: queue.Queue[Callable[[], None]] = queue.Queue()
+        self.thread: threading.Thread | None = None
+        self.tokens = 0
+
+    def holds(self, task: Task, worker: Worker) -> bool:
+        if task.id in self.cleared:
+            self.cleared.discard(task.id)
+            return False
+        if self.box.views.stack_ids(task.workspace) == task.layers:
+            return False                   # nothing became done or undone while it ran
+        self.held[task.id] = HeldTask(worker)
+        self.check(task)
+        return True
+
+    def pin(self, in_use: set[str], pinned: set[str]) -> None:
+        """gc_layers: the layers (ids) and merged layers (paths) jobs still read."""
+        for ids, paths in self.reading.values():
+            in_use.update(ids)
+            pinned.update(paths)
+
+    def drop(self, task_id: str) -> None:
+        self.held.pop(task_id, None)
+        self.reading.pop(task_id, None)
+
+    def check(self, task: Task) -> None:
+        """Compare the task's layer with the view now (its check goes to the thread), or let
+        it become done at once if the view is still the one its layer is based on."""
+        held, box = self.held[task.id], self.box
+        stack = box.views.stack_ids(task.workspace)
+        seen_stack, seen_plan = held.seen or (task.layers, [])
+        if stack == seen_stack:
+            return self.finish(task)
+        if held.seen is None:
+            start = box.views.task_lowers.get(task.id)
+            seen_plan = start[:-1] if start else box.views.layerstack.plan(task.workspace,
+                                                                      task.layers)
+            held.seen = (seen_stack, seen_plan)
+        now = box.views.layerstack.plan(task.workspace, stack)
+        seen, current = set(seen_stack), set(stack)
+        self.reading[task.id] = (seen | current, seen_plan + now)   # kept by gc_layers
+        others = [i for i in stack if i not in seen] + [i for i in seen_stack
+                                                         if i not in current]
+        self.tokens += 1
+        held.token = self.tokens
+        job = MergeCheck(task.id, held.token, f"layers/{task.id}/upper", seen_plan, now,
+                         f"workspaces/{task.workspace}",
+                         [p for i in others if os.path.isdir(p := os.path.join(
+                             box.layer_dir(i), "upper"))], stack)
+        self.submit(job, self.checked, lambda tmp: run_check(job, box.path(), tmp))
+
+    def submit(self, job: Any, then: Callable[..., None],
+               work: Callable[[str], Any]) -> None:
+        """Run work(tmp dir) on the merge thread; then(job, result, error) on the loop."""
+        box = self.box
+
+        def run() -> None:
+            result, error = None, None
+            tmp = box.path("run", f"merge-{secrets.token_hex(6)}")
+            try:
+                os.mkdir(tmp, 0o700)
+                result = work(tmp)
+            except Exception as exc:
+                error = exc.message if isinstance(exc, ApiError) else \
+                    f"{type(exc).__name__}: {exc}"
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            with contextlib.suppress(OSError):        # the loop is gone (stopping)
+                box.loop.post(box.loop.guard, job.task_id, then, job, result, error)
+
+        if self.thread is None or not self.thread.is_alive():
+            self.thread = threading.Thread(target=self.run, name="finish-merge", daemon=True)
+            self.thread.start()
+        self.jobs.put(run)
+
+    def run(self) -> None:
+        while True:
+            self.jobs.get()()
+
+    def current(self, job: MergeCheck, error: str | None, what: str
+                ) -> tuple[Task, HeldTask] | None:
+        """The task of a job that came back, if it still waits for exactly that job and the
+        job did not fail (else the task fails: `what` could not be done)."""
+        task, held = self.box.task(job.task_id), self.held.get(job.task_id)
+        if task is None or held is None or held.token != job.token or \
+                task.state not in ("running", "waiting"):
+            if task is None or task.state not in ACTIVE_STATES:
+                self.drop(job.task_id)
+            return None
+        if error is not None:
+            self.box.fail_task(task, f"finish-time merge: {what}: {error}")
+            return None
+        return task, held
+
+    def checked(self, job: MergeCheck, result: MergeResult | None, error: str | None) -> None:
+        """Loop: a check came back: settled (its writes applied), or a conflict asked."""
+        found = self.current(job, error, "cannot compare")
+        if found is None or result is None:
+            return
+        task, held = found
+        if not result.conflicts:
+            self.settle(task, held, job, result)
+            return
+        held.pending, held.pending_check = result, job
+        paths = [c["path"] for c in result.conflicts]
+        question = (f"{len(paths)} path(s) changed both by this task and by tasks that ended "
+                    "while it ran: " + ", ".join(paths[:20]) + (" ..." if len(paths) > 20
+                                                                else ""))
+        try:
+            made = self.box.broker.create(task, "conflict", "merge", {
+                "paths": result.conflicts, "merged": result.merged}, 0, question)
+        except (ApiError, OSError) as exc:
+            self.box.fail_task(task, "conflict: cannot ask: " +
+                               (exc.message if isinstance(exc, ApiError) else str(exc)))
+            return
+        held.approval = made["wait"]
+        self.box.append_log(task.id, {"type": "conflict", "approval": held.approval,
+                                      "paths": paths, "text": question})
+
+    def settle(self, task: Task, held: HeldTask, job: MergeCheck, result: MergeResult) -> None:
+        """Write a settled check into the layer (off the loop), then check again."""
+        box = self.box
+        held.token = self.tokens = self.tokens + 1
+        job = dataclasses.replace(job, token=held.token)
+
+        def work(tmp: str) -> MergeResult:
+            apply_writes(box.path(), job.upper, result.writes, job.now, job.workspace_dir,
+                         box.store_owner())
+            return result
+        self.submit(job, self.applied, work)
+
+    def applied(self, job: MergeCheck, result: MergeResult | None, error: str | None) -> None:
+        """Loop: the layer holds the merge: it is based on the job's stack now."""
+        found = self.current(job, error, "cannot write it")
+        if found is None or result is None:
+            return
+        task, held = found
+        held.seen = (job.stack, job.now)
+        if result.merged:
+            held.merged += [p for p in result.merged if p not in held.merged]
+            self.box.append_log(task.id, {"type": "merge", "merged": result.merged,
+                                          "text": "merged with tasks that ended meanwhile: " +
+                                          ", ".join(result.merged)})
+        self.check(task)
+
+    def finish(self, task: Task) -> None:
+        """The check is settled on the view now: the task becomes done (maybe_finish again,
+        in this same loop step, so no other task can become done in between)."""
+        held = self.held[task.id]
+        self.drop(task.id)
+        if held.merged:
+            task.merged = sorted(held.merged)
+        self.cleared.add(task.id)
+        self.box.maybe_finish(held.worker)
+
+    def on_answer(self, approval: Approval) -> None:
+        """A conflict answered: by a person (approve: the answer's writes with the merge's
+        own, then checked again; deny: the task fails, nothing applied); by anything else
+        (undo, stop, a restart) it ends with the task, which its caller ends."""
+        held = self.held.get(approval.task)
+        task = self.box.task(approval.task)
+        if held is None or task is None or held.approval != approval.id or \
+                held.pending is None or held.pending_check is None:
+            return
+        result, job = held.pending, held.pending_check
+        held.pending = held.pending_check = held.approval = None
+        if approval.answeredBy != "api":
+            self.drop(task.id)
+            return
+        if approval.state != "approved":
+            self.drop(task.id)
+            self.box.fail_task(task, f"conflict: {approval.reason or 'denied'}")
+            return
+        result.writes.update(conflict_answer(approval, approval.approvedArgs))
+        result.conflicts = []
+        self.settle(task, held, job, result)
+
+    def undone(self, task: Task) -> None:
+        """Box.undo: a done task was undone; the revert of its change in later layers'
+        copies goes to the thread (design above).  Nothing if no layer is above it."""
+        box, ws = self.box, task.workspace
+        stack = box.views.stack_ids(ws)
+        above = [i for i in stack if box.task(i).doneSeq > task.doneSeq]
+        upper = os.path.join(box.layer_dir(task.id), "upper")
+        if task.doneSeq <= 0 or not above or not os.path.isdir(upper):
+            return
+        below = stack[len(above):]
+        plan = box.views.layerstack.plan
+        self.tokens += 1
+        self.undoing[task.id] = self.tokens
+        job = UndoJob(task.id, self.tokens, upper, plan(ws, [task.id] + below), plan(ws, below),
+                      plan(ws, stack), f"workspaces/{ws}",
+                      [(i, os.path.join(box.layer_dir(i), "upper")) for i in above], stack)
+        self.reading["undo " + task.id] = (set(stack) | {task.id},
+                                           job.top + job.below + job.now)
+        self.submit(job, self.reverted, lambda tmp: run_undo(job, box, tmp))
+
+    def reverted(self, job: UndoJob, result: UndoResult | None, error: str | None) -> None:
+        """Loop: the revert layer joins the stack (if the stack is still the one it read),
+        and the undone task's record and log say what was reverted and what was kept."""
+        box, task = self.box, self.box.task(job.task_id)
+        try:
+            if self.undoing.get(task.id) != job.token:
+                return
+            if error is not None or result is None:
+                box.append_log(task.id, {"type": "undo", "error": error,
+                                         "text": f"later copies not reverted: {error}"})
+                return
+            if box.views.stack_ids(task.workspace) != job.stack:
+                return self.undone(task)             # built again on the stack now
+            layer = None
+            if not result.reverted and not result.kept:
+                box.append_log(task.id, {"type": "undo", "reverted": [], "kept": [],
+                                         "text": "no later copy held its change"})
+                return
+            if result.staging is not None:
+                layer = upload_commit(
+                    box, task.workspace, result.staging, f"undo of {task.id}",
+                    f"the exact undo of task {task.id}: its change taken out of the later "
+                    "tasks' copies", "reverted: " + ", ".join(result.reverted))["id"]
+            task.undoMerge = {"reverted": result.reverted, "kept": result.kept,
+                              "layer": layer}
+            box.save(task)
+            box.append_log(task.id, {"type": "undo", **task.undoMerge, "text": (
+                f"reverted in later copies: {', '.join(result.reverted) or 'none'}; kept "
+                "whole: " + (", ".join(f"{k['path']} (in {k['task']})" for k in result.kept)
+                             or "none"))})
+            box.loop.emit("task", task.to_api())
+        finally:
+            if self.undoing.get(task.id) == job.token:
+                self.undoing.pop(task.id, None)
+                self.reading.pop("undo " + task.id, None)
+                box.views.gc_layers()                   # its layer may go now
+            if result is not None and result.cleanup is not None:
+                result.cleanup.close()            # the staged layer, unless it joined
+
+
+# Exact undo: a later task's copy of a file holds the undone task's change too (a layer is
+# whole files), so undo takes that change out of the copy.  Where it lives, and why:
+#   - The reverted versions go into a layer of the undo's own, a done task of worker upload
+#     on top of the stack (upload_commit): every view, plan, merged group and later check
+#     takes it in as any layer, the undone task's and the later tasks' layers stay as they
+#     were written (never changed once done, so merged layers and running views stay
+#     exact), and a later undo of the later task sees the reverted copy as a copy above it
+#     and reverts that one in turn (identical changes on both sides merge cleanly).
+#   - For each path the undone task changed that a layer above it holds: base = the undone
+#     task's version (the view it made), ours = the version on top now, theirs = the version
+#     below it.  ours equal to base: theirs, whole; else a three-way merge; not clean (the
+#     later task changed the same lines again, deleted the file, or a folder stands there):
+#     the later version stays whole, and the undone task's record (`undoMerge.kept`) and log
+#     name each such path and the task that holds it.
+#   - Undo answers at once: the layer is built off the loop (the merge thread) from views of
+#     plans kept by gc_layers until it is done (FinishMerge.pin); if the stack changed
+#     meanwhile it is built again; it joins in one step (renamed, then saved), so a crash
+#     leaves no half layer.  The work is not taken up again after a restart.
+
+@dataclass
+class UndoJob:
+    """The revert of an undone task's change in later copies, as the thread gets it."""
+
+    task_id: str
+    token: int
+    upper: str                       # the undone task's layer (absolute)
+    top: list[str]                   # the plan of the view it made: it and what is below
+    below: list[str]                 # the plan of the view below it
+    now: list[str]                   # the plan of the view now
+    workspace_dir: str
+    above: list[tuple[str, str]]     # (id, absolute upper) of the done layers above it
+    stack: list[str]
+
+
+@dataclass
+class UndoResult:
+    """The reverted versions (in a staged layer) and the paths later versions keep whole."""
+
+    reverted: list[str] = field(default_factory=list)
+    kept: list[dict[str, str]] = field(default_factory=list)   # {path, task, why}
+    staging: str | None = None
+    cleanup: contextlib.ExitStack | None = None
+
+
+def revert_write(path: str, fds: dict[str, int], tmp: str
+                 ) -> tuple[tuple[Any, ...] | None, str | None]:
+    """What takes the undone task's change out of the version on top at path: (a write
+    for upper_put, None) or (None, why the later version stays whole); (None, None) when
+    nothing of its change is left there."""
+    base, ours, theirs = (view_version(fds[k], path) for k in ("top", "now", "below"))
+    if ours.same(theirs) or theirs.same(base) or base.kind == "folder":
+        return None, None
+    if ours.same(base) and theirs.kind in ("absent", "symlink"):
+        return (("absent",) if theirs.kind == "absent" else ("symlink", theirs.data)), None
+    if ours.same(base) and theirs.kind == "file" and theirs.size <= MERGE_MAX_BYTES:
+        data = view_bytes(fds["below"], path, MERGE_MAX_BYTES)
+        return (("text", data, theirs.mode), None) if data is not None else \
+            (None, "its version below cannot be read")
+    if {base.kind, ours.kind, theirs.kind} != {"file"}:
+        return None, f"a later task built on it (there is a {ours.kind} there now)"
+    if max(base.size, ours.size, theirs.size) > MERGE_MAX_BYTES:
+        return None, f"too large to merge (at most {MERGE_MAX_BYTES} bytes)"
+    texts = [view_bytes(fds[k], path, MERGE_MAX_BYTES) for k in ("now", "top", "below")]
+    if any(t is None or is_binary(t) for t in texts):
+        return None, "a binary file a later task changed again"
+    try:
+        clean, merged = merge_text(texts[0] or b"", texts[1] or b"", texts[2] or b"", tmp)
+    except OSError as exc:
+        return None, f"could not be merged: {exc.strerror or exc}"
+    if not clean:
+        return None, "a later task changed the same lines again"
+    return ("text", merged, ours.mode if ours.mode != base.mode else theirs.mode), None
+
+
+def run_undo(job: UndoJob, box: "Box", tmp: str) -> UndoResult:
+    """The thread: the undone task's paths that layers above it touch, each reverted in a
+    staged layer of its own, or named as kept whole."""
+    result = UndoResult()
+    home_fd = os.open(box.path(), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    fds: dict[str, int] = {}
+    try:
+        for key in ("top", "below", "now"):
+            fds[key] = view_open(home_fd, getattr(job, key), job.workspace_dir)
+        below = f"/proc/self/fd/{fds['below']}"
+        mine = [c["path"].rstrip("/") for c in changed_paths(job.upper, [below])]
+        holders: dict[str, str] = {}
+        for task_id, upper in job.above if mine else []:      # newest first: the holder
+            for change in changed_paths(upper, [below]):
+                holders.setdefault(change["path"].rstrip("/"), task_id)
+        writes: dict[str, tuple[Any, ...]] = {}
+        for path in touched(mine, list(holders)):
+            write, why = revert_write(path, fds, tmp)
+            if write is not None:
+                writes[path] = write
+            elif why is not None:
+                holder = next((holders[p] for p in [path] + list(_folders_above(path))
+                               if p in holders), "")
+                result.kept.append({"path": path, "task": holder, "why": why})
+        if writes:
+            result.cleanup = contextlib.ExitStack()
+            result.staging = result.cleanup.enter_context(upload_staging(box))
+            upper_fd = os.open(os.path.join(result.staging, "upper"), DIR_FLAGS)
+            try:
+                for path, write in sorted(writes.items()):
+                    upper_put(upper_fd, path, write, fds["now"], box.store_owner())
+            finally:
+                os.close(upper_fd)
+            result.reverted = sorted(writes)
+        return result
+    except BaseException:
+        if result.cleanup is not None:
+            result.cleanup.close()
+        raise
+    finally:
+        for fd in list(fds.values()) + [home_fd]:
+            os.close(fd)
 
 
 # Tasks #########################################################################################
@@ -5327,6 +6158,7 @@ class Box:
         self.jira = Jira(self)
         self.hooks = Hooks(self)
         self.views = Views(self)
+        self.finish_merge = FinishMerge(self)
         self.stacks = StackStore(self.home)
         self.stack_refs: dict[str, tuple[list[str], str]] = {}   # task -> (its layers, ref)
 
@@ -5795,6 +6627,8 @@ class Box:
             self.set_state(task, "failed", error=worker.error)
         elif oom:
             self.set_state(task, "failed", error="out of memory")
+        elif code == 0 and self.finish_merge.holds(task, worker):
+            return                         # checked off the loop first (Finish-time merge)
         elif code == 0:
             self.done_seq += 1
             summary = (task.summary if task.worker == "droid" else worker.last_out) or None
@@ -5891,6 +6725,7 @@ class Box:
         if task.folders:
             self.review.forget(task)
         self.views.layers_changed(task.workspace)
+        self.finish_merge.undone(task)     # its change out of later copies (off the loop)
         self.views.gc_layers()
         if was_active:
             self.schedule()
@@ -6974,6 +7809,8 @@ def always_blocked(approval: Approval, never_auto: float | None) -> str | None:
         return "an ask is a question for a person: each one needs its own answer"
     if approval.kind == "disk":
         return "a disk approval is about the box's free space, not a call: answer it each time"
+    if approval.kind == "conflict":
+        return "a conflict is answered for its own paths by a person, never by a policy"
     if approval.tool == "model":
         return "model spending has no call to repeat: approve it with a higher budgetCents"
     if never_auto is not None and approval.cents > never_auto:
@@ -7362,6 +8199,8 @@ class Broker:
             self.box.disk.on_approval(approval)
         if approval.kind == "host":
             self.box.network.on_host_approval(approval)
+        if approval.kind == "conflict":
+            self.box.finish_merge.on_answer(approval)
         if by in ("api", "task") and task is not None and task.state == "waiting" and not any(
                 a.task == task.id and a.state == "pending" for a in self.approvals.values()):
             self.box.set_state(task, "running")
@@ -7382,6 +8221,7 @@ class Broker:
         approved, skipped = 0, 0
         for approval in sorted(pending, key=lambda a: a.createdAt):
             why = "an ask needs an answer" if approval.kind == "ask" else \
+                "a conflict needs a person's own answer" if approval.kind == "conflict" else \
                 "a disk approval is answered one by one" if approval.kind == "disk" else \
                 f"above neverAutoApproveCents ({never})" if never is not None and \
                 approval.cents > never and approval.tool != "model" else None
@@ -7402,7 +8242,10 @@ class Broker:
         if approval.state != "pending":
             raise ApiError(409, f"the approval is {approval.state} already", "conflict")
         extra: dict[str, Any] = {}
-        if args is not None:
+        if args is not None and approval.kind == "conflict":
+            conflict_answer(approval, args)          # 400 unless an answer to a conflict
+            extra["approvedArgs"] = args
+        elif args is not None:
             if approval.kind != "budget" or approval.tool == "model":
                 raise ApiError(409, "only a pending tool call is approved with other args",
                                "conflict")
@@ -11073,7 +11916,7 @@ def api_schemas() -> dict[str, Any]:
         "Task": task, "TaskCreate": create,
         "Approval": {"type": "object", "required": approval_required, "properties": {
             "id": {"type": "string"}, "task": {"type": "string"},
-            "kind": {"type": "string", "enum": ["budget", "ask", "disk", "host"],
+            "kind": {"type": "string", "enum": ["budget", "ask", "disk", "host", "conflict"],
                      "description": "budget (a spending above the task's budget), ask (a "
                      "question), disk (BOX_HOME is below its reserve), host (a name outside "
                      "the task's hosts, with askHosts)"},
@@ -12099,6 +12942,12 @@ def follow_entry(client: Client, entry: dict[str, Any], spinner: Spinner) -> Non
         if approval["kind"] == "ask":
             text = f"the task asks: {approval.get('question')}\n  answer it: gurtd answer " \
                    f"{ap} 'TEXT'   (or: gurtd deny {ap} --reason TEXT)"
+        elif approval["kind"] == "conflict":
+            named = [p.get("path", "?") for p in approval["args"].get("paths", [])]
+            paths = ", ".join(named[:20]) + (f" and {len(named) - 20} more" if named[20:] else "")
+            text = f"conflict {ap}: tasks that ended while this one ran changed {paths} too" \
+                   f"\n  keep the task's: gurtd approve {ap}   the view's: gurtd approve {ap} " \
+                   f"--args '{{\"keep\": \"view\"}}'   or: gurtd deny {ap} --reason TEXT"
         else:
             why = "BOX_HOME's disk is nearly full" if approval["kind"] == "disk" else \
                 f"{cents_text(approval['cents'])} cents, over the budget"

@@ -168,8 +168,12 @@ def test_undo_a_middle_task_keeps_the_others_changes(gurtd: Gurtd) -> None:
     assert gurtd.task(t1["id"])["state"] == "done"
     assert gurtd.task(t3["id"])["state"] == "done"
 
-    # nothing runs on t2's layer: its files go; the others' layers stay
+    # nothing runs on t2's layer: its files go (once the undo's look at later copies is
+    # done, off the loop); the others' layers stay
     eventually(lambda: not os.path.exists(layer_dir(gurtd, t2["id"])), 5, "t2's layer deleted")
+    eventually(lambda: any(e.get("text") == "layer files deleted" for e in gurtd.log(t2["id"])),
+               5, "t2's record saved")
+    time.sleep(0.05)                     # the loop step that deleted it is published
     assert os.path.isdir(layer_dir(gurtd, t1["id"]))
     assert os.path.isdir(layer_dir(gurtd, t3["id"]))
 
@@ -219,9 +223,10 @@ def test_undo_while_a_running_task_reads_the_layer(gurtd: Gurtd) -> None:
 
 # 4. the same file, twice #####################################################################
 
-def test_two_tasks_change_the_same_file_and_undo_is_per_file(gurtd: Gurtd) -> None:
+def test_two_tasks_change_the_same_file_and_undo_is_exact(gurtd: Gurtd) -> None:
     """Task 1 appends to a file of the base, task 2 sees that and appends again.  Undoing
-    task 1 leaves task 2's full copy of the file (a layer holds whole files)."""
+    task 1 takes its line out of task 2's full copy of the file (a layer holds whole files:
+    the reverted copy is a layer of the undo's own, on top)."""
     put_base_file(gurtd, "home", "story.txt", "line0\n")
     t1 = gurtd.run("echo line1 >> story.txt")
     t2 = gurtd.run("cat story.txt\necho line2 >> story.txt")
@@ -232,12 +237,14 @@ def test_two_tasks_change_the_same_file_and_undo_is_per_file(gurtd: Gurtd) -> No
     assert changes(gurtd, t2["id"]) == [{"path": "story.txt", "change": "modified"}]
 
     assert gurtd.api("POST", f"/api/tasks/{t1['id']}/undo")["state"] == "undone"
-    assert gurtd.file("home", "story.txt") == b"line0\nline1\nline2\n"
-    assert stack_ids(gurtd) == [t2["id"]]
+    revert = eventually(lambda: gurtd.task(t1["id"]).get("undoMerge"), 20, "the revert")["layer"]
+    assert gurtd.file("home", "story.txt") == b"line0\nline2\n"
+    assert stack_ids(gurtd) == [revert, t2["id"]]
 
     assert gurtd.api("POST", f"/api/tasks/{t2['id']}/undo")["state"] == "undone"
+    second = eventually(lambda: gurtd.task(t2["id"]).get("undoMerge"), 20, "the revert")["layer"]
     assert gurtd.file("home", "story.txt") == b"line0\n"
-    assert stack_ids(gurtd) == []
+    assert stack_ids(gurtd) == [second, revert]
 
 
 # 5. the Task object ##########################################################################

@@ -1,0 +1,513 @@
+"""Tasks side by side (issue 21): the finish-time merge keeps every task's work.
+
+Each story makes tasks that overlap in time on purpose: a task edits its view, then waits on
+an `ask` (its gate) until the test answers it, so the test decides the order in which tasks
+end.  A merge the tasks' layers cannot settle alone becomes an approval of kind `conflict`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from typing import Any
+
+import pytest
+
+from conftest import Gurtd, eventually, running_gurtd
+
+GATE = "gurtd tool ask '{\"question\": \"end?\"}'"
+
+
+def gated(g: Gurtd, command: str, **fields: Any) -> str:
+    """A task that runs command, then waits at its gate; its id once it waits there."""
+    task = g.create(command + "\n" + GATE, tools=["ask"], **fields)
+    gate(g, task["id"])
+    return task["id"]
+
+
+def pending(g: Gurtd, task_id: str, kind: str) -> dict[str, Any] | None:
+    rows = g.api("GET", f"/api/approvals?state=pending&task={task_id}")
+    return next((a for a in rows if a["kind"] == kind), None)
+
+
+def gate(g: Gurtd, task_id: str) -> dict[str, Any]:
+    def at_gate() -> Any:
+        task = g.task(task_id)
+        assert task["state"] in ("running", "waiting", "queued"), (task, g.log(task_id))
+        return pending(g, task_id, "ask")
+    return eventually(at_gate, 30, f"task {task_id} at its gate")
+
+
+def end(g: Gurtd, task_id: str) -> dict[str, Any]:
+    """Open the task's gate; the task once it is done, failed or waits on a conflict."""
+    g.api("POST", f"/api/approvals/{gate(g, task_id)['id']}/answer", {"answer": "go"})
+    return settled(g, task_id)
+
+
+def settled(g: Gurtd, task_id: str) -> dict[str, Any]:
+    def state() -> Any:
+        task = g.task(task_id)
+        if task["state"] in ("done", "failed", "undone"):
+            return task
+        return task if task["state"] == "waiting" and pending(g, task_id, "conflict") \
+            else None
+    return eventually(state, 30, f"task {task_id} settled")
+
+
+def put(g: Gurtd, path: str, text: str) -> None:
+    """A file in the view of home (an upload: a layer of its own)."""
+    status, task, _ = g.request("PUT", f"/api/workspaces/home/files/{path}",
+                                raw=text.encode(),
+                                headers={"Content-Type": "application/octet-stream"})
+    assert status == 201 and task["state"] == "done", task
+
+
+def lines(n: int) -> str:
+    return "".join(f"line {i}\n" for i in range(1, n + 1))
+
+
+def test_two_tasks_appending_to_one_file_both_kept(gurtd: Gurtd) -> None:
+    """Two tasks made together each append a line to shared.txt: both lines stay, the one
+    that ended first above; the later task says it merged shared.txt, in its log too."""
+    put(gurtd, "shared.txt", "top\n")
+    a = gated(gurtd, "echo from-a >> shared.txt")
+    b = gated(gurtd, "echo from-b >> shared.txt")
+    assert end(gurtd, b)["state"] == "done"
+    task = end(gurtd, a)
+    assert task["state"] == "done", task
+    assert gurtd.file("home", "shared.txt") == b"top\nfrom-b\nfrom-a\n"
+    assert task["merged"] == ["shared.txt"]
+    assert "merged" not in gurtd.task(b)
+    merges = [e for e in gurtd.log(a) if e["type"] == "merge"]
+    assert merges and merges[0]["merged"] == ["shared.txt"]
+
+
+def test_lines_2_and_19_of_a_20_line_file_merged(gurtd: Gurtd) -> None:
+    """One task changes line 2, another line 19 of one file, side by side: the view holds
+    both changes; a file only one of them changed is kept as that one left it."""
+    put(gurtd, "f.txt", lines(20))
+    a = gated(gurtd, "sed -i 's/^line 2$/two by a/' f.txt; echo a > only-a.txt")
+    b = gated(gurtd, "sed -i 's/^line 19$/nineteen by b/' f.txt; echo b > only-b.txt")
+    assert end(gurtd, a)["state"] == "done"
+    assert end(gurtd, b)["state"] == "done"
+    want = lines(20).replace("line 2\n", "two by a\n").replace("line 19\n", "nineteen by b\n")
+    assert gurtd.file("home", "f.txt").decode() == want
+    assert gurtd.file("home", "only-a.txt") == b"a\n"
+    assert gurtd.file("home", "only-b.txt") == b"b\n"
+    assert gurtd.task(b)["merged"] == ["f.txt"]
+
+
+def conflict_story(g: Gurtd, later: str, earlier: str) -> tuple[str, dict[str, Any]]:
+    """Two tasks side by side on f.txt; the later one's pending conflict approval."""
+    put(g, "f.txt", lines(20))
+    a = gated(g, later)
+    b = gated(g, earlier)
+    assert end(g, b)["state"] == "done"
+    task = end(g, a)
+    assert task["state"] == "waiting", task
+    approval = pending(g, a, "conflict")
+    assert approval is not None and approval["canAlwaysApprove"] is False
+    return a, approval
+
+
+def test_delete_against_edit_is_a_conflict(gurtd: Gurtd) -> None:
+    """A task deletes a file another one edited meanwhile: a conflict names the file with
+    its three versions; on /api/events like every approval; approve-all passes it by."""
+    a, approval = conflict_story(gurtd, "rm f.txt", "sed -i 's/^line 5$/five/' f.txt")
+    [path] = approval["args"]["paths"]
+    assert path["path"] == "f.txt" and "deleted by the task" in path["why"]
+    assert path["task"] == {"kind": "absent"}
+    assert path["before"]["text"] == lines(20) and "five\n" in path["view"]["text"]
+    assert gurtd.api("POST", "/api/approvals/approve-all", {})["approved"] == 0
+    assert pending(gurtd, a, "conflict")["id"] == approval["id"]
+    assert gurtd.file("home", "f.txt") is not None and b"five" in gurtd.file("home", "f.txt")
+
+
+@pytest.mark.parametrize("answer", ["task", "view", "text", "deny"])
+def test_a_conflict_answered(gurtd: Gurtd, answer: str) -> None:
+    """Both tasks change line 5 (and the later one line 15): each answer gives its view."""
+    a, approval = conflict_story(gurtd, "sed -i 's/^line 5$/five by a/; s/^line 15$/15 a/' "
+                                 "f.txt; echo new > new.txt",
+                                 "sed -i 's/^line 5$/five by b/' f.txt")
+    path = approval["args"]["paths"][0]
+    assert "<<<<<<< task" in path["diff3"] and "======" in path["diff3"]
+    by_a = lines(20).replace("line 5\n", "five by a\n").replace("line 15\n", "15 a\n")
+    by_b = lines(20).replace("line 5\n", "five by b\n")
+    url = f"/api/approvals/{approval['id']}"
+    if answer == "deny":
+        gurtd.api("POST", url + "/deny", {"reason": "not like this"})
+        task = gurtd.wait(a)
+        assert task["state"] == "failed" and "not like this" in task["error"]
+        assert gurtd.file("home", "f.txt").decode() == by_b
+        assert gurtd.file("home", "new.txt") is None
+        return
+    body: dict[str, Any] = {}
+    if answer == "view":
+        body = {"args": {"keep": "view"}}
+    if answer == "text":
+        body = {"args": {"texts": {"f.txt": "merged by hand\n"}}}
+    gurtd.api("POST", url + "/approve", body)
+    assert gurtd.wait(a)["state"] == "done"
+    want = {"task": by_a, "view": by_b, "text": "merged by hand\n"}[answer]
+    assert gurtd.file("home", "f.txt").decode() == want
+    assert gurtd.file("home", "new.txt") == b"new\n"   # what did not conflict stays
+
+
+def test_every_kind_of_conflict_is_named(gurtd: Gurtd) -> None:
+    """A folder against a file, a binary file, a mode and a symlink target changed both
+    ways: one conflict names each path with why; keep view gives the view's for all."""
+    assert gurtd.run("printf 'a\\0b' > bin; echo m > mode.txt; ln -s one link; "
+                     "echo f > thing")["state"] == "done"
+    a = gated(gurtd, "printf 'task\\0' > bin; chmod 755 mode.txt; ln -sfn two link; "
+                     "rm thing; mkdir thing; echo in > thing/x")
+    b = gated(gurtd, "printf 'view\\0' > bin; chmod 600 mode.txt; ln -sfn three link; "
+                     "echo g > thing")
+    assert end(gurtd, b)["state"] == "done"
+    assert end(gurtd, a)["state"] == "waiting"
+    approval = pending(gurtd, a, "conflict")
+    why = {p["path"]: p["why"] for p in approval["args"]["paths"]}
+    assert why["bin"] == "binary file changed both ways"
+    assert why["mode.txt"] == "mode changed both ways"
+    assert why["link"] == "symlink target changed both ways"
+    assert why["thing"] == "a folder on one side, a file on the other"
+    paths = {p["path"]: p for p in approval["args"]["paths"]}
+    assert paths["link"]["task"] == {"kind": "symlink", "target": "two"}
+    assert paths["mode.txt"]["view"]["mode"] == "0600"
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/approve", {"args": {"keep": "view"}})
+    assert gurtd.wait(a)["state"] == "done"
+    assert gurtd.file("home", "bin") == b"view\0" and gurtd.file("home", "thing") == b"g\n"
+    code, data, _ = gurtd.request("GET", "/api/workspaces/home/files/thing/x")
+    assert code == 404 or code == 400, (code, data)
+
+
+def test_conflict_args_are_checked(gurtd: Gurtd) -> None:
+    a, approval = conflict_story(gurtd, "echo x > f.txt", "echo y > f.txt")
+    url = f"/api/approvals/{approval['id']}/approve"
+    for args in ({"keep": "mine"}, {"texts": {"other.txt": "x"}}, {"texts": {"f.txt": 1}}):
+        gurtd.api("POST", url, {"args": args}, status=400)
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/always", {"scope": "task"}, status=409)
+    gurtd.api("POST", url, {})
+    assert gurtd.wait(a)["state"] == "done" and gurtd.file("home", "f.txt") == b"x\n"
+
+
+def test_merge_past_merged_groups() -> None:
+    """With groups of 2 (merged layers from the fifth task on), the check reads the views
+    through merged layers: the appends of two tasks side by side are both kept."""
+    with running_gurtd({"GURT_LAYER_GROUP": "2", "GURT_LAYER_KEEP": "1"}) as g:
+        put(g, "log.txt", "0\n")
+        for i in range(1, 6):
+            assert g.run(f"echo {i} >> log.txt")["state"] == "done"
+        eventually(lambda: g.api("GET", "/api/workspaces/home")["mergedLayers"] >= 1, 20)
+        a = gated(g, "echo a >> log.txt")
+        b = gated(g, "echo b >> log.txt")
+        assert end(g, b)["state"] == "done"
+        assert end(g, a)["state"] == "done"
+        assert g.file("home", "log.txt") == b"0\n1\n2\n3\n4\n5\nb\na\n"
+
+
+def test_kill_during_a_merge_and_while_a_conflict_waits() -> None:
+    """gurtd killed while a merge is written into the task's layer: after the restart the
+    task is failed and the view is the earlier task's alone; killed while a conflict waits:
+    the task is failed too, its approval denied."""
+    with running_gurtd({"GURT_TEST_CRASH_AT": "finish-merge-half-written"}) as g:
+        put(g, "a.txt", lines(20))
+        put(g, "b.txt", lines(20))
+        a = gated(g, "sed -i 's/^line 2$/A/' a.txt b.txt")
+        b = gated(g, "sed -i 's/^line 19$/B/' a.txt b.txt")
+        assert end(g, b)["state"] == "done"
+        g.api("POST", f"/api/approvals/{gate(g, a)['id']}/answer", {"answer": "go"})
+        assert g.proc is not None and g.proc.wait(timeout=30) == 137
+        g.proc = None
+        g.env.pop("GURT_TEST_CRASH_AT")
+        g.start()
+        task = g.task(a)
+        assert task["state"] == "failed" and "restarted" in task["error"]
+        want = lines(20).replace("line 19\n", "B\n").encode()
+        assert g.file("home", "a.txt") == want and g.file("home", "b.txt") == want
+        c, approval = conflict_story(g, "echo c > f.txt", "echo d > f.txt")
+        g.restart(kill=True)
+        assert g.task(c)["state"] == "failed"
+        assert g.api("GET", f"/api/approvals/{approval['id']}")["state"] == "denied"
+        assert g.file("home", "f.txt") == b"d\n"
+
+
+# The random history: a plain model of what the view must hold ##############################
+
+SLOTS = list(range(1, 30, 3))            # lines tasks edit: two untouched lines between
+Files = dict[str, "list[str] | None"]    # a file's lines, None: deleted
+
+
+def model_merge(base: list[str] | None, theirs: list[str] | None,
+                ours: list[str] | None) -> list[str] | None | str:
+    """The three-way rule on whole files of lines (each change replaces whole slot lines,
+    or deletes the file): the merged file, or "conflict"."""
+    if ours == theirs or theirs == base:
+        return ours
+    if ours == base:
+        return theirs
+    if base is None or theirs is None or ours is None or len(base) != len(ours) or \
+            len(base) != len(theirs):
+        return "conflict"
+    out = []
+    for b, t, o in zip(base, theirs, ours):
+        if o != b and t != b and o != t:
+            return "conflict"
+        out.append(o if o != b else t)
+    return out
+
+
+class Model:
+    """The workspace as gurtd must hold it: a base and a stack of layers (whole files)."""
+
+    def __init__(self, names: list[str], start: list[str]) -> None:
+        self.base: Files = {n: list(start) for n in names}
+        self.layers: list[tuple[str, Files]] = []        # done, oldest first
+
+    def view(self, layers: list[tuple[str, Files]] | None = None) -> Files:
+        out = dict(self.base)
+        for _, files in self.layers if layers is None else layers:
+            out.update(files)
+        return out
+
+    def finish(self, base: Files, ours: Files, answer: Any) -> list[str]:
+        """A task ends: the conflicting files (answer(conflicts) gives the person's answer:
+        None deny, or (keep, texts)); its layer joins unless denied."""
+        view, layer = self.view(), {}
+        results = {n: model_merge(base[n], view[n], o) for n, o in ours.items()}
+        conflicts = sorted(n for n, r in results.items() if r == "conflict")
+        decision = answer(conflicts) if conflicts else ("task", {})
+        if decision is None:
+            return conflicts
+        keep, texts = decision
+        for name, result in results.items():
+            if name in texts:
+                layer[name] = texts[name].splitlines()
+            elif result != "conflict":
+                layer[name] = result             # its copy, or the merged text
+            elif keep == "task":
+                layer[name] = ours[name]
+        self.layers.append(("task", layer))
+        return conflicts
+
+    def undo(self, index: int) -> list[str]:
+        """Undo of the layer at index: its change taken out of later copies (a layer of
+        its own on top); the files kept whole."""
+        below, (_, mine), above = self.layers[:index], self.layers[index], \
+            self.layers[index + 1:]
+        top, under, now = self.view(below + [("", mine)]), self.view(below), self.view()
+        del self.layers[index]
+        revert, kept = {}, []
+        for name in mine:
+            if not any(name in files for _, files in above):
+                continue
+            result = model_merge(top[name], under[name], now[name])
+            if result == "conflict":
+                kept.append(name)
+            elif result != now[name]:
+                revert[name] = result
+        if revert:
+            self.layers.append(("revert", revert))
+        return kept
+
+
+def test_random_histories(gurtd: Gurtd) -> None:
+    """Thirty tasks in a random order of starts, ends and undos, up to six side by side,
+    each changing random slot lines of three files or deleting one; conflicts answered at
+    random.  After every end and every undo the view is exactly what the model says: no
+    change is lost without a word (a conflict, a person's answer, an undo's kept list)."""
+    rng = random.Random(int(os.environ.get("GURT_TEST_SEED", "21")))
+    names = ["a.txt", "b.txt", "c.txt"]
+    start = [f"line {i}" for i in range(1, 31)]
+    for name in names:
+        put(gurtd, name, "\n".join(start) + "\n")
+    model = Model(names, start)
+    model.layers = []                       # the uploads above are the model's base
+    running: dict[str, tuple[Files, Files]] = {}     # id -> (the view it saw, its files)
+    ids: list[str] = []                     # the model's layers of tasks, by their ids
+    made, seen = 0, {"conflict": 0, "merged": 0, "undo": 0, "kept": 0}
+    while made < 30 or running:
+        step = rng.random()
+        if step < 0.12 and ids:
+            task_id = rng.choice(ids)
+            index = [i for i, (kind, _) in enumerate(model.layers) if kind == "task"][
+                ids.index(task_id)]
+            ids.remove(task_id)
+            above = index < len(model.layers) - 1
+            kept = model.undo(index)
+            assert gurtd.api("POST", f"/api/tasks/{task_id}/undo")["state"] == "undone"
+            if above:
+                eventually(lambda: any(e["type"] == "undo" for e in gurtd.log(task_id)), 30)
+            got = gurtd.task(task_id).get("undoMerge") or {"kept": []}
+            assert sorted(k["path"] for k in got["kept"]) == sorted(kept), (got, kept)
+            seen["undo"] += 1
+            seen["kept"] += len(kept)
+        elif made < 30 and (len(running) < 2 or (len(running) < 6 and step < 0.55)):
+            made += 1
+            view = model.view()
+            ours: Files = {}
+            commands = []
+            for name in rng.sample(names, rng.randint(1, 2)):
+                if view[name] is None:
+                    continue
+                if rng.random() < 0.1:
+                    ours[name] = None
+                    commands.append(f"rm {name}")
+                    continue
+                ours[name] = list(view[name])
+                for slot in rng.sample(SLOTS, rng.randint(1, 2)):
+                    if slot < len(ours[name]):
+                        ours[name][slot] = f"t{made} {name} {slot}"
+                        commands.append(f"sed -i '{slot + 1}s/.*/t{made} {name} {slot}/' "
+                                        f"{name}")
+                if ours[name] == view[name]:
+                    del ours[name]
+            task_id = gated(gurtd, "; ".join(commands) or "true", title=f"t{made}")
+            running[task_id] = (view, ours)
+        else:
+            if not running:
+                continue
+            task_id = rng.choice(sorted(running))
+            base, ours = running.pop(task_id)
+            task = end(gurtd, task_id)
+            asked: dict[str, Any] = {}
+
+            def answer(conflicts: list[str]) -> Any:
+                assert task["state"] == "waiting", task
+                approval = pending(gurtd, task_id, "conflict")
+                assert sorted(p["path"] for p in approval["args"]["paths"]) == conflicts
+                choice = rng.choice(["task", "view", "text", "deny"])
+                url = f"/api/approvals/{approval['id']}"
+                asked["choice"] = choice
+                if choice == "deny":
+                    gurtd.api("POST", url + "/deny", {"reason": "no"})
+                    return None
+                args: dict[str, Any] = {"keep": "view" if choice == "view" else "task"}
+                if choice == "text":
+                    args["texts"] = {n: "".join(f"hand {task_id} {i}\n" for i in range(30))
+                                     for n in conflicts}
+                gurtd.api("POST", url + "/approve", {"args": args})
+                return args["keep"], args.get("texts", {})
+            conflicts = model.finish(base, ours, answer)
+            if asked.get("choice") == "deny":
+                assert gurtd.wait(task_id)["state"] == "failed"
+            else:
+                task = gurtd.wait(task_id)
+                assert task["state"] == "done", (task, gurtd.log(task_id))
+                ids.append(task_id)
+                seen["merged"] += bool(task.get("merged"))
+            seen["conflict"] += bool(conflicts)
+        view = model.view()
+        for name in names:
+            got = gurtd.file("home", name)
+            expect = None if view[name] is None else ("\n".join(view[name]) + "\n").encode()
+            assert got == expect, (name, json.dumps(seen), gurtd.api("GET", "/api/tasks"))
+    assert seen["conflict"] >= 2 and seen["merged"] >= 2 and seen["undo"] >= 2, seen
+
+def test_a_hostile_task_is_bounded(gurtd: Gurtd) -> None:
+    """A file of 1,000,000 lines changed at both ends is merged off the loop (the API
+    answers meanwhile); one 100 MB line changed both ways is a conflict that says it is
+    too large to merge."""
+    made = gurtd.create("seq 1000000 > big.txt\nhead -c 100000000 /dev/zero | tr '\\0' x > "
+                        "line.txt")
+    assert gurtd.wait(made["id"], timeout=120)["state"] == "done"
+    a = gated(gurtd, "sed -i '1s/.*/by a/' big.txt; echo a >> line.txt")
+    b = gated(gurtd, "sed -i '$s/.*/by b/' big.txt; echo b >> line.txt")
+    assert end(gurtd, b)["state"] == "done"
+    gurtd.api("POST", f"/api/approvals/{gate(gurtd, a)['id']}/answer", {"answer": "go"})
+    slowest = 0.0
+    while gurtd.task(a)["state"] != "waiting" or not pending(gurtd, a, "conflict"):
+        began = time.monotonic()
+        gurtd.api("GET", "/api/tasks?limit=5")
+        slowest = max(slowest, time.monotonic() - began)
+    assert slowest < 1.0, slowest
+    approval = pending(gurtd, a, "conflict")
+    [path] = approval["args"]["paths"]
+    assert path["path"] == "line.txt" and "too large to merge" in path["why"]
+    assert path["task"]["shown"] == "too large to show"
+    assert approval["args"]["merged"] == ["big.txt"]
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/approve", {})
+    task = gurtd.wait(a, timeout=60)
+    assert task["state"] == "done" and task["merged"] == ["big.txt"]
+    big = gurtd.file("home", "big.txt").split(b"\n")
+    assert big[0] == b"by a" and big[-2] == b"by b" and len(big) == 1000001
+
+
+# Exact undo ##################################################################################
+
+def undo(g: Gurtd, task_id: str) -> dict[str, Any]:
+    """Undo (it answers at once); the task once its later copies are reverted."""
+    assert g.api("POST", f"/api/tasks/{task_id}/undo")["state"] == "undone"
+    return eventually(lambda: g.task(task_id).get("undoMerge"), 30, "the revert")
+
+
+def test_undo_takes_its_change_out_of_a_later_copy(gurtd: Gurtd) -> None:
+    """t1 changes line 3, t2 (started after t1 ended) line 17: undo of t1 takes line 3 back
+    inside t2's copy and leaves line 17; a second undo answers the same; undo of t2 then
+    gives the file as it was before both."""
+    put(gurtd, "f.txt", lines(20))
+    t1 = gurtd.run("sed -i 's/^line 3$/three by t1/' f.txt")["id"]
+    t2 = gurtd.run("sed -i 's/^line 17$/17 by t2/' f.txt")["id"]
+    info = undo(gurtd, t1)
+    assert info["reverted"] == ["f.txt"] and info["kept"] == []
+    assert gurtd.file("home", "f.txt").decode() == lines(20).replace("line 17\n", "17 by t2\n")
+    layer = gurtd.task(info["layer"])
+    assert layer["state"] == "done" and layer["worker"] == "upload"
+    again = gurtd.api("POST", f"/api/tasks/{t1}/undo")
+    assert again["state"] == "undone" and again["undoMerge"] == info
+    assert [e for e in gurtd.log(t1) if e["type"] == "undo"][0]["reverted"] == ["f.txt"]
+    undo(gurtd, t2)
+    assert gurtd.file("home", "f.txt").decode() == lines(20)
+
+
+def test_undo_under_a_later_change_of_the_same_lines_keeps_it_whole(gurtd: Gurtd) -> None:
+    """t2 changed t1's line again: the later version stays whole, and t1's record and log
+    name the path and t2; an append under a later append is taken out alone."""
+    put(gurtd, "f.txt", lines(20))
+    put(gurtd, "log.txt", "top\n")
+    t1 = gurtd.run("sed -i 's/^line 3$/three by t1/' f.txt; echo t1 >> log.txt")["id"]
+    t2 = gurtd.run("sed -i 's/^three by t1$/three by t2/' f.txt; echo t2 >> log.txt")["id"]
+    info = undo(gurtd, t1)
+    assert info["reverted"] == ["log.txt"]
+    assert [(k["path"], k["task"]) for k in info["kept"]] == [("f.txt", t2)]
+    assert gurtd.file("home", "f.txt").decode() == lines(20).replace("line 3\n",
+                                                                      "three by t2\n")
+    assert gurtd.file("home", "log.txt") == b"top\nt2\n"
+    text = [e for e in gurtd.log(t1) if e["type"] == "undo"][0]["text"]
+    assert f"f.txt (in {t2})" in text
+
+
+def test_undo_of_a_file_a_later_task_left_alone_deletes_it(gurtd: Gurtd) -> None:
+    """t1 made two files, t2 copied one without a change (touch) and changed the other:
+    after the undo neither of t1's files shows t1's work."""
+    t1 = gurtd.run("echo one > a.txt; printf 'x\\ny\\nz\\n' > b.txt")["id"]
+    gurtd.run("chmod 644 a.txt; touch a.txt; sed -i 's/^z$/Z/' b.txt")
+    info = undo(gurtd, t1)
+    assert gurtd.file("home", "a.txt") is None
+    assert [k["path"] for k in info["kept"]] == ["b.txt"]     # t2 built on it
+
+
+def test_run_wait_announces_a_conflict_with_the_commands_that_answer_it(gurtd: Gurtd) -> None:
+    from test_cli import cli, read_until, started
+    put(gurtd, "f.txt", "one\n")
+    proc = started(gurtd, "run", "--worker", "fake", "--wait", "--tool", "ask",
+                   "echo task > f.txt\n" + GATE)
+    try:
+        said = read_until(proc.stderr, r"gurtd answer (a\w+) 'TEXT'")
+        [task_id] = [t["id"] for t in gurtd.api("GET", "/api/tasks?state=waiting")]
+        assert end(gurtd, gated(gurtd, "echo view > f.txt"))["state"] == "done"
+        gurtd.api("POST", f"/api/approvals/{gate(gurtd, task_id)['id']}/answer",
+                  {"answer": "go"})
+        said = read_until(proc.stderr, r"or: gurtd deny \S+ --reason TEXT")
+        assert "changed f.txt too" in said, said
+        ap = pending(gurtd, task_id, "conflict")["id"]
+        assert f"""gurtd approve {ap} --args '{{"keep": "view"}}'""" in said
+        assert cli(gurtd, "approve", ap, "--args", '{"keep": "view"}').returncode == 0
+        proc.communicate(timeout=60)
+        assert proc.returncode == 0
+        assert gurtd.file("home", "f.txt") == b"view\n"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
