@@ -278,7 +278,9 @@ def parse_host(entry: Any) -> tuple[str, str, int | None]:
     """Parse one `hosts` entry into (kind, name, port); kind is name, wildcard, ip or cidr.
 
     Accepted: example.com, example.com:8080, *.example.com, 198.18.0.1, 198.18.0.0/24, each
-    optionally with :port.  Raises ValueError with the reason otherwise.
+    optionally with :port.  Raises ValueError with the reason otherwise: an address or network
+    that touches absolute special-use space (grant_refusal) is refused here, so every place a
+    grant is made refuses it; IPv6 is refused (a task reaches IPv4 only).
     """
     if not isinstance(entry, str) or not entry:
         raise ValueError("must be a non-empty string")
@@ -286,6 +288,8 @@ def parse_host(entry: Any) -> tuple[str, str, int | None]:
         raise ValueError("must not contain spaces")
     if "://" in entry:
         raise ValueError("must be a host, not a URL")
+    if entry.count(":") > 1 or entry.startswith("["):
+        raise ValueError(ipv6_refusal(entry))
     host, port = entry, None
     if ":" in entry:
         host, _, port_text = entry.rpartition(":")
@@ -295,12 +299,15 @@ def parse_host(entry: Any) -> tuple[str, str, int | None]:
     host = host.lower()
     if re.fullmatch(r"[0-9./]+", host):
         try:
-            if "/" in host:
-                net = ipaddress.IPv4Network(host, strict=True)
-                return "cidr", str(net), port
-            return "ip", str(ipaddress.IPv4Address(host)), port
+            net = ipaddress.IPv4Network(host, strict=True)
         except ValueError as exc:
             raise ValueError(f"not an IPv4 address or CIDR block ({exc})") from None
+        refusal = grant_refusal(net)
+        if refusal:
+            raise ValueError(refusal)
+        if "/" in host:
+            return "cidr", str(net), port
+        return "ip", str(net.network_address), port
     if "/" in host or "?" in host or "#" in host or "@" in host:
         raise ValueError("must be a host, not a URL")
     kind = "name"
@@ -357,7 +364,54 @@ SPECIAL_NETS = tuple((ipaddress.IPv4Network(net), what, absolute) for net, what,
     ("192.168.0.0/16", "private", False), ("192.0.0.0/24", "IETF protocol assignments", False),
     ("192.0.2.0/24", "documentation", False), ("198.51.100.0/24", "documentation", False),
     ("203.0.113.0/24", "documentation", False), ("198.18.0.0/15", "benchmarking", False),
-    ("240.0.0.0/4", "reserved", False)))
+    ("240.0.0.0/4", "reserved", True)))
+
+# The IPv6 ones, named in the refusal of an IPv6 entry (every IPv6 entry is refused: a task's
+# namespace has IPv6 off and the firewall refuses IPv6, but a mapped ::ffff:169.254.169.254 is
+# still told as what it is).
+SPECIAL_NETS6 = tuple((ipaddress.IPv6Network(net), what) for net, what in (
+    ("::/128", "unspecified"), ("::1/128", "loopback"), ("::ffff:0:0/96", "IPv4-mapped"),
+    ("64:ff9b::/96", "IPv4/IPv6 translation"), ("100::/64", "discard"),
+    ("2001:db8::/32", "documentation"), ("2002::/16", "6to4"), ("fc00::/7", "unique local"),
+    ("fe80::/10", "link-local"), ("ff00::/8", "multicast")))
+
+
+def grant_refusal(net: ipaddress.IPv4Network) -> str | None:
+    """Why no grant may open net, or None: it is in, or holds, an absolute special-use network
+    (0.0.0.0/0 and 0.0.0.0/1 hold 0.0.0.0/8 and 127.0.0.0/8).  The one check of grants: host
+    entries (parse_host), dnsAllowedNets and DNS answers (refused_address) ask it."""
+    held = [(special, what) for special, what, absolute in SPECIAL_NETS
+            if absolute and net.overlaps(special)]
+    if not held:
+        return None
+    name = net.with_prefixlen if net.prefixlen < 32 else str(net.network_address)
+    if net.subnet_of(held[0][0]):
+        return f"{name} is in {held[0][0]} ({held[0][1]}), which no grant opens"
+    return f"{name} holds {', '.join(f'{s} ({w})' for s, w in held)}, which no grant opens"
+
+
+def ipv6_refusal(entry: str) -> str:
+    """Why an IPv6 host entry is refused: the special network it is in (for a mapped IPv4
+    address, the IPv4 one's refusal), else that tasks reach IPv4 only."""
+    text = entry.lower()
+    if text.startswith("["):
+        text = text[1:].partition("]")[0]
+    try:
+        net = ipaddress.IPv6Network(text, strict=False)
+    except ValueError:
+        return "not a valid host: an IPv6 address is not granted either (a task reaches " \
+               "IPv4 only)"
+    mapped = net.network_address.ipv4_mapped
+    if mapped is not None and net.prefixlen >= 96:
+        refusal = grant_refusal(ipaddress.IPv4Network(f"{mapped}/{net.prefixlen - 96}",
+                                                      strict=False))
+        if refusal:
+            return f"{text} is IPv4-mapped: {refusal}"
+    for special, what in SPECIAL_NETS6:
+        if net.overlaps(special):
+            where = "is in" if net.subnet_of(special) else "holds"
+            return f"{text} {where} {special} ({what}), which no grant opens"
+    return f"{text}: IPv6 is not granted (a task reaches IPv4 only)"
 
 
 def refused_address(addr: str, own: set[str],
@@ -368,10 +422,11 @@ def refused_address(addr: str, own: set[str],
     entries), and never the absolute ones or an address of this host.
     """
     ip = ipaddress.IPv4Address(addr)
-    for net, what, absolute in SPECIAL_NETS:
+    refusal = grant_refusal(ipaddress.IPv4Network(addr))
+    if refusal:
+        return refusal
+    for net, what, _ in SPECIAL_NETS:
         if ip in net:
-            if absolute:
-                return f"{addr} is in {net} ({what})"
             break
     else:
         net, what = ipaddress.IPv4Network(f"{addr}/32"), "special-use"
@@ -398,10 +453,9 @@ def valid_answer_nets(value: Any) -> list[str]:
         if net is None:
             raise ApiError(400, f"dnsAllowedNets: {json.dumps(text)} is not an IPv4 network "
                                 "such as 10.0.0.0/8")
-        for special, what, absolute in SPECIAL_NETS:
-            if absolute and net.overlaps(special):
-                raise ApiError(400, f"dnsAllowedNets: {net} overlaps {special} ({what}), "
-                                    "which no grant opens")
+        refusal = grant_refusal(net)
+        if refusal:
+            raise ApiError(400, f"dnsAllowedNets: {refusal}")
         out.append(str(net))
     return out
 
