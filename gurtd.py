@@ -11122,7 +11122,8 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 _LABEL, _TOP = "[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", "[a-z]([a-z0-9-]{0,61}[a-z0-9])?"
 _OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
 _PORT = "(:([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]))?"
-HOST_SCHEMA = {   # parse_host's forms; a wildcard under a public suffix is refused besides
+HOST_SCHEMA = {   # parse_host's forms; refused besides: a wildcard under a public suffix, and
+                  # an address or network touching absolute special-use space (grant_refusal)
     "type": "string", "maxLength": 259, "examples": ["example.com", "*.example.com:443"],
     "pattern": f"^((\\*\\.)?({_LABEL}\\.)+{_TOP}|{_TOP}|({_OCTET}\\.){{3}}{_OCTET}){_PORT}$"}
 NET_SCHEMA = {"type": "string", "pattern": f"^({_OCTET}\\.){{3}}{_OCTET}/(3[0-2]|[12]?[0-9])$",
