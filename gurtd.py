@@ -8730,8 +8730,7 @@ def h_portal(req: "Handler", params: dict[str, str]) -> Any:
         raise ApiError(500, f"the portal page is missing: {exc.strerror}") from None
     req.send_json(200, (page, "text/html; charset=utf-8"), {
         "Content-Security-Policy": portal_csp(page), "X-Frame-Options": "DENY",
-        "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
-        "Cache-Control": "no-store"})
+        "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
     return None
 
 
@@ -8747,8 +8746,7 @@ def h_sessions_create(req: "Handler", params: dict[str, str]) -> Any:
         raise ApiError(400, 'the body must be {"code": "..."} or {"token": "..."}')
     secret, life = req.server.sessions.sign_in(body.get("code"), body.get("token"),
                                                req.headers.get("User-Agent") or "")
-    return 201, {"signedIn": True}, {"Set-Cookie": session_cookie(secret, life),
-                                      "Cache-Control": "no-store"}
+    return 201, {"signedIn": True}, {"Set-Cookie": session_cookie(secret, life)}
 
 
 def h_session_current(req: "Handler", params: dict[str, str]) -> Any:
@@ -9987,7 +9985,6 @@ def follow_log(req: "Handler", task_id: str, path: str) -> None:
     box = req.box
     req.send_response(200)
     req.send_header("Content-Type", "text/event-stream")
-    req.send_header("Cache-Control", "no-cache")
     req.send_header("Connection", "close")
     req.end_headers()
     req.close_connection = True
@@ -10191,7 +10188,6 @@ def h_events(req: "Handler", params: dict[str, str]) -> Any:
     last = int(since) if since else box.event_seq
     req.send_response(200)
     req.send_header("Content-Type", "text/event-stream")
-    req.send_header("Cache-Control", "no-cache")
     req.send_header("Connection", "close")
     req.end_headers()
     req.close_connection = True
@@ -10898,11 +10894,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_json(code, {"error": message or self.responses.get(code, ("error",))[0]})
 
     def send_response(self, code: int, message: str | None = None) -> None:
-        """Every answer starts here: first the request's unread body is dropped."""
+        """Every answer starts here: first the request's unread body is dropped.  No answer
+        is for a cache to keep (tasks, logs, settings, sessions, archives): no-store."""
         if code >= 200:
             self.drain_body()
             self.answered = True
         super().send_response(code, message)
+        if code >= 200:
+            self.send_header("Cache-Control", "no-store")
 
     def send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
         if isinstance(obj, tuple):
