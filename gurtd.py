@@ -46,7 +46,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           nor skipped; the loop's timeout is the next run
     Jira                  a Jira Cloud poll thread: one task per matching issue (recorded
                           before it is made), a comment and a transition when it ends
-    Hooks                 signed webhooks (HMAC-SHA256, delivery ids refused twice a day)
+    Hooks                 signed webhooks (HMAC-SHA256 of timestamp, delivery id and body;
+                          an id refused twice a day, a timestamp past 5 minutes refused)
     HTTP                  request guard, auth, one table of Route records (method, path,
                           handler, open or streamed, OpenAPI operation), JSON errors
     OpenAPI               the description generated from the routes and the validation tables
@@ -9586,15 +9587,20 @@ def jira_comment(notice: dict[str, Any]) -> str:
 
 # Hooks #########################################################################################
 ###############################################################################################
-# Signed webhooks (GitHub's convention): POST /api/hooks/{name} with X-Gurt-Signature:
-# sha256=<hex HMAC-SHA256 of the body, keyed with the hook's secret> and X-Gurt-Delivery: <a
-# unique id>.  The only routes without the bearer token: the signature is the credential.
-# The secret is made by gurtd per hook and answered once.  A delivery id is remembered for a
-# day (BOX_HOME/hook-deliveries.jsonl, append-only): a replay within it is refused.
+# Signed webhooks: POST /api/hooks/{name} with X-Gurt-Delivery: <a unique id>,
+# X-Gurt-Timestamp: <Unix seconds> and X-Gurt-Signature: sha256=<hex HMAC-SHA256 of
+# "TIMESTAMP.DELIVERY.BODY", keyed with the hook's secret> (the Standard Webhooks scheme).
+# The only routes without the bearer token: the signature is the credential.  The secret is
+# made by gurtd per hook and answered once.  A delivery id is remembered for a day
+# (BOX_HOME/hook-deliveries.jsonl, append-only): the same id again is refused; a new id
+# breaks the signature; and past 5 minutes the timestamp is stale, so a signed delivery that
+# someone kept is never taken twice.
 
 MAX_HOOKS = 100
 MAX_DELIVERIES = 10_000              # remembered at once; past it deliveries get 429
 DELIVERY_KEPT = 86400.0              # seconds a delivery id is remembered
+DELIVERY_MAX_AGE = 300.0             # seconds a signed timestamp is good for (< DELIVERY_KEPT)
+DELIVERY_SKEW = 60.0                 # seconds a sender's clock may be ahead of ours
 HOOK_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 DELIVERY_RE = re.compile(r"^[\x21-\x7e]{1,200}$")
 HOOK_PATH_RE = re.compile(r"^/api/hooks/[^/]+$")
@@ -9628,11 +9634,34 @@ def validate_hook_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return {"name": name, "source": source, "task": task, "allow": sorted(set(allow))}
 
 
-def hook_signature_ok(secret: str, body: bytes, header: str) -> bool:
-    """X-Gurt-Signature is sha256=<hex HMAC-SHA256 of the raw body>; compared in constant
-    time."""
-    expected = "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+def hook_signature(secret: str, timestamp: str, delivery: str, body: bytes) -> str:
+    """X-Gurt-Signature of a delivery: sha256=<hex HMAC-SHA256 of "TIMESTAMP.DELIVERY.BODY">
+    (the raw body): the timestamp and the id are signed, so neither can be changed."""
+    signed = f"{timestamp}.{delivery}.".encode() + body
+    return "sha256=" + hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
+
+
+def hook_signature_ok(secret: str, timestamp: str, delivery: str, body: bytes,
+                      header: str) -> bool:
+    """The delivery's signature is right (compared in constant time) and its timestamp is a
+    number of seconds; whether it is fresh is asked after (delivery_staleness)."""
+    if not (is_digits(timestamp) and len(timestamp) <= 12 and header):
+        return False
+    expected = hook_signature(secret, timestamp, delivery, body)
     return hmac.compare_digest(expected.encode(), header.strip().lower().encode())
+
+
+def delivery_staleness(timestamp: str, now: float) -> str | None:
+    """Why a rightly signed X-Gurt-Timestamp is not taken (too old, or ahead of our clock
+    past the skew), or None."""
+    age = now - int(timestamp)
+    if age > DELIVERY_MAX_AGE:
+        return f"X-Gurt-Timestamp {timestamp} is {age:.0f} s old: a delivery is taken " \
+               f"within {DELIVERY_MAX_AGE:.0f} s of its signing"
+    if age < -DELIVERY_SKEW:
+        return f"X-Gurt-Timestamp {timestamp} is {-age:.0f} s ahead of gurtd's clock (at " \
+               f"most {DELIVERY_SKEW:.0f} s)"
+    return None
 
 
 class Hooks:
@@ -9719,17 +9748,23 @@ class Hooks:
             raise
         return {"deleted": name}
 
-    def deliver(self, name: str, raw: bytes, signature: str, delivery: str) -> dict[str, Any]:
-        """A delivery: signature, then delivery id (remembered, synced, before the task is
-        made: a crash between them loses the delivery, never runs it twice), then the task."""
+    def deliver(self, name: str, raw: bytes, signature: str, delivery: str,
+                timestamp: str) -> dict[str, Any]:
+        """A delivery: signature and its timestamp, then delivery id (remembered, synced,
+        before the task is made: a crash between them loses the delivery, never runs it
+        twice), then the task."""
         hook = self.items.get(name)
-        if hook is None or not signature or not hook_signature_ok(hook["secret"], raw,
-                                                                  signature):
-            # one answer for both: an unknown hook name is not told apart from a bad signature
-            raise ApiError(401, "missing or wrong X-Gurt-Signature", "bad_signature")
+        if hook is None or not hook_signature_ok(hook["secret"], timestamp, delivery, raw,
+                                                 signature):
+            # one answer for all: an unknown hook name is not told apart from a bad signature
+            raise ApiError(401, "missing or wrong X-Gurt-Signature (of X-Gurt-Timestamp, "
+                                "X-Gurt-Delivery and the body)", "bad_signature")
+        now = time.time()
+        stale = delivery_staleness(timestamp, now)
+        if stale:
+            raise ApiError(401, stale, "stale_delivery")
         if not DELIVERY_RE.match(delivery):
             raise ApiError(400, "X-Gurt-Delivery must be a unique id (1-200 visible ASCII)")
-        now = time.time()
         for key in [k for k, at in self.deliveries.items() if now - at >= DELIVERY_KEPT]:
             del self.deliveries[key]
         key = f"{name}/{delivery}"
@@ -9792,7 +9827,8 @@ def h_hook_deliver(req: "Handler", params: dict[str, str]) -> Any:
     raw = hook_raw_body(req)
     return 201, req.box.call(req.box.hooks.deliver, params["name"], raw,
                              req.headers.get("X-Gurt-Signature") or "",
-                             req.headers.get("X-Gurt-Delivery") or "")
+                             req.headers.get("X-Gurt-Delivery") or "",
+                             req.headers.get("X-Gurt-Timestamp") or "")
 
 
 # HTTP ##########################################################################################
@@ -10685,12 +10721,18 @@ ROUTES: list[Route] = [
           "deleteHook", "hooks", params={"name": HOOK_NAME},
           answers={200: DELETED, 404: "No hook of this name", 507: "The disk is full: it stays"}),
     Route("POST", "/api/hooks/{name}", h_hook_deliver,
-          "Deliver to a hook (no token: X-Gurt-Signature and X-Gurt-Delivery)",
+          "Deliver to a hook (no token: X-Gurt-Signature, X-Gurt-Timestamp, X-Gurt-Delivery)",
           "deliverToHook", "hooks", open=True, params={"name": HOOK_NAME},
           headers={
               "X-Gurt-Signature": ({"type": "string", "pattern": "^sha256=[0-9a-fA-F]{64}$"},
-                                   "sha256=<hex HMAC-SHA256 of the raw body, keyed with the "
-                                   "hook's secret>: the credential (no bearer token)", True),
+                                   "sha256=<hex HMAC-SHA256 of TIMESTAMP.DELIVERY.BODY (the "
+                                   "X-Gurt-Timestamp and X-Gurt-Delivery values and the raw "
+                                   "body, joined by dots), keyed with the hook's secret>: the "
+                                   "credential (no bearer token)", True),
+              "X-Gurt-Timestamp": ({"type": "string", "pattern": "^[0-9]{1,12}$"},
+                                   "When the delivery was signed, in Unix seconds: taken "
+                                   f"within {DELIVERY_MAX_AGE:.0f} s after (and at most "
+                                   f"{DELIVERY_SKEW:.0f} s before, a clock's skew)", True),
               "X-Gurt-Delivery": ({"type": "string", "pattern": DELIVERY_RE.pattern},
                                   "A unique id of this delivery: the same id again within a "
                                   "day is refused", True)},
@@ -10698,8 +10740,9 @@ ROUTES: list[Route] = [
           answers={201: ("The task it started", _ref("Task")),
                    400: "A bad delivery id, not a JSON object, a field the hook does not let "
                         "a delivery set, or a task field that is wrong",
-                   401: "A missing or wrong signature, or no hook of this name (the same "
-                        "answer)",
+                   401: "A missing or wrong signature or timestamp, or no hook of this name "
+                        "(the same answer, bad_signature); or a timestamp too old or ahead "
+                        "(stale_delivery)",
                    403: "A Host header (not in hookHosts) or an Origin gurtd does not answer",
                    409: "This delivery id was taken already (a replay)",
                    503: "gurtd is busy; try again (Retry-After)",

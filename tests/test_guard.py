@@ -9,8 +9,6 @@ exactly as it was: the task list, BOX_HOME/tasks, logs, layers, workspaces and s
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import http.client
 import json
 import os
@@ -597,10 +595,11 @@ def hook_delivery(g: Gurtd, hosts: list[str]) -> tuple[int, Any, dict[str, str]]
     """A signed delivery to the module's hook "special" (its deliveries may set hosts)."""
     secret = g.special_hook_secret          # type: ignore[attr-defined]
     raw = json.dumps({"title": "t", "prompt": "p", "hosts": hosts}).encode()
+    delivery, stamp = os.urandom(8).hex(), str(int(time.time()))
     return g.request("POST", "/api/hooks/special", token=False, raw=raw, headers={
-        "Content-Type": "application/json", "X-Gurt-Delivery": os.urandom(8).hex(),
-        "X-Gurt-Signature": "sha256=" + hmac.new(secret.encode(), raw,
-                                                 hashlib.sha256).hexdigest()})
+        "Content-Type": "application/json", "X-Gurt-Delivery": delivery,
+        "X-Gurt-Timestamp": stamp, "X-Gurt-Signature": gurtd_module.hook_signature(
+            secret, stamp, delivery, raw)})
 
 
 GRANT_ENTRY_POINTS: dict[str, Any] = {   # every place a grant is made, given one entry

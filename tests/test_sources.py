@@ -394,18 +394,72 @@ def test_a_labelled_issue_becomes_one_task_and_hears_back_when_it_ends() -> None
 
 # Hooks #########################################################################################
 
+def signed(secret: str, raw: bytes, delivery: str, stamp: float | None = None) -> dict[str, str]:
+    """A sender's headers: X-Gurt-Timestamp (Unix seconds) and X-Gurt-Signature, the hex
+    HMAC-SHA256 of "TIMESTAMP.DELIVERY.BODY" keyed with the hook's secret."""
+    when = str(int(time.time() if stamp is None else stamp))
+    mac = hmac.new(secret.encode(), f"{when}.{delivery}.".encode() + raw, hashlib.sha256)
+    return {"X-Gurt-Timestamp": when, "X-Gurt-Signature": "sha256=" + mac.hexdigest()}
+
+
 def deliver(g: Gurtd, name: str, body: Any, secret: str | None, delivery: str,
-            host: str | None = None, signature: str | None = None) -> tuple[int, Any]:
+            host: str | None = None, signature: str | None = None,
+            headers: dict[str, str] | None = None) -> tuple[int, Any]:
     raw = json.dumps(body).encode()
-    headers = {"Content-Type": "application/json", "X-Gurt-Delivery": delivery}
+    sent = {"Content-Type": "application/json", "X-Gurt-Delivery": delivery}
     if secret is not None:
-        headers["X-Gurt-Signature"] = signature or "sha256=" + hmac.new(
-            secret.encode(), raw, hashlib.sha256).hexdigest()
+        sent.update(signed(secret, raw, delivery))
+        if signature:
+            sent["X-Gurt-Signature"] = signature
+    sent.update(headers or {})
     if host:
-        headers["Host"] = host
-    code, answer, _ = g.request("POST", f"/api/hooks/{name}", headers=headers, token=False,
+        sent["Host"] = host
+    code, answer, _ = g.request("POST", f"/api/hooks/{name}", headers=sent, token=False,
                                 raw=raw)
     return code, answer
+
+
+def test_a_signed_delivery_is_taken_once_and_only_while_fresh() -> None:
+    """Whoever saw one signed delivery (a log, a proxy) could send it again under a new
+    delivery id: the signature covered the body only.  It covers the timestamp and the id
+    now: a replay under a new id, an old or a future timestamp, and a body signed the old
+    way are all refused, and start nothing."""
+    with running_gurtd() as g:
+        secret = g.api("POST", "/api/hooks", {"name": "gh", "source": "gh",
+                                              "task": {"worker": "fake"}}, status=201)["secret"]
+        body = {"title": "once", "prompt": "echo once"}
+        raw = json.dumps(body).encode()
+        code, task = deliver(g, "gh", body, secret, "r-1")
+        assert code == 201, task
+        seen = signed(secret, raw, "r-1")           # what an eavesdropper kept
+        refused = {
+            "the same delivery under a new id": ("r-2", seen),
+            "an hour old": ("r-3", signed(secret, raw, "r-3", time.time() - 3600)),
+            "six minutes old": ("r-4", signed(secret, raw, "r-4", time.time() - 360)),
+            "ten minutes ahead": ("r-5", signed(secret, raw, "r-5", time.time() + 600)),
+            "the body signed without the timestamp": ("r-6", {
+                "X-Gurt-Timestamp": str(int(time.time())), "X-Gurt-Signature": "sha256=" +
+                hmac.new(secret.encode(), raw, hashlib.sha256).hexdigest()}),
+            "no timestamp": ("r-7", {"X-Gurt-Signature": seen["X-Gurt-Signature"]}),
+            "a timestamp that is not a number": ("r-8", {**signed(secret, raw, "r-8"),
+                                                         "X-Gurt-Timestamp": "soon"}),
+        }
+        for why, (delivery, headers) in refused.items():
+            sent = {"Content-Type": "application/json", "X-Gurt-Delivery": delivery, **headers}
+            code, answer, _ = g.request("POST", "/api/hooks/gh", headers=sent, token=False,
+                                        raw=raw)
+            assert code == 401, (why, code, answer)
+        code, answer = deliver(g, "gh", body, secret, "r-1")
+        assert code == 409 and answer["code"] == "replayed", answer
+        assert [t["id"] for t in g.api("GET", "/api/tasks")] == [task["id"]]
+        # a sender's clock a little ahead (within the skew), or a few minutes behind, is fine
+        for delivery, stamp in (("r-9", time.time() + 20), ("r-10", time.time() - 240)):
+            sent = {"Content-Type": "application/json", "X-Gurt-Delivery": delivery,
+                    **signed(secret, raw, delivery, stamp)}
+            code, answer, _ = g.request("POST", "/api/hooks/gh", headers=sent, token=False,
+                                        raw=raw)
+            assert code == 201, (delivery, answer)
+        g.wait(task["id"])
 
 
 def test_a_signed_delivery_starts_a_task_and_nothing_else_does() -> None:
