@@ -9207,7 +9207,9 @@ def h_schedule_run(req: "Handler", params: dict[str, str]) -> Any:
 # comments on the issue and moves it (transitions), retrying 429/5xx/unreachable with backoff.
 # The loop never waits for Jira; Jira being down only delays its own work.
 
-JIRA_TIMEOUT = 20.0                  # seconds for one request to Jira
+JIRA_TIMEOUT = 20.0                  # seconds for one read or write of a request to Jira
+JIRA_DEADLINE = 60.0                 # seconds for a whole answer (GURT_JIRA_DEADLINE)
+JIRA_ANSWER_MAX = 8 << 20            # bytes of one answer, at most
 JIRA_BACKOFF_MAX = 600.0             # seconds between retries, at most
 JIRA_MAX_ISSUES = 50                 # issues taken per poll
 JIRA_TEXT_MAX = 100_000              # characters of a description made into a prompt
@@ -9319,46 +9321,105 @@ class JiraError(Exception):
         return self.status in (0, 408, 429) or self.status >= 500
 
 
+class JiraUnreadable(JiraError):
+    """A 2xx answer that cannot be read: larger than JIRA_ANSWER_MAX, not JSON, nested too
+    deep, or not the object asked for.  Of a search: Jira's fault, retried (502).  Of one
+    issue: that issue's, which is skipped (Jira.poll)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(502, message)
+
+
+class JiraLate(JiraError):
+    """No whole answer within the deadline (a Jira trickling its answer, or one too slow)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(0, message)
+
+
+def jira_exchange(config: dict[str, Any], method: str, path: str, body: bytes | None,
+                  headers: dict[str, str]) -> tuple[int, Any, bytes]:
+    """(status, headers, body) of one request, the whole answer within the deadline: a read
+    timeout alone lets a Jira that sends a byte every 19 s hold the thread for ever, so at the
+    deadline a timer shuts the socket (a dup of it: whatever reads it, TLS too, wakes up).
+    No proxy; a redirect is an answer like any other (never followed)."""
+    import ssl
+    url = urllib.parse.urlsplit(config["baseUrl"])
+    secure = url.scheme == "https"
+    host, port = url.hostname or "", url.port or (443 if secure else 80)
+    deadline = env_seconds("GURT_JIRA_DEADLINE", JIRA_DEADLINE)
+    try:
+        raw = socket.create_connection((host, port), timeout=JIRA_TIMEOUT)
+    except OSError as exc:
+        raise JiraError(0, f"{method} {path}: {type(exc).__name__}: {exc}") from None
+    keeper, late = raw.dup(), threading.Event()
+
+    def cut() -> None:
+        late.set()
+        with contextlib.suppress(OSError):
+            keeper.shutdown(socket.SHUT_RDWR)
+    timer = threading.Timer(deadline, cut)
+    timer.daemon = True
+    timer.start()
+    kind = http.client.HTTPSConnection if secure else http.client.HTTPConnection
+    conn = kind(host, port, timeout=JIRA_TIMEOUT)
+    try:
+        conn.sock = ssl.create_default_context().wrap_socket(
+            raw, server_hostname=host) if secure else raw
+        conn.request(method, url.path + path, body=body, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.headers, resp.read(JIRA_ANSWER_MAX + 1)
+    except (OSError, http.client.HTTPException) as exc:
+        if late.is_set():
+            raise JiraLate(f"{method} {path}: no whole answer within {deadline:.0f} s "
+                           "(Jira is too slow, or trickles it)") from None
+        raise JiraError(0, f"{method} {path}: {type(exc).__name__}: {exc}") from None
+    finally:
+        timer.cancel()
+        conn.close()
+        raw.close()
+        keeper.close()
+
+
 def jira_request(config: dict[str, Any], token: str, method: str, path: str,
                  body: Any = None) -> Any:
     """One request to Jira's REST API (basic auth: email and API token); its JSON or None.
-    JiraError on anything but 2xx.  Any thread; never the loop's."""
-    import base64
-    import urllib.error
-    import urllib.request
+    JiraError on anything but 2xx, JiraUnreadable on an answer that cannot be read, JiraLate
+    past the deadline.  A redirect is refused: following it would send the Authorization
+    header along to any host (and over http).  Any thread; never the loop's."""
     auth = base64.b64encode(f"{config['email']}:{token}".encode()).decode()
-    request = urllib.request.Request(
-        config["baseUrl"] + path, method=method,
-        data=json.dumps(body).encode() if body is not None else None,
-        headers={"Authorization": f"Basic {auth}", "Accept": "application/json",
-                 "Content-Type": "application/json", "User-Agent": f"gurtd/{VERSION}"})
-    class NoRedirect(urllib.request.HTTPRedirectHandler):
-        """A redirect is refused: urllib would send the Authorization header along to any
-        host (and over http), giving the token to whoever the answer names."""
-        def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any,
-                             newurl: str) -> None:
-            raise JiraError(code, f"{method} {path}: Jira redirected to "
-                                  f"{printable(newurl)[:200]}; gurtd follows no redirect (the "
-                                  "token would go along): correct jira.baseUrl")
-
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),  # no env proxies
-                                         NoRedirect())
-    try:
-        with opener.open(request, timeout=JIRA_TIMEOUT) as resp:
-            data = resp.read(MAX_BODY * 8)
-    except urllib.error.HTTPError as exc:
-        retry = exc.headers.get("Retry-After", "") if exc.headers else ""
-        detail = exc.read(2000).decode(errors="replace")
-        raise JiraError(exc.code, f"{method} {path}: {exc.code} {printable(detail)[:300]}",
-                        float(retry) if is_digits(retry) else None) from None
-    except (OSError, http.client.HTTPException) as exc:
-        raise JiraError(0, f"{method} {path}: {type(exc).__name__}: {exc}") from None
+    status, headers, data = jira_exchange(
+        config, method, path, json.dumps(body).encode() if body is not None else None,
+        {"Authorization": f"Basic {auth}", "Accept": "application/json",
+         "Content-Type": "application/json", "User-Agent": f"gurtd/{VERSION}"})
+    if 300 <= status < 400:
+        raise JiraError(status, f"{method} {path}: Jira redirected to "
+                                f"{printable(headers.get('Location', ''))[:200]}; gurtd follows "
+                                "no redirect (the token would go along): correct jira.baseUrl")
+    if not 200 <= status < 300:
+        retry = headers.get("Retry-After", "")
+        detail = data[:2000].decode(errors="replace")
+        raise JiraError(status, f"{method} {path}: {status} {printable(detail)[:300]}",
+                        float(retry) if is_digits(retry) else None)
+    if len(data) > JIRA_ANSWER_MAX:
+        raise JiraUnreadable(f"{method} {path}: the answer is larger than "
+                             f"{JIRA_ANSWER_MAX >> 20} MiB")
     if not data.strip():
         return None
     try:
         return loads_bounded(data)
     except ValueError as exc:
-        raise JiraError(502, f"{method} {path}: not JSON: {exc}") from None
+        raise JiraUnreadable(f"{method} {path}: not JSON: {exc}") from None
+
+
+def jira_issue_fields(key: str, issue: Any) -> dict[str, Any]:
+    """The fields of GET /rest/api/3/issue/KEY's answer; JiraUnreadable if it is not an issue
+    object (anyone may shape what a Jira answers)."""
+    fields = issue.get("fields") if isinstance(issue, dict) else None
+    if not isinstance(fields, dict):
+        raise JiraUnreadable(f"GET /rest/api/3/issue/{key}: the answer is not a JSON object "
+                             "with fields")
+    return fields
 
 
 class Jira:
@@ -9441,6 +9502,23 @@ class Jira:
         log(6, f"jira: issue {key} started task {task['id']}")
         return task
 
+    def skip(self, key: str, reason: str) -> None:
+        """An issue that cannot be read (its answer too large, not JSON, nested too deep):
+        recorded as skipped for good (saved), so that no poll stops at it again; the thread
+        comments on it with the reason (a notice, as for a task's end)."""
+        if key in self.issues or not JIRA_KEY_RE.fullmatch(key):
+            return
+        self.issues[key] = {"task": None, "takenAt": now_iso(), "state": "skipped",
+                            "error": reason, "notice": {"state": "skipped", "error": reason,
+                                                        "task": None}}
+        try:
+            self.save()
+        except OSError:
+            del self.issues[key]
+            raise
+        log(4, f"jira: issue {key} skipped for good: {reason}")
+        self.wake.set()
+
     def on_task(self, task: dict[str, Any]) -> None:
         """A task changed state (Box.emit): the end of a Jira task is noticed for the thread."""
         source = str(task.get("source", ""))
@@ -9519,7 +9597,9 @@ class Jira:
         found = jira_request(config, token, "POST", "/rest/api/3/search/jql",
                              {"jql": config["jql"], "fields": ["summary"],
                               "maxResults": JIRA_MAX_ISSUES})
-        keys = [i.get("key") for i in (found or {}).get("issues", []) if isinstance(i, dict)]
+        if not isinstance(found, dict):
+            raise JiraUnreadable("POST /rest/api/3/search/jql: the answer is not a JSON object")
+        keys = [i.get("key") for i in found.get("issues", []) if isinstance(i, dict)]
         # at most what was asked for: a Jira answering thousands of keys starts no more
         keys = list(dict.fromkeys(k for k in keys if isinstance(k, str) and
                                   JIRA_KEY_RE.fullmatch(k)))[:JIRA_MAX_ISSUES]
@@ -9528,15 +9608,17 @@ class Jira:
             if key in taken or self.box.stopping:
                 continue
             try:
-                issue = jira_request(config, token, "GET", f"/rest/api/3/issue/{key}"
-                                     "?fields=summary,description")
+                fields = jira_issue_fields(key, jira_request(
+                    config, token, "GET", f"/rest/api/3/issue/{key}?fields=summary,description"))
+            except JiraUnreadable as exc:        # this issue's own: never read again
+                self.box.call(self.skip, key, str(exc))
+                continue
             except JiraError as exc:
-                if exc.transient or exc.status == 401:
+                if (exc.transient or exc.status == 401) and not isinstance(exc, JiraLate):
                     raise
                 log(4, f"jira: issue {key} cannot be read, left for the next poll: {exc}")
                 continue
-            fields = (issue or {}).get("fields") or {}
-            self.box.call(self.take, key, fields if isinstance(fields, dict) else {})
+            self.box.call(self.take, key, fields)
 
     def answer(self, config: dict[str, Any]) -> None:
         """For each ended task not answered yet: a comment, then the transition if one is
@@ -9572,7 +9654,11 @@ class Jira:
 
 
 def jira_comment(notice: dict[str, Any]) -> str:
-    """The comment on an issue whose task ended: state, summary, error, cost."""
+    """The comment on an issue whose task ended: state, summary, error, cost; or on one that
+    was skipped, why."""
+    if notice["state"] == "skipped":
+        return f"gurt skipped this issue for good: it could not be read ({notice.get('error')})." \
+               "\nNo task was made. A new issue is taken as usual."
     lines = [f"gurt task {notice.get('task') or '(none)'} {notice['state']}."]
     if notice.get("summary"):
         lines.append(f"Summary: {notice['summary']}")

@@ -211,6 +211,9 @@ class JiraStandIn:
         self.searching = threading.Event()   # a search arrived
         self.hold = threading.Event()        # searches are answered once it is set
         self.hold.set()
+        self.raw: dict[str, bytes] = {}      # an issue answered with these bytes (hostile)
+        self.trickle: dict[str, float] = {}  # an issue answered a byte every so many seconds
+        self.closing = threading.Event()
         self.lock = threading.Lock()
         stand_in = self
 
@@ -231,6 +234,7 @@ class JiraStandIn:
 
     def close(self) -> None:
         self.hold.set()                      # a held search ends too
+        self.closing.set()                   # and a trickle
         self.server.shutdown()
         self.server.server_close()
 
@@ -266,6 +270,14 @@ class JiraStandIn:
                 for i, k in enumerate(keys)], "isLast": True})
         if len(parts) >= 6 and parts[5] in self.issues:
             key = parts[5]
+            if req.command == "GET" and len(parts) == 6 and key in self.trickle:
+                return self.drip(req, self.trickle[key])
+            if req.command == "GET" and len(parts) == 6 and key in self.raw:
+                req.send_response(200)
+                req.send_header("Content-Type", "application/json")
+                req.send_header("Content-Length", str(len(self.raw[key])))
+                req.end_headers()
+                return req.wfile.write(self.raw[key])
             if req.command == "GET" and len(parts) == 6:
                 return self.answer(req, 200, {"id": "1", "key": key,
                                               "fields": self.issues[key]})
@@ -281,6 +293,20 @@ class JiraStandIn:
                 self.status[key] = names[record["body"]["transition"]["id"]]
                 return self.answer(req, 204, None)
         return self.answer(req, 404, {"errorMessages": ["no such thing"]})
+
+    def drip(self, req: http.server.BaseHTTPRequestHandler, every: float) -> None:
+        """A Jira that sends its answer, status line and all, one byte at a time: no read
+        of gurtd's ever waits long, yet the answer never ends."""
+        data = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + \
+            b"Content-Length: 100000\r\n\r\n" + b" " * 100_000
+        for byte in data:
+            if self.closing.wait(every):
+                return
+            try:
+                req.wfile.write(bytes([byte]))
+                req.wfile.flush()
+            except OSError:
+                return
 
     def answer(self, req: http.server.BaseHTTPRequestHandler, status: int, body: Any,
                headers: dict[str, str] | None = None) -> None:
@@ -390,6 +416,113 @@ def test_a_labelled_issue_becomes_one_task_and_hears_back_when_it_ends() -> None
         time.sleep(1)
         assert len([t for t in g.api("GET", "/api/tasks") if t["source"] == "jira:GT-7"]) == 1
         assert len(jira.calls("POST", "/rest/api/3/issue/GT-7/comment")) == 2
+
+
+def issue_answer(key: str, description: bytes) -> bytes:
+    return b'{"id": "1", "key": "%s", "fields": {"summary": "hostile", "description": %s}}' % (
+        key.encode(), description)
+
+
+@contextlib.contextmanager
+def loop_waits(g: Gurtd) -> Iterator[list[float]]:
+    """The loop's answer times meanwhile (GET /api/hooks is a call on the loop), in seconds."""
+    waits: list[float] = []
+    done = threading.Event()
+
+    def ask() -> None:
+        while not done.is_set():
+            start = time.monotonic()
+            g.api("GET", "/api/hooks")
+            waits.append(time.monotonic() - start)
+            time.sleep(0.05)
+    thread = threading.Thread(target=ask)
+    thread.start()
+    try:
+        yield waits
+    finally:
+        done.set()
+        thread.join()
+
+
+def jira_tasks(g: Gurtd) -> dict[str, dict[str, Any]]:
+    return {t["source"][5:]: t for t in g.api("GET", "/api/tasks")
+            if t["source"].startswith("jira:")}
+
+
+JIRA_CONFIG = {"email": "bot@example.com", "token": "right-token", "worker": "fake",
+               "jql": "labels = gurt", "pollSeconds": 10}
+
+
+def test_an_issue_that_cannot_be_read_is_skipped_and_the_poll_goes_on() -> None:
+    """One hostile issue stopped every poll at itself: a description nested 10,000 deep or
+    of 9 MiB (and so an answer that is not JSON, or not an object) failed the read, the poll
+    backed off and began again at that issue, and no later issue was ever taken.  Now each
+    is skipped for good, with its reason in gurtd's log, in jira.json and in a comment on the
+    issue, and the poll goes on to the next."""
+    deep = b'{"type": "paragraph", "content": [' * 10_000 + b"{}" + b"]}" * 10_000
+    big = json.dumps(adf("x" * (9 << 20))).encode()
+    hostile = {"GT-1": issue_answer("GT-1", deep), "GT-2": issue_answer("GT-2", big),
+               "GT-3": b'[{"fields": {"summary": "a list, not an issue"}}]',
+               "GT-4": b"<html>Service Unavailable</html>",
+               "GT-5": issue_answer("GT-5", b'"a description that is a string"')[:-1]}
+    with jira_stand_in() as jira, running_gurtd() as g:
+        for key, raw in hostile.items():
+            jira.issues[key] = {"summary": "hostile"}
+            jira.raw[key] = raw
+        jira.issues["GT-9"] = {"summary": "After them", "description": adf("echo taken")}
+        jira.status.update({k: "To Do" for k in jira.issues})
+        with loop_waits(g) as waits:
+            g.api("PUT", "/api/settings", {"jira": {**JIRA_CONFIG, "baseUrl": jira.url}})
+            taken = eventually(lambda: jira_tasks(g).get("GT-9"), 30, "the issue after them")
+        print(f"the loop's worst wait while the hostile issues were read: {max(waits):.3f} s")
+        assert max(waits) < 1.0, max(waits)
+        assert g.wait(taken["id"])["state"] == "done"
+        assert set(jira_tasks(g)) == {"GT-9"}
+        for key in hostile:
+            comments = eventually(lambda: jira.calls("POST", f"/rest/api/3/issue/{key}/comment"),
+                                  what=f"the comment on {key}")
+            text = G.adf_text(comments[0]["body"]["body"])
+            assert "skipped" in text and "could not be read" in text, (key, text)
+        records = json.load(open(os.path.join(g.home, "jira.json")))["issues"]
+        assert {k: records[k]["state"] for k in hostile} == {k: "skipped" for k in hostile}
+        assert "nested" in records["GT-1"]["error"], records["GT-1"]
+        assert "larger than 8 MiB" in records["GT-2"]["error"], records["GT-2"]
+        assert "not a JSON object" in records["GT-3"]["error"], records["GT-3"]
+        assert "not JSON" in records["GT-4"]["error"] and "not JSON" in records["GT-5"]["error"]
+        assert all(f"issue {k} skipped" in g.log_text() for k in hostile)
+        # the next poll reads none of them again, and moves none of them
+        searches = len(jira.calls("POST", "/rest/api/3/search/jql"))
+        g.api("PUT", "/api/settings", {"jira": {**JIRA_CONFIG, "baseUrl": jira.url,
+                                                "pollSeconds": 11}})      # wakes the thread
+        eventually(lambda: len(jira.calls("POST", "/rest/api/3/search/jql")) > searches,
+                   what="another poll")
+        time.sleep(0.5)
+        for key in hostile:
+            assert len(jira.calls("GET", f"/rest/api/3/issue/{key}")) == 1, key
+            assert jira.status[key] == "To Do"
+
+
+def test_a_jira_that_trickles_an_answer_is_cut_off_and_the_poll_goes_on() -> None:
+    """A Jira that sends its answer one byte at a time, each within the read timeout, held
+    the Jira thread for as long as it liked.  A whole answer has a deadline now (3 s in this
+    test, GURT_JIRA_DEADLINE): past it the read ends, and the poll goes on to the next
+    issue (the trickled one is asked again at the next poll)."""
+    with jira_stand_in() as jira, running_gurtd({"GURT_JIRA_DEADLINE": "3"}) as g:
+        jira.issues["GT-1"] = {"summary": "slow"}
+        jira.trickle["GT-1"] = 0.5
+        jira.issues["GT-2"] = {"summary": "After it", "description": adf("echo taken")}
+        jira.status.update({"GT-1": "To Do", "GT-2": "To Do"})
+        start = time.monotonic()
+        with loop_waits(g) as waits:
+            g.api("PUT", "/api/settings", {"jira": {**JIRA_CONFIG, "baseUrl": jira.url}})
+            taken = eventually(lambda: jira_tasks(g).get("GT-2"), 20, "the issue after it")
+        assert time.monotonic() - start < 12
+        print(f"the loop's worst wait while Jira trickled: {max(waits):.3f} s")
+        assert max(waits) < 1.0, max(waits)
+        assert "GT-1" not in jira_tasks(g)
+        assert "no whole answer within 3 s" in g.log_text()
+        assert g.wait(taken["id"])["state"] == "done"
+        assert "GT-1" not in json.load(open(os.path.join(g.home, "jira.json")))["issues"]
 
 
 # Hooks #########################################################################################
