@@ -444,6 +444,11 @@ def loop_waits(g: Gurtd) -> Iterator[list[float]]:
         thread.join()
 
 
+def jira_records(g: Gurtd) -> dict[str, dict[str, Any]]:
+    with open(os.path.join(g.home, "jira.json")) as f:
+        return json.load(f)["issues"]
+
+
 def jira_tasks(g: Gurtd) -> dict[str, dict[str, Any]]:
     return {t["source"][5:]: t for t in g.api("GET", "/api/tasks")
             if t["source"].startswith("jira:")}
@@ -464,7 +469,7 @@ def test_an_issue_that_cannot_be_read_is_skipped_and_the_poll_goes_on() -> None:
     hostile = {"GT-1": issue_answer("GT-1", deep), "GT-2": issue_answer("GT-2", big),
                "GT-3": b'[{"fields": {"summary": "a list, not an issue"}}]',
                "GT-4": b"<html>Service Unavailable</html>",
-               "GT-5": issue_answer("GT-5", b'"a description that is a string"')[:-1]}
+               "GT-5": issue_answer("GT-5", json.dumps(adf("cut short")).encode())[:-1]}
     with jira_stand_in() as jira, running_gurtd() as g:
         for key, raw in hostile.items():
             jira.issues[key] = {"summary": "hostile"}
@@ -479,11 +484,12 @@ def test_an_issue_that_cannot_be_read_is_skipped_and_the_poll_goes_on() -> None:
         assert g.wait(taken["id"])["state"] == "done"
         assert set(jira_tasks(g)) == {"GT-9"}
         for key in hostile:
-            comments = eventually(lambda: jira.calls("POST", f"/rest/api/3/issue/{key}/comment"),
+            path = f"/rest/api/3/issue/{key}/comment"
+            comments = eventually(lambda path=path: jira.calls("POST", path),
                                   what=f"the comment on {key}")
             text = G.adf_text(comments[0]["body"]["body"])
             assert "skipped" in text and "could not be read" in text, (key, text)
-        records = json.load(open(os.path.join(g.home, "jira.json")))["issues"]
+        records = jira_records(g)
         assert {k: records[k]["state"] for k in hostile} == {k: "skipped" for k in hostile}
         assert "nested" in records["GT-1"]["error"], records["GT-1"]
         assert "larger than 8 MiB" in records["GT-2"]["error"], records["GT-2"]
@@ -522,7 +528,7 @@ def test_a_jira_that_trickles_an_answer_is_cut_off_and_the_poll_goes_on() -> Non
         assert "GT-1" not in jira_tasks(g)
         assert "no whole answer within 3 s" in g.log_text()
         assert g.wait(taken["id"])["state"] == "done"
-        assert "GT-1" not in json.load(open(os.path.join(g.home, "jira.json")))["issues"]
+        assert "GT-1" not in jira_records(g)
 
 
 # Hooks #########################################################################################
