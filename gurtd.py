@@ -9348,24 +9348,24 @@ def jira_exchange(config: dict[str, Any], method: str, path: str, body: bytes | 
     secure = url.scheme == "https"
     host, port = url.hostname or "", url.port or (443 if secure else 80)
     deadline = env_seconds("GURT_JIRA_DEADLINE", JIRA_DEADLINE)
-    try:
-        raw = socket.create_connection((host, port), timeout=JIRA_TIMEOUT)
-    except OSError as exc:
-        raise JiraError(0, f"{method} {path}: {type(exc).__name__}: {exc}") from None
-    keeper, late = raw.dup(), threading.Event()
+    late = threading.Event()
+    keeper: list[socket.socket] = []       # a dup of the connection's socket, to shut it
 
     def cut() -> None:
         late.set()
-        with contextlib.suppress(OSError):
-            keeper.shutdown(socket.SHUT_RDWR)
+        for sock in keeper:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
     timer = threading.Timer(deadline, cut)
     timer.daemon = True
     timer.start()
     kind = http.client.HTTPSConnection if secure else http.client.HTTPConnection
     conn = kind(host, port, timeout=JIRA_TIMEOUT)
     try:
-        conn.sock = ssl.create_default_context().wrap_socket(
-            raw, server_hostname=host) if secure else raw
+        conn.sock = raw = socket.create_connection((host, port), timeout=JIRA_TIMEOUT)
+        keeper.append(raw.dup())
+        if secure:
+            conn.sock = ssl.create_default_context().wrap_socket(raw, server_hostname=host)
         conn.request(method, url.path + path, body=body, headers=headers)
         resp = conn.getresponse()
         return resp.status, resp.headers, resp.read(JIRA_ANSWER_MAX + 1)
@@ -9377,8 +9377,8 @@ def jira_exchange(config: dict[str, Any], method: str, path: str, body: bytes | 
     finally:
         timer.cancel()
         conn.close()
-        raw.close()
-        keeper.close()
+        for sock in keeper:
+            sock.close()
 
 
 def jira_request(config: dict[str, Any], token: str, method: str, path: str,
