@@ -30,8 +30,11 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Review                personal mode: a task's real folders checked, their copy-on-write
                           overlays, conflicts, keep with its journal, undo of a keep, diff
     Layer stack           views past 500 layers: which lowers a view uses, merged layers of
-                          old groups (built off the loop), their generations and registry
-    Tasks                 the Box: lifecycle, undo, reconcile, layers and views, the droid worker
+                          old groups (built off the loop), their generations and registry;
+                          Views: each workspace's views, its stack, merges due, layer collection
+    Tasks                 the Box, which owns the state and wires its parts: lifecycle, undo,
+                          reconcile, settings; add_task, the one way any task is made
+    Droid worker          DroidWorker: the Droid CLI's spec, its stream, pause for budget
     Hosts                 task networks: veth, grants, and gurtd's DNS for the tasks; names
                           outside the grants asked of a person (askHosts)
     Policies              always-approve: standing yeses for a tool or a host in a scope, with
@@ -51,9 +54,10 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     HTTP                  request guard, auth, one table of Route records (method, path,
                           handler, open or streamed, OpenAPI operation), JSON errors
     OpenAPI               the description generated from the routes and the validation tables
-    Loop                  the BOX_HOME lock, the start as steps with their undo, the select
-                          loop that owns the box state and guards each event, signals, sd_notify
-                          (READY, WATCHDOG from the loop, STATUS with the task counts)
+    Loop                  the BOX_HOME lock, the start as steps with their undo, sd_notify
+                          (READY, WATCHDOG from the loop, STATUS with the task counts); Loop:
+                          call and post from other threads, guard, emit, render and publish,
+                          the published snapshots and events, signals, the select loop
     CLI                   click commands: serve, token, run (--wait follows the task: spinner,
                           approvals, Ctrl-C), tasks, show, undo, stop, log, approvals, approve,
                           deny, answer, wallet, status, workspaces, files, approve-all, events,
@@ -63,8 +67,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           withdraws approvals)
 
 Threads: the loop thread owns the state.  HTTP and broker handler threads hand it commands
-through ``Box.call`` and wait for the answer (503 busy past a time limit); they read finished
-JSON renderings, published by the loop after each change, without waiting for it.
+through ``box.loop.call`` and wait for the answer (503 busy past a time limit); they read
+finished JSON renderings, published by the loop after each change, without waiting for it.
 Importing this module does nothing: no root check, no threads, no mounts.
 
 Crashes and full disks: a terminal state is on disk before anyone hears of it; a write that
@@ -1428,12 +1432,129 @@ class OpenHow(ctypes.Structure):
                 ("resolve", ctypes.c_uint64)]
 
 
+# Overlay, two ways; overlay_way() says which, decided once at start by overlay_probe (a small
+# overlay in a temp dir) and logged.  Kernel facts, from the kernel's source where it says so:
+#   fd way: each layer an fd through fsconfig(FSCONFIG_SET_FD, "lowerdir+"), upper and work
+#     the same, beneath a detached idmapped clone of BOX_HOME.  It needs `lowerdir+` (6.8, a
+#     path then), layers as files (6.13: fsparam_file_or_string) and layers on detached mounts
+#     (6.15: clone_private_mount() took only mounts of the caller's namespace before).
+#     Debian 12's 6.1 answers `fsconfig lowerdir+: 95` (EOPNOTSUPP).
+#   legacy way, for older kernels: mount(2) with one option string.  Overlay before 6.5 has no
+#     fsconfig of its own: the legacy adapter takes strings only, each at most 256 bytes
+#     (strndup_user in fs/fsopen.c), so `lowerdir=a:b:c` of real paths does not fit; mount(2)
+#     takes one page of options (4095 bytes and a NUL), and overlay silently cuts what is
+#     past it (DESIGN section 3: one probe mounted the wrong layer), so the string is
+#     refused well before (MOUNT_DATA_MAX).  To stay short, the layers are named by fd
+#     from /proc/self/fd: `lowerdir=17:18:19`, at most 6 bytes a layer, about 3,000 for
+#     500.  Each layer must be a mount of the mounting thread's namespace (before 6.15), so
+#     a thread of its own does it (_overlay_legacy): it unshares its mount namespace (with
+#     it its cwd), moves the detached clones in, mounts there, returns a detached clone of
+#     the overlay and ends; its namespace, and every mount in it, goes with it.
+# Measured on 6.18 (a view of a plan, the fastest of 7, on a loaded 2-core VM), fd / legacy:
+# 2 layers 0.08 / 0.6 ms; 500 layers 8 / 15 ms; 999 (an inner overlay) 20 / 16 ms; the probe
+# 20-30 ms (it forks for its user namespace).  Both ways show the same views of the same
+# plans (tests/test_layers.py); GURT_OVERLAY_API=legacy runs the suite the legacy way.
+
+OVERLAY_API_ENV = "GURT_OVERLAY_API"  # for tests: "legacy" takes the legacy way on any kernel
+MOUNT_DATA_MAX = 4000                 # bytes of mount(2) options; the kernel's page is 4095
+LEGACY_SCRATCH = "/tmp"               # the legacy builder's tmpfs, in its own namespace only
+_OVERLAY_WAY = ""                     # "fd" or "legacy", once overlay_way() has decided
+
+Layer = tuple[int, str]               # a layer directory: (dir fd, path beneath it, "" itself)
+
+
+def overlay_way() -> str:
+    """The way this process mounts overlays: the one start decided, else probed now."""
+    if not _OVERLAY_WAY:
+        overlay_way_set(overlay_probe(None)[0])
+    return _OVERLAY_WAY
+
+
+def overlay_way_set(way: str) -> None:
+    global _OVERLAY_WAY
+    _OVERLAY_WAY = way
+
+
+def overlay_probe(where: str | None) -> tuple[str, float, list[str]]:
+    """The way overlay mounts work here: (way, milliseconds it took, why others failed).
+
+    Tried on a small overlay in a temp dir under where, as a task's view has it: two lowers,
+    an upper and a work dir beneath a detached idmapped clone; the fd way first, unless
+    GURT_OVERLAY_API=legacy.  SysError naming the kernel if no way works."""
+    import tempfile
+    ways = ["legacy"] if os.environ.get(OVERLAY_API_ENV) == "legacy" else ["fd", "legacy"]
+    errors: list[str] = []
+    top = tempfile.mkdtemp(prefix=".overlay-probe-", dir=where)
+    try:
+        for name in ("a", "b", "u", "w"):
+            os.mkdir(os.path.join(top, name), 0o700)
+        with open(os.path.join(top, "b", "probe"), "w") as f:
+            f.write("b")
+        for way in ways:
+            start = time.monotonic()
+            try:
+                _overlay_probe_one(way, top)
+                return way, (time.monotonic() - start) * 1000, errors
+            except (OSError, SysError) as exc:
+                errors.append(f"{way}: {exc}")
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+    raise SysError("overlay", errno.EOPNOTSUPP, f"kernel {os.uname().release} mounts no "
+                   f"task view ({'; '.join(errors)}): gurtd needs Linux 5.19 or later with "
+                   "overlay and idmapped mounts (Debian: apt install linux-image-amd64)")
+
+
+def _overlay_probe_one(way: str, top: str) -> None:
+    userns = _idmap_userns("0 0 1\n", "0 0 1\n")
+    tree = syscall("open_tree", SYS_OPEN_TREE, -100, top.encode(), OPEN_TREE_CLONE | os.O_CLOEXEC)
+    try:
+        _idmap_set(tree, userns)
+        overlay_way_set(way)
+        view = overlay_open_at([(tree, "a"), (tree, "b")], (tree, "u"), (tree, "w"))
+        try:
+            fd = os.open("probe", os.O_RDONLY | os.O_CLOEXEC, dir_fd=view)
+            with os.fdopen(fd) as f:
+                if f.read() != "b":
+                    raise SysError("overlay probe", errno.EIO, "the view shows the wrong layer")
+        finally:
+            os.close(view)
+    finally:
+        overlay_way_set("")
+        os.close(tree)
+        os.close(userns)
+
+
+def overlay_open_at(lowers: list[Any], upper: Layer | None = None,
+                    work: Layer | None = None) -> int:
+    """A detached overlay mount (an fd) of these layers, newest first, each a Layer or, for an
+    inner overlay, a list of them; read-only without upper.  Close the fd to free.
+
+    The legacy way moves a detached dir fd (an idmapped clone) into its own namespace: after
+    the call such a dir fd is of no further use but to be closed."""
+    if overlay_way() == "legacy":
+        return _overlay_legacy(lowers, upper, work)
+    fds: list[int] = []
+    try:
+        for item in lowers:
+            fds.append(overlay_open_at(item) if isinstance(item, list) else _layer_open(item))
+        if upper is None or work is None:
+            return overlay_open(fds)
+        fds += [_layer_open(upper), _layer_open(work)]
+        return overlay_open(fds[:-2], fds[-2], fds[-1])
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _layer_open(layer: Layer) -> int:
+    return os.open(layer[1] or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=layer[0])
+
+
 def overlay_open(lower_fds: list[int], upper_fd: int | None = None,
                  work_fd: int | None = None) -> int:
-    """A detached overlay mount (an fd) of these layers, newest first; read-only without upper.
-
-    Layers go in as file descriptors through fsconfig, so there is no 4095-byte option string
-    to overflow (the kernel truncates it silently) and no path to race.  Close the fd to free.
+    """The fd way: a detached overlay mount (an fd) of these layers, newest first; read-only
+    without upper.  Layers go in as file descriptors through fsconfig, so there is no option
+    string to overflow and no path to race.  Close the fd to free.
     """
     fs = syscall("fsopen", SYS_FSOPEN, b"overlay", 1)
     try:
@@ -1456,6 +1577,90 @@ def overlay_open(lower_fds: list[int], upper_fd: int | None = None,
         os.close(fs)
 
 
+def overlay_mount_data(lowers: list[str], upper: str | None = None,
+                       work: str | None = None) -> str:
+    """The option string of a legacy overlay mount; SysError (E2BIG) past MOUNT_DATA_MAX,
+    where the kernel would cut it short and mount other layers than these."""
+    parts = ["lowerdir=" + ":".join(lowers)]
+    if upper is not None and work is not None:
+        parts += [f"upperdir={upper}", f"workdir={work}"]
+    data = ",".join(parts + [f"{key}={value}" for key, value in OVERLAY_OPTIONS])
+    if len(data) > MOUNT_DATA_MAX:
+        raise SysError("overlay options", errno.E2BIG, f"{len(data)} bytes, past the "
+                       f"{MOUNT_DATA_MAX} that mount(2) takes whole")
+    return data
+
+
+def _overlay_legacy(lowers: list[Any], upper: Layer | None, work: Layer | None) -> int:
+    """The legacy way (see above), in a thread of its own (in_thread): gurtd's threads share
+    one cwd and one mount namespace, and this changes both."""
+    return int(in_thread(lambda: _overlay_legacy_build(lowers, upper, work)))
+
+
+def _attached_places(fds: set[int]) -> dict[int, str | None]:
+    """Each dir fd's path if its mount is in this namespace; None for a detached one."""
+    with open("/proc/thread-self/mountinfo") as f:
+        ours = {line.split()[0] for line in f}
+    places: dict[int, str | None] = {}
+    for fd in sorted(fds):
+        with open(f"/proc/thread-self/fdinfo/{fd}") as f:
+            mnt = re.search(r"^mnt_id:\s*(\d+)", f.read(), re.M)
+        places[fd] = os.readlink(f"/proc/self/fd/{fd}") if mnt and mnt[1] in ours else None
+    return places
+
+
+def _overlay_legacy_build(lowers: list[Any], upper: Layer | None, work: Layer | None) -> int:
+    layers = [x for item in lowers for x in (item if isinstance(item, list) else [item])]
+    places = _attached_places({fd for fd, _ in layers + [x for x in (upper, work) if x]})
+    libc_call("unshare", CLONE_NEWNS)         # this thread's own mounts and cwd, from here on
+    _mount("none", "/", None, MS_REC | MS_SLAVE, None)   # and none of them goes back out
+    held: list[int] = []
+
+    def hold(path: str, dir_fd: int | None = None) -> int:
+        held.append(os.open(path or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC,
+                            dir_fd=dir_fd))
+        return held[-1]
+
+    try:
+        here = {fd: hold(place) for fd, place in places.items() if place is not None}
+        # the scratch tmpfs only now: an attached layer may be below LEGACY_SCRATCH (held)
+        _mount("gurt-overlay", LEGACY_SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+               "mode=0700,size=64k")
+        for fd in (fd for fd, place in places.items() if place is None):
+            point = f"{LEGACY_SCRATCH}/a{fd}"
+            os.mkdir(point, 0o700)
+            syscall("move_mount", SYS_MOVE_MOUNT, fd, b"", -100, point.encode(),
+                    MOVE_MOUNT_F_EMPTY_PATH)
+            here[fd] = hold(point)
+
+        def names(items: list[Layer]) -> list[str]:
+            return [str(hold(path, here[fd])) for fd, path in items]
+
+        os.chdir("/proc/self/fd")             # where the names are
+        lower_names: list[str] = []
+        for k, item in enumerate(lowers):
+            if not isinstance(item, list):
+                lower_names += names([item])
+                continue
+            point = f"{LEGACY_SCRATCH}/i{k}"
+            os.mkdir(point, 0o700)
+            _mount("overlay", point, "overlay", MS_NOSUID | MS_NODEV,
+                   overlay_mount_data(names(item)))
+            lower_names.append(str(hold(point)))
+        up = wk = None
+        if upper is not None and work is not None:
+            up, wk = names([upper, work])
+        point = f"{LEGACY_SCRATCH}/o"
+        os.mkdir(point, 0o700)
+        _mount("overlay", point, "overlay", MS_NOSUID | MS_NODEV,
+               overlay_mount_data(lower_names, up, wk))
+        return syscall("open_tree", SYS_OPEN_TREE, -100, point.encode(),
+                       OPEN_TREE_CLONE | os.O_CLOEXEC)
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
 def open_beneath(dirfd: int, path: str, flags: int) -> int:
     """openat2 with RESOLVE_BENEATH: no .., absolute symlink or magic link leaves dirfd."""
     how = OpenHow(flags | os.O_CLOEXEC, 0, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
@@ -1463,14 +1668,23 @@ def open_beneath(dirfd: int, path: str, flags: int) -> int:
                    ctypes.c_size_t(ctypes.sizeof(how)))
 
 
-def mounts_under(prefix: str) -> list[str]:
-    """Mount points at or below prefix in gurtd's mount namespace, deepest first."""
+def overlays_below(prefix: str, mountinfo: str | None = None) -> list[str]:
+    """Overlay mount points strictly below prefix in gurtd's mount namespace (or in the text
+    of a mountinfo), deepest first: what an earlier gurtd may have left of its views.
+
+    Never prefix itself or a mount of another kind: under systemd BOX_HOME is the bind mount
+    StateDirectory= makes (ProtectSystem=strict leaves only it writable), and a person may
+    mount a disk of their own below it."""
+    if mountinfo is None:
+        with open("/proc/self/mountinfo") as f:
+            mountinfo = f.read()
     points = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            point = line.split()[4].encode().decode("unicode_escape")
-            if point == prefix or point.startswith(prefix.rstrip("/") + "/"):
-                points.append(point)
+    below = prefix.rstrip("/") + "/"
+    for line in mountinfo.splitlines():
+        fields, _, tail = line.partition(" - ")
+        point = fields.split()[4].encode().decode("unicode_escape")
+        if point.startswith(below) and tail.split()[:1] == ["overlay"]:
+            points.append(point)
     return sorted(points, key=len, reverse=True)
 
 
@@ -2279,7 +2493,7 @@ class DiskReserve:
     def tick(self) -> float:
         """Check the free space while tasks run; seconds until the next check."""
         box = self.box
-        if not box.workers:
+        if next(box.all_workers(), None) is None:
             return 1.0
         now = time.monotonic()
         if now < self.next_check:
@@ -2289,11 +2503,11 @@ class DiskReserve:
         if free >= reserve:
             self.paused_free = None
             return DISK_CHECK_INTERVAL
-        held = any("disk" in w.holds for w in box.workers.values())
+        held = any("disk" in w.holds for w in box.all_workers())
         if held and self.paused_free is not None and free > self.paused_free - DISK_STEP:
             return DISK_CHECK_INTERVAL         # nothing else is eating the disk
-        candidates = [(i, box.layer_dir(i)) for i, w in box.workers.items()
-                      if box.tasks[i].state in ("running", "waiting")
+        candidates = [(w.task_id, box.layer_dir(w.task_id)) for w in box.all_workers()
+                      if box.get(w.task_id).state in ("running", "waiting")
                       and "disk" not in w.holds and free < w.disk_floor]
         if candidates and not self.walking:
             self.walking = True
@@ -2305,8 +2519,8 @@ class DiskReserve:
         """Free bytes and the reserve.  Inodes count too (a task making empty files runs out
         of inodes long before bytes): each free inode is worth reserve / inode reserve bytes,
         and free space is the smaller of the two."""
-        st = os.statvfs(self.box.home)
-        reserve = disk_reserve(self.box.settings["diskReserveBytes"], st.f_blocks * st.f_frsize)
+        st = os.statvfs(self.box.path())
+        reserve = disk_reserve(self.box.setting("diskReserveBytes"), st.f_blocks * st.f_frsize)
         free = st.f_bavail * st.f_frsize
         inodes = inode_reserve(st.f_files)
         if inodes:
@@ -2315,17 +2529,16 @@ class DiskReserve:
 
     def inode_bytes(self) -> int:
         """What one inode is worth against the reserve (0 on a file system without inodes)."""
-        st = os.statvfs(self.box.home)
+        st = os.statvfs(self.box.path())
         inodes = inode_reserve(st.f_files)
-        return disk_reserve(self.box.settings["diskReserveBytes"],
+        return disk_reserve(self.box.setting("diskReserveBytes"),
                             st.f_blocks * st.f_frsize) // inodes if inodes else 0
 
     def _measure(self, candidates: list[tuple[str, str]]) -> None:
         per_inode = self.inode_bytes()
         sizes = {task_id: tree_bytes(os.path.join(path, "upper"), per_inode)
                  for task_id, path in candidates}
-        self.box.commands.put((self.on_sizes, (sizes,), Future()))
-        os.write(self.box.wake_w, b"d")
+        self.box.loop.post(self.on_sizes, sizes)
 
     def on_sizes(self, sizes: dict[str, int]) -> None:
         """Back on the loop thread: pause the biggest writer still running, if still short."""
@@ -2335,7 +2548,7 @@ class DiskReserve:
         if free >= reserve:
             return
         for task_id, size in sorted(sizes.items(), key=lambda kv: -kv[1]):
-            task, worker = box.tasks.get(task_id), box.workers.get(task_id)
+            task, worker = box.task(task_id), box.worker(task_id)
             if task is None or worker is None or task.state not in ("running", "waiting") or \
                     "disk" in worker.holds or free >= worker.disk_floor:
                 continue
@@ -2343,19 +2556,19 @@ class DiskReserve:
             return
 
     def pause(self, task: Task, worker: "Worker", size: int, free: int, reserve: int) -> None:
-        log(4, f"task {task.id} paused: {free} bytes free in {self.box.home}, reserve {reserve}")
+        log(4, f"task {task.id} paused: {free} bytes free in {self.box.path()}, reserve {reserve}")
         self.paused_free = free
         worker.disk_wait = self.box.pause_and_ask(
             task, worker, "disk", "disk full", "disk", "disk",
             {"bytes": size, "freeBytes": free, "reserveBytes": reserve,
-             "freeInodes": os.statvfs(self.box.home).f_favail},
+             "freeInodes": os.statvfs(self.box.path()).f_favail},
             0, f"The task has written {size} bytes and the disk of BOX_HOME has {free} bytes "
                f"free, below the reserve of {reserve} bytes. Let it write on?")
 
     def on_approval(self, approval: Approval) -> None:
         """Approved: thaw, and no new pause until free space halves; denied: the task fails."""
         box = self.box
-        task, worker = box.tasks.get(approval.task), box.workers.get(approval.task)
+        task, worker = box.task(approval.task), box.worker(approval.task)
         if task is None or worker is None or worker.disk_wait != approval.id:
             return
         worker.disk_wait = None
@@ -2851,7 +3064,7 @@ def _system_binds(root: str, mask: str) -> None:
     os.chmod(os.path.join(mask, "resolv.conf"), 0o644)
     layers = [os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for p in (mask, "/etc")]
     try:
-        etc = overlay_open(layers)
+        etc = overlay_open_at([(fd, "") for fd in layers])
     finally:
         for fd in layers:
             os.close(fd)
@@ -3408,10 +3621,7 @@ def folder_overlays_open(spec: dict[str, Any]) -> list[tuple[str, int]]:
         return out
     store_ns = _idmap_userns(f"0 0 1\n{spec['storeUid']} {uid} 1\n",
                              f"0 0 1\n{spec['storeGid']} {gid} 1\n")
-    store = syscall("open_tree", SYS_OPEN_TREE, -100, spec["boxHome"].encode(),
-                    OPEN_TREE_CLONE | os.O_CLOEXEC)
     try:
-        _idmap_set(store, store_ns)
         for folder in spec["folders"]:
             ns = _idmap_userns(idmap_swap(folder["uid"], uid), idmap_swap(folder["gid"], gid))
             fd = folder_open(folder["path"], folder["dev"], folder["ino"])
@@ -3423,16 +3633,16 @@ def folder_overlays_open(spec: dict[str, Any]) -> list[tuple[str, int]]:
             held = [ns, tree]
             try:
                 _idmap_set(tree, ns)
-                held.append(os.open(folder["upper"], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC,
-                                    dir_fd=store))
-                held.append(os.open(folder["work"], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC,
-                                    dir_fd=store))
-                out.append((folder["path"], overlay_open([tree], held[2], held[3])))
+                # a clone of BOX_HOME per folder: the legacy way takes in the clones it gets
+                held.append(syscall("open_tree", SYS_OPEN_TREE, -100, spec["boxHome"].encode(),
+                                    OPEN_TREE_CLONE | os.O_CLOEXEC))
+                _idmap_set(held[2], store_ns)
+                out.append((folder["path"], overlay_open_at(
+                    [(tree, "")], (held[2], folder["upper"]), (held[2], folder["work"]))))
             finally:
                 for fd in held:
                     os.close(fd)
     finally:
-        os.close(store)
         os.close(store_ns)
     return out
 
@@ -3789,9 +3999,9 @@ class Review:
         except OSError as exc:
             log(3, f"task {task.id}: review log line lost: {exc}")
         log(6, f"task {task.id} review {action}: {text}")
-        self.box.emit("review", {"task": task.id, "review": task.review, "action": action,
+        self.box.loop.emit("review", {"task": task.id, "review": task.review, "action": action,
                                  "text": text, **extra})
-        self.box.emit("task", task.to_api())
+        self.box.loop.emit("task", task.to_api())
 
     # reading
     def owner(self, info: dict[str, Any]) -> tuple[int, list[int]]:
@@ -3846,7 +4056,7 @@ class Review:
         """What the diff and the changes read, off the loop: a personal task's folders with
         their uppers, and its layer with the layers below (None once deleted)."""
         task = self.box.get(task_id)
-        out: dict[str, Any] = {"folders": [], "layer": self.box.changes(task_id)}
+        out: dict[str, Any] = {"folders": [], "layer": self.box.views.changes(task_id)}
         if task.folderInfo and task.review != "undone" and os.path.isdir(self.dir(task.id)):
             out["folders"] = [(info["path"], self.upper(task.id, n), info)
                               for n, info in enumerate(task.folderInfo)]
@@ -4600,30 +4810,12 @@ def overlay_open_plan(dir_fd: int, lowers: list[Any], upper: str | None = None,
                       work: str | None = None) -> int:
     """A detached overlay of fitted lowers (fit_lowers), their paths relative to dir_fd (an
     idmapped clone of BOX_HOME for a task, BOX_HOME itself for people); an inner overlay is
-    built from the same dir_fd, so it shows the same owners."""
-    def at(path: str) -> int:
-        return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+    built from the same dir_fd, so it shows the same owners (overlay_open_at)."""
+    def at(path: str | None) -> Layer | None:
+        return (dir_fd, path) if path is not None else None
 
-    fds: list[int] = []
-    try:
-        for item in lowers:
-            if isinstance(item, list):
-                inner = []
-                try:
-                    inner = [at(p) for p in item]
-                    fds.append(overlay_open(inner))
-                finally:
-                    for fd in inner:
-                        os.close(fd)
-            else:
-                fds.append(at(item))
-        if upper is None or work is None:
-            return overlay_open(fds)
-        fds += [at(upper), at(work)]
-        return overlay_open(fds[:-2], fds[-2], fds[-1])
-    finally:
-        for fd in fds:
-            os.close(fd)
+    return overlay_open_at([[(dir_fd, p) for p in item] if isinstance(item, list)
+                            else (dir_fd, item) for item in lowers], at(upper), at(work))
 
 
 def _copy_dir_meta(src_fd: int, dst_fd: int, opaque: bool) -> None:
@@ -5061,6 +5253,248 @@ class Merger:
                 log(4, f"merged layer {merged.name}: not handed over: {exc}")
 
 
+class Views:
+    """Views and the layer stack of every workspace, for the Box (loop thread unless said).
+
+    Methods for callers: workspace_exists, workspace_create_dir; stack_ids (done tasks, newest
+    first), ever_done; view_lowers (a task's or a person's plan), view_fd (a view
+    for people), changes (what to walk for a task's changes); layers_changed (a task became
+    done or undone), gc_layers (delete what no view uses); plan_merges, merge_done (merger
+    thread), merge_built; layer_usage (any thread); load, start, stop, pin, close.
+    """
+
+    def __init__(self, box: Box) -> None:
+        self.box = box
+        self.open_views: dict[str, tuple[tuple[str, ...], int]] = {}   # workspace -> (stack, fd)
+        self.lock = threading.Lock()
+        self.layerstack = LayerStack(box.path())
+        self.merger = Merger(box.path(), self.merge_done)
+        self.merging: dict[str, MergedLayer] = {}         # being built, by name
+        self.merge_failed: set[tuple[str, int, tuple[str, ...]]] = set()
+        self.task_lowers: dict[str, list[str]] = {}      # a running task's view, flat
+        # per workspace, published by the loop for GET /api/workspaces/{name}: (version,
+        # merged layers, layer directories); and the bytes an HTTP thread counted for it
+        self.layer_dirs: dict[str, tuple[int, int, list[str]]] = {}
+        self.layer_bytes: dict[str, tuple[int, float, int]] = {}
+
+    def load(self) -> None:
+        """At start, once the tasks are read: the merged layers' records, undone layers a
+        crash left half deleted, each workspace's groups."""
+        self.layerstack.load()
+        trash_sweep(self.box.path("layers"))
+        for name in {t.workspace for t in self.box.all_tasks()}:
+            self.layerstack.regroup(name, self.ever_done(name))
+            self.publish_layers(name)
+
+    def start(self) -> None:
+        """The merger thread, and the merges due since the last run, off the loop."""
+        self.merger.start()
+        for name in sorted(self.layerstack.groups):
+            self.plan_merges(name)
+
+    def stop(self) -> None:
+        self.merger.stop()
+
+    def pin(self, task_id: str, lowers: list[Any]) -> None:
+        """A task started on these lowers: gc_layers keeps them while it runs."""
+        self.task_lowers[task_id] = flat_lowers(lowers)
+
+    def close(self) -> None:
+        """At stop: the cached views' fds closed."""
+        with self.lock:
+            for _, fd in self.open_views.values():
+                os.close(fd)
+            self.open_views.clear()
+
+    def workspace_create_dir(self, name: str) -> None:
+        path = self.box.path("workspaces", name)
+        os.mkdir(path, 0o755)
+        os.chown(path, *self.box.store_owner())
+
+    def workspace_exists(self, name: str) -> bool:
+        return valid_workspace_name(name) and os.path.isdir(self.box.path("workspaces", name))
+
+    def view_fd(self, workspace: str) -> int:
+        """A new fd (the caller closes it) on the workspace's current view for people.
+
+        Loop thread (it reads the tasks).  The base alone is the base directory; with layers
+        it is a read-only detached overlay of the same plan a task would start on (the Layer
+        stack), rebuilt when the plan changes.
+        """
+        stack = self.stack_ids(workspace)
+        lowers = self.view_lowers(workspace, stack) if stack else []
+        key = tuple(flat_lowers(lowers))
+        with self.lock:
+            cached = self.open_views.get(workspace)
+            if cached and cached[0] == key:
+                return os.dup(cached[1])
+            if cached:
+                os.close(cached[1])
+                del self.open_views[workspace]
+            if not stack:
+                fd = os.open(self.box.path("workspaces", workspace),
+                             os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            else:
+                home = os.open(self.box.path(), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    fd = overlay_open_plan(home, lowers)
+                finally:
+                    os.close(home)
+            self.open_views[workspace] = (key, fd)
+            return os.dup(fd)
+
+    def drop_view(self, workspace: str) -> None:
+        with self.lock:
+            cached = self.open_views.pop(workspace, None)
+            if cached:
+                os.close(cached[1])
+
+    def ever_done(self, workspace: str) -> list[str]:
+        """The workspace's tasks that ever became done (undone ones too), oldest first: the
+        positions that make its groups."""
+        done = [t for t in self.box.all_tasks() if t.workspace == workspace and t.doneSeq > 0]
+        return [t.id for t in sorted(done, key=lambda t: t.doneSeq)]
+
+    def stack_ids(self, workspace: str) -> list[str]:
+        """The ids of the workspace's done tasks, newest first, from the finish order the Layer stack keeps (no sort
+        of every task at each start, undo and collection)."""
+        ever = self.layerstack.ever.get(workspace, [])
+        return [i for i in reversed(ever) if self.box.get(i).state == "done"]
+
+    def view_lowers(self, workspace: str, layers: list[str]) -> list[Any]:
+        """The lowers of a view of these layers (newest first) and the base, fitted to the
+        kernel's limit; 409 while too many merged layers are being rebuilt at once."""
+        return fit_lowers(self.layerstack.plan(workspace, layers), f"workspaces/{workspace}")
+
+    def layers_changed(self, workspace: str, done: str | None = None) -> None:
+        """A task of the workspace became done (its id in done: the groups again, it is the
+        newest) or undone (the groups stay: an undone task keeps its position); its cached
+        view dropped, the merges now due queued."""
+        if done is not None:
+            ever = self.layerstack.ever.get(workspace)
+            self.layerstack.regroup(workspace, ever + [done] if ever is not None and
+                                    done not in ever[-1:] else self.ever_done(workspace))
+        self.drop_view(workspace)
+        self.plan_merges(workspace)
+        self.publish_layers(workspace)
+
+    def publish_layers(self, workspace: str) -> None:
+        """For GET /api/workspaces/{name}: the workspace's merged layers, and a new version
+        of what its layers hold (any thread reads it, one assignment)."""
+        merged = [m.name for m in self.layerstack.merged.values() if m.workspace == workspace]
+        old = self.layer_dirs.get(workspace, (0, 0, []))
+        self.layer_dirs[workspace] = (old[0] + 1, len(merged), merged)
+
+    def layer_usage(self, workspace: str) -> dict[str, int]:
+        """mergedLayers and layerBytes of a workspace: its tasks' layer directories and its
+        merged layers, counted in the calling HTTP thread (never the loop), again once the
+        layers changed or LAYER_BYTES_AGE passed.  A layer deleted meanwhile counts 0."""
+        version, count, merged = self.layer_dirs.get(workspace, (0, 0, []))
+        cached = self.layer_bytes.get(workspace)
+        if cached is None or cached[0] != version or \
+                time.monotonic() - cached[1] > LAYER_BYTES_AGE:
+            ids = [e[0] for e in self.box.loop.listed_in(workspace)]
+            dirs = [os.path.join(self.box.path(), "layers", i) for i in ids] + \
+                [os.path.join(self.box.path(), MERGED_DIR, name) for name in merged]
+            cached = (version, time.monotonic(), layer_bytes(dirs))
+            self.layer_bytes[workspace] = cached
+        return {"mergedLayers": count, "layerBytes": cached[2]}
+
+    def plan_merges(self, workspace: str) -> None:
+        """Hand the merges due in workspace to the merger thread (once it runs)."""
+        if self.merger.thread is None:
+            return
+        stack = self.stack_ids(workspace)
+        busy = {(m.workspace, m.group, tuple(m.members)) for m in self.merging.values()}
+        for group, members in self.layerstack.due(workspace, stack):
+            key = (workspace, group, tuple(members))
+            if key in busy or key in self.merge_failed:
+                continue
+            merged = MergedLayer(self.layerstack.new_name(workspace, group), workspace, group,
+                                 members)
+            self.merging[merged.name] = merged
+            self.merger.submit(merged, [self.box.path(p) for p in lower_layer_paths(members)])
+
+    def merge_done(self, merged: MergedLayer, error: str | None) -> None:
+        """Merger thread: a build ended; the loop takes it from here (merge_built)."""
+        self.box.loop.post(self.merge_built, merged, error)
+
+    def merge_built(self, merged: MergedLayer, error: str | None) -> None:
+        """Loop: record a merged layer that was built (then views use it), or log why not."""
+        self.merging.pop(merged.name, None)
+        if error is None:
+            try:
+                self.layerstack.record(merged)
+                crash_point("merge-recorded")
+            except OSError as exc:
+                error = f"cannot save its record: {exc}"
+                self.layerstack.merged.pop(merged.name, None)
+        if error is not None:
+            log(3, f"merged layer {merged.name} of {merged.workspace}: {error}")
+            self.merge_failed.add((merged.workspace, merged.group, tuple(merged.members)))
+            with contextlib.suppress(OSError):
+                tree_remove(os.path.join(self.layerstack.dir, merged.name))
+            return
+        log(6, f"merged layer {merged.name}: {len(merged.members)} layers of "
+               f"{merged.workspace} in one")
+        self.publish_layers(merged.workspace)
+        self.drop_view(merged.workspace)
+        self.gc_layers()
+        self.box.schedule()                      # a start that waited for room under the limit
+
+    def gc_layers(self) -> None:
+        """Delete the files of undone tasks' layers that no running task's view uses, and
+        the merged layers that match no group any more and that no running task's view and
+        no cached view uses (a merge in progress keeps its sources)."""
+        in_use: set[str] = set()
+        pinned: set[str] = set()              # lowers of views in use, relative to BOX_HOME
+        for t in self.box.all_tasks():
+            if t.state in ("running", "waiting"):
+                in_use.update(t.layers)
+                in_use.add(t.id)
+                pinned.update(self.task_lowers.get(t.id, ()))
+            else:
+                self.task_lowers.pop(t.id, None)
+        with self.lock:
+            for key, _ in self.open_views.values():
+                pinned.update(key)
+        for merged in self.merging.values():
+            in_use.update(merged.members)
+        for name in sorted({m.workspace for m in self.layerstack.merged.values()}):
+            unused = self.layerstack.unused(name, self.stack_ids(name), pinned)
+            if unused:
+                try:
+                    self.layerstack.forget(unused, self.merger.remove)
+                except OSError as exc:
+                    log(3, f"merged layers {unused}: {exc}")
+                self.publish_layers(name)
+        for t in self.box.all_tasks():
+            if t.state == "undone" and not t.layerDeleted and t.id not in in_use:
+                try:      # gone from its name at once; its files off the loop
+                    if os.path.lexists(self.box.layer_dir(t.id)):
+                        self.merger.remove(trash_name(self.box.layer_dir(t.id)))
+                except OSError as exc:
+                    log(3, f"layer {t.id}: {exc}")
+                if os.path.lexists(self.box.layer_dir(t.id)):
+                    log(3, f"could not delete layer {t.id}")
+                    continue
+                t.layerDeleted = True
+                self.box.save(t)
+                self.box.append_log(t.id, {"type": "layer", "text": "layer files deleted"})
+                self.publish_layers(t.workspace)
+
+    def changes(self, task_id: str) -> tuple[str, list[str]] | None:
+        """What to walk for a task's changes: its upper and its lowers (newest first, base
+        last), or None once its layer is deleted.  The walk itself (changed_paths) runs in the
+        HTTP thread, off the loop."""
+        task = self.box.get(task_id)
+        if task.layerDeleted:
+            return None
+        lowers = [self.box.path(p) for p in self.layerstack.plan(task.workspace, task.layers)]
+        return (self.box.path("layers", task.id, "upper"),
+                lowers + [self.box.path("workspaces", task.workspace)])
+
+
 # Tasks #########################################################################################
 ###############################################################################################
 
@@ -5092,69 +5526,40 @@ class Worker:
 class Box:
     """The box: its tasks, workspaces and settings, and every change to them.
 
-    Methods for HTTP threads: call(fn, *args) runs fn on the loop thread and returns its result;
-    rendered[id] is a task's JSON, readable without a lock; list_tasks, workspace_snapshot and
-    events_after read what the loop published.  Everything else runs on the loop thread:
-    serve() reconciles, announces READY and loops until SIGTERM.
+    Its parts: loop (Loop: call from other threads, what the loop published), views (Views:
+    the layer stack and views), droid (DroidWorker), network, broker, review, disk, cgroups,
+    schedules, jira, hooks.  workspace_snapshot reads what the loop published (any thread);
+    everything else runs on the loop thread.
     """
 
     def __init__(self, home: str, listen: str, dns_upstream: str | None = None) -> None:
         self.home = os.path.abspath(home)
         self.listen = listen
+        self.loop = Loop(self)
         self.network = Network(self, dns_upstream)
         self.broker = Broker(self)
         self.cgroups = Cgroups(self.home)
         self.disk = DiskReserve(self)
         self.review = Review(self)
-        self.events: list[tuple[int, str, bytes]] = []   # (seq, kind, JSON) for /api/events
-        # Event ids go on from a clock reading, so that an id from before a restart is older
-        # than every id of this run (its stream gets a reset event, not silence).
-        self.event_seq = int(time.time() * 1000)
-        self.events_changed = threading.Condition()
+        self.droid = DroidWorker(self)
         self.tasks: dict[str, Task] = {}
-        self.rendered: dict[str, bytes] = {}
-        # Snapshots for HTTP threads (the loop writes them in publish): (seq, id) in creation
-        # order, and per task (state, workspace, doneSeq, JSON) replaced in one assignment.
-        self.order: list[tuple[int, str]] = []
-        self.listed: dict[str, tuple[str, str, int, bytes]] = {}
-        self.listed_lock = threading.Lock()     # a list is read whole between two publishes
-        self.listed_api: dict[str, dict[str, Any]] = {}   # the same as dicts, for ?fields=
-        self.staged: dict[str, Task] = {}                 # changed in this loop step
-        self.staged_events: list[tuple[str, bytes]] = []
         self.workers: dict[str, Worker] = {}
         self.settings: dict[str, Any] = dict(DEFAULT_SETTINGS)
         self.state: dict[str, int] = {"nextUid": UID_FIRST}
         self.token = ""
         self.store_uid = self.store_gid = 0
         self.spawner = Spawner()
-        self.commands: queue.Queue[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = \
-            queue.Queue()
-        self.selector = selectors.DefaultSelector()
-        self.wake_r = self.wake_w = -1
-        self.stopping = False
         self.log_followers = LogFollowers()
-        self.call_timeout = env_seconds("GURT_CALL_TIMEOUT", CALL_TIMEOUT)
-        self.views: dict[str, tuple[tuple[str, ...], int]] = {}   # workspace -> (stack, fd)
-        self.views_lock = threading.Lock()
         self.followers = Counter(MAX_LOG_FOLLOWERS)       # log followers per task
         self.seq = 0
         self.done_seq = 0
         self.unsaved: set[str] = set()      # tasks whose (terminal) state is not on disk yet
-        self.unsaved_retry = 0.0
         self.schedules = Schedules(self)
         self.jira = Jira(self)
         self.hooks = Hooks(self)
-        self.layerstack = LayerStack(self.home)
+        self.views = Views(self)
         self.stacks = StackStore(self.home)
         self.stack_refs: dict[str, tuple[list[str], str]] = {}   # task -> (its layers, ref)
-        self.merger = Merger(self.home, self.merge_done)
-        self.merging: dict[str, MergedLayer] = {}         # being built, by name
-        self.merge_failed: set[tuple[str, int, tuple[str, ...]]] = set()
-        self.task_lowers: dict[str, list[str]] = {}      # a running task's view, flat
-        # per workspace, published by the loop for GET /api/workspaces/{name}: (version,
-        # merged layers, layer directories); and the bytes an HTTP thread counted for it
-        self.layer_dirs: dict[str, tuple[int, int, list[str]]] = {}
-        self.layer_bytes: dict[str, tuple[int, float, int]] = {}
 
     # paths
     def path(self, *parts: str) -> str:
@@ -5169,33 +5574,31 @@ class Box:
     def layer_dir(self, task_id: str) -> str:
         return self.path("layers", task_id)
 
+    # what the parts read of the box (loop thread; settings are replaced whole: any thread)
+    def task(self, task_id: str | None) -> Task | None:
+        return self.tasks.get(task_id) if isinstance(task_id, str) else None
+
+    def all_tasks(self) -> Iterator[Task]:
+        return iter(self.tasks.values())
+
+    def worker(self, task_id: str) -> Worker | None:
+        return self.workers.get(task_id)
+
+    def all_workers(self) -> Iterator[Worker]:
+        return iter(self.workers.values())
+
+    def setting(self, key: str | None = None) -> Any:
+        """One setting, or all of them (a dict the box replaces whole, never edits)."""
+        return self.settings if key is None else self.settings.get(key)
+
+    def has_unsaved(self) -> bool:
+        return bool(self.unsaved)
+
+    def store_owner(self) -> tuple[int, int]:
+        """The uid and gid that own layers and workspaces (gurt-store)."""
+        return self.store_uid, self.store_gid
+
     # calls from HTTP threads
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run fn(*args) on the loop thread and return its result (or raise its error).
-
-        A loop that does not answer within call_timeout gives 503 busy, never a dropped
-        connection: a command that had not started is withdrawn (nothing was done).
-        """
-        def step(*args: Any) -> Any:
-            try:
-                return fn(*args)
-            finally:
-                self.publish()          # the caller sees its own change in what it reads next
-
-        future: Future[Any] = Future()
-        self.commands.put((step, args, future))
-        os.write(self.wake_w, b"c")
-        try:
-            return future.result(timeout=self.call_timeout)
-        except TimeoutError:
-            if future.done():
-                raise                         # fn's own TimeoutError
-            if future.cancel():
-                raise ApiError(503, "gurtd is busy; nothing was done, try again", "busy",
-                               {"Retry-After": "1"}) from None
-            raise ApiError(503, "gurtd is busy; the request is still being carried out",
-                           "busy", {"Retry-After": "1"}) from None
-
     # state on disk
     def load(self) -> None:
         """Create BOX_HOME's layout if missing, then read settings, counters, token and tasks."""
@@ -5207,7 +5610,7 @@ class Box:
         self.remove_temp_leftovers()
         self.store_uid, self.store_gid = system_user_ensure(STORE_USER)
         if not os.path.isdir(self.path("workspaces", "home")):
-            self.workspace_create_dir("home")
+            self.views.workspace_create_dir("home")
         settings = load_json(self.path("settings.json"))
         if isinstance(settings, dict):
             try:
@@ -5256,14 +5659,10 @@ class Box:
             self.tasks[task.id] = task
             if isinstance(data.get("layersRef"), str):
                 self.stack_refs[task.id] = (task.layers, data["layersRef"])
-            self.render(task)
+            self.loop.render(task)
             self.seq = max(self.seq, task.seq)
             self.done_seq = max(self.done_seq, task.doneSeq)
-        self.layerstack.load()
-        trash_sweep(self.path("layers"))        # undone layers a crash left half deleted
-        for name in {t.workspace for t in self.tasks.values()}:
-            self.layerstack.regroup(name, self.ever_done(name))
-            self.publish_layers(name)
+        self.views.load()
         self.broker.load()
         self.schedules.load()
         self.jira.load()
@@ -5281,43 +5680,11 @@ class Box:
             data["layers"], data["layersRef"] = [], cached[1]
         return data
 
-    def render(self, task: Task) -> None:
-        """The task changed: its JSON is published for HTTP threads at the end of this step."""
-        self.staged[task.id] = task
-
-    def publish(self) -> None:
-        """The end of a loop step (and of load): what it changed becomes visible to HTTP
-        threads together, tasks first, then approvals, then events, so that a reader never
-        sees half a step (an approval pending while its task is not yet waiting, an event
-        about a task that GET still shows as before)."""
-        fresh = [(task, json.dumps(task.to_api()).encode()) for task in self.staged.values()
-                 if self.tasks.get(task.id) is task]   # not a create that failed after saving
-        with self.listed_lock:
-            for task, _ in fresh:          # for ?fields= (a list of few fields of many tasks)
-                self.listed_api[task.id] = task.to_api()
-            for task, data in fresh:
-                if task.id not in self.listed:
-                    bisect.insort(self.order, (task.seq, task.id))
-                self.listed[task.id] = (task.state, task.workspace, task.doneSeq, data)
-                self.rendered[task.id] = data
-        for task, _ in fresh:
-            self.log_followers.notify(task.id)    # a follower ends when the task does
-        self.staged.clear()
-        self.broker.publish()
-        if self.staged_events:
-            with self.events_changed:
-                for kind, data in self.staged_events:
-                    self.event_seq += 1
-                    self.events.append((self.event_seq, kind, data))
-                del self.events[:-EVENTS_KEPT]
-                self.events_changed.notify_all()
-            self.staged_events.clear()
-
     def save(self, task: Task, sync: bool = True) -> None:
         """Persist and re-render a task after a change; every change moves updatedAt."""
         task.updatedAt = now_iso()
         write_json(self.task_file(task.id), self.stored(task), sync=sync)
-        self.render(task)
+        self.loop.render(task)
         self.unsaved.discard(task.id)
 
     def save_state(self) -> None:
@@ -5370,7 +5737,7 @@ class Box:
                 self.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
                 return
             log(3, f"task {task.id} is {state} (saved) but its log line was lost: {exc}")
-        self.emit("task", task.to_api())
+        self.loop.emit("task", task.to_api())
 
     def not_saved(self, task: Task, exc: OSError) -> None:
         """A terminal state could not be saved: the task is failed in memory with the reason,
@@ -5381,14 +5748,14 @@ class Box:
         if task.state == "done":        # a failure or an undo keeps its own reason
             task.state, task.error = "failed", error
         task.updatedAt = now_iso()
-        self.render(task)
+        self.loop.render(task)
         self.unsaved.add(task.id)
         try:
             self.append_log(task.id, {"type": "state", "state": task.state,
                                       "error": task.error or error})
         except OSError:
             pass
-        self.emit("task", task.to_api())
+        self.loop.emit("task", task.to_api())
 
     def save_unsaved(self) -> None:
         """Try again to save tasks whose terminal state is only in memory (tick, shutdown)."""
@@ -5422,201 +5789,15 @@ class Box:
             except Exception as exc:
                 log(3, f"task {task.id}: failed in memory only: {type(exc).__name__}: {exc}")
                 task.state, task.error = "failed", error
-                self.render(task)
+                self.loop.render(task)
                 self.unsaved.add(task.id)
         if task.folders and task.state == "failed":   # its folder changes are never kept
             self.review.forget(task)
-        for what, step in (("collect layers", self.gc_layers), ("schedule", self.schedule)):
+        for what, step in (("collect layers", self.views.gc_layers), ("schedule", self.schedule)):
             try:
                 step()
             except Exception as exc:
                 log(3, f"could not {what} after task {task.id} failed: {exc}")
-
-    def guard(self, task_id: str | None, fn: Callable[..., Any], *args: Any) -> bool:
-        """Run one event handler of the loop.  An error in handling a task's event fails that
-        task (the traceback to gurtd's log, the error to the task's log); an error with no
-        task is logged.  Either way the loop goes on (asyncio's call_exception_handler).
-        True if fn returned."""
-        try:
-            fn(*args)
-            return True
-        except Exception as exc:
-            where = f"task {task_id}" if task_id else "the loop"
-            log(3, f"error while handling an event of {where}: " +
-                traceback.format_exc().rstrip().replace("\n", "\n    "))
-            task = self.tasks.get(task_id) if task_id else None
-            if task is not None and task.state in ACTIVE_STATES:
-                error = f"cannot save the task: {exc.strerror}" if is_disk_error(exc) and \
-                    isinstance(exc, OSError) and exc.strerror else \
-                    f"internal error: {type(exc).__name__}: {exc}"
-                self.fail_task(task, error)
-            return False
-
-    def emit(self, kind: str, obj: Any) -> None:
-        """An event for /api/events: every state a task takes (queued too), every approval
-        made or answered; sent at the end of the step (publish), with ids counting up by one;
-        the last EVENTS_KEPT are kept for replay."""
-        self.staged_events.append((kind, json.dumps(obj).encode()))
-        if kind == "task":
-            for source in (self.schedules, self.jira):
-                try:
-                    source.on_task(obj)
-                except Exception as exc:   # their bookkeeping never fails the task
-                    log(3, f"{type(source).__name__}: task {obj.get('id')}: {exc}")
-
-    def events_after(self, last: int) -> tuple[bool, list[tuple[int, str, bytes]]]:
-        """The kept events after id last, and whether some after it are no longer kept (or
-        last is no id of this run): the caller then says reset.  Any thread."""
-        with self.events_changed:
-            if last > self.event_seq:
-                return True, []
-            first = self.events[0][0] if self.events else self.event_seq + 1
-            return last < first - 1, [e for e in self.events if e[0] > last]
-
-    # workspaces
-    def workspace_create_dir(self, name: str) -> None:
-        path = self.path("workspaces", name)
-        os.mkdir(path, 0o755)
-        os.chown(path, self.store_uid, self.store_gid)
-
-    def workspace_exists(self, name: str) -> bool:
-        return valid_workspace_name(name) and os.path.isdir(self.path("workspaces", name))
-
-    def stack(self, workspace: str) -> list[Task]:
-        """The workspace's done, not undone tasks, newest first."""
-        done = [t for t in self.tasks.values() if t.workspace == workspace and t.state == "done"]
-        return sorted(done, key=lambda t: t.doneSeq, reverse=True)
-
-    def view_fd(self, workspace: str) -> int:
-        """A new fd (the caller closes it) on the workspace's current view for people.
-
-        Loop thread (it reads the tasks).  The base alone is the base directory; with layers
-        it is a read-only detached overlay of the same plan a task would start on (the Layer
-        stack), rebuilt when the plan changes.
-        """
-        stack = self.stack_ids(workspace)
-        lowers = self.view_lowers(workspace, stack) if stack else []
-        key = tuple(flat_lowers(lowers))
-        with self.views_lock:
-            cached = self.views.get(workspace)
-            if cached and cached[0] == key:
-                return os.dup(cached[1])
-            if cached:
-                os.close(cached[1])
-                del self.views[workspace]
-            if not stack:
-                fd = os.open(self.path("workspaces", workspace),
-                             os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-            else:
-                home = os.open(self.home, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-                try:
-                    fd = overlay_open_plan(home, lowers)
-                finally:
-                    os.close(home)
-            self.views[workspace] = (key, fd)
-            return os.dup(fd)
-
-    def drop_view(self, workspace: str) -> None:
-        with self.views_lock:
-            cached = self.views.pop(workspace, None)
-            if cached:
-                os.close(cached[1])
-
-    # layers: plans and merges (the logic is in the Layer stack section)
-    def ever_done(self, workspace: str) -> list[str]:
-        """The workspace's tasks that ever became done (undone ones too), oldest first: the
-        positions that make its groups."""
-        done = [t for t in self.tasks.values() if t.workspace == workspace and t.doneSeq > 0]
-        return [t.id for t in sorted(done, key=lambda t: t.doneSeq)]
-
-    def stack_ids(self, workspace: str) -> list[str]:
-        """The ids of stack(workspace), from the finish order the Layer stack keeps (no sort
-        of every task at each start, undo and collection)."""
-        ever = self.layerstack.ever.get(workspace, [])
-        return [i for i in reversed(ever) if self.tasks[i].state == "done"]
-
-    def view_lowers(self, workspace: str, layers: list[str]) -> list[Any]:
-        """The lowers of a view of these layers (newest first) and the base, fitted to the
-        kernel's limit; 409 while too many merged layers are being rebuilt at once."""
-        return fit_lowers(self.layerstack.plan(workspace, layers), f"workspaces/{workspace}")
-
-    def layers_changed(self, workspace: str, done: str | None = None) -> None:
-        """A task of the workspace became done (its id in done: the groups again, it is the
-        newest) or undone (the groups stay: an undone task keeps its position); its cached
-        view dropped, the merges now due queued."""
-        if done is not None:
-            ever = self.layerstack.ever.get(workspace)
-            self.layerstack.regroup(workspace, ever + [done] if ever is not None and
-                                    done not in ever[-1:] else self.ever_done(workspace))
-        self.drop_view(workspace)
-        self.plan_merges(workspace)
-        self.publish_layers(workspace)
-
-    def publish_layers(self, workspace: str) -> None:
-        """For GET /api/workspaces/{name}: the workspace's merged layers, and a new version
-        of what its layers hold (any thread reads it, one assignment)."""
-        merged = [m.name for m in self.layerstack.merged.values() if m.workspace == workspace]
-        old = self.layer_dirs.get(workspace, (0, 0, []))
-        self.layer_dirs[workspace] = (old[0] + 1, len(merged), merged)
-
-    def layer_usage(self, workspace: str) -> dict[str, int]:
-        """mergedLayers and layerBytes of a workspace: its tasks' layer directories and its
-        merged layers, counted in the calling HTTP thread (never the loop), again once the
-        layers changed or LAYER_BYTES_AGE passed.  A layer deleted meanwhile counts 0."""
-        version, count, merged = self.layer_dirs.get(workspace, (0, 0, []))
-        cached = self.layer_bytes.get(workspace)
-        if cached is None or cached[0] != version or \
-                time.monotonic() - cached[1] > LAYER_BYTES_AGE:
-            with self.listed_lock:
-                ids = [i for i, e in self.listed.items() if e[1] == workspace]
-            dirs = [os.path.join(self.home, "layers", i) for i in ids] + \
-                [os.path.join(self.home, MERGED_DIR, name) for name in merged]
-            cached = (version, time.monotonic(), layer_bytes(dirs))
-            self.layer_bytes[workspace] = cached
-        return {"mergedLayers": count, "layerBytes": cached[2]}
-
-    def plan_merges(self, workspace: str) -> None:
-        """Hand the merges due in workspace to the merger thread (once it runs)."""
-        if self.merger.thread is None:
-            return
-        stack = self.stack_ids(workspace)
-        busy = {(m.workspace, m.group, tuple(m.members)) for m in self.merging.values()}
-        for group, members in self.layerstack.due(workspace, stack):
-            key = (workspace, group, tuple(members))
-            if key in busy or key in self.merge_failed:
-                continue
-            merged = MergedLayer(self.layerstack.new_name(workspace, group), workspace, group,
-                                 members)
-            self.merging[merged.name] = merged
-            self.merger.submit(merged, [self.path(p) for p in lower_layer_paths(members)])
-
-    def merge_done(self, merged: MergedLayer, error: str | None) -> None:
-        """Merger thread: a build ended; the loop takes it from here (merge_built)."""
-        self.commands.put((self.merge_built, (merged, error), Future()))
-        os.write(self.wake_w, b"c")
-
-    def merge_built(self, merged: MergedLayer, error: str | None) -> None:
-        """Loop: record a merged layer that was built (then views use it), or log why not."""
-        self.merging.pop(merged.name, None)
-        if error is None:
-            try:
-                self.layerstack.record(merged)
-                crash_point("merge-recorded")
-            except OSError as exc:
-                error = f"cannot save its record: {exc}"
-                self.layerstack.merged.pop(merged.name, None)
-        if error is not None:
-            log(3, f"merged layer {merged.name} of {merged.workspace}: {error}")
-            self.merge_failed.add((merged.workspace, merged.group, tuple(merged.members)))
-            with contextlib.suppress(OSError):
-                tree_remove(os.path.join(self.layerstack.dir, merged.name))
-            return
-        log(6, f"merged layer {merged.name}: {len(merged.members)} layers of "
-               f"{merged.workspace} in one")
-        self.publish_layers(merged.workspace)
-        self.drop_view(merged.workspace)
-        self.gc_layers()
-        self.schedule()                      # a start that waited for room under the limit
 
     # task lifecycle (loop thread)
     def create_task(self, body: Any, origin: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -5624,47 +5805,69 @@ class Box:
         fields = validate_task_body(body, self.settings)
         fields.update(origin or {})
         fields["limits"] = effective_limits(fields["limits"], self.settings, mem_total())
-        if not self.workspace_exists(fields["workspace"]):
+        if not self.views.workspace_exists(fields["workspace"]):
             raise ApiError(400, f"workspace {fields['workspace']} does not exist")
-        if fields["worker"] == "droid" and not self.droid_path():
+        if fields["worker"] == "droid" and not self.droid.path():
             raise ApiError(400, "the droid worker needs the Droid CLI: run make (it installs "
                                 f"droid {DROID_VERSION}) or set droidPath")
         if fields.get("folders"):
             fields["folderInfo"] = folders_check(fields["folders"],
                                                  self.settings["folderRoots"], self.home)
             fields["folder"] = fields["folders"][0]
-        task_id = new_task_id()
-        while task_id in self.tasks:
-            task_id = new_task_id()
-        self.seq += 1
-        stamp = now_iso()
-        task = Task(id=task_id, state="queued", user=TASK_USER_PREFIX + task_id, layers=[],
-                    costCents=0, createdAt=stamp, updatedAt=stamp, seq=self.seq, **fields)
-        try:       # persisted whole, or nothing of it anywhere: a 507 leaves no trace
-            self.save(task)
-            self.append_log(task_id, {"type": "state", "state": "queued"})
-        except OSError as exc:
-            for path in (self.task_file(task_id), self.log_file(task_id)):
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                except OSError as err:
-                    log(3, f"could not remove {path} of a task that was not created: {err}")
-            self.rendered.pop(task_id, None)
-            log(3, f"a task could not be created: {exc}")
-            if is_disk_error(exc):
-                raise ApiError(507, f"cannot save the task: {exc.strerror}",
-                               "insufficient_storage") from None
-            raise
-        self.tasks[task_id] = task
-        self.emit("task", task.to_api())
+        task = self.add_task(fields)
         self.schedule()
         return task.to_api()
 
+    def add_task(self, fields: dict[str, Any], staged: str | None = None) -> Task:
+        """Every way of making a task ends here (the API, schedules, Jira, hooks, uploads): a
+        fresh id, the next seq, the task saved whole or nothing of it anywhere (507 `cannot
+        save the task`, or `the upload`, on a full disk), then the box's and announced.
+        staged: an upload's layer folder; the task is done at once on top of its workspace's
+        stack, the folder renamed into place before the task is saved (a crash between the
+        two leaves an unused folder, never a task without its layer)."""
+        task_id = new_task_id()
+        while task_id in self.tasks or os.path.lexists(self.layer_dir(task_id)):
+            task_id = new_task_id()
+        done, moved, stamp = staged is not None, False, now_iso()
+        task = Task(id=task_id, state="done" if done else "queued",
+                    user=TASK_USER_PREFIX + task_id,
+                    layers=self.views.stack_ids(fields["workspace"]) if done else [],
+                    costCents=0, createdAt=stamp, updatedAt=stamp, seq=self.seq + 1,
+                    doneSeq=self.done_seq + 1 if done else 0, **fields)
+        with saved_or_507("upload" if done else "task"):
+            try:
+                if staged is not None:
+                    os.rename(staged, self.layer_dir(task_id))
+                    moved = True
+                self.save(task)
+                if not done:
+                    self.append_log(task_id, {"type": "state", "state": "queued"})
+            except OSError as exc:
+                if staged is not None and moved:
+                    os.rename(self.layer_dir(task_id), staged)     # the caller removes it
+                for path in (self.task_file(task_id), self.log_file(task_id)):
+                    try:
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        pass
+                    except OSError as err:
+                        log(3, f"could not remove {path} of a task that was not created: {err}")
+                self.loop.forget(task_id)
+                log(3, f"a task could not be created: {exc}")
+                raise
+        self.seq, self.done_seq = task.seq, max(self.done_seq, task.doneSeq)
+        self.tasks[task_id] = task
+        if done:
+            with contextlib.suppress(OSError):   # the task is saved done; its log is a courtesy
+                self.append_log(task_id, {"type": "upload", "text": task.summary or ""})
+                self.append_log(task_id, {"type": "state", "state": "done"})
+            self.views.layers_changed(task.workspace, task_id)
+        self.loop.emit("task", task.to_api())
+        return task
+
     def schedule(self) -> None:
         """Start queued tasks, first in first out, while there is room."""
-        if self.stopping:
+        if self.loop.stopping:
             return
         active = sum(1 for t in self.tasks.values() if t.state in ("running", "waiting"))
         queued = sorted((t for t in self.tasks.values() if t.state == "queued"),
@@ -5673,9 +5876,9 @@ class Box:
             self.start_task(task)
 
     def start_task(self, task: Task) -> None:
-        layers = self.stack_ids(task.workspace)
+        layers = self.views.stack_ids(task.workspace)
         try:
-            lowers = self.view_lowers(task.workspace, layers)
+            lowers = self.views.view_lowers(task.workspace, layers)
         except ApiError as exc:              # stays queued: a merge that ends schedules again
             log(4, f"task {task.id} waits: {exc.message}")
             return
@@ -5712,14 +5915,14 @@ class Box:
             hosts = list(task.hosts)
             if task.worker == "droid":
                 hosts += [h for h in self.settings["droidHosts"] if h not in hosts]
-                self.droid_spec(task, spec, hosts)
+                self.droid.spec(task, spec, hosts)
             fds = []
             if hosts or task.askHosts or self.broker.policies.has_hosts(task):
                 spec["netnsFd"] = 2
                 fds.append(self.network.prepare(task, hosts).nsfd)
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
             pid = self.spawner.spawn(spec, [out_w] + fds)
-            self.task_lowers[task.id] = flat_lowers(lowers)
+            self.views.pin(task.id, lowers)
         except (OSError, SysError) as exc:
             for fd in (out_r, out_w):
                 if fd >= 0:
@@ -5736,7 +5939,7 @@ class Box:
         worker = Worker(task.id, pid, out_r, log_fd=log_fd, budget_limit=task.budgetCents,
                         log_cap=LogCap(limits["logBytes"], os.fstat(log_fd).st_size))
         self.workers[task.id] = worker
-        self.selector.register(out_r, selectors.EVENT_READ, task.id)
+        self.loop.watch(out_r, task.id)
         self.set_state(task, "running")
         log(6, f"task {task.id} running as {task.user} ({uid}), pid {pid}, "
                f"{len(task.layers)} layers")
@@ -5751,7 +5954,7 @@ class Box:
             return
         if not data:
             worker.eof = True
-            self.selector.unregister(worker.fd)
+            self.loop.unwatch(worker.fd)
             if worker.buf:
                 self.on_worker_line(worker, worker.buf)
                 worker.buf = b""
@@ -5783,7 +5986,7 @@ class Box:
             self.save(task, sync=False)
             self.append_log(task.id, {"type": "step", "text": text})
         elif kind == "out" and task.worker == "droid":
-            self.on_droid_event(task, worker, text)
+            self.droid.on_event(task, worker, text)
         elif kind == "out":
             fault_point(text)
             worker.last_out = text
@@ -5804,7 +6007,7 @@ class Box:
             worker = by_pid.get(pid)
             if worker is not None:
                 worker.exit_code = code
-                self.guard(worker.task_id, self.maybe_finish, worker)
+                self.loop.guard(worker.task_id, self.maybe_finish, worker)
 
     def maybe_finish(self, worker: Worker) -> None:
         """A worker ended once its process exited and its report pipe is drained."""
@@ -5828,7 +6031,7 @@ class Box:
             summary = (task.summary if task.worker == "droid" else worker.last_out) or None
             self.set_state(task, "done", doneSeq=self.done_seq, summary=summary,
                            review="pending" if task.folders else None)
-            self.layers_changed(task.workspace, task.id)
+            self.views.layers_changed(task.workspace, task.id)
         else:
             error = f"worker exited with {code}"
             last = worker.droid_error or worker.last_err
@@ -5838,7 +6041,7 @@ class Box:
         log(6, f"task {task.id} {task.state}" + (f": {task.error}" if task.error else ""))
         if task.folders and task.state != "done":
             self.review.forget(task)            # a failed task's folder changes never apply
-        self.gc_layers()
+        self.views.gc_layers()
         self.schedule()
 
     def release_worker(self, task: Task) -> None:
@@ -5847,7 +6050,7 @@ class Box:
         worker = self.workers.pop(task.id, None)
         if worker is not None:
             if not worker.eof:
-                self.selector.unregister(worker.fd)
+                self.loop.unwatch(worker.fd)
             os.close(worker.fd)
             if worker.log_fd >= 0:
                 os.close(worker.log_fd)
@@ -5918,203 +6121,30 @@ class Box:
         self.set_state(task, "undone")
         if task.folders:
             self.review.forget(task)
-        self.layers_changed(task.workspace)
-        self.gc_layers()
+        self.views.layers_changed(task.workspace)
+        self.views.gc_layers()
         if was_active:
             self.schedule()
         return task.to_api()
 
-    def gc_layers(self) -> None:
-        """Delete the files of undone tasks' layers that no running task's view uses, and
-        the merged layers that match no group any more and that no running task's view and
-        no cached view uses (a merge in progress keeps its sources)."""
-        in_use: set[str] = set()
-        pinned: set[str] = set()              # lowers of views in use, relative to BOX_HOME
-        for t in self.tasks.values():
-            if t.state in ("running", "waiting"):
-                in_use.update(t.layers)
-                in_use.add(t.id)
-                pinned.update(self.task_lowers.get(t.id, ()))
-            else:
-                self.task_lowers.pop(t.id, None)
-        with self.views_lock:
-            for key, _ in self.views.values():
-                pinned.update(key)
-        for merged in self.merging.values():
-            in_use.update(merged.members)
-        for name in sorted({m.workspace for m in self.layerstack.merged.values()}):
-            unused = self.layerstack.unused(name, self.stack_ids(name), pinned)
-            if unused:
-                try:
-                    self.layerstack.forget(unused, self.merger.remove)
-                except OSError as exc:
-                    log(3, f"merged layers {unused}: {exc}")
-                self.publish_layers(name)
-        for t in self.tasks.values():
-            if t.state == "undone" and not t.layerDeleted and t.id not in in_use:
-                try:      # gone from its name at once; its files off the loop
-                    if os.path.lexists(self.layer_dir(t.id)):
-                        self.merger.remove(trash_name(self.layer_dir(t.id)))
-                except OSError as exc:
-                    log(3, f"layer {t.id}: {exc}")
-                if os.path.lexists(self.layer_dir(t.id)):
-                    log(3, f"could not delete layer {t.id}")
-                    continue
-                t.layerDeleted = True
-                self.save(t)
-                self.append_log(t.id, {"type": "layer", "text": "layer files deleted"})
-                self.publish_layers(t.workspace)
-
     def get(self, task_id: str) -> Task:
-        task = self.tasks.get(task_id) if isinstance(task_id, str) else None
+        task = self.task(task_id)
         if task is None:
             raise ApiError(400, "No task with this id")
         return task
 
     # snapshots (any thread: they read what render published, never the loop's objects)
-    def list_tasks(self, state: str | None, workspace: str | None, limit: int,
-                   fields: tuple[str, ...] | None = None) -> bytes:
-        """The task list as JSON, newest first, from the published snapshots; only the
-        given fields of each task when fields is set (rendered from the published dicts)."""
-        out: list[Any] = []
-        with self.listed_lock:              # one step's changes, all of them or none
-            for _, task_id in reversed(self.order):
-                entry = self.listed.get(task_id)
-                if entry is not None and (state is None or entry[0] == state) and \
-                        (workspace is None or entry[1] == workspace):
-                    out.append(entry[3] if fields is None else self.listed_api[task_id])
-                    if len(out) >= limit:
-                        break
-        if fields is not None:
-            out = [json.dumps({k: api[k] for k in fields if k in api}).encode()
-                   for api in out]
-        return b"[" + b", ".join(out) + b"]"
-
     def workspace_snapshot(self, name: str, full: bool = False) -> dict[str, Any]:
-        """workspace_info from the snapshots: its done tasks, newest first."""
-        if not self.workspace_exists(name):
+        """A workspace and its done tasks, newest first, from the snapshots (any thread)."""
+        if not self.views.workspace_exists(name):
             raise ApiError(404, f"no workspace named {name}", "not_found")
-        with self.listed_lock:
-            entries = list(self.listed.values())
-        stack = sorted(((e[2], e[3]) for e in entries
-                        if e[0] == "done" and e[1] == name), reverse=True)
+        stack = sorted(((e[2], e[3]) for e in self.loop.listed_in(name) if e[1] == "done"),
+                       reverse=True)
         info: dict[str, Any] = {"name": name, "layers": len(stack)}
         if full:
-            info.update(self.layer_usage(name))
+            info.update(self.views.layer_usage(name))
             info["stack"] = [json.loads(data) for _, data in stack]
         return info
-
-    def changes(self, task_id: str) -> tuple[str, list[str]] | None:
-        """What to walk for a task's changes: its upper and its lowers (newest first, base
-        last), or None once its layer is deleted.  The walk itself (changed_paths) runs in the
-        HTTP thread, off the loop."""
-        task = self.get(task_id)
-        if task.layerDeleted:
-            return None
-        lowers = [self.path(p) for p in self.layerstack.plan(task.workspace, task.layers)]
-        return (self.path("layers", task.id, "upper"),
-                lowers + [self.path("workspaces", task.workspace)])
-
-    # the droid worker
-    def droid_path(self) -> str | None:
-        """The Droid CLI: the droidPath setting, else the one make installed beside gurtd."""
-        here = os.path.dirname(os.path.abspath(__file__))
-        candidates = [self.settings["droidPath"]] if self.settings["droidPath"] else [
-            os.path.join(here, ".venv", "droid", "node_modules", "droid", "bin", "droid"),
-            os.path.join(here, "droid", "node_modules", "droid", "bin", "droid"),
-            shutil.which("droid") or ""]
-        for path in candidates:
-            if path and os.path.isfile(path) and os.access(path, os.X_OK):
-                return path
-        return None
-
-    def droid_key(self) -> str:
-        """FACTORY_API_KEY: BOX_HOME/secrets/factory-api-key, else gurtd's environment."""
-        try:
-            with open(self.path("secrets", "factory-api-key")) as f:
-                key = f.read().strip()
-            if key:
-                return key
-        except OSError:
-            pass
-        return os.environ.get("FACTORY_API_KEY", "")
-
-    def droid_spec(self, task: Task, spec: dict[str, Any], hosts: list[str]) -> None:
-        """How the sandbox runs Droid: the command, its files, its MCP server, its key; hosts
-        are the grants it gets (the task's and droidHosts)."""
-        path = self.droid_path()
-        if not path:
-            raise SysError("droid", errno.ENOENT, "the Droid CLI is not installed")
-        settings = self.settings
-        tools = ", ".join(task.tools) or "none"
-        system = (
-            "You work inside a gurtd box: an isolated Linux sandbox where you may act freely.\n"
-            f"- The current directory ({VIEW_DIR}) is your own copy-on-write view of the "
-            f"workspace {task.workspace}; a person may undo your changes.\n"
-            f"- Network: you can reach only {', '.join(task.hosts) or 'no hosts of your own'} "
-            "(everything else is refused).\n" + (
-                "- Other hosts: looking up a name outside that list asks a person. The lookup "
-                "waits while they decide; if it fails with a temporary DNS error, wait a minute "
-                "and try again (the question stays open). A name that is approved then "
-                "resolves and is reachable; a denied one answers NXDOMAIN from then on: do "
-                "without it.\n" if task.askHosts else "") +
-            f"- Tools: {tools}. Call one with the shell command "
-            "`gurtd tool NAME '{\"json\": \"args\"}'` or through the gurtd MCP server.\n"
-            f"- Budget: {task.budgetCents} US cents; spending above it pauses you until a "
-            "person approves.\n")
-        if task.folders:
-            system += ("- Folders: " + ", ".join(task.folders) + " are your own copy-on-write "
-                       "copies of the owner's real folders, at their real paths; the owner "
-                       "reviews your changes there and keeps them or not.\n")
-        spec["mode"] = "droid"
-        spec["droid"] = path
-        spec["files"] = {"/run/gurt/prompt.md": task.prompt,
-                         "/run/gurt/system-prompt.md": system}
-        spec["homeFiles"] = {".factory/mcp.json": json.dumps({"mcpServers": {"gurtd": {
-            "type": "stdio", "command": "/run/gurt/bin/gurtd", "args": ["mcp"]}}}, indent=1)}
-        spec["argv"] = ["/run/gurt/bin/droid", "exec", "--output-format", "stream-json",
-                        "--cwd", VIEW_DIR, "-m", settings["droidModel"],
-                        "--auto", settings["droidAutonomy"], "-f", "/run/gurt/prompt.md",
-                        "--append-system-prompt-file", "/run/gurt/system-prompt.md"]
-        key = self.droid_key()
-        if key:
-            spec["env"]["FACTORY_API_KEY"] = key
-        self.append_log(task.id, {"type": "net", "text": "droid hosts added to the grants: " +
-                                  ", ".join(settings["droidHosts"]), "hosts": hosts})
-
-    def on_droid_event(self, task: Task, worker: Worker, text: str) -> None:
-        """One stream-json line: logged as it is; step, summary, cost and errors from it."""
-        try:
-            event = loads_bounded(text)
-            if not isinstance(event, dict):
-                raise ValueError("not an object")
-        except ValueError:       # any other line, deep nesting and NaN included: plain output
-            self.append_log(task.id, {"type": "stdout", "text": text})
-            return
-        self.append_log(task.id, {"type": "event", "event": event})
-        kind = event.get("type")
-        if kind == "system" and event.get("session_id"):
-            self.append_log(task.id, {"type": "session", "text": str(event["session_id"])})
-        if kind == "error" and last_line(event.get("message") or ""):
-            worker.droid_error = last_line(event["message"])
-        step = droid_step(event)
-        changed = False
-        if step:
-            task.step, changed = step, True
-        if kind == "completion" and isinstance(event.get("finalText"), str):
-            task.summary, changed = event["finalText"], True
-        usage = event.get("usage")
-        if usage is not None:
-            model = self.settings["droidModel"]
-            total = usage_cents(usage, self.settings["droidPrices"].get(model))
-            if total > worker.model_cents and is_cents(task.costCents + total):
-                task.costCents += total - worker.model_cents
-                worker.model_cents, changed = total, True
-        if changed:
-            self.save(task, sync=False)
-        if task.costCents > worker.budget_limit and worker.paused is None and \
-                task.state == "running":
-            self.pause_for_budget(task, worker)
 
     def pause_and_ask(self, task: Task, worker: Worker, why: str, failed: str,
                       *approval: Any) -> str | None:
@@ -6129,28 +6159,6 @@ class Box:
             log(3, f"task {task.id}: could not ask for a {why} approval: {message}")
             self.fail_task(task, f"{failed}: {message}")   # it collects and schedules too
             return None
-
-    def pause_for_budget(self, task: Task, worker: Worker) -> None:
-        """Model spending passed the budget: pause every process and ask."""
-        worker.paused = self.pause_and_ask(
-            task, worker, "budget", "budget exceeded", "budget", "model",
-            {"model": self.settings["droidModel"], "costCents": task.costCents},
-            task.costCents, None)
-
-    def on_model_approval(self, approval: Approval) -> None:
-        """Approved: continue (SIGCONT) up to one more budget; denied: the task fails."""
-        task = self.tasks.get(approval.task)
-        worker = self.workers.get(approval.task)
-        if task is None or worker is None or worker.paused != approval.id:
-            return
-        worker.paused = None
-        if approval.state == "approved":
-            worker.budget_limit = approval.budgetCents if approval.budgetCents is not None \
-                else task.costCents + task.budgetCents    # raised to, or one more budget
-            self.unhold(task, worker, "budget")
-            return
-        if approval.answeredBy == "api":
-            self.fail_task(task, f"budget exceeded: {approval.reason or 'denied'}")
 
     def tick(self) -> float:
         """Timers of the loop: a worker past taskTimeoutSeconds is stopped; BOX_HOME's free
@@ -6167,8 +6175,8 @@ class Box:
     def put_settings(self, body: Any) -> dict[str, Any]:
         new = validate_settings(body, self.settings)
         if isinstance(body, dict) and "droidModel" in body:
-            path = self.droid_path() if "droidPath" not in body else \
-                (body["droidPath"] or self.droid_path())
+            path = self.droid.path() if "droidPath" not in body else \
+                (body["droidPath"] or self.droid.path())
             if not path:
                 raise ApiError(400, "cannot check droidModel: the Droid CLI is not installed")
             models = droid_models(path)
@@ -6198,17 +6206,8 @@ class Box:
             raise ApiError(400, "name must match ^[\\w.-]+$ (at most 64) and not be . or ..")
         if os.path.exists(self.path("workspaces", name)):
             raise ApiError(409, f"workspace {name} exists", "conflict")
-        self.workspace_create_dir(name)
-        return self.workspace_info(name)
-
-    def workspace_info(self, name: str, full: bool = False) -> dict[str, Any]:
-        if not self.workspace_exists(name):
-            raise ApiError(404, f"no workspace named {name}", "not_found")
-        stack = self.stack(name)
-        info: dict[str, Any] = {"name": name, "layers": len(stack)}
-        if full:
-            info["stack"] = [t.to_api() for t in stack]
-        return info
+        self.views.workspace_create_dir(name)
+        return {"name": name, "layers": len(self.views.stack_ids(name))}
 
     # start and stop
     def remove_temp_leftovers(self) -> None:
@@ -6271,10 +6270,10 @@ class Box:
         for task_id in crashed:                  # their processes are gone now
             attempt(f"strip set-id bits of {task_id}", setid_strip,
                     os.path.join(self.layer_dir(task_id), "upper"))
-        for point in mounts_under(self.home):
-            log(4, f"reconcile: unmounting leftover {point}")
+        for point in overlays_below(self.home):
+            log(4, f"reconcile: unmounting the leftover overlay {point}")
             attempt(f"unmount {point}", umount, point)
-        attempt("delete undone layers", self.gc_layers)
+        attempt("delete undone layers", self.views.gc_layers)
         attempt("finish keeps and undos cut short", self.review.recover)
         for task_id in sorted(self.unsaved):
             problems.append(f"save task {task_id}: its state ({self.tasks[task_id].state}) is "
@@ -6289,11 +6288,145 @@ class Box:
             if task.id in self.workers:
                 self.fail_task(task, "gurtd stopped while the task was running", by="restart")
         self.save_unsaved()
-        with self.views_lock:
-            for _, fd in self.views.values():
-                os.close(fd)
-            self.views.clear()
+        self.views.close()
         self.cgroups.stop()
+
+
+# Droid worker ##################################################################################
+###############################################################################################
+
+class DroidWorker:
+    """The droid worker of a box's tasks: the Droid CLI and its key, how the sandbox runs it
+    (spec), its stream-json lines (on_event: steps, summary, cost), and the pause once its
+    model spending passes the task's budget (pause_for_budget, on_model_approval).
+
+    Methods for the Box (loop thread): path, key, spec, on_event, on_model_approval.
+    """
+
+    def __init__(self, box: Box) -> None:
+        self.box = box
+
+    def path(self) -> str | None:
+        """The Droid CLI: the droidPath setting, else the one make installed beside gurtd."""
+        here = os.path.dirname(os.path.abspath(__file__))
+        candidates = [self.box.setting("droidPath")] if self.box.setting("droidPath") else [
+            os.path.join(here, ".venv", "droid", "node_modules", "droid", "bin", "droid"),
+            os.path.join(here, "droid", "node_modules", "droid", "bin", "droid"),
+            shutil.which("droid") or ""]
+        for path in candidates:
+            if path and os.path.isfile(path) and os.access(path, os.X_OK):
+                return path
+        return None
+
+    def key(self) -> str:
+        """FACTORY_API_KEY: BOX_HOME/secrets/factory-api-key, else gurtd's environment."""
+        try:
+            with open(self.box.path("secrets", "factory-api-key")) as f:
+                key = f.read().strip()
+            if key:
+                return key
+        except OSError:
+            pass
+        return os.environ.get("FACTORY_API_KEY", "")
+
+    def spec(self, task: Task, spec: dict[str, Any], hosts: list[str]) -> None:
+        """How the sandbox runs Droid: the command, its files, its MCP server, its key; hosts
+        are the grants it gets (the task's and droidHosts)."""
+        path = self.path()
+        if not path:
+            raise SysError("droid", errno.ENOENT, "the Droid CLI is not installed")
+        settings = self.box.setting()
+        tools = ", ".join(task.tools) or "none"
+        system = (
+            "You work inside a gurtd box: an isolated Linux sandbox where you may act freely.\n"
+            f"- The current directory ({VIEW_DIR}) is your own copy-on-write view of the "
+            f"workspace {task.workspace}; a person may undo your changes.\n"
+            f"- Network: you can reach only {', '.join(task.hosts) or 'no hosts of your own'} "
+            "(everything else is refused).\n" + (
+                "- Other hosts: looking up a name outside that list asks a person. The lookup "
+                "waits while they decide; if it fails with a temporary DNS error, wait a minute "
+                "and try again (the question stays open). A name that is approved then "
+                "resolves and is reachable; a denied one answers NXDOMAIN from then on: do "
+                "without it.\n" if task.askHosts else "") +
+            f"- Tools: {tools}. Call one with the shell command "
+            "`gurtd tool NAME '{\"json\": \"args\"}'` or through the gurtd MCP server.\n"
+            f"- Budget: {task.budgetCents} US cents; spending above it pauses you until a "
+            "person approves.\n")
+        if task.folders:
+            system += ("- Folders: " + ", ".join(task.folders) + " are your own copy-on-write "
+                       "copies of the owner's real folders, at their real paths; the owner "
+                       "reviews your changes there and keeps them or not.\n")
+        spec["mode"] = "droid"
+        spec["droid"] = path
+        spec["files"] = {"/run/gurt/prompt.md": task.prompt,
+                         "/run/gurt/system-prompt.md": system}
+        spec["homeFiles"] = {".factory/mcp.json": json.dumps({"mcpServers": {"gurtd": {
+            "type": "stdio", "command": "/run/gurt/bin/gurtd", "args": ["mcp"]}}}, indent=1)}
+        spec["argv"] = ["/run/gurt/bin/droid", "exec", "--output-format", "stream-json",
+                        "--cwd", VIEW_DIR, "-m", settings["droidModel"],
+                        "--auto", settings["droidAutonomy"], "-f", "/run/gurt/prompt.md",
+                        "--append-system-prompt-file", "/run/gurt/system-prompt.md"]
+        key = self.key()
+        if key:
+            spec["env"]["FACTORY_API_KEY"] = key
+        self.box.append_log(task.id, {"type": "net", "text": "droid hosts added to the grants: " +
+                                  ", ".join(settings["droidHosts"]), "hosts": hosts})
+
+    def on_event(self, task: Task, worker: Worker, text: str) -> None:
+        """One stream-json line: logged as it is; step, summary, cost and errors from it."""
+        try:
+            event = loads_bounded(text)
+            if not isinstance(event, dict):
+                raise ValueError("not an object")
+        except ValueError:       # any other line, deep nesting and NaN included: plain output
+            self.box.append_log(task.id, {"type": "stdout", "text": text})
+            return
+        self.box.append_log(task.id, {"type": "event", "event": event})
+        kind = event.get("type")
+        if kind == "system" and event.get("session_id"):
+            self.box.append_log(task.id, {"type": "session", "text": str(event["session_id"])})
+        if kind == "error" and last_line(event.get("message") or ""):
+            worker.droid_error = last_line(event["message"])
+        step = droid_step(event)
+        changed = False
+        if step:
+            task.step, changed = step, True
+        if kind == "completion" and isinstance(event.get("finalText"), str):
+            task.summary, changed = event["finalText"], True
+        usage = event.get("usage")
+        if usage is not None:
+            model = self.box.setting("droidModel")
+            total = usage_cents(usage, self.box.setting("droidPrices").get(model))
+            if total > worker.model_cents and is_cents(task.costCents + total):
+                task.costCents += total - worker.model_cents
+                worker.model_cents, changed = total, True
+        if changed:
+            self.box.save(task, sync=False)
+        if task.costCents > worker.budget_limit and worker.paused is None and \
+                task.state == "running":
+            self.pause_for_budget(task, worker)
+
+    def pause_for_budget(self, task: Task, worker: Worker) -> None:
+        """Model spending passed the budget: pause every process and ask."""
+        worker.paused = self.box.pause_and_ask(
+            task, worker, "budget", "budget exceeded", "budget", "model",
+            {"model": self.box.setting("droidModel"), "costCents": task.costCents},
+            task.costCents, None)
+
+    def on_model_approval(self, approval: Approval) -> None:
+        """Approved: continue (SIGCONT) up to one more budget; denied: the task fails."""
+        task = self.box.task(approval.task)
+        worker = self.box.worker(approval.task)
+        if task is None or worker is None or worker.paused != approval.id:
+            return
+        worker.paused = None
+        if approval.state == "approved":
+            worker.budget_limit = approval.budgetCents if approval.budgetCents is not None \
+                else task.costCents + task.budgetCents    # raised to, or one more budget
+            self.box.unhold(task, worker, "budget")
+            return
+        if approval.answeredBy == "api":
+            self.box.fail_task(task, f"budget exceeded: {approval.reason or 'denied'}")
 
 
 # Hosts #########################################################################################
@@ -6364,8 +6497,8 @@ class Network:
     def __init__(self, box: "Box", upstream_override: str | None) -> None:
         self.box = box
         self.upstream_override = upstream_override
-        self.table = "gurt" if box.home == DEFAULT_BOX_HOME else \
-            "gurt_" + hashlib.sha1(box.home.encode()).hexdigest()[:8]
+        self.table = "gurt" if box.path() == DEFAULT_BOX_HOME else \
+            "gurt_" + hashlib.sha1(box.path().encode()).hexdigest()[:8]
         self.nft: Nft | None = None
         self.ipr: Any = None
         self.host_ns = -1
@@ -6421,7 +6554,7 @@ class Network:
             pass
 
     def upstream(self) -> tuple[str, int]:
-        text = self.upstream_override or self.box.settings.get("upstreamDns") or ""
+        text = self.upstream_override or self.box.setting("upstreamDns") or ""
         if not text:
             try:
                 with open("/etc/resolv.conf") as f:
@@ -6451,6 +6584,10 @@ class Network:
             # gurtd's namespace), eth0's address and route, the DNS sockets; one netlink socket
             sysctl_write("net.ipv6.conf.all.disable_ipv6", "1")
             sysctl_write("net.ipv6.conf.default.disable_ipv6", "1")
+            # port 53 below without CAP_NET_BIND_SERVICE (the unit keeps none): from 53 up,
+            # ports are anyone's in this namespace, the task's alone, where gurtd's DNS
+            # sockets are bound before the worker starts
+            sysctl_write("net.ipv4.ip_unprivileged_port_start", "53")
             with IPRoute() as ipr:
                 ipr.link("set", index=1, state="up")
                 ipr.link("add", ifname="eth0", kind="veth",
@@ -6489,9 +6626,8 @@ class Network:
         except BaseException:
             self.release(task.id)
             raise
-        sel = self.box.selector
-        sel.register(udp, selectors.EVENT_READ, ("dns-udp", task.id))
-        sel.register(tcp, selectors.EVENT_READ, ("dns-tcp", task.id))
+        self.box.loop.watch(udp, ("dns-udp", task.id))
+        self.box.loop.watch(tcp, ("dns-tcp", task.id))
         return net
 
     def release(self, task_id: str) -> None:
@@ -6560,7 +6696,7 @@ class Network:
 
     def selector_drop(self, sock: socket.socket) -> None:
         try:
-            self.box.selector.unregister(sock)
+            self.box.loop.unwatch(sock)
         except (KeyError, ValueError):
             pass
         sock.close()
@@ -6606,7 +6742,7 @@ class Network:
                                           f"the task's DNS: {type(exc).__name__}: {exc}"})
             try:
                 self.release(task_id)
-                task = self.box.tasks.get(task_id)
+                task = self.box.task(task_id)
                 if task is not None and task.state in ACTIVE_STATES:
                     self.box.stop(task_id, f"gurtd could not handle the task's DNS: {exc}")
             except Exception as again:        # the task is as good as stopped: its net is gone
@@ -6645,8 +6781,7 @@ class Network:
                 return
             conn.setblocking(False)
             net.conns[conn.fileno()] = (conn, bytearray())
-            self.box.selector.register(conn, selectors.EVENT_READ,
-                                       ("dns-conn", (net.task_id, conn.fileno())))
+            self.box.loop.watch(conn, ("dns-conn", (net.task_id, conn.fileno())))
         elif kind == "dns-conn":
             if key[1] not in net.conns:      # closed earlier in the same round of events
                 return
@@ -6735,7 +6870,7 @@ class Network:
         self.pending[sock.fileno()] = Upstream(sock, net, query, name, ports, reply,
                                                time.monotonic() + 3.0, forward.id)
         net.upstreams += 1
-        self.box.selector.register(sock, selectors.EVENT_READ, ("upstream", sock.fileno()))
+        self.box.loop.watch(sock, ("upstream", sock.fileno()))
 
     def on_upstream(self, fileno: int) -> None:
         import dns.message
@@ -6785,7 +6920,7 @@ class Network:
             kept = answer_only(kept, set(addresses))
         own = self.own_addresses()
         nets = up.net.answer_nets() + [ipaddress.IPv4Network(n)
-                                       for n in self.box.settings.get("dnsAllowedNets", [])]
+                                       for n in (self.box.setting("dnsAllowedNets") or [])]
         bad = [reason for a in addresses if (reason := refused_address(a, own, nets))]
         entry: dict[str, Any] = {"type": "dns", "name": up.name, "qtype": "A",
                                  "addresses": addresses}
@@ -6846,7 +6981,7 @@ class Network:
         the resolver's retries) or "refused" (NXDOMAIN: no askHosts, denied, over a cap).
         Only answers of a person are remembered (denied), so a flood of names grows nothing
         past the caps."""
-        task = self.box.tasks.get(net.task_id)
+        task = self.box.task(net.task_id)
         try:
             entry = host_policy_entry(name)
         except ApiError:             # not a name a grant could hold (an address, junk)
@@ -7187,14 +7322,14 @@ class Policies:
         if len(self.items) >= MAX_POLICIES:
             raise ApiError(409, f"the box has {len(self.items)} policies (at most "
                                 f"{MAX_POLICIES}); delete some first", "conflict")
-        if fields.get("task") is not None and fields["task"] not in self.box.tasks:
+        if fields.get("task") is not None and self.box.task(fields["task"]) is None:
             raise ApiError(400, "No task with this id")
         if fields.get("workspace") is not None and \
-                not self.box.workspace_exists(fields["workspace"]):
+                not self.box.views.workspace_exists(fields["workspace"]):
             raise ApiError(400, f"no workspace named {fields['workspace']}")
         policy = Policy(id=new_task_id("p"), createdAt=now_iso(), createdBy=by, **fields)
         self.write({**self.items, policy.id: policy})
-        self.box.emit("policy", {"action": "created", "policy": policy.to_api()})
+        self.box.loop.emit("policy", {"action": "created", "policy": policy.to_api()})
         log(6, f"policy {policy.id} created by {by}: {policy.tool} in {policy.scope}")
         return policy
 
@@ -7203,12 +7338,12 @@ class Policies:
         if policy is None:
             raise ApiError(404, "No policy with this id", "not_found")
         self.write({k: v for k, v in self.items.items() if k != policy_id})
-        self.box.emit("policy", {"action": "deleted", "policy": policy.to_api()})
+        self.box.loop.emit("policy", {"action": "deleted", "policy": policy.to_api()})
         return policy.to_api()
 
     def find(self, task: Task, tool: str, cents: float, host: str | None = None) -> Policy | None:
         """The policy that allows this call (or this name) now, narrowest scope first."""
-        never = self.box.settings.get("neverAutoApproveCents")
+        never = self.box.setting("neverAutoApproveCents")
         order = {"task": 0, "workspace": 1, "box": 2}
         for policy in sorted(self.items.values(), key=lambda p: (order[p.scope], p.createdAt)):
             if policy.tool != tool or not in_scope(policy, task):
@@ -7229,7 +7364,7 @@ class Policies:
         used = dataclasses.replace(policy, spentCents=policy.spentCents + cents,
                                    uses=policy.uses + 1)
         self.write({**self.items, policy.id: used})
-        self.box.emit("policy", {"action": "used", "policy": used.to_api()})
+        self.box.loop.emit("policy", {"action": "used", "policy": used.to_api()})
 
 
 # Broker and approvals #########################################################################
@@ -7322,7 +7457,7 @@ class Broker:
 
     def render(self, approval: Approval) -> None:
         """The approval changed: published with the step's tasks (Box.publish)."""
-        blocked = always_blocked(approval, self.box.settings.get("neverAutoApproveCents"))
+        blocked = always_blocked(approval, self.box.setting("neverAutoApproveCents"))
         approval.canAlwaysApprove, approval.alwaysBlockedReason = blocked is None, blocked
         self.staged[approval.id] = approval
 
@@ -7347,7 +7482,7 @@ class Broker:
         return approval
 
     def task_of_uid(self, uid: int) -> Task | None:
-        for task in self.box.tasks.values():
+        for task in self.box.all_tasks():
             if task.uid == uid and task.state in ("running", "waiting"):
                 return task
         return None
@@ -7407,7 +7542,7 @@ class Broker:
         self.waiters[approval.id] = future
         self.box.append_log(task.id, {"type": "approval", "approval": approval.id,
                                       "kind": kind, "tool": tool, "cents": cents})
-        self.box.emit("approval", approval.to_api())
+        self.box.loop.emit("approval", approval.to_api())
         if task.state == "running":
             self.box.set_state(task, "waiting")
         return {"task": task.id, "cents": cents, "wait": approval.id, "future": future}
@@ -7433,8 +7568,8 @@ class Broker:
         for key, value in extra.items():
             setattr(approval, key, value)
         self.render(approval)
-        self.box.emit("approval", approval.to_api())
-        task = self.box.tasks.get(approval.task)
+        self.box.loop.emit("approval", approval.to_api())
+        task = self.box.task(approval.task)
         if task is not None:
             try:
                 entry = {"type": "approval", "approval": approval.id, "state": state,
@@ -7451,7 +7586,7 @@ class Broker:
         if future is not None and not future.done():
             future.set_result(approval)
         if approval.tool == "model":
-            self.box.on_model_approval(approval)
+            self.box.droid.on_model_approval(approval)
             if state == "denied":
                 return approval.to_api()
         if approval.kind == "disk":
@@ -7472,7 +7607,7 @@ class Broker:
     def approve_all(self, task: str | None) -> dict[str, Any]:
         """Approve every pending spending and host (of one task); skip, and count, what needs
         a person's own look: asks, disk approvals, calls above neverAutoApproveCents."""
-        never = self.box.settings.get("neverAutoApproveCents")
+        never = self.box.setting("neverAutoApproveCents")
         pending = [a for a in self.approvals.values() if a.state == "pending"
                    and (task is None or a.task == task)]
         approved, skipped = 0, 0
@@ -7514,7 +7649,7 @@ class Broker:
 
     def raise_budget(self, approval: Approval, budget: float) -> None:
         """The task's budget becomes `budget`, enough for the call that asked (saved)."""
-        task = self.box.tasks.get(approval.task)
+        task = self.box.task(approval.task)
         if approval.kind != "budget" or task is None:
             raise ApiError(409, "budgetCents answers a budget approval only", "conflict")
         need = task.costCents + (approval.cents if approval.tool != "model" else 0)
@@ -7525,23 +7660,23 @@ class Broker:
         old, task.budgetCents = task.budgetCents, budget
         with saved_or_507("task"):
             self.box.save(task)
-        worker = self.box.workers.get(task.id)
+        worker = self.box.worker(task.id)
         if worker is not None:
             worker.budget_limit = max(worker.budget_limit, budget)
         self.box.append_log(task.id, {"type": "budget", "budgetCents": budget, "was": old,
                                       "approval": approval.id,
                                       "text": f"budget raised from {old} to {budget} cents"})
-        self.box.render(task)
-        self.box.emit("task", task.to_api())
+        self.box.loop.render(task)
+        self.box.loop.emit("task", task.to_api())
 
     def always(self, approval_id: str, body: Any) -> dict[str, Any]:
         """Approve and record a policy {scope, maxCents?, totalCents?, expiresAt?, reason?}
         for calls like this one (the same tool, or the same host name)."""
         approval = self.get(approval_id)
-        blocked = always_blocked(approval, self.box.settings.get("neverAutoApproveCents"))
+        blocked = always_blocked(approval, self.box.setting("neverAutoApproveCents"))
         if blocked is not None:
             raise ApiError(409, f"cannot always-approve: {blocked}", "conflict")
-        task = self.box.tasks.get(approval.task)
+        task = self.box.task(approval.task)
         if not isinstance(body, dict) or set(body) - {"scope", "reason", "maxCents",
                                                       "totalCents", "expiresAt"}:
             raise ApiError(400, 'the body must be {"scope": "task"|"workspace"|"box", '
@@ -7581,7 +7716,7 @@ class Broker:
                                       "kind": "budget", "tool": tool, "cents": cents,
                                       "state": "approved", "by": "policy",
                                       "policy": policy.id})
-        self.box.emit("approval", approval.to_api())
+        self.box.loop.emit("approval", approval.to_api())
 
     def deny_pending(self, task_id: str, by: str, reason: str) -> None:
         for approval in list(self.approvals.values()):
@@ -7624,7 +7759,7 @@ class Broker:
         """wallet.pay: the ledger line first (synced), then the task's log line, then its
         cost.  Both lines carry the call id: a crash between them is repaired at the next
         start (recover_ledger), and a log line missing means the cost is missing too."""
-        task = self.box.tasks[task_id]
+        task = self.box.get(task_id)
         cents = args["cents"]
         balance = self.wallet["balanceCents"]
         if balance < cents:
@@ -7657,7 +7792,7 @@ class Broker:
                     and is_cents(entry.get("cents")):
                 by_task.setdefault(entry["task"], []).append(entry)
         for task_id, entries in by_task.items():
-            task = self.box.tasks.get(task_id)
+            task = self.box.task(task_id)
             if task is None:
                 continue
             try:
@@ -7688,7 +7823,7 @@ class Broker:
 
     def record(self, task_id: str, entry: dict[str, Any], cost: float = 0) -> None:
         """Log a finished call (and add what an executable tool says it cost)."""
-        task = self.box.tasks.get(task_id)
+        task = self.box.task(task_id)
         if task is None:
             return
         try:
@@ -7865,7 +8000,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
         try:
             if self.path.split("?")[0] != "/tools":
                 raise ApiError(404, "no route; POST /call or GET /tools", "not_found")
-            task = box.call(box.broker.task_of_uid, self.peer_uid())
+            task = box.loop.call(box.broker.task_of_uid, self.peer_uid())
             if task is None:
                 raise ApiError(403, "only a running task may call tools", "forbidden")
             self.reply(200, {"tools": task.tools})
@@ -7888,7 +8023,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
             except OSError:
                 gone = True
             if gone:
-                self.server.box.call(self.server.box.broker.withdraw, plan["wait"])
+                self.server.box.loop.call(self.server.box.broker.withdraw, plan["wait"])
                 self.close_connection = True
                 return None
 
@@ -7916,7 +8051,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                     set(body) - {"tool", "args"}:
                 raise ApiError(400, 'the body must be {"tool": "name", "args": {...}}')
             tool, args = body["tool"], body.get("args", {})
-            plan = box.call(box.broker.begin_call, uid, tool, args)
+            plan = box.loop.call(box.broker.begin_call, uid, tool, args)
             task_id, call = plan["task"], plan["call"]
             if "wait" in plan:
                 approval = self.wait_for_person(plan)
@@ -7930,7 +8065,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                     plan["cents"] = check_tool_args(tool, args)
                 if tool == "ask":
                     result = {"answer": approval.answer}
-                    box.call(box.broker.record, task_id, {
+                    box.loop.call(box.broker.record, task_id, {
                         "type": "tool", "tool": tool, "args": args, "caller": uid, "call": call,
                         "result": result, "cents": 0})
                     self.reply(200, {"result": result})
@@ -7938,19 +8073,19 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
             if "result" in plan:
                 result, cost = plan["result"], 0.0
             elif tool == "wallet.pay":   # pay logs its own line, with the call id
-                result = box.call(box.broker.pay, task_id, args, plan["call"])
+                result = box.loop.call(box.broker.pay, task_id, args, plan["call"])
                 cost, plan["logged"] = 0.0, True
             else:
                 result, cost = run_tool(box, tool, args, task_id)
             if not plan.get("logged"):
-                box.call(box.broker.record, task_id, {
+                box.loop.call(box.broker.record, task_id, {
                     "type": "tool", "tool": tool, "args": args, "caller": uid, "call": call,
                     "result": result, "cents": plan["cents"] or cost}, cost)
             self.reply(200, {"result": result})
         except ApiError as exc:
             if task_id is not None and exc.code != "tool_not_allowed":
                 try:
-                    box.call(box.broker.record, task_id, {
+                    box.loop.call(box.broker.record, task_id, {
                         "type": "tool", "tool": tool, "args": args, "caller": uid, "call": call,
                         "error": exc.message})
                 except Exception:
@@ -8176,7 +8311,7 @@ def upload_length(req: "Handler") -> int:
     box = req.box
     if req.body_left < 0:
         raise req.body_error()
-    cap = box.settings["uploadMaxBytes"]
+    cap = box.setting("uploadMaxBytes")
     if req.body_left > cap:
         req.body_left = -1
         raise ApiError(413, f"the body is larger than {cap} bytes (uploadMaxBytes)",
@@ -8195,7 +8330,7 @@ def upload_staging(box: "Box") -> Iterator[str]:
     staging = box.path("layers", UPLOAD_STAGING + secrets.token_hex(8))
     for sub in ("", "upper", "work"):
         os.mkdir(os.path.join(staging, sub), 0o755)
-        os.chown(os.path.join(staging, sub), box.store_uid, box.store_gid)
+        os.chown(os.path.join(staging, sub), *box.store_owner())
     try:
         yield staging
     finally:
@@ -8231,7 +8366,7 @@ def upload_finish(box: "Box", workspace: str, upper: str, explicit: set[str]) ->
     upper is on disk.  A folder where the view has a file or a link (or the reverse) is a 409:
     the layer would hide it silently.  A folder the archive did not describe gets the mode of
     the folder it lies over (as a copy-up would), else 0755; set-id bits never survive."""
-    view = box.call(box.view_fd, workspace)
+    view = box.loop.call(box.views.view_fd, workspace)
     try:
         top = os.open(upper, DIR_FLAGS)
         try:
@@ -8243,7 +8378,7 @@ def upload_finish(box: "Box", workspace: str, upper: str, explicit: set[str]) ->
                     raise ApiError(409, f"{rel}: the workspace has {there} there; the upload "
                                         "would hide it (undo or change it with a task first)",
                                    "conflict")
-                os.chown(name, box.store_uid, box.store_gid, dir_fd=dir_fd,
+                os.chown(name, *box.store_owner(), dir_fd=dir_fd,
                          follow_symlinks=False)
                 if stat.S_ISLNK(st.st_mode):
                     continue
@@ -8260,36 +8395,13 @@ def upload_finish(box: "Box", workspace: str, upper: str, explicit: set[str]) ->
 def upload_commit(box: "Box", workspace: str, staging: str, title: str, prompt: str,
                   summary: str) -> dict[str, Any]:
     """On the loop: the staged layer becomes a done task of worker upload on top of the
-    workspace's stack.  The layer is renamed into place before the task is saved, so a crash
-    between the two leaves an unused folder, never a task without its layer."""
-    if not box.workspace_exists(workspace):
+    workspace's stack (Box.add_task)."""
+    if not box.views.workspace_exists(workspace):
         raise ApiError(404, f"no workspace named {workspace}", "not_found")
-    stack = box.stack_ids(workspace)
-    task_id = new_task_id()
-    while task_id in box.tasks or os.path.lexists(box.layer_dir(task_id)):
-        task_id = new_task_id()
-    stamp = now_iso()
-    task = Task(id=task_id, title=title, prompt=prompt, workspace=workspace,
-                worker=UPLOAD_WORKER, tools=[], hosts=[], budgetCents=0, source="api",
-                state="done", user=TASK_USER_PREFIX + task_id, layers=stack,
-                costCents=0, createdAt=stamp, updatedAt=stamp, summary=summary,
-                seq=box.seq + 1, doneSeq=box.done_seq + 1)
-    with saved_or_507("upload"):
-        os.rename(staging, box.layer_dir(task_id))
-        try:
-            box.save(task)
-        except OSError:
-            os.rename(box.layer_dir(task_id), staging)     # the caller removes it
-            box.staged.pop(task_id, None)
-            raise
-    box.seq, box.done_seq = task.seq, task.doneSeq
-    box.tasks[task_id] = task
-    with contextlib.suppress(OSError):   # the task is saved done; its log is a courtesy
-        box.append_log(task_id, {"type": "upload", "text": summary})
-        box.append_log(task_id, {"type": "state", "state": "done"})
-    box.layers_changed(workspace, task_id)
-    box.emit("task", task.to_api())
-    log(6, f"task {task_id} done: an upload into {workspace}: {summary}")
+    task = box.add_task({"title": title, "prompt": prompt, "workspace": workspace,
+                         "worker": UPLOAD_WORKER, "tools": [], "hosts": [], "budgetCents": 0,
+                         "source": "api", "summary": summary}, staging)
+    log(6, f"task {task.id} done: an upload into {workspace}: {summary}")
     return task.to_api()
 
 
@@ -8412,7 +8524,7 @@ def send_archive(req: "Handler", top: int, filename: str) -> None:
 def h_workspace_put_file(req: "Handler", params: dict[str, str]) -> Any:
     """PUT a file: the body is its content, a layer of its own (201: the upload's task)."""
     box, name = req.box, params["name"]
-    if not box.workspace_exists(name):
+    if not box.views.workspace_exists(name):
         raise ApiError(404, f"no workspace named {name}", "not_found")
     try:
         rel = upload_path(clean_relpath(params.get("path", "")))
@@ -8431,7 +8543,7 @@ def h_workspace_put_file(req: "Handler", params: dict[str, str]) -> Any:
             with os.fdopen(fd, "wb") as f:
                 shutil.copyfileobj(BodyStream(req), f, UPLOAD_CHUNK)
             upload_finish(box, name, upper, {rel})
-        return 201, box.call(upload_commit, box, name, staging, f"put {rel}",
+        return 201, box.loop.call(upload_commit, box, name, staging, f"put {rel}",
                              f"PUT /api/workspaces/{name}/files/{rel}",
                              f"{rel}: {length} bytes")
 
@@ -8442,11 +8554,11 @@ def h_workspace_upload(req: "Handler", params: dict[str, str]) -> Any:
     import tarfile
     import zlib
     box, name = req.box, params["name"]
-    if not box.workspace_exists(name):
+    if not box.views.workspace_exists(name):
         raise ApiError(404, f"no workspace named {name}", "not_found")
     upload_length(req)
     free, reserve = box.disk.free_and_reserve()
-    check = UploadCheck(box.settings["uploadMaxBytes"], free - reserve)
+    check = UploadCheck(box.setting("uploadMaxBytes"), free - reserve)
     body = io.BufferedReader(BodyStream(req), UPLOAD_CHUNK)
     source: Any = body
     if body.peek(2)[:2] == b"\x1f\x8b":
@@ -8477,7 +8589,7 @@ def h_workspace_upload(req: "Handler", params: dict[str, str]) -> Any:
         with saved_or_507("upload"):
             upload_finish(box, name, upper, {r for r, k in check.kinds.items() if k == "dir"})
         files = sum(1 for k in check.kinds.values() if k == "file")
-        return 201, box.call(upload_commit, box, name, staging,
+        return 201, box.loop.call(upload_commit, box, name, staging,
                              f"upload into {name}", f"POST /api/workspaces/{name}/upload",
                              f"{files} file{'' if files == 1 else 's'}, {check.size} bytes")
 
@@ -8485,9 +8597,9 @@ def h_workspace_upload(req: "Handler", params: dict[str, str]) -> Any:
 def h_workspace_archive(req: "Handler", params: dict[str, str]) -> Any:
     """The workspace's current view as a tar.gz, streamed."""
     box, name = req.box, params["name"]
-    if not box.workspace_exists(name):
+    if not box.views.workspace_exists(name):
         raise ApiError(404, f"no workspace named {name}", "not_found")
-    view = box.call(box.view_fd, name)
+    view = box.loop.call(box.views.view_fd, name)
     try:
         send_archive(req, view, f"{name}.tar.gz")
     finally:
@@ -8508,7 +8620,7 @@ def h_task_archive(req: "Handler", params: dict[str, str]) -> Any:
             raise ApiError(409, "the task was undone and its layer deleted", "conflict")
         return os.path.join(box.layer_dir(task.id), "upper")
 
-    path = box.call(layer)
+    path = box.loop.call(layer)
     try:
         top = os.open(path, DIR_FLAGS)
     except FileNotFoundError:
@@ -8971,7 +9083,7 @@ class Schedules:
                 log(3, f"schedules.json: a schedule is damaged and left out: {exc}")
                 continue
             self.items[item.id] = item
-        for task in sorted(self.box.tasks.values(), key=lambda t: t.seq):
+        for task in sorted(self.box.all_tasks(), key=lambda t: t.seq):
             item = self.items.get(task.schedule or "")
             if item is not None:
                 item.lastTask, item.lastState = task.id, task.state
@@ -8989,11 +9101,11 @@ class Schedules:
 
     def check_workspace(self, fields: dict[str, Any]) -> None:
         workspace = fields["task"].get("workspace", "home")
-        if not self.box.workspace_exists(workspace):
+        if not self.box.views.workspace_exists(workspace):
             raise ApiError(400, f"task: workspace {workspace} does not exist")
 
     def create(self, body: Any) -> dict[str, Any]:
-        fields = validate_schedule_body(body, None, self.box.settings)
+        fields = validate_schedule_body(body, None, self.box.setting())
         self.check_workspace(fields)
         if len(self.items) >= MAX_SCHEDULES:
             raise ApiError(409, f"at most {MAX_SCHEDULES} schedules", "conflict")
@@ -9015,7 +9127,7 @@ class Schedules:
         item = self.get(sched_id)
         old = dataclasses.asdict(item)
         fields = validate_schedule_body(body, {k: old[k] for k in SCHEDULE_FIELDS},
-                                        self.box.settings)
+                                        self.box.setting())
         self.check_workspace(fields)
         changed = dataclasses.replace(item, **fields, updatedAt=now_iso())
         # a new time line, or a schedule switched on, starts from now: no catch-up run
@@ -9045,7 +9157,7 @@ class Schedules:
         return {"deleted": sched_id}
 
     def active_run(self, item: Schedule) -> Task | None:
-        task = self.box.tasks.get(item.lastTask or "")
+        task = self.box.task(item.lastTask or "")
         return task if task is not None and task.state in ACTIVE_STATES else None
 
     def run_now(self, sched_id: str) -> tuple[int, dict[str, Any]]:
@@ -9174,27 +9286,27 @@ class Schedules:
 
 
 def h_schedules_list(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.schedules.list)
+    return 200, req.box.loop.call(req.box.schedules.list)
 
 
 def h_schedules_create(req: "Handler", params: dict[str, str]) -> Any:
-    return 201, req.box.call(req.box.schedules.create, req.json_body())
+    return 201, req.box.loop.call(req.box.schedules.create, req.json_body())
 
 
 def h_schedule_get(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(lambda: req.box.schedules.get(params["id"]).to_api())
+    return 200, req.box.loop.call(lambda: req.box.schedules.get(params["id"]).to_api())
 
 
 def h_schedule_put(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.schedules.update, params["id"], req.json_body())
+    return 200, req.box.loop.call(req.box.schedules.update, params["id"], req.json_body())
 
 
 def h_schedule_delete(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.schedules.delete, params["id"])
+    return 200, req.box.loop.call(req.box.schedules.delete, params["id"])
 
 
 def h_schedule_run(req: "Handler", params: dict[str, str]) -> Any:
-    return req.box.call(req.box.schedules.run_now, params["id"])
+    return req.box.loop.call(req.box.schedules.run_now, params["id"])
 
 
 # Jira ##########################################################################################
@@ -9472,7 +9584,7 @@ class Jira:
     def take(self, key: str, fields: dict[str, Any]) -> dict[str, Any] | None:
         """A new issue from the thread: recorded (saved) first, then its task created.  None
         if it was taken before (or the connection changed)."""
-        config = self.box.settings.get("jira") or {}
+        config = self.box.setting("jira") or {}
         if key in self.issues or not config.get("enabled") or not JIRA_KEY_RE.fullmatch(key):
             return None
         self.issues[key] = {"task": None, "takenAt": now_iso()}
@@ -9561,8 +9673,8 @@ class Jira:
     def run(self) -> None:
         """Poll, answer ended tasks, sleep pollSeconds (or the backoff); until gurtd stops."""
         next_poll = 0.0
-        while not self.box.stopping:
-            config = dict(self.box.settings.get("jira") or {})
+        while not self.box.loop.stopped():
+            config = dict(self.box.setting("jira") or {})
             wait = 3600.0
             if config.get("enabled"):
                 try:
@@ -9603,27 +9715,27 @@ class Jira:
         # at most what was asked for: a Jira answering thousands of keys starts no more
         keys = list(dict.fromkeys(k for k in keys if isinstance(k, str) and
                                   JIRA_KEY_RE.fullmatch(k)))[:JIRA_MAX_ISSUES]
-        taken = set(self.box.call(self.known, keys))
+        taken = set(self.box.loop.call(self.known, keys))
         for key in keys:
-            if key in taken or self.box.stopping:
+            if key in taken or self.box.loop.stopped():
                 continue
             try:
                 fields = jira_issue_fields(key, jira_request(
                     config, token, "GET", f"/rest/api/3/issue/{key}?fields=summary,description"))
             except JiraUnreadable as exc:        # this issue's own: never read again
-                self.box.call(self.skip, key, str(exc))
+                self.box.loop.call(self.skip, key, str(exc))
                 continue
             except JiraError as exc:
                 if (exc.transient or exc.status == 401) and not isinstance(exc, JiraLate):
                     raise
                 log(4, f"jira: issue {key} cannot be read, left for the next poll: {exc}")
                 continue
-            self.box.call(self.take, key, fields)
+            self.box.loop.call(self.take, key, fields)
 
     def answer(self, config: dict[str, Any]) -> None:
         """For each ended task not answered yet: a comment, then the transition if one is
         configured for its end.  A notice is marked done only after both went through."""
-        pending = self.box.call(self.notices)
+        pending = self.box.loop.call(self.notices)
         if not pending:
             return
         token = self.token()
@@ -9638,7 +9750,7 @@ class Jira:
                 if exc.transient or exc.status == 401:
                     raise                     # Jira or its token: tried again with backoff
                 log(4, f"jira: issue {key}: gave up answering: {exc}")   # gone, forbidden
-            self.box.call(self.noticed, key)
+            self.box.loop.call(self.noticed, key)
 
     def transition(self, config: dict[str, Any], token: str, key: str, target: str) -> None:
         """Move the issue by the transition named target (or leading to a status so named)."""
@@ -9805,7 +9917,7 @@ class Hooks:
 
     def create(self, body: Any) -> dict[str, Any]:
         """A new hook; its secret is in this answer and never again."""
-        fields = validate_hook_body(body, self.box.settings)
+        fields = validate_hook_body(body, self.box.setting())
         if fields["name"] in self.items:
             raise ApiError(409, f"hook {fields['name']} exists", "conflict")
         if len(self.items) >= MAX_HOOKS:
@@ -9869,7 +9981,7 @@ class Hooks:
             if field_name not in ("title", "prompt", *hook["allow"]):
                 raise ApiError(400, f"{field_name}: this hook does not let a delivery set it")
         task_body = {**hook["task"], **body, "source": hook["source"]}
-        validate_task_body(task_body, self.box.settings)      # a 400 before the id is spent
+        validate_task_body(task_body, self.box.setting())      # a 400 before the id is spent
         with saved_or_507("delivery"):
             fd = os.open(self.deliveries_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT |
                          os.O_CLOEXEC, 0o600)
@@ -9897,21 +10009,21 @@ def hook_raw_body(req: "Handler") -> bytes:
 
 
 def h_hooks_list(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.hooks.list)
+    return 200, req.box.loop.call(req.box.hooks.list)
 
 
 def h_hooks_create(req: "Handler", params: dict[str, str]) -> Any:
-    return 201, req.box.call(req.box.hooks.create, req.json_body())
+    return 201, req.box.loop.call(req.box.hooks.create, req.json_body())
 
 
 def h_hook_delete(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.hooks.delete, params["name"])
+    return 200, req.box.loop.call(req.box.hooks.delete, params["name"])
 
 
 def h_hook_deliver(req: "Handler", params: dict[str, str]) -> Any:
     """No bearer token here (Handler.dispatch): the signature is checked instead."""
     raw = hook_raw_body(req)
-    return 201, req.box.call(req.box.hooks.deliver, params["name"], raw,
+    return 201, req.box.loop.call(req.box.hooks.deliver, params["name"], raw,
                              req.headers.get("X-Gurt-Signature") or "",
                              req.headers.get("X-Gurt-Delivery") or "",
                              req.headers.get("X-Gurt-Timestamp") or "")
@@ -9988,7 +10100,7 @@ def h_tasks_list(req: "Handler", params: dict[str, str]) -> Any:
     if not is_digits(limit_text) or not low <= int(limit_text) <= high:
         raise ApiError(400, f"limit must be a whole number from {low} to {high}")
     fields = task_fields(req.query_one("fields"))
-    return 200, req.box.list_tasks(state, workspace, int(limit_text), fields)
+    return 200, req.box.loop.list_tasks(state, workspace, int(limit_text), fields)
 
 
 def task_fields(text: str | None) -> tuple[str, ...] | None:
@@ -10005,12 +10117,12 @@ def task_fields(text: str | None) -> tuple[str, ...] | None:
 
 
 def h_tasks_create(req: "Handler", params: dict[str, str]) -> Any:
-    task = req.box.call(req.box.create_task, req.json_body())
+    task = req.box.loop.call(req.box.create_task, req.json_body())
     return 201, task
 
 
 def h_task_get(req: "Handler", params: dict[str, str]) -> Any:
-    rendered = req.box.rendered.get(params["id"])
+    rendered = req.box.loop.task_json(params["id"])
     if rendered is None:
         raise ApiError(400, "No task with this id")
     return 200, rendered
@@ -10020,23 +10132,23 @@ def h_task_undo(req: "Handler", params: dict[str, str]) -> Any:
     body = req.json_body(optional=True)
     if set(body) - {"force"} or not isinstance(body.get("force", False), bool):
         raise ApiError(400, 'the body must be empty or {"force": true|false}')
-    return 200, req.box.call(req.box.undo, params["id"], body.get("force", False))
+    return 200, req.box.loop.call(req.box.undo, params["id"], body.get("force", False))
 
 
 def h_task_stop(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.stop, params["id"])
+    return 200, req.box.loop.call(req.box.stop, params["id"])
 
 
 def h_task_changes(req: "Handler", params: dict[str, str]) -> Any:
     box = req.box
-    layers = box.call(box.changes, params["id"])
+    layers = box.loop.call(box.views.changes, params["id"])
     if layers is None:
         return 200, []
     found = changed_paths(*layers)
     # undone and deleted during the walk: what was read is no change of the workspace any more
-    if box.call(box.changes, params["id"]) is None:
+    if box.loop.call(box.views.changes, params["id"]) is None:
         return 200, []
-    folders = box.call(box.review.sources, params["id"])["folders"]
+    folders = box.loop.call(box.review.sources, params["id"])["folders"]
     if folders:
         found += folder_change_list(*(list(x) for x in zip(*folders)))
     return 200, found
@@ -10065,7 +10177,7 @@ def follower_cap(handler: Callable[..., Any]) -> Callable[..., Any]:
 @follower_cap
 def h_task_log(req: "Handler", params: dict[str, str]) -> Any:
     box, task_id = req.box, params["id"]
-    if task_id not in box.rendered:
+    if box.loop.task_json(task_id) is None:
         raise ApiError(400, "No task with this id")
     follow = req.query_one("follow") in ("1", "true", "yes")
     given = urllib.parse.parse_qs(req.path.partition("?")[2], keep_blank_values=True)
@@ -10112,9 +10224,9 @@ def follow_log(req: "Handler", task_id: str, path: str) -> None:
     req.close_connection = True
     last_beat, partial, f = time.monotonic(), b"", None
     with box.log_followers.follow(task_id) as watch, contextlib.ExitStack() as stack:
-        while not box.stopping and not session_ended(req):
+        while not box.loop.stopped() and not session_ended(req):
             seen = watch.generation
-            ended = json.loads(box.rendered[task_id])["state"] not in ACTIVE_STATES
+            ended = box.loop.task_state(task_id) not in ACTIVE_STATES
             if f is None:
                 try:
                     f = stack.enter_context(open(path, "rb"))
@@ -10125,7 +10237,7 @@ def follow_log(req: "Handler", task_id: str, path: str) -> None:
                 partial = lines.pop()
                 req.wfile.write(b"".join(b"data: " + line + b"\n\n" for line in lines))
             if ended:
-                state = json.loads(box.rendered[task_id])["state"]
+                state = box.loop.task_state(task_id)
                 req.wfile.write(b"event: end\ndata: " + json.dumps({"state": state}).encode() +
                                 b"\n\n")
                 req.wfile.flush()
@@ -10140,12 +10252,12 @@ def follow_log(req: "Handler", task_id: str, path: str) -> None:
 
 def h_workspaces_list(req: "Handler", params: dict[str, str]) -> Any:
     box = req.box
-    names = sorted(n for n in os.listdir(box.path("workspaces")) if box.workspace_exists(n))
+    names = sorted(n for n in os.listdir(box.path("workspaces")) if box.views.workspace_exists(n))
     return 200, [box.workspace_snapshot(n) for n in names]
 
 
 def h_workspaces_create(req: "Handler", params: dict[str, str]) -> Any:
-    return 201, req.box.call(req.box.create_workspace, req.json_body())
+    return 201, req.box.loop.call(req.box.create_workspace, req.json_body())
 
 
 def h_workspace_get(req: "Handler", params: dict[str, str]) -> Any:
@@ -10154,10 +10266,10 @@ def h_workspace_get(req: "Handler", params: dict[str, str]) -> Any:
 
 def h_workspace_files(req: "Handler", params: dict[str, str]) -> Any:
     box, name = req.box, params["name"]
-    if not box.workspace_exists(name):
+    if not box.views.workspace_exists(name):
         raise ApiError(404, f"no workspace named {name}", "not_found")
     rel = clean_relpath(params.get("path", ""))
-    view = box.call(box.view_fd, name)
+    view = box.loop.call(box.views.view_fd, name)
     try:
         try:
             # a FIFO or device a task left opens at once (and is refused below), never blocks
@@ -10197,11 +10309,11 @@ def h_workspace_files(req: "Handler", params: dict[str, str]) -> Any:
 
 
 def h_settings_get(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, dict(req.box.settings)
+    return 200, dict(req.box.setting())
 
 
 def h_settings_put(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.put_settings, req.json_body())
+    return 200, req.box.loop.call(req.box.put_settings, req.json_body())
 
 
 def h_approvals_list(req: "Handler", params: dict[str, str]) -> Any:
@@ -10239,13 +10351,13 @@ def h_approval_approve(req: "Handler", params: dict[str, str]) -> Any:
         raise ApiError(400, "args must be a JSON object: the tool's arguments")
     if "budgetCents" in changes and not is_cents(changes["budgetCents"]):
         raise ApiError(400, "budgetCents must be a number")
-    return 200, req.box.call(req.box.broker.approve, params["id"], reason,
+    return 200, req.box.loop.call(req.box.broker.approve, params["id"], reason,
                              changes.get("args"), changes.get("budgetCents"))
 
 
 def h_approval_deny(req: "Handler", params: dict[str, str]) -> Any:
     reason = _reason(req.json_body(optional=True)) or "denied by the owner"
-    return 200, req.box.call(req.box.broker.answer, params["id"], "denied", reason, None)
+    return 200, req.box.loop.call(req.box.broker.answer, params["id"], "denied", reason, None)
 
 
 def h_approval_answer(req: "Handler", params: dict[str, str]) -> Any:
@@ -10258,7 +10370,7 @@ def h_approval_answer(req: "Handler", params: dict[str, str]) -> Any:
         if req.box.broker.get(params["id"]).kind != "ask":
             raise ApiError(409, "only an ask is answered; approve or deny this one", "conflict")
         return req.box.broker.answer(params["id"], "approved", None, body["answer"])
-    return 200, req.box.call(answer)
+    return 200, req.box.loop.call(answer)
 
 
 def h_approvals_approve_all(req: "Handler", params: dict[str, str]) -> Any:
@@ -10266,25 +10378,25 @@ def h_approvals_approve_all(req: "Handler", params: dict[str, str]) -> Any:
     if not isinstance(body, dict) or set(body) - {"task"} or \
             not isinstance(body.get("task", ""), str):
         raise ApiError(400, 'the body must be {} or {"task": "<id>"}')
-    return 200, req.box.call(req.box.broker.approve_all, body.get("task"))
+    return 200, req.box.loop.call(req.box.broker.approve_all, body.get("task"))
 
 
 # decisions: always-approve and policies
 def h_approval_always(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.broker.always, params["id"], req.json_body())
+    return 200, req.box.loop.call(req.box.broker.always, params["id"], req.json_body())
 
 
 def h_policies_list(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.broker.policies.listing)
+    return 200, req.box.loop.call(req.box.broker.policies.listing)
 
 
 def h_policies_create(req: "Handler", params: dict[str, str]) -> Any:
     fields = validate_policy_body(req.json_body())
-    return 201, req.box.call(lambda: req.box.broker.policies.add(fields, "api").to_api())
+    return 201, req.box.loop.call(lambda: req.box.broker.policies.add(fields, "api").to_api())
 
 
 def h_policy_delete(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.broker.policies.delete, params["id"])
+    return 200, req.box.loop.call(req.box.broker.policies.delete, params["id"])
 
 
 def h_wallet_get(req: "Handler", params: dict[str, str]) -> Any:
@@ -10292,7 +10404,7 @@ def h_wallet_get(req: "Handler", params: dict[str, str]) -> Any:
 
 
 def h_wallet_put(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.call(req.box.broker.set_balance, req.json_body())
+    return 200, req.box.loop.call(req.box.broker.set_balance, req.json_body())
 
 
 def h_tools(req: "Handler", params: dict[str, str]) -> Any:
@@ -10307,27 +10419,25 @@ def h_events(req: "Handler", params: dict[str, str]) -> Any:
     since = req.query_one("since") or (req.headers.get("Last-Event-ID") or "").strip()
     if since and not is_digits(since):
         raise ApiError(400, "since (or Last-Event-ID) must be an event id")
-    last = int(since) if since else box.event_seq
+    last = int(since) if since else box.loop.last_event()
     req.send_response(200)
     req.send_header("Content-Type", "text/event-stream")
     req.send_header("Connection", "close")
     req.end_headers()
     req.close_connection = True
     req.wfile.write(b": gurtd events\n\n")
-    missed, fresh = box.events_after(last)
+    missed, fresh = box.loop.events_after(last)
     if missed:
         req.wfile.write(b"event: reset\ndata: %s\n\n" % json.dumps(
             {"missed": True, "after": last, "next": fresh[0][0] if fresh else None}).encode())
         if not fresh:
-            last = box.event_seq
+            last = box.loop.last_event()
     req.wfile.flush()
     beat = time.monotonic()
-    while not box.stopping and not session_ended(req):
+    while not box.loop.stopped() and not session_ended(req):
         if not fresh:
-            with box.events_changed:
-                if box.event_seq == last:
-                    box.events_changed.wait(1.0)
-            missed, fresh = box.events_after(last)
+            box.loop.wait_event(last, 1.0)
+            missed, fresh = box.loop.events_after(last)
             if missed:      # a reader slower than EVENTS_KEPT events
                 req.wfile.write(b"event: reset\ndata: %s\n\n" % json.dumps(
                     {"missed": True, "after": last}).encode())
@@ -10344,7 +10454,7 @@ def h_events(req: "Handler", params: dict[str, str]) -> Any:
 
 def h_task_keep(req: "Handler", params: dict[str, str]) -> Any:
     box = req.box
-    return 200, box.call(box.review.keep_task, params["id"], req.json_body(optional=True))
+    return 200, box.loop.call(box.review.keep_task, params["id"], req.json_body(optional=True))
 
 
 def h_task_diff(req: "Handler", params: dict[str, str]) -> Any:
@@ -10353,7 +10463,7 @@ def h_task_diff(req: "Handler", params: dict[str, str]) -> Any:
     only = req.query_one("path")           # a filter only: never opened as it is
     if only is not None:
         only = only if only.startswith("/") else only.strip("/")
-    source = box.call(box.review.sources, params["id"])
+    source = box.loop.call(box.review.sources, params["id"])
     if source["folders"]:
         text = "".join(folder_diff(folder, upper, info, only)
                        for folder, upper, info in source["folders"])
@@ -11658,7 +11768,7 @@ class Notifier:
         if now >= self.next_status:
             self.next_status = now + 1.0
             counts = {state: 0 for state in ACTIVE_STATES}
-            for task in box.tasks.values():
+            for task in box.all_tasks():
                 if task.state in counts:
                     counts[task.state] += 1
             status = f"STATUS={counts['running']} running, {counts['waiting']} waiting, " \
@@ -11730,6 +11840,20 @@ def unwind(undo: Undo) -> None:
             log(3, f"could not {what}: {type(exc).__name__}: {exc}")
 
 
+def overlay_way_start(home: str) -> None:
+    """Decide how overlays are mounted (overlay_probe, on BOX_HOME's disk) and say so; a
+    StartError naming the kernel if no way works, rather than tasks that fail one by one."""
+    try:
+        way, ms, failed = overlay_probe(home)
+    except SysError as exc:
+        raise StartError(str(exc)) from None
+    overlay_way_set(way)
+    why = f" ({'; '.join(failed)})" if failed else \
+        f" ({OVERLAY_API_ENV}=legacy)" if way == "legacy" else ""
+    log(6, f"overlays: the {way} way{why} on kernel {os.uname().release}, probed in "
+           f"{ms:.1f} ms")
+
+
 def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     """The start, as steps with their undo (sshuttle's way): each undo is registered before
     its step runs, so a step that fails half-way is undone too, and only what this start
@@ -11737,6 +11861,7 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     # python-prctl and the kernel filter are loaded now, before the spawner forks: a task's
     # sandbox leaves the host's file system, and with it a checkout's virtual environment.
     sandbox_preload()
+    overlay_way_start(box.home)              # before the fork too: workers take the same way
     undo.append(("stop the spawner", box.spawner.stop))
     box.spawner.start(close=(lock_fd,))      # before any thread: it forks the workers
     raise_open_files_limit()                 # after the fork: workers keep the usual limit
@@ -11748,20 +11873,11 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     box.broker.start()
     undo.append(("end the tasks", box.shutdown_tasks))
     public_suffixes()                        # loaded now, not on the first wildcard host
-    box.wake_r, box.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.set_wakeup_fd(box.wake_w)
-    undo.append(("stop the merger", box.merger.stop))
-    box.merger.start()                       # merges due since the last run, off the loop
-    for name in sorted(box.layerstack.groups):
-        box.plan_merges(name)
-
-    def on_signal(signum: int, frame: Any) -> None:
-        box.stopping = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    box.publish()                            # what load and reconcile found, for HTTP
+    box.loop.open_wake()
+    undo.append(("stop the merger", box.views.stop))
+    box.views.start()                        # merges due since the last run, off the loop
+    box.loop.catch_signals()
+    box.loop.publish()                            # what load and reconcile found, for HTTP
     try:
         server = Server(box, host, port)
     except OSError as exc:
@@ -11770,9 +11886,8 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
         box.listen = f"{host}:{server.server_address[1]}"
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     undo.append(("close the API", lambda: (server.shutdown(), server.server_close())))
-    box.selector.register(box.wake_r, selectors.EVENT_READ, "wake")
     assert box.spawner.sock is not None
-    box.selector.register(box.spawner.sock, selectors.EVENT_READ, "spawner")
+    box.loop.watch(box.spawner.sock, "spawner")
     undo.append(("stop the Jira thread", box.jira.stop))
     box.jira.start()
     box.schedule()
@@ -11782,7 +11897,7 @@ def serve(box: Box) -> None:
     """Run gurtd: lock, start, READY=1, the loop, then a clean stop.  StartError if it could
     not start (another gurtd on BOX_HOME, a port in use...), after undoing what it made."""
     host, port = parse_listen(box.listen)
-    lock_fd = lock_box_home(box.home)
+    lock_fd = lock_box_home(box.path())
     undo: Undo = [("release the BOX_HOME lock", lambda: os.close(lock_fd))]
     try:
         start(box, host, port, lock_fd, undo)
@@ -11794,11 +11909,11 @@ def serve(box: Box) -> None:
         if isinstance(exc, Exception):
             raise StartError(f"gurtd could not start: {type(exc).__name__}: {exc}") from exc
         raise
-    log(6, f"gurtd {VERSION} listening on http://{box.listen} with BOX_HOME={box.home}; "
+    log(6, f"gurtd {VERSION} listening on http://{box.listen} with BOX_HOME={box.path()}; "
            f"token in {box.path('token')}")
     try:
         sd_notify("READY=1")
-        loop(box)
+        box.loop.run()
     finally:
         log(6, "gurtd stopping")
         try:
@@ -11827,49 +11942,264 @@ def spawner_gone(box: Box) -> bool:
         return True
 
 
-def loop(box: Box) -> None:
-    """The select loop that owns the box state, until SIGTERM.  Every event handler runs
-    under box.guard: an error while handling a task's event fails that task, any other error
-    is logged, and the loop goes on.  Commands from Box.call hand their errors to the caller."""
-    notifier = Notifier()
-    while not box.stopping:
-        box.guard(None, box.tick)
-        if box.unsaved and time.monotonic() > box.unsaved_retry:
-            box.unsaved_retry = time.monotonic() + 5.0
-            box.guard(None, box.save_unsaved)
+class Loop:
+    """The loop thread and its plumbing: it owns the box state, runs every event under guard,
+    and publishes what a step changed for the HTTP and broker threads in one go.
+
+    Methods for other threads: call(fn, *args) runs fn on the loop thread and returns its
+    result (503 busy past a time limit); post(fn, *args) queues fn without waiting (merger and
+    disk threads); task_json, list_tasks, listed_in, last_event and events_after read what the
+    loop published, never the loop's objects.  Methods for the loop thread: guard(task_id, fn)
+    runs one event handler; render(task) and emit(kind, obj) stage a task's JSON and an event;
+    publish() ends the step; watch/unwatch add and drop fds; run() is the select loop until
+    SIGTERM (catch_signals), stopped() says so to threads that loop too.
+    """
+
+    def __init__(self, box: Box) -> None:
+        self.box = box
+        self.commands: queue.Queue[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = \
+            queue.Queue()
+        self.selector = selectors.DefaultSelector()
+        self.wake_r = self.wake_w = -1
+        self.stopping = False
+        self.call_timeout = env_seconds("GURT_CALL_TIMEOUT", CALL_TIMEOUT)
+        self.unsaved_retry = 0.0
+        self.events: list[tuple[int, str, bytes]] = []   # (seq, kind, JSON) for /api/events
+        # Event ids go on from a clock reading, so that an id from before a restart is older
+        # than every id of this run (its stream gets a reset event, not silence).
+        self.event_seq = int(time.time() * 1000)
+        self.events_changed = threading.Condition()
+        self.rendered: dict[str, bytes] = {}
+        # Snapshots for HTTP threads (written in publish): (seq, id) in creation order, and
+        # per task (state, workspace, doneSeq, JSON) replaced in one assignment.
+        self.order: list[tuple[int, str]] = []
+        self.listed: dict[str, tuple[str, str, int, bytes]] = {}
+        self.listed_lock = threading.Lock()     # a list is read whole between two publishes
+        self.listed_api: dict[str, dict[str, Any]] = {}   # the same as dicts, for ?fields=
+        self.staged: dict[str, Task] = {}                 # changed in this loop step
+        self.staged_events: list[tuple[str, bytes]] = []
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run fn(*args) on the loop thread and return its result (or raise its error).
+
+        A loop that does not answer within call_timeout gives 503 busy, never a dropped
+        connection: a command that had not started is withdrawn (nothing was done).
+        """
+        def step(*args: Any) -> Any:
+            try:
+                return fn(*args)
+            finally:
+                self.publish()          # the caller sees its own change in what it reads next
+
+        future = self.post(step, *args)
         try:
-            timeout = min(box.network.tick(), box.disk.tick())
+            return future.result(timeout=self.call_timeout)
+        except TimeoutError:
+            if future.done():
+                raise                         # fn's own TimeoutError
+            if future.cancel():
+                raise ApiError(503, "gurtd is busy; nothing was done, try again", "busy",
+                               {"Retry-After": "1"}) from None
+            raise ApiError(503, "gurtd is busy; the request is still being carried out",
+                           "busy", {"Retry-After": "1"}) from None
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Any thread: fn(*args) runs on the loop thread soon; its future."""
+        future: Future[Any] = Future()
+        self.commands.put((fn, args, future))
+        os.write(self.wake_w, b"c")
+        return future
+
+    def stopped(self) -> bool:
+        """SIGTERM came: threads that loop on their own (streams, Jira) end too."""
+        return self.stopping
+
+    def catch_signals(self) -> None:
+        """SIGTERM and SIGINT only set a flag the loop reads (the wake pipe ends its wait)."""
+        def on_signal(signum: int, frame: Any) -> None:
+            self.stopping = True
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+
+    def watch(self, fd: Any, data: Any) -> None:
+        self.selector.register(fd, selectors.EVENT_READ, data)
+
+    def unwatch(self, fd: Any) -> None:
+        self.selector.unregister(fd)
+
+    def open_wake(self) -> None:
+        """The wake pipe: commands and signals end the loop's select."""
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self.wake_w)
+        self.watch(self.wake_r, "wake")
+
+    def guard(self, task_id: str | None, fn: Callable[..., Any], *args: Any) -> bool:
+        """Run one event handler of the loop.  An error in handling a task's event fails that
+        task (the traceback to gurtd's log, the error to the task's log); an error with no
+        task is logged.  Either way the loop goes on (asyncio's call_exception_handler).
+        True if fn returned."""
+        try:
+            fn(*args)
+            return True
         except Exception as exc:
-            log(3, f"the network timers failed: {type(exc).__name__}: {exc}")
-            timeout = 1.0
-        timeout = min(timeout, box.schedules.tick())   # runs what is due; never raises
-        timeout = min(timeout, notifier.tick(box), 1.0)
-        for key, _ in box.selector.select(timeout=timeout):
-            if isinstance(key.data, tuple):
-                box.guard(event_task(box, *key.data), box.network.on_event, *key.data)
-            elif key.data == "wake":
+            where = f"task {task_id}" if task_id else "the loop"
+            log(3, f"error while handling an event of {where}: " +
+                traceback.format_exc().rstrip().replace("\n", "\n    "))
+            task = self.box.task(task_id) if task_id else None
+            if task is not None and task.state in ACTIVE_STATES:
+                error = f"cannot save the task: {exc.strerror}" if is_disk_error(exc) and \
+                    isinstance(exc, OSError) and exc.strerror else \
+                    f"internal error: {type(exc).__name__}: {exc}"
+                self.box.fail_task(task, error)
+            return False
+
+    def emit(self, kind: str, obj: Any) -> None:
+        """An event for /api/events: every state a task takes (queued too), every approval
+        made or answered; sent at the end of the step (publish), with ids counting up by one;
+        the last EVENTS_KEPT are kept for replay."""
+        self.staged_events.append((kind, json.dumps(obj).encode()))
+        if kind == "task":
+            for source in (self.box.schedules, self.box.jira):
                 try:
-                    os.read(box.wake_r, 4096)
-                except BlockingIOError:
-                    pass
-            elif key.data == "spawner":
-                if not box.guard(None, box.on_exits) and spawner_gone(box):
-                    log(2, "the spawner is gone: no task can start until gurtd restarts")
-                    box.selector.unregister(key.fileobj)
-            else:
-                box.guard(key.data, box.on_worker_output, key.data)
+                    source.on_task(obj)
+                except Exception as exc:   # their bookkeeping never fails the task
+                    log(3, f"{type(source).__name__}: task {obj.get('id')}: {exc}")
+
+    def events_after(self, last: int) -> tuple[bool, list[tuple[int, str, bytes]]]:
+        """The kept events after id last, and whether some after it are no longer kept (or
+        last is no id of this run): the caller then says reset.  Any thread."""
+        with self.events_changed:
+            if last > self.event_seq:
+                return True, []
+            first = self.events[0][0] if self.events else self.event_seq + 1
+            return last < first - 1, [e for e in self.events if e[0] > last]
+
+    def last_event(self) -> int:
+        return self.event_seq
+
+    def wait_event(self, last: int, timeout: float) -> None:
+        """Any thread: wait up to timeout for an event after id last."""
+        with self.events_changed:
+            if self.event_seq == last:
+                self.events_changed.wait(timeout)
+
+    def render(self, task: Task) -> None:
+        """The task changed: its JSON is published for HTTP threads at the end of this step."""
+        self.staged[task.id] = task
+
+    def task_json(self, task_id: str) -> bytes | None:
+        """Any thread: a task's published JSON, None for no such task."""
+        return self.rendered.get(task_id)
+
+    def task_state(self, task_id: str) -> str | None:
+        data = self.rendered.get(task_id)
+        return json.loads(data)["state"] if data is not None else None
+
+    def forget(self, task_id: str) -> None:
+        """A task that could not be made after all: nothing of it is published."""
+        self.rendered.pop(task_id, None)
+        self.staged.pop(task_id, None)
+
+    def publish(self) -> None:
+        """The end of a loop step (and of load): what it changed becomes visible to HTTP
+        threads together, tasks first, then approvals, then events, so that a reader never
+        sees half a step (an approval pending while its task is not yet waiting, an event
+        about a task that GET still shows as before)."""
+        fresh = [(task, json.dumps(task.to_api()).encode()) for task in self.staged.values()
+                 if self.box.task(task.id) is task]   # not a create that failed after saving
+        with self.listed_lock:
+            for task, _ in fresh:          # for ?fields= (a list of few fields of many tasks)
+                self.listed_api[task.id] = task.to_api()
+            for task, data in fresh:
+                if task.id not in self.listed:
+                    bisect.insort(self.order, (task.seq, task.id))
+                self.listed[task.id] = (task.state, task.workspace, task.doneSeq, data)
+                self.rendered[task.id] = data
+        for task, _ in fresh:
+            self.box.log_followers.notify(task.id)    # a follower ends when the task does
+        self.staged.clear()
+        self.box.broker.publish()
+        if self.staged_events:
+            with self.events_changed:
+                for kind, data in self.staged_events:
+                    self.event_seq += 1
+                    self.events.append((self.event_seq, kind, data))
+                del self.events[:-EVENTS_KEPT]
+                self.events_changed.notify_all()
+            self.staged_events.clear()
+
+    def list_tasks(self, state: str | None, workspace: str | None, limit: int,
+                   fields: tuple[str, ...] | None = None) -> bytes:
+        """The task list as JSON, newest first, from the published snapshots; only the
+        given fields of each task when fields is set (rendered from the published dicts)."""
+        out: list[Any] = []
+        with self.listed_lock:              # one step's changes, all of them or none
+            for _, task_id in reversed(self.order):
+                entry = self.listed.get(task_id)
+                if entry is not None and (state is None or entry[0] == state) and \
+                        (workspace is None or entry[1] == workspace):
+                    out.append(entry[3] if fields is None else self.listed_api[task_id])
+                    if len(out) >= limit:
+                        break
+        if fields is not None:
+            out = [json.dumps({k: api[k] for k in fields if k in api}).encode()
+                   for api in out]
+        return b"[" + b", ".join(out) + b"]"
+
+    def listed_in(self, workspace: str) -> list[tuple[str, str, int, bytes]]:
+        """Any thread: the published (id, state, doneSeq, JSON) of a workspace's tasks."""
+        with self.listed_lock:
+            return [(i, e[0], e[2], e[3]) for i, e in self.listed.items() if e[1] == workspace]
+
+    def run(self) -> None:
+        """The select loop that owns the box state, until SIGTERM.  Every event handler runs
+        under guard: an error while handling a task's event fails that task, any other error
+        is logged, and the loop goes on.  Commands from call hand their errors to the caller."""
+        box = self.box
+        notifier = Notifier()
+        while not self.stopping:
+            self.guard(None, box.tick)
+            if box.has_unsaved() and time.monotonic() > self.unsaved_retry:
+                self.unsaved_retry = time.monotonic() + 5.0
+                self.guard(None, box.save_unsaved)
+            try:
+                timeout = min(box.network.tick(), box.disk.tick())
+            except Exception as exc:
+                log(3, f"the network timers failed: {type(exc).__name__}: {exc}")
+                timeout = 1.0
+            timeout = min(timeout, box.schedules.tick())   # runs what is due; never raises
+            timeout = min(timeout, notifier.tick(box), 1.0)
+            for key, _ in self.selector.select(timeout=timeout):
+                if isinstance(key.data, tuple):
+                    self.guard(event_task(box, *key.data), box.network.on_event, *key.data)
+                elif key.data == "wake":
+                    try:
+                        os.read(self.wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                elif key.data == "spawner":
+                    if not self.guard(None, box.on_exits) and spawner_gone(box):
+                        log(2, "the spawner is gone: no task can start until gurtd restarts")
+                        self.selector.unregister(key.fileobj)
+                else:
+                    self.guard(key.data, box.on_worker_output, key.data)
+            self.run_commands()
+            self.guard(None, self.publish)        # what this step changed, for HTTP threads
+
+    def run_commands(self) -> None:
         while True:
             try:
-                fn, args, future = box.commands.get_nowait()
+                fn, args, future = self.commands.get_nowait()
             except queue.Empty:
-                break
+                return
             if not future.set_running_or_notify_cancel():
                 continue
             try:
                 future.set_result(fn(*args))
             except BaseException as exc:  # handed to the HTTP thread that asked
                 future.set_exception(exc)
-        box.guard(None, box.publish)        # what this step changed, for HTTP threads
 
 
 # CLI ###########################################################################################
