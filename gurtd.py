@@ -53,7 +53,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           nor skipped; the loop's timeout is the next run
     Jira                  a Jira Cloud poll thread: one task per matching issue (recorded
                           before it is made), a comment and a transition when it ends
-    Hooks                 signed webhooks (HMAC-SHA256, delivery ids refused twice a day)
+    Hooks                 signed webhooks (HMAC-SHA256 of timestamp, delivery id and body;
+                          an id refused twice a day, a timestamp past 5 minutes refused)
     HTTP                  request guard, auth, one table of Route records (method, path,
                           handler, open or streamed, OpenAPI operation), JSON errors
     OpenAPI               the description generated from the routes and the validation tables
@@ -286,7 +287,9 @@ def parse_host(entry: Any) -> tuple[str, str, int | None]:
     """Parse one `hosts` entry into (kind, name, port); kind is name, wildcard, ip or cidr.
 
     Accepted: example.com, example.com:8080, *.example.com, 198.18.0.1, 198.18.0.0/24, each
-    optionally with :port.  Raises ValueError with the reason otherwise.
+    optionally with :port.  Raises ValueError with the reason otherwise: an address or network
+    that touches absolute special-use space (grant_refusal) is refused here, so every place a
+    grant is made refuses it; IPv6 is refused (a task reaches IPv4 only).
     """
     if not isinstance(entry, str) or not entry:
         raise ValueError("must be a non-empty string")
@@ -294,6 +297,8 @@ def parse_host(entry: Any) -> tuple[str, str, int | None]:
         raise ValueError("must not contain spaces")
     if "://" in entry:
         raise ValueError("must be a host, not a URL")
+    if entry.count(":") > 1 or entry.startswith("["):
+        raise ValueError(ipv6_refusal(entry))
     host, port = entry, None
     if ":" in entry:
         host, _, port_text = entry.rpartition(":")
@@ -303,12 +308,15 @@ def parse_host(entry: Any) -> tuple[str, str, int | None]:
     host = host.lower()
     if re.fullmatch(r"[0-9./]+", host):
         try:
-            if "/" in host:
-                net = ipaddress.IPv4Network(host, strict=True)
-                return "cidr", str(net), port
-            return "ip", str(ipaddress.IPv4Address(host)), port
+            net = ipaddress.IPv4Network(host, strict=True)
         except ValueError as exc:
             raise ValueError(f"not an IPv4 address or CIDR block ({exc})") from None
+        refusal = grant_refusal(net)
+        if refusal:
+            raise ValueError(refusal)
+        if "/" in host:
+            return "cidr", str(net), port
+        return "ip", str(net.network_address), port
     if "/" in host or "?" in host or "#" in host or "@" in host:
         raise ValueError("must be a host, not a URL")
     kind = "name"
@@ -365,7 +373,54 @@ SPECIAL_NETS = tuple((ipaddress.IPv4Network(net), what, absolute) for net, what,
     ("192.168.0.0/16", "private", False), ("192.0.0.0/24", "IETF protocol assignments", False),
     ("192.0.2.0/24", "documentation", False), ("198.51.100.0/24", "documentation", False),
     ("203.0.113.0/24", "documentation", False), ("198.18.0.0/15", "benchmarking", False),
-    ("240.0.0.0/4", "reserved", False)))
+    ("240.0.0.0/4", "reserved", True)))
+
+# The IPv6 ones, named in the refusal of an IPv6 entry (every IPv6 entry is refused: a task's
+# namespace has IPv6 off and the firewall refuses IPv6, but a mapped ::ffff:169.254.169.254 is
+# still told as what it is).
+SPECIAL_NETS6 = tuple((ipaddress.IPv6Network(net), what) for net, what in (
+    ("::/128", "unspecified"), ("::1/128", "loopback"), ("::ffff:0:0/96", "IPv4-mapped"),
+    ("64:ff9b::/96", "IPv4/IPv6 translation"), ("100::/64", "discard"),
+    ("2001:db8::/32", "documentation"), ("2002::/16", "6to4"), ("fc00::/7", "unique local"),
+    ("fe80::/10", "link-local"), ("ff00::/8", "multicast")))
+
+
+def grant_refusal(net: ipaddress.IPv4Network) -> str | None:
+    """Why no grant may open net, or None: it is in, or holds, an absolute special-use network
+    (0.0.0.0/0 and 0.0.0.0/1 hold 0.0.0.0/8 and 127.0.0.0/8).  The one check of grants: host
+    entries (parse_host), dnsAllowedNets and DNS answers (refused_address) ask it."""
+    held = [(special, what) for special, what, absolute in SPECIAL_NETS
+            if absolute and net.overlaps(special)]
+    if not held:
+        return None
+    name = net.with_prefixlen if net.prefixlen < 32 else str(net.network_address)
+    if net.subnet_of(held[0][0]):
+        return f"{name} is in {held[0][0]} ({held[0][1]}), which no grant opens"
+    return f"{name} holds {', '.join(f'{s} ({w})' for s, w in held)}, which no grant opens"
+
+
+def ipv6_refusal(entry: str) -> str:
+    """Why an IPv6 host entry is refused: the special network it is in (for a mapped IPv4
+    address, the IPv4 one's refusal), else that tasks reach IPv4 only."""
+    text = entry.lower()
+    if text.startswith("["):
+        text = text[1:].partition("]")[0]
+    try:
+        net = ipaddress.IPv6Network(text, strict=False)
+    except ValueError:
+        return "not a valid host: an IPv6 address is not granted either (a task reaches " \
+               "IPv4 only)"
+    mapped = net.network_address.ipv4_mapped
+    if mapped is not None and net.prefixlen >= 96:
+        refusal = grant_refusal(ipaddress.IPv4Network(f"{mapped}/{net.prefixlen - 96}",
+                                                      strict=False))
+        if refusal:
+            return f"{text} is IPv4-mapped: {refusal}"
+    for special, what in SPECIAL_NETS6:
+        if net.overlaps(special):
+            where = "is in" if net.subnet_of(special) else "holds"
+            return f"{text} {where} {special} ({what}), which no grant opens"
+    return f"{text}: IPv6 is not granted (a task reaches IPv4 only)"
 
 
 def refused_address(addr: str, own: set[str],
@@ -376,10 +431,11 @@ def refused_address(addr: str, own: set[str],
     entries), and never the absolute ones or an address of this host.
     """
     ip = ipaddress.IPv4Address(addr)
-    for net, what, absolute in SPECIAL_NETS:
+    refusal = grant_refusal(ipaddress.IPv4Network(addr))
+    if refusal:
+        return refusal
+    for net, what, _ in SPECIAL_NETS:
         if ip in net:
-            if absolute:
-                return f"{addr} is in {net} ({what})"
             break
     else:
         net, what = ipaddress.IPv4Network(f"{addr}/32"), "special-use"
@@ -406,10 +462,9 @@ def valid_answer_nets(value: Any) -> list[str]:
         if net is None:
             raise ApiError(400, f"dnsAllowedNets: {json.dumps(text)} is not an IPv4 network "
                                 "such as 10.0.0.0/8")
-        for special, what, absolute in SPECIAL_NETS:
-            if absolute and net.overlaps(special):
-                raise ApiError(400, f"dnsAllowedNets: {net} overlaps {special} ({what}), "
-                                    "which no grant opens")
+        refusal = grant_refusal(net)
+        if refusal:
+            raise ApiError(400, f"dnsAllowedNets: {refusal}")
         out.append(str(net))
     return out
 
@@ -9420,8 +9475,7 @@ def h_portal(req: "Handler", params: dict[str, str]) -> Any:
         raise ApiError(500, f"the portal page is missing: {exc.strerror}") from None
     req.send_json(200, (page, "text/html; charset=utf-8"), {
         "Content-Security-Policy": portal_csp(page), "X-Frame-Options": "DENY",
-        "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
-        "Cache-Control": "no-store"})
+        "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
     return None
 
 
@@ -9437,8 +9491,7 @@ def h_sessions_create(req: "Handler", params: dict[str, str]) -> Any:
         raise ApiError(400, 'the body must be {"code": "..."} or {"token": "..."}')
     secret, life = req.server.sessions.sign_in(body.get("code"), body.get("token"),
                                                req.headers.get("User-Agent") or "")
-    return 201, {"signedIn": True}, {"Set-Cookie": session_cookie(secret, life),
-                                      "Cache-Control": "no-store"}
+    return 201, {"signedIn": True}, {"Set-Cookie": session_cookie(secret, life)}
 
 
 def h_session_current(req: "Handler", params: dict[str, str]) -> Any:
@@ -9898,7 +9951,9 @@ def h_schedule_run(req: "Handler", params: dict[str, str]) -> Any:
 # comments on the issue and moves it (transitions), retrying 429/5xx/unreachable with backoff.
 # The loop never waits for Jira; Jira being down only delays its own work.
 
-JIRA_TIMEOUT = 20.0                  # seconds for one request to Jira
+JIRA_TIMEOUT = 20.0                  # seconds for one read or write of a request to Jira
+JIRA_DEADLINE = 60.0                 # seconds for a whole answer (GURT_JIRA_DEADLINE)
+JIRA_ANSWER_MAX = 8 << 20            # bytes of one answer, at most
 JIRA_BACKOFF_MAX = 600.0             # seconds between retries, at most
 JIRA_MAX_ISSUES = 50                 # issues taken per poll
 JIRA_TEXT_MAX = 100_000              # characters of a description made into a prompt
@@ -10010,46 +10065,105 @@ class JiraError(Exception):
         return self.status in (0, 408, 429) or self.status >= 500
 
 
+class JiraUnreadable(JiraError):
+    """A 2xx answer that cannot be read: larger than JIRA_ANSWER_MAX, not JSON, nested too
+    deep, or not the object asked for.  Of a search: Jira's fault, retried (502).  Of one
+    issue: that issue's, which is skipped (Jira.poll)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(502, message)
+
+
+class JiraLate(JiraError):
+    """No whole answer within the deadline (a Jira trickling its answer, or one too slow)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(0, message)
+
+
+def jira_exchange(config: dict[str, Any], method: str, path: str, body: bytes | None,
+                  headers: dict[str, str]) -> tuple[int, Any, bytes]:
+    """(status, headers, body) of one request, the whole answer within the deadline: a read
+    timeout alone lets a Jira that sends a byte every 19 s hold the thread for ever, so at the
+    deadline a timer shuts the socket (a dup of it: whatever reads it, TLS too, wakes up).
+    No proxy; a redirect is an answer like any other (never followed)."""
+    import ssl
+    url = urllib.parse.urlsplit(config["baseUrl"])
+    secure = url.scheme == "https"
+    host, port = url.hostname or "", url.port or (443 if secure else 80)
+    deadline = env_seconds("GURT_JIRA_DEADLINE", JIRA_DEADLINE)
+    late = threading.Event()
+    keeper: list[socket.socket] = []       # a dup of the connection's socket, to shut it
+
+    def cut() -> None:
+        late.set()
+        for sock in keeper:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+    timer = threading.Timer(deadline, cut)
+    timer.daemon = True
+    timer.start()
+    kind = http.client.HTTPSConnection if secure else http.client.HTTPConnection
+    conn = kind(host, port, timeout=JIRA_TIMEOUT)
+    try:
+        conn.sock = raw = socket.create_connection((host, port), timeout=JIRA_TIMEOUT)
+        keeper.append(raw.dup())
+        if secure:
+            conn.sock = ssl.create_default_context().wrap_socket(raw, server_hostname=host)
+        conn.request(method, url.path + path, body=body, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.headers, resp.read(JIRA_ANSWER_MAX + 1)
+    except (OSError, http.client.HTTPException) as exc:
+        if late.is_set():
+            raise JiraLate(f"{method} {path}: no whole answer within {deadline:.0f} s "
+                           "(Jira is too slow, or trickles it)") from None
+        raise JiraError(0, f"{method} {path}: {type(exc).__name__}: {exc}") from None
+    finally:
+        timer.cancel()
+        conn.close()
+        for sock in keeper:
+            sock.close()
+
+
 def jira_request(config: dict[str, Any], token: str, method: str, path: str,
                  body: Any = None) -> Any:
     """One request to Jira's REST API (basic auth: email and API token); its JSON or None.
-    JiraError on anything but 2xx.  Any thread; never the loop's."""
-    import base64
-    import urllib.error
-    import urllib.request
+    JiraError on anything but 2xx, JiraUnreadable on an answer that cannot be read, JiraLate
+    past the deadline.  A redirect is refused: following it would send the Authorization
+    header along to any host (and over http).  Any thread; never the loop's."""
     auth = base64.b64encode(f"{config['email']}:{token}".encode()).decode()
-    request = urllib.request.Request(
-        config["baseUrl"] + path, method=method,
-        data=json.dumps(body).encode() if body is not None else None,
-        headers={"Authorization": f"Basic {auth}", "Accept": "application/json",
-                 "Content-Type": "application/json", "User-Agent": f"gurtd/{VERSION}"})
-    class NoRedirect(urllib.request.HTTPRedirectHandler):
-        """A redirect is refused: urllib would send the Authorization header along to any
-        host (and over http), giving the token to whoever the answer names."""
-        def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any,
-                             newurl: str) -> None:
-            raise JiraError(code, f"{method} {path}: Jira redirected to "
-                                  f"{printable(newurl)[:200]}; gurtd follows no redirect (the "
-                                  "token would go along): correct jira.baseUrl")
-
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),  # no env proxies
-                                         NoRedirect())
-    try:
-        with opener.open(request, timeout=JIRA_TIMEOUT) as resp:
-            data = resp.read(MAX_BODY * 8)
-    except urllib.error.HTTPError as exc:
-        retry = exc.headers.get("Retry-After", "") if exc.headers else ""
-        detail = exc.read(2000).decode(errors="replace")
-        raise JiraError(exc.code, f"{method} {path}: {exc.code} {printable(detail)[:300]}",
-                        float(retry) if is_digits(retry) else None) from None
-    except (OSError, http.client.HTTPException) as exc:
-        raise JiraError(0, f"{method} {path}: {type(exc).__name__}: {exc}") from None
+    status, headers, data = jira_exchange(
+        config, method, path, json.dumps(body).encode() if body is not None else None,
+        {"Authorization": f"Basic {auth}", "Accept": "application/json",
+         "Content-Type": "application/json", "User-Agent": f"gurtd/{VERSION}"})
+    if 300 <= status < 400:
+        raise JiraError(status, f"{method} {path}: Jira redirected to "
+                                f"{printable(headers.get('Location', ''))[:200]}; gurtd follows "
+                                "no redirect (the token would go along): correct jira.baseUrl")
+    if not 200 <= status < 300:
+        retry = headers.get("Retry-After", "")
+        detail = data[:2000].decode(errors="replace")
+        raise JiraError(status, f"{method} {path}: {status} {printable(detail)[:300]}",
+                        float(retry) if is_digits(retry) else None)
+    if len(data) > JIRA_ANSWER_MAX:
+        raise JiraUnreadable(f"{method} {path}: the answer is larger than "
+                             f"{JIRA_ANSWER_MAX >> 20} MiB")
     if not data.strip():
         return None
     try:
         return loads_bounded(data)
     except ValueError as exc:
-        raise JiraError(502, f"{method} {path}: not JSON: {exc}") from None
+        raise JiraUnreadable(f"{method} {path}: not JSON: {exc}") from None
+
+
+def jira_issue_fields(key: str, issue: Any) -> dict[str, Any]:
+    """The fields of GET /rest/api/3/issue/KEY's answer; JiraUnreadable if it is not an issue
+    object (anyone may shape what a Jira answers)."""
+    fields = issue.get("fields") if isinstance(issue, dict) else None
+    if not isinstance(fields, dict):
+        raise JiraUnreadable(f"GET /rest/api/3/issue/{key}: the answer is not a JSON object "
+                             "with fields")
+    return fields
 
 
 class Jira:
@@ -10132,6 +10246,23 @@ class Jira:
         log(6, f"jira: issue {key} started task {task['id']}")
         return task
 
+    def skip(self, key: str, reason: str) -> None:
+        """An issue that cannot be read (its answer too large, not JSON, nested too deep):
+        recorded as skipped for good (saved), so that no poll stops at it again; the thread
+        comments on it with the reason (a notice, as for a task's end)."""
+        if key in self.issues or not JIRA_KEY_RE.fullmatch(key):
+            return
+        self.issues[key] = {"task": None, "takenAt": now_iso(), "state": "skipped",
+                            "error": reason, "notice": {"state": "skipped", "error": reason,
+                                                        "task": None}}
+        try:
+            self.save()
+        except OSError:
+            del self.issues[key]
+            raise
+        log(4, f"jira: issue {key} skipped for good: {reason}")
+        self.wake.set()
+
     def on_task(self, task: dict[str, Any]) -> None:
         """A task changed state (Box.emit): the end of a Jira task is noticed for the thread."""
         source = str(task.get("source", ""))
@@ -10210,7 +10341,9 @@ class Jira:
         found = jira_request(config, token, "POST", "/rest/api/3/search/jql",
                              {"jql": config["jql"], "fields": ["summary"],
                               "maxResults": JIRA_MAX_ISSUES})
-        keys = [i.get("key") for i in (found or {}).get("issues", []) if isinstance(i, dict)]
+        if not isinstance(found, dict):
+            raise JiraUnreadable("POST /rest/api/3/search/jql: the answer is not a JSON object")
+        keys = [i.get("key") for i in found.get("issues", []) if isinstance(i, dict)]
         # at most what was asked for: a Jira answering thousands of keys starts no more
         keys = list(dict.fromkeys(k for k in keys if isinstance(k, str) and
                                   JIRA_KEY_RE.fullmatch(k)))[:JIRA_MAX_ISSUES]
@@ -10219,15 +10352,17 @@ class Jira:
             if key in taken or self.box.loop.stopped():
                 continue
             try:
-                issue = jira_request(config, token, "GET", f"/rest/api/3/issue/{key}"
-                                     "?fields=summary,description")
+                fields = jira_issue_fields(key, jira_request(
+                    config, token, "GET", f"/rest/api/3/issue/{key}?fields=summary,description"))
+            except JiraUnreadable as exc:        # this issue's own: never read again
+                self.box.loop.call(self.skip, key, str(exc))
+                continue
             except JiraError as exc:
-                if exc.transient or exc.status == 401:
+                if (exc.transient or exc.status == 401) and not isinstance(exc, JiraLate):
                     raise
                 log(4, f"jira: issue {key} cannot be read, left for the next poll: {exc}")
                 continue
-            fields = (issue or {}).get("fields") or {}
-            self.box.loop.call(self.take, key, fields if isinstance(fields, dict) else {})
+            self.box.loop.call(self.take, key, fields)
 
     def answer(self, config: dict[str, Any]) -> None:
         """For each ended task not answered yet: a comment, then the transition if one is
@@ -10263,7 +10398,11 @@ class Jira:
 
 
 def jira_comment(notice: dict[str, Any]) -> str:
-    """The comment on an issue whose task ended: state, summary, error, cost."""
+    """The comment on an issue whose task ended: state, summary, error, cost; or on one that
+    was skipped, why."""
+    if notice["state"] == "skipped":
+        return f"gurt skipped this issue for good: it could not be read ({notice.get('error')})." \
+               "\nNo task was made. A new issue is taken as usual."
     lines = [f"gurt task {notice.get('task') or '(none)'} {notice['state']}."]
     if notice.get("summary"):
         lines.append(f"Summary: {notice['summary']}")
@@ -10278,15 +10417,20 @@ def jira_comment(notice: dict[str, Any]) -> str:
 
 # Hooks #########################################################################################
 ###############################################################################################
-# Signed webhooks (GitHub's convention): POST /api/hooks/{name} with X-Gurt-Signature:
-# sha256=<hex HMAC-SHA256 of the body, keyed with the hook's secret> and X-Gurt-Delivery: <a
-# unique id>.  The only routes without the bearer token: the signature is the credential.
-# The secret is made by gurtd per hook and answered once.  A delivery id is remembered for a
-# day (BOX_HOME/hook-deliveries.jsonl, append-only): a replay within it is refused.
+# Signed webhooks: POST /api/hooks/{name} with X-Gurt-Delivery: <a unique id>,
+# X-Gurt-Timestamp: <Unix seconds> and X-Gurt-Signature: sha256=<hex HMAC-SHA256 of
+# "TIMESTAMP.DELIVERY.BODY", keyed with the hook's secret> (the Standard Webhooks scheme).
+# The only routes without the bearer token: the signature is the credential.  The secret is
+# made by gurtd per hook and answered once.  A delivery id is remembered for a day
+# (BOX_HOME/hook-deliveries.jsonl, append-only): the same id again is refused; a new id
+# breaks the signature; and past 5 minutes the timestamp is stale, so a signed delivery that
+# someone kept is never taken twice.
 
 MAX_HOOKS = 100
 MAX_DELIVERIES = 10_000              # remembered at once; past it deliveries get 429
 DELIVERY_KEPT = 86400.0              # seconds a delivery id is remembered
+DELIVERY_MAX_AGE = 300.0             # seconds a signed timestamp is good for (< DELIVERY_KEPT)
+DELIVERY_SKEW = 60.0                 # seconds a sender's clock may be ahead of ours
 HOOK_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 DELIVERY_RE = re.compile(r"^[\x21-\x7e]{1,200}$")
 HOOK_PATH_RE = re.compile(r"^/api/hooks/[^/]+$")
@@ -10320,11 +10464,34 @@ def validate_hook_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return {"name": name, "source": source, "task": task, "allow": sorted(set(allow))}
 
 
-def hook_signature_ok(secret: str, body: bytes, header: str) -> bool:
-    """X-Gurt-Signature is sha256=<hex HMAC-SHA256 of the raw body>; compared in constant
-    time."""
-    expected = "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+def hook_signature(secret: str, timestamp: str, delivery: str, body: bytes) -> str:
+    """X-Gurt-Signature of a delivery: sha256=<hex HMAC-SHA256 of "TIMESTAMP.DELIVERY.BODY">
+    (the raw body): the timestamp and the id are signed, so neither can be changed."""
+    signed = f"{timestamp}.{delivery}.".encode() + body
+    return "sha256=" + hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
+
+
+def hook_signature_ok(secret: str, timestamp: str, delivery: str, body: bytes,
+                      header: str) -> bool:
+    """The delivery's signature is right (compared in constant time) and its timestamp is a
+    number of seconds; whether it is fresh is asked after (delivery_staleness)."""
+    if not (is_digits(timestamp) and len(timestamp) <= 12 and header):
+        return False
+    expected = hook_signature(secret, timestamp, delivery, body)
     return hmac.compare_digest(expected.encode(), header.strip().lower().encode())
+
+
+def delivery_staleness(timestamp: str, now: float) -> str | None:
+    """Why a rightly signed X-Gurt-Timestamp is not taken (too old, or ahead of our clock
+    past the skew), or None."""
+    age = now - int(timestamp)
+    if age > DELIVERY_MAX_AGE:
+        return f"X-Gurt-Timestamp {timestamp} is {age:.0f} s old: a delivery is taken " \
+               f"within {DELIVERY_MAX_AGE:.0f} s of its signing"
+    if age < -DELIVERY_SKEW:
+        return f"X-Gurt-Timestamp {timestamp} is {-age:.0f} s ahead of gurtd's clock (at " \
+               f"most {DELIVERY_SKEW:.0f} s)"
+    return None
 
 
 class Hooks:
@@ -10411,17 +10578,23 @@ class Hooks:
             raise
         return {"deleted": name}
 
-    def deliver(self, name: str, raw: bytes, signature: str, delivery: str) -> dict[str, Any]:
-        """A delivery: signature, then delivery id (remembered, synced, before the task is
-        made: a crash between them loses the delivery, never runs it twice), then the task."""
+    def deliver(self, name: str, raw: bytes, signature: str, delivery: str,
+                timestamp: str) -> dict[str, Any]:
+        """A delivery: signature and its timestamp, then delivery id (remembered, synced,
+        before the task is made: a crash between them loses the delivery, never runs it
+        twice), then the task."""
         hook = self.items.get(name)
-        if hook is None or not signature or not hook_signature_ok(hook["secret"], raw,
-                                                                  signature):
-            # one answer for both: an unknown hook name is not told apart from a bad signature
-            raise ApiError(401, "missing or wrong X-Gurt-Signature", "bad_signature")
+        if hook is None or not hook_signature_ok(hook["secret"], timestamp, delivery, raw,
+                                                 signature):
+            # one answer for all: an unknown hook name is not told apart from a bad signature
+            raise ApiError(401, "missing or wrong X-Gurt-Signature (of X-Gurt-Timestamp, "
+                                "X-Gurt-Delivery and the body)", "bad_signature")
+        now = time.time()
+        stale = delivery_staleness(timestamp, now)
+        if stale:
+            raise ApiError(401, stale, "stale_delivery")
         if not DELIVERY_RE.match(delivery):
             raise ApiError(400, "X-Gurt-Delivery must be a unique id (1-200 visible ASCII)")
-        now = time.time()
         for key in [k for k, at in self.deliveries.items() if now - at >= DELIVERY_KEPT]:
             del self.deliveries[key]
         key = f"{name}/{delivery}"
@@ -10484,7 +10657,8 @@ def h_hook_deliver(req: "Handler", params: dict[str, str]) -> Any:
     raw = hook_raw_body(req)
     return 201, req.box.loop.call(req.box.hooks.deliver, params["name"], raw,
                              req.headers.get("X-Gurt-Signature") or "",
-                             req.headers.get("X-Gurt-Delivery") or "")
+                             req.headers.get("X-Gurt-Delivery") or "",
+                             req.headers.get("X-Gurt-Timestamp") or "")
 
 
 # HTTP ##########################################################################################
@@ -10677,7 +10851,6 @@ def follow_log(req: "Handler", task_id: str, path: str) -> None:
     box = req.box
     req.send_response(200)
     req.send_header("Content-Type", "text/event-stream")
-    req.send_header("Cache-Control", "no-cache")
     req.send_header("Connection", "close")
     req.end_headers()
     req.close_connection = True
@@ -10881,7 +11054,6 @@ def h_events(req: "Handler", params: dict[str, str]) -> Any:
     last = int(since) if since else box.loop.last_event()
     req.send_response(200)
     req.send_header("Content-Type", "text/event-stream")
-    req.send_header("Cache-Control", "no-cache")
     req.send_header("Connection", "close")
     req.end_headers()
     req.close_connection = True
@@ -11377,12 +11549,18 @@ ROUTES: list[Route] = [
           "deleteHook", "hooks", params={"name": HOOK_NAME},
           answers={200: DELETED, 404: "No hook of this name", 507: "The disk is full: it stays"}),
     Route("POST", "/api/hooks/{name}", h_hook_deliver,
-          "Deliver to a hook (no token: X-Gurt-Signature and X-Gurt-Delivery)",
+          "Deliver to a hook (no token: X-Gurt-Signature, X-Gurt-Timestamp, X-Gurt-Delivery)",
           "deliverToHook", "hooks", open=True, params={"name": HOOK_NAME},
           headers={
               "X-Gurt-Signature": ({"type": "string", "pattern": "^sha256=[0-9a-fA-F]{64}$"},
-                                   "sha256=<hex HMAC-SHA256 of the raw body, keyed with the "
-                                   "hook's secret>: the credential (no bearer token)", True),
+                                   "sha256=<hex HMAC-SHA256 of TIMESTAMP.DELIVERY.BODY (the "
+                                   "X-Gurt-Timestamp and X-Gurt-Delivery values and the raw "
+                                   "body, joined by dots), keyed with the hook's secret>: the "
+                                   "credential (no bearer token)", True),
+              "X-Gurt-Timestamp": ({"type": "string", "pattern": "^[0-9]{1,12}$"},
+                                   "When the delivery was signed, in Unix seconds: taken "
+                                   f"within {DELIVERY_MAX_AGE:.0f} s after (and at most "
+                                   f"{DELIVERY_SKEW:.0f} s before, a clock's skew)", True),
               "X-Gurt-Delivery": ({"type": "string", "pattern": DELIVERY_RE.pattern},
                                   "A unique id of this delivery: the same id again within a "
                                   "day is refused", True)},
@@ -11390,8 +11568,9 @@ ROUTES: list[Route] = [
           answers={201: ("The task it started", _ref("Task")),
                    400: "A bad delivery id, not a JSON object, a field the hook does not let "
                         "a delivery set, or a task field that is wrong",
-                   401: "A missing or wrong signature, or no hook of this name (the same "
-                        "answer)",
+                   401: "A missing or wrong signature or timestamp, or no hook of this name "
+                        "(the same answer, bad_signature); or a timestamp too old or ahead "
+                        "(stale_delivery)",
                    403: "A Host header (not in hookHosts) or an Origin gurtd does not answer",
                    409: "This delivery id was taken already (a replay)",
                    503: "gurtd is busy; try again (Retry-After)",
@@ -11586,11 +11765,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_json(code, {"error": message or self.responses.get(code, ("error",))[0]})
 
     def send_response(self, code: int, message: str | None = None) -> None:
-        """Every answer starts here: first the request's unread body is dropped."""
+        """Every answer starts here: first the request's unread body is dropped.  No answer
+        is for a cache to keep (tasks, logs, settings, sessions, archives): no-store."""
         if code >= 200:
             self.drain_body()
             self.answered = True
         super().send_response(code, message)
+        if code >= 200:
+            self.send_header("Cache-Control", "no-store")
 
     def send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
         if isinstance(obj, tuple):
@@ -11810,7 +11992,8 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 _LABEL, _TOP = "[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", "[a-z]([a-z0-9-]{0,61}[a-z0-9])?"
 _OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
 _PORT = "(:([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]))?"
-HOST_SCHEMA = {   # parse_host's forms; a wildcard under a public suffix is refused besides
+HOST_SCHEMA = {   # parse_host's forms; refused besides: a wildcard under a public suffix, and
+                  # an address or network touching absolute special-use space (grant_refusal)
     "type": "string", "maxLength": 259, "examples": ["example.com", "*.example.com:443"],
     "pattern": f"^((\\*\\.)?({_LABEL}\\.)+{_TOP}|{_TOP}|({_OCTET}\\.){{3}}{_OCTET}){_PORT}$"}
 NET_SCHEMA = {"type": "string", "pattern": f"^({_OCTET}\\.){{3}}{_OCTET}/(3[0-2]|[12]?[0-9])$",

@@ -1117,6 +1117,9 @@ class JiraStandIn:
         self.hold = threading.Event()        # searches are answered once it is set
         self.hold.set()
         self.lock = threading.Lock()
+        self.raw: dict[str, bytes] = {}      # an issue answered with these bytes (hostile)
+        self.trickle: dict[str, float] = {}  # an issue answered a byte every so many seconds
+        self.closing = threading.Event()
         self.url = ""                        # once it serves
 
     def calls(self, method: str, path: str) -> list[dict[str, Any]]:
@@ -1151,6 +1154,10 @@ class JiraStandIn:
                 for i, k in enumerate(keys)], "isLast": True})
         if len(parts) >= 6 and parts[5] in self.issues:
             key = parts[5]
+            if req.command == "GET" and len(parts) == 6 and key in self.trickle:
+                return self.drip(req, self.trickle[key])
+            if req.command == "GET" and len(parts) == 6 and key in self.raw:
+                return answer(req, 200, self.raw[key], {"Content-Type": "application/json"})
             if req.command == "GET" and len(parts) == 6:
                 return self.answer(req, 200, {"id": "1", "key": key,
                                               "fields": self.issues[key]})
@@ -1167,6 +1174,20 @@ class JiraStandIn:
                 return self.answer(req, 204, None)
         return self.answer(req, 404, {"errorMessages": ["no such thing"]})
 
+    def drip(self, req: http.server.BaseHTTPRequestHandler, every: float) -> None:
+        """A Jira that sends its answer, status line and all, one byte at a time: no read
+        of gurtd's ever waits long, yet the answer never ends."""
+        data = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + \
+            b"Content-Length: 100000\r\n\r\n" + b" " * 100_000
+        for byte in data:
+            if self.closing.wait(every):
+                return
+            try:
+                req.wfile.write(bytes([byte]))
+                req.wfile.flush()
+            except OSError:
+                return
+
     def answer(self, req: http.server.BaseHTTPRequestHandler, status: int, body: Any,
                headers: dict[str, str] | None = None) -> None:
         answer(req, status, json.dumps(body).encode() if body is not None else b"",
@@ -1182,6 +1203,7 @@ def jira_stand_in() -> Iterator[JiraStandIn]:
             yield jira
         finally:
             jira.hold.set()                  # a held search ends too
+            jira.closing.set()               # and a trickle
 
 
 # Stored layers ###############################################################################

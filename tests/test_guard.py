@@ -565,3 +565,73 @@ def test_a_malformed_request_line_gets_a_json_error(gurtd: Gurtd, line: bytes) -
     assert isinstance(data, dict) and isinstance(data.get("error"), str) and data["error"], raw
     status, health, _ = gurtd.request("GET", "/api/health", token=False)
     assert status == 200, health
+
+
+# grants into special-use space ################################################################
+# Each entry, and the network its refusal must name: the absolute special-use networks (the
+# host itself, the task networks, link-local metadata services, multicast, reserved), every
+# network that holds one (0.0.0.0/0, 0.0.0.0/1, 96.0.0.0/3, 128.0.0.0/1), and their IPv6 forms.
+SPECIAL_ENTRIES = [
+    ("169.254.77.1", "169.254.0.0/16"), ("169.254.169.254:80", "169.254.0.0/16"),
+    ("169.254.0.0/16", "169.254.0.0/16"), ("127.0.0.1", "127.0.0.0/8"),
+    ("127.8.9.10/31", "127.0.0.0/8"), ("0.0.0.0", "0.0.0.0/8"), ("0.1.2.3:22", "0.0.0.0/8"),
+    ("100.64.0.1", "100.64.0.0/10"), ("100.127.255.254/31", "100.64.0.0/10"),
+    ("224.0.0.251", "224.0.0.0/4"), ("239.255.255.250:1900", "224.0.0.0/4"),
+    ("240.0.0.1", "240.0.0.0/4"), ("255.255.255.255", "255.255.255.255/32"),
+    ("0.0.0.0/0", "0.0.0.0/8"), ("0.0.0.0/1", "127.0.0.0/8"), ("96.0.0.0/3", "100.64.0.0/10"),
+    ("128.0.0.0/1", "169.254.0.0/16"), ("100.0.0.0/8", "100.64.0.0/10"),
+    ("::1", "::1/128"), ("[::1]:8080", "::1/128"), ("::/0", "::/128"), ("fe80::1", "fe80::/10"),
+    ("fd12:3456::1", "fc00::/7"), ("ff02::fb", "ff00::/8"),
+    ("::ffff:169.254.169.254", "169.254.0.0/16"), ("::ffff:127.0.0.1", "127.0.0.0/8"),
+]
+
+
+def hook_delivery(g: Gurtd, hosts: list[str]) -> tuple[int, Any, dict[str, str]]:
+    """A signed delivery to the module's hook "special" (its deliveries may set hosts)."""
+    secret = g.special_hook_secret          # type: ignore[attr-defined]
+    raw = json.dumps({"title": "t", "prompt": "p", "hosts": hosts}).encode()
+    delivery, stamp = os.urandom(8).hex(), str(int(time.time()))
+    return g.request("POST", "/api/hooks/special", token=False, raw=raw, headers={
+        "Content-Type": "application/json", "X-Gurt-Delivery": delivery,
+        "X-Gurt-Timestamp": stamp, "X-Gurt-Signature": gurtd_module.hook_signature(
+            secret, stamp, delivery, raw)})
+
+
+GRANT_ENTRY_POINTS: dict[str, Any] = {   # every place a grant is made, given one entry
+    "task": lambda g, e: g.request("POST", "/api/tasks", valid_body(hosts=[e])),
+    "hook": lambda g, e: g.request("POST", "/api/hooks", {
+        "name": "special2", "source": "special", "task": {"worker": "fake", "hosts": [e]}}),
+    "hook delivery": lambda g, e: hook_delivery(g, [e]),
+    "schedule": lambda g, e: g.request("POST", "/api/schedules", {
+        "name": "s", "cron": "0 3 * * *", "task": {"prompt": "p", "worker": "fake",
+                                                   "hosts": [e]}}),
+    "policy": lambda g, e: g.request("POST", "/api/policies", {
+        "tool": "host", "scope": "box", "host": e}),
+    "droidHosts": lambda g, e: g.request("PUT", "/api/settings", {"droidHosts": [e]}),
+    "jira": lambda g, e: g.request("PUT", "/api/settings", {"jira": {
+        "baseUrl": "http://127.0.0.1:9", "email": "a@example.com", "jql": "x", "hosts": [e]}}),
+    "dnsAllowedNets": lambda g, e: g.request("PUT", "/api/settings", {"dnsAllowedNets": [
+        e if "/" in e else e + "/32"]}),
+}
+
+
+@pytest.mark.parametrize("where", GRANT_ENTRY_POINTS)
+def test_no_grant_opens_special_use_space_wherever_it_is_made(gurtd: Gurtd, where: str) -> None:
+    """hosts: ["169.254.77.1"] let a task reach a link-local server (a cloud's metadata
+    service), and a signed hook delivery could ask for it too: every entry point refuses
+    each such entry with a 400 naming the network, and nothing changes."""
+    if not hasattr(gurtd, "special_hook_secret"):
+        gurtd.special_hook_secret = gurtd.api(       # type: ignore[attr-defined]
+            "POST", "/api/hooks", {"name": "special", "source": "special",
+                                   "task": {"worker": "fake"}, "allow": ["hosts"]},
+            status=201)["secret"]
+    entries = [(e, net) for e, net in SPECIAL_ENTRIES
+               if where != "dnsAllowedNets" or (":" not in e)]   # IPv4 networks only
+    others = [gurtd.api("GET", path) for path in ("/api/hooks", "/api/schedules",
+                                                  "/api/policies")]
+    with changes_nothing(gurtd):
+        for entry, network in entries:
+            data = assert_json_error(GRANT_ENTRY_POINTS[where](gurtd, entry), 400)
+            assert network in data["error"], (where, entry, data)
+    assert [gurtd.api("GET", path) for path in ("/api/hooks", "/api/schedules",
+                                                "/api/policies")] == others

@@ -369,10 +369,15 @@ def test_names_answering_private_or_host_addresses_are_refused_with_the_reason(
         net_gurtd: Gurtd) -> None:
     """DNS rebinding: a granted name that answers a private, loopback or link-local address is
     refused (REFUSED, and the reason in the log), even with the fake internet allowed; an ip
-    entry opens a private address, never loopback or link-local."""
+    entry opens a private address, never loopback or link-local (and no entry may hold them:
+    0.0.0.0/0 is refused when the task is made)."""
     names = ("private.test", "home.test", "rebind.test", "metadata.test")
+    code, body, _ = net_gurtd.request("POST", "/api/tasks", {"title": "t", "prompt": "p",
+                                                             "worker": "fake",
+                                                             "hosts": ["0.0.0.0/0:443"]})
+    assert code == 400 and "127.0.0.0/8 (loopback)" in body["error"], body
     plain = start(net_gurtd, list(names), *(py(n, "udp53", "127.0.0.53", 53, n) for n in names))
-    granted = start(net_gurtd, ["private.test", "10.1.2.3:443", "rebind.test", "0.0.0.0/0:443"],
+    granted = start(net_gurtd, ["private.test", "10.1.2.3:443", "rebind.test", "10.0.0.0/8:443"],
                     py("private", "udp53", "127.0.0.53", 53, "private.test"),
                     py("rebind", "udp53", "127.0.0.53", 53, "rebind.test"))
     run = finished(net_gurtd, plain)

@@ -266,6 +266,40 @@ def test_every_body_route_refuses_a_body_that_is_not_an_object(gurtd: Gurtd,
     assert gurtd.proc is not None and gurtd.proc.poll() is None
 
 
+def answer_headers(g: Gurtd, method: str, path: str, token: bool = True) -> tuple[int,
+                                                                             dict[str, str]]:
+    """The status and headers of one answer, read raw (a stream's body is never waited for)."""
+    with socket.create_connection(("127.0.0.1", g.port), timeout=15) as s:
+        s.sendall(head(g, method, path, token=token, close=True))
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(65536)
+            assert chunk, (method, path, data)
+            data += chunk
+    status_line, *lines = data.partition(b"\r\n\r\n")[0].decode().split("\r\n")
+    headers: dict[str, str] = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        assert key.lower() not in headers, (method, path, key)    # each header once
+        headers[key.lower()] = value.strip()
+    return int(status_line.split()[1]), headers
+
+
+def test_every_answer_says_cache_control_no_store(gurtd: Gurtd) -> None:
+    """An answer of gurtd (tasks, logs, settings, a session, an archive) must not be kept by
+    a browser's or a proxy's cache: every route answers Cache-Control: no-store, streams and
+    errors too, with the token and without."""
+    task = gurtd.run("echo cached")
+    for route in G.ROUTES:
+        path = filled(route.path).replace(UNKNOWN_ID, task["id"])
+        for token in (True, False):
+            status, headers = answer_headers(gurtd, route.method, path, token)
+            assert headers.get("cache-control") == "no-store", (route.method, path, status,
+                                                                 headers)
+    status, headers = answer_headers(gurtd, "GET", "/api/nope")
+    assert status == 404 and headers.get("cache-control") == "no-store", headers
+
+
 def test_any_method_on_a_known_path_is_405_with_allow(gurtd: Gurtd) -> None:
     allowed: dict[str, set[str]] = {}      # every method whose route matches the path
     for route in G.ROUTES:

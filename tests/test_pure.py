@@ -186,3 +186,28 @@ def test_the_ledger_keeps_whole_lines_and_cuts_a_torn_one(tmp_path):
     assert wallet["balanceCents"] == 45
     assert [e["balanceAfterCents"] for e in wallet["ledger"]] == [50, 45]
     assert path.read_text().endswith('"balanceAfterCents": 45}\n')   # the torn line is gone
+
+
+@pytest.mark.parametrize("entry, network", [
+    ("169.254.77.1", "169.254.0.0/16"), ("127.0.0.1:8080", "127.0.0.0/8"),
+    ("0.0.0.0/0", "0.0.0.0/8"), ("0.0.0.0/1", "127.0.0.0/8"), ("128.0.0.0/1", "169.254.0.0/16"),
+    ("100.64.0.0/10", "100.64.0.0/10"), ("224.0.0.1", "224.0.0.0/4"), ("240.0.0.1", "240.0.0.0/4"),
+    ("255.255.255.255", "255.255.255.255/32"), ("::1", "::1/128"), ("[fe80::1]:80", "fe80::/10"),
+    ("::ffff:169.254.169.254", "169.254.0.0/16"),
+])
+def test_no_host_entry_grants_absolute_special_use_space(entry, network):
+    """The one check (grant_refusal) of grants: a host entry, dnsAllowedNets and a DNS answer
+    into such space are refused alike, naming the network."""
+    with pytest.raises(ValueError, match=re.escape(network)):
+        G.parse_host(entry)
+    if ":" not in entry:
+        net = G.ipaddress.IPv4Network(entry)
+        assert network in G.grant_refusal(net)
+        with pytest.raises(G.ApiError, match=re.escape(network)):
+            G.valid_answer_nets([str(net)])
+        inside = str(G.ipaddress.IPv4Network(network).network_address)
+        assert network in G.refused_address(inside, set(), [G.ipaddress.IPv4Network("0.0.0.0/0")])
+    assert G.grant_refusal(G.ipaddress.IPv4Network("198.18.0.0/15")) is None
+    assert G.parse_host("8.8.8.8:53") == ("ip", "8.8.8.8", 53)
+    with pytest.raises(ValueError, match="IPv4 only"):
+        G.parse_host("[2606:4700::1]:443")          # any IPv6: a task reaches IPv4 only

@@ -114,14 +114,15 @@ def test_printable_shows_terminal_controls_escaped() -> None:
 def test_special_use_answers_are_refused_unless_granted() -> None:
     own = {"192.0.2.7"}
     for addr in ("10.1.2.3", "192.168.1.1", "172.16.0.1", "198.18.0.5", "192.0.0.9",
-                 "203.0.113.4", "240.0.0.1"):
+                 "203.0.113.4"):
         reason = G.refused_address(addr, set())
         assert reason and "no ip or cidr entry grants it" in reason, addr
         assert G.refused_address(addr, set(), [ipaddress.IPv4Network(f"{addr}/32")]) is None
     everything = [ipaddress.IPv4Network("0.0.0.0/0")]
     for addr, what in (("127.0.0.1", "loopback"), ("169.254.169.254", "link-local"),
                        ("0.1.2.3", "this network"), ("100.64.0.1", "task networks"),
-                       ("224.0.0.251", "multicast"), ("255.255.255.255", "broadcast")):
+                       ("224.0.0.251", "multicast"), ("255.255.255.255", "broadcast"),
+                       ("240.0.0.1", "reserved")):
         reason = G.refused_address(addr, set(), everything)
         assert reason and what in reason, (addr, reason)   # absolute: no grant opens these
     assert "address of this host" in G.refused_address("192.0.2.7", own, everything)

@@ -11,15 +11,17 @@ under a tunnel's Host name.
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import hashlib
 import hmac
 import json
 import os
 import stat
+import threading
 import time
 import zoneinfo
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -281,20 +283,187 @@ def test_a_labelled_issue_becomes_one_task_and_hears_back_when_it_ends() -> None
         assert len(jira.calls("POST", "/rest/api/3/issue/GT-7/comment")) == 2
 
 
+def issue_answer(key: str, description: bytes) -> bytes:
+    return b'{"id": "1", "key": "%s", "fields": {"summary": "hostile", "description": %s}}' % (
+        key.encode(), description)
+
+
+@contextlib.contextmanager
+def loop_waits(g: Gurtd) -> Iterator[list[float]]:
+    """The loop's answer times meanwhile (GET /api/hooks is a call on the loop), in seconds."""
+    waits: list[float] = []
+    done = threading.Event()
+
+    def ask() -> None:
+        while not done.is_set():
+            start = time.monotonic()
+            g.api("GET", "/api/hooks")
+            waits.append(time.monotonic() - start)
+            time.sleep(0.05)
+    thread = threading.Thread(target=ask)
+    thread.start()
+    try:
+        yield waits
+    finally:
+        done.set()
+        thread.join()
+
+
+def jira_records(g: Gurtd) -> dict[str, dict[str, Any]]:
+    with open(os.path.join(g.home, "jira.json")) as f:
+        return json.load(f)["issues"]
+
+
+def jira_tasks(g: Gurtd) -> dict[str, dict[str, Any]]:
+    return {t["source"][5:]: t for t in g.api("GET", "/api/tasks")
+            if t["source"].startswith("jira:")}
+
+
+JIRA_CONFIG = {"email": "bot@example.com", "token": "right-token", "worker": "fake",
+               "jql": "labels = gurt", "pollSeconds": 10}
+
+
+def test_an_issue_that_cannot_be_read_is_skipped_and_the_poll_goes_on() -> None:
+    """One hostile issue stopped every poll at itself: a description nested 10,000 deep or
+    of 9 MiB (and so an answer that is not JSON, or not an object) failed the read, the poll
+    backed off and began again at that issue, and no later issue was ever taken.  Now each
+    is skipped for good, with its reason in gurtd's log, in jira.json and in a comment on the
+    issue, and the poll goes on to the next."""
+    deep = b'{"type": "paragraph", "content": [' * 10_000 + b"{}" + b"]}" * 10_000
+    big = json.dumps(adf("x" * (9 << 20))).encode()
+    hostile = {"GT-1": issue_answer("GT-1", deep), "GT-2": issue_answer("GT-2", big),
+               "GT-3": b'[{"fields": {"summary": "a list, not an issue"}}]',
+               "GT-4": b"<html>Service Unavailable</html>",
+               "GT-5": issue_answer("GT-5", json.dumps(adf("cut short")).encode())[:-1]}
+    with jira_stand_in() as jira, running_gurtd() as g:
+        for key, raw in hostile.items():
+            jira.issues[key] = {"summary": "hostile"}
+            jira.raw[key] = raw
+        jira.issues["GT-9"] = {"summary": "After them", "description": adf("echo taken")}
+        jira.status.update({k: "To Do" for k in jira.issues})
+        with loop_waits(g) as waits:
+            g.api("PUT", "/api/settings", {"jira": {**JIRA_CONFIG, "baseUrl": jira.url}})
+            taken = eventually(lambda: jira_tasks(g).get("GT-9"), 30, "the issue after them")
+        print(f"the loop's worst wait while the hostile issues were read: {max(waits):.3f} s")
+        assert max(waits) < 1.0, max(waits)
+        assert g.wait(taken["id"])["state"] == "done"
+        assert set(jira_tasks(g)) == {"GT-9"}
+        for key in hostile:
+            path = f"/rest/api/3/issue/{key}/comment"
+            comments = eventually(lambda path=path: jira.calls("POST", path),
+                                  what=f"the comment on {key}")
+            text = G.adf_text(comments[0]["body"]["body"])
+            assert "skipped" in text and "could not be read" in text, (key, text)
+        records = jira_records(g)
+        assert {k: records[k]["state"] for k in hostile} == {k: "skipped" for k in hostile}
+        assert "nested" in records["GT-1"]["error"], records["GT-1"]
+        assert "larger than 8 MiB" in records["GT-2"]["error"], records["GT-2"]
+        assert "not a JSON object" in records["GT-3"]["error"], records["GT-3"]
+        assert "not JSON" in records["GT-4"]["error"] and "not JSON" in records["GT-5"]["error"]
+        assert all(f"issue {k} skipped" in g.log_text() for k in hostile)
+        # the next poll reads none of them again, and moves none of them
+        searches = len(jira.calls("POST", "/rest/api/3/search/jql"))
+        g.api("PUT", "/api/settings", {"jira": {**JIRA_CONFIG, "baseUrl": jira.url,
+                                                "pollSeconds": 11}})      # wakes the thread
+        eventually(lambda: len(jira.calls("POST", "/rest/api/3/search/jql")) > searches,
+                   what="another poll")
+        time.sleep(0.5)
+        for key in hostile:
+            assert len(jira.calls("GET", f"/rest/api/3/issue/{key}")) == 1, key
+            assert jira.status[key] == "To Do"
+
+
+def test_a_jira_that_trickles_an_answer_is_cut_off_and_the_poll_goes_on() -> None:
+    """A Jira that sends its answer one byte at a time, each within the read timeout, held
+    the Jira thread for as long as it liked.  A whole answer has a deadline now (3 s in this
+    test, GURT_JIRA_DEADLINE): past it the read ends, and the poll goes on to the next
+    issue (the trickled one is asked again at the next poll)."""
+    with jira_stand_in() as jira, running_gurtd({"GURT_JIRA_DEADLINE": "3"}) as g:
+        jira.issues["GT-1"] = {"summary": "slow"}
+        jira.trickle["GT-1"] = 0.5
+        jira.issues["GT-2"] = {"summary": "After it", "description": adf("echo taken")}
+        jira.status.update({"GT-1": "To Do", "GT-2": "To Do"})
+        start = time.monotonic()
+        with loop_waits(g) as waits:
+            g.api("PUT", "/api/settings", {"jira": {**JIRA_CONFIG, "baseUrl": jira.url}})
+            taken = eventually(lambda: jira_tasks(g).get("GT-2"), 20, "the issue after it")
+        assert time.monotonic() - start < 12
+        print(f"the loop's worst wait while Jira trickled: {max(waits):.3f} s")
+        assert max(waits) < 1.0, max(waits)
+        assert "GT-1" not in jira_tasks(g)
+        assert "no whole answer within 3 s" in g.log_text()
+        assert g.wait(taken["id"])["state"] == "done"
+        assert "GT-1" not in jira_records(g)
+
+
 # Hooks #########################################################################################
 
+def signed(secret: str, raw: bytes, delivery: str, stamp: float | None = None) -> dict[str, str]:
+    """A sender's headers: X-Gurt-Timestamp (Unix seconds) and X-Gurt-Signature, the hex
+    HMAC-SHA256 of "TIMESTAMP.DELIVERY.BODY" keyed with the hook's secret."""
+    when = str(int(time.time() if stamp is None else stamp))
+    mac = hmac.new(secret.encode(), f"{when}.{delivery}.".encode() + raw, hashlib.sha256)
+    return {"X-Gurt-Timestamp": when, "X-Gurt-Signature": "sha256=" + mac.hexdigest()}
+
+
 def deliver(g: Gurtd, name: str, body: Any, secret: str | None, delivery: str,
-            host: str | None = None, signature: str | None = None) -> tuple[int, Any]:
+            host: str | None = None, signature: str | None = None,
+            headers: dict[str, str] | None = None) -> tuple[int, Any]:
     raw = json.dumps(body).encode()
-    headers = {"Content-Type": "application/json", "X-Gurt-Delivery": delivery}
+    sent = {"Content-Type": "application/json", "X-Gurt-Delivery": delivery}
     if secret is not None:
-        headers["X-Gurt-Signature"] = signature or "sha256=" + hmac.new(
-            secret.encode(), raw, hashlib.sha256).hexdigest()
+        sent.update(signed(secret, raw, delivery))
+        if signature:
+            sent["X-Gurt-Signature"] = signature
+    sent.update(headers or {})
     if host:
-        headers["Host"] = host
-    code, answer, _ = g.request("POST", f"/api/hooks/{name}", headers=headers, token=False,
+        sent["Host"] = host
+    code, answer, _ = g.request("POST", f"/api/hooks/{name}", headers=sent, token=False,
                                 raw=raw)
     return code, answer
+
+
+def test_a_signed_delivery_is_taken_once_and_only_while_fresh() -> None:
+    """Whoever saw one signed delivery (a log, a proxy) could send it again under a new
+    delivery id: the signature covered the body only.  It covers the timestamp and the id
+    now: a replay under a new id, an old or a future timestamp, and a body signed the old
+    way are all refused, and start nothing."""
+    with running_gurtd() as g:
+        secret = g.api("POST", "/api/hooks", {"name": "gh", "source": "gh",
+                                              "task": {"worker": "fake"}}, status=201)["secret"]
+        body = {"title": "once", "prompt": "echo once"}
+        raw = json.dumps(body).encode()
+        code, task = deliver(g, "gh", body, secret, "r-1")
+        assert code == 201, task
+        seen = signed(secret, raw, "r-1")           # what an eavesdropper kept
+        refused = {
+            "the same delivery under a new id": ("r-2", seen),
+            "an hour old": ("r-3", signed(secret, raw, "r-3", time.time() - 3600)),
+            "six minutes old": ("r-4", signed(secret, raw, "r-4", time.time() - 360)),
+            "ten minutes ahead": ("r-5", signed(secret, raw, "r-5", time.time() + 600)),
+            "the body signed without the timestamp": ("r-6", {
+                "X-Gurt-Timestamp": str(int(time.time())), "X-Gurt-Signature": "sha256=" +
+                hmac.new(secret.encode(), raw, hashlib.sha256).hexdigest()}),
+            "no timestamp": ("r-7", {"X-Gurt-Signature": seen["X-Gurt-Signature"]}),
+            "a timestamp that is not a number": ("r-8", {**signed(secret, raw, "r-8"),
+                                                         "X-Gurt-Timestamp": "soon"}),
+        }
+        for why, (delivery, headers) in refused.items():
+            sent = {"Content-Type": "application/json", "X-Gurt-Delivery": delivery, **headers}
+            code, answer, _ = g.request("POST", "/api/hooks/gh", headers=sent, token=False,
+                                        raw=raw)
+            assert code == 401, (why, code, answer)
+        code, answer = deliver(g, "gh", body, secret, "r-1")
+        assert code == 409 and answer["code"] == "replayed", answer
+        assert [t["id"] for t in g.api("GET", "/api/tasks")] == [task["id"]]
+        # a sender's clock a little ahead (within the skew), or a few minutes behind, is fine
+        for delivery, stamp in (("r-9", time.time() + 20), ("r-10", time.time() - 240)):
+            sent = {"Content-Type": "application/json", "X-Gurt-Delivery": delivery,
+                    **signed(secret, raw, delivery, stamp)}
+            code, answer, _ = g.request("POST", "/api/hooks/gh", headers=sent, token=False,
+                                        raw=raw)
+            assert code == 201, (delivery, answer)
+        g.wait(task["id"])
 
 
 def test_a_signed_delivery_starts_a_task_and_nothing_else_does() -> None:
