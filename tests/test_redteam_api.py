@@ -21,13 +21,22 @@ from conftest import (answer, eventually, gurtd_on_small_disk, jira_stand_in, lo
                       running_gurtd)
 
 
-class LoopStandIn:
-    """The part of the loop a Jira uses: a call runs at once."""
-    stopping = False
+class BoxStandIn:
+    """The part of the box a Jira uses: its settings, and a loop whose call runs at once."""
     settings: dict[str, Any] = {}
+    stopping = False
+
+    def __init__(self) -> None:
+        self.loop = self
+
+    def setting(self, key: str | None = None) -> Any:
+        return self.settings.get(key) if key else self.settings
 
     def call(self, fn: Any, *args: Any) -> Any:
         return fn(*args)
+
+    def stopped(self) -> bool:
+        return self.stopping
 
 
 @pytest.mark.pure
@@ -99,7 +108,7 @@ def test_a_name_with_a_trailing_newline_is_refused_everywhere_a_name_is_checked(
         assert g.api("GET", "/api/policies") == []
     with jira_search_answering(["GT-1\n", "GT-2"]) as (config, asked):
         taken: list[str] = []
-        jira = G.Jira(LoopStandIn())                     # type: ignore[arg-type]
+        jira = G.Jira(BoxStandIn())                     # type: ignore[arg-type]
         jira.token = lambda: "t"                         # type: ignore[method-assign]
         jira.take = lambda key, fields: taken.append(key)  # type: ignore[method-assign]
         jira.poll(config)                                # no error: GT-1\n is not a key
@@ -141,9 +150,9 @@ def test_a_jira_asking_to_be_left_alone_for_centuries_is_asked_again_within_the_
     with loopback_server(handle) as (server, _):
         config = {"baseUrl": f"http://127.0.0.1:{server.server_address[1]}",
                   "email": "bot@example.com", "jql": "x", "enabled": True, "pollSeconds": 10}
-        loop = LoopStandIn()
-        loop.settings = {"jira": config}
-        jira = G.Jira(loop)                              # type: ignore[arg-type]
+        box = BoxStandIn()
+        box.settings = {"jira": config}
+        jira = G.Jira(box)                              # type: ignore[arg-type]
         jira.token = lambda: "t"                         # type: ignore[method-assign]
         jira.start()
         try:
@@ -158,7 +167,7 @@ def test_a_jira_asking_to_be_left_alone_for_centuries_is_asked_again_within_the_
                 time.sleep(0.05)
             assert len(searches) == 2
         finally:
-            loop.stopping = True
+            box.stopping = True
             jira.stop()
         assert not jira.thread.is_alive()
 
@@ -221,7 +230,7 @@ def test_a_jira_answering_thousands_of_issues_starts_at_most_a_page_of_them_per_
     keys = [f"GT-{n}" for n in range(1, 2001)]
     with jira_search_answering(keys[:3] + keys) as (config, asked):
         taken: list[str] = []
-        jira = G.Jira(LoopStandIn())                     # type: ignore[arg-type]
+        jira = G.Jira(BoxStandIn())                     # type: ignore[arg-type]
         jira.token = lambda: "t"                         # type: ignore[method-assign]
         jira.take = lambda key, fields: taken.append(key)  # type: ignore[method-assign]
         jira.poll(config)
