@@ -12479,11 +12479,26 @@ def overlay_way_start(home: str) -> None:
         way, ms, failed = overlay_probe(home)
     except SysError as exc:
         raise StartError(str(exc)) from None
+    except OSError as exc:
+        if not is_disk_error(exc):
+            raise
+        # A full BOX_HOME has no room for the probe's files, and a full disk must not stop
+        # the start (it says what it could not do): the way the kernel's version says.
+        way, ms = overlay_way_by_version(), 0.0
+        failed = [f"no probe: {exc.strerror}; the way of kernel {os.uname().release}"]
     overlay_way_set(way)
     why = f" ({'; '.join(failed)})" if failed else \
         f" ({OVERLAY_API_ENV}=legacy)" if way == "legacy" else ""
     log(6, f"overlays: the {way} way{why} on kernel {os.uname().release}, probed in "
            f"{ms:.1f} ms")
+
+
+def overlay_way_by_version() -> str:
+    """The way this kernel's version takes (see above: the fd way needs 6.15), for a start
+    that cannot probe."""
+    release = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    newer = release is not None and (int(release[1]), int(release[2])) >= (6, 15)
+    return "fd" if newer and os.environ.get(OVERLAY_API_ENV) != "legacy" else "legacy"
 
 
 def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
