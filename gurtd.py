@@ -7894,10 +7894,12 @@ class Gateway:
                 call: GatewayCall) -> None:
         kind = header_text(answer.getheader("Content-Type"), "application/octet-stream")
         meter = UsageMeter(tg.api, "text/event-stream" in kind)
+        retry = answer.getheader("Retry-After") or ""    # an upstream's 429 or 529 says when
         call.conn.settimeout(GATEWAY_READ_SECONDS)   # a task that stops reading
-        call.conn.sendall(f"HTTP/1.1 {answer.status} {header_text(answer.reason, 'Answer')}\r\n"
-                     f"Content-Type: {kind}\r\nTransfer-Encoding: chunked\r\n"
-                     "Connection: close\r\n\r\n".encode())
+        head = f"HTTP/1.1 {answer.status} {header_text(answer.reason, 'Answer')}\r\n" \
+               f"Content-Type: {kind}\r\nTransfer-Encoding: chunked\r\n" + \
+               (f"Retry-After: {retry}\r\n" if is_digits(retry) else "")
+        call.conn.sendall(head.encode() + b"Connection: close\r\n\r\n")
         deadline = time.monotonic() + GATEWAY_CALL_SECONDS
         try:
             self.pass_chunks(tg, answer, meter, call, deadline)

@@ -54,6 +54,8 @@ class Upstream:
         self.requests: list[dict[str, Any]] = []
         self.usages: list[dict[str, int]] = []
         self.delay = 0.0
+        self.mode = "answer"           # or "endless": a stream that never ends; "html"
+        self.cut = threading.Event()   # an endless answer's reader went away
         upstream = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -77,14 +79,24 @@ class Upstream:
                 chunks = (anthropic_answer if api == "anthropic" else chat_answer)(
                     body, text, tool, usage)
                 self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream" if body.get("stream")
+                self.send_header("Content-Type", "text/html" if upstream.mode == "html" else
+                                 "text/event-stream" if body.get("stream")
                                  else "application/json")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
-                for chunk in chunks:
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                    self.wfile.flush()
-                self.wfile.write(b"0\r\n\r\n")
+                if upstream.mode == "html":
+                    chunks = [b"<html>a proxy's error page</html>"]
+                elif upstream.mode == "endless":
+                    chunks = chunks[:1] + [b"event: ping\ndata: {\"type\": \"ping\"}\n\n"] * 10 ** 6
+                try:
+                    for chunk in chunks:
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                        self.wfile.flush()
+                        if upstream.mode == "endless":
+                            time.sleep(0.05)
+                    self.wfile.write(b"0\r\n\r\n")
+                except OSError:
+                    upstream.cut.set()
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
@@ -193,6 +205,10 @@ def model_gurtd(droid_gurtd: Gurtd, upstream: Upstream) -> Gurtd:
     return droid_gurtd
 
 
+def pending(g: Gurtd, task_id: str) -> list[dict[str, Any]]:
+    return g.api("GET", f"/api/approvals?state=pending&task={task_id}")
+
+
 def cost(usages: list[dict[str, int]], prices: dict[str, float] = PRICES) -> float:
     return sum(G.usage_cents(u, prices) for u in usages)
 
@@ -233,6 +249,35 @@ def test_droid_creates_a_file_through_the_models_tool_call(
     lines = model_lines(g, task["id"])
     assert [(e["model"], e["status"]) for e in lines] == [(MODEL, 200)] * 2
     assert [e["usage"] for e in lines] == upstream.usages
+    steps = [G.droid_step(e["event"]) for e in g.log(task["id"]) if e["type"] == "event"]
+    assert f"Create: {G.VIEW_DIR}/hello.txt" in steps
+
+
+@pytest.mark.parametrize("answer", ["approve", "deny"])
+def test_droids_next_call_waits_at_the_budget_for_a_person(
+        model_gurtd: Gurtd, upstream: Upstream, answer: str) -> None:
+    g = model_gurtd
+    task = g.api("POST", "/api/tasks", {"title": "budget", "prompt": "create hello.txt",
+                                        "budgetCents": 0.1}, status=201)
+    approval = eventually(lambda: pending(g, task["id"]), timeout=90)[0]
+    assert approval["kind"] == "budget" and approval["tool"] == "model"
+    assert len(upstream.requests) == 1               # the Create call went; the next waits
+    assert g.task(task["id"])["state"] == "waiting"
+    assert g.task(task["id"])["costCents"] == pytest.approx(cost(upstream.usages), rel=1e-12)
+    if answer == "approve":
+        g.api("POST", f"/api/approvals/{approval['id']}/approve", {"budgetCents": 1000})
+        done = g.wait(task["id"], timeout=90)
+        assert done["state"] == "done" and done["summary"] == "Created hello.txt."
+        assert len(upstream.requests) == 2
+    else:
+        g.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": "not today"})
+        done = g.wait(task["id"], timeout=30)
+        assert done["state"] == "failed" and done["error"] == "budget exceeded: not today"
+        assert len(upstream.requests) == 1
+        refused = eventually(lambda: [e for e in model_lines(g, task["id"])
+                                      if e["status"] == 403])[0]
+        assert "a person denied more: not today" in refused["text"]
+    assert done["costCents"] == pytest.approx(cost(upstream.usages), rel=1e-12)
 
 
 def test_without_a_model_key_droid_has_no_key_at_all(droid_gurtd: Gurtd,
@@ -445,8 +490,37 @@ def test_refusals_are_said_to_the_agent(agent_gurtd: Gurtd, upstream: Upstream) 
     assert done["costCents"] == pytest.approx(cost(upstream.usages), rel=1e-12)
 
 
-def pending(g: Gurtd, task_id: str) -> list[dict[str, Any]]:
-    return g.api("GET", f"/api/approvals?state=pending&task={task_id}")
+def test_a_stop_in_the_middle_of_a_streamed_answer_ends_it_and_counts_what_it_used(
+        agent_gurtd: Gurtd, upstream: Upstream) -> None:
+    g = agent_gurtd
+    upstream.mode = "endless"
+    task = g.api("POST", "/api/tasks", {"title": "endless", "prompt": "stream",
+                                        "budgetCents": 1000}, status=201)
+    eventually(lambda: upstream.requests)
+    time.sleep(0.5)                                 # pings pass on meanwhile
+    g.api("POST", f"/api/tasks/{task['id']}/stop")
+    done = g.wait(task["id"], timeout=15)
+    assert done["state"] == "failed" and done["error"] == "stopped"
+    assert upstream.cut.wait(10)                    # the upstream call ended too
+    # what the answer's start said it used was spent: input, and the output so far
+    used = {**upstream.usages[0], "output_tokens": 1}
+    line = eventually(lambda: model_lines(g, task["id"]))[0]
+    assert line["usage"] == used
+    assert g.task(task["id"])["costCents"] == pytest.approx(cost([used]), rel=1e-12)
+
+
+def test_an_answer_that_is_not_json_passes_on_and_costs_nothing(
+        agent_gurtd: Gurtd, upstream: Upstream) -> None:
+    g = agent_gurtd
+    upstream.mode = "html"
+    task = g.api("POST", "/api/tasks", {"title": "html", "prompt": "call",
+                                        "budgetCents": 1000}, status=201)
+    done = g.wait(task["id"], timeout=60)
+    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    assert results(g, task["id"])[0]["answer"] == [200, "<html>a proxy's error page</html>"]
+    assert done["costCents"] == 0
+    line = model_lines(g, task["id"])[0]
+    assert line["usage"] is None and line["text"].endswith("(no usage)")
 
 
 def test_a_call_at_the_budget_is_held_until_approved_and_a_denial_fails_the_task(
