@@ -253,6 +253,50 @@ def test_droid_creates_a_file_through_the_models_tool_call(
     assert f"Create: {G.VIEW_DIR}/hello.txt" in steps
 
 
+def execute(command: str, summary: str) -> tuple[str, dict[str, Any]]:
+    """A call of Droid's Execute tool (its schema asks for a summary and a risk level)."""
+    return "Execute", {"summary": summary, "command": command, "riskLevel": "medium",
+                       "riskLevelReason": "This command calls a tool of the gurtd box."}
+
+
+def test_droid_runs_commands_that_call_gurtds_tools(model_gurtd: Gurtd,
+                                                     upstream: Upstream) -> None:
+    """The model has Droid pay through wallet.pay and ask a person (`gurtd tool`, as the
+    system prompt says), as a fake worker would; then write down what it heard."""
+    def script(api: str, body: dict[str, Any]) -> tuple[str, Any]:
+        step = turns(api, body)
+        if step == 0:
+            return "Paying bob.", execute("gurtd tool wallet.pay '{\"to\": \"bob\", "
+                                          "\"cents\": 7}'", "Pay bob seven cents now")
+        if step == 1:
+            return "Asking.", execute("gurtd tool ask '{\"question\": \"which colour?\"}'",
+                                      "Ask a person the colour")
+        if step == 2:            # what the command printed is in the conversation
+            heard = "blue" if "blue" in json.dumps(body["messages"][-1]) else "missing"
+            return "Noting it.", ("Create", {"file_path": f"{G.VIEW_DIR}/colour.txt",
+                                             "content": heard + "\n"})
+        return "Paid and noted.", None
+    upstream.script = script
+    g = model_gurtd
+    g.api("PUT", "/api/wallet", {"balanceCents": 100})
+    task = g.api("POST", "/api/tasks", {"title": "pay", "prompt": "pay bob 7 cents",
+                                        "tools": ["wallet.pay", "ask"], "budgetCents": 1000},
+                 status=201)
+    question = eventually(lambda: [a for a in pending(g, task["id"]) if a["kind"] == "ask"],
+                          timeout=90)[0]
+    assert question["args"]["question"] == "which colour?"
+    g.api("POST", f"/api/approvals/{question['id']}/answer", {"answer": "blue"})
+    done = g.wait(task["id"], timeout=90)
+    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    assert done["summary"] == "Paid and noted."
+    assert g.api("GET", "/api/wallet")["balanceCents"] == 93
+    assert done["costCents"] == pytest.approx(7 + cost(upstream.usages), rel=1e-12)
+    assert changes(g, task["id"]) == [{"path": "colour.txt", "change": "added"}]
+    assert g.file("home", "colour.txt") == b"blue\n"
+    steps = [G.droid_step(e["event"]) for e in g.log(task["id"]) if e["type"] == "event"]
+    assert any(s and s.startswith("Execute: gurtd tool wallet.pay") for s in steps), steps
+
+
 @pytest.mark.parametrize("answer", ["approve", "deny"])
 def test_droids_next_call_waits_at_the_budget_for_a_person(
         model_gurtd: Gurtd, upstream: Upstream, answer: str) -> None:
