@@ -7521,6 +7521,7 @@ class TaskGateway:
     holds: list[Hold] = field(default_factory=list)
     dead: bool = False
     refused: int = 0                 # calls refused as too many at once (said once, counted)
+    unsettled: int = 0               # calls whose cost is on its way to the loop
 
 
 class Gateway:
@@ -7665,9 +7666,12 @@ class Gateway:
             hold.answer(approval.state == "approved", approval.reason or "denied")
         tg.holds.clear()
 
-    def record(self, task_id: str, call: GatewayCall) -> None:
+    def record(self, tg: TaskGateway, call: GatewayCall) -> None:
         """A call ended: its cost (the upstream's usage at droidPrices) into costCents, and
         its log line."""
+        with self.lock:
+            tg.unsettled -= 1
+        task_id = tg.task_id
         task = self.box.tasks.get(task_id)
         usage = call.usage or {}
         cents = usage_cents(usage, self.box.settings["droidPrices"].get(call.model))
@@ -7701,13 +7705,15 @@ class Gateway:
             os.write(self.box.wake_w, b"c")
         return future
 
-    def settle(self, task_id: str, call: GatewayCall) -> None:
-        """Count the call's cost, once; waits for the loop (a while at most), so that the
-        answer's end, sent after it, never reaches the task before its cost."""
+    def settle(self, tg: TaskGateway, call: GatewayCall) -> None:
+        """Count the call's cost, once: on its way to the loop before the answer's end goes
+        to the task, so that the task's next call, which asks the loop while a cost is on
+        its way (commands run in order), sees it."""
         if not call.recorded:
             call.recorded = True
-            with contextlib.suppress(Exception):     # a busy loop counts it later all the same
-                self.post(self.record, task_id, call).result(timeout=CALL_TIMEOUT)
+            with self.lock:
+                tg.unsettled += 1
+            self.post(self.record, tg, call)
 
     # the accept thread
     def change(self, add: bool, tg: TaskGateway) -> None:
@@ -7797,11 +7803,16 @@ class Gateway:
             with self.lock:
                 tg.calls.discard(call)
                 self.running -= 1
-            if not call.recorded:
-                self.post(self.record, tg.task_id, call)
+            self.settle(tg, call)
 
     def wait_budget(self, tg: TaskGateway) -> None:
-        """Ask the loop whether the call may go on; a held one waits for the person."""
+        """Ask the loop whether the call may go on (unless the task is plainly under its
+        budget with no cost on its way: numbers read, which the loop alone writes); a held
+        one waits for the person."""
+        task, worker = self.box.tasks.get(tg.task_id), self.box.workers.get(tg.task_id)
+        if task is not None and worker is not None and worker.paused is None and \
+                task.costCents < worker.budget_limit and not tg.dead and not tg.unsettled:
+            return
         try:
             hold = self.box.call(self.admit, tg.task_id)
         except ApiError as exc:                  # the loop is busy
@@ -7917,7 +7928,7 @@ class Gateway:
                 break
             if not chunk:
                 call.usage = meter.result()
-                self.settle(tg.task_id, call)     # the task's next call sees this cost
+                self.settle(tg, call)             # the task's next call sees this cost
                 conn.sendall(b"0\r\n\r\n")
                 break
             total += len(chunk)

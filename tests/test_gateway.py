@@ -205,6 +205,45 @@ def model_gurtd(droid_gurtd: Gurtd, upstream: Upstream) -> Gurtd:
     return droid_gurtd
 
 
+def timed_direct(upstream: Upstream) -> tuple[list[float], list[float]]:
+    """The same calls as the stand-in agent's time step, straight to the stand-in."""
+    import http.client
+    whole, first = [], []
+    for n in range(100):
+        started = time.perf_counter()
+        conn = http.client.HTTPConnection("127.0.0.1", upstream.port, timeout=60)
+        conn.request("POST", "/v1/messages", json.dumps({"model": MODEL, "stream": n % 2 == 1,
+                                                         "max_tokens": 100, "messages": []}),
+                     {"x-api-key": KEY, "Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.read1(1)
+        first.append((time.perf_counter() - started) * 1000)
+        resp.read()
+        whole.append((time.perf_counter() - started) * 1000)
+        conn.close()
+    return whole, first
+
+
+def test_the_gateways_overhead_per_call_is_small(agent_gurtd: Gurtd, upstream: Upstream) -> None:
+    """Figures (printed): p50 of a whole call and of its first byte, through the gateway and
+    straight; the bound asserted is loose (a loaded test machine), the figures are the point."""
+    import statistics
+    g = agent_gurtd
+    task = g.api("POST", "/api/tasks", {"title": "time", "prompt": "time",
+                                        "budgetCents": 100_000}, status=201)
+    assert g.wait(task["id"], timeout=120)["state"] == "done"
+    timed = results(g, task["id"])[0]
+    whole, first = timed_direct(upstream)
+    figures = {name: round(statistics.median(values), 2) for name, values in (
+        ("gateway call ms, back to back", timed["whole"][:100]),
+        ("gateway first byte ms, back to back", timed["first"][:100]),
+        ("gateway call ms, 20 ms apart", timed["whole"][100:]),
+        ("gateway first byte ms, 20 ms apart", timed["first"][100:]),
+        ("direct call ms", whole), ("direct first byte ms", first))}
+    print(f"\n{figures}")
+    assert figures["gateway call ms, 20 ms apart"] - figures["direct call ms"] < 50
+
+
 def pending(g: Gurtd, task_id: str) -> list[dict[str, Any]]:
     return g.api("GET", f"/api/approvals?state=pending&task={task_id}")
 
@@ -446,6 +485,23 @@ for step in open("/run/gurt/prompt.md").read().split():
             say(step="huge", answer=call(None, raw=b" " * (17 << 20)))
         except OSError as exc:
             say(step="huge", answer=[0, str(exc)])
+    elif step == "time":        # milliseconds of calls one after another, and to a first byte
+        import time
+        whole, first = [], []
+        for n in range(200):
+            if n >= 100:
+                time.sleep(0.02)     # as an agent calls: between its tools' runs
+            started = time.perf_counter()
+            conn = http.client.HTTPConnection(host, timeout=60)
+            conn.request("POST", "/v1/messages", json.dumps({**MESSAGE, "stream": n % 2 == 1}),
+                         {"x-api-key": settings["apiKey"], "Content-Type": "application/json"})
+            resp = conn.getresponse()
+            resp.read1(1)
+            first.append((time.perf_counter() - started) * 1000)
+            resp.read()
+            whole.append((time.perf_counter() - started) * 1000)
+            conn.close()
+        say(step=step, whole=whole, first=first)
     elif step == "crowd":       # 1,000 calls at once: a few go on, the rest refused at once
         import resource
         resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))
