@@ -205,25 +205,6 @@ def model_gurtd(droid_gurtd: Gurtd, upstream: Upstream) -> Gurtd:
     return droid_gurtd
 
 
-def timed_direct(upstream: Upstream) -> tuple[list[float], list[float]]:
-    """The same calls as the stand-in agent's time step, straight to the stand-in."""
-    import http.client
-    whole, first = [], []
-    for n in range(100):
-        started = time.perf_counter()
-        conn = http.client.HTTPConnection("127.0.0.1", upstream.port, timeout=60)
-        conn.request("POST", "/v1/messages", json.dumps({"model": MODEL, "stream": n % 2 == 1,
-                                                         "max_tokens": 100, "messages": []}),
-                     {"x-api-key": KEY, "Content-Type": "application/json"})
-        resp = conn.getresponse()
-        resp.read1(1)
-        first.append((time.perf_counter() - started) * 1000)
-        resp.read()
-        whole.append((time.perf_counter() - started) * 1000)
-        conn.close()
-    return whole, first
-
-
 def test_the_gateways_overhead_per_call_is_small(agent_gurtd: Gurtd, upstream: Upstream) -> None:
     """Figures (printed): p50 of a whole call and of its first byte, through the gateway and
     straight; the bound asserted is loose (a loaded test machine), the figures are the point."""
@@ -233,7 +214,10 @@ def test_the_gateways_overhead_per_call_is_small(agent_gurtd: Gurtd, upstream: U
                                         "budgetCents": 100_000}, status=201)
     assert g.wait(task["id"], timeout=120)["state"] == "done"
     timed = results(g, task["id"])[0]
-    whole, first = timed_direct(upstream)
+    scope: dict[str, Any] = {}
+    exec(TIMED, scope)                  # the same calls, straight to the stand-in
+    whole, first = scope["timed"]("127.0.0.1", upstream.port, KEY,
+                                  {"model": MODEL, "max_tokens": 100, "messages": []}, 100)
     figures = {name: round(statistics.median(values), 2) for name, values in (
         ("gateway call ms, back to back", timed["whole"][:100]),
         ("gateway first byte ms, back to back", timed["first"][:100]),
@@ -418,6 +402,28 @@ def test_gateway_settings_are_checked(model_gurtd: Gurtd) -> None:
 
 # a stand-in agent: calls of its own from inside the task ######################################
 
+TIMED = r'''
+def timed(host, port, key, message, count):
+    """Milliseconds of calls (every other one streamed), whole and to the first byte; past
+    the first 100, 20 ms apart, as an agent calls between its tools' runs."""
+    import http.client, json, time
+    whole, first = [], []
+    for n in range(count):
+        if n >= 100:
+            time.sleep(0.02)
+        started = time.perf_counter()
+        conn = http.client.HTTPConnection(host, port, timeout=60)
+        conn.request("POST", "/v1/messages", json.dumps({**message, "stream": n % 2 == 1}),
+                     {"x-api-key": key, "Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.read1(1)
+        first.append((time.perf_counter() - started) * 1000)
+        resp.read()
+        whole.append((time.perf_counter() - started) * 1000)
+        conn.close()
+    return whole, first
+'''
+
 AGENT = r'''#!/usr/bin/python3
 """A stand-in for droid: the calls a hostile or a plain agent makes, each result a JSON line
 in /run/gurt/view/results.jsonl."""
@@ -425,6 +431,7 @@ import glob, http.client, json, os, socket, sys, threading
 settings = json.load(open(os.path.expanduser("~/.factory/settings.json")))["customModels"][0]
 host = settings["baseUrl"].split("//")[1].split("/")[0]
 results = open("/run/gurt/view/results.jsonl", "a")
+''' + TIMED + r'''
 
 def say(**fields):
     results.write(json.dumps(fields) + "\n")
@@ -486,21 +493,7 @@ for step in open("/run/gurt/prompt.md").read().split():
         except OSError as exc:
             say(step="huge", answer=[0, str(exc)])
     elif step == "time":        # milliseconds of calls one after another, and to a first byte
-        import time
-        whole, first = [], []
-        for n in range(200):
-            if n >= 100:
-                time.sleep(0.02)     # as an agent calls: between its tools' runs
-            started = time.perf_counter()
-            conn = http.client.HTTPConnection(host, timeout=60)
-            conn.request("POST", "/v1/messages", json.dumps({**MESSAGE, "stream": n % 2 == 1}),
-                         {"x-api-key": settings["apiKey"], "Content-Type": "application/json"})
-            resp = conn.getresponse()
-            resp.read1(1)
-            first.append((time.perf_counter() - started) * 1000)
-            resp.read()
-            whole.append((time.perf_counter() - started) * 1000)
-            conn.close()
+        whole, first = timed(host, 80, settings["apiKey"], MESSAGE, 200)
         say(step=step, whole=whole, first=first)
     elif step == "crowd":       # 1,000 calls at once: a few go on, the rest refused at once
         import resource
@@ -618,17 +611,19 @@ def test_refusals_are_said_to_the_agent(agent_gurtd: Gurtd, upstream: Upstream) 
     assert done["costCents"] == pytest.approx(cost(upstream.usages), rel=1e-12)
 
 
+@pytest.mark.parametrize("end", ["stop", "undo"])
 def test_a_stop_in_the_middle_of_a_streamed_answer_ends_it_and_counts_what_it_used(
-        agent_gurtd: Gurtd, upstream: Upstream) -> None:
+        agent_gurtd: Gurtd, upstream: Upstream, end: str) -> None:
     g = agent_gurtd
     upstream.mode = "endless"
     task = g.api("POST", "/api/tasks", {"title": "endless", "prompt": "stream",
                                         "budgetCents": 1000}, status=201)
     eventually(lambda: upstream.requests)
     time.sleep(0.5)                                 # pings pass on meanwhile
-    g.api("POST", f"/api/tasks/{task['id']}/stop")
+    g.api("POST", f"/api/tasks/{task['id']}/{end}")
     done = g.wait(task["id"], timeout=15)
-    assert done["state"] == "failed" and done["error"] == "stopped"
+    assert (done["state"], done.get("error")) == (("failed", "stopped") if end == "stop" else
+                                                  ("undone", None)), done
     assert upstream.cut.wait(10)                    # the upstream call ended too
     # what the answer's start said it used was spent: input, and the output so far
     used = {**upstream.usages[0], "output_tokens": 1}
