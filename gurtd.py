@@ -7515,7 +7515,8 @@ class TaskGateway:
 
     task_id: str
     token: str
-    api: str
+    api: str                         # modelGateway's api and baseUrl when the task started
+    base_url: str
     listener: socket.socket | None = None
     calls: set[GatewayCall] = field(default_factory=set)
     holds: list[Hold] = field(default_factory=list)
@@ -7585,7 +7586,7 @@ class Gateway:
             return False
         config = settings["modelGateway"]
         token = "gurtd-" + secrets.token_urlsafe(32)
-        self.tasks[task.id] = TaskGateway(task.id, token, config["api"])
+        self.tasks[task.id] = TaskGateway(task.id, token, config["api"], config["baseUrl"])
         # droid adds /v1/messages to an anthropic baseUrl, /chat/completions to the other
         spec["homeFiles"][".factory/settings.json"] = json.dumps({"customModels": [{
             "model": gateway_models(settings)[0], "displayName": GATEWAY_MODEL_NAME,
@@ -7728,25 +7729,33 @@ class Gateway:
             os.write(self.wake_w, b"c")
 
     def accepting(self) -> None:
+        """The accept thread, for good: an error here is logged, and it goes on."""
+        while True:
+            try:
+                self.accept_round()
+            except Exception as exc:
+                log(3, f"the model gateway's accept thread: {type(exc).__name__}: {exc}")
+                time.sleep(0.1)
+
+    def accept_round(self) -> None:
         selector = self.selector
         assert selector is not None
-        while True:
-            with self.lock:
-                changes, self.changes = self.changes, []
-            for add, tg in changes:
-                assert tg.listener is not None
-                if add and not tg.dead:
-                    selector.register(tg.listener, selectors.EVENT_READ, tg)
-                elif not add:
-                    with contextlib.suppress(KeyError, ValueError):
-                        selector.unregister(tg.listener)
-                    tg.listener.close()
-            for key, _ in selector.select(5.0):
-                if key.data is None:
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self.wake_r, 4096)
-                elif key.data.listener is not None and not key.data.dead:
-                    self.accept(key.data)
+        with self.lock:
+            changes, self.changes = self.changes, []
+        for add, tg in changes:
+            assert tg.listener is not None
+            if add and not tg.dead:
+                selector.register(tg.listener, selectors.EVENT_READ, tg)
+            elif not add:
+                with contextlib.suppress(KeyError, ValueError):
+                    selector.unregister(tg.listener)
+                tg.listener.close()
+        for key, _ in selector.select(5.0):
+            if key.data is None:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self.wake_r, 4096)
+            elif key.data.listener is not None and not key.data.dead:
+                self.accept(key.data)
 
     def accept(self, tg: TaskGateway) -> None:
         """A call arrives: a thread of its own, or at once a refusal (too many at once)."""
@@ -7864,7 +7873,7 @@ class Gateway:
         key = self.key()
         if not key:
             raise GatewayRefusal(503, "api_error", "the owner's model key is not set")
-        scheme, host, port, prefix = upstream_url(self.box.settings["modelGateway"]["baseUrl"])
+        scheme, host, port, prefix = upstream_url(tg.base_url)
         headers = {"Content-Type": "application/json", "Accept-Encoding": "identity",
                    "Accept": header_text(request.headers.get("accept"), "application/json"),
                    "User-Agent": f"gurtd/{VERSION}"}
