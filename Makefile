@@ -20,7 +20,7 @@ INSTALLED = test "$$(dpkg-query -W -f='$${db:Status-Status}' $(1) 2>/dev/null)" 
 DROID_VERSION := 0.215.0
 DROID := $(VENV)/droid/node_modules/droid/bin/droid
 
-.PHONY: apt deps run test bench install uninstall clean
+.PHONY: apt deps run test test-pure bench install uninstall clean
 
 deps: $(VENV)/.installed $(VENV)/.seccomp $(VENV)/.droid-$(DROID_VERSION)
 
@@ -74,6 +74,10 @@ run: deps
 
 test: deps $(VENV)/.test-installed
 	$(VENV)/bin/python -m pytest -v -p no:cacheprovider tests
+
+# The pure tier (tests marked `pure`, see tests/conftest.py): no gurtd, no root, seconds.
+test-pure: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m pure tests
 
 bench: deps $(VENV)/.test-installed
 	$(VENV)/bin/python tests/bench.py

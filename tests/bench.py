@@ -24,7 +24,8 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import GURTD as GURTD_PATH, Gurtd, make_home, remove_home  # noqa: E402
+from conftest import (GURTD as GURTD_PATH, Gurtd, chromium, make_done_layers,  # noqa: E402
+                      make_home, quit_browser, registry, remove_home, running_gurtd, sign_in)
 
 import gurtd as G  # noqa: E402
 
@@ -290,9 +291,7 @@ def api_figures() -> list[tuple[str, str, str]]:
     """Reads while the loop is busy: tasks starting and ending, a 30,000-file layer's
     changes; and a burst of 300 tasks."""
     results: list[tuple[str, str, str]] = []
-    g = Gurtd(make_home())
-    g.start()
-    try:
+    with running_gurtd() as g:
         g.api("PUT", "/api/settings", {"maxRunningTasks": 50})
         g.api("POST", "/api/workspaces", {"name": "churn"}, status=201)
         big = g.run("mkdir d && cd d && seq 1 30000 | xargs touch", title="30,000 files")
@@ -328,9 +327,6 @@ def api_figures() -> list[tuple[str, str, str]]:
         rate = burst(g, 300)
         results.append(("burst of 300 fake tasks, maxRunningTasks 50 (tasks/s)", f"{rate:.0f}",
                         ">= 100 (49 before)"))
-    finally:
-        g.stop()
-        remove_home(g.home)
     return results
 
 
@@ -347,16 +343,11 @@ def main() -> None:
         return
     results: list[tuple[str, str, str]] = []
     # 1. start and undo latency, 1 layer then 400 layers
-    g = Gurtd(make_home())
-    g.start()
-    try:
+    with running_gurtd() as g:
         fill_layers(g, 1)
         start1, undo1 = start_latencies(g, 60)
         fill_layers(g, 399)
         start400, undo400 = start_latencies(g, 60)
-    finally:
-        g.stop()
-        remove_home(g.home)
     p50_1, p95_1 = statistics.median(start1), pct(start1, 95)
     p50_400, p95_400 = statistics.median(start400), pct(start400, 95)
     results += [
@@ -376,8 +367,7 @@ def main() -> None:
     g.start()
     try:
         paths = [f"/api/tasks/{i}" for i in ids]
-        code, body, _ = g.request("GET", paths[0])
-        assert code == 200
+        body = g.api("GET", paths[0], status=200)
         bare = bare_server(json.dumps(body).encode())
         rates = {"gurtd": [], "bare": []}
         for _ in range(3):  # interleaved, so that both see the same machine
@@ -410,9 +400,7 @@ def main() -> None:
         remove_home(g.home)
     # 4. hosts: start latency, and what gurtd's DNS adds on top of the upstream's own
     port = dns_server({"a.test.": "198.18.0.10"})
-    g = Gurtd(make_home(), {"GURT_DNS_UPSTREAM": f"127.0.0.1:{port}"})
-    g.start()
-    try:                                     # 198.18/15 is special-use: the owner allows it
+    with running_gurtd({"GURT_DNS_UPSTREAM": f"127.0.0.1:{port}"}) as g:                                     # 198.18/15 is special-use: the owner allows it
         g.api("PUT", "/api/settings", {"dnsAllowedNets": ["198.18.0.0/24"]})
         starts = []
         for _ in range(60):
@@ -443,13 +431,8 @@ def main() -> None:
             ("DNS A answer through gurtd, p50 (ms)", f"{th50:.3f}", ""),
             ("  gurtd adds (p50, ms)", f"{th50 - up50:.3f}", "<= 2"),
         ]
-    finally:
-        g.stop()
-        remove_home(g.home)
     # 5. the broker: a call that needs no approval, and a budget pause reaching /api/events
-    g = Gurtd(make_home())
-    g.start()
-    try:
+    with running_gurtd() as g:
         g.api("PUT", "/api/wallet", {"balanceCents": 1_000_000})
         task = g.create("sleep 60", title="broker", tools=["wallet.pay"], budgetCents=1_000_000)
         g.wait(task["id"], ("running",))
@@ -469,9 +452,6 @@ def main() -> None:
             ("budget pause to its /api/events event, p50 (ms)",
              f"{statistics.median(delays):.1f}", "within a second"),
         ]
-    finally:
-        g.stop()
-        remove_home(g.home)
     results += api_figures()
     results += personal_figures()
     results += portal_figures()
@@ -560,7 +540,6 @@ def portal_figures() -> list[tuple[str, str, str]]:
     """A task's state change (its done, as saved) to the task list in a real headless
     Chromium showing it (a MutationObserver notes the time), p50 over 20 tasks one after the
     other; and the page's size."""
-    from test_portal import chromium, quit_browser, sign_in
     page = os.path.getsize(os.path.join(os.path.dirname(GURTD_PATH), "portal.html"))
     g = Gurtd(make_home())
     g.start()
@@ -600,7 +579,6 @@ def merged_due(count: int) -> int:
 
 
 def layer_home(count: int) -> tuple[Gurtd, list[str]]:
-    from test_layers import make_done_layers, registry
     g = Gurtd(make_home())
     ids = make_done_layers(g.home, count)
     g.start(timeout=120)
@@ -659,7 +637,6 @@ def layer_figures() -> list[tuple[str, str, str]]:
 def list_figures() -> list[tuple[str, str, str]]:
     """GET /api/tasks?limit=200 where each of the 200 tasks saw 10,000 layers, whole and with
     ?fields=id,state."""
-    from test_layers import make_done_layers
     g = Gurtd(make_home())
     ids = make_done_layers(g.home, 10_000)
     stack = ids[::-1]

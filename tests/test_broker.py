@@ -8,30 +8,20 @@ unix sockets.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import pwd
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 from typing import Any
 
-import gurtd as gurtd_module  # the module under test (its process helpers), not the fixture
-from conftest import GURTD, ROOT, Gurtd, eventually
-
-REJECTED = 'Tool call "{tool}" was rejected by the owner: {reason}'
-
+import gurtd as G
+from conftest import (REJECTED, Gurtd, eventually, pay_line, python_line,
+                      uid_processes)
 
 # helpers #####################################################################################
-
-def pay_line(to: str, cents: Any, **extra: Any) -> str:
-    """A prompt line that pays with the tool client (JSON in single quotes)."""
-    return f"gurtd tool wallet.pay '{json.dumps({'to': to, 'cents': cents, **extra})}'"
-
 
 def set_balance(g: Gurtd, cents: float) -> dict[str, Any]:
     wallet = g.api("PUT", "/api/wallet", {"balanceCents": cents})
@@ -43,40 +33,15 @@ def wallet(g: Gurtd) -> dict[str, Any]:
     return g.api("GET", "/api/wallet")
 
 
-def payments(g: Gurtd, task_id: str | None = None) -> list[dict[str, Any]]:
-    """The ledger's payments (not balance settings), of one task or all."""
-    return [e for e in wallet(g)["ledger"] if "task" in e and
-            (task_id is None or e["task"] == task_id)]
-
-
-def approvals(g: Gurtd, **query: str) -> list[dict[str, Any]]:
-    qs = "&".join(f"{k}={v}" for k, v in query.items())
-    return g.api("GET", "/api/approvals" + (f"?{qs}" if qs else ""))
-
-
 def pending_approval(g: Gurtd, task_id: str, timeout: float = 20.0) -> dict[str, Any]:
     """The task's pending approval, once there is one (and the task is waiting)."""
-    found = eventually(lambda: approvals(g, state="pending", task=task_id), timeout,
-                       f"a pending approval of {task_id}")
-    assert len(found) == 1, found
+    found = g.pending(task_id, timeout)
     assert g.task(task_id)["state"] == "waiting"
-    return found[0]
-
-
-def stderr_lines(g: Gurtd, task_id: str) -> list[str]:
-    return [e["text"] for e in g.log(task_id) if e["type"] == "stderr"]
+    return found
 
 
 def tool_entries(g: Gurtd, task_id: str) -> list[dict[str, Any]]:
     return [e for e in g.log(task_id) if e["type"] == "tool"]
-
-
-def states_of(g: Gurtd, task_id: str) -> list[str]:
-    return [e["state"] for e in g.log(task_id) if e["type"] == "state"]
-
-
-def uid_processes(uid: int) -> list[int]:
-    return gurtd_module.processes_by_uid({uid}).get(uid, [])
 
 
 def task_uid(task: dict[str, Any]) -> int:
@@ -116,148 +81,128 @@ def call_request(body: bytes) -> bytes:
             b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
 
 
-def cli(g: Gurtd, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("BOX_HOME", "GURT_TOKEN")}
-    env.update(BOX_HOME=g.home, GURT_LISTEN=f"127.0.0.1:{g.port}")
-    return subprocess.run([sys.executable, GURTD, *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=60)
-
-
-def python_line(script: str) -> str:
-    """A prompt line that runs a Python script with the box's system python3."""
-    encoded = base64.b64encode(script.encode()).decode()
-    return f"printf %s {encoded} | base64 -d | python3 -I -"
-
-
 # 1. allowed and unlisted tools ###############################################################
 
 def test_a_granted_tool_works_and_others_are_refused(gurtd: Gurtd) -> None:
-    g = gurtd
-    set_balance(g, 1000)
-    granted = g.create(pay_line("alice", 7) +
-                       "\ncurl -s --unix-socket /run/gurt/broker.sock http://box/tools",
-                       tools=["wallet.pay"], budgetCents=100)
-    unlisted = g.create(pay_line("mallory", 9) + '; echo "pay exit $?"', tools=["ask"],
-                        budgetCents=100)
-    unknown = g.create("gurtd tool nosuch.tool '{\"x\": 1}'; echo \"nosuch exit $?\"",
-                       tools=["wallet.pay", "nosuch.tool"], budgetCents=100)
+    set_balance(gurtd, 1000)
+    granted = gurtd.create(pay_line("alice", 7) +
+                           "\ncurl -s --unix-socket /run/gurt/broker.sock http://box/tools",
+                           tools=["wallet.pay"], budgetCents=100)
+    unlisted = gurtd.create(pay_line("mallory", 9) + '; echo "pay exit $?"', tools=["ask"],
+                            budgetCents=100)
+    unknown = gurtd.create("gurtd tool nosuch.tool '{\"x\": 1}'; echo \"nosuch exit $?\"",
+                           tools=["wallet.pay", "nosuch.tool"], budgetCents=100)
 
     # the granted call is paid and its result printed
-    task = g.wait(granted["id"])
+    task = gurtd.wait(granted["id"])
     assert task["state"] == "done", task
     assert task["costCents"] == 7
-    out = g.output(task["id"])
+    out = gurtd.output(task["id"])
     result = json.loads(out[0])
     assert result["paid"] is True and result["to"] == "alice" and result["cents"] == 7
     assert json.loads(out[1]) == {"tools": ["wallet.pay"]}       # the broker's GET /tools
-    paid = payments(g, task["id"])
+    paid = gurtd.payments(task["id"])
     assert [(p["to"], p["cents"]) for p in paid] == [("alice", 7)]
-    [entry] = tool_entries(g, task["id"])
+    [entry] = tool_entries(gurtd, task["id"])
     assert entry["tool"] == "wallet.pay" and entry["result"]["paid"] is True
     assert entry["args"] == {"to": "alice", "cents": 7}
-    assert isinstance(entry["caller"], int) and entry["caller"] >= gurtd_module.UID_FIRST
+    assert isinstance(entry["caller"], int) and entry["caller"] >= G.UID_FIRST
 
     # a tool that is not in the task's tools: exit 1, nothing paid, an error in the log
-    task = g.wait(unlisted["id"])
+    task = gurtd.wait(unlisted["id"])
     assert task["state"] == "done", task
-    assert g.output(task["id"]) == ["pay exit 1"]
-    assert any("not granted" in line for line in stderr_lines(g, task["id"])), \
-        stderr_lines(g, task["id"])
-    assert payments(g, task["id"]) == []
+    assert gurtd.output(task["id"]) == ["pay exit 1"]
+    assert any("not granted" in line for line in gurtd.output(task["id"], "stderr")), \
+        gurtd.output(task["id"], "stderr")
+    assert gurtd.payments(task["id"]) == []
     assert task["costCents"] == 0
-    [entry] = tool_entries(g, task["id"])
+    [entry] = tool_entries(gurtd, task["id"])
     assert entry["tool"] == "wallet.pay" and "error" in entry and "result" not in entry
 
     # a tool name in tools without an executable behind it: a refusal too
-    task = g.wait(unknown["id"])
+    task = gurtd.wait(unknown["id"])
     assert task["state"] == "done", task
-    assert g.output(task["id"]) == ["nosuch exit 1"]
-    assert any("nosuch.tool" in line for line in stderr_lines(g, task["id"])), \
-        stderr_lines(g, task["id"])
-    [entry] = tool_entries(g, task["id"])
+    assert gurtd.output(task["id"]) == ["nosuch exit 1"]
+    assert any("nosuch.tool" in line for line in gurtd.output(task["id"], "stderr")), \
+        gurtd.output(task["id"], "stderr")
+    [entry] = tool_entries(gurtd, task["id"])
     assert entry["tool"] == "nosuch.tool" and "error" in entry and "result" not in entry
 
-    assert wallet(g)["balanceCents"] == 993
-    assert approvals(g) == []
+    assert wallet(gurtd)["balanceCents"] == 993
+    assert gurtd.approvals() == []
 
 
 # 2. payments within the budget, a short balance #################################################
 
 def test_payments_within_the_budget_are_paid_at_once(gurtd: Gurtd) -> None:
-    g = gurtd
-    set_balance(g, 1000)
-    task = g.run(pay_line("bob", 30, memo="tea") + "\n" + pay_line("carol", 20),
-                 tools=["wallet.pay"], budgetCents=100)
+    set_balance(gurtd, 1000)
+    task = gurtd.run(pay_line("bob", 30, memo="tea") + "\n" + pay_line("carol", 20),
+                     tools=["wallet.pay"], budgetCents=100)
     assert task["state"] == "done", task
     assert task["costCents"] == 50
-    paid = payments(g, task["id"])
+    paid = gurtd.payments(task["id"])
     assert [(p["task"], p["to"], p["cents"]) for p in paid] == \
         [(task["id"], "bob", 30), (task["id"], "carol", 20)]
     assert paid[0]["memo"] == "tea"
     assert paid[0]["balanceAfterCents"] == 970 and paid[1]["balanceAfterCents"] == 950
-    assert wallet(g)["balanceCents"] == 950
+    assert wallet(gurtd)["balanceCents"] == 950
     # within the budget nobody was asked, and the task never waited
-    assert approvals(g, task=task["id"]) == []
-    assert "waiting" not in states_of(g, task["id"])
-    results = [e["result"] for e in tool_entries(g, task["id"])]
+    assert gurtd.approvals(task=task["id"]) == []
+    assert "waiting" not in gurtd.states(task["id"])
+    results = [e["result"] for e in tool_entries(gurtd, task["id"])]
     assert [(r["to"], r["cents"], r["balanceCents"]) for r in results] == \
         [("bob", 30, 970), ("carol", 20, 950)]
 
 
 def test_a_short_balance_refuses_the_payment(gurtd: Gurtd) -> None:
-    g = gurtd
-    set_balance(g, 10)
-    task = g.run(pay_line("dave", 20) + '; echo "pay exit $?"', tools=["wallet.pay"],
-                 budgetCents=100000)
+    set_balance(gurtd, 10)
+    task = gurtd.run(pay_line("dave", 20) + '; echo "pay exit $?"', tools=["wallet.pay"],
+                     budgetCents=100000)
     assert task["state"] == "done", task
-    assert g.output(task["id"]) == ["pay exit 1"]
-    assert any("balance" in line for line in stderr_lines(g, task["id"])), \
-        stderr_lines(g, task["id"])
-    assert wallet(g)["balanceCents"] == 10
-    assert payments(g) == []
+    assert gurtd.output(task["id"]) == ["pay exit 1"]
+    assert any("balance" in line for line in gurtd.output(task["id"], "stderr")), \
+        gurtd.output(task["id"], "stderr")
+    assert wallet(gurtd)["balanceCents"] == 10
+    assert gurtd.payments() == []
     assert task["costCents"] == 0
-    assert approvals(g) == []
-    assert not [e for e in tool_entries(g, task["id"]) if "result" in e]
+    assert gurtd.approvals() == []
+    assert not [e for e in tool_entries(gurtd, task["id"]) if "result" in e]
 
 
 
 def test_the_wallet_and_answers_take_only_what_makes_sense(gurtd: Gurtd) -> None:
-    g = gurtd
-    set_balance(g, 300)
+    set_balance(gurtd, 300)
     for body in ({"balanceCents": -1}, {"balanceCents": "5"}, {"balanceCents": True},
                  {"balanceCents": 5, "extra": 1}, {}, [5]):
-        code, data, _ = g.request("PUT", "/api/wallet", body)
-        assert code == 400, (body, code, data)
-    assert wallet(g)["balanceCents"] == 300
-    assert len(wallet(g)["ledger"]) == 1
+        gurtd.api("PUT", "/api/wallet", body, status=400)
+    assert wallet(gurtd)["balanceCents"] == 300
+    assert len(wallet(gurtd)["ledger"]) == 1
 
-    created = g.create(pay_line("olga", 5), tools=["wallet.pay"])
-    approval = pending_approval(g, created["id"])
+    created = gurtd.create(pay_line("olga", 5), tools=["wallet.pay"])
+    approval = pending_approval(gurtd, created["id"])
     for verb, body in (("approve", {"reason": 5}), ("deny", {"reason": ["x"]}),
                        ("approve", {"why": "x"}), ("answer", {})):
-        code, data, _ = g.request("POST", f"/api/approvals/{approval['id']}/{verb}", body)
+        code, data, _ = gurtd.request("POST", f"/api/approvals/{approval['id']}/{verb}", body)
         assert code in (400, 409), (verb, body, code, data)
-    code, data, _ = g.request("GET", "/api/approvals?state=maybe")
-    assert code == 400, (code, data)
-    assert g.api("GET", f"/api/approvals/{approval['id']}")["state"] == "pending"
-    assert g.task(created["id"])["state"] == "waiting"
-    assert payments(g) == []
-    g.api("POST", f"/api/approvals/{approval['id']}/deny", {})
-    denied = g.api("GET", f"/api/approvals/{approval['id']}")
+    gurtd.api("GET", "/api/approvals?state=maybe", status=400)
+    assert gurtd.api("GET", f"/api/approvals/{approval['id']}")["state"] == "pending"
+    assert gurtd.task(created["id"])["state"] == "waiting"
+    assert gurtd.payments() == []
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/deny", {})
+    denied = gurtd.api("GET", f"/api/approvals/{approval['id']}")
     assert denied["state"] == "denied" and denied["reason"]      # a default reason
-    assert g.wait(created["id"])["state"] == "failed"
-    assert payments(g) == [] and wallet(g)["balanceCents"] == 300
+    assert gurtd.wait(created["id"])["state"] == "failed"
+    assert gurtd.payments() == [] and wallet(gurtd)["balanceCents"] == 300
 
 # 3. budget pauses ############################################################################
 
 def test_a_budget_pause_answered_by_approve(gurtd: Gurtd) -> None:
-    g = gurtd
-    set_balance(g, 1000)
+    set_balance(gurtd, 1000)
     # 5 and 5 reach the budget exactly (no pause); 20 more would pass it
-    created = g.create(pay_line("erin", 5) + "\n" + pay_line("fay", 5) + "\n" +
-                       pay_line("frank", 20, memo="big") + "\necho after",
-                       tools=["wallet.pay"], budgetCents=10)
-    approval = pending_approval(g, created["id"])
+    created = gurtd.create(pay_line("erin", 5) + "\n" + pay_line("fay", 5) + "\n" +
+                           pay_line("frank", 20, memo="big") + "\necho after",
+                           tools=["wallet.pay"], budgetCents=10)
+    approval = pending_approval(gurtd, created["id"])
     assert approval["task"] == created["id"]
     assert approval["kind"] == "budget"
     assert approval["tool"] == "wallet.pay"
@@ -265,197 +210,186 @@ def test_a_budget_pause_answered_by_approve(gurtd: Gurtd) -> None:
     assert approval["cents"] == 20
     assert approval["state"] == "pending"
     assert approval["answeredBy"] is None and approval["answeredAt"] is None
-    assert g.api("GET", f"/api/approvals/{approval['id']}") == approval
+    assert gurtd.api("GET", f"/api/approvals/{approval['id']}") == approval
     # only the payment within the budget happened so far
-    assert [(p["to"], p["cents"]) for p in payments(g, created["id"])] == \
+    assert [(p["to"], p["cents"]) for p in gurtd.payments(created["id"])] == \
         [("erin", 5), ("fay", 5)]
-    assert g.task(created["id"])["costCents"] == 10
+    assert gurtd.task(created["id"])["costCents"] == 10
 
-    answered = g.api("POST", f"/api/approvals/{approval['id']}/approve", {"reason": "fine"})
+    answered = gurtd.api("POST", f"/api/approvals/{approval['id']}/approve", {"reason": "fine"})
     assert answered["state"] == "approved"
     assert answered["answeredBy"] == "api" and answered["reason"] == "fine"
     assert answered["answeredAt"]
-    task = g.wait(created["id"])
+    task = gurtd.wait(created["id"])
     assert task["state"] == "done", task
-    assert g.output(task["id"])[-1] == "after"
-    assert [(p["to"], p["cents"]) for p in payments(g, task["id"])] == \
+    assert gurtd.output(task["id"])[-1] == "after"
+    assert [(p["to"], p["cents"]) for p in gurtd.payments(task["id"])] == \
         [("erin", 5), ("fay", 5), ("frank", 20)]
-    assert wallet(g)["balanceCents"] == 970
+    assert wallet(gurtd)["balanceCents"] == 970
     assert task["costCents"] == 30
     # the task ran, waited, ran again on the approval, then finished
-    assert states_of(g, task["id"]) == ["queued", "running", "waiting", "running", "done"]
-    assert g.api("GET", f"/api/approvals/{approval['id']}")["state"] == "approved"
+    assert gurtd.states(task["id"]) == ["queued", "running", "waiting", "running", "done"]
+    assert gurtd.api("GET", f"/api/approvals/{approval['id']}")["state"] == "approved"
 
 
 def test_a_budget_pause_answered_by_deny_hands_the_reason_to_the_task(gurtd: Gurtd) -> None:
-    g = gurtd
-    set_balance(g, 1000)
-    created = g.create(pay_line("gina", 5) + '; echo "pay exit $?"\necho next line',
-                       tools=["wallet.pay"])           # budget 0: every spending asks
+    set_balance(gurtd, 1000)
+    created = gurtd.create(pay_line("gina", 5) + '; echo "pay exit $?"\necho next line',
+                           tools=["wallet.pay"])           # budget 0: every spending asks
     assert created["budgetCents"] == 0
-    approval = pending_approval(g, created["id"])
+    approval = pending_approval(gurtd, created["id"])
     assert approval["cents"] == 5 and approval["kind"] == "budget"
 
     reason = "too expensive today"
-    answered = g.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": reason})
+    answered = gurtd.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": reason})
     assert answered["state"] == "denied"
     assert answered["reason"] == reason and answered["answeredBy"] == "api"
-    task = g.wait(created["id"])
+    task = gurtd.wait(created["id"])
     assert task["state"] == "done", task
     expected = REJECTED.format(tool="wallet.pay", reason=reason)
-    assert any(expected in line for line in stderr_lines(g, task["id"])), \
-        stderr_lines(g, task["id"])
-    assert g.output(task["id"]) == ["pay exit 1", "next line"]
-    assert payments(g) == []
-    assert wallet(g)["balanceCents"] == 1000
+    assert any(expected in line for line in gurtd.output(task["id"], "stderr")), \
+        gurtd.output(task["id"], "stderr")
+    assert gurtd.output(task["id"]) == ["pay exit 1", "next line"]
+    assert gurtd.payments() == []
+    assert wallet(gurtd)["balanceCents"] == 1000
     assert task["costCents"] == 0
-    assert not [e for e in tool_entries(g, task["id"]) if "result" in e]
-    assert states_of(g, task["id"]) == ["queued", "running", "waiting", "running", "done"]
+    assert not [e for e in tool_entries(gurtd, task["id"]) if "result" in e]
+    assert gurtd.states(task["id"]) == ["queued", "running", "waiting", "running", "done"]
 
 
 def test_approve_all_for_one_task_then_for_all(gurtd: Gurtd) -> None:
-    g = gurtd
-    set_balance(g, 1000)
-    one = g.create(pay_line("one", 11), tools=["wallet.pay"])
-    two = g.create(pay_line("two", 22), tools=["wallet.pay"])
-    asker = g.create("gurtd tool ask '{\"question\": \"which colour?\"}'", tools=["ask"])
-    first = pending_approval(g, one["id"])
-    second = pending_approval(g, two["id"])
-    question = pending_approval(g, asker["id"])
+    set_balance(gurtd, 1000)
+    one = gurtd.create(pay_line("one", 11), tools=["wallet.pay"])
+    two = gurtd.create(pay_line("two", 22), tools=["wallet.pay"])
+    asker = gurtd.create("gurtd tool ask '{\"question\": \"which colour?\"}'", tools=["ask"])
+    first = pending_approval(gurtd, one["id"])
+    second = pending_approval(gurtd, two["id"])
+    question = pending_approval(gurtd, asker["id"])
     assert question["kind"] == "ask"
 
-    assert g.api("POST", "/api/approvals/approve-all", {"task": one["id"]}) == \
+    assert gurtd.api("POST", "/api/approvals/approve-all", {"task": one["id"]}) == \
         {"approved": 1, "skipped": 0}
-    assert g.api("GET", f"/api/approvals/{first['id']}")["state"] == "approved"
-    assert g.api("GET", f"/api/approvals/{second['id']}")["state"] == "pending"
-    assert g.wait(one["id"])["state"] == "done"
-    assert g.task(two["id"])["state"] == "waiting"
-    assert [p["to"] for p in payments(g)] == ["one"]
+    assert gurtd.api("GET", f"/api/approvals/{first['id']}")["state"] == "approved"
+    assert gurtd.api("GET", f"/api/approvals/{second['id']}")["state"] == "pending"
+    assert gurtd.wait(one["id"])["state"] == "done"
+    assert gurtd.task(two["id"])["state"] == "waiting"
+    assert [p["to"] for p in gurtd.payments()] == ["one"]
 
     # the rest: every pending spending (an ask is answered, not approved)
-    assert g.api("POST", "/api/approvals/approve-all", {}) == {"approved": 1, "skipped": 1}
-    assert g.api("GET", f"/api/approvals/{second['id']}")["state"] == "approved"
-    assert g.api("GET", f"/api/approvals/{second['id']}")["answeredBy"] == "api"
-    assert g.wait(two["id"])["state"] == "done"
-    assert g.api("GET", f"/api/approvals/{question['id']}")["state"] == "pending"
-    assert g.api("POST", "/api/approvals/approve-all", {}) == {"approved": 0, "skipped": 1}
+    assert gurtd.api("POST", "/api/approvals/approve-all", {}) == {"approved": 1, "skipped": 1}
+    assert gurtd.api("GET", f"/api/approvals/{second['id']}")["state"] == "approved"
+    assert gurtd.api("GET", f"/api/approvals/{second['id']}")["answeredBy"] == "api"
+    assert gurtd.wait(two["id"])["state"] == "done"
+    assert gurtd.api("GET", f"/api/approvals/{question['id']}")["state"] == "pending"
+    assert gurtd.api("POST", "/api/approvals/approve-all", {}) == {"approved": 0, "skipped": 1}
 
-    assert sorted((p["to"], p["cents"]) for p in payments(g)) == [("one", 11), ("two", 22)]
-    assert wallet(g)["balanceCents"] == 1000 - 33
-    g.api("POST", f"/api/approvals/{question['id']}/answer", {"answer": "blue"})
-    assert g.wait(asker["id"])["state"] == "done"
+    assert sorted((p["to"], p["cents"]) for p in gurtd.payments()) == [("one", 11), ("two", 22)]
+    assert wallet(gurtd)["balanceCents"] == 1000 - 33
+    gurtd.api("POST", f"/api/approvals/{question['id']}/answer", {"answer": "blue"})
+    assert gurtd.wait(asker["id"])["state"] == "done"
 
 
 
 # 4. asks, and answers that come too late or to the wrong thing ###################################
 
 def test_an_ask_is_answered_and_answered_approvals_are_final(gurtd: Gurtd) -> None:
-    g = gurtd
-    set_balance(g, 1000)
-    created = g.create("gurtd tool ask '{\"question\": \"Deploy now?\"}'\n" +
-                       pay_line("hank", 5) + '; echo "pay exit $?"',
-                       tools=["ask", "wallet.pay"])
-    ask = pending_approval(g, created["id"])
+    set_balance(gurtd, 1000)
+    created = gurtd.create("gurtd tool ask '{\"question\": \"Deploy now?\"}'\n" +
+                           pay_line("hank", 5) + '; echo "pay exit $?"',
+                           tools=["ask", "wallet.pay"])
+    ask = pending_approval(gurtd, created["id"])
     assert ask["kind"] == "ask" and ask["tool"] == "ask"
     assert ask["question"] == "Deploy now?" and ask["cents"] == 0
     assert ask["args"] == {"question": "Deploy now?"}
 
-    answered = g.api("POST", f"/api/approvals/{ask['id']}/answer", {"answer": "yes, go"})
+    answered = gurtd.api("POST", f"/api/approvals/{ask['id']}/answer", {"answer": "yes, go"})
     assert answered["state"] == "approved" and answered["answer"] == "yes, go"
     assert answered["answeredBy"] == "api"
     # answered once is answered: answer, approve and deny again are 409
     for verb, body in (("answer", {"answer": "no"}), ("approve", {}), ("deny", {})):
-        code, data, _ = g.request("POST", f"/api/approvals/{ask['id']}/{verb}", body)
-        assert code == 409, (verb, code, data)
-    assert g.api("GET", f"/api/approvals/{ask['id']}")["answer"] == "yes, go"
+        gurtd.api("POST", f"/api/approvals/{ask['id']}/{verb}", body, status=409)
+    assert gurtd.api("GET", f"/api/approvals/{ask['id']}")["answer"] == "yes, go"
 
     # the next line pays: a budget approval is approved or denied, not answered
-    budget = eventually(lambda: [a for a in approvals(g, state="pending", task=created["id"])
+    budget = eventually(lambda: [a for a in gurtd.approvals(state="pending", task=created["id"])
                                  if a["kind"] == "budget"], what="the budget approval")[0]
-    code, data, _ = g.request("POST", f"/api/approvals/{budget['id']}/answer", {"answer": "ok"})
-    assert code == 409, (code, data)
-    assert g.api("GET", f"/api/approvals/{budget['id']}")["state"] == "pending"
-    g.api("POST", f"/api/approvals/{budget['id']}/approve", {})
+    gurtd.api("POST", f"/api/approvals/{budget['id']}/answer", {"answer": "ok"}, status=409)
+    assert gurtd.api("GET", f"/api/approvals/{budget['id']}")["state"] == "pending"
+    gurtd.api("POST", f"/api/approvals/{budget['id']}/approve", {})
     for verb, body in (("approve", {}), ("deny", {"reason": "late"}), ("answer", {"answer": "x"})):
-        code, data, _ = g.request("POST", f"/api/approvals/{budget['id']}/{verb}", body)
-        assert code == 409, (verb, code, data)
-    assert g.api("GET", f"/api/approvals/{budget['id']}")["state"] == "approved"
+        gurtd.api("POST", f"/api/approvals/{budget['id']}/{verb}", body, status=409)
+    assert gurtd.api("GET", f"/api/approvals/{budget['id']}")["state"] == "approved"
 
-    task = g.wait(created["id"])
+    task = gurtd.wait(created["id"])
     assert task["state"] == "done", task
-    out = g.output(task["id"])
+    out = gurtd.output(task["id"])
     assert json.loads(out[0]) == {"answer": "yes, go"}
     assert out[-1] == "pay exit 0"
-    assert [(p["to"], p["cents"]) for p in payments(g)] == [("hank", 5)]
+    assert [(p["to"], p["cents"]) for p in gurtd.payments()] == [("hank", 5)]
 
     # an unknown approval is 404, whatever is asked of it
     for method, path, body in (("GET", "/api/approvals/azzzzzzzzz", None),
                                ("POST", "/api/approvals/azzzzzzzzz/approve", {}),
                                ("POST", "/api/approvals/azzzzzzzzz/deny", {}),
                                ("POST", "/api/approvals/azzzzzzzzz/answer", {"answer": "x"})):
-        code, data, _ = g.request(method, path, body)
-        assert code == 404, (method, path, code, data)
+        gurtd.api(method, path, body, status=404)
 
 
 # 5. undo and stop while waiting ##############################################################
 
 def test_undo_while_waiting_denies_the_approval_and_ends_the_task(gurtd: Gurtd) -> None:
-    g = gurtd
-    set_balance(g, 1000)
-    created = g.create(pay_line("ivan", 40) + "\necho never", tools=["wallet.pay"])
-    approval = pending_approval(g, created["id"])
-    uid = task_uid(g.task(created["id"]))
+    set_balance(gurtd, 1000)
+    created = gurtd.create(pay_line("ivan", 40) + "\necho never", tools=["wallet.pay"])
+    approval = pending_approval(gurtd, created["id"])
+    uid = task_uid(gurtd.task(created["id"]))
     assert uid_processes(uid), "the waiting task has no process"
 
-    undone = g.api("POST", f"/api/tasks/{created['id']}/undo")
+    undone = gurtd.api("POST", f"/api/tasks/{created['id']}/undo")
     assert undone["state"] == "undone"
-    after = g.api("GET", f"/api/approvals/{approval['id']}")
+    after = gurtd.api("GET", f"/api/approvals/{approval['id']}")
     assert after["state"] == "denied"
     assert after["answeredBy"] == "undo" and after["reason"] == "answered by undo"
     assert after["answeredAt"]
     eventually(lambda: not uid_processes(uid), 10, "the task's processes to end")
-    assert g.worker_pids(undone) == []
+    assert gurtd.worker_pids(undone) == []
     time.sleep(0.3)          # a call that slipped through would land now
-    assert g.task(created["id"])["state"] == "undone"
-    assert "never" not in g.output(created["id"])
-    assert payments(g) == [] and wallet(g)["balanceCents"] == 1000
-    assert approvals(g, state="pending") == []
+    assert gurtd.task(created["id"])["state"] == "undone"
+    assert "never" not in gurtd.output(created["id"])
+    assert gurtd.payments() == [] and wallet(gurtd)["balanceCents"] == 1000
+    assert gurtd.approvals(state="pending") == []
 
 
 def test_stop_while_waiting_denies_the_approval_and_fails_the_task(gurtd: Gurtd) -> None:
-    g = gurtd
-    set_balance(g, 1000)
-    created = g.create(pay_line("judy", 40) + "\necho never", tools=["wallet.pay"])
-    approval = pending_approval(g, created["id"])
-    uid = task_uid(g.task(created["id"]))
+    set_balance(gurtd, 1000)
+    created = gurtd.create(pay_line("judy", 40) + "\necho never", tools=["wallet.pay"])
+    approval = pending_approval(gurtd, created["id"])
+    uid = task_uid(gurtd.task(created["id"]))
 
-    stopped = g.api("POST", f"/api/tasks/{created['id']}/stop")
+    stopped = gurtd.api("POST", f"/api/tasks/{created['id']}/stop")
     assert stopped["state"] == "failed" and stopped["error"] == "stopped"
-    after = g.api("GET", f"/api/approvals/{approval['id']}")
+    after = gurtd.api("GET", f"/api/approvals/{approval['id']}")
     assert after["state"] == "denied" and after["answeredBy"] == "stop"
     eventually(lambda: not uid_processes(uid), 10, "the task's processes to end")
-    task = g.task(created["id"])
+    task = gurtd.task(created["id"])
     assert task["state"] == "failed" and task["error"] == "stopped"
-    assert "never" not in g.output(created["id"])
-    assert payments(g) == [] and wallet(g)["balanceCents"] == 1000
-    code, data, _ = g.request("POST", f"/api/approvals/{approval['id']}/approve", {})
-    assert code == 409, (code, data)
-    assert payments(g) == []
+    assert "never" not in gurtd.output(created["id"])
+    assert gurtd.payments() == [] and wallet(gurtd)["balanceCents"] == 1000
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/approve", {}, status=409)
+    assert gurtd.payments() == []
 
 
 # 6. many payers at once ######################################################################
 
 def test_twenty_tasks_paying_at_once_keep_the_books_straight(gurtd: Gurtd) -> None:
-    g = gurtd
-    g.api("PUT", "/api/settings", {"maxRunningTasks": 20})
-    set_balance(g, 10000)
-    created = {g.create(pay_line(f"payee{i}", i), tools=["wallet.pay"], budgetCents=1000,
-                        title=f"payer {i}")["id"]: i for i in range(1, 21)}
+    gurtd.api("PUT", "/api/settings", {"maxRunningTasks": 20})
+    set_balance(gurtd, 10000)
+    created = {gurtd.create(pay_line(f"payee{i}", i), tools=["wallet.pay"], budgetCents=1000,
+                            title=f"payer {i}")["id"]: i for i in range(1, 21)}
     for task_id, cents in created.items():
-        task = g.wait(task_id, timeout=60)
+        task = gurtd.wait(task_id, timeout=60)
         assert task["state"] == "done", task
         assert task["costCents"] == cents
-    book = wallet(g)
+    book = wallet(gurtd)
     paid = [e for e in book["ledger"] if "task" in e]
     assert len(paid) == 20
     assert sorted((e["task"], e["to"], e["cents"]) for e in paid) == \
@@ -467,7 +401,7 @@ def test_twenty_tasks_paying_at_once_keep_the_books_straight(gurtd: Gurtd) -> No
     for entry in book["ledger"][1:]:
         balance -= entry["cents"]
         assert entry["balanceAfterCents"] == balance, entry
-    assert approvals(g) == []
+    assert gurtd.approvals() == []
 
 
 # 7. callers that are not tasks ###############################################################
@@ -504,61 +438,58 @@ def _call_as_nobody(run_dir: str, request: bytes) -> tuple[int, Any]:
 
 
 def test_a_process_that_is_not_a_task_is_refused(gurtd: Gurtd) -> None:
-    g = gurtd
-    set_balance(g, 1000)
+    set_balance(gurtd, 1000)
     # a running task that may pay without asking: its grant is not for others to use
-    sleeper = g.create("sleep 30", tools=["wallet.pay"], budgetCents=1000)
-    g.wait(sleeper["id"], ("running",))
+    sleeper = gurtd.create("sleep 30", tools=["wallet.pay"], budgetCents=1000)
+    gurtd.wait(sleeper["id"], ("running",))
     pay = call_request(json.dumps({"tool": "wallet.pay",
                                    "args": {"to": "thief", "cents": 100}}).encode())
     tools = b"GET /tools HTTP/1.1\r\nHost: box\r\nConnection: close\r\n\r\n"
 
     # root, from the host
-    status, body = raw_broker_request(broker_path(g), pay)
+    status, body = raw_broker_request(broker_path(gurtd), pay)
     assert status == 403, body
     assert body["error"]
-    status, body = raw_broker_request(broker_path(g), tools)
+    status, body = raw_broker_request(broker_path(gurtd), tools)
     assert status == 403, body
 
     # a local user that is no task
-    status, body = _call_as_nobody(os.path.join(g.home, "run"), pay)
+    status, body = _call_as_nobody(os.path.join(gurtd.home, "run"), pay)
     assert status == 403, body
-    status, body = _call_as_nobody(os.path.join(g.home, "run"), tools)
+    status, body = _call_as_nobody(os.path.join(gurtd.home, "run"), tools)
     assert status == 403, body
 
-    assert payments(g) == [] and wallet(g)["balanceCents"] == 1000
-    assert approvals(g) == []
-    assert g.task(sleeper["id"])["costCents"] == 0
-    assert tool_entries(g, sleeper["id"]) == []
-    g.api("POST", f"/api/tasks/{sleeper['id']}/stop")
+    assert gurtd.payments() == [] and wallet(gurtd)["balanceCents"] == 1000
+    assert gurtd.approvals() == []
+    assert gurtd.task(sleeper["id"])["costCents"] == 0
+    assert tool_entries(gurtd, sleeper["id"]) == []
+    gurtd.api("POST", f"/api/tasks/{sleeper['id']}/stop")
 
 
 # 8. a restart while a payment waits ##########################################################
 
 def test_a_restart_fails_the_waiting_task_and_pays_nothing(gurtd: Gurtd) -> None:
-    g = gurtd
-    set_balance(g, 1000)
-    created = g.create(pay_line("kate", 60), tools=["wallet.pay"], budgetCents=50)
-    approval = pending_approval(g, created["id"])
-    uid = task_uid(g.task(created["id"]))
-    before = wallet(g)
+    set_balance(gurtd, 1000)
+    created = gurtd.create(pay_line("kate", 60), tools=["wallet.pay"], budgetCents=50)
+    approval = pending_approval(gurtd, created["id"])
+    uid = task_uid(gurtd.task(created["id"]))
+    before = wallet(gurtd)
 
-    g.restart(kill=True)
+    gurtd.restart(kill=True)
 
-    task = g.task(created["id"])
+    task = gurtd.task(created["id"])
     assert task["state"] == "failed"
     assert task["error"] == "gurtd restarted while the task was running"
-    after = g.api("GET", f"/api/approvals/{approval['id']}")
+    after = gurtd.api("GET", f"/api/approvals/{approval['id']}")
     assert after["state"] == "denied" and after["answeredBy"] == "restart"
-    assert wallet(g) == before
+    assert wallet(gurtd) == before
     assert task["costCents"] == 0
     eventually(lambda: not uid_processes(uid), 10, "the old task's processes to end")
     # the approval is final: approving it now pays nothing, twice or half
-    code, data, _ = g.request("POST", f"/api/approvals/{approval['id']}/approve", {})
-    assert code == 409, (code, data)
-    assert approvals(g, state="pending") == []
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/approve", {}, status=409)
+    assert gurtd.approvals(state="pending") == []
     time.sleep(0.3)
-    assert wallet(g) == before
+    assert wallet(gurtd) == before
 
 
 # 9. bad input ################################################################################
@@ -633,8 +564,7 @@ BAD_CALLS: list[tuple[str, Any]] = [
 
 
 def test_bad_calls_are_refused_and_spend_nothing(gurtd: Gurtd) -> None:
-    g = gurtd
-    set_balance(g, 1000)
+    set_balance(gurtd, 1000)
     script = PROBE.replace("json.loads(CASES)", f"json.loads({json.dumps(json.dumps(BAD_CALLS))})")
     curl = ("curl -s --unix-socket /run/gurt/broker.sock -o /dev/null -w 'curl %{http_code}\\n' "
             "-H 'Content-Type: application/json' "
@@ -647,9 +577,9 @@ def test_bad_calls_are_refused_and_spend_nothing(gurtd: Gurtd) -> None:
         "gurtd tool wallet.pay '{\"to\": \"x\", \"cents\": true}'; echo \"client exit $?\"",
     ])
     # a budget this big would let any wrongly accepted payment through without asking
-    task = g.run(prompt, tools=["wallet.pay", "ask"], budgetCents=100000)
-    assert task["state"] == "done", (task, g.log(task["id"]))
-    out = g.output(task["id"])
+    task = gurtd.run(prompt, tools=["wallet.pay", "ask"], budgetCents=100000)
+    assert task["state"] == "done", (task, gurtd.log(task["id"]))
+    out = gurtd.output(task["id"])
     results = {r["case"]: r for r in (json.loads(line) for line in out if line.startswith("{"))}
     assert set(results) == {name for name, _ in BAD_CALLS} | {"no length"}, out
 
@@ -662,13 +592,13 @@ def test_bad_calls_are_refused_and_spend_nothing(gurtd: Gurtd) -> None:
     assert 400 <= results["no length"]["status"] < 500, results["no length"]
     assert "curl 400" in out, out
     assert out.count("client exit 1") == 2, out
-    stderr = stderr_lines(g, task["id"])
+    stderr = gurtd.output(task["id"], "stderr")
     assert any("cents" in line for line in stderr), stderr
 
-    assert payments(g) == [] and wallet(g)["balanceCents"] == 1000
+    assert gurtd.payments() == [] and wallet(gurtd)["balanceCents"] == 1000
     assert task["costCents"] == 0
-    assert approvals(g) == []
-    entries = tool_entries(g, task["id"])
+    assert gurtd.approvals() == []
+    entries = tool_entries(gurtd, task["id"])
     assert entries, "bad arguments of a granted tool are logged with their error"
     assert not [e for e in entries if "result" in e], entries
     assert all(e.get("error") for e in entries), entries
@@ -684,26 +614,25 @@ printf '{"echo": %s, "costCents": 3, "user": "%s", "task": "%s"}\\n' \
 
 
 def test_an_executable_tool_runs_as_the_tools_user(gurtd: Gurtd) -> None:
-    g = gurtd
     # gurt-tools must reach BOX_HOME/tools: the test's BOX_HOME parent is mkdtemp's 0700
-    os.chmod(os.path.dirname(g.home), 0o711)
-    path = os.path.join(g.home, "tools", "echo.tool")
+    os.chmod(os.path.dirname(gurtd.home), 0o711)
+    path = os.path.join(gurtd.home, "tools", "echo.tool")
     with open(path, "w") as f:
         f.write(ECHO_TOOL)
     os.chmod(path, 0o755)
-    with open(os.path.join(g.home, "tools", "notes.txt"), "w") as f:
+    with open(os.path.join(gurtd.home, "tools", "notes.txt"), "w") as f:
         f.write("not a tool\n")
 
-    names = {t["name"]: t for t in g.api("GET", "/api/tools")}
+    names = {t["name"]: t for t in gurtd.api("GET", "/api/tools")}
     assert {"wallet.pay", "ask", "echo.tool"} <= set(names), names
     assert names["echo.tool"]["kind"] == "executable"
     assert "notes.txt" not in names
 
     args = {"word": "hello", "n": [1, 2]}
-    task = g.run(f"gurtd tool echo.tool '{json.dumps(args)}'\nid -un",
-                 tools=["echo.tool"])            # budget 0: a tool's cost is counted, not asked
-    assert task["state"] == "done", (task, g.log(task["id"]))
-    out = g.output(task["id"])
+    task = gurtd.run(f"gurtd tool echo.tool '{json.dumps(args)}'\nid -un",
+                     tools=["echo.tool"])       # budget 0: a tool's cost is counted, not asked
+    assert task["state"] == "done", (task, gurtd.log(task["id"]))
+    out = gurtd.output(task["id"])
     result = json.loads(out[0])
     assert result["echo"] == args
     assert result["costCents"] == 3
@@ -712,30 +641,29 @@ def test_an_executable_tool_runs_as_the_tools_user(gurtd: Gurtd) -> None:
     assert result["user"] not in ("root", task["user"])
     assert out[1] == task["user"]
     assert task["costCents"] == 3
-    [entry] = tool_entries(g, task["id"])
+    [entry] = tool_entries(gurtd, task["id"])
     assert entry["tool"] == "echo.tool" and entry["result"] == result and entry["cents"] == 3
-    assert approvals(g) == []
-    assert payments(g) == []
+    assert gurtd.approvals() == []
+    assert gurtd.payments() == []
 
 
 # 11. the events stream #######################################################################
 
 def test_the_events_stream_tells_of_a_pending_approval_at_once(gurtd: Gurtd) -> None:
-    g = gurtd
-    set_balance(g, 1000)
-    conn = g.connection(timeout=15)
-    conn.request("GET", "/api/events", headers={"Authorization": f"Bearer {g.token}"})
+    set_balance(gurtd, 1000)
+    conn = gurtd.connection(timeout=15)
+    conn.request("GET", "/api/events", headers={"Authorization": f"Bearer {gurtd.token}"})
     resp = conn.getresponse()
     assert resp.status == 200
     assert resp.getheader("Content-Type", "").startswith("text/event-stream")
 
-    created = g.create(pay_line("liam", 5), tools=["wallet.pay"])
+    created = gurtd.create(pay_line("liam", 5), tools=["wallet.pay"])
     waiting_at: list[float] = []
 
     def poll() -> None:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            if g.task(created["id"])["state"] == "waiting":
+            if gurtd.task(created["id"])["state"] == "waiting":
                 waiting_at.append(time.monotonic())
                 return
             time.sleep(0.01)
@@ -775,14 +703,14 @@ def test_the_events_stream_tells_of_a_pending_approval_at_once(gurtd: Gurtd) -> 
                                                   for _, k, d in events]
     approval = [d for _, k, d in events if k == "approval"][-1]
     assert approval["kind"] == "budget" and approval["cents"] == 5
-    g.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": "no"})
-    assert g.wait(created["id"])["state"] == "failed"
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": "no"})
+    assert gurtd.wait(created["id"])["state"] == "failed"
 
     # ?since= replays what followed an event id: here the pending approval, then its answer
     pending_id = [i for i, k, d in events if k == "approval"][-1]
-    conn = g.connection(timeout=15)
+    conn = gurtd.connection(timeout=15)
     conn.request("GET", f"/api/events?since={pending_id - 1}",
-                 headers={"Authorization": f"Bearer {g.token}"})
+                 headers={"Authorization": f"Bearer {gurtd.token}"})
     resp = conn.getresponse()
     replayed: list[tuple[str, dict[str, Any]]] = []
     try:
@@ -807,61 +735,60 @@ def test_the_events_stream_tells_of_a_pending_approval_at_once(gurtd: Gurtd) -> 
 # 12. the command line ########################################################################
 
 def test_the_command_line_answers_approvals_and_shows_the_wallet(gurtd: Gurtd) -> None:
-    g = gurtd
-    proc = cli(g, "wallet", "--set", "500", "--json")
+    proc = gurtd.cli("wallet", "--set", "500", "--json")
     assert proc.returncode == 0, proc.stderr
     book = json.loads(proc.stdout)
     assert book["balanceCents"] == 500 and book["ledger"][-1]["set"] == 500
-    assert wallet(g)["balanceCents"] == 500
+    assert wallet(gurtd)["balanceCents"] == 500
 
-    created = g.create("\n".join([
+    created = gurtd.create("\n".join([
         pay_line("mia", 20),
         pay_line("noah", 30) + '; echo "second exit $?"',
         "gurtd tool ask '{\"question\": \"Ship it?\"}'",
     ]), tools=["wallet.pay", "ask"])
 
-    first = pending_approval(g, created["id"])
-    proc = cli(g, "approvals", "--json")
+    first = pending_approval(gurtd, created["id"])
+    proc = gurtd.cli("approvals", "--json")
     assert proc.returncode == 0, proc.stderr
     listed = json.loads(proc.stdout)
     assert [a["id"] for a in listed] == [first["id"]]
     assert listed[0]["state"] == "pending" and listed[0]["args"] == {"to": "mia", "cents": 20}
-    proc = cli(g, "approve", first["id"])
+    proc = gurtd.cli("approve", first["id"])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"{first['id']} approved"
-    proc = cli(g, "approve", first["id"])            # once is enough: 409
+    proc = gurtd.cli("approve", first["id"])            # once is enough: 409
     assert proc.returncode != 0 and "already" in proc.stderr, (proc.stdout, proc.stderr)
 
-    second = eventually(lambda: [a for a in approvals(g, state="pending", task=created["id"])
+    second = eventually(lambda: [a for a in gurtd.approvals(state="pending", task=created["id"])
                                  if a["id"] != first["id"]], what="the second approval")[0]
     assert second["args"] == {"to": "noah", "cents": 30}
-    proc = cli(g, "deny", second["id"], "--reason", "not noah")
+    proc = gurtd.cli("deny", second["id"], "--reason", "not noah")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"{second['id']} denied"
-    assert g.api("GET", f"/api/approvals/{second['id']}")["reason"] == "not noah"
+    assert gurtd.api("GET", f"/api/approvals/{second['id']}")["reason"] == "not noah"
 
-    ask = eventually(lambda: [a for a in approvals(g, state="pending", task=created["id"])
+    ask = eventually(lambda: [a for a in gurtd.approvals(state="pending", task=created["id"])
                               if a["kind"] == "ask"], what="the ask")[0]
-    proc = cli(g, "answer", ask["id"], "yes, ship")
+    proc = gurtd.cli("answer", ask["id"], "yes, ship")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"{ask['id']} approved"
 
-    task = g.wait(created["id"])
+    task = gurtd.wait(created["id"])
     assert task["state"] == "done", task
-    out = g.output(task["id"])
+    out = gurtd.output(task["id"])
     assert "second exit 1" in out, out
     assert json.loads(out[-1]) == {"answer": "yes, ship"}
     assert any(REJECTED.format(tool="wallet.pay", reason="not noah") in line
-               for line in stderr_lines(g, task["id"]))
-    assert [(p["to"], p["cents"]) for p in payments(g)] == [("mia", 20)]
+               for line in gurtd.output(task["id"], "stderr"))
+    assert [(p["to"], p["cents"]) for p in gurtd.payments()] == [("mia", 20)]
 
-    proc = cli(g, "approvals", "--json", "--state", "denied")
+    proc = gurtd.cli("approvals", "--json", "--state", "denied")
     assert proc.returncode == 0, proc.stderr
     assert [a["id"] for a in json.loads(proc.stdout)] == [second["id"]]
-    proc = cli(g, "approvals", "--json")
+    proc = gurtd.cli("approvals", "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout) == [], proc.stdout
 
-    proc = cli(g, "wallet")
+    proc = gurtd.cli("wallet")
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"^balance: 480(\.0)? cents$", proc.stdout, re.M), proc.stdout
     assert re.search(rf"{task['id']} paid 20 to mia$", proc.stdout, re.M), proc.stdout
@@ -904,28 +831,27 @@ print(json.dumps(sorted(codes.values())))
 def test_calls_made_at_once_cannot_spend_past_the_budget(gurtd: Gurtd) -> None:
     """An agent fires twenty 5-cent payments at once with a budget of 50: ten are paid, the
     other ten wait for a person (who denies them)."""
-    g = gurtd
-    set_balance(g, 1000)
-    created = g.create(python_line(FAN_OUT), tools=["wallet.pay"], budgetCents=50)
+    set_balance(gurtd, 1000)
+    created = gurtd.create(python_line(FAN_OUT), tools=["wallet.pay"], budgetCents=50)
 
     def settled() -> bool:
-        pending = approvals(g, state="pending", task=created["id"])
-        return len(payments(g, created["id"])) + len(pending) == 20 or \
-            g.task(created["id"])["state"] in ("done", "failed")
+        pending = gurtd.approvals(state="pending", task=created["id"])
+        return len(gurtd.payments(created["id"])) + len(pending) == 20 or \
+            gurtd.task(created["id"])["state"] in ("done", "failed")
     eventually(settled, 30, "every call to be paid or waiting")
     time.sleep(0.2)
-    paid_without_asking = sum(p["cents"] for p in payments(g, created["id"]))
-    for approval in approvals(g, state="pending", task=created["id"]):
-        g.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": "over budget"})
-    task = g.wait(created["id"])
+    paid_without_asking = sum(p["cents"] for p in gurtd.payments(created["id"]))
+    for approval in gurtd.approvals(state="pending", task=created["id"]):
+        gurtd.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": "over budget"})
+    task = gurtd.wait(created["id"])
     assert paid_without_asking <= 50, \
         f"{paid_without_asking} cents were paid without approval on a budget of 50"
     assert paid_without_asking == 50
     assert task["state"] == "done", task
-    assert json.loads(g.output(task["id"])[-1]) == [200] * 10 + [403] * 10
+    assert json.loads(gurtd.output(task["id"])[-1]) == [200] * 10 + [403] * 10
     assert task["costCents"] == 50
-    assert wallet(g)["balanceCents"] == 950
-    assert len(approvals(g, state="denied", task=task["id"])) == 10
+    assert wallet(gurtd)["balanceCents"] == 950
+    assert len(gurtd.approvals(state="denied", task=task["id"])) == 10
 
 
 # 14. an oversized call, from the caller's side ###############################################
@@ -959,21 +885,20 @@ except Exception as exc:
 def test_an_oversized_call_gets_a_413_its_caller_can_read(gurtd: Gurtd) -> None:
     """Args over 64 KiB are refused with 413, and the caller reads that refusal (not a broken
     pipe) even when its body is still on the way when the broker answers."""
-    g = gurtd
-    set_balance(g, 1000)
-    task = g.run("\n".join([
+    set_balance(gurtd, 1000)
+    task = gurtd.run("\n".join([
         python_line(SLOW_OVERSIZED),
         'gurtd tool wallet.pay "{\\"to\\": \\"x\\", \\"cents\\": 5, \\"memo\\": '
         '\\"$(head -c 70000 /dev/zero | tr \'\\0\' m)\\"}"; echo "client exit $?"',
     ]), tools=["wallet.pay"], budgetCents=100000)
-    assert task["state"] == "done", (task, g.log(task["id"]))
-    out = g.output(task["id"])
+    assert task["state"] == "done", (task, gurtd.log(task["id"]))
+    out = gurtd.output(task["id"])
     assert out[-1] == "client exit 1", out
-    assert payments(g) == [] and wallet(g)["balanceCents"] == 1000
+    assert gurtd.payments() == [] and wallet(gurtd)["balanceCents"] == 1000
     assert task["costCents"] == 0
-    assert not [e for e in tool_entries(g, task["id"]) if "result" in e]
+    assert not [e for e in tool_entries(gurtd, task["id"]) if "result" in e]
     slow = json.loads(out[0])
     assert slow["status"] == 413, slow
     assert "larger than" in json.loads(slow["body"])["error"], slow
-    stderr = stderr_lines(g, task["id"])
+    stderr = gurtd.output(task["id"], "stderr")
     assert any("larger than" in line for line in stderr), stderr

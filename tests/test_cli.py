@@ -25,20 +25,9 @@ ID_RE = re.compile(r"t[a-z0-9]{9}")
 
 # helpers #####################################################################################
 
-def env_for(g: Gurtd, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("GURT_TOKEN", "NO_COLOR")}
-    env.update(BOX_HOME=g.home, GURT_LISTEN=f"127.0.0.1:{g.port}", **extra)
-    return env
-
-
-def cli(g: Gurtd, *args: str, stdin: str = "", **extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, GURTD, *args], env=env_for(g, **extra), cwd=ROOT,
-                          input=stdin, capture_output=True, text=True, timeout=60)
-
-
 def started(g: Gurtd, *args: str) -> subprocess.Popen[str]:
     """A CLI process still going (run --wait, events), its output piped."""
-    return subprocess.Popen([sys.executable, GURTD, *args], env=env_for(g), cwd=ROOT,
+    return subprocess.Popen([sys.executable, GURTD, *args], env=g.cli_env(), cwd=ROOT,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -109,8 +98,7 @@ def assert_said_for_people(proc: subprocess.CompletedProcess[str], *wanted: str)
 # run --wait ##################################################################################
 
 def test_run_wait_shows_the_id_first_then_steps_and_output_as_they_come(gurtd: Gurtd) -> None:
-    g = gurtd
-    proc = cli(g, "run", "--worker", "fake", "--wait", "echo hi\necho note >&2")
+    proc = gurtd.cli("run", "--worker", "fake", "--wait", "echo hi\necho note >&2")
     assert proc.returncode == 0, proc
     assert proc.stdout == "hi\n"                       # output only: scripts pipe it on
     lines = proc.stderr.strip().splitlines()
@@ -118,14 +106,13 @@ def test_run_wait_shows_the_id_first_then_steps_and_output_as_they_come(gurtd: G
     assert "> echo hi" in lines and "> echo note >&2" in lines and "note" in lines, lines
     assert lines[-1] == f"{task_id} done"
     assert "\x1b" not in proc.stderr                   # piped: no spinner, no colours
-    assert g.task(task_id)["state"] == "done"
+    assert gurtd.task(task_id)["state"] == "done"
 
 
 def test_run_wait_says_at_once_which_approval_it_waits_for_and_how_to_answer(
         gurtd: Gurtd) -> None:
-    g = gurtd
-    g.api("PUT", "/api/wallet", {"balanceCents": 100})
-    proc = started(g, "run", "--worker", "fake", "--wait", "--tool", "ask", "--tool",
+    gurtd.api("PUT", "/api/wallet", {"balanceCents": 100})
+    proc = started(gurtd, "run", "--worker", "fake", "--wait", "--tool", "ask", "--tool",
                    "wallet.pay", "--budget", "1",
                    "gurtd tool ask '{\"question\": \"Ship it?\"}'\n"
                    "gurtd tool wallet.pay '{\"to\": \"shop\", \"cents\": 30}'")
@@ -133,14 +120,14 @@ def test_run_wait_says_at_once_which_approval_it_waits_for_and_how_to_answer(
         said = read_until(proc.stderr, r"gurtd answer (a\w+) 'TEXT'")
         assert "the task asks: Ship it?" in said, said
         ask = re.search(r"gurtd answer (\S+) 'TEXT'", said)[1]
-        assert cli(g, "answer", ask, "yes").returncode == 0
+        assert gurtd.cli("answer", ask, "yes").returncode == 0
         said = read_until(proc.stderr, r"gurtd approve \S+ ")
         assert re.search(r"waiting for approval \S+: wallet.pay .*30 cents", said), said
         ap = re.search(r"gurtd approve (\S+) ", said)[1]
         # approve on an ask says how to answer it; on this spending it pays
-        wrong = cli(g, "approve", ask)
+        wrong = gurtd.cli("approve", ask)
         assert_said_for_people(wrong)
-        assert cli(g, "approve", ap).returncode == 0
+        assert gurtd.cli("approve", ap).returncode == 0
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
         assert json.loads(out.splitlines()[0]) == {"answer": "yes"}
@@ -151,25 +138,23 @@ def test_run_wait_says_at_once_which_approval_it_waits_for_and_how_to_answer(
 
 
 def test_ctrl_c_on_a_pipe_leaves_the_task_running_and_says_how_to_stop_it(gurtd: Gurtd) -> None:
-    g = gurtd
-    proc = started(g, "run", "--worker", "fake", "--wait", "sleep 60")
+    proc = started(gurtd, "run", "--worker", "fake", "--wait", "sleep 60")
     first = read_until(proc.stderr, "following it")
     task_id = ID_RE.match(first)[0]
-    wait_for_step(g, task_id, "sleep 60")
+    wait_for_step(gurtd, task_id, "sleep 60")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
     assert f"gurtd stop {task_id}" in err and f"gurtd log -f {task_id}" in err, err
     assert "Traceback" not in err
-    assert g.task(task_id)["state"] == "running"
-    g.api("POST", f"/api/tasks/{task_id}/stop")
-    g.wait(task_id)
+    assert gurtd.task(task_id)["state"] == "running"
+    gurtd.api("POST", f"/api/tasks/{task_id}/stop")
+    gurtd.wait(task_id)
 
 
 def test_on_a_terminal_a_spinner_turns_and_ctrl_c_asks_before_stopping(gurtd: Gurtd) -> None:
-    g = gurtd
     term = Terminal([sys.executable, GURTD, "run", "--worker", "fake", "--wait", "sleep 60"],
-                    env_for(g))
+                    gurtd.cli_env())
     try:
         first = term.expect(rb"(t[a-z0-9]{9}) \w+: following it")
         task_id = re.search(rb"(t[a-z0-9]{9}) \w+: following it", first)[1].decode()
@@ -178,24 +163,23 @@ def test_on_a_terminal_a_spinner_turns_and_ctrl_c_asks_before_stopping(gurtd: Gu
         assert b"\r\x1b[K" in seen                      # one line, rewritten in place
         term.type(b"\x03")                              # Ctrl-C, as the terminal sends it
         term.expect(rb"Stop task t[a-z0-9]{9}\? \[y/N\]")
-        assert g.task(task_id)["state"] == "running"    # nothing happens before the answer
+        assert gurtd.task(task_id)["state"] == "running"    # nothing happens before the answer
         term.type(b"y\r")
         term.expect(rb"stopped")
         assert term.close() == 130
     finally:
         if term.proc.poll() is None:
             term.proc.kill()
-    task = g.wait(task_id)
+    task = gurtd.wait(task_id)
     assert task["state"] == "failed" and task["error"] == "stopped"
 
 
 # tables and colours ##########################################################################
 
 def test_tables_say_when_cost_and_why_with_colours_only_on_a_terminal(gurtd: Gurtd) -> None:
-    g = gurtd
-    bad = g.run("echo oops >&2; exit 3")
-    good = g.run("true")
-    piped = cli(g, "tasks")
+    bad = gurtd.run("echo oops >&2; exit 3")
+    good = gurtd.run("true")
+    piped = gurtd.cli("tasks")
     assert piped.returncode == 0, piped
     header, *rows = piped.stdout.splitlines()
     assert header.split() == ["ID", "STATE", "WORKER", "WORKSPACE", "SOURCE", "CREATED", "COST",
@@ -206,7 +190,7 @@ def test_tables_say_when_cost_and_why_with_colours_only_on_a_terminal(gurtd: Gur
     assert "\x1b" not in piped.stdout
 
     for no_color in ("", "1"):
-        env = env_for(g)
+        env = gurtd.cli_env()
         if no_color:
             env["NO_COLOR"] = no_color
         term = Terminal([sys.executable, GURTD, "tasks"], env)
@@ -223,95 +207,92 @@ def test_tables_say_when_cost_and_why_with_colours_only_on_a_terminal(gurtd: Gur
 # errors that say what to do ##################################################################
 
 def test_errors_say_what_to_do_never_json_or_status_numbers(gurtd: Gurtd) -> None:
-    g = gurtd
-    assert_said_for_people(cli(g, "log", "nope"), "gurtd tasks")
-    assert_said_for_people(cli(g, "log", "-f", "nope"), "gurtd tasks")
-    assert_said_for_people(cli(g, "show", "t000000000"), "gurtd tasks")
-    assert_said_for_people(cli(g, "approve", "ap-nope"), "gurtd approvals")
-    assert_said_for_people(cli(g, "files", "nope"), "gurtd workspaces")
-    empty = cli(g, "run", "--worker", "fake", stdin="  \n")
+    assert_said_for_people(gurtd.cli("log", "nope"), "gurtd tasks")
+    assert_said_for_people(gurtd.cli("log", "-f", "nope"), "gurtd tasks")
+    assert_said_for_people(gurtd.cli("show", "t000000000"), "gurtd tasks")
+    assert_said_for_people(gurtd.cli("approve", "ap-nope"), "gurtd approvals")
+    assert_said_for_people(gurtd.cli("files", "nope"), "gurtd workspaces")
+    empty = gurtd.cli("run", "--worker", "fake", stdin="  \n")
     assert_said_for_people(empty, "prompt is empty")
-    assert g.api("GET", "/api/tasks") == []                 # and nothing was created
+    assert gurtd.api("GET", "/api/tasks") == []                 # and nothing was created
     away = subprocess.run([sys.executable, GURTD, "tasks"], capture_output=True, text=True,
-                          env={**env_for(g), "GURT_LISTEN": "127.0.0.1:1"}, timeout=60)
+                          env={**gurtd.cli_env(), "GURT_LISTEN": "127.0.0.1:1"}, timeout=60)
     assert_said_for_people(away, "cannot reach gurtd", "systemctl start gurtd")
     wrong = subprocess.run([sys.executable, GURTD, "tasks"], capture_output=True, text=True,
-                           env={**env_for(g), "GURT_TOKEN": "x" * 40}, timeout=60)
+                           env={**gurtd.cli_env(), "GURT_TOKEN": "x" * 40}, timeout=60)
     assert_said_for_people(wrong, "gurtd token")
-    unset = cli(g, "settings", "noSuchSetting")
+    unset = gurtd.cli("settings", "noSuchSetting")
     assert_said_for_people(unset, "maxRunningTasks")
 
 
 # new commands ################################################################################
 
 def test_status_workspaces_files_settings_and_the_wallet(gurtd: Gurtd) -> None:
-    g = gurtd
-    wallet = cli(g, "wallet", "--set", "100")
+    wallet = gurtd.cli("wallet", "--set", "100")
     assert wallet.returncode == 0 and wallet.stdout.splitlines()[0] == "balance: 100 cents", \
         wallet.stdout
     assert "set to 100\n" in wallet.stdout
-    assert cli(g, "wallet", "--set", "2.5").stdout.splitlines()[0] == "balance: 2.5 cents"
+    assert gurtd.cli("wallet", "--set", "2.5").stdout.splitlines()[0] == "balance: 2.5 cents"
 
-    made = g.run("mkdir -p src && printf 'one\\ntwo\\n' > src/notes.txt")
-    sleeper = g.create("sleep 60")
-    wait_for_step(g, sleeper["id"], "sleep 60")
-    status = cli(g, "status")
+    made = gurtd.run("mkdir -p src && printf 'one\\ntwo\\n' > src/notes.txt")
+    sleeper = gurtd.create("sleep 60")
+    wait_for_step(gurtd, sleeper["id"], "sleep 60")
+    status = gurtd.cli("status")
     assert status.returncode == 0, status
     assert re.search(r"^gurtd \S+ at 127\.0\.0\.1:\d+: up$", status.stdout, re.M), status.stdout
     assert "1 running, 0 waiting, 0 queued" in status.stdout
     assert "wallet:     2.5 cents" in status.stdout and "0 pending" in status.stdout
-    as_json = json.loads(cli(g, "status", "--json").stdout)
+    as_json = json.loads(gurtd.cli("status", "--json").stdout)
     assert as_json["tasks"] == {"queued": 0, "running": 1, "waiting": 0}
-    g.api("POST", f"/api/tasks/{sleeper['id']}/stop")
+    gurtd.api("POST", f"/api/tasks/{sleeper['id']}/stop")
 
-    spaces = cli(g, "workspaces")
+    spaces = gurtd.cli("workspaces")
     assert spaces.stdout.split() == ["NAME", "LAYERS", "home", "1"], spaces.stdout
-    top = cli(g, "files", "home")
+    top = gurtd.cli("files", "home")
     assert re.search(r"^directory\s+-\s+src/$", top.stdout, re.M), top.stdout
-    inner = cli(g, "files", "home", "src")
+    inner = gurtd.cli("files", "home", "src")
     assert re.search(r"^file\s+8\s+notes.txt$", inner.stdout, re.M), inner.stdout
-    assert cli(g, "files", "home", "src/notes.txt").stdout == "one\ntwo\n"
+    assert gurtd.cli("files", "home", "src/notes.txt").stdout == "one\ntwo\n"
     assert made["state"] == "done"
     # a file a task wrote reaches a terminal with its escape sequences escaped
-    assert g.run(r"printf 'a\033[2Jb\n' > src/evil.txt")["state"] == "done"
-    assert cli(g, "files", "home", "src/evil.txt").stdout == "a\x1b[2Jb\n"   # piped: as is
-    term = Terminal([sys.executable, GURTD, "files", "home", "src/evil.txt"], env_for(g))
+    assert gurtd.run(r"printf 'a\033[2Jb\n' > src/evil.txt")["state"] == "done"
+    assert gurtd.cli("files", "home", "src/evil.txt").stdout == "a\x1b[2Jb\n"   # piped: as is
+    term = Terminal([sys.executable, GURTD, "files", "home", "src/evil.txt"], gurtd.cli_env())
     term.expect(rb"a\\x1b\[2Jb")
     assert term.close() == 0 and b"\x1b[2J" not in term.seen, term.seen
 
-    assert re.search(r"^maxRunningTasks: 8$", cli(g, "settings").stdout, re.M)
-    assert cli(g, "settings", "maxRunningTasks").stdout == "8\n"
-    changed = cli(g, "settings", "maxRunningTasks", "3")
+    assert re.search(r"^maxRunningTasks: 8$", gurtd.cli("settings").stdout, re.M)
+    assert gurtd.cli("settings", "maxRunningTasks").stdout == "8\n"
+    changed = gurtd.cli("settings", "maxRunningTasks", "3")
     assert changed.returncode == 0 and changed.stdout == "3\n", changed
-    assert g.api("GET", "/api/settings")["maxRunningTasks"] == 3
-    refused = cli(g, "settings", "maxRunningTasks", "lots")
+    assert gurtd.api("GET", "/api/settings")["maxRunningTasks"] == 3
+    refused = gurtd.cli("settings", "maxRunningTasks", "lots")
     assert_said_for_people(refused, "maxRunningTasks")
-    assert g.api("GET", "/api/settings")["maxRunningTasks"] == 3
+    assert gurtd.api("GET", "/api/settings")["maxRunningTasks"] == 3
 
 
 def test_approve_all_and_events_follow_what_happens(gurtd: Gurtd) -> None:
-    g = gurtd
-    g.api("PUT", "/api/wallet", {"balanceCents": 100})
-    events = started(g, "events")
+    gurtd.api("PUT", "/api/wallet", {"balanceCents": 100})
+    events = started(gurtd, "events")
     try:
         read_until(events.stderr, "following gurtd's events")
-        payer = g.create("gurtd tool wallet.pay '{\"to\": \"a\", \"cents\": 5}'",
-                         tools=["wallet.pay"], budgetCents=1)
-        asker = g.create("gurtd tool ask '{\"question\": \"Red or blue?\"}'", tools=["ask"])
-        eventually(lambda: len(g.api("GET", "/api/approvals?state=pending")) == 2, 30,
+        payer = gurtd.create("gurtd tool wallet.pay '{\"to\": \"a\", \"cents\": 5}'",
+                             tools=["wallet.pay"], budgetCents=1)
+        asker = gurtd.create("gurtd tool ask '{\"question\": \"Red or blue?\"}'", tools=["ask"])
+        eventually(lambda: len(gurtd.api("GET", "/api/approvals?state=pending")) == 2, 30,
                    "two pending approvals")
-        done = cli(g, "approve-all")
+        done = gurtd.cli("approve-all")
         assert done.returncode == 0, done
         assert done.stdout.splitlines()[0] == "approved 1"
         assert re.search(r"asks: Red or blue\?\s+\(gurtd answer a\S* 'TEXT'\)", done.stdout), \
             done.stdout
-        assert g.wait(payer["id"])["state"] == "done"
+        assert gurtd.wait(payer["id"])["state"] == "done"
         said = read_until(events.stdout, rf"task {payer['id']} done")
         assert re.search(rf"approval \S+ pending\s+budget of task {payer['id']}: wallet.pay 5 "
                          "cents", said), said
         assert re.search(r"approval \S+ approved", said), said
         assert re.search(rf"^\d\d:\d\d:\d\d  task {asker['id']} waiting", said, re.M), said
-        g.api("POST", f"/api/tasks/{asker['id']}/stop")
+        gurtd.api("POST", f"/api/tasks/{asker['id']}/stop")
     finally:
         events.send_signal(signal.SIGINT)
         events.communicate(timeout=30)

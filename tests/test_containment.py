@@ -24,36 +24,19 @@ from typing import Any, Iterator
 import pytest
 
 import gurtd as gurtd_module
-from conftest import Gurtd, put_base_file, wait_for_step
+from conftest import (VIEW, Gurtd, processes_of_uid, prompt, put_base_file, running_gurtd,
+                      wait_for_step)
 
-VIEW = "/run/gurt/view"
 SUID_COPY = "/usr/local/bin/gurt-test-suid-id"
 ZERO = "0000000000000000"
 
 
 # helpers ######################################################################################
 
-def prompt(*lines: str) -> str:
-    return "\n".join(lines)
-
-
-def log_texts(g: Gurtd, task_id: str, kind: str | None = None) -> list[str]:
-    return [e.get("text", "") for e in g.log(task_id) if kind is None or e["type"] == kind]
-
-
 def log_blob(g: Gurtd, task_id: str) -> str:
     """Everything the task's log holds, as one string to search."""
-    code, data, _ = g.request("GET", f"/api/tasks/{task_id}/log")
-    assert code == 200, data
+    data = g.api("GET", f"/api/tasks/{task_id}/log", status=200)
     return data.decode(errors="replace")
-
-
-def run_done(g: Gurtd, text: str, **fields: Any) -> dict[str, Any]:
-    task = g.run(text, **fields)
-    assert task["state"] == "done", (task, g.log(task["id"]))
-    return task
-
-
 
 
 def cmdline(pid: int) -> str:
@@ -62,25 +45,6 @@ def cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return ""
-
-
-def processes_of_uid(uid: int) -> list[int]:
-    """Every live process with uid as its real, effective, saved or filesystem uid."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status") as f:
-                status = f.read()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if fields.get("State", "").split()[:1] == ["Z"]:
-            continue
-        if str(uid) in fields.get("Uid", "").split():
-            out.append(int(entry))
-    return out
 
 
 def account_names(path: str) -> set[str]:
@@ -97,15 +61,8 @@ def any_gurtd(request: pytest.FixtureRequest) -> Iterator[Gurtd]:
     nothing and has no /var/lib at all."""
     parent = tempfile.mkdtemp(prefix="gurt-test-", dir=request.param)
     os.chmod(parent, 0o755)
-    g = Gurtd(os.path.join(parent, "box"))
-    try:
-        g.start()
+    with running_gurtd(home=os.path.join(parent, "box")) as g:
         yield g
-    finally:
-        if g.proc is not None:
-            code = g.stop()
-            assert code == 0, f"gurtd exited with {code}:\n{g.log_text()}"
-        shutil.rmtree(parent, ignore_errors=True)
 
 
 def test_a_task_cannot_read_the_token_or_look_into_box_home(any_gurtd: Gurtd) -> None:
@@ -116,8 +73,8 @@ def test_a_task_cannot_read_the_token_or_look_into_box_home(any_gurtd: Gurtd) ->
     g.api("POST", "/api/workspaces", {"name": "other"}, status=201)
     put_base_file(g, "other", "secret.txt", other + "\n")
     os.chmod(os.path.join(home, "workspaces", "other", "secret.txt"), 0o644)
-    earlier = run_done(g, "echo an earlier task")
-    task = run_done(g, prompt(
+    earlier = g.run_done("echo an earlier task")
+    task = g.run_done(prompt(
         f"cat {home}/token || echo 'token: refused'",
         f"ls -la {home} || echo 'box home: refused'",
         f"ls -la {home}/tasks {home}/logs {home}/layers {home}/workspaces; true",
@@ -136,10 +93,10 @@ def test_a_task_cannot_read_the_token_or_look_into_box_home(any_gurtd: Gurtd) ->
     blob = log_blob(g, task["id"])
     assert g.token not in blob
     assert other not in blob
-    out = log_texts(g, task["id"], "stdout")
+    out = g.output(task["id"], "stdout")
     assert "token: refused" in out and "box home: refused" in out, out
     assert "probed" in out
-    errors = log_texts(g, task["id"], "stderr")
+    errors = g.output(task["id"], "stderr")
     refused = ("Permission denied", "No such file or directory")
     for path in (f"{home}/token", f"'{home}'"):
         assert [e for e in errors if path in e and e.endswith(refused)], (path, errors)
@@ -160,7 +117,7 @@ def test_a_task_cannot_see_another_running_tasks_view(gurtd: Gurtd) -> None:
     pids = gurtd.worker_pids(a)
     assert pids, "task A has no processes"
     each = " ".join(str(p) for p in pids)
-    b = run_done(gurtd, prompt(
+    b = gurtd.run_done(prompt(
         f"for p in {each}; do ls -la /proc/$p/root/ /proc/$p/root{VIEW}/ /proc/$p/cwd/; done; true",
         f"for p in {each}; do cat /proc/$p/root{VIEW}/a-marker.txt /proc/$p/cwd/a-marker.txt; done;"
         " true",
@@ -177,10 +134,10 @@ def test_a_task_cannot_see_another_running_tasks_view(gurtd: Gurtd) -> None:
     ), title="task B")
     assert gurtd.task(a["id"])["state"] == "running", "task A ended before B had looked"
     assert marker not in log_blob(gurtd, b["id"])
-    out = log_texts(gurtd, b["id"], "stdout")
+    out = gurtd.output(b["id"], "stdout")
     assert "probed" in out
     assert not [line for line in out if "a-marker.txt" in line], out
-    errors = "\n".join(log_texts(gurtd, b["id"], "stderr"))
+    errors = "\n".join(gurtd.output(b["id"], "stderr"))
     for pid in pids:
         assert f"/proc/{pid}/root/" in errors, f"B could list /proc/{pid}/root"
     # the marker was real: A's layer holds it, and once A is done people see it
@@ -200,13 +157,13 @@ def test_a_task_cannot_see_or_kill_another_tasks_processes(gurtd: Gurtd) -> None
             break
         assert time.monotonic() < deadline, [cmdline(p) for p in pids]
         time.sleep(0.005)
-    b = run_done(gurtd, prompt(
+    b = gurtd.run_done(prompt(
         "ps ax -o pid=,user:32=,args=",
         "echo ---",
         "ls /proc",
         f"kill -9 {' '.join(map(str, pids))}; true",
     ), title="task B")
-    out = log_texts(gurtd, b["id"], "stdout")
+    out = gurtd.output(b["id"], "stdout")
     ps_lines, ls_lines = out[:out.index("---")], out[out.index("---") + 1:]
     seen = {int(line.split()[0]) for line in ps_lines if line.split()}
     seen |= {int(name) for name in ls_lines if name.isdigit()}
@@ -233,7 +190,7 @@ def test_tmp_and_home_are_private_to_each_running_task(gurtd: Gurtd) -> None:
             "sleep 3",
         ), title="task A")
         wait_for_step(gurtd, a["id"], "sleep 3")
-        b = run_done(gurtd, prompt(
+        b = gurtd.run_done(prompt(
             "ls -la /tmp /dev/shm /var/tmp /home; true",
             f"cat /tmp/{a_name} /dev/shm/{a_name} /var/tmp/{a_name}; true",
             f"cat /home/{a['user']}/{a_name}; true",
@@ -247,7 +204,7 @@ def test_tmp_and_home_are_private_to_each_running_task(gurtd: Gurtd) -> None:
         blob = log_blob(gurtd, b["id"])
         assert secret not in blob
         assert host_secret not in blob
-        out = log_texts(gurtd, b["id"], "stdout")
+        out = gurtd.output(b["id"], "stdout")
         assert not [line for line in out if a_name in line or "gurt-test-host" in line], out
         assert "b-was-here" in out
         assert out[-2:] == [f"/home/{b['user']}", b["user"]], out
@@ -259,7 +216,7 @@ def test_tmp_and_home_are_private_to_each_running_task(gurtd: Gurtd) -> None:
 
 
 def test_home_is_a_private_writable_directory(gurtd: Gurtd) -> None:
-    task = run_done(gurtd, prompt(
+    task = gurtd.run_done(prompt(
         'echo "home=$HOME"',
         'stat -c "%U %a" "$HOME"',
         'echo a note > "$HOME/note.txt"',
@@ -291,7 +248,7 @@ def test_a_task_edits_its_own_layer_never_the_base(gurtd: Gurtd) -> None:
     put_base_file(gurtd, "home", "keep.txt", "keep me\n")
     put_base_file(gurtd, "home", "dir/inner.txt", "inner\n")
     before = base_state(gurtd)
-    task = run_done(gurtd, prompt(
+    task = gurtd.run_done(prompt(
         "echo changed > notes.txt",
         "rm keep.txt",
         "echo new > added.txt",
@@ -338,7 +295,7 @@ def test_a_setuid_root_binary_does_not_make_a_task_root(gurtd: Gurtd) -> None:
                                 f"--regid={nobody.pw_gid}", "--clear-groups", SUID_COPY],
                                capture_output=True, text=True, check=True).stdout
         assert "euid=0" in plain, plain
-        task = run_done(gurtd, prompt(
+        task = gurtd.run_done(prompt(
             f"stat -c '%a %U' {SUID_COPY}",
             "id -u",
             f"{SUID_COPY}",
@@ -356,7 +313,7 @@ def test_a_setuid_root_binary_does_not_make_a_task_root(gurtd: Gurtd) -> None:
 
 
 def test_a_task_has_no_capabilities_and_no_new_privileges(gurtd: Gurtd) -> None:
-    task = run_done(gurtd, "grep -E '^(Cap|NoNewPrivs)' /proc/self/status")
+    task = gurtd.run_done("grep -E '^(Cap|NoNewPrivs)' /proc/self/status")
     fields = dict(line.split(":\t", 1) for line in gurtd.output(task["id"]))
     for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
         assert fields[cap] == ZERO, fields
@@ -369,7 +326,7 @@ def test_a_task_cannot_reach_gurtds_api(gurtd: Gurtd) -> None:
     port = gurtd.port
     status, data, _ = gurtd.request("GET", "/api/health", token=False)
     assert status == 200 and data["ok"] is True      # it is there, for the host
-    task = run_done(gurtd, prompt(
+    task = gurtd.run_done(prompt(
         f'curl -s --max-time 2 http://127.0.0.1:{port}/api/health; echo " curl exit $?"',
         "python3 -c 'import socket; s = socket.socket(); "
         f"print(\"connect\", s.connect_ex((\"127.0.0.1\", {port})))'",
@@ -384,8 +341,8 @@ def test_a_task_cannot_reach_gurtds_api(gurtd: Gurtd) -> None:
 
 
 def test_a_task_sees_no_network_interface_but_lo(gurtd: Gurtd) -> None:
-    task = run_done(gurtd, prompt("cat /proc/net/dev", "echo ---", "ip -o link", "echo ---",
-                                  "ls /sys/class/net || echo 'no sysfs'"))
+    task = gurtd.run_done(prompt("cat /proc/net/dev", "echo ---", "ip -o link", "echo ---",
+                                 "ls /sys/class/net || echo 'no sysfs'"))
     out = gurtd.output(task["id"])
     first, second = out.index("---"), len(out) - 1 - out[::-1].index("---")
     dev = {line.split(":")[0].strip() for line in out[2:first]}
@@ -407,7 +364,7 @@ def test_a_task_cannot_read_root_or_home_of_the_host(gurtd: Gurtd) -> None:
             with open(path, "w") as f:
                 f.write(secret + "\n")
             os.chmod(path, 0o644)
-        task = run_done(gurtd, prompt(
+        task = gurtd.run_done(prompt(
             "cat /root/gurt-test-marker; true",
             "cat /home/gurt-test-marker; true",
             "ls -la /root; true",
@@ -419,7 +376,7 @@ def test_a_task_cannot_read_root_or_home_of_the_host(gurtd: Gurtd) -> None:
         assert not [line for line in out if "gurt-test-marker" in line], out
         assert out[-1:] == [task["user"]], out                  # /home holds only its own
         assert not set(host_home) & set(out), out
-        errors = log_texts(gurtd, task["id"], "stderr")         # and /root does not exist
+        errors = gurtd.output(task["id"], "stderr")         # and /root does not exist
         assert "ls: cannot access '/root': No such file or directory" in errors, errors
     finally:
         for path in markers:

@@ -2,80 +2,46 @@
 task asks for at run time, told as the stories of a person answering fifty decisions a day.
 
 Real gurtd, real `fake`-worker tasks (one /bin/sh line per prompt line as the task's own user)
-paying with `gurtd tool wallet.pay` through the broker socket.  The host stories run against a
-fake internet of this module's own (network namespace `gtdec`, host veth `gtdv0` 198.19.200.1,
-a web server on 198.19.200.10 inside; names from a DNS server of the tests on 127.0.0.1), apart
-from tests/test_hosts.py's `gtinet`, so the two may run at the same time.  Traffic goes only to
-loopback and into `gtdec`.
+paying with `gurtd tool wallet.pay` through the broker socket.  The host stories run against the
+suite's fake internet (conftest's `fake_internet`: the web server on 198.18.0.10 inside `gtinet`,
+names from a DNS server of the tests on 127.0.0.1).  Traffic goes only to loopback and into
+`gtinet`.
 """
 
 from __future__ import annotations
 
 import base64
 import datetime
-import http.client
 import json
 import os
-import select
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from typing import Any, Iterator
 
-import dns.flags
-import dns.message
-import dns.rcode
-import dns.rdatatype
-import dns.rrset
 import pytest
 
 import gurtd as G
-from conftest import GURTD, ROOT, Gurtd, eventually
+from conftest import A, Gurtd, droid_events, droid_stand_in, eventually, pay_line
 
 # helpers #####################################################################################
 
 
-def pay_line(to: str, cents: Any, quiet: bool = True) -> str:
+def pay_said(to: str, cents: Any, quiet: bool = True) -> str:
     """Pay with the tool client, then say `pay <its exit code>` (its result too if not quiet)."""
-    return f"gurtd tool wallet.pay '{json.dumps({'to': to, 'cents': cents})}'" + \
-        (" >/dev/null" if quiet else "") + "; echo \"pay $?\""
+    return pay_line(to, cents) + (" >/dev/null" if quiet else "") + "; echo \"pay $?\""
 
 
 def ask_line(question: str) -> str:
     return f"gurtd tool ask '{json.dumps({'question': question})}'"
 
 
-def approvals(g: Gurtd, **query: str) -> list[dict[str, Any]]:
-    qs = "&".join(f"{k}={v}" for k, v in query.items())
-    return g.api("GET", "/api/approvals" + (f"?{qs}" if qs else ""))
-
-
-def pending(g: Gurtd, task_id: str, timeout: float = 30.0) -> dict[str, Any]:
-    """The task's one pending approval, once there is one."""
-    found = eventually(lambda: approvals(g, state="pending", task=task_id), timeout,
-                       f"a pending approval of {task_id}")
-    assert len(found) == 1, found
-    return found[0]
-
-
 def payments(g: Gurtd, task_id: str) -> list[tuple[str, float]]:
-    return [(e["to"], e["cents"]) for e in g.api("GET", "/api/wallet")["ledger"]
-            if e.get("task") == task_id]
+    return [(e["to"], e["cents"]) for e in g.payments(task_id)]
 
 
 def auto_approvals(g: Gurtd, task_id: str) -> list[dict[str, Any]]:
-    return [a for a in approvals(g, task=task_id) if a["answeredBy"] == "policy"]
-
-
-def cli(g: Gurtd, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("BOX_HOME", "GURT_TOKEN")}
-    env.update(BOX_HOME=g.home, GURT_LISTEN=f"127.0.0.1:{g.port}")
-    return subprocess.run([sys.executable, GURTD, *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=60)
+    return [a for a in g.approvals(task=task_id) if a["answeredBy"] == "policy"]
 
 
 def in_seconds(seconds: float) -> str:
@@ -83,14 +49,16 @@ def in_seconds(seconds: float) -> str:
     return when.isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-@pytest.fixture
-def g(gurtd: Gurtd) -> Gurtd:
-    gurtd.api("PUT", "/api/wallet", {"balanceCents": 10000})
-    return gurtd
+@pytest.fixture(autouse=True)
+def funded(request: pytest.FixtureRequest) -> None:
+    """The wallet of the test's gurtd starts with 10000 cents."""
+    if "gurtd" in request.fixturenames:
+        request.getfixturevalue("gurtd").api("PUT", "/api/wallet", {"balanceCents": 10000})
 
 
 # pure ########################################################################################
 
+@pytest.mark.pure
 def test_policy_limits_and_what_cannot_be_always_approved() -> None:
     policy = G.Policy(id="p123456789", tool="wallet.pay", scope="box", createdAt=G.now_iso(),
                       createdBy="api", maxCents=10, totalCents=12)
@@ -133,100 +101,98 @@ def test_policy_limits_and_what_cannot_be_always_approved() -> None:
 
 # approve with changes ########################################################################
 
-def test_approve_with_changed_args_pays_what_the_person_wrote(g: Gurtd) -> None:
-    task = g.create(pay_line("mallory", 500, quiet=False), tools=["wallet.pay"], budgetCents=0)
-    approval = pending(g, task["id"])
+def test_approve_with_changed_args_pays_what_the_person_wrote(gurtd: Gurtd) -> None:
+    task = gurtd.create(pay_said("mallory", 500, quiet=False), tools=["wallet.pay"], budgetCents=0)
+    approval = gurtd.pending(task["id"])
     assert approval["canAlwaysApprove"] is True and approval["alwaysBlockedReason"] is None
     path = f"/api/approvals/{approval['id']}/approve"
     # checked like the originals: nothing changes on a bad one
     for body in ({"args": {"to": "alice", "cents": -5}}, {"args": {"to": "", "cents": 5}},
                  {"args": {"to": "alice", "cents": 5, "extra": 1}}, {"args": [1]},
                  {"args": {"to": "a", "cents": 5}, "budgetCents": 900}):
-        code, data, _ = g.request("POST", path, body)
-        assert code == 400, (body, code, data)
-    assert g.api("GET", f"/api/approvals/{approval['id']}")["state"] == "pending"
+        gurtd.api("POST", path, body, status=400)
+    assert gurtd.api("GET", f"/api/approvals/{approval['id']}")["state"] == "pending"
 
-    answered = g.api("POST", path, {"args": {"to": "alice", "cents": 5, "memo": "not 500"},
-                                    "reason": "5 is plenty"})
+    answered = gurtd.api("POST", path, {"args": {"to": "alice", "cents": 5, "memo": "not 500"},
+                                        "reason": "5 is plenty"})
     assert answered["approvedArgs"] == {"to": "alice", "cents": 5, "memo": "not 500"}
     assert answered["args"] == {"to": "mallory", "cents": 500}
-    done = g.wait(task["id"])
+    done = gurtd.wait(task["id"])
     assert done["state"] == "done" and done["costCents"] == 5, done
-    assert payments(g, task["id"]) == [("alice", 5)]
+    assert payments(gurtd, task["id"]) == [("alice", 5)]
     # the tool's result, as the task received it: alice, 5
-    assert g.output(task["id"]) == [json.dumps({"paid": True, "to": "alice", "cents": 5,
-                                                "balanceCents": 9995}), "pay 0"]
-    entry = [e for e in g.log(task["id"]) if e["type"] == "approval" and "state" in e][0]
+    assert gurtd.output(task["id"]) == [json.dumps({"paid": True, "to": "alice", "cents": 5,
+                                                    "balanceCents": 9995}), "pay 0"]
+    entry = [e for e in gurtd.log(task["id"]) if e["type"] == "approval" and "state" in e][0]
     assert entry["originalArgs"] == {"to": "mallory", "cents": 500}
     assert entry["args"]["to"] == "alice" and entry["reason"] == "5 is plenty"
 
 
-def test_an_ask_takes_no_args_and_cannot_be_always_approved(g: Gurtd) -> None:
-    task = g.create(ask_line("may I?"), tools=["ask"])
-    approval = pending(g, task["id"])
+def test_an_ask_takes_no_args_and_cannot_be_always_approved(gurtd: Gurtd) -> None:
+    task = gurtd.create(ask_line("may I?"), tools=["ask"])
+    approval = gurtd.pending(task["id"])
     assert approval["canAlwaysApprove"] is False
     assert "ask" in approval["alwaysBlockedReason"]
-    code, data, _ = g.request("POST", f"/api/approvals/{approval['id']}/approve",
-                              {"args": {"question": "other"}})
+    code, data, _ = gurtd.request("POST", f"/api/approvals/{approval['id']}/approve",
+                                  {"args": {"question": "other"}})
     assert code == 409, data
-    code, data, _ = g.request("POST", f"/api/approvals/{approval['id']}/always",
-                              {"scope": "box"})
+    code, data, _ = gurtd.request("POST", f"/api/approvals/{approval['id']}/always",
+                                  {"scope": "box"})
     assert code == 409 and "ask" in data["error"], data
-    assert g.api("GET", "/api/policies") == []
-    g.api("POST", f"/api/approvals/{approval['id']}/answer", {"answer": "yes"})
-    assert g.wait(task["id"])["state"] == "done"
+    assert gurtd.api("GET", "/api/policies") == []
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/answer", {"answer": "yes"})
+    assert gurtd.wait(task["id"])["state"] == "done"
 
 
-def test_a_budget_raise_lets_the_task_go_on_without_asking_again(g: Gurtd) -> None:
-    task = g.create("\n".join([pay_line("a", 8), pay_line("b", 8), pay_line("c", 8)]),
-                    tools=["wallet.pay"], budgetCents=10)
-    approval = pending(g, task["id"])
-    assert approval["cents"] == 8 and payments(g, task["id"]) == [("a", 8)]
+def test_a_budget_raise_lets_the_task_go_on_without_asking_again(gurtd: Gurtd) -> None:
+    task = gurtd.create("\n".join([pay_said("a", 8), pay_said("b", 8), pay_said("c", 8)]),
+                        tools=["wallet.pay"], budgetCents=10)
+    approval = gurtd.pending(task["id"])
+    assert approval["cents"] == 8 and payments(gurtd, task["id"]) == [("a", 8)]
     path = f"/api/approvals/{approval['id']}/approve"
     for low in (10, 16, -1):     # not above the cost with this call (8 + 8)
-        code, data, _ = g.request("POST", path, {"budgetCents": low})
-        assert code == 400, (low, data)
-    assert g.task(task["id"])["budgetCents"] == 10
-    answered = g.api("POST", path, {"budgetCents": 30})
+        gurtd.api("POST", path, {"budgetCents": low}, status=400)
+    assert gurtd.task(task["id"])["budgetCents"] == 10
+    answered = gurtd.api("POST", path, {"budgetCents": 30})
     assert answered["budgetCents"] == 30 and answered["state"] == "approved"
-    done = g.wait(task["id"])
+    done = gurtd.wait(task["id"])
     assert done["state"] == "done" and done["budgetCents"] == 30 and done["costCents"] == 24
-    assert payments(g, task["id"]) == [("a", 8), ("b", 8), ("c", 8)]
-    assert len(approvals(g, task=task["id"])) == 1          # c fitted: nobody was asked
-    assert any(e["type"] == "budget" and e["was"] == 10 for e in g.log(task["id"]))
+    assert payments(gurtd, task["id"]) == [("a", 8), ("b", 8), ("c", 8)]
+    assert len(gurtd.approvals(task=task["id"])) == 1          # c fitted: nobody was asked
+    assert any(e["type"] == "budget" and e["was"] == 10 for e in gurtd.log(task["id"]))
 
 
 # always-approve ##############################################################################
 
-def test_always_at_each_scope_approves_exactly_that_scope(g: Gurtd) -> None:
-    g.api("POST", "/api/workspaces", {"name": "other"})
-    pay2 = pay_line("x", 20) + "\n" + pay_line("y", 20)
+def test_always_at_each_scope_approves_exactly_that_scope(gurtd: Gurtd) -> None:
+    gurtd.api("POST", "/api/workspaces", {"name": "other"})
+    pay2 = pay_said("x", 20) + "\n" + pay_said("y", 20)
 
-    t1 = g.create(pay2, tools=["wallet.pay"])
-    g.api("POST", f"/api/approvals/{pending(g, t1['id'])['id']}/always", {"scope": "task"})
-    assert g.wait(t1["id"])["costCents"] == 40
-    assert len(auto_approvals(g, t1["id"])) == 1              # y: by the task's policy
+    t1 = gurtd.create(pay2, tools=["wallet.pay"])
+    gurtd.api("POST", f"/api/approvals/{gurtd.pending(t1['id'])['id']}/always", {"scope": "task"})
+    assert gurtd.wait(t1["id"])["costCents"] == 40
+    assert len(auto_approvals(gurtd, t1["id"])) == 1              # y: by the task's policy
 
-    t2 = g.create(pay_line("x", 20), tools=["wallet.pay"])    # same workspace, other task
-    answered = g.api("POST", f"/api/approvals/{pending(g, t2['id'])['id']}/always",
-                     {"scope": "workspace", "reason": "home may pay"})
+    t2 = gurtd.create(pay_said("x", 20), tools=["wallet.pay"])    # same workspace, other task
+    answered = gurtd.api("POST", f"/api/approvals/{gurtd.pending(t2['id'])['id']}/always",
+                         {"scope": "workspace", "reason": "home may pay"})
     assert answered["policy"] and answered["state"] == "approved"
-    g.wait(t2["id"])
+    gurtd.wait(t2["id"])
 
-    t3 = g.create(pay2, tools=["wallet.pay"])                 # home: nobody asked
-    assert g.wait(t3["id"])["costCents"] == 40
-    autos = auto_approvals(g, t3["id"])
+    t3 = gurtd.create(pay2, tools=["wallet.pay"])                 # home: nobody asked
+    assert gurtd.wait(t3["id"])["costCents"] == 40
+    autos = auto_approvals(gurtd, t3["id"])
     assert len(autos) == 2 and {a["policy"] for a in autos} == {answered["policy"]}
-    logged = [e for e in g.log(t3["id"]) if e["type"] == "approval"]
+    logged = [e for e in gurtd.log(t3["id"]) if e["type"] == "approval"]
     assert [e["policy"] for e in logged] == [answered["policy"]] * 2
 
-    t4 = g.create(pay_line("x", 20), tools=["wallet.pay"], workspace="other")
-    g.api("POST", f"/api/approvals/{pending(g, t4['id'])['id']}/always", {"scope": "box"})
-    g.wait(t4["id"])
-    t5 = g.create(pay2, tools=["wallet.pay"], workspace="other")
-    assert g.wait(t5["id"])["costCents"] == 40 and len(auto_approvals(g, t5["id"])) == 2
+    t4 = gurtd.create(pay_said("x", 20), tools=["wallet.pay"], workspace="other")
+    gurtd.api("POST", f"/api/approvals/{gurtd.pending(t4['id'])['id']}/always", {"scope": "box"})
+    gurtd.wait(t4["id"])
+    t5 = gurtd.create(pay2, tools=["wallet.pay"], workspace="other")
+    assert gurtd.wait(t5["id"])["costCents"] == 40 and len(auto_approvals(gurtd, t5["id"])) == 2
 
-    policies = g.api("GET", "/api/policies")
+    policies = gurtd.api("GET", "/api/policies")
     assert sorted(p["scope"] for p in policies) == ["box", "task", "workspace"]
     by_scope = {p["scope"]: p for p in policies}
     assert by_scope["task"]["task"] == t1["id"] and by_scope["task"]["uses"] == 2
@@ -234,67 +200,66 @@ def test_always_at_each_scope_approves_exactly_that_scope(g: Gurtd) -> None:
     assert by_scope["workspace"]["spentCents"] == 60          # t2's own call and t3's two
     assert all(p["createdBy"].startswith("approval a") for p in policies)
     for t in (t1, t3, t5):
-        assert g.task(t["id"])["state"] == "done"
+        assert gurtd.task(t["id"])["state"] == "done"
 
 
-def test_limits_and_expiry_end_a_policy(g: Gurtd) -> None:
-    policy = g.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "box",
-                                             "maxCents": 10, "totalCents": 12}, status=201)
-    task = g.create("\n".join([pay_line("a", 5), pay_line("big", 11), pay_line("b", 5),
-                               pay_line("c", 5)]), tools=["wallet.pay"])
-    big = pending(g, task["id"])                              # above maxCents: asks
+def test_limits_and_expiry_end_a_policy(gurtd: Gurtd) -> None:
+    policy = gurtd.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "box",
+                                                 "maxCents": 10, "totalCents": 12}, status=201)
+    task = gurtd.create("\n".join([pay_said("a", 5), pay_said("big", 11), pay_said("b", 5),
+                                   pay_said("c", 5)]), tools=["wallet.pay"])
+    big = gurtd.pending(task["id"])                              # above maxCents: asks
     assert big["cents"] == 11
-    g.api("POST", f"/api/approvals/{big['id']}/deny", {"reason": "too much"})
-    over = eventually(lambda: [a for a in approvals(g, state="pending", task=task["id"])],
+    gurtd.api("POST", f"/api/approvals/{big['id']}/deny", {"reason": "too much"})
+    over = eventually(lambda: [a for a in gurtd.approvals(state="pending", task=task["id"])],
                       30, "c asks: 15 would pass totalCents")[0]
     assert over["args"]["to"] == "c"
-    g.api("POST", f"/api/approvals/{over['id']}/deny", {})
-    g.wait(task["id"])
-    assert payments(g, task["id"]) == [("a", 5), ("b", 5)]
-    assert g.output(task["id"]) == ["pay 0", "pay 1", "pay 0", "pay 1"]
-    assert g.api("GET", "/api/policies")[0]["spentCents"] == 10
+    gurtd.api("POST", f"/api/approvals/{over['id']}/deny", {})
+    gurtd.wait(task["id"])
+    assert payments(gurtd, task["id"]) == [("a", 5), ("b", 5)]
+    assert gurtd.output(task["id"]) == ["pay 0", "pay 1", "pay 0", "pay 1"]
+    assert gurtd.api("GET", "/api/policies")[0]["spentCents"] == 10
 
-    g.api("DELETE", f"/api/policies/{policy['id']}")
-    soon = g.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "box",
-                                           "expiresAt": in_seconds(10)}, status=201)
-    task = g.create("\n".join([pay_line("early", 1), ask_line("expired yet?"),
-                               pay_line("late", 1)]), tools=["wallet.pay", "ask"])
-    question = pending(g, task["id"])
-    assert [a["args"]["to"] for a in auto_approvals(g, task["id"])] == ["early"]
-    listed = eventually(lambda: [p for p in g.api("GET", "/api/policies")
+    gurtd.api("DELETE", f"/api/policies/{policy['id']}")
+    soon = gurtd.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "box",
+                                               "expiresAt": in_seconds(10)}, status=201)
+    task = gurtd.create("\n".join([pay_said("early", 1), ask_line("expired yet?"),
+                                   pay_said("late", 1)]), tools=["wallet.pay", "ask"])
+    question = gurtd.pending(task["id"])
+    assert [a["args"]["to"] for a in auto_approvals(gurtd, task["id"])] == ["early"]
+    listed = eventually(lambda: [p for p in gurtd.api("GET", "/api/policies")
                                  if not p["active"]], 30, "the policy's expiry")
     assert listed[0]["id"] == soon["id"] and "expired" in listed[0]["endedBecause"]
-    g.api("POST", f"/api/approvals/{question['id']}/answer", {"answer": "yes"})
-    late = eventually(lambda: [a for a in approvals(g, state="pending", task=task["id"])],
+    gurtd.api("POST", f"/api/approvals/{question['id']}/answer", {"answer": "yes"})
+    late = eventually(lambda: [a for a in gurtd.approvals(state="pending", task=task["id"])],
                       30, "late asks")[0]
     assert late["args"]["to"] == "late" and late["kind"] == "budget"
-    g.api("POST", f"/api/approvals/{late['id']}/approve")
-    assert g.wait(task["id"])["costCents"] == 2
+    gurtd.api("POST", f"/api/approvals/{late['id']}/approve")
+    assert gurtd.wait(task["id"])["costCents"] == 2
 
 
-def test_a_deleted_policy_asks_again_and_events_tell_of_policy_changes(g: Gurtd) -> None:
-    conn = g.connection(timeout=30)
-    conn.request("GET", "/api/events", headers={"Authorization": f"Bearer {g.token}"})
+def test_a_deleted_policy_asks_again_and_events_tell_of_policy_changes(gurtd: Gurtd) -> None:
+    conn = gurtd.connection(timeout=30)
+    conn.request("GET", "/api/events", headers={"Authorization": f"Bearer {gurtd.token}"})
     stream = conn.getresponse()
     assert stream.status == 200
     try:
-        policy = g.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "box"},
-                       status=201)
-        task = g.create("\n".join([pay_line("a", 5), ask_line("go on?"), pay_line("b", 5)]),
-                        tools=["wallet.pay", "ask"])
-        question = pending(g, task["id"])
+        policy = gurtd.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "box"},
+                           status=201)
+        task = gurtd.create("\n".join([pay_said("a", 5), ask_line("go on?"), pay_said("b", 5)]),
+                            tools=["wallet.pay", "ask"])
+        question = gurtd.pending(task["id"])
         assert question["kind"] == "ask"
-        assert [a["args"]["to"] for a in auto_approvals(g, task["id"])] == ["a"]
-        assert g.api("DELETE", f"/api/policies/{policy['id']}")["id"] == policy["id"]
-        code, _, _ = g.request("DELETE", f"/api/policies/{policy['id']}")
-        assert code == 404
-        assert g.api("GET", "/api/policies") == []
-        g.api("POST", f"/api/approvals/{question['id']}/answer", {"answer": "yes"})
-        again = eventually(lambda: [a for a in approvals(g, state="pending",
-                                                         task=task["id"])], 30, "b asks")[0]
+        assert [a["args"]["to"] for a in auto_approvals(gurtd, task["id"])] == ["a"]
+        assert gurtd.api("DELETE", f"/api/policies/{policy['id']}")["id"] == policy["id"]
+        gurtd.api("DELETE", f"/api/policies/{policy['id']}", status=404)
+        assert gurtd.api("GET", "/api/policies") == []
+        gurtd.api("POST", f"/api/approvals/{question['id']}/answer", {"answer": "yes"})
+        again = eventually(lambda: [a for a in gurtd.approvals(state="pending",
+                                                               task=task["id"])], 30, "b asks")[0]
         assert again["args"]["to"] == "b" and again["kind"] == "budget"
-        g.api("POST", f"/api/approvals/{again['id']}/deny", {"reason": "no more"})
-        assert g.wait(task["id"])["costCents"] == 5
+        gurtd.api("POST", f"/api/approvals/{again['id']}/deny", {"reason": "no more"})
+        assert gurtd.wait(task["id"])["costCents"] == 5
 
         seen: list[tuple[str, Any]] = []
         event = None
@@ -310,99 +275,98 @@ def test_a_deleted_policy_asks_again_and_events_tell_of_policy_changes(g: Gurtd)
         assert [a for _, a in seen] == ["created", "used", "deleted"], seen
     finally:
         conn.close()
-    assert not os.path.exists(os.path.join(g.home, "policies.json")) or \
-        json.load(open(os.path.join(g.home, "policies.json"))) == {"policies": []}
+    assert not os.path.exists(os.path.join(gurtd.home, "policies.json")) or \
+        json.load(open(os.path.join(gurtd.home, "policies.json"))) == {"policies": []}
 
 
-def test_never_auto_approve_and_approve_all_skip_and_count(g: Gurtd) -> None:
-    code, data, _ = g.request("PUT", "/api/settings", {"neverAutoApproveCents": -1})
-    assert code == 400, data
-    g.api("PUT", "/api/settings", {"neverAutoApproveCents": 100})
-    big = g.create(pay_line("big", 150), tools=["wallet.pay"])
-    asker = g.create(ask_line("which colour?"), tools=["ask"])
-    small = g.create(pay_line("small", 5), tools=["wallet.pay"])
-    big_approval = pending(g, big["id"])
+def test_never_auto_approve_and_approve_all_skip_and_count(gurtd: Gurtd) -> None:
+    gurtd.api("PUT", "/api/settings", {"neverAutoApproveCents": -1}, status=400)
+    gurtd.api("PUT", "/api/settings", {"neverAutoApproveCents": 100})
+    big = gurtd.create(pay_said("big", 150), tools=["wallet.pay"])
+    asker = gurtd.create(ask_line("which colour?"), tools=["ask"])
+    small = gurtd.create(pay_said("small", 5), tools=["wallet.pay"])
+    big_approval = gurtd.pending(big["id"])
     assert big_approval["canAlwaysApprove"] is False
     assert "neverAutoApproveCents" in big_approval["alwaysBlockedReason"]
-    code, data, _ = g.request("POST", f"/api/approvals/{big_approval['id']}/always",
-                              {"scope": "task"})
+    code, data, _ = gurtd.request("POST", f"/api/approvals/{big_approval['id']}/always",
+                                  {"scope": "task"})
     assert code == 409 and "neverAutoApproveCents" in data["error"], data
-    question = pending(g, asker["id"])
-    pending(g, small["id"])
+    question = gurtd.pending(asker["id"])
+    gurtd.pending(small["id"])
 
     # approve-all: the small payment; the ask and the big one wait for a person's own look
-    assert g.api("POST", "/api/approvals/approve-all", {}) == {"approved": 1, "skipped": 2}
-    assert g.wait(small["id"])["state"] == "done"
-    assert payments(g, small["id"]) == [("small", 5)]
-    assert {a["id"] for a in approvals(g, state="pending")} == {big_approval["id"],
-                                                                question["id"]}
+    assert gurtd.api("POST", "/api/approvals/approve-all", {}) == {"approved": 1, "skipped": 2}
+    assert gurtd.wait(small["id"])["state"] == "done"
+    assert payments(gurtd, small["id"]) == [("small", 5)]
+    assert {a["id"] for a in gurtd.approvals(state="pending")} == {big_approval["id"],
+                                                                   question["id"]}
     # a box policy does not reach past the owner's limit either
-    g.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "box"}, status=201)
-    again = g.create(pay_line("big", 150) + "\n" + pay_line("fine", 50), tools=["wallet.pay"])
-    assert pending(g, again["id"])["cents"] == 150
+    gurtd.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "box"}, status=201)
+    again = gurtd.create(pay_said("big", 150) + "\n" + pay_said("fine", 50), tools=["wallet.pay"])
+    assert gurtd.pending(again["id"])["cents"] == 150
     # raising the setting lets a person always-approve the big one after all
-    g.api("PUT", "/api/settings", {"neverAutoApproveCents": None})
-    assert g.api("GET", f"/api/approvals/{big_approval['id']}")["canAlwaysApprove"] is True
-    assert g.api("POST", "/api/approvals/approve-all", {"task": again["id"]}) == \
+    gurtd.api("PUT", "/api/settings", {"neverAutoApproveCents": None})
+    assert gurtd.api("GET", f"/api/approvals/{big_approval['id']}")["canAlwaysApprove"] is True
+    assert gurtd.api("POST", "/api/approvals/approve-all", {"task": again["id"]}) == \
         {"approved": 1, "skipped": 0}
-    assert g.wait(again["id"])["costCents"] == 200
-    assert [a["args"]["to"] for a in auto_approvals(g, again["id"])] == ["fine"]
-    g.api("POST", f"/api/approvals/{big_approval['id']}/deny", {})
-    g.api("POST", f"/api/approvals/{question['id']}/answer", {"answer": "red"})
+    assert gurtd.wait(again["id"])["costCents"] == 200
+    assert [a["args"]["to"] for a in auto_approvals(gurtd, again["id"])] == ["fine"]
+    gurtd.api("POST", f"/api/approvals/{big_approval['id']}/deny", {})
+    gurtd.api("POST", f"/api/approvals/{question['id']}/answer", {"answer": "red"})
     for t in (big, asker, small):
-        assert g.wait(t["id"])["state"] == "done"
+        assert gurtd.wait(t["id"])["state"] == "done"
 
 
-def test_the_command_line_approves_with_args_always_and_manages_policies(g: Gurtd) -> None:
-    task = g.create(pay_line("x", 40) + "\n" + pay_line("y", 40) + "\n" + pay_line("z", 40),
-                    tools=["wallet.pay"])
-    first = pending(g, task["id"])
-    proc = cli(g, "approve", first["id"], "--args", "not json")
+def test_the_command_line_approves_with_args_always_and_manages_policies(gurtd: Gurtd) -> None:
+    task = gurtd.create(pay_said("x", 40) + "\n" + pay_said("y", 40) + "\n" + pay_said("z", 40),
+                        tools=["wallet.pay"])
+    first = gurtd.pending(task["id"])
+    proc = gurtd.cli("approve", first["id"], "--args", "not json")
     assert proc.returncode != 0 and "--args" in proc.stderr
-    proc = cli(g, "approve", first["id"], "--args", '{"to": "x", "cents": 4}')
+    proc = gurtd.cli("approve", first["id"], "--args", '{"to": "x", "cents": 4}')
     assert proc.returncode == 0, proc.stderr
-    second = eventually(lambda: [a for a in approvals(g, state="pending", task=task["id"])],
+    second = eventually(lambda: [a for a in gurtd.approvals(state="pending", task=task["id"])],
                         30, "y asks")[0]
-    proc = cli(g, "approve", second["id"], "--always", "task")
+    proc = gurtd.cli("approve", second["id"], "--always", "task")
     assert proc.returncode == 0 and "policy p" in proc.stdout, proc.stderr
-    assert g.wait(task["id"])["costCents"] == 84
-    proc = cli(g, "policies")
+    assert gurtd.wait(task["id"])["costCents"] == 84
+    proc = gurtd.cli("policies")
     assert proc.returncode == 0 and "wallet.pay" in proc.stdout and task["id"] in proc.stdout
-    policy_id = g.api("GET", "/api/policies")[0]["id"]
-    proc = cli(g, "policy", "rm", policy_id)
+    policy_id = gurtd.api("GET", "/api/policies")[0]["id"]
+    proc = gurtd.cli("policy", "rm", policy_id)
     assert proc.returncode == 0 and f"{policy_id} deleted" in proc.stdout, proc.stderr
-    assert g.api("GET", "/api/policies") == []
-    proc = cli(g, "policy", "rm", policy_id)
+    assert gurtd.api("GET", "/api/policies") == []
+    proc = gurtd.cli("policy", "rm", policy_id)
     assert proc.returncode != 0 and "No policy with this id" in proc.stderr, proc.stderr
 
 
-def test_a_damaged_policies_file_is_set_aside_and_gurtd_starts(g: Gurtd) -> None:
-    g.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "box"}, status=201)
-    path = os.path.join(g.home, "policies.json")
+def test_a_damaged_policies_file_is_set_aside_and_gurtd_starts(gurtd: Gurtd) -> None:
+    gurtd.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "box"}, status=201)
+    path = os.path.join(gurtd.home, "policies.json")
     stored = json.load(open(path))
     assert len(stored["policies"]) == 1
     stored["policies"][0]["expiresAt"] = "not a time"       # a hand edit gone wrong
     with open(path, "w") as f:
         json.dump(stored, f)
-    g.restart()
-    assert g.api("GET", "/api/policies") == []               # nothing half-trusted
-    assert [n for n in os.listdir(g.home) if n.startswith("policies.json.damaged-")]
-    assert "policies.json set aside" in g.log_text()
-    task = g.create(pay_line("x", 5), tools=["wallet.pay"])  # so a payment asks again
-    g.api("POST", f"/api/approvals/{pending(g, task['id'])['id']}/deny", {})
-    assert g.wait(task["id"])["costCents"] == 0
+    gurtd.restart()
+    assert gurtd.api("GET", "/api/policies") == []               # nothing half-trusted
+    assert [n for n in os.listdir(gurtd.home) if n.startswith("policies.json.damaged-")]
+    assert "policies.json set aside" in gurtd.log_text()
+    task = gurtd.create(pay_said("x", 5), tools=["wallet.pay"])  # so a payment asks again
+    gurtd.api("POST", f"/api/approvals/{gurtd.pending(task['id'])['id']}/deny", {})
+    assert gurtd.wait(task["id"])["costCents"] == 0
 
 
 # droid: a budget raise while paused, and what its system prompt says ##########################
 
 @pytest.fixture
-def droid_stand_in(gurtd: Gurtd) -> Iterator[Gurtd]:
+def droid_printing_prompt(gurtd: Gurtd) -> Iterator[Gurtd]:
     """gurtd with a stand-in Droid CLI that prints its system prompt (as plain output), then
     replays the documented stream-json events of tests/fixtures (usage passing 50 cents)."""
-    from test_droid import events, stand_in
     directory = tempfile.mkdtemp(prefix="gurt-test-decisions-", dir="/var/tmp")
     try:
-        path = stand_in(directory, [json.dumps(e) for e in events("documented")], "true")
+        path = droid_stand_in(directory, [json.dumps(e) for e in droid_events("documented")],
+                              "true")
         with open(path) as f:
             script = f.read().replace("#!/bin/sh\n", "#!/bin/sh\ncat /run/gurt/system-prompt.md\n",
                                       1)
@@ -414,17 +378,17 @@ def droid_stand_in(gurtd: Gurtd) -> Iterator[Gurtd]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def test_a_paused_droid_task_goes_on_up_to_a_raised_budget(droid_stand_in: Gurtd) -> None:
-    g = droid_stand_in
+def test_a_paused_droid_task_goes_on_up_to_a_raised_budget(droid_printing_prompt: Gurtd) -> None:
+    g = droid_printing_prompt
     task = g.api("POST", "/api/tasks", {"title": "raise", "prompt": "go", "budgetCents": 50,
                                         "askHosts": True}, status=201)
-    approval = pending(g, task["id"])
+    approval = g.pending(task["id"])
     assert approval["tool"] == "model" and approval["canAlwaysApprove"] is False
     assert "budgetCents" in approval["alwaysBlockedReason"]
     g.api("POST", f"/api/approvals/{approval['id']}/approve", {"budgetCents": 10_000})
     done = g.wait(task["id"], timeout=60)
     assert done["state"] == "done" and done["budgetCents"] == 10_000, done
-    assert len(approvals(g, task=task["id"])) == 1      # no second pause below 10000 cents
+    assert len(g.approvals(task=task["id"])) == 1      # no second pause below 10000 cents
     said = "\n".join(g.output(task["id"]))
     assert "Other hosts: looking up a name outside that list asks a person" in said
     plain = g.api("POST", "/api/tasks", {"title": "plain", "prompt": "go",
@@ -435,34 +399,7 @@ def test_a_paused_droid_task_goes_on_up_to_a_raised_budget(droid_stand_in: Gurtd
 
 # hosts asked at run time #####################################################################
 
-NETNS, VETH = "gtdec", "gtdv0"
-GATEWAY, WEB = "198.19.200.1", "198.19.200.10"
-ZONE = {"ask.test": WEB, "deny.test": WEB, "team.test": WEB, "later.test": WEB,
-        "loop.test": "127.0.0.1", "restart.test": WEB}
-
-# inside gtdec: `hello from <addr>` over HTTP on WEB:80; dies with the test process
-WEB_SERVER = r'''
-import ctypes, socket, threading, time
-ctypes.CDLL(None).prctl(1, 9)
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("198.19.200.10", 80))
-s.listen(64)
-def one(c):
-    try:
-        c.settimeout(3)
-        c.recv(4096)
-        c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 26\r\n\r\nhello from 198.19.200.10\r\n")
-    finally:
-        c.close()
-def serve():
-    while True:
-        c, _ = s.accept()
-        threading.Thread(target=one, args=(c,), daemon=True).start()
-threading.Thread(target=serve, daemon=True).start()
-print("ready", flush=True)
-time.sleep(600)
-'''
+WEB = A                 # the fake internet's a.test: its names here all answer it
 
 # in a task: one A query to gurtd's resolver that waits up to 40 s for its answer (a held
 # query is answered when a person decides), printed as `dns NAME rcode=N addr=...`
@@ -493,119 +430,16 @@ def fetch(name: str) -> str:
     return f"curl -sS --max-time 5 http://{name}/ 2>&1 | tr -d '\\r\\n' | head -c 200; echo"
 
 
-class Resolver:
-    """The tests' upstream DNS on 127.0.0.1 (UDP): ZONE, NXDOMAIN for anything else."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self.serve, daemon=True)
-        self.thread.start()
-
-    def serve(self) -> None:
-        while not self.stopping.is_set():
-            if not select.select([self.sock], [], [], 0.2)[0]:
-                continue
-            wire, peer = self.sock.recvfrom(4096)
-            try:
-                query = dns.message.from_wire(wire)
-            except Exception:
-                continue
-            response = dns.message.make_response(query)
-            response.flags |= dns.flags.RA
-            question = query.question[0]
-            name = question.name.to_text(omit_final_dot=True).lower()
-            if name not in ZONE:
-                response.set_rcode(dns.rcode.NXDOMAIN)
-            elif question.rdtype == dns.rdatatype.A:
-                response.answer.append(dns.rrset.from_text(question.name, 60, "IN", "A",
-                                                           ZONE[name]))
-            self.sock.sendto(response.to_wire(), peer)
-
-    def close(self) -> None:
-        self.stopping.set()
-        self.thread.join(timeout=5)
-        self.sock.close()
-
-
-def sh(*argv: str) -> str:
-    proc = subprocess.run(list(argv), capture_output=True, text=True)
-    assert proc.returncode == 0, f"{' '.join(argv)}: {proc.stderr}"
-    return proc.stdout
-
-
-def remove_internet() -> None:
-    subprocess.run(["ip", "netns", "del", NETNS], capture_output=True)
-    deadline = time.monotonic() + 5
-    while os.path.exists(f"/sys/class/net/{VETH}") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if os.path.exists(f"/sys/class/net/{VETH}"):
-        subprocess.run(["ip", "link", "del", VETH], capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def internet() -> Iterator[Resolver]:
-    if NETNS in sh("ip", "netns", "list").split():
-        assert not sh("ip", "netns", "pids", NETNS).split(), f"{NETNS} is in use"
-    remove_internet()
-    server: subprocess.Popen[bytes] | None = None
-    resolver: Resolver | None = None
-    try:
-        sh("ip", "netns", "add", NETNS)
-        sh("ip", "link", "add", VETH, "type", "veth", "peer", "name", "eth0", "netns", NETNS)
-        sh("ip", "addr", "add", f"{GATEWAY}/24", "dev", VETH)
-        sh("ip", "link", "set", VETH, "up")
-        inside = ["ip", "netns", "exec", NETNS]
-        sh(*inside, "ip", "addr", "add", f"{WEB}/24", "dev", "eth0")
-        sh(*inside, "ip", "link", "set", "eth0", "up")
-        sh(*inside, "ip", "link", "set", "lo", "up")
-        server = subprocess.Popen([*inside, sys.executable, "-c", WEB_SERVER],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert select.select([server.stdout], [], [], 15)[0] and server.stdout is not None
-        assert server.stdout.readline() == b"ready\n"
-        conn = http.client.HTTPConnection(WEB, 80, timeout=3)
-        try:
-            conn.request("GET", "/")
-            assert b"hello from" in conn.getresponse().read()
-        finally:
-            conn.close()
-        resolver = Resolver()
-        yield resolver
-    finally:
-        if server is not None:
-            server.kill()
-            server.wait(timeout=10)
-            for pipe in (server.stdout, server.stderr):
-                if pipe is not None:
-                    pipe.close()
-        if resolver is not None:
-            resolver.close()
-        remove_internet()
-        assert NETNS not in sh("ip", "netns", "list").split()
-        assert not os.path.exists(f"/sys/class/net/{VETH}")
-
-
-@pytest.fixture
-def gn(internet: Resolver, new_gurtd: Any) -> Gurtd:
-    """A gurtd resolving through the tests' DNS, whose owner lets names resolve into the fake
-    internet's network (special-use, refused otherwise)."""
-    g = new_gurtd(env={"GURT_DNS_UPSTREAM": f"127.0.0.1:{internet.port}"})
-    g.api("PUT", "/api/settings", {"dnsAllowedNets": ["198.19.200.0/24"]})
-    return g
-
-
 def host_approval(g: Gurtd, task_id: str, name: str) -> dict[str, Any]:
-    found = pending(g, task_id)
+    found = g.pending(task_id)
     assert found["kind"] == "host" and found["tool"] == "host", found
     assert found["args"]["name"] == name and found["canAlwaysApprove"] is True
     return found
 
 
 def test_a_host_asked_at_run_time_is_reached_after_approve_and_refused_after_deny(
-        gn: Gurtd) -> None:
-    g = gn
+        net_gurtd: Gurtd) -> None:
+    g = net_gurtd
     code, data, _ = g.request("POST", "/api/tasks", {"title": "t", "prompt": "true",
                                                      "worker": "fake", "askHosts": "yes"})
     assert code == 400 and "askHosts" in data["error"]
@@ -615,7 +449,7 @@ def test_a_host_asked_at_run_time_is_reached_after_approve_and_refused_after_den
     asked = host_approval(g, task["id"], "ask.test")
     assert g.task(task["id"])["state"] == "waiting"
     g.api("POST", f"/api/approvals/{asked['id']}/approve", {"reason": "docs"})
-    denied = eventually(lambda: [a for a in approvals(g, state="pending", task=task["id"])],
+    denied = eventually(lambda: [a for a in g.approvals(state="pending", task=task["id"])],
                         40, "deny.test asks")[0]
     assert denied["args"]["name"] == "deny.test"
     g.api("POST", f"/api/approvals/{denied['id']}/deny", {"reason": "not that one"})
@@ -623,7 +457,7 @@ def test_a_host_asked_at_run_time_is_reached_after_approve_and_refused_after_den
     assert done["state"] == "done", done
     out = g.output(task["id"])
     assert out[0] == f"dns ask.test rcode=0 addr={WEB}", out      # the held query, answered
-    assert out[1] == f"hello from {WEB}", out
+    assert out[1] == f"hello from {WEB}:80", out
     assert out[2] == "dns deny.test rcode=3 addr=-", out           # NXDOMAIN
     assert out[3] == "getent 2", out                               # from then on, no asking
     log = g.log(task["id"])
@@ -631,11 +465,11 @@ def test_a_host_asked_at_run_time_is_reached_after_approve_and_refused_after_den
     refusals = [e for e in log if e["type"] == "dns" and e.get("name") == "deny.test"
                 and e.get("allowed") is False]
     assert refusals and all(e["reason"] == "not that one" for e in refusals)
-    assert len(approvals(g, task=task["id"])) == 2   # one per name, whatever the retries
+    assert len(g.approvals(task=task["id"])) == 2   # one per name, whatever the retries
 
 
-def test_always_for_a_host_grants_later_tasks_of_the_workspace_only(gn: Gurtd) -> None:
-    g = gn
+def test_always_for_a_host_grants_later_tasks_of_the_workspace_only(net_gurtd: Gurtd) -> None:
+    g = net_gurtd
     g.api("POST", "/api/workspaces", {"name": "elsewhere"})
     first = g.create(dns_probe("team.test"), askHosts=True)
     asked = host_approval(g, first["id"], "team.test")
@@ -650,16 +484,16 @@ def test_always_for_a_host_grants_later_tasks_of_the_workspace_only(gn: Gurtd) -
     # a later task of home, without askHosts or hosts: granted by the policy, nobody asked
     later = g.run(fetch("team.test") + "\ngetent hosts later.test; echo getent $?")
     assert later["state"] == "done"
-    assert g.output(later["id"]) == [f"hello from {WEB}", "getent 2"]
-    assert approvals(g, task=later["id"]) == []
+    assert g.output(later["id"]) == [f"hello from {WEB}:80", "getent 2"]
+    assert g.approvals(task=later["id"]) == []
     assert any(e.get("policy") == policy_id for e in g.log(later["id"]))
     # outside the workspace the name is refused as before
     away = g.run("getent hosts team.test; echo getent $?", workspace="elsewhere")
-    assert g.output(away["id"]) == ["getent 2"] and approvals(g, task=away["id"]) == []
+    assert g.output(away["id"]) == ["getent 2"] and g.approvals(task=away["id"]) == []
 
 
-def test_a_policy_never_grants_a_name_that_resolves_to_loopback(gn: Gurtd) -> None:
-    g = gn
+def test_a_policy_never_grants_a_name_that_resolves_to_loopback(net_gurtd: Gurtd) -> None:
+    g = net_gurtd
     g.api("POST", "/api/policies", {"tool": "host", "scope": "box", "host": "loop.test"},
           status=201)
     task = g.run(dns_probe("loop.test") + "\n" + fetch("loop.test"), askHosts=True)
@@ -668,20 +502,19 @@ def test_a_policy_never_grants_a_name_that_resolves_to_loopback(gn: Gurtd) -> No
     assert "hello" not in out[1]
     refused = [e for e in g.log(task["id"]) if e["type"] == "dns" and e.get("refused")]
     assert refused and "loopback" in refused[0]["refused"][0]
-    assert approvals(g, task=task["id"]) == []
+    assert g.approvals(task=task["id"]) == []
 
 
 @pytest.mark.parametrize("kill", [False, True], ids=["stopped", "killed"])
-def test_a_restart_while_a_host_is_asked_denies_it(gn: Gurtd, kill: bool) -> None:
-    g = gn
+def test_a_restart_while_a_host_is_asked_denies_it(net_gurtd: Gurtd, kill: bool) -> None:
+    g = net_gurtd
     task = g.create(dns_probe("restart.test"), askHosts=True)
     asked = host_approval(g, task["id"], "restart.test")
     g.restart(kill=kill)
     after = g.api("GET", f"/api/approvals/{asked['id']}")
     assert after["state"] == "denied" and after["answeredBy"] == "restart", after
     assert g.task(task["id"])["state"] == "failed"
-    code, data, _ = g.request("POST", f"/api/approvals/{asked['id']}/approve")
-    assert code == 409, data
+    g.api("POST", f"/api/approvals/{asked['id']}/approve", status=409)
 
 
 FLOOD = r'''
@@ -706,17 +539,17 @@ print("nxdomain", nx)
 '''
 
 
-def test_a_task_asking_for_a_flood_of_names_asks_a_bounded_number(gn: Gurtd) -> None:
-    g = gn
+def test_a_task_asking_for_a_flood_of_names_asks_a_bounded_number(net_gurtd: Gurtd) -> None:
+    g = net_gurtd
     code = base64.b64encode(FLOOD.encode()).decode()
     task = g.create(f"python3 -c 'import base64;exec(base64.b64decode(\"{code}\"))'\nsleep 60",
                     askHosts=True)
     out = eventually(lambda: g.output(task["id"]), 60, "the flood's count")
-    asked = approvals(g, state="pending", task=task["id"])
+    asked = g.approvals(state="pending", task=task["id"])
     assert len(asked) == G.MAX_PENDING_APPROVALS, len(asked)
     assert out == [f"nxdomain {100 - G.MAX_PENDING_APPROVALS}"], out   # the rest, at once
     assert any("not asked" in (e.get("reason") or "") for e in g.log(task["id"]))
     g.api("POST", f"/api/tasks/{task['id']}/stop")
-    stopped = approvals(g, task=task["id"])
+    stopped = g.approvals(task=task["id"])
     assert len(stopped) == G.MAX_PENDING_APPROVALS
     assert all(a["state"] == "denied" and a["answeredBy"] == "stop" for a in stopped)

@@ -15,44 +15,24 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 
-from conftest import GURTD, ROOT, Gurtd, eventually, make_home, remove_home
-
 import gurtd as G
+from conftest import (GURTD, ROOT, SONNET, Gurtd, droid_events, droid_stand_in, eventually,
+                      running_gurtd)
 
 AUTH_ERROR = ("Error: Authentication failed. Please log in using /login or set a valid "
               "FACTORY_API_KEY environment variable.")
-FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures",
-                       "droid-stream.json")
-SONNET = G.DEFAULT_DROID_PRICES["claude-sonnet-5"]
-
-
-def fixture() -> dict[str, Any]:
-    with open(FIXTURE) as f:
-        return json.load(f)
-
-
-def events(part: str) -> list[dict[str, Any]]:
-    return fixture()[part]["events"]
 
 
 @pytest.fixture
-def droid_gurtd() -> Iterator[Gurtd]:
+def droid_gurtd(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gurtd]:
     """A gurtd whose environment holds no FACTORY_API_KEY."""
-    saved = os.environ.pop("FACTORY_API_KEY", None)
-    g = Gurtd(make_home())
-    try:
-        g.start()
+    monkeypatch.delenv("FACTORY_API_KEY", raising=False)
+    with running_gurtd() as g:
         yield g
-    finally:
-        if g.proc is not None:
-            g.stop()
-        remove_home(g.home)
-        if saved is not None:
-            os.environ["FACTORY_API_KEY"] = saved
 
 
 def test_make_installed_the_pinned_cli() -> None:
@@ -85,8 +65,7 @@ def test_a_droid_task_with_no_key_fails_with_the_clis_own_error(droid_gurtd: Gur
 def test_the_model_setting_reaches_the_cli_and_a_wrong_one_is_refused(
         droid_gurtd: Gurtd) -> None:
     g = droid_gurtd
-    code, body, _ = g.request("PUT", "/api/settings", {"droidModel": "claude-no-such-model"})
-    assert code == 400
+    body = g.api("PUT", "/api/settings", {"droidModel": "claude-no-such-model"}, status=400)
     assert "claude-no-such-model" in body["error"] and "claude-sonnet-5" in body["error"]
     assert g.api("GET", "/api/settings")["droidModel"] == G.DEFAULT_DROID_MODEL
     g.api("PUT", "/api/settings", {"droidModel": "claude-opus-5", "droidAutonomy": "medium"})
@@ -124,14 +103,16 @@ def test_the_key_never_shows_in_the_task_its_log_the_list_or_the_view(
 
 # the stream: pure ###############################################################################
 
+@pytest.mark.pure
 def test_steps_come_from_tool_calls_and_assistant_messages() -> None:
-    steps = [G.droid_step(e) for e in events("documented") + events("recorded")]
+    steps = [G.droid_step(e) for e in droid_events("documented") + droid_events("recorded")]
     assert steps == [None, "I will run the test suite.", "Execute: npm test", None,
                      "Edit: src/app.js", None, None, None, None, None]
 
 
+@pytest.mark.pure
 def test_usage_is_priced_per_million_tokens() -> None:
-    completion = next(e for e in events("documented") if e["type"] == "completion")
+    completion = next(e for e in droid_events("documented") if e["type"] == "completion")
     cents = G.usage_cents(completion["usage"], SONNET)
     assert cents == pytest.approx(1_000_000 * 300 / 1e6 + 100_000 * 1500 / 1e6 +
                                   200_000 * 30 / 1e6 + 40_000 * 375 / 1e6)
@@ -143,42 +124,17 @@ def test_usage_is_priced_per_million_tokens() -> None:
 
 # the stream through a real task: a stand-in CLI that prints the fixture's events ###############
 
-def stand_in(directory: str, lines: list[str], after_usage: str) -> str:
-    """An executable that prints these stream-json lines, then (after the usage line, when a
-    person may have paused it) does after_usage and prints the rest."""
-    path = os.path.join(directory, "droid")
-    body = ["#!/bin/sh"]
-    for line in lines:
-        body.append("printf '%s\\n' " + shlex.quote(line))
-        if '"token_usage_update"' in line:
-            body.append("sleep 1")
-            body.append(after_usage)
-    with open(path, "w") as f:
-        f.write("\n".join(body) + "\n")
-    os.chmod(path, 0o755)
-    os.chmod(directory, 0o755)
-    return path
-
-
 @pytest.fixture
 def replaying_gurtd() -> Iterator[tuple[Gurtd, str]]:
     directory = tempfile.mkdtemp(prefix="gurt-test-droid-", dir="/var/tmp")
-    lines = [json.dumps(e) for e in events("documented")]
-    path = stand_in(directory, lines, "echo resumed > resumed.txt")
-    g = Gurtd(make_home())
+    lines = [json.dumps(e) for e in droid_events("documented")]
+    path = droid_stand_in(directory, lines, "echo resumed > resumed.txt")
     try:
-        g.start()
-        g.api("PUT", "/api/settings", {"droidPath": path})
-        yield g, path
+        with running_gurtd() as g:
+            g.api("PUT", "/api/settings", {"droidPath": path})
+            yield g, path
     finally:
-        if g.proc is not None:
-            g.stop()
-        remove_home(g.home)
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def pending(g: Gurtd, task_id: str) -> list[dict[str, Any]]:
-    return g.api("GET", f"/api/approvals?state=pending&task={task_id}")
 
 
 def test_the_stream_sets_step_summary_cost_and_logs_every_event(
@@ -190,10 +146,10 @@ def test_the_stream_sets_step_summary_cost_and_logs_every_event(
     assert done["state"] == "done", done
     assert done["summary"] == "All tests pass."
     assert done["step"] == "Edit: src/app.js"
-    completion = next(e for e in events("documented") if e["type"] == "completion")
+    completion = next(e for e in droid_events("documented") if e["type"] == "completion")
     assert done["costCents"] == pytest.approx(G.usage_cents(completion["usage"], SONNET))
     logged = [e["event"] for e in g.log(task["id"]) if e["type"] == "event"]
-    assert logged == events("documented")          # unknown kinds too, as they are
+    assert logged == droid_events("documented")          # unknown kinds too, as they are
 
 
 def paused(pid: int) -> bool:
@@ -215,7 +171,7 @@ def test_a_budget_pause_stops_every_process_until_approved(
     g, _ = replaying_gurtd
     task = g.api("POST", "/api/tasks", {"title": "pause", "prompt": "go", "budgetCents": 50},
                  status=201)
-    approval = eventually(lambda: pending(g, task["id"]))[0]
+    approval = eventually(lambda: g.approvals(state="pending", task=task["id"]))[0]
     assert approval["kind"] == "budget" and approval["tool"] == "model"
     assert g.task(task["id"])["state"] == "waiting"
     assert g.task(task["id"])["costCents"] == pytest.approx(93)
@@ -225,7 +181,7 @@ def test_a_budget_pause_stops_every_process_until_approved(
     assert g.worker_pids(task) and all(paused(pid) for pid in g.worker_pids(task))
     g.api("POST", f"/api/approvals/{approval['id']}/approve")
     # on it goes, up to one more budget: the completion's usage (471) passes 93 + 50 again
-    second = eventually(lambda: pending(g, task["id"]))[0]
+    second = eventually(lambda: g.approvals(state="pending", task=task["id"]))[0]
     assert second["id"] != approval["id"]
     assert os.path.exists(marker)
     g.api("POST", f"/api/approvals/{second['id']}/approve")
@@ -237,7 +193,7 @@ def test_a_denied_budget_fails_the_task(replaying_gurtd: tuple[Gurtd, str]) -> N
     g, _ = replaying_gurtd
     task = g.api("POST", "/api/tasks", {"title": "deny", "prompt": "go", "budgetCents": 50},
                  status=201)
-    approval = eventually(lambda: pending(g, task["id"]))[0]
+    approval = eventually(lambda: g.approvals(state="pending", task=task["id"]))[0]
     g.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": "too dear"})
     done = g.wait(task["id"], timeout=30)
     assert done["state"] == "failed"
@@ -257,8 +213,7 @@ def test_a_stuck_worker_times_out(replaying_gurtd: tuple[Gurtd, str]) -> None:
 # gurtd mcp ######################################################################################
 
 def test_the_mcp_server_lists_and_calls_exactly_the_tasks_tools(gurtd: Gurtd) -> None:
-    g = gurtd
-    g.api("PUT", "/api/wallet", {"balanceCents": 100})
+    gurtd.api("PUT", "/api/wallet", {"balanceCents": 100})
     messages = [
         {"jsonrpc": "2.0", "id": 1, "method": "initialize",
          "params": {"protocolVersion": "2025-06-18", "capabilities": {},
@@ -272,9 +227,9 @@ def test_the_mcp_server_lists_and_calls_exactly_the_tasks_tools(gurtd: Gurtd) ->
         {"jsonrpc": "2.0", "id": 5, "method": "nonsense"},
     ]
     script = "printf '%s\\n' " + " ".join(shlex.quote(json.dumps(m)) for m in messages)
-    task = g.run(f"{script} | gurtd mcp", tools=["wallet.pay"], budgetCents=1000)
+    task = gurtd.run(f"{script} | gurtd mcp", tools=["wallet.pay"], budgetCents=1000)
     assert task["state"] == "done", task
-    replies = {r["id"]: r for r in map(json.loads, g.output(task["id"]))}
+    replies = {r["id"]: r for r in map(json.loads, gurtd.output(task["id"]))}
     assert sorted(replies) == [1, 2, 3, 4, 5]      # no reply to the notification
     assert replies[1]["result"]["serverInfo"]["name"] == "gurtd"
     assert "tools" in replies[1]["result"]["capabilities"]
@@ -286,8 +241,8 @@ def test_the_mcp_server_lists_and_calls_exactly_the_tasks_tools(gurtd: Gurtd) ->
     refused = replies[4]["error"]           # an ungranted tool: a JSON-RPC error (issue 12)
     assert refused["code"] == -32602 and "not granted" in refused["message"]
     assert replies[5]["error"]["code"] == -32601
-    assert g.api("GET", "/api/wallet")["balanceCents"] == 93
-    assert g.task(task["id"])["costCents"] == 7
+    assert gurtd.api("GET", "/api/wallet")["balanceCents"] == 93
+    assert gurtd.task(task["id"])["costCents"] == 7
 
 
 def test_the_mcp_server_answers_on_stdio_outside_a_task_too() -> None:

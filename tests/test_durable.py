@@ -10,123 +10,26 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import gurtd as G
-from conftest import GURTD, ROOT, Gurtd, eventually, make_home, remove_home
+from conftest import (GURTD, ROOT, Gurtd, clean_env, eventually, gurtd_on_small_disk, make_home,
+                      nft_table, passwd_names, pay_line, remove_home, running_gurtd,
+                      small_disk_made)
 
 
 # helpers #####################################################################################
 
-class SmallDisk:
-    """A 32 MiB ext4 image, loop-mounted; BOX_HOME lives on it, gurtd's own log beside it."""
-
-    def __init__(self, base: str, size_mb: int = 32) -> None:
-        self.base = base
-        self.image = os.path.join(base, "disk.img")
-        self.mnt = os.path.join(base, "mnt")
-        self.home = os.path.join(self.mnt, "box")
-        self.filler = os.path.join(self.mnt, "filler")
-        self.loop = ""
-        with open(self.image, "wb") as f:
-            f.truncate(size_mb << 20)
-        subprocess.run(["mkfs.ext4", "-q", "-m", "0", "-F", self.image], check=True)
-        self.loop = subprocess.run(["losetup", "--find", "--show", self.image], check=True,
-                                   capture_output=True, text=True).stdout.strip()
-        try:
-            os.mkdir(self.mnt)
-            subprocess.run(["mount", "-t", "ext4", self.loop, self.mnt], check=True)
-        except BaseException:
-            subprocess.run(["losetup", "-d", self.loop], check=False)
-            raise
-
-    def fill(self, leave: int = 0) -> None:
-        """Fill the file system to the last block, then give back `leave` bytes."""
-        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            for chunk in (1 << 20, 1 << 16, 4096, 512, 1):
-                while True:
-                    try:
-                        if os.write(fd, b"\0" * chunk) < chunk:
-                            continue
-                    except OSError as exc:
-                        assert exc.errno == errno.ENOSPC, exc
-                        break
-            os.fsync(fd)
-            size = os.fstat(fd).st_size
-            os.ftruncate(fd, max(0, size - leave))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def free(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.filler)
-        os.sync()
-
-    def close(self) -> None:
-        if subprocess.run(["umount", self.mnt], check=False).returncode != 0:
-            subprocess.run(["umount", "-l", self.mnt], check=False)   # busy: detach it
-        if self.loop:
-            subprocess.run(["losetup", "-d", self.loop], check=False)
-
-
-@contextlib.contextmanager
-def gurtd_on_small_disk(env: dict[str, str] | None = None) -> Iterator[tuple[Gurtd, SmallDisk]]:
-    """A gurtd whose BOX_HOME is a small file system; everything removed afterwards."""
-    base = tempfile.mkdtemp(prefix="gurt-test-", dir="/var/tmp")
-    disk = None
-    g = None
-    try:
-        disk = SmallDisk(base)
-        g = Gurtd(disk.home, env)
-        g.log_path = os.path.join(base, "gurtd.log")   # not on the disk that fills up
-        g.start()
-        yield g, disk
-    finally:
-        if g is not None and g.proc is not None:
-            g.stop(signal.SIGKILL)
-        try:
-            if disk is not None:
-                disk.free()
-                if g is not None:       # what a killed gurtd left: users, mounts, a table
-                    cleanup_box(disk.home)
-        finally:                        # even if that start fails: never leave the mount
-            if disk is not None:
-                disk.close()
-            shutil.rmtree(base, ignore_errors=True)
-
-
-def cleanup_box(home: str) -> None:
-    """Start and stop a gurtd on home once more: reconcile removes a dead one's leftovers."""
-    g = Gurtd(home)
-    g.log_path = os.path.join(os.path.dirname(os.path.dirname(home)), "gurtd.log")
-    g.start()
-    assert g.stop() == 0
-
-
-def table_name(home: str) -> str:
-    return "gurt_" + hashlib.sha1(os.path.abspath(home).encode()).hexdigest()[:8]
-
-
 def nft_tables() -> str:
     return subprocess.run(["nft", "list", "tables"], capture_output=True, text=True,
                           check=True).stdout
-
-
-def passwd_names() -> set[str]:
-    with open("/etc/passwd") as f:
-        return {line.split(":")[0] for line in f}
 
 
 def task_file(g: Gurtd, task_id: str) -> dict[str, Any] | None:
@@ -137,20 +40,12 @@ def task_file(g: Gurtd, task_id: str) -> dict[str, Any] | None:
         return None
 
 
-def states_in_log(g: Gurtd, task_id: str) -> list[str]:
-    return [e["state"] for e in g.log(task_id) if e["type"] == "state"]
-
-
 def wait_exit(g: Gurtd, timeout: float = 30.0) -> int:
     """gurtd died on its own (a crash point): its exit code, and g forgets the process."""
     assert g.proc is not None
     code = g.proc.wait(timeout=timeout)
     g.proc = None
     return code
-
-
-def pay_line(to: str, cents: Any) -> str:
-    return f"gurtd tool wallet.pay '{json.dumps({'to': to, 'cents': cents})}'"
 
 
 def lock_holders(path: str) -> list[int]:
@@ -171,14 +66,12 @@ def lock_holders(path: str) -> list[int]:
     return sorted(holders)
 
 
+def serve_env() -> dict[str, str]:
+    return clean_env(GURT_DNS_UPSTREAM="127.0.0.1:9")      # the tests' nameserver: nothing
+
+
 def serve_argv(home: str, listen: str) -> list[str]:
     return [sys.executable, GURTD, "serve", "--box-home", home, "--listen", listen]
-
-
-def serve_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("BOX_HOME", "GURT_TOKEN")}
-    env["GURT_DNS_UPSTREAM"] = "127.0.0.1:9"
-    return env
 
 
 # 1. a full disk ##############################################################################
@@ -257,7 +150,7 @@ def test_kill_9_then_a_start_on_a_full_disk_works_and_says_what_it_could_not_do(
         assert f"reconcile: could not save task {task['id']}" in text, text
         assert task["user"] not in passwd_names()
         assert not set(pids) & set(G.processes_by_uid({uid}).get(uid, []))
-        assert table_name(g.home) in nft_tables()
+        assert nft_table(g.home) in nft_tables()
         sock = os.path.join(g.home, "run", "broker.sock")
         assert os.path.exists(sock)
 
@@ -270,7 +163,7 @@ def test_kill_9_then_a_start_on_a_full_disk_works_and_says_what_it_could_not_do(
         disk.fill()
         assert g.stop() == 0                    # SIGTERM on a full disk
         assert running["user"] not in passwd_names()
-        assert table_name(g.home) not in nft_tables()
+        assert nft_table(g.home) not in nft_tables()
         assert not os.path.exists(sock)
         disk.free()
 
@@ -281,10 +174,7 @@ def test_a_payment_is_never_missing_from_its_task_log_after_kill_9() -> None:
     """gurtd dies (kill -9, a test hook) right after a payment's ledger line is synced and
     before the task's log line.  The next start writes the missing line from the ledger,
     with the same call id, and counts the cost in the task."""
-    home = make_home()
-    g = Gurtd(home, {"GURT_TEST_CRASH_AT": "after-ledger"})
-    try:
-        g.start()
+    with running_gurtd({"GURT_TEST_CRASH_AT": "after-ledger"}) as g:
         g.api("PUT", "/api/wallet", {"balanceCents": 1000})
         task = g.create(pay_line("erin", 25) + "\necho paid", tools=["wallet.pay"],
                         budgetCents=100)
@@ -323,20 +213,13 @@ def test_a_payment_is_never_missing_from_its_task_log_after_kill_9() -> None:
                  if e.get("task") == asked["id"]][0]
         assert [e["call"] for e in g.log(asked["id"]) if e["type"] == "tool"] == [entry["call"]]
         assert g.stop() == 0
-    finally:
-        if g.proc is not None:
-            g.stop(signal.SIGKILL)
-        remove_home(home)
 
 
 def test_a_task_reported_done_stays_done_across_kill_9() -> None:
     """A task is done; gurtd is killed (-9) right after the done state reaches the disk and
     before it is logged.  After the restart the task is still done, and a task seen done
     through the API stays done across another kill -9."""
-    home = make_home()
-    g = Gurtd(home, {"GURT_TEST_CRASH_AT": "after-saving-done"})
-    try:
-        g.start()
+    with running_gurtd({"GURT_TEST_CRASH_AT": "after-saving-done"}) as g:
         task = g.create("echo kept > kept.txt\necho kept")
         assert wait_exit(g) == 137
         g.env = {}
@@ -351,12 +234,8 @@ def test_a_task_reported_done_stays_done_across_kill_9() -> None:
         g.restart(kill=True)
         again = g.task(seen["id"])
         assert again["state"] == "done" and again["updatedAt"] == seen["updatedAt"]
-        assert states_in_log(g, seen["id"]) == ["queued", "running", "done"]
+        assert g.states(seen["id"]) == ["queued", "running", "done"]
         assert g.stop() == 0
-    finally:
-        if g.proc is not None:
-            g.stop(signal.SIGKILL)
-        remove_home(home)
 
 
 def test_temp_files_of_a_crashed_run_are_removed_at_start() -> None:
@@ -405,10 +284,8 @@ def test_a_second_gurtd_on_the_same_box_home_exits_at_once_and_changes_nothing()
     BOX_HOME exits at once with a clear message; the first one's task, user, broker socket
     and nftables table are untouched: the task, answered, pays through the broker and ends
     done."""
-    home = make_home()
-    g = Gurtd(home)
-    try:
-        g.start()
+    with running_gurtd() as g:
+        home = g.home
         g.api("PUT", "/api/wallet", {"balanceCents": 100})
         task = g.create("gurtd tool ask '{\"question\": \"go?\"}'\n" + pay_line("gina", 3),
                         tools=["ask", "wallet.pay"], budgetCents=10, hosts=["example.com"])
@@ -425,7 +302,7 @@ def test_a_second_gurtd_on_the_same_box_home_exits_at_once_and_changes_nothing()
         assert second.returncode == 1, second
         assert f"another gurtd (pid {g.proc.pid}) runs on BOX_HOME {home}" in second.stderr
         assert os.stat(sock).st_ino == inode
-        assert table_name(home) in nft_tables()
+        assert nft_table(home) in nft_tables()
         assert G.task_users().get(task["user"]) == uid     # other tests' users come and go
         assert g.task(task["id"])["state"] == "waiting"
         g.api("POST", f"/api/approvals/{pending[0]['id']}/answer", {"answer": "yes"})
@@ -433,10 +310,6 @@ def test_a_second_gurtd_on_the_same_box_home_exits_at_once_and_changes_nothing()
         assert done["state"] == "done", (done, g.log(task["id"]))
         assert done["costCents"] == 3
         assert g.stop() == 0
-    finally:
-        if g.proc is not None:
-            g.stop(signal.SIGKILL)
-        remove_home(home)
 
 
 def test_a_start_on_a_port_in_use_fails_and_leaves_nothing_behind() -> None:
@@ -452,7 +325,7 @@ def test_a_start_on_a_port_in_use_fails_and_leaves_nothing_behind() -> None:
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 1, proc
         assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in proc.stderr
-        assert table_name(home) not in nft_tables()
+        assert nft_table(home) not in nft_tables()
         assert not os.path.exists(os.path.join(home, "run", "broker.sock"))
         g = Gurtd(home)
         g.start()
@@ -469,10 +342,7 @@ def test_an_error_while_handling_a_task_fails_that_task_only() -> None:
     """A worker line makes its handler raise (GURT_TEST_RAISE_ON_OUTPUT, a test-only hook
     standing for any bug): that task fails with the error in its log, its processes go, the
     traceback is in gurtd's log, and gurtd goes on serving the other tasks."""
-    home = make_home()
-    g = Gurtd(home, {"GURT_TEST_RAISE_ON_OUTPUT": "boom-line"})
-    try:
-        g.start()
+    with running_gurtd({"GURT_TEST_RAISE_ON_OUTPUT": "boom-line"}) as g:
         other = g.create("sleep 2\necho other")
         bad = g.run("echo before\necho boom-line\nsleep 30")
         assert bad["state"] == "failed", bad
@@ -486,32 +356,15 @@ def test_an_error_while_handling_a_task_fails_that_task_only() -> None:
         assert g.wait(other["id"])["state"] == "done"
         assert g.run("echo after")["state"] == "done"
         assert g.stop() == 0
-    finally:
-        if g.proc is not None:
-            g.stop(signal.SIGKILL)
-        remove_home(home)
 
 
 # 5. the writes themselves ####################################################################
-
-@contextlib.contextmanager
-def small_disk() -> Iterator[SmallDisk]:
-    base = tempfile.mkdtemp(prefix="gurt-test-", dir="/var/tmp")
-    disk = None
-    try:
-        disk = SmallDisk(base, size_mb=8)
-        yield disk
-    finally:
-        if disk is not None:
-            disk.close()
-        shutil.rmtree(base, ignore_errors=True)
-
 
 def test_writes_on_a_full_disk_fail_whole_and_leave_the_old_files_as_they_were() -> None:
     """A state file, a log line, a ledger line and an account file meet a nearly full disk:
     each write raises ENOSPC, no temp file stays, and every file keeps its old bytes (no
     truncated state file renamed into place, no half line glued to the next one)."""
-    with small_disk() as disk:
+    with small_disk_made(size_mb=8) as disk:
         state = os.path.join(disk.mnt, "task.json")
         G.write_json(state, {"state": "done"})
         logfile = os.path.join(disk.mnt, "log.jsonl")
@@ -571,10 +424,7 @@ def test_an_error_that_belongs_to_no_task_is_logged_and_gurtd_keeps_serving() ->
     every turn of the loop: the error is logged once as the spawner being gone, gurtd keeps
     answering, a new task fails with a clear error instead of hanging, and SIGTERM stops
     gurtd cleanly."""
-    home = make_home()
-    g = Gurtd(home)
-    try:
-        g.start()
+    with running_gurtd() as g:
         assert g.proc is not None
         spawner = children(g.proc.pid)
         assert len(spawner) == 1, spawner
@@ -587,10 +437,6 @@ def test_an_error_that_belongs_to_no_task_is_logged_and_gurtd_keeps_serving() ->
         assert task["error"].startswith("could not start: "), task
         assert g.log_text().count(gone) == 1               # once, not on every turn
         assert g.stop() == 0
-    finally:
-        if g.proc is not None:
-            g.stop(signal.SIGKILL)
-        remove_home(home)
 
 
 def test_a_replaced_file_keeps_its_mode_and_owner_whatever_gurtd_s_umask(tmp_path) -> None:

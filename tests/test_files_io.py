@@ -12,24 +12,16 @@ import os
 import pwd
 import socket
 import stat
-import subprocess
-import sys
 import tarfile
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
-from conftest import GURTD, Gurtd, running_gurtd
+from conftest import Gurtd, SmallDisk, running_gurtd
 
 STORE = "gurt-store"
-
-
-@pytest.fixture(scope="module")
-def g() -> Iterator[Gurtd]:
-    """One gurtd for the module: each story uses a workspace of its own."""
-    with running_gurtd() as box:
-        yield box
+SHARED_GURTD = True
 
 
 _made = [0]
@@ -59,6 +51,16 @@ def tar_bytes(*members: tuple[tarfile.TarInfo, bytes], gz: bool = False) -> byte
     return buf.getvalue()
 
 
+def gzipped(header: tarfile.TarInfo, fmt: int, fill: bytes) -> bytes:
+    """A tar header and then header.size bytes of fill, gzipped: a few kilobytes."""
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb") as gz:
+        gz.write(header.tobuf(format=fmt))
+        for _ in range(header.size >> 20):
+            gz.write(fill * (1 << 20))
+    return buf.getvalue()
+
+
 def upload(g: Gurtd, ws: str, data: bytes) -> tuple[int, Any, dict[str, str]]:
     return g.request("POST", f"/api/workspaces/{ws}/upload", raw=data,
                      headers={"Content-Type": "application/x-tar"})
@@ -77,67 +79,67 @@ def box_state(g: Gurtd) -> tuple[Any, ...]:
 
 # A file in, a task on it, the upload undone ##################################################
 
-def test_a_put_file_is_a_layer_a_task_builds_on_and_undo_takes_it_out(g: Gurtd) -> None:
-    ws = workspace(g)
-    status, task, _ = g.request("PUT", f"/api/workspaces/{ws}/files/notes/todo.txt",
-                                raw=b"buy milk\n",
-                                headers={"Content-Type": "application/octet-stream"})
+def test_a_put_file_is_a_layer_a_task_builds_on_and_undo_takes_it_out(gurtd: Gurtd) -> None:
+    ws = workspace(gurtd)
+    status, task, _ = gurtd.request("PUT", f"/api/workspaces/{ws}/files/notes/todo.txt",
+                                    raw=b"buy milk\n",
+                                    headers={"Content-Type": "application/octet-stream"})
     assert status == 201, task
     assert (task["worker"], task["source"], task["state"]) == ("upload", "api", "done")
-    assert g.file(ws, "notes/todo.txt") == b"buy milk\n"
+    assert gurtd.file(ws, "notes/todo.txt") == b"buy milk\n"
     # on disk it belongs to the store user, like what a task writes
-    upper = os.path.join(g.home, "layers", task["id"], "upper")
+    upper = os.path.join(gurtd.home, "layers", task["id"], "upper")
     store = pwd.getpwnam(STORE)
     for path in (os.path.join(upper, "notes"), os.path.join(upper, "notes", "todo.txt")):
         st = os.lstat(path)
         assert (st.st_uid, st.st_gid) == (store.pw_uid, store.pw_gid), path
-    assert g.api("GET", f"/api/tasks/{task['id']}/changes") == [
+    assert gurtd.api("GET", f"/api/tasks/{task['id']}/changes") == [
         {"path": "notes/", "change": "added"}, {"path": "notes/todo.txt", "change": "added"}]
     # a task sees the file as its own and changes it
-    t = g.run("cat notes/todo.txt\necho 'buy bread' >> notes/todo.txt", workspace=ws)
-    assert t["state"] == "done", g.log(t["id"])
+    t = gurtd.run("cat notes/todo.txt\necho 'buy bread' >> notes/todo.txt", workspace=ws)
+    assert t["state"] == "done", gurtd.log(t["id"])
     assert t["layers"] == [task["id"]]
-    assert g.output(t["id"]) == ["buy milk"]
-    assert g.file(ws, "notes/todo.txt") == b"buy milk\nbuy bread\n"
+    assert gurtd.output(t["id"]) == ["buy milk"]
+    assert gurtd.file(ws, "notes/todo.txt") == b"buy milk\nbuy bread\n"
     # undo the upload: the layer goes, the task's own copy stays (undo is per file)
-    assert g.api("POST", f"/api/tasks/{task['id']}/undo")["state"] == "undone"
-    assert not os.path.exists(os.path.join(g.home, "layers", task["id"]))
-    assert g.file(ws, "notes/todo.txt") == b"buy milk\nbuy bread\n"
-    assert g.api("POST", f"/api/tasks/{t['id']}/undo")["state"] == "undone"
-    assert g.file(ws, "notes/todo.txt") is None
+    assert gurtd.api("POST", f"/api/tasks/{task['id']}/undo")["state"] == "undone"
+    assert not os.path.exists(os.path.join(gurtd.home, "layers", task["id"]))
+    assert gurtd.file(ws, "notes/todo.txt") == b"buy milk\nbuy bread\n"
+    assert gurtd.api("POST", f"/api/tasks/{t['id']}/undo")["state"] == "undone"
+    assert gurtd.file(ws, "notes/todo.txt") is None
 
 
-def test_a_put_over_a_file_replaces_it_and_keeps_the_folder_mode(g: Gurtd) -> None:
-    ws = workspace(g)
-    g.run("mkdir -m 0700 private && echo old > private/a.txt", workspace=ws)
-    status, _, _ = g.request("PUT", f"/api/workspaces/{ws}/files/private/a.txt", raw=b"new")
+def test_a_put_over_a_file_replaces_it_and_keeps_the_folder_mode(gurtd: Gurtd) -> None:
+    ws = workspace(gurtd)
+    gurtd.run("mkdir -m 0700 private && echo old > private/a.txt", workspace=ws)
+    status, _, _ = gurtd.request("PUT", f"/api/workspaces/{ws}/files/private/a.txt", raw=b"new")
     assert status == 201
-    assert g.file(ws, "private/a.txt") == b"new"
-    top = g.api("GET", f"/api/workspaces/{ws}")
+    assert gurtd.file(ws, "private/a.txt") == b"new"
+    top = gurtd.api("GET", f"/api/workspaces/{ws}")
     assert top["layers"] == 2
-    newest = g.api("GET", "/api/tasks?limit=1")[0]
-    st = os.stat(os.path.join(g.home, "layers", newest["id"], "upper", "private"))
+    newest = gurtd.api("GET", "/api/tasks?limit=1")[0]
+    st = os.stat(os.path.join(gurtd.home, "layers", newest["id"], "upper", "private"))
     assert stat.S_IMODE(st.st_mode) == 0o700       # as the folder it lies over, like a copy-up
 
 
-def test_put_refuses_bad_places(g: Gurtd) -> None:
-    ws = workspace(g)
-    before = box_state(g)
+def test_put_refuses_bad_places(gurtd: Gurtd) -> None:
+    ws = workspace(gurtd)
+    before = box_state(gurtd)
     for path, status in ((f"/api/workspaces/{ws}/files/..%2f..%2fescape", 400),
                          (f"/api/workspaces/{ws}/files/a/%2e%2e/%2e%2e/escape", 400),
                          (f"/api/workspaces/{ws}/files/", 400),
                          ("/api/workspaces/nosuch/files/a.txt", 404),
                          (f"/api/workspaces/{ws}/files/" + "x" * 300, 400)):
-        got, data, _ = g.request("PUT", path, raw=b"data")
+        got, data, _ = gurtd.request("PUT", path, raw=b"data")
         assert got == status, (path, got, data)
         assert data["error"]
-    assert box_state(g) == before
+    assert box_state(gurtd) == before
 
 
 # An archive in and out ########################################################################
 
-def test_an_archive_lands_whole_and_round_trips(g: Gurtd) -> None:
-    ws = workspace(g)
+def test_an_archive_lands_whole_and_round_trips(gurtd: Gurtd) -> None:
+    ws = workspace(gurtd)
     data = tar_bytes(member("./", kind=tarfile.DIRTYPE, mode=0o755),
                      member("./src/", kind=tarfile.DIRTYPE, mode=0o750),
                      member("./src/main.py", b"print('hi')\n", mode=0o755),
@@ -145,55 +147,55 @@ def test_an_archive_lands_whole_and_round_trips(g: Gurtd) -> None:
                      member("./src/hard.py", kind=tarfile.LNKTYPE, linkname="src/main.py",
                             mode=0o755),
                      member("./docs/deep/readme.md", b"# docs\n"), gz=True)
-    status, task, _ = upload(g, ws, data)
+    status, task, _ = upload(gurtd, ws, data)
     assert status == 201, task
     assert task["summary"] == "3 files, 19 bytes"
-    assert g.file(ws, "src/main.py") == b"print('hi')\n"
-    assert g.file(ws, "docs/deep/readme.md") == b"# docs\n"
-    upper = os.path.join(g.home, "layers", task["id"], "upper")
+    assert gurtd.file(ws, "src/main.py") == b"print('hi')\n"
+    assert gurtd.file(ws, "docs/deep/readme.md") == b"# docs\n"
+    upper = os.path.join(gurtd.home, "layers", task["id"], "upper")
     assert os.readlink(os.path.join(upper, "src", "link.py")) == "main.py"
     assert os.stat(os.path.join(upper, "src", "hard.py")).st_ino == \
         os.stat(os.path.join(upper, "src", "main.py")).st_ino
     assert stat.S_IMODE(os.stat(os.path.join(upper, "src")).st_mode) == 0o750
     # out again: the whole view, then the task's own changes only
-    t = g.run("echo more > more.txt", workspace=ws)
-    got, body, headers = g.request("GET", f"/api/workspaces/{ws}/archive")
+    t = gurtd.run("echo more > more.txt", workspace=ws)
+    got, body, headers = gurtd.request("GET", f"/api/workspaces/{ws}/archive")
     assert got == 200 and headers["content-type"] == "application/gzip"
     names = archive_names(body)
     assert {"src", "src/main.py", "src/link.py", "docs/deep/readme.md", "more.txt"} <= \
         set(names)
     assert names["src/link.py"].issym() and names["src/link.py"].linkname == "main.py"
     assert names["src/main.py"].uid == 0 and names["src/main.py"].mode == 0o755
-    got, body, _ = g.request("GET", f"/api/tasks/{t['id']}/archive")
+    got, body, _ = gurtd.request("GET", f"/api/tasks/{t['id']}/archive")
     assert got == 200
     assert set(archive_names(body)) == {"more.txt"}
     # what came out goes back in: a second workspace gets the same files
-    ws2 = workspace(g)
-    got, _, _ = g.request("GET", f"/api/workspaces/{ws}/archive")
-    status, _, _ = upload(g, ws2, g.request("GET", f"/api/workspaces/{ws}/archive")[1])
+    ws2 = workspace(gurtd)
+    got, _, _ = gurtd.request("GET", f"/api/workspaces/{ws}/archive")
+    status, _, _ = upload(gurtd, ws2, gurtd.request("GET", f"/api/workspaces/{ws}/archive")[1])
     assert status == 201
-    assert g.file(ws2, "more.txt") == b"more\n" and g.file(ws2, "src/main.py")
+    assert gurtd.file(ws2, "more.txt") == b"more\n" and gurtd.file(ws2, "src/main.py")
 
 
-def test_an_archive_of_a_view_follows_no_link_and_skips_fifos(g: Gurtd) -> None:
-    ws = workspace(g)
-    t = g.run("ln -s /etc/shadow secrets\nmkfifo pipe\necho ok > ok.txt", workspace=ws)
-    assert t["state"] == "done", g.log(t["id"])
-    got, body, _ = g.request("GET", f"/api/workspaces/{ws}/archive")
+def test_an_archive_of_a_view_follows_no_link_and_skips_fifos(gurtd: Gurtd) -> None:
+    ws = workspace(gurtd)
+    t = gurtd.run("ln -s /etc/shadow secrets\nmkfifo pipe\necho ok > ok.txt", workspace=ws)
+    assert t["state"] == "done", gurtd.log(t["id"])
+    got, body, _ = gurtd.request("GET", f"/api/workspaces/{ws}/archive")
     assert got == 200
     names = archive_names(body)
     assert names["secrets"].issym() and names["secrets"].size == 0
     assert "pipe" not in names and "ok.txt" in names
 
 
-def test_a_task_still_going_has_no_archive_yet(g: Gurtd) -> None:
-    ws = workspace(g)
-    task = g.create("sleep 30", workspace=ws)
-    g.wait(task["id"], ("running",))
-    got, data, _ = g.request("GET", f"/api/tasks/{task['id']}/archive")
+def test_a_task_still_going_has_no_archive_yet(gurtd: Gurtd) -> None:
+    ws = workspace(gurtd)
+    task = gurtd.create("sleep 30", workspace=ws)
+    gurtd.wait(task["id"], ("running",))
+    got, data, _ = gurtd.request("GET", f"/api/tasks/{task['id']}/archive")
     assert got == 409 and data["code"] == "conflict", data
-    g.api("POST", f"/api/tasks/{task['id']}/stop")
-    got, data, _ = g.request("GET", "/api/tasks/t000000000/archive")
+    gurtd.api("POST", f"/api/tasks/{task['id']}/stop")
+    got, data, _ = gurtd.request("GET", "/api/tasks/t000000000/archive")
     assert got == 400 and data["error"] == "No task with this id"
 
 
@@ -221,44 +223,36 @@ ATTACKS = {
 
 
 @pytest.mark.parametrize("attack", ATTACKS)
-def test_a_hostile_member_is_refused_by_name_and_changes_nothing(g: Gurtd, attack: str) -> None:
+def test_a_hostile_member_is_refused_by_name_and_changes_nothing(gurtd: Gurtd,
+                                                                 attack: str) -> None:
     ws = "home"
     members, name = ATTACKS[attack]
-    before = box_state(g)
-    status, data, _ = upload(g, ws, tar_bytes(*members))
+    before = box_state(gurtd)
+    status, data, _ = upload(gurtd, ws, tar_bytes(*members))
     assert status == 400, data
     assert json.dumps(name) in data["error"], data
-    assert box_state(g) == before
+    assert box_state(gurtd) == before
     assert not os.path.lexists("/tmp/gurt-evil")
-    assert g.file(ws, "ok.txt") is None
+    assert gurtd.file(ws, "ok.txt") is None
 
 
-def test_bombs_and_junk_are_refused_in_bounded_time(g: Gurtd) -> None:
-    g.api("PUT", "/api/settings", {"uploadMaxBytes": 1 << 20})
+def test_bombs_and_junk_are_refused_in_bounded_time(gurtd: Gurtd) -> None:
+    gurtd.api("PUT", "/api/settings", {"uploadMaxBytes": 1 << 20})
     try:
-        before = box_state(g)
+        before = box_state(gurtd)
         # a member declaring far more than the cap, its zeros gzipped into a few kilobytes
         big = tarfile.TarInfo("zeros.bin")
         big.size = 64 << 20
-        buf = io.BytesIO()
-        with gzip.GzipFile(fileobj=buf, mode="wb") as gz:
-            gz.write(big.tobuf(format=tarfile.PAX_FORMAT))
-            for _ in range(64):
-                gz.write(bytes(1 << 20))
-        assert len(buf.getvalue()) < (1 << 20)
+        zeros = gzipped(big, tarfile.PAX_FORMAT, b"\0")
+        assert len(zeros) < (1 << 20)
         # a pax header of 64 MiB (tarfile would read it into memory whole)
         pax = tarfile.TarInfo("././@PaxHeader")
         pax.type, pax.size = tarfile.XHDTYPE, 64 << 20
-        paxbuf = io.BytesIO()
-        with gzip.GzipFile(fileobj=paxbuf, mode="wb") as gz:
-            gz.write(pax.tobuf(format=tarfile.USTAR_FORMAT))
-            for _ in range(64):
-                gz.write(b"9" * (1 << 20))
         deep = "/".join(["d"] * 600) + "/f"
         nested = gzip.compress(gzip.compress(tar_bytes(member("a.txt", b"a"))))
         many = tar_bytes(*[member(f"f{i}", b"x" * 20000) for i in range(60)], gz=True)
-        cases = {"declared size": (buf.getvalue(), "zeros.bin"),
-                 "pax header": (paxbuf.getvalue(), "PaxHeader"),
+        cases = {"declared size": (zeros, "zeros.bin"),
+                 "pax header": (gzipped(pax, tarfile.USTAR_FORMAT, b"9"), "PaxHeader"),
                  "deep": (tar_bytes(member(deep, b"x")), "longer than"),
                  "nested gzip": (nested, "not a tar archive"),
                  "many files": (many, "uploadMaxBytes"),
@@ -267,30 +261,30 @@ def test_bombs_and_junk_are_refused_in_bounded_time(g: Gurtd) -> None:
                  "no members": (tar_bytes(), "holds no files")}
         for case, (data, said) in cases.items():
             started = time.monotonic()
-            status, answer, _ = upload(g, "home", data)
+            status, answer, _ = upload(gurtd, "home", data)
             assert status == 400, (case, status, answer)
             assert said in answer["error"], (case, answer)
             assert time.monotonic() - started < 20, case
-        assert box_state(g) == before
+        assert box_state(gurtd) == before
         # a body over the cap is refused before it is read: 413, the connection closed
-        status, answer, headers = g.request("PUT", "/api/workspaces/home/files/big.bin",
-                                            raw=bytes((1 << 20) + 1))
+        status, answer, headers = gurtd.request("PUT", "/api/workspaces/home/files/big.bin",
+                                                raw=bytes((1 << 20) + 1))
         assert (status, answer["code"]) == (413, "too_large") and \
             headers.get("connection") == "close"
-        assert box_state(g) == before
+        assert box_state(gurtd) == before
     finally:
-        g.api("PUT", "/api/settings", {"uploadMaxBytes": 1 << 30})
-    assert g.proc is not None and g.proc.poll() is None
+        gurtd.api("PUT", "/api/settings", {"uploadMaxBytes": 1 << 30})
+    assert gurtd.proc is not None and gurtd.proc.poll() is None
 
 
-def test_an_upload_cut_short_leaves_nothing(g: Gurtd) -> None:
-    before = box_state(g)
+def test_an_upload_cut_short_leaves_nothing(gurtd: Gurtd) -> None:
+    before = box_state(gurtd)
     data = tar_bytes(member("half.bin", bytes(200_000)))
-    sock = socket.create_connection(("127.0.0.1", g.port), timeout=30)
+    sock = socket.create_connection(("127.0.0.1", gurtd.port), timeout=30)
     try:
         sock.sendall(b"POST /api/workspaces/home/upload HTTP/1.1\r\n"
                      b"Host: 127.0.0.1:%d\r\nAuthorization: Bearer %s\r\n"
-                     b"Content-Length: %d\r\n\r\n" % (g.port, g.token.encode(), len(data)))
+                     b"Content-Length: %d\r\n\r\n" % (gurtd.port, gurtd.token.encode(), len(data)))
         sock.sendall(data[:100_000])
         sock.shutdown(socket.SHUT_WR)         # the client stops sending in the middle
         answer = b""
@@ -300,7 +294,7 @@ def test_an_upload_cut_short_leaves_nothing(g: Gurtd) -> None:
         sock.close()
     assert answer.startswith(b"HTTP/1.1 400 "), answer
     assert b"the body ended early" in answer
-    assert box_state(g) == before
+    assert box_state(gurtd) == before
 
 
 def test_a_staging_folder_left_by_a_crash_is_removed_at_start() -> None:
@@ -314,85 +308,74 @@ def test_a_staging_folder_left_by_a_crash_is_removed_at_start() -> None:
 
 # The command line #############################################################################
 
-def cli(g: Gurtd, *args: str, cwd: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "GURT_TOKEN"}
-    env.update(BOX_HOME=g.home, GURT_LISTEN=f"127.0.0.1:{g.port}")
-    return subprocess.run([sys.executable, GURTD, *args], env=env, cwd=cwd,
-                          capture_output=True, text=True, timeout=60)
-
-
-def test_gurtd_put_and_get_a_folder_a_file_and_a_tasks_changes(g: Gurtd, tmp_path: Any) -> None:
-    ws = workspace(g)
+def test_gurtd_put_and_get_a_folder_a_file_and_a_tasks_changes(gurtd: Gurtd,
+                                                               tmp_path: Any) -> None:
+    ws = workspace(gurtd)
     src = tmp_path / "project"
     (src / "lib").mkdir(parents=True)
     (src / "lib" / "util.py").write_text("def f(): pass\n")
     (src / "README").write_text("read me\n")
-    put = cli(g, "put", ws, str(src), cwd=str(tmp_path))
+    put = gurtd.cli("put", ws, str(src), cwd=str(tmp_path))
     assert put.returncode == 0, put.stderr
     assert "2 files" in put.stdout and "gurtd undo t" in put.stdout
-    assert g.file(ws, "lib/util.py") == b"def f(): pass\n"
+    assert gurtd.file(ws, "lib/util.py") == b"def f(): pass\n"
     (tmp_path / "one.txt").write_text("one\n")
-    put = cli(g, "put", ws, "one.txt", "docs/one.txt", cwd=str(tmp_path))
+    put = gurtd.cli("put", ws, "one.txt", "docs/one.txt", cwd=str(tmp_path))
     assert put.returncode == 0, put.stderr
-    assert g.file(ws, "docs/one.txt") == b"one\n"
-    got = cli(g, "get", ws, "docs/one.txt", "-o", "-", cwd=str(tmp_path))
+    assert gurtd.file(ws, "docs/one.txt") == b"one\n"
+    got = gurtd.cli("get", ws, "docs/one.txt", "-o", "-", cwd=str(tmp_path))
     assert got.returncode == 0 and got.stdout == "one\n", got.stderr
-    got = cli(g, "get", ws, cwd=str(tmp_path))
+    got = gurtd.cli("get", ws, cwd=str(tmp_path))
     assert got.returncode == 0, got.stderr
     assert {"README", "lib/util.py", "docs/one.txt"} <= \
         set(archive_names((tmp_path / f"{ws}.tar.gz").read_bytes()))
-    last = g.api("GET", f"/api/tasks?workspace={ws}&limit=1")[0]
-    got = cli(g, "get", "--task", last["id"], "-o", "changes.tar.gz", cwd=str(tmp_path))
+    last = gurtd.api("GET", f"/api/tasks?workspace={ws}&limit=1")[0]
+    got = gurtd.cli("get", "--task", last["id"], "-o", "changes.tar.gz", cwd=str(tmp_path))
     assert got.returncode == 0, got.stderr
     assert set(archive_names((tmp_path / "changes.tar.gz").read_bytes())) == \
         {"docs", "docs/one.txt"}
     # errors say what is wrong, not an HTTP status
-    bad = cli(g, "put", "nosuch", "one.txt", cwd=str(tmp_path))
+    bad = gurtd.cli("put", "nosuch", "one.txt", cwd=str(tmp_path))
     assert bad.returncode == 1 and "no workspace named nosuch" in bad.stderr, bad.stderr
     assert "404" not in bad.stderr
     os.symlink("/etc/passwd", src / "passwd")
-    bad = cli(g, "put", ws, str(src), cwd=str(tmp_path))
+    bad = gurtd.cli("put", ws, str(src), cwd=str(tmp_path))
     assert bad.returncode == 1 and 'passwd"' in bad.stderr and "leaves" in bad.stderr, \
         bad.stderr
 
 
-def test_an_upload_never_hides_a_folder_a_file_or_a_link_of_the_workspace(g: Gurtd) -> None:
-    ws = workspace(g)
-    t = g.run("ln -s /etc docs\necho a > a.txt\nmkdir src && echo s > src/s.txt", workspace=ws)
-    assert t["state"] == "done", g.log(t["id"])
-    before = box_state(g)
+def test_an_upload_never_hides_a_folder_a_file_or_a_link_of_the_workspace(gurtd: Gurtd) -> None:
+    ws = workspace(gurtd)
+    t = gurtd.run("ln -s /etc docs\necho a > a.txt\nmkdir src && echo s > src/s.txt", workspace=ws)
+    assert t["state"] == "done", gurtd.log(t["id"])
+    before = box_state(gurtd)
     for data, where in ((tar_bytes(member("docs/x", b"through the link")), "docs"),
                         (tar_bytes(member("src", b"a file over a folder")), "src"),
                         (tar_bytes(member("a.txt/b", b"a folder over a file")), "a.txt")):
-        status, answer, _ = upload(g, ws, data)
+        status, answer, _ = upload(gurtd, ws, data)
         assert status == 409 and answer["error"].startswith(where + ":"), answer
-    status, answer, _ = g.request("PUT", f"/api/workspaces/{ws}/files/a.txt/b", raw=b"x")
+    status, answer, _ = gurtd.request("PUT", f"/api/workspaces/{ws}/files/a.txt/b", raw=b"x")
     assert status == 409 and answer["code"] == "conflict", answer
-    assert box_state(g) == before
-    assert g.file(ws, "src/s.txt") == b"s\n" and g.file(ws, "a.txt") == b"a\n"
+    assert box_state(gurtd) == before
+    assert gurtd.file(ws, "src/s.txt") == b"s\n" and gurtd.file(ws, "a.txt") == b"a\n"
     # a link over a link, a file over a file: replaced, as a task would
-    status, _, _ = upload(g, ws, tar_bytes(member("docs", kind=tarfile.SYMTYPE,
-                                                  linkname="src"), member("a.txt", b"A")))
+    status, _, _ = upload(gurtd, ws, tar_bytes(member("docs", kind=tarfile.SYMTYPE,
+                                                      linkname="src"), member("a.txt", b"A")))
     assert status == 201
-    assert g.file(ws, "a.txt") == b"A" and g.file(ws, "docs/s.txt") == b"s\n"
+    assert gurtd.file(ws, "a.txt") == b"A" and gurtd.file(ws, "docs/s.txt") == b"s\n"
 
 
-def test_an_upload_that_would_eat_the_disk_reserve_is_refused_with_507() -> None:
+def test_an_upload_that_would_eat_the_disk_reserve_is_refused_with_507(
+        small_disk: tuple[Gurtd, SmallDisk]) -> None:
     """BOX_HOME on a small file system of its own (a loop device the test makes and removes):
     an archive that unpacks past its free space above the reserve is a 507, nothing written."""
-    from test_durable import gurtd_on_small_disk
-    with gurtd_on_small_disk() as (box, _disk):
-        before = box_state(box)
-        zeros = tarfile.TarInfo("zeros.bin")
-        zeros.size = 80 << 20
-        buf = io.BytesIO()
-        with gzip.GzipFile(fileobj=buf, mode="wb") as gz:
-            gz.write(zeros.tobuf(format=tarfile.PAX_FORMAT))
-            for _ in range(80):
-                gz.write(bytes(1 << 20))
-        status, answer, _ = upload(box, "home", buf.getvalue())
-        assert (status, answer.get("code")) == (507, "insufficient_storage"), answer
-        assert "zeros.bin" in answer["error"]
-        assert box_state(box) == before
-        status, _, _ = upload(box, "home", tar_bytes(member("small.txt", b"fits")))
-        assert status == 201 and box.file("home", "small.txt") == b"fits"
+    box, _ = small_disk
+    before = box_state(box)
+    zeros = tarfile.TarInfo("zeros.bin")
+    zeros.size = 80 << 20
+    status, answer, _ = upload(box, "home", gzipped(zeros, tarfile.PAX_FORMAT, b"\0"))
+    assert (status, answer.get("code")) == (507, "insufficient_storage"), answer
+    assert "zeros.bin" in answer["error"]
+    assert box_state(box) == before
+    status, _, _ = upload(box, "home", tar_bytes(member("small.txt", b"fits")))
+    assert status == 201 and box.file("home", "small.txt") == b"fits"

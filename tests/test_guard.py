@@ -20,27 +20,22 @@ from typing import Any, Iterator
 import pytest
 
 import gurtd as gurtd_module
-from conftest import Gurtd, put_base_file, running_gurtd
+from conftest import UNKNOWN_ID, Gurtd, put_base_file
 
-UNKNOWN_ID = "tzzzzzzzzz"        # well formed, never issued
+# One gurtd for this module (a stop costs ~0.6 s): every test here checks that its refused
+# requests changed nothing, so they can share it.  The base of workspace home holds readme.txt.
+SHARED_GURTD = True
 
 
-@pytest.fixture(scope="module")
-def gurtd() -> Iterator[Gurtd]:
-    """One real gurtd for this module (conftest's, started once: a stop costs ~0.6 s).
-
-    Every test here checks that its refused requests changed nothing, so they can share it.
-    The base of workspace home holds readme.txt.
-    """
-    with running_gurtd() as g:
-        put_base_file(g, "home", "readme.txt", "hello\n")
-        yield g
+@pytest.fixture(scope="module", autouse=True)
+def readme(module_gurtd: Gurtd) -> None:
+    put_base_file(module_gurtd, "home", "readme.txt", "hello\n")
 
 
 @pytest.fixture(scope="module")
-def done_task(gurtd: Gurtd) -> dict[str, Any]:
+def done_task(module_gurtd: Gurtd) -> dict[str, Any]:
     """A task that ran and finished: the one the routes below may name."""
-    task = gurtd.run("echo hello", title="a finished task")
+    task = module_gurtd.run("echo hello", title="a finished task")
     assert task["state"] == "done", task
     return task
 

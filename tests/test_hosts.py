@@ -1,21 +1,12 @@
 """A task's hosts: what it may reach on the network, and nothing else.
 
 Stories run real `fake`-worker tasks (one /bin/sh line per prompt line, as the task's own
-user) against a fake internet the module builds for itself and tears down afterwards:
-
-  * network namespace `gtinet`, reached from the host by the veth `gtv0` (198.18.0.1/24) whose
-    other end, `eth0` inside, holds 198.18.0.10 (a.test), .11 (x.b.test), .12 (b.test), .13 and
-    .53; no default route in there, so nothing in it can reach anything but the host;
-  * one process in it, serving `hello from <addr>:<port>` over HTTP on 80 and 8080 of .10-.13
-    (and 80 of .53), a DNS server on 198.18.0.53:53 (UDP and TCP) that answers anything, and
-    a TCP listener on 198.18.0.53:853;
-  * a DNS server of the tests on 127.0.0.1 (gurtd's upstream): a.test, x.b.test, b.test,
-    rebind.test (127.0.0.1), self.test (198.18.0.1, the host's own address), cname.test (a
-    CNAME of a.test), private.test (10.1.2.3), home.test (192.168.1.1), metadata.test
-    (169.254.169.254); every other name is NXDOMAIN.  The private names are only looked up.
+user) against the suite's fake internet (conftest's `fake_internet`: gtinet behind the veth
+gtv0, web servers on 198.18.0.10-.13, DNS and DoT on .53, and the tests' upstream DNS with its
+ZONE; the private names there are only looked up).
 
 198.18.0.0/15 is special-use (benchmarking): a name answering into it is refused unless the
-task grants the address or its network, so the `g` gurtd lets names resolve into the fake
+task grants the address or its network, so `net_gurtd` lets names resolve into the fake
 internet with the dnsAllowedNets setting, as an owner whose services live on a private
 network would.
 
@@ -27,363 +18,23 @@ by a timeout.  Probe lines end with an `echo`, so a refused probe does not end t
 from __future__ import annotations
 
 import base64
-import hashlib
-import http.client
 import ipaddress
 import json
 import os
 import re
-import select
 import socket
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
-import dns.flags
-import dns.message
-import dns.name
-import dns.query
-import dns.rcode
-import dns.rdatatype
-import dns.rrset
 import pytest
 
 import gurtd as G
-from conftest import Gurtd, eventually, wait_for_step
+from conftest import (HOST_VETH, RESOLVER, A, B, C, Gurtd, Internet, XB, eventually,
+                      forwarding, nft_table, sh, wait_for_step)
 
-NETNS = "gtinet"
-HOST_VETH = "gtv0"
-HOST_ADDR = "198.18.0.1"
-A, XB, B, C, RESOLVER = "198.18.0.10", "198.18.0.11", "198.18.0.12", "198.18.0.13", "198.18.0.53"
 FAST_MS = 1000           # "fails fast": well under the 2 s of the task resolver's timeout
 TASK_NET = ipaddress.IPv4Network("100.64.0.0/10")
-
-ZONE = {  # the tests' upstream DNS: name -> (type, value)
-    "a.test": ("A", A),
-    "x.b.test": ("A", XB),
-    "b.test": ("A", B),
-    "rebind.test": ("A", "127.0.0.1"),
-    "self.test": ("A", HOST_ADDR),
-    "cname.test": ("CNAME", "a.test"),
-    "private.test": ("A", "10.1.2.3"),        # only ever looked up, never connected to
-    "home.test": ("A", "192.168.1.1"),
-    "metadata.test": ("A", "169.254.169.254"),
-}
-
-
-# the fake internet #############################################################################
-
-# Runs inside gtinet as root.  Sockets are bound by hand (http.server's server_bind looks names
-# up).  It dies with the test process (PR_SET_PDEATHSIG) and after 15 minutes in any case.
-SERVER = r'''
-import ctypes, socket, struct, sys, threading, time
-ctypes.CDLL(None).prctl(1, 9)
-
-def listener(addr, port, kind=socket.SOCK_STREAM):
-    s = socket.socket(socket.AF_INET, kind)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((addr, port))
-    if kind == socket.SOCK_STREAM:
-        s.listen(64)
-    return s
-
-def recv_exact(c, n):
-    data = b""
-    while len(data) < n:
-        chunk = c.recv(n - len(data))
-        if not chunk:
-            raise EOFError
-        data += chunk
-    return data
-
-def http_one(c, addr, port):
-    try:
-        c.settimeout(3)
-        data = b""
-        while b"\r\n\r\n" not in data and len(data) < 65536:
-            chunk = c.recv(4096)
-            if not chunk:
-                break
-            data += chunk
-        body = ("hello from %s:%d\n" % (addr, port)).encode()
-        c.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
-                  b"Connection: close\r\n\r\n" % len(body) + body)
-    except Exception:
-        pass
-    finally:
-        c.close()
-
-def http(s, addr, port):
-    while True:
-        c, _ = s.accept()
-        threading.Thread(target=http_one, args=(c, addr, port), daemon=True).start()
-
-def answer(q):
-    """A response to any query: its id and question, and one A record, 198.18.0.10."""
-    if len(q) < 17:
-        return None
-    end = 12
-    while end < len(q) and q[end]:
-        end += 1 + q[end]
-    end += 5
-    return (q[:2] + b"\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00" + q[12:end]
-            + b"\xc0\x0c\x00\x01\x00\x01\x00\x00\x00\x3c\x00\x04" + socket.inet_aton("198.18.0.10"))
-
-def dns_udp(s):
-    while True:
-        q, peer = s.recvfrom(4096)
-        r = answer(q)
-        if r:
-            s.sendto(r, peer)
-
-def dns_tcp(s):
-    while True:
-        c, _ = s.accept()
-        try:
-            c.settimeout(3)
-            n = struct.unpack("!H", recv_exact(c, 2))[0]
-            r = answer(recv_exact(c, n))
-            c.sendall(struct.pack("!H", len(r)) + r)
-        except Exception:
-            pass
-        finally:
-            c.close()
-
-def dot(s):
-    while True:
-        c, _ = s.accept()
-        try:
-            c.sendall(b"853 here\n")
-        except Exception:
-            pass
-        c.close()
-
-jobs = []
-for addr in ("198.18.0.10", "198.18.0.11", "198.18.0.12", "198.18.0.13"):
-    for port in (80, 8080):
-        jobs.append((http, listener(addr, port), addr, port))
-jobs.append((http, listener("198.18.0.53", 80), "198.18.0.53", 80))
-jobs.append((dns_udp, listener("198.18.0.53", 53, socket.SOCK_DGRAM)))
-jobs.append((dns_tcp, listener("198.18.0.53", 53)))
-jobs.append((dot, listener("198.18.0.53", 853)))
-for fn, *args in jobs:
-    threading.Thread(target=fn, args=args, daemon=True).start()
-print("ready", flush=True)
-time.sleep(900)
-'''
-
-
-class FakeResolver:
-    """The tests' upstream DNS server on 127.0.0.1 (UDP and TCP, one port), with ZONE."""
-
-    def __init__(self) -> None:
-        self.queries: list[tuple[str, str]] = []
-        self.stopping = threading.Event()
-        for _ in range(50):
-            udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            udp.bind(("127.0.0.1", 0))
-            tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                tcp.bind(("127.0.0.1", udp.getsockname()[1]))
-            except OSError:
-                udp.close()
-                tcp.close()
-                continue
-            break
-        else:
-            raise AssertionError("no free port for the tests' DNS server")
-        tcp.listen(16)
-        self.udp, self.tcp = udp, tcp
-        self.port = udp.getsockname()[1]
-        self.threads = [threading.Thread(target=self.serve, daemon=True, name="fake-dns")]
-        self.threads[0].start()
-
-    def respond(self, wire: bytes) -> bytes | None:
-        try:
-            query = dns.message.from_wire(wire)
-        except Exception:
-            return None
-        response = dns.message.make_response(query)
-        response.flags |= dns.flags.RA
-        question = query.question[0]
-        name = question.name.to_text(omit_final_dot=True).lower()
-        self.queries.append((name, dns.rdatatype.to_text(question.rdtype)))
-        many = re.fullmatch(r"many(\d+)\.m\.test", name)
-        if many and question.rdtype == dns.rdatatype.A:   # 200 addresses, 198.18.(100+N).*
-            response.answer.append(dns.rrset.from_text(
-                question.name, 60, "IN", "A",
-                *(f"198.18.{100 + int(many[1])}.{i}" for i in range(1, 201))))
-            return response.to_wire()
-        if name not in ZONE:
-            response.set_rcode(dns.rcode.NXDOMAIN)
-            return response.to_wire()
-        owner = question.name
-        for _ in range(8):
-            kind, value = ZONE[name]
-            if kind == "CNAME":
-                response.answer.append(dns.rrset.from_text(owner, 60, "IN", "CNAME",
-                                                           value + "."))
-                owner, name = dns.name.from_text(value), value
-                continue
-            if question.rdtype == dns.rdatatype.A:
-                response.answer.append(dns.rrset.from_text(owner, 60, "IN", "A", value))
-            break
-        return response.to_wire()
-
-    def serve(self) -> None:
-        while not self.stopping.is_set():
-            ready, _, _ = select.select([self.udp, self.tcp], [], [], 0.2)
-            if self.udp in ready:
-                try:
-                    wire, peer = self.udp.recvfrom(4096)
-                except OSError:
-                    continue
-                reply = self.respond(wire)
-                if reply:
-                    self.udp.sendto(reply, peer)
-            if self.tcp in ready:
-                try:
-                    conn, _ = self.tcp.accept()
-                except OSError:
-                    continue
-                with conn:
-                    try:
-                        conn.settimeout(2)
-                        size = int.from_bytes(conn.recv(2), "big")
-                        wire = b""
-                        while len(wire) < size:
-                            chunk = conn.recv(size - len(wire))
-                            if not chunk:
-                                break
-                            wire += chunk
-                        reply = self.respond(wire)
-                        if reply:
-                            conn.sendall(len(reply).to_bytes(2, "big") + reply)
-                    except OSError:
-                        pass
-
-    def close(self) -> None:
-        self.stopping.set()
-        for thread in self.threads:
-            thread.join(timeout=5)
-        self.udp.close()
-        self.tcp.close()
-
-
-@dataclass
-class Internet:
-    resolver: FakeResolver
-    server: subprocess.Popen[bytes]
-    forwarding_before: str
-
-    @property
-    def upstream(self) -> str:
-        return f"127.0.0.1:{self.resolver.port}"
-
-
-def sh(*argv: str, check: bool = True) -> str:
-    proc = subprocess.run(list(argv), capture_output=True, text=True)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(argv)}: {proc.returncode}\n{proc.stderr}")
-    return proc.stdout
-
-
-def netns_exists() -> bool:
-    return NETNS in sh("ip", "netns", "list").split()
-
-
-def link_exists(name: str) -> bool:
-    return os.path.exists(f"/sys/class/net/{name}")
-
-
-def forwarding(ifname: str) -> str:
-    with open(f"/proc/sys/net/ipv4/conf/{ifname}/forwarding") as f:
-        return f.read().strip()
-
-
-def remove_fake_internet() -> None:
-    """Each step on its own: one failure skips none."""
-    if netns_exists():
-        subprocess.run(["ip", "netns", "del", NETNS], capture_output=True)
-    deadline = time.monotonic() + 5
-    while link_exists(HOST_VETH) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if link_exists(HOST_VETH):
-        subprocess.run(["ip", "link", "del", HOST_VETH], capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def inet() -> Iterator[Internet]:
-    if netns_exists():
-        pids = sh("ip", "netns", "pids", NETNS).split()
-        if pids:
-            pytest.fail(f"network namespace {NETNS} is in use (pids {pids}): another run of "
-                        "this module?")
-    remove_fake_internet()          # what a killed earlier run left
-    resolver: FakeResolver | None = None
-    server: subprocess.Popen[bytes] | None = None
-    try:
-        sh("ip", "netns", "add", NETNS)
-        sh("ip", "link", "add", HOST_VETH, "type", "veth", "peer", "name", "eth0",
-           "netns", NETNS)
-        sh("ip", "addr", "add", f"{HOST_ADDR}/24", "dev", HOST_VETH)
-        sh("ip", "link", "set", HOST_VETH, "up")
-        inside = ["ip", "netns", "exec", NETNS]
-        for addr in (A, XB, B, C, RESOLVER):
-            sh(*inside, "ip", "addr", "add", f"{addr}/24", "dev", "eth0")
-        sh(*inside, "ip", "link", "set", "lo", "up")
-        sh(*inside, "ip", "link", "set", "eth0", "up")
-        assert "default" not in sh(*inside, "ip", "route")
-        before = forwarding(HOST_VETH)     # recorded before any gurtd of this module runs
-        server = subprocess.Popen([*inside, sys.executable, "-c", SERVER],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        ready, _, _ = select.select([server.stdout], [], [], 15)
-        assert ready and server.stdout is not None, "the fake internet did not start"
-        line = server.stdout.readline()
-        assert line == b"ready\n", (line, server.poll(),
-                                    server.stderr.read() if server.poll() is not None else "")
-        resolver = FakeResolver()
-        # the fake internet answers the host, so whatever a task cannot reach is refused
-        conn = http.client.HTTPConnection(A, 8080, timeout=2)     # no proxy: straight there
-        try:
-            conn.request("GET", "/")
-            assert conn.getresponse().read() == f"hello from {A}:8080\n".encode()
-        finally:
-            conn.close()
-        q = dns.message.make_query("anything.example", "A")
-        assert dns.query.udp(q, RESOLVER, timeout=2).answer
-        assert dns.query.tcp(q, RESOLVER, timeout=2).answer
-        with socket.create_connection((RESOLVER, 853), timeout=2) as s:
-            assert s.recv(16) == b"853 here\n"
-        r = dns.query.udp(dns.message.make_query("cname.test", "A"), "127.0.0.1",
-                          port=resolver.port, timeout=2)
-        assert {rr.to_text() for rrset in r.answer for rr in rrset} == {"a.test.", A}
-        resolver.queries.clear()
-        yield Internet(resolver, server, before)
-    finally:
-        if server is not None:
-            server.kill()
-            server.wait(timeout=10)
-            for pipe in (server.stdout, server.stderr):
-                if pipe is not None:
-                    pipe.close()
-        if resolver is not None:
-            resolver.close()
-        remove_fake_internet()
-        assert not netns_exists() and not link_exists(HOST_VETH)
-
-
-@pytest.fixture
-def g(inet: Internet, new_gurtd: Any) -> Gurtd:
-    """A gurtd whose DNS upstream is the tests' server, and whose owner lets granted names
-    resolve into the fake internet's benchmarking network (special-use, refused otherwise)."""
-    gurtd = new_gurtd(env={"GURT_DNS_UPSTREAM": inet.upstream})
-    gurtd.api("PUT", "/api/settings", {"dnsAllowedNets": ["198.18.0.0/24"]})
-    return gurtd
 
 
 # probes in a task ##############################################################################
@@ -520,12 +171,8 @@ def start(g: Gurtd, hosts: list[str] | None, *lines: str) -> str:
 
 # the host's view ###############################################################################
 
-def table(g: Gurtd) -> str:
-    return "gurt_" + hashlib.sha1(g.home.encode()).hexdigest()[:8]
-
-
 def nft_set(g: Gurtd, name: str) -> str:
-    return sh("nft", "list", "set", "inet", table(g), name)
+    return sh("nft", "list", "set", "inet", nft_table(g.home), name)
 
 
 def allowed(g: Gurtd, ifname: str) -> list[tuple[str, str]]:
@@ -569,23 +216,23 @@ def gone_soon(ifname: str, timeout: float = 2.0) -> bool:
 
 # 1. what a list lets through ###################################################################
 
-def test_a_name_reaches_every_port_and_a_name_with_a_port_only_that_port(g: Gurtd) -> None:
-    any_port = start(g, ["a.test"],
+def test_a_name_reaches_every_port_and_a_name_with_a_port_only_that_port(net_gurtd: Gurtd) -> None:
+    any_port = start(net_gurtd, ["a.test"],
                      curl("a80", "http://a.test/"),
                      curl("a8080", "http://a.test:8080/"))
-    one_port = start(g, ["a.test:8080"],
+    one_port = start(net_gurtd, ["a.test:8080"],
                      curl("a8080", "http://a.test:8080/"),
                      curl("a80", "http://a.test/"),
                      py("a80raw", "tcp", A, 80))
 
-    run = finished(g, any_port)
+    run = finished(net_gurtd, any_port)
     run["a80"].ok(f"hello from {A}:80")
     run["a8080"].ok(f"hello from {A}:8080")
     assert run.dns("a.test")[0]["allowed"] is True
     assert run.dns("a.test")[0]["addresses"] == [A]
     assert run.net()["refused"] == 0, run.net()
 
-    run = finished(g, one_port)
+    run = finished(net_gurtd, one_port)
     run["a8080"].ok(f"hello from {A}:8080")
     run["a80"].refused(7)
     run["a80raw"].refused()
@@ -593,46 +240,46 @@ def test_a_name_reaches_every_port_and_a_name_with_a_port_only_that_port(g: Gurt
     assert run.net()["refused"] >= 2, run.net()
 
 
-def test_a_wildcard_a_cidr_block_and_a_cname(g: Gurtd) -> None:
-    wildcard = start(g, ["*.b.test"],
+def test_a_wildcard_a_cidr_block_and_a_cname(net_gurtd: Gurtd) -> None:
+    wildcard = start(net_gurtd, ["*.b.test"],
                      curl("sub", "http://x.b.test/"),
                      curl("apex", "http://b.test/"))
-    cidr = start(g, ["198.18.0.12/31:80"],
+    cidr = start(net_gurtd, ["198.18.0.12/31:80"],
                  curl("b80", f"http://{B}/"),
                  curl("c80", f"http://{C}/"),
                  curl("b8080", f"http://{B}:8080/"),
                  curl("a80", f"http://{A}/"),
                  curl("byname", "http://b.test/"))
-    cname = start(g, ["cname.test"],
+    cname = start(net_gurtd, ["cname.test"],
                   curl("cname", "http://cname.test/"),
                   curl("a", "http://a.test/"))
 
-    run = finished(g, wildcard)
+    run = finished(net_gurtd, wildcard)
     run["sub"].ok(f"hello from {XB}:80")
     run["apex"].refused(6)
     assert [e["allowed"] for e in run.dns("x.b.test")] == [True], run.log
     assert run.dns("b.test") and not any(e["allowed"] for e in run.dns("b.test")), run.log
 
-    run = finished(g, cidr)
+    run = finished(net_gurtd, cidr)
     run["b80"].ok(f"hello from {B}:80")
     run["c80"].ok(f"hello from {C}:80")
     run["b8080"].refused(7)
     run["a80"].refused(7)
     run["byname"].refused(6)       # an address entry grants addresses, not names
 
-    run = finished(g, cname)
+    run = finished(net_gurtd, cname)
     run["cname"].ok(f"hello from {A}:80")
     entry = run.dns("cname.test")[0]
     assert entry["allowed"] is True and entry["addresses"] == [A], entry
     run["a"].refused(6)            # the CNAME's target is not a name of the list
 
 
-def test_a_task_without_hosts_has_lo_only(g: Gurtd) -> None:
-    task_id = start(g, None,
+def test_a_task_without_hosts_has_lo_only(net_gurtd: Gurtd) -> None:
+    task_id = start(net_gurtd, None,
                     "cat /proc/net/dev",
                     curl("a", f"http://{A}/"),
                     py("raw", "tcp", A, 80))
-    run = finished(g, task_id)
+    run = finished(net_gurtd, task_id)
     names = [line.split(":")[0].strip() for line in run.stdout() if ":" in line
              and not line.startswith("P ") and "|" not in line]
     assert names == ["lo"], run.stdout()
@@ -642,7 +289,7 @@ def test_a_task_without_hosts_has_lo_only(g: Gurtd) -> None:
 
 # 2. what is refused ############################################################################
 
-def test_what_no_list_grants_is_refused_fast(g: Gurtd, inet: Internet) -> None:
+def test_what_no_list_grants_is_refused_fast(net_gurtd: Gurtd, fake_internet: Internet) -> None:
     loopback = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     anywhere = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -652,9 +299,9 @@ def test_what_no_list_grants_is_refused_fast(g: Gurtd, inet: Internet) -> None:
             s.listen(8)
             s.setblocking(False)
         lo_port, any_port = loopback.getsockname()[1], anywhere.getsockname()[1]
-        inet.resolver.queries.clear()
+        fake_internet.resolver.queries.clear()
         task_id = start(
-            g, ["a.test", "rebind.test", "self.test", RESOLVER],
+            net_gurtd, ["a.test", "rebind.test", "self.test", RESOLVER],
             curl("granted", "http://a.test/"),
             curl("unlisted", "http://unlisted.test/"),
             py("unlisted_dns", "udp53", "127.0.0.53", 53, "unlisted.test"),
@@ -672,11 +319,11 @@ def test_what_no_list_grants_is_refused_fast(g: Gurtd, inet: Internet) -> None:
             py("self_dns", "udp53", "127.0.0.53", 53, "self.test"),
             py("host_loopback", "tcp", "127.0.0.1", lo_port),
             py("host_any_via_gw", "tcp", "GW", any_port),
-            py("api_via_gw", "tcp", "GW", g.port),
-            py("api_loopback", "tcp", "127.0.0.1", g.port),
+            py("api_via_gw", "tcp", "GW", net_gurtd.port),
+            py("api_loopback", "tcp", "127.0.0.1", net_gurtd.port),
             py("gw_resolver", "udp53", "GW", 53, "a.test"),
         )
-        run = finished(g, task_id)
+        run = finished(net_gurtd, task_id)
         for s in (loopback, anywhere):
             with pytest.raises(BlockingIOError):
                 s.accept()                    # nothing from the task ever reached them
@@ -689,8 +336,8 @@ def test_what_no_list_grants_is_refused_fast(g: Gurtd, inet: Internet) -> None:
     run["unlisted"].refused(6)
     run["unlisted_dns"].ok("rcode=3 an=0")
     assert run.dns("unlisted.test") and not any(e["allowed"] for e in run.dns("unlisted.test"))
-    assert not [q for q in inet.resolver.queries if q[0] == "unlisted.test"], \
-        inet.resolver.queries
+    assert not [q for q in fake_internet.resolver.queries if q[0] == "unlisted.test"], \
+        fake_internet.resolver.queries
     # an address no entry and no answer granted
     run["direct_ip"].refused(7)
     run["direct_ip_raw"].refused()
@@ -719,29 +366,29 @@ def test_what_no_list_grants_is_refused_fast(g: Gurtd, inet: Internet) -> None:
 
 
 def test_names_answering_private_or_host_addresses_are_refused_with_the_reason(
-        g: Gurtd) -> None:
+        net_gurtd: Gurtd) -> None:
     """DNS rebinding: a granted name that answers a private, loopback or link-local address is
     refused (REFUSED, and the reason in the log), even with the fake internet allowed; an ip
     entry opens a private address, never loopback or link-local."""
     names = ("private.test", "home.test", "rebind.test", "metadata.test")
-    plain = start(g, list(names), *(py(n, "udp53", "127.0.0.53", 53, n) for n in names))
-    granted = start(g, ["private.test", "10.1.2.3:443", "rebind.test", "0.0.0.0/0:443"],
+    plain = start(net_gurtd, list(names), *(py(n, "udp53", "127.0.0.53", 53, n) for n in names))
+    granted = start(net_gurtd, ["private.test", "10.1.2.3:443", "rebind.test", "0.0.0.0/0:443"],
                     py("private", "udp53", "127.0.0.53", 53, "private.test"),
                     py("rebind", "udp53", "127.0.0.53", 53, "rebind.test"))
-    run = finished(g, plain)
+    run = finished(net_gurtd, plain)
     for name, why in zip(names, ("(private)", "(private)", "(loopback)", "(link-local)")):
         run[name].ok("rcode=5 an=0")
         entry = run.dns(name)[0]
         assert entry["allowed"] is False and why in entry["refused"][0], entry
-    run = finished(g, granted)
+    run = finished(net_gurtd, granted)
     run["private"].ok("rcode=0 an=1")
     run["rebind"].ok("rcode=5 an=0")
     assert "(loopback)" in run.dns("rebind.test")[0]["refused"][0], run.log
 
 
 def test_without_the_setting_a_name_reaches_198_18_only_with_its_network_granted(
-        inet: Internet, new_gurtd: Any) -> None:
-    g = new_gurtd(env={"GURT_DNS_UPSTREAM": inet.upstream})
+        fake_internet: Internet, new_gurtd: Any) -> None:
+    g = new_gurtd(env={"GURT_DNS_UPSTREAM": fake_internet.upstream})
     alone = start(g, ["a.test"], curl("a", "http://a.test/"))
     with_net = start(g, ["a.test", "198.18.0.0/24"], curl("a", "http://a.test/"))
     run = finished(g, alone)
@@ -751,64 +398,64 @@ def test_without_the_setting_a_name_reaches_198_18_only_with_its_network_granted
     run["a"].ok(f"hello from {A}:80")
 
 
-def test_two_grants_of_one_address_with_different_ports_both_work(g: Gurtd) -> None:
+def test_two_grants_of_one_address_with_different_ports_both_work(net_gurtd: Gurtd) -> None:
     """An address granted on every port, then a name answering it granted on one port (the
     crash of the issue: nftables said "File exists"); and one port widened to every port."""
-    both = start(g, [A, "a.test:8080"],
+    both = start(net_gurtd, [A, "a.test:8080"],
                  curl("name8080", "http://a.test:8080/"),
                  curl("ip80", f"http://{A}/"))
-    widened = start(g, ["cname.test:8080", "a.test"],
+    widened = start(net_gurtd, ["cname.test:8080", "a.test"],
                     curl("cname8080", "http://cname.test:8080/"),
                     curl("a80", "http://a.test/"),
                     curl("cname8080_again", "http://cname.test:8080/"),
                     curl("a8080", "http://a.test:8080/"))
-    run = finished(g, both)
+    run = finished(net_gurtd, both)
     run["name8080"].ok(f"hello from {A}:8080")
     run["ip80"].ok(f"hello from {A}:80")
     assert all(e["allowed"] for e in run.dns("a.test")), run.log
-    run = finished(g, widened)
+    run = finished(net_gurtd, widened)
     for label, port in (("cname8080", 8080), ("a80", 80), ("cname8080_again", 8080),
                         ("a8080", 8080)):
         run[label].ok(f"hello from {A}:{port}")
-    assert g.api("GET", "/api/health")
+    assert net_gurtd.api("GET", "/api/health")
 
 
-def test_a_grant_nftables_refuses_fails_that_lookup_only(g: Gurtd) -> None:
+def test_a_grant_nftables_refuses_fails_that_lookup_only(net_gurtd: Gurtd) -> None:
     """198.18.0.0/24 on port 1, then a.test (every port) answering 198.18.0.10: nftables
     refuses an element that starts inside another ("File exists").  The lookup gets SERVFAIL
     and the reason is in the log; the task, gurtd and the next task go on."""
-    task_id = start(g, ["198.18.0.0/24:1", "a.test"],
+    task_id = start(net_gurtd, ["198.18.0.0/24:1", "a.test"],
                     py("dns", "udp53", "127.0.0.53", 53, "a.test"),
                     curl("a", "http://a.test/"))
-    run = finished(g, task_id)
+    run = finished(net_gurtd, task_id)
     run["dns"].ok("rcode=2 an=0")
     run["a"].refused(6)
     entry = run.dns("a.test")[0]
     assert entry["allowed"] is False and "nftables refused" in entry["error"], entry
-    run = finished(g, start(g, ["a.test"], curl("a", "http://a.test/")))
+    run = finished(net_gurtd, start(net_gurtd, ["a.test"], curl("a", "http://a.test/")))
     run["a"].ok(f"hello from {A}:80")
 
 
 # 3. the log ####################################################################################
 
 def test_an_answer_of_hundreds_of_addresses_grants_a_few_and_a_task_a_bounded_number(
-        g: Gurtd) -> None:
+        net_gurtd: Gurtd) -> None:
     """An upstream answers 200 addresses a name: the task gets (and is granted) the first
     MAX_ANSWER_ADDRESSES of them.  Names after name: once the task holds MAX_TASK_GRANTS
     addresses, the next lookups fail (SERVFAIL) and say why, and the table stops growing."""
-    g.api("PUT", "/api/settings", {"dnsAllowedNets": ["198.18.0.0/16"]})
+    net_gurtd.api("PUT", "/api/settings", {"dnsAllowedNets": ["198.18.0.0/16"]})
     per = G.MAX_ANSWER_ADDRESSES
     names = G.MAX_TASK_GRANTS // per + 2
-    task = start(g, ["*.m.test"], IFLINK,
+    task = start(net_gurtd, ["*.m.test"], IFLINK,
                  *(py(f"n{i}", "udp53", "127.0.0.53", 53, f"many{i}.m.test")
                    for i in range(names)), "echo probed", "sleep 60")
-    eventually(lambda: "probed" in g.output(task), 60, "the lookups")
-    granted = allowed(g, task_ifname(g, task))
+    eventually(lambda: "probed" in net_gurtd.output(task), 60, "the lookups")
+    granted = allowed(net_gurtd, task_ifname(net_gurtd, task))
     assert sorted(a for a, _ in granted if a.startswith("198.18.100.")) == \
         sorted(f"198.18.100.{i}" for i in range(1, per + 1)), granted
     assert len(granted) == G.MAX_TASK_GRANTS, len(granted)
-    g.api("POST", f"/api/tasks/{task}/stop")
-    run = finished(g, task, "failed")
+    net_gurtd.api("POST", f"/api/tasks/{task}/stop")
+    run = finished(net_gurtd, task, "failed")
     run["n0"].ok(f"rcode=0 an={per}")
     outcomes = [run[f"n{i}"].out for i in range(names)]
     assert sum("rcode=0" in o for o in outcomes) == G.MAX_TASK_GRANTS // per, outcomes
@@ -817,8 +464,8 @@ def test_an_answer_of_hundreds_of_addresses_grants_a_few_and_a_task_a_bounded_nu
     assert len(refused) == 2, refused
 
 
-def test_the_log_tells_every_lookup_and_the_refused_attempts(g: Gurtd) -> None:
-    task_id = start(g, ["a.test", "*.b.test"],
+def test_the_log_tells_every_lookup_and_the_refused_attempts(net_gurtd: Gurtd) -> None:
+    task_id = start(net_gurtd, ["a.test", "*.b.test"],
                     py("a_aaaa", "udp53", "127.0.0.53", 53, "a.test", 28),
                     curl("a", "http://a.test/"),
                     curl("sub", "http://x.b.test:8080/"),
@@ -826,7 +473,7 @@ def test_the_log_tells_every_lookup_and_the_refused_attempts(g: Gurtd) -> None:
                     curl("c", "http://c-target.test/"),
                     curl("direct", f"http://{C}/"),
                     py("direct_raw", "tcp", C, 8080))
-    run = finished(g, task_id)
+    run = finished(net_gurtd, task_id)
     run["a_aaaa"].ok("rcode=0 an=0")
     run["a"].ok(f"hello from {A}:80")
     run["sub"].ok(f"hello from {XB}:8080")
@@ -859,29 +506,29 @@ def test_the_log_tells_every_lookup_and_the_refused_attempts(g: Gurtd) -> None:
 
 # 4. two tasks, two lists #######################################################################
 
-def test_two_tasks_never_share_grants(g: Gurtd) -> None:
-    a = start(g, ["a.test"],
+def test_two_tasks_never_share_grants(net_gurtd: Gurtd) -> None:
+    a = start(net_gurtd, ["a.test"],
               IFLINK,
               curl("mine", "http://a.test/"),
               "sleep 2",
               py("other_raw", "tcp", XB, 80),
               curl("other_ip", f"http://{XB}/"),
               curl("other_name", "http://x.b.test/"))
-    b = start(g, ["x.b.test"],
+    b = start(net_gurtd, ["x.b.test"],
               IFLINK,
               curl("mine", "http://x.b.test/"),
               "sleep 2",
               py("other_raw", "tcp", A, 80),
               curl("other_ip", f"http://{A}/"),
               curl("other_name", "http://a.test/"))
-    wait_for_step(g, a, "sleep 2")
-    wait_for_step(g, b, "sleep 2")
-    a_if, b_if = task_ifname(g, a), task_ifname(g, b)
+    wait_for_step(net_gurtd, a, "sleep 2")
+    wait_for_step(net_gurtd, b, "sleep 2")
+    a_if, b_if = task_ifname(net_gurtd, a), task_ifname(net_gurtd, b)
     assert a_if != b_if
-    assert {addr for addr, _ in allowed(g, a_if)} == {A}, nft_set(g, "allow")
-    assert {addr for addr, _ in allowed(g, b_if)} == {XB}, nft_set(g, "allow")
+    assert {addr for addr, _ in allowed(net_gurtd, a_if)} == {A}, nft_set(net_gurtd, "allow")
+    assert {addr for addr, _ in allowed(net_gurtd, b_if)} == {XB}, nft_set(net_gurtd, "allow")
 
-    run_a, run_b = finished(g, a), finished(g, b)
+    run_a, run_b = finished(net_gurtd, a), finished(net_gurtd, b)
     run_a["mine"].ok(f"hello from {A}:80")
     run_b["mine"].ok(f"hello from {XB}:80")
     for run in (run_a, run_b):
@@ -899,28 +546,28 @@ def test_two_tasks_never_share_grants(g: Gurtd) -> None:
 
 # 5. grants end with the task ###################################################################
 
-def test_grants_end_when_a_task_is_done_stopped_or_undone(g: Gurtd) -> None:
-    ids = {how: start(g, ["a.test"], IFLINK, curl("a", "http://a.test/"), sleep)
+def test_grants_end_when_a_task_is_done_stopped_or_undone(net_gurtd: Gurtd) -> None:
+    ids = {how: start(net_gurtd, ["a.test"], IFLINK, curl("a", "http://a.test/"), sleep)
            for how, sleep in (("done", "sleep 2"), ("stop", "sleep 30"), ("undo", "sleep 30"))}
     ifnames = {}
     for how, task_id in ids.items():
-        wait_for_step(g, task_id, "sleep 2" if how == "done" else "sleep 30")
-        ifnames[how] = task_ifname(g, task_id)
-        assert allowed(g, ifnames[how]) == [(A, "1-65535")], nft_set(g, "allow")
-        assert in_tasks_set(g, ifnames[how]), nft_set(g, "tasks")
+        wait_for_step(net_gurtd, task_id, "sleep 2" if how == "done" else "sleep 30")
+        ifnames[how] = task_ifname(net_gurtd, task_id)
+        assert allowed(net_gurtd, ifnames[how]) == [(A, "1-65535")], nft_set(net_gurtd, "allow")
+        assert in_tasks_set(net_gurtd, ifnames[how]), nft_set(net_gurtd, "tasks")
         assert ifnames[how] in links()
 
-    g.api("POST", f"/api/tasks/{ids['stop']}/stop")
-    g.api("POST", f"/api/tasks/{ids['undo']}/undo")
+    net_gurtd.api("POST", f"/api/tasks/{ids['stop']}/stop")
+    net_gurtd.api("POST", f"/api/tasks/{ids['undo']}/undo")
     states = {"done": "done", "stop": "failed", "undo": "undone"}
     for how, task_id in ids.items():
-        run = finished(g, task_id, states[how])
+        run = finished(net_gurtd, task_id, states[how])
         if how == "done":
             run["a"].ok(f"hello from {A}:80")
         ifname = ifnames[how]
-        assert allowed(g, ifname) == [], (how, nft_set(g, "allow"))
-        assert f'"{ifname}"' not in nft_set(g, "allow"), how
-        assert not in_tasks_set(g, ifname), (how, nft_set(g, "tasks"))
+        assert allowed(net_gurtd, ifname) == [], (how, nft_set(net_gurtd, "allow"))
+        assert f'"{ifname}"' not in nft_set(net_gurtd, "allow"), how
+        assert not in_tasks_set(net_gurtd, ifname), (how, nft_set(net_gurtd, "tasks"))
         assert run.net()["refused"] == 0, (how, run.net())
     for how, ifname in ifnames.items():
         assert gone_soon(ifname), f"{ifname} of the {how} task is still there: {links()}"
@@ -928,38 +575,38 @@ def test_grants_end_when_a_task_is_done_stopped_or_undone(g: Gurtd) -> None:
 
 # 6. a crash of gurtd ###########################################################################
 
-def test_after_a_kill_and_a_restart_nothing_of_the_old_task_net_is_left(g: Gurtd) -> None:
-    old = start(g, ["a.test"], IFLINK, curl("a", "http://a.test/"), "sleep 30")
-    wait_for_step(g, old, "sleep 30")
-    ifname = task_ifname(g, old)
-    assert allowed(g, ifname) == [(A, "1-65535")], nft_set(g, "allow")
+def test_after_a_kill_and_a_restart_nothing_of_the_old_task_net_is_left(net_gurtd: Gurtd) -> None:
+    old = start(net_gurtd, ["a.test"], IFLINK, curl("a", "http://a.test/"), "sleep 30")
+    wait_for_step(net_gurtd, old, "sleep 30")
+    ifname = task_ifname(net_gurtd, old)
+    assert allowed(net_gurtd, ifname) == [(A, "1-65535")], nft_set(net_gurtd, "allow")
 
-    g.restart(kill=True)
+    net_gurtd.restart(kill=True)
 
-    task = g.task(old)
+    task = net_gurtd.task(old)
     assert task["state"] == "failed", task
-    assert f'"{ifname}"' not in nft_set(g, "allow"), nft_set(g, "allow")
-    assert not in_tasks_set(g, ifname), nft_set(g, "tasks")
+    assert f'"{ifname}"' not in nft_set(net_gurtd, "allow"), nft_set(net_gurtd, "allow")
+    assert not in_tasks_set(net_gurtd, ifname), nft_set(net_gurtd, "tasks")
     assert gone_soon(ifname, timeout=5.0), f"{ifname} is still there: {links()}"
-    new = start(g, ["a.test"], curl("a", "http://a.test/"), curl("b", f"http://{XB}/"))
-    run = finished(g, new)
+    new = start(net_gurtd, ["a.test"], curl("a", "http://a.test/"), curl("b", f"http://{XB}/"))
+    run = finished(net_gurtd, new)
     run["a"].ok(f"hello from {A}:80")
     run["b"].refused(7)
 
 
 # 7. gurtd's stop ###############################################################################
 
-def test_a_stopped_gurtd_leaves_no_table_and_puts_forwarding_back(g: Gurtd,
-                                                                   inet: Internet) -> None:
-    assert forwarding(HOST_VETH) == inet.forwarding_before
-    assert f"table inet {table(g)}" in sh("nft", "list", "tables")
-    run = finished(g, start(g, ["a.test"], curl("a", "http://a.test/")))
+def test_a_stopped_gurtd_leaves_no_table_and_puts_forwarding_back(
+        net_gurtd: Gurtd, fake_internet: Internet) -> None:
+    assert forwarding(HOST_VETH) == fake_internet.forwarding_before
+    assert f"table inet {nft_table(net_gurtd.home)}" in sh("nft", "list", "tables")
+    run = finished(net_gurtd, start(net_gurtd, ["a.test"], curl("a", "http://a.test/")))
     run["a"].ok(f"hello from {A}:80")
     assert forwarding(HOST_VETH) == "1"      # on toward the granted address while gurtd runs
 
-    assert g.stop() == 0, g.log_text()
-    assert table(g) not in sh("nft", "list", "tables")
-    assert forwarding(HOST_VETH) == inet.forwarding_before
+    assert net_gurtd.stop() == 0, net_gurtd.log_text()
+    assert nft_table(net_gurtd.home) not in sh("nft", "list", "tables")
+    assert forwarding(HOST_VETH) == fake_internet.forwarding_before
 
 
 # 8. malformed entries ##########################################################################

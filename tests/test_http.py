@@ -14,23 +14,18 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 import gurtd as G
-from conftest import Gurtd, eventually, running_gurtd
+from conftest import UNKNOWN_ID, Gurtd, eventually
 
 DEADLINE = 3.0          # GURT_REQUEST_DEADLINE of this module's gurtd
-UNKNOWN_ID = "tzzzzzzzzz"
-
-
-@pytest.fixture(scope="module")
-def gurtd() -> Iterator[Gurtd]:
-    """One gurtd for the module, with a short whole-request deadline; each test checks that
-    what it refused changed nothing."""
-    with running_gurtd({"GURT_REQUEST_DEADLINE": str(DEADLINE)}) as g:
-        yield g
+# One gurtd for the module, with a short whole-request deadline; each test checks that what
+# it refused changed nothing.
+SHARED_GURTD = True
+GURTD_ENV = {"GURT_REQUEST_DEADLINE": str(DEADLINE)}
 
 
 # raw HTTP #####################################################################################
@@ -395,14 +390,13 @@ def open_events(g: Gurtd, last_id: str | None = None) -> socket.socket:
 
 
 def test_a_queued_task_is_an_event_and_last_event_id_resumes(gurtd: Gurtd) -> None:
-    g = gurtd
-    before = g.api("GET", "/api/settings")["maxRunningTasks"]
-    g.api("PUT", "/api/settings", {"maxRunningTasks": 1})
-    stream = open_events(g)
+    before = gurtd.api("GET", "/api/settings")["maxRunningTasks"]
+    gurtd.api("PUT", "/api/settings", {"maxRunningTasks": 1})
+    stream = open_events(gurtd)
     try:
-        blocker = g.create("sleep 30", title="blocker")
-        g.wait(blocker["id"], ("running",))
-        waiting = g.create("true", title="waits its turn")
+        blocker = gurtd.create("sleep 30", title="blocker")
+        gurtd.wait(blocker["id"], ("running",))
+        waiting = gurtd.create("true", title="waits its turn")
         assert waiting["state"] == "queued"
 
         def seen_queued(events: list[dict[str, Any]]) -> bool:
@@ -413,8 +407,8 @@ def test_a_queued_task_is_an_event_and_last_event_id_resumes(gurtd: Gurtd) -> No
         assert mine[0]["event"] == "task" and mine[0]["data"]["state"] == "queued", mine
         ids = [int(e["id"]) for e in events]
         assert ids == sorted(ids) and len(set(ids)) == len(ids)
-        g.api("POST", f"/api/tasks/{blocker['id']}/stop")
-        g.wait(waiting["id"])
+        gurtd.api("POST", f"/api/tasks/{blocker['id']}/stop")
+        gurtd.wait(waiting["id"])
 
         def waiting_done(events: list[dict[str, Any]]) -> bool:
             return any(e["data"].get("id") == waiting["id"] and e["data"]["state"] == "done"
@@ -427,7 +421,7 @@ def test_a_queued_task_is_an_event_and_last_event_id_resumes(gurtd: Gurtd) -> No
     assert states == ["queued", "running", "done"], states
     # a browser reconnects, saying the last id it saw: it gets exactly the events after it
     resume_from = events[1]
-    again = open_events(g, resume_from["id"])
+    again = open_events(gurtd, resume_from["id"])
     try:
         replay = read_events(again, lambda ev: len(ev) >= len(events) - 2)
     finally:
@@ -435,13 +429,13 @@ def test_a_queued_task_is_an_event_and_last_event_id_resumes(gurtd: Gurtd) -> No
     assert [e["id"] for e in replay] == [e["id"] for e in events[2:]]
     assert [e["data"] for e in replay] == [e["data"] for e in events[2:]]
     # an id from long ago (or from before a restart): the stream says what was missed
-    old = open_events(g, "1")
+    old = open_events(gurtd, "1")
     try:
         first = read_events(old, lambda ev: len(ev) >= 1)[0]
     finally:
         old.close()
     assert first["event"] == "reset" and first["data"]["missed"] is True, first
-    g.api("PUT", "/api/settings", {"maxRunningTasks": before})
+    gurtd.api("PUT", "/api/settings", {"maxRunningTasks": before})
 
 
 def test_a_bad_last_event_id_is_a_400(gurtd: Gurtd) -> None:

@@ -10,30 +10,20 @@ undone at once; kill -9 of gurtd in the middle of a merge, and nothing half made
 
 from __future__ import annotations
 
-import json
 import os
-import pwd
 import random
 import stat
-import tempfile
 import time
 from typing import Any
 
 import pytest
-from conftest import Gurtd, eventually, make_home, remove_home, wait_for_step
+from conftest import (Gurtd, eventually, gurtd_on_done_layers, make_done_layers, make_home,
+                      registry, remove_home, running_gurtd, wait_for_step)
 
 import gurtd
 
 O_DIR = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
 NAMES = ["a", "b", "c"]
-
-
-@pytest.fixture
-def scratch() -> Any:
-    """A folder of the test's own, removed after it however deep its trees."""
-    path = tempfile.mkdtemp(prefix="gurt-layers-", dir="/var/tmp")
-    yield path
-    gurtd.tree_remove(path)
 
 
 # A plain model: a layer is {path: entry}, entry ("f", text) | ("w",) | ("d", opaque)
@@ -132,7 +122,7 @@ def test_a_random_history_of_merged_layers_matches_the_model(scratch: str) -> No
     new layers; after every step the kernel's view of the plan (merged layers, single layers,
     an inner overlay past the limit) equals the model of the plain stack."""
     rng = random.Random(10)
-    home = scratch
+    home = str(scratch)
     owner = (os.getuid(), os.getgid())
     base_layer = {p: ("d", False) if e[0] == "d" else e
                   for p, e in random_layer(rng).items() if e[0] != "w"}
@@ -236,7 +226,7 @@ def test_both_overlay_ways_show_the_same_views_to_the_limit_and_past_it(scratch:
 def test_a_merged_layer_keeps_owners_modes_links_and_deep_trees(scratch: str) -> None:
     """A folder's owner, mode and user xattrs come from the top layer; a symlink stays a
     symlink (never followed); a tree thousands of levels deep merges whole."""
-    home, store = scratch, (4242, 4343)
+    home, store = str(scratch), (4242, 4343)
     top, low = os.path.join(home, "top"), os.path.join(home, "low")
     for layer in (top, low):
         os.makedirs(os.path.join(layer, "d"))
@@ -272,25 +262,12 @@ def test_a_merged_layer_keeps_owners_modes_links_and_deep_trees(scratch: str) ->
 GROUP_ENV = {"GURT_LAYER_GROUP": "3", "GURT_LAYER_KEEP": "2"}
 
 
-def registry(home: str) -> dict[str, Any]:
-    """The merged layers gurtd has recorded (BOX_HOME/merged/<name>.json each)."""
-    top = os.path.join(home, "merged")
-    out = []
-    for name in sorted(os.listdir(top)) if os.path.isdir(top) else []:
-        if name.endswith(".json"):
-            with open(os.path.join(top, name)) as f:
-                out.append(json.load(f))
-    return {"merged": out}
-
-
 def test_tasks_undo_and_files_through_merged_layers() -> None:
     """Through gurtd with tiny groups: tasks that add, change, delete files and folders;
     merges happen in the background; undo of old and new tasks answers at once and the
     files API and the next task see exactly the model; the undone tasks' layers go."""
     rng = random.Random(7)
-    g = Gurtd(make_home(), GROUP_ENV)
-    g.start()
-    try:
+    with running_gurtd(GROUP_ENV) as g:
         history: list[tuple[str, str, str | None]] = []   # (task, path, text or None)
         done: list[str] = []
         for step in range(18):
@@ -337,90 +314,47 @@ def test_tasks_undo_and_files_through_merged_layers() -> None:
                 if task_id in done and n == name:
                     text = t
             assert line == ("none" if text is None else text.removeprefix("dir:")), name
-    finally:
-        g.stop()
-        remove_home(g.home)
 
 
-# 10,000 layers: made directly on disk with the structure gurtd makes (layers/<id>/upper and
-# work owned by the store user, tasks/<id>.json in the Task record's format, doneSeq in order),
-# because 10,000 real tasks would take too long for CI.
-
-def make_done_layers(home: str, count: int) -> list[str]:
-    """count done tasks of workspace home, each writing n<i>, every 1000th rewriting
-    `shared`."""
-    store = pwd.getpwnam("gurt-store")
-    owner = (store.pw_uid, store.pw_gid)
-    for sub in ("tasks", "logs", "layers", "workspaces/home"):
-        os.makedirs(os.path.join(home, sub), exist_ok=True)
-    os.chown(os.path.join(home, "workspaces", "home"), *owner)
-    ids = []
-    stamp = "2026-01-01T00:00:00Z"
-    for i in range(1, count + 1):
-        task_id = f"t{i:09d}"
-        ids.append(task_id)
-        layer = os.path.join(home, "layers", task_id)
-        for sub in ("", "upper", "work"):
-            os.makedirs(os.path.join(layer, sub), exist_ok=True)
-            os.chown(os.path.join(layer, sub), *owner)
-        for name, text in [(f"n{i}", f"{i}\n")] + [("shared", f"{i}\n")] * (i % 1000 == 0):
-            path = os.path.join(layer, "upper", name)
-            with open(path, "w") as f:
-                f.write(text)
-            os.chown(path, *owner)
-        task = {"id": task_id, "title": "made on disk", "prompt": "true", "workspace": "home",
-                "worker": "fake", "tools": [], "hosts": [], "budgetCents": 0, "source": "api",
-                "state": "done", "user": f"box-{task_id}", "layers": [], "costCents": 0,
-                "createdAt": stamp, "updatedAt": stamp, "seq": i, "doneSeq": i}
-        with open(os.path.join(home, "tasks", task_id + ".json"), "w") as f:
-            json.dump(task, f)
-    return ids
-
+# 10,000 layers: made directly on disk (conftest's make_done_layers), because 10,000 real
+# tasks would take too long for CI.
 
 def test_ten_thousand_layers_start_view_and_undo_at_once() -> None:
     """A workspace with 10,000 done layers: gurtd merges the old ones in the background; a
     task starts and sees every layer's file; undo of the oldest and of the newest answer at
     once and are gone for the files API and the next task; merges then catch up."""
-    home = make_home()
-    try:
-        ids = make_done_layers(home, 10_000)
-        g = Gurtd(home)
-        g.start(timeout=60)
-        try:
-            # 10,000 layers that were never merged need the merges first (a view takes at
-            # most 499 x 2 layers): 409 until then, then every file at once
-            eventually(lambda: len(registry(home)["merged"]) == (10_000 - 64) // 128,
-                       timeout=120, what="every group merged")
-            assert g.file("home", "n1") == b"1\n"
-            assert g.file("home", "n7777") == b"7777\n"
-            assert g.file("home", "shared") == b"10000\n"
-            task = g.run("cat n1 n5000 n10000 shared")
-            assert g.output(task["id"]) == ["1", "5000", "10000", "10000"], g.log(task["id"])
-            assert len(task["layers"]) == 10_000 and task["layers"][0] == ids[-1]
-            for victim, name in ((ids[0], "n1"), (ids[-1], "n10000")):
-                t0 = time.monotonic()
-                g.api("POST", f"/api/tasks/{victim}/undo")
-                assert time.monotonic() - t0 < 10            # speed belongs to the bench
-                assert g.file("home", name) is None
-            assert g.file("home", "shared") == b"9000\n"
-            again = g.run("cat n1 n2 shared 2>&1; true")
-            assert g.output(again["id"])[1:] == ["2", "9000"], g.log(again["id"])
-            info = g.api("GET", "/api/workspaces/home")
-            assert info["layers"] == 10_000 - 2 + 2          # the two tasks of this test
-            # the task file names its 10,000 layers by reference to a shared stack file
-            assert os.path.getsize(os.path.join(home, "tasks", task["id"] + ".json")) < 4096
-            listed = g.api("GET", "/api/tasks?fields=id,layers,state&limit=3")
-            assert [set(t) for t in listed] == [{"id", "layers", "state"}] * 3
-            assert listed[1]["layers"] == task["layers"]
-            g.api("GET", "/api/tasks?fields=id,secret", status=400)
-            assert info["mergedLayers"] >= (10_000 - 64) // 128
-            assert info["layerBytes"] > 0
-            g.restart()
-            assert g.task(task["id"])["layers"] == task["layers"]   # read back whole
-        finally:
-            g.stop()
-    finally:
-        remove_home(home)
+    with gurtd_on_done_layers(10_000) as (g, ids):
+        home = g.home
+        # 10,000 layers that were never merged need the merges first (a view takes at
+        # most 499 x 2 layers): 409 until then, then every file at once
+        eventually(lambda: len(registry(home)["merged"]) == (10_000 - 64) // 128,
+                   timeout=120, what="every group merged")
+        assert g.file("home", "n1") == b"1\n"
+        assert g.file("home", "n7777") == b"7777\n"
+        assert g.file("home", "shared") == b"10000\n"
+        task = g.run("cat n1 n5000 n10000 shared")
+        assert g.output(task["id"]) == ["1", "5000", "10000", "10000"], g.log(task["id"])
+        assert len(task["layers"]) == 10_000 and task["layers"][0] == ids[-1]
+        for victim, name in ((ids[0], "n1"), (ids[-1], "n10000")):
+            t0 = time.monotonic()
+            g.api("POST", f"/api/tasks/{victim}/undo")
+            assert time.monotonic() - t0 < 10            # speed belongs to the bench
+            assert g.file("home", name) is None
+        assert g.file("home", "shared") == b"9000\n"
+        again = g.run("cat n1 n2 shared 2>&1; true")
+        assert g.output(again["id"])[1:] == ["2", "9000"], g.log(again["id"])
+        info = g.api("GET", "/api/workspaces/home")
+        assert info["layers"] == 10_000 - 2 + 2          # the two tasks of this test
+        # the task file names its 10,000 layers by reference to a shared stack file
+        assert os.path.getsize(os.path.join(home, "tasks", task["id"] + ".json")) < 4096
+        listed = g.api("GET", "/api/tasks?fields=id,layers,state&limit=3")
+        assert [set(t) for t in listed] == [{"id", "layers", "state"}] * 3
+        assert listed[1]["layers"] == task["layers"]
+        g.api("GET", "/api/tasks?fields=id,secret", status=400)
+        assert info["mergedLayers"] >= (10_000 - 64) // 128
+        assert info["layerBytes"] > 0
+        g.restart()
+        assert g.task(task["id"])["layers"] == task["layers"]   # read back whole
 
 
 def test_a_task_on_an_inner_overlay_sees_and_changes_everything_as_its_own() -> None:
@@ -428,25 +362,17 @@ def test_a_task_on_an_inner_overlay_sees_and_changes_everything_as_its_own() -> 
     view nests its oldest layers in an inner overlay built from idmapped layers; the task
     reads the oldest and newest files, overwrites and deletes files of the inner overlay as
     their owner, and the files API (the same plan) agrees."""
-    home = make_home()
-    try:
-        make_done_layers(home, 600)
-        g = Gurtd(home, {"GURT_LAYER_KEEP": "100000"})     # nothing is merged
-        g.start(timeout=60)
-        try:
-            assert not registry(home)["merged"]
-            task = g.run("cat n1 n600; stat -c %U n1; echo changed >> n1; rm n2; id -un")
-            assert task["state"] == "done", g.log(task["id"])
-            assert g.output(task["id"]) == ["1", "600", task["user"], task["user"]]
-            assert g.file("home", "n1") == b"1\nchanged\n"
-            assert g.file("home", "n2") is None and g.file("home", "n3") == b"3\n"
-            changes = g.api("GET", f"/api/tasks/{task['id']}/changes")
-            assert changes == [{"path": "n1", "change": "modified"},
-                               {"path": "n2", "change": "deleted"}]
-        finally:
-            g.stop()
-    finally:
-        remove_home(home)
+    with gurtd_on_done_layers(600, {"GURT_LAYER_KEEP": "100000"}) as (g, _):   # no merges
+        home = g.home
+        assert not registry(home)["merged"]
+        task = g.run("cat n1 n600; stat -c %U n1; echo changed >> n1; rm n2; id -un")
+        assert task["state"] == "done", g.log(task["id"])
+        assert g.output(task["id"]) == ["1", "600", task["user"], task["user"]]
+        assert g.file("home", "n1") == b"1\nchanged\n"
+        assert g.file("home", "n2") is None and g.file("home", "n3") == b"3\n"
+        changes = g.api("GET", f"/api/tasks/{task['id']}/changes")
+        assert changes == [{"path": "n1", "change": "modified"},
+                           {"path": "n2", "change": "deleted"}]
 
 
 def test_a_running_task_keeps_the_merged_layer_it_started_on() -> None:
@@ -454,33 +380,25 @@ def test_a_running_task_keeps_the_merged_layer_it_started_on() -> None:
     stops showing the undone file at once, the running task still reads it (its view is
     kept), a new generation replaces the group's merged layer, and the old one is deleted
     only once the running task has ended."""
-    home = make_home()
-    try:
-        make_done_layers(home, 20)
-        g = Gurtd(home, GROUP_ENV)
-        g.start(timeout=60)
-        try:
-            eventually(lambda: len(registry(home)["merged"]) == 6, timeout=60,
-                       what="the first merges")
-            first = [m["name"] for m in registry(home)["merged"] if m["group"] == 0]
-            task = g.create("cat n1\nsleep 3\ncat n1")
-            wait_for_step(g, task["id"], "sleep 3")
-            g.api("POST", "/api/tasks/t000000001/undo")
-            assert g.file("home", "n1") is None
-            eventually(lambda: [m for m in registry(home)["merged"]
-                                if m["group"] == 0 and m["name"] not in first],
-                       timeout=60, what="the group's new generation")
-            assert os.path.isdir(os.path.join(home, "merged", first[0]))   # still read
-            assert g.wait(task["id"])["state"] == "done"
-            assert g.output(task["id"]) == ["1", "1"]
-            g.run("true")          # a later step of the loop collects what nothing reads
-            eventually(lambda: not os.path.exists(os.path.join(home, "merged", first[0])),
-                       timeout=30, what="the old generation deleted")
-            assert g.file("home", "n1") is None and g.file("home", "n2") == b"2\n"
-        finally:
-            g.stop()
-    finally:
-        remove_home(home)
+    with gurtd_on_done_layers(20, GROUP_ENV) as (g, _):
+        home = g.home
+        eventually(lambda: len(registry(home)["merged"]) == 6, timeout=60,
+                   what="the first merges")
+        first = [m["name"] for m in registry(home)["merged"] if m["group"] == 0]
+        task = g.create("cat n1\nsleep 3\ncat n1")
+        wait_for_step(g, task["id"], "sleep 3")
+        g.api("POST", "/api/tasks/t000000001/undo")
+        assert g.file("home", "n1") is None
+        eventually(lambda: [m for m in registry(home)["merged"]
+                            if m["group"] == 0 and m["name"] not in first],
+                   timeout=60, what="the group's new generation")
+        assert os.path.isdir(os.path.join(home, "merged", first[0]))   # still read
+        assert g.wait(task["id"])["state"] == "done"
+        assert g.output(task["id"]) == ["1", "1"]
+        g.run("true")          # a later step of the loop collects what nothing reads
+        eventually(lambda: not os.path.exists(os.path.join(home, "merged", first[0])),
+                   timeout=30, what="the old generation deleted")
+        assert g.file("home", "n1") is None and g.file("home", "n2") == b"2\n"
 
 
 def test_kill_9_in_the_middle_of_a_merge_loses_nothing() -> None:

@@ -15,8 +15,8 @@ import subprocess
 import time
 from typing import Any
 
-import gurtd as gurtd_module  # the module under test (its process helpers), not the fixture
-from conftest import GURTD, ROOT, Gurtd, eventually, make_home, put_base_file, remove_home
+from conftest import (Gurtd, eventually, make_home, passwd_names, put_base_file, remove_home,
+                      uid_processes)
 
 ID_RE = re.compile(r"^t[a-z0-9]{9}$")
 RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")
@@ -27,15 +27,6 @@ RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")
 def parse_time(stamp: str) -> datetime.datetime:
     assert RFC3339_UTC.match(stamp), stamp
     return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-
-
-def passwd_names() -> set[str]:
-    with open("/etc/passwd") as f:
-        return {line.split(":", 1)[0] for line in f if line.strip()}
-
-
-def uid_processes(uid: int) -> list[int]:
-    return gurtd_module.processes_by_uid({uid}).get(uid, [])
 
 
 def layer_dir(g: Gurtd, task_id: str) -> str:
@@ -56,10 +47,6 @@ def listing(g: Gurtd, path: str = "") -> dict[str, Any]:
 
 def changes(g: Gurtd, task_id: str) -> list[dict[str, str]]:
     return g.api("GET", f"/api/tasks/{task_id}/changes")
-
-
-def states_in_log(g: Gurtd, task_id: str) -> list[str]:
-    return [e["state"] for e in g.log(task_id) if e["type"] == "state"]
 
 
 def state_time(g: Gurtd, task_id: str, state: str) -> datetime.datetime:
@@ -86,75 +73,74 @@ def test_three_tasks_stack_files_edits_deletions_and_a_renamed_directory(gurtd: 
     appends to the readme; task 2 reads task 1's work, edits the code and deletes the scratch
     file; task 3 renames task 1's directory; task 4 sees all of it.  The workspace shows the
     stack newest first and its current files."""
-    g = gurtd
-    put_base_file(g, "home", "readme.txt", "base readme\n")
+    put_base_file(gurtd, "home", "readme.txt", "base readme\n")
 
-    t1 = g.run("mkdir -p src/lib && echo v1 > src/lib/code.txt\n"
-               "echo notes1 > notes.txt\n"
-               "echo scratch > doomed.txt\n"
-               "echo 'from t1' >> readme.txt")
+    t1 = gurtd.run("mkdir -p src/lib && echo v1 > src/lib/code.txt\n"
+                   "echo notes1 > notes.txt\n"
+                   "echo scratch > doomed.txt\n"
+                   "echo 'from t1' >> readme.txt")
     assert t1["state"] == "done", t1
     assert t1["layers"] == []
 
-    t2 = g.run("cat src/lib/code.txt notes.txt doomed.txt\n"
-               "echo v2 > src/lib/code.txt\n"
-               "rm doomed.txt\n"
-               "echo t2 > t2.txt")
+    t2 = gurtd.run("cat src/lib/code.txt notes.txt doomed.txt\n"
+                   "echo v2 > src/lib/code.txt\n"
+                   "rm doomed.txt\n"
+                   "echo t2 > t2.txt")
     assert t2["state"] == "done", t2
     assert t2["layers"] == [t1["id"]]
-    assert g.output(t2["id"]) == ["v1", "notes1", "scratch"]
+    assert gurtd.output(t2["id"]) == ["v1", "notes1", "scratch"]
 
-    t3 = g.run("test ! -e doomed.txt\n"
-               "cat src/lib/code.txt\n"
-               "mv src/lib src/pkg\n"
-               "ls src")
+    t3 = gurtd.run("test ! -e doomed.txt\n"
+                   "cat src/lib/code.txt\n"
+                   "mv src/lib src/pkg\n"
+                   "ls src")
     assert t3["state"] == "done", t3
     assert t3["layers"] == [t2["id"], t1["id"]]
-    assert g.output(t3["id"]) == ["v2", "pkg"]
-    t3_changes = changes(g, t3["id"])
+    assert gurtd.output(t3["id"]) == ["v2", "pkg"]
+    t3_changes = changes(gurtd, t3["id"])
     assert {"path": "src/pkg/", "change": "added"} in t3_changes, t3_changes
     assert any(c["path"].rstrip("/") == "src/lib" and c["change"] == "deleted"
                for c in t3_changes), t3_changes
 
-    t4 = g.run("cat src/pkg/code.txt\n"
-               "test ! -e src/lib\n"
-               "test ! -e doomed.txt\n"
-               "cat readme.txt t2.txt notes.txt")
+    t4 = gurtd.run("cat src/pkg/code.txt\n"
+                   "test ! -e src/lib\n"
+                   "test ! -e doomed.txt\n"
+                   "cat readme.txt t2.txt notes.txt")
     assert t4["state"] == "done", t4
     assert t4["layers"] == [t3["id"], t2["id"], t1["id"]]
-    assert g.output(t4["id"]) == ["v2", "base readme", "from t1", "t2", "notes1"]
+    assert gurtd.output(t4["id"]) == ["v2", "base readme", "from t1", "t2", "notes1"]
 
     # the workspace: the stack newest first, every layer a done task
-    ws = g.api("GET", "/api/workspaces/home")
+    ws = gurtd.api("GET", "/api/workspaces/home")
     assert ws["name"] == "home"
     assert ws["layers"] == 4
     assert [t["id"] for t in ws["stack"]] == [t4["id"], t3["id"], t2["id"], t1["id"]]
     assert all(t["state"] == "done" for t in ws["stack"])
 
     # the current view
-    assert g.file("home", "readme.txt") == b"base readme\nfrom t1\n"
-    assert g.file("home", "notes.txt") == b"notes1\n"
-    assert g.file("home", "t2.txt") == b"t2\n"
-    assert g.file("home", "src/pkg/code.txt") == b"v2\n"
-    code, data, _ = g.request("GET", "/api/workspaces/home/files/doomed.txt")
+    assert gurtd.file("home", "readme.txt") == b"base readme\nfrom t1\n"
+    assert gurtd.file("home", "notes.txt") == b"notes1\n"
+    assert gurtd.file("home", "t2.txt") == b"t2\n"
+    assert gurtd.file("home", "src/pkg/code.txt") == b"v2\n"
+    code, data, _ = gurtd.request("GET", "/api/workspaces/home/files/doomed.txt")
     assert code == 404, (code, data)
     assert isinstance(data, dict) and "error" in data, data
-    assert g.file("home", "src/lib/code.txt") is None
-    assert g.file("home", "src/lib") is None
+    assert gurtd.file("home", "src/lib/code.txt") is None
+    assert gurtd.file("home", "src/lib") is None
 
-    src = listing(g, "src")
+    src = listing(gurtd, "src")
     assert src["path"] == "src"
     assert [(e["name"], e["type"]) for e in src["entries"]] == [("pkg", "directory")]
-    top = listing(g)
+    top = listing(gurtd)
     assert [e["name"] for e in top["entries"]] == ["notes.txt", "readme.txt", "src", "t2.txt"]
     by_name = {e["name"]: e for e in top["entries"]}
     assert by_name["readme.txt"]["type"] == "file"
     assert by_name["readme.txt"]["size"] == len(b"base readme\nfrom t1\n")
 
     # the base itself was never written
-    with open(os.path.join(g.home, "workspaces", "home", "readme.txt")) as f:
+    with open(os.path.join(gurtd.home, "workspaces", "home", "readme.txt")) as f:
         assert f.read() == "base readme\n"
-    assert sorted(os.listdir(os.path.join(g.home, "workspaces", "home"))) == ["readme.txt"]
+    assert sorted(os.listdir(os.path.join(gurtd.home, "workspaces", "home"))) == ["readme.txt"]
 
 
 # 2. undo of a middle task ####################################################################
@@ -162,44 +148,43 @@ def test_three_tasks_stack_files_edits_deletions_and_a_renamed_directory(gurtd: 
 def test_undo_a_middle_task_keeps_the_others_changes(gurtd: Gurtd) -> None:
     """Three tasks each write a file; undoing the second takes only its file away.  Undo
     answers with the undone task; undoing it again changes nothing."""
-    g = gurtd
-    t1 = g.run("echo one > one.txt")
-    t2 = g.run("echo two > two.txt\necho 'two was here' > notes.txt")
-    t3 = g.run("echo three > three.txt")
+    t1 = gurtd.run("echo one > one.txt")
+    t2 = gurtd.run("echo two > two.txt\necho 'two was here' > notes.txt")
+    t3 = gurtd.run("echo three > three.txt")
     assert [t["state"] for t in (t1, t2, t3)] == ["done"] * 3
-    assert g.file("home", "two.txt") == b"two\n"
+    assert gurtd.file("home", "two.txt") == b"two\n"
 
-    undone = g.api("POST", f"/api/tasks/{t2['id']}/undo")
+    undone = gurtd.api("POST", f"/api/tasks/{t2['id']}/undo")
     assert undone["id"] == t2["id"]
     assert undone["state"] == "undone"
     assert parse_time(undone["updatedAt"]) > parse_time(t2["updatedAt"])
-    assert g.task(t2["id"])["state"] == "undone"
+    assert gurtd.task(t2["id"])["state"] == "undone"
 
-    assert g.file("home", "one.txt") == b"one\n"
-    assert g.file("home", "three.txt") == b"three\n"
-    assert g.file("home", "two.txt") is None
-    assert g.file("home", "notes.txt") is None
-    assert stack_ids(g) == [t3["id"], t1["id"]]
-    assert g.task(t1["id"])["state"] == "done"
-    assert g.task(t3["id"])["state"] == "done"
+    assert gurtd.file("home", "one.txt") == b"one\n"
+    assert gurtd.file("home", "three.txt") == b"three\n"
+    assert gurtd.file("home", "two.txt") is None
+    assert gurtd.file("home", "notes.txt") is None
+    assert stack_ids(gurtd) == [t3["id"], t1["id"]]
+    assert gurtd.task(t1["id"])["state"] == "done"
+    assert gurtd.task(t3["id"])["state"] == "done"
 
     # nothing runs on t2's layer: its files go; the others' layers stay
-    eventually(lambda: not os.path.exists(layer_dir(g, t2["id"])), 5, "t2's layer deleted")
-    assert os.path.isdir(layer_dir(g, t1["id"]))
-    assert os.path.isdir(layer_dir(g, t3["id"]))
+    eventually(lambda: not os.path.exists(layer_dir(gurtd, t2["id"])), 5, "t2's layer deleted")
+    assert os.path.isdir(layer_dir(gurtd, t1["id"]))
+    assert os.path.isdir(layer_dir(gurtd, t3["id"]))
 
-    settled = g.task(t2["id"])
-    again = g.api("POST", f"/api/tasks/{t2['id']}/undo")
+    settled = gurtd.task(t2["id"])
+    again = gurtd.api("POST", f"/api/tasks/{t2['id']}/undo")
     assert again == settled
     assert again["state"] == "undone"
     assert again["updatedAt"] == settled["updatedAt"]
-    assert g.task(t2["id"]) == settled
+    assert gurtd.task(t2["id"]) == settled
 
     # a new task works on what is left
-    t4 = g.run("cat one.txt three.txt\ntest ! -e two.txt\ntest ! -e notes.txt")
+    t4 = gurtd.run("cat one.txt three.txt\ntest ! -e two.txt\ntest ! -e notes.txt")
     assert t4["state"] == "done", t4
     assert t4["layers"] == [t3["id"], t1["id"]]
-    assert g.output(t4["id"]) == ["one", "three"]
+    assert gurtd.output(t4["id"]) == ["one", "three"]
 
 
 # 3. undo while a running task still reads the layer ##########################################
@@ -207,30 +192,29 @@ def test_undo_a_middle_task_keeps_the_others_changes(gurtd: Gurtd) -> None:
 def test_undo_while_a_running_task_reads_the_layer(gurtd: Gurtd) -> None:
     """Task A wrote a file.  Task B starts on top of A, waits, then reads it.  A is undone while
     B runs: B still reads A's file, and A's layer directory lives until B ends."""
-    g = gurtd
-    a = g.run("echo 'from A' > a.txt")
+    a = gurtd.run("echo 'from A' > a.txt")
     assert a["state"] == "done", a
 
-    b = g.create("sleep 1.5\ncat a.txt")
-    b = g.wait(b["id"], ("running",))
+    b = gurtd.create("sleep 1.5\ncat a.txt")
+    b = gurtd.wait(b["id"], ("running",))
     assert b["layers"] == [a["id"]]
 
-    undone = g.api("POST", f"/api/tasks/{a['id']}/undo")
+    undone = gurtd.api("POST", f"/api/tasks/{a['id']}/undo")
     assert undone["state"] == "undone"
-    assert g.task(b["id"])["state"] == "running"
-    assert os.path.isdir(layer_dir(g, a["id"])), "A's layer went while B still uses it"
-    assert os.path.isfile(os.path.join(layer_dir(g, a["id"]), "upper", "a.txt"))
+    assert gurtd.task(b["id"])["state"] == "running"
+    assert os.path.isdir(layer_dir(gurtd, a["id"])), "A's layer went while B still uses it"
+    assert os.path.isfile(os.path.join(layer_dir(gurtd, a["id"]), "upper", "a.txt"))
     # people no longer see A's file, B does
-    assert g.file("home", "a.txt") is None
-    assert stack_ids(g) == []
+    assert gurtd.file("home", "a.txt") is None
+    assert stack_ids(gurtd) == []
 
-    b = g.wait(b["id"])
+    b = gurtd.wait(b["id"])
     assert b["state"] == "done", b
-    assert g.output(b["id"]) == ["from A"]
+    assert gurtd.output(b["id"]) == ["from A"]
     assert b["summary"] == "from A"
-    eventually(lambda: not os.path.exists(layer_dir(g, a["id"])), 5,
+    eventually(lambda: not os.path.exists(layer_dir(gurtd, a["id"])), 5,
                "A's layer deleted after B ended")
-    assert g.task(a["id"])["state"] == "undone"
+    assert gurtd.task(a["id"])["state"] == "undone"
 
 
 # 4. the same file, twice #####################################################################
@@ -238,23 +222,22 @@ def test_undo_while_a_running_task_reads_the_layer(gurtd: Gurtd) -> None:
 def test_two_tasks_change_the_same_file_and_undo_is_per_file(gurtd: Gurtd) -> None:
     """Task 1 appends to a file of the base, task 2 sees that and appends again.  Undoing
     task 1 leaves task 2's full copy of the file (a layer holds whole files)."""
-    g = gurtd
-    put_base_file(g, "home", "story.txt", "line0\n")
-    t1 = g.run("echo line1 >> story.txt")
-    t2 = g.run("cat story.txt\necho line2 >> story.txt")
+    put_base_file(gurtd, "home", "story.txt", "line0\n")
+    t1 = gurtd.run("echo line1 >> story.txt")
+    t2 = gurtd.run("cat story.txt\necho line2 >> story.txt")
     assert t1["state"] == "done" and t2["state"] == "done", (t1, t2)
-    assert g.output(t2["id"]) == ["line0", "line1"]
-    assert g.file("home", "story.txt") == b"line0\nline1\nline2\n"
-    assert changes(g, t1["id"]) == [{"path": "story.txt", "change": "modified"}]
-    assert changes(g, t2["id"]) == [{"path": "story.txt", "change": "modified"}]
+    assert gurtd.output(t2["id"]) == ["line0", "line1"]
+    assert gurtd.file("home", "story.txt") == b"line0\nline1\nline2\n"
+    assert changes(gurtd, t1["id"]) == [{"path": "story.txt", "change": "modified"}]
+    assert changes(gurtd, t2["id"]) == [{"path": "story.txt", "change": "modified"}]
 
-    assert g.api("POST", f"/api/tasks/{t1['id']}/undo")["state"] == "undone"
-    assert g.file("home", "story.txt") == b"line0\nline1\nline2\n"
-    assert stack_ids(g) == [t2["id"]]
+    assert gurtd.api("POST", f"/api/tasks/{t1['id']}/undo")["state"] == "undone"
+    assert gurtd.file("home", "story.txt") == b"line0\nline1\nline2\n"
+    assert stack_ids(gurtd) == [t2["id"]]
 
-    assert g.api("POST", f"/api/tasks/{t2['id']}/undo")["state"] == "undone"
-    assert g.file("home", "story.txt") == b"line0\n"
-    assert stack_ids(g) == []
+    assert gurtd.api("POST", f"/api/tasks/{t2['id']}/undo")["state"] == "undone"
+    assert gurtd.file("home", "story.txt") == b"line0\n"
+    assert stack_ids(gurtd) == []
 
 
 # 5. the Task object ##########################################################################
@@ -262,11 +245,10 @@ def test_two_tasks_change_the_same_file_and_undo_is_per_file(gurtd: Gurtd) -> No
 def test_a_new_task_has_every_field_and_default(gurtd: Gurtd) -> None:
     """POST with only title, prompt and worker: every field of the Task with its default;
     updatedAt moves on every change; step, error and summary appear only once set."""
-    g = gurtd
-    before = g.task(g.run("echo earlier")["id"])
+    before = gurtd.task(gurtd.run("echo earlier")["id"])
     body = {"title": "fields", "prompt": "sleep 0.3\necho hello; sleep 0.3\nsleep 0.3",
             "worker": "fake"}
-    task = g.api("POST", "/api/tasks", body, status=201)
+    task = gurtd.api("POST", "/api/tasks", body, status=201)
 
     assert ID_RE.match(task["id"]), task["id"]
     assert task["title"] == "fields"
@@ -297,7 +279,7 @@ def test_a_new_task_has_every_field_and_default(gurtd: Gurtd) -> None:
     deadline = time.monotonic() + 20
     while seen[-1]["state"] not in ("done", "failed", "undone"):
         assert time.monotonic() < deadline, seen[-1]
-        now = g.task(task["id"])
+        now = gurtd.task(task["id"])
         if now != seen[-1]:
             seen.append(now)
         time.sleep(0.01)
@@ -316,26 +298,25 @@ def test_a_new_task_has_every_field_and_default(gurtd: Gurtd) -> None:
     assert "error" not in final
     assert set(final) == expected_keys | {"step", "summary"}
     assert final["costCents"] == 0
-    assert final == g.task(task["id"])
-    assert g.api("GET", "/api/tasks")[0] == final
+    assert final == gurtd.task(task["id"])
+    assert gurtd.api("GET", "/api/tasks")[0] == final
 
 
 def test_a_droid_task_without_the_cli_is_refused_and_creates_nothing(gurtd: Gurtd) -> None:
     """With droidPath naming no program, POSTing a droid task answers 400 with a JSON error
     and creates no task."""
-    g = gurtd
-    g.api("PUT", "/api/settings", {"droidPath": "/nonexistent/droid"})
-    before = g.api("GET", "/api/tasks")
-    code, data, headers = g.request("POST", "/api/tasks",
-                                    {"title": "droid", "prompt": "do it", "worker": "droid"})
+    gurtd.api("PUT", "/api/settings", {"droidPath": "/nonexistent/droid"})
+    before = gurtd.api("GET", "/api/tasks")
+    code, data, headers = gurtd.request("POST", "/api/tasks",
+                                        {"title": "droid", "prompt": "do it", "worker": "droid"})
     assert code == 400, (code, data)
     assert headers["content-type"].startswith("application/json")
     assert "Droid CLI" in data["error"]
-    assert g.api("GET", "/api/tasks") == before == []
-    assert os.listdir(os.path.join(g.home, "tasks")) == []
-    assert os.listdir(os.path.join(g.home, "layers")) == []
+    assert gurtd.api("GET", "/api/tasks") == before == []
+    assert os.listdir(os.path.join(gurtd.home, "tasks")) == []
+    assert os.listdir(os.path.join(gurtd.home, "layers")) == []
     with open("/etc/passwd") as f:
-        assert f"gurt task in {g.home}" not in f.read()
+        assert f"gurt task in {gurtd.home}" not in f.read()
 
 
 # 6. a failing worker #########################################################################
@@ -344,17 +325,16 @@ def test_a_failing_line_fails_the_task_and_its_changes_are_not_applied(gurtd: Gu
     """The third line exits 4 after two stderr lines: the task fails with the last of them,
     the fourth line never runs, and what the task wrote stays out of the workspace (but its
     changes can still be read)."""
-    g = gurtd
     failing = "echo 'first problem' >&2; echo 'the real problem' >&2; exit 4"
-    task = g.run("echo kept | tee kept.txt\n"
-                 "echo 'just a warning' >&2\n"
-                 f"{failing}\n"
-                 "echo never > never.txt")
+    task = gurtd.run("echo kept | tee kept.txt\n"
+                     "echo 'just a warning' >&2\n"
+                     f"{failing}\n"
+                     "echo never > never.txt")
     assert task["state"] == "failed", task
     assert task["error"] == "worker exited with 4: the real problem"
     assert task["step"] == failing
 
-    log = g.log(task["id"])
+    log = gurtd.log(task["id"])
     assert [e["text"] for e in log if e["type"] == "step"] == [
         "echo kept | tee kept.txt", "echo 'just a warning' >&2", failing]
     assert [e["text"] for e in log if e["type"] == "stderr"] == [
@@ -362,25 +342,24 @@ def test_a_failing_line_fails_the_task_and_its_changes_are_not_applied(gurtd: Gu
     assert [e["code"] for e in log if e["type"] == "exit"] == [4]
     assert log[-1]["type"] == "state" and log[-1]["state"] == "failed"
 
-    assert g.file("home", "kept.txt") is None
-    assert g.file("home", "never.txt") is None
-    assert changes(g, task["id"]) == [{"path": "kept.txt", "change": "added"}]
-    assert stack_ids(g) == []
+    assert gurtd.file("home", "kept.txt") is None
+    assert gurtd.file("home", "never.txt") is None
+    assert changes(gurtd, task["id"]) == [{"path": "kept.txt", "change": "added"}]
+    assert stack_ids(gurtd) == []
 
-    after = g.run("test ! -e kept.txt\necho clean")
+    after = gurtd.run("test ! -e kept.txt\necho clean")
     assert after["state"] == "done", after
     assert after["layers"] == []
 
 
 def test_a_failing_line_without_stderr_gives_just_the_exit_code(gurtd: Gurtd) -> None:
     """Only the failing line's stderr counts: an earlier line's warning is not the error."""
-    g = gurtd
-    quiet = g.run("echo 'an earlier warning' >&2\nfalse\necho never")
+    quiet = gurtd.run("echo 'an earlier warning' >&2\nfalse\necho never")
     assert quiet["state"] == "failed", quiet
     assert quiet["error"] == "worker exited with 1"
-    assert "never" not in g.output(quiet["id"])
+    assert "never" not in gurtd.output(quiet["id"])
 
-    plain = g.run("exit 7")
+    plain = gurtd.run("exit 7")
     assert plain["error"] == "worker exited with 7", plain
 
 
@@ -389,54 +368,50 @@ def test_a_failing_line_without_stderr_gives_just_the_exit_code(gurtd: Gurtd) ->
 def test_stop_a_running_task_ends_it_and_its_processes(gurtd: Gurtd) -> None:
     """A task sleeping for 30 s is stopped: it fails with error stopped at once, and its
     processes and its user are gone."""
-    g = gurtd
-    task = g.create("echo started\nsleep 30")
-    task, uid = wait_running_with_processes(g, task["id"])
+    task = gurtd.create("echo started\nsleep 30")
+    task, uid = wait_running_with_processes(gurtd, task["id"])
     assert task["user"] in passwd_names()
 
     began = time.monotonic()
-    stopped = g.api("POST", f"/api/tasks/{task['id']}/stop")
+    stopped = gurtd.api("POST", f"/api/tasks/{task['id']}/stop")
     assert time.monotonic() - began < 5
     assert stopped["state"] == "failed"
     assert stopped["error"] == "stopped"
-    assert g.task(task["id"])["state"] == "failed"
+    assert gurtd.task(task["id"])["state"] == "failed"
     assert uid_processes(uid) == []
-    assert g.worker_pids(task) == []
+    assert gurtd.worker_pids(task) == []
     assert task["user"] not in passwd_names()
     assert any(e["type"] == "state" and e["state"] == "failed" and e.get("error") == "stopped"
-               for e in g.log(task["id"]))
+               for e in gurtd.log(task["id"]))
 
 
 def test_stop_a_done_task_is_a_conflict(gurtd: Gurtd) -> None:
-    g = gurtd
-    done = g.run("echo ok")
+    done = gurtd.run("echo ok")
     assert done["state"] == "done"
-    code, data, _ = g.request("POST", f"/api/tasks/{done['id']}/stop")
-    assert code == 409, (code, data)
+    data = gurtd.api("POST", f"/api/tasks/{done['id']}/stop", status=409)
     assert isinstance(data, dict) and data.get("error"), data
-    assert g.task(done["id"]) == done
+    assert gurtd.task(done["id"]) == done
 
 
 def test_a_queued_task_that_is_stopped_never_runs(gurtd: Gurtd) -> None:
-    g = gurtd
-    set_settings(g, maxRunningTasks=1)
-    blocker = g.create("sleep 30")
-    g.wait(blocker["id"], ("running",))
-    queued = g.create("echo ran > ran.txt\necho ran")
+    set_settings(gurtd, maxRunningTasks=1)
+    blocker = gurtd.create("sleep 30")
+    gurtd.wait(blocker["id"], ("running",))
+    queued = gurtd.create("echo ran > ran.txt\necho ran")
     assert queued["state"] == "queued", queued
 
-    stopped = g.api("POST", f"/api/tasks/{queued['id']}/stop")
+    stopped = gurtd.api("POST", f"/api/tasks/{queued['id']}/stop")
     assert stopped["state"] == "failed"
     assert stopped["error"] == "stopped"
 
-    g.api("POST", f"/api/tasks/{blocker['id']}/stop")
-    after = g.run("echo next")  # the slot is free again: the next task runs
+    gurtd.api("POST", f"/api/tasks/{blocker['id']}/stop")
+    after = gurtd.run("echo next")  # the slot is free again: the next task runs
     assert after["state"] == "done"
     assert after["layers"] == []
-    assert g.task(queued["id"])["state"] == "failed"
-    assert "running" not in states_in_log(g, queued["id"])
-    assert [e for e in g.log(queued["id"]) if e["type"] in ("step", "stdout")] == []
-    assert g.file("home", "ran.txt") is None
+    assert gurtd.task(queued["id"])["state"] == "failed"
+    assert "running" not in gurtd.states(queued["id"])
+    assert [e for e in gurtd.log(queued["id"]) if e["type"] in ("step", "stdout")] == []
+    assert gurtd.file("home", "ran.txt") is None
 
 
 # 8. the log and its stream ###################################################################
@@ -444,13 +419,12 @@ def test_a_queued_task_that_is_stopped_never_runs(gurtd: Gurtd) -> None:
 def test_the_log_and_its_follow_stream(gurtd: Gurtd) -> None:
     """A task prints a line, waits, prints another, waits, prints a third.  The follow stream
     delivers each line as it comes and ends when the task does; the log has every entry."""
-    g = gurtd
     prompt = ("echo one\nsleep 0.5\necho two; echo oops >&2\nsleep 0.5\necho three")
-    task = g.create(prompt)
+    task = gurtd.create(prompt)
 
-    conn = g.connection(timeout=20)
+    conn = gurtd.connection(timeout=20)
     conn.request("GET", f"/api/tasks/{task['id']}/log?follow=1",
-                 headers={"Authorization": f"Bearer {g.token}"})
+                 headers={"Authorization": f"Bearer {gurtd.token}"})
     resp = conn.getresponse()
     assert resp.status == 200
     assert resp.getheader("Content-Type", "").startswith("text/event-stream")
@@ -483,10 +457,10 @@ def test_the_log_and_its_follow_stream(gurtd: Gurtd) -> None:
     assert arrival["three"] - arrival["one"] > 0.7, arrival   # as they came, not at the end
     assert ended_at - arrival["three"] < 2.0
 
-    task = g.task(task["id"])
+    task = gurtd.task(task["id"])
     assert task["state"] == "done"
     assert task["summary"] == "three"
-    log = g.log(task["id"])
+    log = gurtd.log(task["id"])
     assert streamed == log          # the stream is the log, entry for entry
     for entry in log:
         assert entry["type"] in ("state", "step", "stdout", "stderr", "exit"), entry
@@ -503,7 +477,7 @@ def test_the_log_and_its_follow_stream(gurtd: Gurtd) -> None:
         ("exit", 0), ("state", "done")]
 
     # a finished task's stream is the whole log, then the end, at once
-    code, data, headers = g.request("GET", f"/api/tasks/{task['id']}/log?follow=1")
+    code, data, headers = gurtd.request("GET", f"/api/tasks/{task['id']}/log?follow=1")
     assert code == 200
     text = data.decode()
     assert [json.loads(line[6:]) for line in text.splitlines()
@@ -514,19 +488,18 @@ def test_the_log_and_its_follow_stream(gurtd: Gurtd) -> None:
 # 9. changes ##################################################################################
 
 def test_changes_lists_added_modified_and_deleted_paths(gurtd: Gurtd) -> None:
-    g = gurtd
-    put_base_file(g, "home", "modify.txt", "old\n")
-    put_base_file(g, "home", "delete.txt", "bye\n")
-    put_base_file(g, "home", "keep.txt", "same\n")
-    put_base_file(g, "home", "docs/guide.txt", "guide\n")
-    task = g.run("echo new >> modify.txt\n"
-                 "rm delete.txt\n"
-                 "echo hi > added.txt\n"
-                 "mkdir newdir && echo x > newdir/inner.txt\n"
-                 "echo more >> docs/guide.txt\n"
-                 "cat keep.txt")
+    put_base_file(gurtd, "home", "modify.txt", "old\n")
+    put_base_file(gurtd, "home", "delete.txt", "bye\n")
+    put_base_file(gurtd, "home", "keep.txt", "same\n")
+    put_base_file(gurtd, "home", "docs/guide.txt", "guide\n")
+    task = gurtd.run("echo new >> modify.txt\n"
+                     "rm delete.txt\n"
+                     "echo hi > added.txt\n"
+                     "mkdir newdir && echo x > newdir/inner.txt\n"
+                     "echo more >> docs/guide.txt\n"
+                     "cat keep.txt")
     assert task["state"] == "done", task
-    got = changes(g, task["id"])
+    got = changes(gurtd, task["id"])
     paths = [c["path"] for c in got]
     assert paths == sorted(paths) and len(paths) == len(set(paths)), got
     assert all(set(c) == {"path", "change"} for c in got), got
@@ -540,57 +513,55 @@ def test_changes_lists_added_modified_and_deleted_paths(gurtd: Gurtd) -> None:
     assert "docs/" not in paths and "docs" not in paths   # an old directory is not new
     assert all(c["path"] in ("newdir/", "newdir/inner.txt") or c["path"] in (
         "modify.txt", "delete.txt", "added.txt", "docs/guide.txt") for c in got), got
-    assert g.file("home", "modify.txt") == b"old\nnew\n"
-    assert g.file("home", "delete.txt") is None
+    assert gurtd.file("home", "modify.txt") == b"old\nnew\n"
+    assert gurtd.file("home", "delete.txt") is None
 
 
 # 10. settings ################################################################################
 
 def test_settings_defaults_partial_update_and_restart(gurtd: Gurtd) -> None:
-    g = gurtd
 
     def core(settings: dict) -> dict:
         return {k: settings[k] for k in ("defaultBudgetCents", "maxRunningTasks",
                                          "upstreamDns")}
 
-    assert core(g.api("GET", "/api/settings")) == \
+    assert core(gurtd.api("GET", "/api/settings")) == \
         {"defaultBudgetCents": 0, "maxRunningTasks": 8, "upstreamDns": ""}
-    first = g.run("echo before")
+    first = gurtd.run("echo before")
     assert first["budgetCents"] == 0
 
-    assert core(g.api("PUT", "/api/settings", {"defaultBudgetCents": 250})) == \
+    assert core(gurtd.api("PUT", "/api/settings", {"defaultBudgetCents": 250})) == \
         {"defaultBudgetCents": 250, "maxRunningTasks": 8, "upstreamDns": ""}
-    assert core(g.api("GET", "/api/settings")) == \
+    assert core(gurtd.api("GET", "/api/settings")) == \
         {"defaultBudgetCents": 250, "maxRunningTasks": 8, "upstreamDns": ""}
-    assert g.run("echo after")["budgetCents"] == 250
+    assert gurtd.run("echo after")["budgetCents"] == 250
 
-    g.restart()
-    assert core(g.api("GET", "/api/settings")) == \
+    gurtd.restart()
+    assert core(gurtd.api("GET", "/api/settings")) == \
         {"defaultBudgetCents": 250, "maxRunningTasks": 8, "upstreamDns": ""}
-    assert core(g.api("PUT", "/api/settings", {"maxRunningTasks": 3})) == \
+    assert core(gurtd.api("PUT", "/api/settings", {"maxRunningTasks": 3})) == \
         {"defaultBudgetCents": 250, "maxRunningTasks": 3, "upstreamDns": ""}
-    g.restart()
-    assert core(g.api("GET", "/api/settings")) == \
+    gurtd.restart()
+    assert core(gurtd.api("GET", "/api/settings")) == \
         {"defaultBudgetCents": 250, "maxRunningTasks": 3, "upstreamDns": ""}
-    later = g.run("echo later")
+    later = gurtd.run("echo later")
     assert later["state"] == "done"
     assert later["budgetCents"] == 250
-    assert g.run("echo own", budgetCents=7)["budgetCents"] == 7
-    assert g.task(first["id"])["budgetCents"] == 0    # a setting does not touch old tasks
+    assert gurtd.run("echo own", budgetCents=7)["budgetCents"] == 7
+    assert gurtd.task(first["id"])["budgetCents"] == 0    # a setting does not touch old tasks
 
 
 # 11. queueing ################################################################################
 
 def test_max_running_tasks_queues_first_in_first_out(gurtd: Gurtd) -> None:
-    g = gurtd
-    assert set_settings(g, maxRunningTasks=1)["maxRunningTasks"] == 1
-    ids = [g.create("sleep 0.5", title=f"q{i}")["id"] for i in range(3)]
+    assert set_settings(gurtd, maxRunningTasks=1)["maxRunningTasks"] == 1
+    ids = [gurtd.create("sleep 0.5", title=f"q{i}")["id"] for i in range(3)]
     most = 0
     deadline = time.monotonic() + 30
     while True:
         # One list request is one moment; three GETs of one task each are three moments, and
         # q0 can be seen running just before it ends and q1 just after it starts.
-        listing = {t["id"]: t for t in g.api("GET", "/api/tasks")}
+        listing = {t["id"]: t for t in gurtd.api("GET", "/api/tasks")}
         tasks = [listing[i] for i in ids]
         running = sum(t["state"] == "running" for t in tasks)
         most = max(most, running)
@@ -601,35 +572,34 @@ def test_max_running_tasks_queues_first_in_first_out(gurtd: Gurtd) -> None:
         time.sleep(0.02)
     assert most == 1
     assert [t["state"] for t in tasks] == ["done"] * 3, tasks
-    started = [state_time(g, i, "running") for i in ids]
-    ended = [state_time(g, i, "done") for i in ids]
+    started = [state_time(gurtd, i, "running") for i in ids]
+    ended = [state_time(gurtd, i, "done") for i in ids]
     assert started == sorted(started), started
     for i in range(2):
         assert started[i + 1] >= ended[i], (started, ended)   # one after the other
     # each later task stacks on the ones done before it
-    assert g.task(ids[2])["layers"] == [ids[1], ids[0]]
+    assert gurtd.task(ids[2])["layers"] == [ids[1], ids[0]]
 
 
 # 12. undo of a queued task ###################################################################
 
 def test_undo_a_queued_task_and_it_never_starts(gurtd: Gurtd) -> None:
-    g = gurtd
-    set_settings(g, maxRunningTasks=1)
-    blocker = g.create("sleep 30")
-    g.wait(blocker["id"], ("running",))
-    queued = g.create("echo ran > ran.txt")
+    set_settings(gurtd, maxRunningTasks=1)
+    blocker = gurtd.create("sleep 30")
+    gurtd.wait(blocker["id"], ("running",))
+    queued = gurtd.create("echo ran > ran.txt")
     assert queued["state"] == "queued"
 
-    undone = g.api("POST", f"/api/tasks/{queued['id']}/undo")
+    undone = gurtd.api("POST", f"/api/tasks/{queued['id']}/undo")
     assert undone["id"] == queued["id"]
     assert undone["state"] == "undone"
 
-    g.api("POST", f"/api/tasks/{blocker['id']}/stop")
-    assert g.run("echo next")["state"] == "done"   # the queue moved on without it
-    assert g.task(queued["id"])["state"] == "undone"
-    assert states_in_log(g, queued["id"]) == ["queued", "undone"]
-    assert [e for e in g.log(queued["id"]) if e["type"] in ("step", "stdout", "exit")] == []
-    assert g.file("home", "ran.txt") is None
+    gurtd.api("POST", f"/api/tasks/{blocker['id']}/stop")
+    assert gurtd.run("echo next")["state"] == "done"   # the queue moved on without it
+    assert gurtd.task(queued["id"])["state"] == "undone"
+    assert gurtd.states(queued["id"]) == ["queued", "undone"]
+    assert [e for e in gurtd.log(queued["id"]) if e["type"] in ("step", "stdout", "exit")] == []
+    assert gurtd.file("home", "ran.txt") is None
     assert queued["user"] not in passwd_names()
 
 
@@ -639,31 +609,30 @@ def test_kill_9_then_restart_fails_running_tasks_and_starts_queued_ones(gurtd: G
     """gurtd dies by SIGKILL while a task sleeps and another waits in the queue.  After the
     restart, the sleeping task is failed and its processes and user are gone; the queued task
     runs; new tasks run."""
-    g = gurtd
-    set_settings(g, maxRunningTasks=1)
-    running = g.create("sleep 30")
-    running, uid = wait_running_with_processes(g, running["id"])
-    queued = g.create("echo after restart")
+    set_settings(gurtd, maxRunningTasks=1)
+    running = gurtd.create("sleep 30")
+    running, uid = wait_running_with_processes(gurtd, running["id"])
+    queued = gurtd.create("echo after restart")
     assert queued["state"] == "queued"
 
-    g.restart(kill=True)
+    gurtd.restart(kill=True)
 
-    failed = g.task(running["id"])
+    failed = gurtd.task(running["id"])
     assert failed["state"] == "failed"
     assert failed["error"] == "gurtd restarted while the task was running"
     assert uid_processes(uid) == []
-    assert g.worker_pids(failed) == []
+    assert gurtd.worker_pids(failed) == []
     assert running["user"] not in passwd_names()
 
-    resumed = g.wait(queued["id"])
+    resumed = gurtd.wait(queued["id"])
     assert resumed["state"] == "done", resumed
-    assert g.output(queued["id"]) == ["after restart"]
-    assert states_in_log(g, queued["id"]) == ["queued", "running", "done"]
+    assert gurtd.output(queued["id"]) == ["after restart"]
+    assert gurtd.states(queued["id"]) == ["queued", "running", "done"]
 
-    fresh = g.run("echo fine > fine.txt\necho fine")
+    fresh = gurtd.run("echo fine > fine.txt\necho fine")
     assert fresh["state"] == "done", fresh
     assert fresh["layers"] == [queued["id"]]
-    assert g.file("home", "fine.txt") == b"fine\n"
+    assert gurtd.file("home", "fine.txt") == b"fine\n"
     assert not any(u.startswith("box-") and u in (running["user"], queued["user"],
                                                     fresh["user"]) for u in passwd_names())
 
@@ -715,89 +684,80 @@ def test_a_box_home_that_is_a_mount_survives_start_kill_restart_and_stop() -> No
 
 # 14. the command line ########################################################################
 
-def cli(g: Gurtd, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("GURT_TOKEN",)}
-    env.update(BOX_HOME=g.home, GURT_LISTEN=f"127.0.0.1:{g.port}")
-    return subprocess.run([os.path.join(ROOT, ".venv", "bin", "python"), GURTD, *args],
-                          env=env, cwd=ROOT, input=stdin, capture_output=True, text=True,
-                          timeout=60)
-
-
 def test_the_command_line(gurtd: Gurtd) -> None:
-    g = gurtd
-    token = cli(g, "token")
+    token = gurtd.cli("token")
     assert token.returncode == 0, token
-    assert token.stdout.strip() == g.token
+    assert token.stdout.strip() == gurtd.token
 
-    ok = cli(g, "run", "--worker", "fake", "--wait", "echo hi")
+    ok = gurtd.cli("run", "--worker", "fake", "--wait", "echo hi")
     assert ok.returncode == 0, ok
     assert ok.stdout == "hi\n"
     ok_id, ok_state = ok.stderr.strip().splitlines()[-1].split()[:2]
     assert ID_RE.match(ok_id) and ok_state == "done", ok.stderr
-    assert g.task(ok_id)["state"] == "done"
+    assert gurtd.task(ok_id)["state"] == "done"
 
-    bad = cli(g, "run", "--worker", "fake", "--wait", "echo trouble >&2; exit 3")
+    bad = gurtd.cli("run", "--worker", "fake", "--wait", "echo trouble >&2; exit 3")
     assert bad.returncode == 1, bad
     bad_id = bad.stderr.strip().splitlines()[-1].split()[0]
-    assert g.task(bad_id)["state"] == "failed"
-    assert g.task(bad_id)["error"] == "worker exited with 3: trouble"
+    assert gurtd.task(bad_id)["state"] == "failed"
+    assert gurtd.task(bad_id)["error"] == "worker exited with 3: trouble"
     assert "trouble" in bad.stderr
 
-    as_json = cli(g, "run", "--worker", "fake", "--wait", "--json", "echo j")
+    as_json = gurtd.cli("run", "--worker", "fake", "--wait", "--json", "echo j")
     assert as_json.returncode == 0, as_json
     j_task = json.loads(as_json.stdout)
     assert j_task["state"] == "done" and j_task["summary"] == "j"
 
-    tasks = cli(g, "tasks")
+    tasks = gurtd.cli("tasks")
     assert tasks.returncode == 0, tasks
     lines = tasks.stdout.splitlines()
     assert lines[0].split()[:2] == ["ID", "STATE"]
     rows = [line.split()[:2] for line in lines[1:]]
     assert rows == [[j_task["id"], "done"], [bad_id, "failed"], [ok_id, "done"]]
-    tasks_json = cli(g, "tasks", "--json")
+    tasks_json = gurtd.cli("tasks", "--json")
     assert [t["id"] for t in json.loads(tasks_json.stdout)] == [j_task["id"], bad_id, ok_id]
-    failed_only = cli(g, "tasks", "--state", "failed", "--json")
+    failed_only = gurtd.cli("tasks", "--state", "failed", "--json")
     assert [t["id"] for t in json.loads(failed_only.stdout)] == [bad_id]
 
-    show = cli(g, "show", ok_id)
+    show = gurtd.cli("show", ok_id)
     assert show.returncode == 0, show
     fields = dict(re.split(r":\s+", line, maxsplit=1) for line in show.stdout.splitlines()
                   if re.match(r"^\w+:\s", line))
     assert fields["id"] == ok_id and fields["state"] == "done" and fields["summary"] == "hi"
     assert fields["user"] == "box-" + ok_id
-    show_json = cli(g, "show", ok_id, "--json")
-    assert json.loads(show_json.stdout) == g.task(ok_id)
+    show_json = gurtd.cli("show", ok_id, "--json")
+    assert json.loads(show_json.stdout) == gurtd.task(ok_id)
 
-    log = cli(g, "log", ok_id)
+    log = gurtd.cli("log", ok_id)
     assert log.returncode == 0, log
     kinds = [line.split()[1] for line in log.stdout.splitlines()]
     assert kinds == ["state", "state", "step", "stdout", "exit", "state"], log.stdout
     assert log.stdout.splitlines()[3].split()[-1] == "hi"
-    log_json = cli(g, "log", ok_id, "--json")
-    assert [json.loads(line) for line in log_json.stdout.splitlines()] == g.log(ok_id)
-    follow = cli(g, "log", "-f", ok_id, "--json")
-    assert [json.loads(line) for line in follow.stdout.splitlines()] == g.log(ok_id)
+    log_json = gurtd.cli("log", ok_id, "--json")
+    assert [json.loads(line) for line in log_json.stdout.splitlines()] == gurtd.log(ok_id)
+    follow = gurtd.cli("log", "-f", ok_id, "--json")
+    assert [json.loads(line) for line in follow.stdout.splitlines()] == gurtd.log(ok_id)
 
-    undo = cli(g, "undo", ok_id)
+    undo = gurtd.cli("undo", ok_id)
     assert undo.returncode == 0, undo
     assert re.search(r"^state:\s+undone$", undo.stdout, re.M), undo.stdout
-    assert g.task(ok_id)["state"] == "undone"
-    undo_json = cli(g, "undo", ok_id, "--json")
-    assert json.loads(undo_json.stdout) == g.task(ok_id)
+    assert gurtd.task(ok_id)["state"] == "undone"
+    undo_json = gurtd.cli("undo", ok_id, "--json")
+    assert json.loads(undo_json.stdout) == gurtd.task(ok_id)
 
-    started = cli(g, "run", "--worker", "fake", "sleep 30")
+    started = gurtd.cli("run", "--worker", "fake", "sleep 30")
     assert started.returncode == 0, started
     sleeper = started.stdout.strip()
     assert ID_RE.match(sleeper), started.stdout
-    g.wait(sleeper, ("running",))
-    stop = cli(g, "stop", sleeper, "--json")
+    gurtd.wait(sleeper, ("running",))
+    stop = gurtd.cli("stop", sleeper, "--json")
     assert stop.returncode == 0, stop
     stopped = json.loads(stop.stdout)
     assert stopped["state"] == "failed" and stopped["error"] == "stopped"
-    again = cli(g, "stop", sleeper)
+    again = gurtd.cli("stop", sleeper)
     assert again.returncode == 1, again
     assert "the task is failed" in again.stderr and "409" not in again.stderr, again.stderr
 
-    from_stdin = cli(g, "run", "--worker", "fake", "--wait", stdin="echo one\necho two\n")
+    from_stdin = gurtd.cli("run", "--worker", "fake", "--wait", stdin="echo one\necho two\n")
     assert from_stdin.returncode == 0, from_stdin
     assert from_stdin.stdout == "one\ntwo\n"

@@ -10,16 +10,12 @@ that no task group is left behind.
 
 from __future__ import annotations
 
-import base64
 import ctypes
 import hashlib
 import json
 import os
-import shutil
 import signal
 import socket
-import subprocess
-import tempfile
 import threading
 import time
 from typing import Any, Iterator
@@ -27,9 +23,8 @@ from typing import Any, Iterator
 import pytest
 
 import gurtd as G
-from conftest import Gurtd, eventually, wait_for_step
-
-VIEW = "/run/gurt/view"
+from conftest import (Gurtd, eventually, gurtd_on_small_disk, python_arg_line, running_gurtd,
+                      wait_for_step)
 
 
 # helpers ######################################################################################
@@ -95,21 +90,15 @@ def stopped_and_clean(g: Gurtd) -> None:
 @pytest.fixture
 def box() -> Iterator[Gurtd]:
     """A gurtd of its own whose task groups are checked after the story."""
-    from conftest import make_home, remove_home
-    g = Gurtd(make_home())
-    g.start()
-    try:
+    with running_gurtd() as g:
         yield g
         no_groups_left(g)
         stopped_and_clean(g)
-    finally:
-        if g.proc is not None:
-            g.stop()
-        remove_home(g.home)
 
 
 # the limits, as data (no root needed) #######################################################
 
+@pytest.mark.pure
 def test_limits_in_a_body_are_checked_and_the_rest_comes_from_settings() -> None:
     settings = dict(G.DEFAULT_SETTINGS)
     fields = G.validate_task_body({"title": "t", "prompt": "p",
@@ -133,6 +122,7 @@ def test_limits_in_a_body_are_checked_and_the_rest_comes_from_settings() -> None
         assert err.value.status == 400 and words in err.value.message, (bad, err.value.message)
 
 
+@pytest.mark.pure
 def test_limit_settings_are_checked_and_the_disk_reserve_has_a_default() -> None:
     settings = dict(G.DEFAULT_SETTINGS)
     assert (settings["taskMaxProcesses"], settings["taskMemoryBytes"], settings["taskTmpBytes"],
@@ -151,31 +141,25 @@ def test_limit_settings_are_checked_and_the_disk_reserve_has_a_default() -> None
 
 
 def test_a_task_shows_its_effective_limits_and_bad_ones_create_nothing(box: Gurtd) -> None:
-    g = box
-    g.api("PUT", "/api/settings", {"taskMaxProcesses": 200, "taskLogBytes": 1 << 20})
-    task = g.run("echo hi", limits={"processes": 100})
+    box.api("PUT", "/api/settings", {"taskMaxProcesses": 200, "taskLogBytes": 1 << 20})
+    task = box.run("echo hi", limits={"processes": 100})
     assert task["state"] == "done", task
     with open("/proc/meminfo") as f:
         total = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
     assert task["limits"] == {"processes": 100, "memoryBytes": total // 2,
                               "tmpBytes": 1 << 30, "logBytes": 1 << 20}
-    before = g.api("GET", "/api/tasks")
-    code, data, _ = g.request("POST", "/api/tasks", {"title": "t", "prompt": "echo",
-                                                     "worker": "fake",
-                                                     "limits": {"processes": -5}})
+    before = box.api("GET", "/api/tasks")
+    code, data, _ = box.request("POST", "/api/tasks", {"title": "t", "prompt": "echo",
+                                                       "worker": "fake",
+                                                       "limits": {"processes": -5}})
     assert code == 400 and "limits.processes" in data["error"], data
-    assert g.api("GET", "/api/tasks") == before
+    assert box.api("GET", "/api/tasks") == before
 
 
 # tracking: nothing of a task outlives it ######################################################
 
-def python_line(code: str) -> str:
-    """A prompt line that runs this Python program (any quotes, any lines) as the task."""
-    return ("python3 -c \"import base64; exec(base64.b64decode('"
-            + base64.b64encode(code.encode()).decode() + "'))\"")
-
-
-ORPHAN_THREAD = python_line(   # the main thread ends (SYS_exit: that thread only); another beats
+# the main thread ends (SYS_exit: that thread only); another beats
+ORPHAN_THREAD = python_arg_line(
     "import ctypes, threading, time\n"
     "def beat():\n"
     "    while True:\n"
@@ -187,10 +171,9 @@ def test_a_thread_that_outlives_its_main_thread_ends_with_the_task(box: Gurtd) -
     """A task leaves a process whose main thread exited while another thread keeps writing to
     its layer: gurtd sees that process (a zombie leader with a live thread), and when the task
     ends no thread of its uid is left and the layer stops changing."""
-    g = box
-    task = g.create(f"id -u\n{ORPHAN_THREAD} > /dev/null 2>&1 &\nsleep 1.5\nsleep 0.5")
-    wait_for_step(g, task["id"], "sleep 0.5")
-    uid = int(g.output(task["id"])[0])
+    task = box.create(f"id -u\n{ORPHAN_THREAD} > /dev/null 2>&1 &\nsleep 1.5\nsleep 0.5")
+    wait_for_step(box, task["id"], "sleep 0.5")
+    uid = int(box.output(task["id"])[0])
     leftover = G.processes_by_uid({uid}).get(uid, [])
     zombies = []
     for pid in leftover:
@@ -198,10 +181,10 @@ def test_a_thread_that_outlives_its_main_thread_ends_with_the_task(box: Gurtd) -
             if "\nState:\tZ" in f.read():
                 zombies.append(pid)
     assert zombies, f"the zombie leader with a live thread is not seen: {leftover}"
-    assert g.wait(task["id"])["state"] == "done"
+    assert box.wait(task["id"])["state"] == "done"
     assert threads_of_uid(uid) == []
     assert G.processes_by_uid({uid}) == {}
-    beat = os.path.join(g.home, "layers", task["id"], "upper", "beat")
+    beat = os.path.join(box.home, "layers", task["id"], "upper", "beat")
     size = os.path.getsize(beat)
     assert size > 0
     time.sleep(0.3)
@@ -211,14 +194,13 @@ def test_a_thread_that_outlives_its_main_thread_ends_with_the_task(box: Gurtd) -
 def test_a_double_forked_daemon_ends_with_the_task(box: Gurtd) -> None:
     """A task starts a classic daemon (fork, setsid, fork again: reparented, its own session)
     and finishes; the daemon ends with it."""
-    g = box
-    daemon = python_line("import os, time\nif os.fork(): os._exit(0)\nos.setsid()\n"
-                         "if os.fork(): os._exit(0)\n"
-                         "open('daemon.pid', 'w').write(str(os.getpid()))\ntime.sleep(300)\n")
-    task = g.create(f"id -u\n{daemon} > /dev/null 2>&1 < /dev/null\nsleep 0.5\ncat daemon.pid")
-    done = g.wait(task["id"])
-    assert done["state"] == "done", (done, g.log(task["id"]))
-    uid, pid = (int(x) for x in g.output(task["id"]))
+    daemon = python_arg_line("import os, time\nif os.fork(): os._exit(0)\nos.setsid()\n"
+                             "if os.fork(): os._exit(0)\n"
+                             "open('daemon.pid', 'w').write(str(os.getpid()))\ntime.sleep(300)\n")
+    task = box.create(f"id -u\n{daemon} > /dev/null 2>&1 < /dev/null\nsleep 0.5\ncat daemon.pid")
+    done = box.wait(task["id"])
+    assert done["state"] == "done", (done, box.log(task["id"]))
+    uid, pid = (int(x) for x in box.output(task["id"]))
     assert pid not in G.processes_by_uid({uid}).get(uid, [])
     assert threads_of_uid(uid) == []
 
@@ -228,11 +210,10 @@ def test_after_kill_9_a_survivor_of_an_earlier_task_is_ended_even_without_its_us
     """gurtd dies by SIGKILL while a task runs; a background process of the task survives it
     (reparented to init), and its user is gone too (deleted by hand, as a crash between the
     steps of an end could leave it).  The restart finds it by its cgroup and ends it."""
-    g = box
-    task = g.create("id -u\nsetsid sleep 300 > /dev/null 2>&1 &\nsleep 30")
-    wait_for_step(g, task["id"], "sleep 30")
-    uid = int(g.output(task["id"])[0])
-    g.stop(signal.SIGKILL)
+    task = box.create("id -u\nsetsid sleep 300 > /dev/null 2>&1 &\nsleep 30")
+    wait_for_step(box, task["id"], "sleep 30")
+    uid = int(box.output(task["id"])[0])
+    box.stop(signal.SIGKILL)
     def survivor() -> bool:
         for pid in G.processes_by_uid({uid}).get(uid, []):
             try:
@@ -245,9 +226,9 @@ def test_after_kill_9_a_survivor_of_an_earlier_task_is_ended_even_without_its_us
     eventually(survivor, what="the survivor")
     survivors = {pid: start_time(pid) for pid in G.processes_by_uid({uid}).get(uid, [])}
     G.user_del(task["user"])
-    assert task_groups(g.home), "the survivor's group is there to find"
-    g.start()
-    assert g.task(task["id"])["state"] == "failed"
+    assert task_groups(box.home), "the survivor's group is there to find"
+    box.start()
+    assert box.task(task["id"])["state"] == "failed"
     # (its uid is free now: another gurtd on this machine may already have given it to a task)
     alive = G.processes_by_uid({uid}).get(uid, [])        # zombies (unreaped) are not
     assert [p for p, t in survivors.items() if p in alive and start_time(p) == t] == []
@@ -296,10 +277,9 @@ def test_a_task_with_hosts_loses_its_veth_at_its_end_and_a_survivor_reaches_noth
     """While a task with hosts runs, the test holds its network namespace (as a survivor
     would).  Right after the task is stopped, the host end of its veth is gone, and from
     inside that namespace nothing answers: no interface but lo, the gateway unreachable."""
-    g = box
-    task = g.create("sleep 30", hosts=["example.com"])
-    wait_for_step(g, task["id"], "sleep 30")
-    pid = g.worker_pids(task)[0]
+    task = box.create("sleep 30", hosts=["example.com"])
+    wait_for_step(box, task["id"], "sleep 30")
+    pid = box.worker_pids(task)[0]
     nsfd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
     try:
         def peer_index() -> int:    # eth0's other end, as an interface index of the host
@@ -316,7 +296,7 @@ def test_a_task_with_hosts_loses_its_veth_at_its_end_and_a_survivor_reaches_noth
         listener.listen(1)
         port = listener.getsockname()[1]
         try:
-            g.api("POST", f"/api/tasks/{task['id']}/stop")
+            box.api("POST", f"/api/tasks/{task['id']}/stop")
             assert name not in host_links().values(), f"{name} outlived its task"
 
             def probe() -> tuple[list[str], str]:
@@ -340,28 +320,27 @@ def test_a_task_with_hosts_loses_its_veth_at_its_end_and_a_survivor_reaches_noth
 
 # limits #######################################################################################
 
-FORK_BOMB = python_line("import os, time\nn = 0\nfor i in range(400):\n"
-                        "    try:\n        pid = os.fork()\n    except OSError:\n"
-                        "        continue\n"
-                        "    if pid == 0:\n        time.sleep(60); os._exit(0)\n"
-                        "    n += 1\nprint(n)\n")
+FORK_BOMB = python_arg_line("import os, time\nn = 0\nfor i in range(400):\n"
+                            "    try:\n        pid = os.fork()\n    except OSError:\n"
+                            "        continue\n"
+                            "    if pid == 0:\n        time.sleep(60); os._exit(0)\n"
+                            "    n += 1\nprint(n)\n")
 
 
 def test_a_fork_bomb_stops_at_the_process_limit_and_gurtd_keeps_answering(box: Gurtd) -> None:
     """With limits.processes 50, a task forks 400 sleepers: the forks past the limit fail, the
     task never has more than 50 processes and threads, gurtd answers, and stop ends them all."""
-    g = box
-    task = g.create("id -u\n" + FORK_BOMB + "\nsleep 30",
-                    limits={"processes": 50})
-    wait_for_step(g, task["id"], "sleep 30")
-    uid, forked = (int(x) for x in g.output(task["id"]))
+    task = box.create("id -u\n" + FORK_BOMB + "\nsleep 30",
+                      limits={"processes": 50})
+    wait_for_step(box, task["id"], "sleep 30")
+    uid, forked = (int(x) for x in box.output(task["id"]))
     assert 20 <= forked < 50, forked
     assert len(G.processes_by_uid({uid}).get(uid, [])) <= 50
     assert len(threads_of_uid(uid)) <= 50
-    assert g.api("GET", "/api/health")
-    groups = task_groups(g.home)
+    assert box.api("GET", "/api/health")
+    groups = task_groups(box.home)
     assert groups
-    stopped = g.api("POST", f"/api/tasks/{task['id']}/stop")
+    stopped = box.api("POST", f"/api/tasks/{task['id']}/stop")
     assert stopped["state"] == "failed"
     assert threads_of_uid(uid) == []
     assert [p for p in groups if os.path.exists(p)] == []
@@ -370,23 +349,21 @@ def test_a_fork_bomb_stops_at_the_process_limit_and_gurtd_keeps_answering(box: G
 def test_a_task_that_takes_too_much_memory_fails_with_out_of_memory(box: Gurtd) -> None:
     """With limits.memoryBytes 64 MiB, a line that fills 200 MiB is killed by the kernel and the
     task fails with exactly `out of memory`; 20 MiB is fine."""
-    g = box
-    task = g.run("python3 -c 'b = bytearray(200 << 20); print(len(b))'",
-                 limits={"memoryBytes": 64 << 20})
+    task = box.run("python3 -c 'b = bytearray(200 << 20); print(len(b))'",
+                   limits={"memoryBytes": 64 << 20})
     assert task["state"] == "failed", task
     assert task["error"] == "out of memory", task
     assert task["limits"]["memoryBytes"] == 64 << 20
-    ok = g.run("python3 -c 'b = bytearray(20 << 20); print(len(b))'",
-               limits={"memoryBytes": 64 << 20})
+    ok = box.run("python3 -c 'b = bytearray(20 << 20); print(len(b))'",
+                 limits={"memoryBytes": 64 << 20})
     assert ok["state"] == "done", ok
 
 
 def test_the_tmp_mounts_together_are_bounded_by_tmp_bytes(box: Gurtd) -> None:
     """With limits.tmpBytes 8 MiB, 6 MiB in /tmp and 6 more in /dev/shm do not fit: the
     second write fails with ENOSPC (they are one tmpfs)."""
-    g = box
-    task = g.run("head -c 6291456 /dev/zero > /tmp/a\nhead -c 6291456 /dev/zero > /dev/shm/b",
-                 limits={"tmpBytes": 8 << 20})
+    task = box.run("head -c 6291456 /dev/zero > /tmp/a\nhead -c 6291456 /dev/zero > /dev/shm/b",
+                   limits={"tmpBytes": 8 << 20})
     assert task["state"] == "failed", task
     assert "No space left on device" in task["error"], task
 
@@ -394,11 +371,10 @@ def test_the_tmp_mounts_together_are_bounded_by_tmp_bytes(box: Gurtd) -> None:
 def test_a_flood_of_output_is_stored_up_to_log_bytes_and_the_rest_counted(box: Gurtd) -> None:
     """With limits.logBytes 64 KiB, a task prints 20,000 lines: the stored log stops near 64 KiB
     (its first lines, in order), one `log` line counts the rest, the state lines are all there."""
-    g = box
-    task = g.run("seq 1 20000\necho after", limits={"logBytes": 65536})
+    task = box.run("seq 1 20000\necho after", limits={"logBytes": 65536})
     assert task["state"] == "done", task
-    entries = g.log(task["id"])
-    size = os.path.getsize(os.path.join(g.home, "logs", task["id"] + ".jsonl"))
+    entries = box.log(task["id"])
+    size = os.path.getsize(os.path.join(box.home, "logs", task["id"] + ".jsonl"))
     assert size < 65536 + 2048, size
     stored = [e["text"] for e in entries if e["type"] == "stdout"]
     assert stored == [str(i) for i in range(1, len(stored) + 1)]
@@ -414,27 +390,13 @@ def test_a_flood_of_output_is_stored_up_to_log_bytes_and_the_rest_counted(box: G
 # the disk reserve #############################################################################
 
 @pytest.fixture
-def small_disk() -> Iterator[Gurtd]:
-    """A gurtd whose BOX_HOME is on a 64 MiB ext4 file system of its own (a loop device)."""
-    base = tempfile.mkdtemp(prefix="gurt-test-disk-", dir="/var/tmp")
-    image, mnt = os.path.join(base, "disk.img"), os.path.join(base, "mnt")
-    os.mkdir(mnt)
-    with open(image, "wb") as f:
-        f.truncate(64 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", image], check=True)
-    subprocess.run(["mount", "-o", "loop", image, mnt], check=True)
-    g = Gurtd(os.path.join(mnt, "box"))
-    g.log_path = os.path.join(base, "gurtd.log")
-    try:
-        g.start()
+def box_on_small_disk() -> Iterator[Gurtd]:
+    """A gurtd whose BOX_HOME is on a 64 MiB ext4 file system of its own (5% kept for root),
+    whose task groups are checked after the story."""
+    with gurtd_on_small_disk(size_mb=64, reserved_pct=5) as (g, _):
         yield g
         no_groups_left(g)
         stopped_and_clean(g)
-    finally:
-        if g.proc is not None:
-            g.stop()
-        subprocess.run(["umount", mnt], check=False)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def free_bytes(path: str) -> int:
@@ -450,12 +412,12 @@ def disk_approval(g: Gurtd, task_id: str) -> dict[str, Any]:
     return pending[0]
 
 
-def test_a_task_that_fills_the_disk_is_paused_at_the_reserve(small_disk: Gurtd) -> None:
+def test_a_task_that_fills_the_disk_is_paused_at_the_reserve(box_on_small_disk: Gurtd) -> None:
     """BOX_HOME is on a 64 MiB disk with a reserve that leaves a task 12 MiB.  A task that
     writes 1 MiB at a time until it cannot is paused (frozen) with a disk approval naming the
     bytes; approved, it writes on and is paused again only once free space has halved; denied,
     it fails with disk full and the reason."""
-    g = small_disk
+    g = box_on_small_disk
     reserve = free_bytes(g.home) - (12 << 20)
     g.api("PUT", "/api/settings", {"diskReserveBytes": reserve})
     task = g.create("i=0; while [ $i -lt 100 ]; do head -c 1048576 /dev/zero > f$i || exit 1; "
@@ -484,7 +446,7 @@ def test_a_task_that_fills_the_disk_is_paused_at_the_reserve(small_disk: Gurtd) 
     assert failed["error"] == "disk full: enough"
 
 
-INODE_EATER = python_line(    # empty files, 100 at a time: no bytes, only inodes
+INODE_EATER = python_arg_line(    # empty files, 100 at a time: no bytes, only inodes
     "import os, time\n"
     "n = 0\n"
     "while n < 40000:\n"
@@ -493,11 +455,11 @@ INODE_EATER = python_line(    # empty files, 100 at a time: no bytes, only inode
     "    time.sleep(0.05)\n")
 
 
-def test_a_task_that_eats_inodes_is_paused_at_the_reserve_too(small_disk: Gurtd) -> None:
+def test_a_task_that_eats_inodes_is_paused_at_the_reserve_too(box_on_small_disk: Gurtd) -> None:
     """A task makes empty files: bytes stay plenty, inodes run out.  Free inodes count against
     the reserve like free bytes, so the task is paused with a disk approval before the last
     inode goes, and the box can still take new tasks; denied, the task fails."""
-    g = small_disk
+    g = box_on_small_disk
     st = os.statvfs(g.home)
     assert st.f_favail > 10000 and free_bytes(g.home) > 40 << 20
     task = g.create(INODE_EATER)
@@ -515,8 +477,7 @@ def test_a_task_that_eats_inodes_is_paused_at_the_reserve_too(small_disk: Gurtd)
 def test_cgroups_of_this_box_and_the_cpu_share_of_its_tasks(box: Gurtd) -> None:
     """gurtd makes its tasks' parent groups below its own (half its CPU weight), one group per
     running task in each, and removes them when the task ends."""
-    g = box
-    parents = [p for p in task_group_parents(g.home) if os.path.isdir(p)]
+    parents = [p for p in task_group_parents(box.home) if os.path.isdir(p)]
     assert parents, "no task parent group"
     cpu = [p for p in parents if os.path.exists(os.path.join(p, "cpu.shares"))]
     for parent in cpu:
@@ -524,17 +485,17 @@ def test_cgroups_of_this_box_and_the_cpu_share_of_its_tasks(box: Gurtd) -> None:
             own = int(f.read())
         with open(os.path.join(parent, "cpu.shares")) as f:
             assert int(f.read()) == own // 2
-    task = g.create("sleep 30")
-    wait_for_step(g, task["id"], "sleep 30")
-    groups = task_groups(g.home)
+    task = box.create("sleep 30")
+    wait_for_step(box, task["id"], "sleep 30")
+    groups = task_groups(box.home)
     assert sorted(os.path.basename(p) for p in groups) == [task["id"]] * len(parents)
-    pid = g.worker_pids(task)[0]
+    pid = box.worker_pids(task)[0]
     with open(f"/proc/{pid}/cgroup") as f:
         mine = f.read()
     assert f"/{os.path.basename(parents[0])}/{task['id']}\n" in mine, mine
-    g.api("POST", f"/api/tasks/{task['id']}/undo")
+    box.api("POST", f"/api/tasks/{task['id']}/undo")
     assert [p for p in groups if os.path.exists(p)] == []
-    assert json.loads(json.dumps(g.task(task["id"])))["state"] == "undone"
+    assert json.loads(json.dumps(box.task(task["id"])))["state"] == "undone"
 
 
 @pytest.mark.parametrize("cgroups, mountinfo, v2, v1", [

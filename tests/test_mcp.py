@@ -72,10 +72,6 @@ class Raw:
         return self.proc.wait(timeout=30)
 
 
-def approvals(g: Gurtd, task_id: str, state: str) -> list[dict[str, Any]]:
-    return g.api("GET", f"/api/approvals?state={state}&task={task_id}")
-
-
 # outside a task ##############################################################################
 
 def test_the_handshake_answers_a_version_gurtd_speaks(gurtd: Gurtd) -> None:
@@ -179,8 +175,8 @@ def test_inside_a_task_the_sdk_lists_calls_cancels_and_pings_meanwhile(gurtd: Gu
                     async with anyio.create_task_group() as group:
                         group.start_soon(client.call_tool, "ask", {"question": "Ship it?"})
                         pending = await anyio.to_thread.run_sync(
-                            lambda: eventually(lambda: approvals(g, task["id"], "pending"),
-                                               20, "the ask"))
+                            lambda: eventually(lambda: g.approvals(
+                                state="pending", task=task["id"]), 20, "the ask"))
                         assert g.task(task["id"])["state"] == "waiting"
                         with anyio.fail_after(10):
                             await client.send_ping()
@@ -189,7 +185,7 @@ def test_inside_a_task_the_sdk_lists_calls_cancels_and_pings_meanwhile(gurtd: Gu
                         assert more.structured_content["balanceCents"] == 94
                         scope.cancel()
                 gone = await anyio.to_thread.run_sync(
-                    lambda: eventually(lambda: approvals(g, task["id"], "denied"), 20,
+                    lambda: eventually(lambda: g.approvals(state="denied", task=task["id"]), 20,
                                        "the withdrawal"))
                 assert gone[0]["id"] == pending[0]["id"]
                 assert gone[0]["answeredBy"] == "task" and "withdrawn" in gone[0]["reason"]
@@ -204,8 +200,9 @@ def test_inside_a_task_the_sdk_lists_calls_cancels_and_pings_meanwhile(gurtd: Gu
 
                     group.start_soon(ask)
                     await anyio.to_thread.run_sync(lambda: eventually(
-                        lambda: approvals(g, task["id"], "pending"), 20, "the second ask"))
-                    asked = approvals(g, task["id"], "pending")[0]
+                        lambda: g.approvals(state="pending", task=task["id"]), 20,
+                        "the second ask"))
+                    asked = g.approvals(state="pending", task=task["id"])[0]
                     g.api("POST", f"/api/approvals/{asked['id']}/answer", {"answer": "teal"})
                 assert answers[0].structured_content == {"answer": "teal"}
 
@@ -228,10 +225,11 @@ def test_a_client_that_goes_away_withdraws_its_waiting_ask(gurtd: Gurtd) -> None
     try:
         raw.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
                   "params": {"name": "ask", "arguments": {"question": "Still there?"}}})
-        asked = eventually(lambda: approvals(g, task["id"], "pending"), 20, "the ask")
+        asked = eventually(lambda: g.approvals(state="pending", task=task["id"]), 20, "the ask")
         assert raw.ask({"jsonrpc": "2.0", "id": 2, "method": "ping"})["id"] == 2
         assert raw.close() == 0          # stdin closed: after a grace, the ask is withdrawn
-        gone = eventually(lambda: approvals(g, task["id"], "denied"), 20, "the withdrawal")
+        gone = eventually(lambda: g.approvals(state="denied", task=task["id"]), 20,
+                          "the withdrawal")
         assert [a["id"] for a in gone] == [asked[0]["id"]] and gone[0]["answeredBy"] == "task"
         assert g.task(task["id"])["state"] == "running"
     finally:

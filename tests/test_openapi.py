@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -16,12 +16,7 @@ import gurtd as G
 from conftest import Gurtd, running_gurtd
 
 VENV_BIN = os.path.dirname(sys.executable)
-
-
-@pytest.fixture(scope="module")
-def g() -> Iterator[Gurtd]:
-    with running_gurtd() as box:
-        yield box
+SHARED_GURTD = True
 
 
 def tool(name: str) -> str:
@@ -31,11 +26,11 @@ def tool(name: str) -> str:
     return path
 
 
-def test_the_description_is_valid_and_names_where_gurtd_listens(g: Gurtd) -> None:
+def test_the_description_is_valid_and_names_where_gurtd_listens(gurtd: Gurtd) -> None:
     from openapi_spec_validator import validate
-    doc = g.api("GET", "/api/openapi.json")
+    doc = gurtd.api("GET", "/api/openapi.json")
     validate(doc)
-    assert doc["servers"] == [{"url": f"http://127.0.0.1:{g.port}"}]
+    assert doc["servers"] == [{"url": f"http://127.0.0.1:{gurtd.port}"}]
     ids = [op["operationId"] for ops in doc["paths"].values() for op in ops.values()]
     assert len(ids) == len(set(ids)) == len(G.ROUTES)
     listing = doc["paths"]["/api/tasks"]["get"]
@@ -48,6 +43,7 @@ def test_the_description_is_valid_and_names_where_gurtd_listens(g: Gurtd) -> Non
     assert "application/x-tar" in upload and "application/gzip" in upload
 
 
+@pytest.mark.pure
 def test_every_route_is_documented() -> None:
     """Routes without answers get a minimal description; this lists them."""
     missing = G.undocumented_routes()
@@ -59,6 +55,7 @@ def test_every_route_is_documented() -> None:
         ", ".join(f"{m} {p}" for m, p in missing)
 
 
+@pytest.mark.pure
 def test_a_route_added_without_docs_still_gets_a_valid_description() -> None:
     from openapi_spec_validator import validate
     route = G.Route("POST", "/api/tasks/{id}/frobnicate", G.h_health, "A route of tomorrow")
@@ -74,6 +71,7 @@ def test_a_route_added_without_docs_still_gets_a_valid_description() -> None:
     assert op["parameters"][0]["name"] == "id" and "401" in op["responses"]
 
 
+@pytest.mark.pure
 def test_the_schemas_come_from_the_tables_that_validate() -> None:
     schemas = G.openapi()["components"]["schemas"]
     for name in ("Task", "TaskCreate", "Approval", "Workspace", "Wallet", "LedgerEntry",
@@ -203,19 +201,19 @@ class Documented:
         return data, got
 
 
-def test_the_new_routes_answer_what_their_description_says(g: Gurtd) -> None:
+def test_the_new_routes_answer_what_their_description_says(gurtd: Gurtd) -> None:
     """A client written from the description signs the portal in, makes a policy, a
     schedule and a hook, delivers to the hook, and reads a diff: every answer is one the
     description lists, in its content type and schema."""
     import hashlib
     import hmac
-    call = Documented(g)
+    call = Documented(gurtd)
     portal = {"X-Gurt-Portal": "1"}
-    _, got = call("POST", "/api/sessions", "/api/sessions", 201, {"token": g.token}, portal,
+    _, got = call("POST", "/api/sessions", "/api/sessions", 201, {"token": gurtd.token}, portal,
                   token=False)
     cookie = {k.lower(): v for k, v in got.items()}["set-cookie"].split(";")[0]
     call("POST", "/api/sessions", "/api/sessions", 401, {"token": "wrong"}, portal, token=False)
-    call("POST", "/api/sessions", "/api/sessions", 403, {"token": g.token}, token=False)
+    call("POST", "/api/sessions", "/api/sessions", 403, {"token": gurtd.token}, token=False)
     current, _ = call("GET", "/api/sessions/current", "/api/sessions/current", 200,
                       headers={"Cookie": cookie}, token=False)
     assert current["signedIn"] is True and current["session"]["current"] is True
@@ -253,7 +251,7 @@ def test_the_new_routes_answer_what_their_description_says(g: Gurtd) -> None:
     assert queued["queued"] is True and queued["schedule"]["nextRuns"] == []
     call("PUT", "/api/schedules/{id}", one, 400, {"cron": "0 3 30 2 *"})
     call("GET", "/api/schedules", "/api/schedules", 200)
-    g.api("POST", f"/api/tasks/{run['task']['id']}/stop")
+    gurtd.api("POST", f"/api/tasks/{run['task']['id']}/stop")
     call("DELETE", "/api/schedules/{id}", one, 200)
     call("GET", "/api/schedules/{id}", one, 404)
 
@@ -274,24 +272,24 @@ def test_the_new_routes_answer_what_their_description_says(g: Gurtd) -> None:
     assert "secret" not in hooks[0]
     call("DELETE", "/api/hooks/{name}", "/api/hooks/gh", 200)
 
-    done = g.wait(task["id"])
+    done = gurtd.wait(task["id"])
     diff, _ = call("GET", "/api/tasks/{id}/diff", f"/api/tasks/{done['id']}/diff", 200)
     assert diff == b""                          # echo changed nothing in its layer
     call("POST", "/api/tasks/{id}/keep", f"/api/tasks/{done['id']}/keep", 400)  # not personal
     call("GET", "/api/tasks/{id}/diff", "/api/tasks/t000000000/diff", 400)
 
 
-def test_an_approval_and_its_always_answer_fit_their_description(g: Gurtd) -> None:
+def test_an_approval_and_its_always_answer_fit_their_description(gurtd: Gurtd) -> None:
     """A task pays above its budget: the approval gurtd answers, and the always-approve that
     answers it with a policy, are what the description says (decision fields included)."""
     import time
-    call = Documented(g)
-    g.api("PUT", "/api/wallet", {"balanceCents": 100})
-    task = g.create("gurtd tool wallet.pay '{\"to\": \"shop\", \"cents\": 2}'",
-                    tools=["wallet.pay"], budgetCents=0)
+    call = Documented(gurtd)
+    gurtd.api("PUT", "/api/wallet", {"balanceCents": 100})
+    task = gurtd.create("gurtd tool wallet.pay '{\"to\": \"shop\", \"cents\": 2}'",
+                        tools=["wallet.pay"], budgetCents=0)
     deadline = time.monotonic() + 30
-    while not (pending := g.api("GET", f"/api/approvals?state=pending&task={task['id']}")):
-        assert time.monotonic() < deadline, g.task(task["id"])
+    while not (pending := gurtd.api("GET", f"/api/approvals?state=pending&task={task['id']}")):
+        assert time.monotonic() < deadline, gurtd.task(task["id"])
         time.sleep(0.1)
     one = f"/api/approvals/{pending[0]['id']}"
     approval, _ = call("GET", "/api/approvals/{id}", one, 200)
@@ -306,17 +304,17 @@ def test_an_approval_and_its_always_answer_fit_their_description(g: Gurtd) -> No
     call("POST", "/api/approvals/{id}/always", one + "/always", 409, {"scope": "box"})
     policies, _ = call("GET", "/api/policies", "/api/policies", 200)
     assert [p["spentCents"] for p in policies if p["id"] == approved["policy"]] == [2]
-    assert g.wait(task["id"])["state"] == "done"
+    assert gurtd.wait(task["id"])["state"] == "done"
 
 
-def test_a_personal_tasks_diff_keep_and_undo_fit_their_description(g: Gurtd) -> None:
+def test_a_personal_tasks_diff_keep_and_undo_fit_their_description(gurtd: Gurtd) -> None:
     """My folder, a task's edit of it, and my own edit after the start: the diff, the 409
     of a keep and of an undo (with conflicts), and the forced answers are as described."""
     import pwd
     import secrets
     import shutil
     import time
-    call = Documented(g)
+    call = Documented(gurtd)
     name = "gurtoa" + secrets.token_hex(3)
     subprocess.run(["useradd", "-m", "-d", f"/home/{name}", "-s", "/usr/sbin/nologin", name],
                    check=True, capture_output=True)
@@ -329,7 +327,7 @@ def test_a_personal_tasks_diff_keep_and_undo_fit_their_description(g: Gurtd) -> 
         for path in (folder, os.path.join(folder, "a.txt")):
             os.chown(path, owner.pw_uid, owner.pw_gid)
         time.sleep(0.05)                   # its ctimes are before the task's start
-        task = g.run(f"cd '{folder}' && echo task > a.txt", folder=folder)
+        task = gurtd.run(f"cd '{folder}' && echo task > a.txt", folder=folder)
         one = f"/api/tasks/{task['id']}"
         diff, _ = call("GET", "/api/tasks/{id}/diff", one + "/diff", 200)
         assert b"-hello" in diff and b"+task" in diff, diff
@@ -347,16 +345,17 @@ def test_a_personal_tasks_diff_keep_and_undo_fit_their_description(g: Gurtd) -> 
         undone, _ = call("POST", "/api/tasks/{id}/undo", one + "/undo", 200, {"force": True})
         assert undone["state"] == "undone"
         assert open(os.path.join(folder, "a.txt")).read() == "mine\n"    # from before it
-        assert not os.path.exists(os.path.join(g.home, "review", task["id"]))
+        assert not os.path.exists(os.path.join(gurtd.home, "review", task["id"]))
     finally:
         subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
         shutil.rmtree(f"/home/{name}", ignore_errors=True)
     assert not os.path.exists(f"/home/{name}")
 
 
-def test_a_generated_client_creates_a_workspace_and_puts_a_file(g: Gurtd, tmp_path: Any) -> None:
+def test_a_generated_client_creates_a_workspace_and_puts_a_file(gurtd: Gurtd,
+                                                                tmp_path: Any) -> None:
     spec = tmp_path / "openapi.json"
-    spec.write_text(json.dumps(g.api("GET", "/api/openapi.json")))
+    spec.write_text(json.dumps(gurtd.api("GET", "/api/openapi.json")))
     env = dict(os.environ, PATH=VENV_BIN + ":" + os.environ.get("PATH", ""))
     result = subprocess.run([tool("openapi-python-client"), "generate", "--path", str(spec),
                              "--output-path", str(tmp_path / "gurtd_client"), "--meta", "none"],
@@ -372,8 +371,8 @@ def test_a_generated_client_creates_a_workspace_and_puts_a_file(g: Gurtd, tmp_pa
         from gurtd_client.models import CreateWorkspaceBody, ListTasksState
         from gurtd_client.types import File
         import io
-        client = client_mod.AuthenticatedClient(base_url=f"http://127.0.0.1:{g.port}",
-                                                token=g.token)
+        client = client_mod.AuthenticatedClient(base_url=f"http://127.0.0.1:{gurtd.port}",
+                                                token=gurtd.token)
         health = get_health.sync(client=client)
         assert health.ok is True and health.version == G.VERSION
         ws = create_workspace.sync(client=client, body=CreateWorkspaceBody(name="generated"))
@@ -381,11 +380,11 @@ def test_a_generated_client_creates_a_workspace_and_puts_a_file(g: Gurtd, tmp_pa
         task = put_workspace_file.sync(client=client, name="generated", path="hello.txt",
                                        body=File(payload=io.BytesIO(b"from a generated client")))
         assert task.worker.value == "upload" and task.state.value == "done"
-        assert g.file("generated", "hello.txt") == b"from a generated client"
+        assert gurtd.file("generated", "hello.txt") == b"from a generated client"
         done = list_tasks.sync(client=client, state=ListTasksState.DONE, workspace="generated")
         assert [t.id for t in done] == [task.id]
         assert undo_task.sync(client=client, id=task.id).state.value == "undone"
-        assert g.file("generated", "hello.txt") is None
+        assert gurtd.file("generated", "hello.txt") is None
     finally:
         sys.path.remove(str(tmp_path))
         for name in [m for m in sys.modules if m.startswith("gurtd_client")]:

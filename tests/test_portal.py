@@ -15,92 +15,19 @@ import http.server
 import os
 import re
 import shutil
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 from typing import Any, Iterator
 
 import pytest
 
-from conftest import GURTD, ROOT, Gurtd, eventually, running_gurtd
-from test_review import folder, owner, run_on     # noqa: F401 (the owner's real folder)
+from conftest import (REJECTED, ROOT, By, Gurtd, Keys, Select, answer, chromium, eventually,
+                      loopback_server, quit_browser, run_on, sign_in, sign_in_url, wait)
 
-try:
-    from selenium import webdriver
-    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
-    from selenium.webdriver.support.ui import Select, WebDriverWait
-except ImportError:                         # a missing prerequisite fails, never skips
-    webdriver = None
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-REJECTED = 'Tool call "{tool}" was rejected by the owner: {reason}'
+SHARED_GURTD = True
 WIDTHS = (1280, 360)
 
 
 # the browser ##################################################################################
-
-def chromium() -> tuple[Any, str]:
-    """A headless Chromium under chromedriver with an empty profile of its own: (driver,
-    profile dir).  The flags keep it off every network but loopback (no updates, sync, QUIC)."""
-    assert webdriver is not None, "selenium is missing: pip install -r requirements-test.txt"
-    for path in (CHROMIUM, CHROMEDRIVER):
-        assert os.access(path, os.X_OK), f"{path} is missing: apt-get install chromium " \
-                                         "chromium-driver"
-    profile = tempfile.mkdtemp(prefix="gurt-chromium-")
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                 "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
-                 "--disable-breakpad",
-                 f"--user-data-dir={profile}", "--window-size=1280,900"):
-        opts.add_argument(flag)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    # its HOME and caches in the profile too, so that nothing lands in root's home
-    env = {**os.environ, "HOME": profile, "XDG_CONFIG_HOME": os.path.join(profile, "config"),
-           "XDG_CACHE_HOME": os.path.join(profile, "cache")}
-    service = webdriver.ChromeService(executable_path=CHROMEDRIVER, env=env)
-    return webdriver.Chrome(options=opts, service=service), profile
-
-
-def quit_browser(driver: Any, profile: str) -> None:
-    """Quit, and check that no process of this browser outlives it."""
-    pid = driver.service.process.pid
-    driver.quit()
-    shutil.rmtree(profile, ignore_errors=True)
-    eventually(lambda: not os.path.exists(f"/proc/{pid}"), 10, "chromedriver to exit")
-    left = subprocess.run(["pgrep", "-f", profile], capture_output=True, text=True).stdout.split()
-    assert not left, f"browser processes left behind: {left}"
-
-
-def sign_in_url(g: Gurtd) -> str:
-    """What `gurtd portal` prints: a one-time sign-in URL."""
-    out = subprocess.run([sys.executable, GURTD, "portal", "--listen", f"127.0.0.1:{g.port}",
-                          "--box-home", g.home], capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0, out.stderr
-    url = out.stdout.strip()
-    assert url.startswith(f"http://127.0.0.1:{g.port}/?code="), url
-    return url
-
-
-def sign_in(driver: Any, g: Gurtd) -> None:
-    driver.get(sign_in_url(g))
-    wait(driver, lambda d: d.find_element(By.ID, "top").is_displayed(), "the portal's pages")
-
-
-def wait(driver: Any, check: Any, what: str, timeout: float = 20.0) -> Any:
-    try:
-        return WebDriverWait(driver, timeout, poll_frequency=0.02,
-                             ignored_exceptions=(StaleElementReferenceException,)).until(check)
-    except TimeoutException:
-        raise AssertionError(f"timed out waiting for {what}; page:\n" +
-                             driver.find_element(By.TAG_NAME, "body").text[:3000]) from None
-
 
 def go(driver: Any, hash_: str, ready: str) -> None:
     """Follow a link inside the page (no reload) and wait for an element of the new page."""
@@ -127,25 +54,13 @@ def state_shown(driver: Any, task_id: str) -> str | None:
     return rows[0].get_attribute("data-state") if rows else None
 
 
-def pending(g: Gurtd, task_id: str) -> dict[str, Any]:
-    found = eventually(lambda: g.api("GET", f"/api/approvals?state=pending&task={task_id}"),
-                       20, f"a pending approval of {task_id}")
-    return found[0]
-
-
 # fixtures #####################################################################################
 
 @pytest.fixture(scope="module")
-def g() -> Iterator[Gurtd]:
-    with running_gurtd() as gurtd:
-        yield gurtd
-
-
-@pytest.fixture(scope="module")
-def browser(g: Gurtd) -> Iterator[Any]:
+def browser(module_gurtd: Gurtd) -> Iterator[Any]:
     driver, profile = chromium()
     try:
-        sign_in(driver, g)
+        sign_in(driver, module_gurtd)
         yield driver
     finally:
         quit_browser(driver, profile)
@@ -181,7 +96,7 @@ window.Notification = class extends Real {
 
 # sign-in ######################################################################################
 
-def test_a_one_time_url_signs_in_once_and_leaves_nothing_secret_behind(g: Gurtd,
+def test_a_one_time_url_signs_in_once_and_leaves_nothing_secret_behind(gurtd: Gurtd,
                                                                        browser: Any) -> None:
     d = browser
     # signed in by the fixture through the printed URL; the code left the address bar
@@ -192,17 +107,17 @@ def test_a_one_time_url_signs_in_once_and_leaves_nothing_secret_behind(g: Gurtd,
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/"
     assert cookie["expiry"] > time.time() + 3600
     html = d.page_source
-    assert g.token not in html and cookie["value"] not in html
+    assert gurtd.token not in html and cookie["value"] not in html
     # on disk, only a hash of the secret
-    with open(os.path.join(g.home, "sessions.json")) as f:
+    with open(os.path.join(gurtd.home, "sessions.json")) as f:
         stored = f.read()
     assert cookie["value"] not in stored and '"hash"' in stored
-    sessions = g.api("GET", "/api/sessions")
+    sessions = gurtd.api("GET", "/api/sessions")
     assert [s["via"] for s in sessions] == ["code"]
     assert sessions[0]["id"] not in d.find_element(By.TAG_NAME, "body").text
 
     # a second browser: its code works once; used again it gets the sign-in form
-    url = sign_in_url(g)
+    url = sign_in_url(gurtd)
     other, profile = chromium()
     try:
         other.get(url)
@@ -215,23 +130,23 @@ def test_a_one_time_url_signs_in_once_and_leaves_nothing_secret_behind(g: Gurtd,
         assert other.find_elements(By.ID, "task-rows") == []
         assert "code=" not in other.current_url
         # the token pasted into the form signs in too
-        other.find_element(By.ID, "token").send_keys(g.token + Keys.ENTER)
+        other.find_element(By.ID, "token").send_keys(gurtd.token + Keys.ENTER)
         wait(other, lambda x: x.find_element(By.ID, "top").is_displayed(), "the pages")
         assert console_errors(other, ("/api/sessions - Failed to load resource",)) == []
     finally:
         quit_browser(other, profile)
-    assert sorted(s["via"] for s in g.api("GET", "/api/sessions")) == ["code", "code", "token"]
+    assert sorted(s["via"] for s in gurtd.api("GET", "/api/sessions")) == ["code", "code", "token"]
 
 
 # tasks ########################################################################################
 
-def test_a_task_started_from_the_form_goes_to_done_without_a_reload(g: Gurtd,
-                                                                     browser: Any) -> None:
+def test_a_task_started_from_the_form_goes_to_done_without_a_reload(gurtd: Gurtd,
+                                                                    browser: Any) -> None:
     d = browser
     go(d, "#/new", "#new-task")
     d.execute_script("window.notReloaded = true")
     # a bad host: the API's own error, next to its field, and no task
-    before = len(g.api("GET", "/api/tasks"))
+    before = len(gurtd.api("GET", "/api/tasks"))
     d.find_element(By.ID, "in-title").send_keys("bad")
     d.find_element(By.ID, "in-prompt").send_keys("true")
     d.find_element(By.ID, "in-hosts").send_keys("http://nope/")
@@ -239,7 +154,7 @@ def test_a_task_started_from_the_form_goes_to_done_without_a_reload(g: Gurtd,
     err = wait(d, lambda x: x.find_element(By.ID, "err-hosts").text, "the hosts error")
     assert err.startswith('hosts: "http://nope/"'), err
     assert d.switch_to.active_element.get_attribute("id") == "in-hosts"
-    assert len(g.api("GET", "/api/tasks")) == before
+    assert len(gurtd.api("GET", "/api/tasks")) == before
     assert console_errors(d, ("/api/tasks - Failed to load resource: the server responded "
                               "with a status of 400",)) == []
     for field in ("in-title", "in-prompt", "in-hosts"):
@@ -253,7 +168,7 @@ def test_a_task_started_from_the_form_goes_to_done_without_a_reload(g: Gurtd,
     d.find_element(By.ID, "start").click()
     wait(d, lambda x: "#/task/" in x.current_url, "the new task's page")
     task_id = d.current_url.rsplit("/", 1)[1]
-    assert g.task(task_id)["source"] == "portal"
+    assert gurtd.task(task_id)["source"] == "portal"
     wait(d, lambda x: x.find_element(By.CSS_SELECTOR, "#task-fields .state")
          .get_attribute("data-state") == "done", "done on the task page")
     assert d.execute_script("return window.notReloaded") is True
@@ -266,7 +181,7 @@ def test_a_task_started_from_the_form_goes_to_done_without_a_reload(g: Gurtd,
     go(d, "#/tasks", "#task-rows")
     assert state_shown(d, task_id) == "done"
     # a task made elsewhere appears in the list by itself
-    other = g.create("sleep 0.3", title="made by curl")
+    other = gurtd.create("sleep 0.3", title="made by curl")
     wait(d, lambda x: state_shown(x, other["id"]) == "done", "the curl task, done")
     assert d.execute_script("return window.notReloaded") is True
     # filters: by state
@@ -276,35 +191,35 @@ def test_a_task_started_from_the_form_goes_to_done_without_a_reload(g: Gurtd,
     assert state_shown(d, other["id"]) == "done"
 
 
-def test_a_log_follows_live_with_kinds_told_apart(g: Gurtd, browser: Any) -> None:
+def test_a_log_follows_live_with_kinds_told_apart(gurtd: Gurtd, browser: Any) -> None:
     d = browser
-    task = g.create("echo first\necho oops >&2\nsleep 1.5\necho last", title="chatty")
+    task = gurtd.create("echo first\necho oops >&2\nsleep 1.5\necho last", title="chatty")
     go(d, f"#/task/{task['id']}", "#task-log")
     wait(d, lambda x: x.find_elements(By.CSS_SELECTOR, "#task-log li.k-stderr"), "stderr")
-    assert g.task(task["id"])["state"] == "running"         # seen while it still runs
+    assert gurtd.task(task["id"])["state"] == "running"         # seen while it still runs
     kinds = [e.get_attribute("data-kind") for e in
              d.find_elements(By.CSS_SELECTOR, "#task-log li")]
     assert "stdout" in kinds and "state" in kinds and "step" in kinds
     wait(d, lambda x: "last" in x.find_element(By.ID, "task-log").text, "the last line")
-    assert g.wait(task["id"])["state"] == "done"
+    assert gurtd.wait(task["id"])["state"] == "done"
 
 
 # decisions ####################################################################################
 
 def test_a_budget_pause_reaches_the_inbox_within_a_second_and_a_denial_needs_a_reason(
-        g: Gurtd, browser: Any) -> None:
+        gurtd: Gurtd, browser: Any) -> None:
     d = browser
-    g.api("PUT", "/api/wallet", {"balanceCents": 1000})
+    gurtd.api("PUT", "/api/wallet", {"balanceCents": 1000})
     go(d, "#/inbox", "#inbox")
     # the person allowed notifications: a new decision raises one
     d.execute_cdp_cmd("Browser.grantPermissions", {"permissions": ["notifications"],
-                                                   "origin": f"http://127.0.0.1:{g.port}"})
+                                                   "origin": f"http://127.0.0.1:{gurtd.port}"})
     d.execute_script(NOTIFICATION_RECORDER)
     pay = "gurtd tool wallet.pay '{\"to\": \"shop\", \"cents\": 40}'; echo \"pay exit $?\""
-    task = g.create(pay, title="wants to pay", tools=["wallet.pay"])
-    g.wait(task["id"], ("waiting",))
+    task = gurtd.create(pay, title="wants to pay", tools=["wallet.pay"])
+    gurtd.wait(task["id"], ("waiting",))
     paused = time.monotonic()
-    approval = pending(g, task["id"])
+    approval = gurtd.pending(task["id"], 20)
     card = wait(d, lambda x: x.find_elements(By.ID, f"approval-{approval['id']}"),
                 "the approval card", timeout=5)[0]
     assert time.monotonic() - paused < 1.0
@@ -315,34 +230,34 @@ def test_a_budget_pause_reaches_the_inbox_within_a_second_and_a_denial_needs_a_r
     # deny without a reason: refused in the page, nothing sent
     card.find_element(By.CSS_SELECTOR, "button.danger").click()
     assert "reason is required" in card.find_element(By.CSS_SELECTOR, ".err").text
-    assert g.api("GET", f"/api/approvals/{approval['id']}")["state"] == "pending"
+    assert gurtd.api("GET", f"/api/approvals/{approval['id']}")["state"] == "pending"
     reason = "not this month"
     card.find_element(By.ID, f"reason-{approval['id']}").send_keys(reason + Keys.ENTER)
     wait(d, lambda x: not x.find_elements(By.ID, f"approval-{approval['id']}"), "the card gone")
     assert not d.title.startswith("(")
-    done = g.wait(task["id"])
+    done = gurtd.wait(task["id"])
     assert done["state"] == "done"
-    stderr = [e["text"] for e in g.log(task["id"]) if e["type"] == "stderr"]
+    stderr = [e["text"] for e in gurtd.log(task["id"]) if e["type"] == "stderr"]
     assert any(REJECTED.format(tool="wallet.pay", reason=reason) in s for s in stderr), stderr
-    assert g.api("GET", "/api/wallet")["balanceCents"] == 1000
+    assert gurtd.api("GET", "/api/wallet")["balanceCents"] == 1000
 
 
-def test_approve_all_pays_every_spending_and_the_wallet_shows_it(g: Gurtd,
-                                                                  browser: Any) -> None:
+def test_approve_all_pays_every_spending_and_the_wallet_shows_it(gurtd: Gurtd,
+                                                                 browser: Any) -> None:
     d = browser
-    g.api("PUT", "/api/wallet", {"balanceCents": 500})
+    gurtd.api("PUT", "/api/wallet", {"balanceCents": 500})
     go(d, "#/inbox", "#inbox")
-    made = [g.create(f"gurtd tool wallet.pay '{{\"to\": \"{to}\", \"cents\": {c}}}'",
-                     title=f"pays {to}", tools=["wallet.pay"]) for to, c in (("ann", 7),
-                                                                            ("bo", 9))]
+    made = [gurtd.create(f"gurtd tool wallet.pay '{{\"to\": \"{to}\", \"cents\": {c}}}'",
+                         title=f"pays {to}", tools=["wallet.pay"]) for to, c in (("ann", 7),
+                                                                             ("bo", 9))]
     for task in made:
-        approval = pending(g, task["id"])
+        approval = gurtd.pending(task["id"], 20)
         wait(d, lambda x: x.find_elements(By.ID, f"approval-{approval['id']}"), "its card")
     assert d.title.startswith("(2) ")
     d.find_element(By.ID, "approve-all").click()
     confirm(d)
     for task in made:
-        assert g.wait(task["id"])["state"] == "done"
+        assert gurtd.wait(task["id"])["state"] == "done"
     wait(d, lambda x: not x.find_elements(By.CSS_SELECTOR, "#inbox article"), "an empty inbox")
     assert d.find_element(By.ID, "approve-all-result").text.startswith("Approved 2, skipped 0")
     go(d, "#/wallet", "#ledger tr")
@@ -353,12 +268,12 @@ def test_approve_all_pays_every_spending_and_the_wallet_shows_it(g: Gurtd,
     assert d.find_elements(By.CSS_SELECTOR, "#ledger time[title]")     # exact time on hover
 
 
-def test_an_ask_is_answered_from_the_inbox(g: Gurtd, browser: Any) -> None:
+def test_an_ask_is_answered_from_the_inbox(gurtd: Gurtd, browser: Any) -> None:
     d = browser
     go(d, "#/inbox", "#inbox")
-    task = g.create("gurtd tool ask '{\"question\": \"Which colour?\"}'", title="asks",
-                    tools=["ask"])
-    approval = pending(g, task["id"])
+    task = gurtd.create("gurtd tool ask '{\"question\": \"Which colour?\"}'", title="asks",
+                        tools=["ask"])
+    approval = gurtd.pending(task["id"], 20)
     card = wait(d, lambda x: x.find_elements(By.ID, f"approval-{approval['id']}"),
                 "the ask")[0]
     assert "Which colour?" in card.text
@@ -367,16 +282,16 @@ def test_an_ask_is_answered_from_the_inbox(g: Gurtd, browser: Any) -> None:
     assert not card.find_elements(By.ID, f"always-{approval['id']}")
     card.find_element(By.ID, f"answer-{approval['id']}").send_keys("teal" + Keys.ENTER)
     wait(d, lambda x: not x.find_elements(By.ID, f"approval-{approval['id']}"), "answered")
-    answered = g.api("GET", f"/api/approvals/{approval['id']}")
+    answered = gurtd.api("GET", f"/api/approvals/{approval['id']}")
     assert answered["state"] == "approved" and answered["answer"] == "teal"
-    assert g.wait(task["id"])["state"] == "done"
-    assert any("teal" in line for line in g.output(task["id"]))
+    assert gurtd.wait(task["id"])["state"] == "done"
+    assert any("teal" in line for line in gurtd.output(task["id"]))
 
 
-def test_undo_from_the_task_page_and_the_file_leaves_the_files_view(g: Gurtd,
+def test_undo_from_the_task_page_and_the_file_leaves_the_files_view(gurtd: Gurtd,
                                                                     browser: Any) -> None:
     d = browser
-    task = g.run("echo bye > portal-undo.txt", title="to be undone")
+    task = gurtd.run("echo bye > portal-undo.txt", title="to be undone")
     assert task["state"] == "done"
     go(d, "#/files/home", "#files li")
     wait(d, lambda x: x.find_elements(By.CSS_SELECTOR, '#files li[data-name="portal-undo.txt"]'),
@@ -386,32 +301,32 @@ def test_undo_from_the_task_page_and_the_file_leaves_the_files_view(g: Gurtd,
     confirm(d)
     wait(d, lambda x: x.find_element(By.CSS_SELECTOR, "#task-fields .state")
          .get_attribute("data-state") == "undone", "undone")
-    assert g.task(task["id"])["state"] == "undone"
+    assert gurtd.task(task["id"])["state"] == "undone"
     assert not d.find_elements(By.ID, "btn-undo") and not d.find_elements(By.ID, "btn-stop")
     go(d, "#/files/home", "#files li")
     wait(d, lambda x: not x.find_elements(By.CSS_SELECTOR,
                                           '#files li[data-name="portal-undo.txt"]'),
          "the file gone")
-    assert g.file("home", "portal-undo.txt") is None
+    assert gurtd.file("home", "portal-undo.txt") is None
 
 
-def test_a_stop_needs_a_yes(g: Gurtd, browser: Any) -> None:
+def test_a_stop_needs_a_yes(gurtd: Gurtd, browser: Any) -> None:
     d = browser
-    task = g.create("sleep 30", title="long")
-    g.wait(task["id"], ("running",))
+    task = gurtd.create("sleep 30", title="long")
+    gurtd.wait(task["id"], ("running",))
     go(d, f"#/task/{task['id']}", "#btn-stop")
     d.find_element(By.ID, "btn-stop").click()
     wait(d, lambda x: x.find_element(By.ID, "confirm").get_attribute("open") is not None,
          "the dialog")
     d.switch_to.active_element.send_keys(Keys.ESCAPE)          # no: nothing happens
     time.sleep(0.3)
-    assert g.task(task["id"])["state"] == "running"
+    assert gurtd.task(task["id"])["state"] == "running"
     d.find_element(By.ID, "btn-stop").click()
     confirm(d)
-    assert g.wait(task["id"])["error"] == "stopped"
+    assert gurtd.wait(task["id"])["error"] == "stopped"
 
 
-def test_settings_errors_show_next_to_their_field(g: Gurtd, browser: Any) -> None:
+def test_settings_errors_show_next_to_their_field(gurtd: Gurtd, browser: Any) -> None:
     d = browser
     go(d, "#/settings", "#in-maxRunningTasks")
     field = d.find_element(By.ID, "in-maxRunningTasks")
@@ -420,32 +335,32 @@ def test_settings_errors_show_next_to_their_field(g: Gurtd, browser: Any) -> Non
     d.find_element(By.ID, "save-settings").click()
     err = wait(d, lambda x: x.find_element(By.ID, "err-maxRunningTasks").text, "the error")
     assert "maxRunningTasks must be a whole number" in err
-    assert g.api("GET", "/api/settings")["maxRunningTasks"] == 8
+    assert gurtd.api("GET", "/api/settings")["maxRunningTasks"] == 8
     # the API's 400 is the one console line, and an expected one
     assert console_errors(d, ("/api/settings - Failed to load resource: the server responded "
                               "with a status of 400",)) == []
     field.clear()
     field.send_keys("9")
     d.find_element(By.ID, "save-settings").click()
-    eventually(lambda: g.api("GET", "/api/settings")["maxRunningTasks"] == 9, 10, "saved")
+    eventually(lambda: gurtd.api("GET", "/api/settings")["maxRunningTasks"] == 9, 10, "saved")
     assert d.find_element(By.ID, "err-maxRunningTasks").text == ""
-    g.api("PUT", "/api/settings", {"maxRunningTasks": 8})
+    gurtd.api("PUT", "/api/settings", {"maxRunningTasks": 8})
 
 
-def test_every_page_at_1280_and_360_px(g: Gurtd, browser: Any, shots: str) -> None:
+def test_every_page_at_1280_and_360_px(gurtd: Gurtd, browser: Any, shots: str) -> None:
     d = browser
-    some = g.run("echo shot > shot.txt", title="for the pictures")
-    asking = g.create("gurtd tool ask '{\"question\": \"Ship the release?\"}'",
-                      title="asks for the pictures", tools=["ask"])
-    ask = pending(g, asking["id"])
-    paying = g.create("gurtd tool wallet.pay '{\"to\": \"shop\", \"cents\": 5}'",
-                      title="pays for the pictures", tools=["wallet.pay"])
-    spend = pending(g, paying["id"])
-    sched = g.api("POST", "/api/schedules", {"name": "weekly digest", "cron": "0 9 * * MON",
-                                             "timezone": "Europe/Berlin",
-                                             "task": {"worker": "fake", "prompt": "true"}})
-    policy = g.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "task",
-                                             "task": some["id"], "maxCents": 50})
+    some = gurtd.run("echo shot > shot.txt", title="for the pictures")
+    asking = gurtd.create("gurtd tool ask '{\"question\": \"Ship the release?\"}'",
+                          title="asks for the pictures", tools=["ask"])
+    ask = gurtd.pending(asking["id"], 20)
+    paying = gurtd.create("gurtd tool wallet.pay '{\"to\": \"shop\", \"cents\": 5}'",
+                          title="pays for the pictures", tools=["wallet.pay"])
+    spend = gurtd.pending(paying["id"], 20)
+    sched = gurtd.api("POST", "/api/schedules", {"name": "weekly digest", "cron": "0 9 * * MON",
+                                                 "timezone": "Europe/Berlin",
+                                                 "task": {"worker": "fake", "prompt": "true"}})
+    policy = gurtd.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "task",
+                                                 "task": some["id"], "maxCents": 50})
     pages = [("tasks", "#/tasks", "#task-rows"), ("task", f"#/task/{some['id']}", "#task-log li"),
              ("inbox", "#/inbox", "#inbox article"), ("new", "#/new", "#new-task"),
              ("files", "#/files/home", "#files li"), ("wallet", "#/wallet", "#ledger"),
@@ -477,10 +392,10 @@ def test_every_page_at_1280_and_360_px(g: Gurtd, browser: Any, shots: str) -> No
     finally:
         d.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
         d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
-        g.api("POST", f"/api/approvals/{ask['id']}/answer", {"answer": "yes"})
-        g.api("POST", f"/api/approvals/{spend['id']}/deny", {"reason": "only a picture"})
-        g.api("DELETE", f"/api/schedules/{sched['id']}")
-        g.api("DELETE", f"/api/policies/{policy['id']}")
+        gurtd.api("POST", f"/api/approvals/{ask['id']}/answer", {"answer": "yes"})
+        gurtd.api("POST", f"/api/approvals/{spend['id']}/deny", {"reason": "only a picture"})
+        gurtd.api("DELETE", f"/api/schedules/{sched['id']}")
+        gurtd.api("DELETE", f"/api/policies/{policy['id']}")
     assert len(os.listdir(shots)) >= 2 * len(pages)
 
 
@@ -504,12 +419,13 @@ def read(path: str) -> str | None:
         return None
 
 
-def test_keep_a_personal_task_through_its_conflict_then_undo_it(g: Gurtd, browser: Any,
-                                                                 folder: str) -> None:
+def test_keep_a_personal_task_through_its_conflict_then_undo_it(gurtd: Gurtd, browser: Any,
+                                                                owner_folder: str) -> None:
     d = browser
-    task = run_on(g, folder, "echo task > a.txt", "echo new > new.txt", title="edits my folder")
+    task = run_on(gurtd, owner_folder, "echo task > a.txt", "echo new > new.txt",
+                  title="edits my folder")
     assert task["state"] == "done" and task["review"] == "pending"
-    with open(os.path.join(folder, "a.txt"), "w") as f:      # my own edit since its start
+    with open(os.path.join(owner_folder, "a.txt"), "w") as f:      # my own edit since its start
         f.write("mine\n")
     go(d, f"#/task/{task['id']}", "#task-changes input.pick")
     wait(d, lambda x: "+task" in x.find_element(By.ID, "task-diff").text, "the diff")
@@ -519,105 +435,105 @@ def test_keep_a_personal_task_through_its_conflict_then_undo_it(g: Gurtd, browse
                      "the conflicts")
     assert [c.get_attribute("data-path") for c in conflicts] == ["a.txt"]
     assert "a.txt" in conflicts[0].text and "owner" in conflicts[0].text
-    assert read(os.path.join(folder, "new.txt")) is None
-    assert g.task(task["id"])["review"] == "conflict"
+    assert read(os.path.join(owner_folder, "new.txt")) is None
+    assert gurtd.task(task["id"])["review"] == "conflict"
     # keep only new.txt: it lands, owned by the folder's owner; mine stays
     go(d, f"#/task/{task['id']}", '#task-changes[data-review="conflict"] input.pick')
-    pick = d.find_element(By.CSS_SELECTOR, f'input.pick[value="{folder}/new.txt"]')
+    pick = d.find_element(By.CSS_SELECTOR, f'input.pick[value="{owner_folder}/new.txt"]')
     pick.click()
     click_and_confirm(d, "btn-keep-paths")
-    eventually(lambda: read(os.path.join(folder, "new.txt")) == "new\n", 10, "new.txt kept")
-    assert os.stat(os.path.join(folder, "new.txt")).st_uid == os.stat(folder).st_uid
-    assert read(os.path.join(folder, "a.txt")) == "mine\n"
+    eventually(lambda: read(os.path.join(owner_folder, "new.txt")) == "new\n", 10, "new.txt kept")
+    assert os.stat(os.path.join(owner_folder, "new.txt")).st_uid == os.stat(owner_folder).st_uid
+    assert read(os.path.join(owner_folder, "a.txt")) == "mine\n"
     wait(d, lambda x: x.find_elements(By.CSS_SELECTOR, '#task-changes[data-review="pending"]'),
          "the rest pending")
     # keep anyway: the task's version wins
     click_and_confirm(d, "btn-keep")
     click_and_confirm(d, "btn-keep-force")
     wait(d, lambda x: "kept" in x.find_element(By.ID, "task-fields").text, "review: kept")
-    assert read(os.path.join(folder, "a.txt")) == "task\n"
+    assert read(os.path.join(owner_folder, "a.txt")) == "task\n"
     # undo after my later edit: 409 naming it, then undo anyway puts back what was before
-    with open(os.path.join(folder, "a.txt"), "w") as f:
+    with open(os.path.join(owner_folder, "a.txt"), "w") as f:
         f.write("mine again\n")
     click_and_confirm(d, "btn-undo")
     wait(d, lambda x: x.find_elements(By.CSS_SELECTOR, '#conflicts li[data-path="a.txt"]'),
          "the undo's conflict")
-    assert read(os.path.join(folder, "a.txt")) == "mine again\n"
+    assert read(os.path.join(owner_folder, "a.txt")) == "mine again\n"
     click_and_confirm(d, "btn-undo-force")
     wait(d, lambda x: "undone" in x.find_element(By.ID, "task-fields").text, "undone")
-    assert read(os.path.join(folder, "a.txt")) == "mine\n"
-    assert read(os.path.join(folder, "new.txt")) is None
-    assert g.task(task["id"])["review"] == "undone"
+    assert read(os.path.join(owner_folder, "a.txt")) == "mine\n"
+    assert read(os.path.join(owner_folder, "new.txt")) is None
+    assert gurtd.task(task["id"])["review"] == "undone"
     assert console_errors(d, ("/keep - Failed to load resource: the server responded with a "
                               "status of 409", "/undo - Failed to load resource: the server "
                               "responded with a status of 409")) == []
 
 
 def test_always_at_task_scope_from_the_inbox_and_the_next_call_asks_no_one(
-        g: Gurtd, browser: Any) -> None:
+        gurtd: Gurtd, browser: Any) -> None:
     d = browser
-    g.api("PUT", "/api/wallet", {"balanceCents": 1000})
+    gurtd.api("PUT", "/api/wallet", {"balanceCents": 1000})
     pay = "gurtd tool wallet.pay '{{\"to\": \"shop\", \"cents\": {}}}'"
     go(d, "#/inbox", "#inbox")
-    task = g.create(pay.format(3) + "\nsleep 0.5\n" + pay.format(4), title="pays twice",
-                    tools=["wallet.pay"])
-    first = pending(g, task["id"])
+    task = gurtd.create(pay.format(3) + "\nsleep 0.5\n" + pay.format(4), title="pays twice",
+                        tools=["wallet.pay"])
+    first = gurtd.pending(task["id"], 20)
     assert first["canAlwaysApprove"] is True
     card = wait(d, lambda x: x.find_elements(By.ID, f"approval-{first['id']}"), "its card")[0]
     Select(card.find_element(By.ID, f"scope-{first['id']}")).select_by_value("task")
     card.find_element(By.ID, f"always-{first['id']}").click()
     wait(d, lambda x: not x.find_elements(By.ID, f"approval-{first['id']}"), "the card gone")
-    assert g.wait(task["id"])["state"] == "done"
-    answers = g.api("GET", f"/api/approvals?task={task['id']}")
-    policy = g.api("GET", f"/api/approvals/{first['id']}")["policy"]
+    assert gurtd.wait(task["id"])["state"] == "done"
+    answers = gurtd.api("GET", f"/api/approvals?task={task['id']}")
+    policy = gurtd.api("GET", f"/api/approvals/{first['id']}")["policy"]
     assert sorted(a["answeredBy"] for a in answers) == ["api", "policy"]
     assert all(a["policy"] == policy for a in answers)
-    assert g.task(task["id"])["costCents"] == 7
+    assert gurtd.task(task["id"])["costCents"] == 7
     # not outside its scope: another task's payment still asks
-    other = g.create(pay.format(2), title="pays once", tools=["wallet.pay"])
-    asked = pending(g, other["id"])
+    other = gurtd.create(pay.format(2), title="pays once", tools=["wallet.pay"])
+    asked = gurtd.pending(other["id"], 20)
     wait(d, lambda x: x.find_elements(By.ID, f"approval-{asked['id']}"), "the other's card")
     # a budget approval can raise the budget instead
     d.find_element(By.ID, f"budget-{asked['id']}").send_keys("25" + Keys.ENTER)
     wait(d, lambda x: not x.find_elements(By.ID, f"approval-{asked['id']}"), "answered")
-    assert g.wait(other["id"])["budgetCents"] == 25
+    assert gurtd.wait(other["id"])["budgetCents"] == 25
     # the Policies page lists it, and its delete is seen live
     go(d, "#/policies", f"#policy-{policy}")
     row = d.find_element(By.ID, f"policy-{policy}")
     assert "wallet.pay" in row.text and "task" in row.text and "pays twice" in row.text
     click_and_confirm(d, f"delete-{policy}")
     wait(d, lambda x: not x.find_elements(By.ID, f"policy-{policy}"), "the policy gone")
-    assert all(p["id"] != policy for p in g.api("GET", "/api/policies"))
-    made = g.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "task",
-                                           "task": other["id"], "maxCents": 5}, status=201)
+    assert all(p["id"] != policy for p in gurtd.api("GET", "/api/policies"))
+    made = gurtd.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "task",
+                                               "task": other["id"], "maxCents": 5}, status=201)
     row = wait(d, lambda x: x.find_elements(By.ID, f"policy-{made['id']}"), "a new policy")[0]
     assert "5" in row.text
-    g.api("DELETE", f"/api/policies/{made['id']}")
+    gurtd.api("DELETE", f"/api/policies/{made['id']}")
     wait(d, lambda x: not x.find_elements(By.ID, f"policy-{made['id']}"), "deleted elsewhere")
 
 
 def test_a_host_asked_at_run_time_is_shown_by_name_and_denied_from_the_inbox(
-        g: Gurtd, browser: Any) -> None:
+        gurtd: Gurtd, browser: Any) -> None:
     d = browser
     go(d, "#/inbox", "#inbox")
-    task = g.create("getent hosts portal.test; echo getent $?", title="wants a host",
-                    askHosts=True)
-    asked = pending(g, task["id"])
+    task = gurtd.create("getent hosts portal.test; echo getent $?", title="wants a host",
+                        askHosts=True)
+    asked = gurtd.pending(task["id"], 20)
     assert asked["kind"] == "host"
     card = wait(d, lambda x: x.find_elements(By.ID, f"approval-{asked['id']}"), "its card")[0]
     assert card.text.startswith("Host portal.test") and "wants a host" in card.text
     assert card.find_elements(By.ID, f"always-{asked['id']}")      # a host can be always
     card.find_element(By.ID, f"reason-{asked['id']}").send_keys("not today" + Keys.ENTER)
     wait(d, lambda x: not x.find_elements(By.ID, f"approval-{asked['id']}"), "answered")
-    assert g.wait(task["id"], timeout=60)["state"] == "done"
-    assert g.output(task["id"])[-1] == "getent 2"                  # NXDOMAIN
+    assert gurtd.wait(task["id"], timeout=60)["state"] == "done"
+    assert gurtd.output(task["id"])[-1] == "getent 2"                  # NXDOMAIN
 
 
-def test_a_schedule_run_now_from_the_schedules_page_shows_its_task(g: Gurtd,
+def test_a_schedule_run_now_from_the_schedules_page_shows_its_task(gurtd: Gurtd,
                                                                    browser: Any) -> None:
     d = browser
-    sched = g.api("POST", "/api/schedules", {"name": "nightly report", "cron": "0 3 * * *",
-                                             "task": {"worker": "fake",
+    sched = gurtd.api("POST", "/api/schedules", {"name": "nightly report", "cron": "0 3 * * *",
+                                                 "task": {"worker": "fake",
                                                       "prompt": "echo scheduled"}},
                   status=201)
     try:
@@ -628,33 +544,33 @@ def test_a_schedule_run_now_from_the_schedules_page_shows_its_task(g: Gurtd,
         click_and_confirm(d, f"run-{sched['id']}")
         wait(d, lambda x: x.find_elements(By.CSS_SELECTOR, f"#schedule-{sched['id']} "
                                           '.state[data-state="done"]'), "its task done")
-        ran = g.api("GET", f"/api/schedules/{sched['id']}")
+        ran = gurtd.api("GET", f"/api/schedules/{sched['id']}")
         assert ran["lastState"] == "done" and ran["lastTask"]
         click(d, f"#schedule-{sched['id']} a.last-task")
         wait(d, lambda x: x.current_url.endswith(f"#/task/{ran['lastTask']}"), "its page")
-        task = g.task(ran["lastTask"])
+        task = gurtd.task(ran["lastTask"])
         assert task["source"] == "schedule" and task["schedule"] == sched["id"]
         click(d, "#task-schedule")
         wait(d, lambda x: x.find_elements(By.ID, f"schedule-{sched['id']}"), "back to it")
     finally:
-        g.api("DELETE", f"/api/schedules/{sched['id']}")
+        gurtd.api("DELETE", f"/api/schedules/{sched['id']}")
 
 
-def test_a_jira_task_links_to_its_issue_only_with_a_base_url(g: Gurtd, browser: Any) -> None:
+def test_a_jira_task_links_to_its_issue_only_with_a_base_url(gurtd: Gurtd, browser: Any) -> None:
     d = browser
-    task = g.run("true", title="from jira", source="jira:ABC-7")
+    task = gurtd.run("true", title="from jira", source="jira:ABC-7")
     go(d, f"#/task/{task['id']}", "#task-fields")
     time.sleep(0.3)
     assert not d.find_elements(By.ID, "task-issue")           # no jira.baseUrl: no link
-    g.api("PUT", "/api/settings", {"jira": {"baseUrl": "http://127.0.0.1:9/", "email": "a@b.c",
-                                            "jql": "labels = gurt", "enabled": False}})
+    gurtd.api("PUT", "/api/settings", {"jira": {"baseUrl": "http://127.0.0.1:9/", "email": "a@b.c",
+                                                "jql": "labels = gurt", "enabled": False}})
     try:
         go(d, "#/tasks", "#task-rows")
         go(d, f"#/task/{task['id']}", "#task-issue")
         link = d.find_element(By.ID, "task-issue")
         assert link.get_attribute("href") == "http://127.0.0.1:9/browse/ABC-7"
     finally:
-        g.api("PUT", "/api/settings", {"jira": {}})
+        gurtd.api("PUT", "/api/settings", {"jira": {}})
 
 
 # other origins ################################################################################
@@ -686,37 +602,20 @@ async function tryIt(name, p) {{
 
 
 @pytest.fixture
-def evil_site(g: Gurtd) -> Iterator[str]:
+def evil_site(gurtd: Gurtd) -> Iterator[str]:
     """A page of another origin: the same loopback address on another port (same-site for a
     browser, so the SameSite=Strict cookie alone would not stop it)."""
-    page = EVIL_PAGE.format(port=g.port).encode()
+    page = EVIL_PAGE.format(port=gurtd.port).encode()
 
-    class Evil(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html")
-            self.send_header("Content-Length", str(len(page)))
-            self.end_headers()
-            self.wfile.write(page)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Evil)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with loopback_server(lambda req: answer(req, 200, page, {"Content-Type": "text/html"})) \
+            as (server, _):
         yield f"http://127.0.0.1:{server.server_address[1]}/"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
-def test_a_page_of_another_origin_can_neither_start_nor_read(g: Gurtd, browser: Any,
+def test_a_page_of_another_origin_can_neither_start_nor_read(gurtd: Gurtd, browser: Any,
                                                              evil_site: str) -> None:
     d = browser
-    before = len(g.api("GET", "/api/tasks"))
+    before = len(gurtd.api("GET", "/api/tasks"))
     d.get(evil_site)
     out = wait(d, lambda x: "done" in x.find_element(By.ID, "out").text and
                x.find_element(By.ID, "out").text, "the evil page's tries")
@@ -727,33 +626,33 @@ def test_a_page_of_another_origin_can_neither_start_nor_read(g: Gurtd, browser: 
     wait(d, lambda x: "cross" in x.find_element(By.TAG_NAME, "body").text, "gurtd's refusal")
     assert "cross-origin requests are refused" in d.find_element(By.TAG_NAME, "body").text
     time.sleep(0.3)
-    assert len(g.api("GET", "/api/tasks")) == before
-    assert not any(t["title"] == "evil" for t in g.api("GET", "/api/tasks"))
+    assert len(gurtd.api("GET", "/api/tasks")) == before
+    assert not any(t["title"] == "evil" for t in gurtd.api("GET", "/api/tasks"))
     d.get_log("browser")            # the evil page's own refusals are its console's errors
-    sign_in(d, g)                    # back home (a cross-site visit to / is refused too)
+    sign_in(d, gurtd)                    # back home (a cross-site visit to / is refused too)
 
 
-def test_a_change_with_the_cookie_needs_the_portal_header(g: Gurtd, browser: Any) -> None:
+def test_a_change_with_the_cookie_needs_the_portal_header(gurtd: Gurtd, browser: Any) -> None:
     cookie = next(c for c in browser.get_cookies() if c["name"] == "gurt_session")["value"]
     jar = {"Cookie": f"gurt_session={cookie}", "Content-Type": "application/json"}
     body = {"title": "t", "prompt": "true", "worker": "fake"}
-    code, data, _ = g.request("POST", "/api/tasks", body, headers=jar, token=False)
+    code, data, _ = gurtd.request("POST", "/api/tasks", body, headers=jar, token=False)
     assert code == 403 and data["code"] == "cross_origin", data
-    code, data, _ = g.request("POST", "/api/tasks", body, token=False,
-                              headers={**jar, "X-Gurt-Portal": "1",
+    code, data, _ = gurtd.request("POST", "/api/tasks", body, token=False,
+                                  headers={**jar, "X-Gurt-Portal": "1",
                                        "Sec-Fetch-Site": "same-site"})
     assert code == 403, data
-    code, data, _ = g.request("GET", "/api/tasks", headers=jar, token=False)
+    code, data, _ = gurtd.request("GET", "/api/tasks", headers=jar, token=False)
     assert code == 200 and isinstance(data, list)
     # a sign-in code is made with the token only
-    code, data, _ = g.request("POST", "/api/sessions/codes", {}, token=False,
-                              headers={**jar, "X-Gurt-Portal": "1"})
+    code, data, _ = gurtd.request("POST", "/api/sessions/codes", {}, token=False,
+                                  headers={**jar, "X-Gurt-Portal": "1"})
     assert code == 403, data
 
 
 # last: sign out ###############################################################################
 
-def test_sign_out_and_be_refused(g: Gurtd, browser: Any) -> None:
+def test_sign_out_and_be_refused(gurtd: Gurtd, browser: Any) -> None:
     d = browser
     cookie = next(c for c in d.get_cookies() if c["name"] == "gurt_session")["value"]
     go(d, "#/settings", "#sign-out")
@@ -762,8 +661,8 @@ def test_sign_out_and_be_refused(g: Gurtd, browser: Any) -> None:
     wait(d, lambda x: x.find_elements(By.ID, "signin"), "the sign-in form")
     assert not d.find_element(By.ID, "top").is_displayed()
     assert not [c for c in d.get_cookies() if c["name"] == "gurt_session"]
-    code, data, _ = g.request("GET", "/api/tasks", token=False,
-                              headers={"Cookie": f"gurt_session={cookie}"})
+    code, data, _ = gurtd.request("GET", "/api/tasks", token=False,
+                                  headers={"Cookie": f"gurt_session={cookie}"})
     assert code == 401, data
     d.refresh()
     wait(d, lambda x: x.find_elements(By.ID, "signin"), "the sign-in form after a reload")

@@ -9,6 +9,7 @@ import pytest
 
 import gurtd as G
 
+pytestmark = pytest.mark.pure
 SETTINGS = dict(G.DEFAULT_SETTINGS)
 
 

@@ -11,51 +11,26 @@ import contextlib
 import http.server
 import json
 import os
-import threading
 import time
 from typing import Any, Iterator
 
 import pytest
 
 import gurtd as G
-from conftest import running_gurtd
+from conftest import (answer, eventually, gurtd_on_small_disk, jira_stand_in, loopback_server,
+                      running_gurtd)
 
 
-@contextlib.contextmanager
-def loopback_server(handle: Any) -> Iterator[tuple[http.server.HTTPServer, list[Any]]]:
-    """A tiny HTTP server on 127.0.0.1 whose every GET/POST calls handle(req, seen)."""
-    seen: list[Any] = []
+class LoopStandIn:
+    """The part of the loop a Jira uses: a call runs at once."""
+    stopping = False
+    settings: dict[str, Any] = {}
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *args: Any) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            seen.append({"path": self.path, "headers": dict(self.headers)})
-            handle(self)
-
-        do_POST = do_GET
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server, seen
-    finally:
-        server.shutdown()
-        server.server_close()
+    def call(self, fn: Any, *args: Any) -> Any:
+        return fn(*args)
 
 
-def answer(req: http.server.BaseHTTPRequestHandler, status: int, body: bytes = b"",
-           headers: dict[str, str] | None = None) -> None:
-    req.send_response(status)
-    for key, value in (headers or {}).items():
-        req.send_header(key, value)
-    req.send_header("Content-Length", str(len(body)))
-    req.end_headers()
-    req.wfile.write(body)
-
-
+@pytest.mark.pure
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
 def test_a_jira_that_redirects_elsewhere_never_gets_the_token_sent_there(status: int) -> None:
     """A hostile (or hijacked) Jira answers with a redirect to a host of its choosing: urllib
@@ -75,6 +50,7 @@ def test_a_jira_that_redirects_elsewhere_never_gets_the_token_sent_there(status:
             assert stolen == []                 # the other host never heard of us
 
 
+@pytest.mark.pure
 def test_an_issue_of_nested_lists_cannot_blow_up_its_prompt() -> None:
     """An issue's description is anyone's text: a million lines inside lists nested as deep
     as the JSON bound lets them would be indented again at every level, a prompt (and a loop
@@ -123,14 +99,7 @@ def test_a_name_with_a_trailing_newline_is_refused_everywhere_a_name_is_checked(
         assert g.api("GET", "/api/policies") == []
     with jira_search_answering(["GT-1\n", "GT-2"]) as (config, asked):
         taken: list[str] = []
-
-        class Loop:                                     # the loop's part: call at once
-            stopping = False
-
-            def call(self, fn: Any, *args: Any) -> Any:
-                return fn(*args)
-
-        jira = G.Jira(Loop())                            # type: ignore[arg-type]
+        jira = G.Jira(LoopStandIn())                     # type: ignore[arg-type]
         jira.token = lambda: "t"                         # type: ignore[method-assign]
         jira.take = lambda key, fields: taken.append(key)  # type: ignore[method-assign]
         jira.poll(config)                                # no error: GT-1\n is not a key
@@ -154,6 +123,7 @@ def jira_search_answering(keys: list[str]) -> Iterator[tuple[dict[str, Any], lis
                "email": "bot@example.com", "jql": "x"}, asked
 
 
+@pytest.mark.pure
 def test_a_jira_asking_to_be_left_alone_for_centuries_is_asked_again_within_the_backoff() -> None:
     """A hostile Jira answers 429 with Retry-After: 99999999999.  Obeyed as is, the poll
     thread died (Event.wait overflows) or would sleep for years: no issue taken, no ended
@@ -171,15 +141,8 @@ def test_a_jira_asking_to_be_left_alone_for_centuries_is_asked_again_within_the_
     with loopback_server(handle) as (server, _):
         config = {"baseUrl": f"http://127.0.0.1:{server.server_address[1]}",
                   "email": "bot@example.com", "jql": "x", "enabled": True, "pollSeconds": 10}
-
-        class Loop:                                     # the loop's part: call at once
-            stopping = False
-            settings = {"jira": config}
-
-            def call(self, fn: Any, *args: Any) -> Any:
-                return fn(*args)
-
-        loop = Loop()
+        loop = LoopStandIn()
+        loop.settings = {"jira": config}
         jira = G.Jira(loop)                              # type: ignore[arg-type]
         jira.token = lambda: "t"                         # type: ignore[method-assign]
         jira.start()
@@ -216,7 +179,6 @@ def test_a_stolen_session_revoked_on_a_full_disk_is_not_back_after_a_restart() -
     """The owner revokes a stolen portal session while BOX_HOME is full: 507.  The revoke
     must then have changed nothing (before, it was gone in memory only: the retry said 404,
     "no session", and the next restart brought the thief's cookie back to life)."""
-    from test_durable import gurtd_on_small_disk
     with gurtd_on_small_disk() as (g, disk):
         stolen, stolen_id = portal_sign_in(g)
         disk.fill()
@@ -251,6 +213,7 @@ def test_a_policy_expiring_at_the_edge_of_the_calendar_is_a_400_not_a_crash() ->
         assert made["expiresAt"] == "9999-12-30T23:00:00Z" and made["active"]
 
 
+@pytest.mark.pure
 def test_a_jira_answering_thousands_of_issues_starts_at_most_a_page_of_them_per_poll() -> None:
     """gurtd asks for JIRA_MAX_ISSUES issues; a hostile Jira answers 2,000 keys (and some
     twice).  Each would be read and made a task in one poll, the loop saving jira.json
@@ -258,14 +221,7 @@ def test_a_jira_answering_thousands_of_issues_starts_at_most_a_page_of_them_per_
     keys = [f"GT-{n}" for n in range(1, 2001)]
     with jira_search_answering(keys[:3] + keys) as (config, asked):
         taken: list[str] = []
-
-        class Loop:                                     # the loop's part: call at once
-            stopping = False
-
-            def call(self, fn: Any, *args: Any) -> Any:
-                return fn(*args)
-
-        jira = G.Jira(Loop())                            # type: ignore[arg-type]
+        jira = G.Jira(LoopStandIn())                     # type: ignore[arg-type]
         jira.token = lambda: "t"                         # type: ignore[method-assign]
         jira.take = lambda key, fields: taken.append(key)  # type: ignore[method-assign]
         jira.poll(config)
@@ -277,8 +233,6 @@ def test_an_issue_whose_list_starts_at_x_still_becomes_its_task() -> None:
     """An ordered list's `order` is whatever the issue's author sent through Jira's API:
     "x" or {} raised in the middle of taking the issue, after it was recorded, so the issue
     stayed taken without a task (and without a comment) for good."""
-    from test_sources import jira_stand_in
-    from conftest import eventually
     odd = [{"type": "orderedList", "attrs": {"order": order}, "content": [
         {"type": "listItem", "content": [{"type": "paragraph", "content": [
             {"type": "text", "text": "echo from a list"}]}]}]}
@@ -310,8 +264,7 @@ def test_a_task_file_of_many_names_comes_out_once_in_an_archive() -> None:
                   "echo small > other", title="many names")
         assert t["state"] == "done", g.log(t["id"])
         for path in (f"/api/tasks/{t['id']}/archive", "/api/workspaces/home/archive"):
-            code, body, _ = g.request("GET", path)
-            assert code == 200
+            body = g.api("GET", path, status=200)
             assert len(body) < 3_000_000, len(body)
             with tarfile.open(fileobj=io.BytesIO(body), mode="r:gz") as tar:
                 members = {m.name: m for m in tar.getmembers()}

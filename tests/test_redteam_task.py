@@ -1,6 +1,6 @@
 """Red team, from inside a task: what a hostile task leaves in its copy of my folder must not
 hide from my review, break it, or exhaust gurtd.  Real gurtd, real overlays, a real owner
-(the fixtures of test_review)."""
+(the owner_folder of conftest)."""
 
 from __future__ import annotations
 
@@ -12,20 +12,18 @@ import time
 from typing import Any
 
 import gurtd as G
-from conftest import Gurtd, eventually, running_gurtd
-from test_review import folder, g, keep, owner, run_on, scratch  # noqa: F401 (fixtures)
+from conftest import Gurtd, eventually, keep, run_on, running_gurtd
 
 
 def test_names_that_break_lines_or_utf8_cannot_hide_or_forge_diff_lines(
-        g: Gurtd, folder: str) -> None:
+        gurtd: Gurtd, owner_folder: str) -> None:
     """A task names a file with a newline that spells a fake diff header, and another with
     bytes that are not UTF-8: the diff still answers, shows both, and forges nothing."""
-    task = run_on(g, folder,
+    task = run_on(gurtd, owner_folder,
                   "printf 'evil\\n' > \"$(printf 'x\\ndiff --git forged')\"",
                   "printf 'bad\\n' > \"$(printf 'bad\\377name')\"")
-    assert task["state"] == "done", g.log(task["id"])
-    code, diff, _ = g.request("GET", f"/api/tasks/{task['id']}/diff")
-    assert code == 200, diff
+    assert task["state"] == "done", gurtd.log(task["id"])
+    diff = gurtd.api("GET", f"/api/tasks/{task['id']}/diff", status=200)
     text = diff.decode()
     heads = [line for line in text.splitlines() if line.startswith("diff --git ")]
     assert len(heads) == 2, text              # one per file the task made, none forged
@@ -35,76 +33,78 @@ def test_names_that_break_lines_or_utf8_cannot_hide_or_forge_diff_lines(
 
 
 def test_a_task_with_thousands_of_new_folders_neither_exhausts_gurtds_files_nor_hides_any(
-        g: Gurtd, folder: str) -> None:
+        gurtd: Gurtd, owner_folder: str) -> None:
     """A task makes more new folders than gurtd may hold open files (its limit lowered for
     the story): the changes, the diff and keep still see every one, and gurtd keeps
     answering."""
     count = 1600
-    task = run_on(g, folder, f"seq 1 {count} | sed 's/^/d/' | xargs mkdir",
+    task = run_on(gurtd, owner_folder, f"seq 1 {count} | sed 's/^/d/' | xargs mkdir",
                   f"seq 1 {count} | sed 's|^|d|; s|$|/f|' | xargs touch")
-    assert task["state"] == "done", g.log(task["id"])
-    subprocess.run(["prlimit", f"--pid={g.proc.pid}", "--nofile=1200:1200"], check=True)
-    changes = g.api("GET", f"/api/tasks/{task['id']}/changes")
+    assert task["state"] == "done", gurtd.log(task["id"])
+    subprocess.run(["prlimit", f"--pid={gurtd.proc.pid}", "--nofile=1200:1200"], check=True)
+    changes = gurtd.api("GET", f"/api/tasks/{task['id']}/changes")
     assert len([c for c in changes if c["path"].endswith("/f")]) == count
-    code, diff, _ = g.request("GET", f"/api/tasks/{task['id']}/diff")
+    code, diff, _ = gurtd.request("GET", f"/api/tasks/{task['id']}/diff")
     assert code == 200 and diff.decode().count("new file mode") == count
-    code, kept = keep(g, task["id"])
+    code, kept = keep(gurtd, task["id"])
     assert code == 200 and kept["review"] == "kept", kept
-    assert len([n for n in os.listdir(folder) if n.startswith("d")]) == count
-    assert all(os.path.exists(os.path.join(folder, f"d{i}", "f")) for i in range(1, count + 1))
-    assert g.api("GET", "/api/health")
-    assert g.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
-    assert not [n for n in os.listdir(folder) if n.startswith("d")]
+    assert len([n for n in os.listdir(owner_folder) if n.startswith("d")]) == count
+    assert all(os.path.exists(os.path.join(owner_folder, f"d{i}", "f"))
+               for i in range(1, count + 1))
+    assert gurtd.api("GET", "/api/health")
+    assert gurtd.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
+    assert not [n for n in os.listdir(owner_folder) if n.startswith("d")]
 
 
-def test_keeping_tens_of_thousands_of_new_folders_does_not_hold_the_loop(folder: str) -> None:
+def test_keeping_tens_of_thousands_of_new_folders_does_not_hold_the_loop(
+        owner_folder: str) -> None:
     """A task makes 20,000 empty folders and 10,000 files in one more: keep runs on the
     loop, so it must cost about its writes, not folders x files comparisons (which held the
     loop past the HTTP call timeout: 503 busy for everyone, and at the next start the same).
     The call timeout is 20 s here; the keep takes a few seconds."""
     dirs, files = 20000, 10000
     with running_gurtd({"GURT_CALL_TIMEOUT": "20"}) as box:
-        task = run_on(box, folder, f"seq 1 {dirs} | sed 's/^/d/' | xargs mkdir",
+        task = run_on(box, owner_folder, f"seq 1 {dirs} | sed 's/^/d/' | xargs mkdir",
                       f"mkdir zz && cd zz && seq 1 {files} | xargs touch")
         assert task["state"] == "done", box.log(task["id"])
         code, kept = keep(box, task["id"])
         assert code == 200 and kept["review"] == "kept", kept
-        assert len(os.listdir(os.path.join(folder, "zz"))) == files
+        assert len(os.listdir(os.path.join(owner_folder, "zz"))) == files
         code, data, _ = box.request("POST", f"/api/tasks/{task['id']}/undo")
         assert code in (200, 503), data      # 503: still being carried out
         deadline = time.monotonic() + 300
         while box.task(task["id"])["review"] != "undone" and time.monotonic() < deadline:
             time.sleep(1)
         assert box.task(task["id"])["review"] == "undone"
-        assert not os.path.exists(os.path.join(folder, "zz"))
+        assert not os.path.exists(os.path.join(owner_folder, "zz"))
 
 
 def test_a_chain_of_long_folder_names_is_listed_to_a_bound_and_never_kept(
-        g: Gurtd, folder: str) -> None:
+        gurtd: Gurtd, owner_folder: str) -> None:
     """A task digs folders of 250-byte names deeper than any path a tool can open (each
     entry's whole path, thousands deep, would cost gurtd gigabytes): the changes stop at
     KEEP_PATH_MAX bytes, keep refuses that folder even forced, and the rest can be kept."""
     long = "n" * 250                              # the task's folder name
-    task = run_on(g, folder, "echo kept > ok.txt",
+    task = run_on(gurtd, owner_folder, "echo kept > ok.txt",
                   "python3 -c \"import os; [(os.mkdir(n), os.chdir(n)) for n in ['n' * 250] "
                   "* 24]; open('f', 'w').write('deep')\"")
-    assert task["state"] == "done", g.log(task["id"])
-    changes = g.api("GET", f"/api/tasks/{task['id']}/changes")
+    assert task["state"] == "done", gurtd.log(task["id"])
+    changes = gurtd.api("GET", f"/api/tasks/{task['id']}/changes")
     assert all(len(c["path"].encode()) <= G.KEEP_PATH_MAX + 256 for c in changes), \
         max(len(c["path"]) for c in changes)
-    assert (folder, "ok.txt", "added") in {(c["folder"], c["path"], c["change"])
-                                           for c in changes}
-    code, data = keep(g, task["id"], {"force": True})
+    assert (owner_folder, "ok.txt", "added") in {(c["folder"], c["path"], c["change"])
+                                                 for c in changes}
+    code, data = keep(gurtd, task["id"], {"force": True})
     assert code == 409
     whys = [c["why"] for c in data["conflicts"]]
     assert len(whys) == 1 and "longer than" in whys[0], whys
-    assert not os.path.exists(os.path.join(folder, long))
-    code, kept = keep(g, task["id"], {"paths": ["ok.txt"]})
+    assert not os.path.exists(os.path.join(owner_folder, long))
+    code, kept = keep(gurtd, task["id"], {"paths": ["ok.txt"]})
     assert code == 200, kept
-    with open(os.path.join(folder, "ok.txt")) as f:
+    with open(os.path.join(owner_folder, "ok.txt")) as f:
         assert f.read() == "kept\n"
-    assert g.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
-    assert not os.path.exists(os.path.join(folder, "ok.txt"))
+    assert gurtd.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
+    assert not os.path.exists(os.path.join(owner_folder, "ok.txt"))
 
 
 def test_merging_a_layer_of_long_folder_names_dug_deep_costs_no_memory_per_level(
@@ -147,45 +147,44 @@ def test_merging_a_layer_of_long_folder_names_dug_deep_costs_no_memory_per_level
 
 
 def test_a_folder_too_deep_to_save_is_never_replaced_and_nothing_gets_stuck(
-        g: Gurtd, folder: str) -> None:
+        gurtd: Gurtd, owner_folder: str) -> None:
     """One task digs a folder 1,200 levels deep and I keep it; the next deletes it.  Keep
     must save what it deletes (for undo), and that deep a folder cannot be copied: keep
     refuses it even forced, leaves no journal behind, and the diff and undo still work."""
-    made = run_on(g, folder, "python3 -c \"import os; [(os.mkdir('a'), os.chdir('a')) "
-                             "for _ in range(1200)]; open('f', 'w').write('deep')\"")
-    assert made["state"] == "done", g.log(made["id"])
-    code, kept = keep(g, made["id"])
+    made = run_on(gurtd, owner_folder, "python3 -c \"import os; [(os.mkdir('a'), os.chdir('a')) "
+                  "for _ in range(1200)]; open('f', 'w').write('deep')\"")
+    assert made["state"] == "done", gurtd.log(made["id"])
+    code, kept = keep(gurtd, made["id"])
     assert code == 200, kept
-    gone = run_on(g, folder, "rm -rf a")
-    assert gone["state"] == "done", g.log(gone["id"])
-    code, diff, _ = g.request("GET", f"/api/tasks/{gone['id']}/diff")
+    gone = run_on(gurtd, owner_folder, "rm -rf a")
+    assert gone["state"] == "done", gurtd.log(gone["id"])
+    code, diff, _ = gurtd.request("GET", f"/api/tasks/{gone['id']}/diff")
     assert code == 200, diff
-    code, data = keep(g, gone["id"], {"force": True})
+    code, data = keep(gurtd, gone["id"], {"force": True})
     assert code == 409, data
     assert [c["path"] for c in data["conflicts"]] == ["a"], data
-    assert os.path.isdir(os.path.join(folder, "a", "a"))
-    assert not os.path.exists(os.path.join(g.home, "review", gone["id"], "journal.json"))
-    assert g.api("POST", f"/api/tasks/{gone['id']}/undo")["review"] == "undone"
-    assert g.api("POST", f"/api/tasks/{made['id']}/undo")["review"] == "undone"
-    assert not os.path.exists(os.path.join(folder, "a"))
+    assert os.path.isdir(os.path.join(owner_folder, "a", "a"))
+    assert not os.path.exists(os.path.join(gurtd.home, "review", gone["id"], "journal.json"))
+    assert gurtd.api("POST", f"/api/tasks/{gone['id']}/undo")["review"] == "undone"
+    assert gurtd.api("POST", f"/api/tasks/{made['id']}/undo")["review"] == "undone"
+    assert not os.path.exists(os.path.join(owner_folder, "a"))
 
 
-def test_changes_of_long_folder_names_dug_deep_are_refused_not_gigabytes(g: Gurtd) -> None:
+def test_changes_of_long_folder_names_dug_deep_are_refused_not_gigabytes(gurtd: Gurtd) -> None:
     """A workspace task digs 250-byte folder names 2,000 deep: listed whole, its changes
     would be 500 MB of paths in gurtd (gigabytes at 6,000 deep).  They are a 413 that says
     so, the diff too, and gurtd answers on."""
-    deep = g.run("python3 -c \"import os; [(os.mkdir(n), os.chdir(n)) for n in ['n' * 250] "
-                 "* 2000]\"")
+    deep = gurtd.run("python3 -c \"import os; [(os.mkdir(n), os.chdir(n)) for n in ['n' * 250] "
+                     "* 2000]\"")
     try:
-        assert deep["state"] == "done", g.log(deep["id"])
-        code, data, _ = g.request("GET", f"/api/tasks/{deep['id']}/changes")
+        assert deep["state"] == "done", gurtd.log(deep["id"])
+        code, data, _ = gurtd.request("GET", f"/api/tasks/{deep['id']}/changes")
         assert code == 413 and data["code"] == "too_large", str(data)[:200]
-        code, data, _ = g.request("GET", f"/api/tasks/{deep['id']}/diff")
-        assert code == 413, str(data)[:200]
-        assert g.api("GET", "/api/health")
+        gurtd.api("GET", f"/api/tasks/{deep['id']}/diff", status=413)
+        assert gurtd.api("GET", "/api/health")
     finally:          # the layer goes (in gurtd's own thread) before the home is removed
-        assert g.api("POST", f"/api/tasks/{deep['id']}/undo")["state"] == "undone"
-        layers = os.path.join(g.home, "layers")
+        assert gurtd.api("POST", f"/api/tasks/{deep['id']}/undo")["state"] == "undone"
+        layers = os.path.join(gurtd.home, "layers")
         eventually(lambda: not [n for n in os.listdir(layers) if deep["id"] in n],
                    timeout=120, what="the undone layer deleted")
 

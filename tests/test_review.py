@@ -15,54 +15,14 @@ import shutil
 import stat
 import subprocess
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 import gurtd as G
-from conftest import Gurtd, make_home, remove_home
-
-UNICODE_NAME = "my file é ✓.txt"
-
+from conftest import UNICODE_NAME, Gurtd, keep, run_on, running_gurtd
 
 # helpers #####################################################################################
-
-@pytest.fixture(scope="module")
-def owner() -> Iterator[pwd.struct_passwd]:
-    """A real unprivileged user with a home under /home, removed afterwards."""
-    name = "gurtrv" + secrets.token_hex(3)
-    subprocess.run(["useradd", "-m", "-d", f"/home/{name}", "-s", "/usr/sbin/nologin", name],
-                   check=True, capture_output=True)
-    try:
-        yield pwd.getpwnam(name)
-    finally:
-        subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
-        shutil.rmtree(f"/home/{name}", ignore_errors=True)
-        assert not os.path.exists(f"/home/{name}")
-
-
-@pytest.fixture
-def folder(owner: pwd.struct_passwd) -> Iterator[str]:
-    """The owner's project: nested folders, root's file, a symlink out, a unicode name."""
-    top = os.path.join(owner.pw_dir, "proj-" + secrets.token_hex(3))
-    files = {"a.txt": "hello\n", "sub/b.txt": "bee\n", "sub/deeper/c.txt": "sea\n",
-             "olddir/x.txt": "x\n", "olddir/y/z.txt": "z\n", UNICODE_NAME: "unicode\n",
-             "script.sh": "#!/bin/sh\necho hi\n"}
-    for rel, text in files.items():
-        os.makedirs(os.path.dirname(os.path.join(top, rel)), exist_ok=True)
-        with open(os.path.join(top, rel), "w") as f:
-            f.write(text)
-    os.symlink("/etc/passwd", os.path.join(top, "link"))
-    for root, dirs, names in os.walk(top):
-        for name in [root] + [os.path.join(root, n) for n in dirs + names]:
-            os.chown(name, owner.pw_uid, owner.pw_gid, follow_symlinks=False)
-    with open(os.path.join(top, "root.txt"), "w") as f:     # root's, inside the owner's
-        f.write("root's own\n")
-    os.chmod(os.path.join(top, "root.txt"), 0o644)
-    time.sleep(0.05)                 # the folder's ctimes are before any task's start
-    yield top
-    shutil.rmtree(top, ignore_errors=True)
-
 
 def snapshot(top: str) -> dict[str, tuple[Any, ...]]:
     """Every path under top: (type, mode, uid, gid, content or link target)."""
@@ -84,43 +44,6 @@ def snapshot(top: str) -> dict[str, tuple[Any, ...]]:
     return out
 
 
-@pytest.fixture
-def scratch() -> Iterator[Any]:
-    """A folder of root's outside every folder root (pytest's tmp_path is shared with other
-    suites' leftovers)."""
-    import pathlib
-    import tempfile
-    path = tempfile.mkdtemp(prefix="gurt-review-", dir="/var/tmp")
-    try:
-        yield pathlib.Path(path)
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def g() -> Iterator[Gurtd]:
-    box = Gurtd(make_home())
-    box.start()
-    try:
-        yield box
-    finally:
-        if box.proc is not None:
-            assert box.stop() == 0, box.log_text()
-        remove_home(box.home)
-
-
-def run_on(g: Gurtd, folder: str, *lines: str, **fields: Any) -> dict[str, Any]:
-    """A fake task on folder; each line runs in the folder (the fake worker's lines are each
-    their own shell)."""
-    return g.run("\n".join(f"cd '{folder}' && {line}" for line in lines), folder=folder,
-                 **fields)
-
-
-def keep(g: Gurtd, task_id: str, body: Any = None) -> tuple[int, Any]:
-    code, data, _ = g.request("POST", f"/api/tasks/{task_id}/keep", body or {})
-    return code, data
-
-
 def no_leftovers(g: Gurtd, task_id: str, folder: str) -> None:
     """After undo: the task's review files are gone and no temp name is in the folder."""
     assert not os.path.exists(os.path.join(g.home, "review", task_id))
@@ -130,12 +53,14 @@ def no_leftovers(g: Gurtd, task_id: str, folder: str) -> None:
 
 # pure ########################################################################################
 
+@pytest.mark.pure
 def test_idmap_shows_the_owner_as_the_task_and_everyone_else_as_themselves() -> None:
     assert G.idmap_swap(1000, 600123) == ("0 0 1000\n1000 600123 1\n1001 1001 599122\n"
                                           "600124 600124 4294367171\n")
     assert G.idmap_swap(700000, 600123).splitlines()[2] == "700000 600123 1"
 
 
+@pytest.mark.pure
 def test_folder_fields_are_one_list() -> None:
     assert G.folders_of({"folder": "/home/a/p"}) == ["/home/a/p"]
     assert G.folders_of({"folders": ["/home/a/p", "/home/a/q"], "folder": "/home/a/p"}) == \
@@ -150,10 +75,10 @@ def test_folder_fields_are_one_list() -> None:
 # stories #####################################################################################
 
 def test_a_task_works_on_a_copy_and_keep_applies_exactly_its_diff(
-        g: Gurtd, folder: str, owner: pwd.struct_passwd) -> None:
-    before = snapshot(folder)
+        gurtd: Gurtd, owner_folder: str, owner: pwd.struct_passwd) -> None:
+    before = snapshot(owner_folder)
     task = run_on(
-        g, folder,
+        gurtd, owner_folder,
                 "echo more >> a.txt",
         "mkdir -p newdir/inner && printf 'n\\n' > newdir/inner/n.txt",
         "rm sub/deeper/c.txt",
@@ -165,28 +90,28 @@ def test_a_task_works_on_a_copy_and_keep_applies_exactly_its_diff(
         "echo pwned > link || echo link-refused",
         "stat -c '%U' root.txt",
         "stat -c '%U' a.txt")
-    assert task["state"] == "done", g.log(task["id"])
-    assert task["review"] == "pending" and task["folders"] == [folder]
-    assert task["folder"] == folder
-    out = g.output(task["id"])
+    assert task["state"] == "done", gurtd.log(task["id"])
+    assert task["review"] == "pending" and task["folders"] == [owner_folder]
+    assert task["folder"] == owner_folder
+    out = gurtd.output(task["id"])
     assert "root-refused" in out and "link-refused" in out
     assert out[-1] == task["user"]               # the owner's files look like the task's own
     assert out[-2] == "root"                     # root's stay root's
-    assert snapshot(folder) == before            # nothing written while it ran, or after
-    changes = g.api("GET", f"/api/tasks/{task['id']}/changes")
+    assert snapshot(owner_folder) == before            # nothing written while it ran, or after
+    changes = gurtd.api("GET", f"/api/tasks/{task['id']}/changes")
     assert {(c["folder"], c["path"], c["change"]) for c in changes} >= {
-        (folder, "a.txt", "modified"), (folder, "newdir/", "added"),
-        (folder, "sub/deeper/c.txt", "deleted"), (folder, "olddir", "deleted"),
-        (folder, UNICODE_NAME, "modified"), (folder, "script.sh", "modified")}
-    code, diff, _ = g.request("GET", f"/api/tasks/{task['id']}/diff")
+        (owner_folder, "a.txt", "modified"), (owner_folder, "newdir/", "added"),
+        (owner_folder, "sub/deeper/c.txt", "deleted"), (owner_folder, "olddir", "deleted"),
+        (owner_folder, UNICODE_NAME, "modified"), (owner_folder, "script.sh", "modified")}
+    code, diff, _ = gurtd.request("GET", f"/api/tasks/{task['id']}/diff")
     diff = diff.decode()
     assert code == 200 and "+more" in diff and "-sea" in diff and "old mode 100644" in diff
     assert f"+++ b/{UNICODE_NAME}" in diff and "+n" in diff
     assert "Binary files /dev/null and b/blob.bin differ" in diff
 
-    code, kept = keep(g, task["id"])
+    code, kept = keep(gurtd, task["id"])
     assert code == 200 and kept["review"] == "kept", kept
-    after = snapshot(folder)
+    after = snapshot(owner_folder)
     uid, gid = owner.pw_uid, owner.pw_gid
     assert after["a.txt"] == (stat.S_IFREG, 0o644, uid, gid, b"hello\nmore\n")
     assert after["newdir/inner/n.txt"][2:] == (uid, gid, b"n\n")
@@ -200,274 +125,255 @@ def test_a_task_works_on_a_copy_and_keep_applies_exactly_its_diff(
     assert after["link"] == before["link"]
     with open("/etc/passwd") as f:
         assert "pwned" not in f.read()
-    assert g.task(task["id"])["review"] == "kept"
-    kinds = [e.get("action") for e in g.log(task["id"]) if e["type"] == "review"]
+    assert gurtd.task(task["id"])["review"] == "kept"
+    kinds = [e.get("action") for e in gurtd.log(task["id"]) if e["type"] == "review"]
     assert kinds == ["kept"]
 
-    undone = g.api("POST", f"/api/tasks/{task['id']}/undo")
+    undone = gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
     assert undone["state"] == "undone" and undone["review"] == "undone"
-    assert snapshot(folder) == before            # byte for byte, modes and owners
-    assert g.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"  # idempotent
-    no_leftovers(g, task["id"], folder)
+    assert snapshot(owner_folder) == before            # byte for byte, modes and owners
+    assert gurtd.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"  # idempotent
+    no_leftovers(gurtd, task["id"], owner_folder)
 
 
 def test_my_edits_since_the_start_are_conflicts_then_paths_force_and_undo(
-        g: Gurtd, folder: str) -> None:
-    task = run_on(g, folder, "echo task > a.txt", "echo task > sub/b.txt",
+        gurtd: Gurtd, owner_folder: str) -> None:
+    task = run_on(gurtd, owner_folder, "echo task > a.txt", "echo task > sub/b.txt",
                   "echo new > new.txt", "echo task >> script.sh")
     assert task["review"] == "pending"
-    with open(os.path.join(folder, "a.txt"), "w") as f:        # the owner, after the start
+    with open(os.path.join(owner_folder, "a.txt"), "w") as f:        # the owner, after the start
         f.write("mine\n")
-    os.unlink(os.path.join(folder, "sub/b.txt"))
-    code, data = keep(g, task["id"])
+    os.unlink(os.path.join(owner_folder, "sub/b.txt"))
+    code, data = keep(gurtd, task["id"])
     assert code == 409 and data["code"] == "conflict", data
     assert {(c["path"], c["why"]) for c in data["conflicts"]} == {
         ("a.txt", "changed by the owner after the task started"),
         ("sub/b.txt", "deleted by the owner after the task started")}
-    assert all(c["folder"] == folder for c in data["conflicts"])
-    assert not os.path.exists(os.path.join(folder, "new.txt"))          # nothing applied
-    assert g.task(task["id"])["review"] == "conflict"
+    assert all(c["folder"] == owner_folder for c in data["conflicts"])
+    assert not os.path.exists(os.path.join(owner_folder, "new.txt"))          # nothing applied
+    assert gurtd.task(task["id"])["review"] == "conflict"
 
-    code, data = keep(g, task["id"], {"paths": [f"{folder}/new.txt", "script.sh"]})
+    code, data = keep(gurtd, task["id"], {"paths": [f"{owner_folder}/new.txt", "script.sh"]})
     assert code == 200 and data["review"] == "pending", data
-    assert open(os.path.join(folder, "new.txt")).read() == "new\n"
-    assert open(os.path.join(folder, "script.sh")).read().endswith("task\n")
-    assert open(os.path.join(folder, "a.txt")).read() == "mine\n"
-    code, data = keep(g, task["id"], {"paths": ["nothing/here"]})
+    assert open(os.path.join(owner_folder, "new.txt")).read() == "new\n"
+    assert open(os.path.join(owner_folder, "script.sh")).read().endswith("task\n")
+    assert open(os.path.join(owner_folder, "a.txt")).read() == "mine\n"
+    code, data = keep(gurtd, task["id"], {"paths": ["nothing/here"]})
     assert code == 400, data
 
-    code, data = keep(g, task["id"], {"force": True})
+    code, data = keep(gurtd, task["id"], {"force": True})
     assert code == 200 and data["review"] == "kept", data
-    assert open(os.path.join(folder, "a.txt")).read() == "task\n"
-    assert open(os.path.join(folder, "sub/b.txt")).read() == "task\n"
+    assert open(os.path.join(owner_folder, "a.txt")).read() == "task\n"
+    assert open(os.path.join(owner_folder, "sub/b.txt")).read() == "task\n"
 
-    with open(os.path.join(folder, "new.txt"), "a") as f:      # the owner edits a kept file
+    with open(os.path.join(owner_folder, "new.txt"), "a") as f:      # the owner edits a kept file
         f.write("mine too\n")
-    code, data, _ = g.request("POST", f"/api/tasks/{task['id']}/undo", {})
+    code, data, _ = gurtd.request("POST", f"/api/tasks/{task['id']}/undo", {})
     assert code == 409 and [c["path"] for c in data["conflicts"]] == ["new.txt"], data
-    assert open(os.path.join(folder, "a.txt")).read() == "task\n"      # nothing changed
-    assert g.task(task["id"])["review"] == "kept"
-    undone = g.api("POST", f"/api/tasks/{task['id']}/undo", {"force": True})
+    assert open(os.path.join(owner_folder, "a.txt")).read() == "task\n"      # nothing changed
+    assert gurtd.task(task["id"])["review"] == "kept"
+    undone = gurtd.api("POST", f"/api/tasks/{task['id']}/undo", {"force": True})
     assert undone["review"] == "undone"
-    assert open(os.path.join(folder, "a.txt")).read() == "mine\n"     # as before the keep
-    assert not os.path.exists(os.path.join(folder, "sub/b.txt"))
-    assert not os.path.exists(os.path.join(folder, "new.txt"))
-    assert open(os.path.join(folder, "script.sh")).read() == "#!/bin/sh\necho hi\n"
-    no_leftovers(g, task["id"], folder)
+    assert open(os.path.join(owner_folder, "a.txt")).read() == "mine\n"     # as before the keep
+    assert not os.path.exists(os.path.join(owner_folder, "sub/b.txt"))
+    assert not os.path.exists(os.path.join(owner_folder, "new.txt"))
+    assert open(os.path.join(owner_folder, "script.sh")).read() == "#!/bin/sh\necho hi\n"
+    no_leftovers(gurtd, task["id"], owner_folder)
 
 
-def test_keep_never_follows_a_symlink_the_task_planted(g: Gurtd, folder: str,
+def test_keep_never_follows_a_symlink_the_task_planted(gurtd: Gurtd, owner_folder: str,
                                                        scratch: Any) -> None:
     secret = scratch / "secret"          # root's file outside the folder
     secret.write_text("root only\n")
     os.chmod(scratch, 0o755)
-    before = snapshot(folder)
-    task = run_on(g, folder, "ln -s /etc/shadow x", f"ln -s {secret} y",
+    before = snapshot(owner_folder)
+    task = run_on(gurtd, owner_folder, "ln -s /etc/shadow x", f"ln -s {secret} y",
                   "rm -r sub && ln -s /etc sub",
                   "ln /etc/passwd hard 2>/dev/null || echo no-hard-link",
                   "echo pwned > link || echo link-refused")
-    assert task["state"] == "done" and "no-hard-link" in g.output(task["id"])
-    code, data = keep(g, task["id"])
+    assert task["state"] == "done" and "no-hard-link" in gurtd.output(task["id"])
+    code, data = keep(gurtd, task["id"])
     assert code == 200, data
-    assert os.readlink(os.path.join(folder, "x")) == "/etc/shadow"
-    assert os.readlink(os.path.join(folder, "sub")) == "/etc"
-    assert not os.path.exists(os.path.join(folder, "hard"))
-    assert os.readlink(os.path.join(folder, "y")) == str(secret)
+    assert os.readlink(os.path.join(owner_folder, "x")) == "/etc/shadow"
+    assert os.readlink(os.path.join(owner_folder, "sub")) == "/etc"
+    assert not os.path.exists(os.path.join(owner_folder, "hard"))
+    assert os.readlink(os.path.join(owner_folder, "y")) == str(secret)
     assert secret.read_text() == "root only\n" and os.stat(secret).st_uid == 0
     with open("/etc/passwd") as f:
         assert "pwned" not in f.read()
-    g.api("POST", f"/api/tasks/{task['id']}/undo")
-    assert snapshot(folder) == before
-    no_leftovers(g, task["id"], folder)
+    gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
+    assert snapshot(owner_folder) == before
+    no_leftovers(gurtd, task["id"], owner_folder)
 
 
 def test_a_symlink_the_owner_put_on_the_way_stops_keep_even_forced(
-        g: Gurtd, folder: str, scratch: Any) -> None:
+        gurtd: Gurtd, owner_folder: str, scratch: Any) -> None:
     outside = scratch / "outside"
     outside.mkdir()
-    task = run_on(g, folder, "echo task > sub/deeper/new.txt")
-    shutil.rmtree(os.path.join(folder, "sub/deeper"))
-    os.symlink(str(outside), os.path.join(folder, "sub/deeper"))
-    code, data = keep(g, task["id"], {"force": True})
+    task = run_on(gurtd, owner_folder, "echo task > sub/deeper/new.txt")
+    shutil.rmtree(os.path.join(owner_folder, "sub/deeper"))
+    os.symlink(str(outside), os.path.join(owner_folder, "sub/deeper"))
+    code, data = keep(gurtd, task["id"], {"force": True})
     assert code == 409, data
     assert any("symlink" in c["why"] for c in data["conflicts"]), data
     assert os.listdir(outside) == []
-    assert g.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
+    assert gurtd.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
 
 
-def test_setid_bits_and_fifos_are_never_kept(g: Gurtd, folder: str) -> None:
-    task = run_on(g, folder, "chmod u+s script.sh", "mkfifo pipe")
-    code, data = keep(g, task["id"], {"force": True})
+def test_setid_bits_and_fifos_are_never_kept(gurtd: Gurtd, owner_folder: str) -> None:
+    task = run_on(gurtd, owner_folder, "chmod u+s script.sh", "mkfifo pipe")
+    code, data = keep(gurtd, task["id"], {"force": True})
     assert code == 409
     whys = {c["path"]: c["why"] for c in data["conflicts"]}
     assert "set-uid" in whys["script.sh"] and "fifo" in whys["pipe"]
-    assert not os.path.exists(os.path.join(folder, "pipe"))
-    assert not os.stat(os.path.join(folder, "script.sh")).st_mode & stat.S_ISUID
-    assert g.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
+    assert not os.path.exists(os.path.join(owner_folder, "pipe"))
+    assert not os.stat(os.path.join(owner_folder, "script.sh")).st_mode & stat.S_ISUID
+    assert gurtd.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
 
 
-def test_a_failed_task_gets_no_review_and_nothing_is_kept(g: Gurtd, folder: str) -> None:
-    task = run_on(g, folder, "echo x > failed.txt", "false")
+def test_a_failed_task_gets_no_review_and_nothing_is_kept(gurtd: Gurtd, owner_folder: str) -> None:
+    task = run_on(gurtd, owner_folder, "echo x > failed.txt", "false")
     assert task["state"] == "failed" and "review" not in task
-    code, data = keep(g, task["id"])
-    assert code == 409 and not os.path.exists(os.path.join(folder, "failed.txt"))
-    assert not os.path.exists(os.path.join(g.home, "review", task["id"]))
+    code, data = keep(gurtd, task["id"])
+    assert code == 409 and not os.path.exists(os.path.join(owner_folder, "failed.txt"))
+    assert not os.path.exists(os.path.join(gurtd.home, "review", task["id"]))
 
 
 def test_refused_folders_say_why_and_create_nothing(
-        g: Gurtd, folder: str, owner: pwd.struct_passwd, scratch: Any) -> None:
-    os.symlink(folder, os.path.join(owner.pw_dir, "via-link"))
-    afile = os.path.join(folder, "a.txt")
+        gurtd: Gurtd, owner_folder: str, owner: pwd.struct_passwd, scratch: Any) -> None:
+    os.symlink(owner_folder, os.path.join(owner.pw_dir, "via-link"))
+    afile = os.path.join(owner_folder, "a.txt")
     outside = str(scratch)
     cases = {
-        "proj": "absolute", f"{folder}/../x": "normal", "/": "root",
-        f"{folder}/missing": "does not exist", afile: "not a directory",
-        os.path.join(owner.pw_dir, "via-link"): f"resolves to {folder}",
-        g.home: "BOX_HOME", os.path.join(g.home, "workspaces"): "BOX_HOME",
+        "proj": "absolute", f"{owner_folder}/../x": "normal", "/": "root",
+        f"{owner_folder}/missing": "does not exist", afile: "not a directory",
+        os.path.join(owner.pw_dir, "via-link"): f"resolves to {owner_folder}",
+        gurtd.home: "BOX_HOME", os.path.join(gurtd.home, "workspaces"): "BOX_HOME",
         "/proc/self": "pseudo", outside: "outside folderRoots",
     }
     for path, why in cases.items():
-        code, data, _ = g.request("POST", "/api/tasks", {"title": "t", "prompt": "true",
-                                                         "worker": "fake", "folder": path})
+        code, data, _ = gurtd.request("POST", "/api/tasks", {"title": "t", "prompt": "true",
+                                                             "worker": "fake", "folder": path})
         assert code == 400 and why in data["error"] and path in data["error"], (path, data)
-    code, data, _ = g.request("POST", "/api/tasks", {
+    code, data, _ = gurtd.request("POST", "/api/tasks", {
         "title": "t", "prompt": "true", "worker": "fake",
-        "folders": [folder, os.path.join(folder, "sub")]})
+        "folders": [owner_folder, os.path.join(owner_folder, "sub")]})
     assert code == 400 and "holds" in data["error"], data
-    code, data, _ = g.request("POST", "/api/tasks", {
-        "title": "t", "prompt": "true", "worker": "fake", "folders": [folder] * 17})
+    code, data, _ = gurtd.request("POST", "/api/tasks", {
+        "title": "t", "prompt": "true", "worker": "fake", "folders": [owner_folder] * 17})
     assert code == 400, data
     for bad in ([], ["relative"], ["/proc"], ["/"], "/home", ["/home/../etc"], ["/usr/local"],
                 ["/run/user"]):
-        code, data, _ = g.request("PUT", "/api/settings", {"folderRoots": bad})
+        code, data, _ = gurtd.request("PUT", "/api/settings", {"folderRoots": bad})
         assert (code == 400) == (bad != []), (bad, data)
-    assert g.api("GET", "/api/tasks") == []
+    assert gurtd.api("GET", "/api/tasks") == []
     os.unlink(os.path.join(owner.pw_dir, "via-link"))
 
 
 def test_kill_9_in_the_middle_of_a_big_keep_finishes_it_at_the_next_start(
-        folder: str) -> None:
-    box = Gurtd(make_home(), {"GURT_TEST_CRASH_AT": "keep-op-150"})
-    box.start()
-    try:
-        task = run_on(box, folder,
+        owner_folder: str) -> None:
+    with running_gurtd({"GURT_TEST_CRASH_AT": "keep-op-150"}) as box:
+        task = run_on(box, owner_folder,
                       "mkdir many && for i in $(seq 300); do echo $i > many/f$i; done",
                       "echo task > a.txt")
         with pytest.raises(Exception):
             keep(box, task["id"])
         assert box.proc is not None and box.proc.wait(timeout=30) == 137
         box.proc = None
-        written = len(os.listdir(os.path.join(folder, "many")))
+        written = len(os.listdir(os.path.join(owner_folder, "many")))
         assert 0 < written < 300                       # it did die in the middle
         box.env = {}
         box.start()
         assert box.task(task["id"])["review"] == "kept"
-        assert sorted(os.listdir(os.path.join(folder, "many"))) == \
+        assert sorted(os.listdir(os.path.join(owner_folder, "many"))) == \
             sorted(f"f{i}" for i in range(1, 301))
-        assert open(os.path.join(folder, "a.txt")).read() == "task\n"
+        assert open(os.path.join(owner_folder, "a.txt")).read() == "task\n"
         assert any(e.get("action") == "recovered" for e in box.log(task["id"]))
         box.api("POST", f"/api/tasks/{task['id']}/undo")
-        assert not os.path.exists(os.path.join(folder, "many"))
-        assert open(os.path.join(folder, "a.txt")).read() == "hello\n"
-        no_leftovers(box, task["id"], folder)
-    finally:
-        if box.proc is not None:
-            box.stop()          # a clean stop: a killed gurtd would leave its table and groups
-        remove_home(box.home)
+        assert not os.path.exists(os.path.join(owner_folder, "many"))
+        assert open(os.path.join(owner_folder, "a.txt")).read() == "hello\n"
+        no_leftovers(box, task["id"], owner_folder)
 
 
-def test_kill_9_before_a_keep_writes_leaves_the_folder_untouched(folder: str) -> None:
-    box = Gurtd(make_home(), {"GURT_TEST_CRASH_AT": "keep-planned"})
-    box.start()
-    try:
-        before = snapshot(folder)
-        task = run_on(box, folder, "echo task > a.txt", "rm -r olddir")
+def test_kill_9_before_a_keep_writes_leaves_the_folder_untouched(owner_folder: str) -> None:
+    with running_gurtd({"GURT_TEST_CRASH_AT": "keep-planned"}) as box:
+        before = snapshot(owner_folder)
+        task = run_on(box, owner_folder, "echo task > a.txt", "rm -r olddir")
         with pytest.raises(Exception):
             keep(box, task["id"])
         assert box.proc is not None and box.proc.wait(timeout=30) == 137
         box.proc = None
         box.env = {}
         box.start()
-        assert snapshot(folder) == before
+        assert snapshot(owner_folder) == before
         assert box.task(task["id"])["review"] == "pending"
         code, data = keep(box, task["id"])
         assert code == 200 and data["review"] == "kept"
-        assert open(os.path.join(folder, "a.txt")).read() == "task\n"
+        assert open(os.path.join(owner_folder, "a.txt")).read() == "task\n"
         box.api("POST", f"/api/tasks/{task['id']}/undo")
-        assert snapshot(folder) == before
-    finally:
-        if box.proc is not None:
-            box.stop()          # a clean stop: a killed gurtd would leave its table and groups
-        remove_home(box.home)
+        assert snapshot(owner_folder) == before
 
 
-def test_a_workspace_task_has_a_diff_of_its_layer(g: Gurtd) -> None:
-    first = g.run("printf 'one\\n' > f.txt")
-    second = g.run("printf 'two\\n' > f.txt && printf 'b\\n' > g.txt")
+def test_a_workspace_task_has_a_diff_of_its_layer(gurtd: Gurtd) -> None:
+    first = gurtd.run("printf 'one\\n' > f.txt")
+    second = gurtd.run("printf 'two\\n' > f.txt && printf 'b\\n' > g.txt")
     assert first["state"] == second["state"] == "done"
-    code, diff, _ = g.request("GET", f"/api/tasks/{second['id']}/diff")
+    code, diff, _ = gurtd.request("GET", f"/api/tasks/{second['id']}/diff")
     text = diff.decode()
     assert code == 200 and "-one" in text and "+two" in text and "+++ b/g.txt" in text
-    code, diff, _ = g.request("GET", f"/api/tasks/{second['id']}/diff?path=g.txt")
+    code, diff, _ = gurtd.request("GET", f"/api/tasks/{second['id']}/diff?path=g.txt")
     assert "f.txt" not in diff.decode() and "g.txt" in diff.decode()
 
 
-def cli(g: Gurtd, *args: str) -> subprocess.CompletedProcess[str]:
-    from conftest import GURTD, ROOT
-    env = {k: v for k, v in os.environ.items() if k != "GURT_TOKEN"}
-    env.update(BOX_HOME=g.home, GURT_LISTEN=f"127.0.0.1:{g.port}")
-    return subprocess.run([os.path.join(ROOT, ".venv", "bin", "python"), GURTD, *args],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
-
-
-def test_two_folders_from_the_command_line(g: Gurtd, folder: str,
+def test_two_folders_from_the_command_line(gurtd: Gurtd, owner_folder: str,
                                            owner: pwd.struct_passwd) -> None:
     second = os.path.join(owner.pw_dir, "second-" + secrets.token_hex(3))
     os.mkdir(second)
     os.chown(second, owner.pw_uid, owner.pw_gid)
     try:
-        run = cli(g, "run", "--worker", "fake", "--wait", "--folder", folder, "--folder",
-                  second, f"echo one > {folder}/one.txt && echo two > {second}/two.txt")
+        run = gurtd.cli("run", "--worker", "fake", "--wait", "--folder", owner_folder, "--folder",
+                        second,
+                        f"echo one > {owner_folder}/one.txt && echo two > {second}/two.txt")
         assert run.returncode == 0, run
         task_id = run.stderr.split()[0]
-        task = g.task(task_id)
-        assert task["folders"] == [folder, second] and task["folder"] == folder
-        review = cli(g, "review")
+        task = gurtd.task(task_id)
+        assert task["folders"] == [owner_folder, second] and task["folder"] == owner_folder
+        review = gurtd.cli("review")
         assert task_id in review.stdout and "pending" in review.stdout, review
-        diff = cli(g, "diff", task_id)
+        diff = gurtd.cli("diff", task_id)
         assert f"# folder {second}" in diff.stdout and "+two" in diff.stdout, diff
-        diff = cli(g, "diff", task_id, "--path", f"{folder}/one.txt")
+        diff = gurtd.cli("diff", task_id, "--path", f"{owner_folder}/one.txt")
         assert "+one" in diff.stdout and "two" not in diff.stdout, diff
         with open(os.path.join(second, "two.txt"), "w") as f:       # the owner was quicker
             f.write("mine\n")
-        refused = cli(g, "keep", task_id)
+        refused = gurtd.cli("keep", task_id)
         assert refused.returncode == 1 and f"conflict  {second}/two.txt" in refused.stderr
-        kept = cli(g, "keep", task_id, "--force")
+        kept = gurtd.cli("keep", task_id, "--force")
         assert kept.returncode == 0 and kept.stdout.split() == [task_id, "kept"], kept
         assert open(os.path.join(second, "two.txt")).read() == "two\n"
-        assert os.stat(os.path.join(folder, "one.txt")).st_uid == owner.pw_uid
-        assert task_id not in cli(g, "review").stdout
-        os.unlink(os.path.join(folder, "one.txt"))                 # the owner again
-        assert cli(g, "undo", task_id).returncode == 1
-        undone = cli(g, "undo", task_id, "--force", "--json")
+        assert os.stat(os.path.join(owner_folder, "one.txt")).st_uid == owner.pw_uid
+        assert task_id not in gurtd.cli("review").stdout
+        os.unlink(os.path.join(owner_folder, "one.txt"))                 # the owner again
+        assert gurtd.cli("undo", task_id).returncode == 1
+        undone = gurtd.cli("undo", task_id, "--force", "--json")
         assert undone.returncode == 0 and '"review": "undone"' in undone.stdout, undone
         assert open(os.path.join(second, "two.txt")).read() == "mine\n"
-        assert not os.path.exists(os.path.join(folder, "one.txt"))
-        no_leftovers(g, task_id, second)
+        assert not os.path.exists(os.path.join(owner_folder, "one.txt"))
+        no_leftovers(gurtd, task_id, second)
     finally:
         shutil.rmtree(second, ignore_errors=True)
 
 
-def test_keep_and_undo_are_events(g: Gurtd, folder: str) -> None:
+def test_keep_and_undo_are_events(gurtd: Gurtd, owner_folder: str) -> None:
     import http.client
     import json
-    task = run_on(g, folder, "echo task > a.txt")
-    conn = http.client.HTTPConnection("127.0.0.1", g.port, timeout=30)
-    conn.request("GET", "/api/events", headers={"Authorization": f"Bearer {g.token}"})
+    task = run_on(gurtd, owner_folder, "echo task > a.txt")
+    conn = http.client.HTTPConnection("127.0.0.1", gurtd.port, timeout=30)
+    conn.request("GET", "/api/events", headers={"Authorization": f"Bearer {gurtd.token}"})
     resp = conn.getresponse()
     resp.fp.readline()
-    assert keep(g, task["id"])[0] == 200
-    g.api("POST", f"/api/tasks/{task['id']}/undo")
+    assert keep(gurtd, task["id"])[0] == 200
+    gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
     seen, kind = [], ""
     deadline = time.monotonic() + 20
     while len(seen) < 2 and time.monotonic() < deadline:
@@ -481,95 +387,96 @@ def test_keep_and_undo_are_events(g: Gurtd, folder: str) -> None:
         (task["id"], "kept", "kept"), (task["id"], "undone", "undone")]
 
 
-def test_a_stopped_task_drops_its_folder_changes(g: Gurtd, folder: str) -> None:
-    task = g.create(f"echo x > {folder}/x.txt\nsleep 30", folder=folder)
+def test_a_stopped_task_drops_its_folder_changes(gurtd: Gurtd, owner_folder: str) -> None:
+    task = gurtd.create(f"echo x > {owner_folder}/x.txt\nsleep 30", folder=owner_folder)
     deadline = time.monotonic() + 30
-    while g.task(task["id"]).get("step") != "sleep 30":
+    while gurtd.task(task["id"]).get("step") != "sleep 30":
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    stopped = g.api("POST", f"/api/tasks/{task['id']}/stop")
+    stopped = gurtd.api("POST", f"/api/tasks/{task['id']}/stop")
     assert stopped["state"] == "failed" and "review" not in stopped
-    assert not os.path.exists(os.path.join(g.home, "review", task["id"]))
-    assert not os.path.exists(os.path.join(folder, "x.txt"))
-    assert keep(g, task["id"])[0] == 409
+    assert not os.path.exists(os.path.join(gurtd.home, "review", task["id"]))
+    assert not os.path.exists(os.path.join(owner_folder, "x.txt"))
+    assert keep(gurtd, task["id"])[0] == 409
 
 
-def test_an_edit_inside_a_folder_the_task_deleted_is_a_conflict(g: Gurtd, folder: str) -> None:
-    task = run_on(g, folder, "rm -r olddir", "rm -r sub && echo now-a-file > sub")
-    with open(os.path.join(folder, "olddir/y/z.txt"), "a") as f:
+def test_an_edit_inside_a_folder_the_task_deleted_is_a_conflict(gurtd: Gurtd,
+                                                                owner_folder: str) -> None:
+    task = run_on(gurtd, owner_folder, "rm -r olddir", "rm -r sub && echo now-a-file > sub")
+    with open(os.path.join(owner_folder, "olddir/y/z.txt"), "a") as f:
         f.write("mine\n")
-    os.mkdir(os.path.join(folder, "sub/deeper/mine"))
-    code, data = keep(g, task["id"])
+    os.mkdir(os.path.join(owner_folder, "sub/deeper/mine"))
+    code, data = keep(gurtd, task["id"])
     assert code == 409, data
     whys = {c["path"]: c["why"] for c in data["conflicts"]}
     assert whys == {"olddir": "olddir/y/z.txt changed by the owner after the task started",
                     "sub": "sub/deeper changed by the owner after the task started"}, whys
-    assert os.path.isdir(os.path.join(folder, "olddir"))
-    code, data = keep(g, task["id"], {"force": True})
-    assert code == 200 and not os.path.exists(os.path.join(folder, "olddir"))
-    assert open(os.path.join(folder, "sub")).read() == "now-a-file\n"
-    g.api("POST", f"/api/tasks/{task['id']}/undo")
-    assert open(os.path.join(folder, "olddir/y/z.txt")).read() == "z\nmine\n"
-    assert os.path.isdir(os.path.join(folder, "sub/deeper/mine"))
+    assert os.path.isdir(os.path.join(owner_folder, "olddir"))
+    code, data = keep(gurtd, task["id"], {"force": True})
+    assert code == 200 and not os.path.exists(os.path.join(owner_folder, "olddir"))
+    assert open(os.path.join(owner_folder, "sub")).read() == "now-a-file\n"
+    gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
+    assert open(os.path.join(owner_folder, "olddir/y/z.txt")).read() == "z\nmine\n"
+    assert os.path.isdir(os.path.join(owner_folder, "sub/deeper/mine"))
 
 
-def test_keep_never_writes_where_the_owner_may_not(g: Gurtd, folder: str) -> None:
-    locked = os.path.join(folder, "sub/deeper")
+def test_keep_never_writes_where_the_owner_may_not(gurtd: Gurtd, owner_folder: str) -> None:
+    locked = os.path.join(owner_folder, "sub/deeper")
     os.chmod(locked, 0o555)                  # the owner's own read-only folder
     time.sleep(0.05)
-    task = run_on(g, folder, "chmod u+w sub/deeper && echo task > sub/deeper/new.txt")
-    assert task["state"] == "done", g.log(task["id"])
-    code, data = keep(g, task["id"], {"force": True})
+    task = run_on(gurtd, owner_folder, "chmod u+w sub/deeper && echo task > sub/deeper/new.txt")
+    assert task["state"] == "done", gurtd.log(task["id"])
+    code, data = keep(gurtd, task["id"], {"force": True})
     assert code == 409, data
     assert {c["path"]: c["why"] for c in data["conflicts"]} == {
         "sub/deeper/new.txt": "the folder's owner may not write in this folder"}
     assert sorted(os.listdir(locked)) == ["c.txt"]
-    assert g.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
+    assert gurtd.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
 
 
-def test_a_task_cut_short_by_a_restart_keeps_nothing(g: Gurtd, folder: str) -> None:
-    task = g.create(f"echo x > {folder}/x.txt\nsleep 30", folder=folder)
+def test_a_task_cut_short_by_a_restart_keeps_nothing(gurtd: Gurtd, owner_folder: str) -> None:
+    task = gurtd.create(f"echo x > {owner_folder}/x.txt\nsleep 30", folder=owner_folder)
     deadline = time.monotonic() + 30
-    while g.task(task["id"]).get("step") != "sleep 30":
+    while gurtd.task(task["id"]).get("step") != "sleep 30":
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    g.restart(kill=True)
-    after = g.task(task["id"])
+    gurtd.restart(kill=True)
+    after = gurtd.task(task["id"])
     assert after["state"] == "failed" and "review" not in after
-    assert not os.path.exists(os.path.join(g.home, "review", task["id"]))
-    assert not os.path.exists(os.path.join(folder, "x.txt"))
+    assert not os.path.exists(os.path.join(gurtd.home, "review", task["id"]))
+    assert not os.path.exists(os.path.join(owner_folder, "x.txt"))
 
 
-def test_a_folder_made_anew_replaces_the_old_one_whole(g: Gurtd, folder: str) -> None:
-    before = snapshot(folder)
-    task = run_on(g, folder, "rm -r olddir && mkdir olddir && echo fresh > olddir/x.txt")
-    code, diff, _ = g.request("GET", f"/api/tasks/{task['id']}/diff")
+def test_a_folder_made_anew_replaces_the_old_one_whole(gurtd: Gurtd, owner_folder: str) -> None:
+    before = snapshot(owner_folder)
+    task = run_on(gurtd, owner_folder, "rm -r olddir && mkdir olddir && echo fresh > olddir/x.txt")
+    code, diff, _ = gurtd.request("GET", f"/api/tasks/{task['id']}/diff")
     text = diff.decode()
     assert "deleted file mode 100644" in text and "-z" in text and "+fresh" in text, text
-    assert keep(g, task["id"])[0] == 200
-    assert sorted(os.listdir(os.path.join(folder, "olddir"))) == ["x.txt"]
-    assert open(os.path.join(folder, "olddir/x.txt")).read() == "fresh\n"
-    g.api("POST", f"/api/tasks/{task['id']}/undo")
-    assert snapshot(folder) == before
+    assert keep(gurtd, task["id"])[0] == 200
+    assert sorted(os.listdir(os.path.join(owner_folder, "olddir"))) == ["x.txt"]
+    assert open(os.path.join(owner_folder, "olddir/x.txt")).read() == "fresh\n"
+    gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
+    assert snapshot(owner_folder) == before
 
 
-def test_the_droid_worker_is_told_about_its_folders(g: Gurtd, folder: str,
+def test_the_droid_worker_is_told_about_its_folders(gurtd: Gurtd, owner_folder: str,
                                                     scratch: Any) -> None:
     stand_in = scratch / "droid"             # a droid that copies its system prompt
-    stand_in.write_text(f"#!/bin/sh\ncat /run/gurt/system-prompt.md > {folder}/seen.md\n")
+    stand_in.write_text(f"#!/bin/sh\ncat /run/gurt/system-prompt.md > {owner_folder}/seen.md\n")
     os.chmod(stand_in, 0o755)
     os.chmod(scratch, 0o755)
-    g.api("PUT", "/api/settings", {"droidPath": str(stand_in)})
-    task = g.wait(g.api("POST", "/api/tasks", {"title": "droid", "prompt": "look",
-                                               "folder": folder}, status=201)["id"])
-    assert task["state"] == "done", g.log(task["id"])
-    assert keep(g, task["id"])[0] == 200
-    seen = open(os.path.join(folder, "seen.md")).read()
-    assert f"- Folders: {folder} are your own copy-on-write copies" in seen, seen
+    gurtd.api("PUT", "/api/settings", {"droidPath": str(stand_in)})
+    task = gurtd.wait(gurtd.api("POST", "/api/tasks", {"title": "droid", "prompt": "look",
+                                                       "folder": owner_folder}, status=201)["id"])
+    assert task["state"] == "done", gurtd.log(task["id"])
+    assert keep(gurtd, task["id"])[0] == 200
+    seen = open(os.path.join(owner_folder, "seen.md")).read()
+    assert f"- Folders: {owner_folder} are your own copy-on-write copies" in seen, seen
 
 
 def test_a_keep_cut_short_by_a_full_disk_goes_on_with_the_next_keep(
-        g: Gurtd, owner: pwd.struct_passwd, scratch: Any) -> None:
+        gurtd: Gurtd, owner: pwd.struct_passwd, scratch: Any) -> None:
     """The owner's folder is on a small ext4 image under /srv; the disk fills mid-keep."""
     image, mnt = str(scratch / "disk.img"), f"/srv/gurt-review-{secrets.token_hex(3)}"
     with open(image, "wb") as f:
@@ -583,8 +490,9 @@ def test_a_keep_cut_short_by_a_full_disk_goes_on_with_the_next_keep(
         folder = os.path.join(mnt, "proj")
         os.mkdir(folder)
         os.chown(folder, owner.pw_uid, owner.pw_gid)
-        task = run_on(g, folder, "for i in $(seq 40); do head -c 100000 /dev/urandom > f$i; done")
-        assert task["review"] == "pending", g.log(task["id"])
+        task = run_on(gurtd, folder,
+                      "for i in $(seq 40); do head -c 100000 /dev/urandom > f$i; done")
+        assert task["review"] == "pending", gurtd.log(task["id"])
         filler = os.path.join(mnt, "filler")
         with open(filler, "wb") as f:
             try:
@@ -594,16 +502,16 @@ def test_a_keep_cut_short_by_a_full_disk_goes_on_with_the_next_keep(
             except OSError:
                 pass
         os.truncate(filler, max(0, os.path.getsize(filler) - (1 << 20)))   # 1 MiB left
-        code, data = keep(g, task["id"])
+        code, data = keep(gurtd, task["id"])
         assert code == 507 and data["code"] == "insufficient_storage", data
-        assert g.task(task["id"])["review"] == "pending"
+        assert gurtd.task(task["id"])["review"] == "pending"
         os.unlink(filler)
-        code, data = keep(g, task["id"])
+        code, data = keep(gurtd, task["id"])
         assert code == 200 and data["review"] == "kept", data
         assert sorted(os.listdir(folder)) == sorted(f"f{i}" for i in range(1, 41))
         assert all(os.path.getsize(os.path.join(folder, f"f{i}")) == 100000
                    for i in range(1, 41))
-        g.api("POST", f"/api/tasks/{task['id']}/undo")
+        gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
         assert os.listdir(folder) == []
     finally:
         subprocess.run(["umount", mnt], check=False)

@@ -9,7 +9,6 @@ parsers come first.  All traffic goes to loopback, unix sockets, or the tasks' o
 
 from __future__ import annotations
 
-import base64
 import ipaddress
 import json
 import math
@@ -20,7 +19,6 @@ import shutil
 import socket
 import stat
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -28,20 +26,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import GURTD, ROOT, Gurtd, eventually, running_gurtd
-
 import gurtd as G
-
-SONNET = G.DEFAULT_DROID_PRICES["claude-sonnet-5"]
-
+from conftest import SONNET, Gurtd, eventually, python_line, running_gurtd
 
 # helpers #####################################################################################
-
-def python_line(script: str) -> str:
-    """A prompt line that runs a Python script with the box's python3."""
-    encoded = base64.b64encode(script.encode()).decode()
-    return f"printf %s {encoded} | base64 -d | python3 -I -"
-
 
 def open_fds(g: Gurtd) -> int:
     assert g.proc is not None
@@ -55,17 +43,6 @@ def strict_json(data: bytes) -> Any:
     return json.loads(data, parse_constant=refuse)
 
 
-def cli(g: Gurtd, *args: str) -> subprocess.CompletedProcess[bytes]:
-    env = {k: v for k, v in os.environ.items() if k not in ("BOX_HOME", "GURT_TOKEN")}
-    env.update(BOX_HOME=g.home, GURT_LISTEN=f"127.0.0.1:{g.port}")
-    return subprocess.run([sys.executable, GURTD, *args], capture_output=True, env=env,
-                          cwd=ROOT, timeout=60)
-
-
-def stdout_of(g: Gurtd, task_id: str) -> list[str]:
-    return [e["text"] for e in g.log(task_id) if e["type"] == "stdout"]
-
-
 # 1. the parsers take any input (pure) ########################################################
 
 EVIL_LINES = [
@@ -74,6 +51,7 @@ EVIL_LINES = [
 ]
 
 
+@pytest.mark.pure
 def test_bounded_json_gives_a_value_or_a_value_error_for_any_line() -> None:
     for line in EVIL_LINES + [line.encode("latin-1") for line in EVIL_LINES]:
         try:
@@ -88,6 +66,7 @@ def test_bounded_json_gives_a_value_or_a_value_error_for_any_line() -> None:
         G.loads_bounded("[" * 100_000)
 
 
+@pytest.mark.pure
 def test_droid_events_of_any_shape_give_a_step_or_none() -> None:
     for event in [None, [], "x", 1, {"type": []}, {"type": "tool_call", "parameters": [1]},
                   {"type": "tool_call", "toolName": {"a": 1}, "parameters": {"command": 5}},
@@ -99,6 +78,7 @@ def test_droid_events_of_any_shape_give_a_step_or_none() -> None:
     assert G.last_line(["x"]) == "['x']"
 
 
+@pytest.mark.pure
 def test_usage_costs_stay_finite_whatever_the_counts() -> None:
     for usage in [{"input_tokens": 1e308, "output_tokens": 1e308},
                   {"input_tokens": 10 ** 400}, {"input_tokens": -5},
@@ -111,6 +91,7 @@ def test_usage_costs_stay_finite_whatever_the_counts() -> None:
     assert G.usage_cents({"input_tokens": 1_000_000}, {"input": "cheap"}) == 0
 
 
+@pytest.mark.pure
 def test_a_payment_below_a_hundredth_of_a_cent_is_refused() -> None:
     """A task paying 1e-9 cents at a time could write millions of synced ledger lines inside
     a one-cent budget: a payment is at least MIN_PAYMENT_CENTS, so a budget bounds the count."""
@@ -120,6 +101,7 @@ def test_a_payment_below_a_hundredth_of_a_cent_is_refused() -> None:
     assert G.check_tool_args("wallet.pay", {"to": "x", "cents": 0.01}) == 0.01
 
 
+@pytest.mark.pure
 def test_printable_shows_terminal_controls_escaped() -> None:
     evil = "a\x1b]0;pwned\x07b\x1b[2Jc\rd\ne\x9bf\u202eg\th"
     shown = G.printable(evil)
@@ -128,6 +110,7 @@ def test_printable_shows_terminal_controls_escaped() -> None:
     assert G.printable("plain text: ünïcode ✓") == "plain text: ünïcode ✓"
 
 
+@pytest.mark.pure
 def test_special_use_answers_are_refused_unless_granted() -> None:
     own = {"192.0.2.7"}
     for addr in ("10.1.2.3", "192.168.1.1", "172.16.0.1", "198.18.0.5", "192.0.0.9",
@@ -147,6 +130,7 @@ def test_special_use_answers_are_refused_unless_granted() -> None:
     assert G.refused_address("10.9.9.9", set(), [ipaddress.IPv4Network("10.1.0.0/16")])
 
 
+@pytest.mark.pure
 def test_a_grant_never_adds_what_is_covered_and_every_port_replaces_single_ports() -> None:
     granted: dict[str, set[int] | None] = {}
     assert G.grant_change(granted, "198.18.0.0/24", [None]) == ([None], [])
@@ -162,14 +146,13 @@ def test_a_grant_never_adds_what_is_covered_and_every_port_replaces_single_ports
 
 
 def test_the_dns_allowed_nets_setting_takes_no_absolute_network(gurtd: Gurtd) -> None:
-    g = gurtd
     for bad in ("10.0.0.0/33", "10.0.0.1/8", "0.0.0.0/0", "127.0.0.0/8", "169.254.0.0/16",
                 "100.64.0.0/10", ["10.0.0.0/8"], 5):
-        code, body, _ = g.request("PUT", "/api/settings", {"dnsAllowedNets": [bad]})
+        code, body, _ = gurtd.request("PUT", "/api/settings", {"dnsAllowedNets": [bad]})
         assert code == 400 and "dnsAllowedNets" in body["error"], (bad, body)
-    assert g.api("GET", "/api/settings")["dnsAllowedNets"] == []
-    g.api("PUT", "/api/settings", {"dnsAllowedNets": ["10.0.0.0/8", "192.168.7.0/24"]})
-    assert g.api("GET", "/api/settings")["dnsAllowedNets"] == ["10.0.0.0/8", "192.168.7.0/24"]
+    assert gurtd.api("GET", "/api/settings")["dnsAllowedNets"] == []
+    gurtd.api("PUT", "/api/settings", {"dnsAllowedNets": ["10.0.0.0/8", "192.168.7.0/24"]})
+    assert gurtd.api("GET", "/api/settings")["dnsAllowedNets"] == ["10.0.0.0/8", "192.168.7.0/24"]
 
 
 # 2. layer walks on disk ######################################################################
@@ -353,7 +336,7 @@ def evil_stream() -> list[str]:
 
 
 @pytest.fixture
-def evil_droid() -> Iterator[Gurtd]:
+def evil_droid(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gurtd]:
     directory = tempfile.mkdtemp(prefix="gurt-test-droid-", dir="/var/tmp")
     path = os.path.join(directory, "droid")
     with open(path, "w") as f:          # printf is a shell builtin: no argument length limit
@@ -361,15 +344,13 @@ def evil_droid() -> Iterator[Gurtd]:
                                         for line in evil_stream()))
     os.chmod(path, 0o755)
     os.chmod(directory, 0o755)
-    saved = os.environ.pop("FACTORY_API_KEY", None)
+    monkeypatch.delenv("FACTORY_API_KEY", raising=False)
     try:
         with running_gurtd() as g:
             g.api("PUT", "/api/settings", {"droidPath": path})
             yield g
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-        if saved is not None:
-            os.environ["FACTORY_API_KEY"] = saved
 
 
 def test_an_evil_droid_stream_neither_crashes_gurtd_nor_breaks_its_json(
@@ -398,16 +379,15 @@ def test_an_evil_droid_stream_neither_crashes_gurtd_nor_breaks_its_json(
 def test_output_lines_of_any_shape_are_logged_as_they_are(gurtd: Gurtd) -> None:
     """Output that looks like the worker's own reports (deep JSON, a report object, numbers)
     or is one line of 3 MiB is logged as stdout; the task ends normally and gurtd stays up."""
-    g = gurtd
     script = ("import sys\n"
               "w = sys.stdout.write\n"
               "w('[' * 100000 + '\\n'); w('{\"t\": [1]}\\n'); w('7\\n'); w('x' * (3 << 20))\n")
-    task = g.run(python_line(script))
+    task = gurtd.run(python_line(script))
     assert task["state"] == "done", task
-    out = stdout_of(g, task["id"])
+    out = gurtd.output(task["id"])
     assert any(t.startswith("[[[") for t in out) and "7" in out
     assert sum(len(t) for t in out if t.startswith("xxx")) == 3 << 20
-    assert g.run("echo still here")["state"] == "done"
+    assert gurtd.run("echo still here")["state"] == "done"
 
 
 # 4. floods of the task's DNS, broker and log ##################################################
@@ -497,7 +477,7 @@ def test_a_dns_flood_on_a_slow_upstream_is_this_tasks_problem_only(
         assert time.monotonic() < deadline
     done = g.task(flood["id"])
     assert done["state"] == "done", (done, g.log(flood["id"]))
-    out = " ".join(stdout_of(g, flood["id"]))
+    out = " ".join(g.output(flood["id"]))
     servfail = int(out.split("FLOOD ")[1].split()[0])
     assert servfail >= 300, out       # at once, well before the upstream's 3 s
     closed = int(out.split("TCP closed ")[1].split()[0])
@@ -532,122 +512,115 @@ def test_three_hundred_idle_broker_connections_cost_gurtd_a_bounded_count(
     """A task without tools opens 300 broker connections and sits on them: all past
     MAX_BROKER_CONNS get 429 at once, gurtd's open files stay bounded, and another task's
     broker call works meanwhile."""
-    g = gurtd
-    before = open_fds(g)
-    flood = g.create(python_line(BROKER_FLOOD))
-    eventually(lambda: any(t.startswith("REFUSED") for t in stdout_of(g, flood["id"])), 30,
+    before = open_fds(gurtd)
+    flood = gurtd.create(python_line(BROKER_FLOOD))
+    eventually(lambda: any(t.startswith("REFUSED") for t in gurtd.output(flood["id"])), 30,
                "the flood to be counted")
-    during = open_fds(g)
-    other = g.run("curl -s --unix-socket /run/gurt/broker.sock http://box/tools",
-                  tools=["wallet.pay"])
-    assert other["state"] == "done" and json.loads(stdout_of(g, other["id"])[-1]) == \
+    during = open_fds(gurtd)
+    other = gurtd.run("curl -s --unix-socket /run/gurt/broker.sock http://box/tools",
+                      tools=["wallet.pay"])
+    assert other["state"] == "done" and json.loads(gurtd.output(other["id"])[-1]) == \
         {"tools": ["wallet.pay"]}
-    refused = int(next(t for t in stdout_of(g, flood["id"]) if t.startswith("REFUSED"))
+    refused = int(next(t for t in gurtd.output(flood["id"]) if t.startswith("REFUSED"))
                   .split()[1])
     assert refused >= 300 - G.MAX_BROKER_CONNS, refused
     assert during - before < G.MAX_BROKER_CONNS + 30, (before, during)
-    assert g.wait(flood["id"])["state"] == "done"
+    assert gurtd.wait(flood["id"])["state"] == "done"
 
 
 def test_a_broker_call_nested_too_deep_gets_a_400(gurtd: Gurtd) -> None:
     """A task sends a call whose args are 5,000 lists deep: the broker answers 400 (no
     RecursionError, no dropped connection), and the task's next call is answered."""
-    g = gurtd
     deep = "[" * 5000 + "]" * 5000
     body = '{"tool": "wallet.pay", "args": ' + deep + '}'
-    task = g.run(f"curl -s -o /dev/null -w '%{{http_code}}\\n' --unix-socket "
-                 f"/run/gurt/broker.sock -H 'Content-Type: application/json' "
-                 f"-d '{body}' http://box/call\n"
-                 "curl -s --unix-socket /run/gurt/broker.sock http://box/tools",
-                 tools=["wallet.pay"])
+    task = gurtd.run(f"curl -s -o /dev/null -w '%{{http_code}}\\n' --unix-socket "
+                     f"/run/gurt/broker.sock -H 'Content-Type: application/json' "
+                     f"-d '{body}' http://box/call\n"
+                     "curl -s --unix-socket /run/gurt/broker.sock http://box/tools",
+                     tools=["wallet.pay"])
     assert task["state"] == "done", task
-    assert stdout_of(g, task["id"]) == ["400", '{"tools": ["wallet.pay"]}']
-    assert "RecursionError" not in g.log_text()
+    assert gurtd.output(task["id"]) == ["400", '{"tools": ["wallet.pay"]}']
+    assert "RecursionError" not in gurtd.log_text()
 
 
 def test_a_task_cannot_keep_more_than_its_share_of_approvals_waiting(gurtd: Gurtd) -> None:
     """Each `ask` waits for a person; past MAX_PENDING_APPROVALS the next one is refused with
     429 and a clear error, and the task's earlier asks are still there to answer."""
-    g = gurtd
     n = G.MAX_PENDING_APPROVALS
     script = (f"for i in $(seq {n}); do gurtd tool ask '{{\"question\": \"q'$i'\"}}' "
               "> /dev/null 2>&1 & done; sleep 3; "
               "gurtd tool ask '{\"question\": \"one more\"}'; echo \"exit $?\"; sleep 30")
-    task = g.create(script, tools=["ask"])
-    eventually(lambda: any(t.startswith("exit") for t in stdout_of(g, task["id"])), 30,
+    task = gurtd.create(script, tools=["ask"])
+    eventually(lambda: any(t.startswith("exit") for t in gurtd.output(task["id"])), 30,
                "the extra ask to be answered")
-    log = g.log(task["id"])
-    assert "exit 1" in stdout_of(g, task["id"])
+    log = gurtd.log(task["id"])
+    assert "exit 1" in gurtd.output(task["id"])
     assert any("calls waiting for a person" in e["text"] for e in log
                if e["type"] == "stderr"), log
-    pending = g.api("GET", f"/api/approvals?state=pending&task={task['id']}")
+    pending = gurtd.api("GET", f"/api/approvals?state=pending&task={task['id']}")
     assert len(pending) == n
-    g.api("POST", f"/api/tasks/{task['id']}/stop")
+    gurtd.api("POST", f"/api/tasks/{task['id']}/stop")
 
 
 def test_log_followers_of_one_task_are_capped(gurtd: Gurtd) -> None:
-    g = gurtd
-    task = g.create("sleep 20")
+    task = gurtd.create("sleep 20")
     conns: list[Any] = []
     try:
         for _ in range(G.MAX_LOG_FOLLOWERS):
-            conn = g.connection(timeout=10)
+            conn = gurtd.connection(timeout=10)
             conn.request("GET", f"/api/tasks/{task['id']}/log?follow=1",
-                         headers={"Authorization": f"Bearer {g.token}"})
+                         headers={"Authorization": f"Bearer {gurtd.token}"})
             response = conn.getresponse()            # holds the socket open
             assert response.status == 200
             conns.append(response)
-        code, body, _ = g.request("GET", f"/api/tasks/{task['id']}/log?follow=1")
+        code, body, _ = gurtd.request("GET", f"/api/tasks/{task['id']}/log?follow=1")
         assert code == 429 and "followers" in body["error"], (code, body)
-        assert g.request("GET", f"/api/tasks/{task['id']}/log")[0] == 200
+        assert gurtd.request("GET", f"/api/tasks/{task['id']}/log")[0] == 200
     finally:
         for conn in conns:
             conn.close()
-    g.api("POST", f"/api/tasks/{task['id']}/stop")
+    gurtd.api("POST", f"/api/tasks/{task['id']}/stop")
 
 
 # 5. a task's files read by the owner #########################################################
 
 def test_a_fifo_in_the_view_is_refused_at_once_and_the_api_goes_on(gurtd: Gurtd) -> None:
-    g = gurtd
-    assert g.run("mkfifo pipe && echo data > file")["state"] == "done"
+    assert gurtd.run("mkfifo pipe && echo data > file")["state"] == "done"
     results: list[int] = []
 
     def get_fifo() -> None:
-        results.append(g.request("GET", "/api/workspaces/home/files/pipe")[0])
+        results.append(gurtd.request("GET", "/api/workspaces/home/files/pipe")[0])
     reader = threading.Thread(target=get_fifo)
     reader.start()
     reader.join(timeout=10)
     assert not reader.is_alive(), "GET of a FIFO hangs"
     assert results == [400]
-    assert g.file("home", "file") == b"data\n"
-    listing = g.api("GET", "/api/workspaces/home/files")
+    assert gurtd.file("home", "file") == b"data\n"
+    listing = gurtd.api("GET", "/api/workspaces/home/files")
     assert {"name": "pipe", "type": "other", "size": 0} in listing["entries"]
 
 
 def test_changes_reveal_no_host_path_through_an_earlier_tasks_symlink(gurtd: Gurtd) -> None:
-    g = gurtd
-    assert g.run("ln -s /etc hostlink")["state"] == "done"
-    probe = g.run("rm hostlink && mkdir hostlink && echo x > hostlink/shadow && "
-                  "echo x > hostlink/no-such-file")
+    assert gurtd.run("ln -s /etc hostlink")["state"] == "done"
+    probe = gurtd.run("rm hostlink && mkdir hostlink && echo x > hostlink/shadow && "
+                      "echo x > hostlink/no-such-file")
     assert probe["state"] == "done", probe
-    got = g.api("GET", f"/api/tasks/{probe['id']}/changes")
+    got = gurtd.api("GET", f"/api/tasks/{probe['id']}/changes")
     assert {"path": "hostlink/shadow", "change": "added"} in got, got
     assert {"path": "hostlink/no-such-file", "change": "added"} in got, got
 
 
 def test_a_700_deep_tree_comes_back_whole_while_the_api_answers(gurtd: Gurtd) -> None:
-    g = gurtd
-    deep = g.run(python_line("import os\nfor i in range(700):\n    os.mkdir('d')\n"
-                             "    os.chdir('d')\nopen('leaf', 'w').write('x')\n"))
+    deep = gurtd.run(python_line("import os\nfor i in range(700):\n    os.mkdir('d')\n"
+                                 "    os.chdir('d')\nopen('leaf', 'w').write('x')\n"))
     assert deep["state"] == "done", deep
     got: list[Any] = []
     walker = threading.Thread(target=lambda: got.append(
-        g.api("GET", f"/api/tasks/{deep['id']}/changes")))
+        gurtd.api("GET", f"/api/tasks/{deep['id']}/changes")))
     walker.start()
     answered = 0
     while walker.is_alive() or answered == 0:
-        assert g.request("GET", "/api/tasks?limit=1")[0] == 200
+        assert gurtd.request("GET", "/api/tasks?limit=1")[0] == 200
         answered += 1
     walker.join()
     assert len(got[0]) == 701
@@ -657,19 +630,18 @@ def test_a_700_deep_tree_comes_back_whole_while_the_api_answers(gurtd: Gurtd) ->
 # 6. task text on the owner's terminal ########################################################
 
 def test_escape_sequences_in_task_output_reach_the_terminal_escaped(gurtd: Gurtd) -> None:
-    g = gurtd
-    task = g.run(r"printf 'title\033]0;pwned\007 clear\033[2J bell\007 csi\302\233 end\n'; "
-                 r"printf 'err\033[31m red\n' >&2")
+    task = gurtd.run(r"printf 'title\033]0;pwned\007 clear\033[2J bell\007 csi\302\233 end\n'; "
+                     r"printf 'err\033[31m red\n' >&2")
     assert task["state"] == "done", task
     for args in (["log", task["id"]], ["show", task["id"]], ["tasks"]):
-        out = cli(g, *args)
+        out = gurtd.cli(*args, text=False)
         assert out.returncode == 0, out
         raw = out.stdout + out.stderr
         assert b"\x1b" not in raw and b"\x07" not in raw and b"\xc2\x9b" not in raw, raw
-    assert b"title\\x1b]0;pwned\\x07" in cli(g, "log", task["id"]).stdout
-    titled = g.create("true", title="\x1b[2J\x1b]0;owned\x07 title")
+    assert b"title\\x1b]0;pwned\\x07" in gurtd.cli("log", task["id"], text=False).stdout
+    titled = gurtd.create("true", title="\x1b[2J\x1b]0;owned\x07 title")
     for args in (["show", titled["id"]], ["tasks"]):
-        raw = cli(g, *args).stdout
+        raw = gurtd.cli(*args, text=False).stdout
         assert b"\x1b" not in raw and b"\\x1b[2J\\x1b]0;owned\\x07 title" in raw, raw
-    run = cli(g, "run", "--worker", "fake", "--wait", "printf 'a\\033[2Jb\\n'")
+    run = gurtd.cli("run", "--worker", "fake", "--wait", "printf 'a\\033[2Jb\\n'", text=False)
     assert b"\x1b" not in run.stdout + run.stderr and b"a\\x1b[2Jb" in run.stdout, run

@@ -26,26 +26,7 @@ from typing import Any, Callable
 import pytest
 
 import gurtd as G
-from conftest import ROOT, Gurtd, eventually, put_base_file, wait_for_step
-
-VIEW = "/run/gurt/view"
-
-
-def prompt(*lines: str) -> str:
-    return "\n".join(lines)
-
-
-def run_done(g: Gurtd, text: str, **fields: Any) -> dict[str, Any]:
-    task = g.run(text, **fields)
-    assert task["state"] == "done", (task, g.log(task["id"]))
-    return task
-
-
-def stderr_of(g: Gurtd, task_id: str) -> list[str]:
-    return [e.get("text", "") for e in g.log(task_id) if e["type"] == "stderr"]
-
-
-
+from conftest import ROOT, VIEW, Gurtd, eventually, prompt, put_base_file, wait_for_step
 
 def key_users() -> set[int]:
     with open(G.KEY_USERS) as f:
@@ -72,7 +53,7 @@ def test_the_hosts_other_paths_do_not_exist_inside(gurtd: Gurtd) -> None:
         probes = made + [other_home, "/srv", "/opt", "/var/lib", "/work", "/root", "/mnt",
                          "/media", "/boot", "/sys", gurtd.home, os.path.dirname(gurtd.home),
                          ROOT, G.__file__, "/etc/shadow", "/etc/gshadow"]
-        task = run_done(gurtd, prompt(
+        task = gurtd.run_done(prompt(
             *[f"test -e '{p}' && echo 'visible {p}' || echo 'absent {p}'" for p in probes],
             f"cat {' '.join(made)} {other_home}/notes.txt 2>/dev/null; true",
             "ls -A /", "echo ---", "ls -A /var", "echo ---", "ls -A /home", "echo ---",
@@ -98,7 +79,7 @@ def test_the_hosts_other_paths_do_not_exist_inside(gurtd: Gurtd) -> None:
 
 
 def test_usr_and_the_usrmerge_links_are_the_hosts_read_only(gurtd: Gurtd) -> None:
-    task = run_done(gurtd, prompt(
+    task = gurtd.run_done(prompt(
         *[f"readlink /{n} || echo 'real /{n}'" for n in G.USRMERGE
           if os.path.lexists(os.path.join("/", n))],
         "touch /usr/gurt-test 2>&1 || true",
@@ -121,7 +102,7 @@ def test_etc_is_the_hosts_without_its_secrets(gurtd: Gurtd) -> None:
         f.write(f"gurt-key-secret-{tag}\n")
     os.chmod(key_file, 0o644)
     try:
-        task = run_done(gurtd, prompt(
+        task = gurtd.run_done(prompt(
             "cat /etc/shadow || echo 'shadow: none'",
             "cat /etc/gshadow || echo 'gshadow: none'",
             f"cat {key_file} || echo 'key: none'",
@@ -151,14 +132,14 @@ def test_a_running_task_keeps_its_etc_masks_while_other_tasks_come_and_go(gurtd:
     a = gurtd.create(prompt("sleep 2", "test -e /etc/shadow && echo shadow-visible || "
                                        "echo shadow-hidden"))
     wait_for_step(gurtd, a["id"], "sleep 2")
-    run_done(gurtd, "true")                     # a user added and removed meanwhile
+    gurtd.run_done("true")                     # a user added and removed meanwhile
     assert gurtd.wait(a["id"])["state"] == "done"
     assert gurtd.output(a["id"]) == ["shadow-hidden"]
 
 
 def test_the_worker_has_python_git_node_and_a_shell(gurtd: Gurtd) -> None:
     assert shutil.which("node"), "node is needed (the droid worker's runtime)"
-    task = run_done(gurtd, prompt(
+    task = gurtd.run_done(prompt(
         "sh -c 'echo shell works'",
         "git --version | cut -d' ' -f1,2",
         "git init -q /tmp/repo && git -C /tmp/repo -c user.email=t@t -c user.name=t "
@@ -183,7 +164,7 @@ def test_the_worker_has_python_git_node_and_a_shell(gurtd: Gurtd) -> None:
 
 
 def test_dev_is_minimal(gurtd: Gurtd) -> None:
-    task = run_done(gurtd, prompt(
+    task = gurtd.run_done(prompt(
         "ls -A /dev",
         "echo ---",
         "ls -A /dev/pts",
@@ -218,13 +199,13 @@ def test_tmp_var_tmp_shm_and_home_are_one_tmpfs_of_1_gib(gurtd: Gurtd) -> None:
         "after = os.statvfs('/dev/shm').f_bavail * os.statvfs('/dev/shm').f_frsize",
         "print(len(devs), sorted(sizes), (before - after) >> 20)",
     ]) + "\n")
-    task = run_done(gurtd, "python3 fs.py")
+    task = gurtd.run_done("python3 fs.py")
     # one file system for the four, 1 GiB in all; 8 MiB written to /tmp is 8 MiB less in shm
     assert gurtd.output(task["id"]) == [f"1 [{G.DEFAULT_TMP_BYTES}] 8"]
 
 
 def test_every_mount_of_the_box_is_nosuid(gurtd: Gurtd) -> None:
-    task = run_done(gurtd, "cat /proc/self/mountinfo")
+    task = gurtd.run_done("cat /proc/self/mountinfo")
     mounts = {}
     for line in gurtd.output(task["id"]):
         fields = line.split()
@@ -332,7 +313,7 @@ def test_the_kernel_filter_binding_is_there_and_every_name_resolves() -> None:
 def test_a_task_is_refused_the_kernels_risky_syscalls(gurtd: Gurtd) -> None:
     put_base_file(gurtd, "home", "probe.py", PROBE)
     put_base_file(gurtd, "home", "int80.py", INT80)
-    task = run_done(gurtd, prompt(
+    task = gurtd.run_done(prompt(
         "grep -E '^Seccomp(_filters)?:' /proc/self/status",
         "python3 probe.py",
         "unshare -U true 2>&1 || true",
@@ -426,7 +407,7 @@ def host_setuid_file() -> Any:
 
 
 def test_set_id_bits_never_reach_the_layer_on_disk(gurtd: Gurtd, host_setuid_file: str) -> None:
-    task = run_done(gurtd, prompt(
+    task = gurtd.run_done(prompt(
         "cp /usr/bin/id suid-id && chmod 4755 suid-id",
         "cp /usr/bin/id sgid-id && chmod 2755 sgid-id",
         "mkdir -p deep/er && cp /usr/bin/id deep/er/both && chmod 6750 deep/er/both",
@@ -474,7 +455,7 @@ def test_a_set_id_root_file_in_a_view_does_not_elevate(gurtd: Gurtd) -> None:
     shutil.copy("/usr/bin/id", path)
     os.chown(path, 0, 0)                # the idmap keeps root as root: the task sees 4755 root
     os.chmod(path, 0o4755)
-    task = run_done(gurtd, prompt("stat -c '%a %u' root-id", "./root-id -u", "id -u"))
+    task = gurtd.run_done(prompt("stat -c '%a %u' root-id", "./root-id -u", "id -u"))
     out = gurtd.output(task["id"])
     assert out[0] == "4755 0", out
     assert out[1] == out[2] != "0", out
@@ -539,7 +520,7 @@ def test_a_layer_too_deep_for_a_path_is_stripped_and_undone_whole(gurtd: Gurtd) 
     Python's own recursion stops near 1,000): the bits are gone from the layer on disk, and
     an undo deletes the whole layer."""
     # the fake worker runs one line at a time: the script travels as one line of hex
-    task = run_done(gurtd, f"python3 -c \"exec(bytes.fromhex('{DEEP_SUID.encode().hex()}'))\"")
+    task = gurtd.run_done(f"python3 -c \"exec(bytes.fromhex('{DEEP_SUID.encode().hex()}'))\"")
     assert gurtd.output(task["id"]) == ["planted 0o6755"]
     upper = os.path.join(gurtd.home, "layers", task["id"], "upper")
     modes: list[int] = []

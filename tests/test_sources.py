@@ -11,23 +11,20 @@ under a tunnel's Host name.
 from __future__ import annotations
 
 import base64
-import contextlib
 import datetime
 import hashlib
 import hmac
-import http.server
 import json
 import os
 import stat
-import subprocess
-import sys
-import threading
 import time
 import zoneinfo
-from typing import Any, Iterator
+from typing import Any
+
+import pytest
 
 import gurtd as G
-from conftest import GURTD, Gurtd, eventually, running_gurtd
+from conftest import Gurtd, eventually, jira_stand_in, running_gurtd
 
 BERLIN = "Europe/Berlin"
 
@@ -40,18 +37,13 @@ def local(stamp: float) -> str:
     return datetime.datetime.fromtimestamp(stamp, zoneinfo.ZoneInfo(BERLIN)).isoformat()
 
 
-def cli(g: Gurtd, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "BOX_HOME": g.home, "GURT_LISTEN": f"127.0.0.1:{g.port}"}
-    return subprocess.run([sys.executable, GURTD, *args], capture_output=True, text=True,
-                          env=env, timeout=60)
-
-
 def schedule_tasks(g: Gurtd, sched_id: str) -> list[dict[str, Any]]:
     return [t for t in g.api("GET", "/api/tasks") if t.get("schedule") == sched_id]
 
 
 # schedules: pure ###############################################################################
 
+@pytest.mark.pure
 def test_a_daily_run_in_berlin_is_neither_doubled_nor_skipped_by_daylight_saving() -> None:
     # spring: 02:30 does not exist on 29 March 2026; that night's run happens at 03:00, once
     runs = G.cron_next("30 2 * * *", BERLIN, berlin(2026, 3, 27, 12, 0), 4)
@@ -68,6 +60,7 @@ def test_a_daily_run_in_berlin_is_neither_doubled_nor_skipped_by_daylight_saving
     assert local(after_first[0]) == "2026-10-26T02:30:00+01:00"
 
 
+@pytest.mark.pure
 def test_an_every_half_hour_job_keeps_real_time_across_both_switches() -> None:
     autumn = G.cron_next("*/30 * * * *", BERLIN, berlin(2026, 10, 25, 1, 50), 6)
     assert [b - a for a, b in zip(autumn, autumn[1:])] == [1800] * 5   # the repeated hour too
@@ -78,6 +71,7 @@ def test_an_every_half_hour_job_keeps_real_time_across_both_switches() -> None:
     assert spring[1] - spring[0] == 3600         # an hour of real time, not two
 
 
+@pytest.mark.pure
 def test_cron_lines_are_checked_field_by_field() -> None:
     assert G.cron_check("0  9 * * mon-fri", "UTC") == "0 9 * * mon-fri"
     assert G.cron_check("*/15 0-6,22 1 JAN,JUL *", "UTC")
@@ -119,10 +113,10 @@ def test_a_schedule_from_creation_to_a_run_now_and_its_deletion() -> None:
         changed = g.api("PUT", f"/api/schedules/{item['id']}", {"cron": "0 12 * * SUN"})
         assert all(datetime.datetime.fromisoformat(t).weekday() == 6
                    for t in changed["nextRuns"])
-        listed = cli(g, "schedules")
+        listed = g.cli("schedules")
         assert listed.returncode == 0 and item["id"] in listed.stdout and "0 12 * * SUN" in \
             listed.stdout, listed
-        ran = cli(g, "schedule", "run", item["id"])
+        ran = g.cli("schedule", "run", item["id"])
         assert ran.returncode == 0, ran.stderr
         task = g.wait(ran.stdout.strip())
         assert task["state"] == "done" and task["source"] == "schedule" and \
@@ -131,10 +125,10 @@ def test_a_schedule_from_creation_to_a_run_now_and_its_deletion() -> None:
         after = eventually(lambda: (s := g.api("GET", f"/api/schedules/{item['id']}"))
                            ["lastState"] == "done" and s)
         assert after["lastTask"] == task["id"] and after["lastRun"]
-        tasks = cli(g, "tasks")
+        tasks = g.cli("tasks")
         assert "schedule" in tasks.stdout and "SOURCE" in tasks.stdout
-        added = cli(g, "schedule", "add", "weekly", "0 6 * * MON", "--worker", "fake", "--",
-                    "echo", "weekly")
+        added = g.cli("schedule", "add", "weekly", "0 6 * * MON", "--worker", "fake", "--",
+                      "echo", "weekly")
         assert added.returncode == 0, added.stderr
         assert len(g.api("GET", "/api/schedules")) == 2
         off = g.api("PUT", f"/api/schedules/{item['id']}", {"enabled": False})
@@ -197,117 +191,12 @@ def test_a_box_down_for_three_days_runs_a_daily_job_once_and_keeps_it_after_kill
 
 # Jira ##########################################################################################
 
-class JiraStandIn:
-    """Jira Cloud REST API v3 as documented, on 127.0.0.1: POST /rest/api/3/search/jql, GET
-    /rest/api/3/issue/{key}, POST .../comment (ADF body), GET/POST .../transitions; 401 for a
-    wrong basic auth, and 429/503 answers the test asks for.  Every request is recorded."""
-
-    def __init__(self, email: str, token: str) -> None:
-        self.auth = "Basic " + base64.b64encode(f"{email}:{token}".encode()).decode()
-        self.issues: dict[str, dict[str, Any]] = {}
-        self.requests: list[dict[str, Any]] = []
-        self.fail_next: list[tuple[str, int]] = []      # (path prefix, status) answered once
-        self.status: dict[str, str] = {}
-        self.searching = threading.Event()   # a search arrived
-        self.hold = threading.Event()        # searches are answered once it is set
-        self.hold.set()
-        self.lock = threading.Lock()
-        stand_in = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                stand_in.handle(self)
-
-            def do_POST(self) -> None:
-                stand_in.handle(self)
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self) -> None:
-        self.hold.set()                      # a held search ends too
-        self.server.shutdown()
-        self.server.server_close()
-
-    def calls(self, method: str, path: str) -> list[dict[str, Any]]:
-        with self.lock:
-            return [r for r in self.requests if r["method"] == method and
-                    r["path"].split("?")[0] == path]
-
-    def handle(self, req: http.server.BaseHTTPRequestHandler) -> None:
-        length = int(req.headers.get("Content-Length") or 0)
-        raw = req.rfile.read(length) if length else b""
-        record = {"method": req.command, "path": req.path, "auth": req.headers.get(
-            "Authorization"), "type": req.headers.get("Content-Type"),
-                  "body": json.loads(raw) if raw else None}
-        with self.lock:
-            self.requests.append(record)
-            failure = next((f for f in self.fail_next if req.path.startswith(f[0])), None)
-            if failure:
-                self.fail_next.remove(failure)
-        if failure:
-            return self.answer(req, failure[1], {"errorMessages": ["try later"]},
-                               {"Retry-After": "1"})
-        if req.headers.get("Authorization") != self.auth:
-            return self.answer(req, 401, {"errorMessages": ["not authenticated"]})
-        path = req.path.split("?")[0]
-        parts = path.split("/")
-        if req.command == "POST" and path == "/rest/api/3/search/jql":
-            self.searching.set()
-            self.hold.wait(60)
-            keys = [k for k in self.issues if self.status[k] == "To Do"]
-            return self.answer(req, 200, {"issues": [
-                {"id": str(i), "key": k, "fields": {"summary": self.issues[k]["summary"]}}
-                for i, k in enumerate(keys)], "isLast": True})
-        if len(parts) >= 6 and parts[5] in self.issues:
-            key = parts[5]
-            if req.command == "GET" and len(parts) == 6:
-                return self.answer(req, 200, {"id": "1", "key": key,
-                                              "fields": self.issues[key]})
-            if req.command == "POST" and parts[6:] == ["comment"]:
-                return self.answer(req, 201, {"id": "100", "body": record["body"]["body"]})
-            if req.command == "GET" and parts[6:] == ["transitions"]:
-                return self.answer(req, 200, {"transitions": [
-                    {"id": "11", "name": "Start", "to": {"name": "In Progress"}},
-                    {"id": "31", "name": "Finish", "to": {"name": "Done"}},
-                    {"id": "41", "name": "Give up", "to": {"name": "Failed"}}]})
-            if req.command == "POST" and parts[6:] == ["transitions"]:
-                names = {"11": "In Progress", "31": "Done", "41": "Failed"}
-                self.status[key] = names[record["body"]["transition"]["id"]]
-                return self.answer(req, 204, None)
-        return self.answer(req, 404, {"errorMessages": ["no such thing"]})
-
-    def answer(self, req: http.server.BaseHTTPRequestHandler, status: int, body: Any,
-               headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(body).encode() if body is not None else b""
-        req.send_response(status)
-        for key, value in (headers or {}).items():
-            req.send_header(key, value)
-        req.send_header("Content-Type", "application/json")
-        req.send_header("Content-Length", str(len(data)))
-        req.end_headers()
-        req.wfile.write(data)
-
-
-@contextlib.contextmanager
-def jira_stand_in() -> Iterator[JiraStandIn]:
-    jira = JiraStandIn("bot@example.com", "right-token")
-    try:
-        yield jira
-    finally:
-        jira.close()
-
-
 def adf(*paragraphs: str) -> dict[str, Any]:
     return {"type": "doc", "version": 1, "content": [
         {"type": "paragraph", "content": [{"type": "text", "text": p}]} for p in paragraphs]}
 
 
+@pytest.mark.pure
 def test_adf_becomes_plain_text_and_back() -> None:
     doc = {"type": "doc", "version": 1, "content": [
         {"type": "heading", "attrs": {"level": 2}, "content": [{"type": "text", "text": "Do"}]},
@@ -418,7 +307,7 @@ def test_a_signed_delivery_starts_a_task_and_nothing_else_does() -> None:
         assert len(secret) == 64 and hook["url"] == "/api/hooks/asi"
         assert "secret" not in json.dumps(g.api("GET", "/api/hooks"))
         assert stat.S_IMODE(os.stat(os.path.join(g.home, "hooks.json")).st_mode) == 0o600
-        listed = cli(g, "hooks")
+        listed = g.cli("hooks")
         assert listed.returncode == 0 and "asi1" in listed.stdout and secret not in listed.stdout
         body = {"title": "from asi1", "prompt": "echo delivered"}
         before = len(g.api("GET", "/api/tasks"))
