@@ -681,6 +681,7 @@ def anthropic_stream_usage(chunks: list[bytes]) -> dict[str, int] | None:
     return meter.result()
 
 
+@pytest.mark.pure
 def test_usage_of_a_messages_stream_is_its_start_and_last_delta() -> None:
     usage = {"input_tokens": 1200, "output_tokens": 345, "cache_read_input_tokens": 30,
              "cache_creation_input_tokens": 7}
@@ -698,6 +699,7 @@ def test_usage_of_a_messages_stream_is_its_start_and_last_delta() -> None:
     assert anthropic_stream_usage([long[:100], long[100:], data]) == usage
 
 
+@pytest.mark.pure
 def test_usage_of_a_whole_answer_and_of_chat_completions() -> None:
     usage = {"input_tokens": 10, "output_tokens": 20, "cache_read_input_tokens": 5,
              "cache_creation_input_tokens": 0}
@@ -718,6 +720,7 @@ def test_usage_of_a_whole_answer_and_of_chat_completions() -> None:
     assert meter.result() is None
 
 
+@pytest.mark.pure
 def test_cost_is_usage_times_each_price() -> None:
     usage = {"input_tokens": 1_000_000, "output_tokens": 100_000,
              "cache_read_input_tokens": 200_000, "cache_creation_input_tokens": 40_000}
@@ -726,6 +729,7 @@ def test_cost_is_usage_times_each_price() -> None:
         PRICES["cacheWrite"] / 25)
 
 
+@pytest.mark.pure
 def test_upstream_urls() -> None:
     assert G.upstream_url("https://api.anthropic.com") == ("https", "api.anthropic.com", 443, "")
     assert G.upstream_url("http://127.0.0.1:8080/v1/") == ("http", "127.0.0.1", 8080, "/v1")
@@ -736,6 +740,7 @@ def test_upstream_urls() -> None:
             G.upstream_url(bad)
 
 
+@pytest.mark.pure
 def test_a_refusal_speaks_the_tasks_api() -> None:
     refusal = G.GatewayRefusal(403, "permission_error", "no more budget: too dear")
     answer = G.refusal_answer("anthropic", refusal)
@@ -747,6 +752,7 @@ def test_a_refusal_speaks_the_tasks_api() -> None:
     assert json.loads(body)["error"]["message"] == "gurtd: no more budget: too dear"
 
 
+@pytest.mark.pure
 def test_a_request_is_read_within_its_caps() -> None:
     a, b = socket.socketpair()
     try:
