@@ -386,6 +386,17 @@ def test_the_model_key_is_write_only(model_gurtd: Gurtd) -> None:
     assert not os.path.exists(path)
 
 
+def test_the_command_line_sets_and_removes_the_key(droid_gurtd: Gurtd) -> None:
+    g = droid_gurtd
+    out = g.cli("secret", "model", "--stdin", stdin=KEY + "\n")
+    assert out.returncode == 0 and out.stdout == "the model key is set\n", out
+    assert KEY not in out.stdout + out.stderr
+    with open(os.path.join(g.home, "secrets", "model-key")) as f:
+        assert f.read() == KEY
+    out = g.cli("secret", "model", "--delete")
+    assert out.returncode == 0 and g.api("GET", "/api/secrets") == {"model": {"set": False}}
+
+
 def test_gateway_settings_are_checked(model_gurtd: Gurtd) -> None:
     g = model_gurtd
     for bad in ({"api": "openai"}, {"baseUrl": "http://example.com"},
