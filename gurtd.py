@@ -7542,7 +7542,7 @@ class Gateway:
     def droid_spec(self, task: Task, spec: dict[str, Any]) -> bool:
         """Point droid at the gateway, if the owner set a model key and not droidFactoryKey:
         its own credential in ~/.factory/settings.json, -m custom:gurtd-0.  Whether it did."""
-        settings = self.box.settings
+        settings = self.box.setting()
         if settings["droidFactoryKey"] or not self.key():
             return False
         config = settings["modelGateway"]
@@ -7603,8 +7603,8 @@ class Gateway:
     def admit(self, task_id: str) -> Hold | None:
         """A call may go on (None), or waits for a person (a Hold): spending is at or past
         the budget, so the task pauses with a budget approval."""
-        tg, task = self.tasks.get(task_id), self.box.tasks.get(task_id)
-        worker = self.box.workers.get(task_id)
+        tg, task = self.tasks.get(task_id), self.box.task(task_id)
+        worker = self.box.worker(task_id)
         if tg is None or task is None or worker is None or \
                 task.state not in ("running", "waiting"):
             raise GatewayRefusal(403, "permission_error", "the task has ended")
@@ -7634,9 +7634,9 @@ class Gateway:
         with self.lock:
             tg.unsettled -= 1
         task_id = tg.task_id
-        task = self.box.tasks.get(task_id)
+        task = self.box.task(task_id)
         usage = call.usage or {}
-        cents = usage_cents(usage, self.box.settings["droidPrices"].get(call.model))
+        cents = usage_cents(usage, self.box.setting("droidPrices").get(call.model))
         if task is not None and cents > 0 and is_cents(task.costCents + cents):
             task.costCents += cents
             self.box.save(task, sync=False)
@@ -7775,7 +7775,7 @@ class Gateway:
         """Ask the loop whether the call may go on (unless the task is plainly under its
         budget with no cost on its way: numbers read, which the loop alone writes); a held
         one waits for the person."""
-        task, worker = self.box.tasks.get(tg.task_id), self.box.workers.get(tg.task_id)
+        task, worker = self.box.task(tg.task_id), self.box.worker(tg.task_id)
         if task is not None and worker is not None and worker.paused is None and \
                 task.costCents < worker.budget_limit and not tg.dead and not tg.unsettled:
             return
@@ -7807,7 +7807,7 @@ class Gateway:
         except ValueError:
             raise GatewayRefusal(400, "invalid_request_error", "the body is not a JSON "
                                  "object") from None
-        settings = self.box.settings
+        settings = self.box.setting()
         call.model = model = data.get("model") if isinstance(data.get("model"), str) else ""
         allowed = gateway_models(settings)
         if model not in allowed:
