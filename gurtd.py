@@ -7467,7 +7467,8 @@ class GatewayCall:
     status: int = 0
     usage: dict[str, int] | None = None
     note: str = ""
-    recorded: bool = False           # its cost is counted (or on its way to the loop)
+    cents: float | None = None       # what it cost, once its answer ended (reserve)
+    posted: bool = False             # its record is on its way to the loop
 
 
 @dataclass
@@ -7483,7 +7484,7 @@ class TaskGateway:
     holds: list[Hold] = field(default_factory=list)
     dead: bool = False
     refused: int = 0                 # calls refused as too many at once (said once, counted)
-    unsettled: int = 0               # calls whose cost is on its way to the loop
+    unsettled: float = 0.0           # cents of ended calls on their way to costCents
 
 
 class Gateway:
@@ -7608,7 +7609,7 @@ class Gateway:
         if tg is None or task is None or worker is None or \
                 task.state not in ("running", "waiting"):
             raise GatewayRefusal(403, "permission_error", "the task has ended")
-        if task.costCents < worker.budget_limit:
+        if task.costCents + tg.unsettled < worker.budget_limit:
             return None
         if worker.paused is None:
             self.box.droid.pause_for_budget(task, worker)
@@ -7631,12 +7632,12 @@ class Gateway:
     def record(self, tg: TaskGateway, call: GatewayCall) -> None:
         """A call ended: its cost (the upstream's usage at droidPrices) into costCents, and
         its log line."""
+        cents = self.reserve(tg, call)
         with self.lock:
-            tg.unsettled -= 1
+            tg.unsettled -= cents
         task_id = tg.task_id
         task = self.box.task(task_id)
         usage = call.usage or {}
-        cents = usage_cents(usage, self.box.setting("droidPrices").get(call.model))
         if task is not None and cents > 0 and is_cents(task.costCents + cents):
             task.costCents += cents
             self.box.save(task, sync=False)
@@ -7653,6 +7654,13 @@ class Gateway:
                                           "status": call.status, "ms": ms, "cents": cents,
                                           "usage": call.usage})
 
+    def settle(self, tg: TaskGateway, call: GatewayCall) -> None:
+        """The call's record to the loop, once."""
+        if not call.posted:
+            call.posted = True
+            self.reserve(tg, call)
+            self.post(self.record, tg, call)
+
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run fn(*args) on the loop, no one waiting for it (its errors are logged there)."""
         def guarded(*args: Any) -> None:
@@ -7663,15 +7671,16 @@ class Gateway:
         with contextlib.suppress(OSError):
             self.box.loop.post(guarded, *args)
 
-    def settle(self, tg: TaskGateway, call: GatewayCall) -> None:
-        """Count the call's cost, once: on its way to the loop before the answer's end goes
-        to the task, so that the task's next call, which asks the loop while a cost is on
-        its way (commands run in order), sees it."""
-        if not call.recorded:
-            call.recorded = True
+    def reserve(self, tg: TaskGateway, call: GatewayCall) -> float:
+        """What the call cost, counted among the task's unsettled cents until the loop adds
+        it to costCents (record): done before the answer's end goes to the task, so that
+        the task's next call is weighed against it.  Once per call; any thread."""
+        if call.cents is None:
+            call.cents = usage_cents(call.usage or {},
+                                     self.box.setting("droidPrices").get(call.model))
             with self.lock:
-                tg.unsettled += 1
-            self.post(self.record, tg, call)
+                tg.unsettled += call.cents
+        return call.cents
 
     # the accept thread
     def change(self, add: bool, tg: TaskGateway) -> None:
@@ -7773,11 +7782,11 @@ class Gateway:
 
     def wait_budget(self, tg: TaskGateway) -> None:
         """Ask the loop whether the call may go on (unless the task is plainly under its
-        budget with no cost on its way: numbers read, which the loop alone writes); a held
-        one waits for the person."""
+        budget, its unsettled cents counted: numbers read, which the loop alone writes but
+        the cents); a held one waits for the person."""
         task, worker = self.box.task(tg.task_id), self.box.worker(tg.task_id)
         if task is not None and worker is not None and worker.paused is None and \
-                task.costCents < worker.budget_limit and not tg.dead and not tg.unsettled:
+                task.costCents + tg.unsettled < worker.budget_limit and not tg.dead:
             return
         try:
             hold = self.box.loop.call(self.admit, tg.task_id)
@@ -7894,8 +7903,9 @@ class Gateway:
                 break
             if not chunk:
                 call.usage = meter.result()
-                self.settle(tg, call)             # the task's next call sees this cost
+                self.reserve(tg, call)            # the task's next call weighs this cost
                 conn.sendall(b"0\r\n\r\n")
+                self.settle(tg, call)             # at once: before the task's next event
                 break
             total += len(chunk)
             if total > GATEWAY_MAX_ANSWER or time.monotonic() > deadline:
