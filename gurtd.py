@@ -11821,6 +11821,16 @@ PATH_SCHEMA = {"type": "string", "pattern": "^(?!([^/]*/)*\\.\\.(/|$))[^\\\\\\u0
 
 # Constraints of settings beyond their default's type (validate_settings says the same).
 SETTING_SCHEMAS: dict[str, dict[str, Any]] = {
+    "modelGateway": {"type": "object", "additionalProperties": False, "properties": {
+        "api": {"type": "string", "enum": list(GATEWAY_APIS)},
+        "baseUrl": {"type": "string", "description": "https://HOST[:PORT][/PATH], or http:// "
+                                                     "to a loopback address"},
+        "model": {"type": "string", "description": "The model droid asks for; empty: "
+                                                   "droidModel"},
+        "models": {"type": "array", "maxItems": 50, "items": {"type": "string"}},
+        "maxOutputTokens": {"type": "integer", "minimum": 1, "maximum": 1 << 20}}},
+    "droidFactoryKey": {"type": "boolean", "description": "FACTORY_API_KEY inside the box "
+                        "(spending is then the task's own word); off: the gateway"},
     "defaultBudgetCents": {"type": "number", "minimum": 0},
     "maxRunningTasks": {"type": "integer", "minimum": 1, "maximum": 1000},
     "taskTimeoutSeconds": {"type": "integer", "minimum": 1, "maximum": 7 * 86400},
