@@ -43,6 +43,9 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           outside the grants asked of a person (askHosts)
     Policies              always-approve: standing yeses for a tool or a host in a scope, with
                           limits and expiry, stored as one atomic JSON file
+    Model gateway         droid's model calls through gurtd: a listener in each task's
+                          namespace, the owner's key added outside, usage metered from the
+                          upstream's answer, a call held at the budget
     Broker and approvals  tools called from tasks, the wallet, approvals, the broker socket
     Files in and out      uploads (a file, a tar archive) as layers of their own, each member
                           checked; tar.gz archives of a view or a task's changes, streamed
@@ -111,6 +114,7 @@ import shutil
 import signal
 import socket
 import socketserver
+import ssl
 import stat
 import struct
 import subprocess
@@ -181,6 +185,10 @@ DEFAULT_SETTINGS: dict[str, Any] = {
     "neverAutoApproveCents": None, "askHostsDefault": False,
     "uploadMaxBytes": 1 << 30,
     "jira": {}, "hookHosts": [],
+    # droid's model calls through gurtd's gateway (the Model gateway section)
+    "modelGateway": {"api": "anthropic", "baseUrl": "https://api.anthropic.com", "model": "",
+                     "models": [], "maxOutputTokens": 16384},
+    "droidFactoryKey": False,          # FACTORY_API_KEY inside the box: the old way, if asked
 }
 
 # x86_64 and aarch64 share these numbers for the new mount API.
@@ -670,6 +678,8 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
             check_limit(key, value, 1 << 10)
         if key == "jira":
             value = validate_jira(value, current)
+        if key in ("modelGateway", "droidFactoryKey"):
+            value = gateway_setting(key, value)
         if key == "hookHosts":
             if not isinstance(value, list) or len(value) > 20 or not all(
                     isinstance(h, str) and re.fullmatch(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?",
@@ -6192,6 +6202,7 @@ class Box:
         self.listen = listen
         self.loop = Loop(self)
         self.network = Network(self, dns_upstream)
+        self.gateway = Gateway(self)
         self.broker = Broker(self)
         self.cgroups = Cgroups(self.home)
         self.disk = DiskReserve(self)
@@ -6573,9 +6584,11 @@ class Box:
                 hosts += [h for h in self.settings["droidHosts"] if h not in hosts]
                 self.droid.spec(task, spec, hosts)
             fds = []
-            if hosts or task.askHosts or self.broker.policies.has_hosts(task):
+            if hosts or task.askHosts or self.broker.policies.has_hosts(task) or \
+                    spec.get("gateway"):
                 spec["netnsFd"] = 2
                 fds.append(self.network.prepare(task, hosts).nsfd)
+                self.gateway.open(task.id, fds[-1])
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
             pid = self.spawner.spawn(spec, [out_w] + fds)
             self.views.pin(task.id, lowers)
@@ -7025,9 +7038,10 @@ class DroidWorker:
                         "--cwd", VIEW_DIR, "-m", settings["droidModel"],
                         "--auto", settings["droidAutonomy"], "-f", "/run/gurt/prompt.md",
                         "--append-system-prompt-file", "/run/gurt/system-prompt.md"]
-        key = self.key()
-        if key:
-            spec["env"]["FACTORY_API_KEY"] = key
+        if not self.box.gateway.droid_spec(task, spec) and settings["droidFactoryKey"]:
+            key = self.key()
+            if key:
+                spec["env"]["FACTORY_API_KEY"] = key
         self.box.append_log(task.id, {"type": "net", "text": "droid hosts added to the grants: " +
                                   ", ".join(settings["droidHosts"]), "hosts": hosts})
 
@@ -7053,7 +7067,8 @@ class DroidWorker:
         if kind == "completion" and isinstance(event.get("finalText"), str):
             task.summary, changed = event["finalText"], True
         usage = event.get("usage")
-        if usage is not None:
+        metered = task.id in self.box.gateway.tasks     # then the stream's usage is its word
+        if usage is not None and not metered:
             model = self.box.setting("droidModel")
             total = usage_cents(usage, self.box.setting("droidPrices").get(model))
             if total > worker.model_cents and is_cents(task.costCents + total):
@@ -7062,7 +7077,7 @@ class DroidWorker:
         if changed:
             self.box.save(task, sync=False)
         if task.costCents > worker.budget_limit and worker.paused is None and \
-                task.state == "running":
+                task.state == "running" and not metered:
             self.pause_for_budget(task, worker)
 
     def pause_for_budget(self, task: Task, worker: Worker) -> None:
@@ -7079,6 +7094,7 @@ class DroidWorker:
         if task is None or worker is None or worker.paused != approval.id:
             return
         worker.paused = None
+        self.box.gateway.answered(task.id, approval)
         if approval.state == "approved":
             worker.budget_limit = approval.budgetCents if approval.budgetCents is not None \
                 else task.costCents + task.budgetCents    # raised to, or one more budget
@@ -7292,6 +7308,7 @@ class Network:
     def release(self, task_id: str) -> None:
         """End a task's grants and delete its veth at once, log its refusals, and let its
         namespace go."""
+        self.box.gateway.close(task_id)
         net = self.nets.pop(task_id, None)
         if net is None:
             return
@@ -8026,6 +8043,806 @@ class Policies:
                                    uses=policy.uses + 1)
         self.write({**self.items, policy.id: used})
         self.box.loop.emit("policy", {"action": "used", "policy": used.to_api()})
+
+
+# Model gateway #################################################################################
+###############################################################################################
+# A droid task reaches its model through gurtd, never directly: a listener that gurtd binds
+# inside the task's own network namespace (GATEWAY_ADDR:GATEWAY_PORT, beside its DNS, made from
+# a thread that setns-ed there), served by a thread of gurtd's.  Each call is forwarded on a
+# thread of its own (at most GATEWAY_THREADS, GATEWAY_TASK_CALLS per task) to the upstream the
+# owner set (modelGateway), with the owner's key added: BOX_HOME/secrets/model-key, which no
+# task ever sees.  A task holds only its own random credential, dead when it ends.  What a
+# call costs is the usage in the upstream's answer (the final events of a stream, or the
+# response), never the task's own stream; the loop adds it to costCents and holds a call that
+# arrives at or past the budget until a person answers the budget approval.
+
+GATEWAY_ADDR = DNS_ADDR              # on the task's own lo, where its resolver is too
+GATEWAY_PORT = 80                    # below 1024: no process of the task can bind it
+GATEWAY_MODEL_NAME = "gurtd"         # droid's customModels displayName: -m custom:gurtd-0
+GATEWAY_APIS = {                     # api: (the path a task calls, droid's provider)
+    "anthropic": ("/v1/messages", "anthropic"),
+    "chat-completions": ("/v1/chat/completions", "generic-chat-completion-api"),
+}
+GATEWAY_MAX_HEADERS = 32 << 10       # a call's request line and headers
+GATEWAY_MAX_BODY = 16 << 20          # a call's body (a long conversation is a few MB)
+GATEWAY_MAX_ANSWER = 64 << 20        # bytes of one answer passed on; the rest is cut
+GATEWAY_MAX_PARSED = 16 << 20        # a whole (not streamed) answer is read for usage up to this
+GATEWAY_MAX_LINE = 1 << 20           # a longer stream line is passed on but not read for usage
+GATEWAY_THREADS = 64                 # calls forwarded at once, all tasks together
+GATEWAY_TASK_CALLS = 4               # calls of one task in flight at once
+GATEWAY_REQUEST_SECONDS = 30.0       # for a task to send a whole request (slow drips)
+GATEWAY_CONNECT_SECONDS = 10.0       # to connect to the upstream (TLS included)
+GATEWAY_READ_SECONDS = 300.0         # the upstream's (or the task's) silence between two reads
+GATEWAY_CALL_SECONDS = 1800.0        # a whole answer; an endless one is cut here
+MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]{0,127}$")
+DEFAULT_MODEL_GATEWAY: dict[str, Any] = DEFAULT_SETTINGS["modelGateway"]
+
+
+def upstream_url(text: Any) -> tuple[str, str, int, str]:
+    """modelGateway.baseUrl as (scheme, host, port, path prefix): https, or plain http to a
+    literal loopback address only (a local model, a test); ValueError says what is wrong."""
+    wrong = ValueError("baseUrl must be https://HOST[:PORT][/PATH], or http:// to a loopback "
+                       "address (127.0.0.1, ::1) for a local model")
+    if not isinstance(text, str) or len(text) > 2000:
+        raise wrong
+    parts = urllib.parse.urlsplit(text)
+    try:
+        port = parts.port
+    except ValueError:
+        raise wrong from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or \
+            parts.fragment or parts.username or parts.password or \
+            not re.fullmatch(r"[\w.:/%~-]*", parts.path, re.ASCII):
+        raise wrong
+    if parts.scheme == "http":
+        try:
+            loopback = ipaddress.ip_address(parts.hostname).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise wrong
+    return (parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80),
+            parts.path.rstrip("/"))
+
+
+def validate_model_gateway(value: Any) -> dict[str, Any]:
+    """The modelGateway setting: where droid's model calls go and which models they may ask."""
+    if not isinstance(value, dict) or set(value) - set(DEFAULT_MODEL_GATEWAY):
+        raise ApiError(400, "modelGateway must be an object with any of: " +
+                       ", ".join(DEFAULT_MODEL_GATEWAY))
+    out = {**DEFAULT_MODEL_GATEWAY, **value}
+    if not isinstance(out["api"], str) or out["api"] not in GATEWAY_APIS:
+        raise ApiError(400, f"modelGateway.api must be one of: {', '.join(GATEWAY_APIS)}")
+    try:
+        upstream_url(out["baseUrl"])
+    except ValueError as exc:
+        raise ApiError(400, f"modelGateway.{exc}") from None
+    if not isinstance(out["model"], str) or (out["model"] and
+                                             not MODEL_ID_RE.fullmatch(out["model"])):
+        raise ApiError(400, "modelGateway.model must be a model id, or empty for droidModel")
+    if not isinstance(out["models"], list) or len(out["models"]) > 50 or not all(
+            isinstance(m, str) and MODEL_ID_RE.fullmatch(m) for m in out["models"]):
+        raise ApiError(400, "modelGateway.models must be an array of model ids (at most 50)")
+    tokens = out["maxOutputTokens"]
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= 1 << 20:
+        raise ApiError(400, "modelGateway.maxOutputTokens must be a whole number from 1 to "
+                            f"{1 << 20}")
+    return out
+
+
+def gateway_setting(key: str, value: Any) -> Any:
+    """validate_settings for the gateway's settings: modelGateway and droidFactoryKey."""
+    if key == "droidFactoryKey":
+        if not isinstance(value, bool):
+            raise ApiError(400, "droidFactoryKey must be true or false")
+        return value
+    return validate_model_gateway(value)
+
+
+def gateway_models(settings: dict[str, Any]) -> list[str]:
+    """The models a task's calls may ask for: the gateway's model (droidModel unless set) and
+    modelGateway.models."""
+    config = settings["modelGateway"]
+    first = config["model"] or settings["droidModel"]
+    return [first] + [m for m in config["models"] if m != first]
+
+
+def _token_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS
+
+
+def anthropic_usage(raw: Any) -> dict[str, int]:
+    """The token counts of a Messages API usage object (the rest of it is left out)."""
+    if not isinstance(raw, dict):
+        return {}
+    keys = [keys[0] for keys in TOKEN_KEYS.values()]
+    return {k: raw[k] for k in keys if _token_count(raw.get(k))}
+
+
+def chat_usage(raw: Any) -> dict[str, int]:
+    """A chat completions usage object in the Messages API's terms: its prompt_tokens count
+    the cached ones too, which cost the cacheRead price instead."""
+    if not isinstance(raw, dict) or not _token_count(raw.get("prompt_tokens")) or \
+            not _token_count(raw.get("completion_tokens")):
+        return {}
+    details = raw.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+    cached = cached if _token_count(cached) and cached <= raw["prompt_tokens"] else 0
+    return {"input_tokens": raw["prompt_tokens"] - cached,
+            "output_tokens": raw["completion_tokens"], "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0}
+
+
+def event_usage(api: str, event: Any) -> dict[str, int]:
+    """The usage one parsed answer or stream event carries (counts of a Messages API stream
+    are totals so far: message_start has the input, each message_delta the output)."""
+    if not isinstance(event, dict):
+        return {}
+    if api == "chat-completions":
+        return chat_usage(event.get("usage"))
+    kind = event.get("type")
+    if kind == "message_start" and isinstance(event.get("message"), dict):
+        return anthropic_usage(event["message"].get("usage"))
+    if kind in ("message_delta", "message"):
+        return anthropic_usage(event.get("usage"))
+    return {}
+
+
+class UsageMeter:
+    """The usage in an upstream's answer, read as it passes on to the task: the data lines of
+    an event stream, or a whole JSON answer (up to GATEWAY_MAX_PARSED)."""
+
+    def __init__(self, api: str, stream: bool) -> None:
+        self.api, self.stream = api, stream
+        self.buf = bytearray()
+        self.usage: dict[str, int] = {}
+        self.skipping = False            # in a line too long to read, or an answer too large
+
+    def feed(self, data: bytes) -> None:
+        if not self.stream:
+            if len(self.buf) + len(data) > GATEWAY_MAX_PARSED:
+                self.skipping = True
+            elif not self.skipping:
+                self.buf += data
+            return
+        self.buf += data
+        while (end := self.buf.find(b"\n")) >= 0:
+            line = bytes(self.buf[:end]).rstrip(b"\r")
+            del self.buf[:end + 1]
+            if self.skipping:
+                self.skipping = False
+            elif line.startswith(b"data:"):
+                self.take(line[5:].strip())
+        if len(self.buf) > GATEWAY_MAX_LINE:
+            self.buf.clear()
+            self.skipping = True
+
+    def take(self, data: bytes) -> None:
+        try:
+            self.usage.update(event_usage(self.api, loads_bounded(data)))
+        except ValueError:
+            pass                         # [DONE], or anything else that is not JSON
+
+    def result(self) -> dict[str, int] | None:
+        """The usage found, None if the answer carried none."""
+        if not self.stream and not self.skipping and self.buf:
+            self.take(bytes(self.buf))
+            self.buf.clear()
+        return dict(self.usage) if self.usage else None
+
+
+class GatewayRefusal(Exception):
+    """A call the gateway answers itself: an HTTP status, an error type of the API, and a
+    message the agent sees."""
+
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+
+
+def refusal_answer(api: str, refusal: GatewayRefusal) -> bytes:
+    """A whole HTTP answer for a refusal, in the error shape of the task's API."""
+    message = "gurtd: " + refusal.message
+    body = {"type": "error", "error": {"type": refusal.kind, "message": message}} \
+        if api == "anthropic" else \
+        {"error": {"message": message, "type": refusal.kind, "code": refusal.status}}
+    data = json.dumps(body).encode()
+    reason = http.HTTPStatus(refusal.status).phrase if refusal.status in \
+        http.HTTPStatus._value2member_map_ else "Error"
+    return (f"HTTP/1.1 {refusal.status} {reason}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data
+
+
+@dataclass
+class GatewayRequest:
+    """A call as a task sent it."""
+
+    method: str
+    path: str
+    headers: dict[str, str]          # names in lower case
+    body: bytes
+
+
+def recv_before(conn: socket.socket, deadline: float) -> bytes:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise GatewayRefusal(408, "timeout_error", "the request took longer than "
+                             f"{GATEWAY_REQUEST_SECONDS:.0f} s to arrive")
+    conn.settimeout(left)
+    try:
+        data = conn.recv(65536)
+    except TimeoutError:
+        return recv_before(conn, deadline)          # the deadline passed: refused there
+    if not data:
+        raise ConnectionError("the task hung up before its request was whole")
+    return data
+
+
+def read_request(conn: socket.socket, deadline: float) -> GatewayRequest:
+    """One HTTP/1.1 request from a task: its headers, then a body of Content-Length bytes,
+    all within the deadline and the caps."""
+    buf = bytearray()
+    while b"\r\n\r\n" not in buf:
+        if len(buf) > GATEWAY_MAX_HEADERS:
+            raise GatewayRefusal(431, "invalid_request_error", "the request's headers are "
+                                 f"over {GATEWAY_MAX_HEADERS} bytes")
+        buf += recv_before(conn, deadline)
+    head, _, rest = bytes(buf).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise GatewayRefusal(400, "invalid_request_error", "a header line is malformed")
+        headers[name.strip().lower()] = value.strip()
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise GatewayRefusal(400, "invalid_request_error", "not an HTTP/1.1 request")
+    if "transfer-encoding" in headers:
+        raise GatewayRefusal(411, "invalid_request_error", "send the body with Content-Length")
+    length = headers.get("content-length", "0")
+    if not is_digits(length):
+        raise GatewayRefusal(400, "invalid_request_error", "Content-Length is not a number")
+    if int(length) > GATEWAY_MAX_BODY:
+        raise GatewayRefusal(413, "request_too_large", f"the request body is over "
+                             f"{GATEWAY_MAX_BODY} bytes")
+    body = bytearray(rest)
+    while len(body) < int(length):
+        body += recv_before(conn, deadline)
+    return GatewayRequest(parts[0], parts[1], headers, bytes(body[:int(length)]))
+
+
+def drain(conn: socket.socket) -> None:
+    """After a refusal of a request not read to its end: the rest is read and dropped for a
+    moment, so that the sender gets to read the refusal instead of a reset connection."""
+    conn.shutdown(socket.SHUT_WR)
+    deadline, left = time.monotonic() + 2.0, 4 * GATEWAY_MAX_BODY
+    while left > 0 and time.monotonic() < deadline:
+        conn.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            data = conn.recv(1 << 16)
+        except TimeoutError:
+            return
+        if not data:
+            return
+        left -= len(data)
+
+
+def header_text(value: Any, default: str) -> str:
+    """An upstream's header value or reason phrase, safe to pass on in a header line."""
+    text = str(value or "")
+    return text if re.fullmatch(r"[\x20-\x7e]{1,200}", text) else default
+
+
+@dataclass
+class Hold:
+    """A call held at the budget: the loop sets it once a person answers, or the task ends."""
+
+    event: threading.Event = field(default_factory=threading.Event)
+    approved: bool = False
+    reason: str = ""
+
+    def answer(self, approved: bool, reason: str) -> None:
+        self.approved, self.reason = approved, reason
+        self.event.set()
+
+
+@dataclass(eq=False)
+class GatewayCall:
+    """One call of a task through the gateway, from its accept to its log line."""
+
+    conn: socket.socket
+    started: float = field(default_factory=time.monotonic)
+    upstream: socket.socket | None = None
+    model: str = ""
+    status: int = 0
+    usage: dict[str, int] | None = None
+    note: str = ""
+    cents: float | None = None       # what it cost, once its answer ended (reserve)
+    posted: bool = False             # its record is on its way to the loop
+
+
+@dataclass
+class TaskGateway:
+    """One task's way to its model: its credential, its listener, its calls in flight."""
+
+    task_id: str
+    token: str
+    api: str                         # modelGateway's api and baseUrl when the task started
+    base_url: str
+    listener: socket.socket | None = None
+    calls: set[GatewayCall] = field(default_factory=set)
+    holds: list[Hold] = field(default_factory=list)
+    dead: bool = False
+    refused: int = 0                 # calls refused as too many at once (said once, counted)
+    unsettled: float = 0.0           # cents of ended calls on their way to costCents
+
+
+class Gateway:
+    """The model gateway.  Loop thread: droid_spec, open, close, admit, answered, record.
+    The accept thread (started with the first task) accepts calls and hands each to a call
+    thread, which reads it, asks the loop (admit), forwards it and tells the loop (record)."""
+
+    def __init__(self, box: "Box") -> None:
+        self.box = box
+        self.tasks: dict[str, TaskGateway] = {}
+        self.lock = threading.Lock()     # self.running, each TaskGateway's calls and refused
+        self.running = 0
+        self.changes: list[tuple[bool, TaskGateway]] = []   # listeners to add (True) or drop
+        self.selector: selectors.BaseSelector | None = None
+        self.wake_r = self.wake_w = -1
+
+    # the owner's key
+    @property
+    def key_file(self) -> str:
+        return self.box.path("secrets", "model-key")
+
+    def key(self) -> str:
+        try:
+            with open(self.key_file) as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
+    def set_key(self, body: dict[str, Any]) -> dict[str, Any]:
+        """PUT /api/secrets/model: the key, 0600 in BOX_HOME/secrets (0700); never answered."""
+        key = body.get("key")
+        if set(body) != {"key"} or not isinstance(key, str) or \
+                not re.fullmatch(r"[\x21-\x7e]{1,4096}", key):
+            raise ApiError(400, "the body must be {\"key\": \"...\"}: 1 to 4096 printable "
+                                "characters, no spaces")
+        with saved_or_507("the model key"):
+            os.makedirs(self.box.path("secrets"), mode=0o700, exist_ok=True)
+            os.chmod(self.box.path("secrets"), 0o700)
+            atomic_write(self.key_file, key.encode(), mode=0o600)
+        log(6, "the model key was set (tasks started from now on use the gateway)")
+        return self.secrets()
+
+    def delete_key(self) -> dict[str, Any]:
+        try:
+            os.unlink(self.key_file)
+            log(6, "the model key was removed")
+        except FileNotFoundError:
+            pass
+        return self.secrets()
+
+    def secrets(self) -> dict[str, Any]:
+        """What GET /api/secrets says: whether each secret is set, never the secret."""
+        return {"model": {"set": bool(self.key())}}
+
+    # loop thread: a task's start and end
+    def droid_spec(self, task: Task, spec: dict[str, Any]) -> bool:
+        """Point droid at the gateway, if the owner set a model key and not droidFactoryKey:
+        its own credential in ~/.factory/settings.json, -m custom:gurtd-0.  Whether it did."""
+        settings = self.box.setting()
+        if settings["droidFactoryKey"] or not self.key():
+            return False
+        config = settings["modelGateway"]
+        token = "gurtd-" + secrets.token_urlsafe(32)
+        self.tasks[task.id] = TaskGateway(task.id, token, config["api"], config["baseUrl"])
+        # droid adds /v1/messages to an anthropic baseUrl, /chat/completions to the other
+        spec["homeFiles"][".factory/settings.json"] = json.dumps({"customModels": [{
+            "model": gateway_models(settings)[0], "displayName": GATEWAY_MODEL_NAME,
+            "baseUrl": f"http://{GATEWAY_ADDR}" + ("" if config["api"] == "anthropic" else
+                                                   "/v1"),
+            "apiKey": token, "provider": GATEWAY_APIS[config["api"]][1],
+            "maxOutputTokens": config["maxOutputTokens"]}]}, indent=1)
+        argv = spec["argv"]
+        argv[argv.index("-m") + 1] = f"custom:{GATEWAY_MODEL_NAME}-0"
+        spec["gateway"] = True
+        return True
+
+    def open(self, task_id: str, nsfd: int) -> None:
+        """The task's listener, bound inside its network namespace."""
+        tg = self.tasks.get(task_id)
+        if tg is None:
+            return
+
+        def bind() -> socket.socket:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((GATEWAY_ADDR, GATEWAY_PORT))
+            sock.listen(64)
+            sock.setblocking(False)
+            return sock
+        tg.listener = in_netns(nsfd, bind)
+        self.change(True, tg)
+
+    def close(self, task_id: str) -> None:
+        """The task ended: its credential is dead, held calls are refused, calls in flight
+        are cut, its listener goes.  Idempotent."""
+        tg = self.tasks.pop(task_id, None)
+        if tg is None:
+            return
+        tg.dead = True
+        for hold in tg.holds:
+            hold.answer(False, "the task has ended")
+        tg.holds.clear()
+        with self.lock:
+            calls, refused = list(tg.calls), tg.refused
+        for call in calls:
+            for sock in (call.conn, call.upstream):
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+        if tg.listener is not None:
+            self.change(False, tg)
+        if refused:
+            self.box.append_log(task_id, {"type": "model", "text": f"model calls refused as "
+                                          f"too many at once: {refused}"})
+
+    # loop thread: a call's budget and its cost
+    def admit(self, task_id: str) -> Hold | None:
+        """A call may go on (None), or waits for a person (a Hold): spending is at or past
+        the budget, so the task pauses with a budget approval."""
+        tg, task = self.tasks.get(task_id), self.box.task(task_id)
+        worker = self.box.worker(task_id)
+        if tg is None or task is None or worker is None or \
+                task.state not in ("running", "waiting"):
+            raise GatewayRefusal(403, "permission_error", "the task has ended")
+        if task.costCents + tg.unsettled < worker.budget_limit:
+            return None
+        if worker.paused is None:
+            self.box.droid.pause_for_budget(task, worker)
+            if worker.paused is None:        # the approval could not be made: it failed
+                raise GatewayRefusal(403, "permission_error", task.error or "budget exceeded")
+        hold = Hold()
+        tg.holds.append(hold)
+        return hold
+
+    def answered(self, task_id: str, approval: Approval) -> None:
+        """The budget approval was answered: the held calls go on, or are refused with the
+        person's reason."""
+        tg = self.tasks.get(task_id)
+        if tg is None:
+            return
+        for hold in tg.holds:
+            hold.answer(approval.state == "approved", approval.reason or "denied")
+        tg.holds.clear()
+
+    def record(self, tg: TaskGateway, call: GatewayCall) -> None:
+        """A call ended: its cost (the upstream's usage at droidPrices) into costCents, and
+        its log line."""
+        cents = self.reserve(tg, call)
+        with self.lock:
+            tg.unsettled -= cents
+        task_id = tg.task_id
+        task = self.box.task(task_id)
+        usage = call.usage or {}
+        if task is not None and cents > 0 and is_cents(task.costCents + cents):
+            task.costCents += cents
+            self.box.save(task, sync=False)
+        ms = round((time.monotonic() - call.started) * 1000)
+        tokens_in = sum(usage.get(k, 0) for k in ("input_tokens", "cache_read_input_tokens",
+                                                  "cache_creation_input_tokens"))
+        text = f"model call {call.model or '-'}: {tokens_in} tokens in, " \
+               f"{usage.get('output_tokens', 0)} out, {cents:.4f} cents, {ms} ms, status " \
+               f"{call.status}" + (f": {call.note}" if call.note else "") + \
+               ("" if call.usage is not None or call.status != 200 else " (no usage)")
+        log(6 if call.status == 200 else 4, f"task {task_id}: {text}")
+        if task is not None:
+            self.box.append_log(task_id, {"type": "model", "text": text, "model": call.model,
+                                          "status": call.status, "ms": ms, "cents": cents,
+                                          "usage": call.usage})
+
+    def settle(self, tg: TaskGateway, call: GatewayCall) -> None:
+        """The call's record to the loop, once."""
+        if not call.posted:
+            call.posted = True
+            self.reserve(tg, call)
+            self.post(self.record, tg, call)
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run fn(*args) on the loop, no one waiting for it (its errors are logged there)."""
+        def guarded(*args: Any) -> None:
+            try:
+                fn(*args)
+            except Exception as exc:
+                log(3, f"the model gateway's {fn.__name__}: {type(exc).__name__}: {exc}")
+        with contextlib.suppress(OSError):
+            self.box.loop.post(guarded, *args)
+
+    def reserve(self, tg: TaskGateway, call: GatewayCall) -> float:
+        """What the call cost, counted among the task's unsettled cents until the loop adds
+        it to costCents (record): done before the answer's end goes to the task, so that
+        the task's next call is weighed against it.  Once per call; any thread."""
+        if call.cents is None:
+            call.cents = usage_cents(call.usage or {},
+                                     self.box.setting("droidPrices").get(call.model))
+            with self.lock:
+                tg.unsettled += call.cents
+        return call.cents
+
+    # the accept thread
+    def change(self, add: bool, tg: TaskGateway) -> None:
+        with self.lock:
+            self.changes.append((add, tg))
+            if self.selector is None:
+                self.selector = selectors.DefaultSelector()
+                self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+                self.selector.register(self.wake_r, selectors.EVENT_READ, None)
+                threading.Thread(target=self.accepting, name="gateway", daemon=True).start()
+        with contextlib.suppress(OSError):
+            os.write(self.wake_w, b"c")
+
+    def accepting(self) -> None:
+        """The accept thread, for good: an error here is logged, and it goes on."""
+        while True:
+            try:
+                self.accept_round()
+            except Exception as exc:
+                log(3, f"the model gateway's accept thread: {type(exc).__name__}: {exc}")
+                time.sleep(0.1)
+
+    def accept_round(self) -> None:
+        selector = self.selector
+        assert selector is not None
+        with self.lock:
+            changes, self.changes = self.changes, []
+        for add, tg in changes:
+            assert tg.listener is not None
+            if add and not tg.dead:
+                selector.register(tg.listener, selectors.EVENT_READ, tg)
+            elif not add:
+                with contextlib.suppress(KeyError, ValueError):
+                    selector.unregister(tg.listener)
+                tg.listener.close()
+        for key, _ in selector.select(5.0):
+            if key.data is None:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self.wake_r, 4096)
+            elif key.data.listener is not None and not key.data.dead:
+                self.accept(key.data)
+
+    def accept(self, tg: TaskGateway) -> None:
+        """A call arrives: a thread of its own, or at once a refusal (too many at once)."""
+        assert tg.listener is not None
+        try:
+            conn, _ = tg.listener.accept()
+        except OSError:
+            return
+        conn.setblocking(True)
+        refusal = None
+        with self.lock:
+            if len(tg.calls) >= GATEWAY_TASK_CALLS:
+                refusal = GatewayRefusal(429, "rate_limit_error", f"this task has "
+                                         f"{GATEWAY_TASK_CALLS} model calls in flight already; "
+                                         "wait for one to end")
+            elif self.running >= GATEWAY_THREADS:
+                refusal = GatewayRefusal(429, "rate_limit_error", "gurtd forwards "
+                                         f"{GATEWAY_THREADS} model calls at once already")
+            else:
+                call = GatewayCall(conn)
+                tg.calls.add(call)
+                self.running += 1
+            if refusal is not None:
+                tg.refused += 1
+        if refusal is None:
+            threading.Thread(target=self.serve, args=(tg, call), name="gateway-call",
+                             daemon=True).start()
+            return
+        with contextlib.suppress(OSError):
+            conn.send(refusal_answer(tg.api, refusal), socket.MSG_DONTWAIT)
+        conn.close()
+
+    # a call thread
+    def serve(self, tg: TaskGateway, call: GatewayCall) -> None:
+        try:
+            try:
+                request = read_request(call.conn, time.monotonic() + GATEWAY_REQUEST_SECONDS)
+                body = self.check(tg, request, call)
+                self.wait_budget(tg)
+                self.forward(tg, request, body, call)
+            except GatewayRefusal as refusal:
+                call.status, call.note = refusal.status, refusal.message
+                call.conn.settimeout(5.0)
+                call.conn.sendall(refusal_answer(tg.api, refusal))
+                if refusal.status in (413, 431):
+                    drain(call.conn)
+        except OSError as exc:                   # the task hung up or stopped reading
+            call.note = call.note or f"the task's connection: {exc}"
+        except Exception as exc:
+            call.status, call.note = call.status or 500, f"{type(exc).__name__}: {exc}"
+            log(3, f"task {tg.task_id}: the model gateway failed: {call.note}")
+        finally:
+            call.conn.close()
+            with self.lock:
+                tg.calls.discard(call)
+                self.running -= 1
+            self.settle(tg, call)
+
+    def wait_budget(self, tg: TaskGateway) -> None:
+        """Ask the loop whether the call may go on (unless the task is plainly under its
+        budget, its unsettled cents counted: numbers read, which the loop alone writes but
+        the cents); a held one waits for the person."""
+        task, worker = self.box.task(tg.task_id), self.box.worker(tg.task_id)
+        if task is not None and worker is not None and worker.paused is None and \
+                task.costCents + tg.unsettled < worker.budget_limit and not tg.dead:
+            return
+        try:
+            hold = self.box.loop.call(self.admit, tg.task_id)
+        except ApiError as exc:                  # the loop is busy
+            raise GatewayRefusal(429, "rate_limit_error", exc.message) from None
+        while hold is not None and not hold.event.wait(1.0):
+            if tg.dead:
+                raise GatewayRefusal(403, "permission_error", "the task has ended")
+        if hold is not None and not hold.approved:
+            raise GatewayRefusal(403, "permission_error", "the task's budget is spent and a "
+                                 f"person denied more: {hold.reason}")
+
+    def check(self, tg: TaskGateway, request: GatewayRequest, call: GatewayCall) -> bytes:
+        """The call's own refusals (path, credential, body, model); the body to send on."""
+        path = GATEWAY_APIS[tg.api][0]
+        if request.method != "POST" or request.path.split("?")[0] != path:
+            raise GatewayRefusal(404, "not_found_error", f"the model gateway answers POST "
+                                 f"{path} only")
+        given = request.headers.get("x-api-key") or \
+            request.headers.get("authorization", "").removeprefix("Bearer ")
+        if tg.dead or not hmac.compare_digest(given.encode(), tg.token.encode()):
+            raise GatewayRefusal(401, "authentication_error", "not this task's credential")
+        try:
+            data = loads_bounded(request.body)
+            if not isinstance(data, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            raise GatewayRefusal(400, "invalid_request_error", "the body is not a JSON "
+                                 "object") from None
+        settings = self.box.setting()
+        call.model = model = data.get("model") if isinstance(data.get("model"), str) else ""
+        allowed = gateway_models(settings)
+        if model not in allowed:
+            call.model = ""
+            raise GatewayRefusal(400, "invalid_request_error", f"model {printable(model)[:100]}"
+                                 f" is not one the owner allows; allowed: {', '.join(allowed)}")
+        if model not in settings["droidPrices"]:
+            raise GatewayRefusal(400, "invalid_request_error", f"model {model} has no "
+                                 "droidPrices entry: gurtd would not know what it costs")
+        if tg.api == "chat-completions" and data.get("stream") is True and \
+                data.get("stream_options") != {"include_usage": True}:
+            data["stream_options"] = {"include_usage": True}   # else a stream has no usage
+            return json.dumps(data).encode()
+        return request.body
+
+    def forward(self, tg: TaskGateway, request: GatewayRequest, body: bytes,
+                call: GatewayCall) -> None:
+        """Send the call on with the owner's key; pass the answer back as it arrives (chunked),
+        reading its usage on the way."""
+        key = self.key()
+        if not key:
+            raise GatewayRefusal(503, "api_error", "the owner's model key is not set")
+        scheme, host, port, prefix = upstream_url(tg.base_url)
+        headers = {"Content-Type": "application/json", "Accept-Encoding": "identity",
+                   "Accept": header_text(request.headers.get("accept"), "application/json"),
+                   "User-Agent": f"gurtd/{VERSION}"}
+        if tg.api == "anthropic":
+            headers["x-api-key"] = key
+            headers["anthropic-version"] = header_text(request.headers.get("anthropic-version"),
+                                                       "2023-06-01")
+            if "anthropic-beta" in request.headers:
+                headers["anthropic-beta"] = header_text(request.headers["anthropic-beta"], "")
+            path = prefix + "/v1/messages"
+        else:
+            headers["Authorization"] = f"Bearer {key}"
+            path = prefix + "/chat/completions"
+        upstream = http.client.HTTPSConnection(
+            host, port, timeout=GATEWAY_CONNECT_SECONDS,
+            context=ssl.create_default_context()) if scheme == "https" else \
+            http.client.HTTPConnection(host, port, timeout=GATEWAY_CONNECT_SECONDS)
+        try:
+            try:
+                upstream.connect()
+                call.upstream = upstream.sock
+                upstream.sock.settimeout(GATEWAY_READ_SECONDS)
+                upstream.request("POST", path, body, headers)
+                answer = upstream.getresponse()
+            except (OSError, http.client.HTTPException) as exc:
+                raise GatewayRefusal(504 if isinstance(exc, TimeoutError) else 502, "api_error",
+                                     f"the model's server ({host}) could not be reached: "
+                                     f"{type(exc).__name__}: {exc}") from None
+            call.status = answer.status
+            if 300 <= answer.status < 400:
+                raise GatewayRefusal(502, "api_error", f"the model's server answered "
+                                     f"{answer.status}, a redirect, which gurtd does not follow")
+            self.pass_on(tg, answer, call)
+        finally:
+            upstream.close()
+
+    def pass_on(self, tg: TaskGateway, answer: http.client.HTTPResponse,
+                call: GatewayCall) -> None:
+        kind = header_text(answer.getheader("Content-Type"), "application/octet-stream")
+        meter = UsageMeter(tg.api, "text/event-stream" in kind)
+        retry = answer.getheader("Retry-After") or ""    # an upstream's 429 or 529 says when
+        call.conn.settimeout(GATEWAY_READ_SECONDS)   # a task that stops reading
+        head = f"HTTP/1.1 {answer.status} {header_text(answer.reason, 'Answer')}\r\n" \
+               f"Content-Type: {kind}\r\nTransfer-Encoding: chunked\r\n" + \
+               (f"Retry-After: {retry}\r\n" if is_digits(retry) else "")
+        call.conn.sendall(head.encode() + b"Connection: close\r\n\r\n")
+        deadline = time.monotonic() + GATEWAY_CALL_SECONDS
+        try:
+            self.pass_chunks(tg, answer, meter, call, deadline)
+        finally:                          # what a cut answer used was spent all the same
+            call.usage = meter.result()
+
+    def pass_chunks(self, tg: TaskGateway, answer: http.client.HTTPResponse,
+                    meter: UsageMeter, call: GatewayCall, deadline: float) -> None:
+        conn, total = call.conn, 0
+        while True:
+            try:
+                chunk = answer.read1(65536)
+            except (OSError, http.client.HTTPException) as exc:
+                call.note = f"the model's answer broke off: {type(exc).__name__}: {exc}"
+                break
+            if not chunk:
+                call.usage = meter.result()
+                self.reserve(tg, call)            # the task's next call weighs this cost
+                conn.sendall(b"0\r\n\r\n")
+                self.settle(tg, call)             # at once: before the task's next event
+                break
+            total += len(chunk)
+            if total > GATEWAY_MAX_ANSWER or time.monotonic() > deadline:
+                call.note = f"the answer was cut: over {GATEWAY_MAX_ANSWER} bytes or " \
+                            f"{GATEWAY_CALL_SECONDS:.0f} s"
+                break
+            meter.feed(chunk)
+            conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+
+
+# the owner's key: its HTTP handlers, and `gurtd secret` (the CLI section adds it to cli)
+
+SECRETS_SCHEMA = {"type": "object", "required": ["model"], "properties": {"model": {
+    "type": "object", "required": ["set"], "properties": {"set": {"type": "boolean"}},
+    "description": "The owner's model key, which the gateway adds to droid's calls"}}}
+
+def h_secrets_get(req: "Handler", params: dict[str, str]) -> Any:
+    return 200, req.box.gateway.secrets()
+
+
+def h_secret_model_put(req: "Handler", params: dict[str, str]) -> Any:
+    box = req.box
+    return 200, box.loop.call(box.gateway.set_key, req.json_body())
+
+
+def h_secret_model_delete(req: "Handler", params: dict[str, str]) -> Any:
+    return 200, req.box.loop.call(req.box.gateway.delete_key)
+
+
+@click.command("secret")          # the CLI section adds client_options and the command
+@click.argument("name", type=click.Choice(["model"]))
+@click.option("--delete", is_flag=True, help="remove it: droid tasks get no model key")
+@click.option("--stdin", "from_stdin", is_flag=True, help="read it from standard input")
+def cmd_secret(name: str, delete: bool, from_stdin: bool, box_home: str, listen: str) -> None:
+    """Set the owner's model key (asked for, never shown): droid tasks then call their model
+    through gurtd's gateway, which adds the key; no task ever sees it."""
+    client = Client(listen, box_home)
+    if delete:
+        client.request("DELETE", f"/secrets/{name}")
+        click.echo(f"the {name} key is removed")
+        return
+    key = sys.stdin.readline().strip() if from_stdin else \
+        click.prompt(f"{name} key", hide_input=True).strip()
+    client.request("PUT", f"/secrets/{name}", {"key": key})
+    click.echo(f"the {name} key is set")
 
 
 # Broker and approvals #########################################################################
@@ -11579,6 +12396,21 @@ ROUTES: list[Route] = [
                    507: "The disk is full: nothing was started"}),
     Route("GET", "/api/openapi.json", h_openapi, "This description", "getOpenapi", "service",
           answers={200: ("This description", {"type": "object"})}),
+    # the model gateway's secret
+    Route("GET", "/api/secrets", h_secrets_get, "Which secrets are set (never a secret itself)",
+          "getSecrets", "settings", answers={200: ("Whether each secret is set", SECRETS_SCHEMA)}),
+    Route("PUT", "/api/secrets/model", h_secret_model_put,
+          "Set the owner's model key {key}: droid tasks call their model through the gateway",
+          "putModelKey", "settings",
+          body=({"type": "object", "additionalProperties": False, "required": ["key"],
+                 "properties": {"key": {"type": "string", "pattern": "^[\\x21-\\x7e]{1,4096}$",
+                                        "description": "Kept 0600 in BOX_HOME/secrets; never "
+                                                       "answered, never in a task"}}}, True),
+          answers={200: ("Whether each secret is set", SECRETS_SCHEMA),
+                   400: "The body is wrong", 507: "The disk is full: nothing changed"}),
+    Route("DELETE", "/api/secrets/model", h_secret_model_delete, "Remove the owner's model key",
+          "deleteModelKey", "settings",
+          answers={200: ("Whether each secret is set", SECRETS_SCHEMA)}),
 ]
 
 
@@ -12015,6 +12847,16 @@ PATH_SCHEMA = {"type": "string", "pattern": "^(?!([^/]*/)*\\.\\.(/|$))[^\\\\\\u0
 
 # Constraints of settings beyond their default's type (validate_settings says the same).
 SETTING_SCHEMAS: dict[str, dict[str, Any]] = {
+    "modelGateway": {"type": "object", "additionalProperties": False, "properties": {
+        "api": {"type": "string", "enum": list(GATEWAY_APIS)},
+        "baseUrl": {"type": "string", "description": "https://HOST[:PORT][/PATH], or http:// "
+                                                     "to a loopback address"},
+        "model": {"type": "string", "description": "The model droid asks for; empty: "
+                                                   "droidModel"},
+        "models": {"type": "array", "maxItems": 50, "items": {"type": "string"}},
+        "maxOutputTokens": {"type": "integer", "minimum": 1, "maximum": 1 << 20}}},
+    "droidFactoryKey": {"type": "boolean", "description": "FACTORY_API_KEY inside the box "
+                        "(spending is then the task's own word); off: the gateway"},
     "defaultBudgetCents": {"type": "number", "minimum": 0},
     "maxRunningTasks": {"type": "integer", "minimum": 1, "maximum": 1000},
     "taskTimeoutSeconds": {"type": "integer", "minimum": 1, "maximum": 7 * 86400},
@@ -13724,6 +14566,9 @@ def broker_request(method: str, path: str, body: Any = None,
         return resp.status, json.loads(resp.read() or b"{}")
     finally:
         conn.close()
+
+
+cli.add_command(client_options(cmd_secret))   # defined in the Model gateway section
 
 
 @cli.command("tool")

@@ -1,0 +1,784 @@
+"""The model gateway: droid tasks call their model through gurtd, which adds the owner's key
+outside the box and meters what the calls cost from the upstream's answers.
+
+The upstream is a stand-in model server on 127.0.0.1 (the tests' own, in the host's network
+namespace, which no task can reach) speaking Anthropic's Messages API and OpenAI's chat
+completions, streamed or not, scripted from the tool list the agent sends.  The agent is the
+real Droid CLI, or a small Python stand-in for the calls Droid would not make (forged lines,
+searches for the key, a budget held and denied).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from conftest import Gurtd, eventually, put_base_file
+from test_droid import droid_gurtd  # noqa: F401  (a fixture: a gurtd with no FACTORY_API_KEY)
+
+import gurtd as G
+
+MODEL = G.DEFAULT_DROID_MODEL
+PRICES = G.DEFAULT_DROID_PRICES[MODEL]
+KEY = "sk-ant-gurtd-test-" + os.urandom(12).hex()
+
+
+# the stand-in model server ######################################################################
+
+def tool_names(api: str, body: dict[str, Any]) -> list[str]:
+    if api == "anthropic":
+        return [t.get("name") for t in body.get("tools") or []]
+    return [(t.get("function") or {}).get("name") for t in body.get("tools") or []]
+
+
+def turns(api: str, body: dict[str, Any]) -> int:
+    """How many answers of the model the conversation holds: the script's step."""
+    return sum(1 for m in body.get("messages") or [] if m.get("role") == "assistant")
+
+
+class Upstream:
+    """A model server: each POST is answered by script(api, body) -> (text, tool call or None),
+    with a usage of its own, recorded with the request."""
+
+    def __init__(self, script: Callable[[str, dict[str, Any]], tuple[str, Any]]) -> None:
+        self.script = script
+        self.requests: list[dict[str, Any]] = []
+        self.usages: list[dict[str, int]] = []
+        self.delay = 0.0
+        self.mode = "answer"           # or "endless": a stream that never ends; "html"
+        self.cut = threading.Event()   # an endless answer's reader went away
+        upstream = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                api = "anthropic" if self.path.endswith("/v1/messages") else "chat"
+                upstream.requests.append({"path": self.path, "headers": dict(self.headers),
+                                          "body": body})
+                text, tool = upstream.script(api, body)
+                n = len(upstream.usages)
+                usage = {"input_tokens": 1000 + n, "output_tokens": 40 + n,
+                         "cache_read_input_tokens": 300, "cache_creation_input_tokens": 70 if
+                         api == "anthropic" else 0}
+                upstream.usages.append(usage)
+                time.sleep(upstream.delay)
+                chunks = (anthropic_answer if api == "anthropic" else chat_answer)(
+                    body, text, tool, usage)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html" if upstream.mode == "html" else
+                                 "text/event-stream" if body.get("stream")
+                                 else "application/json")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                if upstream.mode == "html":
+                    chunks = [b"<html>a proxy's error page</html>"]
+                elif upstream.mode == "endless":
+                    chunks = chunks[:1] + [b"event: ping\ndata: {\"type\": \"ping\"}\n\n"] * 10 ** 6
+                try:
+                    for chunk in chunks:
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                        self.wfile.flush()
+                        if upstream.mode == "endless":
+                            time.sleep(0.05)
+                    self.wfile.write(b"0\r\n\r\n")
+                except OSError:
+                    upstream.cut.set()
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def sse(events: list[dict[str, Any]], named: bool) -> list[bytes]:
+    return [((f"event: {e['type']}\n" if named else "") + f"data: {json.dumps(e)}\n\n")
+            .encode() for e in events] + ([] if named else [b"data: [DONE]\n\n"])
+
+
+def anthropic_answer(body: dict[str, Any], text: str, tool: Any,
+                     usage: dict[str, int]) -> list[bytes]:
+    content: list[dict[str, Any]] = [{"type": "text", "text": text}]
+    if tool:
+        content.append({"type": "tool_use", "id": f"toolu_{os.urandom(4).hex()}",
+                        "name": tool[0], "input": tool[1]})
+    message = {"id": "msg_1", "type": "message", "role": "assistant", "model": body["model"],
+               "content": content, "stop_reason": "tool_use" if tool else "end_turn",
+               "stop_sequence": None, "usage": usage}
+    if not body.get("stream"):
+        return [json.dumps(message).encode()]
+    start = {**message, "content": [], "stop_reason": None,
+             "usage": {**usage, "output_tokens": 1}}
+    events: list[dict[str, Any]] = [{"type": "message_start", "message": start}]
+    for i, block in enumerate(content):
+        if block["type"] == "text":
+            events += [{"type": "content_block_start", "index": i,
+                        "content_block": {"type": "text", "text": ""}},
+                       {"type": "content_block_delta", "index": i,
+                        "delta": {"type": "text_delta", "text": block["text"]}}]
+        else:
+            events += [{"type": "content_block_start", "index": i,
+                        "content_block": {**block, "input": {}}},
+                       {"type": "content_block_delta", "index": i,
+                        "delta": {"type": "input_json_delta",
+                                  "partial_json": json.dumps(block["input"])}}]
+        events.append({"type": "content_block_stop", "index": i})
+    events += [{"type": "message_delta", "delta": {"stop_reason": message["stop_reason"],
+                                                   "stop_sequence": None},
+                "usage": {"output_tokens": usage["output_tokens"]}},
+               {"type": "message_stop"}]
+    return sse(events, named=True)
+
+
+def chat_answer(body: dict[str, Any], text: str, tool: Any,
+                usage: dict[str, int]) -> list[bytes]:
+    calls = [{"index": 0, "id": f"call_{os.urandom(4).hex()}", "type": "function",
+              "function": {"name": tool[0], "arguments": json.dumps(tool[1])}}] if tool else []
+    wire = {"prompt_tokens": usage["input_tokens"] + usage["cache_read_input_tokens"],
+            "completion_tokens": usage["output_tokens"],
+            "total_tokens": usage["input_tokens"] + usage["cache_read_input_tokens"] +
+            usage["output_tokens"],
+            "prompt_tokens_details": {"cached_tokens": usage["cache_read_input_tokens"]}}
+    finish = "tool_calls" if tool else "stop"
+    base = {"id": "c1", "created": 1, "model": body["model"]}
+    if not body.get("stream"):
+        message = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls
+                                                           else {})}
+        return [json.dumps({**base, "object": "chat.completion", "choices": [
+            {"index": 0, "message": message, "finish_reason": finish}], "usage": wire})
+            .encode()]
+    chunk = {**base, "object": "chat.completion.chunk"}
+    delta: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        delta["tool_calls"] = calls
+    return sse([{**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+                {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]},
+                {**chunk, "choices": [], "usage": wire}], named=False)
+
+
+def create_then_done(api: str, body: dict[str, Any]) -> tuple[str, Any]:
+    """The agent creates hello.txt with its Create tool, then says it is done."""
+    if not body.get("tools"):
+        return "Hello.", None              # the stand-in agent's own calls
+    if turns(api, body) == 0:
+        assert "Create" in tool_names(api, body), tool_names(api, body)
+        return "I will create the file.", ("Create", {"file_path": f"{G.VIEW_DIR}/hello.txt",
+                                                     "content": "hello from the model\n"})
+    return "Created hello.txt.", None
+
+
+# fixtures #######################################################################################
+
+@pytest.fixture
+def upstream() -> Iterator[Upstream]:
+    server = Upstream(create_then_done)
+    yield server
+    server.close()
+
+
+def gateway_settings(upstream: Upstream, api: str = "anthropic") -> dict[str, Any]:
+    base = f"http://127.0.0.1:{upstream.port}" + ("" if api == "anthropic" else "/v1")
+    return {"modelGateway": {"api": api, "baseUrl": base}, "droidAutonomy": "high"}
+
+
+@pytest.fixture
+def model_gurtd(droid_gurtd: Gurtd, upstream: Upstream) -> Gurtd:
+    """A gurtd with the owner's model key set and its gateway pointed at the stand-in."""
+    droid_gurtd.api("PUT", "/api/secrets/model", {"key": KEY})
+    droid_gurtd.api("PUT", "/api/settings", gateway_settings(upstream))
+    return droid_gurtd
+
+
+def test_the_gateways_overhead_per_call_is_small(agent_gurtd: Gurtd, upstream: Upstream) -> None:
+    """Figures (printed): p50 of a whole call and of its first byte, through the gateway and
+    straight; the bound asserted is loose (a loaded test machine), the figures are the point."""
+    import statistics
+    g = agent_gurtd
+    task = g.api("POST", "/api/tasks", {"title": "time", "prompt": "time",
+                                        "budgetCents": 100_000}, status=201)
+    assert g.wait(task["id"], timeout=120)["state"] == "done"
+    timed = results(g, task["id"])[0]
+    scope: dict[str, Any] = {}
+    exec(TIMED, scope)                  # the same calls, straight to the stand-in
+    whole, first = scope["timed"]("127.0.0.1", upstream.port, KEY,
+                                  {"model": MODEL, "max_tokens": 100, "messages": []}, 100)
+    figures = {name: round(statistics.median(values), 2) for name, values in (
+        ("gateway call ms, back to back", timed["whole"][:100]),
+        ("gateway first byte ms, back to back", timed["first"][:100]),
+        ("gateway call ms, 20 ms apart", timed["whole"][100:]),
+        ("gateway first byte ms, 20 ms apart", timed["first"][100:]),
+        ("direct call ms", whole), ("direct first byte ms", first))}
+    print(f"\n{figures}")
+    assert figures["gateway call ms, 20 ms apart"] - figures["direct call ms"] < 50
+
+
+def pending(g: Gurtd, task_id: str) -> list[dict[str, Any]]:
+    return g.api("GET", f"/api/approvals?state=pending&task={task_id}")
+
+
+def cost(usages: list[dict[str, int]], prices: dict[str, float] = PRICES) -> float:
+    return sum(G.usage_cents(u, prices) for u in usages)
+
+
+def changes(g: Gurtd, task_id: str) -> list[dict[str, Any]]:
+    return g.api("GET", f"/api/tasks/{task_id}/changes")
+
+
+def model_lines(g: Gurtd, task_id: str) -> list[dict[str, Any]]:
+    return [e for e in g.log(task_id) if e["type"] == "model" and "status" in e]
+
+
+# the real Droid CLI ##############################################################################
+
+@pytest.mark.parametrize("api", ["anthropic", "chat-completions"])
+def test_droid_creates_a_file_through_the_models_tool_call(
+        model_gurtd: Gurtd, upstream: Upstream, api: str) -> None:
+    g = model_gurtd
+    g.api("PUT", "/api/settings", gateway_settings(upstream, api))
+    task = g.api("POST", "/api/tasks", {"title": "hello", "prompt": "create hello.txt",
+                                        "budgetCents": 1000}, status=201)
+    done = g.wait(task["id"], timeout=120)
+    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    assert done["summary"] == "Created hello.txt."
+    assert changes(g, task["id"]) == [{"path": "hello.txt", "change": "added"}]
+    assert g.file("home", "hello.txt") == b"hello from the model\n"
+    # two calls, each through the gateway with the owner's key and the stand-in's usage
+    assert len(upstream.requests) == 2
+    for request in upstream.requests:
+        headers = {k.lower(): v for k, v in request["headers"].items()}
+        if api == "anthropic":
+            assert request["path"] == "/v1/messages" and headers["x-api-key"] == KEY
+        else:
+            assert request["path"] == "/v1/chat/completions"
+            assert headers["authorization"] == f"Bearer {KEY}"
+        assert request["body"]["model"] == MODEL and request["body"]["stream"] is True
+    assert done["costCents"] == pytest.approx(cost(upstream.usages), rel=1e-12)
+    lines = model_lines(g, task["id"])
+    assert [(e["model"], e["status"]) for e in lines] == [(MODEL, 200)] * 2
+    assert [e["usage"] for e in lines] == upstream.usages
+    steps = [G.droid_step(e["event"]) for e in g.log(task["id"]) if e["type"] == "event"]
+    assert f"Create: {G.VIEW_DIR}/hello.txt" in steps
+
+
+def execute(command: str, summary: str) -> tuple[str, dict[str, Any]]:
+    """A call of Droid's Execute tool (its schema asks for a summary and a risk level)."""
+    return "Execute", {"summary": summary, "command": command, "riskLevel": "medium",
+                       "riskLevelReason": "This command calls a tool of the gurtd box."}
+
+
+def test_droid_runs_commands_that_call_gurtds_tools(model_gurtd: Gurtd,
+                                                     upstream: Upstream) -> None:
+    """The model has Droid pay through wallet.pay and ask a person (`gurtd tool`, as the
+    system prompt says), as a fake worker would; then write down what it heard."""
+    def script(api: str, body: dict[str, Any]) -> tuple[str, Any]:
+        step = turns(api, body)
+        if step == 0:
+            return "Paying bob.", execute("gurtd tool wallet.pay '{\"to\": \"bob\", "
+                                          "\"cents\": 7}'", "Pay bob seven cents now")
+        if step == 1:
+            return "Asking.", execute("gurtd tool ask '{\"question\": \"which colour?\"}'",
+                                      "Ask a person the colour")
+        if step == 2:            # what the command printed is in the conversation
+            heard = "blue" if "blue" in json.dumps(body["messages"][-1]) else "missing"
+            return "Noting it.", ("Create", {"file_path": f"{G.VIEW_DIR}/colour.txt",
+                                             "content": heard + "\n"})
+        return "Paid and noted.", None
+    upstream.script = script
+    g = model_gurtd
+    g.api("PUT", "/api/wallet", {"balanceCents": 100})
+    task = g.api("POST", "/api/tasks", {"title": "pay", "prompt": "pay bob 7 cents",
+                                        "tools": ["wallet.pay", "ask"], "budgetCents": 1000},
+                 status=201)
+    question = eventually(lambda: [a for a in pending(g, task["id"]) if a["kind"] == "ask"],
+                          timeout=90)[0]
+    assert question["args"]["question"] == "which colour?"
+    g.api("POST", f"/api/approvals/{question['id']}/answer", {"answer": "blue"})
+    done = g.wait(task["id"], timeout=90)
+    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    assert done["summary"] == "Paid and noted."
+    assert g.api("GET", "/api/wallet")["balanceCents"] == 93
+    assert done["costCents"] == pytest.approx(7 + cost(upstream.usages), rel=1e-12)
+    assert changes(g, task["id"]) == [{"path": "colour.txt", "change": "added"}]
+    assert g.file("home", "colour.txt") == b"blue\n"
+    steps = [G.droid_step(e["event"]) for e in g.log(task["id"]) if e["type"] == "event"]
+    assert any(s and s.startswith("Execute: gurtd tool wallet.pay") for s in steps), steps
+
+
+@pytest.mark.parametrize("answer", ["approve", "deny"])
+def test_droids_next_call_waits_at_the_budget_for_a_person(
+        model_gurtd: Gurtd, upstream: Upstream, answer: str) -> None:
+    g = model_gurtd
+    task = g.api("POST", "/api/tasks", {"title": "budget", "prompt": "create hello.txt",
+                                        "budgetCents": 0.1}, status=201)
+    approval = eventually(lambda: pending(g, task["id"]), timeout=90)[0]
+    assert approval["kind"] == "budget" and approval["tool"] == "model"
+    assert len(upstream.requests) == 1               # the Create call went; the next waits
+    assert g.task(task["id"])["state"] == "waiting"
+    assert g.task(task["id"])["costCents"] == pytest.approx(cost(upstream.usages), rel=1e-12)
+    if answer == "approve":
+        g.api("POST", f"/api/approvals/{approval['id']}/approve", {"budgetCents": 1000})
+        done = g.wait(task["id"], timeout=90)
+        assert done["state"] == "done" and done["summary"] == "Created hello.txt."
+        assert len(upstream.requests) == 2
+    else:
+        g.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": "not today"})
+        done = g.wait(task["id"], timeout=30)
+        assert done["state"] == "failed" and done["error"] == "budget exceeded: not today"
+        assert len(upstream.requests) == 1
+        refused = eventually(lambda: [e for e in model_lines(g, task["id"])
+                                      if e["status"] == 403])[0]
+        assert "a person denied more: not today" in refused["text"]
+    assert done["costCents"] == pytest.approx(cost(upstream.usages), rel=1e-12)
+
+
+def test_without_a_model_key_droid_has_no_key_at_all(droid_gurtd: Gurtd,
+                                                     upstream: Upstream) -> None:
+    """No model key and droidFactoryKey off: droid starts as before, with no key, and the
+    Factory key on disk stays outside."""
+    g = droid_gurtd
+    assert g.api("GET", "/api/settings")["droidFactoryKey"] is False
+    assert g.api("GET", "/api/secrets") == {"model": {"set": False}}
+    os.makedirs(os.path.join(g.home, "secrets"), mode=0o700, exist_ok=True)
+    with open(os.path.join(g.home, "secrets", "factory-api-key"), "w") as f:
+        f.write("fk-not-for-the-box\n")
+    g.api("PUT", "/api/settings", gateway_settings(upstream))
+    task = g.api("POST", "/api/tasks", {"title": "t", "prompt": "hi"}, status=201)
+    done = g.wait(task["id"], timeout=90)
+    assert done["state"] == "failed" and "FACTORY_API_KEY" in done["error"]
+    assert upstream.requests == []
+
+
+# the secret #####################################################################################
+
+def test_the_model_key_is_write_only(model_gurtd: Gurtd) -> None:
+    g = model_gurtd
+    path = os.path.join(g.home, "secrets", "model-key")
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+    with open(path) as f:
+        assert f.read() == KEY
+    answer = g.api("PUT", "/api/secrets/model", {"key": KEY})
+    assert answer == {"model": {"set": True}} == g.api("GET", "/api/secrets")
+    for bad in ({"key": ""}, {"key": "a b"}, {"key": "x\r\nHost: evil"}, {"key": 1},
+                {"key": "k", "more": 1}):
+        code, body, _ = g.request("PUT", "/api/secrets/model", bad)
+        assert code == 400, (bad, body)
+    seen = json.dumps([g.api("GET", "/api/settings"), g.api("GET", "/api/secrets"),
+                       g.api("GET", "/api/openapi.json")]) + g.log_text()
+    assert KEY not in seen
+    assert g.api("DELETE", "/api/secrets/model") == {"model": {"set": False}}
+    assert not os.path.exists(path)
+
+
+def test_the_command_line_sets_and_removes_the_key(droid_gurtd: Gurtd) -> None:
+    g = droid_gurtd
+    out = g.cli("secret", "model", "--stdin", stdin=KEY + "\n")
+    assert out.returncode == 0 and out.stdout == "the model key is set\n", out
+    assert KEY not in out.stdout + out.stderr
+    with open(os.path.join(g.home, "secrets", "model-key")) as f:
+        assert f.read() == KEY
+    out = g.cli("secret", "model", "--delete")
+    assert out.returncode == 0 and g.api("GET", "/api/secrets") == {"model": {"set": False}}
+
+
+def test_gateway_settings_are_checked(model_gurtd: Gurtd) -> None:
+    g = model_gurtd
+    for bad in ({"api": "openai"}, {"baseUrl": "http://example.com"},
+                {"baseUrl": "ftp://127.0.0.1"}, {"baseUrl": "https://u:p@example.com"},
+                {"models": "x"}, {"maxOutputTokens": 0}, {"nope": 1}):
+        code, body, _ = g.request("PUT", "/api/settings", {"modelGateway": bad})
+        assert code == 400, (bad, body)
+    code, _, _ = g.request("PUT", "/api/settings", {"droidFactoryKey": "yes"})
+    assert code == 400
+    config = g.api("PUT", "/api/settings", {"modelGateway": {
+        "baseUrl": "https://api.anthropic.com"}})["modelGateway"]
+    assert config == {**G.DEFAULT_MODEL_GATEWAY, "baseUrl": "https://api.anthropic.com"}
+
+
+# a stand-in agent: calls of its own from inside the task ######################################
+
+TIMED = r'''
+def timed(host, port, key, message, count):
+    """Milliseconds of calls (every other one streamed), whole and to the first byte; past
+    the first 100, 20 ms apart, as an agent calls between its tools' runs."""
+    import http.client, json, time
+    whole, first = [], []
+    for n in range(count):
+        if n >= 100:
+            time.sleep(0.02)
+        started = time.perf_counter()
+        conn = http.client.HTTPConnection(host, port, timeout=60)
+        conn.request("POST", "/v1/messages", json.dumps({**message, "stream": n % 2 == 1}),
+                     {"x-api-key": key, "Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.read1(1)
+        first.append((time.perf_counter() - started) * 1000)
+        resp.read()
+        whole.append((time.perf_counter() - started) * 1000)
+        conn.close()
+    return whole, first
+'''
+
+AGENT = r'''#!/usr/bin/python3
+"""A stand-in for droid: the calls a hostile or a plain agent makes, each result a JSON line
+in /run/gurt/view/results.jsonl."""
+import glob, http.client, json, os, socket, sys, threading
+settings = json.load(open(os.path.expanduser("~/.factory/settings.json")))["customModels"][0]
+host = settings["baseUrl"].split("//")[1].split("/")[0]
+results = open("/run/gurt/view/results.jsonl", "a")
+''' + TIMED + r'''
+
+def say(**fields):
+    results.write(json.dumps(fields) + "\n")
+    results.flush()
+
+def call(body, key=settings["apiKey"], raw=None, path="/v1/messages"):
+    conn = http.client.HTTPConnection(host, timeout=60)
+    data = raw if raw is not None else json.dumps(body).encode()
+    conn.request("POST", path, data, {"x-api-key": key, "Content-Type": "application/json",
+                                      "anthropic-version": "2023-06-01"})
+    resp = conn.getresponse()
+    return resp.status, resp.read().decode(errors="replace")
+
+MESSAGE = {"model": settings["model"], "max_tokens": 100,
+           "messages": [{"role": "user", "content": "hi"}]}
+for step in open("/run/gurt/prompt.md").read().split():
+    if step == "call":
+        say(step=step, answer=call(MESSAGE))
+    elif step == "stream":
+        say(step=step, answer=call({**MESSAGE, "stream": True}))
+    elif step == "forge":       # usage lines in droid's own stream: logged, never counted
+        for n in range(3):
+            print(json.dumps({"type": "completion", "finalText": "forged",
+                              "usage": {"input_tokens": 10 ** 9, "output_tokens": 10 ** 9}}))
+        sys.stdout.flush()
+    elif step == "search":      # the owner's key anywhere the task can read
+        found = []
+        needle = open("/run/gurt/view/needle").read().strip().encode()
+        places = ["/proc/self/environ"] + glob.glob("/proc/[0-9]*/environ") + \
+            glob.glob("/proc/[0-9]*/cmdline")
+        for top in (os.path.expanduser("~"), "/run", "/tmp", "/dev/shm", "/etc"):
+            for root, dirs, files in os.walk(top):
+                if root.startswith("/run/gurt/view"):
+                    continue            # where the test put the needle
+                places += [os.path.join(root, f) for f in files]
+        for path in places:
+            try:
+                with open(path, "rb") as f:
+                    if needle in f.read(1 << 22):
+                        found.append(path)
+            except OSError:
+                pass
+        say(step=step, searched=len(places), found=found,
+            env=needle.decode() in json.dumps(dict(os.environ)))
+    elif step == "direct":      # the upstream itself, around the gateway
+        port = int(open("/run/gurt/view/port").read())
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=3).close()
+            say(step=step, reached=True)
+        except OSError as exc:
+            say(step=step, reached=False, error=str(exc))
+    elif step == "refusals":
+        say(step="wrong-key", answer=call(MESSAGE, key="gurtd-not-mine"))
+        say(step="wrong-model", answer=call({**MESSAGE, "model": "gpt-9"}))
+        say(step="wrong-path", answer=call(MESSAGE, path="/v1/complete"))
+        say(step="not-json", answer=call(None, raw=b"{nope"))
+        try:
+            say(step="huge", answer=call(None, raw=b" " * (17 << 20)))
+        except OSError as exc:
+            say(step="huge", answer=[0, str(exc)])
+    elif step == "time":        # milliseconds of calls one after another, and to a first byte
+        whole, first = timed(host, 80, settings["apiKey"], MESSAGE, 200)
+        say(step=step, whole=whole, first=first)
+    elif step == "crowd":       # 1,000 calls at once: a few go on, the rest refused at once
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))
+        data = json.dumps(MESSAGE).encode()
+        request = ("POST /v1/messages HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json"
+                   f"\r\nx-api-key: {settings['apiKey']}\r\nContent-Length: {len(data)}"
+                   "\r\n\r\n").encode() + data
+        socks = []
+        for _ in range(1000):
+            sock = socket.socket()
+            sock.settimeout(60)
+            try:
+                sock.connect((host, 80))
+                sock.sendall(request)
+            except OSError:
+                pass
+            socks.append(sock)
+        answers = []
+        for sock in socks:
+            got = b""
+            try:
+                while chunk := sock.recv(65536):
+                    got += chunk
+            except OSError:
+                pass
+            answers.append(int(got.split(b" ")[1]) if got.startswith(b"HTTP/1.1 ") else 0)
+            sock.close()
+        say(step=step, answers=answers)
+'''
+
+
+@pytest.fixture
+def agent_gurtd(model_gurtd: Gurtd) -> Iterator[Gurtd]:
+    directory = tempfile.mkdtemp(prefix="gurt-test-agent-", dir="/var/tmp")
+    path = os.path.join(directory, "droid")
+    with open(path, "w") as f:
+        f.write(AGENT)
+    os.chmod(path, 0o755)
+    os.chmod(directory, 0o755)
+    model_gurtd.api("PUT", "/api/settings", {"droidPath": path})
+    yield model_gurtd
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def results(g: Gurtd, task_id: str) -> list[dict[str, Any]]:
+    path = os.path.join(g.home, "layers", task_id, "upper", "results.jsonl")
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_forged_usage_lines_change_nothing_and_a_whole_answer_is_metered(
+        agent_gurtd: Gurtd, upstream: Upstream) -> None:
+    g = agent_gurtd
+    task = g.api("POST", "/api/tasks", {"title": "forge", "prompt": "call forge stream",
+                                        "budgetCents": 1000}, status=201)
+    done = g.wait(task["id"], timeout=60)
+    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    answers = results(g, task["id"])
+    assert [a["answer"][0] for a in answers] == [200, 200]
+    assert json.loads(answers[0]["answer"][1])["usage"] == upstream.usages[0]
+    assert done["costCents"] == pytest.approx(cost(upstream.usages), rel=1e-12)
+    forged = [e for e in g.log(task["id"]) if e["type"] == "event" and
+              e["event"].get("finalText") == "forged"]
+    assert len(forged) == 3                        # logged as they are, never counted
+    assert [e["usage"] for e in model_lines(g, task["id"])] == upstream.usages
+
+
+def test_the_key_is_nowhere_inside_and_the_upstream_out_of_reach(
+        agent_gurtd: Gurtd, upstream: Upstream) -> None:
+    g = agent_gurtd
+    put_base_file(g, "home", "needle", KEY)
+    put_base_file(g, "home", "port", str(upstream.port))
+    task = g.api("POST", "/api/tasks", {"title": "search", "prompt": "search direct call",
+                                        "budgetCents": 1000}, status=201)
+    done = g.wait(task["id"], timeout=60)
+    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    search, direct, call = results(g, task["id"])
+    assert search["searched"] > 50 and search["found"] == []
+    assert search["env"] is False
+    assert direct["reached"] is False
+    assert call["answer"][0] == 200                 # while the gateway reaches it
+    assert KEY not in json.dumps(g.log(task["id"]))
+
+
+def test_refusals_are_said_to_the_agent(agent_gurtd: Gurtd, upstream: Upstream) -> None:
+    g = agent_gurtd
+    task = g.api("POST", "/api/tasks", {"title": "refusals", "prompt": "refusals crowd",
+                                        "budgetCents": 100_000}, status=201)
+    upstream.delay = 1.0
+    waits = []                               # the loop answers meanwhile
+    while g.task(task["id"])["state"] not in ("done", "failed") and len(waits) < 500:
+        started = time.monotonic()
+        g.api("PUT", "/api/wallet", {"balanceCents": 100})
+        waits.append(time.monotonic() - started)
+        time.sleep(0.05)
+    assert max(waits) < 1.0, max(waits)
+    done = g.wait(task["id"], timeout=90)
+    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    by_step = {r["step"]: r for r in results(g, task["id"])}
+    status = {step: r["answer"][0] for step, r in by_step.items() if "answer" in r}
+    assert status == {"wrong-key": 401, "wrong-model": 400, "wrong-path": 404,
+                      "not-json": 400, "huge": 413}
+    error = json.loads(by_step["wrong-model"]["answer"][1])["error"]
+    assert error["type"] == "invalid_request_error" and "gpt-9" in error["message"]
+    assert "not one the owner allows" in error["message"]
+    crowd = by_step["crowd"]["answers"]
+    assert G.GATEWAY_TASK_CALLS <= crowd.count(200) < 50 and len(crowd) == 1000
+    assert set(crowd) <= {200, 429, 0}          # 0: refused before its answer was read
+    assert crowd.count(429) > 0
+    said = [e["text"] for e in g.log(task["id"]) if e["type"] == "model" and "status" not in e]
+    assert len(said) == 1 and said[0].startswith("model calls refused as too many at once: ")
+    assert crowd.count(429) <= int(said[0].split()[-1]) <= 1000 - crowd.count(200)
+    assert len([a for a in crowd if a == 200]) == len(upstream.usages)
+    assert done["costCents"] == pytest.approx(cost(upstream.usages), rel=1e-12)
+
+
+@pytest.mark.parametrize("end", ["stop", "undo"])
+def test_a_stop_in_the_middle_of_a_streamed_answer_ends_it_and_counts_what_it_used(
+        agent_gurtd: Gurtd, upstream: Upstream, end: str) -> None:
+    g = agent_gurtd
+    upstream.mode = "endless"
+    task = g.api("POST", "/api/tasks", {"title": "endless", "prompt": "stream",
+                                        "budgetCents": 1000}, status=201)
+    eventually(lambda: upstream.requests)
+    time.sleep(0.5)                                 # pings pass on meanwhile
+    g.api("POST", f"/api/tasks/{task['id']}/{end}")
+    done = g.wait(task["id"], timeout=15)
+    assert (done["state"], done.get("error")) == (("failed", "stopped") if end == "stop" else
+                                                  ("undone", None)), done
+    assert upstream.cut.wait(10)                    # the upstream call ended too
+    # what the answer's start said it used was spent: input, and the output so far
+    used = {**upstream.usages[0], "output_tokens": 1}
+    line = eventually(lambda: model_lines(g, task["id"]))[0]
+    assert line["usage"] == used
+    assert g.task(task["id"])["costCents"] == pytest.approx(cost([used]), rel=1e-12)
+
+
+def test_an_answer_that_is_not_json_passes_on_and_costs_nothing(
+        agent_gurtd: Gurtd, upstream: Upstream) -> None:
+    g = agent_gurtd
+    upstream.mode = "html"
+    task = g.api("POST", "/api/tasks", {"title": "html", "prompt": "call",
+                                        "budgetCents": 1000}, status=201)
+    done = g.wait(task["id"], timeout=60)
+    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    assert results(g, task["id"])[0]["answer"] == [200, "<html>a proxy's error page</html>"]
+    assert done["costCents"] == 0
+    line = model_lines(g, task["id"])[0]
+    assert line["usage"] is None and line["text"].endswith("(no usage)")
+
+
+def test_a_call_at_the_budget_is_held_until_approved_and_a_denial_fails_the_task(
+        agent_gurtd: Gurtd, upstream: Upstream) -> None:
+    g = agent_gurtd
+    one = G.usage_cents({"input_tokens": 1000, "output_tokens": 40,
+                         "cache_read_input_tokens": 300, "cache_creation_input_tokens": 70},
+                        PRICES)
+    task = g.api("POST", "/api/tasks", {"title": "budget", "prompt": "call call call",
+                                        "budgetCents": one / 2}, status=201)
+    approval = eventually(lambda: pending(g, task["id"]))[0]   # the second call is held
+    assert approval["kind"] == "budget" and approval["tool"] == "model"
+    assert len(upstream.requests) == 1
+    assert g.task(task["id"])["state"] == "waiting"
+    time.sleep(0.5)
+    assert len(upstream.requests) == 1
+    g.api("POST", f"/api/approvals/{approval['id']}/approve")
+    second = eventually(lambda: pending(g, task["id"]))[0]     # one more budget: spent again
+    assert second["id"] != approval["id"] and len(upstream.requests) == 2
+    g.api("POST", f"/api/approvals/{second['id']}/deny", {"reason": "too dear"})
+    done = g.wait(task["id"], timeout=30)
+    assert done["state"] == "failed" and done["error"] == "budget exceeded: too dear"
+    assert len(upstream.requests) == 2
+    assert done["costCents"] == pytest.approx(cost(upstream.usages), rel=1e-12)
+    denied = [e for e in model_lines(g, task["id"]) if e["status"] == 403]
+    assert denied and "too dear" in denied[0]["text"]
+
+
+# pure: usage from answers and streams ##########################################################
+
+def anthropic_stream_usage(chunks: list[bytes]) -> dict[str, int] | None:
+    meter = G.UsageMeter("anthropic", True)
+    for chunk in chunks:
+        meter.feed(chunk)
+    return meter.result()
+
+
+@pytest.mark.pure
+def test_usage_of_a_messages_stream_is_its_start_and_last_delta() -> None:
+    usage = {"input_tokens": 1200, "output_tokens": 345, "cache_read_input_tokens": 30,
+             "cache_creation_input_tokens": 7}
+    data = b"".join(anthropic_answer({"model": MODEL, "stream": True}, "hi", ("Create", {}),
+                                     usage))
+    assert anthropic_stream_usage([data]) == usage
+    # cut anywhere, a byte at a time: the same
+    assert anthropic_stream_usage([data[i:i + 1] for i in range(len(data))]) == usage
+    # a stream cut after its start: the input it used
+    start = data[:data.index(b"content_block_start")]
+    assert anthropic_stream_usage([start]) == {**usage, "output_tokens": 1}
+    assert anthropic_stream_usage([b"data: not json\n\ndata: [DONE]\n\n"]) is None
+    # a line too long to read is skipped, the rest still read
+    long = b"data: {\"type\": \"ping\", \"x\": \"" + b"x" * (G.GATEWAY_MAX_LINE + 10) + b"\"}\n"
+    assert anthropic_stream_usage([long[:100], long[100:], data]) == usage
+
+
+@pytest.mark.pure
+def test_usage_of_a_whole_answer_and_of_chat_completions() -> None:
+    usage = {"input_tokens": 10, "output_tokens": 20, "cache_read_input_tokens": 5,
+             "cache_creation_input_tokens": 0}
+    meter = G.UsageMeter("anthropic", False)
+    meter.feed(anthropic_answer({"model": MODEL}, "hi", None, usage)[0])
+    assert meter.result() == usage
+    for stream in (False, True):
+        meter = G.UsageMeter("chat-completions", stream)
+        for chunk in chat_answer({"model": "m", "stream": stream}, "hi", None, usage):
+            meter.feed(chunk)
+        assert meter.result() == usage      # prompt_tokens less the cached ones, as input
+    assert G.chat_usage({"prompt_tokens": 5, "completion_tokens": True}) == {}
+    assert G.chat_usage({"prompt_tokens": 5, "completion_tokens": 1,
+                         "prompt_tokens_details": {"cached_tokens": 9}})["input_tokens"] == 5
+    assert G.anthropic_usage({"input_tokens": -1, "output_tokens": 1e30}) == {}
+    meter = G.UsageMeter("anthropic", False)
+    meter.feed(b"<html>not json</html>")
+    assert meter.result() is None
+
+
+@pytest.mark.pure
+def test_cost_is_usage_times_each_price() -> None:
+    usage = {"input_tokens": 1_000_000, "output_tokens": 100_000,
+             "cache_read_input_tokens": 200_000, "cache_creation_input_tokens": 40_000}
+    assert G.usage_cents(usage, PRICES) == pytest.approx(
+        PRICES["input"] + PRICES["output"] / 10 + PRICES["cacheRead"] / 5 +
+        PRICES["cacheWrite"] / 25)
+
+
+@pytest.mark.pure
+def test_upstream_urls() -> None:
+    assert G.upstream_url("https://api.anthropic.com") == ("https", "api.anthropic.com", 443, "")
+    assert G.upstream_url("http://127.0.0.1:8080/v1/") == ("http", "127.0.0.1", 8080, "/v1")
+    assert G.upstream_url("http://[::1]:9/v1")[1] == "::1"
+    for bad in ("http://localhost:1", "http://10.0.0.1", "https://h/?q", "https://h/#f",
+                "https://h:99999", "file:///etc/passwd", "https://u@h", 3):
+        with pytest.raises(ValueError):
+            G.upstream_url(bad)
+
+
+@pytest.mark.pure
+def test_a_refusal_speaks_the_tasks_api() -> None:
+    refusal = G.GatewayRefusal(403, "permission_error", "no more budget: too dear")
+    answer = G.refusal_answer("anthropic", refusal)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 403 Forbidden\r\n")
+    assert json.loads(body) == {"type": "error", "error": {
+        "type": "permission_error", "message": "gurtd: no more budget: too dear"}}
+    body = G.refusal_answer("chat-completions", refusal).partition(b"\r\n\r\n")[2]
+    assert json.loads(body)["error"]["message"] == "gurtd: no more budget: too dear"
+
+
+@pytest.mark.pure
+def test_a_request_is_read_within_its_caps() -> None:
+    a, b = socket.socketpair()
+    try:
+        b.sendall(b"POST /v1/messages HTTP/1.1\r\nContent-Length: 2\r\nX-Api-Key: k\r\n\r\n{}")
+        request = G.read_request(a, time.monotonic() + 5)
+        assert (request.method, request.path, request.body) == ("POST", "/v1/messages", b"{}")
+        assert request.headers["x-api-key"] == "k"
+        b.sendall(b"POST / HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n")
+        with pytest.raises(G.GatewayRefusal) as refused:
+            G.read_request(a, time.monotonic() + 5)
+        assert refused.value.status == 413
+        b.sendall(b"POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\n{")      # a slow drip
+        with pytest.raises(G.GatewayRefusal) as refused:
+            G.read_request(a, time.monotonic() + 0.3)
+        assert refused.value.status == 408
+    finally:
+        a.close()
+        b.close()
