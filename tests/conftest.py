@@ -15,6 +15,7 @@ Fixtures, one meaning per name:
                  SHARED_GURTD = True; GURTD_ENV of the module is added to its environment.
   module_gurtd   that one gurtd of a module, for the module's own module-scoped fixtures.
   new_gurtd      a factory of more gurtds, with an environment of the test's choosing.
+  droid_gurtd    a gurtd whose environment holds no FACTORY_API_KEY (the droid stories).
   cli            the `gurtd` command line against the test's gurtd (Gurtd.cli for any other).
   fake_internet  the network namespace gtinet and its servers, with the tests' upstream DNS;
                  once a session.  Tests using it run under `flock /tmp/gurtd-net.lock`.
@@ -414,6 +415,14 @@ def gurtd(request: pytest.FixtureRequest) -> Iterator[Gurtd]:
         yield request.getfixturevalue("module_gurtd")
         return
     with running_gurtd(getattr(request.module, "GURTD_ENV", None)) as g:
+        yield g
+
+
+@pytest.fixture
+def droid_gurtd(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gurtd]:
+    """A gurtd whose environment holds no FACTORY_API_KEY."""
+    monkeypatch.delenv("FACTORY_API_KEY", raising=False)
+    with running_gurtd() as g:
         yield g
 
 

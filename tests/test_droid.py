@@ -27,14 +27,6 @@ AUTH_ERROR = ("Error: Authentication failed. Please log in using /login or set a
               "FACTORY_API_KEY environment variable.")
 
 
-@pytest.fixture
-def droid_gurtd(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gurtd]:
-    """A gurtd whose environment holds no FACTORY_API_KEY."""
-    monkeypatch.delenv("FACTORY_API_KEY", raising=False)
-    with running_gurtd() as g:
-        yield g
-
-
 def test_make_installed_the_pinned_cli() -> None:
     path = os.path.join(ROOT, ".venv", "droid", "node_modules", "droid", "bin", "droid")
     out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)

@@ -23,7 +23,6 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from conftest import Gurtd, eventually, put_base_file
-from test_droid import droid_gurtd  # noqa: F401  (a fixture: a gurtd with no FACTORY_API_KEY)
 
 import gurtd as G
 
