@@ -517,6 +517,27 @@ def python_arg_line(code: str) -> str:
             + base64.b64encode(code.encode()).decode() + "'))\"")
 
 
+def started(g: Gurtd, *args: str) -> subprocess.Popen[str]:
+    """A CLI process still going (run --wait, events), its output piped."""
+    return subprocess.Popen([sys.executable, GURTD, *args], env=g.cli_env(), cwd=ROOT,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def read_until(stream: Any, pattern: str, timeout: float = 30.0) -> str:
+    """What a piped stream says until pattern appears in it (read unbuffered, from its fd)."""
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while not re.search(pattern, seen.decode(errors="replace")):
+        assert time.monotonic() < deadline, f"never saw {pattern!r} in {seen!r}"
+        ready, _, _ = select.select([stream], [], [], 1.0)
+        if ready:
+            chunk = os.read(stream.fileno(), 65536)
+            assert chunk, f"the stream ended before {pattern!r}: {seen!r}"
+            seen += chunk
+    return seen.decode(errors="replace")
+
+
 def passwd_names() -> set[str]:
     with open("/etc/passwd") as f:
         return {line.split(":", 1)[0] for line in f if line.strip()}

@@ -16,35 +16,14 @@ import subprocess
 import sys
 import termios
 import time
-from typing import Any
 
-from conftest import GURTD, ROOT, Gurtd, eventually, make_home, remove_home, wait_for_step
+from conftest import (GURTD, ROOT, Gurtd, eventually, make_home, read_until, remove_home,
+                      started, wait_for_step)
 
 ID_RE = re.compile(r"t[a-z0-9]{9}")
 
 
 # helpers #####################################################################################
-
-def started(g: Gurtd, *args: str) -> subprocess.Popen[str]:
-    """A CLI process still going (run --wait, events), its output piped."""
-    return subprocess.Popen([sys.executable, GURTD, *args], env=g.cli_env(), cwd=ROOT,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def read_until(stream: Any, pattern: str, timeout: float = 30.0) -> str:
-    """What a piped stream says until pattern appears in it (read unbuffered, from its fd)."""
-    seen = b""
-    deadline = time.monotonic() + timeout
-    while not re.search(pattern, seen.decode(errors="replace")):
-        assert time.monotonic() < deadline, f"never saw {pattern!r} in {seen!r}"
-        ready, _, _ = select.select([stream], [], [], 1.0)
-        if ready:
-            chunk = os.read(stream.fileno(), 65536)
-            assert chunk, f"the stream ended before {pattern!r}: {seen!r}"
-            seen += chunk
-    return seen.decode(errors="replace")
-
 
 def controlling_terminal() -> None:
     """In the child, after setsid: its pty becomes its controlling terminal (Ctrl-C works)."""
