@@ -730,6 +730,7 @@ class Task:
     schedule: str | None = None     # the schedule that started it
     merged: list[str] | None = None  # paths its finish-time merge joined with the view's
     undoMerge: dict[str, Any] | None = None   # its undo in later copies: reverted, kept
+    mergedOn: str | None = None     # the stack its layer was merged with (a StackStore ref)
 
     def to_api(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in PUBLIC_FIELDS}
@@ -5315,12 +5316,20 @@ class Views:
 
     def changes(self, task_id: str) -> tuple[str, list[str]] | None:
         """What to walk for a task's changes: its upper and its lowers (newest first, base
-        last), or None once its layer is deleted.  The walk itself (changed_paths) runs in the
-        HTTP thread, off the loop."""
+        last), or None once its layer is deleted.  The lowers are the stack its layer is based
+        on: the one it saw, or the one its finish-time merge joined it with (`mergedOn`), so a
+        merged file shows the task's own change, not the other tasks' lines as its own.  The
+        walk itself (changed_paths) runs in the HTTP thread, off the loop."""
         task = self.box.get(task_id)
         if task.layerDeleted:
             return None
-        lowers = [self.box.path(p) for p in self.layerstack.plan(task.workspace, task.layers)]
+        stack = task.layers
+        if task.mergedOn is not None:
+            try:
+                stack = self.box.stacks.stack(task.mergedOn)
+            except ValueError as exc:         # its stack file lost: the stack it saw
+                log(3, f"task {task.id}: the stack it merged with is lost: {exc}")
+        lowers = [self.box.path(p) for p in self.layerstack.plan(task.workspace, stack)]
         return (self.box.path("layers", task.id, "upper"),
                 lowers + [self.box.path("workspaces", task.workspace)])
 
@@ -5947,6 +5956,8 @@ class FinishMerge:
         self.drop(task.id)
         if held.merged:
             task.merged = sorted(held.merged)
+        if held.seen is not None and held.seen[0] != task.layers:   # its diff's base
+            task.mergedOn = self.box.stacks.ref(task.workspace, held.seen[0])
         self.cleared.add(task.id)
         self.box.maybe_finish(held.worker)
 

@@ -99,6 +99,25 @@ def test_lines_2_and_19_of_a_20_line_file_merged(gurtd: Gurtd) -> None:
     assert gurtd.task(b)["merged"] == ["f.txt"]
 
 
+def test_a_merged_task_shows_its_own_change(gurtd: Gurtd) -> None:
+    """After the merge of lines 2 and 19, the later task's diff and changes are taken
+    against the version it merged with: its line 19 only, never a's line 2 as its own."""
+    put(gurtd, "f.txt", lines(20))
+    a = gated(gurtd, "sed -i 's/^line 2$/two by a/' f.txt")
+    b = gated(gurtd, "sed -i 's/^line 19$/nineteen by b/' f.txt; echo b > only-b.txt")
+    assert end(gurtd, a)["state"] == "done"
+    assert end(gurtd, b)["state"] == "done"
+    status, diff, _ = gurtd.request("GET", f"/api/tasks/{b}/diff")
+    assert status == 200
+    changed = [line for line in diff.decode().splitlines()
+               if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+    assert changed == ["-line 19", "+nineteen by b", "+b"], diff.decode()
+    assert sorted(c["path"] for c in gurtd.api("GET", f"/api/tasks/{b}/changes")) == \
+        ["f.txt", "only-b.txt"]
+    status, diff, _ = gurtd.request("GET", f"/api/tasks/{a}/diff")
+    assert b"+two by a" in diff and b"nineteen" not in diff
+
+
 def conflict_story(g: Gurtd, later: str, earlier: str) -> tuple[str, dict[str, Any]]:
     """Two tasks side by side on f.txt; the later one's pending conflict approval."""
     put(g, "f.txt", lines(20))
