@@ -11184,7 +11184,8 @@ APPROVE_BODY = {"type": "object", "additionalProperties": False,
                 "not": {"required": ["args", "budgetCents"]}, "properties": {
     **REASON_BODY["properties"],
     "args": {"type": "object", "description": "Run the call with these arguments instead "
-                                              "(a tool call only; checked like the task's)"},
+                                              "(a tool call only; checked like the task's); "
+                                              "of a conflict, ConflictAnswer"},
     "budgetCents": {"type": "number", "description": "Raise the task's budget to this (a "
                                                      "budget approval only; not with args)"}}}
 CENTS_OR_NULL = {"type": ["number", "null"], "minimum": 0}
@@ -11253,8 +11254,10 @@ ROUTES: list[Route] = [
                    400: "No task with this id", 429: "The log has too many followers"}),
     Route("GET", "/api/tasks/{id}/changes", h_task_changes, "A task's layer: [{path, change}]",
           "getTaskChanges", "tasks",
-          answers={200: ("The task's layer against what it was made on (empty once the layer "
-                         "is deleted); undo is per file", _array(_ref("Change"))),
+          answers={200: ("The task's layer against the view it was made on, or that its "
+                         "finish-time merge joined it with (empty once the layer is deleted); "
+                         "undo takes its change out of later copies too",
+                         _array(_ref("Change"))),
                    400: "No task with this id"}),
     Route("GET", "/api/workspaces", h_workspaces_list, "List workspaces",
           "listWorkspaces", "workspaces",
@@ -11382,7 +11385,8 @@ ROUTES: list[Route] = [
           query={"path": ({"type": "string"},
                           "Only this file or folder (absolute in a folder, or relative)")},
           answers={200: ("A unified diff of its folders' pending changes (personal), or of its "
-                         "layer; empty when there is none", {"text/x-diff": {"type": "string"}}),
+                         "layer against the view it was made on or merged with; empty when "
+                         "there is none", {"text/x-diff": {"type": "string"}}),
                    400: "No task with this id"}),
     # decisions
     Route("POST", "/api/approvals/{id}/always", h_approval_always,
@@ -11991,6 +11995,24 @@ TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schema
         "askHosts": {"type": "boolean", "description": "A name outside hosts asks a person (an "
                      "approval of kind host) instead of failing; default the askHostsDefault "
                      "setting."},
+        "merged": {"type": "array", "items": {"type": "string"},
+                   "description": "Paths its finish-time merge joined with the changes of "
+                                  "tasks that ended while it ran (its diff and changes are "
+                                  "then taken against the view it merged with)."},
+        "undoMerge": {"type": "object", "required": ["reverted", "kept", "layer"],
+                      "description": "Once undone: its change taken out of later tasks' "
+                                     "copies (reverted), or not (kept whole, and why).",
+                      "properties": {
+                          "reverted": {"type": "array", "items": {"type": "string"}},
+                          "kept": {"type": "array", "items": {
+                              "type": "object", "required": ["path", "task", "why"],
+                              "properties": {"path": {"type": "string"},
+                                             "task": {"type": "string", "description":
+                                                      "The later task whose copy stays"},
+                                             "why": {"type": "string"}}}},
+                          "layer": {"type": ["string", "null"], "description":
+                                    "The undo's own layer (a task of worker upload) holding "
+                                    "the reverted versions; null if none was needed"}}},
     },
 }
 
@@ -12113,8 +12135,11 @@ def api_schemas() -> dict[str, Any]:
             "kind": {"type": "string", "enum": ["budget", "ask", "disk", "host", "conflict"],
                      "description": "budget (a spending above the task's budget), ask (a "
                      "question), disk (BOX_HOME is below its reserve), host (a name outside "
-                     "the task's hosts, with askHosts)"},
-            "tool": string, "args": {}, "cents": number, "question": _nullable(string),
+                     "the task's hosts, with askHosts), conflict (paths its finish-time merge "
+                     "could not join; never answered by a policy)"},
+            "tool": string, "cents": number, "question": _nullable(string),
+            "args": {"description": "The call's arguments; of a conflict, ConflictArgs (its "
+                                    "answer's args: ConflictAnswer)"},
             "state": {"type": "string", "enum": list(APPROVAL_STATES)},
             "createdAt": {"type": "string", "format": "date-time"},
             "reason": _nullable(string), "answer": _nullable(string),
@@ -12155,7 +12180,41 @@ def api_schemas() -> dict[str, Any]:
         "Error": {"type": "object", "required": ["error"], "properties": {
             "error": {"type": "string", "description": "What went wrong"},
             "code": {"type": "string", "description": "A stable name for it, e.g. not_found"}}},
-        **decision_schemas(), **source_schemas(create["properties"]),
+        **decision_schemas(), **source_schemas(create["properties"]), **conflict_schemas(),
+    }
+
+
+def conflict_schemas() -> dict[str, Any]:
+    """A conflict approval's args (run_check's conflicts, version_info's versions) and the
+    args of its answer (conflict_answer)."""
+    string = {"type": "string"}
+    version = {"type": "object", "required": ["kind"], "properties": {
+        "kind": {"type": "string", "enum": ["absent", "file", "symlink", "folder", "other"]},
+        "mode": {"type": "string", "pattern": "^[0-7]{4}$"},
+        "size": {"type": "integer", "minimum": 0}, "target": string,
+        "text": {"type": "string", "description": f"At most {MERGE_SHOWN_BYTES} bytes"},
+        "shown": {"type": "string", "enum": ["binary", "too large to show"],
+                  "description": "Why there is no text"}}}
+    return {
+        "ConflictArgs": {"type": "object", "required": ["paths", "merged"], "properties": {
+            "paths": _array({"type": "object", "required": ["path", "why", "diff3", "before",
+                                                            "view", "task"], "properties": {
+                "path": string, "why": string,
+                "diff3": {**_nullable(string), "description": "git merge-file --diff3's text "
+                          "with markers (task, before, view), for text"},
+                "before": {**version, "description": "What the task saw when it started"},
+                "view": {**version, "description": "The workspace's view now"},
+                "task": {**version, "description": "The task's own"}}}),
+            "merged": {**_array(string), "description": "Paths joined cleanly meanwhile"}}},
+        "ConflictAnswer": {
+            "type": "object", "additionalProperties": False,
+            "description": "Approve's args of a conflict; none: the task's version everywhere",
+            "properties": {
+                "keep": {"type": "string", "enum": list(CONFLICT_KEEP), "default": "task",
+                         "description": "task: its version; view: the view's (its change "
+                                        "to those paths dropped)"},
+                "texts": {"type": "object", "additionalProperties": string,
+                          "description": "A merged text for some paths (by path)"}}},
     }
 
 
