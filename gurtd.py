@@ -5365,7 +5365,11 @@ class Views:
 #     done (or undone) meanwhile, the check runs again.  A clean merge is written into the
 #     layer only when the whole check is settled (no conflict left, or the person answered);
 #     from then on the layer is the task's work rebased on that stack, so the next check (if
-#     the view moved again) uses that stack as its base.
+#     the view moved again) uses that stack as its base.  The task's diff and changes are
+#     taken against that stack too (`mergedOn`, a StackStore ref, set when it becomes done):
+#     against the stack it started on, a merged file would show the lines of the tasks it
+#     merged with as its own, and undo (which takes out exactly its change) would disagree
+#     with what the diff said it changed.
 #   - Nothing joins the stack before the task is done, and a task is done only after every
 #     write of its merge is synced: a kill -9 in the middle leaves a running or waiting task,
 #     which the next start fails (reconcile); its half-written layer never shows in a view.
