@@ -508,7 +508,7 @@ def test_undo_of_a_file_a_later_task_left_alone_deletes_it(gurtd: Gurtd) -> None
 
 
 def test_run_wait_announces_a_conflict_with_the_commands_that_answer_it(gurtd: Gurtd) -> None:
-    from test_cli import cli, read_until, started
+    from test_cli import read_until, started
     put(gurtd, "f.txt", "one\n")
     proc = started(gurtd, "run", "--worker", "fake", "--wait", "--tool", "ask",
                    "echo task > f.txt\n" + GATE)
@@ -522,7 +522,7 @@ def test_run_wait_announces_a_conflict_with_the_commands_that_answer_it(gurtd: G
         assert "changed f.txt too" in said, said
         ap = pending(gurtd, task_id, "conflict")["id"]
         assert f"""gurtd approve {ap} --args '{{"keep": "view"}}'""" in said
-        assert cli(gurtd, "approve", ap, "--args", '{"keep": "view"}').returncode == 0
+        assert gurtd.cli("approve", ap, "--args", '{"keep": "view"}').returncode == 0
         proc.communicate(timeout=60)
         assert proc.returncode == 0
         assert gurtd.file("home", "f.txt") == b"view\n"
