@@ -5351,7 +5351,9 @@ class Views:
 #   - files on all three sides (or added on both): `git merge-file` (Debian's git, well kept)
 #     joins them; a clean merge is written into the task's layer.  Before git, merge_text
 #     settles what git calls a conflict but a person would not: two appends to one file
-#     (both kept, the view's first) and deletions nested in one another (the larger);
+#     (both kept, the view's first) and deletions nested in one another (the larger); and
+#     it joins alone what git joins the same way at two process starts' cost: one run of
+#     changed lines on each side, MERGE_APART unchanged lines apart (runs_apart);
 #   - anything else (overlapping hunks, binary, a delete against an edit, a folder against a
 #     file, mode or symlink target changed both ways, a file above MERGE_MAX_BYTES): a
 #     conflict, asked of a person as an approval of kind `conflict` (never by a policy).
