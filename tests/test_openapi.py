@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import gurtd as G
-from conftest import Gurtd, running_gurtd
+from conftest import Gurtd, eventually, running_gurtd
 
 VENV_BIN = os.path.dirname(sys.executable)
 SHARED_GURTD = True
@@ -357,7 +357,6 @@ def test_a_conflict_a_merge_and_an_exact_undo_fit_their_description(gurtd: Gurtd
     approval (its args), its answer, the merged task and the undone one's undoMerge are as
     described."""
     import secrets
-    from conftest import eventually
     call = Documented(gurtd)
     f, g = (f"{n}-{secrets.token_hex(3)}.txt" for n in "fg")
     for name in (f, g):
