@@ -5,7 +5,8 @@ Prints task start latency (POST until the worker runs inside its boxed view) wit
 http.server answering the same JSON, gurtd's RSS with 100 tasks running, GET latencies while
 the loop is busy, and tasks per second through a burst (`python tests/bench.py api`: those
 figures only); then the portal's: a state change to a real browser showing it, and the page's
-size (`python tests/bench.py portal`: those only).
+size (`python tests/bench.py portal`: those only); then the finish-time merge's and the exact
+undo's (`python tests/bench.py merge`: those only).
 """
 
 from __future__ import annotations
@@ -456,6 +457,7 @@ def main() -> None:
     results += personal_figures()
     results += portal_figures()
     results += layer_figures()
+    results += merge_figures()
     print_results(results)
 
 
@@ -661,6 +663,129 @@ def list_figures() -> list[tuple[str, str, str]]:
         remove_home(g.home)
 
 
+# Finish-time merge (issue 21) ################################################################
+# A task waits at an ask (its gate) while others end, so the bench decides what its
+# finish-time check meets; the time it adds is its answer-to-done time (log times) less the
+# same for a task that met nothing.
+
+GATE = "gurtd tool ask '{\"question\": \"end?\"}'"
+
+
+def gated(g: Gurtd, command: str) -> tuple[str, str]:
+    """A task that runs command, then waits at its gate: (task id, gate approval id)."""
+    task = g.create(command + "\n" + GATE, title="bench", tools=["ask"])
+    return task["id"], g.pending(task["id"])["id"]
+
+
+def answer_to_done_ms(g: Gurtd, task_id: str, gate: str) -> float:
+    """Open the gate; ms from the answer to done, from the task's log."""
+    g.api("POST", f"/api/approvals/{gate}/answer", {"answer": "go"})
+    assert g.wait(task_id)["state"] == "done", g.task(task_id)
+    log = g.log(task_id)
+    answered = next(e for e in log if e["type"] == "approval" and e.get("state"))
+    done = next(e for e in log if e["type"] == "state" and e["state"] == "done")
+    return (ts(done["time"]) - ts(answered["time"])) * 1000
+
+
+def check_added(g: Gurtd, rounds: int, command: str, others: int, other_command: str
+                ) -> tuple[list[float], list[float], list[float]]:
+    """Answer-to-done ms of a task that ran command (with {r}) while `others` tasks ran
+    other_command (with {r} and {n}) and ended during its run, and of one that met none;
+    and its check replayed (replayed_check_ms)."""
+    met, alone, checks = [], [], []
+    for r in range(rounds):
+        alone.append(answer_to_done_ms(g, *gated(g, command.format(r=f"alone-{r}"))))
+        task_id, gate = gated(g, command.format(r=r))
+        ended = [g.run(other_command.format(r=r, n=n))["id"] for n in range(others)]
+        met.append(answer_to_done_ms(g, task_id, gate))
+        checks += replayed_check_ms(g, task_id, ended[::-1], 3)
+    return met, alone, checks
+
+
+def replayed_check_ms(g: Gurtd, task_id: str, ended: list[str], runs: int) -> list[float]:
+    """The finish-time check of a done task run again in this process (G.run_check, as the
+    merge thread runs it): its view then, and the layers that ended while it ran."""
+    import tempfile
+    seen = g.task(task_id)["layers"]
+    job = G.MergeCheck(task_id, 0, f"layers/{task_id}/upper", G.lower_layer_paths(seen),
+                       G.lower_layer_paths(ended + seen), "workspaces/home",
+                       [os.path.join(g.home, "layers", i, "upper") for i in ended], ended + seen)
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(runs):
+            times.append(timed_ms(lambda: G.run_check(job, g.home, tmp)))
+    return times
+
+
+def merge_text_ms(lines: int, runs: int) -> list[float]:
+    """G.merge_text (in this process) of one file of `lines` lines, changed at its start on
+    one side and at its end on the other: a clean merge."""
+    import tempfile
+    base = [f"line {i}\n".encode() for i in range(lines)]
+    ours, theirs = list(base), list(base)
+    ours[1], theirs[-2] = b"ours\n", b"theirs\n"
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            clean, _ = G.merge_text(b"".join(ours), b"".join(base), b"".join(theirs), tmp)
+            times.append((time.perf_counter() - t0) * 1000)
+            assert clean
+    return times
+
+
+def undo_times(g: Gurtd, victims: int, copies: int) -> tuple[list[float], list[float]]:
+    """Undo of `victims` tasks, each of which changed line 2 of `copies` files that `copies`
+    later tasks then changed again (line 9, one file of each victim a task): the answer's
+    ms, and ms until the revert layer joined (undoMerge)."""
+    for v in range(victims):
+        g.run(f"mkdir -p u{v} && for i in $(seq {copies}); do seq 10 > u{v}/f$i; done")
+    ids = [g.run(f"for i in $(seq {copies}); do sed -i 2s/.*/victim/ u{v}/f$i; done")["id"]
+           for v in range(victims)]
+    for i in range(1, copies + 1):
+        g.run(" && ".join(f"sed -i 9s/.*/later/ u{v}/f{i}" for v in range(victims)))
+    answers, joined = [], []
+    for task_id in ids:
+        t0 = time.perf_counter()
+        g.api("POST", f"/api/tasks/{task_id}/undo")
+        answers.append((time.perf_counter() - t0) * 1000)
+        deadline = time.monotonic() + 120
+        while "undoMerge" not in (task := g.task(task_id)):
+            assert time.monotonic() < deadline, task
+            time.sleep(0.005)
+        joined.append((time.perf_counter() - t0) * 1000)
+        assert len(task["undoMerge"]["reverted"]) == copies, task["undoMerge"]
+    return answers, joined
+
+
+def merge_figures() -> list[tuple[str, str, str]]:
+    """The finish-time check's added time (10 tasks ended meanwhile, 1,000 files changed),
+    a clean merge of one 10,000-line file (alone, and as the time added to a task's end),
+    and undo with 100 later copies (the answer, and the revert layer joined)."""
+    results: list[tuple[str, str, str]] = []
+    with running_gurtd() as g:
+        many = "mkdir -p many && for i in $(seq 1000); do echo {r} > many/f$i; done"
+        met, alone, checks = check_added(g, 5, many, 10, "echo {n} > other-{r}-{n}.txt")
+        results.append(("finish-time check, 1,000 files, 10 ended meanwhile, p50 / p95 (ms)",
+                        f"{statistics.median(checks):.1f} / {pct(checks, 95):.1f}", "p50 <= 50"))
+        results.append(("  answer to done with it / without, p50 (ms)",
+                        f"{statistics.median(met):.1f} / {statistics.median(alone):.1f}", ""))
+        texts = merge_text_ms(10_000, 20)
+        results.append(("clean merge of one 10,000-line file (merge_text), p50 / p95 (ms)",
+                        f"{statistics.median(texts):.1f} / {pct(texts, 95):.1f}", "<= 20"))
+        g.run("seq 10000 > big.txt")
+        met, alone, checks = check_added(g, 5, "sed -i 2s/.*/ours-{r}/ big.txt", 1,
+                                         "sed -i 9999s/.*/theirs-{r}/ big.txt")
+        results.append(("  its finish-time check (one 10,000-line file), p50 / p95 (ms)",
+                        f"{statistics.median(checks):.1f} / {pct(checks, 95):.1f}", ""))
+        answers, joined = undo_times(g, 5, 100)
+        results.append(("undo of a task with 100 later copies: answer, p50 (ms)",
+                        f"{statistics.median(answers):.1f}", "<= 50"))
+        results.append(("  until its revert layer joined, p50 / p95 (ms)",
+                        f"{statistics.median(joined):.1f} / {pct(joined, 95):.1f}", ""))
+    return results
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["personal"]:     # python tests/bench.py personal: this section only
         print_results(personal_figures())
@@ -668,5 +793,7 @@ if __name__ == "__main__":
         print_results(portal_figures())
     elif sys.argv[1:] == ["layers"]:     # python tests/bench.py layers: these figures only
         print_results(layer_figures())
+    elif sys.argv[1:] == ["merge"]:      # python tests/bench.py merge: issue 21's only
+        print_results(merge_figures())
     else:
         main()

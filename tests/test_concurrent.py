@@ -99,6 +99,25 @@ def test_lines_2_and_19_of_a_20_line_file_merged(gurtd: Gurtd) -> None:
     assert gurtd.task(b)["merged"] == ["f.txt"]
 
 
+def test_a_merged_task_shows_its_own_change(gurtd: Gurtd) -> None:
+    """After the merge of lines 2 and 19, the later task's diff and changes are taken
+    against the version it merged with: its line 19 only, never a's line 2 as its own."""
+    put(gurtd, "f.txt", lines(20))
+    a = gated(gurtd, "sed -i 's/^line 2$/two by a/' f.txt")
+    b = gated(gurtd, "sed -i 's/^line 19$/nineteen by b/' f.txt; echo b > only-b.txt")
+    assert end(gurtd, a)["state"] == "done"
+    assert end(gurtd, b)["state"] == "done"
+    status, diff, _ = gurtd.request("GET", f"/api/tasks/{b}/diff")
+    assert status == 200
+    changed = [line for line in diff.decode().splitlines()
+               if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+    assert changed == ["-line 19", "+nineteen by b", "+b"], diff.decode()
+    assert sorted(c["path"] for c in gurtd.api("GET", f"/api/tasks/{b}/changes")) == \
+        ["f.txt", "only-b.txt"]
+    status, diff, _ = gurtd.request("GET", f"/api/tasks/{a}/diff")
+    assert b"+two by a" in diff and b"nineteen" not in diff
+
+
 def conflict_story(g: Gurtd, later: str, earlier: str) -> tuple[str, dict[str, Any]]:
     """Two tasks side by side on f.txt; the later one's pending conflict approval."""
     put(g, "f.txt", lines(20))
@@ -275,7 +294,7 @@ class Model:
         """A task ends: the conflicting files (answer(conflicts) gives the person's answer:
         None deny, or (keep, texts)); its layer joins unless denied."""
         view, layer = self.view(), {}
-        results = {n: model_merge(base[n], view[n], o) for n, o in ours.items()}
+        results = {n: model_merge(base.get(n), view.get(n), o) for n, o in ours.items()}
         conflicts = sorted(n for n, r in results.items() if r == "conflict")
         decision = answer(conflicts) if conflicts else ("task", {})
         if decision is None:
@@ -302,7 +321,7 @@ class Model:
         for name in mine:
             if not any(name in files for _, files in above):
                 continue
-            result = model_merge(top[name], under[name], now[name])
+            result = model_merge(top.get(name), under.get(name), now.get(name))
             if result == "conflict":
                 kept.append(name)
             elif result != now[name]:
@@ -312,9 +331,47 @@ class Model:
         return kept
 
 
+BINARY = "d.bin"                          # a binary file: a whole-file slot, never merged
+
+
+def random_edits(rng: random.Random, made: int, view: Files) -> tuple[Files, list[str]]:
+    """Task number made's random edits of the view: slot lines of one or two text files,
+    a delete or a rename of one (to a new name), a new file in a new folder, the binary
+    file replaced; (its files as the model holds them, the shell commands)."""
+    ours: Files = {}
+    commands = []
+    texts = sorted(n for n, v in view.items() if v is not None and n.endswith(".txt") and
+                   "/" not in n)
+    for name in rng.sample(texts, min(len(texts), rng.randint(1, 2))):
+        edit = rng.random()
+        if edit < 0.1 or (edit < 0.15 and name.startswith("r")):
+            ours[name] = None
+            commands.append(f"rm {name}")
+            continue
+        if edit < 0.15:
+            ours[name], ours[f"r{made}.txt"] = None, list(view[name] or [])
+            commands.append(f"mv {name} r{made}.txt")
+            continue
+        ours[name] = list(view[name] or [])
+        for slot in rng.sample(SLOTS, rng.randint(1, 2)):
+            if slot < len(ours[name] or []):
+                ours[name][slot] = f"t{made} {name} {slot}"       # type: ignore[index]
+                commands.append(f"sed -i '{slot + 1}s/.*/t{made} {name} {slot}/' {name}")
+        if ours[name] == view[name]:
+            del ours[name]
+    if rng.random() < 0.2:
+        ours[f"d{made}/e/new.txt"] = [f"new by t{made}"]
+        commands.append(f"mkdir -p d{made}/e && echo 'new by t{made}' > d{made}/e/new.txt")
+    if rng.random() < 0.2 and view.get(BINARY) is not None:
+        ours[BINARY] = [f"bin t{made}\0"]
+        commands.append(f"printf 'bin t{made}\\000\\n' > {BINARY}")
+    return ours, commands
+
+
 def test_random_histories(gurtd: Gurtd) -> None:
     """Thirty tasks in a random order of starts, ends and undos, up to six side by side,
-    each changing random slot lines of three files or deleting one; conflicts answered at
+    each changing random slot lines of three files, deleting or renaming one, making a file
+    in a new folder or replacing a binary file (random_edits); conflicts answered at
     random.  After every end and every undo the view is exactly what the model says: no
     change is lost without a word (a conflict, a person's answer, an undo's kept list)."""
     rng = random.Random(int(os.environ.get("GURT_TEST_SEED", "21")))
@@ -322,7 +379,11 @@ def test_random_histories(gurtd: Gurtd) -> None:
     start = [f"line {i}" for i in range(1, 31)]
     for name in names:
         put(gurtd, name, "\n".join(start) + "\n")
+    put(gurtd, BINARY, "bin base\0\n")
     model = Model(names, start)
+    model.base[BINARY] = ["bin base\0"]
+    every = set(names) | {BINARY}           # every path a task made: absent unless the model
+    #                                         holds it
     model.layers = []                       # the uploads above are the model's base
     running: dict[str, tuple[Files, Files]] = {}     # id -> (the view it saw, its files)
     ids: list[str] = []                     # the model's layers of tasks, by their ids
@@ -346,23 +407,8 @@ def test_random_histories(gurtd: Gurtd) -> None:
         elif made < 30 and (len(running) < 2 or (len(running) < 6 and step < 0.55)):
             made += 1
             view = model.view()
-            ours: Files = {}
-            commands = []
-            for name in rng.sample(names, rng.randint(1, 2)):
-                if view[name] is None:
-                    continue
-                if rng.random() < 0.1:
-                    ours[name] = None
-                    commands.append(f"rm {name}")
-                    continue
-                ours[name] = list(view[name])
-                for slot in rng.sample(SLOTS, rng.randint(1, 2)):
-                    if slot < len(ours[name]):
-                        ours[name][slot] = f"t{made} {name} {slot}"
-                        commands.append(f"sed -i '{slot + 1}s/.*/t{made} {name} {slot}/' "
-                                        f"{name}")
-                if ours[name] == view[name]:
-                    del ours[name]
+            ours, commands = random_edits(rng, made, view)
+            every.update(ours)
             task_id = gated(gurtd, "; ".join(commands) or "true", title=f"t{made}")
             running[task_id] = (view, ours)
         else:
@@ -399,9 +445,10 @@ def test_random_histories(gurtd: Gurtd) -> None:
                 seen["merged"] += bool(task.get("merged"))
             seen["conflict"] += bool(conflicts)
         view = model.view()
-        for name in names:
+        for name in sorted(every):
             got = gurtd.file("home", name)
-            expect = None if view[name] is None else ("\n".join(view[name]) + "\n").encode()
+            expect = None if view.get(name) is None else \
+                ("\n".join(view[name]) + "\n").encode()
             assert got == expect, (name, json.dumps(seen), gurtd.api("GET", "/api/tasks"))
     assert seen["conflict"] >= 2 and seen["merged"] >= 2 and seen["undo"] >= 2, seen
 
@@ -489,7 +536,7 @@ def test_undo_of_a_file_a_later_task_left_alone_deletes_it(gurtd: Gurtd) -> None
 
 
 def test_run_wait_announces_a_conflict_with_the_commands_that_answer_it(gurtd: Gurtd) -> None:
-    from test_cli import cli, read_until, started
+    from test_cli import read_until, started
     put(gurtd, "f.txt", "one\n")
     proc = started(gurtd, "run", "--worker", "fake", "--wait", "--tool", "ask",
                    "echo task > f.txt\n" + GATE)
@@ -503,7 +550,7 @@ def test_run_wait_announces_a_conflict_with_the_commands_that_answer_it(gurtd: G
         assert "changed f.txt too" in said, said
         ap = pending(gurtd, task_id, "conflict")["id"]
         assert f"""gurtd approve {ap} --args '{{"keep": "view"}}'""" in said
-        assert cli(gurtd, "approve", ap, "--args", '{"keep": "view"}').returncode == 0
+        assert gurtd.cli("approve", ap, "--args", '{"keep": "view"}').returncode == 0
         proc.communicate(timeout=60)
         assert proc.returncode == 0
         assert gurtd.file("home", "f.txt") == b"view\n"

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import gurtd as G
-from conftest import Gurtd, running_gurtd
+from conftest import Gurtd, eventually, running_gurtd
 
 VENV_BIN = os.path.dirname(sys.executable)
 SHARED_GURTD = True
@@ -350,6 +350,47 @@ def test_a_personal_tasks_diff_keep_and_undo_fit_their_description(gurtd: Gurtd)
         subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
         shutil.rmtree(f"/home/{name}", ignore_errors=True)
     assert not os.path.exists(f"/home/{name}")
+
+
+def test_a_conflict_a_merge_and_an_exact_undo_fit_their_description(gurtd: Gurtd) -> None:
+    """Two tasks side by side change line 5 of one file and append to another: the conflict
+    approval (its args), its answer, the merged task and the undone one's undoMerge are as
+    described."""
+    import secrets
+    call = Documented(gurtd)
+    f, g = (f"{n}-{secrets.token_hex(3)}.txt" for n in "fg")
+    for name in (f, g):
+        status, _, _ = gurtd.request("PUT", f"/api/workspaces/home/files/{name}",
+                                     raw="".join(f"line {i}\n" for i in range(1, 9)).encode(),
+                                     headers={"Content-Type": "application/octet-stream"})
+        assert status == 201
+
+    def gate(task_id: str, kind: str) -> dict[str, Any]:
+        return eventually(lambda: next((a for a in gurtd.api(
+            "GET", f"/api/approvals?state=pending&task={task_id}") if a["kind"] == kind), None),
+            30, f"{kind} of {task_id}")
+    ask = "gurtd tool ask '{\"question\": \"end?\"}'"
+    a, b = (gurtd.create(f"sed -i 's/^line 5$/five by {n}/' {f}; echo {n} >> {g}\n{ask}",
+                         tools=["ask"])["id"] for n in "ab")
+    gates = {t: gate(t, "ask") for t in (a, b)}
+    gurtd.api("POST", f"/api/approvals/{gates[b]['id']}/answer", {"answer": "go"})
+    assert gurtd.wait(b)["state"] == "done"
+    gurtd.api("POST", f"/api/approvals/{gates[a]['id']}/answer", {"answer": "go"})
+    one = f"/api/approvals/{gate(a, 'conflict')['id']}"
+    conflict, _ = call("GET", "/api/approvals/{id}", one, 200)
+    assert [p["path"] for p in conflict["args"]["paths"]] == [f]
+    assert conflict["args"]["merged"] == [g]
+    call("POST", "/api/approvals/{id}/approve", one + "/approve", 400,
+         {"args": {"keep": "neither"}})
+    call("POST", "/api/approvals/{id}/approve", one + "/approve", 200, {"args": {"keep": "task"}})
+    assert gurtd.wait(a)["state"] == "done"
+    merged, _ = call("GET", "/api/tasks/{id}", f"/api/tasks/{a}", 200)
+    assert merged["merged"] == [g]
+    call("POST", "/api/tasks/{id}/undo", f"/api/tasks/{b}/undo", 200)
+    eventually(lambda: "undoMerge" in gurtd.task(b), 30, "the undo's revert")
+    undone, _ = call("GET", "/api/tasks/{id}", f"/api/tasks/{b}", 200)
+    assert undone["undoMerge"]["reverted"] == [g], undone
+    assert [k["path"] for k in undone["undoMerge"]["kept"]] == [f]
 
 
 def test_a_generated_client_creates_a_workspace_and_puts_a_file(gurtd: Gurtd,

@@ -288,6 +288,54 @@ def test_an_ask_is_answered_from_the_inbox(gurtd: Gurtd, browser: Any) -> None:
     assert any("teal" in line for line in gurtd.output(task["id"]))
 
 
+def test_a_conflict_is_settled_from_the_inbox_with_a_merged_text(gurtd: Gurtd,
+                                                                  browser: Any) -> None:
+    """Two tasks side by side change line 3 of one file: the later one's conflict card names
+    the file, why, its three versions and git's diff3; I write the merged text in the card,
+    tick it and send it: the task is done and the view holds my text."""
+    import secrets
+    d = browser
+    name = f"c-{secrets.token_hex(3)}.txt"
+    status, _, _ = gurtd.request("PUT", f"/api/workspaces/home/files/{name}", raw=b"1\n2\n3\n4\n",
+                                 headers={"Content-Type": "application/octet-stream"})
+    assert status == 201
+    ask = "gurtd tool ask '{\"question\": \"end?\"}'"
+    a, b = (gurtd.create(f"sed -i 's/^3$/three by {n}/' {name}\n{ask}", title=f"edits {n}",
+                         tools=["ask"])["id"] for n in "ab")
+    gates = {t: gurtd.pending(t, 20)["id"] for t in (a, b)}    # both run side by side
+    gurtd.api("POST", f"/api/approvals/{gates[b]}/answer", {"answer": "go"})
+    assert gurtd.wait(b)["state"] == "done"            # b ends first: a's change meets it
+    gurtd.api("POST", f"/api/approvals/{gates[a]}/answer", {"answer": "go"})
+    conflict = eventually(lambda: next((x for x in gurtd.api(
+        "GET", f"/api/approvals?state=pending&task={a}") if x["kind"] == "conflict"), None),
+        30, "the conflict")
+    go(d, "#/inbox", "#inbox")
+    card = wait(d, lambda x: x.find_elements(By.ID, f"approval-{conflict['id']}"),
+                "the conflict card")[0]
+    assert card.get_attribute("data-kind") == "conflict"
+    item = card.find_element(By.CSS_SELECTOR, f"li.conflict-path[data-path='{name}']")
+    assert "overlapping changes" in item.find_element(By.CLASS_NAME, "why").text
+    sides = {v.get_attribute("data-side"): v for v in item.find_elements(By.CLASS_NAME,
+                                                                         "version")}
+    assert set(sides) == {"before", "view", "task"}
+    for side, line in (("before", "3"), ("view", "three by b"), ("task", "three by a")):
+        sides[side].find_element(By.TAG_NAME, "summary").click()
+        assert line in sides[side].find_element(By.TAG_NAME, "pre").text.splitlines()
+    area = item.find_element(By.TAG_NAME, "textarea")
+    assert "<<<<<<< task" in area.get_attribute("value")
+    assert not card.find_elements(By.ID, f"approve-{conflict['id']}")
+    area.clear()
+    area.send_keys("1\n2\nthree by both\n4\n")
+    item.find_element(By.CSS_SELECTOR, "input.use-text").click()
+    card.find_element(By.ID, f"send-merged-{conflict['id']}").click()
+    wait(d, lambda x: not x.find_elements(By.ID, f"approval-{conflict['id']}"), "answered")
+    assert gurtd.wait(a)["state"] == "done"
+    assert gurtd.file("home", name) == b"1\n2\nthree by both\n4\n"
+    answered = gurtd.api("GET", f"/api/approvals/{conflict['id']}")
+    assert answered["approvedArgs"] == {"keep": "task",
+                                        "texts": {name: "1\n2\nthree by both\n4\n"}}
+
+
 def test_undo_from_the_task_page_and_the_file_leaves_the_files_view(gurtd: Gurtd,
                                                                     browser: Any) -> None:
     d = browser
