@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Gurtd, eventually, running_gurtd
+from conftest import Gurtd, eventually, read_until, running_gurtd, started
 
 GATE = "gurtd tool ask '{\"question\": \"end?\"}'"
 
@@ -536,7 +536,6 @@ def test_undo_of_a_file_a_later_task_left_alone_deletes_it(gurtd: Gurtd) -> None
 
 
 def test_run_wait_announces_a_conflict_with_the_commands_that_answer_it(gurtd: Gurtd) -> None:
-    from test_cli import read_until, started
     put(gurtd, "f.txt", "one\n")
     proc = started(gurtd, "run", "--worker", "fake", "--wait", "--tool", "ask",
                    "echo task > f.txt\n" + GATE)
