@@ -601,6 +601,58 @@ def validate_task_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _whole(low: int, high: int) -> Callable[[Any], bool]:
+    return lambda v: not isinstance(v, bool) and isinstance(v, int) and low <= v <= high
+
+
+def _host_entries(value: Any) -> bool:
+    for host in value if isinstance(value, list) else ():
+        try:
+            parse_host(host)
+        except ValueError as exc:
+            raise ApiError(400, f"droidHosts: {json.dumps(host)}: {exc}") from None
+    return isinstance(value, list)
+
+
+def _upstream(value: Any) -> bool:
+    try:
+        return isinstance(value, str) and (not value or bool(parse_upstream(value)))
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+# A setting's check, (whether a value is good, what it must be), may say more by ApiError;
+# SETTING_VALUES check and normalize (dnsAllowedNets' networks in their short form).
+SETTING_RULES: dict[str, tuple[Callable[[Any], Any], str]] = {
+    "defaultBudgetCents": (lambda v: is_cents(v) and v >= 0, "be a number of at least 0"),
+    "maxRunningTasks": (_whole(1, 1000), "be a whole number from 1 to 1000"),
+    "taskTimeoutSeconds": (_whole(1, 7 * 86400), "be a whole number from 1 to 604800"),
+    "droidPath": (lambda v: isinstance(v, str) and (not v or os.path.isabs(v)),
+                  "be an absolute path, or empty for the one make installs"),
+    "droidModel": (lambda v: isinstance(v, str) and re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,99}", v),
+                   "be a model id such as claude-sonnet-5"),
+    "droidAutonomy": (lambda v: v in ("low", "medium", "high"), "be one of: low, medium, high"),
+    "droidHosts": (_host_entries, "be an array of host entries"),
+    "droidPrices": (lambda v: isinstance(v, dict) and all(
+        isinstance(p, dict) and set(p) == {"input", "output", "cacheRead", "cacheWrite"}
+        and all(is_cents(c) and c >= 0 for c in p.values()) for p in v.values()),
+        "map model ids to {input, output, cacheRead, cacheWrite} in cents per million tokens"),
+    "upstreamDns": (_upstream, "be a string: HOST[:PORT], or empty"),
+    "neverAutoApproveCents": (lambda v: v is None or (is_cents(v) and v >= 0), "be a number "
+                              "of at least 0, or null (no call is too large for a policy)"),
+    "askHostsDefault": (lambda v: isinstance(v, bool), "be true or false"),
+    "hookHosts": (lambda v: isinstance(v, list) and len(v) <= 20 and all(
+        isinstance(h, str) and re.fullmatch(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?", h)
+        and "." in h for h in v), "be an array of lower-case host names (without port) that "
+                                  "hook deliveries may arrive under"),
+}
+SETTING_VALUES: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
+    "dnsAllowedNets": lambda v, current: valid_answer_nets(v),
+    "folderRoots": lambda v, current: valid_folder_roots(v),
+    "jira": lambda v, current: validate_jira(v, current),
+}
+
+
 def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
     """Check a PUT /api/settings body (a partial update); return the new settings."""
     if not isinstance(body, dict):
@@ -609,74 +661,11 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
     for key, value in body.items():
         if key not in DEFAULT_SETTINGS:
             raise ApiError(400, f"unknown setting: {key}")
-        if key == "defaultBudgetCents":
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or value != value or value < 0 or value == float("inf"):
-                raise ApiError(400, "defaultBudgetCents must be a number of at least 0")
-        if key == "maxRunningTasks":
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1000:
-                raise ApiError(400, "maxRunningTasks must be a whole number from 1 to 1000")
-        if key == "taskTimeoutSeconds":
-            if isinstance(value, bool) or not isinstance(value, int) or \
-                    not 1 <= value <= 7 * 86400:
-                raise ApiError(400, "taskTimeoutSeconds must be a whole number from 1 to 604800")
-        if key == "droidPath":
-            if not isinstance(value, str) or (value and not os.path.isabs(value)):
-                raise ApiError(400, "droidPath must be an absolute path, or empty for the one "
-                                    "make installs")
-        if key == "droidModel":
-            if not isinstance(value, str) or not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,99}",
-                                                                 value):
-                raise ApiError(400, "droidModel must be a model id such as claude-sonnet-5")
-        if key == "droidAutonomy" and value not in ("low", "medium", "high"):
-            raise ApiError(400, "droidAutonomy must be one of: low, medium, high")
-        if key == "droidHosts":
-            if not isinstance(value, list):
-                raise ApiError(400, "droidHosts must be an array of host entries")
-            for host in value:
-                try:
-                    parse_host(host)
-                except ValueError as exc:
-                    raise ApiError(400, f"droidHosts: {json.dumps(host)}: {exc}") from None
-        if key == "droidPrices":
-            if not isinstance(value, dict) or not all(
-                    isinstance(p, dict) and set(p) == {"input", "output", "cacheRead",
-                                                       "cacheWrite"}
-                    and all(is_cents(c) and c >= 0 for c in p.values())
-                    for p in value.values()):
-                raise ApiError(400, "droidPrices must map model ids to {input, output, "
-                                    "cacheRead, cacheWrite} in cents per million tokens")
-        if key == "dnsAllowedNets":
-            value = valid_answer_nets(value)
-        if key == "upstreamDns":
-            if not isinstance(value, str):
-                raise ApiError(400, "upstreamDns must be a string: HOST[:PORT], or empty")
-            if value:
-                try:
-                    parse_upstream(value)
-                except ValueError as exc:
-                    raise ApiError(400, str(exc)) from None
-        if key == "neverAutoApproveCents" and value is not None and \
-                (not is_cents(value) or value < 0):
-            raise ApiError(400, "neverAutoApproveCents must be a number of at least 0, or null "
-                                "(no call is too large for a policy)")
-        if key == "askHostsDefault" and not isinstance(value, bool):
-            raise ApiError(400, "askHostsDefault must be true or false")
-        if key in LIMIT_SETTINGS:
-            check_limit(key, value, *LIMIT_SETTINGS[key])
-        if key == "folderRoots":
-            value = valid_folder_roots(value)
-        if key == "uploadMaxBytes":
-            check_limit(key, value, 1 << 10)
-        if key == "jira":
-            value = validate_jira(value, current)
-        if key == "hookHosts":
-            if not isinstance(value, list) or len(value) > 20 or not all(
-                    isinstance(h, str) and re.fullmatch(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?",
-                                                        h) and "." in h for h in value):
-                raise ApiError(400, "hookHosts must be an array of lower-case host names "
-                                    "(without port) that hook deliveries may arrive under")
-        new[key] = value
+        if key in SETTING_RULES and not SETTING_RULES[key][0](value):
+            raise ApiError(400, f"{key} must {SETTING_RULES[key][1]}")
+        if key in LIMIT_SETTINGS or key == "uploadMaxBytes":
+            check_limit(key, value, *LIMIT_SETTINGS.get(key, (1 << 10, False)))
+        new[key] = SETTING_VALUES[key](value, current) if key in SETTING_VALUES else value
     if new["droidModel"] not in new["droidPrices"]:   # an unpriced model would be free
         raise ApiError(400, f"droidModel {new['droidModel']} has no droidPrices entry (its "
                             "usage would cost nothing and its budget never pause it); priced: "
@@ -12961,6 +12950,20 @@ def client_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                         show_default=True, help="where the token is (env BOX_HOME)")(fn)
 
 
+def json_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """--json (the answer as JSON) and the client options."""
+    return click.option("--json", "as_json", is_flag=True)(client_options(fn))
+
+
+def print_listing(items: list[dict[str, Any]], as_json: bool, row: Callable[[Any], list[str]],
+                  headers: list[str], state_column: int | None = None) -> None:
+    """A list answer as JSON, or as a table of row(item) for each item."""
+    if as_json:
+        click.echo(json.dumps(items, indent=1))
+    else:
+        print_table([row(item) for item in items], headers, state_column)
+
+
 def print_table(rows: list[list[str]], headers: list[str], state_column: int | None = None
                 ) -> None:
     """Columns padded to their widest cell; the state column in colour on a terminal."""
@@ -13312,23 +13315,18 @@ def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title
 @click.option("--state", type=click.Choice(STATES), default=None)
 @click.option("--workspace", default=None)
 @click.option("--limit", type=click.IntRange(1, 1000), default=200)
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_tasks(state: str | None, workspace: str | None, limit: int, as_json: bool,
               box_home: str, listen: str) -> None:
     """List tasks, newest first."""
     query = urllib.parse.urlencode({k: v for k, v in (("state", state), ("workspace", workspace),
                                                        ("limit", limit)) if v is not None})
-    tasks = Client(listen, box_home).request("GET", f"/tasks?{query}")
-    if as_json:
-        click.echo(json.dumps(tasks, indent=1))
-        return
-    now = time.time()
-    print_table([[t["id"], t["state"], t["worker"], t["workspace"], t.get("source", "api"),
-                  ago(t["createdAt"], now),
-                  cents_text(t.get("costCents", 0)), short(t["title"], 40),
-                  short(t.get("error") or "", 30)] for t in tasks],
-                ["ID", "STATE", "WORKER", "WORKSPACE", "SOURCE", "CREATED", "COST", "TITLE", "ERROR"], 1)
+    tasks, now = Client(listen, box_home).request("GET", f"/tasks?{query}"), time.time()
+    print_listing(tasks, as_json, lambda t: [
+        t["id"], t["state"], t["worker"], t["workspace"], t.get("source", "api"),
+        ago(t["createdAt"], now), cents_text(t.get("costCents", 0)), short(t["title"], 40),
+        short(t.get("error") or "", 30)],
+        ["ID", "STATE", "WORKER", "WORKSPACE", "SOURCE", "CREATED", "COST", "TITLE", "ERROR"], 1)
 
 
 def _task_command(name: str, method: str, suffix: str, doc: str) -> None:
@@ -13373,22 +13371,17 @@ def cmd_log(task_id: str, follow: bool, as_json: bool, box_home: str, listen: st
 @click.option("--state", type=click.Choice(APPROVAL_STATES), default="pending",
               show_default=True)
 @click.option("--task", "task_id", default=None)
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_approvals(state: str, task_id: str | None, as_json: bool, box_home: str,
                   listen: str) -> None:
     """List approvals (pending ones by default)."""
     query = urllib.parse.urlencode({k: v for k, v in (("state", state), ("task", task_id))
                                     if v})
-    approvals = Client(listen, box_home).request("GET", f"/approvals?{query}")
-    if as_json:
-        click.echo(json.dumps(approvals, indent=1))
-        return
-    now = time.time()
-    print_table([[a["id"], a["state"], a["task"], a["kind"], a["tool"], cents_text(a["cents"]),
-                  ago(a["createdAt"], now), short(a.get("question") or json.dumps(a["args"]),
-                                                  60)] for a in approvals],
-                ["ID", "STATE", "TASK", "KIND", "TOOL", "CENTS", "CREATED", "WHAT"], 1)
+    approvals, now = Client(listen, box_home).request("GET", f"/approvals?{query}"), time.time()
+    print_listing(approvals, as_json, lambda a: [
+        a["id"], a["state"], a["task"], a["kind"], a["tool"], cents_text(a["cents"]),
+        ago(a["createdAt"], now), short(a.get("question") or json.dumps(a["args"]), 60)],
+        ["ID", "STATE", "TASK", "KIND", "TOOL", "CENTS", "CREATED", "WHAT"], 1)
 
 
 def _answer_command(name: str, suffix: str, doc: str, reason_required: bool) -> None:
@@ -13434,8 +13427,7 @@ def cmd_answer(approval_id: str, text: str, box_home: str, listen: str) -> None:
 
 @cli.command("wallet")
 @click.option("--set", "balance", type=float, default=None, help="set the balance, in cents")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_wallet(balance: float | None, as_json: bool, box_home: str, listen: str) -> None:
     """Show the wallet (or set its balance)."""
     client = Client(listen, box_home)
@@ -13459,19 +13451,14 @@ def cmd_wallet(balance: float | None, as_json: bool, box_home: str, listen: str)
 
 # sources: schedules and hooks
 @cli.command("schedules")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_schedules(as_json: bool, box_home: str, listen: str) -> None:
     """List schedules with their next run."""
-    items = Client(listen, box_home).request("GET", "/schedules")
-    if as_json:
-        click.echo(json.dumps(items, indent=1))
-        return
-    print_table([[s["id"], s["name"][:30], s["cron"], s["timezone"],
-                  "on" if s["enabled"] else "off", (s["nextRuns"] or ["-"])[0],
-                  f"{s.get('lastTask') or '-'} {s.get('lastState') or ''}".strip()]
-                 for s in items],
-                ["ID", "NAME", "CRON", "TIMEZONE", "ENABLED", "NEXT RUN", "LAST RUN"])
+    print_listing(Client(listen, box_home).request("GET", "/schedules"), as_json, lambda s: [
+        s["id"], s["name"][:30], s["cron"], s["timezone"], "on" if s["enabled"] else "off",
+        (s["nextRuns"] or ["-"])[0],
+        f"{s.get('lastTask') or '-'} {s.get('lastState') or ''}".strip()],
+        ["ID", "NAME", "CRON", "TIMEZONE", "ENABLED", "NEXT RUN", "LAST RUN"])
 
 
 @cli.group("schedule")
@@ -13487,8 +13474,7 @@ def cmd_schedule() -> None:
 @click.option("--worker", type=click.Choice(WORKERS), default=None, help="default droid")
 @click.option("--workspace", default=None, help="default home")
 @click.option("--overlap", type=click.Choice(OVERLAPS), default="skip", show_default=True)
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_schedule_add(name: str, cron: str, prompt: tuple[str, ...], timezone: str,
                      worker: str | None, workspace: str | None, overlap: str, as_json: bool,
                      box_home: str, listen: str) -> None:
@@ -13515,25 +13501,19 @@ def cmd_schedule_run(schedule_id: str, box_home: str, listen: str) -> None:
 
 
 @cli.command("hooks")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_hooks(as_json: bool, box_home: str, listen: str) -> None:
     """List hooks (their secrets are never shown again)."""
-    items = Client(listen, box_home).request("GET", "/hooks")
-    if as_json:
-        click.echo(json.dumps(items, indent=1))
-        return
-    print_table([[h["name"], h["source"], h["url"], ", ".join(h["allow"]) or "-",
-                  h["createdAt"][:19]] for h in items],
-                ["NAME", "SOURCE", "URL", "BODY MAY SET", "CREATED"])
+    print_listing(Client(listen, box_home).request("GET", "/hooks"), as_json, lambda h: [
+        h["name"], h["source"], h["url"], ", ".join(h["allow"]) or "-", h["createdAt"][:19]],
+        ["NAME", "SOURCE", "URL", "BODY MAY SET", "CREATED"])
 
 
 # Commands for people at a terminal (issue 12): status, workspaces, files, approve-all,
 # events, settings.
 
 @cli.command("status")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_status(as_json: bool, box_home: str, listen: str) -> None:
     """Is gurtd up: its version, how many tasks run, wait and queue, the wallet, pending
     approvals."""
@@ -13558,15 +13538,11 @@ def cmd_status(as_json: bool, box_home: str, listen: str) -> None:
 
 
 @cli.command("workspaces")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_workspaces(as_json: bool, box_home: str, listen: str) -> None:
     """List workspaces and how many layers (done tasks) each has."""
-    workspaces = Client(listen, box_home).request("GET", "/workspaces")
-    if as_json:
-        click.echo(json.dumps(workspaces, indent=1))
-        return
-    print_table([[w["name"], str(w.get("layers", 0))] for w in workspaces], ["NAME", "LAYERS"])
+    print_listing(Client(listen, box_home).request("GET", "/workspaces"), as_json,
+                  lambda w: [w["name"], str(w.get("layers", 0))], ["NAME", "LAYERS"])
 
 
 @cli.command("files")
@@ -13661,8 +13637,7 @@ def setting_value(text: str) -> Any:
 @cli.command("settings")
 @click.argument("key", required=False)
 @click.argument("value", required=False)
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_settings(key: str | None, value: str | None, as_json: bool, box_home: str,
                  listen: str) -> None:
     """Show the settings, one, or change one: gurtd settings maxRunningTasks 4."""
@@ -13978,17 +13953,13 @@ def review_post(client: Client, path: str, body: dict[str, Any]) -> Any:
 
 
 @cli.command("review")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_review(as_json: bool, box_home: str, listen: str) -> None:
     """The personal tasks waiting for the owner: done, with review pending or conflict."""
     tasks = [t for t in Client(listen, box_home).request("GET", "/tasks?state=done&limit=1000")
              if t.get("review") in ("pending", "conflict")]
-    if as_json:
-        click.echo(json.dumps(tasks, indent=1))
-        return
-    print_table([[t["id"], t["review"], ", ".join(t.get("folders") or []), t["title"][:50]]
-                 for t in tasks], ["ID", "REVIEW", "FOLDERS", "TITLE"])
+    print_listing(tasks, as_json, lambda t: [t["id"], t["review"], ", ".join(
+        t.get("folders") or []), t["title"][:50]], ["ID", "REVIEW", "FOLDERS", "TITLE"])
 
 
 @cli.command("diff")
@@ -14006,8 +13977,7 @@ def cmd_diff(task_id: str, path: str | None, box_home: str, listen: str) -> None
 @click.argument("task_id")
 @click.option("--force", is_flag=True, help="the task's version wins over the owner's edits")
 @click.option("--path", "paths", multiple=True, help="keep only this path (repeatable)")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_keep(task_id: str, force: bool, paths: tuple[str, ...], as_json: bool, box_home: str,
              listen: str) -> None:
     """Apply a personal task's changes to the real folders (409: the conflicts, one a line)."""
@@ -14023,8 +13993,7 @@ def cmd_keep(task_id: str, force: bool, paths: tuple[str, ...], as_json: bool, b
 @click.argument("task_id")
 @click.option("--force", is_flag=True, help="a kept task: put the versions from before the "
                                             "keep back even over the owner's later edits")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_undo(task_id: str, force: bool, as_json: bool, box_home: str, listen: str) -> None:
     """Undo a task: stop it and take its changes away (a kept one's from the real folders)."""
     task = review_post(Client(listen, box_home), f"/tasks/{task_id}/undo",
@@ -14045,8 +14014,7 @@ def cmd_undo(task_id: str, force: bool, as_json: bool, box_home: str, listen: st
               help="a budget approval: raise the task's budget to CENTS instead")
 @click.option("--always", type=click.Choice(POLICY_SCOPES), default=None,
               help="also record a policy: later calls like it in this scope run without asking")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_approve(approval_id: str, reason: str | None, args_json: str | None,
                 budget: float | None, always: str | None, as_json: bool, box_home: str,
                 listen: str) -> None:
@@ -14072,24 +14040,16 @@ def cmd_approve(approval_id: str, reason: str | None, args_json: str | None,
 
 
 @cli.command("policies")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_policies(as_json: bool, box_home: str, listen: str) -> None:
     """List the policies (always-approve)."""
-    policies = Client(listen, box_home).request("GET", "/policies")
-    if as_json:
-        click.echo(json.dumps(policies, indent=1))
-        return
-    def limits(p: dict[str, Any]) -> str:
-        return " ".join(f"{k}={p[k]}" for k in ("maxCents", "totalCents", "expiresAt")
-                        if p.get(k) is not None) or "-"
-    print_table([[p["id"], p["tool"] + (f" {p['host']}" if p.get("host") else ""),
-                  p["scope"] + (f" {p.get('task') or p.get('workspace')}"
-                                if p["scope"] != "box" else ""),
-                  limits(p), str(p["spentCents"]), str(p["uses"]),
-                  "yes" if p["active"] else f"no: {p.get('endedBecause')}"]
-                 for p in policies],
-                ["ID", "TOOL", "SCOPE", "LIMITS", "SPENT", "USES", "ACTIVE"])
+    print_listing(Client(listen, box_home).request("GET", "/policies"), as_json, lambda p: [
+        p["id"], p["tool"] + (f" {p['host']}" if p.get("host") else ""),
+        p["scope"] + (f" {p.get('task') or p.get('workspace')}" if p["scope"] != "box" else ""),
+        " ".join(f"{k}={p[k]}" for k in ("maxCents", "totalCents", "expiresAt")
+                 if p.get(k) is not None) or "-", str(p["spentCents"]), str(p["uses"]),
+        "yes" if p["active"] else f"no: {p.get('endedBecause')}"],
+        ["ID", "TOOL", "SCOPE", "LIMITS", "SPENT", "USES", "ACTIVE"])
 
 
 @cli.group("policy")
