@@ -12958,10 +12958,16 @@ def json_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 def print_listing(items: list[dict[str, Any]], as_json: bool, row: Callable[[Any], list[str]],
                   headers: list[str], state_column: int | None = None) -> None:
     """A list answer as JSON, or as a table of row(item) for each item."""
+    print_answer(items, as_json, lambda _: print_table([row(item) for item in items], headers,
+                                                       state_column))
+
+
+def print_answer(answer: Any, as_json: bool, say: Callable[[Any], None]) -> None:
+    """An answer as JSON, or said for people by say(answer)."""
     if as_json:
-        click.echo(json.dumps(items, indent=1))
+        click.echo(json.dumps(answer, indent=1))
     else:
-        print_table([row(item) for item in items], headers, state_column)
+        say(answer)
 
 
 def print_table(rows: list[list[str]], headers: list[str], state_column: int | None = None
@@ -13278,15 +13284,11 @@ def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title
                             "title": title or (prompt.strip().splitlines() or [""])[0][:60]}
     if budget is not None and budget.is_integer():
         budget = int(budget)                  # 50, not 50.0
-    for key, value in (("worker", worker), ("workspace", workspace), ("budgetCents", budget)):
+    for key, value in (("worker", worker), ("workspace", workspace), ("budgetCents", budget),
+                       ("hosts", list(hosts) or None), ("tools", list(tools) or None),
+                       ("folders", [os.path.abspath(f) for f in folders] or None)):
         if value is not None:
             body[key] = value
-    if hosts:
-        body["hosts"] = list(hosts)
-    if tools:
-        body["tools"] = list(tools)
-    if folders:
-        body["folders"] = [os.path.abspath(f) for f in folders]
     client = Client(listen, box_home)
     task = client.request("POST", "/tasks", body)
     if not wait:
@@ -13335,11 +13337,8 @@ def _task_command(name: str, method: str, suffix: str, doc: str) -> None:
     @click.option("--json", "as_json", is_flag=True)
     @client_options
     def command(task_id: str, as_json: bool, box_home: str, listen: str) -> None:
-        task = Client(listen, box_home).request(method, f"/tasks/{task_id}{suffix}")
-        if as_json:
-            click.echo(json.dumps(task, indent=1))
-        else:
-            print_task(task)
+        print_answer(Client(listen, box_home).request(method, f"/tasks/{task_id}{suffix}"),
+                     as_json, print_task)
 
 
 _task_command("show", "GET", "", "Show a task.")
@@ -13485,10 +13484,8 @@ def cmd_schedule_add(name: str, cron: str, prompt: tuple[str, ...], timezone: st
             task[key] = value
     item = Client(listen, box_home).request("POST", "/schedules", {
         "name": name, "cron": cron, "timezone": timezone, "overlap": overlap, "task": task})
-    if as_json:
-        click.echo(json.dumps(item, indent=1))
-    else:
-        click.echo(f"{item['id']}  next: {', '.join(item['nextRuns'][:3])}")
+    print_answer(item, as_json,
+                 lambda s: click.echo(f"{s['id']}  next: {', '.join(s['nextRuns'][:3])}"))
 
 
 @cmd_schedule.command("run")
@@ -13563,12 +13560,11 @@ def cmd_files(workspace: str, path: str, as_json: bool, box_home: str, listen: s
     elif isinstance(answer, bytes):
         sys.stdout.buffer.write(answer)
         sys.stdout.flush()
-    elif as_json:
-        click.echo(json.dumps(answer, indent=1))
     else:
-        print_table([[e["type"], str(e["size"]) if e["type"] == "file" else "-",
-                      e["name"] + ("/" if e["type"] == "directory" else "")]
-                     for e in answer["entries"]], ["TYPE", "SIZE", "NAME"])
+        print_answer(answer, as_json, lambda a: print_table([[
+            e["type"], str(e["size"]) if e["type"] == "file" else "-",
+            e["name"] + ("/" if e["type"] == "directory" else "")] for e in a["entries"]],
+            ["TYPE", "SIZE", "NAME"]))
 
 
 @cli.command("approve-all")
@@ -13998,10 +13994,7 @@ def cmd_undo(task_id: str, force: bool, as_json: bool, box_home: str, listen: st
     """Undo a task: stop it and take its changes away (a kept one's from the real folders)."""
     task = review_post(Client(listen, box_home), f"/tasks/{task_id}/undo",
                        {"force": True} if force else {})
-    if as_json:
-        click.echo(json.dumps(task, indent=1))
-    else:
-        print_task(task)
+    print_answer(task, as_json, print_task)
 
 
 # decisions: approve with changes or always, policies
@@ -14137,10 +14130,7 @@ def cmd_put(workspace: str, source: str, dest: str | None, as_json: bool, box_ho
         resp = transfer(client, "PUT" if "/files/" in path else "POST", path, spool, length,
                         ctype)
         task = json.loads(resp.read())
-    if as_json:
-        click.echo(json.dumps(task, indent=1))
-    else:
-        say_upload(task)
+    print_answer(task, as_json, say_upload)
 
 
 @cli.command("get")
