@@ -1092,6 +1092,21 @@ def saved_or_507(what: str) -> Iterator[None]:
         raise
 
 
+def save_or_restore(save: Callable[[], None], what: str, items: dict[str, Any], key: str,
+                    before: Any) -> None:
+    """save() after a change of items[key], its disk errors answering 507 (saved_or_507); when
+    it fails, items[key] is what it was before (None: absent), as on disk."""
+    try:
+        with saved_or_507(what):
+            save()
+    except BaseException:
+        if before is None:
+            items.pop(key, None)
+        else:
+            items[key] = before
+        raise
+
+
 def fsync_dir(directory: str) -> None:
     """Make a rename or a new file in directory durable."""
     dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
@@ -9735,12 +9750,7 @@ class Schedules:
         item = Schedule(id=sched_id, createdAt=stamp, updatedAt=stamp, after=wall_now(),
                         **fields)
         self.items[sched_id] = item
-        try:
-            with saved_or_507("schedule"):
-                self.save()
-        except BaseException:
-            del self.items[sched_id]
-            raise
+        save_or_restore(self.save, "schedule", self.items, sched_id, None)
         log(6, f"schedule {sched_id} ({item.name}) created: {item.cron} {item.timezone}")
         return item.to_api()
 
@@ -9756,24 +9766,14 @@ class Schedules:
                 (fields["enabled"] and not item.enabled):
             changed.after = wall_now()
         self.items[sched_id] = changed
-        try:
-            with saved_or_507("schedule"):
-                self.save()
-        except BaseException:
-            self.items[sched_id] = item
-            raise
+        save_or_restore(self.save, "schedule", self.items, sched_id, item)
         self.next_at.pop(sched_id, None)
         return changed.to_api()
 
     def delete(self, sched_id: str) -> dict[str, Any]:
         item = self.get(sched_id)
         del self.items[sched_id]
-        try:
-            with saved_or_507("schedules"):
-                self.save()
-        except BaseException:
-            self.items[sched_id] = item
-            raise
+        save_or_restore(self.save, "schedules", self.items, sched_id, item)
         self.next_at.pop(sched_id, None)
         return {"deleted": sched_id}
 
@@ -10546,12 +10546,7 @@ class Hooks:
         hook = {**fields, "secret": secrets.token_hex(32), "createdAt": now_iso(),
                 "url": f"/api/hooks/{fields['name']}"}
         self.items[hook["name"]] = hook
-        try:
-            with saved_or_507("hook"):
-                self.save()
-        except BaseException:
-            del self.items[hook["name"]]
-            raise
+        save_or_restore(self.save, "hook", self.items, hook["name"], None)
         log(6, f"hook {hook['name']} created (source {hook['source']})")
         return dict(hook)
 
@@ -10559,12 +10554,7 @@ class Hooks:
         hook = self.items.pop(name, None)
         if hook is None:
             raise ApiError(404, f"no hook {name}", "not_found")
-        try:
-            with saved_or_507("hooks"):
-                self.save()
-        except BaseException:
-            self.items[name] = hook
-            raise
+        save_or_restore(self.save, "hooks", self.items, name, hook)
         return {"deleted": name}
 
     def deliver(self, name: str, raw: bytes, signature: str, delivery: str,
@@ -12825,10 +12815,6 @@ class Loop:
 
 # CLI ###########################################################################################
 ###############################################################################################
-
-def box_home_default() -> str:
-    return os.environ.get("BOX_HOME", DEFAULT_BOX_HOME)
-
 
 class Client:
     """The local API with the token from GURT_TOKEN or BOX_HOME/token."""
