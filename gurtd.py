@@ -13320,8 +13320,7 @@ def cmd_tasks(state: str | None, workspace: str | None, limit: int, as_json: boo
 def _task_command(name: str, method: str, suffix: str, doc: str) -> None:
     @cli.command(name, help=doc)
     @click.argument("task_id")
-    @click.option("--json", "as_json", is_flag=True)
-    @client_options
+    @json_options
     def command(task_id: str, as_json: bool, box_home: str, listen: str) -> None:
         print_answer(Client(listen, box_home).request(method, f"/tasks/{task_id}{suffix}"),
                      as_json, print_task)
@@ -13369,34 +13368,18 @@ def cmd_approvals(state: str, task_id: str | None, as_json: bool, box_home: str,
         ["ID", "STATE", "TASK", "KIND", "TOOL", "CENTS", "CREATED", "WHAT"], 1)
 
 
-def _answer_command(name: str, suffix: str, doc: str, reason_required: bool) -> None:
-    @cli.command(name, help=doc)
-    @click.argument("approval_id")
-    @click.option("--reason", required=reason_required, default=None,
-                  help="handed back to the task" if name == "deny" else "kept with it")
-    @click.option("--json", "as_json", is_flag=True)
-    @client_options
-    def command(approval_id: str, reason: str | None, as_json: bool, box_home: str,
-                listen: str) -> None:
-        if reason_required and not reason:
-            raise click.UsageError("--reason is required: it goes back to the task")
-        body = {"reason": reason} if reason else {}
-        client = Client(listen, box_home)
-        try:
-            approval = client.request("POST", f"/approvals/{approval_id}/{suffix}", body)
-        except CliError as exc:
-            if exc.code == "conflict" and suffix == "approve" and \
-                    client.request("GET", f"/approvals/{approval_id}")["kind"] == "ask":
-                raise click.ClickException(
-                    f"{approval_id} is a question from the task, not a spending: answer it "
-                    f"with `gurtd answer {approval_id} 'TEXT'`") from None
-            raise
-        click.echo(json.dumps(approval, indent=1) if as_json else
-                   f"{approval['id']} {approval['state']}")
-
-
-_answer_command("deny", "deny", "Deny a pending approval; the reason goes back to the task.",
-                True)
+@cli.command("deny")
+@click.argument("approval_id")
+@click.option("--reason", required=True, default=None, help="handed back to the task")
+@json_options
+def cmd_deny(approval_id: str, reason: str, as_json: bool, box_home: str, listen: str) -> None:
+    """Deny a pending approval; the reason goes back to the task."""
+    if not reason:
+        raise click.UsageError("--reason is required: it goes back to the task")
+    approval = Client(listen, box_home).request("POST", f"/approvals/{approval_id}/deny",
+                                                {"reason": reason})
+    click.echo(json.dumps(approval, indent=1) if as_json else
+               f"{approval['id']} {approval['state']}")
 
 
 @cli.command("answer")
