@@ -601,6 +601,18 @@ def validate_task_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def check_field_types(body: dict[str, Any], fields: dict[str, Any], prefix: str,
+                      wrong: Callable[[str, Any], str]) -> None:
+    """ApiError(400) for the first key of body that fields does not know (prefix: whose), or
+    whose value is not of its type (true is no number), said by wrong(key, type)."""
+    for key, value in body.items():
+        kind = fields.get(key)
+        if kind is None:
+            raise ApiError(400, f"{prefix}unknown field: {key}")
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise ApiError(400, wrong(key, kind))
+
+
 def _whole(low: int, high: int) -> Callable[[Any], bool]:
     return lambda v: not isinstance(v, bool) and isinstance(v, int) and low <= v <= high
 
@@ -9667,13 +9679,8 @@ def validate_schedule_body(body: Any, current: dict[str, Any] | None,
     the schedule's fields.  ApiError(400) naming the field."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
-    for key, value in body.items():
-        kind = SCHEDULE_FIELDS.get(key)
-        if kind is None:
-            raise ApiError(400, f"unknown field: {key}")
-        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-            raise ApiError(400, f"{key} must be a" + {str: " string", dict: "n object",
-                                                       bool: " boolean"}[kind])
+    check_field_types(body, SCHEDULE_FIELDS, "", lambda key, kind: f"{key} must be a" + {
+        str: " string", dict: "n object", bool: " boolean"}[kind])
     out = dict(current or {"timezone": "UTC", "enabled": True, "overlap": "skip"})
     out.update(body)
     for key in ("name", "cron", "task"):
@@ -9958,12 +9965,8 @@ def validate_jira(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     The token may be given here; Box.put_settings moves it to BOX_HOME/secrets/jira-token."""
     if not isinstance(value, dict):
         raise ApiError(400, "jira must be an object (or {} for no Jira connection)")
-    for key, item in value.items():
-        kind = JIRA_FIELDS.get(key)
-        if kind is None:
-            raise ApiError(400, f"jira: unknown field: {key}")
-        if not isinstance(item, kind) or (kind is not bool and isinstance(item, bool)):
-            raise ApiError(400, f"jira.{key} has the wrong type")
+    check_field_types(value, JIRA_FIELDS, "jira: ", lambda key, kind: f"jira.{key} has the "
+                                                               "wrong type")
     if not value:
         return {}
     for key in ("baseUrl", "email", "jql"):
