@@ -1016,10 +1016,8 @@ def atomic_write(path: str, data: bytes, mode: int = 0o600, sync: bool = True,
             os.close(fd)
         os.rename(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
     if sync:
         fsync_dir(os.path.dirname(path) or ".")
@@ -1396,10 +1394,8 @@ def processes_by_uid(uids: set[int] | None = None) -> dict[int, list[int]]:
 def signal_uid(uid: int, sig: int) -> None:
     """Send sig to every process of uid (SIGSTOP to pause a task, SIGCONT to resume it)."""
     for pid in processes_by_uid({uid}).get(uid, []):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 _DROID_MODELS: dict[str, list[str]] = {}
@@ -1431,10 +1427,8 @@ def kill_uid(uid: int, timeout: float = 5.0) -> None:
         if not pids:
             return
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         if time.monotonic() > deadline:
             raise SysError(f"kill_uid {uid}", errno.EBUSY, f"processes left: {pids}")
         time.sleep(0.002)
@@ -10842,10 +10836,8 @@ def follow_log(req: "Handler", task_id: str, path: str) -> None:
             seen = watch.generation
             ended = box.loop.task_state(task_id) not in ACTIVE_STATES
             if f is None:
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     f = stack.enter_context(open(path, "rb"))
-                except FileNotFoundError:
-                    pass
             while f is not None and (chunk := f.read(65536)):
                 lines = (partial + chunk).split(b"\n")
                 partial = lines.pop()
@@ -11725,14 +11717,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             if self.answered or self.reader.started is None:
                 return
-            try:
+            with contextlib.suppress(OSError):
                 if self.reader.timed_out:
                     self.send_error(408, "the request did not arrive in time")
                 else:
                     log(3, f"{self.command} {self.path}: TimeoutError: {exc}")
                     self.send_error(500, f"internal error: TimeoutError: {exc}")
-            except OSError:
-                pass
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
         if self.server.debug:
@@ -11802,19 +11792,20 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def body_length(self, cap: int = MAX_BODY) -> int:
         """The declared body length, checked before anything is read: -1 when the body
         cannot be skipped and the connection must close after the answer."""
-        if self.headers.get("Transfer-Encoding"):
-            return -1
         lengths = self.headers.get_all("Content-Length") or ["0"]
-        if len(lengths) > 1 or not is_digits(lengths[0].strip()):
+        if self.headers.get("Transfer-Encoding") or not self.one_length(lengths):
             return -1
         return int(lengths[0]) if int(lengths[0]) <= cap else -1
+
+    @staticmethod
+    def one_length(lengths: list[str]) -> bool:
+        return len(lengths) == 1 and is_digits(lengths[0].strip())
 
     def body_error(self) -> ApiError:
         """Why a body cannot be read (body_length said -1)."""
         if self.headers.get("Transfer-Encoding"):
             return ApiError(411, "send the body with Content-Length", "length_required")
-        lengths = self.headers.get_all("Content-Length") or ["0"]
-        if len(lengths) > 1 or not is_digits(lengths[0].strip()):
+        if not self.one_length(self.headers.get_all("Content-Length") or ["0"]):
             return ApiError(400, "bad Content-Length")
         return ApiError(413, f"the body is larger than {MAX_BODY} bytes", "too_large")
 
@@ -11873,15 +11864,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
         except Exception as exc:  # the one place an unexpected error becomes a 500
             log(3, f"{self.command} {self.path}: {type(exc).__name__}: {exc}")
             self.close_connection = True
-            try:
+            with contextlib.suppress(OSError):
                 self.send_json(500, {"error": f"internal error: {type(exc).__name__}: {exc}"})
-            except OSError:
-                pass
 
     def linger(self) -> None:
         """After a 413: read (and drop) what the client still sends, for a little while, so
         that it reads our answer instead of a reset."""
-        try:
+        with contextlib.suppress(OSError):
             self.wfile.flush()
             self.connection.shutdown(socket.SHUT_WR)
             self.connection.settimeout(2.0)
@@ -11891,8 +11880,6 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 if not data:
                     break
                 budget -= len(data)
-        except OSError:
-            pass
 
     def drain_body(self) -> None:
         """Read and drop what is left of the request's body, so that keep-alive stays in step
