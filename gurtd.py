@@ -11,7 +11,8 @@ The contract is the GurtOS page "Undo a task" (the Task object, its states, undo
 Map of this file (each section starts with a ``# Name ###`` banner that grep finds):
 
     Constants and paths   defaults, the uid range, limits, syscall numbers
-    Errors                ApiError (an HTTP answer), SysError (a failed system verb)
+    Errors                ApiError (an HTTP answer; loop_handler, a route handler of the
+                          commonest shape), SysError (a failed system verb)
     Pure model            ids, validation, host patterns, Task and Approval records, nftables
                           text, the droid stream (steps, prices, bounded JSON), printable
     Persistence           atomic JSON files under BOX_HOME, set-aside of damaged files, the
@@ -100,6 +101,7 @@ import importlib
 import io
 import ipaddress
 import json
+import operator
 import os
 import queue
 import re
@@ -209,6 +211,19 @@ class ApiError(Exception):
         self.status, self.message, self.code = status, message, code
         self.headers = headers or {}
         self.extra = extra or {}          # more fields of the JSON answer (conflicts)
+
+
+def loop_handler(status: int, method: str, *names: str, body: bool = False
+                 ) -> Callable[..., Any]:
+    """A route handler of the commonest shape: status, and what the box's method (a dotted
+    path: "broker.policies.delete") answers on the loop thread, given the path parameters
+    named and then, with body, the request's JSON object."""
+    get = operator.attrgetter(method)
+
+    def handler(req: Any, params: dict[str, str]) -> Any:
+        args = [params[name] for name in names] + ([req.json_body()] if body else [])
+        return status, req.box.loop.call(get(req.box), *args)
+    return handler
 
 
 class SysError(Exception):
@@ -9907,24 +9922,14 @@ class Schedules:
         return [s.to_api() for s in sorted(self.items.values(), key=lambda s: s.createdAt)]
 
 
-def h_schedules_list(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.schedules.list)
-
-
-def h_schedules_create(req: "Handler", params: dict[str, str]) -> Any:
-    return 201, req.box.loop.call(req.box.schedules.create, req.json_body())
-
-
 def h_schedule_get(req: "Handler", params: dict[str, str]) -> Any:
     return 200, req.box.loop.call(lambda: req.box.schedules.get(params["id"]).to_api())
 
 
-def h_schedule_put(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.schedules.update, params["id"], req.json_body())
-
-
-def h_schedule_delete(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.schedules.delete, params["id"])
+h_schedules_list = loop_handler(200, "schedules.list")
+h_schedules_create = loop_handler(201, "schedules.create", body=True)
+h_schedule_put = loop_handler(200, "schedules.update", "id", body=True)
+h_schedule_delete = loop_handler(200, "schedules.delete", "id")
 
 
 def h_schedule_run(req: "Handler", params: dict[str, str]) -> Any:
@@ -10616,16 +10621,9 @@ def hook_raw_body(req: "Handler") -> bytes:
     return data
 
 
-def h_hooks_list(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.hooks.list)
-
-
-def h_hooks_create(req: "Handler", params: dict[str, str]) -> Any:
-    return 201, req.box.loop.call(req.box.hooks.create, req.json_body())
-
-
-def h_hook_delete(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.hooks.delete, params["name"])
+h_hooks_list = loop_handler(200, "hooks.list")
+h_hooks_create = loop_handler(201, "hooks.create", body=True)
+h_hook_delete = loop_handler(200, "hooks.delete", "name")
 
 
 def h_hook_deliver(req: "Handler", params: dict[str, str]) -> Any:
@@ -10724,9 +10722,7 @@ def task_fields(text: str | None) -> tuple[str, ...] | None:
     return names
 
 
-def h_tasks_create(req: "Handler", params: dict[str, str]) -> Any:
-    task = req.box.loop.call(req.box.create_task, req.json_body())
-    return 201, task
+h_tasks_create = loop_handler(201, "create_task", body=True)
 
 
 def h_task_get(req: "Handler", params: dict[str, str]) -> Any:
@@ -10743,8 +10739,7 @@ def h_task_undo(req: "Handler", params: dict[str, str]) -> Any:
     return 200, req.box.loop.call(req.box.undo, params["id"], body.get("force", False))
 
 
-def h_task_stop(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.stop, params["id"])
+h_task_stop = loop_handler(200, "stop", "id")
 
 
 def h_task_changes(req: "Handler", params: dict[str, str]) -> Any:
@@ -10862,8 +10857,7 @@ def h_workspaces_list(req: "Handler", params: dict[str, str]) -> Any:
     return 200, [box.workspace_snapshot(n) for n in names]
 
 
-def h_workspaces_create(req: "Handler", params: dict[str, str]) -> Any:
-    return 201, req.box.loop.call(req.box.create_workspace, req.json_body())
+h_workspaces_create = loop_handler(201, "create_workspace", body=True)
 
 
 def h_workspace_get(req: "Handler", params: dict[str, str]) -> Any:
@@ -10918,8 +10912,7 @@ def h_settings_get(req: "Handler", params: dict[str, str]) -> Any:
     return 200, dict(req.box.setting())
 
 
-def h_settings_put(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.put_settings, req.json_body())
+h_settings_put = loop_handler(200, "put_settings", body=True)
 
 
 def h_approvals_list(req: "Handler", params: dict[str, str]) -> Any:
@@ -10988,29 +10981,19 @@ def h_approvals_approve_all(req: "Handler", params: dict[str, str]) -> Any:
 
 
 # decisions: always-approve and policies
-def h_approval_always(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.broker.always, params["id"], req.json_body())
-
-
-def h_policies_list(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.broker.policies.listing)
-
-
 def h_policies_create(req: "Handler", params: dict[str, str]) -> Any:
     fields = validate_policy_body(req.json_body())
     return 201, req.box.loop.call(lambda: req.box.broker.policies.add(fields, "api").to_api())
-
-
-def h_policy_delete(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.broker.policies.delete, params["id"])
 
 
 def h_wallet_get(req: "Handler", params: dict[str, str]) -> Any:
     return 200, req.box.broker.wallet      # the loop replaces it whole, never edits it
 
 
-def h_wallet_put(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.broker.set_balance, req.json_body())
+h_approval_always = loop_handler(200, "broker.always", "id", body=True)
+h_policies_list = loop_handler(200, "broker.policies.listing")
+h_policy_delete = loop_handler(200, "broker.policies.delete", "id")
+h_wallet_put = loop_handler(200, "broker.set_balance", body=True)
 
 
 def h_tools(req: "Handler", params: dict[str, str]) -> Any:
