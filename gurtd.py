@@ -11,7 +11,8 @@ The contract is the GurtOS page "Undo a task" (the Task object, its states, undo
 Map of this file (each section starts with a ``# Name ###`` banner that grep finds):
 
     Constants and paths   defaults, the uid range, limits, syscall numbers
-    Errors                ApiError (an HTTP answer), SysError (a failed system verb)
+    Errors                ApiError (an HTTP answer; loop_handler, a route handler of the
+                          commonest shape), SysError (a failed system verb)
     Pure model            ids, validation, host patterns, Task and Approval records, nftables
                           text, the droid stream (steps, prices, bounded JSON), printable
     Persistence           atomic JSON files under BOX_HOME, set-aside of damaged files, the
@@ -103,6 +104,7 @@ import importlib
 import io
 import ipaddress
 import json
+import operator
 import os
 import queue
 import re
@@ -217,6 +219,19 @@ class ApiError(Exception):
         self.status, self.message, self.code = status, message, code
         self.headers = headers or {}
         self.extra = extra or {}          # more fields of the JSON answer (conflicts)
+
+
+def loop_handler(status: int, method: str, *names: str, body: bool = False
+                 ) -> Callable[..., Any]:
+    """A route handler of the commonest shape: status, and what the box's method (a dotted
+    path: "broker.policies.delete") answers on the loop thread, given the path parameters
+    named and then, with body, the request's JSON object."""
+    get = operator.attrgetter(method)
+
+    def handler(req: Any, params: dict[str, str]) -> Any:
+        args = [params[name] for name in names] + ([req.json_body()] if body else [])
+        return status, req.box.loop.call(get(req.box), *args)
+    return handler
 
 
 class SysError(Exception):
@@ -609,6 +624,72 @@ def validate_task_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def check_field_types(body: dict[str, Any], fields: dict[str, Any], prefix: str,
+                      wrong: Callable[[str, Any], str]) -> None:
+    """ApiError(400) for the first key of body that fields does not know (prefix: whose), or
+    whose value is not of its type (true is no number), said by wrong(key, type)."""
+    for key, value in body.items():
+        kind = fields.get(key)
+        if kind is None:
+            raise ApiError(400, f"{prefix}unknown field: {key}")
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise ApiError(400, wrong(key, kind))
+
+
+def _whole(low: int, high: int) -> Callable[[Any], bool]:
+    return lambda v: not isinstance(v, bool) and isinstance(v, int) and low <= v <= high
+
+
+def _host_entries(value: Any) -> bool:
+    for host in value if isinstance(value, list) else ():
+        try:
+            parse_host(host)
+        except ValueError as exc:
+            raise ApiError(400, f"droidHosts: {json.dumps(host)}: {exc}") from None
+    return isinstance(value, list)
+
+
+def _upstream(value: Any) -> bool:
+    try:
+        return isinstance(value, str) and (not value or bool(parse_upstream(value)))
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+# A setting's check, (whether a value is good, what it must be), may say more by ApiError;
+# SETTING_VALUES check and normalize (dnsAllowedNets' networks in their short form).
+SETTING_RULES: dict[str, tuple[Callable[[Any], Any], str]] = {
+    "defaultBudgetCents": (lambda v: is_cents(v) and v >= 0, "be a number of at least 0"),
+    "maxRunningTasks": (_whole(1, 1000), "be a whole number from 1 to 1000"),
+    "taskTimeoutSeconds": (_whole(1, 7 * 86400), "be a whole number from 1 to 604800"),
+    "droidPath": (lambda v: isinstance(v, str) and (not v or os.path.isabs(v)),
+                  "be an absolute path, or empty for the one make installs"),
+    "droidModel": (lambda v: isinstance(v, str) and re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,99}", v),
+                   "be a model id such as claude-sonnet-5"),
+    "droidAutonomy": (lambda v: v in ("low", "medium", "high"), "be one of: low, medium, high"),
+    "droidHosts": (_host_entries, "be an array of host entries"),
+    "droidPrices": (lambda v: isinstance(v, dict) and all(
+        isinstance(p, dict) and set(p) == {"input", "output", "cacheRead", "cacheWrite"}
+        and all(is_cents(c) and c >= 0 for c in p.values()) for p in v.values()),
+        "map model ids to {input, output, cacheRead, cacheWrite} in cents per million tokens"),
+    "upstreamDns": (_upstream, "be a string: HOST[:PORT], or empty"),
+    "neverAutoApproveCents": (lambda v: v is None or (is_cents(v) and v >= 0), "be a number "
+                              "of at least 0, or null (no call is too large for a policy)"),
+    "askHostsDefault": (lambda v: isinstance(v, bool), "be true or false"),
+    "hookHosts": (lambda v: isinstance(v, list) and len(v) <= 20 and all(
+        isinstance(h, str) and re.fullmatch(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?", h)
+        and "." in h for h in v), "be an array of lower-case host names (without port) that "
+                                  "hook deliveries may arrive under"),
+}
+SETTING_VALUES: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
+    "dnsAllowedNets": lambda v, current: valid_answer_nets(v),
+    "folderRoots": lambda v, current: valid_folder_roots(v),
+    "jira": lambda v, current: validate_jira(v, current),
+    "modelGateway": lambda v, current: gateway_setting("modelGateway", v),
+    "droidFactoryKey": lambda v, current: gateway_setting("droidFactoryKey", v),
+}
+
+
 def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
     """Check a PUT /api/settings body (a partial update); return the new settings."""
     if not isinstance(body, dict):
@@ -617,76 +698,11 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
     for key, value in body.items():
         if key not in DEFAULT_SETTINGS:
             raise ApiError(400, f"unknown setting: {key}")
-        if key == "defaultBudgetCents":
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or value != value or value < 0 or value == float("inf"):
-                raise ApiError(400, "defaultBudgetCents must be a number of at least 0")
-        if key == "maxRunningTasks":
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1000:
-                raise ApiError(400, "maxRunningTasks must be a whole number from 1 to 1000")
-        if key == "taskTimeoutSeconds":
-            if isinstance(value, bool) or not isinstance(value, int) or \
-                    not 1 <= value <= 7 * 86400:
-                raise ApiError(400, "taskTimeoutSeconds must be a whole number from 1 to 604800")
-        if key == "droidPath":
-            if not isinstance(value, str) or (value and not os.path.isabs(value)):
-                raise ApiError(400, "droidPath must be an absolute path, or empty for the one "
-                                    "make installs")
-        if key == "droidModel":
-            if not isinstance(value, str) or not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,99}",
-                                                                 value):
-                raise ApiError(400, "droidModel must be a model id such as claude-sonnet-5")
-        if key == "droidAutonomy" and value not in ("low", "medium", "high"):
-            raise ApiError(400, "droidAutonomy must be one of: low, medium, high")
-        if key == "droidHosts":
-            if not isinstance(value, list):
-                raise ApiError(400, "droidHosts must be an array of host entries")
-            for host in value:
-                try:
-                    parse_host(host)
-                except ValueError as exc:
-                    raise ApiError(400, f"droidHosts: {json.dumps(host)}: {exc}") from None
-        if key == "droidPrices":
-            if not isinstance(value, dict) or not all(
-                    isinstance(p, dict) and set(p) == {"input", "output", "cacheRead",
-                                                       "cacheWrite"}
-                    and all(is_cents(c) and c >= 0 for c in p.values())
-                    for p in value.values()):
-                raise ApiError(400, "droidPrices must map model ids to {input, output, "
-                                    "cacheRead, cacheWrite} in cents per million tokens")
-        if key == "dnsAllowedNets":
-            value = valid_answer_nets(value)
-        if key == "upstreamDns":
-            if not isinstance(value, str):
-                raise ApiError(400, "upstreamDns must be a string: HOST[:PORT], or empty")
-            if value:
-                try:
-                    parse_upstream(value)
-                except ValueError as exc:
-                    raise ApiError(400, str(exc)) from None
-        if key == "neverAutoApproveCents" and value is not None and \
-                (not is_cents(value) or value < 0):
-            raise ApiError(400, "neverAutoApproveCents must be a number of at least 0, or null "
-                                "(no call is too large for a policy)")
-        if key == "askHostsDefault" and not isinstance(value, bool):
-            raise ApiError(400, "askHostsDefault must be true or false")
-        if key in LIMIT_SETTINGS:
-            check_limit(key, value, *LIMIT_SETTINGS[key])
-        if key == "folderRoots":
-            value = valid_folder_roots(value)
-        if key == "uploadMaxBytes":
-            check_limit(key, value, 1 << 10)
-        if key == "jira":
-            value = validate_jira(value, current)
-        if key in ("modelGateway", "droidFactoryKey"):
-            value = gateway_setting(key, value)
-        if key == "hookHosts":
-            if not isinstance(value, list) or len(value) > 20 or not all(
-                    isinstance(h, str) and re.fullmatch(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?",
-                                                        h) and "." in h for h in value):
-                raise ApiError(400, "hookHosts must be an array of lower-case host names "
-                                    "(without port) that hook deliveries may arrive under")
-        new[key] = value
+        if key in SETTING_RULES and not SETTING_RULES[key][0](value):
+            raise ApiError(400, f"{key} must {SETTING_RULES[key][1]}")
+        if key in LIMIT_SETTINGS or key == "uploadMaxBytes":
+            check_limit(key, value, *LIMIT_SETTINGS.get(key, (1 << 10, False)))
+        new[key] = SETTING_VALUES[key](value, current) if key in SETTING_VALUES else value
     if new["droidModel"] not in new["droidPrices"]:   # an unpriced model would be free
         raise ApiError(400, f"droidModel {new['droidModel']} has no droidPrices entry (its "
                             "usage would cost nothing and its budget never pause it); priced: "
@@ -1026,10 +1042,8 @@ def atomic_write(path: str, data: bytes, mode: int = 0o600, sync: bool = True,
             os.close(fd)
         os.rename(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
     if sync:
         fsync_dir(os.path.dirname(path) or ".")
@@ -1111,6 +1125,21 @@ def saved_or_507(what: str) -> Iterator[None]:
         if is_disk_error(exc):
             raise ApiError(507, f"cannot save the {what}: {exc.strerror}",
                            "insufficient_storage") from None
+        raise
+
+
+def save_or_restore(save: Callable[[], None], what: str, items: dict[str, Any], key: str,
+                    before: Any) -> None:
+    """save() after a change of items[key], its disk errors answering 507 (saved_or_507); when
+    it fails, items[key] is what it was before (None: absent), as on disk."""
+    try:
+        with saved_or_507(what):
+            save()
+    except BaseException:
+        if before is None:
+            items.pop(key, None)
+        else:
+            items[key] = before
         raise
 
 
@@ -1391,10 +1420,8 @@ def processes_by_uid(uids: set[int] | None = None) -> dict[int, list[int]]:
 def signal_uid(uid: int, sig: int) -> None:
     """Send sig to every process of uid (SIGSTOP to pause a task, SIGCONT to resume it)."""
     for pid in processes_by_uid({uid}).get(uid, []):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 _DROID_MODELS: dict[str, list[str]] = {}
@@ -1426,10 +1453,8 @@ def kill_uid(uid: int, timeout: float = 5.0) -> None:
         if not pids:
             return
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         if time.monotonic() > deadline:
             raise SysError(f"kill_uid {uid}", errno.EBUSY, f"processes left: {pids}")
         time.sleep(0.002)
@@ -10540,13 +10565,8 @@ def validate_schedule_body(body: Any, current: dict[str, Any] | None,
     the schedule's fields.  ApiError(400) naming the field."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
-    for key, value in body.items():
-        kind = SCHEDULE_FIELDS.get(key)
-        if kind is None:
-            raise ApiError(400, f"unknown field: {key}")
-        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-            raise ApiError(400, f"{key} must be a" + {str: " string", dict: "n object",
-                                                       bool: " boolean"}[kind])
+    check_field_types(body, SCHEDULE_FIELDS, "", lambda key, kind: f"{key} must be a" + {
+        str: " string", dict: "n object", bool: " boolean"}[kind])
     out = dict(current or {"timezone": "UTC", "enabled": True, "overlap": "skip"})
     out.update(body)
     for key in ("name", "cron", "task"):
@@ -10623,12 +10643,7 @@ class Schedules:
         item = Schedule(id=sched_id, createdAt=stamp, updatedAt=stamp, after=wall_now(),
                         **fields)
         self.items[sched_id] = item
-        try:
-            with saved_or_507("schedule"):
-                self.save()
-        except BaseException:
-            del self.items[sched_id]
-            raise
+        save_or_restore(self.save, "schedule", self.items, sched_id, None)
         log(6, f"schedule {sched_id} ({item.name}) created: {item.cron} {item.timezone}")
         return item.to_api()
 
@@ -10644,24 +10659,14 @@ class Schedules:
                 (fields["enabled"] and not item.enabled):
             changed.after = wall_now()
         self.items[sched_id] = changed
-        try:
-            with saved_or_507("schedule"):
-                self.save()
-        except BaseException:
-            self.items[sched_id] = item
-            raise
+        save_or_restore(self.save, "schedule", self.items, sched_id, item)
         self.next_at.pop(sched_id, None)
         return changed.to_api()
 
     def delete(self, sched_id: str) -> dict[str, Any]:
         item = self.get(sched_id)
         del self.items[sched_id]
-        try:
-            with saved_or_507("schedules"):
-                self.save()
-        except BaseException:
-            self.items[sched_id] = item
-            raise
+        save_or_restore(self.save, "schedules", self.items, sched_id, item)
         self.next_at.pop(sched_id, None)
         return {"deleted": sched_id}
 
@@ -10794,24 +10799,14 @@ class Schedules:
         return [s.to_api() for s in sorted(self.items.values(), key=lambda s: s.createdAt)]
 
 
-def h_schedules_list(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.schedules.list)
-
-
-def h_schedules_create(req: "Handler", params: dict[str, str]) -> Any:
-    return 201, req.box.loop.call(req.box.schedules.create, req.json_body())
-
-
 def h_schedule_get(req: "Handler", params: dict[str, str]) -> Any:
     return 200, req.box.loop.call(lambda: req.box.schedules.get(params["id"]).to_api())
 
 
-def h_schedule_put(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.schedules.update, params["id"], req.json_body())
-
-
-def h_schedule_delete(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.schedules.delete, params["id"])
+h_schedules_list = loop_handler(200, "schedules.list")
+h_schedules_create = loop_handler(201, "schedules.create", body=True)
+h_schedule_put = loop_handler(200, "schedules.update", "id", body=True)
+h_schedule_delete = loop_handler(200, "schedules.delete", "id")
 
 
 def h_schedule_run(req: "Handler", params: dict[str, str]) -> Any:
@@ -10846,12 +10841,8 @@ def validate_jira(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     The token may be given here; Box.put_settings moves it to BOX_HOME/secrets/jira-token."""
     if not isinstance(value, dict):
         raise ApiError(400, "jira must be an object (or {} for no Jira connection)")
-    for key, item in value.items():
-        kind = JIRA_FIELDS.get(key)
-        if kind is None:
-            raise ApiError(400, f"jira: unknown field: {key}")
-        if not isinstance(item, kind) or (kind is not bool and isinstance(item, bool)):
-            raise ApiError(400, f"jira.{key} has the wrong type")
+    check_field_types(value, JIRA_FIELDS, "jira: ", lambda key, kind: f"jira.{key} has the "
+                                                               "wrong type")
     if not value:
         return {}
     for key in ("baseUrl", "email", "jql"):
@@ -11434,12 +11425,7 @@ class Hooks:
         hook = {**fields, "secret": secrets.token_hex(32), "createdAt": now_iso(),
                 "url": f"/api/hooks/{fields['name']}"}
         self.items[hook["name"]] = hook
-        try:
-            with saved_or_507("hook"):
-                self.save()
-        except BaseException:
-            del self.items[hook["name"]]
-            raise
+        save_or_restore(self.save, "hook", self.items, hook["name"], None)
         log(6, f"hook {hook['name']} created (source {hook['source']})")
         return dict(hook)
 
@@ -11447,12 +11433,7 @@ class Hooks:
         hook = self.items.pop(name, None)
         if hook is None:
             raise ApiError(404, f"no hook {name}", "not_found")
-        try:
-            with saved_or_507("hooks"):
-                self.save()
-        except BaseException:
-            self.items[name] = hook
-            raise
+        save_or_restore(self.save, "hooks", self.items, name, hook)
         return {"deleted": name}
 
     def deliver(self, name: str, raw: bytes, signature: str, delivery: str,
@@ -11517,16 +11498,9 @@ def hook_raw_body(req: "Handler") -> bytes:
     return data
 
 
-def h_hooks_list(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.hooks.list)
-
-
-def h_hooks_create(req: "Handler", params: dict[str, str]) -> Any:
-    return 201, req.box.loop.call(req.box.hooks.create, req.json_body())
-
-
-def h_hook_delete(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.hooks.delete, params["name"])
+h_hooks_list = loop_handler(200, "hooks.list")
+h_hooks_create = loop_handler(201, "hooks.create", body=True)
+h_hook_delete = loop_handler(200, "hooks.delete", "name")
 
 
 def h_hook_deliver(req: "Handler", params: dict[str, str]) -> Any:
@@ -11625,9 +11599,7 @@ def task_fields(text: str | None) -> tuple[str, ...] | None:
     return names
 
 
-def h_tasks_create(req: "Handler", params: dict[str, str]) -> Any:
-    task = req.box.loop.call(req.box.create_task, req.json_body())
-    return 201, task
+h_tasks_create = loop_handler(201, "create_task", body=True)
 
 
 def h_task_get(req: "Handler", params: dict[str, str]) -> Any:
@@ -11644,8 +11616,7 @@ def h_task_undo(req: "Handler", params: dict[str, str]) -> Any:
     return 200, req.box.loop.call(req.box.undo, params["id"], body.get("force", False))
 
 
-def h_task_stop(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.stop, params["id"])
+h_task_stop = loop_handler(200, "stop", "id")
 
 
 def h_task_changes(req: "Handler", params: dict[str, str]) -> Any:
@@ -11737,10 +11708,8 @@ def follow_log(req: "Handler", task_id: str, path: str) -> None:
             seen = watch.generation
             ended = box.loop.task_state(task_id) not in ACTIVE_STATES
             if f is None:
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     f = stack.enter_context(open(path, "rb"))
-                except FileNotFoundError:
-                    pass
             while f is not None and (chunk := f.read(65536)):
                 lines = (partial + chunk).split(b"\n")
                 partial = lines.pop()
@@ -11765,8 +11734,7 @@ def h_workspaces_list(req: "Handler", params: dict[str, str]) -> Any:
     return 200, [box.workspace_snapshot(n) for n in names]
 
 
-def h_workspaces_create(req: "Handler", params: dict[str, str]) -> Any:
-    return 201, req.box.loop.call(req.box.create_workspace, req.json_body())
+h_workspaces_create = loop_handler(201, "create_workspace", body=True)
 
 
 def h_workspace_get(req: "Handler", params: dict[str, str]) -> Any:
@@ -11821,8 +11789,7 @@ def h_settings_get(req: "Handler", params: dict[str, str]) -> Any:
     return 200, dict(req.box.setting())
 
 
-def h_settings_put(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.put_settings, req.json_body())
+h_settings_put = loop_handler(200, "put_settings", body=True)
 
 
 def h_approvals_list(req: "Handler", params: dict[str, str]) -> Any:
@@ -11891,29 +11858,19 @@ def h_approvals_approve_all(req: "Handler", params: dict[str, str]) -> Any:
 
 
 # decisions: always-approve and policies
-def h_approval_always(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.broker.always, params["id"], req.json_body())
-
-
-def h_policies_list(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.broker.policies.listing)
-
-
 def h_policies_create(req: "Handler", params: dict[str, str]) -> Any:
     fields = validate_policy_body(req.json_body())
     return 201, req.box.loop.call(lambda: req.box.broker.policies.add(fields, "api").to_api())
-
-
-def h_policy_delete(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.broker.policies.delete, params["id"])
 
 
 def h_wallet_get(req: "Handler", params: dict[str, str]) -> Any:
     return 200, req.box.broker.wallet      # the loop replaces it whole, never edits it
 
 
-def h_wallet_put(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.broker.set_balance, req.json_body())
+h_approval_always = loop_handler(200, "broker.always", "id", body=True)
+h_policies_list = loop_handler(200, "broker.policies.listing")
+h_policy_delete = loop_handler(200, "broker.policies.delete", "id")
+h_wallet_put = loop_handler(200, "broker.set_balance", body=True)
 
 
 def h_tools(req: "Handler", params: dict[str, str]) -> Any:
@@ -12639,14 +12596,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             if self.answered or self.reader.started is None:
                 return
-            try:
+            with contextlib.suppress(OSError):
                 if self.reader.timed_out:
                     self.send_error(408, "the request did not arrive in time")
                 else:
                     log(3, f"{self.command} {self.path}: TimeoutError: {exc}")
                     self.send_error(500, f"internal error: TimeoutError: {exc}")
-            except OSError:
-                pass
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
         if self.server.debug:
@@ -12716,19 +12671,20 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def body_length(self, cap: int = MAX_BODY) -> int:
         """The declared body length, checked before anything is read: -1 when the body
         cannot be skipped and the connection must close after the answer."""
-        if self.headers.get("Transfer-Encoding"):
-            return -1
         lengths = self.headers.get_all("Content-Length") or ["0"]
-        if len(lengths) > 1 or not is_digits(lengths[0].strip()):
+        if self.headers.get("Transfer-Encoding") or not self.one_length(lengths):
             return -1
         return int(lengths[0]) if int(lengths[0]) <= cap else -1
+
+    @staticmethod
+    def one_length(lengths: list[str]) -> bool:
+        return len(lengths) == 1 and is_digits(lengths[0].strip())
 
     def body_error(self) -> ApiError:
         """Why a body cannot be read (body_length said -1)."""
         if self.headers.get("Transfer-Encoding"):
             return ApiError(411, "send the body with Content-Length", "length_required")
-        lengths = self.headers.get_all("Content-Length") or ["0"]
-        if len(lengths) > 1 or not is_digits(lengths[0].strip()):
+        if not self.one_length(self.headers.get_all("Content-Length") or ["0"]):
             return ApiError(400, "bad Content-Length")
         return ApiError(413, f"the body is larger than {MAX_BODY} bytes", "too_large")
 
@@ -12787,15 +12743,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
         except Exception as exc:  # the one place an unexpected error becomes a 500
             log(3, f"{self.command} {self.path}: {type(exc).__name__}: {exc}")
             self.close_connection = True
-            try:
+            with contextlib.suppress(OSError):
                 self.send_json(500, {"error": f"internal error: {type(exc).__name__}: {exc}"})
-            except OSError:
-                pass
 
     def linger(self) -> None:
         """After a 413: read (and drop) what the client still sends, for a little while, so
         that it reads our answer instead of a reset."""
-        try:
+        with contextlib.suppress(OSError):
             self.wfile.flush()
             self.connection.shutdown(socket.SHUT_WR)
             self.connection.settimeout(2.0)
@@ -12805,8 +12759,6 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 if not data:
                     break
                 budget -= len(data)
-        except OSError:
-            pass
 
     def drain_body(self) -> None:
         """Read and drop what is left of the request's body, so that keep-alive stays in step
@@ -13813,10 +13765,6 @@ class Loop:
 # CLI ###########################################################################################
 ###############################################################################################
 
-def box_home_default() -> str:
-    return os.environ.get("BOX_HOME", DEFAULT_BOX_HOME)
-
-
 class Client:
     """The local API with the token from GURT_TOKEN or BOX_HOME/token."""
 
@@ -13935,6 +13883,26 @@ def client_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                       show_default=True, help="gurtd's address (env GURT_LISTEN)")(fn)
     return click.option("--box-home", envvar="BOX_HOME", default=DEFAULT_BOX_HOME,
                         show_default=True, help="where the token is (env BOX_HOME)")(fn)
+
+
+def json_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """--json (the answer as JSON) and the client options."""
+    return click.option("--json", "as_json", is_flag=True)(client_options(fn))
+
+
+def print_listing(items: list[dict[str, Any]], as_json: bool, row: Callable[[Any], list[str]],
+                  headers: list[str], state_column: int | None = None) -> None:
+    """A list answer as JSON, or as a table of row(item) for each item."""
+    print_answer(items, as_json, lambda _: print_table([row(item) for item in items], headers,
+                                                       state_column))
+
+
+def print_answer(answer: Any, as_json: bool, say: Callable[[Any], None]) -> None:
+    """An answer as JSON, or said for people by say(answer)."""
+    if as_json:
+        click.echo(json.dumps(answer, indent=1))
+    else:
+        say(answer)
 
 
 def print_table(rows: list[list[str]], headers: list[str], state_column: int | None = None
@@ -14251,15 +14219,11 @@ def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title
                             "title": title or (prompt.strip().splitlines() or [""])[0][:60]}
     if budget is not None and budget.is_integer():
         budget = int(budget)                  # 50, not 50.0
-    for key, value in (("worker", worker), ("workspace", workspace), ("budgetCents", budget)):
+    for key, value in (("worker", worker), ("workspace", workspace), ("budgetCents", budget),
+                       ("hosts", list(hosts) or None), ("tools", list(tools) or None),
+                       ("folders", [os.path.abspath(f) for f in folders] or None)):
         if value is not None:
             body[key] = value
-    if hosts:
-        body["hosts"] = list(hosts)
-    if tools:
-        body["tools"] = list(tools)
-    if folders:
-        body["folders"] = [os.path.abspath(f) for f in folders]
     client = Client(listen, box_home)
     task = client.request("POST", "/tasks", body)
     if not wait:
@@ -14288,36 +14252,27 @@ def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title
 @click.option("--state", type=click.Choice(STATES), default=None)
 @click.option("--workspace", default=None)
 @click.option("--limit", type=click.IntRange(1, 1000), default=200)
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_tasks(state: str | None, workspace: str | None, limit: int, as_json: bool,
               box_home: str, listen: str) -> None:
     """List tasks, newest first."""
     query = urllib.parse.urlencode({k: v for k, v in (("state", state), ("workspace", workspace),
                                                        ("limit", limit)) if v is not None})
-    tasks = Client(listen, box_home).request("GET", f"/tasks?{query}")
-    if as_json:
-        click.echo(json.dumps(tasks, indent=1))
-        return
-    now = time.time()
-    print_table([[t["id"], t["state"], t["worker"], t["workspace"], t.get("source", "api"),
-                  ago(t["createdAt"], now),
-                  cents_text(t.get("costCents", 0)), short(t["title"], 40),
-                  short(t.get("error") or "", 30)] for t in tasks],
-                ["ID", "STATE", "WORKER", "WORKSPACE", "SOURCE", "CREATED", "COST", "TITLE", "ERROR"], 1)
+    tasks, now = Client(listen, box_home).request("GET", f"/tasks?{query}"), time.time()
+    print_listing(tasks, as_json, lambda t: [
+        t["id"], t["state"], t["worker"], t["workspace"], t.get("source", "api"),
+        ago(t["createdAt"], now), cents_text(t.get("costCents", 0)), short(t["title"], 40),
+        short(t.get("error") or "", 30)],
+        ["ID", "STATE", "WORKER", "WORKSPACE", "SOURCE", "CREATED", "COST", "TITLE", "ERROR"], 1)
 
 
 def _task_command(name: str, method: str, suffix: str, doc: str) -> None:
     @cli.command(name, help=doc)
     @click.argument("task_id")
-    @click.option("--json", "as_json", is_flag=True)
-    @client_options
+    @json_options
     def command(task_id: str, as_json: bool, box_home: str, listen: str) -> None:
-        task = Client(listen, box_home).request(method, f"/tasks/{task_id}{suffix}")
-        if as_json:
-            click.echo(json.dumps(task, indent=1))
-        else:
-            print_task(task)
+        print_answer(Client(listen, box_home).request(method, f"/tasks/{task_id}{suffix}"),
+                     as_json, print_task)
 
 
 _task_command("show", "GET", "", "Show a task.")
@@ -14349,52 +14304,31 @@ def cmd_log(task_id: str, follow: bool, as_json: bool, box_home: str, listen: st
 @click.option("--state", type=click.Choice(APPROVAL_STATES), default="pending",
               show_default=True)
 @click.option("--task", "task_id", default=None)
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_approvals(state: str, task_id: str | None, as_json: bool, box_home: str,
                   listen: str) -> None:
     """List approvals (pending ones by default)."""
     query = urllib.parse.urlencode({k: v for k, v in (("state", state), ("task", task_id))
                                     if v})
-    approvals = Client(listen, box_home).request("GET", f"/approvals?{query}")
-    if as_json:
-        click.echo(json.dumps(approvals, indent=1))
-        return
-    now = time.time()
-    print_table([[a["id"], a["state"], a["task"], a["kind"], a["tool"], cents_text(a["cents"]),
-                  ago(a["createdAt"], now), short(a.get("question") or json.dumps(a["args"]),
-                                                  60)] for a in approvals],
-                ["ID", "STATE", "TASK", "KIND", "TOOL", "CENTS", "CREATED", "WHAT"], 1)
+    approvals, now = Client(listen, box_home).request("GET", f"/approvals?{query}"), time.time()
+    print_listing(approvals, as_json, lambda a: [
+        a["id"], a["state"], a["task"], a["kind"], a["tool"], cents_text(a["cents"]),
+        ago(a["createdAt"], now), short(a.get("question") or json.dumps(a["args"]), 60)],
+        ["ID", "STATE", "TASK", "KIND", "TOOL", "CENTS", "CREATED", "WHAT"], 1)
 
 
-def _answer_command(name: str, suffix: str, doc: str, reason_required: bool) -> None:
-    @cli.command(name, help=doc)
-    @click.argument("approval_id")
-    @click.option("--reason", required=reason_required, default=None,
-                  help="handed back to the task" if name == "deny" else "kept with it")
-    @click.option("--json", "as_json", is_flag=True)
-    @client_options
-    def command(approval_id: str, reason: str | None, as_json: bool, box_home: str,
-                listen: str) -> None:
-        if reason_required and not reason:
-            raise click.UsageError("--reason is required: it goes back to the task")
-        body = {"reason": reason} if reason else {}
-        client = Client(listen, box_home)
-        try:
-            approval = client.request("POST", f"/approvals/{approval_id}/{suffix}", body)
-        except CliError as exc:
-            if exc.code == "conflict" and suffix == "approve" and \
-                    client.request("GET", f"/approvals/{approval_id}")["kind"] == "ask":
-                raise click.ClickException(
-                    f"{approval_id} is a question from the task, not a spending: answer it "
-                    f"with `gurtd answer {approval_id} 'TEXT'`") from None
-            raise
-        click.echo(json.dumps(approval, indent=1) if as_json else
-                   f"{approval['id']} {approval['state']}")
-
-
-_answer_command("deny", "deny", "Deny a pending approval; the reason goes back to the task.",
-                True)
+@cli.command("deny")
+@click.argument("approval_id")
+@click.option("--reason", required=True, default=None, help="handed back to the task")
+@json_options
+def cmd_deny(approval_id: str, reason: str, as_json: bool, box_home: str, listen: str) -> None:
+    """Deny a pending approval; the reason goes back to the task."""
+    if not reason:
+        raise click.UsageError("--reason is required: it goes back to the task")
+    approval = Client(listen, box_home).request("POST", f"/approvals/{approval_id}/deny",
+                                                {"reason": reason})
+    click.echo(json.dumps(approval, indent=1) if as_json else
+               f"{approval['id']} {approval['state']}")
 
 
 @cli.command("answer")
@@ -14410,8 +14344,7 @@ def cmd_answer(approval_id: str, text: str, box_home: str, listen: str) -> None:
 
 @cli.command("wallet")
 @click.option("--set", "balance", type=float, default=None, help="set the balance, in cents")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_wallet(balance: float | None, as_json: bool, box_home: str, listen: str) -> None:
     """Show the wallet (or set its balance)."""
     client = Client(listen, box_home)
@@ -14435,19 +14368,14 @@ def cmd_wallet(balance: float | None, as_json: bool, box_home: str, listen: str)
 
 # sources: schedules and hooks
 @cli.command("schedules")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_schedules(as_json: bool, box_home: str, listen: str) -> None:
     """List schedules with their next run."""
-    items = Client(listen, box_home).request("GET", "/schedules")
-    if as_json:
-        click.echo(json.dumps(items, indent=1))
-        return
-    print_table([[s["id"], s["name"][:30], s["cron"], s["timezone"],
-                  "on" if s["enabled"] else "off", (s["nextRuns"] or ["-"])[0],
-                  f"{s.get('lastTask') or '-'} {s.get('lastState') or ''}".strip()]
-                 for s in items],
-                ["ID", "NAME", "CRON", "TIMEZONE", "ENABLED", "NEXT RUN", "LAST RUN"])
+    print_listing(Client(listen, box_home).request("GET", "/schedules"), as_json, lambda s: [
+        s["id"], s["name"][:30], s["cron"], s["timezone"], "on" if s["enabled"] else "off",
+        (s["nextRuns"] or ["-"])[0],
+        f"{s.get('lastTask') or '-'} {s.get('lastState') or ''}".strip()],
+        ["ID", "NAME", "CRON", "TIMEZONE", "ENABLED", "NEXT RUN", "LAST RUN"])
 
 
 @cli.group("schedule")
@@ -14463,8 +14391,7 @@ def cmd_schedule() -> None:
 @click.option("--worker", type=click.Choice(WORKERS), default=None, help="default droid")
 @click.option("--workspace", default=None, help="default home")
 @click.option("--overlap", type=click.Choice(OVERLAPS), default="skip", show_default=True)
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_schedule_add(name: str, cron: str, prompt: tuple[str, ...], timezone: str,
                      worker: str | None, workspace: str | None, overlap: str, as_json: bool,
                      box_home: str, listen: str) -> None:
@@ -14475,10 +14402,8 @@ def cmd_schedule_add(name: str, cron: str, prompt: tuple[str, ...], timezone: st
             task[key] = value
     item = Client(listen, box_home).request("POST", "/schedules", {
         "name": name, "cron": cron, "timezone": timezone, "overlap": overlap, "task": task})
-    if as_json:
-        click.echo(json.dumps(item, indent=1))
-    else:
-        click.echo(f"{item['id']}  next: {', '.join(item['nextRuns'][:3])}")
+    print_answer(item, as_json,
+                 lambda s: click.echo(f"{s['id']}  next: {', '.join(s['nextRuns'][:3])}"))
 
 
 @cmd_schedule.command("run")
@@ -14491,25 +14416,19 @@ def cmd_schedule_run(schedule_id: str, box_home: str, listen: str) -> None:
 
 
 @cli.command("hooks")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_hooks(as_json: bool, box_home: str, listen: str) -> None:
     """List hooks (their secrets are never shown again)."""
-    items = Client(listen, box_home).request("GET", "/hooks")
-    if as_json:
-        click.echo(json.dumps(items, indent=1))
-        return
-    print_table([[h["name"], h["source"], h["url"], ", ".join(h["allow"]) or "-",
-                  h["createdAt"][:19]] for h in items],
-                ["NAME", "SOURCE", "URL", "BODY MAY SET", "CREATED"])
+    print_listing(Client(listen, box_home).request("GET", "/hooks"), as_json, lambda h: [
+        h["name"], h["source"], h["url"], ", ".join(h["allow"]) or "-", h["createdAt"][:19]],
+        ["NAME", "SOURCE", "URL", "BODY MAY SET", "CREATED"])
 
 
 # Commands for people at a terminal (issue 12): status, workspaces, files, approve-all,
 # events, settings.
 
 @cli.command("status")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_status(as_json: bool, box_home: str, listen: str) -> None:
     """Is gurtd up: its version, how many tasks run, wait and queue, the wallet, pending
     approvals."""
@@ -14534,15 +14453,11 @@ def cmd_status(as_json: bool, box_home: str, listen: str) -> None:
 
 
 @cli.command("workspaces")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_workspaces(as_json: bool, box_home: str, listen: str) -> None:
     """List workspaces and how many layers (done tasks) each has."""
-    workspaces = Client(listen, box_home).request("GET", "/workspaces")
-    if as_json:
-        click.echo(json.dumps(workspaces, indent=1))
-        return
-    print_table([[w["name"], str(w.get("layers", 0))] for w in workspaces], ["NAME", "LAYERS"])
+    print_listing(Client(listen, box_home).request("GET", "/workspaces"), as_json,
+                  lambda w: [w["name"], str(w.get("layers", 0))], ["NAME", "LAYERS"])
 
 
 @cli.command("files")
@@ -14563,12 +14478,11 @@ def cmd_files(workspace: str, path: str, as_json: bool, box_home: str, listen: s
     elif isinstance(answer, bytes):
         sys.stdout.buffer.write(answer)
         sys.stdout.flush()
-    elif as_json:
-        click.echo(json.dumps(answer, indent=1))
     else:
-        print_table([[e["type"], str(e["size"]) if e["type"] == "file" else "-",
-                      e["name"] + ("/" if e["type"] == "directory" else "")]
-                     for e in answer["entries"]], ["TYPE", "SIZE", "NAME"])
+        print_answer(answer, as_json, lambda a: print_table([[
+            e["type"], str(e["size"]) if e["type"] == "file" else "-",
+            e["name"] + ("/" if e["type"] == "directory" else "")] for e in a["entries"]],
+            ["TYPE", "SIZE", "NAME"]))
 
 
 @cli.command("approve-all")
@@ -14637,8 +14551,7 @@ def setting_value(text: str) -> Any:
 @cli.command("settings")
 @click.argument("key", required=False)
 @click.argument("value", required=False)
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_settings(key: str | None, value: str | None, as_json: bool, box_home: str,
                  listen: str) -> None:
     """Show the settings, one, or change one: gurtd settings maxRunningTasks 4."""
@@ -14957,17 +14870,13 @@ def review_post(client: Client, path: str, body: dict[str, Any]) -> Any:
 
 
 @cli.command("review")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_review(as_json: bool, box_home: str, listen: str) -> None:
     """The personal tasks waiting for the owner: done, with review pending or conflict."""
     tasks = [t for t in Client(listen, box_home).request("GET", "/tasks?state=done&limit=1000")
              if t.get("review") in ("pending", "conflict")]
-    if as_json:
-        click.echo(json.dumps(tasks, indent=1))
-        return
-    print_table([[t["id"], t["review"], ", ".join(t.get("folders") or []), t["title"][:50]]
-                 for t in tasks], ["ID", "REVIEW", "FOLDERS", "TITLE"])
+    print_listing(tasks, as_json, lambda t: [t["id"], t["review"], ", ".join(
+        t.get("folders") or []), t["title"][:50]], ["ID", "REVIEW", "FOLDERS", "TITLE"])
 
 
 @cli.command("diff")
@@ -14985,8 +14894,7 @@ def cmd_diff(task_id: str, path: str | None, box_home: str, listen: str) -> None
 @click.argument("task_id")
 @click.option("--force", is_flag=True, help="the task's version wins over the owner's edits")
 @click.option("--path", "paths", multiple=True, help="keep only this path (repeatable)")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_keep(task_id: str, force: bool, paths: tuple[str, ...], as_json: bool, box_home: str,
              listen: str) -> None:
     """Apply a personal task's changes to the real folders (409: the conflicts, one a line)."""
@@ -15002,16 +14910,12 @@ def cmd_keep(task_id: str, force: bool, paths: tuple[str, ...], as_json: bool, b
 @click.argument("task_id")
 @click.option("--force", is_flag=True, help="a kept task: put the versions from before the "
                                             "keep back even over the owner's later edits")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_undo(task_id: str, force: bool, as_json: bool, box_home: str, listen: str) -> None:
     """Undo a task: stop it and take its changes away (a kept one's from the real folders)."""
     task = review_post(Client(listen, box_home), f"/tasks/{task_id}/undo",
                        {"force": True} if force else {})
-    if as_json:
-        click.echo(json.dumps(task, indent=1))
-    else:
-        print_task(task)
+    print_answer(task, as_json, print_task)
 
 
 # decisions: approve with changes or always, policies
@@ -15024,8 +14928,7 @@ def cmd_undo(task_id: str, force: bool, as_json: bool, box_home: str, listen: st
               help="a budget approval: raise the task's budget to CENTS instead")
 @click.option("--always", type=click.Choice(POLICY_SCOPES), default=None,
               help="also record a policy: later calls like it in this scope run without asking")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_approve(approval_id: str, reason: str | None, args_json: str | None,
                 budget: float | None, always: str | None, as_json: bool, box_home: str,
                 listen: str) -> None:
@@ -15051,24 +14954,16 @@ def cmd_approve(approval_id: str, reason: str | None, args_json: str | None,
 
 
 @cli.command("policies")
-@click.option("--json", "as_json", is_flag=True)
-@client_options
+@json_options
 def cmd_policies(as_json: bool, box_home: str, listen: str) -> None:
     """List the policies (always-approve)."""
-    policies = Client(listen, box_home).request("GET", "/policies")
-    if as_json:
-        click.echo(json.dumps(policies, indent=1))
-        return
-    def limits(p: dict[str, Any]) -> str:
-        return " ".join(f"{k}={p[k]}" for k in ("maxCents", "totalCents", "expiresAt")
-                        if p.get(k) is not None) or "-"
-    print_table([[p["id"], p["tool"] + (f" {p['host']}" if p.get("host") else ""),
-                  p["scope"] + (f" {p.get('task') or p.get('workspace')}"
-                                if p["scope"] != "box" else ""),
-                  limits(p), str(p["spentCents"]), str(p["uses"]),
-                  "yes" if p["active"] else f"no: {p.get('endedBecause')}"]
-                 for p in policies],
-                ["ID", "TOOL", "SCOPE", "LIMITS", "SPENT", "USES", "ACTIVE"])
+    print_listing(Client(listen, box_home).request("GET", "/policies"), as_json, lambda p: [
+        p["id"], p["tool"] + (f" {p['host']}" if p.get("host") else ""),
+        p["scope"] + (f" {p.get('task') or p.get('workspace')}" if p["scope"] != "box" else ""),
+        " ".join(f"{k}={p[k]}" for k in ("maxCents", "totalCents", "expiresAt")
+                 if p.get(k) is not None) or "-", str(p["spentCents"]), str(p["uses"]),
+        "yes" if p["active"] else f"no: {p.get('endedBecause')}"],
+        ["ID", "TOOL", "SCOPE", "LIMITS", "SPENT", "USES", "ACTIVE"])
 
 
 @cli.group("policy")
@@ -15156,10 +15051,7 @@ def cmd_put(workspace: str, source: str, dest: str | None, as_json: bool, box_ho
         resp = transfer(client, "PUT" if "/files/" in path else "POST", path, spool, length,
                         ctype)
         task = json.loads(resp.read())
-    if as_json:
-        click.echo(json.dumps(task, indent=1))
-    else:
-        say_upload(task)
+    print_answer(task, as_json, say_upload)
 
 
 @cli.command("get")

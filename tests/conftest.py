@@ -464,6 +464,17 @@ def eventually(check: Callable[[], Any], timeout: float = 20.0, what: str = "") 
         time.sleep(0.02)
 
 
+def recv_all(sock: socket.socket, timeout: float | None = None, reset_ends: bool = False) -> bytes:
+    """What the peer sends until it closes the connection (with reset_ends, a reset too)."""
+    if timeout is not None:
+        sock.settimeout(timeout)
+    data = b""
+    with contextlib.suppress(*((ConnectionResetError,) if reset_ends else ())):
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
 def wait_for_step(g: Gurtd, task_id: str, step: str, timeout: float = 30.0) -> dict[str, Any]:
     """Wait until the task is running the prompt line `step`; the task then."""
     deadline = time.monotonic() + timeout

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 import gurtd as G
-from conftest import (REJECTED, Gurtd, eventually, pay_line, python_line,
+from conftest import (REJECTED, Gurtd, eventually, pay_line, python_line, recv_all,
                       uid_processes)
 
 # helpers #####################################################################################
@@ -58,16 +58,7 @@ def raw_broker_request(path: str, request: bytes, timeout: float = 10.0) -> tupl
         s.settimeout(timeout)
         s.connect(path)
         s.sendall(request)
-        return parse_http_response(read_all(s))
-
-
-def read_all(s: socket.socket) -> bytes:
-    data = b""
-    while True:
-        chunk = s.recv(65536)
-        if not chunk:
-            return data
-        data += chunk
+        return parse_http_response(recv_all(s))
 
 
 def parse_http_response(data: bytes) -> tuple[int, Any]:
@@ -421,7 +412,7 @@ def _call_as_nobody(run_dir: str, request: bytes) -> tuple[int, Any]:
                 s.settimeout(10)
                 s.connect("broker.sock")
                 s.sendall(request)
-                data = read_all(s)
+                data = recv_all(s)
             os.write(write_fd, json.dumps({"uid": os.getuid(),
                                            "data": data.decode(errors="replace")}).encode())
         except BaseException as exc:  # noqa: BLE001 - report anything to the parent

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import pytest
 
 import gurtd as gurtd_module
-from conftest import UNKNOWN_ID, Gurtd, put_base_file
+from conftest import UNKNOWN_ID, Gurtd, put_base_file, recv_all
 
 # One gurtd for this module (a stop costs ~0.6 s): every test here checks that its refused
 # requests changed nothing, so they can share it.  The base of workspace home holds readme.txt.
@@ -89,12 +89,7 @@ def raw_exchange(port: int, data: bytes, timeout: float = 20.0) -> bytes:
     """Send bytes on a fresh connection and read until gurtd closes it."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(data)
-        out = b""
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                return out
-            out += chunk
+        return recv_all(s)
 
 
 def body_of(response: bytes) -> bytes:

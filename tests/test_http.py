@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import gurtd as G
-from conftest import UNKNOWN_ID, Gurtd, eventually
+from conftest import UNKNOWN_ID, Gurtd, eventually, recv_all
 
 DEADLINE = 3.0          # GURT_REQUEST_DEADLINE of this module's gurtd
 # One gurtd for the module, with a short whole-request deadline; each test checks that what
@@ -46,13 +46,7 @@ def head(g: Gurtd, method: str, path: str, body: bytes = b"", token: bool = True
 def read_responses(sock: socket.socket, limit: float = 15.0) -> list[tuple[int, dict[str, str],
                                                                              bytes]]:
     """Every response on the connection until gurtd closes it: (status, headers, body)."""
-    sock.settimeout(limit)
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except ConnectionResetError:
-        pass
+    data = recv_all(sock, limit, reset_ends=True)
     out = []
     while data:
         top, sep, data = data.partition(b"\r\n\r\n")
@@ -567,13 +561,7 @@ def test_a_flood_of_stalled_connections_does_not_stop_the_api(gurtd: Gurtd) -> N
         assert time.monotonic() - start < DEADLINE, "the API waited for the stalled ones"
         time.sleep(DEADLINE + 1)
         for s in stalled:
-            s.settimeout(5)
-            answer = b""
-            try:
-                while chunk := s.recv(65536):
-                    answer += chunk
-            except ConnectionResetError:
-                pass
+            answer = recv_all(s, 5, reset_ends=True)
             assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer
     finally:
         for s in stalled:
