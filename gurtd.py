@@ -3500,7 +3500,11 @@ def keys_clear(uid: int) -> None:
 # link when it is a file with no other name on the same file system, else a copy), then the
 # new version through a temporary name in the same folder and a rename, every path resolved
 # beneath the folder's fd with openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS, never into a
-# folder its owner may not write.  A gurtd killed before the journal is written has written
+# folder its owner may not write.  What keep writes belongs to the folder's owner (a regular
+# file the owner may write keeps its owner): never root because it lands in a folder of root's.
+# The sticky bit is honoured as the kernel would for the owner: another user's entry in a
+# sticky folder that is not the owner's is neither replaced nor deleted (a conflict that
+# force does not override).  A gurtd killed before the journal is written has written
 # nothing; one killed after it finishes the keep at its next start (every step is repeatable
 # from the upper).  Undo of a keep is journaled the same way and puts the saved originals back.
 
@@ -3830,7 +3834,19 @@ def change_conflict(root_fd: int, change: Change, start: int,
             soft = f"{changed} changed by the owner after the task started"
     if change_name(change, real) is not None and not _owner_may_write(root_fd, parent, owner):
         return "the folder's owner may not write in this folder"
+    if real is not None and change_name(change, real) is not None and \
+            _sticky_refuses(root_fd, parent, real, owner[0]):
+        return "the folder is sticky and the file is another user's: its owner may not " \
+               "replace or delete it"
     return soft
+
+
+def _sticky_refuses(root_fd: int, parent: str, real: os.stat_result, uid: int) -> bool:
+    """Whether the kernel would refuse the owner replacing or removing real in parent: a
+    sticky folder lets only the entry's owner or the folder's owner do that."""
+    st = real_lstat(root_fd, parent) if parent else os.fstat(root_fd)
+    return st is not None and bool(st.st_mode & stat.S_ISVTX) and uid not in (st.st_uid,
+                                                                               real.st_uid)
 
 
 def _on_the_way(root_fd: int, parent: str) -> str | None:
@@ -3855,14 +3871,32 @@ def _owner_may_write(root_fd: int, parent: str, owner: tuple[int, list[int]]) ->
         parent = os.path.dirname(parent)
     if st is None or not stat.S_ISDIR(st.st_mode):
         return False
+    return _owner_bits(st, owner) & 0o3 == 0o3
+
+
+def _owner_bits(st: os.stat_result, owner: tuple[int, list[int]]) -> int:
+    """The rwx bits of st's mode that apply to the owner (uid, groups), as the kernel picks."""
     uid, gids = owner
     if st.st_uid == uid:
-        bits = st.st_mode >> 6
-    elif st.st_gid in gids:
-        bits = st.st_mode >> 3
-    else:
-        bits = st.st_mode
-    return bits & 0o3 == 0o3
+        return (st.st_mode >> 6) & 0o7
+    return (st.st_mode >> 3) & 0o7 if st.st_gid in gids else st.st_mode & 0o7
+
+
+KeptOwner = tuple[int, list[int], int]   # a folder's owner: uid, groups, primary gid
+
+
+def kept_owner(owner: KeptOwner, real: os.stat_result | None,
+               pst: os.stat_result) -> tuple[int, int]:
+    """Who a kept file, symlink or folder belongs to: never root (or anyone) because of where
+    it lands.  One that replaces a regular file the owner may write keeps that file's owner
+    and group (the owner could have written it in place); any other is the owner's, as one
+    the owner made there would be (the folder's group where the folder is set-gid, as the
+    kernel does).  So a root-owned file the owner could only replace comes back the owner's,
+    never root's with the task's content."""
+    if real is not None and stat.S_ISREG(real.st_mode) and \
+            (real.st_uid == owner[0] or _owner_bits(real, owner[:2]) & 0o2):
+        return real.st_uid, real.st_gid
+    return owner[0], pst.st_gid if pst.st_mode & stat.S_ISGID else owner[2]
 
 
 # Copies beneath directory fds: the originals a keep overwrites go under BOX_HOME, and back.
@@ -4162,6 +4196,8 @@ class Review:
         ops = journal["ops"]
         roots = {n: self.open_folder(info) for n, info in enumerate(task.folderInfo or [])}
         self.upper_fds = {n: os.open(self.upper(task.id, n), DIR_FLAGS) for n in roots}
+        owners = {n: self.owner(info) + (info["gid"],)
+                  for n, info in enumerate(task.folderInfo or [])}
         saved = -1
         try:
             crash_point("keep-planned")
@@ -4170,13 +4206,13 @@ class Review:
             saved = os.open(self.dir(task.id, "saved"), DIR_FLAGS)
             # every new file first, under its temporary name, and flushed in one go: the
             # renames then find no data to write (ext4 flushes a file renamed over another)
-            ready = self.write_temps(task, roots, ops)
+            ready = self.write_temps(task, roots, owners, ops)
             for fd in roots.values():
                 _syncfs(fd)
             for i, op in enumerate(ops):
                 if op["saved"] is not None:
                     self.save_original(roots[op["folder"]], saved, op)
-                self.apply(task, roots[op["folder"]], op, i, i in ready)
+                self.apply(task, roots[op["folder"]], owners[op["folder"]], op, i, i in ready)
                 crash_point(f"keep-op-{i}")
             for fd in list(roots.values()) + [saved]:
                 _syncfs(fd)
@@ -4238,7 +4274,7 @@ class Review:
         finally:
             os.close(parent)
 
-    def write_temps(self, task: Task, roots: dict[int, int],
+    def write_temps(self, task: Task, roots: dict[int, int], owners: dict[int, KeptOwner],
                     ops: list[dict[str, Any]]) -> set[int]:
         """The temporary files and symlinks of ops whose folder is there already (not one a
         folder op of this keep makes or replaces); their numbers."""
@@ -4255,21 +4291,14 @@ class Review:
                 tmp = f"{KEEP_TEMP}{task.id}-{i}"
                 _entry_remove(parent, tmp, tmp)
                 real, pst = _lstat_at(parent, os.path.basename(op["path"])), os.fstat(parent)
-                self.write_temp(task, op, parent, tmp, self.new_owner(op, real, pst))
+                self.write_temp(task, op, parent, tmp, kept_owner(owners[op["folder"]],
+                                                                      real, pst))
                 ready.add(i)
             finally:
                 os.close(parent)
         return ready
 
-    @staticmethod
-    def new_owner(op: dict[str, Any], real: os.stat_result | None,
-                  pst: os.stat_result) -> tuple[int, int]:
-        """A changed file keeps its owner; a new one gets the owner of its folder."""
-        if real is not None and not stat.S_ISDIR(real.st_mode) and not op["replace"]:
-            return real.st_uid, real.st_gid
-        return pst.st_uid, pst.st_gid
-
-    def apply(self, task: Task, root: int, op: dict[str, Any], i: int,
+    def apply(self, task: Task, root: int, owner: KeptOwner, op: dict[str, Any], i: int,
               ready: bool = False) -> None:
         """One write of a keep, repeatable: what the upper holds at op's path ends up at the
         real path, through a temporary name (ready: written already) and a rename, beneath
@@ -4294,13 +4323,13 @@ class Review:
                 os.mkdir(name, 0o700, dir_fd=parent)
                 fd = os.open(name, DIR_FLAGS, dir_fd=parent)
                 try:
-                    os.fchown(fd, pst.st_uid, pst.st_gid)
+                    os.fchown(fd, *kept_owner(owner, None, pst))
                     os.fchmod(fd, op["mode"] & 0o1777)
                 finally:
                     os.close(fd)
                 return
             if not ready:
-                self.write_temp(task, op, parent, tmp, self.new_owner(op, real, pst))
+                self.write_temp(task, op, parent, tmp, kept_owner(owner, real, pst))
             if real is not None and stat.S_ISDIR(real.st_mode):
                 os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=parent)
             os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)

@@ -517,3 +517,64 @@ def test_a_keep_cut_short_by_a_full_disk_goes_on_with_the_next_keep(
         subprocess.run(["umount", mnt], check=False)
         subprocess.run(["losetup", "-d", loop], check=False)
         os.rmdir(mnt)
+
+
+
+def _sticky_folder(top: str, owner: pwd.struct_passwd) -> str:
+    """A root-owned sticky 1777 folder in the owner's folder, with a file of the owner's and
+    one of root's (mode 0666: anyone may write it, only its owner remove it)."""
+    shared = os.path.join(top, "shared")
+    os.mkdir(shared)
+    os.chmod(shared, 0o1777)
+    for name, ids in (("mine.txt", (owner.pw_uid, owner.pw_gid)), ("theirs.txt", (0, 0))):
+        with open(os.path.join(shared, name), "w") as f:
+            f.write(f"{name}\n")
+        os.chown(os.path.join(shared, name), *ids)
+        os.chmod(os.path.join(shared, name), 0o666)
+    time.sleep(0.05)
+    return shared
+
+
+def test_a_kept_file_in_a_root_sticky_folder_is_the_owners(
+        gurtd: Gurtd, owner: pwd.struct_passwd, owner_folder: str) -> None:
+    """Issue 25, class 2: a file the task made in a root-owned 1777 folder was kept as root's,
+    and the owner's own file there became root's; so was a new folder (one more member)."""
+    shared = _sticky_folder(owner_folder, owner)
+    task = run_on(gurtd, owner_folder, "echo new > shared/new.txt && chmod 755 shared/new.txt",
+                  "echo edit >> shared/mine.txt",
+                  "mkdir shared/made && echo in > shared/made/in.txt")
+    code, data = keep(gurtd, task["id"])
+    assert code == 200, data
+    ids = (owner.pw_uid, owner.pw_gid)
+    for rel in ("new.txt", "mine.txt", "made", "made/in.txt"):
+        st = os.lstat(os.path.join(shared, rel))
+        assert (st.st_uid, st.st_gid) == ids, (rel, st.st_uid, st.st_gid)
+    assert open(os.path.join(shared, "mine.txt")).read() == "mine.txt\nedit\n"
+    assert stat.S_IMODE(os.lstat(os.path.join(shared, "new.txt")).st_mode) == 0o755
+    gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
+    assert sorted(os.listdir(shared)) == ["mine.txt", "theirs.txt"]
+    assert os.lstat(os.path.join(shared, "mine.txt")).st_uid == owner.pw_uid
+
+
+def test_keep_honours_the_sticky_bit_as_the_kernel_would(
+        gurtd: Gurtd, owner: pwd.struct_passwd, owner_folder: str) -> None:
+    """Another user's file in a sticky folder the owner does not own: the owner could write
+    into it but not replace or remove it, so keep does neither, even forced: root's file the
+    task wrote to, and a file another user made there after the task made its own."""
+    shared = _sticky_folder(owner_folder, owner)
+    task = run_on(gurtd, owner_folder,      # no O_CREAT: protected_regular would refuse it
+                  "echo task | dd of=shared/theirs.txt conv=notrunc,nocreat oflag=append "
+                  "status=none", "echo task > shared/late.txt")
+    assert task.get("review") == "pending", (task, gurtd.log(task["id"]))
+    with open(os.path.join(shared, "late.txt"), "w") as f:
+        f.write("another user's\n")
+    os.chown(os.path.join(shared, "late.txt"), 4321, 4321)
+    code, data = keep(gurtd, task["id"], {"force": True})
+    assert code == 409, data
+    why = "the folder is sticky and the file is another user's: its owner may not replace " \
+          "or delete it"
+    assert {c["path"]: c["why"] for c in data["conflicts"]} == {
+        "shared/theirs.txt": why, "shared/late.txt": why}, data
+    assert (os.lstat(os.path.join(shared, "theirs.txt")).st_uid,
+            open(os.path.join(shared, "theirs.txt")).read()) == (0, "theirs.txt\n")
+    assert os.lstat(os.path.join(shared, "late.txt")).st_uid == 4321
