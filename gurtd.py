@@ -1670,7 +1670,7 @@ def _overlay_legacy_build(lowers: list[Any], upper: Layer | None, work: Layer | 
 def open_beneath(dirfd: int, path: str, flags: int) -> int:
     """openat2 with RESOLVE_BENEATH: no .., absolute symlink or magic link leaves dirfd."""
     how = OpenHow(flags | os.O_CLOEXEC, 0, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
-    return syscall("openat2", SYS_OPENAT2, dirfd, (path or ".").encode(), ctypes.byref(how),
+    return syscall("openat2", SYS_OPENAT2, dirfd, os.fsencode(path or "."), ctypes.byref(how),
                    ctypes.c_size_t(ctypes.sizeof(how)))
 
 
@@ -1848,7 +1848,7 @@ def open_dir_beneath(root_fd: int, rel: str) -> int | None:
     not a directory (a task may have replaced it meanwhile)."""
     how = OpenHow(os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, 0,
                   RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
-    chunks, rest = [], rel.encode()  # a deep path goes in pieces: openat2 takes 4,095 bytes
+    chunks, rest = [], os.fsencode(rel)   # a deep path goes in pieces: openat2 takes 4,095
     while len(rest) > 2048:
         cut = rest.rfind(b"/", 0, 2048)    # a name is at most 255 bytes: there is one
         chunks.append(rest[:cut])
@@ -3636,7 +3636,7 @@ def folder_open(path: str, dev: int, ino: int) -> int:
     try:
         how = OpenHow(os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, 0,
                       RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
-        fd = syscall("openat2", SYS_OPENAT2, root, path.lstrip("/").encode(),
+        fd = syscall("openat2", SYS_OPENAT2, root, os.fsencode(path.lstrip("/")),
                      ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
     finally:
         os.close(root)
@@ -4416,33 +4416,69 @@ class Review:
         return out
 
     def undo_run(self, task: Task, journal: dict[str, Any]) -> None:
+        """The undo's writes, each path on its own: a path that cannot be put back (its
+        folder a symlink or a file now, say) is named, the others are put back, and the
+        journal stays: the task stays kept, the answer is 409 with the paths (notUndone), and
+        the next undo (or start) runs the journal again, every step being repeatable."""
         path = self.dir(task.id, "journal.json")
         write_json(path, journal)
         roots = {n: self.open_folder(info) for n, info in enumerate(task.folderInfo or [])}
         saved = os.open(self.dir(task.id, "saved"), DIR_FLAGS) \
             if os.path.isdir(self.dir(task.id, "saved")) else -1
+        failed: list[dict[str, str]] = []
         try:
             for i, op in enumerate(journal["ops"]):
-                self.restore(task, roots[op["folder"]], saved, op, i)
+                why = self.restore(task, roots[op["folder"]], saved, op, i)
+                if why:
+                    failed.append({"folder": (task.folders or [])[op["folder"]],
+                                   "path": op["path"], "why": why})
                 crash_point(f"undo-op-{i}")
             for fd in roots.values():
                 _syncfs(fd)
         finally:
             for fd in list(roots.values()) + ([saved] if saved >= 0 else []):
                 os.close(fd)
+        if failed:
+            self.undo_partial(task, failed)
         task.review = "undone"
         self.box.save(task)
         os.unlink(path)
         self.announce(task, "undone", f"the real folders are back as before the keep "
                       f"({len(journal['ops'])} paths)")
 
-    def restore(self, task: Task, root: int, saved: int, op: dict[str, Any], i: int) -> None:
-        """One path back as before the keep (its saved original, or nothing); repeatable."""
+    def undo_partial(self, task: Task, failed: list[dict[str, str]]) -> None:
+        """An undo that could not put every path back: said in the log, an event and a 409."""
+        what = "; ".join(f"{c['folder']}/{c['path']}: {c['why']}" for c in failed[:3])
+        self.announce(task, "undo-partial", f"{len(failed)} paths could not be put back "
+                      f"({what}); undo again to finish", notUndone=failed[:1000])
+        raise ApiError(409, f"the undo could not put back {len(failed)} paths ({what}); the "
+                            "others are back, the task stays kept, and the next undo tries "
+                            "these again", "conflict", extra={"notUndone": failed[:1000]})
+
+    def restore(self, task: Task, root: int, saved: int, op: dict[str, Any],
+                i: int) -> str | None:
+        """One path back as before the keep (its saved original, or nothing); repeatable.
+        None when done; else why it could not be (what the disk refuses is raised)."""
+        try:
+            self.restore_path(task, root, saved, op, i)
+        except SysError as exc:
+            return str(exc.stderr or exc)
+        except OSError as exc:
+            if is_disk_error(exc):
+                raise
+            return f"{exc.strerror or exc}"
+        return None
+
+    def restore_path(self, task: Task, root: int, saved: int, op: dict[str, Any],
+                     i: int) -> None:
         rel, name = op["path"], os.path.basename(op["path"])
         parent = _parent_fd(root, rel)
         if parent is None:
-            log(4, f"task {task.id}: undo: the folder of {rel} is gone; left as it is")
-            return
+            on_way = _on_the_way(root, os.path.dirname(rel))
+            if on_way is None and op["saved"] is None:
+                return                     # its folder is gone, and the kept entry with it
+            raise SysError("undo", errno.ENOTDIR, on_way or "its folder is gone: the original "
+                           "has no place to go back to")
         tmp = f"{KEEP_TEMP}{task.id}-u{i}"
         aside = tmp + "-old"
         try:
@@ -10696,6 +10732,33 @@ def h_hook_deliver(req: "Handler", params: dict[str, str]) -> Any:
 # whether it is open or streamed, and its OpenAPI operation.  Handlers parse, ask the Box,
 # render.  Errors of every kind, http.server's own included, leave as JSON {"error": ...,
 # "code"?: ...} from one place.
+#
+# File names are bytes (a task or an archive may name a file in Latin-1); gurtd holds them as
+# str with surrogateescape, as os does.  JSON carries text only, so an answer shows a name that
+# is not UTF-8 with each byte that is not as \xNN (caf\xe9.txt): readable and valid UTF-8, a
+# name to look at, not one to send back (a diff names it C-quoted, as git does, and archives
+# carry the very bytes).
+
+
+def json_text(obj: Any) -> bytes:
+    """obj as JSON that a strict client takes: a str holding surrogateescaped bytes (only a
+    file name has them) shows each as \\xNN; every other answer is json.dumps as it is."""
+    body = json.dumps(obj).encode()
+    return json.dumps(_shown(obj)).encode() if b"\\ud" in body else body
+
+
+def _shown(obj: Any) -> Any:
+    """obj with each surrogateescaped byte of a str as \\xNN (another lone surrogate, which
+    only a client's own JSON could hold, as U+FFFD)."""
+    if isinstance(obj, str):
+        return "".join(f"\\x{ord(c) - 0xdc00:02x}" if "\udc80" <= c <= "\udcff" else
+                       "\ufffd" if "\ud800" <= c <= "\udfff" else c for c in obj) \
+            if any("\ud800" <= c <= "\udfff" for c in obj) else obj
+    if isinstance(obj, dict):
+        return {_shown(k): _shown(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_shown(v) for v in obj]
+    return obj
 
 
 class LogWatch:
@@ -11807,7 +11870,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if isinstance(obj, tuple):
             body, ctype = obj
         else:
-            body = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+            body = obj if isinstance(obj, bytes) else json_text(obj)
             ctype = "application/json"
         self.send_response(status)
         self.send_header("Content-Type", ctype)
@@ -12720,7 +12783,7 @@ class Loop:
         """An event for /api/events: every state a task takes (queued too), every approval
         made or answered; sent at the end of the step (publish), with ids counting up by one;
         the last EVENTS_KEPT are kept for replay."""
-        self.staged_events.append((kind, json.dumps(obj).encode()))
+        self.staged_events.append((kind, json_text(obj)))
         if kind == "task":
             for source in (self.box.schedules, self.box.jira):
                 try:

@@ -578,3 +578,35 @@ def test_keep_honours_the_sticky_bit_as_the_kernel_would(
     assert (os.lstat(os.path.join(shared, "theirs.txt")).st_uid,
             open(os.path.join(shared, "theirs.txt")).read()) == (0, "theirs.txt\n")
     assert os.lstat(os.path.join(shared, "late.txt")).st_uid == 4321
+
+
+def test_an_undo_that_cannot_put_everything_back_says_so_and_can_be_tried_again(
+        gurtd: Gurtd, owner_folder: str) -> None:
+    """Issue 25, class 6: undo while a kept file's folder was swapped for a symlink answered
+    200 undone and left the kept file; one more member: an original to put back under a
+    folder that is now a file.  The undo names what it could not do, the task stays kept,
+    and the next undo (the folders as they were) finishes it."""
+    before = snapshot(owner_folder)
+    task = run_on(gurtd, owner_folder, "echo new > sub/new.txt && echo changed > olddir/x.txt")
+    assert keep(gurtd, task["id"])[0] == 200
+    sub, olddir = os.path.join(owner_folder, "sub"), os.path.join(owner_folder, "olddir")
+    os.rename(sub, sub + ".real")
+    os.symlink("sub.real", sub)
+    os.rename(olddir, olddir + ".real")
+    with open(olddir, "w") as f:
+        f.write("a file now\n")
+    code, data, _ = gurtd.request("POST", f"/api/tasks/{task['id']}/undo", {"force": True})
+    assert code == 409 and data["code"] == "conflict", data
+    assert {c["path"]: c["why"] for c in data["notUndone"]} == {
+        "olddir/x.txt": "olddir is not a folder",
+        "sub/new.txt": "sub is a symlink in the real folder"}, data
+    assert gurtd.task(task["id"])["review"] == "kept"
+    assert os.path.exists(os.path.join(sub + ".real", "new.txt"))
+    os.unlink(sub)
+    os.rename(sub + ".real", sub)
+    os.unlink(olddir)
+    os.rename(olddir + ".real", olddir)
+    undone = gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
+    assert undone["review"] == "undone", undone
+    assert snapshot(owner_folder) == before
+    no_leftovers(gurtd, task["id"], owner_folder)
