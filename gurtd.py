@@ -4524,8 +4524,88 @@ class Review:
 
 
 # The diff: unified, as git prints it (a/ and b/ paths), binary files and modes named.
+# Bounded: difflib is quadratic (two orderings of a 600 KB file of 200,000 lines never ended),
+# so a file's lines are diffed by GNU diff (linear in practice, its heuristics on), fed from
+# memfds holding the copies read beneath the layer's or folder's fd (diff opens no path of the
+# task's).  One answer has DIFF_SECONDS of work and DIFF_MAX_BYTES of text; a file past its
+# DIFF_FILE_SECONDS, or once those are spent, is named as changed with its sizes.  The work
+# stops (diff killed) as soon as the client is gone.
 
 DIFF_TEXT_MAX = 8 << 20              # a larger file is named, not shown line by line
+DIFF_SECONDS = 30.0                  # one diff answer's work
+DIFF_FILE_SECONDS = 10.0             # one file's diff(1)
+DIFF_MAX_BYTES = 64 << 20            # the text of one diff answer
+DIFF_PY_MAX = 64 << 10               # without diff(1): the bytes difflib may take (quadratic)
+
+
+class DiffStopped(ConnectionError):
+    """The client of a diff is gone: its work ends (the handler takes it as a gone client)."""
+
+
+@dataclass
+class DiffBudget:
+    """What one diff answer may still spend, and how to know its client left."""
+
+    deadline: float = dataclasses.field(default_factory=lambda: time.monotonic() + DIFF_SECONDS)
+    gone: Callable[[], bool] = lambda: False
+    left: int = DIFF_MAX_BYTES
+
+    def check(self) -> None:
+        """DiffStopped once the client left (asked between files, and while diff runs)."""
+        if self.gone():
+            raise DiffStopped("the client of the diff is gone")
+
+    def spent(self) -> bool:
+        """Whether a further file gets its lines diffed (the client asked after first)."""
+        self.check()
+        return self.left <= 0 or time.monotonic() >= self.deadline
+
+    def took(self, text: str) -> str:
+        self.left -= len(text)
+        return text
+
+
+def text_diff(a: str, b: str, a_label: str, b_label: str, budget: DiffBudget) -> str | None:
+    """The unified hunks (with --- and +++) of a against b; None if too costly to make."""
+    if budget.spent():
+        return None
+    if shutil.which("diff") is None:
+        if len(a) + len(b) > DIFF_PY_MAX:
+            return None
+        import difflib
+        lines = difflib.unified_diff(a.splitlines(keepends=True), b.splitlines(keepends=True),
+                                     a_label, b_label)
+        return "".join(line if line.endswith("\n") else
+                       line + "\n\\ No newline at end of file\n" for line in lines)
+    fds = [os.memfd_create("gurt-diff", os.MFD_CLOEXEC) for _ in (a, b)]
+    try:
+        for fd, text in zip(fds, (a, b)):
+            os.write(fd, text.encode())
+        return _run_diff(["diff", "-u", "--label", a_label, "--label", b_label,
+                          *(f"/dev/fd/{fd}" for fd in fds)], fds, budget)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _run_diff(argv: list[str], fds: list[int], budget: DiffBudget) -> str | None:
+    """diff(1)'s output, within its file's time and the answer's; killed if the client goes."""
+    end = min(budget.deadline, time.monotonic() + DIFF_FILE_SECONDS)
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, pass_fds=fds, env={"LC_ALL": "C"})
+    try:
+        while True:
+            try:
+                out, _ = proc.communicate(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if budget.spent() or time.monotonic() >= end:
+                    return None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return out.decode(errors="replace") if proc.returncode in (0, 1) else None
 
 
 def _read_entry(dir_fd: int | None, name: str) -> tuple[str, int, bytes] | None:
@@ -4577,9 +4657,8 @@ def diff_name(name: str) -> str:
 
 
 def file_diff(rel: str, old: tuple[str, int, bytes] | None,
-              new: tuple[str, int, bytes] | None) -> str:
+              new: tuple[str, int, bytes] | None, budget: DiffBudget | None = None) -> str:
     """One path's part of a unified diff (empty if nothing differs); folders have none."""
-    import difflib
     if old is not None and old[0] == "dir":
         old = None
     if new is not None and new[0] == "dir":
@@ -4605,20 +4684,23 @@ def file_diff(rel: str, old: tuple[str, int, bytes] | None,
         head.append(f"Binary files {a_name if old else '/dev/null'} and "
                     f"{b_name if new else '/dev/null'} differ")
         return "\n".join(head) + "\n"
-    lines = difflib.unified_diff(a_text.splitlines(keepends=True),
-                                 b_text.splitlines(keepends=True),
-                                 a_name if old else "/dev/null",
-                                 b_name if new else "/dev/null")
-    body = "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
-                   for line in lines)
-    return "\n".join(head) + "\n" + body
+    budget = budget or DiffBudget()
+    body = text_diff(a_text, b_text, a_name if old else "/dev/null",
+                     b_name if new else "/dev/null", budget)
+    if body is None:
+        head.append(f"Files {a_name if old else '/dev/null'} and "
+                    f"{b_name if new else '/dev/null'} differ ({len(a)} -> {len(b)} bytes: too "
+                    "costly to diff here)")
+        body = ""
+    return budget.took("\n".join(head) + "\n" + body)
 
 
 def _wanted(rel: str, only: str | None) -> bool:
     return only is None or rel == only or rel.startswith(only.rstrip("/") + "/")
 
 
-def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None) -> str:
+def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None,
+                budget: DiffBudget) -> str:
     """A personal task's changes to one folder against the real folder as it is now."""
     try:
         root = folder_open(info["path"], info["dev"], info["ino"])
@@ -4635,6 +4717,7 @@ def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None)
     replaced: set[tuple[int, str]] = set()   # folders the task replaced: their old entries
     try:
         for change in upper_changes(upper):
+            budget.check()
             full = f"{folder}/{change.path}"
             under = _below_any(replaced, 0, change.path)
             if change.kind == "dir" and change.opaque:
@@ -4642,15 +4725,15 @@ def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None)
             if not (_wanted(change.path, only) or _wanted(full, only)):
                 continue
             if change.kind == "delete":
-                parts.append("" if under else _tree_diff(real, change.path))
+                parts.append("" if under else _tree_diff(real, change.path, budget))
             elif change.kind == "dir":
                 if change.opaque and not under:
-                    parts.append(_tree_diff(real, change.path))
+                    parts.append(_tree_diff(real, change.path, budget))
             else:
                 old = None if under else _entry_at(real, change.path)
                 if old is not None and old[0] == "dir":
-                    parts.append(_tree_diff(real, change.path))
-                parts.append(file_diff(change.path, old, _entry_at(up, change.path)))
+                    parts.append(_tree_diff(real, change.path, budget))
+                parts.append(file_diff(change.path, old, _entry_at(up, change.path), budget))
     finally:
         os.close(real)
         os.close(up)
@@ -4658,12 +4741,12 @@ def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None)
     return f"# folder {folder}\n{text}" if text else ""
 
 
-def _tree_diff(root: int, rel: str) -> str:
+def _tree_diff(root: int, rel: str, budget: DiffBudget) -> str:
     """Deletions of everything at and under rel in the real folder (a folder the task removed
     or replaced), in one walk: the folder may be thousands deep."""
     entry = _entry_at(root, rel)
     if entry is None or entry[0] != "dir":
-        return "" if entry is None else file_diff(rel, entry, None)
+        return "" if entry is None else file_diff(rel, entry, None, budget)
     fd = open_dir_beneath(root, rel)
     if fd is None:
         return ""
@@ -4671,13 +4754,13 @@ def _tree_diff(root: int, rel: str) -> str:
     try:
         with moved_is_409():
             tree_visit(fd, lambda dir_fd, name, st, parents: parts.append(file_diff(
-                "/".join([rel, *parents, name]), _read_entry(dir_fd, name), None)))
+                "/".join([rel, *parents, name]), _read_entry(dir_fd, name), None, budget)))
     finally:
         os.close(fd)
     return "".join(parts)
 
 
-def layer_diff(upper: str, lowers: list[str], only: str | None) -> str:
+def layer_diff(upper: str, lowers: list[str], only: str | None, budget: DiffBudget) -> str:
     """A workspace task's layer against the layers below it (the first that has a path)."""
     parts = []
     up = os.open(upper, DIR_FLAGS) if os.path.isdir(upper) else -1
@@ -4686,6 +4769,7 @@ def layer_diff(upper: str, lowers: list[str], only: str | None) -> str:
     lower_fds = [os.open(p, DIR_FLAGS) for p in lowers if os.path.isdir(p)]
     try:
         for change in changed_paths(upper, lowers):
+            budget.check()
             rel = change["path"].rstrip("/")
             if change["path"].endswith("/") or not _wanted(rel, only):
                 continue
@@ -4695,7 +4779,7 @@ def layer_diff(upper: str, lowers: list[str], only: str | None) -> str:
                 if old is not None:
                     break
             new = None if change["change"] == "deleted" else _entry_at(up, rel)
-            parts.append(file_diff(rel, old, new))
+            parts.append(file_diff(rel, old, new, budget))
     finally:
         for fd in [up] + lower_fds:
             os.close(fd)
@@ -11181,18 +11265,29 @@ def h_task_keep(req: "Handler", params: dict[str, str]) -> Any:
     return 200, box.loop.call(box.review.keep_task, params["id"], req.json_body(optional=True))
 
 
+def peer_gone(sock: socket.socket) -> bool:
+    """Whether the client at the other end of sock has closed it (read at once, no wait)."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    try:
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
 def h_task_diff(req: "Handler", params: dict[str, str]) -> Any:
-    """The task's changes as a unified diff, read in this thread (never on the loop)."""
+    """The task's changes as a unified diff, read in this thread (never on the loop), within a
+    DiffBudget; a client that leaves ends the work (DiffStopped is a ConnectionError)."""
     box = req.box
     only = req.query_one("path")           # a filter only: never opened as it is
     if only is not None:
         only = only if only.startswith("/") else only.strip("/")
     source = box.loop.call(box.review.sources, params["id"])
+    budget = DiffBudget(gone=lambda: peer_gone(req.request))
     if source["folders"]:
-        text = "".join(folder_diff(folder, upper, info, only)
+        text = "".join(folder_diff(folder, upper, info, only, budget)
                        for folder, upper, info in source["folders"])
     elif source["layer"] is not None:
-        text = layer_diff(source["layer"][0], source["layer"][1], only)
+        text = layer_diff(source["layer"][0], source["layer"][1], only, budget)
     else:
         text = ""
     return 200, (text.encode(), "text/x-diff; charset=utf-8")

@@ -610,3 +610,65 @@ def test_an_undo_that_cannot_put_everything_back_says_so_and_can_be_tried_again(
     assert undone["review"] == "undone", undone
     assert snapshot(owner_folder) == before
     no_leftovers(gurtd, task["id"], owner_folder)
+
+
+def _diff_children(g: Gurtd) -> list[int]:
+    """diff(1) processes gurtd runs now."""
+    assert g.proc is not None
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == g.proc.pid and argv[:2] == [b"diff", b"-u"]:
+            out.append(int(pid))
+    return out
+
+
+def test_a_costly_diff_is_bounded_and_stops_when_its_client_goes(gurtd: Gurtd) -> None:
+    """Issue 25, class 3: the diff of two orderings of a 600 KB file of 200,000 lines never
+    answered in 40 s and kept a core busy after the client left (difflib is quadratic).  One
+    more member: a file of 8 MiB of short lines, shuffled.  Viewers who ask and leave stop
+    their work; the one who waits gets an answer in bounded time; the loop answers all along."""
+    gurtd.api("POST", "/api/workspaces", {"name": "difftest"}, status=201)
+    lines = "".join(f"{i % 100:02d}\n" for i in range(200_000)).encode()
+    assert len(lines) == 600_000
+    for name, data in (("order.txt", lines), ("big.txt", b"".join(
+            b"%07d\n" % i for i in range(1_000_000)))):
+        code, _, _ = gurtd.request("PUT", f"/api/workspaces/difftest/files/{name}", raw=data,
+                                   headers={"Content-Type": "application/octet-stream"})
+        assert code == 201
+    task = gurtd.run("sort -o order.txt order.txt && shuf -o big.txt big.txt",
+                     workspace="difftest")
+    assert task["state"] == "done", gurtd.log(task["id"])
+    url = f"/api/tasks/{task['id']}/diff"
+    for _ in range(3):                         # the portal's views, opened and left
+        conn = gurtd.connection()
+        conn.request("GET", url, headers={"Authorization": f"Bearer {gurtd.token}"})
+        time.sleep(0.3)
+        conn.close()
+    slowest, answer = 0.0, []
+    import threading
+    waiter = threading.Thread(target=lambda: answer.append(
+        (time.monotonic(), gurtd.request("GET", url), time.monotonic())))
+    waiter.start()
+    while waiter.is_alive():
+        began = time.monotonic()           # the loop's own answer: a stop of no task
+        gurtd.request("POST", "/api/tasks/t000000000/stop")
+        slowest = max(slowest, time.monotonic() - began)
+        time.sleep(0.05)
+    (began, (code, text, _), ended) = answer[0]
+    assert code == 200, text
+    print(f"diff answered in {ended - began:.1f} s, the loop's worst wait {slowest:.3f} s")
+    assert ended - began < G.DIFF_SECONDS + 5 and slowest < 1.0, (ended - began, slowest)
+    assert b"+++ b/order.txt" in text or b"order.txt differ (600000 -> 600000 bytes" in text
+    assert b"big.txt differ (8000000 -> 8000000 bytes: too costly to diff here)" in text or \
+        b"+++ b/big.txt" in text
+    deadline = time.monotonic() + 5
+    while _diff_children(gurtd):              # the views that left hold no diff(1)
+        assert time.monotonic() < deadline, _diff_children(gurtd)
+        time.sleep(0.1)
