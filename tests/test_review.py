@@ -14,6 +14,7 @@ import secrets
 import shutil
 import stat
 import subprocess
+import threading
 import time
 from typing import Any
 
@@ -649,10 +650,16 @@ def test_a_costly_diff_is_bounded_and_stops_when_its_client_goes(gurtd: Gurtd) -
     for _ in range(3):                         # the portal's views, opened and left
         conn = gurtd.connection()
         conn.request("GET", url, headers={"Authorization": f"Bearer {gurtd.token}"})
-        time.sleep(0.3)
+        deadline = time.monotonic() + 20
+        while not _diff_children(gurtd):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         conn.close()
+        left = time.monotonic()
+        while _diff_children(gurtd):          # its diff(1) ends with it, not 10 s later
+            assert time.monotonic() < left + 2, _diff_children(gurtd)
+            time.sleep(0.05)
     slowest, answer = 0.0, []
-    import threading
     waiter = threading.Thread(target=lambda: answer.append(
         (time.monotonic(), gurtd.request("GET", url), time.monotonic())))
     waiter.start()
@@ -664,11 +671,8 @@ def test_a_costly_diff_is_bounded_and_stops_when_its_client_goes(gurtd: Gurtd) -
     (began, (code, text, _), ended) = answer[0]
     assert code == 200, text
     print(f"diff answered in {ended - began:.1f} s, the loop's worst wait {slowest:.3f} s")
-    assert ended - began < G.DIFF_SECONDS + 5 and slowest < 1.0, (ended - began, slowest)
+    assert ended - began < G.DIFF_SECONDS + 5 and slowest < 2.0, (ended - began, slowest)
     assert b"+++ b/order.txt" in text or b"order.txt differ (600000 -> 600000 bytes" in text
     assert b"big.txt differ (8000000 -> 8000000 bytes: too costly to diff here)" in text or \
         b"+++ b/big.txt" in text
-    deadline = time.monotonic() + 5
-    while _diff_children(gurtd):              # the views that left hold no diff(1)
-        assert time.monotonic() < deadline, _diff_children(gurtd)
-        time.sleep(0.1)
+    assert not _diff_children(gurtd)
