@@ -11413,7 +11413,9 @@ ROUTES: list[Route] = [
           answers={200: ("The task, now undone", _ref("Task")),
                    400: "No task with this id, or the body is wrong",
                    409: ("Personal: kept paths the owner changed since the keep (each named "
-                         "in conflicts): nothing was undone", _ref("Conflict")),
+                         "in conflicts): nothing was undone; or paths that could not be put "
+                         "back (notUndone): the others were, the task stays kept, and the "
+                         "next undo tries them again", _ref("Conflict")),
                    507: "The disk is full: the undo goes on with the next undo"}),
     Route("POST", "/api/tasks/{id}/stop", h_task_stop, "Stop a task: it fails with error stopped",
           "stopTask", "tasks",
@@ -11558,7 +11560,9 @@ ROUTES: list[Route] = [
           query={"path": ({"type": "string"},
                           "Only this file or folder (absolute in a folder, or relative)")},
           answers={200: ("A unified diff of its folders' pending changes (personal), or of its "
-                         "layer; empty when there is none", {"text/x-diff": {"type": "string"}}),
+                         "layer; empty when there is none; a file too costly to diff (10 s "
+                         "each, 30 s and 64 MiB an answer) is named as changed with its sizes",
+                         {"text/x-diff": {"type": "string"}}),
                    400: "No task with this id"}),
     # decisions
     Route("POST", "/api/approvals/{id}/always", h_approval_always,
@@ -12372,9 +12376,9 @@ def decision_schemas() -> dict[str, Any]:
             "current": {"type": "boolean", "description": "This browser's"}}},
         "Conflict": {"type": "object", "required": ["error"], "properties": {
             "error": string, "code": string,
-            "conflicts": _array({"type": "object", "required": ["folder", "path", "why"],
-                                 "properties": {"folder": string, "path": string,
-                                                "why": string}})}},
+            **{key: _array({"type": "object", "required": ["folder", "path", "why"],
+                            "properties": {"folder": string, "path": string, "why": string}})
+               for key in ("conflicts", "notUndone")}}},
     }
 
 
