@@ -3520,6 +3520,7 @@ KEEP_TEMP = ".gurt-keep-"            # temp names in the real folders: .gurt-kee
 SAVE_DEPTH_MAX = 500                 # levels of a real folder keep saves (a copy made on the
                                      # loop: a task must not make it copy without end)
 TOO_DEEP = "\0too deep"              # _tree_conflict's answer for a folder deeper than that
+STICKY_HELD = "\0sticky"             # and for one holding what the owner may not remove
 KEEP_PATH_MAX = 4096                 # bytes: a task's folder deeper than this is listed (as
                                      # kind "deep"), never walked into, and never kept
 FOLDER_RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
@@ -3776,20 +3777,25 @@ def change_name(change: Change, real: os.stat_result | None) -> str | None:
     return "modified" if real is not None else "added"
 
 
-def _tree_conflict(root_fd: int, rel: str, start: int) -> str | None:
+def _tree_conflict(root_fd: int, rel: str, start: int, uid: int) -> str | None:
     """The first path under the real folder rel changed since start, or None; TOO_DEEP if
-    the folder is deeper than a keep can save it (walked whole to know: keep copies it)."""
+    the folder is deeper than a keep can save it (walked whole to know: keep copies it);
+    STICKY_HELD if it holds another user's entry in a sticky folder not the owner's (uid),
+    which the owner could not remove."""
     fd = open_dir_beneath(root_fd, rel)
     if fd is None:
         return None
     changed: str | None = None
-    deep = False
+    deep = held = False
 
     def check(dir_fd: int, name: str, st: os.stat_result, parents: list[str]) -> bool:
-        nonlocal changed, deep
+        nonlocal changed, deep, held
         if changed is None and st.st_ctime_ns >= start:
             changed = "/".join([rel, *parents, name])
         deep = deep or stat.S_ISDIR(st.st_mode) and len(parents) + 1 >= SAVE_DEPTH_MAX
+        if st.st_uid != uid and not held:
+            folder = os.fstat(dir_fd)
+            held = bool(folder.st_mode & stat.S_ISVTX) and folder.st_uid != uid
         return not deep
 
     try:
@@ -3798,7 +3804,7 @@ def _tree_conflict(root_fd: int, rel: str, start: int) -> str | None:
         return rel
     finally:
         os.close(fd)
-    return TOO_DEEP if deep else changed
+    return TOO_DEEP if deep else STICKY_HELD if held else changed
 
 
 def change_conflict(root_fd: int, change: Change, start: int,
@@ -3826,10 +3832,13 @@ def change_conflict(root_fd: int, change: Change, start: int,
             change.kind == "delete" else "created by the owner after the task started"
     if real is not None and stat.S_ISDIR(real.st_mode) and \
             (change.kind != "dir" or change.opaque):
-        changed = _tree_conflict(root_fd, change.path, start)
+        changed = _tree_conflict(root_fd, change.path, start, owner[0])
         if changed == TOO_DEEP:
             return f"a folder more than {SAVE_DEPTH_MAX} levels deep is never replaced or " \
                    "deleted (keep could not save it for undo)"
+        if changed == STICKY_HELD:
+            return "the folder holds another user's file in a sticky folder: its owner may " \
+                   "not delete it"
         if changed and soft is None:
             soft = f"{changed} changed by the owner after the task started"
     if change_name(change, real) is not None and not _owner_may_write(root_fd, parent, owner):

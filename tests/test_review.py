@@ -565,17 +565,24 @@ def test_keep_honours_the_sticky_bit_as_the_kernel_would(
     shared = _sticky_folder(owner_folder, owner)
     task = run_on(gurtd, owner_folder,      # no O_CREAT: protected_regular would refuse it
                   "echo task | dd of=shared/theirs.txt conv=notrunc,nocreat oflag=append "
-                  "status=none", "echo task > shared/late.txt")
+                  "status=none", "echo task > shared/late.txt", "rm -r olddir")
     assert task.get("review") == "pending", (task, gurtd.log(task["id"]))
-    with open(os.path.join(shared, "late.txt"), "w") as f:
-        f.write("another user's\n")
-    os.chown(os.path.join(shared, "late.txt"), 4321, 4321)
+    y = os.path.join(owner_folder, "olddir/y")      # made a sticky folder of root's since
+    os.chown(y, 0, 0)
+    os.chmod(y, 0o1777)
+    for late in (os.path.join(shared, "late.txt"), os.path.join(y, "late.txt")):
+        with open(late, "w") as f:
+            f.write("another user's\n")
+        os.chown(late, 4321, 4321)
     code, data = keep(gurtd, task["id"], {"force": True})
     assert code == 409, data
     why = "the folder is sticky and the file is another user's: its owner may not replace " \
           "or delete it"
     assert {c["path"]: c["why"] for c in data["conflicts"]} == {
-        "shared/theirs.txt": why, "shared/late.txt": why}, data
+        "shared/theirs.txt": why, "shared/late.txt": why,
+        "olddir": "the folder holds another user's file in a sticky folder: its owner may not "
+                  "delete it"}, data
+    assert os.path.exists(os.path.join(y, "late.txt"))
     assert (os.lstat(os.path.join(shared, "theirs.txt")).st_uid,
             open(os.path.join(shared, "theirs.txt")).read()) == (0, "theirs.txt\n")
     assert os.lstat(os.path.join(shared, "late.txt")).st_uid == 4321
