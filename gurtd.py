@@ -6506,7 +6506,7 @@ class Box:
 
     def append_log(self, task_id: str, entry: dict[str, Any]) -> None:
         entry = {"time": now_iso(), **entry}
-        line = (json.dumps(entry) + "\n").encode()
+        line = json_text(entry) + b"\n"      # a name that is not UTF-8 as \xNN
         worker = self.workers.get(task_id)
         if worker is not None and not worker.log_cap.admit(entry.get("type"), len(line)):
             return                              # past logBytes: counted, not stored

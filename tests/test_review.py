@@ -8,6 +8,7 @@ unicode.  Real gurtd, real overlays and idmapped mounts; kill -9 in the middle o
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import secrets
@@ -683,3 +684,23 @@ def test_a_costly_diff_is_bounded_and_stops_when_its_client_goes(gurtd: Gurtd) -
     assert b"big.txt differ (8000000 -> 8000000 bytes: too costly to diff here)" in text or \
         b"+++ b/big.txt" in text
     assert not _diff_children(gurtd)
+
+
+def test_a_name_that_is_not_utf8_is_kept_and_shown_escaped(gurtd: Gurtd,
+                                                           owner_folder: str) -> None:
+    """Issue 25, class 6, in a personal folder: a Latin-1 name goes through the changes, the
+    diff, keep (the very bytes on disk) and the task's log (\\xNN, valid UTF-8)."""
+    task = run_on(gurtd, owner_folder, "printf latin > \"$(printf 'caf\\351.txt')\"")
+    assert task.get("review") == "pending", (task, gurtd.log(task["id"]))
+    changes = gurtd.api("GET", f"/api/tasks/{task['id']}/changes")
+    assert {"folder": owner_folder, "path": "caf\\xe9.txt", "change": "added"} in changes
+    code, diff, _ = gurtd.request("GET", f"/api/tasks/{task['id']}/diff")
+    assert code == 200 and b'+++ "b/caf\\351.txt"' in diff, diff
+    assert keep(gurtd, task["id"])[0] == 200
+    with open(os.path.join(os.fsencode(owner_folder), b"caf\xe9.txt"), "rb") as f:
+        assert f.read() == b"latin"
+    kept = [e for e in gurtd.log(task["id"]) if e.get("action") == "kept"]
+    assert kept and f"{owner_folder}/caf\\xe9.txt" in kept[0]["paths"], kept
+    json.dumps(kept, ensure_ascii=False).encode()
+    gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
+    assert not os.path.lexists(os.path.join(os.fsencode(owner_folder), b"caf\xe9.txt"))
