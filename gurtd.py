@@ -1706,7 +1706,7 @@ def _overlay_legacy_build(lowers: list[Any], upper: Layer | None, work: Layer | 
 def open_beneath(dirfd: int, path: str, flags: int) -> int:
     """openat2 with RESOLVE_BENEATH: no .., absolute symlink or magic link leaves dirfd."""
     how = OpenHow(flags | os.O_CLOEXEC, 0, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
-    return syscall("openat2", SYS_OPENAT2, dirfd, (path or ".").encode(), ctypes.byref(how),
+    return syscall("openat2", SYS_OPENAT2, dirfd, os.fsencode(path or "."), ctypes.byref(how),
                    ctypes.c_size_t(ctypes.sizeof(how)))
 
 
@@ -1884,7 +1884,7 @@ def open_dir_beneath(root_fd: int, rel: str) -> int | None:
     not a directory (a task may have replaced it meanwhile)."""
     how = OpenHow(os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, 0,
                   RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
-    chunks, rest = [], rel.encode()  # a deep path goes in pieces: openat2 takes 4,095 bytes
+    chunks, rest = [], os.fsencode(rel)   # a deep path goes in pieces: openat2 takes 4,095
     while len(rest) > 2048:
         cut = rest.rfind(b"/", 0, 2048)    # a name is at most 255 bytes: there is one
         chunks.append(rest[:cut])
@@ -3539,7 +3539,11 @@ def keys_clear(uid: int) -> None:
 # link when it is a file with no other name on the same file system, else a copy), then the
 # new version through a temporary name in the same folder and a rename, every path resolved
 # beneath the folder's fd with openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS, never into a
-# folder its owner may not write.  A gurtd killed before the journal is written has written
+# folder its owner may not write.  What keep writes belongs to the folder's owner (a regular
+# file the owner may write keeps its owner): never root because it lands in a folder of root's.
+# The sticky bit is honoured as the kernel would for the owner: another user's entry in a
+# sticky folder that is not the owner's is neither replaced nor deleted (a conflict that
+# force does not override).  A gurtd killed before the journal is written has written
 # nothing; one killed after it finishes the keep at its next start (every step is repeatable
 # from the upper).  Undo of a keep is journaled the same way and puts the saved originals back.
 
@@ -3555,6 +3559,7 @@ KEEP_TEMP = ".gurt-keep-"            # temp names in the real folders: .gurt-kee
 SAVE_DEPTH_MAX = 500                 # levels of a real folder keep saves (a copy made on the
                                      # loop: a task must not make it copy without end)
 TOO_DEEP = "\0too deep"              # _tree_conflict's answer for a folder deeper than that
+STICKY_HELD = "\0sticky"             # and for one holding what the owner may not remove
 KEEP_PATH_MAX = 4096                 # bytes: a task's folder deeper than this is listed (as
                                      # kind "deep"), never walked into, and never kept
 FOLDER_RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
@@ -3671,7 +3676,7 @@ def folder_open(path: str, dev: int, ino: int) -> int:
     try:
         how = OpenHow(os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, 0,
                       RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
-        fd = syscall("openat2", SYS_OPENAT2, root, path.lstrip("/").encode(),
+        fd = syscall("openat2", SYS_OPENAT2, root, os.fsencode(path.lstrip("/")),
                      ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
     finally:
         os.close(root)
@@ -3811,20 +3816,25 @@ def change_name(change: Change, real: os.stat_result | None) -> str | None:
     return "modified" if real is not None else "added"
 
 
-def _tree_conflict(root_fd: int, rel: str, start: int) -> str | None:
+def _tree_conflict(root_fd: int, rel: str, start: int, uid: int) -> str | None:
     """The first path under the real folder rel changed since start, or None; TOO_DEEP if
-    the folder is deeper than a keep can save it (walked whole to know: keep copies it)."""
+    the folder is deeper than a keep can save it (walked whole to know: keep copies it);
+    STICKY_HELD if it holds another user's entry in a sticky folder not the owner's (uid),
+    which the owner could not remove."""
     fd = open_dir_beneath(root_fd, rel)
     if fd is None:
         return None
     changed: str | None = None
-    deep = False
+    deep = held = False
 
     def check(dir_fd: int, name: str, st: os.stat_result, parents: list[str]) -> bool:
-        nonlocal changed, deep
+        nonlocal changed, deep, held
         if changed is None and st.st_ctime_ns >= start:
             changed = "/".join([rel, *parents, name])
         deep = deep or stat.S_ISDIR(st.st_mode) and len(parents) + 1 >= SAVE_DEPTH_MAX
+        if st.st_uid != uid and not held:
+            folder = os.fstat(dir_fd)
+            held = bool(folder.st_mode & stat.S_ISVTX) and folder.st_uid != uid
         return not deep
 
     try:
@@ -3833,7 +3843,7 @@ def _tree_conflict(root_fd: int, rel: str, start: int) -> str | None:
         return rel
     finally:
         os.close(fd)
-    return TOO_DEEP if deep else changed
+    return TOO_DEEP if deep else STICKY_HELD if held else changed
 
 
 def change_conflict(root_fd: int, change: Change, start: int,
@@ -3861,15 +3871,30 @@ def change_conflict(root_fd: int, change: Change, start: int,
             change.kind == "delete" else "created by the owner after the task started"
     if real is not None and stat.S_ISDIR(real.st_mode) and \
             (change.kind != "dir" or change.opaque):
-        changed = _tree_conflict(root_fd, change.path, start)
+        changed = _tree_conflict(root_fd, change.path, start, owner[0])
         if changed == TOO_DEEP:
             return f"a folder more than {SAVE_DEPTH_MAX} levels deep is never replaced or " \
                    "deleted (keep could not save it for undo)"
+        if changed == STICKY_HELD:
+            return "the folder holds another user's file in a sticky folder: its owner may " \
+                   "not delete it"
         if changed and soft is None:
             soft = f"{changed} changed by the owner after the task started"
     if change_name(change, real) is not None and not _owner_may_write(root_fd, parent, owner):
         return "the folder's owner may not write in this folder"
+    if real is not None and change_name(change, real) is not None and \
+            _sticky_refuses(root_fd, parent, real, owner[0]):
+        return "the folder is sticky and the file is another user's: its owner may not " \
+               "replace or delete it"
     return soft
+
+
+def _sticky_refuses(root_fd: int, parent: str, real: os.stat_result, uid: int) -> bool:
+    """Whether the kernel would refuse the owner replacing or removing real in parent: a
+    sticky folder lets only the entry's owner or the folder's owner do that."""
+    st = real_lstat(root_fd, parent) if parent else os.fstat(root_fd)
+    return st is not None and bool(st.st_mode & stat.S_ISVTX) and uid not in (st.st_uid,
+                                                                               real.st_uid)
 
 
 def _on_the_way(root_fd: int, parent: str) -> str | None:
@@ -3894,14 +3919,32 @@ def _owner_may_write(root_fd: int, parent: str, owner: tuple[int, list[int]]) ->
         parent = os.path.dirname(parent)
     if st is None or not stat.S_ISDIR(st.st_mode):
         return False
+    return _owner_bits(st, owner) & 0o3 == 0o3
+
+
+def _owner_bits(st: os.stat_result, owner: tuple[int, list[int]]) -> int:
+    """The rwx bits of st's mode that apply to the owner (uid, groups), as the kernel picks."""
     uid, gids = owner
     if st.st_uid == uid:
-        bits = st.st_mode >> 6
-    elif st.st_gid in gids:
-        bits = st.st_mode >> 3
-    else:
-        bits = st.st_mode
-    return bits & 0o3 == 0o3
+        return (st.st_mode >> 6) & 0o7
+    return (st.st_mode >> 3) & 0o7 if st.st_gid in gids else st.st_mode & 0o7
+
+
+KeptOwner = tuple[int, list[int], int]   # a folder's owner: uid, groups, primary gid
+
+
+def kept_owner(owner: KeptOwner, real: os.stat_result | None,
+               pst: os.stat_result) -> tuple[int, int]:
+    """Who a kept file, symlink or folder belongs to: never root (or anyone) because of where
+    it lands.  One that replaces a regular file the owner may write keeps that file's owner
+    and group (the owner could have written it in place); any other is the owner's, as one
+    the owner made there would be (the folder's group where the folder is set-gid, as the
+    kernel does).  So a root-owned file the owner could only replace comes back the owner's,
+    never root's with the task's content."""
+    if real is not None and stat.S_ISREG(real.st_mode) and \
+            (real.st_uid == owner[0] or _owner_bits(real, owner[:2]) & 0o2):
+        return real.st_uid, real.st_gid
+    return owner[0], pst.st_gid if pst.st_mode & stat.S_ISGID else owner[2]
 
 
 # Copies beneath directory fds: the originals a keep overwrites go under BOX_HOME, and back.
@@ -4201,6 +4244,8 @@ class Review:
         ops = journal["ops"]
         roots = {n: self.open_folder(info) for n, info in enumerate(task.folderInfo or [])}
         self.upper_fds = {n: os.open(self.upper(task.id, n), DIR_FLAGS) for n in roots}
+        owners = {n: self.owner(info) + (info["gid"],)
+                  for n, info in enumerate(task.folderInfo or [])}
         saved = -1
         try:
             crash_point("keep-planned")
@@ -4209,13 +4254,13 @@ class Review:
             saved = os.open(self.dir(task.id, "saved"), DIR_FLAGS)
             # every new file first, under its temporary name, and flushed in one go: the
             # renames then find no data to write (ext4 flushes a file renamed over another)
-            ready = self.write_temps(task, roots, ops)
+            ready = self.write_temps(task, roots, owners, ops)
             for fd in roots.values():
                 _syncfs(fd)
             for i, op in enumerate(ops):
                 if op["saved"] is not None:
                     self.save_original(roots[op["folder"]], saved, op)
-                self.apply(task, roots[op["folder"]], op, i, i in ready)
+                self.apply(task, roots[op["folder"]], owners[op["folder"]], op, i, i in ready)
                 crash_point(f"keep-op-{i}")
             for fd in list(roots.values()) + [saved]:
                 _syncfs(fd)
@@ -4277,7 +4322,7 @@ class Review:
         finally:
             os.close(parent)
 
-    def write_temps(self, task: Task, roots: dict[int, int],
+    def write_temps(self, task: Task, roots: dict[int, int], owners: dict[int, KeptOwner],
                     ops: list[dict[str, Any]]) -> set[int]:
         """The temporary files and symlinks of ops whose folder is there already (not one a
         folder op of this keep makes or replaces); their numbers."""
@@ -4294,21 +4339,14 @@ class Review:
                 tmp = f"{KEEP_TEMP}{task.id}-{i}"
                 _entry_remove(parent, tmp, tmp)
                 real, pst = _lstat_at(parent, os.path.basename(op["path"])), os.fstat(parent)
-                self.write_temp(task, op, parent, tmp, self.new_owner(op, real, pst))
+                self.write_temp(task, op, parent, tmp, kept_owner(owners[op["folder"]],
+                                                                      real, pst))
                 ready.add(i)
             finally:
                 os.close(parent)
         return ready
 
-    @staticmethod
-    def new_owner(op: dict[str, Any], real: os.stat_result | None,
-                  pst: os.stat_result) -> tuple[int, int]:
-        """A changed file keeps its owner; a new one gets the owner of its folder."""
-        if real is not None and not stat.S_ISDIR(real.st_mode) and not op["replace"]:
-            return real.st_uid, real.st_gid
-        return pst.st_uid, pst.st_gid
-
-    def apply(self, task: Task, root: int, op: dict[str, Any], i: int,
+    def apply(self, task: Task, root: int, owner: KeptOwner, op: dict[str, Any], i: int,
               ready: bool = False) -> None:
         """One write of a keep, repeatable: what the upper holds at op's path ends up at the
         real path, through a temporary name (ready: written already) and a rename, beneath
@@ -4333,13 +4371,13 @@ class Review:
                 os.mkdir(name, 0o700, dir_fd=parent)
                 fd = os.open(name, DIR_FLAGS, dir_fd=parent)
                 try:
-                    os.fchown(fd, pst.st_uid, pst.st_gid)
+                    os.fchown(fd, *kept_owner(owner, None, pst))
                     os.fchmod(fd, op["mode"] & 0o1777)
                 finally:
                     os.close(fd)
                 return
             if not ready:
-                self.write_temp(task, op, parent, tmp, self.new_owner(op, real, pst))
+                self.write_temp(task, op, parent, tmp, kept_owner(owner, real, pst))
             if real is not None and stat.S_ISDIR(real.st_mode):
                 os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=parent)
             os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
@@ -4426,33 +4464,69 @@ class Review:
         return out
 
     def undo_run(self, task: Task, journal: dict[str, Any]) -> None:
+        """The undo's writes, each path on its own: a path that cannot be put back (its
+        folder a symlink or a file now, say) is named, the others are put back, and the
+        journal stays: the task stays kept, the answer is 409 with the paths (notUndone), and
+        the next undo (or start) runs the journal again, every step being repeatable."""
         path = self.dir(task.id, "journal.json")
         write_json(path, journal)
         roots = {n: self.open_folder(info) for n, info in enumerate(task.folderInfo or [])}
         saved = os.open(self.dir(task.id, "saved"), DIR_FLAGS) \
             if os.path.isdir(self.dir(task.id, "saved")) else -1
+        failed: list[dict[str, str]] = []
         try:
             for i, op in enumerate(journal["ops"]):
-                self.restore(task, roots[op["folder"]], saved, op, i)
+                why = self.restore(task, roots[op["folder"]], saved, op, i)
+                if why:
+                    failed.append({"folder": (task.folders or [])[op["folder"]],
+                                   "path": op["path"], "why": why})
                 crash_point(f"undo-op-{i}")
             for fd in roots.values():
                 _syncfs(fd)
         finally:
             for fd in list(roots.values()) + ([saved] if saved >= 0 else []):
                 os.close(fd)
+        if failed:
+            self.undo_partial(task, failed)
         task.review = "undone"
         self.box.save(task)
         os.unlink(path)
         self.announce(task, "undone", f"the real folders are back as before the keep "
                       f"({len(journal['ops'])} paths)")
 
-    def restore(self, task: Task, root: int, saved: int, op: dict[str, Any], i: int) -> None:
-        """One path back as before the keep (its saved original, or nothing); repeatable."""
+    def undo_partial(self, task: Task, failed: list[dict[str, str]]) -> None:
+        """An undo that could not put every path back: said in the log, an event and a 409."""
+        what = "; ".join(f"{c['folder']}/{c['path']}: {c['why']}" for c in failed[:3])
+        self.announce(task, "undo-partial", f"{len(failed)} paths could not be put back "
+                      f"({what}); undo again to finish", notUndone=failed[:1000])
+        raise ApiError(409, f"the undo could not put back {len(failed)} paths ({what}); the "
+                            "others are back, the task stays kept, and the next undo tries "
+                            "these again", "conflict", extra={"notUndone": failed[:1000]})
+
+    def restore(self, task: Task, root: int, saved: int, op: dict[str, Any],
+                i: int) -> str | None:
+        """One path back as before the keep (its saved original, or nothing); repeatable.
+        None when done; else why it could not be (what the disk refuses is raised)."""
+        try:
+            self.restore_path(task, root, saved, op, i)
+        except SysError as exc:
+            return str(exc.stderr or exc)
+        except OSError as exc:
+            if is_disk_error(exc):
+                raise
+            return f"{exc.strerror or exc}"
+        return None
+
+    def restore_path(self, task: Task, root: int, saved: int, op: dict[str, Any],
+                     i: int) -> None:
         rel, name = op["path"], os.path.basename(op["path"])
         parent = _parent_fd(root, rel)
         if parent is None:
-            log(4, f"task {task.id}: undo: the folder of {rel} is gone; left as it is")
-            return
+            on_way = _on_the_way(root, os.path.dirname(rel))
+            if on_way is None and op["saved"] is None:
+                return                     # its folder is gone, and the kept entry with it
+            raise SysError("undo", errno.ENOTDIR, on_way or "its folder is gone: the original "
+                           "has no place to go back to")
         tmp = f"{KEEP_TEMP}{task.id}-u{i}"
         aside = tmp + "-old"
         try:
@@ -4498,8 +4572,88 @@ class Review:
 
 
 # The diff: unified, as git prints it (a/ and b/ paths), binary files and modes named.
+# Bounded: difflib is quadratic (two orderings of a 600 KB file of 200,000 lines never ended),
+# so a file's lines are diffed by GNU diff (linear in practice, its heuristics on), fed from
+# memfds holding the copies read beneath the layer's or folder's fd (diff opens no path of the
+# task's).  One answer has DIFF_SECONDS of work and DIFF_MAX_BYTES of text; a file past its
+# DIFF_FILE_SECONDS, or once those are spent, is named as changed with its sizes.  The work
+# stops (diff killed) as soon as the client is gone.
 
 DIFF_TEXT_MAX = 8 << 20              # a larger file is named, not shown line by line
+DIFF_SECONDS = 30.0                  # one diff answer's work
+DIFF_FILE_SECONDS = 10.0             # one file's diff(1)
+DIFF_MAX_BYTES = 64 << 20            # the text of one diff answer
+DIFF_PY_MAX = 64 << 10               # without diff(1): the bytes difflib may take (quadratic)
+
+
+class DiffStopped(ConnectionError):
+    """The client of a diff is gone: its work ends (the handler takes it as a gone client)."""
+
+
+@dataclass
+class DiffBudget:
+    """What one diff answer may still spend, and how to know its client left."""
+
+    deadline: float = dataclasses.field(default_factory=lambda: time.monotonic() + DIFF_SECONDS)
+    gone: Callable[[], bool] = lambda: False
+    left: int = DIFF_MAX_BYTES
+
+    def check(self) -> None:
+        """DiffStopped once the client left (asked between files, and while diff runs)."""
+        if self.gone():
+            raise DiffStopped("the client of the diff is gone")
+
+    def spent(self) -> bool:
+        """Whether a further file gets its lines diffed (the client asked after first)."""
+        self.check()
+        return self.left <= 0 or time.monotonic() >= self.deadline
+
+    def took(self, text: str) -> str:
+        self.left -= len(text)
+        return text
+
+
+def text_diff(a: str, b: str, a_label: str, b_label: str, budget: DiffBudget) -> str | None:
+    """The unified hunks (with --- and +++) of a against b; None if too costly to make."""
+    if budget.spent():
+        return None
+    if shutil.which("diff") is None:
+        if len(a) + len(b) > DIFF_PY_MAX:
+            return None
+        import difflib
+        lines = difflib.unified_diff(a.splitlines(keepends=True), b.splitlines(keepends=True),
+                                     a_label, b_label)
+        return "".join(line if line.endswith("\n") else
+                       line + "\n\\ No newline at end of file\n" for line in lines)
+    fds = [os.memfd_create("gurt-diff", os.MFD_CLOEXEC) for _ in (a, b)]
+    try:
+        for fd, text in zip(fds, (a, b)):
+            os.write(fd, text.encode())
+        return _run_diff(["diff", "-u", "--label", a_label, "--label", b_label,
+                          *(f"/dev/fd/{fd}" for fd in fds)], fds, budget)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _run_diff(argv: list[str], fds: list[int], budget: DiffBudget) -> str | None:
+    """diff(1)'s output, within its file's time and the answer's; killed if the client goes."""
+    end = min(budget.deadline, time.monotonic() + DIFF_FILE_SECONDS)
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, pass_fds=fds, env={"LC_ALL": "C"})
+    try:
+        while True:
+            try:
+                out, _ = proc.communicate(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if budget.spent() or time.monotonic() >= end:
+                    return None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return out.decode(errors="replace") if proc.returncode in (0, 1) else None
 
 
 def _read_entry(dir_fd: int | None, name: str) -> tuple[str, int, bytes] | None:
@@ -4551,9 +4705,8 @@ def diff_name(name: str) -> str:
 
 
 def file_diff(rel: str, old: tuple[str, int, bytes] | None,
-              new: tuple[str, int, bytes] | None) -> str:
+              new: tuple[str, int, bytes] | None, budget: DiffBudget | None = None) -> str:
     """One path's part of a unified diff (empty if nothing differs); folders have none."""
-    import difflib
     if old is not None and old[0] == "dir":
         old = None
     if new is not None and new[0] == "dir":
@@ -4579,20 +4732,23 @@ def file_diff(rel: str, old: tuple[str, int, bytes] | None,
         head.append(f"Binary files {a_name if old else '/dev/null'} and "
                     f"{b_name if new else '/dev/null'} differ")
         return "\n".join(head) + "\n"
-    lines = difflib.unified_diff(a_text.splitlines(keepends=True),
-                                 b_text.splitlines(keepends=True),
-                                 a_name if old else "/dev/null",
-                                 b_name if new else "/dev/null")
-    body = "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
-                   for line in lines)
-    return "\n".join(head) + "\n" + body
+    budget = budget or DiffBudget()
+    body = text_diff(a_text, b_text, a_name if old else "/dev/null",
+                     b_name if new else "/dev/null", budget)
+    if body is None:
+        head.append(f"Files {a_name if old else '/dev/null'} and "
+                    f"{b_name if new else '/dev/null'} differ ({len(a)} -> {len(b)} bytes: too "
+                    "costly to diff here)")
+        body = ""
+    return budget.took("\n".join(head) + "\n" + body)
 
 
 def _wanted(rel: str, only: str | None) -> bool:
     return only is None or rel == only or rel.startswith(only.rstrip("/") + "/")
 
 
-def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None) -> str:
+def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None,
+                budget: DiffBudget) -> str:
     """A personal task's changes to one folder against the real folder as it is now."""
     try:
         root = folder_open(info["path"], info["dev"], info["ino"])
@@ -4609,6 +4765,7 @@ def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None)
     replaced: set[tuple[int, str]] = set()   # folders the task replaced: their old entries
     try:
         for change in upper_changes(upper):
+            budget.check()
             full = f"{folder}/{change.path}"
             under = _below_any(replaced, 0, change.path)
             if change.kind == "dir" and change.opaque:
@@ -4616,15 +4773,15 @@ def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None)
             if not (_wanted(change.path, only) or _wanted(full, only)):
                 continue
             if change.kind == "delete":
-                parts.append("" if under else _tree_diff(real, change.path))
+                parts.append("" if under else _tree_diff(real, change.path, budget))
             elif change.kind == "dir":
                 if change.opaque and not under:
-                    parts.append(_tree_diff(real, change.path))
+                    parts.append(_tree_diff(real, change.path, budget))
             else:
                 old = None if under else _entry_at(real, change.path)
                 if old is not None and old[0] == "dir":
-                    parts.append(_tree_diff(real, change.path))
-                parts.append(file_diff(change.path, old, _entry_at(up, change.path)))
+                    parts.append(_tree_diff(real, change.path, budget))
+                parts.append(file_diff(change.path, old, _entry_at(up, change.path), budget))
     finally:
         os.close(real)
         os.close(up)
@@ -4632,12 +4789,12 @@ def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None)
     return f"# folder {folder}\n{text}" if text else ""
 
 
-def _tree_diff(root: int, rel: str) -> str:
+def _tree_diff(root: int, rel: str, budget: DiffBudget) -> str:
     """Deletions of everything at and under rel in the real folder (a folder the task removed
     or replaced), in one walk: the folder may be thousands deep."""
     entry = _entry_at(root, rel)
     if entry is None or entry[0] != "dir":
-        return "" if entry is None else file_diff(rel, entry, None)
+        return "" if entry is None else file_diff(rel, entry, None, budget)
     fd = open_dir_beneath(root, rel)
     if fd is None:
         return ""
@@ -4645,13 +4802,13 @@ def _tree_diff(root: int, rel: str) -> str:
     try:
         with moved_is_409():
             tree_visit(fd, lambda dir_fd, name, st, parents: parts.append(file_diff(
-                "/".join([rel, *parents, name]), _read_entry(dir_fd, name), None)))
+                "/".join([rel, *parents, name]), _read_entry(dir_fd, name), None, budget)))
     finally:
         os.close(fd)
     return "".join(parts)
 
 
-def layer_diff(upper: str, lowers: list[str], only: str | None) -> str:
+def layer_diff(upper: str, lowers: list[str], only: str | None, budget: DiffBudget) -> str:
     """A workspace task's layer against the layers below it (the first that has a path)."""
     parts = []
     up = os.open(upper, DIR_FLAGS) if os.path.isdir(upper) else -1
@@ -4660,6 +4817,7 @@ def layer_diff(upper: str, lowers: list[str], only: str | None) -> str:
     lower_fds = [os.open(p, DIR_FLAGS) for p in lowers if os.path.isdir(p)]
     try:
         for change in changed_paths(upper, lowers):
+            budget.check()
             rel = change["path"].rstrip("/")
             if change["path"].endswith("/") or not _wanted(rel, only):
                 continue
@@ -4669,7 +4827,7 @@ def layer_diff(upper: str, lowers: list[str], only: str | None) -> str:
                 if old is not None:
                     break
             new = None if change["change"] == "deleted" else _entry_at(up, rel)
-            parts.append(file_diff(rel, old, new))
+            parts.append(file_diff(rel, old, new, budget))
     finally:
         for fd in [up] + lower_fds:
             os.close(fd)
@@ -6444,7 +6602,7 @@ class Box:
 
     def append_log(self, task_id: str, entry: dict[str, Any]) -> None:
         entry = {"time": now_iso(), **entry}
-        line = (json.dumps(entry) + "\n").encode()
+        line = json_text(entry) + b"\n"      # a name that is not UTF-8 as \xNN
         worker = self.workers.get(task_id)
         if worker is not None and not worker.log_cap.admit(entry.get("type"), len(line)):
             return                              # past logBytes: counted, not stored
@@ -11518,6 +11676,33 @@ def h_hook_deliver(req: "Handler", params: dict[str, str]) -> Any:
 # whether it is open or streamed, and its OpenAPI operation.  Handlers parse, ask the Box,
 # render.  Errors of every kind, http.server's own included, leave as JSON {"error": ...,
 # "code"?: ...} from one place.
+#
+# File names are bytes (a task or an archive may name a file in Latin-1); gurtd holds them as
+# str with surrogateescape, as os does.  JSON carries text only, so an answer shows a name that
+# is not UTF-8 with each byte that is not as \xNN (caf\xe9.txt): readable and valid UTF-8, a
+# name to look at, not one to send back (a diff names it C-quoted, as git does, and archives
+# carry the very bytes).
+
+
+def json_text(obj: Any) -> bytes:
+    """obj as JSON that a strict client takes: a str holding surrogateescaped bytes (only a
+    file name has them) shows each as \\xNN; every other answer is json.dumps as it is."""
+    body = json.dumps(obj).encode()
+    return json.dumps(_shown(obj)).encode() if b"\\ud" in body else body
+
+
+def _shown(obj: Any) -> Any:
+    """obj with each surrogateescaped byte of a str as \\xNN (another lone surrogate, which
+    only a client's own JSON could hold, as U+FFFD)."""
+    if isinstance(obj, str):
+        return "".join(f"\\x{ord(c) - 0xdc00:02x}" if "\udc80" <= c <= "\udcff" else
+                       "\ufffd" if "\ud800" <= c <= "\udfff" else c for c in obj) \
+            if any("\ud800" <= c <= "\udfff" for c in obj) else obj
+    if isinstance(obj, dict):
+        return {_shown(k): _shown(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_shown(v) for v in obj]
+    return obj
 
 
 class LogWatch:
@@ -11923,18 +12108,29 @@ def h_task_keep(req: "Handler", params: dict[str, str]) -> Any:
     return 200, box.loop.call(box.review.keep_task, params["id"], req.json_body(optional=True))
 
 
+def peer_gone(sock: socket.socket) -> bool:
+    """Whether the client at the other end of sock has closed it (read at once, no wait)."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    try:
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
 def h_task_diff(req: "Handler", params: dict[str, str]) -> Any:
-    """The task's changes as a unified diff, read in this thread (never on the loop)."""
+    """The task's changes as a unified diff, read in this thread (never on the loop), within a
+    DiffBudget; a client that leaves ends the work (DiffStopped is a ConnectionError)."""
     box = req.box
     only = req.query_one("path")           # a filter only: never opened as it is
     if only is not None:
         only = only if only.startswith("/") else only.strip("/")
     source = box.loop.call(box.review.sources, params["id"])
+    budget = DiffBudget(gone=lambda: peer_gone(req.request))
     if source["folders"]:
-        text = "".join(folder_diff(folder, upper, info, only)
+        text = "".join(folder_diff(folder, upper, info, only, budget)
                        for folder, upper, info in source["folders"])
     elif source["layer"] is not None:
-        text = layer_diff(source["layer"][0], source["layer"][1], only)
+        text = layer_diff(source["layer"][0], source["layer"][1], only, budget)
     else:
         text = ""
     return 200, (text.encode(), "text/x-diff; charset=utf-8")
@@ -12061,7 +12257,9 @@ ROUTES: list[Route] = [
           answers={200: ("The task, now undone", _ref("Task")),
                    400: "No task with this id, or the body is wrong",
                    409: ("Personal: kept paths the owner changed since the keep (each named "
-                         "in conflicts): nothing was undone", _ref("Conflict")),
+                         "in conflicts): nothing was undone; or paths that could not be put "
+                         "back (notUndone): the others were, the task stays kept, and the "
+                         "next undo tries them again", _ref("Conflict")),
                    507: "The disk is full: the undo goes on with the next undo"}),
     Route("POST", "/api/tasks/{id}/stop", h_task_stop, "Stop a task: it fails with error stopped",
           "stopTask", "tasks",
@@ -12209,7 +12407,9 @@ ROUTES: list[Route] = [
                           "Only this file or folder (absolute in a folder, or relative)")},
           answers={200: ("A unified diff of its folders' pending changes (personal), or of its "
                          "layer against the view it was made on or merged with; empty when "
-                         "there is none", {"text/x-diff": {"type": "string"}}),
+                         "there is none; a file too costly to diff (10 s each, 30 s and 64 MiB "
+                         "an answer) is named as changed with its sizes",
+                         {"text/x-diff": {"type": "string"}}),
                    400: "No task with this id"}),
     # decisions
     Route("POST", "/api/approvals/{id}/always", h_approval_always,
@@ -12629,7 +12829,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if isinstance(obj, tuple):
             body, ctype = obj
         else:
-            body = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+            body = obj if isinstance(obj, bytes) else json_text(obj)
             ctype = "application/json"
         self.send_response(status)
         self.send_header("Content-Type", ctype)
@@ -13098,9 +13298,9 @@ def decision_schemas() -> dict[str, Any]:
             "current": {"type": "boolean", "description": "This browser's"}}},
         "Conflict": {"type": "object", "required": ["error"], "properties": {
             "error": string, "code": string,
-            "conflicts": _array({"type": "object", "required": ["folder", "path", "why"],
-                                 "properties": {"folder": string, "path": string,
-                                                "why": string}})}},
+            **{key: _array({"type": "object", "required": ["folder", "path", "why"],
+                            "properties": {"folder": string, "path": string, "why": string}})
+               for key in ("conflicts", "notUndone")}}},
     }
 
 
@@ -13619,7 +13819,7 @@ class Loop:
         """An event for /api/events: every state a task takes (queued too), every approval
         made or answered; sent at the end of the step (publish), with ids counting up by one;
         the last EVENTS_KEPT are kept for replay."""
-        self.staged_events.append((kind, json.dumps(obj).encode()))
+        self.staged_events.append((kind, json_text(obj)))
         if kind == "task":
             for source in (self.box.schedules, self.box.jira):
                 try:

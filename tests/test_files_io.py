@@ -199,6 +199,46 @@ def test_a_task_still_going_has_no_archive_yet(gurtd: Gurtd) -> None:
     assert got == 400 and data["error"] == "No task with this id"
 
 
+def _strict_json(data: Any) -> Any:
+    """An answer as a strict client would take it: no lone surrogate in any string."""
+    json.dumps(data, ensure_ascii=False).encode("utf-8")
+    return data
+
+
+def test_names_that_are_not_utf8_are_bytes_end_to_end(gurtd: Gurtd) -> None:
+    """Issue 25, class 6: a member named in Latin-1 got a 500 (paths were encoded strictly);
+    one more member: a name a task makes that is not UTF-8 goes through changes, diff and
+    archive.  JSON shows such a name with each byte that is not UTF-8 as \\xNN."""
+    ws = workspace(gurtd)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT, encoding="utf-8",
+                      errors="surrogateescape") as tar:
+        for info, data in (member("caf\udce9.txt", b"latin\n"),
+                           member("d\udcff/in.txt", b"in\n")):
+            tar.addfile(info, io.BytesIO(data))
+    status, task, _ = upload(gurtd, ws, buf.getvalue())
+    assert status == 201, task
+    upper = os.path.join(gurtd.home, "layers", task["id"], "upper").encode()
+    assert sorted(os.listdir(upper)) == [b"caf\xe9.txt", b"d\xff"]
+    got, body, _ = gurtd.request("GET", f"/api/tasks/{task['id']}/changes")
+    assert got == 200 and {c["path"] for c in _strict_json(body)} >= {"caf\\xe9.txt"}, body
+    made = gurtd.run("printf new > \"$(printf 'n\\376')\" && cat caf*.txt", workspace=ws)
+    assert made["state"] == "done", gurtd.log(made["id"])
+    got, body, _ = gurtd.request("GET", f"/api/tasks/{made['id']}/changes")
+    assert got == 200 and _strict_json(body) == [{"path": "n\\xfe", "change": "added"}], body
+    got, diff, _ = gurtd.request("GET", f"/api/tasks/{made['id']}/diff")
+    assert got == 200 and b'diff --git "a/n\\376" "b/n\\376"' in diff, diff
+    names = {}
+    for url in (f"/api/workspaces/{ws}/archive", f"/api/tasks/{made['id']}/archive"):
+        got, body, _ = gurtd.request("GET", url)
+        assert got == 200, body
+        with tarfile.open(fileobj=io.BytesIO(body), mode="r:gz", encoding="utf-8",
+                          errors="surrogateescape") as tar:
+            names[url] = set(tar.getnames())
+    assert names.pop(f"/api/tasks/{made['id']}/archive") == {"n\udcfe"}
+    assert {"caf\udce9.txt", "d\udcff/in.txt", "n\udcfe"} <= names.popitem()[1]
+
+
 # Hostile archives #############################################################################
 
 ATTACKS = {
