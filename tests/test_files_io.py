@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Gurtd, SmallDisk, running_gurtd
+from conftest import Gurtd, SmallDisk, eventually, running_gurtd
 
 STORE = "gurt-store"
 SHARED_GURTD = True
@@ -101,9 +101,13 @@ def test_a_put_file_is_a_layer_a_task_builds_on_and_undo_takes_it_out(gurtd: Gur
     assert t["layers"] == [task["id"]]
     assert gurtd.output(t["id"]) == ["buy milk"]
     assert gurtd.file(ws, "notes/todo.txt") == b"buy milk\nbuy bread\n"
-    # undo the upload: the layer goes, the task's own copy stays (undo is per file)
+    # undo the upload: the layer goes once the undo has looked at the task's later copy, off
+    # the loop; that copy stays whole (the upload made the file, the task changed it again)
     assert gurtd.api("POST", f"/api/tasks/{task['id']}/undo")["state"] == "undone"
-    assert not os.path.exists(os.path.join(gurtd.home, "layers", task["id"]))
+    kept = eventually(lambda: gurtd.task(task["id"]).get("undoMerge"), 20, "the undo's look")
+    assert [(k["path"], k["task"]) for k in kept["kept"]] == [("notes/todo.txt", t["id"])]
+    eventually(lambda: not os.path.exists(os.path.join(gurtd.home, "layers", task["id"])), 10,
+               "the upload's layer deleted")
     assert gurtd.file(ws, "notes/todo.txt") == b"buy milk\nbuy bread\n"
     assert gurtd.api("POST", f"/api/tasks/{t['id']}/undo")["state"] == "undone"
     assert gurtd.file(ws, "notes/todo.txt") is None
