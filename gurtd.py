@@ -1109,6 +1109,13 @@ def fault_point(text: Any) -> None:
         raise RuntimeError(f"GURT_TEST_RAISE_ON_OUTPUT: a test's fault on {text!r}")
 
 
+def folder_ensure(path: str, mode: int) -> None:
+    """The folder (and any missing above it), with exactly mode whatever gurtd's umask: the
+    unit's UMask=0077 made a tools folder meant for another user 0700."""
+    os.makedirs(path, mode=mode, exist_ok=True)
+    os.chmod(path, mode)
+
+
 def is_disk_error(exc: BaseException) -> bool:
     """A write that failed because of the disk (full, quota, read-only, broken), not a bug."""
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS,
@@ -4018,7 +4025,7 @@ class Review:
         spec["folders"] = []
         for n, info in enumerate(task.folderInfo or []):
             for sub in (f"f{n}", f"f{n}/upper", f"f{n}/work"):
-                os.mkdir(os.path.join(base, sub), 0o755)
+                folder_ensure(os.path.join(base, sub), 0o755)
                 os.chown(os.path.join(base, sub), self.box.store_uid, self.box.store_gid)
             spec["folders"].append(dict(info, upper=f"review/{task.id}/f{n}/upper",
                                         work=f"review/{task.id}/f{n}/work"))
@@ -5334,7 +5341,8 @@ class Views:
 
     def workspace_create_dir(self, name: str) -> None:
         path = self.box.path("workspaces", name)
-        os.mkdir(path, 0o755)
+        os.mkdir(path)
+        folder_ensure(path, 0o755)
         os.chown(path, *self.box.store_owner())
 
     def workspace_exists(self, name: str) -> bool:
@@ -6512,11 +6520,10 @@ class Box:
     # state on disk
     def load(self) -> None:
         """Create BOX_HOME's layout if missing, then read settings, counters, token and tasks."""
-        os.makedirs(self.home, mode=0o711, exist_ok=True)
-        os.chmod(self.home, 0o711)
+        folder_ensure(self.home, 0o711)
         for sub in ("tasks", "logs", "layers"):
             os.makedirs(self.path(sub), mode=0o700, exist_ok=True)
-        os.makedirs(self.path("workspaces"), mode=0o711, exist_ok=True)
+        folder_ensure(self.path("workspaces"), 0o711)
         self.remove_temp_leftovers()
         self.store_uid, self.store_gid = system_user_ensure(STORE_USER)
         if not os.path.isdir(self.path("workspaces", "home")):
@@ -9129,8 +9136,8 @@ class Broker:
 
     def load(self) -> None:
         os.makedirs(self.box.path("approvals"), mode=0o700, exist_ok=True)
-        os.makedirs(self.box.path("tools"), mode=0o755, exist_ok=True)
-        os.makedirs(self.box.path("run"), mode=0o711, exist_ok=True)
+        folder_ensure(self.box.path("tools"), 0o755)
+        folder_ensure(self.box.path("run"), 0o711)
         self.wallet = load_ledger(self.box.path("wallet.jsonl"))
         self.policies.load()
         for name in sorted(os.listdir(self.box.path("approvals"))):

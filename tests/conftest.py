@@ -7,7 +7,8 @@ patterns, nftables text, the droid stream, prices, cron, the merge planner, Open
 `make test-pure` runs only those (`pytest -m pure`), as any user, in seconds.  Every other test
 runs as root on a throwaway machine: real users, overlay mounts, namespaces, no mocks of the
 system layer.  Under CI=true a missing prerequisite is a failure, never a skip.
-GURT_TEST_UNIT_CAPS=1 starts every gurtd with only gurtd.service's capabilities (setpriv).
+GURT_TEST_UNIT_CAPS=1 starts every gurtd with only gurtd.service's capabilities (setpriv)
+and its UMask.
 
 Fixtures, one meaning per name:
   gurtd          a started gurtd with a fresh BOX_HOME, stopped (it must exit 0) and removed
@@ -95,6 +96,12 @@ UNKNOWN_ID = "tzzzzzzzzz"               # a well formed task id, never issued
 SONNET = G.DEFAULT_DROID_PRICES["claude-sonnet-5"]
 REJECTED = 'Tool call "{tool}" was rejected by the owner: {reason}'
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+
+
+def unit_umask() -> int:
+    """gurtd.service's UMask=."""
+    with open(os.path.join(ROOT, "gurtd.service")) as f:
+        return int(re.search(r"^UMask=(\d+)$", f.read(), re.M).group(1), 8)
 
 
 def unit_bounding_set() -> str:
@@ -214,9 +221,12 @@ class Gurtd:
         # -m from ROOT: the module's cached bytecode, not a compile of 13,000 lines per start
         argv = [sys.executable, "-m", "gurtd", "serve", "--box-home", self.home, "--listen",
                 "127.0.0.1:0"]
+        umask = -1
         if env.get("GURT_TEST_UNIT_CAPS") == "1":   # only the unit's capabilities, as under it
             argv = ["setpriv", "--bounding-set", unit_bounding_set()] + argv
-        self.proc = subprocess.Popen(argv, stdout=log, stderr=log, env=env, cwd=ROOT)
+            umask = unit_umask()
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=log, env=env, cwd=ROOT,
+                                     umask=umask)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

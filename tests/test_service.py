@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -234,6 +235,15 @@ def test_tasks_of_every_kind_run_with_only_the_units_capabilities(tmp_path, new_
     assert g.file("home", "made.txt") == b"uploaded\n"
     net = g.run("grep -c nameserver /etc/resolv.conf", hosts=["198.18.0.12/31:80"])
     assert net["state"] == "done", (net, g.log(net["id"]))
+    # under the unit's UMask=0077 the tools folder came out 0700: gurt-tools could not run it
+    os.chmod(os.path.dirname(g.home), 0o711)
+    tool = os.path.join(g.home, "tools", "id.tool")
+    with open(tool, "w") as f:
+        f.write('#!/bin/sh\ncat >/dev/null\nprintf \'{"user": "%s"}\\n\' "$(id -un)"\n')
+    os.chmod(tool, 0o755)
+    called = g.run("gurtd tool id.tool '{}'", tools=["id.tool"])
+    assert called["state"] == "done", (called, g.log(called["id"]))
+    assert json.loads(g.output(called["id"])[0]) == {"user": "gurt-tools"}
     g.api("POST", f"/api/tasks/{task['id']}/undo")
     g.wait(task["id"], ("undone",))
     assert g.file("home", "made.txt") is None and g.file("home", "up/in.txt") == b"uploaded\n"
