@@ -1,0 +1,57 @@
+#!/bin/bash
+# make test-vm: boots the cached Debian 12 image (tests/vm/image.sh) once per Debian kernel in
+# it (bookworm's 6.1, then the backports one where the archive had it) and runs the systemd
+# stories inside (tests/vm/inside).  The guest has no network device; the checkout is shared
+# read-only by virtio-9p, and a second 9p share, tests/output/vm/<kernel>/, brings back the
+# stories' log, the journal and the figures; the serial console is saved there too.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+SRC=$PWD
+# A whole boot (about 40 s under TCG), make install (about 3 min) and the stories.
+VM_TIMEOUT=${VM_TIMEOUT:-1800}
+
+IMAGE=$(tests/vm/image.sh)
+# KVM only where /dev/kvm runs a stock kernel (kvm_intel or kvm_amd); a PVM /dev/kvm
+# (kvm_pvm) cannot, so TCG there.
+if { [ -d /sys/module/kvm_intel ] || [ -d /sys/module/kvm_amd ]; } && [ -w /dev/kvm ]; then
+  ACCEL=(-accel kvm -cpu host)
+else
+  ACCEL=(-accel tcg,thread=multi -cpu max)
+fi
+
+boot() {  # boot KERNEL_VERSION: one guest, its results in tests/output/vm/KERNEL_VERSION
+  local v=$1 out=$SRC/tests/output/vm/$1
+  rm -rf "$out"
+  mkdir -p "$out"
+  # The cached image stays as built: the guest writes into a throwaway overlay.
+  qemu-img create -q -f qcow2 -F raw -b "$IMAGE/disk.raw" "$out/disk.qcow2"
+  echo "test-vm: booting Debian 12 with kernel $v (${ACCEL[*]})"
+  local started=$SECONDS
+  timeout "$VM_TIMEOUT" qemu-system-x86_64 "${ACCEL[@]}" -smp 2 -m 4096 -no-reboot \
+    -nodefaults -vga none \
+    -nic none -display none -monitor none -serial "file:$out/console.log" \
+    -kernel "$IMAGE/vmlinuz-$v" -initrd "$IMAGE/initrd.img-$v" \
+    -append "root=/dev/vda rw console=ttyS0 systemd.wants=gurtd-vm-stories.service" \
+    -drive "file=$out/disk.qcow2,if=virtio,format=qcow2" \
+    -virtfs "local,path=$SRC,mount_tag=src,security_model=none,readonly=on" \
+    -virtfs "local,path=$out,mount_tag=out,security_model=none" || true
+  rm -f "$out/disk.qcow2"
+  echo "guest run: $(( SECONDS - started )) s" >> "$out/figures.txt"
+  if [ ! -s "$out/rc" ]; then
+    echo "test-vm: kernel $v: the stories did not finish; the console's end:" >&2
+    tail -40 "$out/console.log" >&2
+    return 1
+  fi
+  cat "$out/stories.log"
+  echo "test-vm: kernel $v, booted in $(cat "$out/booted-seconds") s; results in $out"
+  cat "$out/figures.txt"
+  return "$(cat "$out/rc")"
+}
+
+echo "test-vm: image $IMAGE (built in $(cat "$IMAGE/build-seconds") s)"
+rc=0
+# VM_KERNEL=6.1 boots only the kernels whose version starts so.
+for k in $(cd "$IMAGE" && ls vmlinuz-* | sed 's/^vmlinuz-//' | sort -V); do
+  case $k in "${VM_KERNEL:-}"*) boot "$k" || rc=1 ;; esac
+done
+exit $rc
