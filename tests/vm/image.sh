@@ -116,6 +116,8 @@ cat > "$ROOT/etc/systemd/system/gurtd-vm-stories.service" <<'UNIT'
 [Unit]
 Description=gurtd VM tier: the systemd stories of the shared checkout
 After=multi-user.target
+SuccessAction=poweroff
+FailureAction=poweroff
 
 [Service]
 Type=oneshot
@@ -127,8 +129,6 @@ ExecStart=/bin/sh -ec 'mkdir -p /mnt/src /mnt/out; \
 StandardOutput=journal+console
 StandardError=journal+console
 TimeoutStartSec=infinity
-SuccessAction=poweroff
-FailureAction=poweroff
 UNIT
 rm -f "$ROOT/usr/sbin/policy-rc.d"
 in_root apt-get clean
