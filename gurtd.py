@@ -1371,12 +1371,129 @@ class OpenHow(ctypes.Structure):
                 ("resolve", ctypes.c_uint64)]
 
 
+# Overlay, two ways; overlay_way() says which, decided once at start by overlay_probe (a small
+# overlay in a temp dir) and logged.  Kernel facts, from the kernel's source where it says so:
+#   fd way: each layer an fd through fsconfig(FSCONFIG_SET_FD, "lowerdir+"), upper and work
+#     the same, beneath a detached idmapped clone of BOX_HOME.  It needs `lowerdir+` (6.8, a
+#     path then), layers as files (6.13: fsparam_file_or_string) and layers on detached mounts
+#     (6.15: clone_private_mount() took only mounts of the caller's namespace before).
+#     Debian 12's 6.1 answers `fsconfig lowerdir+: 95` (EOPNOTSUPP).
+#   legacy way, for older kernels: mount(2) with one option string.  Overlay before 6.5 has no
+#     fsconfig of its own: the legacy adapter takes strings only, each at most 256 bytes
+#     (strndup_user in fs/fsopen.c), so `lowerdir=a:b:c` of real paths does not fit; mount(2)
+#     takes one page of options (4095 bytes and a NUL), and overlay silently cuts what is
+#     past it (DESIGN section 3: one probe mounted the wrong layer), so the string is
+#     refused well before (MOUNT_DATA_MAX).  To stay short, the layers are named by fd
+#     from /proc/self/fd: `lowerdir=17:18:19`, at most 6 bytes a layer, about 3,000 for
+#     500.  Each layer must be a mount of the mounting thread's namespace (before 6.15), so
+#     a thread of its own does it (_overlay_legacy): it unshares its mount namespace (with
+#     it its cwd), moves the detached clones in, mounts there, returns a detached clone of
+#     the overlay and ends; its namespace, and every mount in it, goes with it.
+# Measured on 6.18 (a view of a plan, the fastest of 7, on a loaded 2-core VM), fd / legacy:
+# 2 layers 0.08 / 0.6 ms; 500 layers 8 / 15 ms; 999 (an inner overlay) 20 / 16 ms; the probe
+# 20-30 ms (it forks for its user namespace).  Both ways show the same views of the same
+# plans (tests/test_layers.py); GURT_OVERLAY_API=legacy runs the suite the legacy way.
+
+OVERLAY_API_ENV = "GURT_OVERLAY_API"  # for tests: "legacy" takes the legacy way on any kernel
+MOUNT_DATA_MAX = 4000                 # bytes of mount(2) options; the kernel's page is 4095
+LEGACY_SCRATCH = "/tmp"               # the legacy builder's tmpfs, in its own namespace only
+_OVERLAY_WAY = ""                     # "fd" or "legacy", once overlay_way() has decided
+
+Layer = tuple[int, str]               # a layer directory: (dir fd, path beneath it, "" itself)
+
+
+def overlay_way() -> str:
+    """The way this process mounts overlays: the one start decided, else probed now."""
+    if not _OVERLAY_WAY:
+        overlay_way_set(overlay_probe(None)[0])
+    return _OVERLAY_WAY
+
+
+def overlay_way_set(way: str) -> None:
+    global _OVERLAY_WAY
+    _OVERLAY_WAY = way
+
+
+def overlay_probe(where: str | None) -> tuple[str, float, list[str]]:
+    """The way overlay mounts work here: (way, milliseconds it took, why others failed).
+
+    Tried on a small overlay in a temp dir under where, as a task's view has it: two lowers,
+    an upper and a work dir beneath a detached idmapped clone; the fd way first, unless
+    GURT_OVERLAY_API=legacy.  SysError naming the kernel if no way works."""
+    import tempfile
+    ways = ["legacy"] if os.environ.get(OVERLAY_API_ENV) == "legacy" else ["fd", "legacy"]
+    errors: list[str] = []
+    top = tempfile.mkdtemp(prefix=".overlay-probe-", dir=where)
+    try:
+        for name in ("a", "b", "u", "w"):
+            os.mkdir(os.path.join(top, name), 0o700)
+        with open(os.path.join(top, "b", "probe"), "w") as f:
+            f.write("b")
+        for way in ways:
+            start = time.monotonic()
+            try:
+                _overlay_probe_one(way, top)
+                return way, (time.monotonic() - start) * 1000, errors
+            except (OSError, SysError) as exc:
+                errors.append(f"{way}: {exc}")
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+    raise SysError("overlay", errno.EOPNOTSUPP, f"kernel {os.uname().release} mounts no "
+                   f"task view ({'; '.join(errors)}): gurtd needs Linux 5.19 or later with "
+                   "overlay and idmapped mounts (Debian: apt install linux-image-amd64)")
+
+
+def _overlay_probe_one(way: str, top: str) -> None:
+    userns = _idmap_userns("0 0 1\n", "0 0 1\n")
+    tree = syscall("open_tree", SYS_OPEN_TREE, -100, top.encode(), OPEN_TREE_CLONE | os.O_CLOEXEC)
+    try:
+        _idmap_set(tree, userns)
+        overlay_way_set(way)
+        view = overlay_open_at([(tree, "a"), (tree, "b")], (tree, "u"), (tree, "w"))
+        try:
+            fd = os.open("probe", os.O_RDONLY | os.O_CLOEXEC, dir_fd=view)
+            with os.fdopen(fd) as f:
+                if f.read() != "b":
+                    raise SysError("overlay probe", errno.EIO, "the view shows the wrong layer")
+        finally:
+            os.close(view)
+    finally:
+        overlay_way_set("")
+        os.close(tree)
+        os.close(userns)
+
+
+def overlay_open_at(lowers: list[Any], upper: Layer | None = None,
+                    work: Layer | None = None) -> int:
+    """A detached overlay mount (an fd) of these layers, newest first, each a Layer or, for an
+    inner overlay, a list of them; read-only without upper.  Close the fd to free.
+
+    The legacy way moves a detached dir fd (an idmapped clone) into its own namespace: after
+    the call such a dir fd is of no further use but to be closed."""
+    if overlay_way() == "legacy":
+        return _overlay_legacy(lowers, upper, work)
+    fds: list[int] = []
+    try:
+        for item in lowers:
+            fds.append(overlay_open_at(item) if isinstance(item, list) else _layer_open(item))
+        if upper is None or work is None:
+            return overlay_open(fds)
+        fds += [_layer_open(upper), _layer_open(work)]
+        return overlay_open(fds[:-2], fds[-2], fds[-1])
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _layer_open(layer: Layer) -> int:
+    return os.open(layer[1] or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=layer[0])
+
+
 def overlay_open(lower_fds: list[int], upper_fd: int | None = None,
                  work_fd: int | None = None) -> int:
-    """A detached overlay mount (an fd) of these layers, newest first; read-only without upper.
-
-    Layers go in as file descriptors through fsconfig, so there is no 4095-byte option string
-    to overflow (the kernel truncates it silently) and no path to race.  Close the fd to free.
+    """The fd way: a detached overlay mount (an fd) of these layers, newest first; read-only
+    without upper.  Layers go in as file descriptors through fsconfig, so there is no option
+    string to overflow and no path to race.  Close the fd to free.
     """
     fs = syscall("fsopen", SYS_FSOPEN, b"overlay", 1)
     try:
@@ -1399,6 +1516,90 @@ def overlay_open(lower_fds: list[int], upper_fd: int | None = None,
         os.close(fs)
 
 
+def overlay_mount_data(lowers: list[str], upper: str | None = None,
+                       work: str | None = None) -> str:
+    """The option string of a legacy overlay mount; SysError (E2BIG) past MOUNT_DATA_MAX,
+    where the kernel would cut it short and mount other layers than these."""
+    parts = ["lowerdir=" + ":".join(lowers)]
+    if upper is not None and work is not None:
+        parts += [f"upperdir={upper}", f"workdir={work}"]
+    data = ",".join(parts + [f"{key}={value}" for key, value in OVERLAY_OPTIONS])
+    if len(data) > MOUNT_DATA_MAX:
+        raise SysError("overlay options", errno.E2BIG, f"{len(data)} bytes, past the "
+                       f"{MOUNT_DATA_MAX} that mount(2) takes whole")
+    return data
+
+
+def _overlay_legacy(lowers: list[Any], upper: Layer | None, work: Layer | None) -> int:
+    """The legacy way (see above), in a thread of its own (in_thread): gurtd's threads share
+    one cwd and one mount namespace, and this changes both."""
+    return int(in_thread(lambda: _overlay_legacy_build(lowers, upper, work)))
+
+
+def _attached_places(fds: set[int]) -> dict[int, str | None]:
+    """Each dir fd's path if its mount is in this namespace; None for a detached one."""
+    with open("/proc/thread-self/mountinfo") as f:
+        ours = {line.split()[0] for line in f}
+    places: dict[int, str | None] = {}
+    for fd in sorted(fds):
+        with open(f"/proc/thread-self/fdinfo/{fd}") as f:
+            mnt = re.search(r"^mnt_id:\s*(\d+)", f.read(), re.M)
+        places[fd] = os.readlink(f"/proc/self/fd/{fd}") if mnt and mnt[1] in ours else None
+    return places
+
+
+def _overlay_legacy_build(lowers: list[Any], upper: Layer | None, work: Layer | None) -> int:
+    layers = [x for item in lowers for x in (item if isinstance(item, list) else [item])]
+    places = _attached_places({fd for fd, _ in layers + [x for x in (upper, work) if x]})
+    libc_call("unshare", CLONE_NEWNS)         # this thread's own mounts and cwd, from here on
+    _mount("none", "/", None, MS_REC | MS_SLAVE, None)   # and none of them goes back out
+    held: list[int] = []
+
+    def hold(path: str, dir_fd: int | None = None) -> int:
+        held.append(os.open(path or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC,
+                            dir_fd=dir_fd))
+        return held[-1]
+
+    try:
+        here = {fd: hold(place) for fd, place in places.items() if place is not None}
+        # the scratch tmpfs only now: an attached layer may be below LEGACY_SCRATCH (held)
+        _mount("gurt-overlay", LEGACY_SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+               "mode=0700,size=64k")
+        for fd in (fd for fd, place in places.items() if place is None):
+            point = f"{LEGACY_SCRATCH}/a{fd}"
+            os.mkdir(point, 0o700)
+            syscall("move_mount", SYS_MOVE_MOUNT, fd, b"", -100, point.encode(),
+                    MOVE_MOUNT_F_EMPTY_PATH)
+            here[fd] = hold(point)
+
+        def names(items: list[Layer]) -> list[str]:
+            return [str(hold(path, here[fd])) for fd, path in items]
+
+        os.chdir("/proc/self/fd")             # where the names are
+        lower_names: list[str] = []
+        for k, item in enumerate(lowers):
+            if not isinstance(item, list):
+                lower_names += names([item])
+                continue
+            point = f"{LEGACY_SCRATCH}/i{k}"
+            os.mkdir(point, 0o700)
+            _mount("overlay", point, "overlay", MS_NOSUID | MS_NODEV,
+                   overlay_mount_data(names(item)))
+            lower_names.append(str(hold(point)))
+        up = wk = None
+        if upper is not None and work is not None:
+            up, wk = names([upper, work])
+        point = f"{LEGACY_SCRATCH}/o"
+        os.mkdir(point, 0o700)
+        _mount("overlay", point, "overlay", MS_NOSUID | MS_NODEV,
+               overlay_mount_data(lower_names, up, wk))
+        return syscall("open_tree", SYS_OPEN_TREE, -100, point.encode(),
+                       OPEN_TREE_CLONE | os.O_CLOEXEC)
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
 def open_beneath(dirfd: int, path: str, flags: int) -> int:
     """openat2 with RESOLVE_BENEATH: no .., absolute symlink or magic link leaves dirfd."""
     how = OpenHow(flags | os.O_CLOEXEC, 0, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
@@ -1406,14 +1607,23 @@ def open_beneath(dirfd: int, path: str, flags: int) -> int:
                    ctypes.c_size_t(ctypes.sizeof(how)))
 
 
-def mounts_under(prefix: str) -> list[str]:
-    """Mount points at or below prefix in gurtd's mount namespace, deepest first."""
+def overlays_below(prefix: str, mountinfo: str | None = None) -> list[str]:
+    """Overlay mount points strictly below prefix in gurtd's mount namespace (or in the text
+    of a mountinfo), deepest first: what an earlier gurtd may have left of its views.
+
+    Never prefix itself or a mount of another kind: under systemd BOX_HOME is the bind mount
+    StateDirectory= makes (ProtectSystem=strict leaves only it writable), and a person may
+    mount a disk of their own below it."""
+    if mountinfo is None:
+        with open("/proc/self/mountinfo") as f:
+            mountinfo = f.read()
     points = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            point = line.split()[4].encode().decode("unicode_escape")
-            if point == prefix or point.startswith(prefix.rstrip("/") + "/"):
-                points.append(point)
+    below = prefix.rstrip("/") + "/"
+    for line in mountinfo.splitlines():
+        fields, _, tail = line.partition(" - ")
+        point = fields.split()[4].encode().decode("unicode_escape")
+        if point.startswith(below) and tail.split()[:1] == ["overlay"]:
+            points.append(point)
     return sorted(points, key=len, reverse=True)
 
 
@@ -2794,7 +3004,7 @@ def _system_binds(root: str, mask: str) -> None:
     os.chmod(os.path.join(mask, "resolv.conf"), 0o644)
     layers = [os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for p in (mask, "/etc")]
     try:
-        etc = overlay_open(layers)
+        etc = overlay_open_at([(fd, "") for fd in layers])
     finally:
         for fd in layers:
             os.close(fd)
@@ -3351,10 +3561,7 @@ def folder_overlays_open(spec: dict[str, Any]) -> list[tuple[str, int]]:
         return out
     store_ns = _idmap_userns(f"0 0 1\n{spec['storeUid']} {uid} 1\n",
                              f"0 0 1\n{spec['storeGid']} {gid} 1\n")
-    store = syscall("open_tree", SYS_OPEN_TREE, -100, spec["boxHome"].encode(),
-                    OPEN_TREE_CLONE | os.O_CLOEXEC)
     try:
-        _idmap_set(store, store_ns)
         for folder in spec["folders"]:
             ns = _idmap_userns(idmap_swap(folder["uid"], uid), idmap_swap(folder["gid"], gid))
             fd = folder_open(folder["path"], folder["dev"], folder["ino"])
@@ -3366,16 +3573,16 @@ def folder_overlays_open(spec: dict[str, Any]) -> list[tuple[str, int]]:
             held = [ns, tree]
             try:
                 _idmap_set(tree, ns)
-                held.append(os.open(folder["upper"], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC,
-                                    dir_fd=store))
-                held.append(os.open(folder["work"], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC,
-                                    dir_fd=store))
-                out.append((folder["path"], overlay_open([tree], held[2], held[3])))
+                # a clone of BOX_HOME per folder: the legacy way takes in the clones it gets
+                held.append(syscall("open_tree", SYS_OPEN_TREE, -100, spec["boxHome"].encode(),
+                                    OPEN_TREE_CLONE | os.O_CLOEXEC))
+                _idmap_set(held[2], store_ns)
+                out.append((folder["path"], overlay_open_at(
+                    [(tree, "")], (held[2], folder["upper"]), (held[2], folder["work"]))))
             finally:
                 for fd in held:
                     os.close(fd)
     finally:
-        os.close(store)
         os.close(store_ns)
     return out
 
@@ -4543,30 +4750,12 @@ def overlay_open_plan(dir_fd: int, lowers: list[Any], upper: str | None = None,
                       work: str | None = None) -> int:
     """A detached overlay of fitted lowers (fit_lowers), their paths relative to dir_fd (an
     idmapped clone of BOX_HOME for a task, BOX_HOME itself for people); an inner overlay is
-    built from the same dir_fd, so it shows the same owners."""
-    def at(path: str) -> int:
-        return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+    built from the same dir_fd, so it shows the same owners (overlay_open_at)."""
+    def at(path: str | None) -> Layer | None:
+        return (dir_fd, path) if path is not None else None
 
-    fds: list[int] = []
-    try:
-        for item in lowers:
-            if isinstance(item, list):
-                inner = []
-                try:
-                    inner = [at(p) for p in item]
-                    fds.append(overlay_open(inner))
-                finally:
-                    for fd in inner:
-                        os.close(fd)
-            else:
-                fds.append(at(item))
-        if upper is None or work is None:
-            return overlay_open(fds)
-        fds += [at(upper), at(work)]
-        return overlay_open(fds[:-2], fds[-2], fds[-1])
-    finally:
-        for fd in fds:
-            os.close(fd)
+    return overlay_open_at([[(dir_fd, p) for p in item] if isinstance(item, list)
+                            else (dir_fd, item) for item in lowers], at(upper), at(work))
 
 
 def _copy_dir_meta(src_fd: int, dst_fd: int, opaque: bool) -> None:
@@ -6214,8 +6403,8 @@ class Box:
         for task_id in crashed:                  # their processes are gone now
             attempt(f"strip set-id bits of {task_id}", setid_strip,
                     os.path.join(self.layer_dir(task_id), "upper"))
-        for point in mounts_under(self.home):
-            log(4, f"reconcile: unmounting leftover {point}")
+        for point in overlays_below(self.home):
+            log(4, f"reconcile: unmounting the leftover overlay {point}")
             attempt(f"unmount {point}", umount, point)
         attempt("delete undone layers", self.gc_layers)
         attempt("finish keeps and undos cut short", self.review.recover)
@@ -6394,6 +6583,10 @@ class Network:
             # gurtd's namespace), eth0's address and route, the DNS sockets; one netlink socket
             sysctl_write("net.ipv6.conf.all.disable_ipv6", "1")
             sysctl_write("net.ipv6.conf.default.disable_ipv6", "1")
+            # port 53 below without CAP_NET_BIND_SERVICE (the unit keeps none): from 53 up,
+            # ports are anyone's in this namespace, the task's alone, where gurtd's DNS
+            # sockets are bound before the worker starts
+            sysctl_write("net.ipv4.ip_unprivileged_port_start", "53")
             with IPRoute() as ipr:
                 ipr.link("set", index=1, state="up")
                 ipr.link("add", ifname="eth0", kind="veth",
@@ -11602,6 +11795,20 @@ def unwind(undo: Undo) -> None:
             log(3, f"could not {what}: {type(exc).__name__}: {exc}")
 
 
+def overlay_way_start(home: str) -> None:
+    """Decide how overlays are mounted (overlay_probe, on BOX_HOME's disk) and say so; a
+    StartError naming the kernel if no way works, rather than tasks that fail one by one."""
+    try:
+        way, ms, failed = overlay_probe(home)
+    except SysError as exc:
+        raise StartError(str(exc)) from None
+    overlay_way_set(way)
+    why = f" ({'; '.join(failed)})" if failed else \
+        f" ({OVERLAY_API_ENV}=legacy)" if way == "legacy" else ""
+    log(6, f"overlays: the {way} way{why} on kernel {os.uname().release}, probed in "
+           f"{ms:.1f} ms")
+
+
 def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     """The start, as steps with their undo (sshuttle's way): each undo is registered before
     its step runs, so a step that fails half-way is undone too, and only what this start
@@ -11609,6 +11816,7 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     # python-prctl and the kernel filter are loaded now, before the spawner forks: a task's
     # sandbox leaves the host's file system, and with it a checkout's virtual environment.
     sandbox_preload()
+    overlay_way_start(box.home)              # before the fork too: workers take the same way
     undo.append(("stop the spawner", box.spawner.stop))
     box.spawner.start(close=(lock_fd,))      # before any thread: it forks the workers
     raise_open_files_limit()                 # after the fork: workers keep the usual limit

@@ -2,6 +2,7 @@
 
 The suite runs as root on a throwaway machine: real users, real overlay mounts, real
 namespaces.  Under CI=true a missing prerequisite is a failure, never a skip.
+GURT_TEST_UNIT_CAPS=1 starts every gurtd with only gurtd.service's capabilities (setpriv).
 """
 
 from __future__ import annotations
@@ -32,6 +33,16 @@ sys.path.insert(0, ROOT)
 TERMINAL = ("done", "failed", "undone")
 
 
+def unit_bounding_set() -> str:
+    """gurtd.service's CapabilityBoundingSet= as setpriv's --bounding-set takes it."""
+    caps: list[str] = []
+    with open(os.path.join(ROOT, "gurtd.service")) as f:
+        for line in f:
+            if line.startswith("CapabilityBoundingSet="):
+                caps += line.split("=", 1)[1].split()
+    return ",".join(["-all"] + ["+" + c.lower().removeprefix("cap_") for c in caps])
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     if os.geteuid() != 0:
         pytest.exit("the gurtd suite runs as root (sudo make test)", returncode=1)
@@ -58,9 +69,11 @@ class Gurtd:
         offset = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
         log = open(self.log_path, "ab")
         # -m from ROOT: the module's cached bytecode, not a compile of 13,000 lines per start
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gurtd", "serve", "--box-home", self.home, "--listen",
-             "127.0.0.1:0"], stdout=log, stderr=log, env=env, cwd=ROOT)
+        argv = [sys.executable, "-m", "gurtd", "serve", "--box-home", self.home, "--listen",
+                "127.0.0.1:0"]
+        if env.get("GURT_TEST_UNIT_CAPS") == "1":   # only the unit's capabilities, as under it
+            argv = ["setpriv", "--bounding-set", unit_bounding_set()] + argv
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=log, env=env, cwd=ROOT)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

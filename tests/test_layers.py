@@ -179,6 +179,60 @@ def test_a_random_history_of_merged_layers_matches_the_model(scratch: str) -> No
             assert not stat.S_ISREG(st.st_mode) or st.st_nlink >= 2, name
 
 
+def test_both_overlay_ways_show_the_same_views_to_the_limit_and_past_it(scratch: str) -> None:
+    """Kernels before 6.15 mount no overlay of fds on a detached mount (Debian 12's 6.1 knows
+    no `lowerdir+` at all), so gurtd takes the legacy way there: mount(2) in a thread's own
+    namespace, layers named by fd.  The fd way (where this kernel has it) and the legacy way
+    show 500 layers, 600 (an inner overlay), and a writable view alike; the legacy way leaves
+    no mount behind, and its option string is refused before the kernel would cut it."""
+    rng = random.Random(7)
+    owner = (os.getuid(), os.getgid())
+    layers = [random_layer(rng, depth=2) for _ in range(600)]
+    for i, layer in enumerate(layers):
+        write_layer(os.path.join(scratch, "layers", f"t{i:09d}", "upper"), layer, owner)
+    write_layer(os.path.join(scratch, "workspaces", "w"), {"base.txt": ("f", "base")}, owner)
+    saved = os.environ.pop(gurtd.OVERLAY_API_ENV, None)
+    try:
+        ways = ["legacy"] if gurtd.overlay_probe(None)[0] == "legacy" else ["fd", "legacy"]
+    finally:
+        if saved is not None:
+            os.environ[gurtd.OVERLAY_API_ENV] = saved
+    try:
+        for count in (499, 600):
+            ids = [f"t{i:09d}" for i in reversed(range(count))]        # newest first
+            lowers = gurtd.fit_lowers(gurtd.lower_layer_paths(ids), "workspaces/w")
+            assert isinstance(lowers[-1], list) == (count == 600)
+            expected = model_view([layers[i] for i in reversed(range(count))] +
+                                  [{"base.txt": ("f", "base")}])
+            for way in ways:
+                gurtd.overlay_way_set(way)
+                assert mounted_view(scratch, lowers) == expected, (way, count)
+        for way in ways:                                               # a task's view: rw
+            gurtd.overlay_way_set(way)
+            for name in ("upper", "work"):
+                os.makedirs(os.path.join(scratch, way, name))
+            home_fd = os.open(scratch, O_DIR)
+            try:
+                view = gurtd.overlay_open_plan(home_fd, ["layers/t000000001/upper",
+                                                         "workspaces/w"], f"{way}/upper",
+                                               f"{way}/work")
+            finally:
+                os.close(home_fd)
+            with open(f"/proc/self/fd/{view}/new.txt", "w") as f:
+                f.write(way)
+            os.close(view)
+            with open(os.path.join(scratch, way, "upper", "new.txt")) as f:
+                assert f.read() == way
+    finally:
+        gurtd.overlay_way_set("")
+    with open("/proc/self/mountinfo") as f:              # the builders' mounts went with them
+        assert " - tmpfs gurt-overlay " not in f.read()
+    assert len(gurtd.overlay_mount_data([str(65535 - i) for i in range(500)], "1", "2")) < \
+        gurtd.MOUNT_DATA_MAX
+    with pytest.raises(gurtd.SysError, match="past the 4000"):
+        gurtd.overlay_mount_data(["/var/lib/gurt/layers/t000000000/upper"] * 120)
+
+
 def test_a_merged_layer_keeps_owners_modes_links_and_deep_trees(scratch: str) -> None:
     """A folder's owner, mode and user xattrs come from the top layer; a symlink stays a
     symlink (never followed); a tree thousands of levels deep merges whole."""

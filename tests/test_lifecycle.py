@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 import gurtd as gurtd_module  # the module under test (its process helpers), not the fixture
-from conftest import GURTD, ROOT, Gurtd, eventually, put_base_file
+from conftest import GURTD, ROOT, Gurtd, eventually, make_home, put_base_file, remove_home
 
 ID_RE = re.compile(r"^t[a-z0-9]{9}$")
 RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")
@@ -666,6 +666,51 @@ def test_kill_9_then_restart_fails_running_tasks_and_starts_queued_ones(gurtd: G
     assert g.file("home", "fine.txt") == b"fine\n"
     assert not any(u.startswith("box-") and u in (running["user"], queued["user"],
                                                     fresh["user"]) for u in passwd_names())
+
+
+def test_a_box_home_that_is_a_mount_survives_start_kill_restart_and_stop() -> None:
+    """BOX_HOME is a mount of its own, as systemd's StateDirectory= makes it (a bind of
+    /var/lib/gurt onto itself), with a disk of the owner's mounted below it and an overlay an
+    earlier gurtd left there.  Start, a task, kill -9, restart, stop: BOX_HOME and the owner's
+    disk stay mounted; only the leftover overlay is unmounted."""
+    home = make_home()
+    os.makedirs(home)
+    disk, leftover = os.path.join(home, "disk"), os.path.join(home, "run", "leftover")
+    lower = os.path.join(os.path.dirname(home), "lower")
+    for path in (disk, leftover, lower + "1", lower + "2"):
+        os.makedirs(path)
+    mounted: list[str] = []
+
+    def mount(*args: str) -> None:
+        subprocess.run(["mount", *args], check=True)
+        mounted.append(args[-1])
+
+    def mounts() -> list[str]:
+        with open("/proc/self/mountinfo") as f:
+            return [line.split()[4] for line in f]
+
+    try:
+        mount("--bind", home, home)
+        mount("-t", "tmpfs", "-o", "size=1m", "owners-disk", disk)
+        mount("-t", "overlay", "-o", f"lowerdir={lower}1:{lower}2", "overlay", leftover)
+        g = Gurtd(home)
+        g.start()
+        try:
+            assert g.run("echo kept > kept.txt")["state"] == "done"
+            g.restart(kill=True)
+            assert g.run("cat kept.txt")["state"] == "done"
+        finally:
+            assert g.stop() == 0, g.log_text()
+        text = g.log_text()
+        assert f"unmounting the leftover overlay {leftover}" in text, text
+        assert f"leftover overlay {home}\n" not in text and "could not unmount" not in text
+        assert home in mounts() and disk in mounts() and leftover not in mounts()
+        with open(os.path.join(home, "token")) as f:   # still the box's own, writable disk
+            assert f.read().strip()
+    finally:
+        for point in reversed(mounted):
+            subprocess.run(["umount", "-l", point], check=False)
+        remove_home(home)
 
 
 # 14. the command line ########################################################################

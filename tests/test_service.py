@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, unit_bounding_set
 
 import gurtd as G
 
@@ -209,6 +209,32 @@ def test_tasks_live_their_whole_life_under_the_units_filter(tmp_path, new_gurtd)
     g.wait(task["id"], ("undone",))
     assert g.file("home", "made.txt") is None
     assert g.api("GET", "/api/wallet")["balanceCents"] == 9
+
+
+def test_tasks_of_every_kind_run_with_only_the_units_capabilities(tmp_path, new_gurtd):
+    """gurtd with exactly the unit's bounding set and filter (setpriv, as systemd gives it):
+    a task writes a file, an upload lands, a task with hosts gets its DNS on port 53 (no
+    CAP_NET_BIND_SERVICE), the files API reads through openat2, an undo takes a task back.
+    Short of CAP_SETFCAP every task failed "sandbox: Operation not permitted"."""
+    allowed, native = unit_allowed()
+    folder = seccomp_sitecustomize(tmp_path, allowed, native)
+    g = new_gurtd({"PYTHONPATH": folder, "GURT_TEST_UNIT_FILTER": "1",
+                   "GURT_TEST_UNIT_CAPS": "1"})
+    with open(f"/proc/{g.proc.pid}/status") as f:
+        status = f.read()
+    bounding = int(re.search(r"^CapBnd:\s+([0-9a-f]+)$", status, re.M).group(1), 16)
+    assert bounding == sum(1 << getattr(__import__("prctl"), "CAP_" + c[1:].upper())
+                           for c in unit_bounding_set().split(",")[1:])
+    code, _, _ = g.request("PUT", "/api/workspaces/home/files/up/in.txt", raw=b"uploaded\n")
+    assert code in (200, 201), code
+    task = g.run("cat up/in.txt > made.txt")
+    assert task["state"] == "done", (task, g.log(task["id"]))
+    assert g.file("home", "made.txt") == b"uploaded\n"
+    net = g.run("grep -c nameserver /etc/resolv.conf", hosts=["198.18.0.12/31:80"])
+    assert net["state"] == "done", (net, g.log(net["id"]))
+    g.api("POST", f"/api/tasks/{task['id']}/undo")
+    g.wait(task["id"], ("undone",))
+    assert g.file("home", "made.txt") is None and g.file("home", "up/in.txt") == b"uploaded\n"
 
 
 def test_the_loop_pings_the_watchdog_and_reports_its_tasks(tmp_path, new_gurtd):
