@@ -83,7 +83,8 @@ host_py=$($PYTHON -c 'import sys; print(sys.version_info[:2])')
 $PYTHON -m venv "$WORK/pip"
 mkdir -p "$ROOT/opt/gurtd-vm/wheels"
 # (--use-pep517: bookworm's pip has no `wheel` package to build an sdist the old way)
-"$WORK/pip/bin/pip" wheel -q --disable-pip-version-check --use-pep517 -w "$ROOT/opt/gurtd-vm/wheels" \
+"$WORK/pip/bin/pip" wheel -q --disable-pip-version-check --use-pep517 \
+  -w "$ROOT/opt/gurtd-vm/wheels" \
   -r requirements.txt "$PYTEST" >&2
 printf '[global]\nno-index = true\nfind-links = /opt/gurtd-vm/wheels\n' > "$ROOT/etc/pip.conf"
 # The stories' own pytest, beside what `make install` will make.
@@ -148,8 +149,9 @@ rm -rf "$ROOT" "$WORK/pip"
 echo "$(( $(date +%s) - started ))" > "$WORK/build-seconds"
 touch "$WORK/ready"
 # One image is kept: an older one (another key) is only disk space.
+# (A build killed in the middle may have left /dev or /proc mounted in its folder: not that.)
 for old in "$CACHE"/bookworm-*; do
-  [ "$old" = "$WORK" ] || rm -rf "$old"
+  [ "$old" = "$WORK" ] || findmnt -rno TARGET | grep -q "^$old/" || rm -rf "$old"
 done
 mv "$WORK" "$IMAGE"
 echo "test-vm: image built in $(cat "$IMAGE/build-seconds") s: $IMAGE" >&2

@@ -7,10 +7,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SRC=$PWD
-# A whole boot (about 40 s under TCG), make install (about 3 min) and the stories.
+# A whole guest: its boot (about a minute under TCG), make install (6-7 min), the stories.
 VM_TIMEOUT=${VM_TIMEOUT:-1800}
 
-IMAGE=$(tests/vm/image.sh)
+if [ "$(id -u)" != 0 ]; then
+  echo "test-vm: debootstrap, the guest's disk and qemu need root" >&2; exit 1; fi
+# The build's thousands of debootstrap and apt lines go to a file, shown only if it fails.
+mkdir -p tests/output/vm
+build_log=$SRC/tests/output/vm/image-build.log
+if ! IMAGE=$(tests/vm/image.sh 2>"$build_log"); then
+  tail -60 "$build_log" >&2
+  echo "test-vm: the image could not be built (the whole log: $build_log)" >&2
+  exit 1
+fi
+grep '^test-vm:' "$build_log" || true
 # KVM only where /dev/kvm runs a stock kernel (kvm_intel or kvm_amd); a PVM /dev/kvm
 # (kvm_pvm) cannot, so TCG there.
 if { [ -d /sys/module/kvm_intel ] || [ -d /sys/module/kvm_amd ]; } && [ -w /dev/kvm ]; then
