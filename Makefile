@@ -21,17 +21,20 @@ INSTALLED = test "$$(dpkg-query -W -f='$${db:Status-Status}' $(1) 2>/dev/null)" 
 DROID_VERSION := 0.215.0
 DROID := $(VENV)/droid/node_modules/droid/bin/droid
 
-.PHONY: apt deps run test test-pure bench install uninstall clean
+.PHONY: apt deps run test test-pure test-vm bench install uninstall clean
 
 deps: $(VENV)/.installed $(VENV)/.seccomp $(VENV)/.droid-$(DROID_VERSION)
 
-# The Debian packages gurtd and its tests need, those missing only.
-apt:
-	@missing=""; for p in $(APT_PACKAGES); do \
+# Install those of the Debian packages $(1) that are missing (apt-get options in $(2)).
+APT_MISSING = @missing=""; for p in $(1); do \
 	  $(call INSTALLED,$$p) || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(2) $$missing; fi
+
+# The Debian packages gurtd and its tests need, those missing only.
+apt:
+	$(call APT_MISSING,$(APT_PACKAGES))
 
 # The checkout's venv: run-time and test packages (requirements-test.txt includes the other).
 $(VENV)/.installed: requirements.txt requirements-test.txt | apt
@@ -63,11 +66,7 @@ $(VENV)/.droid-$(DROID_VERSION): $(VENV)/.installed
 
 # Debian packages only the tests and the bench use: the browser the portal's tests drive.
 $(VENV)/.test-installed: $(VENV)/.installed
-	@missing=""; for p in $(TEST_APT_PACKAGES); do \
-	  $(call INSTALLED,$$p) || missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then \
-	  echo "installing:$$missing"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
+	$(call APT_MISSING,$(TEST_APT_PACKAGES))
 	touch $@
 
 run: deps
@@ -79,6 +78,19 @@ test: deps $(VENV)/.test-installed
 # The pure tier (tests marked `pure`, see tests/conftest.py): no gurtd, no root, seconds.
 test-pure: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m pure tests
+
+# The VM tier: a stock Debian 12 guest under qemu (Debian's kernel, systemd as PID 1, pure
+# cgroup v2, no network device) where gurtd is installed with `make install` and driven by
+# systemctl (tests/vm/).  Its image is built once, cached under /var/cache/gurtd-vm/ by a
+# hash of what goes into it: these packages, requirements.txt, the Droid CLI and pytest.
+VM_APT_PACKAGES := qemu-system-x86 qemu-utils debootstrap
+# The image's npm cache is filled by this machine's npm (its registry and certificates).
+test-vm: apt
+	$(call APT_MISSING,$(VM_APT_PACKAGES),--no-install-recommends)
+	command -v npm >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm; }
+	APT_PACKAGES="$(APT_PACKAGES)" DROID_VERSION=$(DROID_VERSION) PYTHON=$(PYTHON) \
+	  PYTEST="$$(grep '^pytest==' requirements-test.txt)" tests/vm/run.sh
 
 bench: deps $(VENV)/.test-installed
 	$(VENV)/bin/python tests/bench.py

@@ -1,0 +1,280 @@
+"""The systemd stories: gurtd as a person installs it on a stock Debian 12, run by systemd.
+
+Runs inside the VM tier's guest only (tests/vm/inside, from the stories unit), as root, in
+this order: each story starts from what the one before left.  The guest has no network
+device.  Figures go to GURTD_VM_OUT/figures.txt (the run prints them on the host).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import pwd
+import re
+import secrets
+import shutil
+import subprocess
+import time
+from typing import Any
+
+import pytest
+
+SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OUT = os.environ.get("GURTD_VM_OUT", "/tmp")
+BOX_HOME = "/var/lib/gurt"
+PORT = 7700
+TERMINAL = ("done", "failed", "undone")
+# Under TCG a fork+exec costs about 45 ms and a fake task about 3 s: waits are long.
+TASK_TIMEOUT = 300.0
+
+
+def figure(name: str, value: str) -> None:
+    with open(os.path.join(OUT, "figures.txt"), "a") as f:
+        f.write(f"{name}: {value}\n")
+
+
+def sh(*argv: str, timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def journal(lines: int = 60) -> str:
+    return sh("journalctl", "-u", "gurtd", "-b", "--no-pager", "-n", str(lines)).stdout
+
+
+def unit(prop: str) -> str:
+    return sh("systemctl", "show", "-p", prop, "--value", "gurtd").stdout.strip()
+
+
+# The API of the unit's gurtd ##################################################################
+
+def request(method: str, path: str, body: Any = None, raw: bytes | None = None,
+            ) -> tuple[int, Any]:
+    with open(os.path.join(BOX_HOME, "token")) as f:
+        token = f.read().strip()
+    headers = {"Authorization": f"Bearer {token}"}
+    data = raw
+    if raw is not None:
+        headers["Content-Type"] = "application/octet-stream"
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    conn = http.client.HTTPConnection("127.0.0.1", PORT, timeout=120)
+    try:
+        conn.request(method, path, body=data, headers=headers)
+        resp = conn.getresponse()
+        payload = resp.read()
+    finally:
+        conn.close()
+    if resp.getheader("Content-Type", "").split(";")[0].strip() == "application/json":
+        return resp.status, json.loads(payload)
+    return resp.status, payload
+
+
+def api(method: str, path: str, body: Any = None) -> Any:
+    code, data = request(method, path, body)
+    assert 200 <= code < 300, (method, path, code, data, journal())
+    return data
+
+
+def create(prompt: str, **fields: Any) -> dict[str, Any]:
+    return api("POST", "/api/tasks", {"title": "vm story", "worker": "fake", "prompt": prompt,
+                                      **fields})
+
+
+def wait(task_id: str, states: tuple[str, ...] = TERMINAL,
+         timeout: float = TASK_TIMEOUT) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        task = api("GET", f"/api/tasks/{task_id}")
+        if task["state"] in states:
+            return task
+        assert time.monotonic() < deadline, (task, journal())
+        time.sleep(0.2)
+
+
+def run(prompt: str, **fields: Any) -> dict[str, Any]:
+    return wait(create(prompt, **fields)["id"])
+
+
+def output(task_id: str) -> list[str]:
+    code, data = request("GET", f"/api/tasks/{task_id}/log")
+    assert code == 200, data
+    return [e["text"] for e in map(json.loads, data.decode().splitlines())
+            if e["type"] == "stdout"]
+
+
+def done(task: dict[str, Any]) -> None:
+    assert task["state"] == "done", (task, output(task["id"]), journal())
+
+
+def wait_running(task_id: str, step: str) -> None:
+    deadline = time.monotonic() + TASK_TIMEOUT
+    while (task := api("GET", f"/api/tasks/{task_id}")).get("step") != step:
+        assert task["state"] in ("queued", "running"), (task, journal())
+        assert time.monotonic() < deadline, (task, journal())
+        time.sleep(0.2)
+
+
+def wait_active(old_pid: str, timeout: float = 180.0) -> str:
+    """The unit's new main pid, once systemd has it active again (READY said)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, state = unit("MainPID"), unit("ActiveState")
+        if state == "active" and pid not in ("0", old_pid):
+            return pid
+        assert time.monotonic() < deadline, (pid, state, journal())
+        time.sleep(0.5)
+
+
+# The stories ##################################################################################
+
+def test_make_install_works_offline_from_the_preinstalled_packages() -> None:
+    started = time.monotonic()
+    out = sh("make", "-C", SRC, "install", timeout=1800)
+    figure("make install", f"{time.monotonic() - started:.0f} s")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert os.path.exists("/etc/systemd/system/gurtd.service")
+
+
+def test_systemctl_start_says_ready() -> None:
+    started = time.monotonic()
+    out = sh("systemctl", "start", "gurtd")      # Type=notify: returns at READY=1
+    figure("systemctl start -> READY", f"{time.monotonic() - started:.1f} s")
+    assert out.returncode == 0, (out.stderr, journal())
+    assert unit("ActiveState") == "active", journal()
+    assert api("GET", "/api/health")["ok"] is True
+    assert "running" in unit("StatusText"), unit("StatusText")
+
+
+def task_cgroup(task_id: str) -> str:
+    line = next(x for x in output(task_id) if x.startswith("0::"))
+    return "/sys/fs/cgroup" + line[3:]
+
+
+def test_a_fake_task_runs_with_its_limits_in_its_own_cgroup() -> None:
+    started = time.monotonic()
+    done(run("echo hello > hello.txt\ncat hello.txt"))
+    figure("a fake task", f"{time.monotonic() - started:.1f} s")
+    assert request("GET", "/api/workspaces/home/files/hello.txt") == (200, b"hello\n")
+    limits = {"processes": 64, "memoryBytes": 256 << 20}
+    task = create("cat /proc/self/cgroup\nsleep 600", limits=limits)
+    wait_running(task["id"], "sleep 600")
+    group = task_cgroup(task["id"])
+    with open(os.path.join(group, "memory.max")) as f:
+        assert int(f.read()) == 256 << 20
+    with open(os.path.join(group, "pids.max")) as f:
+        assert int(f.read()) == 64
+    api("POST", f"/api/tasks/{task['id']}/stop")
+    assert wait(task["id"])["state"] == "failed"
+    assert not os.path.exists(group)
+
+
+def test_a_task_with_hosts_runs_behind_its_grant() -> None:
+    # No network device: the grant is set up (veth, nftables, gurtd's DNS) and the task runs.
+    task = run("ip -o link | cut -d: -f2\ncat /etc/resolv.conf", hosts=["example.test"])
+    done(task)
+    out = output(task["id"])
+    assert "nameserver 127.0.0.53" in out, out
+
+
+def test_a_task_calls_a_tool_through_the_broker() -> None:
+    path = os.path.join(BOX_HOME, "tools", "echo.tool")
+    with open(path, "w") as f:
+        f.write("#!/bin/sh\ninput=$(cat)\nprintf '{\"echo\": %s, \"user\": \"%s\"}\\n' "
+                "\"$input\" \"$(id -un)\"\n")
+    os.chmod(path, 0o755)
+    task = run("gurtd tool echo.tool '{\"word\": \"hi\"}'", tools=["echo.tool"])
+    # gurtd.service's UMask=0077 applies to what gurtd makes: the tools folder's mode tells.
+    mode = oct(os.stat(os.path.dirname(path)).st_mode & 0o777)
+    assert task["state"] == "done", (mode, task, journal())
+    result = json.loads(output(task["id"])[0])
+    assert result == {"echo": {"word": "hi"}, "user": "gurt-tools"}, result
+
+
+@pytest.fixture(scope="module")
+def owner() -> Any:
+    name = "vmowner" + secrets.token_hex(2)
+    sh("useradd", "-m", "-d", f"/home/{name}", "-s", "/usr/sbin/nologin", name)
+    yield pwd.getpwnam(name)
+    sh("userdel", "-r", name)
+
+
+def test_a_personal_folder_is_worked_on_as_a_copy_then_kept(owner: Any) -> None:
+    folder = os.path.join(owner.pw_dir, "proj")
+    os.makedirs(folder)
+    with open(os.path.join(folder, "a.txt"), "w") as f:
+        f.write("hello\n")
+    for p in (folder, os.path.join(folder, "a.txt")):
+        os.chown(p, owner.pw_uid, owner.pw_gid)
+    time.sleep(0.05)                             # its ctimes are before the task's start
+    task = run(f"cd {folder} && echo more >> a.txt", folder=folder)
+    done(task)
+    with open(os.path.join(folder, "a.txt")) as f:
+        assert f.read() == "hello\n"             # a copy until kept
+    assert api("POST", f"/api/tasks/{task['id']}/keep", {})["review"] == "kept"
+    with open(os.path.join(folder, "a.txt")) as f:
+        assert f.read() == "hello\nmore\n"
+    assert os.stat(os.path.join(folder, "a.txt")).st_uid == owner.pw_uid
+
+
+def test_an_upload_is_a_layer_a_task_sees() -> None:
+    code, task = request("PUT", "/api/workspaces/home/files/notes/todo.txt", raw=b"buy milk\n")
+    assert code == 201, (code, task, journal())
+    assert (task["worker"], task["state"]) == ("upload", "done"), task
+    read = run("cat notes/todo.txt")
+    done(read)
+    assert output(read["id"]) == ["buy milk"]
+
+
+def test_kill_9_is_restarted_by_systemd_and_reconciled() -> None:
+    task = create("sleep 600")
+    wait_running(task["id"], "sleep 600")
+    user = api("GET", f"/api/tasks/{task['id']}")["user"]
+    pid = unit("MainPID")
+    assert sh("systemctl", "kill", "-s", "KILL", "gurtd").returncode == 0
+    started = time.monotonic()
+    wait_active(pid)
+    figure("kill -9 -> active again", f"{time.monotonic() - started:.1f} s")
+    after = api("GET", f"/api/tasks/{task['id']}")
+    assert after["state"] == "failed", after
+    assert "restarted" in after.get("error", ""), after
+    assert user not in {p.pw_name for p in pwd.getpwall()}
+    assert "reconcile: could not" not in journal(400), journal(400)
+    done(run("echo after the restart"))
+
+
+def test_systemctl_restart_keeps_the_box() -> None:
+    pid = unit("MainPID")
+    out = sh("systemctl", "restart", "gurtd")
+    assert out.returncode == 0, (out.stderr, journal())
+    wait_active(pid)
+    assert request("GET", "/api/workspaces/home/files/hello.txt") == (200, b"hello\n")
+    done(run("cat hello.txt"))
+
+
+def leftovers() -> dict[str, Any]:
+    """What a stopped gurtd could have left on the machine."""
+    mounts = [line for line in open("/proc/self/mountinfo")
+              if " overlay " in line or "/gurt" in line.split()[4]]
+    users = [p.pw_name for p in pwd.getpwall() if re.match(r"box-", p.pw_name)]
+    group = "/sys/fs/cgroup/system.slice/gurtd.service"
+    netns = sh("ip", "netns", "list").stdout.split()
+    tables = [t for t in sh("nft", "list", "tables").stdout.splitlines() if "gurt" in t]
+    links = [x for x in sh("ip", "-o", "link").stdout.splitlines() if ": lo:" not in x]
+    found = {"mounts": mounts, "users": users, "cgroup": os.path.exists(group),
+             "netns": netns, "nftables": tables, "links": links}
+    return {k: v for k, v in found.items() if v}
+
+
+def test_systemctl_stop_ends_the_tasks_and_leaves_nothing_behind() -> None:
+    task = create("sleep 600", hosts=["example.test"])
+    wait_running(task["id"], "sleep 600")
+    out = sh("systemctl", "stop", "gurtd")
+    assert out.returncode == 0, (out.stderr, journal())
+    assert unit("ActiveState") == "inactive", journal()
+    with open(os.path.join(BOX_HOME, "tasks", task["id"] + ".json")) as f:
+        after = json.load(f)
+    assert after["state"] == "failed" and "stopped" in after.get("error", ""), after
+    assert leftovers() == {}, leftovers()
+    assert not [x for x in journal(400).splitlines() if "Traceback" in x], journal(400)
