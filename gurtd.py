@@ -13127,6 +13127,30 @@ SETTING_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
+# What a setting whose schema says nothing more is for (the portal's settings form shows it).
+SETTING_HELP: dict[str, str] = {
+    "defaultBudgetCents": "The budget of a task created without budgetCents",
+    "maxRunningTasks": "Tasks past it stay queued, first in first out",
+    "taskTimeoutSeconds": "A task still running after this fails with timed out",
+    "droidModel": "The model; it needs a droidPrices entry, so that no model runs for free",
+    "droidAutonomy": "droid's --auto: the box, not the CLI, is the boundary",
+    "droidHosts": "Hosts added to droid tasks' grants",
+    "droidPrices": "US cents per million input, output, cacheRead, cacheWrite tokens, by model",
+    "modelGateway": "Where droid's model calls go: api anthropic or chat-completions, baseUrl, "
+                    "model (empty: droidModel), more models; each needs a droidPrices entry",
+    "dnsAllowedNets": "IPv4 networks of private space (10.0.0.0/8) that tasks' granted names "
+                      "may resolve into",
+    "askHostsDefault": "askHosts of a task created without it: a host not granted is asked",
+    "uploadMaxBytes": "The largest upload: its body and its unpacked files",
+    "taskMaxProcesses": "Processes and threads a task may have at once",
+    "taskMemoryBytes": "Memory of a task, tmpfs pages included; 0: half of the machine's RAM",
+    "taskTmpBytes": "/tmp, /var/tmp, /dev/shm and HOME of a task together",
+    "taskLogBytes": "A task's stored log; past it lines are counted, not stored",
+    "diskReserveBytes": "Space of BOX_HOME's file system that tasks cannot eat unasked; 0: the "
+                        "smaller of 1 GiB and 5% of it",
+}
+
+
 def type_schema(value: Any) -> dict[str, Any]:
     """The JSON schema type of a default value (for a setting without its own schema)."""
     if isinstance(value, bool):
@@ -13151,6 +13175,8 @@ def setting_schema(key: str) -> dict[str, Any]:
             schema["anyOf"] = [{"const": 0}, {"minimum": low}]
         else:
             schema["minimum"] = low
+    if key in SETTING_HELP:
+        schema.setdefault("description", SETTING_HELP[key])
     schema["default"] = DEFAULT_SETTINGS[key]
     return schema
 

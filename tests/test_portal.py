@@ -3,8 +3,11 @@
 They sign in with the one-time URL that `gurtd portal` prints, start a fake task from the form
 and watch it finish without reloading, follow a log, deny a spending with a reason, answer an
 ask, undo a task and see its file go, and sign out.  A page from another origin, open in the
-same browser, can neither start a task nor read one.  Every page is photographed at 1280 and
-360 px wide into the test's output folder, and the browser's console stays free of errors.
+same browser, can neither start a task nor read one.  Every page (and every tab of a task's)
+is photographed at 1280 and 390 px wide, light and dark, into the test's output folder, and
+measured there: nothing scrolls sideways, the nav is one row inside the screen, and every
+visible text passes WCAG AA contrast over the colour under it.  The browser's console stays
+free of errors.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from conftest import (REJECTED, ROOT, By, Gurtd, Keys, Select, answer, chromium,
                       loopback_server, quit_browser, run_on, sign_in, sign_in_url, wait)
 
 SHARED_GURTD = True
-WIDTHS = (1280, 360)
+WIDTHS = (1280, 390)
 
 
 # the browser ##################################################################################
@@ -47,6 +50,19 @@ def console_errors(driver: Any, allowed: tuple[str, ...] = ()) -> list[str]:
     """The console's errors since the last call, less those the story expects."""
     return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"
             and not any(a in e["message"] for a in allowed)]
+
+
+def tab(driver: Any, name: str) -> None:
+    """Show one tab of a task's page (log, changes, diff, decisions, details)."""
+    click(driver, f"#tab-{name}")
+    wait(driver, lambda d: d.find_element(By.ID, f"panel-{name}").is_displayed(), f"the {name} tab")
+
+
+def more_answers(card: Any) -> None:
+    """Unfold a decision card's rarer answers (always, raise the budget)."""
+    fold = card.find_element(By.CSS_SELECTOR, "details.more")
+    if fold.get_attribute("open") is None:
+        fold.find_element(By.TAG_NAME, "summary").click()
 
 
 def state_shown(driver: Any, task_id: str) -> str | None:
@@ -176,6 +192,7 @@ def test_a_task_started_from_the_form_goes_to_done_without_a_reload(gurtd: Gurtd
                                                                "#task-log li.k-stdout")],
                "stdout lines")
     assert any("hello from the form" in line for line in log)
+    tab(d, "changes")
     wait(d, lambda x: "portal-made.txt" in x.find_element(By.ID, "task-changes").text,
          "the change")
     go(d, "#/tasks", "#task-rows")
@@ -224,6 +241,8 @@ def test_a_budget_pause_reaches_the_inbox_within_a_second_and_a_denial_needs_a_r
                 "the approval card", timeout=5)[0]
     assert time.monotonic() - paused < 1.0
     assert "40" in card.text and "wants to pay" in card.text and "wallet.pay" in card.text
+    assert [b.text for b in card.find_elements(By.CSS_SELECTOR, "button.primary")] == ["Approve"]
+    assert not card.find_element(By.ID, f"budget-{approval['id']}").is_displayed()  # folded
     assert d.title.startswith("(1) ")
     assert wait(d, lambda x: x.execute_script("return window.shown"), "a notification") == [
         "gurtd: a decision waits|wants to pay: wallet.pay 40¢"]
@@ -276,7 +295,8 @@ def test_an_ask_is_answered_from_the_inbox(gurtd: Gurtd, browser: Any) -> None:
     approval = gurtd.pending(task["id"], 20)
     card = wait(d, lambda x: x.find_elements(By.ID, f"approval-{approval['id']}"),
                 "the ask")[0]
-    assert "Which colour?" in card.text
+    assert card.text.count("Which colour?") == 1                   # once, not again as args
+    assert len(card.find_elements(By.CSS_SELECTOR, "button.primary")) == 1
     assert "each one needs its own answer" in card.find_element(By.CLASS_NAME,
                                                                 "always-blocked").text
     assert not card.find_elements(By.ID, f"always-{approval['id']}")
@@ -380,7 +400,7 @@ def test_settings_errors_show_next_to_their_field(gurtd: Gurtd, browser: Any) ->
     field = d.find_element(By.ID, "in-maxRunningTasks")
     field.clear()
     field.send_keys("0")
-    d.find_element(By.ID, "save-settings").click()
+    d.find_element(By.ID, "save-tasks").click()
     err = wait(d, lambda x: x.find_element(By.ID, "err-maxRunningTasks").text, "the error")
     assert "maxRunningTasks must be a whole number" in err
     assert gurtd.api("GET", "/api/settings")["maxRunningTasks"] == 8
@@ -389,15 +409,79 @@ def test_settings_errors_show_next_to_their_field(gurtd: Gurtd, browser: Any) ->
                               "with a status of 400",)) == []
     field.clear()
     field.send_keys("9")
-    d.find_element(By.ID, "save-settings").click()
+    d.find_element(By.ID, "save-tasks").click()
     eventually(lambda: gurtd.api("GET", "/api/settings")["maxRunningTasks"] == 9, 10, "saved")
     assert d.find_element(By.ID, "err-maxRunningTasks").text == ""
     gurtd.api("PUT", "/api/settings", {"maxRunningTasks": 8})
 
 
-def test_every_page_at_1280_and_360_px(gurtd: Gurtd, browser: Any, shots: str) -> None:
+# What the eye checks, measured in the page: sideways scrolling of the page and of any part
+# of it, the nav's rows and right edge, and the WCAG 2 contrast of every visible text (its
+# colour over the first opaque background under it, translucent ones blended in): 4.5:1, or
+# 3:1 for large text (24 px, or 18.66 px bold).
+LAYOUT_JS = """
+const rgba = s => { const m = (s.match(/[\\d.]+/g) || [0, 0, 0, 0]).map(Number); return m.length === 3 ? [...m, 1] : m; };
+const lum = c => { const f = v => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; };
+  return 0.2126 * f(c[0]) + 0.7152 * f(c[1]) + 0.0722 * f(c[2]); };
+const over = (top, under) => [0, 1, 2].map(i => top[i] * top[3] + under[i] * (1 - top[3])).concat(1);
+function under(node) {
+  const layers = [];
+  for (let n = node; n; n = n.parentElement) {
+    const c = rgba(getComputedStyle(n).backgroundColor);
+    if (c[3] > 0) { layers.push(c); if (c[3] >= 1) break; }
+  }
+  return layers.reverse().reduce((acc, c) => over(c, acc), [255, 255, 255, 1]);
+}
+const shown = n => n.getClientRects().length > 0 && getComputedStyle(n).visibility === "visible";
+const root = document.documentElement, width = root.clientWidth;
+const low = [];
+for (const n of document.body.querySelectorAll("*")) {
+  if (["SCRIPT", "STYLE", "OPTION"].includes(n.tagName) || !shown(n) || n.disabled) continue;
+  const own = [...n.childNodes].some(c => c.nodeType === 3 && c.textContent.trim())
+    || (["INPUT", "TEXTAREA"].includes(n.tagName) && n.type !== "checkbox" && n.type !== "file" && n.value);
+  if (!own) continue;
+  const st = getComputedStyle(n), bg = under(n), fg = over(rgba(st.color), bg);
+  const [a, b] = [lum(fg), lum(bg)].sort((x, y) => y - x), ratio = (a + 0.05) / (b + 0.05);
+  const size = parseFloat(st.fontSize), large = size >= 24 || (size >= 18.66 && +st.fontWeight >= 700);
+  if (ratio < (large ? 3 : 4.5)) low.push([(n.textContent || n.value).trim().slice(0, 40), n.tagName + "." + n.className,
+    ratio.toFixed(2), st.color, "rgb(" + bg.slice(0, 3).map(Math.round).join(", ") + ")"]);
+}
+const sideways = [...document.querySelectorAll("main *")].filter(n => shown(n) && n.scrollWidth > n.clientWidth + 1
+  && ["auto", "scroll"].includes(getComputedStyle(n).overflowX) && n.clientWidth > 0).map(n => n.tagName + "#" + n.id + "." + n.className);
+const nav = [...document.querySelectorAll("#top nav > ul a, #nav-more > summary")].filter(shown);
+const tops = new Set(nav.map(a => Math.round(a.getBoundingClientRect().top)));
+return { page: root.scrollWidth, width, sideways, low, navRows: tops.size,
+  navRight: Math.max(0, ...nav.map(a => a.getBoundingClientRect().right)),
+  navPages: nav.map(a => a.dataset.page).filter(Boolean) };
+"""
+
+
+def check_layout(driver: Any, name: str) -> None:
+    got = driver.execute_script(LAYOUT_JS)
+    assert got["page"] <= got["width"], f"{name}: the page scrolls sideways: {got}"
+    assert not got["sideways"], f"{name}: these parts scroll sideways: {got['sideways']}"
+    assert not got["low"], f"{name}: text below WCAG AA contrast: {got['low']}"
+    if driver.find_element(By.ID, "top").is_displayed():
+        assert got["navRows"] == 1 and got["navRight"] <= got["width"], f"{name}: the nav: {got}"
+        assert {"tasks", "inbox", "new", "files"} <= set(got["navPages"]), got["navPages"]
+
+
+def shoot(driver: Any, path: str) -> None:
+    """A picture of the whole page (beyond the window's height)."""
+    import base64
+    png = driver.execute_cdp_cmd("Page.captureScreenshot", {"format": "png",
+                                                            "captureBeyondViewport": True})
+    with open(path, "wb") as f:
+        f.write(base64.b64decode(png["data"]))
+    assert os.path.getsize(path) > 1000
+
+
+def test_every_page_at_1280_and_390_px_light_and_dark(gurtd: Gurtd, browser: Any,
+                                                     shots: str) -> None:
     d = browser
-    some = gurtd.run("echo shot > shot.txt", title="for the pictures")
+    gurtd.run("printf 'one\\ntwo\\nthree\\nfour\\n' > shot.txt", title="makes the file")
+    some = gurtd.run("sed -i 's/^two$/TWO/; /^four$/d' shot.txt; echo five >> shot.txt\n"
+                     "echo new > shot-new.txt", title="for the pictures")
     asking = gurtd.create("gurtd tool ask '{\"question\": \"Ship the release?\"}'",
                           title="asks for the pictures", tools=["ask"])
     ask = gurtd.pending(asking["id"], 20)
@@ -410,33 +494,42 @@ def test_every_page_at_1280_and_360_px(gurtd: Gurtd, browser: Any, shots: str) -
     policy = gurtd.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "task",
                                                  "task": some["id"], "maxCents": 50})
     pages = [("tasks", "#/tasks", "#task-rows"), ("task", f"#/task/{some['id']}", "#task-log li"),
+             ("asking", f"#/task/{asking['id']}", "#task-decisions article"),
              ("inbox", "#/inbox", "#inbox article"), ("new", "#/new", "#new-task"),
-             ("files", "#/files/home", "#files li"), ("wallet", "#/wallet", "#ledger"),
-             ("settings", "#/settings", "#settings"),
+             ("files", "#/files/home", "#files li"), ("file", "#/files/home/shot.txt",
+                                                      "#file-content"),
+             ("wallet", "#/wallet", "#ledger"), ("settings", "#/settings", "#settings"),
              ("schedules", "#/schedules", "#schedule-rows tr"),
              ("policies", "#/policies", "#policy-rows tr")]
+    tabs = {"task": ("changes", "diff", "details"), "asking": ("decisions",)}
     try:
-        for width in WIDTHS:
-            d.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
-                "width": width, "height": 800, "deviceScaleFactor": 1, "mobile": width < 600})
-            for name, hash_, ready in pages:
-                go(d, hash_, ready)
-                text = d.find_element(By.TAG_NAME, "main").text   # a diff names /dev/null
-                assert not re.search(r"(?<!/dev/)\bnull\b|\bundefined\b", text), (name, text)
-                wide = d.execute_script("return document.documentElement.scrollWidth")
-                assert wide <= width, f"{name} at {width} px scrolls sideways: {wide}"
-                path = os.path.join(shots, f"{name}-{width}.png")
-                assert d.save_screenshot(path) and os.path.getsize(path) > 1000
-                # keyboard: the page's heading has focus, and Tab reaches a link or control
-                assert d.switch_to.active_element.tag_name == "h1"
-        # dark and light follow the system's setting
-        background = "return getComputedStyle(document.body).backgroundColor"
-        light = d.execute_script(background)
-        d.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": [
-            {"name": "prefers-color-scheme", "value": "dark"}]})
-        dark = d.execute_script(background)
-        assert light == "rgb(255, 255, 255)" and dark != light, (light, dark)
-        assert d.save_screenshot(os.path.join(shots, f"settings-{WIDTHS[-1]}-dark.png"))
+        for scheme in ("light", "dark"):
+            d.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": [
+                {"name": "prefers-color-scheme", "value": scheme}]})
+            for width in WIDTHS:
+                d.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+                    "width": width, "height": 800, "deviceScaleFactor": 1, "mobile": width < 600})
+                for name, hash_, ready in pages:
+                    go(d, hash_, ready)
+                    text = d.find_element(By.TAG_NAME, "main").text   # a diff names /dev/null
+                    assert not re.search(r"(?<!/dev/)\bnull\b|\bundefined\b", text), (name, text)
+                    # keyboard: the page's heading has focus
+                    assert d.switch_to.active_element.tag_name == "h1"
+                    check_layout(d, f"{name} at {width} px, {scheme}")
+                    shoot(d, os.path.join(shots, f"{name}-{width}-{scheme}.png"))
+                    for other in tabs.get(name, ()):
+                        tab(d, other)
+                        check_layout(d, f"{name} {other} at {width} px, {scheme}")
+                        shoot(d, os.path.join(shots, f"{name}-{other}-{width}-{scheme}.png"))
+                if width < 600:    # the pages the narrow nav folds away are one tap further
+                    click(d, "#nav-more > summary")
+                    check_layout(d, f"the nav's menu at {width} px, {scheme}")
+                    shoot(d, os.path.join(shots, f"nav-menu-{width}-{scheme}.png"))
+                    click(d, '#nav-more a[data-page="wallet"]')
+                    wait(d, lambda x: x.current_url.endswith("#/wallet"), "the wallet")
+                    assert d.find_element(By.ID, "nav-more").get_attribute("open") is None
+            background = d.execute_script("return getComputedStyle(document.body).backgroundColor")
+            assert (background == "rgb(255, 255, 255)") == (scheme == "light"), background
     finally:
         d.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
         d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
@@ -444,7 +537,127 @@ def test_every_page_at_1280_and_360_px(gurtd: Gurtd, browser: Any, shots: str) -
         gurtd.api("POST", f"/api/approvals/{spend['id']}/deny", {"reason": "only a picture"})
         gurtd.api("DELETE", f"/api/schedules/{sched['id']}")
         gurtd.api("DELETE", f"/api/policies/{policy['id']}")
-    assert len(os.listdir(shots)) >= 2 * len(pages)
+    assert len(os.listdir(shots)) >= 2 * 2 * len(pages)
+
+
+def test_the_task_list_shows_each_task_and_sorts_and_filters(gurtd: Gurtd, browser: Any) -> None:
+    d = browser
+    zz = gurtd.run("sleep 0.3", title="zz listed", budgetCents=30)
+    aa = gurtd.run("true", title="aa listed", budgetCents=5)
+    go(d, "#/tasks", f"#task-{aa['id']}")
+    cells = [c.text for c in d.find_elements(By.CSS_SELECTOR, f"#task-{zz['id']} td")]
+    assert cells[0] == zz["id"][:8] and cells[1] == "done" and cells[2].startswith("zz listed")
+    assert cells[3:5] == ["fake", "api"] and cells[7] == "30¢", cells
+    assert re.fullmatch(r"\d+(\.\d)? s", cells[5]), cells       # a duration
+    order = lambda: [r.get_attribute("id")[5:] for r in d.find_elements(By.CSS_SELECTOR,
+                                                                      "#task-rows tr")]
+    click(d, 'th[data-key="title"] button')
+    assert d.find_element(By.CSS_SELECTOR, 'th[data-key="title"]').get_attribute(
+        "aria-sort") == "ascending"
+    assert order().index(aa["id"]) < order().index(zz["id"])
+    click(d, 'th[data-key="title"] button')
+    assert order().index(zz["id"]) < order().index(aa["id"])
+    click(d, 'th[data-key="budget"] button')
+    budgets = [gurtd.task(i)["budgetCents"] for i in order()[:5]]
+    assert budgets == sorted(budgets, reverse=True), budgets
+    d.find_element(By.ID, "f-text").send_keys("zz list")
+    wait(d, lambda x: order() == [zz["id"]], "only the task whose title matches")
+    d.find_element(By.ID, "f-text").send_keys(Keys.BACKSPACE * 7 + zz["id"])
+    wait(d, lambda x: order() == [zz["id"]], "the task of that id")
+    d.find_element(By.ID, "f-text").clear()
+    d.find_element(By.ID, "f-text").send_keys(" ")
+    click(d, 'th[data-key="created"] button')          # back to the newest first
+    wait(d, lambda x: x.find_element(By.CSS_SELECTOR, 'th[data-key="created"]').get_attribute(
+        "aria-sort") == "descending", "newest first")
+
+
+def test_a_diff_is_a_card_per_file_with_line_numbers_and_tint(gurtd: Gurtd,
+                                                               browser: Any) -> None:
+    import secrets
+    d = browser
+    name = f"d-{secrets.token_hex(3)}.txt"
+    status, _, _ = gurtd.request("PUT", f"/api/workspaces/home/files/{name}", raw=b"a\nb\nc\n",
+                                 headers={"Content-Type": "application/octet-stream"})
+    assert status == 201
+    task = gurtd.run(f"sed -i 's/^b$/B/' {name}\necho n > new-{name}", title="edits for a diff")
+    go(d, f"#/task/{task['id']}", "#task-log li")
+    tab(d, "diff")
+    card = wait(d, lambda x: x.find_elements(By.CSS_SELECTOR,
+                                             f'article.file-card[data-path="{name}"]'), "its card")[0]
+    head = card.find_element(By.TAG_NAME, "header").text
+    assert "modified" in head and name in head and "+1" in head and "−1" in head, head
+    added = d.find_element(By.CSS_SELECTOR, f'article.file-card[data-path="new-{name}"]')
+    assert "added" in added.find_element(By.TAG_NAME, "header").text
+    rows = [(r.get_attribute("class"), [c.text for c in r.find_elements(By.TAG_NAME, "td")])
+            for r in card.find_elements(By.CSS_SELECTOR, "table.diff tr")]
+    assert rows[0][0] == "hunk" and rows[0][1][2].startswith("@@ -1,3 +1,3 @@"), rows
+    assert rows[1:] == [("ctx", ["1", "1", "a"]), ("del", ["2", "", "-b"]), ("add", ["", "2", "+B"]),
+                        ("ctx", ["3", "3", "c"])], rows
+    assert not [r for r in rows if r[1][2].startswith(("---", "+++"))]   # they name the file
+    colour = "return getComputedStyle(arguments[0]).backgroundColor"
+    tint = {kind: d.execute_script(colour, card.find_element(By.CSS_SELECTOR, f"tr.{kind} td.code"))
+            for kind in ("add", "del", "ctx", "hunk")}
+    assert len(set(tint.values())) == 4, tint
+    path = card.find_element(By.CSS_SELECTOR, "header .path")
+    assert d.execute_script("return getComputedStyle(arguments[0]).color", path) == \
+        d.execute_script("return getComputedStyle(document.body).color")
+
+
+def test_settings_have_a_control_per_type_help_and_a_save_per_section(gurtd: Gurtd,
+                                                                       browser: Any) -> None:
+    d = browser
+    described = gurtd.api("GET", "/api/openapi.json")["components"]["schemas"]["Settings"][
+        "properties"]
+    go(d, "#/settings", "#in-maxRunningTasks")
+    assert d.find_element(By.ID, "in-askHostsDefault").get_attribute("type") == "checkbox"
+    assert d.find_element(By.ID, "in-maxRunningTasks").get_attribute("type") == "number"
+    assert d.find_element(By.ID, "in-droidAutonomy").tag_name == "select"
+    roots = d.find_element(By.ID, "in-folderRoots")
+    assert roots.tag_name == "textarea" and roots.get_attribute("value") == "/home\n/srv"
+    for key in ("droidPath", "maxRunningTasks", "taskMemoryBytes", "folderRoots"):
+        help_ = d.find_element(By.ID, f"help-{key}").text
+        assert described[key]["description"].rstrip(".") in help_, (key, help_)
+    # each section saves its own fields only
+    field = d.find_element(By.ID, "in-maxRunningTasks")
+    field.clear()
+    field.send_keys("7")
+    d.find_element(By.ID, "in-hookHosts").send_keys("hooks.example.org")
+    try:
+        click(d, "#save-network")
+        eventually(lambda: gurtd.api("GET", "/api/settings")["hookHosts"] ==
+                   ["hooks.example.org"], 10, "the network section saved")
+        assert d.find_element(By.ID, "saved-network").text == "Saved."
+        assert gurtd.api("GET", "/api/settings")["maxRunningTasks"] == 8
+        click(d, "#in-askHostsDefault")
+        click(d, "#save-tasks")
+        eventually(lambda: gurtd.api("GET", "/api/settings")["askHostsDefault"] is True, 10,
+                   "the tasks section saved")
+        assert gurtd.api("GET", "/api/settings")["maxRunningTasks"] == 7
+    finally:
+        gurtd.api("PUT", "/api/settings", {"hookHosts": [], "askHostsDefault": False,
+                                           "maxRunningTasks": 8})
+
+
+def test_files_download_and_upload(gurtd: Gurtd, browser: Any, tmp_path: Any) -> None:
+    import secrets
+    d = browser
+    name = f"dl-{secrets.token_hex(3)}.txt"
+    gurtd.run(f"echo down > {name}", title="a file to download")
+    go(d, "#/files/home", f'#files li[data-name="{name}"]')
+    link = d.find_element(By.CSS_SELECTOR, f'#files li[data-name="{name}"] a[download]')
+    assert link.get_attribute("download") == name
+    got = d.execute_async_script("fetch(arguments[0]).then(r => r.text()).then(arguments[1])",
+                                 link.get_attribute("href"))
+    assert got == "down\n"
+    up = tmp_path / f"up-{secrets.token_hex(3)}.txt"
+    up.write_bytes(b"uploaded\n")
+    os.chmod(tmp_path, 0o755)
+    d.find_element(By.ID, "f-upload").send_keys(str(up))
+    click(d, "#upload")
+    wait(d, lambda x: x.find_elements(By.CSS_SELECTOR, f'#files li[data-name="{up.name}"]'),
+         "the upload listed")
+    assert "Uploaded" in d.find_element(By.ID, "upload-status").text
+    assert gurtd.file("home", up.name) == b"uploaded\n"
 
 
 # personal mode, decisions, sources ############################################################
@@ -476,6 +689,7 @@ def test_keep_a_personal_task_through_its_conflict_then_undo_it(gurtd: Gurtd, br
     with open(os.path.join(owner_folder, "a.txt"), "w") as f:      # my own edit since its start
         f.write("mine\n")
     go(d, f"#/task/{task['id']}", "#task-changes input.pick")
+    tab(d, "diff")
     wait(d, lambda x: "+task" in x.find_element(By.ID, "task-diff").text, "the diff")
     # keep: 409, the conflict named per path, nothing written
     click_and_confirm(d, "btn-keep")
@@ -487,6 +701,7 @@ def test_keep_a_personal_task_through_its_conflict_then_undo_it(gurtd: Gurtd, br
     assert gurtd.task(task["id"])["review"] == "conflict"
     # keep only new.txt: it lands, owned by the folder's owner; mine stays
     go(d, f"#/task/{task['id']}", '#task-changes[data-review="conflict"] input.pick')
+    tab(d, "changes")
     pick = d.find_element(By.CSS_SELECTOR, f'input.pick[value="{owner_folder}/new.txt"]')
     pick.click()
     click_and_confirm(d, "btn-keep-paths")
@@ -528,6 +743,7 @@ def test_always_at_task_scope_from_the_inbox_and_the_next_call_asks_no_one(
     first = gurtd.pending(task["id"], 20)
     assert first["canAlwaysApprove"] is True
     card = wait(d, lambda x: x.find_elements(By.ID, f"approval-{first['id']}"), "its card")[0]
+    more_answers(card)
     Select(card.find_element(By.ID, f"scope-{first['id']}")).select_by_value("task")
     card.find_element(By.ID, f"always-{first['id']}").click()
     wait(d, lambda x: not x.find_elements(By.ID, f"approval-{first['id']}"), "the card gone")
@@ -542,6 +758,7 @@ def test_always_at_task_scope_from_the_inbox_and_the_next_call_asks_no_one(
     asked = gurtd.pending(other["id"], 20)
     wait(d, lambda x: x.find_elements(By.ID, f"approval-{asked['id']}"), "the other's card")
     # a budget approval can raise the budget instead
+    more_answers(d.find_element(By.ID, f"approval-{asked['id']}"))
     d.find_element(By.ID, f"budget-{asked['id']}").send_keys("25" + Keys.ENTER)
     wait(d, lambda x: not x.find_elements(By.ID, f"approval-{asked['id']}"), "answered")
     assert gurtd.wait(other["id"])["budgetCents"] == 25
