@@ -55,7 +55,8 @@ def console_errors(driver: Any, allowed: tuple[str, ...] = ()) -> list[str]:
 def tab(driver: Any, name: str) -> None:
     """Show one tab of a task's page (log, changes, diff, decisions, details)."""
     click(driver, f"#tab-{name}")
-    wait(driver, lambda d: d.find_element(By.ID, f"panel-{name}").is_displayed(), f"the {name} tab")
+    wait(driver, lambda d: d.find_element(By.ID, f"panel-{name}").is_displayed(),
+         f"the {name} tab")
 
 
 def more_answers(card: Any) -> None:
@@ -113,7 +114,8 @@ window.Notification = class extends Real {
 # sign-in ######################################################################################
 
 def test_a_one_time_url_signs_in_once_and_leaves_nothing_secret_behind(gurtd: Gurtd,
-                                                                       browser: Any) -> None:
+                                                                       browser: Any,
+                                                                       shots: str) -> None:
     d = browser
     # signed in by the fixture through the printed URL; the code left the address bar
     assert "code=" not in d.current_url
@@ -145,6 +147,12 @@ def test_a_one_time_url_signs_in_once_and_leaves_nothing_secret_behind(gurtd: Gu
         assert not other.find_element(By.ID, "top").is_displayed()
         assert other.find_elements(By.ID, "task-rows") == []
         assert "code=" not in other.current_url
+        for width in WIDTHS:                 # the sign-in form is measured like every page
+            other.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+                "width": width, "height": 800, "deviceScaleFactor": 1, "mobile": width < 600})
+            check_layout(other, f"the sign-in form at {width} px")
+            shoot(other, os.path.join(shots, f"signin-{width}-light.png"))
+        other.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
         # the token pasted into the form signs in too
         other.find_element(By.ID, "token").send_keys(gurtd.token + Keys.ENTER)
         wait(other, lambda x: x.find_element(By.ID, "top").is_displayed(), "the pages")
@@ -582,8 +590,8 @@ def test_a_diff_is_a_card_per_file_with_line_numbers_and_tint(gurtd: Gurtd,
     task = gurtd.run(f"sed -i 's/^b$/B/' {name}\necho n > new-{name}", title="edits for a diff")
     go(d, f"#/task/{task['id']}", "#task-log li")
     tab(d, "diff")
-    card = wait(d, lambda x: x.find_elements(By.CSS_SELECTOR,
-                                             f'article.file-card[data-path="{name}"]'), "its card")[0]
+    card = wait(d, lambda x: x.find_elements(
+        By.CSS_SELECTOR, f'article.file-card[data-path="{name}"]'), "its card")[0]
     head = card.find_element(By.TAG_NAME, "header").text
     assert "modified" in head and name in head and "+1" in head and "−1" in head, head
     added = d.find_element(By.CSS_SELECTOR, f'article.file-card[data-path="new-{name}"]')
@@ -591,11 +599,12 @@ def test_a_diff_is_a_card_per_file_with_line_numbers_and_tint(gurtd: Gurtd,
     rows = [(r.get_attribute("class"), [c.text for c in r.find_elements(By.TAG_NAME, "td")])
             for r in card.find_elements(By.CSS_SELECTOR, "table.diff tr")]
     assert rows[0][0] == "hunk" and rows[0][1][2].startswith("@@ -1,3 +1,3 @@"), rows
-    assert rows[1:] == [("ctx", ["1", "1", "a"]), ("del", ["2", "", "-b"]), ("add", ["", "2", "+B"]),
-                        ("ctx", ["3", "3", "c"])], rows
+    assert rows[1:] == [("ctx", ["1", "1", " a"]), ("del", ["2", "", "-b"]),
+                        ("add", ["", "2", "+B"]), ("ctx", ["3", "3", " c"])], rows
     assert not [r for r in rows if r[1][2].startswith(("---", "+++"))]   # they name the file
     colour = "return getComputedStyle(arguments[0]).backgroundColor"
-    tint = {kind: d.execute_script(colour, card.find_element(By.CSS_SELECTOR, f"tr.{kind} td.code"))
+    tint = {kind: d.execute_script(colour, card.find_element(By.CSS_SELECTOR,
+                                                             f"tr.{kind} td.code"))
             for kind in ("add", "del", "ctx", "hunk")}
     assert len(set(tint.values())) == 4, tint
     path = card.find_element(By.CSS_SELECTOR, "header .path")
