@@ -4,8 +4,9 @@ Prints task start latency (POST until the worker runs inside its boxed view) wit
 400 layers, undo latency, GET /api/tasks/{id} rate with 10,000 stored tasks next to a bare
 http.server answering the same JSON, gurtd's RSS with 100 tasks running, GET latencies while
 the loop is busy, and tasks per second through a burst (`python tests/bench.py api`: those
-figures only); then the portal's: a state change to a real browser showing it, and the page's
-size (`python tests/bench.py portal`: those only); then the finish-time merge's and the exact
+figures only); then the portal's: a state change to a real browser showing it, a fresh load's
+first paint and its task list drawn, and the page's size (`python tests/bench.py portal`: those
+only); then the finish-time merge's and the exact
 undo's (`python tests/bench.py merge`: those only).
 """
 
