@@ -7286,7 +7286,8 @@ class DroidWorker:
         spec["homeFiles"] = {".factory/mcp.json": json.dumps({"mcpServers": {"gurtd": {
             "type": "stdio", "command": "/run/gurt/bin/gurtd", "args": ["mcp"]}}}, indent=1)}
         spec["argv"] = ["/run/gurt/bin/droid", "exec", "--output-format", "stream-json",
-                        "--cwd", task.folders[0] if task.folders else VIEW_DIR, "-m", settings["droidModel"],
+                        "--cwd", task.folders[0] if task.folders else VIEW_DIR,
+                        "-m", settings["droidModel"],
                         "--auto", settings["droidAutonomy"], "-f", "/run/gurt/prompt.md",
                         "--append-system-prompt-file", "/run/gurt/system-prompt.md"]
         if not self.box.gateway.droid_spec(task, spec) and settings["droidFactoryKey"]:
@@ -14181,13 +14182,18 @@ def human(key: str, value: Any) -> str:
     return str(value)
 
 
+def local_time(stamp: Any) -> datetime.datetime | None:
+    """An ISO time (2026-11-29T19:50:40.123Z) as local time; None when it is not one."""
+    try:
+        return datetime.datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).astimezone()
+    except ValueError:
+        return None
+
+
 def when(stamp: str) -> str:
     """An ISO time as local time and how far from now: 2026-12-01 14:05:09 (2 min ago)."""
-    try:
-        moment = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).astimezone()
-    except (ValueError, AttributeError, TypeError):
-        return str(stamp)
-    return f"{moment:%Y-%m-%d %H:%M:%S} ({ago(stamp)})"
+    moment = local_time(stamp)
+    return str(stamp) if moment is None else f"{moment:%Y-%m-%d %H:%M:%S} ({ago(stamp)})"
 
 
 def log_entry_text(entry: dict[str, Any]) -> str:
@@ -14251,14 +14257,14 @@ def cents_text(value: Any) -> str:
 
 def ago(stamp: str, now: float | None = None) -> str:
     """An ISO time as people say it: just now, 5 s ago, 2 min ago, 4 days ago, in 3 h."""
-    try:
-        when = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-    except (ValueError, AttributeError):
+    moment = local_time(stamp)
+    if moment is None:
         return str(stamp)
-    seconds = int((time.time() if now is None else now) - when)
+    seconds = int((time.time() if now is None else now) - moment.timestamp())
     for size, unit in ((86400, " days"), (3600, " h"), (60, " min"), (1, " s")):
         if abs(seconds) >= size * (2 if unit == " days" else 1):
-            return f"{seconds // size}{unit} ago" if seconds > 0 else f"in {-seconds // size}{unit}"
+            return f"{seconds // size}{unit} ago" if seconds > 0 else \
+                f"in {-seconds // size}{unit}"
     return "just now"
 
 
@@ -14834,13 +14840,9 @@ def event_text(kind: str, data: dict[str, Any]) -> str:
 def event_time(data: dict[str, Any]) -> str:
     """When an event happened (its record's own time, local), not when it reached us: a
     replayed event keeps its time."""
-    stamp = data.get("answeredAt") or data.get("updatedAt") or data.get("createdAt") or \
-        data.get("time")
-    try:
-        moment = datetime.datetime.fromisoformat(str(stamp).replace("Z", "+00:00"))
-    except ValueError:
-        return time.strftime("%H:%M:%S")
-    return f"{moment.astimezone():%H:%M:%S}"
+    moment = local_time(data.get("answeredAt") or data.get("updatedAt") or
+                        data.get("createdAt") or data.get("time"))
+    return f"{moment or datetime.datetime.now():%H:%M:%S}"
 
 
 @cli.command("events")

@@ -9,7 +9,7 @@ silently; the summary line says how many ran of all."""
 from __future__ import annotations
 
 import os
-import pwd
+import pathlib
 import re
 import shutil
 import subprocess
@@ -68,33 +68,20 @@ TRAILER = '\nprintf "\\n__vars %s %s\\n" "${ID:--}" "${AP:--}"'
 @pytest.fixture(scope="module")
 def reader(module_gurtd: Gurtd) -> Iterator[dict[str, Any]]:
     """The reader's machine: `gurtd` on the PATH from `make link`, a scratch folder to work in
-    (with the checkout's .venv, as in a checkout) and a person with ~/notes/todo.md."""
+    (with the checkout's .venv, as in a checkout)."""
     g = module_gurtd
     scratch = tempfile.mkdtemp(prefix="gurt-readme-", dir="/var/tmp")
-    name = "gurtrd" + os.urandom(3).hex()
-    subprocess.run(["useradd", "-m", "-d", f"/home/{name}", "-s", "/usr/sbin/nologin", name],
-                   check=True, capture_output=True)
     try:
         subprocess.run(["make", "-s", "-C", ROOT, "link", f"PREFIX={scratch}"], check=True)
         os.symlink(os.path.join(ROOT, ".venv"), os.path.join(scratch, ".venv"))
-        person = pwd.getpwnam(name)
-        notes = os.path.join(person.pw_dir, "notes")
-        os.mkdir(notes)
-        with open(os.path.join(notes, "todo.md"), "w") as f:
-            f.write("buy milk\n")
-        for path in (notes, os.path.join(notes, "todo.md")):
-            os.chown(path, person.pw_uid, person.pw_gid)
         g.api("PUT", "/api/wallet", {"balanceCents": 1000})
-        yield {"g": g, "cwd": scratch, "home": person.pw_dir, "notes": notes,
-               "env": {**os.environ, "PATH": f"{scratch}/bin:{os.environ['PATH']}",
-                       "BOX_HOME": g.home, "GURT_LISTEN": f"127.0.0.1:{g.port}",
-                       "TOKEN": g.token}}
+        yield {"g": g, "cwd": scratch, "env": {
+               **os.environ, "PATH": f"{scratch}/bin:{os.environ['PATH']}",
+               "BOX_HOME": g.home, "GURT_LISTEN": f"127.0.0.1:{g.port}", "TOKEN": g.token}}
     finally:
         for task in g.api("GET", "/api/tasks?limit=1000"):
             if task["state"] in ("queued", "running", "waiting"):
                 g.api("POST", f"/api/tasks/{task['id']}/stop")
-        subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
-        shutil.rmtree(f"/home/{name}", ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
         ran = sum(r == "ran" for r in RESULTS.values())
         print(f"\nREADME examples run as written: {ran}/{len(EXAMPLES)}; skipped by name: " +
@@ -136,7 +123,7 @@ def inside_a_task(g: Gurtd, code: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("name,shell,code", EXAMPLES, ids=[e[0] for e in EXAMPLES])
 def test_the_readme_example_runs_as_written(reader: dict[str, Any], name: str, shell: str,
-                                            code: str) -> None:
+                                            code: str, request: pytest.FixtureRequest) -> None:
     g = reader["g"]
     if name in SKIPPED:
         RESULTS[name] = SKIPPED[name]
@@ -150,8 +137,14 @@ def test_the_readme_example_runs_as_written(reader: dict[str, Any], name: str, s
     for var, make in (("ID", a_done_task), ("AP", a_pending_approval)):
         if f"${var}" in code and f"{var}=" not in code:   # an earlier block's, else a new one
             env[var] = SESSION.get(f"{section} {var}") or make(g)
-    if name.startswith("A five-minute tour"):
-        env["HOME"] = reader["home"]          # ~ is a person's home, ~/notes their folder
+    if "~/notes" in code:                     # ~ is a person's home, ~/notes their folder
+        person = request.getfixturevalue("owner")
+        env["HOME"] = reader["notes"] = person.pw_dir
+        notes = pathlib.Path(person.pw_dir, "notes")
+        notes.mkdir()
+        (notes / "todo.md").write_text("buy milk\n")
+        for path in (notes, notes / "todo.md"):
+            shutil.chown(path, person.pw_name, person.pw_gid)
     if name in INSIDE:
         proc = inside_a_task(g, code)
     else:
@@ -188,7 +181,7 @@ def check_effects(name: str, reader: dict[str, Any], proc: subprocess.CompletedP
         assert '{"answer": "yes, ship"}' in proc.stdout, proc.stdout
     elif name == "A five-minute tour #5":
         assert "+done" in proc.stdout and re.search(r"^t\w+ kept$", proc.stdout, re.M)
-        with open(os.path.join(reader["notes"], "todo.md")) as f:
-            assert f.read() == "buy milk\ndone\n"
+        assert pathlib.Path(reader["notes"], "notes", "todo.md").read_text() == \
+            "buy milk\ndone\n"
     elif name == "MCP from the host #1":
         assert '"name": "ask"' in proc.stdout and '"inputSchema"' in proc.stdout, proc.stdout
