@@ -27,8 +27,6 @@ SHARED_GURTD = True
 SKIPPED = {
     "Set up #1": "make run and make test set up this machine and start gurtd on 7700 or run "
                  "this suite itself; the test is the live gurtd they start",
-    "Personal mode #1": "names /home/me/notes/todo.md, a folder of a person `me` (the tour's "
-                        "personal example runs, on a real owner's folder)",
     "Jira #1": "needs a Jira site (acme.atlassian.net) and the network",
     "A real droid run, by hand #1": "needs an Anthropic model key and the network",
 }
@@ -137,7 +135,7 @@ def test_the_readme_example_runs_as_written(reader: dict[str, Any], name: str, s
     for var, make in (("ID", a_done_task), ("AP", a_pending_approval)):
         if f"${var}" in code and f"{var}=" not in code:   # an earlier block's, else a new one
             env[var] = SESSION.get(f"{section} {var}") or make(g)
-    if "~/notes" in code:                     # ~ is a person's home, ~/notes their folder
+    if "~/notes" in code or section == "Personal mode":   # a person's ~/notes/todo.md
         person = request.getfixturevalue("owner")
         env["HOME"] = reader["notes"] = person.pw_dir
         notes = pathlib.Path(person.pw_dir, "notes")
@@ -145,6 +143,8 @@ def test_the_readme_example_runs_as_written(reader: dict[str, Any], name: str, s
         (notes / "todo.md").write_text("buy milk\n")
         for path in (notes, notes / "todo.md"):
             shutil.chown(path, person.pw_name, person.pw_gid)
+        if section == "Personal mode":        # $ID: a personal task on it, done
+            env["ID"] = g.run("echo done >> todo.md", folder=str(notes))["id"]
     if name in INSIDE:
         proc = inside_a_task(g, code)
     else:
@@ -183,5 +183,8 @@ def check_effects(name: str, reader: dict[str, Any], proc: subprocess.CompletedP
         assert "+done" in proc.stdout and re.search(r"^t\w+ kept$", proc.stdout, re.M)
         assert pathlib.Path(reader["notes"], "notes", "todo.md").read_text() == \
             "buy milk\ndone\n"
+    elif name == "Personal mode #1":        # kept, then undone: as before the task
+        assert "+done" in proc.stdout and '"review": "kept"' in proc.stdout, proc.stdout
+        assert pathlib.Path(reader["notes"], "notes", "todo.md").read_text() == "buy milk\n"
     elif name == "MCP from the host #1":
         assert '"name": "ask"' in proc.stdout and '"inputSchema"' in proc.stdout, proc.stdout
