@@ -14176,7 +14176,7 @@ def human(key: str, value: Any) -> str:
         return f"{cents_text(value)} cents"
     if key.endswith("Bytes") and isinstance(value, int) and value >= 1024:
         exp = min((value.bit_length() - 1) // 10, 4)
-        return f"{cents_text(round(value / 1024 ** exp, 1))} {'BKMGT'[exp]}iB".replace("BiB", "B")
+        return f"{cents_text(round(value / 1024 ** exp, 1))} {' KMGT'[exp]}iB"
     if key.endswith("At") or key in ("time", "lastRun"):
         return when(value)
     return str(value)
@@ -14570,9 +14570,9 @@ def cmd_tasks(state: str | None, workspace: str | None, limit: int, as_json: boo
 
 def say_task(task: dict[str, Any]) -> None:
     """An action's answer in one line: t0123456789 undone, t0123456789 failed: stopped."""
-    click.echo(printable(f"{task['id']} " + (task["review"] if task.get("review") in (
-        "kept", "undone") else task["state"]) + (f": {task['error']}" if task.get("error")
-                                                else "")))
+    said = task["review"] if task.get("review") in ("kept", "undone") else task["state"]
+    error = f": {task['error']}" if task.get("error") else ""
+    click.echo(printable(f"{task['id']} {said}{error}"))
 
 
 def _task_command(name: str, method: str, suffix: str, doc: str,

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from typing import Any, Iterator
 
 import pytest
@@ -138,11 +139,12 @@ def test_the_readme_example_runs_as_written(reader: dict[str, Any], name: str, s
     if "~/notes" in code or section == "Personal mode":   # a person's ~/notes/todo.md
         person = request.getfixturevalue("owner")
         env["HOME"] = reader["notes"] = person.pw_dir
-        notes = pathlib.Path(person.pw_dir, "notes")
-        notes.mkdir()
+        notes = pathlib.Path(person.pw_dir, "notes")      # the person is the module's
+        notes.mkdir(exist_ok=True)
         (notes / "todo.md").write_text("buy milk\n")
         for path in (notes, notes / "todo.md"):
             shutil.chown(path, person.pw_name, person.pw_gid)
+        time.sleep(0.05)                      # its ctimes are before the task's start
         if section == "Personal mode":        # $ID: a personal task on it, done
             env["ID"] = g.run("echo done >> todo.md", folder=str(notes))["id"]
     if name in INSIDE:
