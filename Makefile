@@ -1,4 +1,4 @@
-# gurtd: `sudo make run` and `sudo make test` do all the set-up on a fresh Debian 12 as root.
+# gurtd: `make run` and `make test` do all the set-up on a fresh Debian 12 as root.
 PYTHON ?= /usr/bin/python3
 VENV := .venv
 PREFIX ?= /usr/local
@@ -21,7 +21,7 @@ INSTALLED = test "$$(dpkg-query -W -f='$${db:Status-Status}' $(1) 2>/dev/null)" 
 DROID_VERSION := 0.215.0
 DROID := $(VENV)/droid/node_modules/droid/bin/droid
 
-.PHONY: apt deps run test test-pure test-vm bench install uninstall clean
+.PHONY: apt deps link run test test-pure test-vm bench install uninstall clean
 
 deps: $(VENV)/.installed $(VENV)/.seccomp $(VENV)/.droid-$(DROID_VERSION)
 
@@ -69,8 +69,16 @@ $(VENV)/.test-installed: $(VENV)/.installed
 	$(call APT_MISSING,$(TEST_APT_PACKAGES))
 	touch $@
 
-run: deps
+run: deps link
 	BOX_HOME=$(BOX_HOME) $(VENV)/bin/python gurtd.py serve --listen $(LISTEN)
+
+# The `gurtd` command on the PATH, for this checkout: $(PREFIX)/bin/gurtd runs its gurtd.py
+# with its venv (`make install` writes its own in the same place).
+link:
+	install -d $(PREFIX)/bin
+	printf '#!/bin/sh\nexec $(CURDIR)/$(VENV)/bin/python $(CURDIR)/gurtd.py "$$@"\n' \
+	  > $(PREFIX)/bin/gurtd
+	chmod 0755 $(PREFIX)/bin/gurtd
 
 test: deps $(VENV)/.test-installed
 	$(VENV)/bin/python -m pytest -v -p no:cacheprovider tests

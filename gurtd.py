@@ -3064,7 +3064,8 @@ def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
     _root_pivot(NEW_ROOT)
     _lo_up()
     _drop_privileges(uid, gid)
-    os.chdir(VIEW_DIR)
+    # a personal task works in its first folder, as the owner would
+    os.chdir(spec["folders"][0]["path"] if spec.get("folders") else VIEW_DIR)
     _kernel_filter_load()
 
 
@@ -7285,7 +7286,8 @@ class DroidWorker:
         spec["homeFiles"] = {".factory/mcp.json": json.dumps({"mcpServers": {"gurtd": {
             "type": "stdio", "command": "/run/gurt/bin/gurtd", "args": ["mcp"]}}}, indent=1)}
         spec["argv"] = ["/run/gurt/bin/droid", "exec", "--output-format", "stream-json",
-                        "--cwd", VIEW_DIR, "-m", settings["droidModel"],
+                        "--cwd", task.folders[0] if task.folders else VIEW_DIR,
+                        "-m", settings["droidModel"],
                         "--auto", settings["droidAutonomy"], "-f", "/run/gurt/prompt.md",
                         "--append-system-prompt-file", "/run/gurt/system-prompt.md"]
         if not self.box.gateway.droid_spec(task, spec) and settings["droidFactoryKey"]:
@@ -14001,25 +14003,25 @@ class Loop:
 class Client:
     """The local API with the token from GURT_TOKEN or BOX_HOME/token."""
 
-    def __init__(self, listen: str, box_home: str) -> None:
+    def __init__(self, listen: str, box_home: str, need_token: bool = True) -> None:
         self.host, self.port = parse_listen(listen)
-        token = os.environ.get("GURT_TOKEN", "")
-        if not token:
+        self.token, self.no_token = os.environ.get("GURT_TOKEN", ""), ""
+        if not self.token:
             try:
                 with open(os.path.join(box_home, "token")) as f:
-                    token = f.read().strip()
+                    self.token = f.read().strip()
             except OSError as exc:
-                raise click.ClickException(
-                    f"cannot read gurtd's token in {box_home}: {exc.strerror or exc}.  Run "
-                    "this as root (sudo), set GURT_TOKEN (`sudo gurtd token` prints it), or "
-                    "point --box-home (BOX_HOME) at gurtd's folder") from None
-        self.token = token
+                self.no_token = f"cannot read gurtd's token in {box_home}: " \
+                    f"{exc.strerror or exc}.  Run this as root, set GURT_TOKEN (`gurtd token` " \
+                    "as root prints it), or point --box-home (BOX_HOME) at gurtd's folder"
+                if need_token:
+                    raise click.ClickException(self.no_token) from None
 
     def unreachable(self, exc: OSError) -> click.ClickException:
         return click.ClickException(
             f"cannot reach gurtd at {self.host}:{self.port} ({exc.strerror or exc}).  Is it "
-            "running?  `sudo systemctl start gurtd`, or `sudo gurtd serve` in the foreground; "
-            "--listen (GURT_LISTEN) must be its address")
+            "running?  `systemctl start gurtd`, `make run` in a checkout, or `gurtd serve` in "
+            "the foreground (as root); --listen (GURT_LISTEN) must be its address")
 
     def connect(self) -> Any:
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -14084,12 +14086,13 @@ class CliError(click.ClickException):
              "`gurtd approvals --state approved` (or denied, pending) lists the approvals",
              "workspaces": "`gurtd workspaces` lists the workspaces"}
 
-    def __init__(self, message: str, status: int, code: str) -> None:
+    def __init__(self, message: str, status: int, code: str, body: Any = None) -> None:
         super().__init__(message)
-        self.status, self.code = status, code
+        self.status, self.code, self.body = status, code, body if isinstance(body, dict) else {}
 
     @classmethod
     def of(cls, status: int, raw: bytes, path: str) -> "CliError":
+        body: Any = None
         try:
             body = json.loads(raw)
             message, code = str(body["error"]), str(body.get("code") or "")
@@ -14099,7 +14102,7 @@ class CliError(click.ClickException):
         topic = path.split("?")[0].split("/")[1] if path.count("/") else ""
         if status == 401:
             message = "gurtd refused the token: BOX_HOME (--box-home) or GURT_TOKEN is not " \
-                      "the running gurtd's (`sudo gurtd token` prints its token)"
+                      "the running gurtd's (`gurtd token` as root prints its token)"
         elif topic in cls.HINTS and (status == 404 or message.lower().startswith("no ")):
             message = f"{message}: {cls.HINTS[topic]}"
         elif status in (429, 503):
@@ -14108,7 +14111,7 @@ class CliError(click.ClickException):
             message = f"{message} (BOX_HOME's disk is full: undo or remove old tasks' layers)"
         elif status >= 500:
             message = f"gurtd failed: {message} (its log: `journalctl -u gurtd`)"
-        return cls(message, status, code)
+        return cls(message, status, code, body)
 
 
 def client_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -14118,16 +14121,38 @@ def client_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                         show_default=True, help="where the token is (env BOX_HOME)")(fn)
 
 
+def complete_ids(listing: str) -> Callable[..., list[Any]]:
+    """Shell completion of ids from a listing of the running gurtd (nothing when unreachable
+    or the token is not readable), each with its title or question."""
+    def complete(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Any]:
+        from click.shell_completion import CompletionItem
+        try:
+            items = Client(os.environ.get("GURT_LISTEN", DEFAULT_LISTEN),
+                           os.environ.get("BOX_HOME", DEFAULT_BOX_HOME)).request("GET", listing)
+        except (click.ClickException, OSError, ValueError):
+            return []
+        return [CompletionItem(
+            i["id"], help=short(i.get("title") or i.get("question") or i.get("tool"), 50))
+            for i in items if i["id"].startswith(incomplete)]
+    return complete
+
+
+task_argument = click.argument("task_id", shell_complete=complete_ids("/tasks?limit=200"))
+approval_argument = click.argument("approval_id",
+                                   shell_complete=complete_ids("/approvals?state=pending"))
+
+
 def json_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """--json (the answer as JSON) and the client options."""
     return click.option("--json", "as_json", is_flag=True)(client_options(fn))
 
 
 def print_listing(items: list[dict[str, Any]], as_json: bool, row: Callable[[Any], list[str]],
-                  headers: list[str], state_column: int | None = None) -> None:
-    """A list answer as JSON, or as a table of row(item) for each item."""
+                  headers: list[str], state_column: int | None = None, empty: str = "") -> None:
+    """A list answer as JSON, or as a table of row(item) for each item; none: empty said."""
     print_answer(items, as_json, lambda _: print_table([row(item) for item in items], headers,
-                                                       state_column))
+                                                       state_column) if items else
+                 click.echo(empty or "none", err=True))
 
 
 def print_answer(answer: Any, as_json: bool, say: Callable[[Any], None]) -> None:
@@ -14153,17 +14178,48 @@ def print_table(rows: list[list[str]], headers: list[str], state_column: int | N
 
 
 def print_task(task: dict[str, Any]) -> None:
+    """`gurtd show`: the fields aligned, their values as people say them."""
+    width = max(len(key) for key in PUBLIC_FIELDS) + 2
     for key in PUBLIC_FIELDS:
         if key in task:
-            value = task[key]
-            if isinstance(value, list):
-                value = ", ".join(value) if value else "-"
-            if key == "prompt" and "\n" in str(value):
-                value = "\n    " + "\n    ".join(printable(line)
-                                                 for line in str(value).split("\n"))
-            else:
-                value = printable(value)
-            click.echo(f"{key + ':':13} {value}")
+            lines = str(task[key]).split("\n") if key == "prompt" else [human(key, task[key])]
+            click.echo(f"{key + ':':{width}}" + ("\n" + " " * width).join(map(printable, lines)))
+
+
+def human(key: str, value: Any) -> str:
+    """A field's value for people: yes/no, 6 cents, 256 MiB, a local time and how long ago,
+    a record as `name value, ...`, a long list cut."""
+    if value is None or value == [] or value == {}:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {human(k, v)}" for k, v in value.items())
+    if isinstance(value, list):
+        return ", ".join(human(key, v) for v in value[:8]) + \
+            (f" and {len(value) - 8} more" if value[8:] else "")
+    if key.endswith("Cents"):
+        return f"{cents_text(value)} cents"
+    if key.endswith("Bytes") and isinstance(value, int) and value >= 1024:
+        exp = min((value.bit_length() - 1) // 10, 4)
+        return f"{cents_text(round(value / 1024 ** exp, 1))} {' KMGT'[exp]}iB"
+    if key.endswith("At") or key in ("time", "lastRun"):
+        return when(value)
+    return str(value)
+
+
+def local_time(stamp: Any) -> datetime.datetime | None:
+    """An ISO time (2026-11-29T19:50:40.123Z) as local time; None when it is not one."""
+    try:
+        return datetime.datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).astimezone()
+    except ValueError:
+        return None
+
+
+def when(stamp: str) -> str:
+    """An ISO time as local time and how far from now: 2026-12-01 14:05:09 (2 min ago)."""
+    moment = local_time(stamp)
+    return str(stamp) if moment is None else f"{moment:%Y-%m-%d %H:%M:%S} ({ago(stamp)})"
 
 
 def log_entry_text(entry: dict[str, Any]) -> str:
@@ -14226,15 +14282,15 @@ def cents_text(value: Any) -> str:
 
 
 def ago(stamp: str, now: float | None = None) -> str:
-    """An ISO time as people say it: just now, 5 s ago, 2 min ago, 3 h ago, 4 days ago."""
-    try:
-        when = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-    except (ValueError, AttributeError):
+    """An ISO time as people say it: just now, 5 s ago, 2 min ago, 4 days ago, in 3 h."""
+    moment = local_time(stamp)
+    if moment is None:
         return str(stamp)
-    seconds = int((time.time() if now is None else now) - when)
+    seconds = int((time.time() if now is None else now) - moment.timestamp())
     for size, unit in ((86400, " days"), (3600, " h"), (60, " min"), (1, " s")):
-        if seconds >= size * (2 if unit == " days" else 1):
-            return f"{seconds // size}{unit} ago"
+        if abs(seconds) >= size * (2 if unit == " days" else 1):
+            return f"{seconds // size}{unit} ago" if seconds > 0 else \
+                f"in {-seconds // size}{unit}"
     return "just now"
 
 
@@ -14372,7 +14428,31 @@ def interrupted(client: Client, task_id: str) -> None:
     sys.exit(130)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class GroupedHelp(click.Group):
+    """`gurtd --help` lists the commands by what they are about, host ones before in-task."""
+
+    SECTIONS = (("Tasks", ("run", "tasks", "show", "log", "diff", "undo", "stop", "review",
+                           "keep")),
+                ("Decisions", ("approvals", "approve", "deny", "answer", "approve-all",
+                               "policies", "policy")),
+                ("Files", ("workspaces", "files", "put", "get")),
+                ("Sources", ("schedules", "schedule", "hooks")),
+                ("The box", ("status", "serve", "portal", "events", "settings", "secret",
+                             "wallet", "token")),
+                ("Inside a task", ("tool", "mcp")))
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        listed = [n for _, names in self.SECTIONS for n in names]
+        others = ("Other", tuple(n for n in self.list_commands(ctx) if n not in listed))
+        for title, names in self.SECTIONS + (others,):
+            rows = [(n, self.commands[n].get_short_help_str(formatter.width - 20))
+                    for n in names if n in self.commands]
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
+@click.group(cls=GroupedHelp, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(VERSION, prog_name="gurtd")
 def cli() -> None:
     """gurtd: run AI agent tasks boxed in and undoable.  `gurtd serve` runs the daemon; the
@@ -14458,6 +14538,8 @@ def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title
         if value is not None:
             body[key] = value
     client = Client(listen, box_home)
+    if (worker or "droid") == "droid":
+        droid_ready(client)
     task = client.request("POST", "/tasks", body)
     if not wait:
         click.echo(json.dumps(task, indent=1) if as_json else task["id"])
@@ -14481,6 +14563,17 @@ def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title
     sys.exit(0 if task["state"] == "done" else 1)
 
 
+def droid_ready(client: Client) -> None:
+    """A first run: the droid worker without a model key would only fail; say what to do."""
+    if client.request("GET", "/secrets")["model"]["set"] or \
+            client.request("GET", "/settings")["droidFactoryKey"]:
+        return
+    raise click.ClickException(
+        "the droid worker has no model set up yet: give gurtd the model key with `gurtd "
+        "secret model` (asked for, never shown), or try the fake worker, which runs each "
+        "line of the prompt with sh: gurtd run --worker fake 'echo hello'")
+
+
 @cli.command("tasks")
 @click.option("--state", type=click.Choice(STATES), default=None)
 @click.option("--workspace", default=None)
@@ -14496,24 +14589,35 @@ def cmd_tasks(state: str | None, workspace: str | None, limit: int, as_json: boo
         t["id"], t["state"], t["worker"], t["workspace"], t.get("source", "api"),
         ago(t["createdAt"], now), cents_text(t.get("costCents", 0)), short(t["title"], 40),
         short(t.get("error") or "", 30)],
-        ["ID", "STATE", "WORKER", "WORKSPACE", "SOURCE", "CREATED", "COST", "TITLE", "ERROR"], 1)
+        ["ID", "STATE", "WORKER", "WORKSPACE", "SOURCE", "CREATED", "COST", "TITLE", "ERROR"], 1,
+        "no tasks" + (" like that" if state or workspace else
+                      " yet (gurtd run --worker fake 'echo hello' starts one)"))
 
 
-def _task_command(name: str, method: str, suffix: str, doc: str) -> None:
+def say_task(task: dict[str, Any]) -> None:
+    """An action's answer in one line: t0123456789 undone, t0123456789 failed: stopped."""
+    said = task["review"] if task.get("review") in ("kept", "undone") else task["state"]
+    error = f": {task['error']}" if task.get("error") else ""
+    click.echo(printable(f"{task['id']} {said}{error}"))
+
+
+def _task_command(name: str, method: str, suffix: str, doc: str,
+                  say: Callable[[Any], None]) -> None:
     @cli.command(name, help=doc)
-    @click.argument("task_id")
+    @task_argument
     @json_options
     def command(task_id: str, as_json: bool, box_home: str, listen: str) -> None:
         print_answer(Client(listen, box_home).request(method, f"/tasks/{task_id}{suffix}"),
-                     as_json, print_task)
+                     as_json, say)
 
 
-_task_command("show", "GET", "", "Show a task.")
-_task_command("stop", "POST", "/stop", "Stop a task: it ends as failed with error stopped.")
+_task_command("show", "GET", "", "Show a task.", print_task)
+_task_command("stop", "POST", "/stop", "Stop a task: it ends as failed with error stopped.",
+              say_task)
 
 
 @cli.command("log")
-@click.argument("task_id")
+@task_argument
 @click.option("-f", "--follow", is_flag=True, help="keep printing until the task ends")
 @click.option("--json", "as_json", is_flag=True, help="JSON lines as stored")
 @client_options
@@ -14547,11 +14651,12 @@ def cmd_approvals(state: str, task_id: str | None, as_json: bool, box_home: str,
     print_listing(approvals, as_json, lambda a: [
         a["id"], a["state"], a["task"], a["kind"], a["tool"], cents_text(a["cents"]),
         ago(a["createdAt"], now), short(a.get("question") or json.dumps(a["args"]), 60)],
-        ["ID", "STATE", "TASK", "KIND", "TOOL", "CENTS", "CREATED", "WHAT"], 1)
+        ["ID", "STATE", "TASK", "KIND", "TOOL", "CENTS", "CREATED", "WHAT"], 1,
+        f"no {state} approvals" + (f" of task {task_id}" if task_id else ""))
 
 
 @cli.command("deny")
-@click.argument("approval_id")
+@approval_argument
 @click.option("--reason", required=True, default=None, help="handed back to the task")
 @json_options
 def cmd_deny(approval_id: str, reason: str, as_json: bool, box_home: str, listen: str) -> None:
@@ -14565,7 +14670,7 @@ def cmd_deny(approval_id: str, reason: str, as_json: bool, box_home: str, listen
 
 
 @cli.command("answer")
-@click.argument("approval_id")
+@approval_argument
 @click.argument("text")
 @client_options
 def cmd_answer(approval_id: str, text: str, box_home: str, listen: str) -> None:
@@ -14606,9 +14711,10 @@ def cmd_schedules(as_json: bool, box_home: str, listen: str) -> None:
     """List schedules with their next run."""
     print_listing(Client(listen, box_home).request("GET", "/schedules"), as_json, lambda s: [
         s["id"], s["name"][:30], s["cron"], s["timezone"], "on" if s["enabled"] else "off",
-        (s["nextRuns"] or ["-"])[0],
+        ago(s["nextRuns"][0]) if s["nextRuns"] else "-",
         f"{s.get('lastTask') or '-'} {s.get('lastState') or ''}".strip()],
-        ["ID", "NAME", "CRON", "TIMEZONE", "ENABLED", "NEXT RUN", "LAST RUN"])
+        ["ID", "NAME", "CRON", "TIMEZONE", "ENABLED", "NEXT RUN", "LAST RUN"],
+        empty="no schedules (gurtd schedule add NAME 'CRON' -- PROMPT adds one)")
 
 
 @cli.group("schedule")
@@ -14636,7 +14742,8 @@ def cmd_schedule_add(name: str, cron: str, prompt: tuple[str, ...], timezone: st
     item = Client(listen, box_home).request("POST", "/schedules", {
         "name": name, "cron": cron, "timezone": timezone, "overlap": overlap, "task": task})
     print_answer(item, as_json,
-                 lambda s: click.echo(f"{s['id']}  next: {', '.join(s['nextRuns'][:3])}"))
+                 lambda s: click.echo(f"{s['id']} added, next run: " +
+                                      (when(s["nextRuns"][0]) if s["nextRuns"] else "none")))
 
 
 @cmd_schedule.command("run")
@@ -14653,8 +14760,9 @@ def cmd_schedule_run(schedule_id: str, box_home: str, listen: str) -> None:
 def cmd_hooks(as_json: bool, box_home: str, listen: str) -> None:
     """List hooks (their secrets are never shown again)."""
     print_listing(Client(listen, box_home).request("GET", "/hooks"), as_json, lambda h: [
-        h["name"], h["source"], h["url"], ", ".join(h["allow"]) or "-", h["createdAt"][:19]],
-        ["NAME", "SOURCE", "URL", "BODY MAY SET", "CREATED"])
+        h["name"], h["source"], h["url"], ", ".join(h["allow"]) or "-", ago(h["createdAt"])],
+        ["NAME", "SOURCE", "URL", "BODY MAY SET", "CREATED"],
+        empty="no hooks (POST /api/hooks adds one: see Webhooks in the README)")
 
 
 # Commands for people at a terminal (issue 12): status, workspaces, files, approve-all,
@@ -14665,8 +14773,14 @@ def cmd_hooks(as_json: bool, box_home: str, listen: str) -> None:
 def cmd_status(as_json: bool, box_home: str, listen: str) -> None:
     """Is gurtd up: its version, how many tasks run, wait and queue, the wallet, pending
     approvals."""
-    client = Client(listen, box_home)
-    health = client.request("GET", "/health")
+    client = Client(listen, box_home, need_token=False)
+    health = client.request("GET", "/health")        # asks for no token
+    up = f"gurtd {health.get('version')} at {client.host}:{client.port}: " + \
+        ("up" if health.get("ok") else "not ok")
+    if client.no_token:                               # a user who may not read it: say why
+        print_answer({"health": health}, as_json,
+                     lambda _: click.echo(f"{up}\n(nothing more: {client.no_token})"))
+        return
     counts = {state: len(client.request("GET", f"/tasks?state={state}&limit=1000"))
               for state in ("running", "waiting", "queued")}
     pending = client.request("GET", "/approvals?state=pending")
@@ -14675,8 +14789,7 @@ def cmd_status(as_json: bool, box_home: str, listen: str) -> None:
         click.echo(json.dumps({"health": health, "tasks": counts, "pendingApprovals":
                                len(pending), "balanceCents": wallet["balanceCents"]}, indent=1))
         return
-    click.echo(f"gurtd {health.get('version')} at {client.host}:{client.port}: " +
-               ("up" if health.get("ok") else "not ok"))
+    click.echo(up)
     click.echo("tasks:      " + ", ".join(
         f"{n}{'+' if n >= 1000 else ''} {paint(s) if use_color() else s}"
         for s, n in counts.items()))
@@ -14690,7 +14803,8 @@ def cmd_status(as_json: bool, box_home: str, listen: str) -> None:
 def cmd_workspaces(as_json: bool, box_home: str, listen: str) -> None:
     """List workspaces and how many layers (done tasks) each has."""
     print_listing(Client(listen, box_home).request("GET", "/workspaces"), as_json,
-                  lambda w: [w["name"], str(w.get("layers", 0))], ["NAME", "LAYERS"])
+                  lambda w: [w["name"], str(w.get("layers", 0))], ["NAME", "LAYERS"],
+                  empty="no workspaces")
 
 
 @cli.command("files")
@@ -14712,10 +14826,10 @@ def cmd_files(workspace: str, path: str, as_json: bool, box_home: str, listen: s
         sys.stdout.buffer.write(answer)
         sys.stdout.flush()
     else:
-        print_answer(answer, as_json, lambda a: print_table([[
+        print_answer(answer, as_json, lambda a: print_listing(a["entries"], False, lambda e: [
             e["type"], str(e["size"]) if e["type"] == "file" else "-",
-            e["name"] + ("/" if e["type"] == "directory" else "")] for e in a["entries"]],
-            ["TYPE", "SIZE", "NAME"]))
+            e["name"] + ("/" if e["type"] == "directory" else "")], ["TYPE", "SIZE", "NAME"],
+            empty="an empty folder"))
 
 
 @cli.command("approve-all")
@@ -14749,6 +14863,14 @@ def event_text(kind: str, data: dict[str, Any]) -> str:
     return printable(f"{kind} {json.dumps(data)[:150]}")
 
 
+def event_time(data: dict[str, Any]) -> str:
+    """When an event happened (its record's own time, local), not when it reached us: a
+    replayed event keeps its time."""
+    moment = local_time(data.get("answeredAt") or data.get("updatedAt") or
+                        data.get("createdAt") or data.get("time"))
+    return f"{moment or datetime.datetime.now():%H:%M:%S}"
+
+
 @cli.command("events")
 @click.option("--since", default=None, help="replay what followed this event id")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object a line")
@@ -14767,7 +14889,7 @@ def cmd_events(since: str | None, as_json: bool, box_home: str, listen: str) -> 
             elif kind == "reset":
                 click.echo("(some events were missed: too many at once)")
             else:
-                click.echo(f"{time.strftime('%H:%M:%S')}  {event_text(kind, parsed)}")
+                click.echo(f"{event_time(parsed)}  {event_text(kind, parsed)}")
     except KeyboardInterrupt:
         sys.exit(130)
 
@@ -14815,12 +14937,24 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(self.unix_path)
 
 
+def broker_path() -> str:
+    """The broker socket of the task this runs in, or an error for people outside one."""
+    path = os.environ.get("GURT_BROKER", BROKER_IN_BOX)
+    if not os.path.exists(path):
+        raise click.ClickException(
+            f"not inside a task (no broker at {path}): `gurtd tool` and `gurtd mcp` talk to "
+            "the broker of the task they run in.  From the host, run them in a task: gurtd run "
+            "--worker fake --tool ask --wait PROMPT runs each line of PROMPT in one (the "
+            "README's \"MCP from the host\")")
+    return path
+
+
 def broker_request(method: str, path: str, body: Any = None,
                    opened: Callable[[UnixHTTPConnection], None] | None = None
                    ) -> tuple[int, Any]:
     """One request to the broker socket of the task this runs in.  opened(conn) hears of the
     connection once it is made: hanging it up withdraws a call that waits for a person."""
-    conn = UnixHTTPConnection(os.environ.get("GURT_BROKER", BROKER_IN_BOX))
+    conn = UnixHTTPConnection(broker_path())
     try:
         conn.connect()
         if opened is not None:
@@ -15074,32 +15208,21 @@ class McpServer:
 def cmd_mcp() -> None:
     """A Model Context Protocol server on stdio, inside a task: lists exactly the task's tools
     and forwards calls to the broker (initialize, ping, tools/list, tools/call)."""
+    if sys.stdin.isatty():          # a person at the host's terminal, not an MCP client
+        broker_path()
     McpServer(sys.stdout).serve(iter(sys.stdin.readline, ""))
 
 
 # personal mode: review
 def review_post(client: Client, path: str, body: dict[str, Any]) -> Any:
-    """POST a keep or an undo; a 409 prints its conflicts, one a line, and exits 1."""
-    conn = client.connect()
+    """POST a keep or an undo; a refusal prints its conflicts, one a line, and exits 1."""
     try:
-        conn.request("POST", "/api" + path, body=json.dumps(body).encode(), headers={
-            "Authorization": f"Bearer {client.token}", "Content-Type": "application/json"})
-        resp = conn.getresponse()
-        raw = resp.read()
-    except OSError as exc:
-        raise click.ClickException(f"cannot reach gurtd at {client.host}:{client.port}: {exc}")
-    finally:
-        conn.close()
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        raise click.ClickException(f"{resp.status}: {raw.decode(errors='replace')}") from None
-    if resp.status >= 400:
-        for c in data.get("conflicts", []) if isinstance(data, dict) else []:
+        return client.request("POST", path, body)
+    except CliError as exc:
+        for c in exc.body.get("conflicts", []) + exc.body.get("notUndone", []):
             click.echo(printable(f"conflict  {c.get('folder')}/{c.get('path')}: {c.get('why')}"),
                        err=True)
-        raise click.ClickException(f"{resp.status}: {data.get('error')}")
-    return data
+        raise
 
 
 @cli.command("review")
@@ -15109,11 +15232,12 @@ def cmd_review(as_json: bool, box_home: str, listen: str) -> None:
     tasks = [t for t in Client(listen, box_home).request("GET", "/tasks?state=done&limit=1000")
              if t.get("review") in ("pending", "conflict")]
     print_listing(tasks, as_json, lambda t: [t["id"], t["review"], ", ".join(
-        t.get("folders") or []), t["title"][:50]], ["ID", "REVIEW", "FOLDERS", "TITLE"])
+        t.get("folders") or []), t["title"][:50]], ["ID", "REVIEW", "FOLDERS", "TITLE"],
+        empty="nothing to review")
 
 
 @cli.command("diff")
-@click.argument("task_id")
+@task_argument
 @click.option("--path", default=None, help="only this path (or folder)")
 @client_options
 def cmd_diff(task_id: str, path: str | None, box_home: str, listen: str) -> None:
@@ -15124,7 +15248,7 @@ def cmd_diff(task_id: str, path: str | None, box_home: str, listen: str) -> None
 
 
 @cli.command("keep")
-@click.argument("task_id")
+@task_argument
 @click.option("--force", is_flag=True, help="the task's version wins over the owner's edits")
 @click.option("--path", "paths", multiple=True, help="keep only this path (repeatable)")
 @json_options
@@ -15136,11 +15260,11 @@ def cmd_keep(task_id: str, force: bool, paths: tuple[str, ...], as_json: bool, b
         body["paths"] = [os.path.abspath(p) if os.path.exists(p) or p.startswith("./")
                          else p for p in paths]
     task = review_post(Client(listen, box_home), f"/tasks/{task_id}/keep", body)
-    click.echo(json.dumps(task, indent=1) if as_json else f"{task['id']} {task['review']}")
+    print_answer(task, as_json, say_task)
 
 
 @cli.command("undo")
-@click.argument("task_id")
+@task_argument
 @click.option("--force", is_flag=True, help="a kept task: put the versions from before the "
                                             "keep back even over the owner's later edits")
 @json_options
@@ -15148,12 +15272,12 @@ def cmd_undo(task_id: str, force: bool, as_json: bool, box_home: str, listen: st
     """Undo a task: stop it and take its changes away (a kept one's from the real folders)."""
     task = review_post(Client(listen, box_home), f"/tasks/{task_id}/undo",
                        {"force": True} if force else {})
-    print_answer(task, as_json, print_task)
+    print_answer(task, as_json, say_task)
 
 
 # decisions: approve with changes or always, policies
 @cli.command("approve")
-@click.argument("approval_id")
+@approval_argument
 @click.option("--reason", default=None, help="kept with it")
 @click.option("--args", "args_json", default=None, metavar="JSON",
               help="run the call with these arguments instead (checked like the originals)")
@@ -15179,8 +15303,15 @@ def cmd_approve(approval_id: str, reason: str | None, args_json: str | None,
         body["budgetCents"] = budget
     if always is not None:
         body["scope"], suffix = always, "always"
-    approval = Client(listen, box_home).request("POST", f"/approvals/{approval_id}/{suffix}",
-                                                body)
+    client = Client(listen, box_home)
+    try:
+        approval = client.request("POST", f"/approvals/{approval_id}/{suffix}", body)
+    except CliError as exc:
+        if exc.code == "conflict" and "an ask" in str(exc):
+            raise click.ClickException(f"{approval_id} is an ask: answer it with gurtd answer "
+                                       f"{approval_id} 'TEXT' (or gurtd deny {approval_id} "
+                                       "--reason TEXT)") from None
+        raise
     click.echo(json.dumps(approval, indent=1) if as_json else
                f"{approval['id']} {approval['state']}" +
                (f" (policy {approval['policy']})" if approval.get("policy") else ""))
@@ -15196,7 +15327,8 @@ def cmd_policies(as_json: bool, box_home: str, listen: str) -> None:
         " ".join(f"{k}={p[k]}" for k in ("maxCents", "totalCents", "expiresAt")
                  if p.get(k) is not None) or "-", str(p["spentCents"]), str(p["uses"]),
         "yes" if p["active"] else f"no: {p.get('endedBecause')}"],
-        ["ID", "TOOL", "SCOPE", "LIMITS", "SPENT", "USES", "ACTIVE"])
+        ["ID", "TOOL", "SCOPE", "LIMITS", "SPENT", "USES", "ACTIVE"],
+        empty="no policies (gurtd approve AP --always SCOPE records one)")
 
 
 @cli.group("policy")
@@ -15228,14 +15360,9 @@ def transfer(client: Client, method: str, path: str, body: Any = None, length: i
         conn.request(method, "/api" + path, body=body, headers=headers)
         resp = conn.getresponse()
     except OSError as exc:
-        raise click.ClickException(f"cannot reach gurtd at {client.host}:{client.port}: {exc}")
+        raise client.unreachable(exc) from None
     if resp.status >= 400:
-        raw = resp.read()
-        try:
-            message = json.loads(raw)["error"]
-        except (ValueError, KeyError, TypeError):
-            message = raw.decode(errors="replace") or resp.reason
-        raise click.ClickException(printable(message))
+        raise CliError.of(resp.status, resp.read(), path)
     return resp
 
 

@@ -5,6 +5,7 @@ question on Ctrl-C).  Errors must say what to do, never print raw JSON or HTTP s
 
 from __future__ import annotations
 
+import datetime
 import fcntl
 import json
 import os
@@ -202,6 +203,85 @@ def test_errors_say_what_to_do_never_json_or_status_numbers(gurtd: Gurtd) -> Non
     assert_said_for_people(wrong, "gurtd token")
     unset = gurtd.cli("settings", "noSuchSetting")
     assert_said_for_people(unset, "maxRunningTasks")
+
+
+def test_actions_answer_in_one_line_and_refusals_say_what_to_do(gurtd: Gurtd) -> None:
+    assert_said_for_people(gurtd.cli("undo", "nope"), "gurtd tasks")
+    assert_said_for_people(gurtd.cli("keep", "nope"), "gurtd tasks")
+    done = gurtd.run("echo hi > a.txt")
+    not_personal = gurtd.cli("keep", done["id"])
+    assert_said_for_people(not_personal)
+    sleeper = gurtd.create("sleep 60")
+    wait_for_step(gurtd, sleeper["id"], "sleep 60")
+    assert gurtd.cli("stop", sleeper["id"]).stdout == f"{sleeper['id']} failed: stopped\n"
+    assert gurtd.cli("undo", done["id"]).stdout == f"{done['id']} undone\n"
+    asker = gurtd.create("gurtd tool ask '{\"question\": \"Red?\"}'", tools=["ask"])
+    ask = gurtd.pending(asker["id"])
+    approve = gurtd.cli("approve", ask["id"])
+    assert_said_for_people(approve, f"gurtd answer {ask['id']} 'TEXT'")
+    assert "/api/" not in approve.stderr, approve.stderr
+    gurtd.api("POST", f"/api/tasks/{asker['id']}/stop")
+
+
+def test_show_says_values_for_people_and_empty_lists_say_so(gurtd: Gurtd) -> None:
+    for args, said in ((("tasks",), "no tasks yet"), (("approvals",), "no pending approvals"),
+                       (("hooks",), "no hooks"), (("schedules",), "no schedules"),
+                       (("policies",), "no policies"), (("review",), "nothing to review")):
+        proc = gurtd.cli(*args)
+        assert proc.returncode == 0 and proc.stdout == "" and said in proc.stderr, proc
+    task = gurtd.run("true", budgetCents=6, limits={"processes": 64, "memoryBytes": 1 << 28})
+    shown = gurtd.cli("show", task["id"]).stdout
+    assert "{" not in shown and "False" not in shown and "6.0" not in shown, shown
+    assert re.search(r"^budgetCents:\s+6 cents$", shown, re.M), shown
+    assert re.search(r"^limits:\s+processes 64, memoryBytes 256 MiB, ", shown, re.M), shown
+    assert re.search(r"^askHosts:\s+no$", shown, re.M), shown
+    assert re.search(r"^createdAt:\s+\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \((just now|\d+ s ago)\)$",
+                     shown, re.M), shown
+    assert len({line.index(line.split(":", 1)[1].strip()) for line in shown.splitlines()
+                if ":" in line and line.split(":", 1)[1].strip()}) == 1, shown   # aligned
+
+
+def test_help_is_grouped_and_task_ids_complete(gurtd: Gurtd) -> None:
+    helped = gurtd.cli("--help").stdout
+    heads = [h for h in ("Tasks:", "Decisions:", "Files:", "Sources:", "The box:",
+                         "Inside a task:") if h in helped]
+    assert len(heads) == 6 and sorted(heads, key=helped.index) == heads, helped
+    assert helped.index("  mcp") > helped.index("Inside a task:") > helped.index("  run"), helped
+    task = gurtd.run("true", title="to complete")
+    done = gurtd.cli(_GURTD_COMPLETE="bash_complete", COMP_WORDS=f"gurtd show {task['id'][:3]}",
+                     COMP_CWORD="2")
+    assert f"plain,{task['id']}" in done.stdout, done
+
+
+def test_status_as_a_user_who_cannot_read_the_token_says_why(gurtd: Gurtd) -> None:
+    env = {k: v for k, v in gurtd.cli_env().items() if k != "GURT_TOKEN"}
+    proc = subprocess.run([sys.executable, GURTD, "status"], capture_output=True, text=True,
+                          env=env, cwd="/", user=65534, group=65534, timeout=60)
+    assert proc.returncode == 0, proc
+    assert re.search(r"^gurtd \S+ at 127\.0\.0\.1:\d+: up$", proc.stdout, re.M), proc.stdout
+    assert "cannot read gurtd's token" in proc.stdout and "as root" in proc.stdout, proc.stdout
+
+
+def test_a_first_droid_run_without_a_model_says_how_to_set_one_up(gurtd: Gurtd) -> None:
+    proc = gurtd.cli("run", "say hello")
+    assert_said_for_people(proc, "gurtd secret model", "--worker fake")
+    assert gurtd.api("GET", "/api/tasks") == []
+    term = Terminal([sys.executable, GURTD, "mcp"], gurtd.cli_env())
+    term.expect(rb"not inside a task.*gurtd run\s+--worker\s+fake")
+    assert term.close() == 1
+
+
+def test_events_are_stamped_with_their_own_time(gurtd: Gurtd) -> None:
+    task = gurtd.run("true")
+    time.sleep(1.5)                       # arrival would be another second
+    events = started(gurtd, "events", "--since", "0")
+    try:
+        said = read_until(events.stdout, rf"task {task['id']} done")
+    finally:
+        events.send_signal(signal.SIGINT)
+        events.communicate(timeout=30)
+    stamp = datetime.datetime.fromisoformat(task["updatedAt"].replace("Z", "+00:00"))
+    assert re.search(rf"^{stamp.astimezone():%H:%M:%S}  task {task['id']} done", said, re.M), said
 
 
 # new commands ################################################################################

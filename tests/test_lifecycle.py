@@ -747,7 +747,7 @@ def test_the_command_line(gurtd: Gurtd) -> None:
 
     undo = gurtd.cli("undo", ok_id)
     assert undo.returncode == 0, undo
-    assert re.search(r"^state:\s+undone$", undo.stdout, re.M), undo.stdout
+    assert undo.stdout == f"{ok_id} undone\n", undo.stdout          # an action: one line
     assert gurtd.task(ok_id)["state"] == "undone"
     undo_json = gurtd.cli("undo", ok_id, "--json")
     assert json.loads(undo_json.stdout) == gurtd.task(ok_id)
