@@ -252,6 +252,25 @@ def test_kill_during_a_merge_and_while_a_conflict_waits() -> None:
         assert g.file("home", "f.txt") == b"d\n"
 
 
+def test_a_conflict_waiting_for_a_person_holds_no_running_place(gurtd: Gurtd) -> None:
+    """maxRunningTasks 2: while a task waits on a conflict (its processes ended), two more
+    tasks run side by side; the conflict answered later still settles."""
+    gurtd.api("PUT", "/api/settings", {"maxRunningTasks": 2})
+    a, approval = conflict_story(gurtd, "echo a > f.txt", "echo b > f.txt")
+    c = gurtd.create("echo c > c.txt\n" + GATE, tools=["ask"])["id"]
+    d = gurtd.create("echo d > d.txt\n" + GATE, tools=["ask"])["id"]
+    assert gate(gurtd, c) and gate(gurtd, d)          # both run: a takes no place
+    assert gurtd.task(a)["state"] == "waiting"
+    e = gurtd.create("echo e > e.txt")["id"]
+    time.sleep(1)
+    assert gurtd.task(e)["state"] == "queued"         # the limit still holds for the rest
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/approve", {})
+    assert gurtd.wait(a)["state"] == "done" and gurtd.file("home", "f.txt") == b"a\n"
+    for task_id in (c, d):
+        assert end(gurtd, task_id)["state"] == "done"
+    assert gurtd.wait(e)["state"] == "done"
+
+
 # The random history: a plain model of what the view must hold ##############################
 
 SLOTS = list(range(1, 30, 3))            # lines tasks edit: two untouched lines between
@@ -484,9 +503,16 @@ def test_a_hostile_task_is_bounded(gurtd: Gurtd) -> None:
 # Exact undo ##################################################################################
 
 def undo(g: Gurtd, task_id: str) -> dict[str, Any]:
-    """Undo (it answers at once); the task once its later copies are reverted."""
-    assert g.api("POST", f"/api/tasks/{task_id}/undo")["state"] == "undone"
-    return eventually(lambda: g.task(task_id).get("undoMerge"), 30, "the revert")
+    """Undo: its answer already names what the revert takes out of later copies and what
+    it keeps whole; the task's undoMerge once its revert layer joined says the same."""
+    answer = g.api("POST", f"/api/tasks/{task_id}/undo")
+    assert answer["state"] == "undone"
+    said = answer["undoMerge"]
+    assert said["state"] in ("writing", "done"), said
+    done = eventually(lambda: g.task(task_id).get("undoMerge"), 30, "the revert")
+    assert done["state"] == "done" and (done["reverted"], done["kept"]) == \
+        (said["reverted"], said["kept"]), (said, done)
+    return done
 
 
 def test_undo_takes_its_change_out_of_a_later_copy(gurtd: Gurtd) -> None:
