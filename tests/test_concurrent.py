@@ -7,9 +7,11 @@ end.  A merge the tasks' layers cannot settle alone becomes an approval of kind 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
+import tarfile
 import time
 from typing import Any
 
@@ -275,32 +277,59 @@ def test_a_conflict_waiting_for_a_person_holds_no_running_place(gurtd: Gurtd) ->
 
 SLOTS = list(range(1, 30, 3))            # lines tasks edit: two untouched lines between
 Files = dict[str, "list[str] | None"]    # a file's lines, None: deleted
+BINARY = "d.bin"                          # a binary file: a whole-file slot, never merged
+LOG = "log.txt"                           # appended to only: every task's line must stay
+MODE = "m.sh"                             # its mode changed only; the model holds [mode]
+SCRIPT = b"#!/bin/sh\n"                   # m.sh's content, never changed
+MODES = ["0644", "0755", "0700", "0600"]
+
+
+def starts(longer: list[str], prefix: list[str]) -> bool:
+    return longer[:len(prefix)] == prefix
+
+
+def subsequence(small: list[str], big: list[str]) -> bool:
+    it = iter(big)
+    return len(small) <= len(big) and all(line in it for line in small)
 
 
 def model_merge(base: list[str] | None, theirs: list[str] | None,
                 ours: list[str] | None) -> list[str] | None | str:
-    """The three-way rule on whole files of lines (each change replaces whole slot lines,
-    or deletes the file): the merged file, or "conflict"."""
+    """The three-way rule on whole files of lines, as the README states it: one side's
+    change wins; two appends keep both, the view's first; an append on one side and the
+    base's tail cut on the other give both; deletions nested in one another give the larger;
+    else line by line (changes replace slot lines in place); a delete against an edit, or
+    one line changed both ways: "conflict"."""
     if ours == theirs or theirs == base:
         return ours
     if ours == base:
         return theirs
-    if base is None or theirs is None or ours is None or len(base) != len(ours) or \
-            len(base) != len(theirs):
+    if base is None or theirs is None or ours is None:
         return "conflict"
-    out = []
-    for b, t, o in zip(base, theirs, ours):
-        if o != b and t != b and o != t:
-            return "conflict"
-        out.append(o if o != b else t)
-    return out
+    if base and starts(ours, base) and starts(theirs, base) or \
+            starts(ours, base) and starts(base, theirs):
+        return theirs + ours[len(base):]
+    if starts(theirs, base) and starts(base, ours):
+        return ours + theirs[len(base):]
+    if len(base) == len(ours) == len(theirs):
+        out = []
+        for b, t, o in zip(base, theirs, ours):
+            if o != b and t != b and o != t:
+                return "conflict"
+            out.append(o if o != b else t)
+        return out
+    if subsequence(theirs, ours) and subsequence(ours, base):
+        return theirs
+    if subsequence(ours, theirs) and subsequence(theirs, base):
+        return ours
+    return "conflict"
 
 
 class Model:
     """The workspace as gurtd must hold it: a base and a stack of layers (whole files)."""
 
-    def __init__(self, names: list[str], start: list[str]) -> None:
-        self.base: Files = {n: list(start) for n in names}
+    def __init__(self, base: Files) -> None:
+        self.base = base
         self.layers: list[tuple[str, Files]] = []        # done, oldest first
 
     def view(self, layers: list[tuple[str, Files]] | None = None) -> Files:
@@ -331,7 +360,8 @@ class Model:
 
     def undo(self, index: int) -> list[str]:
         """Undo of the layer at index: its change taken out of later copies (a layer of
-        its own on top); the files kept whole."""
+        its own on top); the files kept whole.  A mode is one value: a later change of it
+        wins (the content beside it is still reverted), never a file kept whole."""
         below, (_, mine), above = self.layers[:index], self.layers[index], \
             self.layers[index + 1:]
         top, under, now = self.view(below + [("", mine)]), self.view(below), self.view()
@@ -340,7 +370,10 @@ class Model:
         for name in mine:
             if not any(name in files for _, files in above):
                 continue
-            result = model_merge(top.get(name), under.get(name), now.get(name))
+            if name == MODE:
+                result = now[name] if now[name] != top[name] else under[name]
+            else:
+                result = model_merge(top.get(name), under.get(name), now.get(name))
             if result == "conflict":
                 kept.append(name)
             elif result != now[name]:
@@ -350,17 +383,15 @@ class Model:
         return kept
 
 
-BINARY = "d.bin"                          # a binary file: a whole-file slot, never merged
-
-
 def random_edits(rng: random.Random, made: int, view: Files) -> tuple[Files, list[str]]:
     """Task number made's random edits of the view: slot lines of one or two text files,
-    a delete or a rename of one (to a new name), a new file in a new folder, the binary
-    file replaced; (its files as the model holds them, the shell commands)."""
+    a delete or a rename of one (to a new name), a line appended to the log, a new file in
+    a new folder, the binary file replaced, the script's mode changed; (its files as the
+    model holds them, the shell commands)."""
     ours: Files = {}
     commands = []
     texts = sorted(n for n, v in view.items() if v is not None and n.endswith(".txt") and
-                   "/" not in n)
+                   "/" not in n and n != LOG)
     for name in rng.sample(texts, min(len(texts), rng.randint(1, 2))):
         edit = rng.random()
         if edit < 0.1 or (edit < 0.15 and name.startswith("r")):
@@ -378,32 +409,73 @@ def random_edits(rng: random.Random, made: int, view: Files) -> tuple[Files, lis
                 commands.append(f"sed -i '{slot + 1}s/.*/t{made} {name} {slot}/' {name}")
         if ours[name] == view[name]:
             del ours[name]
+    if rng.random() < 0.3:
+        ours[LOG] = list(view[LOG] or []) + [f"t{made} was here"]
+        commands.append(f"echo 't{made} was here' >> {LOG}")
     if rng.random() < 0.2:
         ours[f"d{made}/e/new.txt"] = [f"new by t{made}"]
         commands.append(f"mkdir -p d{made}/e && echo 'new by t{made}' > d{made}/e/new.txt")
     if rng.random() < 0.2 and view.get(BINARY) is not None:
         ours[BINARY] = [f"bin t{made}\0"]
         commands.append(f"printf 'bin t{made}\\000\\n' > {BINARY}")
+    if rng.random() < 0.2:
+        mode = rng.choice([m for m in MODES if [m] != view[MODE]])
+        ours[MODE] = [mode]
+        commands.append(f"chmod {mode} {MODE}")
     return ours, commands
 
 
-def test_random_histories(gurtd: Gurtd) -> None:
+def view_files(g: Gurtd) -> dict[str, tuple[bytes, str]]:
+    """Every file of the view of home: (its bytes, its mode), from the view's archive."""
+    code, data, _ = g.request("GET", "/api/workspaces/home/archive")
+    assert code == 200
+    out = {}
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        for info in tar.getmembers():
+            if info.isfile():
+                f = tar.extractfile(info)
+                assert f is not None
+                out[info.name.removeprefix("./")] = (f.read(), f"{info.mode:04o}")
+    return out
+
+
+def expected_files(view: Files) -> dict[str, tuple[bytes, str]]:
+    """What view_files must give for the model's view (modes only for the script)."""
+    out = {}
+    for name, lines in view.items():
+        if lines is not None:
+            out[name] = (SCRIPT, lines[0]) if name == MODE else \
+                (("\n".join(lines) + "\n").encode(), "")
+    return out
+
+
+SEEDS = [int(s) for s in os.environ.get("GURT_TEST_SEED", "21 1021").split()]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_histories(gurtd: Gurtd, seed: int) -> None:
     """Thirty tasks in a random order of starts, ends and undos, up to six side by side,
-    each changing random slot lines of three files, deleting or renaming one, making a file
-    in a new folder or replacing a binary file (random_edits); conflicts answered at
-    random.  After every end and every undo the view is exactly what the model says: no
-    change is lost without a word (a conflict, a person's answer, an undo's kept list)."""
-    rng = random.Random(int(os.environ.get("GURT_TEST_SEED", "21")))
-    names = ["a.txt", "b.txt", "c.txt"]
+    each making random_edits (lines, appends, deletes, renames, new folders, binary files,
+    mode changes); conflicts answered at random.  After every end and every undo every file
+    of the view, and its set of files, is exactly what the model says: no change is lost
+    without a word (a conflict, a person's answer, an undo's kept list).  A failure names
+    its seed: GURT_TEST_SEED=<seed> runs that history again."""
+    try:
+        random_history(gurtd, random.Random(seed))
+    except AssertionError as exc:
+        raise AssertionError(f"random history of seed {seed} (again: GURT_TEST_SEED={seed})"
+                             f": {exc}") from exc
+
+
+def random_history(gurtd: Gurtd, rng: random.Random) -> None:
     start = [f"line {i}" for i in range(1, 31)]
-    for name in names:
-        put(gurtd, name, "\n".join(start) + "\n")
-    put(gurtd, BINARY, "bin base\0\n")
-    model = Model(names, start)
-    model.base[BINARY] = ["bin base\0"]
-    every = set(names) | {BINARY}           # every path a task made: absent unless the model
-    #                                         holds it
-    model.layers = []                       # the uploads above are the model's base
+    base: Files = {name: list(start) for name in ("a.txt", "b.txt", "c.txt")}
+    base.update({LOG: ["the log"], BINARY: ["bin base\0"], MODE: ["0644"]})
+    for name, lines in base.items():
+        if name != MODE:
+            put(gurtd, name, "\n".join(lines or []) + "\n")
+    assert gurtd.run(f"printf '#!/bin/sh\\n' > {MODE}; chmod 644 {MODE}")["state"] == "done"
+    model = Model(base)                     # the uploads and the run above are its base
     running: dict[str, tuple[Files, Files]] = {}     # id -> (the view it saw, its files)
     ids: list[str] = []                     # the model's layers of tasks, by their ids
     made, seen = 0, {"conflict": 0, "merged": 0, "undo": 0, "kept": 0}
@@ -414,27 +486,26 @@ def test_random_histories(gurtd: Gurtd) -> None:
             index = [i for i, (kind, _) in enumerate(model.layers) if kind == "task"][
                 ids.index(task_id)]
             ids.remove(task_id)
-            above = index < len(model.layers) - 1
             kept = model.undo(index)
-            assert gurtd.api("POST", f"/api/tasks/{task_id}/undo")["state"] == "undone"
-            if above:
-                eventually(lambda: any(e["type"] == "undo" for e in gurtd.log(task_id)), 30)
-            got = gurtd.task(task_id).get("undoMerge") or {"kept": []}
-            assert sorted(k["path"] for k in got["kept"]) == sorted(kept), (got, kept)
+            answer = gurtd.api("POST", f"/api/tasks/{task_id}/undo")
+            assert answer["state"] == "undone"
+            said = answer.get("undoMerge") or {"kept": [], "state": "done"}
+            assert sorted(k["path"] for k in said["kept"]) == sorted(kept), (said, kept)
+            if said["state"] == "writing":
+                eventually(lambda: gurtd.task(task_id).get("undoMerge"), 30, "the revert")
             seen["undo"] += 1
             seen["kept"] += len(kept)
         elif made < 30 and (len(running) < 2 or (len(running) < 6 and step < 0.55)):
             made += 1
             view = model.view()
             ours, commands = random_edits(rng, made, view)
-            every.update(ours)
             task_id = gated(gurtd, "; ".join(commands) or "true", title=f"t{made}")
             running[task_id] = (view, ours)
         else:
             if not running:
                 continue
             task_id = rng.choice(sorted(running))
-            base, ours = running.pop(task_id)
+            task_base, ours = running.pop(task_id)
             task = end(gurtd, task_id)
             asked: dict[str, Any] = {}
 
@@ -451,10 +522,10 @@ def test_random_histories(gurtd: Gurtd) -> None:
                 args: dict[str, Any] = {"keep": "view" if choice == "view" else "task"}
                 if choice == "text":
                     args["texts"] = {n: "".join(f"hand {task_id} {i}\n" for i in range(30))
-                                     for n in conflicts}
+                                     for n in conflicts if n != MODE}
                 gurtd.api("POST", url + "/approve", {"args": args})
                 return args["keep"], args.get("texts", {})
-            conflicts = model.finish(base, ours, answer)
+            conflicts = model.finish(task_base, ours, answer)
             if asked.get("choice") == "deny":
                 assert gurtd.wait(task_id)["state"] == "failed"
             else:
@@ -463,13 +534,12 @@ def test_random_histories(gurtd: Gurtd) -> None:
                 ids.append(task_id)
                 seen["merged"] += bool(task.get("merged"))
             seen["conflict"] += bool(conflicts)
-        view = model.view()
-        for name in sorted(every):
-            got = gurtd.file("home", name)
-            expect = None if view.get(name) is None else \
-                ("\n".join(view[name]) + "\n").encode()
-            assert got == expect, (name, json.dumps(seen), gurtd.api("GET", "/api/tasks"))
+        got, want = view_files(gurtd), expected_files(model.view())
+        got = {n: (data, mode if n == MODE else "") for n, (data, mode) in got.items()}
+        assert got == want, ({n: (got.get(n), want.get(n)) for n in set(got) | set(want)
+                              if got.get(n) != want.get(n)}, json.dumps(seen))
     assert seen["conflict"] >= 2 and seen["merged"] >= 2 and seen["undo"] >= 2, seen
+
 
 def test_a_hostile_task_is_bounded(gurtd: Gurtd) -> None:
     """A file of 1,000,000 lines changed at both ends is merged off the loop (the API
