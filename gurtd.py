@@ -5690,14 +5690,16 @@ def merge_text(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool,
     side and the base's tail cut on the other (the undo of an append under a later one)
     give both; lines deleted on one side and more of them on the other give the larger
     deletion (an undo of a task whose later copy an earlier undo reverted).  git
-    merge-file would call two changes at one place a conflict.  Anything else: git
-    merge-file."""
+    merge-file would call two changes at one place a conflict.  Anything else, and any
+    text of more than MERGE_FAST_LINES lines: git merge-file (a child, bounded by prlimit)."""
     if base and ours.startswith(base) and theirs.startswith(base):
         return True, theirs + ours[len(base):]
     if ours.startswith(base) and base.startswith(theirs):
         return True, theirs + ours[len(base):]
     if theirs.startswith(base) and base.startswith(ours):
         return True, ours + theirs[len(base):]
+    if max(text.count(b"\n") for text in (ours, base, theirs)) > MERGE_FAST_LINES:
+        return git_merge(ours, base, theirs, tmp)
     lines = [text.splitlines(keepends=True) for text in (ours, base, theirs)]
     apart = runs_apart(*lines)
     if apart is not None:
@@ -5710,6 +5712,9 @@ def merge_text(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool,
 
 
 MERGE_APART = 3      # unchanged lines between two sides' changes that merge_text joins alone
+MERGE_FAST_LINES = 100_000   # lines past which merge_text leaves a text to git: its own
+#                              line lists of 8 MiB of short lines would take ~500 MB of
+#                              gurtd's memory and hold the interpreter lock for seconds
 
 
 def changed_run(base: list[bytes], side: list[bytes]) -> tuple[int, int]:
