@@ -6261,6 +6261,13 @@ class FinishMerge:
                                            job.top + job.below + job.now)
         self.submit(job, self.reverted, lambda tmp: run_undo(job, box, tmp))
 
+    def resume(self) -> None:
+        """reconcile, before gc_layers: an undo a restart cut short (undone, its revert not
+        recorded, its layer still on disk) is taken up again, on the stack now."""
+        for task in sorted(self.box.tasks.values(), key=lambda t: t.doneSeq):
+            if task.state == "undone" and task.undoMerge is None and not task.layerDeleted:
+                self.undone(task)
+
     def named(self, task: Task) -> "Future[dict[str, Any]] | None":
         """Box.undo: what its answer waits for (undo_answer), if a revert is in flight."""
         job = self.undoing.get(task.id)
@@ -6328,8 +6335,10 @@ class FinishMerge:
 #   - If the stack changed meanwhile the layer is built again; it joins in one step
 #     (renamed, then saved), so a crash leaves no half layer.  A second undo changes
 #     nothing: it answers what the record holds, or waits on the same job.  A job that
-#     fails says so (state `failed`, its error) in the record, the log and an event.  The
-#     work is not taken up again after a restart.
+#     fails says so (state `failed`, its error) in the record, the log and an event.  A
+#     restart before the layer joined takes the undo up again (FinishMerge.resume: an
+#     undone task without undoMerge whose layer is still on disk), on the stack then: what
+#     had joined already is seen as reverted, so it is never reverted twice.
 
 UNDO_ANSWER_WAIT = 2.0      # seconds an undo's answer waits for its revert to name paths
 
@@ -6449,6 +6458,7 @@ def run_undo(job: UndoJob, box: "Box", tmp: str) -> UndoResult:
                 _syncfs(upper_fd)                   # on disk before the layer joins
             finally:
                 os.close(upper_fd)
+            crash_point("undo-revert-written")      # a test's kill -9 before it joins
         return result
     except BaseException:
         if result.cleanup is not None:
@@ -7246,6 +7256,7 @@ class Box:
         for point in overlays_below(self.home):
             log(4, f"reconcile: unmounting the leftover overlay {point}")
             attempt(f"unmount {point}", umount, point)
+        attempt("take up exact undos cut short", self.finish_merge.resume)
         attempt("delete undone layers", self.views.gc_layers)
         attempt("finish keeps and undos cut short", self.review.recover)
         for task_id in sorted(self.unsaved):

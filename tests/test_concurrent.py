@@ -7,6 +7,8 @@ end.  A merge the tasks' layers cannot settle alone becomes an approval of kind 
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import io
 import json
 import os
@@ -65,6 +67,25 @@ def put(g: Gurtd, path: str, text: str) -> None:
                                 raw=text.encode(),
                                 headers={"Content-Type": "application/octet-stream"})
     assert status == 201 and task["state"] == "done", task
+
+
+def event_seen(g: Gurtd, match: Any) -> dict[str, Any]:
+    """The first event on /api/events (replayed from the start) that match(kind, data)."""
+    conn = g.connection(timeout=15)
+    conn.request("GET", "/api/events?since=0", headers={"Authorization": f"Bearer {g.token}"})
+    resp = conn.getresponse()
+    try:
+        assert resp.status == 200
+        kind = None
+        while True:
+            line = resp.readline().decode().rstrip("\n")
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: ") and match(kind, data := json.loads(line[6:])):
+                return data
+    finally:
+        resp.close()
+        conn.close()
 
 
 def lines(n: int) -> str:
@@ -142,7 +163,11 @@ def test_delete_against_edit_is_a_conflict(gurtd: Gurtd) -> None:
     assert path["path"] == "f.txt" and "deleted by the task" in path["why"]
     assert path["task"] == {"kind": "absent"}
     assert path["before"]["text"] == lines(20) and "five\n" in path["view"]["text"]
+    assert event_seen(gurtd, lambda kind, data: kind == "approval" and
+                      data["id"] == approval["id"])["kind"] == "conflict"
     assert gurtd.api("POST", "/api/approvals/approve-all", {})["approved"] == 0
+    status, made, _ = gurtd.request("POST", "/api/policies", {"tool": "merge", "scope": "box"})
+    assert status == 201, made                        # a policy for it exists, and yet:
     assert pending(gurtd, a, "conflict")["id"] == approval["id"]
     assert gurtd.file("home", "f.txt") is not None and b"five" in gurtd.file("home", "f.txt")
 
@@ -668,6 +693,9 @@ def test_undo_under_a_later_change_of_the_same_lines_keeps_it_whole(gurtd: Gurtd
     assert gurtd.file("home", "log.txt") == b"top\nt2\n"
     text = [e for e in gurtd.log(t1) if e["type"] == "undo"][0]["text"]
     assert f"f.txt (in {t2})" in text
+    said = event_seen(gurtd, lambda kind, data: kind == "task" and data["id"] == t1 and
+                      "undoMerge" in data)
+    assert [(k["path"], k["task"]) for k in said["undoMerge"]["kept"]] == [("f.txt", t2)]
 
 
 def test_undo_of_a_file_a_later_task_left_alone_deletes_it(gurtd: Gurtd) -> None:
@@ -678,6 +706,26 @@ def test_undo_of_a_file_a_later_task_left_alone_deletes_it(gurtd: Gurtd) -> None
     info = undo(gurtd, t1)
     assert gurtd.file("home", "a.txt") is None
     assert [k["path"] for k in info["kept"]] == ["b.txt"]     # t2 built on it
+
+
+def test_kill_before_an_undos_revert_joins_takes_it_up_again() -> None:
+    """gurtd killed once the revert layer of an undo is written but has not joined: after
+    the restart the undo is taken up again, the view is exact and the record says so."""
+    with running_gurtd({"GURT_TEST_CRASH_AT": "undo-revert-written"}) as g:
+        put(g, "f.txt", lines(20))
+        t1 = g.run("sed -i 's/^line 3$/three by t1/' f.txt")["id"]
+        t2 = g.run("sed -i 's/^line 17$/17 by t2/' f.txt")["id"]
+        with contextlib.suppress(OSError, http.client.HTTPException):   # it may die first
+            g.api("POST", f"/api/tasks/{t1}/undo")
+        assert g.proc is not None and g.proc.wait(timeout=30) == 137
+        g.proc = None
+        g.env.pop("GURT_TEST_CRASH_AT")
+        g.start()
+        info = eventually(lambda: g.task(t1).get("undoMerge"), 30, "the revert taken up")
+        assert info["state"] == "done" and info["reverted"] == ["f.txt"], info
+        assert g.file("home", "f.txt").decode() == lines(20).replace("line 17\n", "17 by t2\n")
+        assert g.task(t1)["state"] == "undone" and g.task(t2)["state"] == "done"
+        assert g.api("POST", f"/api/tasks/{t1}/undo")["undoMerge"] == info
 
 
 def test_run_wait_announces_a_conflict_with_the_commands_that_answer_it(gurtd: Gurtd) -> None:
