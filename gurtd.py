@@ -6342,6 +6342,7 @@ class FinishMerge:
 
 UNDO_ANSWER_WAIT = 2.0      # seconds an undo's answer waits for its revert to name paths
 
+
 @dataclass
 class UndoJob:
     """The revert of an undone task's change in later copies, as the thread gets it."""

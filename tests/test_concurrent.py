@@ -15,10 +15,12 @@ import os
 import random
 import tarfile
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
 
+import gurtd as G
 from conftest import (Gurtd, eventually, gurtd_on_done_layers, read_until, registry,
                       running_gurtd, started)
 
@@ -657,6 +659,22 @@ def undo(g: Gurtd, task_id: str) -> dict[str, Any]:
     assert done["state"] == "done" and (done["reverted"], done["kept"]) == \
         (said["reverted"], said["kept"]), (said, done)
     return done
+
+
+@pytest.mark.pure
+def test_an_undo_answer_waits_for_its_names_a_bounded_time(monkeypatch: Any) -> None:
+    """The answer takes the revert's names once decided; a revert that takes longer than
+    UNDO_ANSWER_WAIT answers `checking` (the record, log and an event name them later)."""
+    monkeypatch.setattr(G, "UNDO_ANSWER_WAIT", 0.05)
+    task = {"id": "t1", "state": "undone"}
+    named: Future[dict[str, Any]] = Future()
+    began = time.monotonic()
+    assert G.undo_answer(task, named)["undoMerge"]["state"] == "checking"
+    assert time.monotonic() - began < 1
+    decided = {"reverted": ["a"], "kept": [], "layer": None, "state": "writing"}
+    named.set_result(decided)
+    assert G.undo_answer(task, named) == {**task, "undoMerge": decided}
+    assert G.undo_answer(task, None) == task
 
 
 def test_undo_takes_its_change_out_of_a_later_copy(gurtd: Gurtd) -> None:
