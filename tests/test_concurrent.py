@@ -8,6 +8,7 @@ end.  A merge the tasks' layers cannot settle alone becomes an approval of kind 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import http.client
 import io
 import json
@@ -343,13 +344,43 @@ def subsequence(small: list[str], big: list[str]) -> bool:
     return len(small) <= len(big) and all(line in it for line in small)
 
 
+def diff3(base: list[str], theirs: list[str], ours: list[str]) -> list[str] | str:
+    """A three-way merge of lines as git merge-file does it: each side's hunks against
+    base; hunks of both sides that overlap or touch are a conflict unless they give the
+    same lines."""
+    def hunks(side: list[str], who: int) -> list[tuple[int, int, list[str], int]]:
+        matcher = difflib.SequenceMatcher(None, base, side, autojunk=False)
+        return [(i1, i2, side[j1:j2], who) for tag, i1, i2, j1, j2 in matcher.get_opcodes()
+                if tag != "equal"]
+    groups: list[list[tuple[int, int, list[str], int]]] = []
+    for hunk in sorted(hunks(ours, 0) + hunks(theirs, 1)):
+        if groups and hunk[0] <= max(h[1] for h in groups[-1]):
+            groups[-1].append(hunk)
+        else:
+            groups.append([hunk])
+    out, at = [], 0
+    for group in groups:
+        start, end = group[0][0], max(h[1] for h in group)
+        results = set()
+        for who in {h[3] for h in group}:
+            lines, pos = [], start
+            for s, e, new, _ in (h for h in group if h[3] == who):
+                lines += base[pos:s] + new
+                pos = e
+            results.add(tuple(lines + base[pos:end]))
+        if len(results) > 1:
+            return "conflict"
+        out += base[at:start] + list(results.pop())
+        at = end
+    return out + base[at:]
+
+
 def model_merge(base: list[str] | None, theirs: list[str] | None,
                 ours: list[str] | None) -> list[str] | None | str:
     """The three-way rule on whole files of lines, as the README states it: one side's
     change wins; two appends keep both, the view's first; an append on one side and the
     base's tail cut on the other give both; deletions nested in one another give the larger;
-    else line by line (changes replace slot lines in place); a delete against an edit, or
-    one line changed both ways: "conflict"."""
+    else git merge-file's (diff3); a delete against an edit: "conflict"."""
     if ours == theirs or theirs == base:
         return ours
     if ours == base:
@@ -361,18 +392,11 @@ def model_merge(base: list[str] | None, theirs: list[str] | None,
         return theirs + ours[len(base):]
     if starts(theirs, base) and starts(base, ours):
         return ours + theirs[len(base):]
-    if len(base) == len(ours) == len(theirs):
-        out = []
-        for b, t, o in zip(base, theirs, ours):
-            if o != b and t != b and o != t:
-                return "conflict"
-            out.append(o if o != b else t)
-        return out
     if subsequence(theirs, ours) and subsequence(ours, base):
         return theirs
     if subsequence(ours, theirs) and subsequence(theirs, base):
         return ours
-    return "conflict"
+    return diff3(base, theirs, ours)
 
 
 class Model:
@@ -389,12 +413,14 @@ class Model:
         return out
 
     def finish(self, base: Files, ours: Files, answer: Any) -> list[str]:
-        """A task ends: the conflicting files (answer(conflicts) gives the person's answer:
-        None deny, or (keep, texts)); its layer joins unless denied."""
+        """A task ends: the conflicting files (answer(conflicts, sides) gives the person's
+        answer, ("task", {}) for none: None deny, or (keep, texts)); its layer joins unless
+        denied."""
         view, layer = self.view(), {}
         results = {n: model_merge(base.get(n), view.get(n), o) for n, o in ours.items()}
         conflicts = sorted(n for n, r in results.items() if r == "conflict")
-        decision = answer(conflicts) if conflicts else ("task", {})
+        sides = {n: (base.get(n), view.get(n), o, results[n]) for n, o in ours.items()}
+        decision = answer(conflicts, sides)
         if decision is None:
             return conflicts
         keep, texts = decision
@@ -554,15 +580,19 @@ def random_history(gurtd: Gurtd, rng: random.Random) -> None:
         else:
             if not running:
                 continue
-            task_id = rng.choice(sorted(running))
+            task_id = rng.choice(list(running))        # in the order made: ids are random
             task_base, ours = running.pop(task_id)
             task = end(gurtd, task_id)
             asked: dict[str, Any] = {}
 
-            def answer(conflicts: list[str]) -> Any:
-                assert task["state"] == "waiting", task
+            def answer(conflicts: list[str], sides: dict[str, Any]) -> Any:
                 approval = pending(gurtd, task_id, "conflict")
-                assert sorted(p["path"] for p in approval["args"]["paths"]) == conflicts
+                named = sorted(p["path"] for p in approval["args"]["paths"]) if approval \
+                    else []
+                if not conflicts and not named:
+                    return "task", {}
+                assert named == conflicts, {n: sides.get(n) for n in
+                                            set(named) ^ set(conflicts)}
                 choice = rng.choice(["task", "view", "text", "deny"])
                 url = f"/api/approvals/{approval['id']}"
                 asked["choice"] = choice
