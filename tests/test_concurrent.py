@@ -525,7 +525,7 @@ def expected_files(view: Files) -> dict[str, tuple[bytes, str]]:
     return out
 
 
-SEEDS = [int(s) for s in os.environ.get("GURT_TEST_SEED", "21 1021").split()]
+SEEDS = [int(s) for s in os.environ.get("GURT_TEST_SEED", "21").split()]   # "21 1021 7": more
 
 
 @pytest.mark.parametrize("seed", SEEDS)
