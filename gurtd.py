@@ -5580,8 +5580,10 @@ class Views:
 #   - Nothing joins the stack before the task is done, and a task is done only after every
 #     write of its merge is synced: a kill -9 in the middle leaves a running or waiting task,
 #     which the next start fails (reconcile); its half-written layer never shows in a view.
-#   - A task waiting on a conflict has no processes left but keeps its place among
-#     maxRunningTasks (it is not done yet); a restart fails it and denies its approval.
+#   - A held task (checked, or waiting on a conflict) has no processes, user or network
+#     left (released when its worker ended), so it takes no place among maxRunningTasks
+#     (Box.schedule): a person asleep on a conflict never stops the queue.  It keeps only
+#     its layer on disk; a restart fails it and denies its approval.
 
 MERGE_MAX_BYTES = 8 << 20            # a file larger than this is a conflict, never merged
 MERGE_HELD_BYTES = 64 << 20          # merged texts one check holds in memory at most
@@ -5689,14 +5691,16 @@ def merge_text(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool,
     side and the base's tail cut on the other (the undo of an append under a later one)
     give both; lines deleted on one side and more of them on the other give the larger
     deletion (an undo of a task whose later copy an earlier undo reverted).  git
-    merge-file would call two changes at one place a conflict.  Anything else: git
-    merge-file."""
+    merge-file would call two changes at one place a conflict.  Anything else, and any
+    text of more than MERGE_FAST_LINES lines: git merge-file (a child, bounded by prlimit)."""
     if base and ours.startswith(base) and theirs.startswith(base):
         return True, theirs + ours[len(base):]
     if ours.startswith(base) and base.startswith(theirs):
         return True, theirs + ours[len(base):]
     if theirs.startswith(base) and base.startswith(ours):
         return True, ours + theirs[len(base):]
+    if max(text.count(b"\n") for text in (ours, base, theirs)) > MERGE_FAST_LINES:
+        return git_merge(ours, base, theirs, tmp)
     lines = [text.splitlines(keepends=True) for text in (ours, base, theirs)]
     apart = runs_apart(*lines)
     if apart is not None:
@@ -5709,6 +5713,9 @@ def merge_text(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool,
 
 
 MERGE_APART = 3      # unchanged lines between two sides' changes that merge_text joins alone
+MERGE_FAST_LINES = 100_000   # lines past which merge_text leaves a text to git: its own
+#                              line lists of 8 MiB of short lines would take ~500 MB of
+#                              gurtd's memory and hold the interpreter lock for seconds
 
 
 def changed_run(base: list[bytes], side: list[bytes]) -> tuple[int, int]:
@@ -6055,7 +6062,7 @@ class FinishMerge:
         self.held: dict[str, HeldTask] = {}
         self.cleared: set[str] = set()
         self.reading: dict[str, tuple[set[str], list[str]]] = {}   # by job: layers, plans
-        self.undoing: dict[str, int] = {}              # undone task -> its job's token
+        self.undoing: dict[str, UndoJob] = {}          # undone task -> its job in flight
         self.jobs: queue.Queue[Callable[[], None]] = queue.Queue()
         self.thread: threading.Thread | None = None
         self.tokens = 0
@@ -6236,7 +6243,8 @@ class FinishMerge:
 
     def undone(self, task: Task) -> None:
         """Box.undo: a done task was undone; the revert of its change in later layers'
-        copies goes to the thread (design above).  Nothing if no layer is above it."""
+        copies goes to the thread (design above).  Nothing if no layer is above it.  The
+        undo's answer waits for the job's `named` (undo_answer), the loop never."""
         box, ws = self.box, task.workspace
         stack = box.views.stack_ids(ws)
         above = [i for i in stack if box.task(i).doneSeq > task.doneSeq]
@@ -6246,48 +6254,55 @@ class FinishMerge:
         below = stack[len(above):]
         plan = box.views.layerstack.plan
         self.tokens += 1
-        self.undoing[task.id] = self.tokens
-        job = UndoJob(task.id, self.tokens, upper, plan(ws, [task.id] + below), plan(ws, below),
-                      plan(ws, stack), f"workspaces/{ws}",
-                      [(i, os.path.join(box.layer_dir(i), "upper")) for i in above], stack)
+        job = self.undoing[task.id] = UndoJob(
+            task.id, self.tokens, upper, plan(ws, [task.id] + below), plan(ws, below),
+            plan(ws, stack), f"workspaces/{ws}",
+            [(i, os.path.join(box.layer_dir(i), "upper")) for i in above], stack)
         self.reading["undo " + task.id] = (set(stack) | {task.id},
                                            job.top + job.below + job.now)
         self.submit(job, self.reverted, lambda tmp: run_undo(job, box, tmp))
+
+    def resume(self) -> None:
+        """reconcile, before gc_layers: an undo a restart cut short (undone, its revert not
+        recorded, its layer still on disk) is taken up again, on the stack now."""
+        for task in sorted(self.box.tasks.values(), key=lambda t: t.doneSeq):
+            if task.state == "undone" and task.undoMerge is None and not task.layerDeleted:
+                self.undone(task)
+
+    def named(self, task: Task) -> "Future[dict[str, Any]] | None":
+        """Box.undo: what its answer waits for (undo_answer), if a revert is in flight."""
+        job = self.undoing.get(task.id)
+        return job.named if job is not None else None
 
     def reverted(self, job: UndoJob, result: UndoResult | None, error: str | None) -> None:
         """Loop: the revert layer joins the stack (if the stack is still the one it read),
         and the undone task's record and log say what was reverted and what was kept."""
         box, task = self.box, self.box.task(job.task_id)
         try:
-            if self.undoing.get(task.id) != job.token:
+            if self.undoing.get(task.id) is not job:
                 return
-            if error is not None or result is None:
-                box.append_log(task.id, {"type": "undo", "error": error,
-                                         "text": f"later copies not reverted: {error}"})
-                return
-            if box.views.stack_ids(task.workspace) != job.stack:
+            if error is None and result is not None and \
+                    box.views.stack_ids(task.workspace) != job.stack:
                 return self.undone(task)             # built again on the stack now
             layer = None
-            if not result.reverted and not result.kept:
-                box.append_log(task.id, {"type": "undo", "reverted": [], "kept": [],
-                                         "text": "no later copy held its change"})
-                return
-            if result.staging is not None:
+            if result is not None and result.staging is not None and error is None:
                 layer = upload_commit(
                     box, task.workspace, result.staging, f"undo of {task.id}",
                     f"the exact undo of task {task.id}: its change taken out of the later "
                     "tasks' copies", "reverted: " + ", ".join(result.reverted))["id"]
-            task.undoMerge = {"reverted": result.reverted, "kept": result.kept,
-                              "layer": layer}
+            task.undoMerge = undo_record(result, error, layer)
+            if not job.named.done():
+                job.named.set_result(task.undoMerge)
             box.save(task)
             box.append_log(task.id, {"type": "undo", **task.undoMerge, "text": (
-                f"reverted in later copies: {', '.join(result.reverted) or 'none'}; kept "
-                "whole: " + (", ".join(f"{k['path']} (in {k['task']})" for k in result.kept)
-                             or "none"))})
+                f"later copies not reverted: {error}" if error is not None else
+                f"reverted in later copies: {', '.join(task.undoMerge['reverted']) or 'none'}"
+                "; kept whole: " + (", ".join(f"{k['path']} (in {k['task']})" for k in
+                                              task.undoMerge["kept"]) or "none"))})
             box.loop.emit("task", task.to_api())
         finally:
-            if self.undoing.get(task.id) == job.token:
-                self.undoing.pop(task.id, None)
+            if self.undoing.get(task.id) is job:
+                self.undoing.pop(task.id)
                 self.reading.pop("undo " + task.id, None)
                 box.views.gc_layers()                   # its layer may go now
             if result is not None and result.cleanup is not None:
@@ -6308,10 +6323,26 @@ class FinishMerge:
 #     later task changed the same lines again, deleted the file, or a folder stands there):
 #     the later version stays whole, and the undone task's record (`undoMerge.kept`) and log
 #     name each such path and the task that holds it.
-#   - Undo answers at once: the layer is built off the loop (the merge thread) from views of
-#     plans kept by gc_layers until it is done (FinishMerge.pin); if the stack changed
-#     meanwhile it is built again; it joins in one step (renamed, then saved), so a crash
-#     leaves no half layer.  The work is not taken up again after a restart.
+#   - Undo answers at once and names the paths: the loop only marks the task undone and
+#     hands the revert to the merge thread (views of plans kept by gc_layers until it is
+#     done: FinishMerge.pin); the thread decides every path first (reads and merges only,
+#     each bounded as the finish-time check's), resolves the job's `named` future with
+#     what it decided, then writes the layer.  The HTTP handler (its own thread) waits on
+#     that future, at most UNDO_ANSWER_WAIT: the answer's undoMerge names the reverted
+#     paths and each kept one with the task that holds it (state `writing`: the layer
+#     joins a moment later, then the record says `done` with its id).  Only a revert that
+#     takes longer (huge files, a slow disk) answers `checking`: then the record, the log
+#     and a task event name them when it ends.  The loop never waits on either.
+#   - If the stack changed meanwhile the layer is built again; it joins in one step
+#     (renamed, then saved), so a crash leaves no half layer.  A second undo changes
+#     nothing: it answers what the record holds, or waits on the same job.  A job that
+#     fails says so (state `failed`, its error) in the record, the log and an event.  A
+#     restart before the layer joined takes the undo up again (FinishMerge.resume: an
+#     undone task without undoMerge whose layer is still on disk), on the stack then: what
+#     had joined already is seen as reverted, so it is never reverted twice.
+
+UNDO_ANSWER_WAIT = 2.0      # seconds an undo's answer waits for its revert to name paths
+
 
 @dataclass
 class UndoJob:
@@ -6326,6 +6357,8 @@ class UndoJob:
     workspace_dir: str
     above: list[tuple[str, str]]     # (id, absolute upper) of the done layers above it
     stack: list[str]
+    named: "Future[dict[str, Any]]" = field(default_factory=Future)   # undo_record's, once
+    #                                  the paths are decided (before the layer is written)
 
 
 @dataclass
@@ -6336,6 +6369,30 @@ class UndoResult:
     kept: list[dict[str, str]] = field(default_factory=list)   # {path, task, why}
     staging: str | None = None
     cleanup: contextlib.ExitStack | None = None
+
+
+def undo_record(result: UndoResult | None, error: str | None, layer: str | None
+                ) -> dict[str, Any]:
+    """A task's undoMerge: what its undo reverted in later copies and what it kept whole
+    (state writing: decided, its layer not joined yet; done; failed, with the error)."""
+    if error is not None or result is None:
+        return {"reverted": [], "kept": [], "layer": None, "state": "failed",
+                "error": error or "no result"}
+    return {"reverted": result.reverted, "kept": result.kept, "layer": layer,
+            "state": "done" if layer is not None or not result.reverted else "writing"}
+
+
+def undo_answer(answer: dict[str, Any], named: "Future[dict[str, Any]] | None"
+                ) -> dict[str, Any]:
+    """An undo's answer (the HTTP thread, never the loop): the task with the paths its
+    revert decided, once decided (at most UNDO_ANSWER_WAIT; else state checking)."""
+    if named is None or "undoMerge" in answer:
+        return answer
+    try:
+        found = named.result(timeout=UNDO_ANSWER_WAIT)
+    except TimeoutError:
+        found = {"reverted": [], "kept": [], "layer": None, "state": "checking"}
+    return {**answer, "undoMerge": found}
 
 
 def revert_write(path: str, fds: dict[str, int], tmp: str
@@ -6391,6 +6448,8 @@ def run_undo(job: UndoJob, box: "Box", tmp: str) -> UndoResult:
                 holder = next((holders[p] for p in [path] + list(_folders_above(path))
                                if p in holders), "")
                 result.kept.append({"path": path, "task": holder, "why": why})
+        result.reverted = sorted(writes)
+        job.named.set_result(undo_record(result, None, None))   # the answer names them now
         if writes:
             result.cleanup = contextlib.ExitStack()
             result.staging = result.cleanup.enter_context(upload_staging(box))
@@ -6401,7 +6460,7 @@ def run_undo(job: UndoJob, box: "Box", tmp: str) -> UndoResult:
                 _syncfs(upper_fd)                   # on disk before the layer joins
             finally:
                 os.close(upper_fd)
-            result.reverted = sorted(writes)
+            crash_point("undo-revert-written")      # a test's kill -9 before it joins
         return result
     except BaseException:
         if result.cleanup is not None:
@@ -6787,7 +6846,8 @@ class Box:
         """Start queued tasks, first in first out, while there is room."""
         if self.loop.stopping:
             return
-        active = sum(1 for t in self.tasks.values() if t.state in ("running", "waiting"))
+        active = sum(1 for t in self.tasks.values() if t.state in ("running", "waiting") and
+                     t.id not in self.finish_merge.held)   # held: no processes left
         queued = sorted((t for t in self.tasks.values() if t.state == "queued"),
                         key=lambda t: t.seq)
         for task in queued[:max(0, self.settings["maxRunningTasks"] - active)]:
@@ -6947,6 +7007,7 @@ class Box:
         elif oom:
             self.set_state(task, "failed", error="out of memory")
         elif code == 0 and self.finish_merge.holds(task, worker):
+            self.schedule()                # its place is free: its processes are gone
             return                         # checked off the loop first (Finish-time merge)
         elif code == 0:
             self.done_seq += 1
@@ -7019,10 +7080,11 @@ class Box:
         self.fail_task(task, reason, by="stop")
         return task.to_api()
 
-    def undo(self, task_id: str, force: bool = False) -> dict[str, Any]:
+    def undo(self, task_id: str, force: bool = False
+             ) -> tuple[dict[str, Any], "Future[dict[str, Any]] | None"]:
         """The seed page's undo: stop, deny approvals, leave the view, delete when unused.
         A personal task's keep is undone first (Review.undo; 409 if the owner changed a kept
-        path since, unless force)."""
+        path since, unless force).  The task, and what its answer waits for (undo_answer)."""
         task = self.get(task_id)
         if task.folders and task.review in ("kept", "pending", "conflict"):
             self.review.undo(task, force)
@@ -7035,7 +7097,7 @@ class Box:
         if task.state == "undone":
             if task.folders:
                 self.review.forget(task)
-            return task.to_api()
+            return task.to_api(), self.finish_merge.named(task)
         was_active = task.state in ACTIVE_STATES
         self.broker.deny_pending(task.id, "undo", "answered by undo")
         if was_active or task.uid:      # a finished task was released (and its layer's
@@ -7048,7 +7110,7 @@ class Box:
         self.views.gc_layers()
         if was_active:
             self.schedule()
-        return task.to_api()
+        return task.to_api(), self.finish_merge.named(task)
 
     def get(self, task_id: str) -> Task:
         task = self.task(task_id)
@@ -7196,6 +7258,7 @@ class Box:
         for point in overlays_below(self.home):
             log(4, f"reconcile: unmounting the leftover overlay {point}")
             attempt(f"unmount {point}", umount, point)
+        attempt("take up exact undos cut short", self.finish_merge.resume)
         attempt("delete undone layers", self.views.gc_layers)
         attempt("finish keeps and undos cut short", self.review.recover)
         for task_id in sorted(self.unsaved):
@@ -11807,7 +11870,8 @@ def h_task_undo(req: "Handler", params: dict[str, str]) -> Any:
     body = req.json_body(optional=True)
     if set(body) - {"force"} or not isinstance(body.get("force", False), bool):
         raise ApiError(400, 'the body must be empty or {"force": true|false}')
-    return 200, req.box.loop.call(req.box.undo, params["id"], body.get("force", False))
+    answer, named = req.box.loop.call(req.box.undo, params["id"], body.get("force", False))
+    return 200, undo_answer(answer, named)        # waits here, never on the loop
 
 
 h_task_stop = loop_handler(200, "stop", "id")
@@ -12263,7 +12327,9 @@ ROUTES: list[Route] = [
               "force": {"type": "boolean", "default": False,
                         "description": "Personal: put the versions from before the keep back "
                                        "even over the owner's later edits"}}}, False),
-          answers={200: ("The task, now undone", _ref("Task")),
+          answers={200: ("The task, now undone; if later tasks copied its files, its "
+                         "undoMerge names what was taken out of their copies and each copy "
+                         "kept whole (with the task that holds it)", _ref("Task")),
                    400: "No task with this id, or the body is wrong",
                    409: ("Personal: kept paths the owner changed since the keep (each named "
                          "in conflicts): nothing was undone; or paths that could not be put "
@@ -13042,9 +13108,19 @@ TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schema
                                   "tasks that ended while it ran (its diff and changes are "
                                   "then taken against the view it merged with)."},
         "undoMerge": {"type": "object", "required": ["reverted", "kept", "layer"],
-                      "description": "Once undone: its change taken out of later tasks' "
-                                     "copies (reverted), or not (kept whole, and why).",
+                      "description": "Once undone, if a later task's layer was above it: its "
+                                     "change taken out of later tasks' copies (reverted), or "
+                                     "not (kept whole, and why).  The undo's answer holds it "
+                                     "as soon as the paths are decided.",
                       "properties": {
+                          "state": {"type": "string",
+                                    "enum": ["checking", "writing", "done", "failed"],
+                                    "description": "done: as below; writing (an undo's "
+                                    "answer): decided, its layer joins a moment later; "
+                                    f"checking (an answer after {UNDO_ANSWER_WAIT:g} s): the "
+                                    "task's record, log and a task event name the paths when "
+                                    "the revert ends; failed: nothing reverted (error)"},
+                          "error": {"type": "string"},
                           "reverted": {"type": "array", "items": {"type": "string"}},
                           "kept": {"type": "array", "items": {
                               "type": "object", "required": ["path", "task", "why"],

@@ -768,7 +768,8 @@ def merge_text_ms(lines: int, runs: int) -> list[float]:
 def undo_times(g: Gurtd, victims: int, copies: int) -> tuple[list[float], list[float]]:
     """Undo of `victims` tasks, each of which changed line 2 of `copies` files that `copies`
     later tasks then changed again (line 9, one file of each victim a task): the answer's
-    ms, and ms until the revert layer joined (undoMerge)."""
+    ms (it names the reverted paths: the revert's check is decided by then), and ms until
+    the revert layer joined (undoMerge in the record)."""
     for v in range(victims):
         g.run(f"mkdir -p u{v} && for i in $(seq {copies}); do seq 10 > u{v}/f$i; done")
     ids = [g.run(f"for i in $(seq {copies}); do sed -i 2s/.*/victim/ u{v}/f$i; done")["id"]
@@ -778,8 +779,9 @@ def undo_times(g: Gurtd, victims: int, copies: int) -> tuple[list[float], list[f
     answers, joined = [], []
     for task_id in ids:
         t0 = time.perf_counter()
-        g.api("POST", f"/api/tasks/{task_id}/undo")
+        said = g.api("POST", f"/api/tasks/{task_id}/undo")["undoMerge"]
         answers.append((time.perf_counter() - t0) * 1000)
+        assert said["state"] in ("writing", "done") and len(said["reverted"]) == copies, said
         deadline = time.monotonic() + 120
         while "undoMerge" not in (task := g.task(task_id)):
             assert time.monotonic() < deadline, task
@@ -810,7 +812,7 @@ def merge_figures() -> list[tuple[str, str, str]]:
         results.append(("  its finish-time check (one 10,000-line file), p50 / p95 (ms)",
                         f"{statistics.median(checks):.1f} / {pct(checks, 95):.1f}", ""))
         answers, joined = undo_times(g, 5, 100)
-        results.append(("undo of a task with 100 later copies: answer, p50 (ms)",
+        results.append(("undo of a task with 100 later copies: answer naming them, p50 (ms)",
                         f"{statistics.median(answers):.1f}", "<= 50"))
         results.append(("  until its revert layer joined, p50 / p95 (ms)",
                         f"{statistics.median(joined):.1f} / {pct(joined, 95):.1f}", ""))
