@@ -14675,6 +14675,15 @@ def say_task(task: dict[str, Any]) -> None:
     said = task["review"] if task.get("review") in ("kept", "undone") else task["state"]
     error = f": {task['error']}" if task.get("error") else ""
     click.echo(printable(f"{task['id']} {said}{error}"))
+    merge = task.get("undoMerge") or {}
+    if merge.get("reverted"):
+        click.echo(printable("  taken out of later copies: " + ", ".join(merge["reverted"])))
+    for kept in merge.get("kept") or ():
+        click.echo(printable(f"  kept whole: {kept['path']} (task {kept['task']}: "
+                             f"{kept['why']})"))
+    if merge.get("state") in ("checking", "failed"):
+        click.echo(printable(f"  later copies: {merge['state']} "
+                             f"{merge.get('error') or '(gurtd log ' + task['id'] + ')'}"))
 
 
 def _task_command(name: str, method: str, suffix: str, doc: str,
