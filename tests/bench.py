@@ -42,12 +42,17 @@ def ts(text: str) -> float:
     return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
-def start_latencies(g: Gurtd, n: int) -> tuple[list[float], list[float]]:
-    """n tasks one after the other: ms from POST to the first step in the box; then undo ms."""
+def start_latencies(g: Gurtd, n: int, floor: Any = None, hosts: list[str] | None = None
+                    ) -> tuple[list[float], list[float]]:
+    """n tasks one after the other: ms from POST to the first step in the box; then undo ms.
+    With floor (a Floor), one floor start before each task (into floor.times), so that
+    both see the same machine."""
     starts, undos = [], []
     for _ in range(n):
+        if floor is not None:
+            floor.times.append(floor.start())
         t0 = time.time()
-        task = g.create("true", title="bench")
+        task = g.create("true", title="bench", **({"hosts": hosts} if hosts else {}))
         task = g.wait(task["id"])
         assert task["state"] == "done", task
         step = next(e for e in g.log(task["id"]) if e["type"] == "step")
@@ -318,43 +323,54 @@ def floor_net_release(nft: Any, nsfd: int) -> None:
     os.close(nsfd)
 
 
-def floor_starts(n: int, hosts: bool = False) -> list[float]:
-    """n floor starts one after the other (ms); each in a new cgroup of its own."""
-    G.overlay_way()                          # probed once, as gurtd does at its start
-    G.sandbox_preload()                      # as gurtd does before its spawner forks
-    v2, _ = G.cgroup_own_groups()
-    assert v2 is not None, "no cgroup v2 hierarchy"
-    home, nft = floor_home(), G.Nft() if hosts else None
-    if nft is not None:
-        nft.table_del(FLOOR_TABLE)
-        nft.run(f"add table inet {FLOOR_TABLE}\n"
-                f"add set inet {FLOOR_TABLE} tasks {{ type ifname; }}")
-    times = []
-    try:
-        for i in range(n):
-            group = os.path.join(v2, f"gurt-floor23-{os.getpid()}-{i}")
-            stamp_r, stamp_w = os.pipe()
-            t0 = time.monotonic_ns()
-            os.mkdir(group)
-            nsfd = floor_net(nft) if nft is not None else -1
+class Floor:
+    """The floor of a start (with hosts: and its network), one start() at a time, each in a
+    new cgroup of its own; a context: its folder and nftables table go at the end."""
+
+    def __init__(self, hosts: bool = False) -> None:
+        G.overlay_way()                      # probed once, as gurtd does at its start
+        G.sandbox_preload()                  # as gurtd does before its spawner forks
+        v2, _ = G.cgroup_own_groups()
+        assert v2 is not None, "no cgroup v2 hierarchy"
+        self.v2, self.count, self.home = v2, 0, floor_home()
+        self.times: list[float] = []
+        self.nft = G.Nft() if hosts else None
+        if self.nft is not None:
+            self.nft.table_del(FLOOR_TABLE)
+            self.nft.run(f"add table inet {FLOOR_TABLE}\n"
+                         f"add set inet {FLOOR_TABLE} tasks {{ type ifname; }}")
+
+    def __enter__(self) -> "Floor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.nft is not None:
+            self.nft.table_del(FLOOR_TABLE)
+        remove_home(self.home)
+
+    def start(self) -> float:
+        """ms from the fork (the cgroup made first) to the moment before exec."""
+        self.count += 1
+        group = os.path.join(self.v2, f"gurt-floor23-{os.getpid()}-{self.count}")
+        stamp_r, stamp_w = os.pipe()
+        t0 = time.monotonic_ns()
+        os.mkdir(group)
+        try:
+            nsfd = floor_net(self.nft) if self.nft is not None else -1
             pid = os.fork()
             if pid == 0:
                 os.close(stamp_r)
-                floor_child(home, os.path.join(group, "cgroup.procs"), nsfd, stamp_w)
+                floor_child(self.home, os.path.join(group, "cgroup.procs"), nsfd, stamp_w)
             os.close(stamp_w)
             stamp = os.read(stamp_r, 64)
             os.close(stamp_r)
             code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
             assert code == 0 and stamp, f"the floor's child ended with {code}"
-            times.append((int(stamp) - t0) / 1e6)
-            if nft is not None:
-                floor_net_release(nft, nsfd)
+            if self.nft is not None:
+                floor_net_release(self.nft, nsfd)
+        finally:
             os.rmdir(group)
-    finally:
-        if nft is not None:
-            nft.table_del(FLOOR_TABLE)
-        remove_home(home)
-    return times
+        return (int(stamp) - t0) / 1e6
 
 
 def floor_undo(n: int) -> list[float]:
@@ -550,21 +566,18 @@ def print_results(results: list[tuple[str, str, str]]) -> None:
 
 
 def start_figures() -> list[tuple[str, str, str]]:
-    """Start and undo latency, 1 layer then 400 layers, each beside its floor (half of the
-    floor's runs before gurtd's, half after, so that both see the same machine)."""
-    floor = floor_starts(30)
-    undo_floor = floor_undo(30)
-    with running_gurtd() as g:
+    """Start and undo latency, 1 layer then 400 layers, beside their floors (a floor start
+    before each task start, so that both see the same machine)."""
+    with running_gurtd() as g, Floor() as floor:
         fill_layers(g, 1)
-        start1, undo1 = start_latencies(g, 60)
+        start1, undo1 = start_latencies(g, 60, floor)
         fill_layers(g, 399)
         start400, undo400 = start_latencies(g, 60)
-    floor += floor_starts(30)
-    undo_floor += floor_undo(30)
+        undo_floor = floor_undo(60)
     p50_1, p50_400 = statistics.median(start1), statistics.median(start400)
     undos = undo1 + undo400
     return [
-        *with_floor("task start, 1 layer, p50 / p95 (ms)", start1, floor, "<= 1.2x"),
+        *with_floor("task start, 1 layer, p50 / p95 (ms)", start1, floor.times, "<= 1.2x"),
         ("task start, 400 layers, p50 / p95 (ms)",
          f"{p50_400:.2f} / {pct(start400, 95):.2f}", ""),
         ("  ratio 400 layers / 1 layer (p50)", f"{p50_400 / p50_1:.2f}x",
@@ -577,19 +590,12 @@ def start_figures() -> list[tuple[str, str, str]]:
 def hosts_figures() -> list[tuple[str, str, str]]:
     """Start latency with hosts beside its floor (a veth pair and one nftables element
     more), and what gurtd's DNS adds on top of the upstream's own."""
-    floor = floor_starts(30, hosts=True)
     port = dns_server({"a.test.": "198.18.0.10"})
-    with running_gurtd({"GURT_DNS_UPSTREAM": f"127.0.0.1:{port}"}) as g:
+    with running_gurtd({"GURT_DNS_UPSTREAM": f"127.0.0.1:{port}"}) as g, \
+            Floor(hosts=True) as floor:
         # 198.18/15 is special-use: the owner allows it
         g.api("PUT", "/api/settings", {"dnsAllowedNets": ["198.18.0.0/24"]})
-        starts = []
-        for _ in range(60):
-            t0 = time.time()
-            task = g.wait(g.create("true", title="bench", hosts=["a.test"])["id"])
-            assert task["state"] == "done", task
-            step = next(e for e in g.log(task["id"]) if e["type"] == "step")
-            starts.append((ts(step["time"]) - t0) * 1000)
-            g.api("POST", f"/api/tasks/{task['id']}/undo")
+        starts, _ = start_latencies(g, 60, floor, hosts=["a.test"])
         task = g.create("sleep 60", title="dns", hosts=["a.test"])
         g.wait(task["id"], ("running",))
         deadline = time.monotonic() + 10
@@ -604,9 +610,8 @@ def hosts_figures() -> list[tuple[str, str, str]]:
         os.close(nsfd)
         g.api("POST", f"/api/tasks/{task['id']}/stop")
         up50, th50 = statistics.median(upstream), statistics.median(through)
-    floor += floor_starts(30, hosts=True)
     return [
-        *with_floor("task start with hosts, p50 / p95 (ms)", starts, floor, "<= 1.3x"),
+        *with_floor("task start with hosts, p50 / p95 (ms)", starts, floor.times, "<= 1.3x"),
         ("DNS A answer, upstream alone, p50 (ms)", f"{up50:.3f}", ""),
         ("DNS A answer through gurtd, p50 (ms)", f"{th50:.3f}", ""),
         ("  gurtd adds (p50, ms)", f"{th50 - up50:.3f}", "<= 2"),
