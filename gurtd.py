@@ -1337,9 +1337,10 @@ def _edit_accounts(name: str, lines: dict[str, str] | None,
 
 
 def _accounts_replace(name: str, lines: dict[str, str] | None) -> None:
-    """The account files without the entries of name (and with lines), as one group commit
-    (one journal commit and one sync of /etc, not eight syncs).  If a rename fails after
-    others, those are put back: the four files agree, or none changed."""
+    """The account files without the entries of name (and with lines), as one group commit:
+    the four temps written, then synced (the first sync commits the journal for all), then
+    renamed, then /etc synced once: five syncs where there were eight.  If a rename fails
+    after others, those are put back: the four files agree, or none changed."""
     old: dict[str, bytes] = {}
     writes = []
     for path in ACCOUNT_FILES:
