@@ -1019,34 +1019,65 @@ def append_line(fd: int, data: bytes) -> None:
         raise
 
 
+@dataclass
+class FileWrite:
+    """One file of atomic_write_all: its new bytes, exact mode, owner, temp name."""
+
+    path: str
+    data: bytes
+    mode: int = 0o600
+    owner: tuple[int, int] | None = None
+    tmp: str | None = None
+
+
 def atomic_write(path: str, data: bytes, mode: int = 0o600, sync: bool = True,
                  owner: tuple[int, int] | None = None, tmp: str | None = None) -> None:
     """Write a file so that a crash leaves the old or the new version: temp, every byte,
     fsync, size checked, rename.  On any error the temp file is removed and the old version
     stays; the error is raised.  Temp names end in .tmp-PID-THREAD (or tmp):
     remove_temp_leftovers finds a crashed run's."""
-    tmp = tmp or f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    atomic_write_all([FileWrite(path, data, mode, owner, tmp)], sync)
+
+
+def atomic_write_all(writes: list[FileWrite], sync: bool = True) -> None:
+    """atomic_write of several files as one group commit: every temp written, then each
+    synced (the first sync commits the file system's journal for all of them), then renamed
+    in order, then each folder synced once.  A crash leaves each file old or new.  An error
+    before the renames changes nothing (every temp removed); a rename that fails leaves the
+    earlier ones done (the caller restores if the files must agree)."""
+    temps: list[str] = []
+    renamed = 0
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+        fds: list[int] = []
         try:
-            os.fchmod(fd, mode)               # exactly mode, whatever gurtd's umask (0077 as
-            if owner is not None:             # a service would make /etc/passwd unreadable)
-                os.fchown(fd, *owner)
-            write_all(fd, data)
-            if sync:
-                os.fsync(fd)
-            if os.fstat(fd).st_size != len(data):
-                raise OSError(errno.EIO, f"{tmp} holds {os.fstat(fd).st_size} bytes, "
-                                         f"not {len(data)}")
+            for w in writes:
+                temps.append(w.tmp or f"{w.path}.tmp-{os.getpid()}-{threading.get_ident()}")
+                fds.append(os.open(temps[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC |
+                                   os.O_CLOEXEC, w.mode))
+                os.fchmod(fds[-1], w.mode)    # exactly mode, whatever gurtd's umask (0077 as
+                if w.owner is not None:       # a service would make /etc/passwd unreadable)
+                    os.fchown(fds[-1], *w.owner)
+                write_all(fds[-1], w.data)
+            for fd, w, tmp in zip(fds, writes, temps):
+                if sync:
+                    os.fsync(fd)
+                if os.fstat(fd).st_size != len(w.data):
+                    raise OSError(errno.EIO, f"{tmp} holds {os.fstat(fd).st_size} bytes, "
+                                             f"not {len(w.data)}")
         finally:
-            os.close(fd)
-        os.rename(tmp, path)
+            for fd in fds:
+                os.close(fd)
+        for w, tmp in zip(writes, temps):
+            os.rename(tmp, w.path)
+            renamed += 1
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        for tmp in temps[renamed:]:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         raise
     if sync:
-        fsync_dir(os.path.dirname(path) or ".")
+        for folder in dict.fromkeys(os.path.dirname(w.path) or "." for w in writes):
+            fsync_dir(folder)
 
 
 def pid_alive(pid: int) -> bool:
@@ -1187,7 +1218,12 @@ def load_ledger(path: str) -> dict[str, Any]:
 
 
 def write_json(path: str, obj: Any, sync: bool = True) -> None:
-    atomic_write(path, json.dumps(obj, separators=(",", ":")).encode() + b"\n", sync=sync)
+    atomic_write_all([json_write(path, obj)], sync=sync)
+
+
+def json_write(path: str, obj: Any) -> FileWrite:
+    """obj as a JSON file's write, for atomic_write_all."""
+    return FileWrite(path, json.dumps(obj, separators=(",", ":")).encode() + b"\n")
 
 
 def load_json(path: str) -> Any:
@@ -1294,41 +1330,58 @@ def _edit_accounts(name: str, lines: dict[str, str] | None,
                 else:
                     raise SysError("allocate uid", errno.ENOSPC, "no free uid in the range")
                 lines = _account_lines(name, uid, comment)
-            replaced: list[tuple[str, bytes]] = []     # (path, its old bytes)
-            try:
-                for path in ACCOUNT_FILES:
-                    if not os.path.exists(path):
-                        continue
-                    with open(path, "rb") as f:
-                        raw = f.read()
-                    old = raw.decode("utf-8", "surrogateescape").splitlines()
-                    new = [line for line in old if not line.startswith(name + ":")]
-                    if lines is not None:
-                        new.append(lines[path])
-                    if new == old:
-                        continue
-                    _replace_account_file(path, ("\n".join(new) + "\n").encode(
-                        "utf-8", "surrogateescape"))
-                    replaced.append((path, raw))
-            except BaseException:
-                for path, raw in reversed(replaced):   # the four files agree, or none changed
-                    try:
-                        _replace_account_file(path, raw)
-                    except OSError as exc:
-                        log(3, f"could not put {path} back after a failed edit: {exc}")
-                raise
+            _accounts_replace(name, lines)
         finally:
             libc().ulckpwdf()
     return uid
+
+
+def _accounts_replace(name: str, lines: dict[str, str] | None) -> None:
+    """The account files without the entries of name (and with lines), as one group commit:
+    the four temps written, then synced (the first sync commits the journal for all), then
+    renamed, then /etc synced once: five syncs where there were eight.  If a rename fails
+    after others, those are put back: the four files agree, or none changed."""
+    old: dict[str, bytes] = {}
+    writes = []
+    for path in ACCOUNT_FILES:
+        if not os.path.exists(path):
+            continue
+        with open(path, "rb") as f:
+            old[path] = f.read()
+        before = old[path].decode("utf-8", "surrogateescape").splitlines()
+        after = [line for line in before if not line.startswith(name + ":")]
+        if lines is not None:
+            after.append(lines[path])
+        if after != before:
+            writes.append(_account_write(path, ("\n".join(after) + "\n").encode(
+                "utf-8", "surrogateescape")))
+    try:
+        atomic_write_all(writes)
+    except BaseException:
+        for w in writes:
+            try:
+                with open(w.path, "rb") as f:
+                    if f.read() == old[w.path]:
+                        continue
+                atomic_write_all([_account_write(w.path, old[w.path])])
+            except OSError as exc:
+                log(3, f"could not put {w.path} back after a failed edit: {exc}")
+        raise
+
+
+def _account_write(path: str, data: bytes) -> FileWrite:
+    """An account file's new bytes as a write: a temp beside it (PATH.gurtd-PID) with the
+    file's own mode and owner."""
+    st = os.stat(path)
+    return FileWrite(path, data, st.st_mode & 0o7777, (st.st_uid, st.st_gid),
+                     f"{path}.gurtd-{os.getpid()}")
 
 
 def _replace_account_file(path: str, data: bytes) -> None:
     """Replace an account file with data: a temp beside it (PATH.gurtd-PID, same mode and
     owner), every byte written, fsync, size checked, rename.  On any error the temp is
     removed and the original stays untouched: /etc/passwd is never truncated."""
-    st = os.stat(path)
-    atomic_write(path, data, st.st_mode & 0o7777, sync=True, owner=(st.st_uid, st.st_gid),
-                 tmp=f"{path}.gurtd-{os.getpid()}")
+    atomic_write_all([_account_write(path, data)])
 
 
 def account_temp_leftovers() -> list[str]:
@@ -6523,6 +6576,7 @@ class Box:
         self.workers: dict[str, Worker] = {}
         self.settings: dict[str, Any] = dict(DEFAULT_SETTINGS)
         self.state: dict[str, int] = {"nextUid": UID_FIRST}
+        self.state_unsaved = False          # state.json goes with the next synced task save
         self.token = ""
         self.store_uid = self.store_gid = 0
         self.spawner = Spawner()
@@ -6658,14 +6712,17 @@ class Box:
         return data
 
     def save(self, task: Task, sync: bool = True) -> None:
-        """Persist and re-render a task after a change; every change moves updatedAt."""
+        """Persist and re-render a task after a change; every change moves updatedAt.  A
+        synced save takes state.json along when it changed (one group commit)."""
         task.updatedAt = now_iso()
-        write_json(self.task_file(task.id), self.stored(task), sync=sync)
+        writes = [json_write(self.task_file(task.id), self.stored(task))]
+        with_state = sync and self.state_unsaved
+        if with_state:
+            writes.append(json_write(self.path("state.json"), self.state))
+        atomic_write_all(writes, sync=sync)
+        self.state_unsaved = self.state_unsaved and not with_state
         self.loop.render(task)
         self.unsaved.discard(task.id)
-
-    def save_state(self) -> None:
-        write_json(self.path("state.json"), self.state)
 
     def append_log(self, task_id: str, entry: dict[str, Any]) -> None:
         entry = {"time": now_iso(), **entry}
@@ -6863,11 +6920,12 @@ class Box:
         task.layers = layers
         out_r = out_w = -1
         try:
-            # uids go round the range, so that one is not reused soon after its task ended
+            # uids go round the range, so that one is not reused soon after its task ended;
+            # the next one is saved with the task's running (or failed) state: a crash
+            # before that finds the task queued and its user a leftover, ended and removed
             task.uid = uid = user_add(task.user, self.state["nextUid"],
                                       f"gurt task in {self.home}")
-            self.state["nextUid"] = uid + 1
-            self.save_state()
+            self.state["nextUid"], self.state_unsaved = uid + 1, True
             layer = self.layer_dir(task.id)
             tree_remove(layer)                        # a start cut short by a crash
             for sub in ("", "upper", "work"):
