@@ -7271,7 +7271,8 @@ class DroidWorker:
                 "resolves and is reachable; a denied one answers NXDOMAIN from then on: do "
                 "without it.\n" if task.askHosts else "") +
             f"- Tools: {tools}. Call one with the shell command "
-            "`gurtd tool NAME '{\"json\": \"args\"}'` or through the gurtd MCP server.\n"
+            "`gurtd tool NAME '{\"json\": \"args\"}'`, or as the gurtd MCP server's tool "
+            "gurtd___NAME (a dot in NAME as _), which ToolSearch loads.\n"
             f"- Budget: {task.budgetCents} US cents; spending above it pauses you until a "
             "person approves.\n")
         if task.folders:
@@ -7282,8 +7283,11 @@ class DroidWorker:
         spec["droid"] = path
         spec["files"] = {"/run/gurt/prompt.md": task.prompt,
                          "/run/gurt/system-prompt.md": system}
+        # blockOnMcpLoad: droid exec's first model call waits for `gurtd mcp` to list the
+        # task's tools (else it goes at once, and they are not among its deferred tools)
         spec["homeFiles"] = {".factory/mcp.json": json.dumps({"mcpServers": {"gurtd": {
-            "type": "stdio", "command": "/run/gurt/bin/gurtd", "args": ["mcp"]}}}, indent=1)}
+            "type": "stdio", "command": "/run/gurt/bin/gurtd", "args": ["mcp"]}}}, indent=1),
+            ".factory/settings.json": json.dumps({"blockOnMcpLoad": True}, indent=1)}
         spec["argv"] = ["/run/gurt/bin/droid", "exec", "--output-format", "stream-json",
                         "--cwd", VIEW_DIR, "-m", settings["droidModel"],
                         "--auto", settings["droidAutonomy"], "-f", "/run/gurt/prompt.md",
@@ -8692,12 +8696,14 @@ class Gateway:
         token = "gurtd-" + secrets.token_urlsafe(32)
         self.tasks[task.id] = TaskGateway(task.id, token, config["api"], config["baseUrl"])
         # droid adds /v1/messages to an anthropic baseUrl, /chat/completions to the other
-        spec["homeFiles"][".factory/settings.json"] = json.dumps({"customModels": [{
-            "model": gateway_models(settings)[0], "displayName": GATEWAY_MODEL_NAME,
-            "baseUrl": f"http://{GATEWAY_ADDR}" + ("" if config["api"] == "anthropic" else
-                                                   "/v1"),
-            "apiKey": token, "provider": GATEWAY_APIS[config["api"]][1],
-            "maxOutputTokens": config["maxOutputTokens"]}]}, indent=1)
+        droid_settings = json.loads(spec["homeFiles"][".factory/settings.json"])
+        spec["homeFiles"][".factory/settings.json"] = json.dumps({**droid_settings,
+            "customModels": [{
+                "model": gateway_models(settings)[0], "displayName": GATEWAY_MODEL_NAME,
+                "baseUrl": f"http://{GATEWAY_ADDR}" + ("" if config["api"] == "anthropic" else
+                                                       "/v1"),
+                "apiKey": token, "provider": GATEWAY_APIS[config["api"]][1],
+                "maxOutputTokens": config["maxOutputTokens"]}]}, indent=1)
         argv = spec["argv"]
         argv[argv.index("-m") + 1] = f"custom:{GATEWAY_MODEL_NAME}-0"
         spec["gateway"] = True

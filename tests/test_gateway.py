@@ -331,6 +331,56 @@ def test_droid_runs_commands_that_call_gurtds_tools(model_gurtd: Gurtd,
     assert any(s and s.startswith("Execute: gurtd tool wallet.pay") for s in steps), steps
 
 
+def test_droid_offers_gurtds_mcp_tools_and_the_model_calls_them(model_gurtd: Gurtd,
+                                                                 upstream: Upstream) -> None:
+    """Droid lists the MCP server's tools among its deferred ones (it waits for `gurtd mcp`
+    before its first call); the model loads them with ToolSearch, sees them in the tool list,
+    pays through wallet.pay and asks a person through ask, as a fake worker would."""
+    mcp_tools = ["gurtd___wallet_pay", "gurtd___ask"]
+
+    def script(api: str, body: dict[str, Any]) -> tuple[str, Any]:
+        step, last = turns(api, body), json.dumps(body["messages"][-1])
+        if step == 0:            # deferred: named in a reminder, loaded on request
+            assert not set(mcp_tools) & set(tool_names(api, body))
+            reminder = json.dumps(body)
+            assert all(f"\\n{name}\\n" in reminder for name in mcp_tools), reminder[:2000]
+            return "Loading gurtd's tools.", ("ToolSearch", {"query": "select:" +
+                                                             ",".join(mcp_tools)})
+        if step == 1:
+            assert set(mcp_tools) <= set(tool_names(api, body)), tool_names(api, body)
+            return "Paying bob.", ("gurtd___wallet_pay", {"to": "bob", "cents": 7})
+        if step == 2:
+            assert '\\"paid\\": true' in last, last
+            return "Asking.", ("gurtd___ask", {"question": "which colour?"})
+        if step == 3:
+            heard = "blue" if "blue" in last else "missing"
+            return "Noting it.", ("Create", {"file_path": f"{G.VIEW_DIR}/colour.txt",
+                                             "content": heard + "\n"})
+        return "Paid and noted.", None
+    upstream.script = script
+    g = model_gurtd
+    g.api("PUT", "/api/wallet", {"balanceCents": 100})
+    task = g.api("POST", "/api/tasks", {"title": "pay", "prompt": "pay bob 7 cents",
+                                        "tools": ["wallet.pay", "ask"], "budgetCents": 1000},
+                 status=201)
+    question = eventually(lambda: [a for a in pending(g, task["id"]) if a["kind"] == "ask"],
+                          timeout=90)[0]
+    assert question["args"] == {"question": "which colour?"}
+    g.api("POST", f"/api/approvals/{question['id']}/answer", {"answer": "blue"})
+    done = g.wait(task["id"], timeout=90)
+    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    assert done["summary"] == "Paid and noted."
+    assert len(upstream.requests) == 5
+    assert g.api("GET", "/api/wallet")["balanceCents"] == 93
+    assert done["costCents"] == pytest.approx(7 + cost(upstream.usages), rel=1e-12)
+    assert g.file("home", "colour.txt") == b"blue\n"
+    events = [e["event"] for e in g.log(task["id"]) if e["type"] == "event"]
+    called = [e.get("toolName") for e in events if e.get("type") == "tool_call"]
+    assert called == ["ToolSearch", *mcp_tools, "Create"], called
+    failed = [e for e in events if e.get("type") == "tool_result" and e.get("isError")]
+    assert failed == [], failed
+
+
 @pytest.mark.parametrize("answer", ["approve", "deny"])
 def test_droids_next_call_waits_at_the_budget_for_a_person(
         model_gurtd: Gurtd, upstream: Upstream, answer: str) -> None:
