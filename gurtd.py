@@ -7393,7 +7393,8 @@ class DroidWorker:
                 "resolves and is reachable; a denied one answers NXDOMAIN from then on: do "
                 "without it.\n" if task.askHosts else "") +
             f"- Tools: {tools}. Call one with the shell command "
-            "`gurtd tool NAME '{\"json\": \"args\"}'` or through the gurtd MCP server.\n"
+            "`gurtd tool NAME '{\"json\": \"args\"}'`, or as the gurtd MCP server's tool "
+            "gurtd___NAME (a dot in NAME as _), which ToolSearch loads.\n"
             f"- Budget: {task.budgetCents} US cents; spending above it pauses you until a "
             "person approves.\n")
         if task.folders:
@@ -7404,8 +7405,11 @@ class DroidWorker:
         spec["droid"] = path
         spec["files"] = {"/run/gurt/prompt.md": task.prompt,
                          "/run/gurt/system-prompt.md": system}
+        # blockOnMcpLoad: droid exec's first model call waits for `gurtd mcp` to list the
+        # task's tools (else it goes at once, and they are not among its deferred tools)
         spec["homeFiles"] = {".factory/mcp.json": json.dumps({"mcpServers": {"gurtd": {
-            "type": "stdio", "command": "/run/gurt/bin/gurtd", "args": ["mcp"]}}}, indent=1)}
+            "type": "stdio", "command": "/run/gurt/bin/gurtd", "args": ["mcp"]}}}, indent=1),
+            ".factory/settings.json": json.dumps({"blockOnMcpLoad": True}, indent=1)}
         spec["argv"] = ["/run/gurt/bin/droid", "exec", "--output-format", "stream-json",
                         "--cwd", task.folders[0] if task.folders else VIEW_DIR,
                         "-m", settings["droidModel"],
@@ -8423,12 +8427,13 @@ class Policies:
 # A droid task reaches its model through gurtd, never directly: a listener that gurtd binds
 # inside the task's own network namespace (GATEWAY_ADDR:GATEWAY_PORT, beside its DNS, made from
 # a thread that setns-ed there), served by a thread of gurtd's.  Each call is forwarded on a
-# thread of its own (at most GATEWAY_THREADS, GATEWAY_TASK_CALLS per task) to the upstream the
-# owner set (modelGateway), with the owner's key added: BOX_HOME/secrets/model-key, which no
-# task ever sees.  A task holds only its own random credential, dead when it ends.  What a
-# call costs is the usage in the upstream's answer (the final events of a stream, or the
-# response), never the task's own stream; the loop adds it to costCents and holds a call that
-# arrives at or past the budget until a person answers the budget approval.
+# call thread (at most GATEWAY_THREADS, GATEWAY_TASK_CALLS per task; kept for the next call)
+# to the upstream the owner set (modelGateway), over a kept-alive connection, with the owner's
+# key added: BOX_HOME/secrets/model-key, which no task ever sees.  A task holds only its own
+# random credential, dead when it ends.  What a call costs is the usage in the upstream's
+# answer (the final events of a stream, or the response), never the task's own stream; the
+# loop adds it to costCents and holds a call that arrives at or past the budget until a person
+# answers the budget approval.
 
 GATEWAY_ADDR = DNS_ADDR              # on the task's own lo, where its resolver is too
 GATEWAY_PORT = 80                    # below 1024: no process of the task can bind it
@@ -8448,6 +8453,8 @@ GATEWAY_REQUEST_SECONDS = 30.0       # for a task to send a whole request (slow 
 GATEWAY_CONNECT_SECONDS = 10.0       # to connect to the upstream (TLS included)
 GATEWAY_READ_SECONDS = 300.0         # the upstream's (or the task's) silence between two reads
 GATEWAY_CALL_SECONDS = 1800.0        # a whole answer; an endless one is cut here
+GATEWAY_IDLE = 16                    # kept-alive upstream connections waiting for a call
+GATEWAY_IDLE_SECONDS = 15.0          # an idle one older than this is closed, not reused
 MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]{0,127}$")
 DEFAULT_MODEL_GATEWAY: dict[str, Any] = DEFAULT_SETTINGS["modelGateway"]
 
@@ -8708,6 +8715,63 @@ def header_text(value: Any, default: str) -> str:
     return text if re.fullmatch(r"[\x20-\x7e]{1,200}", text) else default
 
 
+def quick_ack(sock: socket.socket | None) -> None:
+    """Acknowledge what arrives at once: on a kept-alive connection the kernel delays ACKs
+    (up to 40 ms), and an upstream that writes an answer in pieces with Nagle on (a plain
+    http.server) holds each piece until the last one is acknowledged.  Not sticky: again
+    before each read."""
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+
+
+class UpstreamPool:
+    """Connections to the upstream kept alive from one call to the next, so that a call pays
+    no TCP (or TLS) handshake; one TLS context (the system's CAs, verified) for them all.
+    Any thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.idle: dict[tuple[str, str, int], list[tuple[float, http.client.HTTPConnection]]] \
+            = {}
+        self.context: ssl.SSLContext | None = None
+
+    def take(self, scheme: str, host: str, port: int) -> http.client.HTTPConnection | None:
+        """An idle connection to the upstream, the latest put back; None if there is none."""
+        with self.lock:
+            idle = self.idle.get((scheme, host, port), [])
+            while idle:
+                since, conn = idle.pop()
+                if time.monotonic() - since < GATEWAY_IDLE_SECONDS:
+                    return conn
+                conn.close()
+        return None
+
+    def connect(self, scheme: str, host: str, port: int) -> http.client.HTTPConnection:
+        """A new connection, its handshake done; OSError if the upstream cannot be reached."""
+        if scheme == "https":
+            with self.lock:
+                self.context = self.context or ssl.create_default_context()
+            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                host, port, timeout=GATEWAY_CONNECT_SECONDS, context=self.context)
+        else:
+            conn = http.client.HTTPConnection(host, port, timeout=GATEWAY_CONNECT_SECONDS)
+        conn.connect()
+        assert conn.sock is not None
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # stream chunks at once
+        conn.sock.settimeout(GATEWAY_READ_SECONDS)
+        return conn
+
+    def put(self, scheme: str, host: str, port: int, conn: http.client.HTTPConnection) -> None:
+        """A connection whose answer was read to its end, for the next call."""
+        with self.lock:
+            idle = self.idle.setdefault((scheme, host, port), [])
+            if len(idle) < GATEWAY_IDLE:
+                idle.append((time.monotonic(), conn))
+                return
+        conn.close()
+
+
 @dataclass
 class Hold:
     """A call held at the budget: the loop sets it once a person answers, or the task ends."""
@@ -8728,6 +8792,7 @@ class GatewayCall:
     conn: socket.socket
     started: float = field(default_factory=time.monotonic)
     upstream: socket.socket | None = None
+    whole: bool = False              # its answer was read to the end: its connection is reusable
     model: str = ""
     status: int = 0
     usage: dict[str, int] | None = None
@@ -8760,11 +8825,14 @@ class Gateway:
     def __init__(self, box: "Box") -> None:
         self.box = box
         self.tasks: dict[str, TaskGateway] = {}
-        self.lock = threading.Lock()     # self.running, each TaskGateway's calls and refused
+        self.lock = threading.Lock()     # running, idle, each TaskGateway's calls and refused
         self.running = 0
+        self.idle = 0                    # call threads done with a call, waiting for the next
+        self.waiting: queue.SimpleQueue[tuple[TaskGateway, GatewayCall]] = queue.SimpleQueue()
         self.changes: list[tuple[bool, TaskGateway]] = []   # listeners to add (True) or drop
         self.selector: selectors.BaseSelector | None = None
         self.wake_r = self.wake_w = -1
+        self.pool = UpstreamPool()
 
     # the owner's key
     @property
@@ -8815,12 +8883,14 @@ class Gateway:
         token = "gurtd-" + secrets.token_urlsafe(32)
         self.tasks[task.id] = TaskGateway(task.id, token, config["api"], config["baseUrl"])
         # droid adds /v1/messages to an anthropic baseUrl, /chat/completions to the other
-        spec["homeFiles"][".factory/settings.json"] = json.dumps({"customModels": [{
-            "model": gateway_models(settings)[0], "displayName": GATEWAY_MODEL_NAME,
-            "baseUrl": f"http://{GATEWAY_ADDR}" + ("" if config["api"] == "anthropic" else
-                                                   "/v1"),
-            "apiKey": token, "provider": GATEWAY_APIS[config["api"]][1],
-            "maxOutputTokens": config["maxOutputTokens"]}]}, indent=1)
+        droid_settings = json.loads(spec["homeFiles"][".factory/settings.json"])
+        spec["homeFiles"][".factory/settings.json"] = json.dumps({**droid_settings,
+            "customModels": [{
+                "model": gateway_models(settings)[0], "displayName": GATEWAY_MODEL_NAME,
+                "baseUrl": f"http://{GATEWAY_ADDR}" + ("" if config["api"] == "anthropic" else
+                                                       "/v1"),
+                "apiKey": token, "provider": GATEWAY_APIS[config["api"]][1],
+                "maxOutputTokens": config["maxOutputTokens"]}]}, indent=1)
         argv = spec["argv"]
         argv[argv.index("-m") + 1] = f"custom:{GATEWAY_MODEL_NAME}-0"
         spec["gateway"] = True
@@ -8989,13 +9059,15 @@ class Gateway:
                 self.accept(key.data)
 
     def accept(self, tg: TaskGateway) -> None:
-        """A call arrives: a thread of its own, or at once a refusal (too many at once)."""
+        """A call arrives: a call thread (an idle one, else a new one), or at once a refusal
+        (too many at once)."""
         assert tg.listener is not None
         try:
             conn, _ = tg.listener.accept()
         except OSError:
             return
         conn.setblocking(True)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)     # each chunk as it comes
         refusal = None
         with self.lock:
             if len(tg.calls) >= GATEWAY_TASK_CALLS:
@@ -9009,17 +9081,30 @@ class Gateway:
                 call = GatewayCall(conn)
                 tg.calls.add(call)
                 self.running += 1
+                new = self.idle == 0         # threads: running + idle <= GATEWAY_THREADS
+                if not new:
+                    self.idle -= 1
             if refusal is not None:
                 tg.refused += 1
         if refusal is None:
-            threading.Thread(target=self.serve, args=(tg, call), name="gateway-call",
-                             daemon=True).start()
+            self.waiting.put((tg, call))
+            if new:
+                threading.Thread(target=self.calling, name="gateway-call", daemon=True).start()
             return
         with contextlib.suppress(OSError):
             conn.send(refusal_answer(tg.api, refusal), socket.MSG_DONTWAIT)
         conn.close()
 
     # a call thread
+    def calling(self) -> None:
+        """A call thread, for good: one call after another (no thread started per call)."""
+        while True:
+            tg, call = self.waiting.get()
+            try:
+                self.serve(tg, call)
+            except Exception as exc:             # counted idle already: it must go on
+                log(3, f"the model gateway's call thread: {type(exc).__name__}: {exc}")
+
     def serve(self, tg: TaskGateway, call: GatewayCall) -> None:
         try:
             try:
@@ -9043,6 +9128,7 @@ class Gateway:
             with self.lock:
                 tg.calls.discard(call)
                 self.running -= 1
+                self.idle += 1
             self.settle(tg, call)
 
     def wait_budget(self, tg: TaskGateway) -> None:
@@ -9118,28 +9204,50 @@ class Gateway:
         else:
             headers["Authorization"] = f"Bearer {key}"
             path = prefix + "/chat/completions"
-        upstream = http.client.HTTPSConnection(
-            host, port, timeout=GATEWAY_CONNECT_SECONDS,
-            context=ssl.create_default_context()) if scheme == "https" else \
-            http.client.HTTPConnection(host, port, timeout=GATEWAY_CONNECT_SECONDS)
+        upstream, answer = self.request(tg, (scheme, host, port), path, body, headers, call)
         try:
-            try:
-                upstream.connect()
-                call.upstream = upstream.sock
-                upstream.sock.settimeout(GATEWAY_READ_SECONDS)
-                upstream.request("POST", path, body, headers)
-                answer = upstream.getresponse()
-            except (OSError, http.client.HTTPException) as exc:
-                raise GatewayRefusal(504 if isinstance(exc, TimeoutError) else 502, "api_error",
-                                     f"the model's server ({host}) could not be reached: "
-                                     f"{type(exc).__name__}: {exc}") from None
             call.status = answer.status
             if 300 <= answer.status < 400:
                 raise GatewayRefusal(502, "api_error", f"the model's server answered "
                                      f"{answer.status}, a redirect, which gurtd does not follow")
             self.pass_on(tg, answer, call)
         finally:
-            upstream.close()
+            call.upstream = None
+            if call.whole and not answer.will_close and not tg.dead:
+                self.pool.put(scheme, host, port, upstream)
+            else:
+                upstream.close()
+
+    def request(self, tg: TaskGateway, where: tuple[str, str, int], path: str, body: bytes,
+                headers: dict[str, str], call: GatewayCall
+                ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """The call sent on a kept-alive connection, or a new one: one that the upstream
+        closed while it sat idle fails before any answer, and the call goes on a new one."""
+        upstream = self.pool.take(*where)
+        try:
+            if upstream is not None:
+                try:
+                    return upstream, self.send(upstream, path, body, headers, call)
+                except (http.client.RemoteDisconnected, ConnectionError):
+                    upstream.close()
+                    if tg.dead:                      # cut by the task's end: not again
+                        raise
+            upstream = self.pool.connect(*where)
+            return upstream, self.send(upstream, path, body, headers, call)
+        except (OSError, http.client.HTTPException) as exc:
+            if upstream is not None:
+                upstream.close()
+            raise GatewayRefusal(504 if isinstance(exc, TimeoutError) else 502, "api_error",
+                                 f"the model's server ({where[1]}) could not be reached: "
+                                 f"{type(exc).__name__}: {exc}") from None
+
+    @staticmethod
+    def send(upstream: http.client.HTTPConnection, path: str, body: bytes,
+             headers: dict[str, str], call: GatewayCall) -> http.client.HTTPResponse:
+        call.upstream = upstream.sock
+        upstream.request("POST", path, body, headers)
+        quick_ack(call.upstream)
+        return upstream.getresponse()
 
     def pass_on(self, tg: TaskGateway, answer: http.client.HTTPResponse,
                 call: GatewayCall) -> None:
@@ -9162,12 +9270,13 @@ class Gateway:
         conn, total = call.conn, 0
         while True:
             try:
+                quick_ack(call.upstream)
                 chunk = answer.read1(65536)
             except (OSError, http.client.HTTPException) as exc:
                 call.note = f"the model's answer broke off: {type(exc).__name__}: {exc}"
                 break
             if not chunk:
-                call.usage = meter.result()
+                call.usage, call.whole = meter.result(), True
                 self.reserve(tg, call)            # the task's next call weighs this cost
                 conn.sendall(b"0\r\n\r\n")
                 self.settle(tg, call)             # at once: before the task's next event

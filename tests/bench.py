@@ -9,7 +9,10 @@ RSS with 100 tasks running, GET latencies while the loop is busy, and tasks per 
 through a burst (`python tests/bench.py api`: those figures only); then the portal's: a
 state change to a real browser showing it, a fresh load's first paint and its task list
 drawn, and the page's size (`python tests/bench.py portal`: those only); then the
-finish-time merge's and the exact undo's (`python tests/bench.py merge`: those only)."""
+finish-time merge's and the exact undo's (`python tests/bench.py merge`: those only); then
+the model gateway's: a call and its first streamed byte through it against the same calls
+straight to the model, one task and 50 at once (`python tests/bench.py gateway`: those only).
+"""
 
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ import http.server
 import json
 import os
 import random
+import shutil
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -699,6 +704,7 @@ def main() -> None:
     results += portal_figures()
     results += layer_figures()
     results += merge_figures()
+    results += gateway_figures()
     print_results(results)
 
 
@@ -1059,6 +1065,79 @@ def merge_figures() -> list[tuple[str, str, str]]:
     return results
 
 
+# the model gateway: a call through it against the same call straight to the model ###########
+
+def direct_timed(port: int, count: int, at: float, tasks: int) -> list[tuple[list[float],
+                                                                           list[float]]]:
+    """`tasks` processes (as many as tasks calling), each from `at` (epoch seconds) making
+    count calls straight to the stand-in model, as the stand-in agent makes them through the
+    gateway: (whole ms, first byte ms) of each."""
+    from test_gateway import KEY, MODEL, TIMED
+    code = TIMED + (f"import json, time\ntime.sleep(max(0.0, {at} - time.time()))\n"
+                    f"print(json.dumps(timed('127.0.0.1', {port}, {KEY!r}, "
+                    f"{{'model': {MODEL!r}, 'max_tokens': 100, 'messages': "
+                    f"[{{'role': 'user', 'content': 'hi'}}]}}, {count})))")
+    procs = [subprocess.Popen(["/usr/bin/python3", "-c", code], stdout=subprocess.PIPE)
+             for _ in range(tasks)]
+    return [tuple(json.loads(proc.communicate()[0])) for proc in procs]
+
+
+def gateway_timed(g: Gurtd, count: int, at: float, tasks: int) -> list[tuple[list[float],
+                                                                            list[float]]]:
+    """The same from inside `tasks` tasks (the stand-in agent), through the gateway."""
+    from test_gateway import results
+    ids = [g.api("POST", "/api/tasks", {"title": "gateway", "prompt": f"at{at} time{count}",
+                                        "budgetCents": 100_000}, status=201)["id"]
+           for _ in range(tasks)]
+    out = []
+    for task_id in ids:
+        task = g.wait(task_id, timeout=300)
+        assert task["state"] == "done", (task, g.log(task_id)[-3:])
+        timed = results(g, task_id)[-1]      # earlier tasks' lines are in its view too
+        out.append((timed["whole"], timed["first"]))
+    return out
+
+
+def gateway_figures() -> list[tuple[str, str, str]]:
+    """A call's p50 and its first streamed byte's (every other call streams), through the
+    gateway from inside a task against the same calls straight to the stand-in model (the
+    floor), one after another, and 50 tasks calling at once."""
+    from test_gateway import KEY, Upstream, agent_droid, gateway_settings
+    os.environ.pop("FACTORY_API_KEY", None)
+    upstream = Upstream(lambda api, body: ("Hello.", None))
+    agent = agent_droid()
+    results: list[tuple[str, str, str]] = []
+    try:
+        with running_gurtd() as g:
+            g.api("PUT", "/api/secrets/model", {"key": KEY})
+            g.api("PUT", "/api/settings", {**gateway_settings(upstream), "droidPath": agent,
+                                           "maxRunningTasks": 60})
+            for tasks, count, wait in ((1, 200, 0.0), (50, 20, 15.0)):
+                at = time.time() + wait
+                through = gateway_timed(g, count, at, tasks)
+                direct = direct_timed(upstream.port, count, time.time() + wait / 3, tasks)
+                results += gateway_rows(tasks, through, direct)
+    finally:
+        upstream.close()
+        shutil.rmtree(os.path.dirname(agent), ignore_errors=True)
+    return results
+
+
+def gateway_rows(tasks: int, through: list[tuple[list[float], list[float]]],
+                 direct: list[tuple[list[float], list[float]]]) -> list[tuple[str, str, str]]:
+    rows = []
+    for i, what in enumerate(("call", "first streamed byte")):
+        gw = statistics.median([v for t in through for v in t[i]])
+        floor = statistics.median([v for t in direct for v in t[i]])
+        label = "one task, calls one after another" if tasks == 1 else \
+            f"{tasks} tasks calling at once"
+        rows += [(f"model {what} through the gateway, {label}, p50 (ms)", f"{gw:.2f}", ""),
+                 ("  straight to the model (the floor), p50 (ms)", f"{floor:.2f}", ""),
+                 ("  the gateway adds (p50, ms)", f"{gw - floor:.2f}",
+                  "<= 1" if tasks == 1 else "")]
+    return rows
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["personal"]:     # python tests/bench.py personal: this section only
         print_results(personal_figures())
@@ -1068,5 +1147,7 @@ if __name__ == "__main__":
         print_results(layer_figures())
     elif sys.argv[1:] == ["merge"]:      # python tests/bench.py merge: issue 21's only
         print_results(merge_figures())
+    elif sys.argv[1:] == ["gateway"]:    # python tests/bench.py gateway: the model gateway's
+        print_results(gateway_figures())
     else:
         main()

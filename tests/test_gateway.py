@@ -44,6 +44,10 @@ def turns(api: str, body: dict[str, Any]) -> int:
     return sum(1 for m in body.get("messages") or [] if m.get("role") == "assistant")
 
 
+class Backlogged(http.server.ThreadingHTTPServer):
+    request_queue_size = 1024        # as many callers at once as a bench's 50 tasks and more
+
+
 class Upstream:
     """A model server: each POST is answered by script(api, body) -> (text, tool call or None),
     with a usage of its own, recorded with the request."""
@@ -53,10 +57,12 @@ class Upstream:
         self.requests: list[dict[str, Any]] = []
         self.usages: list[dict[str, int]] = []
         self.delay = 0.0
-        self.mode = "answer"           # or "endless": a stream that never ends; "html"
+        self.mode = "answer"           # or "endless": a stream that never ends; "html";
+        #                                "flood": an answer without end, as fast as it goes
         self.cut = threading.Event()   # an endless answer's reader went away
         self.lock = threading.Lock()
         self.in_flight = self.most_in_flight = 0   # calls being answered at once
+        self.hang_up = False           # close each connection after its answer, unsaid
         upstream = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -74,12 +80,13 @@ class Upstream:
                 finally:
                     with upstream.lock:
                         upstream.in_flight -= 1
+                    self.close_connection = self.close_connection or upstream.hang_up
 
             def answer(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 api = "anthropic" if self.path.endswith("/v1/messages") else "chat"
                 upstream.requests.append({"path": self.path, "headers": dict(self.headers),
-                                          "body": body})
+                                          "body": body, "peer": self.client_address[1]})
                 text, tool = upstream.script(api, body)
                 n = len(upstream.usages)
                 usage = {"input_tokens": 1000 + n, "output_tokens": 40 + n,
@@ -97,6 +104,8 @@ class Upstream:
                 self.end_headers()
                 if upstream.mode == "html":
                     chunks = [b"<html>a proxy's error page</html>"]
+                elif upstream.mode == "flood":
+                    chunks = chunks[:1] + [b"x" * (1 << 20)] * 1000
                 elif upstream.mode == "endless":
                     chunks = chunks[:1] + [b"event: ping\ndata: {\"type\": \"ping\"}\n\n"] * 10 ** 6
                 try:
@@ -109,7 +118,7 @@ class Upstream:
                 except OSError:
                     upstream.cut.set()
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = Backlogged(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -293,6 +302,29 @@ def execute(command: str, summary: str) -> tuple[str, dict[str, Any]]:
                        "riskLevelReason": "This command calls a tool of the gurtd box."}
 
 
+def pay_and_ask(g: Gurtd, upstream: Upstream,
+                script: Callable[[str, dict[str, Any]], tuple[str, Any]]) -> dict[str, Any]:
+    """A task with wallet.pay and ask whose model (script) pays bob 7 cents, asks which
+    colour, and writes down the answer (blue) in colour.txt: done, as a fake worker's."""
+    upstream.script = script
+    g.api("PUT", "/api/wallet", {"balanceCents": 100})
+    task = g.api("POST", "/api/tasks", {"title": "pay", "prompt": "pay bob 7 cents",
+                                        "tools": ["wallet.pay", "ask"], "budgetCents": 1000},
+                 status=201)
+    question = eventually(lambda: [a for a in pending(g, task["id"]) if a["kind"] == "ask"],
+                          timeout=90)[0]
+    assert question["args"] == {"question": "which colour?"}
+    g.api("POST", f"/api/approvals/{question['id']}/answer", {"answer": "blue"})
+    done = g.wait(task["id"], timeout=90)
+    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    assert done["summary"] == "Paid and noted."
+    assert g.api("GET", "/api/wallet")["balanceCents"] == 93
+    assert done["costCents"] == pytest.approx(7 + cost(upstream.usages), rel=1e-12)
+    assert changes(g, task["id"]) == [{"path": "colour.txt", "change": "added"}]
+    assert g.file("home", "colour.txt") == b"blue\n"
+    return done
+
+
 def test_droid_runs_commands_that_call_gurtds_tools(model_gurtd: Gurtd,
                                                      upstream: Upstream) -> None:
     """The model has Droid pay through wallet.pay and ask a person (`gurtd tool`, as the
@@ -310,25 +342,44 @@ def test_droid_runs_commands_that_call_gurtds_tools(model_gurtd: Gurtd,
             return "Noting it.", ("Create", {"file_path": f"{G.VIEW_DIR}/colour.txt",
                                              "content": heard + "\n"})
         return "Paid and noted.", None
-    upstream.script = script
-    g = model_gurtd
-    g.api("PUT", "/api/wallet", {"balanceCents": 100})
-    task = g.api("POST", "/api/tasks", {"title": "pay", "prompt": "pay bob 7 cents",
-                                        "tools": ["wallet.pay", "ask"], "budgetCents": 1000},
-                 status=201)
-    question = eventually(lambda: [a for a in pending(g, task["id"]) if a["kind"] == "ask"],
-                          timeout=90)[0]
-    assert question["args"]["question"] == "which colour?"
-    g.api("POST", f"/api/approvals/{question['id']}/answer", {"answer": "blue"})
-    done = g.wait(task["id"], timeout=90)
-    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
-    assert done["summary"] == "Paid and noted."
-    assert g.api("GET", "/api/wallet")["balanceCents"] == 93
-    assert done["costCents"] == pytest.approx(7 + cost(upstream.usages), rel=1e-12)
-    assert changes(g, task["id"]) == [{"path": "colour.txt", "change": "added"}]
-    assert g.file("home", "colour.txt") == b"blue\n"
+    g, task = model_gurtd, pay_and_ask(model_gurtd, upstream, script)
     steps = [G.droid_step(e["event"]) for e in g.log(task["id"]) if e["type"] == "event"]
     assert any(s and s.startswith("Execute: gurtd tool wallet.pay") for s in steps), steps
+
+
+def test_droid_offers_gurtds_mcp_tools_and_the_model_calls_them(model_gurtd: Gurtd,
+                                                                 upstream: Upstream) -> None:
+    """Droid lists the MCP server's tools among its deferred ones (it waits for `gurtd mcp`
+    before its first call); the model loads them with ToolSearch, sees them in the tool list,
+    pays through wallet.pay and asks a person through ask, as a fake worker would."""
+    mcp_tools = ["gurtd___wallet_pay", "gurtd___ask"]
+
+    def script(api: str, body: dict[str, Any]) -> tuple[str, Any]:
+        step, last = turns(api, body), json.dumps(body["messages"][-1])
+        if step == 0:            # deferred: named in a reminder, loaded on request
+            assert not set(mcp_tools) & set(tool_names(api, body))
+            reminder = json.dumps(body)
+            assert all(f"\\n{name}\\n" in reminder for name in mcp_tools), reminder[:2000]
+            return "Loading gurtd's tools.", ("ToolSearch", {"query": "select:" +
+                                                             ",".join(mcp_tools)})
+        if step == 1:
+            assert set(mcp_tools) <= set(tool_names(api, body)), tool_names(api, body)
+            return "Paying bob.", ("gurtd___wallet_pay", {"to": "bob", "cents": 7})
+        if step == 2:
+            assert '\\"paid\\": true' in last, last
+            return "Asking.", ("gurtd___ask", {"question": "which colour?"})
+        if step == 3:
+            heard = "blue" if "blue" in last else "missing"
+            return "Noting it.", ("Create", {"file_path": f"{G.VIEW_DIR}/colour.txt",
+                                             "content": heard + "\n"})
+        return "Paid and noted.", None
+    g, task = model_gurtd, pay_and_ask(model_gurtd, upstream, script)
+    assert len(upstream.requests) == 5
+    events = [e["event"] for e in g.log(task["id"]) if e["type"] == "event"]
+    called = [e.get("toolName") for e in events if e.get("type") == "tool_call"]
+    assert called == ["ToolSearch", *mcp_tools, "Create"], called
+    failed = [e for e in events if e.get("type") == "tool_result" and e.get("isError")]
+    assert failed == [], failed
 
 
 @pytest.mark.parametrize("answer", ["approve", "deny"])
@@ -474,6 +525,21 @@ for step in open("/run/gurt/prompt.md").read().split():
         say(step=step, answer=call(MESSAGE))
     elif step == "stream":
         say(step=step, answer=call({**MESSAGE, "stream": True}))
+    elif step == "size":        # how much of an answer arrives (a cut one included)
+        conn = http.client.HTTPConnection(host, timeout=60)
+        conn.request("POST", "/v1/messages", json.dumps(MESSAGE),
+                     {"x-api-key": settings["apiKey"], "Content-Type": "application/json"})
+        resp = conn.getresponse()
+        try:
+            length = len(resp.read())
+        except http.client.IncompleteRead as exc:
+            length = len(exc.partial)
+        say(step=step, status=resp.status, length=length)
+    elif step == "drip":        # 3 calls whose requests never end, then one that does
+        drips = [socket.create_connection((host, 80)) for _ in range(3)]
+        for sock in drips:
+            sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: gw\r\n")
+        say(step=step, answer=call(MESSAGE))
     elif step == "forge":       # usage lines in droid's own stream: logged, never counted
         for n in range(3):
             print(json.dumps({"type": "completion", "finalText": "forged",
@@ -514,9 +580,12 @@ for step in open("/run/gurt/prompt.md").read().split():
             say(step="huge", answer=call(None, raw=b" " * (17 << 20)))
         except OSError as exc:
             say(step="huge", answer=[0, str(exc)])
-    elif step == "time":        # milliseconds of calls one after another, and to a first byte
-        whole, first = timed(host, 80, settings["apiKey"], MESSAGE, 200)
+    elif step.startswith("time"):   # ms of calls one after another, and to a first byte
+        whole, first = timed(host, 80, settings["apiKey"], MESSAGE, int(step[4:] or 200))
         say(step=step, whole=whole, first=first)
+    elif step.startswith("at"):     # wait for a moment (epoch seconds): many tasks at once
+        import time
+        time.sleep(max(0.0, float(step[2:]) - time.time()))
     elif step == "crowd":       # 1,000 calls at once: a few go on, the rest refused at once
         import resource
         resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))
@@ -548,17 +617,32 @@ for step in open("/run/gurt/prompt.md").read().split():
 '''
 
 
-@pytest.fixture
-def agent_gurtd(model_gurtd: Gurtd) -> Iterator[Gurtd]:
+def agent_droid() -> str:
+    """AGENT as an executable droid in a new folder of /var/tmp the box user may read."""
     directory = tempfile.mkdtemp(prefix="gurt-test-agent-", dir="/var/tmp")
     path = os.path.join(directory, "droid")
     with open(path, "w") as f:
         f.write(AGENT)
     os.chmod(path, 0o755)
     os.chmod(directory, 0o755)
+    return path
+
+
+@pytest.fixture
+def agent_gurtd(model_gurtd: Gurtd) -> Iterator[Gurtd]:
+    path = agent_droid()
     model_gurtd.api("PUT", "/api/settings", {"droidPath": path})
     yield model_gurtd
-    shutil.rmtree(directory, ignore_errors=True)
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def agent_done(g: Gurtd, prompt: str, timeout: float = 60) -> dict[str, Any]:
+    """A task of the stand-in agent that takes the steps of prompt: done."""
+    task = g.api("POST", "/api/tasks", {"title": prompt, "prompt": prompt,
+                                        "budgetCents": 1000}, status=201)
+    done = g.wait(task["id"], timeout=timeout)
+    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    return done
 
 
 def results(g: Gurtd, task_id: str) -> list[dict[str, Any]]:
@@ -657,17 +741,45 @@ def test_a_stop_in_the_middle_of_a_streamed_answer_ends_it_and_counts_what_it_us
     assert g.task(task["id"])["costCents"] == pytest.approx(cost([used]), rel=1e-12)
 
 
+def test_an_answer_without_end_is_cut_at_its_bound(agent_gurtd: Gurtd,
+                                                   upstream: Upstream) -> None:
+    g = agent_gurtd
+    upstream.mode = "flood"
+    done = agent_done(g, "size", 120)
+    got = results(g, done["id"])[0]
+    # the read that would cross the bound (64 KiB at most) is not passed on
+    assert got["status"] == 200
+    assert G.GATEWAY_MAX_ANSWER - 65536 < got["length"] <= G.GATEWAY_MAX_ANSWER, got
+    assert upstream.cut.wait(10)                    # the upstream call ended too
+    line = model_lines(g, done["id"])[0]
+    assert line["status"] == 200 and "the answer was cut" in line["text"], line
+    # a whole (not streamed) answer is read for its usage only up to GATEWAY_MAX_PARSED
+    assert line["usage"] is None and done["costCents"] == 0
+
+
+def test_requests_that_drip_hold_only_their_own_calls(agent_gurtd: Gurtd,
+                                                      upstream: Upstream) -> None:
+    """Three calls whose requests never end hold three of the task's four calls, and the
+    fourth goes through meanwhile; they end with the task, and the loop never waits."""
+    g, started = agent_gurtd, time.monotonic()
+    done = agent_done(g, "drip")
+    assert time.monotonic() - started < G.GATEWAY_REQUEST_SECONDS  # never waited for them
+    assert results(g, done["id"])[0]["answer"][0] == 200
+    lines = eventually(lambda: len(model_lines(g, done["id"])) == 4 and
+                       model_lines(g, done["id"]))
+    assert sorted(e["status"] for e in lines) == [0, 0, 0, 200], lines
+    assert len(upstream.requests) == 1
+    assert done["costCents"] == pytest.approx(cost(upstream.usages), rel=1e-12)
+
+
 def test_an_answer_that_is_not_json_passes_on_and_costs_nothing(
         agent_gurtd: Gurtd, upstream: Upstream) -> None:
     g = agent_gurtd
     upstream.mode = "html"
-    task = g.api("POST", "/api/tasks", {"title": "html", "prompt": "call",
-                                        "budgetCents": 1000}, status=201)
-    done = g.wait(task["id"], timeout=60)
-    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
-    assert results(g, task["id"])[0]["answer"] == [200, "<html>a proxy's error page</html>"]
+    done = agent_done(g, "call")
+    assert results(g, done["id"])[0]["answer"] == [200, "<html>a proxy's error page</html>"]
     assert done["costCents"] == 0
-    line = model_lines(g, task["id"])[0]
+    line = model_lines(g, done["id"])[0]
     assert line["usage"] is None and line["text"].endswith("(no usage)")
 
 
@@ -775,6 +887,33 @@ def test_a_refusal_speaks_the_tasks_api() -> None:
         "type": "permission_error", "message": "gurtd: no more budget: too dear"}}
     body = G.refusal_answer("chat-completions", refusal).partition(b"\r\n\r\n")[2]
     assert json.loads(body)["error"]["message"] == "gurtd: no more budget: too dear"
+
+
+@pytest.mark.pure
+def test_upstream_connections_are_kept_alive_and_one_closed_meanwhile_is_replaced(
+        upstream: Upstream) -> None:
+    gateway = G.Gateway(None)               # type: ignore[arg-type]  # request needs no box
+    tg = G.TaskGateway("t", "token", "anthropic", f"http://127.0.0.1:{upstream.port}")
+    where = ("http", "127.0.0.1", upstream.port)
+    body = json.dumps({"model": MODEL, "max_tokens": 10, "messages": []}).encode()
+
+    def call() -> None:
+        with socket.socket() as unused:          # the task's side: not used by request
+            conn, answer = gateway.request(tg, where, "/v1/messages", body,
+                                           {"Content-Type": "application/json"},
+                                           G.GatewayCall(unused))
+            assert answer.status == 200 and json.loads(answer.read())["content"]
+            assert not answer.will_close
+            gateway.pool.put(*where, conn)
+    call()
+    call()
+    upstream.hang_up = True                  # closed once answered, as an idle timeout does
+    call()
+    upstream.hang_up = False
+    call()                                   # the closed one fails unanswered: a new one
+    peers = [r["peer"] for r in upstream.requests]
+    assert len(peers) == 4 and peers[0] == peers[1] == peers[2] != peers[3], peers
+    assert len(gateway.pool.idle[where]) == 1
 
 
 @pytest.mark.pure
