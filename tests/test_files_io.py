@@ -559,3 +559,27 @@ def gnu_sparse_bomb(blocks: int) -> bytes:
     block = entry * 21 + b"\0" * (512 - 21 * 24)
     more = block[:504] + b"\1" + block[505:]
     return gzip.compress(bytes(head) + more * (blocks - 1) + block + b"\0" * 1024)
+
+
+def test_a_file_of_more_extents_than_an_archive_takes_is_left_out_and_named(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ARCHIVE_EXTENTS data extents (a million: at least 4 GiB of data in pieces) a
+    file's map would cost the archive's writer memory without end: it is left out, and the
+    archive's last member says which file and why (lowered to 100 here)."""
+    import gurtd as G
+    monkeypatch.setattr(G, "ARCHIVE_EXTENTS", 100)
+    with open(tmp_path / "frag", "wb") as f:
+        for i in range(200):
+            f.seek(i << 20)
+            f.write(b"x")
+    (tmp_path / "ok.txt").write_text("ok\n")
+    top = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        out = io.BytesIO()
+        G.archive_write(out, top)
+    finally:
+        os.close(top)
+    with tarfile.open(fileobj=io.BytesIO(out.getvalue()), mode="r:gz") as tar:
+        assert [m.name for m in tar.getmembers()] == ["ok.txt", G.SKIPPED_MEMBER]
+        note = tar.extractfile(G.SKIPPED_MEMBER).read().decode()
+    assert note == "frag: more than 100 data extents (left out)\n", note
