@@ -30,7 +30,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Kernel filter         the seccomp refusals every worker runs under, one table by name
     Task leftovers        set-id bits of a finished layer, kernel keys of a finished uid
     Review                personal mode: a task's real folders checked, their copy-on-write
-                          overlays, conflicts, keep with its journal, undo of a keep, diff
+                          overlays, conflicts, keep with its journal, undo of a keep (both in
+                          the review thread, off the loop), diff
     Layer stack           views past 500 layers: which lowers a view uses, merged layers of
                           old groups (built off the loop), their generations and registry;
                           Views: each workspace's views, its stack, merges due, layer collection
@@ -50,6 +51,7 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Broker and approvals  tools called from tasks, the wallet, approvals, the broker socket
     Files in and out      uploads (a file, a tar archive) as layers of their own, each member
                           checked; tar.gz archives of a view or a task's changes, streamed
+                          (a file with holes as a sparse member)
     Portal sessions       the portal page at /, one-time sign-in codes, session cookies
                           (hashed on disk), the cookie's check beside the bearer token
     Schedules             cron lines in a time zone start tasks: runs spent up to now, missed
@@ -77,6 +79,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
 Threads: the loop thread owns the state.  HTTP and broker handler threads hand it commands
 through ``box.loop.call`` and wait for the answer (503 busy past a time limit); they read
 finished JSON renderings, published by the loop after each change, without waiting for it.
+Long work on files has threads of its own (layer merges: the merger; keep and undo of a keep:
+the review thread), which hand what they change of the state to the loop the same way.
 Importing this module does nothing: no root check, no threads, no mounts.
 
 Crashes and full disks: a terminal state is on disk before anyone hears of it; a write that
