@@ -30,7 +30,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Kernel filter         the seccomp refusals every worker runs under, one table by name
     Task leftovers        set-id bits of a finished layer, kernel keys of a finished uid
     Review                personal mode: a task's real folders checked, their copy-on-write
-                          overlays, conflicts, keep with its journal, undo of a keep, diff
+                          overlays, conflicts, keep with its journal, undo of a keep (both in
+                          the review thread, off the loop), diff
     Layer stack           views past 500 layers: which lowers a view uses, merged layers of
                           old groups (built off the loop), their generations and registry;
                           Views: each workspace's views, its stack, merges due, layer collection
@@ -50,6 +51,7 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Broker and approvals  tools called from tasks, the wallet, approvals, the broker socket
     Files in and out      uploads (a file, a tar archive) as layers of their own, each member
                           checked; tar.gz archives of a view or a task's changes, streamed
+                          (a file with holes as a sparse member)
     Portal sessions       the portal page at /, one-time sign-in codes, session cookies
                           (hashed on disk), the cookie's check beside the bearer token
     Schedules             cron lines in a time zone start tasks: runs spent up to now, missed
@@ -77,6 +79,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
 Threads: the loop thread owns the state.  HTTP and broker handler threads hand it commands
 through ``box.loop.call`` and wait for the answer (503 busy past a time limit); they read
 finished JSON renderings, published by the loop after each change, without waiting for it.
+Long work on files has threads of its own (layer merges: the merger; keep and undo of a keep:
+the review thread), which hand what they change of the state to the loop the same way.
 Importing this module does nothing: no root check, no threads, no mounts.
 
 Crashes and full disks: a terminal state is on disk before anyone hears of it; a write that
@@ -86,6 +90,7 @@ cut short (temp files, a payment's log line).
 
 from __future__ import annotations
 
+import array
 import base64
 import bisect
 import contextlib
@@ -3607,6 +3612,9 @@ def keys_clear(uid: int) -> None:
 # force does not override).  A gurtd killed before the journal is written has written
 # nothing; one killed after it finishes the keep at its next start (every step is repeatable
 # from the upper).  Undo of a keep is journaled the same way and puts the saved originals back.
+# Keep and undo of a keep run in the review thread, one after another, never on the loop: a
+# keep of 100,000 new files is seconds of writes (16-21 s held the loop, near the unit's 30 s
+# watchdog).  The loop only sets what they change of a Task, in short calls (Review.settle).
 
 MAX_FOLDERS = 16
 REVIEW_STATES = ("pending", "kept", "conflict", "undone")
@@ -3617,6 +3625,7 @@ CLOCK_SLACK_NS = 20_000_000
 ID_END = 4294967295                  # (uid_t)-1 is no id
 ORIGIN_XATTR = "trusted.overlay.origin"
 KEEP_TEMP = ".gurt-keep-"            # temp names in the real folders: .gurt-keep-<task>-<n>
+REVIEW_TRASH = ".trash-"             # BOX_HOME/review/.trash-<task>-<n>: being deleted
 SAVE_DEPTH_MAX = 500                 # levels of a real folder keep saves (a copy made on the
                                      # loop: a task must not make it copy without end)
 TOO_DEEP = "\0too deep"              # _tree_conflict's answer for a folder deeper than that
@@ -3907,7 +3916,7 @@ def _tree_conflict(root_fd: int, rel: str, start: int, uid: int) -> str | None:
     return TOO_DEEP if deep else STICKY_HELD if held else changed
 
 
-def change_conflict(root_fd: int, change: Change, start: int,
+def change_conflict(lookup: RealLookup, change: Change, start: int,
                     owner: tuple[int, list[int]]) -> str | None:
     """Why keeping this change would clobber the owner's work or is not allowed; or None."""
     if change.kind == "other":
@@ -3916,11 +3925,11 @@ def change_conflict(root_fd: int, change: Change, start: int,
         return f"a folder whose path is longer than {KEEP_PATH_MAX} bytes is never kept"
     if change.kind in ("file", "dir") and change.mode & (stat.S_ISUID | stat.S_ISGID):
         return "set-uid or set-gid bits are never kept"
-    real = real_lstat(root_fd, change.path)
+    real = lookup.lstat(change.path)
     parent = os.path.dirname(change.path)
     soft = None              # the owner's edit: force overrides it, never what follows it
     if real is None:
-        on_way = _on_the_way(root_fd, parent)
+        on_way = _on_the_way(lookup, parent)
         if on_way:
             return on_way
         if change.origin or change.kind == "delete":
@@ -3932,7 +3941,7 @@ def change_conflict(root_fd: int, change: Change, start: int,
             change.kind == "delete" else "created by the owner after the task started"
     if real is not None and stat.S_ISDIR(real.st_mode) and \
             (change.kind != "dir" or change.opaque):
-        changed = _tree_conflict(root_fd, change.path, start, owner[0])
+        changed = _tree_conflict(lookup.root_fd, change.path, start, owner[0])
         if changed == TOO_DEEP:
             return f"a folder more than {SAVE_DEPTH_MAX} levels deep is never replaced or " \
                    "deleted (keep could not save it for undo)"
@@ -3941,43 +3950,67 @@ def change_conflict(root_fd: int, change: Change, start: int,
                    "not delete it"
         if changed and soft is None:
             soft = f"{changed} changed by the owner after the task started"
-    if change_name(change, real) is not None and not _owner_may_write(root_fd, parent, owner):
+    if change_name(change, real) is not None and not _owner_may_write(lookup, parent, owner):
         return "the folder's owner may not write in this folder"
     if real is not None and change_name(change, real) is not None and \
-            _sticky_refuses(root_fd, parent, real, owner[0]):
+            _sticky_refuses(lookup.folder(parent), real, owner[0]):
         return "the folder is sticky and the file is another user's: its owner may not " \
                "replace or delete it"
     return soft
 
 
-def _sticky_refuses(root_fd: int, parent: str, real: os.stat_result, uid: int) -> bool:
-    """Whether the kernel would refuse the owner replacing or removing real in parent: a
-    sticky folder lets only the entry's owner or the folder's owner do that."""
-    st = real_lstat(root_fd, parent) if parent else os.fstat(root_fd)
+def _sticky_refuses(st: os.stat_result | None, real: os.stat_result, uid: int) -> bool:
+    """Whether the kernel would refuse the owner replacing or removing real in the folder of
+    lstat st: a sticky folder lets only the entry's owner or the folder's owner do that."""
     return st is not None and bool(st.st_mode & stat.S_ISVTX) and uid not in (st.st_uid,
                                                                                real.st_uid)
 
 
-def _on_the_way(root_fd: int, parent: str) -> str | None:
+class RealLookup:
+    """The real folder as one check sees it: each folder above the changed paths looked up
+    once.  The check of a new path asks about the nearest folder above it that exists; asked
+    level by level from the path up, a new folder 2,000 deep cost 2,000 x 2,000 lookups, each
+    a walk from the top (a 1,200-deep one took ~30 s on the loop)."""
+
+    def __init__(self, root_fd: int) -> None:
+        self.root_fd = root_fd
+        self.folders: dict[str, os.stat_result | None] = {"": os.fstat(root_fd)}
+        self.nearest_of: dict[str, str] = {}     # a missing folder -> the nearest one above
+
+    def lstat(self, rel: str) -> os.stat_result | None:
+        return real_lstat(self.root_fd, rel) if rel else self.folders[""]
+
+    def folder(self, rel: str) -> os.stat_result | None:
+        """lstat of a path that holds changes (a parent), looked up once."""
+        if rel not in self.folders:
+            self.folders[rel] = real_lstat(self.root_fd, rel)
+        return self.folders[rel]
+
+    def nearest(self, parent: str) -> tuple[str, os.stat_result | None]:
+        """The nearest path at or above parent that exists ("": the folder itself), its lstat."""
+        walked = []
+        while parent and parent not in self.nearest_of and self.folder(parent) is None:
+            walked.append(parent)
+            parent = os.path.dirname(parent)
+        found = self.nearest_of.get(parent, parent)
+        for path in walked:
+            self.nearest_of[path] = found
+        return found, self.folders[found]
+
+
+def _on_the_way(real: RealLookup, parent: str) -> str | None:
     """A symlink or a file where the path needs a folder (the nearest that exists)."""
-    while parent:
-        st = real_lstat(root_fd, parent)
-        if st is not None:
-            if stat.S_ISLNK(st.st_mode):
-                return f"{parent} is a symlink in the real folder"
-            return None if stat.S_ISDIR(st.st_mode) else f"{parent} is not a folder"
-        parent = os.path.dirname(parent)
-    return None
+    near, st = real.nearest(parent)
+    if not near or st is None or stat.S_ISDIR(st.st_mode):
+        return None
+    return f"{near} is a symlink in the real folder" if stat.S_ISLNK(st.st_mode) else \
+        f"{near} is not a folder"
 
 
-def _owner_may_write(root_fd: int, parent: str, owner: tuple[int, list[int]]) -> bool:
+def _owner_may_write(real: RealLookup, parent: str, owner: tuple[int, list[int]]) -> bool:
     """Whether the owner could add and remove entries in the nearest existing real folder of
     parent (its mode bits for the owner's uid and groups; a folder keep makes is the owner's)."""
-    while True:
-        st = real_lstat(root_fd, parent) if parent else os.fstat(root_fd)
-        if st is not None or not parent:
-            break
-        parent = os.path.dirname(parent)
+    st = real.nearest(parent)[1]
     if st is None or not stat.S_ISDIR(st.st_mode):
         return False
     return _owner_bits(st, owner) & 0o3 == 0o3
@@ -4044,25 +4077,88 @@ def _syncfs(fd: int) -> None:
     libc_call("syncfs", fd)
 
 
-def _below_any(folders: set[tuple[int, str]], n: int, path: str) -> bool:
-    """Whether a folder above path (in folder n) is in folders, each parent looked up: a
-    task's 50,000 new folders must not make a keep 50,000 x 50,000 comparisons on the loop."""
-    parent = os.path.dirname(path)
-    while parent:
-        if (n, parent) in folders:
-            return True
-        parent = os.path.dirname(parent)
-    return False
+class Under:
+    """Which paths lie below one of some folders ((folder number, path) pairs), for paths
+    asked parents first (as upper_changes lists them), a folder added before anything in it
+    is asked: each answer is its parent's, worked out once.  A task's 50,000 new folders
+    must not cost 50,000 x 50,000 comparisons, nor a chain 2,000 deep 2,000 parents for each
+    of its 2,000 levels (os.path.dirname of every one of them took 29 s)."""
+
+    def __init__(self, folders: set[tuple[int, str]] | None = None) -> None:
+        self.known: dict[tuple[int, str], bool] = dict.fromkeys(folders or (), True)
+
+    def add(self, n: int, path: str) -> None:
+        self.known[(n, path)] = True
+
+    def below(self, n: int, path: str) -> bool:
+        """Whether a folder above path (in folder n) is one of them."""
+        walked, parent = [], os.path.dirname(path)
+        while parent and (n, parent) not in self.known:
+            walked.append(parent)
+            parent = os.path.dirname(parent)
+        answer = bool(parent) and self.known[(n, parent)]
+        for folder in walked:
+            self.known[(n, folder)] = answer
+        return answer
+
+
+def _folders_above(paths: set[tuple[int, str]]) -> set[tuple[int, str]]:
+    """Every folder that holds one of paths, each found once (not paths x earlier keeps)."""
+    out: set[tuple[int, str]] = set()
+    for n, path in paths:
+        parent = os.path.dirname(path)
+        while parent and (n, parent) not in out:
+            out.add((n, parent))
+            parent = os.path.dirname(parent)
+    return out
 
 
 class Review:
     """The folders of personal tasks: their uppers, the review (keep, conflicts, undo of a
-    keep), the diff and the changes.  Box only wires it.  Keep and undo run on the loop thread
-    (one writer of the real folders); the diff and the changes are read in the HTTP thread."""
+    keep), the diff and the changes.  Box only wires it.  Keep and undo of a keep are jobs of
+    the review thread, one at a time (the one writer of the real folders), which the HTTP
+    thread that asked waits for; what they change of a Task is set on the loop (settle).  The
+    diff and the changes are read in the HTTP thread."""
 
     def __init__(self, box: "Box") -> None:
         self.box = box
         self.upper_fds: dict[int, int] = {}     # the uppers of the task being kept
+        self.jobs: queue.Queue[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = \
+            queue.Queue()
+        self.thread: threading.Thread | None = None
+        self.thread_lock = threading.Lock()
+        self.cut_short: list[tuple[Task, str]] = []   # journals found at start (recover)
+
+    # the review thread
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Any thread: fn(*args) runs in the review thread after the jobs before it (the
+        thread starts with the first job); its future."""
+        future: Future[Any] = Future()
+        self.jobs.put((fn, args, future))
+        with self.thread_lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self.run_jobs, name="review",
+                                               daemon=True)
+                self.thread.start()
+        return future
+
+    def run_jobs(self) -> None:
+        """The review thread: each job in turn, its answer or error handed to who waits.  A
+        job that gurtd's exit cuts short is a crash as far as the disk is concerned: its
+        journal is finished at the next start."""
+        while True:
+            fn, args, future = self.jobs.get()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def settle(self, task: Task, review: str, action: str, text: str,
+               extra: dict[str, Any] | None = None) -> None:
+        """Loop: a keep's or an undo's end in the Task (its review saved), announced."""
+        task.review = review
+        self.box.save(task)
+        self.announce(task, action, text, extra)
 
     def dir(self, task_id: str, *parts: str) -> str:
         return self.box.path("review", task_id, *parts)
@@ -4087,23 +4183,37 @@ class Review:
 
     def forget(self, task: Task) -> None:
         """A task whose folder changes will never be kept (failed, undone): its uppers and
-        saved originals go."""
+        saved originals go, renamed to a trash name at once and deleted in the review thread
+        (100,000 files take seconds); the next start deletes a trash name a crash left."""
+        if not os.path.lexists(self.dir(task.id)):
+            return
+        trash = self.box.path("review", f"{REVIEW_TRASH}{task.id}-{secrets.token_hex(4)}")
         try:
-            tree_remove(self.dir(task.id))
+            os.rename(self.dir(task.id), trash)
         except OSError as exc:
             log(3, f"task {task.id}: could not remove its review files: {exc}")
+            return
+        self.submit(self.remove, trash)
 
-    def announce(self, task: Task, action: str, text: str, **extra: Any) -> None:
-        """A keep, conflict or undo: a log line of the task's, one of gurtd's, an event."""
+    @staticmethod
+    def remove(trash: str) -> None:
+        try:
+            tree_remove(trash)
+        except OSError as exc:
+            log(3, f"could not delete {trash}: {exc}")
+
+    def announce(self, task: Task, action: str, text: str,
+                 extra: dict[str, Any] | None = None) -> None:
+        """Loop: a keep, conflict or undo: a log line of the task's, one of gurtd's, an event."""
         entry = {"type": "review", "review": task.review, "action": action, "text": text}
-        entry.update(extra)
+        entry.update(extra or {})
         try:
             self.box.append_log(task.id, entry)
         except OSError as exc:
             log(3, f"task {task.id}: review log line lost: {exc}")
         log(6, f"task {task.id} review {action}: {text}")
         self.box.loop.emit("review", {"task": task.id, "review": task.review, "action": action,
-                                 "text": text, **extra})
+                                      "text": text, **(extra or {})})
         self.box.loop.emit("task", task.to_api())
 
     # reading
@@ -4151,9 +4261,19 @@ class Review:
             data = None
         return data if isinstance(data, dict) else {"applied": [], "keeps": []}
 
-    # for the HTTP handlers (on the loop thread)
-    def keep_task(self, task_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self.keep(self.box.get(task_id), body)
+    # for the HTTP handlers (each in its own thread)
+    def keep_request(self, task_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /api/tasks/{id}/keep: the keep done in the review thread; the Task after it."""
+        task = self.box.loop.call(self.box.get, task_id)
+        self.submit(self.keep, task, body).result()
+        return self.box.loop.call(task.to_api)
+
+    def undo_request(self, task_id: str, force: bool) -> None:
+        """POST /api/tasks/{id}/undo, before the loop's part (Box.undo): a personal task's
+        keeps undone in the review thread (409 if they cannot be)."""
+        task = self.box.loop.call(self.box.get, task_id)
+        if task.folders:
+            self.submit(self.undo, task, force).result()
 
     def sources(self, task_id: str) -> dict[str, Any]:
         """What the diff and the changes read, off the loop: a personal task's folders with
@@ -4166,9 +4286,9 @@ class Review:
         return out
 
     # keep
-    def keep(self, task: Task, body: dict[str, Any]) -> dict[str, Any]:
-        """POST /api/tasks/{id}/keep: every pending change (or those under paths) applied to
-        the real folders, or nothing and 409 with the conflicts."""
+    def keep(self, task: Task, body: dict[str, Any]) -> None:
+        """Review thread: every pending change (or those under paths) applied to the real
+        folders, or nothing and 409 with the conflicts."""
         if task.folders is None:
             raise ApiError(400, "not a personal task: it has no folders to keep")
         unknown = set(body) - {"force", "paths"}
@@ -4187,17 +4307,16 @@ class Review:
         cut_short = load_json(self.dir(task.id, "journal.json"))
         if isinstance(cut_short, dict) and cut_short.get("action") == "keep":
             self.keep_guarded(task, cut_short)       # a keep a full disk cut short goes on
-            return task.to_api()
+            return
         todo = [t for t in self.pending(task) if paths is None or self.selected(task, t, paths)]
         if paths is not None:
             self.check_paths(task, todo, paths)
         conflicts = self.conflicts(task, todo)
         hard = [c for c in conflicts if "by the owner after" not in c["why"]]
         if conflicts and (hard or not force):
-            task.review = "conflict"
-            self.box.save(task)
-            self.announce(task, "conflict", f"{len(conflicts)} conflicts, nothing kept",
-                          conflicts=conflicts)
+            self.box.loop.call(self.settle, task, "conflict", "conflict",
+                               f"{len(conflicts)} conflicts, nothing kept",
+                               {"conflicts": conflicts})
             what = "; ".join(f"{c['folder']}/{c['path']}: {c['why']}" for c in conflicts[:3])
             raise ApiError(409, f"nothing was kept: {len(conflicts)} conflicts ({what})"
                            + (" (force does not override these)" if force and hard else ""),
@@ -4207,7 +4326,6 @@ class Review:
                    "ops": ops, "applied": [f"{n}:{c.path}" for n, c, _ in todo],
                    "partial": paths is not None}
         self.keep_guarded(task, journal)
-        return task.to_api()
 
     def keep_guarded(self, task: Task, journal: dict[str, Any]) -> None:
         """keep_run, its failures as answers: the journal stays, and the next keep (or the
@@ -4252,25 +4370,27 @@ class Review:
                 raise ApiError(400, f"paths: {path} is no pending change of the task")
 
     def conflicts(self, task: Task, todo: list[tuple[int, Change, str]]) -> list[dict[str, str]]:
-        out, roots, owners = [], {}, {}
+        out: list[dict[str, str]] = []
+        roots: dict[int, RealLookup] = {}
+        owners = {}
         try:
             for n, change, _ in todo:
                 info = (task.folderInfo or [])[n]
                 if n not in roots:
-                    roots[n], owners[n] = self.open_folder(info), self.owner(info)
+                    roots[n], owners[n] = RealLookup(self.open_folder(info)), self.owner(info)
                 why = change_conflict(roots[n], change, task.folderStartNs, owners[n])
                 if why:
                     out.append({"folder": info["path"], "path": change.path, "why": why})
         finally:
-            for fd in roots.values():
-                os.close(fd)
+            for lookup in roots.values():
+                os.close(lookup.root_fd)
         return out
 
     def plan(self, task: Task, todo: list[tuple[int, Change, str]]) -> list[dict[str, Any]]:
         """The writes of a keep, parents first; each real entry a write replaces or deletes
         gets a place for its original (saved), unless a folder above it goes whole."""
         ops: list[dict[str, Any]] = []
-        replaced: set[tuple[int, str]] = set()
+        replaced = Under()
         keeps = len(self.kept(task)["keeps"])
         roots: dict[int, int] = {}
         try:
@@ -4282,14 +4402,14 @@ class Review:
                 op: dict[str, Any] = {"folder": n, "path": change.path, "kind": change.kind,
                                       "mode": change.mode, "saved": None,
                                       "replace": change.opaque}
-                under = _below_any(replaced, n, change.path)
+                under = replaced.below(n, change.path)
                 real = real_lstat(roots[n], change.path)
                 if real is not None and not under:
                     op["saved"] = f"{keeps}-{len(ops)}"
                     if change.kind != "dir" or change.opaque or not stat.S_ISDIR(real.st_mode):
                         op["replace"] = True
                         if stat.S_ISDIR(real.st_mode):
-                            replaced.add((n, change.path))
+                            replaced.add(n, change.path)
                 ops.append(op)
         finally:
             for fd in roots.values():
@@ -4333,14 +4453,13 @@ class Review:
             self.upper_fds = {}
         left = [t for t in self.pending(task) if t[2] != "none"] \
             if journal.get("partial", True) else []
-        task.review = "pending" if left else "kept"
-        self.box.save(task)
+        self.box.loop.call(self.settle, task, "pending" if left else "kept", "kept",
+                           f"kept {len(ops)} changes" +
+                           (f"; {len(left)} still pending" if left else ""),
+                           {"paths": [f"{(task.folders or [])[op['folder']]}/{op['path']}"
+                                      for op in ops[:1000]]})
         os.unlink(path)
         fsync_dir(self.dir(task.id))
-        self.announce(task, "kept", f"kept {len(ops)} changes" +
-                      (f"; {len(left)} still pending" if left else ""),
-                      paths=[f"{(task.folders or [])[op['folder']]}/{op['path']}"
-                             for op in ops][:1000])
 
     def keep_record(self, task: Task, journal: dict[str, Any], roots: dict[int, int]) -> None:
         """kept.json gets this keep: its writes and what each path looked like right after
@@ -4352,11 +4471,10 @@ class Review:
         for op in journal["ops"]:
             st = real_lstat(roots[op["folder"]], op["path"])
             op["after"] = None if st is None else [st.st_ino, st.st_ctime_ns]
-        written = {(op["folder"], op["path"]) for op in journal["ops"]}
+        holding = _folders_above({(op["folder"], op["path"]) for op in journal["ops"]})
         for keep in record["keeps"]:
             for op in keep["ops"]:
-                if op["kind"] == "dir" and any(n == op["folder"] and p.startswith(
-                        op["path"] + "/") for n, p in written):
+                if op["kind"] == "dir" and (op["folder"], op["path"]) in holding:
                     st = real_lstat(roots[op["folder"]], op["path"])
                     op["after"] = None if st is None else [st.st_ino, st.st_ctime_ns]
         record["keeps"].append({"id": journal["id"], "at": now_iso(), "ops": journal["ops"]})
@@ -4387,11 +4505,11 @@ class Review:
                     ops: list[dict[str, Any]]) -> set[int]:
         """The temporary files and symlinks of ops whose folder is there already (not one a
         folder op of this keep makes or replaces); their numbers."""
-        ready, made = set(), {(op["folder"], op["path"]) for op in ops
-                              if op["kind"] in ("dir", "delete")}
+        ready, made = set(), Under({(op["folder"], op["path"]) for op in ops
+                                    if op["kind"] in ("dir", "delete")})
         for i, op in enumerate(ops):
             if op["kind"] not in ("file", "symlink") or \
-                    _below_any(made, op["folder"], op["path"]):
+                    made.below(op["folder"], op["path"]):
                 continue
             parent = _parent_fd(roots[op["folder"]], op["path"])
             if parent is None:
@@ -4480,8 +4598,11 @@ class Review:
 
     # undo of a keep
     def undo(self, task: Task, force: bool) -> None:
-        """The real folders put back as they were before the keeps: 409 (nothing changed) if
-        the owner changed a kept path since, unless force."""
+        """Review thread: the real folders put back as they were before the keeps: 409
+        (nothing changed) if the owner changed a kept path since, unless force.  A task with
+        nothing kept only has its folder changes dropped (drop)."""
+        if task.review not in ("kept", "pending", "conflict"):
+            return
         cut_short = load_json(self.dir(task.id, "journal.json"))
         if isinstance(cut_short, dict) and cut_short.get("action") == "undo":
             with saved_or_507("restored files (the undo goes on with the next undo)"):
@@ -4489,14 +4610,16 @@ class Review:
             return
         if isinstance(cut_short, dict) and cut_short.get("action") == "keep":
             self.keep_guarded(task, cut_short)   # finished, so that all of it is undone
-        if task.review != "kept" and not self.kept(task)["keeps"]:
-            return
         record = self.kept(task)
+        if task.review != "kept" and not record["keeps"]:
+            self.box.loop.call(self.drop, task)
+            return
         if not force:
             conflicts = self.undo_conflicts(task, record)
             if conflicts:
-                self.announce(task, "conflict", f"undo refused: {len(conflicts)} kept paths "
-                              "changed since the keep", conflicts=conflicts)
+                self.box.loop.call(self.announce, task, "conflict", f"undo refused: "
+                                   f"{len(conflicts)} kept paths changed since the keep",
+                                   {"conflicts": conflicts})
                 raise ApiError(409, f"nothing was undone: {len(conflicts)} kept paths were "
                                     "changed by the owner after the keep (undo with force "
                                     "puts the versions from before the keep back anyway)",
@@ -4549,17 +4672,29 @@ class Review:
                 os.close(fd)
         if failed:
             self.undo_partial(task, failed)
-        task.review = "undone"
-        self.box.save(task)
+        self.box.loop.call(self.settle, task, "undone", "undone", "the real folders are back "
+                           f"as before the keep ({len(journal['ops'])} paths)")
         os.unlink(path)
-        self.announce(task, "undone", f"the real folders are back as before the keep "
-                      f"({len(journal['ops'])} paths)")
+
+    def drop(self, task: Task) -> None:
+        """Loop, in undo: the folder changes of a task that has nothing kept are dropped (its
+        keeps, if any, were undone first in the review thread: undo_request)."""
+        if task.review not in ("kept", "pending", "conflict"):
+            return
+        if any(os.path.exists(self.dir(task.id, name)) for name in ("journal.json",
+                                                                    "kept.json")):
+            raise ApiError(409, "the task's changes were kept meanwhile: undo again to undo "
+                                "that keep too", "conflict")
+        task.review = "undone"
+        self.announce(task, "undone", "the task's folder changes were dropped; the real "
+                                      "folders were not touched")
 
     def undo_partial(self, task: Task, failed: list[dict[str, str]]) -> None:
         """An undo that could not put every path back: said in the log, an event and a 409."""
         what = "; ".join(f"{c['folder']}/{c['path']}: {c['why']}" for c in failed[:3])
-        self.announce(task, "undo-partial", f"{len(failed)} paths could not be put back "
-                      f"({what}); undo again to finish", notUndone=failed[:1000])
+        self.box.loop.call(self.announce, task, "undo-partial", f"{len(failed)} paths could "
+                           f"not be put back ({what}); undo again to finish",
+                           {"notUndone": failed[:1000]})
         raise ApiError(409, f"the undo could not put back {len(failed)} paths ({what}); the "
                             "others are back, the task stays kept, and the next undo tries "
                             "these again", "conflict", extra={"notUndone": failed[:1000]})
@@ -4583,7 +4718,7 @@ class Review:
         rel, name = op["path"], os.path.basename(op["path"])
         parent = _parent_fd(root, rel)
         if parent is None:
-            on_way = _on_the_way(root, os.path.dirname(rel))
+            on_way = _on_the_way(RealLookup(root), os.path.dirname(rel))
             if on_way is None and op["saved"] is None:
                 return                     # its folder is gone, and the kept entry with it
             raise SysError("undo", errno.ENOTDIR, on_way or "its folder is gone: the original "
@@ -4607,29 +4742,40 @@ class Review:
             os.close(parent)
 
     def recover(self) -> None:
-        """At start: a keep or an undo a crash cut short is finished, or (a keep that had not
-        written anything yet) dropped; the task's log says which."""
+        """At start (reconcile): the keeps and undos a crash cut short, for start; the review
+        files of tasks failed by the restart and trash a crash left, deleted."""
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.box.path("review")):
+                if name.startswith(REVIEW_TRASH):
+                    self.submit(self.remove, self.box.path("review", name))
         for task in self.box.tasks.values():
             path = self.dir(task.id, "journal.json")
             if not task.folderInfo:
                 continue
-            if not os.path.exists(path):
-                if task.state == "failed" and os.path.isdir(self.dir(task.id)):
-                    self.forget(task)          # failed by a restart: never kept
-                continue
-            try:
-                journal = load_json(path)
-                if journal["action"] == "undo":
-                    self.undo_run(task, journal)
-                    self.announce(task, "recovered", "an undo cut short by a restart was "
-                                  "finished")
-                else:
-                    self.keep_run(task, journal)
-                    self.announce(task, "recovered", "a keep cut short by a restart was "
-                                  "finished")
-            except Exception as exc:
-                log(3, f"task {task.id}: could not finish its keep or undo: "
-                       f"{type(exc).__name__}: {exc}")
+            if os.path.exists(path):
+                self.cut_short.append((task, path))
+            elif task.state == "failed" and os.path.isdir(self.dir(task.id)):
+                self.forget(task)          # failed by a restart: never kept
+
+    def start(self) -> None:
+        """Once the loop can take calls: the keeps and undos a crash cut short are finished in
+        the review thread (a keep or an undo asked meanwhile waits for them)."""
+        for task, path in self.cut_short:
+            self.submit(self.finish_cut_short, task, path)
+        self.cut_short = []
+
+    def finish_cut_short(self, task: Task, path: str) -> None:
+        """Review thread: a keep or an undo a crash cut short, finished from its journal."""
+        try:
+            journal = load_json(path)
+            undo = journal["action"] == "undo"
+            (self.undo_run if undo else self.keep_run)(task, journal)
+            self.box.loop.call(self.announce, task, "recovered",
+                               f"{'an undo' if undo else 'a keep'} cut short by a restart "
+                               "was finished")
+        except Exception as exc:
+            log(3, f"task {task.id}: could not finish its keep or undo: "
+                   f"{type(exc).__name__}: {exc}")
 
 
 # The diff: unified, as git prints it (a/ and b/ paths), binary files and modes named.
@@ -4823,14 +4969,14 @@ def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None,
         os.close(real)
         return ""
     parts: list[str] = []
-    replaced: set[tuple[int, str]] = set()   # folders the task replaced: their old entries
+    replaced = Under()                       # folders the task replaced: their old entries
     try:
         for change in upper_changes(upper):
             budget.check()
             full = f"{folder}/{change.path}"
-            under = _below_any(replaced, 0, change.path)
+            under = replaced.below(0, change.path)
             if change.kind == "dir" and change.opaque:
-                replaced.add((0, change.path))
+                replaced.add(0, change.path)
             if not (_wanted(change.path, only) or _wanted(full, only)):
                 continue
             if change.kind == "delete":
@@ -7138,18 +7284,14 @@ class Box:
         self.fail_task(task, reason, by="stop")
         return task.to_api()
 
-    def undo(self, task_id: str, force: bool = False
-             ) -> tuple[dict[str, Any], "Future[dict[str, Any]] | None"]:
+    def undo(self, task_id: str) -> tuple[dict[str, Any], "Future[dict[str, Any]] | None"]:
         """The seed page's undo: stop, deny approvals, leave the view, delete when unused.
-        A personal task's keep is undone first (Review.undo; 409 if the owner changed a kept
-        path since, unless force).  The task, and what its answer waits for (undo_answer)."""
+        A personal task's keep was undone first, off the loop (Review.undo_request; 409 if
+        the owner changed a kept path since, unless force); its folder changes are dropped.
+        The task, and what its answer waits for (undo_answer)."""
         task = self.get(task_id)
         if task.folders and task.review in ("kept", "pending", "conflict"):
-            self.review.undo(task, force)
-            if task.review != "undone":
-                task.review = "undone"
-                self.review.announce(task, "undone", "the task's folder changes were dropped; "
-                                     "the real folders were not touched")
+            self.review.drop(task)
             if task.state == "undone":
                 self.save(task)
         if task.state == "undone":
@@ -10072,7 +10214,13 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
 # FIFO or set-id bit, no member through a link or twice, sizes and counts capped.  Then the
 # folder is owned by the store user (as a task's upper is), renamed into place and committed on
 # the loop.  Archives go out as tar.gz streams, written from a walk by directory fds that
-# follows no symlink, in the HTTP thread that asked.
+# follows no symlink, in the HTTP thread that asked.  A file with holes goes out as a sparse
+# member (GNU tar's PAX 1.0 sparse format: a map of its data extents, found by SEEK_DATA and
+# SEEK_HOLE, then their bytes; GNU tar, bsdtar and Python's tarfile read it; tarfile cannot
+# write it): a 1 TiB file of holes was 1 TiB of zeros, three hours of a thread and a core.
+# One with more than ARCHIVE_EXTENTS extents is left out, named in the archive's last member
+# (SKIPPED_MEMBER) and gurtd's log.  An upload's sparse member counts at its full size, its
+# map at most UPLOAD_MAX_EXTENTS entries (tarfile holds a map whole in memory).
 
 UPLOAD_WORKER = "upload"              # the worker of an upload's task (never started)
 UPLOAD_STAGING = ".upload-"           # layers/.upload-<random>: an upload being written
@@ -10080,6 +10228,9 @@ UPLOAD_MAX_MEMBERS = 100_000          # members of one archive
 UPLOAD_MAX_PATH = 1024                # bytes of one member's name inside the workspace
 UPLOAD_MAX_HEADER = 1 << 20           # a pax or GNU long-name header (tarfile reads it whole)
 UPLOAD_CHUNK = 1 << 16
+UPLOAD_MAX_EXTENTS = 1 << 16          # data extents of an uploaded sparse member
+ARCHIVE_EXTENTS = 1 << 20             # ... of a file in an archive (16 MiB of offsets)
+SKIPPED_MEMBER = ".gurt-skipped.txt"  # an archive's last member: the files left out, and why
 
 
 class UploadRefused(Exception):
@@ -10151,6 +10302,11 @@ class UploadCheck:
             raise UploadRefused(name, "not a file, folder or link")
         if member.mode & (stat.S_ISUID | stat.S_ISGID):
             raise UploadRefused(name, "a set-uid or set-gid bit")
+        if member.sparse is not None and (len(member.sparse) > UPLOAD_MAX_EXTENTS or any(
+                offset < 0 or length < 0 or offset + length > member.size
+                for offset, length in member.sparse)):
+            raise UploadRefused(name, "a sparse map of more than "
+                                      f"{UPLOAD_MAX_EXTENTS} extents or outside its file")
         if not rel:
             if member.isdir():
                 return rel                          # ./ itself: the top, nothing to write
@@ -10189,8 +10345,13 @@ class UploadCheck:
 def bounded_tarinfo() -> Any:
     """tarfile.TarInfo that refuses a pax or GNU long-name header larger than
     UPLOAD_MAX_HEADER: tarfile reads such a header into memory whole, so a gzip of a few
-    kilobytes could otherwise ask for gigabytes."""
+    kilobytes could otherwise ask for gigabytes.  A sparse member's map (GNU tar's old
+    format: header blocks; PAX 1.0: lines before the data), also read whole into a list, is
+    refused past UPLOAD_MAX_EXTENTS entries: tarfile reads them the same way, unbounded."""
     import tarfile
+
+    def too_many(name: str) -> UploadRefused:
+        return UploadRefused(name, f"a sparse file of more than {UPLOAD_MAX_EXTENTS} extents")
 
     class BoundedTarInfo(tarfile.TarInfo):
         def _proc_member(self, tarfile_: Any) -> Any:
@@ -10200,6 +10361,51 @@ def bounded_tarinfo() -> Any:
                 raise UploadRefused(self.name or "(a header)",
                                     f"a header larger than {UPLOAD_MAX_HEADER} bytes")
             return super()._proc_member(tarfile_)
+
+        def _proc_sparse(self, tarfile_: Any) -> Any:
+            """tarfile's own, bounded: the extension blocks of 21 entries each."""
+            structs, more, size = self._sparse_structs
+            while more:
+                if len(structs) > UPLOAD_MAX_EXTENTS:
+                    raise too_many(self.name)
+                buf = tarfile_.fileobj.read(tarfile.BLOCKSIZE)
+                if len(buf) < tarfile.BLOCKSIZE:
+                    raise tarfile.ReadError("a sparse member's header cut short")
+                for pos in range(0, 21 * 24, 24):
+                    try:
+                        entry = (tarfile.nti(buf[pos:pos + 12]),
+                                 tarfile.nti(buf[pos + 12:pos + 24]))
+                    except ValueError:
+                        break
+                    if entry[0] and entry[1]:
+                        structs.append(entry)
+                more = bool(buf[504])
+            self.sparse = structs
+            self.offset_data = tarfile_.fileobj.tell()
+            tarfile_.offset = self.offset_data + self._block(self.size)
+            self.size = size
+            return self
+
+        def _proc_gnusparse_10(self, next_: Any, pax: Any, tarfile_: Any) -> None:
+            """tarfile's own, bounded: the count, then a line per number, in whole blocks."""
+            try:
+                count, buf = tarfile_.fileobj.read(tarfile.BLOCKSIZE).split(b"\n", 1)
+                if int(count) > UPLOAD_MAX_EXTENTS:
+                    raise too_many(next_.name)
+                numbers: list[int] = []
+                while len(numbers) < 2 * int(count):
+                    if b"\n" not in buf:
+                        more = tarfile_.fileobj.read(tarfile.BLOCKSIZE)
+                        if not more or len(buf) > 64:
+                            raise ValueError("a sparse map cut short or not numbers")
+                        buf += more
+                    number, buf = buf.split(b"\n", 1)
+                    numbers.append(int(number))
+            except ValueError as exc:
+                raise tarfile.InvalidHeaderError(f"a sparse map that cannot be read: {exc}") \
+                    from None
+            next_.offset_data = tarfile_.fileobj.tell()
+            next_.sparse = list(zip(numbers[::2], numbers[1::2]))
     return BoundedTarInfo
 
 
@@ -10384,15 +10590,102 @@ class ExactReader:
         return data
 
 
+class TooFragmented(Exception):
+    """A file with more data extents than an archive takes (ARCHIVE_EXTENTS)."""
+
+
+def data_extents(fd: int, st: os.stat_result) -> array.array[int] | None:
+    """A file's data extents (offset, length, offset, length...) when it has holes, by
+    SEEK_DATA and SEEK_HOLE; None when it has none (or its file system cannot say)."""
+    if st.st_blocks * 512 >= st.st_size:
+        return None                          # a block for every byte: no hole
+    out, pos = array.array("q"), 0
+    try:
+        while pos < st.st_size:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+            pos = min(os.lseek(fd, start, os.SEEK_HOLE), st.st_size)
+            if start >= pos:
+                break
+            out.extend((start, pos - start))
+            if len(out) > 2 * ARCHIVE_EXTENTS:
+                raise TooFragmented(f"more than {ARCHIVE_EXTENTS} data extents")
+    except OSError as exc:
+        if exc.errno != errno.ENXIO:         # ENXIO: only a hole from pos to the end
+            return None
+    return None if list(out) == [0, st.st_size] else out
+
+
+class SparseReader:
+    """A sparse member's data, as tarfile reads it (n bytes a read): the map, then each
+    extent's bytes by pread, zeros where the file shrank since (its length is written first)."""
+
+    def __init__(self, fd: int, head: bytes, extents: array.array[int]) -> None:
+        self.fd, self.head, self.extents = fd, memoryview(head), extents
+        self.at, self.i, self.pos = 0, 0, 0       # in the head; extent index, offset in it
+
+    def read(self, n: int) -> bytes:
+        parts = [bytes(self.head[self.at:self.at + n])]
+        self.at += len(parts[0])
+        left = n - len(parts[0])
+        while left and self.i < len(self.extents):
+            offset, length = self.extents[self.i], self.extents[self.i + 1]
+            take = min(left, length - self.pos)
+            data = os.pread(self.fd, take, offset + self.pos) if take else b""
+            parts.append(data + b"\0" * (take - len(data)))
+            left, self.pos = left - take, self.pos + take
+            if self.pos >= length:
+                self.i, self.pos = self.i + 2, 0
+        return b"".join(parts)
+
+
+def sparse_member(info: Any, fd: int, size: int, extents: array.array[int]) -> SparseReader:
+    """info made GNU tar's PAX 1.0 sparse member of a file of size with these data extents
+    (its stored name GNUSparseFile.0/..., as GNU tar writes it; the real name in the pax
+    header, after path, so that a reader takes it); its data."""
+    if not extents or extents[-2] + extents[-1] < size:
+        extents.extend((size, 0))              # ends in a hole: the size, as GNU tar marks it
+    count = len(extents) // 2
+    text = f"{count}\n".encode() + b"".join(b"%d\n%d\n" % (extents[i], extents[i + 1])
+                                           for i in range(0, len(extents), 2))
+    head = text + b"\0" * (-len(text) % 512)
+    real = info.name
+    parent, name = os.path.split(real)
+    info.name = os.path.join(parent, "GNUSparseFile.0", name)
+    info.pax_headers = {"path": info.name, "GNU.sparse.major": "1", "GNU.sparse.minor": "0",
+                        "GNU.sparse.name": real, "GNU.sparse.realsize": str(size)}
+    info.size = len(head) + sum(extents[1::2])
+    return SparseReader(fd, head, extents)
+
+
+def _archive_file(tar: Any, info: Any, f: Any, skipped: list[str]) -> os.stat_result | None:
+    """A regular file into the archive (sparse when it has holes); its fstat, or None if it
+    is not one after all or was left out (too fragmented: said in skipped)."""
+    fst = os.fstat(f.fileno())
+    if not stat.S_ISREG(fst.st_mode):
+        return None
+    try:
+        extents = data_extents(f.fileno(), fst)
+    except TooFragmented as exc:
+        skipped.append(f"{info.name}: {exc} (left out)")
+        return None
+    if extents is None:
+        info.size = fst.st_size
+        tar.addfile(info, ExactReader(f, fst.st_size))
+    else:
+        tar.addfile(info, sparse_member(info, f.fileno(), fst.st_size, extents))
+    return fst
+
+
 def archive_write(out: Any, top: int) -> int:
     """A tar.gz of everything below the directory fd top, written to out; the members written.
     Devices and FIFOs never go in (nor a layer's whiteouts, which are devices), nor set-id
     bits; owners are left out (uid and gid 0); a file's data goes in once, its other names
-    as hard links to the first."""
+    as hard links to the first; a file with holes as a sparse member."""
     import gzip
     import tarfile
     count = 0
     linked: dict[tuple[int, int], str] = {}   # a file of several names -> its first name
+    skipped: list[str] = []                   # files left out, and why
 
     def add(dir_fd: int, name: str, st: os.stat_result, parents: list[str]) -> None:
         nonlocal count
@@ -10418,11 +10711,9 @@ def archive_write(out: Any, top: int) -> int:
             except OSError:
                 return
             with os.fdopen(fd, "rb") as f:
-                fst = os.fstat(fd)
-                if not stat.S_ISREG(fst.st_mode):
+                fst = _archive_file(tar, info, f, skipped)
+                if fst is None:
                     return
-                info.size = fst.st_size
-                tar.addfile(info, ExactReader(f, fst.st_size))
                 if fst.st_nlink > 1 and (fst.st_dev, fst.st_ino) == (st.st_dev, st.st_ino):
                     linked[(st.st_dev, st.st_ino)] = rel
         else:
@@ -10432,6 +10723,12 @@ def archive_write(out: Any, top: int) -> int:
     with gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6, mtime=0) as gz, \
             tarfile.open(fileobj=gz, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         tree_visit(top, add, folders=True)
+        if skipped:
+            text = "".join(f"{line}\n" for line in skipped).encode(errors="surrogateescape")
+            note = tarfile.TarInfo(SKIPPED_MEMBER)
+            note.size, note.mode = len(text), 0o644
+            tar.addfile(note, io.BytesIO(text))
+            log(4, f"archive: {len(skipped)} files left out ({skipped[0]})")
     return count
 
 
@@ -12037,7 +12334,8 @@ def h_task_undo(req: "Handler", params: dict[str, str]) -> Any:
     body = req.json_body(optional=True)
     if set(body) - {"force"} or not isinstance(body.get("force", False), bool):
         raise ApiError(400, 'the body must be empty or {"force": true|false}')
-    answer, named = req.box.loop.call(req.box.undo, params["id"], body.get("force", False))
+    req.box.review.undo_request(params["id"], body.get("force", False))   # off the loop
+    answer, named = req.box.loop.call(req.box.undo, params["id"])
     return 200, undo_answer(answer, named)        # waits here, never on the loop
 
 
@@ -12345,7 +12643,7 @@ def h_events(req: "Handler", params: dict[str, str]) -> Any:
 
 def h_task_keep(req: "Handler", params: dict[str, str]) -> Any:
     box = req.box
-    return 200, box.loop.call(box.review.keep_task, params["id"], req.json_body(optional=True))
+    return 200, box.review.keep_request(params["id"], req.json_body(optional=True))
 
 
 def peer_gone(sock: socket.socket) -> bool:
@@ -13914,6 +14212,7 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     box.loop.open_wake()
     undo.append(("stop the merger", box.views.stop))
     box.views.start()                        # merges due since the last run, off the loop
+    box.review.start()                       # keeps and undos a crash cut short, off the loop
     box.loop.catch_signals()
     box.loop.publish()                            # what load and reconcile found, for HTTP
     try:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import gurtd as G
-from conftest import UNICODE_NAME, Gurtd, keep, run_on, running_gurtd
+from conftest import UNICODE_NAME, Gurtd, eventually, keep, run_on, running_gurtd
 
 # helpers #####################################################################################
 
@@ -285,16 +285,42 @@ def test_kill_9_in_the_middle_of_a_big_keep_finishes_it_at_the_next_start(
         written = len(os.listdir(os.path.join(owner_folder, "many")))
         assert 0 < written < 300                       # it did die in the middle
         box.env = {}
-        box.start()
+        box.start()               # the keep is finished in the review thread, the loop answering
+        eventually(lambda: any(e.get("action") == "recovered" for e in box.log(task["id"])),
+                   what="the keep finished")
         assert box.task(task["id"])["review"] == "kept"
         assert sorted(os.listdir(os.path.join(owner_folder, "many"))) == \
             sorted(f"f{i}" for i in range(1, 301))
         assert open(os.path.join(owner_folder, "a.txt")).read() == "task\n"
-        assert any(e.get("action") == "recovered" for e in box.log(task["id"]))
         box.api("POST", f"/api/tasks/{task['id']}/undo")
         assert not os.path.exists(os.path.join(owner_folder, "many"))
         assert open(os.path.join(owner_folder, "a.txt")).read() == "hello\n"
         no_leftovers(box, task["id"], owner_folder)
+
+
+def test_kill_9_in_the_middle_of_an_undo_of_a_keep_loses_nothing_and_undo_goes_on(
+        owner_folder: str) -> None:
+    """Issue 25, class 3: undo of a keep runs off the loop, in the review thread.  gurtd
+    killed in the middle of it (150 of 302 paths back) loses nothing: after the restart the
+    undo is finished, and asked again it answers undone; the folder is as before the keep."""
+    before = snapshot(owner_folder)
+    with running_gurtd({"GURT_TEST_CRASH_AT": "undo-op-150"}) as box:
+        task = run_on(box, owner_folder,
+                      "mkdir many && for i in $(seq 300); do echo $i > many/f$i; done",
+                      "echo task > a.txt")
+        assert keep(box, task["id"])[0] == 200
+        with pytest.raises(Exception):
+            box.request("POST", f"/api/tasks/{task['id']}/undo")
+        assert box.proc is not None and box.proc.wait(timeout=30) == 137
+        box.proc = None
+        assert 0 < len(os.listdir(os.path.join(owner_folder, "many"))) < 300   # in the middle
+        box.env = {}
+        box.start()
+        code, data, _ = box.request("POST", f"/api/tasks/{task['id']}/undo")
+        assert code == 200 and data["review"] == "undone", data
+        assert snapshot(owner_folder) == before
+        no_leftovers(box, task["id"], owner_folder)
+        assert any(e.get("action") == "recovered" for e in box.log(task["id"]))
 
 
 def test_kill_9_before_a_keep_writes_leaves_the_folder_untouched(owner_folder: str) -> None:
