@@ -2251,7 +2251,11 @@ def changed_paths(upper: str, lowers: list[str | int]) -> list[dict[str, str]]:
 # Limits go where the controllers are: on a host with v1 hierarchies (pids, memory, cpu; the v2
 # one has no controllers) in child groups of gurtd's own group in each; on a pure v2 host in the
 # v2 group itself.  The tasks' parent group weighs half of gurtd on the CPU, so that gurtd keeps
-# answering.
+# answering.  Where neither has pids and memory for the tasks (a pure v2 host whose group for
+# gurtd is not delegated: a login's session scope, another service's group) no task starts:
+# each fails at its start saying why and what to do, rather than run unbounded.  At a task's
+# end its group alone finds its processes (cgroup.kill; no /proc scan by uid): every one of
+# them is born in it or put there while still root, and cannot leave.
 
 TASK_LIMITS = {       # a task body's `limits` key: (its setting, the smallest value accepted)
     "processes": ("taskMaxProcesses", 8),

@@ -349,21 +349,23 @@ def by_hand(env: dict[str, str]) -> subprocess.Popen[bytes]:
     """`gurtd serve` started by hand from this story's own process: its group is the stories
     unit's, not delegated, with other processes in it."""
     shutil.rmtree(HAND_HOME, ignore_errors=True)
-    with open(os.path.join(OUT, "by-hand.log"), "ab") as log:
+    with open(os.path.join(OUT, "by-hand.log"), "wb") as log:
         proc = subprocess.Popen(["/usr/local/bin/gurtd", "serve", "--box-home", HAND_HOME,
                                  "--listen", f"127.0.0.1:{HAND_PORT}"], stdout=log, stderr=log,
                                 env={**os.environ, **env})
     deadline = time.monotonic() + 180
-    while not os.path.exists(os.path.join(HAND_HOME, "token")) or request(
-            "GET", "/api/health", home=HAND_HOME, port=HAND_PORT)[0] != 200:
-        assert proc.poll() is None and time.monotonic() < deadline, hand_log()
+    while "listening on http://" not in hand_log():      # the token file comes before it
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(hand_log())
         time.sleep(0.5)
     return proc
 
 
 def hand_log() -> str:
+    """This by-hand run's log (by_hand empties it)."""
     with open(os.path.join(OUT, "by-hand.log"), errors="replace") as f:
-        return f.read()[-4000:]
+        return f.read()[-6000:]
 
 
 def hand_stop(proc: subprocess.Popen[bytes]) -> None:
