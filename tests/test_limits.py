@@ -69,6 +69,9 @@ def task_group_parents(home: str) -> list[str]:
     tasks: gurt-<hash of BOX_HOME> below its own group in each hierarchy."""
     v2, v1 = G.cgroup_own_groups()
     name = "gurt-" + hashlib.sha1(os.path.abspath(home).encode()).hexdigest()[:12]
+    if v2 is not None and not os.path.isdir(os.path.join(v2, name)):
+        # a gurtd that re-ran itself in a scope of its own (systemd-run, the VM tier)
+        v2 = next((top for top, subs, _ in os.walk(v2_mount()) if name in subs), v2)
     return [os.path.join(p, name) for p in [v2] + list(v1.values()) if p]
 
 
