@@ -104,6 +104,9 @@ bench: deps $(VENV)/.test-installed
 	$(VENV)/bin/python tests/bench.py
 
 # Only what gurtd needs at run time: requirements.txt into its own venv (no test packages).
+# gurtd runs as a module from bytecode made here (gurtd.pth puts its folder on the venv's path):
+# run as a script it was compiled again at each start, 20 s of the unit's start in a VM, its
+# folder being read-only to it.  -P: the folder gurtd is called from is not searched first.
 install: apt
 	install -d $(PREFIX)/lib/gurtd $(PREFIX)/bin /etc/systemd/system
 	install -m 0644 gurtd.py portal.html requirements.txt README.md $(PREFIX)/lib/gurtd/
@@ -113,7 +116,10 @@ install: apt
 	$(call SECCOMP_LINK,$(PREFIX)/lib/gurtd/venv)
 	npm install --prefix $(PREFIX)/lib/gurtd/droid --no-audit --no-fund --loglevel=error \
 	  droid@$(DROID_VERSION)
-	printf '#!/bin/sh\nexec $(PREFIX)/lib/gurtd/venv/bin/python $(PREFIX)/lib/gurtd/gurtd.py "$$@"\n' \
+	$(PREFIX)/lib/gurtd/venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))' \
+	  | { read -r site; echo $(PREFIX)/lib/gurtd > "$$site/gurtd.pth"; }
+	$(PREFIX)/lib/gurtd/venv/bin/python -m py_compile $(PREFIX)/lib/gurtd/gurtd.py
+	printf '#!/bin/sh\nexec $(PREFIX)/lib/gurtd/venv/bin/python -P -m gurtd "$$@"\n' \
 	  > $(PREFIX)/bin/gurtd
 	chmod 0755 $(PREFIX)/bin/gurtd
 	sed 's|/usr/local|$(PREFIX)|g' gurtd.service > /etc/systemd/system/gurtd.service

@@ -2309,7 +2309,11 @@ def changed_paths(upper: str, lowers: list[str | int]) -> list[dict[str, str]]:
 # Limits go where the controllers are: on a host with v1 hierarchies (pids, memory, cpu; the v2
 # one has no controllers) in child groups of gurtd's own group in each; on a pure v2 host in the
 # v2 group itself.  The tasks' parent group weighs half of gurtd on the CPU, so that gurtd keeps
-# answering.
+# answering.  Where neither has pids and memory for the tasks (a pure v2 host whose group for
+# gurtd is not delegated: a login's session scope, another service's group) no task starts:
+# each fails at its start saying why and what to do, rather than run unbounded.  At a task's
+# end its group alone finds its processes (cgroup.kill; no /proc scan by uid): every one of
+# them is born in it or put there while still root, and cannot leave.
 
 TASK_LIMITS = {       # a task body's `limits` key: (its setting, the smallest value accepted)
     "processes": ("taskMaxProcesses", 8),
@@ -2457,6 +2461,7 @@ class Cgroups:
         self.v2: str | None = None            # the tasks' parent group in the v2 hierarchy
         self.v1: dict[str, str] = {}          # controller -> the tasks' parent group in v1
         self.v2_limits: set[str] = set()      # controllers its task groups have (pure v2)
+        self.unbounded = ""                   # why tasks cannot be bounded here, if so
 
     def start(self) -> None:
         """Find gurtd's own groups and make the tasks' parent groups below them.  What cannot
@@ -2492,6 +2497,13 @@ class Cgroups:
         limits = [f"{c} (v2)" for c in sorted(self.v2_limits)] + [f"{c} (v1)" for c in self.v1]
         log(6, f"cgroups: tasks tracked in {self.tracking_parent() or 'no group (by uid only)'}; "
                f"limits: {', '.join(limits) or 'none'}")
+        missing = [c for c in ("pids", "memory") if c not in self.v2_limits and c not in self.v1]
+        if missing:
+            self.unbounded = (
+                f"no {' and '.join(missing)} controller for tasks in gurtd's cgroup "
+                f"{own_v2 or '(none)'}: it is not delegated; run gurtd as gurtd.service "
+                f"(Delegate=yes) or under `systemd-run --scope -p Delegate=yes`")
+            log(3, f"cgroups: {self.unbounded}; no task will start rather than run unbounded")
 
     def _v2_delegate(self, own: str) -> set[str]:
         """Enable pids, memory and cpu for gurtd's children on a pure v2 host.  A group with
@@ -2545,7 +2557,8 @@ class Cgroups:
         return [os.path.join(p, task_id) for p in [self.v2] + list(self.v1.values()) if p]
 
     def create(self, task_id: str, limits: dict[str, int]) -> list[str]:
-        """Make the task's groups with its limits; the cgroup.procs files its sandbox joins."""
+        """Make the task's groups with its limits; the cgroup.procs files its sandbox writes
+        itself into (the v1 ones: the spawner starts it in its v2 group, Spawner)."""
         values = {"pids": [("pids.max", str(limits["processes"]))],
                   "memory": [("memory.limit_in_bytes", str(limits["memoryBytes"])),
                              ("memory.memsw.limit_in_bytes", str(limits["memoryBytes"]))],
@@ -2554,6 +2567,8 @@ class Cgroups:
                      "memory": [("memory.max", str(limits["memoryBytes"])),
                                 ("memory.swap.max", "0"), ("memory.oom.group", "1")],
                      "cpu": []}
+        if self.unbounded:
+            raise SysError("limits", errno.EOPNOTSUPP, self.unbounded)
         made = []
         try:
             if self.v2:
@@ -2565,7 +2580,11 @@ class Cgroups:
             self.remove(task_id)
             raise
         log(7, f"cgroups: {task_id} in {', '.join(made)}")
-        return [os.path.join(g, "cgroup.procs") for g in made]
+        return [os.path.join(g, "cgroup.procs") for g in made[bool(self.v2):]]
+
+    def v2_group(self, task_id: str) -> str | None:
+        """The task's v2 group, where the spawner starts its worker (None without one)."""
+        return os.path.join(self.v2, task_id) if self.v2 else None
 
     @staticmethod
     def _make(group: str, values: list[tuple[str, str]]) -> str:
@@ -2618,8 +2637,9 @@ class Cgroups:
             return False
         return True
 
-    def kill(self, task_id: str, timeout: float = 5.0) -> None:
-        """SIGKILL every thread of the task and wait until its group is empty.  Idempotent.
+    def kill(self, task_id: str, timeout: float = 5.0) -> bool:
+        """SIGKILL every thread of the task and wait until its group is empty; False if it
+        has no group (then only its uid finds its processes).  Idempotent.
 
         v2: cgroup.kill (no fork can race it) until cgroup.events says `populated 0`, and
         kill(2) of each thread listed: cgroup.kill misses a process whose main thread exited
@@ -2628,17 +2648,17 @@ class Cgroups:
         parent = self.tracking_parent()
         group = os.path.join(parent, task_id) if parent else ""
         if not parent or not os.path.isdir(group):
-            return
+            return False
         deadline = time.monotonic() + timeout
         v2 = parent == self.v2 and os.path.exists(os.path.join(group, "cgroup.kill"))
         while True:
             if v2:
                 if not cgroup_count(cgroup_read(group, "cgroup.events"), "populated"):
-                    return
+                    return True
                 cgroup_write(group, "cgroup.kill", "1")
             left = cgroup_read(group, "cgroup.threads" if v2 else "tasks").split()
             if not v2 and not left:
-                return
+                return True
             for tid in left:
                 try:
                     os.kill(int(tid), signal.SIGKILL)
@@ -2805,8 +2825,50 @@ class DiskReserve:
 # child).  So gurtd forks this spawner before any thread starts; it stays single-threaded,
 # forks each worker on request and reports each exit.  It dies with gurtd (pdeathsig), is a
 # subreaper (orphans of tasks are reaped here), and workers die with it.
+# A worker is born in its task's v2 group: clone3(CLONE_INTO_CGROUP) (Linux 5.7) as a fork, so
+# that no process of a task ever runs outside its group and the start writes no cgroup.procs.
+# Where clone3 is refused (systemd's RestrictNamespaces= filter answers it ENOSYS: it cannot
+# read clone3's flags), the worker is forked and writes itself into cgroup.procs first thing;
+# the start probes once and says which way it takes.  GURT_CLONE_INTO_CGROUP=no forces the fork.
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_CAP_AMBIENT = 1, 36, 47
+SYS_CLONE3, CLONE_INTO_CGROUP = 435, 0x200000000
+CLONE3_ENV = "GURT_CLONE_INTO_CGROUP"
+
+
+class _CloneArgs(ctypes.Structure):
+    """struct clone_args up to its cgroup field (CLONE_ARGS_SIZE_VER2, 88 bytes)."""
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "flags", "pidfd", "child_tid", "parent_tid", "exit_signal", "stack", "stack_size",
+        "tls", "set_tid", "set_tid_size", "cgroup")]
+
+
+_PYAPI: ctypes.PyDLL | None = None
+
+
+def fork_into(cgroup_fd: int) -> int:
+    """os.fork, the child born in the v2 group of cgroup_fd; OSError as clone3 says.
+
+    As os.fork does: PyOS_BeforeFork, the call with the GIL held (a PyDLL keeps it), then
+    PyOS_AfterFork_Child or _Parent (locks, threading state, os.register_at_fork hooks).  Safe
+    only in a single-threaded process, as a fork is: the spawner.  stack 0 is fork's way (the
+    child goes on on a copy of this stack)."""
+    global _PYAPI
+    if _PYAPI is None:
+        _PYAPI = ctypes.PyDLL(None, use_errno=True)
+        _PYAPI.syscall.restype = ctypes.c_long
+    args = _CloneArgs(flags=CLONE_INTO_CGROUP, exit_signal=signal.SIGCHLD, cgroup=cgroup_fd)
+    _PYAPI.PyOS_BeforeFork()
+    pid = _PYAPI.syscall(ctypes.c_long(SYS_CLONE3), ctypes.byref(args),
+                         ctypes.c_size_t(ctypes.sizeof(args)))
+    err = ctypes.get_errno()
+    if pid == 0:
+        _PYAPI.PyOS_AfterFork_Child()
+        return 0
+    _PYAPI.PyOS_AfterFork_Parent()
+    if pid < 0:
+        raise OSError(err, f"clone3: {os.strerror(err)}")
+    return int(pid)
 
 
 class Spawner:
@@ -2835,19 +2897,35 @@ class Spawner:
         child.close()
         self.sock, self.pid = parent, pid
 
-    def spawn(self, spec: dict[str, Any], fds: list[int]) -> int:
-        """Fork a worker; spec travels in a memfd (it holds the prompt), fds follow it."""
+    def spawn(self, spec: dict[str, Any], fds: list[int], group: str | None = None) -> int:
+        """Fork a worker, in the v2 group `group` if given; spec travels in a memfd (it holds
+        the prompt), fds follow it."""
+        return int(self._ask([b"spawn"], spec, fds, group)["pid"])
+
+    def probe(self, group: str) -> dict[str, Any]:
+        """Start a child in `group` that exits at once, the way workers will start: the way
+        taken ("clone3" or "fork"), why not clone3, and the microseconds it took."""
+        return self._ask([b"probe"], {}, [], group)
+
+    def _ask(self, kind: list[bytes], spec: dict[str, Any], fds: list[int],
+             group: str | None) -> dict[str, Any]:
         assert self.sock is not None
         memfd = os.memfd_create("gurt-spec", os.MFD_CLOEXEC)
+        cgroup_fd = -1
         try:
             os.write(memfd, json.dumps(spec).encode())
-            socket.send_fds(self.sock, [b"spawn"], [memfd] + fds)
+            if group is not None:
+                cgroup_fd = os.open(group, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                kind = [kind[0] + b" into"]
+            socket.send_fds(self.sock, kind, [memfd] + fds + [cgroup_fd] * (cgroup_fd >= 0))
         finally:
             os.close(memfd)
+            if cgroup_fd >= 0:
+                os.close(cgroup_fd)
         while True:
             msg = self._recv(block=True)
             if "pid" in msg:
-                return int(msg["pid"])
+                return msg
             if "error" in msg:
                 raise SysError("spawn", errno.EIO, msg["error"])
 
@@ -2891,6 +2969,7 @@ def _spawner_main(sock: socket.socket) -> None:
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    way = _SpawnWay()
     while True:
         try:
             ready, _, _ = select.select([sock, wake_r], [], [])
@@ -2902,14 +2981,16 @@ def _spawner_main(sock: socket.socket) -> None:
             except BlockingIOError:
                 pass
         if sock in ready:
-            msg, fds, _, _ = socket.recv_fds(sock, 1024, 16)
+            msg, fds, _, _ = socket.recv_fds(sock, 1024, 17)
             if not msg:
                 return
+            cgroup_fd = fds.pop() if msg.endswith(b" into") else -1
+            started = time.monotonic()
             try:
-                pid = os.fork()
+                pid, joined = way.fork(cgroup_fd)
             except OSError as exc:
                 sock.send(json.dumps({"error": f"fork: {exc}"}).encode())
-                pid = -1
+                pid, joined = -1, True
             if pid == 0:
                 sock.close()
                 os.close(wake_r)
@@ -2917,11 +2998,18 @@ def _spawner_main(sock: socket.socket) -> None:
                 signal.set_wakeup_fd(-1)
                 for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
                     signal.signal(sig, signal.SIG_DFL)
+                if not joined:
+                    _worker_join(cgroup_fd, fds)
+                if msg.startswith(b"probe"):
+                    os._exit(0)
                 sandbox_main(fds)
-            for fd in fds:
+            for fd in fds + [cgroup_fd] * (cgroup_fd >= 0):
                 os.close(fd)
             if pid > 0:
-                sock.send(json.dumps({"pid": pid}).encode())
+                if msg.startswith(b"probe"):
+                    os.waitpid(pid, 0)
+                sock.send(json.dumps({"pid": pid, "way": way.name(cgroup_fd), "why": way.why,
+                                      "us": int((time.monotonic() - started) * 1e6)}).encode())
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -2931,6 +3019,45 @@ def _spawner_main(sock: socket.socket) -> None:
                 break
             sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
                       .encode())
+
+
+class _SpawnWay:
+    """How the spawner starts a worker in its group: clone3(CLONE_INTO_CGROUP) until it is
+    refused once (then for good: the refusal is the kernel's or the unit's, not the task's),
+    else os.fork and the worker's own cgroup.procs write."""
+
+    def __init__(self) -> None:
+        self.clone3 = os.environ.get(CLONE3_ENV, "yes") != "no"
+        self.why = "" if self.clone3 else f"{CLONE3_ENV}=no"
+
+    def fork(self, cgroup_fd: int) -> tuple[int, bool]:
+        """(pid, whether the child is in its group already)."""
+        if cgroup_fd >= 0 and self.clone3:
+            try:
+                return fork_into(cgroup_fd), True
+            except OSError as exc:
+                self.clone3, self.why = False, str(exc)
+        return os.fork(), cgroup_fd < 0
+
+    def name(self, cgroup_fd: int) -> str:
+        return "clone3" if cgroup_fd >= 0 and self.clone3 else "fork"
+
+
+def _worker_join(cgroup_fd: int, fds: list[int]) -> None:
+    """The fork way: the worker writes itself into its group before anything else; a worker
+    that cannot join ends with the sandbox's error (its output pipe is fds[1])."""
+    try:
+        fd = os.open("cgroup.procs", os.O_WRONLY | os.O_CLOEXEC, dir_fd=cgroup_fd)
+        try:
+            os.write(fd, b"0")
+        finally:
+            os.close(fd)
+        os.close(cgroup_fd)
+    except OSError as exc:
+        if len(fds) > 1:
+            os.write(fds[1], (json.dumps({"t": "error", "text": f"sandbox: join its cgroup: "
+                                                                f"{exc}"}) + "\n").encode())
+        os._exit(125)
 
 
 # Sandbox #######################################################################################
@@ -7105,7 +7232,7 @@ class Box:
                 fds.append(self.network.prepare(task, hosts).nsfd)
                 self.gateway.open(task.id, fds[-1])
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
-            pid = self.spawner.spawn(spec, [out_w] + fds)
+            pid = self.spawner.spawn(spec, [out_w] + fds, self.cgroups.v2_group(task.id))
             self.views.pin(task.id, lowers)
         except (OSError, SysError) as exc:
             for fd in (out_r, out_w):
@@ -7249,11 +7376,11 @@ class Box:
             self.append_log(task.id, note)
 
     def cleanup_user(self, task: Task) -> None:
-        """End the task's processes (its cgroup: every thread, wherever it went; then its uid),
-        remove its groups, then its user (kept while a process lives)."""
+        """End the task's processes (its cgroup: every thread, wherever it went; its uid only
+        without one: no process of a task is outside its group, it is born or put there as
+        root, and cannot leave), remove its groups, then its user (kept while one lives)."""
         try:
-            self.cgroups.kill(task.id)
-            if task.uid:
+            if not self.cgroups.kill(task.id) and task.uid:
                 kill_uid(task.uid)
             self.cgroups.remove(task.id)
         except SysError as exc:
@@ -14190,6 +14317,27 @@ def overlay_way_by_version() -> str:
     return "fd" if newer and os.environ.get(OVERLAY_API_ENV) != "legacy" else "legacy"
 
 
+def spawn_way_start(box: Box) -> None:
+    """Start a probe child in a group of its own the way workers will start (Spawner) and
+    say which way that is: clone3(CLONE_INTO_CGROUP), or fork and cgroup.procs and why."""
+    group = box.cgroups.v2_group("probe")
+    if group is None:
+        log(6, "workers: forked, then they join their v1 groups (no v2 group here)")
+        return
+    try:
+        os.makedirs(group, exist_ok=True)
+        way = box.spawner.probe(group)
+    except (OSError, SysError) as exc:
+        log(4, f"workers: no probe of their start ({exc}); they start as it turns out")
+        return
+    finally:
+        with contextlib.suppress(OSError, SysError):
+            box.cgroups.remove("probe")
+    how = "started in their cgroup by clone3(CLONE_INTO_CGROUP)" if way["way"] == "clone3" \
+        else f"forked, then they write themselves into cgroup.procs ({way['why']})"
+    log(6, f"workers: {how}; the probe took {way['us']} us")
+
+
 def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     """The start, as steps with their undo (sshuttle's way): each undo is registered before
     its step runs, so a step that fails half-way is undone too, and only what this start
@@ -14203,6 +14351,7 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     raise_open_files_limit()                 # after the fork: workers keep the usual limit
     box.load()
     box.reconcile()
+    spawn_way_start(box)
     undo.append(("stop the network (its nftables table)", box.network.stop))
     box.network.start()
     undo.append(("stop the broker (its socket)", box.broker.stop))
@@ -14230,9 +14379,50 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     box.schedule()
 
 
+SCOPE_ENV = "GURT_SCOPE"       # "no": never re-run in a scope; "1": this is the re-run
+
+
+def cgroup_delegable(cgroups: str | None = None, mountinfo: str | None = None) -> bool:
+    """Whether gurtd's own group can give its tasks' groups limits (Cgroups._v2_delegate):
+    v1 hierarchies with pids and memory, or a v2 group that has them enabled for its children
+    already or holds no process but gurtd (gurtd.service with Delegate=yes).  Not a login's
+    session scope, nor another service's group: they hold other processes (EBUSY)."""
+    own_v2, own_v1 = cgroup_own_groups(cgroups, mountinfo)
+    if {"pids", "memory"} <= set(own_v1) or own_v2 is None:
+        return True
+    wanted = {"pids", "memory"}
+    if wanted <= set(cgroup_read(own_v2, "cgroup.subtree_control").split()):
+        return True
+    procs = set(cgroup_read(own_v2, "cgroup.procs").split())
+    return wanted <= set(cgroup_read(own_v2, "cgroup.controllers").split()) and \
+        procs <= {str(os.getpid())}
+
+
+def scope_reexec(home: str) -> None:
+    """Started by hand on a systemd machine (`make run` from a login shell), gurtd's group is
+    a session scope whose controllers it cannot have: run again in a scope of its own with
+    Delegate=yes (systemd-run --scope execs the same command in the same process), so that
+    limits hold there as under gurtd.service.  Elsewhere, or if that is not possible, gurtd
+    goes on where it is, and Cgroups says whether tasks can be bounded there."""
+    tool = shutil.which("systemd-run")
+    if os.environ.get(SCOPE_ENV) or not os.path.isdir("/run/systemd/system") or \
+            tool is None or cgroup_delegable():
+        return
+    log(6, "cgroups: gurtd's own group is not delegated: running again in a scope of its "
+           "own (systemd-run --scope -p Delegate=yes)")
+    os.environ[SCOPE_ENV] = "1"
+    try:
+        os.execv(tool, [tool, "--scope", "--quiet", "--collect", "-p", "Delegate=yes",
+                        "--description", f"gurtd by hand, BOX_HOME={home}", "--",
+                        sys.executable] + sys.orig_argv[1:])
+    except OSError as exc:
+        log(4, f"cgroups: systemd-run: {exc}; going on in the group it has")
+
+
 def serve(box: Box) -> None:
     """Run gurtd: lock, start, READY=1, the loop, then a clean stop.  StartError if it could
     not start (another gurtd on BOX_HOME, a port in use...), after undoing what it made."""
+    scope_reexec(box.path())
     host, port = parse_listen(box.listen)
     lock_fd = lock_box_home(box.path())
     undo: Undo = [("release the BOX_HOME lock", lambda: os.close(lock_fd))]

@@ -11,7 +11,9 @@ state change to a real browser showing it, a fresh load's first paint and its ta
 drawn, and the page's size (`python tests/bench.py portal`: those only); then the
 finish-time merge's and the exact undo's (`python tests/bench.py merge`: those only); then
 the model gateway's: a call and its first streamed byte through it against the same calls
-straight to the model, one task and 50 at once (`python tests/bench.py gateway`: those only).
+straight to the model, one task and 50 at once (`python tests/bench.py gateway`: those
+only); then task start with workers born in their cgroup (clone3 CLONE_INTO_CGROUP) against
+forked ones (`python tests/bench.py cgroups`).
 """
 
 from __future__ import annotations
@@ -705,6 +707,7 @@ def main() -> None:
     results += layer_figures()
     results += merge_figures()
     results += gateway_figures()
+    results += cgroup_figures()
     print_results(results)
 
 
@@ -1138,8 +1141,63 @@ def gateway_rows(tasks: int, through: list[tuple[list[float], list[float]]],
     return rows
 
 
+# cgroups: a worker born in its group (clone3 CLONE_INTO_CGROUP) or forked and joining it #####
+
+def spawn_us(group: str, way: str, count: int) -> list[float]:
+    """The spawner's own time (us) to start a child in group the given way, count times."""
+    os.environ[G.CLONE3_ENV] = "yes" if way == "clone3" else "no"
+    spawner = G.Spawner()
+    spawner.start()
+    try:
+        out = []
+        for _ in range(count):
+            answer = spawner.probe(group)
+            assert answer["way"] == way, answer
+            out.append(float(answer["us"]))
+        return out
+    finally:
+        spawner.stop()
+        os.environ.pop(G.CLONE3_ENV)
+
+
+def cgroup_figures() -> list[tuple[str, str, str]]:
+    """Task start p50 with workers born in their v2 group against forked ones that write
+    cgroup.procs, two gurtds side by side, tasks alternating; then the spawner's start of a
+    child alone, each way.  Needs a v2 hierarchy where this host allows groups."""
+    ways = {"clone3": {}, "fork": {G.CLONE3_ENV: "no"}}
+    gurtds = {way: Gurtd(make_home(), env) for way, env in ways.items()}
+    starts: dict[str, list[float]] = {way: [] for way in ways}
+    try:
+        for g in gurtds.values():
+            g.start()
+        for _ in range(30):
+            for way, g in gurtds.items():
+                starts[way] += start_latencies(g, 1)[0]
+    finally:
+        for g in gurtds.values():
+            if g.proc is not None:
+                g.stop()
+            remove_home(g.home)
+    group = os.path.join(G.cgroup_own_groups()[0] or "", "gurt-bench-spawn")
+    os.makedirs(group, exist_ok=True)
+    try:
+        spawns = {way: spawn_us(group, way, 200) for way in ways}
+    finally:
+        os.rmdir(group)
+    p50 = {way: statistics.median(v) for way, v in starts.items()}
+    return [
+        ("task start, worker born in its group (clone3), p50 (ms)", f"{p50['clone3']:.1f}", ""),
+        ("task start, forked, then cgroup.procs, p50 (ms)", f"{p50['fork']:.1f}", ""),
+        ("spawner: a child in its group, clone3 / fork+write, p50 (us)",
+         f"{statistics.median(spawns['clone3']):.0f} / {statistics.median(spawns['fork']):.0f}",
+         ""),
+    ]
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] == ["personal"]:     # python tests/bench.py personal: this section only
+    if sys.argv[1:] == ["cgroups"]:      # python tests/bench.py cgroups: clone3 against fork
+        print_results(cgroup_figures())
+    elif sys.argv[1:] == ["personal"]:     # python tests/bench.py personal: this section only
         print_results(personal_figures())
     elif sys.argv[1:] == ["portal"]:     # python tests/bench.py portal: the portal's only
         print_results(portal_figures())

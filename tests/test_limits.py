@@ -11,6 +11,7 @@ that no task group is left behind.
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -68,7 +69,16 @@ def task_group_parents(home: str) -> list[str]:
     tasks: gurt-<hash of BOX_HOME> below its own group in each hierarchy."""
     v2, v1 = G.cgroup_own_groups()
     name = "gurt-" + hashlib.sha1(os.path.abspath(home).encode()).hexdigest()[:12]
+    if v2 is not None and not os.path.isdir(os.path.join(v2, name)):
+        # a gurtd that re-ran itself in a scope of its own (systemd-run, the VM tier)
+        v2 = next((top for top, subs, _ in os.walk(v2_mount()) if name in subs), v2)
     return [os.path.join(p, name) for p in [v2] + list(v1.values()) if p]
+
+
+def v2_mount() -> str:
+    """Where the v2 hierarchy is mounted (/sys/fs/cgroup or /sys/fs/cgroup/unified)."""
+    with open("/proc/self/mountinfo") as f:
+        return next(line.split()[4] for line in f if " - cgroup2 " in line)
 
 
 def task_groups(home: str) -> list[str]:
@@ -496,6 +506,68 @@ def test_cgroups_of_this_box_and_the_cpu_share_of_its_tasks(box: Gurtd) -> None:
     box.api("POST", f"/api/tasks/{task['id']}/undo")
     assert [p for p in groups if os.path.exists(p)] == []
     assert json.loads(json.dumps(box.task(task["id"])))["state"] == "undone"
+
+
+@pytest.mark.parametrize("way", ["clone3", "fork"])
+def test_a_worker_is_born_in_its_v2_group_or_joins_it_first(way: str) -> None:
+    """The spawner starts a worker straight in its task's v2 group (clone3 with
+    CLONE_INTO_CGROUP) or, where clone3 is refused (GURT_CLONE_INTO_CGROUP=no stands in for
+    systemd's filter), forks it and the worker writes itself in first; the start says which.
+    Either way every process of the task is in the group, the sandbox's first line too."""
+    env = {"GURT_CLONE_INTO_CGROUP": "no"} if way == "fork" else {}
+    with running_gurtd(env) as g:
+        said = "started in their cgroup by clone3(CLONE_INTO_CGROUP)" if way == "clone3" \
+            else "forked, then they write themselves into cgroup.procs (GURT_CLONE_INTO_CGROUP=no)"
+        assert f"workers: {said}" in g.log_text(), g.log_text()
+        task = g.create("cat /proc/self/cgroup\nsleep 30")
+        wait_for_step(g, task["id"], "sleep 30")
+        line = next(x for x in g.output(task["id"]) if x.startswith("0::"))
+        # (found from the task's own line: where gurtd runs in a scope of its own, in the VM
+        # tier, its groups are not this test's)
+        v2 = os.path.dirname(v2_mount() + line[3:])
+        name = "gurt-" + hashlib.sha1(os.path.abspath(g.home).encode()).hexdigest()[:12]
+        assert line.endswith(f"/{name}/{task['id']}"), line
+        assert not os.path.exists(os.path.join(v2, "probe")), "the probe's group stayed"
+        with open(os.path.join(v2, task["id"], "cgroup.procs")) as f:
+            procs = sorted(int(p) for p in f.read().split())
+        assert procs == sorted(g.worker_pids(task)), procs
+        g.api("POST", f"/api/tasks/{task['id']}/stop")
+        assert g.wait(task["id"])["state"] == "failed"
+        assert not os.path.exists(os.path.join(v2, task["id"]))
+
+
+def test_fork_into_keeps_pythons_fork_bookkeeping(tmp_path: Any) -> None:
+    """fork_into is a fork for Python too: the child runs os.register_at_fork's child hooks
+    (PyOS_AfterFork_Child) and the parent its own; a bad group fd fails as clone3 says."""
+    group = os.path.join(G.cgroup_own_groups()[0] or "", "gurt-fork-into-test")
+    os.makedirs(group, exist_ok=True)
+    fd = os.open(group, os.O_RDONLY | os.O_DIRECTORY)
+    seen: list[str] = []
+    os.register_at_fork(after_in_parent=lambda: seen.append("parent"))
+    r, w = os.pipe()
+    try:
+        pid = G.fork_into(fd)
+        if pid == 0:
+            with open("/proc/self/cgroup") as f:
+                os.write(w, f.read().encode())
+            os._exit(0)
+        os.close(w)
+        assert os.waitpid(pid, 0)[1] == 0
+        text = os.read(r, 4096).decode()
+        assert text.splitlines()[-1].endswith("/gurt-fork-into-test"), text
+        assert seen == ["parent"]
+        with pytest.raises(OSError) as exc:
+            G.fork_into(r)                  # a pipe is no cgroup
+        assert exc.value.errno == errno.EBADF, exc.value
+    finally:
+        os.close(fd)
+        os.close(r)
+        for _ in range(100):               # a reaped child's group may be busy a moment
+            try:
+                os.rmdir(group)
+                break
+            except OSError:
+                time.sleep(0.01)
 
 
 @pytest.mark.parametrize("cgroups, mountinfo, v2, v1", [

@@ -29,16 +29,10 @@ else
   ACCEL=(-accel tcg,thread=multi -cpu max)
 fi
 
-boot() {  # boot KERNEL_VERSION: one guest, its results in tests/output/vm/KERNEL_VERSION
-  local v=$1 out=$SRC/tests/output/vm/$1
-  rm -rf "$out"
-  mkdir -p "$out"
-  # The cached image stays as built: the guest writes into a throwaway overlay.
-  qemu-img create -q -f qcow2 -F raw -b "$IMAGE/disk.raw" "$out/disk.qcow2"
-  echo "test-vm: booting Debian 12 with kernel $v (${ACCEL[*]})"
-  local started=$SECONDS
+guest() {  # guest KERNEL_VERSION OUT CONSOLE: boot the guest's disk once, until it powers off
+  local v=$1 out=$2
   qemu-system-x86_64 "${ACCEL[@]}" -smp 2 -m 4096 -no-reboot -nodefaults -vga none \
-    -nic none -display none -monitor none -serial "file:$out/console.log" \
+    -nic none -display none -monitor none -serial "file:$out/$3" \
     -kernel "$IMAGE/vmlinuz-$v" -initrd "$IMAGE/initrd.img-$v" \
     -append "root=/dev/vda rw console=ttyS0 systemd.wants=gurtd-vm-stories.service" \
     -drive "file=$out/disk.qcow2,if=virtio,format=qcow2" \
@@ -49,22 +43,46 @@ boot() {  # boot KERNEL_VERSION: one guest, its results in tests/output/vm/KERNE
   # minute after its results came back, is ended.
   local deadline=$(( SECONDS + VM_TIMEOUT )) finished=""
   while kill -0 "$qemu" 2>/dev/null; do
-    if [ -z "$finished" ] && [ -s "$out/rc" ]; then finished=$SECONDS; fi
-    if (( SECONDS > deadline )) || { [ -n "$finished" ] && (( SECONDS > finished + 60 )); }; then
+    if [ -z "$finished" ] && { [ -s "$out/rc" ] || [ -e "$out/reboot" ]; }; then
+      finished=$SECONDS; fi
+    if (( SECONDS > deadline )) || { [ -n "$finished" ] && (( SECONDS > finished + 90 )); }; then
       echo "test-vm: ending the guest (no power-off)" >&2
       kill "$qemu"
     fi
     sleep 2
   done
   wait "$qemu" || true
+}
+
+boot() {  # boot KERNEL_VERSION: one guest, its results in tests/output/vm/KERNEL_VERSION
+  local v=$1 out=$SRC/tests/output/vm/$1
+  rm -rf "$out"
+  mkdir -p "$out"
+  # The cached image stays as built: the guest writes into a throwaway overlay.
+  qemu-img create -q -f qcow2 -F raw -b "$IMAGE/disk.raw" "$out/disk.qcow2"
+  echo "test-vm: booting Debian 12 with kernel $v (${ACCEL[*]})"
+  local started=$SECONDS
+  guest "$v" "$out" console.log
+  # The reboot story: the guest asked for it (its first boot's stories passed); the same
+  # disk boots again, and tests/vm/inside goes on with the stories after it.
+  if [ -e "$out/reboot" ]; then
+    rm "$out/reboot"
+    echo "test-vm: kernel $v: first boot done in $(( SECONDS - started )) s, booting again"
+    guest "$v" "$out" console-after-reboot.log
+  fi
   rm -f "$out/disk.qcow2"
   echo "guest run: $(( SECONDS - started )) s" >> "$out/figures.txt"
   if [ ! -s "$out/rc" ]; then
     echo "test-vm: kernel $v: the stories did not finish; the console's end:" >&2
-    tail -40 "$out/console.log" >&2
+    tail -40 "$out"/console*.log >&2
+    cat "$out/stories.log" >&2 2>/dev/null || true
     return 1
   fi
   cat "$out/stories.log"
+  if [ -e "$out/suite.log" ]; then
+    grep -E ' (FAILED|ERROR)' "$out/suite.log" || true
+    echo "the suite's part: $(tail -1 "$out/suite.log")"
+  fi
   echo "test-vm: kernel $v, booted in $(cat "$out/booted-seconds") s; results in $out"
   cat "$out/figures.txt"
   return "$(cat "$out/rc")"

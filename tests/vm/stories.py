@@ -1,8 +1,10 @@
 """The systemd stories: gurtd as a person installs it on a stock Debian 12, run by systemd.
 
 Runs inside the VM tier's guest only (tests/vm/inside, from the stories unit), as root, in
-this order: each story starts from what the one before left.  The guest has no network
-device.  Figures go to GURTD_VM_OUT/figures.txt (the run prints them on the host).
+this order: each story starts from what the one before left.  The last one leaves a task
+running for the reboot (the guest powers off and boots again); tests/vm/after_reboot.py goes
+on from there.  The guest has no network device.  Figures go to GURTD_VM_OUT/figures.txt (the
+run prints them on the host).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pwd
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import time
 from typing import Any
@@ -27,6 +30,8 @@ PORT = 7700
 TERMINAL = ("done", "failed", "undone")
 # Under TCG a fork+exec costs about 45 ms and a fake task about 3 s: waits are long.
 TASK_TIMEOUT = 300.0
+REBOOT_NOTE = "/var/lib/gurtd-vm-reboot.json"     # the reboot story's task, for after it
+UNIT_GROUP = "/sys/fs/cgroup/system.slice/gurtd.service"
 
 
 def figure(name: str, value: str) -> None:
@@ -49,8 +54,8 @@ def unit(prop: str) -> str:
 # The API of the unit's gurtd ##################################################################
 
 def request(method: str, path: str, body: Any = None, raw: bytes | None = None,
-            ) -> tuple[int, Any]:
-    with open(os.path.join(BOX_HOME, "token")) as f:
+            home: str = BOX_HOME, port: int = PORT) -> tuple[int, Any]:
+    with open(os.path.join(home, "token")) as f:
         token = f.read().strip()
     headers = {"Authorization": f"Bearer {token}"}
     data = raw
@@ -59,7 +64,7 @@ def request(method: str, path: str, body: Any = None, raw: bytes | None = None,
     if body is not None:
         data = json.dumps(body).encode()
         headers["Content-Type"] = "application/json"
-    conn = http.client.HTTPConnection("127.0.0.1", PORT, timeout=120)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
         conn.request(method, path, body=data, headers=headers)
         resp = conn.getresponse()
@@ -71,8 +76,8 @@ def request(method: str, path: str, body: Any = None, raw: bytes | None = None,
     return resp.status, payload
 
 
-def api(method: str, path: str, body: Any = None) -> Any:
-    code, data = request(method, path, body)
+def api(method: str, path: str, body: Any = None, **where: Any) -> Any:
+    code, data = request(method, path, body, **where)
     assert 200 <= code < 300, (method, path, code, data, journal())
     return data
 
@@ -83,10 +88,10 @@ def create(prompt: str, **fields: Any) -> dict[str, Any]:
 
 
 def wait(task_id: str, states: tuple[str, ...] = TERMINAL,
-         timeout: float = TASK_TIMEOUT) -> dict[str, Any]:
+         timeout: float = TASK_TIMEOUT, **where: Any) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
-        task = api("GET", f"/api/tasks/{task_id}")
+        task = api("GET", f"/api/tasks/{task_id}", **where)
         if task["state"] in states:
             return task
         assert time.monotonic() < deadline, (task, journal())
@@ -97,8 +102,8 @@ def run(prompt: str, **fields: Any) -> dict[str, Any]:
     return wait(create(prompt, **fields)["id"])
 
 
-def output(task_id: str) -> list[str]:
-    code, data = request("GET", f"/api/tasks/{task_id}/log")
+def output(task_id: str, **where: Any) -> list[str]:
+    code, data = request("GET", f"/api/tasks/{task_id}/log", **where)
     assert code == 200, data
     return [e["text"] for e in map(json.loads, data.decode().splitlines())
             if e["type"] == "stdout"]
@@ -108,9 +113,9 @@ def done(task: dict[str, Any]) -> None:
     assert task["state"] == "done", (task, output(task["id"]), journal())
 
 
-def wait_running(task_id: str, step: str) -> None:
+def wait_running(task_id: str, step: str, **where: Any) -> None:
     deadline = time.monotonic() + TASK_TIMEOUT
-    while (task := api("GET", f"/api/tasks/{task_id}")).get("step") != step:
+    while (task := api("GET", f"/api/tasks/{task_id}", **where)).get("step") != step:
         assert task["state"] in ("queued", "running"), (task, journal())
         assert time.monotonic() < deadline, (task, journal())
         time.sleep(0.2)
@@ -135,16 +140,26 @@ def test_make_install_works_offline_from_the_preinstalled_packages() -> None:
     figure("make install", f"{time.monotonic() - started:.0f} s")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert os.path.exists("/etc/systemd/system/gurtd.service")
+    # gurtd starts from the bytecode made at install (its folder is read-only to the unit)
+    assert os.listdir("/usr/local/lib/gurtd/__pycache__"), "no bytecode installed"
 
 
-def test_systemctl_start_says_ready() -> None:
+def test_systemctl_enable_now_says_ready() -> None:
     started = time.monotonic()
-    out = sh("systemctl", "start", "gurtd")      # Type=notify: returns at READY=1
-    figure("systemctl start -> READY", f"{time.monotonic() - started:.1f} s")
+    out = sh("systemctl", "enable", "--now", "gurtd")     # Type=notify: returns at READY=1
+    figure("systemctl enable --now -> READY", f"{time.monotonic() - started:.1f} s")
     assert out.returncode == 0, (out.stderr, journal())
     assert unit("ActiveState") == "active", journal()
+    assert unit("UnitFileState") == "enabled", journal()
     assert api("GET", "/api/health")["ok"] is True
     assert "running" in unit("StatusText"), unit("StatusText")
+    with open(f"/proc/{unit('MainPID')}/cmdline", "rb") as f:
+        assert b"\0-m\0gurtd\0" in f.read(), "not run as a module (its bytecode)"
+    said = journal(400)
+    assert "limits: cpu (v2), memory (v2), pids (v2)" in said, said
+    # systemd's RestrictNamespaces= filter answers clone3 ENOSYS: workers are forked there
+    assert "workers: forked, then they write themselves into cgroup.procs" in said or \
+        "workers: started in their cgroup by clone3(CLONE_INTO_CGROUP)" in said, said
 
 
 def task_cgroup(task_id: str) -> str:
@@ -152,22 +167,61 @@ def task_cgroup(task_id: str) -> str:
     return "/sys/fs/cgroup" + line[3:]
 
 
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+def assert_limits_in(group: str, limits: dict[str, int], task_id: str, **where: Any) -> None:
+    """The task's own v2 group holds every process of it, with its limits."""
+    assert os.path.basename(group) == task_id, group
+    assert int(read(os.path.join(group, "memory.max"))) == limits["memoryBytes"]
+    assert read(os.path.join(group, "memory.swap.max")) == "0"
+    assert read(os.path.join(group, "memory.oom.group")) == "1"
+    assert int(read(os.path.join(group, "pids.max"))) == limits["processes"]
+    assert int(read(os.path.join(group, "cpu.weight"))) == 100
+    # the tasks' parent weighs half of gurtd on the CPU
+    assert int(read(os.path.join(os.path.dirname(group), "cpu.weight"))) == 50
+    user = api("GET", f"/api/tasks/{task_id}", **where)["user"]
+    uid = pwd.getpwnam(user).pw_uid
+    procs = set(read(os.path.join(group, "cgroup.procs")).split())
+    mine = {p for p in os.listdir("/proc") if p.isdigit() and owner_of(p) == uid}
+    assert procs and mine <= procs, (procs, mine)
+
+
+def owner_of(pid: str) -> int:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return -1
+
+
 def test_a_fake_task_runs_with_its_limits_in_its_own_cgroup() -> None:
     started = time.monotonic()
     done(run("echo hello > hello.txt\ncat hello.txt"))
     figure("a fake task", f"{time.monotonic() - started:.1f} s")
     assert request("GET", "/api/workspaces/home/files/hello.txt") == (200, b"hello\n")
+    # the delegated subtree: gurtd in a leaf of its own, controllers for its tasks
+    assert unit("MainPID") in read(os.path.join(UNIT_GROUP, "gurtd", "cgroup.procs")).split()
+    assert {"cpu", "memory", "pids"} <= set(read(os.path.join(UNIT_GROUP,
+                                                             "cgroup.subtree_control")).split())
     limits = {"processes": 64, "memoryBytes": 256 << 20}
     task = create("cat /proc/self/cgroup\nsleep 600", limits=limits)
     wait_running(task["id"], "sleep 600")
     group = task_cgroup(task["id"])
-    with open(os.path.join(group, "memory.max")) as f:
-        assert int(f.read()) == 256 << 20
-    with open(os.path.join(group, "pids.max")) as f:
-        assert int(f.read()) == 64
-    api("POST", f"/api/tasks/{task['id']}/stop")
+    assert group.startswith(UNIT_GROUP + "/gurt-"), group
+    assert_limits_in(group, limits, task["id"])
+    api("POST", f"/api/tasks/{task['id']}/stop")          # cgroup.kill
     assert wait(task["id"])["state"] == "failed"
     assert not os.path.exists(group)
+
+
+def test_a_task_past_its_memory_is_killed_whole() -> None:
+    # memory.max holds: the hog and its shell, one group (memory.oom.group), are killed
+    task = run("python3 -c 'x = b\"x\" * (200 << 20); print(len(x))'",
+               limits={"memoryBytes": 64 << 20})
+    assert (task["state"], task.get("error")) == ("failed", "out of memory"), task
+    assert str(200 << 20) not in output(task["id"])
 
 
 def test_a_task_with_hosts_runs_behind_its_grant() -> None:
@@ -227,6 +281,25 @@ def test_an_upload_is_a_layer_a_task_sees() -> None:
     assert output(read["id"]) == ["buy milk"]
 
 
+def test_a_droid_task_without_a_key_fails_with_the_clis_own_error() -> None:
+    task = run("say hello", worker="droid")
+    assert task["state"] == "failed", task
+    assert "Authentication failed" in task.get("error", ""), (task, journal())
+
+
+def test_a_schedule_starts_its_task_at_its_minute() -> None:
+    sched = api("POST", "/api/schedules", {"name": "every minute", "cron": "* * * * *",
+                                           "task": {"worker": "fake", "prompt": "echo tick"}})
+    deadline = time.monotonic() + 150
+    while not (item := api("GET", f"/api/schedules/{sched['id']}")).get("lastTask"):
+        assert time.monotonic() < deadline, (item, journal())
+        time.sleep(1)
+    api("DELETE", f"/api/schedules/{sched['id']}")
+    task = wait(item["lastTask"])
+    done(task)
+    assert output(task["id"]) == ["tick"]
+
+
 def test_kill_9_is_restarted_by_systemd_and_reconciled() -> None:
     task = create("sleep 600")
     wait_running(task["id"], "sleep 600")
@@ -244,37 +317,109 @@ def test_kill_9_is_restarted_by_systemd_and_reconciled() -> None:
     done(run("echo after the restart"))
 
 
+def test_a_stuck_loop_is_restarted_by_the_watchdog() -> None:
+    task = create("sleep 600")
+    wait_running(task["id"], "sleep 600")
+    pid = unit("MainPID")
+    os.kill(int(pid), signal.SIGSTOP)           # the loop says WATCHDOG=1 no more
+    started = time.monotonic()
+    wait_active(pid, timeout=240)
+    figure("SIGSTOP -> watchdog -> active again", f"{time.monotonic() - started:.1f} s")
+    said = journal(400)
+    assert "Watchdog timeout" in said, said
+    after = api("GET", f"/api/tasks/{task['id']}")
+    assert after["state"] == "failed" and "restarted" in after.get("error", ""), after
+
+
 def test_systemctl_restart_keeps_the_box() -> None:
     pid = unit("MainPID")
+    started = time.monotonic()
     out = sh("systemctl", "restart", "gurtd")
+    figure("systemctl restart -> READY", f"{time.monotonic() - started:.1f} s")
     assert out.returncode == 0, (out.stderr, journal())
     wait_active(pid)
     assert request("GET", "/api/workspaces/home/files/hello.txt") == (200, b"hello\n")
     done(run("cat hello.txt"))
 
 
-def leftovers() -> dict[str, Any]:
-    """What a stopped gurtd could have left on the machine."""
-    mounts = [line for line in open("/proc/self/mountinfo")
-              if " overlay " in line or "/gurt" in line.split()[4]]
-    users = [p.pw_name for p in pwd.getpwall() if re.match(r"box-", p.pw_name)]
-    group = "/sys/fs/cgroup/system.slice/gurtd.service"
-    netns = sh("ip", "netns", "list").stdout.split()
-    tables = [t for t in sh("nft", "list", "tables").stdout.splitlines() if "gurt" in t]
-    links = [x for x in sh("ip", "-o", "link").stdout.splitlines() if ": lo:" not in x]
-    found = {"mounts": mounts, "users": users, "cgroup": os.path.exists(group),
-             "netns": netns, "nftables": tables, "links": links}
-    return {k: v for k, v in found.items() if v}
+HAND_HOME, HAND_PORT = "/var/tmp/gurt-by-hand", 7701
 
 
-def test_systemctl_stop_ends_the_tasks_and_leaves_nothing_behind() -> None:
-    task = create("sleep 600", hosts=["example.test"])
+def by_hand(env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """`gurtd serve` started by hand from this story's own process: its group is the stories
+    unit's, not delegated, with other processes in it."""
+    shutil.rmtree(HAND_HOME, ignore_errors=True)
+    with open(os.path.join(OUT, "by-hand.log"), "wb") as log:
+        proc = subprocess.Popen(["/usr/local/bin/gurtd", "serve", "--box-home", HAND_HOME,
+                                 "--listen", f"127.0.0.1:{HAND_PORT}"], stdout=log, stderr=log,
+                                env={**os.environ, **env})
+    deadline = time.monotonic() + 180
+    while "listening on http://" not in hand_log():      # the token file comes before it
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(hand_log())
+        time.sleep(0.5)
+    return proc
+
+
+def hand_log() -> str:
+    """This by-hand run's log (by_hand empties it)."""
+    with open(os.path.join(OUT, "by-hand.log"), errors="replace") as f:
+        return f.read()[-6000:]
+
+
+def hand_stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(120) == 0, hand_log()
+    shutil.rmtree(HAND_HOME, ignore_errors=True)
+
+
+def test_by_hand_gurtd_runs_in_a_delegated_scope_of_its_own() -> None:
+    hand = {"home": HAND_HOME, "port": HAND_PORT}
+    proc = by_hand({})
+    try:
+        with open(f"/proc/{proc.pid}/cgroup") as f:
+            own = f.read().strip()
+        assert re.fullmatch(r"0::/system\.slice/run-[^/]+\.scope/gurtd", own), own
+        # no systemd filter there: workers are born in their groups
+        said = "workers: started in their cgroup by clone3(CLONE_INTO_CGROUP)"
+        assert said in hand_log(), hand_log()
+        limits = {"processes": 32, "memoryBytes": 128 << 20}
+        task = api("POST", "/api/tasks", {"title": "by hand", "worker": "fake", "limits": limits,
+                                          "prompt": "cat /proc/self/cgroup\nsleep 600"}, **hand)
+        wait_running(task["id"], "sleep 600", **hand)
+        line = next(x for x in output(task["id"], **hand) if x.startswith("0::"))
+        assert_limits_in("/sys/fs/cgroup" + line[3:], limits, task["id"], **hand)
+        api("POST", f"/api/tasks/{task['id']}/stop", **hand)
+        assert wait(task["id"], **hand)["state"] == "failed"
+    finally:
+        hand_stop(proc)
+    scope = "/sys/fs/cgroup" + own[3:].rsplit("/", 1)[0]
+    deadline = time.monotonic() + 60
+    while os.path.exists(scope):                # systemd removes an emptied scope
+        assert time.monotonic() < deadline, f"the scope {scope} outlived gurtd"
+        time.sleep(0.5)
+
+
+def test_by_hand_with_nothing_delegated_tasks_refuse_to_start_unbounded() -> None:
+    hand = {"home": HAND_HOME, "port": HAND_PORT}
+    proc = by_hand({"GURT_SCOPE": "no"})      # stays in the stories unit's group
+    try:
+        assert "no task will start rather than run unbounded" in hand_log(), hand_log()
+        task = api("POST", "/api/tasks", {"title": "by hand", "worker": "fake",
+                                          "prompt": "echo unbounded"}, **hand)
+        after = wait(task["id"], **hand)
+        assert after["state"] == "failed", after
+        assert "not delegated" in after["error"] and "Delegate=yes" in after["error"], after
+        assert output(task["id"], **hand) == []
+    finally:
+        hand_stop(proc)
+
+
+def test_a_task_is_running_when_the_guest_reboots() -> None:
+    # tests/vm/inside powers the guest off after this story; tests/vm/run.sh boots it again
+    task = create("sleep 600")
     wait_running(task["id"], "sleep 600")
-    out = sh("systemctl", "stop", "gurtd")
-    assert out.returncode == 0, (out.stderr, journal())
-    assert unit("ActiveState") == "inactive", journal()
-    with open(os.path.join(BOX_HOME, "tasks", task["id"] + ".json")) as f:
-        after = json.load(f)
-    assert after["state"] == "failed" and "stopped" in after.get("error", ""), after
-    assert leftovers() == {}, leftovers()
-    assert not [x for x in journal(400).splitlines() if "Traceback" in x], journal(400)
+    with open(REBOOT_NOTE, "w") as f:
+        json.dump({"task": task["id"], "user": api("GET", f"/api/tasks/{task['id']}")["user"],
+                   "at": time.time()}, f)
