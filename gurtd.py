@@ -5929,13 +5929,16 @@ class Version:
     mode: int = 0
     size: int = 0
     data: str = ""                   # a file's sha256, a symlink's target
+    body: bytes | None = field(default=None, compare=False)   # a file's bytes, when kept
 
     def same(self, other: "Version") -> bool:
         return self == other
 
 
-def view_version(root_fd: int, path: str) -> Version:
-    """The version at path beneath a view's root fd, no symlink followed on the way."""
+def view_version(root_fd: int, path: str, keep: int = 0) -> Version:
+    """The version at path beneath a view's root fd, no symlink followed on the way; a file
+    of at most keep bytes keeps its bytes too (read once: through a deep stack each open
+    and read is a lookup in every lower, the bulk of an undo's or a check's time)."""
     parent, _, name = path.rpartition("/")
     fd = open_dir_beneath(root_fd, parent)
     if fd is None:
@@ -5951,11 +5954,15 @@ def view_version(root_fd: int, path: str) -> Version:
             return Version("symlink", data=os.readlink(name, dir_fd=fd))
         if not stat.S_ISREG(st.st_mode):
             return Version("other", mode)
-        digest = hashlib.sha256()
+        digest, chunks = hashlib.sha256(), []
         with _open_file(fd, name) as f:
             while chunk := f.read(1 << 20):
                 digest.update(chunk)
-        return Version("file", mode, st.st_size, digest.hexdigest())
+                if st.st_size <= keep:
+                    chunks.append(chunk)
+        body = b"".join(chunks) if st.st_size <= keep else None
+        return Version("file", mode, st.st_size, digest.hexdigest(),
+                       body if body is not None and len(body) <= keep else None)
     finally:
         os.close(fd)
 
@@ -6197,7 +6204,8 @@ def run_check(job: MergeCheck, home: str, tmp: str) -> MergeResult:
         mine, candidates = check_paths(job, fds["base"], home)
         held, shown = 0, [MERGE_SHOWN_TOTAL]
         for path in candidates:
-            base, theirs, ours = (view_version(fds[k], path) for k in ("base", "now", "ours"))
+            base, theirs, ours = (view_version(fds[k], path, MERGE_MAX_BYTES)
+                                  for k in ("base", "now", "ours"))
             if ours.same(theirs) or theirs.same(base):
                 continue
             if ours.same(base):                # only the view changed it
@@ -6205,8 +6213,7 @@ def run_check(job: MergeCheck, home: str, tmp: str) -> MergeResult:
                     result.writes[path] = ("view",)
                 continue
             why = conflict_why(base, theirs, ours)
-            texts = [b"" if v.kind == "absent" else view_bytes(fds[k], path, MERGE_MAX_BYTES)
-                     for v, k in ((ours, "ours"), (base, "base"), (theirs, "now"))] \
+            texts = [b"" if v.kind == "absent" else v.body for v in (ours, base, theirs)] \
                 if why is None else []
             if why is None and any(t is None or is_binary(t) for t in texts):
                 why = "binary file changed both ways"
@@ -6726,20 +6733,20 @@ def revert_write(path: str, fds: dict[str, int], tmp: str
     """What takes the undone task's change out of the version on top at path: (a write
     for upper_put, None) or (None, why the later version stays whole); (None, None) when
     nothing of its change is left there."""
-    base, ours, theirs = (view_version(fds[k], path) for k in ("top", "now", "below"))
+    base, ours, theirs = (view_version(fds[k], path, MERGE_MAX_BYTES)
+                          for k in ("top", "now", "below"))
     if ours.same(theirs) or theirs.same(base) or base.kind == "folder":
         return None, None
     if ours.same(base) and theirs.kind in ("absent", "symlink"):
         return (("absent",) if theirs.kind == "absent" else ("symlink", theirs.data)), None
     if ours.same(base) and theirs.kind == "file" and theirs.size <= MERGE_MAX_BYTES:
-        data = view_bytes(fds["below"], path, MERGE_MAX_BYTES)
-        return (("text", data, theirs.mode), None) if data is not None else \
+        return (("text", theirs.body, theirs.mode), None) if theirs.body is not None else \
             (None, "its version below cannot be read")
     if {base.kind, ours.kind, theirs.kind} != {"file"}:
         return None, f"a later task built on it (there is a {ours.kind} there now)"
     if max(base.size, ours.size, theirs.size) > MERGE_MAX_BYTES:
         return None, f"too large to merge (at most {MERGE_MAX_BYTES} bytes)"
-    texts = [view_bytes(fds[k], path, MERGE_MAX_BYTES) for k in ("now", "top", "below")]
+    texts = [v.body for v in (ours, base, theirs)]
     if any(t is None or is_binary(t) for t in texts):
         return None, "a binary file a later task changed again"
     try:
