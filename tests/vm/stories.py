@@ -278,3 +278,66 @@ def test_systemctl_stop_ends_the_tasks_and_leaves_nothing_behind() -> None:
     assert after["state"] == "failed" and "stopped" in after.get("error", ""), after
     assert leftovers() == {}, leftovers()
     assert not [x for x in journal(400).splitlines() if "Traceback" in x], journal(400)
+
+
+# Project quotas: Debian's kernels have them (QFMT_V2), a host suite's kernel may not ##########
+
+def free_above(path: str) -> tuple[int, int]:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize, st.f_favail
+
+
+def project_of(path: str) -> int:
+    """The project id of a folder, as lsattr -p shows it."""
+    return int(sh("lsattr", "-pd", path).stdout.split()[0])
+
+
+def test_on_project_quotas_a_tasks_layer_stops_at_the_reserve() -> None:
+    """After the stop: BOX_HOME becomes a 64 MiB ext4 with the project and quota features,
+    mounted with prjquota; gurtd says each layer has a project quota.  One fallocate of 1 GiB
+    and a dd at full speed each stop at the limit with `Disk quota exceeded` in the task's
+    error, the reserve untouched; a task making empty files without end is paused at its
+    inode limit with a disk approval while another task stays running and gurtd still writes
+    its state; an ended layer carries no project mark."""
+    image = "/var/tmp/gurt-quota.img"
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+    assert sh("mkfs.ext4", "-q", "-F", "-m", "0", "-O", "quota,project", image).returncode == 0
+    out = sh("mount", "-o", "loop,prjquota", image, BOX_HOME)
+    assert out.returncode == 0, out.stderr
+    assert sh("systemctl", "start", "gurtd").returncode == 0, journal()
+    wait_active("0")
+    assert "each task's layer has a project quota" in journal(), journal()
+    reserve = free_above(BOX_HOME)[0] - (24 << 20)
+    api("PUT", "/api/settings", {"diskReserveBytes": reserve})
+    other = create("echo mine > mine.txt\nsleep 600")
+    wait_running(other["id"], "sleep 600")
+    for attack in ("fallocate -l 1G big", "dd if=/dev/zero of=big bs=1M count=1000 status=none"):
+        task = run(attack)
+        assert task["state"] == "failed" and "Disk quota exceeded" in task["error"], task
+        # past the reserve by gurtd's own writes since the last check at most
+        assert free_above(BOX_HOME)[0] >= reserve - (1 << 20), (attack, free_above(BOX_HOME))
+        upper = os.path.join(BOX_HOME, "layers", task["id"], "upper")
+        assert project_of(upper) == 0, sh("lsattr", "-pd", upper).stdout
+    # a failed redirection of `true` (not a special builtin) does not end the shell
+    eater = create("i=0; while [ $i -lt 100000 ]; do true 2>/dev/null >e$i; i=$((i+1)); done\n"
+                   "sleep 600")
+    approval = None
+    deadline = time.monotonic() + TASK_TIMEOUT
+    while approval is None:
+        assert time.monotonic() < deadline, (api("GET", f"/api/tasks/{eater['id']}"), journal())
+        time.sleep(1)
+        approval = next((a for a in api("GET", f"/api/approvals?state=pending&task={eater['id']}")
+                         if a["kind"] == "disk"), None)
+    st = os.statvfs(BOX_HOME)
+    assert st.f_favail >= min(1 << 16, st.f_files // 20), st
+    figure("inodes free at the inode limit", f"{st.f_favail} of {st.f_files}")
+    assert api("GET", f"/api/tasks/{other['id']}")["state"] == "running"
+    api("PUT", "/api/settings", {"taskLogBytes": 1 << 20})       # gurtd's own writes go on
+    api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": "too many files"})
+    assert wait(eater["id"])["error"] == "disk full: too many files"
+    api("POST", f"/api/tasks/{other['id']}/stop")
+    wait(other["id"])
+    assert sh("systemctl", "stop", "gurtd").returncode == 0
+    assert sh("umount", BOX_HOME).returncode == 0
+    os.unlink(image)
