@@ -3228,7 +3228,7 @@ def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
     view = _view_open(spec)
     folders = folder_overlays_open(spec)      # personal mode: before the host's root goes
     held = {"broker": os.open(spec["broker"], os.O_PATH | os.O_CLOEXEC),  # before the host's
-            "module": os.open(spec["module"], os.O_PATH | os.O_CLOEXEC)}  # root goes
+            "module": os.open(spec["module"], os.O_RDONLY | os.O_CLOEXEC)}  # root goes
     if spec.get("droid"):
         held["droid"] = os.open(spec["droid"], os.O_PATH | os.O_CLOEXEC)
     _root_build(NEW_ROOT, spec)
@@ -3355,7 +3355,9 @@ def _run_build(root: str, spec: dict[str, Any], view: int, held: dict[str, int])
     """/run/gurt: the view, the broker socket, the tool client, droid, the prompt files."""
     run_dir = os.path.join(root, "run")
     os.mkdir(run_dir, 0o755)
-    _mount("tmpfs", run_dir, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    module = held.pop("module")
+    _mount("tmpfs", run_dir, "tmpfs", MS_NOSUID | MS_NODEV,
+           f"mode=0755,size={(1 << 20) + os.fstat(module).st_size}")
     for sub in ("gurt/view", "gurt/bin", "gurt/lib"):
         os.makedirs(os.path.join(run_dir, sub), 0o755)
     try:
@@ -3363,9 +3365,13 @@ def _run_build(root: str, spec: dict[str, Any], view: int, held: dict[str, int])
                 MOVE_MOUNT_F_EMPTY_PATH)
     finally:
         os.close(view)
-    # the broker socket, and the `gurtd` command (its tool client) from this very module
-    places = {"broker": BROKER_IN_BOX, "module": "/run/gurt/lib/gurtd.py",
-              "droid": "/run/gurt/bin/droid"}
+    # the `gurtd` command (its tool client): a copy of this very module, not a bind, whose
+    # source /proc/self/mountinfo would show (the checkout's path)
+    with open(module, "rb") as source, open(root + "/run/gurt/lib/gurtd.py", "wb") as copy:
+        shutil.copyfileobj(source, copy)
+    os.chmod(root + "/run/gurt/lib/gurtd.py", 0o644)          # whatever gurtd's umask
+    # the broker socket (a bind: a socket cannot be copied) and droid
+    places = {"broker": BROKER_IN_BOX, "droid": "/run/gurt/bin/droid"}
     for name, fd in held.items():
         open(root + places[name], "w").close()
         _bind(fd, "", root + places[name], MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
