@@ -23,7 +23,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Layer walks           the one walker of every tree (beneath root fds, no symlink followed,
                           bounded fds, a moved folder an error); changes, copies, sizes
     Limits and tracking   a cgroup per task (tracking, kill, freeze; processes, memory, CPU),
-                          task limits, the log cap, BOX_HOME's disk reserve
+                          task limits, the log cap, BOX_HOME's disk reserve (a project
+                          quota on each task's layer where the file system has them)
     Spawner               a single-threaded process forked before any thread: it forks workers
     Sandbox               what a worker's child does as root before it becomes the box user:
                           the task's root built from nothing, pivot_root, the fake worker
@@ -2807,13 +2808,17 @@ class DiskReserve:
             if task is None or worker is None or task.state not in ("running", "waiting") or \
                     "disk" in worker.holds:
                 continue
-            used, limit = room = self.room(layer)
-            at_limit = [u + step >= old and new < old + step for u, old, new, step in
-                        zip(used, layer.limit, limit, (DISK_STEP, QUOTA_INODE_STEP))]
-            if any(at_limit):
-                self.pause(task, worker, used[0], *self.free_and_reserve())
-            else:
-                self.limit(layer, room)
+            try:
+                used, limit = room = self.room(layer)
+                if not any(u + step >= old and new < old + step for u, old, new, step in
+                           zip(used, layer.limit, limit, (DISK_STEP, QUOTA_INODE_STEP))):
+                    self.limit(layer, room)
+                    continue
+            except (OSError, SysError) as exc:     # polled from now on, as without quotas
+                log(3, f"task {task_id}: cannot set its project quota: {exc}")
+                self.unlimit(task)
+                continue
+            self.pause(task, worker, used[0], *self.free_and_reserve())
 
     def tick(self) -> float:
         """Check the free space while tasks run; seconds until the next check."""
