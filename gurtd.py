@@ -2764,7 +2764,8 @@ class DiskReserve:
         self.layers[task.id] = layer = LayerQuota(task.uid, folders)
         try:
             project_mark(folders, task.uid)
-            self.limit(layer, self.room(layer))
+            layer.limit = self.room(layer)[1]
+            project_limit(self.box.path(), layer.project, layer.limit)
         except BaseException:
             self.unlimit(task)
             raise
