@@ -2722,12 +2722,13 @@ class LogCap:
 @dataclass
 class LayerQuota:
     """A running task's layer as a project: its id, its folders, the hard limits set (bytes,
-    inodes) and the free space (bytes, inodes) below which it may not write (the reserve;
-    half the free space once a person let it write on)."""
+    inodes), its usage when they were set, and the free space (bytes, inodes) below which it
+    may not write (the reserve; half the free space once a person let it write on)."""
 
     project: int
     folders: list[str]
     limit: tuple[int, int] = (0, 0)
+    used: tuple[int, int] = (0, 0)
     floor: tuple[int, int] | None = None
 
 
@@ -2764,7 +2765,7 @@ class DiskReserve:
         self.layers[task.id] = layer = LayerQuota(task.uid, folders)
         try:
             project_mark(folders, task.uid)
-            layer.limit = self.room(layer)[1]
+            layer.used, layer.limit = self.room(layer)
             project_limit(self.box.path(), layer.project, layer.limit)
         except BaseException:
             self.unlimit(task)
@@ -2798,11 +2799,12 @@ class DiskReserve:
         if new[0] < old[0] or new[1] < old[1] or new[0] >= old[0] + DISK_STEP or \
                 new[1] >= old[1] + QUOTA_INODE_STEP:
             project_limit(self.box.path(), layer.project, new)
-            layer.limit = new
+            layer.used, layer.limit = room
 
     def check_layers(self) -> None:
-        """Each running task's limits follow the free space; a task at its limit with no room
-        left to give is paused and asked about."""
+        """Each running task's limits follow the free space; a task that wrote up to its limit
+        (not one whose limit came down to it as others wrote) with no room left to give is
+        paused and asked about."""
         box = self.box
         for task_id, layer in list(self.layers.items()):
             task, worker = box.task(task_id), box.worker(task_id)
@@ -2811,8 +2813,9 @@ class DiskReserve:
                 continue
             try:
                 used, limit = room = self.room(layer)
-                if not any(u + step >= old and new < old + step for u, old, new, step in
-                           zip(used, layer.limit, limit, (DISK_STEP, QUOTA_INODE_STEP))):
+                if not any(u > was and u + step >= old and new < old + step
+                           for u, was, old, new, step in zip(used, layer.used, layer.limit, limit,
+                                                             (DISK_STEP, QUOTA_INODE_STEP))):
                     self.limit(layer, room)
                     continue
             except (OSError, SysError) as exc:     # polled from now on, as without quotas
