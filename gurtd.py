@@ -2765,8 +2765,7 @@ class DiskReserve:
         self.layers[task.id] = layer = LayerQuota(task.uid, folders)
         try:
             project_mark(folders, task.uid)
-            layer.used, layer.limit = self.room(layer)
-            project_limit(self.box.path(), layer.project, layer.limit)
+            self.limit(layer, *self.room(layer))
         except BaseException:
             self.unlimit(task)
             raise
@@ -2783,28 +2782,28 @@ class DiskReserve:
             log(3, f"task {task.id}: cannot clear the project quota {layer.project}: {exc}")
 
     def room(self, layer: LayerQuota) -> tuple[tuple[int, int], tuple[int, int]]:
-        """The layer's usage and the limits it may have now: usage plus free space above
-        its floor (bytes, inodes)."""
+        """The layer's usage and the free space above its floor (bytes, inodes)."""
         st = os.statvfs(self.box.path())
         floor = layer.floor or (
             disk_reserve(self.box.setting("diskReserveBytes"), st.f_blocks * st.f_frsize),
             inode_reserve(st.f_files))
-        used = project_usage(self.box.path(), layer.project)
-        return used, (used[0] + max(0, st.f_bavail * st.f_frsize - floor[0]),
-                      used[1] + max(0, st.f_favail - floor[1]))
+        return project_usage(self.box.path(), layer.project), \
+            (st.f_bavail * st.f_frsize - floor[0], st.f_favail - floor[1])
 
-    def limit(self, layer: LayerQuota, room: tuple[tuple[int, int], tuple[int, int]]) -> None:
-        """Set the layer's limits when they shrink or grow by a step."""
-        new, old = room[1], layer.limit
+    def limit(self, layer: LayerQuota, used: tuple[int, int], room: tuple[int, int]) -> None:
+        """Limits of usage plus the room, or plus a step where there is less (a task may
+        write a step into the reserve before the next check pauses it: its overlay needs a
+        few blocks to mount at all); set when they shrink or grow by a step."""
+        new = (used[0] + max(room[0], DISK_STEP), used[1] + max(room[1], QUOTA_INODE_STEP))
+        old = layer.limit
         if new[0] < old[0] or new[1] < old[1] or new[0] >= old[0] + DISK_STEP or \
                 new[1] >= old[1] + QUOTA_INODE_STEP:
             project_limit(self.box.path(), layer.project, new)
-            layer.used, layer.limit = room
+            layer.used, layer.limit = used, new
 
     def check_layers(self) -> None:
-        """Each running task's limits follow the free space; a task that wrote up to its limit
-        (not one whose limit came down to it as others wrote) with no room left to give is
-        paused and asked about."""
+        """Each running task's limits follow the free space; a task that wrote since its limits
+        were set while less than a step is left above the floor is paused and asked about."""
         box = self.box
         for task_id, layer in list(self.layers.items()):
             task, worker = box.task(task_id), box.worker(task_id)
@@ -2812,11 +2811,10 @@ class DiskReserve:
                     "disk" in worker.holds:
                 continue
             try:
-                used, limit = room = self.room(layer)
-                if not any(u > was and u + step >= old and new < old + step
-                           for u, was, old, new, step in zip(used, layer.used, layer.limit, limit,
-                                                             (DISK_STEP, QUOTA_INODE_STEP))):
-                    self.limit(layer, room)
+                used, room = self.room(layer)
+                if not any(u > was and r < step for u, was, r, step in
+                           zip(used, layer.used, room, (DISK_STEP, QUOTA_INODE_STEP))):
+                    self.limit(layer, used, room)
                     continue
             except (OSError, SysError) as exc:     # polled from now on, as without quotas
                 log(3, f"task {task_id}: cannot set its project quota: {exc}")
@@ -2843,7 +2841,8 @@ class DiskReserve:
         if held and self.paused_free is not None and free > self.paused_free - DISK_STEP:
             return DISK_CHECK_INTERVAL         # nothing else is eating the disk
         candidates = [(w.task_id, box.layer_dir(w.task_id)) for w in box.all_workers()
-                      if box.get(w.task_id).state in ("running", "waiting")
+                      if box.get(w.task_id).state in ("running", "waiting") and
+                      w.task_id not in self.layers      # their limits hold them
                       and "disk" not in w.holds and free < w.disk_floor]
         if candidates and not self.walking:
             self.walking = True
