@@ -23,7 +23,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Layer walks           the one walker of every tree (beneath root fds, no symlink followed,
                           bounded fds, a moved folder an error); changes, copies, sizes
     Limits and tracking   a cgroup per task (tracking, kill, freeze; processes, memory, CPU),
-                          task limits, the log cap, BOX_HOME's disk reserve
+                          task limits, the log cap, BOX_HOME's disk reserve (a project
+                          quota on each task's layer where the file system has them)
     Spawner               a single-threaded process forked before any thread: it forks workers
     Sandbox               what a worker's child does as root before it becomes the box user:
                           the task's root built from nothing, pivot_root, the fake worker
@@ -2375,6 +2376,85 @@ def inode_reserve(fs_inodes: int) -> int:
     return min(1 << 16, fs_inodes // 20)
 
 
+# Project quotas: where BOX_HOME's file system enforces them (ext4 with the project and quota
+# features mounted with prjquota, xfs mounted with pquota), each running task's layer is a
+# project of its own whose hard limits (blocks and inodes) are what the reserve leaves: the
+# kernel refuses the write (EDQUOT) that would eat into it, however fast it comes (one
+# fallocate, a dd, empty files), where the poll of free space only sees it afterwards.  The
+# project id is the task's uid (they go round a range of 100,000, so an id comes back late);
+# the layer's folders are marked inheriting before the task starts, so all it writes carries
+# the id.  Limits are kept relative to the id's usage, so files an earlier layer left under
+# the same id only count as already used.  At the end the limit and the marks go.
+SYS_QUOTACTL_FD = 443
+PRJQUOTA = 2
+Q_GETQUOTA, Q_SETQUOTA, Q_XGETQSTAT = 0x800007, 0x800008, 0x5805
+QIF_LIMITS = 5                        # QIF_BLIMITS | QIF_ILIMITS
+FS_QUOTA_PDQ_ENFD = 0x20              # project limits enforced (Q_XGETQSTAT's qs_flags)
+FS_IOC_FSGETXATTR, FS_IOC_FSSETXATTR = 0x801C581F, 0x401C5820
+FS_XFLAG_PROJINHERIT = 0x200
+QUOTA_INODE_STEP = 64                 # inodes short of its limit a task counts as at it
+
+
+class Dqblk(ctypes.Structure):
+    """struct if_dqblk: limits in 1 KiB blocks and inodes; usage in bytes and inodes."""
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "bhardlimit", "bsoftlimit", "curspace", "ihardlimit", "isoftlimit", "curinodes",
+        "btime", "itime")] + [("valid", ctypes.c_uint32)]
+
+
+def quotactl(path: str, cmd: int, project: int, buf: Any) -> None:
+    """quotactl_fd(2) on the file system of path, for project quotas (SysError)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        syscall("quotactl_fd", SYS_QUOTACTL_FD, ctypes.c_uint(fd),
+                ctypes.c_uint((cmd << 8) | PRJQUOTA), ctypes.c_int(project), buf)
+    finally:
+        os.close(fd)
+
+
+def project_quotas_missing(path: str) -> str:
+    """Why the file system of path does not enforce project quotas; "" if it does."""
+    state = ctypes.create_string_buffer(256)        # struct fs_quota_stat: qs_flags at 2
+    try:
+        quotactl(path, Q_XGETQSTAT, 0, state)
+    except SysError as exc:
+        return f"quotactl: {exc.stderr}"
+    if not int.from_bytes(state.raw[2:4], sys.byteorder) & FS_QUOTA_PDQ_ENFD:
+        return "project quotas are not enforced (not mounted with prjquota or pquota)"
+    return ""
+
+
+def project_usage(path: str, project: int) -> tuple[int, int]:
+    """The bytes and inodes of files with this project id on path's file system."""
+    q = Dqblk()
+    quotactl(path, Q_GETQUOTA, project, ctypes.byref(q))
+    return q.curspace, q.curinodes
+
+
+def project_limit(path: str, project: int, limit: tuple[int, int] | None) -> None:
+    """Set the project's hard limits (bytes, inodes), or clear them (None).  Idempotent."""
+    q = Dqblk(valid=QIF_LIMITS)
+    if limit is not None:       # 0 would mean no limit at all: one block and one inode at least
+        q.bhardlimit, q.ihardlimit = max(1, limit[0] >> 10), max(1, limit[1])
+    quotactl(path, Q_SETQUOTA, project, ctypes.byref(q))
+
+
+def project_mark(folders: list[str], project: int) -> None:
+    """Give each folder the project id, inherited by all made in it (0: neither).
+    Idempotent."""
+    for folder in folders:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            attr = bytearray(fcntl.ioctl(fd, FS_IOC_FSGETXATTR, bytes(28)))
+            flags = int.from_bytes(attr[0:4], sys.byteorder) & ~FS_XFLAG_PROJINHERIT
+            attr[0:4] = (flags | (FS_XFLAG_PROJINHERIT if project else 0)).to_bytes(
+                4, sys.byteorder)
+            attr[12:16] = project.to_bytes(4, sys.byteorder)
+            fcntl.ioctl(fd, FS_IOC_FSSETXATTR, bytes(attr))
+        finally:
+            os.close(fd)
+
+
 def mem_total() -> int:
     """The machine's RAM in bytes (MemTotal)."""
     with open("/proc/meminfo") as f:
@@ -2717,17 +2797,108 @@ class LogCap:
                         f"the log reached its limit of {self.limit} bytes"}
 
 
+@dataclass
+class LayerQuota:
+    """A running task's layer as a project: its id, its folders, the hard limits set (bytes,
+    inodes), its usage when they were set, and the free space (bytes, inodes) below which it
+    may not write (the reserve; half the free space once a person let it write on)."""
+
+    project: int
+    folders: list[str]
+    limit: tuple[int, int] = (0, 0)
+    used: tuple[int, int] = (0, 0)
+    floor: tuple[int, int] | None = None
+
+
 class DiskReserve:
     """BOX_HOME's free space against diskReserveBytes.  Below the reserve the running task that
     wrote most (its layer's upper, measured off the loop thread) is frozen with an approval of
     kind `disk`: approved, it goes on and is not paused again until free space has halved;
-    denied, it fails with `disk full: <reason>`.  Loop thread, but for the walk."""
+    denied, it fails with `disk full: <reason>`.  With project quotas (above) each task's
+    layer has hard limits too, moved at each check, and a task at its limit is asked about
+    the same way.  Loop thread, but for the walk."""
 
     def __init__(self, box: "Box") -> None:
         self.box = box
         self.next_check = 0.0
         self.walking = False
         self.paused_free: int | None = None      # free bytes when the last task was paused
+        self.quotas = False                      # BOX_HOME enforces project quotas
+        self.layers: dict[str, LayerQuota] = {}  # task id -> its layer's project
+
+    def start(self) -> None:
+        """Find out whether BOX_HOME's file system enforces project quotas, and say so."""
+        missing = project_quotas_missing(self.box.path())
+        self.quotas = not missing
+        log(6, "disk: each task's layer has a project quota on BOX_HOME (hard limits: what "
+               "the reserve leaves)" if self.quotas else
+               f"disk: no project quotas on BOX_HOME ({missing}): free space is polled every "
+               f"{DISK_CHECK_INTERVAL} s, and a task can pass the reserve between two polls")
+
+    def limit_layer(self, task: Task, folders: list[str]) -> None:
+        """Before the task starts: its layer's folders (fresh and empty) become its project,
+        limited to what the reserve leaves."""
+        if not self.quotas:
+            return
+        self.layers[task.id] = layer = LayerQuota(task.uid, folders)
+        try:
+            project_mark(folders, task.uid)
+            self.limit(layer, *self.room(layer))
+        except BaseException:
+            self.unlimit(task)
+            raise
+
+    def unlimit(self, task: Task) -> None:
+        """The task ended: no limit and no inheriting mark on its layer.  Idempotent."""
+        layer = self.layers.pop(task.id, None)
+        if layer is None:
+            return
+        try:
+            project_limit(self.box.path(), layer.project, None)
+            project_mark([f for f in layer.folders if os.path.isdir(f)], 0)
+        except (OSError, SysError) as exc:
+            log(3, f"task {task.id}: cannot clear the project quota {layer.project}: {exc}")
+
+    def room(self, layer: LayerQuota) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The layer's usage and the free space above its floor (bytes, inodes)."""
+        st = os.statvfs(self.box.path())
+        floor = layer.floor or (
+            disk_reserve(self.box.setting("diskReserveBytes"), st.f_blocks * st.f_frsize),
+            inode_reserve(st.f_files))
+        return project_usage(self.box.path(), layer.project), \
+            (st.f_bavail * st.f_frsize - floor[0], st.f_favail - floor[1])
+
+    def limit(self, layer: LayerQuota, used: tuple[int, int], room: tuple[int, int]) -> None:
+        """Limits of usage plus the room, or plus a step where there is less (a task may
+        write a step into the reserve before the next check pauses it: its overlay needs a
+        few blocks to mount at all); set when they shrink or grow by a step."""
+        new = (used[0] + max(room[0], DISK_STEP), used[1] + max(room[1], QUOTA_INODE_STEP))
+        old = layer.limit
+        if new[0] < old[0] or new[1] < old[1] or new[0] >= old[0] + DISK_STEP or \
+                new[1] >= old[1] + QUOTA_INODE_STEP:
+            project_limit(self.box.path(), layer.project, new)
+            layer.used, layer.limit = used, new
+
+    def check_layers(self) -> None:
+        """Each running task's limits follow the free space; a task that wrote since its limits
+        were set while less than a step is left above the floor is paused and asked about."""
+        box = self.box
+        for task_id, layer in list(self.layers.items()):
+            task, worker = box.task(task_id), box.worker(task_id)
+            if task is None or worker is None or task.state not in ("running", "waiting") or \
+                    "disk" in worker.holds:
+                continue
+            try:
+                used, room = self.room(layer)
+                if not any(u > was and r < step for u, was, r, step in
+                           zip(used, layer.used, room, (DISK_STEP, QUOTA_INODE_STEP))):
+                    self.limit(layer, used, room)
+                    continue
+            except (OSError, SysError) as exc:     # polled from now on, as without quotas
+                log(3, f"task {task_id}: cannot set its project quota: {exc}")
+                self.unlimit(task)
+                continue
+            self.pause(task, worker, used[0], *self.free_and_reserve())
 
     def tick(self) -> float:
         """Check the free space while tasks run; seconds until the next check."""
@@ -2738,6 +2909,8 @@ class DiskReserve:
         if now < self.next_check:
             return self.next_check - now
         self.next_check = now + DISK_CHECK_INTERVAL
+        if self.layers:
+            self.check_layers()
         free, reserve = self.free_and_reserve()
         if free >= reserve:
             self.paused_free = None
@@ -2746,7 +2919,8 @@ class DiskReserve:
         if held and self.paused_free is not None and free > self.paused_free - DISK_STEP:
             return DISK_CHECK_INTERVAL         # nothing else is eating the disk
         candidates = [(w.task_id, box.layer_dir(w.task_id)) for w in box.all_workers()
-                      if box.get(w.task_id).state in ("running", "waiting")
+                      if box.get(w.task_id).state in ("running", "waiting") and
+                      w.task_id not in self.layers      # their limits hold them
                       and "disk" not in w.holds and free < w.disk_floor]
         if candidates and not self.walking:
             self.walking = True
@@ -2765,6 +2939,11 @@ class DiskReserve:
         if inodes:
             free = min(free, st.f_favail * (reserve // inodes))
         return free, reserve
+
+    def inode_room(self) -> int:
+        """Free inodes above the inode reserve (LIMIT_MAX on a file system without inodes)."""
+        st = os.statvfs(self.box.path())
+        return st.f_favail - inode_reserve(st.f_files) if st.f_files else LIMIT_MAX
 
     def inode_bytes(self) -> int:
         """What one inode is worth against the reserve (0 on a file system without inodes)."""
@@ -2802,7 +2981,7 @@ class DiskReserve:
             {"bytes": size, "freeBytes": free, "reserveBytes": reserve,
              "freeInodes": os.statvfs(self.box.path()).f_favail},
             0, f"The task has written {size} bytes and the disk of BOX_HOME has {free} bytes "
-               f"free, below the reserve of {reserve} bytes. Let it write on?")
+               f"free, at the reserve of {reserve} bytes. Let it write on?")
 
     def on_approval(self, approval: Approval) -> None:
         """Approved: thaw, and no new pause until free space halves; denied: the task fails."""
@@ -2813,6 +2992,9 @@ class DiskReserve:
         worker.disk_wait = None
         if approval.state == "approved":
             worker.disk_floor = self.free_and_reserve()[0] // 2
+            if task.id in self.layers:
+                st = os.statvfs(box.path())
+                self.layers[task.id].floor = (st.f_bavail * st.f_frsize // 2, st.f_favail // 2)
             box.unhold(task, worker, "disk")
             return
         if approval.answeredBy == "api":
@@ -3239,7 +3421,7 @@ def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
     view = _view_open(spec)
     folders = folder_overlays_open(spec)      # personal mode: before the host's root goes
     held = {"broker": os.open(spec["broker"], os.O_PATH | os.O_CLOEXEC),  # before the host's
-            "module": os.open(spec["module"], os.O_PATH | os.O_CLOEXEC)}  # root goes
+            "module": os.open(spec["module"], os.O_RDONLY | os.O_CLOEXEC)}  # root goes
     if spec.get("droid"):
         held["droid"] = os.open(spec["droid"], os.O_PATH | os.O_CLOEXEC)
     _root_build(NEW_ROOT, spec)
@@ -3367,7 +3549,9 @@ def _run_build(root: str, spec: dict[str, Any], view: int, held: dict[str, int])
     """/run/gurt: the view, the broker socket, the tool client, droid, the prompt files."""
     run_dir = os.path.join(root, "run")
     os.mkdir(run_dir, 0o755)
-    _mount("tmpfs", run_dir, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    module = held.pop("module")
+    _mount("tmpfs", run_dir, "tmpfs", MS_NOSUID | MS_NODEV,
+           f"mode=0755,size={(1 << 20) + os.fstat(module).st_size}")
     for sub in ("gurt/view", "gurt/bin", "gurt/lib"):
         os.makedirs(os.path.join(run_dir, sub), 0o755)
     try:
@@ -3375,9 +3559,13 @@ def _run_build(root: str, spec: dict[str, Any], view: int, held: dict[str, int])
                 MOVE_MOUNT_F_EMPTY_PATH)
     finally:
         os.close(view)
-    # the broker socket, and the `gurtd` command (its tool client) from this very module
-    places = {"broker": BROKER_IN_BOX, "module": "/run/gurt/lib/gurtd.py",
-              "droid": "/run/gurt/bin/droid"}
+    # the `gurtd` command (its tool client): a copy of this very module, not a bind, whose
+    # source /proc/self/mountinfo would show (the checkout's path)
+    with open(module, "rb") as source, open(root + "/run/gurt/lib/gurtd.py", "wb") as copy:
+        shutil.copyfileobj(source, copy)
+    os.chmod(root + "/run/gurt/lib/gurtd.py", 0o644)          # whatever gurtd's umask
+    # the broker socket (a bind: a socket cannot be copied) and droid
+    places = {"broker": BROKER_IN_BOX, "droid": "/run/gurt/bin/droid"}
     for name, fd in held.items():
         open(root + places[name], "w").close()
         _bind(fd, "", root + places[name], MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
@@ -7225,6 +7413,8 @@ class Box:
             }
             if task.folderInfo:
                 self.review.prepare(task, spec)
+            self.disk.limit_layer(task, [os.path.join(layer, sub) for sub in ("", "upper", "work")]
+                                  + [top for top, _, _ in os.walk(self.review.dir(task.id))])
             limits = task.limits or effective_limits({}, self.settings, mem_total())
             spec["cgroups"] = self.cgroups.create(task.id, limits)
             spec["nproc"], spec["tmpBytes"] = limits["processes"], limits["tmpBytes"]
@@ -7248,6 +7438,7 @@ class Box:
             log(3, f"task {task.id} could not start: {exc}")
             self.cleanup_user(task)
             self.network.release(task.id)
+            self.disk.unlimit(task)
             self.set_state(task, "failed", error=f"could not start: {exc}")
             return
         os.close(out_w)
@@ -7377,6 +7568,7 @@ class Box:
                 os.close(worker.log_fd)
         self.cleanup_user(task)
         self.network.release(task.id)
+        self.disk.unlimit(task)
         setid_strip(os.path.join(self.layer_dir(task.id), "upper"))   # its processes are gone
         note = worker.log_cap.note() if worker is not None else None
         if note:                                 # the last line before its end state
@@ -10416,9 +10608,11 @@ class UploadCheck:
 
     max_bytes: int
     room: int = LIMIT_MAX           # free bytes of BOX_HOME above its disk reserve
+    inode_room: int = LIMIT_MAX     # free inodes of BOX_HOME above its inode reserve
     kinds: dict[str, str] = field(default_factory=dict)
     size: int = 0
     members: int = 0
+    inodes: int = 0                 # what the members make (a hard link makes none)
 
     def admit(self, member: Any) -> str:
         """Check one tarfile.TarInfo before anything of it is written; its path, or
@@ -10468,9 +10662,11 @@ class UploadCheck:
             raise UploadRefused(name, f"the files are larger than {self.max_bytes} bytes "
                                       "(uploadMaxBytes)")
         self.size += member.size if member.isreg() else 0
-        if self.size > self.room:
+        self.inodes += 0 if member.islnk() else 1
+        if self.size > self.room or self.inodes > self.inode_room:
             raise ApiError(507, f"the files would eat into BOX_HOME's disk reserve (they reach "
-                                f"{self.size} bytes at {name})", "insufficient_storage")
+                                f"{self.size} bytes and {self.inodes} inodes at {name})",
+                           "insufficient_storage")
         self.kinds[rel] = "dir" if member.isdir() else "link" if member.issym() else "file"
         member.name = rel
         return rel
@@ -10920,7 +11116,7 @@ def h_workspace_upload(req: "Handler", params: dict[str, str]) -> Any:
         raise ApiError(404, f"no workspace named {name}", "not_found")
     upload_length(req)
     free, reserve = box.disk.free_and_reserve()
-    check = UploadCheck(box.setting("uploadMaxBytes"), free - reserve)
+    check = UploadCheck(box.setting("uploadMaxBytes"), free - reserve, box.disk.inode_room())
     body = io.BufferedReader(BodyStream(req), UPLOAD_CHUNK)
     source: Any = body
     if body.peek(2)[:2] == b"\x1f\x8b":
@@ -14359,6 +14555,7 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     box.load()
     box.reconcile()
     spawn_way_start(box)
+    box.disk.start()
     undo.append(("stop the network (its nftables table)", box.network.stop))
     box.network.start()
     undo.append(("stop the broker (its socket)", box.broker.stop))

@@ -425,3 +425,44 @@ def test_nothing_of_a_task_outlives_it(gurtd: Gurtd, ending: str) -> None:
         assert task["user"] not in account_names(path), path
     with open("/etc/passwd") as f:
         assert not [line for line in f if line.split(":")[2:3] == [str(uid)]]
+
+
+# what the box's mounts say ####################################################################
+
+def task_mounts(way: str, folder: str) -> tuple[Gurtd, list[str]]:
+    """The lines of /proc/self/mountinfo in a personal task on folder, with the given way of
+    mounting overlays, and its gurtd (stopped by then: its BOX_HOME path is what counts)."""
+    env = {gurtd_module.OVERLAY_API_ENV: "legacy"} if way == "legacy" else None
+    with running_gurtd(env) as g:
+        task = g.run_done(prompt("cat /proc/self/mountinfo", "gurtd --help | head -1"),
+                          folder=folder)
+        lines = g.output(task["id"])
+    assert lines[-1].startswith("Usage:"), lines          # the tool client is there
+    mounts = lines[:-1]
+    assert len(mounts) > 10 and any(" /run/gurt/view " in m for m in mounts), mounts
+    return g, mounts
+
+
+@pytest.mark.parametrize("way", ["fd", "legacy"])
+def test_the_tasks_mountinfo_names_no_checkout_and_no_folder_as_a_source(
+        way: str, owner_folder: str) -> None:
+    """/proc/self/mountinfo inside a task named the checkout's gurtd.py (the tool client was a
+    bind of it).  Now the client is a copy in the box's /run, and no mount's source (its root
+    in its file system, its options) names the checkout or the owner's folder; the folder
+    appears only as the mount point where the task works on it.  Either way of mounting."""
+    checkout = os.path.dirname(os.path.abspath(gurtd_module.__file__))
+    _, mounts = task_mounts(way, owner_folder)
+    assert not [m for m in mounts if checkout in m], mounts
+    sources = [m.split()[3] + " " + m.split(" - ", 1)[1] for m in mounts]
+    assert not [s for s in sources if owner_folder in s or "/home/" in s], sources
+    assert [m for m in mounts if m.split()[4] == owner_folder], mounts
+
+
+@pytest.mark.xfail(strict=True, reason="the broker socket is on BOX_HOME's file system and a "
+                   "socket cannot be copied: its bind shows its path there (it needs to live "
+                   "on a tmpfs, the Broker's part)")
+def test_the_tasks_mountinfo_names_no_box_home(owner_folder: str) -> None:
+    """Nor does any line name BOX_HOME or the folder it is in."""
+    g, mounts = task_mounts("fd", owner_folder)
+    for needle in (g.home, os.path.dirname(g.home)):
+        assert not [m for m in mounts if needle in m], (needle, mounts)

@@ -13,10 +13,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
+import io
 import json
 import os
 import signal
 import socket
+import tarfile
 import threading
 import time
 from typing import Any, Iterator
@@ -482,6 +484,59 @@ def test_a_task_that_eats_inodes_is_paused_at_the_reserve_too(box_on_small_disk:
     g.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": "too many files"})
     assert g.wait(task["id"])["error"] == "disk full: too many files"
     assert g.wait(other["id"])["state"] == "done"
+
+
+def empty_members(names: list[str], kind: bytes) -> bytes:
+    """A gzipped tar of empty members (files or folders): headers only."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.GNU_FORMAT) as tar:
+        for name in names:
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            tar.addfile(info)
+    return buf.getvalue()
+
+
+@pytest.fixture
+def box_on_a_16_mib_disk() -> Iterator[Gurtd]:
+    """A gurtd on a 16 MiB ext4 (4,096 inodes): an upload as many members long is quick."""
+    with gurtd_on_small_disk(size_mb=16) as (g, _):
+        yield g
+        stopped_and_clean(g)
+
+
+@pytest.mark.parametrize("kind", [tarfile.REGTYPE, tarfile.DIRTYPE], ids=["files", "folders"])
+def test_an_upload_of_empty_members_is_counted_in_inodes(box_on_a_16_mib_disk: Gurtd,
+                                                         kind: bytes) -> None:
+    """The attack: an upload of 49,886 empty members was admitted (no bytes) and left 1,275
+    free inodes against a reserve of 2,560.  Here: as many empty files (or empty folders) as
+    the free inodes above the inode reserve, and 50 more: 507 naming the inodes, nothing
+    written, the inodes as free as before; 100 fewer fit."""
+    g = box_on_a_16_mib_disk
+    st = os.statvfs(g.home)
+    room = st.f_favail - G.inode_reserve(st.f_files)
+    assert 1000 < room < G.UPLOAD_MAX_MEMBERS - 100, st
+    layers = sorted(os.listdir(os.path.join(g.home, "layers")))
+    status, answer, _ = g.request("POST", "/api/workspaces/home/upload",
+                                  raw=empty_members([f"e{i}" for i in range(room + 50)], kind),
+                                  headers={"Content-Type": "application/x-tar"})
+    assert (status, answer.get("code")) == (507, "insufficient_storage"), answer
+    assert f"{room + 1} inodes" in answer["error"], answer
+    assert sorted(os.listdir(os.path.join(g.home, "layers"))) == layers
+    assert os.statvfs(g.home).f_favail >= st.f_favail - 8      # gurtd's own files at most
+    status, answer, _ = g.request("POST", "/api/workspaces/home/upload",
+                                  raw=empty_members([f"e{i}" for i in range(room - 100)], kind),
+                                  headers={"Content-Type": "application/x-tar"})
+    assert status == 201, answer
+    assert os.statvfs(g.home).f_favail >= G.inode_reserve(st.f_files)
+
+
+def test_a_box_on_a_disk_without_project_quotas_says_it_polls(box_on_small_disk: Gurtd) -> None:
+    """The small disk is a plain ext4 (no project feature): gurtd's start says the layers have
+    no kernel limit and free space is polled, with the reason."""
+    log = box_on_small_disk.log_text()
+    assert "disk: no project quotas on BOX_HOME (quotactl: " in log, log
+    assert "free space is polled every" in log
 
 
 def test_cgroups_of_this_box_and_the_cpu_share_of_its_tasks(box: Gurtd) -> None:

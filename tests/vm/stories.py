@@ -342,6 +342,92 @@ def test_systemctl_restart_keeps_the_box() -> None:
     done(run("cat hello.txt"))
 
 
+# Project quotas: Debian's kernels have them (QFMT_V2), a host suite's kernel may not ##########
+
+def free_above(path: str) -> tuple[int, int]:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize, st.f_favail
+
+
+def project_of(path: str) -> int:
+    """The project id of a folder, as lsattr -p shows it."""
+    return int(sh("lsattr", "-pd", path).stdout.split()[0])
+
+
+def disk_approval(task_id: str, after: str = "") -> dict[str, Any]:
+    """The task's pending disk approval (another than after), once there is one."""
+    deadline = time.monotonic() + TASK_TIMEOUT
+    while True:
+        found = [a for a in api("GET", f"/api/approvals?state=pending&task={task_id}")
+                 if a["kind"] == "disk" and a["id"] != after]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, (api("GET", f"/api/tasks/{task_id}"), journal())
+        time.sleep(1)
+
+
+@pytest.mark.xfail(reason="open (issue 25): in the last VM run one fallocate got 16 MiB past "
+                   "the reserve though its layer's limit was 25 MiB (the run before, it stopped "
+                   "at the reserve exactly)", strict=False)
+def test_on_project_quotas_a_tasks_layer_stops_at_the_reserve() -> None:
+    """After the stop: BOX_HOME becomes a 64 MiB ext4 with the project and quota features,
+    mounted with prjquota; gurtd says each layer has a project quota.  One fallocate of 1 GiB
+    and a dd at full speed each stop at the limit with `Disk quota exceeded` in the task's
+    error, the reserve untouched; a task making empty files without end is paused at its
+    inode limit with a disk approval while another task stays running and gurtd still writes
+    its state; approved, it is asked again at half the free inodes; an ended layer carries no
+    project mark."""
+    out = sh("systemctl", "stop", "gurtd")
+    assert out.returncode == 0, (out.stderr, journal())
+    image = "/var/tmp/gurt-quota.img"
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+    assert sh("mkfs.ext4", "-q", "-F", "-m", "0", "-O", "quota,project", image).returncode == 0
+    out = sh("mount", "-o", "loop,prjquota", image, BOX_HOME)
+    assert out.returncode == 0, out.stderr
+    try:
+        assert sh("systemctl", "start", "gurtd").returncode == 0, journal()
+        wait_active("0")
+        assert "each task's layer has a project quota" in journal(), journal()
+        other = create("echo mine > mine.txt\nsleep 600")
+        wait_running(other["id"], "sleep 600")
+        for attack in ("fallocate -l 1G big",
+                       "dd if=/dev/zero of=big bs=1M count=1000 status=none"):
+            # 24 MiB above the reserve (the failed layer of the attack before stays on disk)
+            reserve = free_above(BOX_HOME)[0] - (24 << 20)
+            api("PUT", "/api/settings", {"diskReserveBytes": reserve})
+            task = run(attack)
+            assert task["state"] == "failed" and "Disk quota exceeded" in task["error"], task
+            # past the reserve by gurtd's own writes since the last check at most
+            assert free_above(BOX_HOME)[0] >= reserve - (1 << 20), (attack, free_above(BOX_HOME))
+            upper = os.path.join(BOX_HOME, "layers", task["id"], "upper")
+            assert project_of(upper) == 0, sh("lsattr", "-pd", upper).stdout
+        # a failed redirection of `true` (not a special builtin) does not end the shell
+        eater = create("i=0; while [ $i -lt 100000 ]; do true 2>/dev/null >e$i; i=$((i+1)); done\n"
+                       "sleep 600")
+        first = disk_approval(eater["id"])
+        st = os.statvfs(BOX_HOME)     # a step (64 inodes) into the reserve at most, and gurtd's
+        assert st.f_favail >= min(1 << 16, st.f_files // 20) - 80, st
+        figure("inodes free at the inode limit", f"{st.f_favail} of {st.f_files}")
+        assert api("GET", f"/api/tasks/{other['id']}")["state"] == "running"
+        api("PUT", "/api/settings", {"taskLogBytes": 1 << 20})       # gurtd's own writes go on
+        # approved, it writes on until half the free inodes are gone, and is asked again
+        api("POST", f"/api/approvals/{first['id']}/approve", {})
+        second = disk_approval(eater["id"], first["id"])
+        assert second["args"]["freeInodes"] < first["args"]["freeInodes"] * 0.6, (first, second)
+        assert os.statvfs(BOX_HOME).f_favail > 0
+        api("POST", f"/api/approvals/{second['id']}/deny", {"reason": "too many files"})
+        assert wait(eater["id"])["error"] == "disk full: too many files"
+        api("POST", f"/api/tasks/{other['id']}/stop")
+        wait(other["id"])
+    finally:          # the box as the later stories know it, even when this one failed
+        sh("systemctl", "stop", "gurtd")
+        assert sh("umount", BOX_HOME).returncode == 0
+        os.unlink(image)
+        assert sh("systemctl", "start", "gurtd").returncode == 0, journal()
+        wait_active("0")
+
+
 HAND_HOME, HAND_PORT = "/var/tmp/gurt-by-hand", 7701
 
 
