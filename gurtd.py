@@ -14939,6 +14939,8 @@ class Loop:
 class Client:
     """The local API with the token from GURT_TOKEN or BOX_HOME/token."""
 
+    timeout = 60.0                       # seconds for an answer; a keep may take minutes
+
     def __init__(self, listen: str, box_home: str, need_token: bool = True) -> None:
         self.host, self.port = parse_listen(listen)
         self.token, self.no_token = os.environ.get("GURT_TOKEN", ""), ""
@@ -14961,7 +14963,7 @@ class Client:
 
     def connect(self) -> Any:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return http.client.HTTPConnection(host, self.port, timeout=60)
+        return http.client.HTTPConnection(host, self.port, timeout=self.timeout)
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
         conn = self.connect()
@@ -16160,7 +16162,9 @@ def cmd_mcp() -> None:
 
 # personal mode: review
 def review_post(client: Client, path: str, body: dict[str, Any]) -> Any:
-    """POST a keep or an undo; a refusal prints its conflicts, one a line, and exits 1."""
+    """POST a keep or an undo; a refusal prints its conflicts, one a line, and exits 1.
+    Its answer waits for the review thread: a keep of 100,000 files took 66-77 s loaded."""
+    client.timeout = 900.0
     try:
         return client.request("POST", path, body)
     except CliError as exc:
