@@ -3420,7 +3420,7 @@ def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
     _mount("none", "/", None, MS_REC | MS_SLAVE, None)
     view = _view_open(spec)
     folders = folder_overlays_open(spec)      # personal mode: before the host's root goes
-    held = {"broker": os.open(spec["broker"], os.O_PATH | os.O_CLOEXEC),  # before the host's
+    held = {"broker": _broker_open(spec, fds[spec["brokerFd"]]),          # before the host's
             "module": os.open(spec["module"], os.O_RDONLY | os.O_CLOEXEC)}  # root goes
     if spec.get("droid"):
         held["droid"] = os.open(spec["droid"], os.O_PATH | os.O_CLOEXEC)
@@ -3434,6 +3434,22 @@ def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
     # a personal task works in its first folder, as the owner would
     os.chdir(spec["folders"][0]["path"] if spec.get("folders") else VIEW_DIR)
     _kernel_filter_load()
+
+
+def _broker_open(spec: dict[str, Any], mount_fd: int) -> int:
+    """The broker socket to bind in the box: a clone of it on gurtd's detached tmpfs
+    (Broker.start), whose mountinfo line names nothing of the host.  A kernel that clones no
+    detached mount (EINVAL: before 6.15, by its source) gets the one in BOX_HOME/run, whose
+    line names BOX_HOME."""
+    try:
+        return syscall("open_tree", SYS_OPEN_TREE, mount_fd, b"broker.sock",
+                       OPEN_TREE_CLONE | os.O_CLOEXEC)
+    except SysError as exc:
+        if exc.code != errno.EINVAL:
+            raise
+        return os.open(spec["broker"], os.O_PATH | os.O_CLOEXEC)
+    finally:
+        os.close(mount_fd)
 
 
 def _view_open(spec: dict[str, Any]) -> int:
@@ -7422,10 +7438,10 @@ class Box:
             if task.worker == "droid":
                 hosts += [h for h in self.settings["droidHosts"] if h not in hosts]
                 self.droid.spec(task, spec, hosts)
-            fds = []
+            fds, spec["brokerFd"] = [self.broker.mount_fd], 2
             if hosts or task.askHosts or self.broker.policies.has_hosts(task) or \
                     spec.get("gateway"):
-                spec["netnsFd"] = 2
+                spec["netnsFd"] = 3
                 fds.append(self.network.prepare(task, hosts).nsfd)
                 self.gateway.open(task.id, fds[-1])
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
@@ -9826,7 +9842,8 @@ class Broker:
         self.staged: dict[str, Approval] = {}
         self.waiters: dict[str, Future[Approval]] = {}
         self.wallet: dict[str, Any] = {"balanceCents": 0, "ledger": []}
-        self.server: BrokerServer | None = None
+        self.servers: list[BrokerServer] = []
+        self.mount_fd = -1        # the detached tmpfs of the socket tasks see (start)
         self.tools_ids = (0, 0)
         self.policies = Policies(box)
 
@@ -9856,20 +9873,40 @@ class Broker:
             self.render(approval)
 
     def start(self) -> None:
-        """Bind the broker socket (any local user may connect; only task uids are answered)."""
+        """Bind the broker socket twice (any local user may connect; only task uids are
+        answered): in BOX_HOME/run for callers on the host, and on a detached tmpfs of its own
+        (attached nowhere: it ends with gurtd's fd) that each task's sandbox binds at
+        BROKER_IN_BOX.  A socket cannot be copied and a bind's mountinfo line shows its path in
+        its file system: there `/broker.sock` on a tmpfs, nothing of the host."""
         self.tools_ids = system_user_ensure(TOOLS_USER)
         try:
             os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
-        self.server = BrokerServer(self.socket_path, self.box)
-        os.chmod(self.socket_path, 0o666)
-        threading.Thread(target=self.server.serve_forever, name="broker", daemon=True).start()
+        fs = syscall("fsopen", SYS_FSOPEN, b"tmpfs", 1)
+        try:
+            for key, value in ((b"source", b"gurt"), (b"mode", b"0755"), (b"size", b"64k")):
+                syscall("fsconfig tmpfs", SYS_FSCONFIG, fs, FSCONFIG_SET_STRING, key, value, 0)
+            syscall("fsconfig create", SYS_FSCONFIG, fs, FSCONFIG_CMD_CREATE, None, None, 0)
+            self.mount_fd = syscall("fsmount", SYS_FSMOUNT, fs, 1, MOUNT_ATTR_NOSUID |
+                                    MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC)
+        finally:
+            os.close(fs)
+        callers = Counter(MAX_BROKER_CONNS, MAX_BROKER_THREADS)      # both sockets together
+        for path in (self.socket_path, f"/proc/self/fd/{self.mount_fd}/broker.sock"):
+            self.servers.append(BrokerServer(path, self.box, callers))
+            os.chmod(path, 0o666)
+            threading.Thread(target=self.servers[-1].serve_forever, name="broker",
+                             daemon=True).start()
 
     def stop(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
+        self.servers = []
+        if self.mount_fd >= 0:
+            os.close(self.mount_fd)
+            self.mount_fd = -1
         for future in self.waiters.values():
             if not future.done():
                 future.cancel()
@@ -10358,9 +10395,9 @@ class BrokerServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         log_uncaught(*sys.exc_info(), thread="broker")    # type: ignore[arg-type]
 
-    def __init__(self, path: str, box: "Box") -> None:
+    def __init__(self, path: str, box: "Box", callers: Counter) -> None:
         self.box = box
-        self.callers = Counter(MAX_BROKER_CONNS, MAX_BROKER_THREADS)
+        self.callers = callers
         super().__init__(path, BrokerHandler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
