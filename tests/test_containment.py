@@ -464,3 +464,6 @@ def test_the_tasks_mountinfo_names_no_box_home(owner_folder: str) -> None:
     g, mounts = task_mounts("fd", owner_folder)
     for needle in (g.home, os.path.dirname(g.home)):
         assert not [m for m in mounts if needle in m], (needle, mounts)
+    broker = [m for m in mounts if m.split()[4] == "/run/gurt/broker.sock"]
+    assert len(broker) == 1 and broker[0].split()[3] == "/broker.sock", mounts
+    assert broker[0].split(" - ", 1)[1].startswith("tmpfs gurt "), broker
