@@ -396,7 +396,8 @@ def test_on_project_quotas_a_tasks_layer_stops_at_the_reserve() -> None:
             # 24 MiB above the reserve (the failed layer of the attack before stays on disk)
             reserve = free_above(BOX_HOME)[0] - (24 << 20)
             api("PUT", "/api/settings", {"diskReserveBytes": reserve})
-            task = run(attack)
+            # a task paused at the reserve (the poll's way) is the failure, seen at once
+            task = wait(create(attack)["id"], TERMINAL + ("waiting",))
             assert task["state"] == "failed" and "Disk quota exceeded" in task["error"], task
             # past the reserve by gurtd's own writes since the last check at most
             assert free_above(BOX_HOME)[0] >= reserve - (1 << 20), (attack, free_above(BOX_HOME))
