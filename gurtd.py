@@ -3190,7 +3190,8 @@ def _spawner_main(sock: socket.socket) -> None:
             if pid > 0:
                 if msg.startswith(b"probe"):
                     os.waitpid(pid, 0)
-                sock.send(json.dumps({"pid": pid, "way": way.name(cgroup_fd), "why": way.why,
+                born = "clone3" if joined and cgroup_fd >= 0 else "fork"
+                sock.send(json.dumps({"pid": pid, "way": born, "why": way.why,
                                       "us": int((time.monotonic() - started) * 1e6)}).encode())
         while True:
             try:
@@ -3205,8 +3206,9 @@ def _spawner_main(sock: socket.socket) -> None:
 
 class _SpawnWay:
     """How the spawner starts a worker in its group: clone3(CLONE_INTO_CGROUP) until it is
-    refused once (then for good: the refusal is the kernel's or the unit's, not the task's),
-    else os.fork and the worker's own cgroup.procs write."""
+    refused (ENOSYS, EPERM, EINVAL, E2BIG: the kernel's or the unit's answer, so for good),
+    else os.fork and the worker's own cgroup.procs write; another error (ENOMEM, a group
+    being removed) forks that one worker only."""
 
     def __init__(self) -> None:
         self.clone3 = os.environ.get(CLONE3_ENV, "yes") != "no"
@@ -3218,11 +3220,9 @@ class _SpawnWay:
             try:
                 return fork_into(cgroup_fd), True
             except OSError as exc:
-                self.clone3, self.why = False, str(exc)
+                if exc.errno in (errno.ENOSYS, errno.EPERM, errno.EINVAL, errno.E2BIG):
+                    self.clone3, self.why = False, str(exc)
         return os.fork(), cgroup_fd < 0
-
-    def name(self, cgroup_fd: int) -> str:
-        return "clone3" if cgroup_fd >= 0 and self.clone3 else "fork"
 
 
 def _worker_join(cgroup_fd: int, fds: list[int]) -> None:
@@ -6355,7 +6355,8 @@ class MergeResult:
     conflicts: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _folders_above(path: str) -> Iterator[str]:
+def _parents(path: str) -> Iterator[str]:
+    """The folders above a path of a view, nearest first ("a/b/c": "a/b", "a")."""
     while "/" in path:
         path = path.rpartition("/")[0]
         yield path
@@ -6364,7 +6365,7 @@ def _folders_above(path: str) -> Iterator[str]:
 def touched(mine: list[str], theirs: list[str]) -> list[str]:
     """Paths of mine and theirs that touch one in the other set (the same path, or one a
     folder above the other), sorted: the only ones whose versions need reading."""
-    above = _folders_above
+    above = _parents
     sets = [set(mine), set(theirs)]
     prefixes = [{a for p in s for a in above(p)} for s in sets]
     out = set()
@@ -6503,8 +6504,12 @@ def upper_put(upper_fd: int, path: str, write: tuple[Any, ...], view_fd: int,
             seen = view_version(view_fd, path)
             if not opaque or seen.kind == "absent":
                 return
+            data = None if seen.kind in ("symlink", "folder", "other") else \
+                view_bytes(view_fd, path, 1 << 40)
+            if seen.kind != "symlink" and data is None:      # never an empty file in its place
+                raise OSError(errno.EIO, f"cannot copy the view's {seen.kind} at {path}")
             write = ("symlink", seen.data) if seen.kind == "symlink" else \
-                ("text", view_bytes(view_fd, path, 1 << 40) or b"", seen.mode)
+                ("text", data, seen.mode)
         if write[0] in ("symlink", "absent"):
             if write[0] == "symlink":
                 os.symlink(write[1], name, dir_fd=fd)
@@ -6689,6 +6694,7 @@ class FinishMerge:
                 self.drop(job.task_id)
             return None
         if error is not None:
+            self.drop(task.id)             # no job comes back for it: nothing left to pin
             self.box.fail_task(task, f"finish-time merge: {what}: {error}")
             return None
         return task, held
@@ -6711,6 +6717,7 @@ class FinishMerge:
             made = self.box.broker.create(task, "conflict", "merge", {
                 "paths": result.conflicts, "merged": result.merged}, 0, question)
         except (ApiError, OSError) as exc:
+            self.drop(task.id)
             self.box.fail_task(task, "conflict: cannot ask: " +
                                (exc.message if isinstance(exc, ApiError) else str(exc)))
             return
@@ -6982,7 +6989,7 @@ def run_undo(job: UndoJob, box: "Box", tmp: str) -> UndoResult:
             if write is not None:
                 writes[path] = write
             elif why is not None:
-                holder = next((holders[p] for p in [path] + list(_folders_above(path))
+                holder = next((holders[p] for p in [path] + list(_parents(path))
                                if p in holders), "")
                 result.kept.append({"path": path, "task": holder, "why": why})
         result.reverted = sorted(writes)
@@ -9608,6 +9615,7 @@ class Gateway:
             call.status, call.note = call.status or 500, f"{type(exc).__name__}: {exc}"
             log(3, f"task {tg.task_id}: the model gateway failed: {call.note}")
         finally:
+            self.reserve(tg, call)     # counted before the task hears the call ended
             call.conn.close()
             with self.lock:
                 tg.calls.discard(call)
@@ -10488,12 +10496,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                 return future.result(timeout=0.5)
             except TimeoutError:
                 pass
-            readable, _, _ = select.select([self.request], [], [], 0)
-            try:
-                gone = bool(readable) and self.request.recv(1, socket.MSG_PEEK) == b""
-            except OSError:
-                gone = True
-            if gone:
+            if peer_gone(self.request):
                 self.server.box.loop.call(self.server.box.broker.withdraw, plan["wait"])
                 self.close_connection = True
                 return None
@@ -10979,7 +10982,7 @@ def data_extents(fd: int, st: os.stat_result) -> array.array[int] | None:
     except OSError as exc:
         if exc.errno != errno.ENXIO:         # ENXIO: only a hole from pos to the end
             return None
-    return None if list(out) == [0, st.st_size] else out
+    return None if len(out) == 2 and out[0] == 0 and out[1] == st.st_size else out
 
 
 class SparseReader:
