@@ -60,6 +60,9 @@ boot() {  # boot KERNEL_VERSION: one guest, its results in tests/output/vm/KERNE
   mkdir -p "$out"
   # The cached image stays as built: the guest writes into a throwaway overlay.
   qemu-img create -q -f qcow2 -F raw -b "$IMAGE/disk.raw" "$out/disk.qcow2"
+  # VM_STORIES=EXPR runs only the first boot's stories pytest -k picks (no reboot, no suite):
+  # for working on one story; a whole make test-vm runs them all.
+  if [ -n "${VM_STORIES:-}" ]; then printf '%s\n' "$VM_STORIES" > "$out/select"; fi
   echo "test-vm: booting Debian 12 with kernel $v (${ACCEL[*]})"
   local started=$SECONDS
   guest "$v" "$out" console.log
