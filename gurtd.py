@@ -582,15 +582,9 @@ def validate_task_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
     """
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
-    for key in body:
-        if key not in TASK_FIELDS:
-            raise ApiError(400, f"unknown field: {key}")
-    for key, kind in TASK_FIELDS.items():
-        if key in body and (not isinstance(body[key], kind) or
-                            (isinstance(body[key], bool) and kind is not bool)):
-            names = {str: "a string", list: "an array", (int, float): "a number",
-                     dict: "an object", bool: "true or false"}
-            raise ApiError(400, f"{key} must be {names[kind]}")
+    check_field_types(body, TASK_FIELDS, "", lambda key, kind: f"{key} must be " + {
+        str: "a string", list: "an array", (int, float): "a number", dict: "an object",
+        bool: "true or false"}[kind])
     out: dict[str, Any] = {}
     folders = folders_of(body)                 # on disk: Box.create_task (folders_check)
     if folders:
@@ -3963,7 +3957,6 @@ TOO_DEEP = "\0too deep"              # _tree_conflict's answer for a folder deep
 STICKY_HELD = "\0sticky"             # and for one holding what the owner may not remove
 KEEP_PATH_MAX = 4096                 # bytes: a task's folder deeper than this is listed (as
                                      # kind "deep"), never walked into, and never kept
-FOLDER_RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
 
 
 def folders_of(body: dict[str, Any]) -> list[str] | None:
@@ -4146,12 +4139,7 @@ def folder_overlays_place(root: str, overlays: list[tuple[str, int]]) -> None:
 # Reading an upper and the real folder: both beneath their roots, no symlink followed.
 
 def _lstat_at(dir_fd: int | None, name: str) -> os.stat_result | None:
-    if dir_fd is None:
-        return None
-    try:
-        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except OSError:
-        return None
+    return None if dir_fd is None else _entry(dir_fd, name)
 
 
 def _parent_fd(root_fd: int, rel: str) -> int | None:
@@ -4160,13 +4148,18 @@ def _parent_fd(root_fd: int, rel: str) -> int | None:
     return open_dir_beneath(root_fd, parent) if parent else os.dup(root_fd)
 
 
-def real_lstat(root_fd: int, rel: str) -> os.stat_result | None:
+def _at_parent(root_fd: int, rel: str, read: Callable[[int | None, str], Any]) -> Any:
+    """read(fd of rel's folder or None, rel's name), beneath root_fd."""
     fd = _parent_fd(root_fd, rel)
     try:
-        return _lstat_at(fd, os.path.basename(rel))
+        return read(fd, os.path.basename(rel))
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def real_lstat(root_fd: int, rel: str) -> os.stat_result | None:
+    return _at_parent(root_fd, rel, _lstat_at)
 
 
 @dataclass
@@ -4402,6 +4395,15 @@ def _entry_remove(dir_fd: int, name: str, aside: str) -> None:
         tree_remove(f"/proc/self/fd/{dir_fd}/{aside}")
     else:
         os.unlink(aside, dir_fd=dir_fd)
+
+
+def _rename_over(parent: int, tmp: str, name: str, aside: str, folder: bool) -> None:
+    """tmp renamed over name in parent; a folder there (folder) is first renamed aside (a
+    rename over a folder is refused), and what went aside is removed."""
+    if folder:
+        os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=parent)
+    os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
+    _entry_remove(parent, aside, aside)
 
 
 def _syncfs(fd: int) -> None:
@@ -4888,10 +4890,8 @@ class Review:
                 return
             if not ready:
                 self.write_temp(task, op, parent, tmp, kept_owner(owner, real, pst))
-            if real is not None and stat.S_ISDIR(real.st_mode):
-                os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=parent)
-            os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
-            _entry_remove(parent, aside, aside)
+            _rename_over(parent, tmp, name, aside,
+                         real is not None and stat.S_ISDIR(real.st_mode))
         finally:
             os.close(parent)
 
@@ -5064,11 +5064,8 @@ class Review:
                 return
             _entry_keep(saved, op["saved"], parent, tmp)
             real = _lstat_at(parent, name)
-            if real is not None and (stat.S_ISDIR(real.st_mode) or
-                                     stat.S_ISDIR(_lstat_at(parent, tmp).st_mode)):
-                os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=parent)
-            os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
-            _entry_remove(parent, aside, aside)
+            _rename_over(parent, tmp, name, aside, real is not None and (
+                stat.S_ISDIR(real.st_mode) or stat.S_ISDIR(_lstat_at(parent, tmp).st_mode)))
         finally:
             os.close(parent)
 
@@ -5215,12 +5212,7 @@ def _read_entry(dir_fd: int | None, name: str) -> tuple[str, int, bytes] | None:
 
 
 def _entry_at(root_fd: int, rel: str) -> tuple[str, int, bytes] | None:
-    fd = _parent_fd(root_fd, rel)
-    try:
-        return _read_entry(fd, os.path.basename(rel))
-    finally:
-        if fd is not None:
-            os.close(fd)
+    return _at_parent(root_fd, rel, _read_entry)
 
 
 _DIFF_ESCAPES = {7: "\\a", 8: "\\b", 9: "\\t", 10: "\\n", 11: "\\v", 12: "\\f", 13: "\\r",
