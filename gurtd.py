@@ -10924,13 +10924,19 @@ def upload_finish(box: "Box", workspace: str, upper: str, explicit: set[str]) ->
         os.close(view)
 
 
+def workspace_named(box: "Box", name: str) -> str:
+    """name, if a workspace has it; else 404."""
+    if not box.views.workspace_exists(name):
+        raise ApiError(404, f"no workspace named {name}", "not_found")
+    return name
+
+
 def upload_commit(box: "Box", workspace: str, staging: str, title: str, prompt: str,
                   summary: str) -> dict[str, Any]:
     """On the loop: the staged layer becomes a done task of worker upload on top of the
     workspace's stack (Box.add_task)."""
-    if not box.views.workspace_exists(workspace):
-        raise ApiError(404, f"no workspace named {workspace}", "not_found")
-    task = box.add_task({"title": title, "prompt": prompt, "workspace": workspace,
+    task = box.add_task({"title": title, "prompt": prompt,
+                         "workspace": workspace_named(box, workspace),
                          "worker": UPLOAD_WORKER, "tools": [], "hosts": [], "budgetCents": 0,
                          "source": "api", "summary": summary}, staging)
     log(6, f"task {task.id} done: an upload into {workspace}: {summary}")
@@ -11095,27 +11101,23 @@ def archive_write(out: Any, top: int) -> int:
 
 
 def send_archive(req: "Handler", top: int, filename: str) -> None:
-    """200 and the tar.gz, streamed (its length is not known: the connection closes after)."""
-    req.send_response(200)
-    req.send_header("Content-Type", "application/gzip")
-    req.send_header("Content-Disposition", f'attachment; filename="{filename}"')
-    req.send_header("Connection", "close")
-    req.end_headers()
-    req.close_connection = True
-    if req.command == "HEAD":
-        return
+    """200 and the tar.gz of the folder fd top (closed after), streamed (its length is not
+    known: the connection closes after)."""
     try:
-        archive_write(req.wfile, top)
+        send_stream_head(req, "application/gzip",
+                         ("Content-Disposition", f'attachment; filename="{filename}"'))
+        if req.command != "HEAD":
+            archive_write(req.wfile, top)
     except OSError as exc:      # the answer has begun: all that is left is to cut it short
         if not isinstance(exc, (ConnectionError, BrokenPipeError)):
             log(3, f"archive {filename}: {exc}")
+    finally:
+        os.close(top)
 
 
 def h_workspace_put_file(req: "Handler", params: dict[str, str]) -> Any:
     """PUT a file: the body is its content, a layer of its own (201: the upload's task)."""
-    box, name = req.box, params["name"]
-    if not box.views.workspace_exists(name):
-        raise ApiError(404, f"no workspace named {name}", "not_found")
+    box, name = req.box, workspace_named(req.box, params["name"])
     try:
         rel = upload_path(clean_relpath(params.get("path", "")))
     except UploadRefused as exc:
@@ -11143,9 +11145,7 @@ def h_workspace_upload(req: "Handler", params: dict[str, str]) -> Any:
     import gzip
     import tarfile
     import zlib
-    box, name = req.box, params["name"]
-    if not box.views.workspace_exists(name):
-        raise ApiError(404, f"no workspace named {name}", "not_found")
+    box, name = req.box, workspace_named(req.box, params["name"])
     upload_length(req)
     free, reserve = box.disk.free_and_reserve()
     check = UploadCheck(box.setting("uploadMaxBytes"), free - reserve, box.disk.inode_room())
@@ -11186,14 +11186,8 @@ def h_workspace_upload(req: "Handler", params: dict[str, str]) -> Any:
 
 def h_workspace_archive(req: "Handler", params: dict[str, str]) -> Any:
     """The workspace's current view as a tar.gz, streamed."""
-    box, name = req.box, params["name"]
-    if not box.views.workspace_exists(name):
-        raise ApiError(404, f"no workspace named {name}", "not_found")
-    view = box.loop.call(box.views.view_fd, name)
-    try:
-        send_archive(req, view, f"{name}.tar.gz")
-    finally:
-        os.close(view)
+    box, name = req.box, workspace_named(req.box, params["name"])
+    send_archive(req, box.loop.call(box.views.view_fd, name), f"{name}.tar.gz")
     return None
 
 
@@ -11215,10 +11209,7 @@ def h_task_archive(req: "Handler", params: dict[str, str]) -> Any:
         top = os.open(path, DIR_FLAGS)
     except FileNotFoundError:
         raise ApiError(409, "the task has no layer (it never started)", "conflict") from None
-    try:
-        send_archive(req, top, f"{params['id']}.tar.gz")
-    finally:
-        os.close(top)
+    send_archive(req, top, f"{params['id']}.tar.gz")
     return None
 
 
@@ -12143,12 +12134,7 @@ class Jira:
         config = self.box.setting("jira") or {}
         if key in self.issues or not config.get("enabled") or not JIRA_KEY_RE.fullmatch(key):
             return None
-        self.issues[key] = {"task": None, "takenAt": now_iso()}
-        try:
-            self.save()
-        except OSError:
-            del self.issues[key]
-            raise
+        self.add_issue(key, {"task": None, "takenAt": now_iso()})
         summary = printable(fields.get("summary") or key)
         prompt = adf_text(fields.get("description")).strip()[:JIRA_TEXT_MAX] or summary
         body = {"title": f"{key}: {summary}"[:200], "prompt": prompt, "source": f"jira:{key}",
@@ -12170,20 +12156,24 @@ class Jira:
         log(6, f"jira: issue {key} started task {task['id']}")
         return task
 
+    def add_issue(self, key: str, entry: dict[str, Any]) -> None:
+        """A new issue's record, saved first: none if it cannot be."""
+        self.issues[key] = entry
+        try:
+            self.save()
+        except OSError:
+            del self.issues[key]
+            raise
+
     def skip(self, key: str, reason: str) -> None:
         """An issue that cannot be read (its answer too large, not JSON, nested too deep):
         recorded as skipped for good (saved), so that no poll stops at it again; the thread
         comments on it with the reason (a notice, as for a task's end)."""
         if key in self.issues or not JIRA_KEY_RE.fullmatch(key):
             return
-        self.issues[key] = {"task": None, "takenAt": now_iso(), "state": "skipped",
-                            "error": reason, "notice": {"state": "skipped", "error": reason,
-                                                        "task": None}}
-        try:
-            self.save()
-        except OSError:
-            del self.issues[key]
-            raise
+        self.add_issue(key, {"task": None, "takenAt": now_iso(), "state": "skipped",
+                          "error": reason, "notice": {"state": "skipped", "error": reason,
+                                                      "task": None}})
         log(4, f"jira: issue {key} skipped for good: {reason}")
         self.wake.set()
 
@@ -12754,6 +12744,16 @@ def h_task_log(req: "Handler", params: dict[str, str]) -> Any:
     return follow_log(req, task_id, path)
 
 
+def send_stream_head(req: "Handler", ctype: str, *headers: tuple[str, str]) -> None:
+    """The status and headers of an answer of unknown length (events, an archive): the
+    connection closes after it."""
+    req.close_connection = True
+    req.send_response(200)
+    for key, value in (("Content-Type", ctype), *headers, ("Connection", "close")):
+        req.send_header(key, value)
+    req.end_headers()
+
+
 def send_log(req: "Handler", path: str) -> None:
     """The log as it is now, streamed from the file in chunks (never read whole): its length
     is the file's size when we opened it; lines appended meanwhile wait for the next read."""
@@ -12782,11 +12782,7 @@ def follow_log(req: "Handler", task_id: str, path: str) -> None:
     """?follow=1: Server-Sent Events, one per log line, read on from a file offset in bounded
     chunks; woken only by lines of this task; `event: end` once the task has ended."""
     box = req.box
-    req.send_response(200)
-    req.send_header("Content-Type", "text/event-stream")
-    req.send_header("Connection", "close")
-    req.end_headers()
-    req.close_connection = True
+    send_stream_head(req, "text/event-stream")
     last_beat, partial, f = time.monotonic(), b"", None
     with box.log_followers.follow(task_id) as watch, contextlib.ExitStack() as stack:
         while not box.loop.stopped() and not session_ended(req):
@@ -12827,9 +12823,7 @@ def h_workspace_get(req: "Handler", params: dict[str, str]) -> Any:
 
 
 def h_workspace_files(req: "Handler", params: dict[str, str]) -> Any:
-    box, name = req.box, params["name"]
-    if not box.views.workspace_exists(name):
-        raise ApiError(404, f"no workspace named {name}", "not_found")
+    box, name = req.box, workspace_named(req.box, params["name"])
     rel = clean_relpath(params.get("path", ""))
     view = box.loop.call(box.views.view_fd, name)
     try:
@@ -12971,11 +12965,7 @@ def h_events(req: "Handler", params: dict[str, str]) -> Any:
     if since and not is_digits(since):
         raise ApiError(400, "since (or Last-Event-ID) must be an event id")
     last = int(since) if since else box.loop.last_event()
-    req.send_response(200)
-    req.send_header("Content-Type", "text/event-stream")
-    req.send_header("Connection", "close")
-    req.end_headers()
-    req.close_connection = True
+    send_stream_head(req, "text/event-stream")
     req.wfile.write(b": gurtd events\n\n")
     missed, fresh = box.loop.events_after(last)
     if missed:
