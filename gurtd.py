@@ -14983,45 +14983,46 @@ class Client:
             "running?  `systemctl start gurtd`, `make run` in a checkout, or `gurtd serve` in "
             "the foreground (as root); --listen (GURT_LISTEN) must be its address")
 
-    def connect(self) -> Any:
+    def open(self, method: str, path: str, body: Any = None,
+             headers: dict[str, str] | None = None, timeout: float | None = None
+             ) -> tuple[Any, Any]:
+        """One request: its connection and response, the answer not read yet; or a
+        ClickException that says what went wrong (an error status said by CliError)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return http.client.HTTPConnection(host, self.port, timeout=self.timeout)
+        conn = http.client.HTTPConnection(host, self.port, timeout=timeout)
+        try:
+            conn.request(method, "/api" + path, body=body,
+                         headers={"Authorization": f"Bearer {self.token}", **(headers or {})})
+            resp = conn.getresponse()
+            if resp.status >= 400:
+                raise CliError.of(resp.status, resp.read(), path)
+        except OSError as exc:
+            conn.close()
+            raise self.unreachable(exc) from None
+        except CliError:
+            conn.close()
+            raise
+        return conn, resp
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
-        conn = self.connect()
-        headers = {"Authorization": f"Bearer {self.token}"}
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
+        data = None if body is None else json.dumps(body).encode()
+        conn, resp = self.open(method, path, data, None if data is None else
+                               {"Content-Type": "application/json"}, self.timeout)
         try:
-            conn.request(method, "/api" + path, body=data, headers=headers)
-            resp = conn.getresponse()
             raw = resp.read()
         except OSError as exc:
             raise self.unreachable(exc) from None
         finally:
             conn.close()
-        if resp.status >= 400:
-            raise CliError.of(resp.status, raw, path)
         if resp.getheader("Content-Type", "").split(";")[0] == "application/json":
             return json.loads(raw)
         return raw
 
     def events(self, path: str) -> Iterator[tuple[str, str]]:
         """Server-Sent Events from path as (event, data) pairs; connected (or refused) at
-        once, before the first pair is asked for."""
-        conn = self.connect()
-        conn.timeout = None                  # a quiet task sends nothing for a long time
-        try:
-            conn.request("GET", "/api" + path,
-                         headers={"Authorization": f"Bearer {self.token}"})
-            resp = conn.getresponse()
-        except OSError as exc:
-            raise self.unreachable(exc) from None
-        if resp.status >= 400:
-            raise CliError.of(resp.status, resp.read(), path)
-        return self.event_pairs(conn, resp)
+        once, before the first pair is asked for.  No timeout: a quiet task sends nothing
+        for a long time."""
+        return self.event_pairs(*self.open("GET", path))
 
     @staticmethod
     def event_pairs(conn: Any, resp: Any) -> Iterator[tuple[str, str]]:
@@ -16322,19 +16323,9 @@ def transfer(client: Client, method: str, path: str, body: Any = None, length: i
              content_type: str = "application/octet-stream") -> Any:
     """One request whose body (a file object of length bytes) and answer are streamed; the
     answer's response object, or a ClickException that says what went wrong."""
-    conn = client.connect()
-    conn.timeout = 600
-    headers = {"Authorization": f"Bearer {client.token}"}
-    if body is not None:
-        headers.update({"Content-Type": content_type, "Content-Length": str(length)})
-    try:
-        conn.request(method, "/api" + path, body=body, headers=headers)
-        resp = conn.getresponse()
-    except OSError as exc:
-        raise client.unreachable(exc) from None
-    if resp.status >= 400:
-        raise CliError.of(resp.status, resp.read(), path)
-    return resp
+    headers = None if body is None else {"Content-Type": content_type,
+                                         "Content-Length": str(length)}
+    return client.open(method, path, body, headers, 600)[1]
 
 
 def say_upload(task: dict[str, Any]) -> None:
