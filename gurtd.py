@@ -3316,8 +3316,7 @@ def sandbox_main(fds: list[int]) -> None:
         _sandbox_enter(spec, fds)
     except BaseException as exc:  # report and end: this process must never return
         try:
-            os.write(out_fd, (json.dumps({"t": "error", "text": f"sandbox: {exc}"}) + "\n")
-                     .encode())
+            _emit(out_fd, t="error", text=f"sandbox: {exc}")
         finally:
             os._exit(125)
     try:
@@ -3332,7 +3331,7 @@ def sandbox_main(fds: list[int]) -> None:
         _emit(out_fd, t="exit", code=code)
         os._exit(code)
     except BaseException as exc:
-        os.write(out_fd, (json.dumps({"t": "error", "text": f"worker: {exc}"}) + "\n").encode())
+        _emit(out_fd, t="error", text=f"worker: {exc}")
     os._exit(126)
 
 
@@ -3448,14 +3447,10 @@ def _broker_open(spec: dict[str, Any], mount_fd: int) -> int:
 
 def _view_open(spec: dict[str, Any]) -> int:
     """The task's view: a detached overlay (an fd) on an idmapped clone of BOX_HOME."""
-    uid, gid = spec["uid"], spec["gid"]
-    maps = (f"0 0 1\n{spec['storeUid']} {uid} 1\n", f"0 0 1\n{spec['storeGid']} {gid} 1\n")
-    userns = _idmap_userns(*maps)
+    userns = _store_userns(spec)
     tree = syscall("open_tree", SYS_OPEN_TREE, -100, spec["boxHome"].encode(),
                    OPEN_TREE_CLONE | os.O_CLOEXEC)
-    attr = MountAttr(MOUNT_ATTR_IDMAP, 0, 0, userns)
-    syscall("mount_setattr", SYS_MOUNT_SETATTR, tree, b"", AT_EMPTY_PATH, ctypes.byref(attr),
-            ctypes.c_size_t(ctypes.sizeof(attr)))
+    _idmap_set(tree, userns)
     try:
         return overlay_open_plan(tree, spec["lowers"], spec["upper"], spec["work"])
     finally:
@@ -4082,6 +4077,16 @@ def folder_open(path: str, dev: int, ino: int) -> int:
     return fd
 
 
+def folder_read(info: dict[str, Any]) -> int:
+    """A readable fd of a task's real folder (info: its folderInfo), the very one it was
+    given (folder_open)."""
+    path_fd = folder_open(info["path"], info["dev"], info["ino"])
+    try:
+        return os.open(f"/proc/self/fd/{path_fd}/.", DIR_FLAGS)
+    finally:
+        os.close(path_fd)
+
+
 def folder_overlays_open(spec: dict[str, Any]) -> list[tuple[str, int]]:
     """In the sandbox, as root: each folder's overlay (a detached mount fd) and its path.
 
@@ -4091,8 +4096,7 @@ def folder_overlays_open(spec: dict[str, Any]) -> list[tuple[str, int]]:
     uid, gid = spec["uid"], spec["gid"]
     if not spec.get("folders"):
         return out
-    store_ns = _idmap_userns(f"0 0 1\n{spec['storeUid']} {uid} 1\n",
-                             f"0 0 1\n{spec['storeGid']} {gid} 1\n")
+    store_ns = _store_userns(spec)
     try:
         for folder in spec["folders"]:
             ns = _idmap_userns(idmap_swap(folder["uid"], uid), idmap_swap(folder["gid"], gid))
@@ -4117,6 +4121,12 @@ def folder_overlays_open(spec: dict[str, Any]) -> list[tuple[str, int]]:
     finally:
         os.close(store_ns)
     return out
+
+
+def _store_userns(spec: dict[str, Any]) -> int:
+    """The user namespace of a task's clones of BOX_HOME: store -> task and 0 -> 0."""
+    return _idmap_userns(f"0 0 1\n{spec['storeUid']} {spec['uid']} 1\n",
+                         f"0 0 1\n{spec['storeGid']} {spec['gid']} 1\n")
 
 
 def _idmap_set(tree: int, userns: int) -> None:
@@ -4559,16 +4569,12 @@ class Review:
             return info["uid"], [info["gid"]]
 
     def open_folder(self, info: dict[str, Any]) -> int:
-        """A readable fd of the real folder, the very one the task was given; 409 if not."""
+        """folder_read's fd; 409 if the folder is not the one the task was given."""
         try:
-            path_fd = folder_open(info["path"], info["dev"], info["ino"])
+            return folder_read(info)
         except SysError as exc:
             raise ApiError(409, f"folder {info['path']}: {exc.stderr or exc}",
                            "conflict") from None
-        try:
-            return os.open(f"/proc/self/fd/{path_fd}/.", DIR_FLAGS)
-        finally:
-            os.close(path_fd)
 
     def pending(self, task: Task) -> list[tuple[int, Change, str]]:
         """What keep would still apply: (folder number, change, added|modified|deleted)."""
@@ -5281,11 +5287,9 @@ def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None,
                 budget: DiffBudget) -> str:
     """A personal task's changes to one folder against the real folder as it is now."""
     try:
-        root = folder_open(info["path"], info["dev"], info["ino"])
+        real = folder_read(info)
     except (SysError, OSError) as exc:
         return f"# folder {folder}: cannot be read: {exc}\n"
-    real = os.open(f"/proc/self/fd/{root}/.", DIR_FLAGS)
-    os.close(root)
     try:
         up = os.open(upper, DIR_FLAGS)
     except OSError:
