@@ -8772,11 +8772,15 @@ def check_limits(body: dict[str, Any]) -> dict[str, Any]:
             raise ApiError(400, "expiresAt must be a time such as 2026-12-01T00:00:00Z")
         out["expiresAt"] = when.astimezone(datetime.timezone.utc).isoformat(
             timespec="seconds").replace("+00:00", "Z")
-    reason = body.get("reason")
+    out["reason"] = check_reason(body.get("reason"))
+    return out
+
+
+def check_reason(reason: Any) -> str | None:
+    """A reason given with a decision: None, or a string of at most 2000 characters."""
     if reason is not None and (not isinstance(reason, str) or len(reason) > 2000):
         raise ApiError(400, "reason must be a string of at most 2000 characters")
-    out["reason"] = reason
-    return out
+    return reason
 
 
 def validate_policy_body(body: Any) -> dict[str, Any]:
@@ -12892,10 +12896,7 @@ def h_approval_get(req: "Handler", params: dict[str, str]) -> Any:
 def _reason(body: dict[str, Any]) -> str | None:
     if set(body) - {"reason"}:
         raise ApiError(400, f"unknown field: {sorted(set(body) - {'reason'})[0]}")
-    reason = body.get("reason")
-    if reason is not None and (not isinstance(reason, str) or len(reason) > 2000):
-        raise ApiError(400, "reason must be a string of at most 2000 characters")
-    return reason
+    return check_reason(body.get("reason"))
 
 
 def h_approval_approve(req: "Handler", params: dict[str, str]) -> Any:
