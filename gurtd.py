@@ -15576,6 +15576,16 @@ def say_task(task: dict[str, Any]) -> None:
                              f"{merge.get('error') or '(gurtd log ' + task['id'] + ')'}"))
 
 
+def _listing_command(name: str, doc: str, row: Callable[[Any], list[str]], headers: list[str],
+                     empty: str) -> None:
+    """`gurtd NAME`: the listing GET /api/NAME as a table of row(item), or as JSON."""
+    @cli.command(name, help=doc)
+    @json_options
+    def command(as_json: bool, box_home: str, listen: str) -> None:
+        print_listing(Client(listen, box_home).request("GET", f"/{name}"), as_json, row,
+                      headers, empty=empty)
+
+
 def _task_command(name: str, method: str, suffix: str, doc: str,
                   say: Callable[[Any], None]) -> None:
     @cli.command(name, help=doc)
@@ -15680,16 +15690,12 @@ def cmd_wallet(balance: float | None, as_json: bool, box_home: str, listen: str)
 
 
 # sources: schedules and hooks
-@cli.command("schedules")
-@json_options
-def cmd_schedules(as_json: bool, box_home: str, listen: str) -> None:
-    """List schedules with their next run."""
-    print_listing(Client(listen, box_home).request("GET", "/schedules"), as_json, lambda s: [
-        s["id"], s["name"][:30], s["cron"], s["timezone"], "on" if s["enabled"] else "off",
-        ago(s["nextRuns"][0]) if s["nextRuns"] else "-",
-        f"{s.get('lastTask') or '-'} {s.get('lastState') or ''}".strip()],
-        ["ID", "NAME", "CRON", "TIMEZONE", "ENABLED", "NEXT RUN", "LAST RUN"],
-        empty="no schedules (gurtd schedule add NAME 'CRON' -- PROMPT adds one)")
+_listing_command("schedules", "List schedules with their next run.", lambda s: [
+    s["id"], s["name"][:30], s["cron"], s["timezone"], "on" if s["enabled"] else "off",
+    ago(s["nextRuns"][0]) if s["nextRuns"] else "-",
+    f"{s.get('lastTask') or '-'} {s.get('lastState') or ''}".strip()],
+    ["ID", "NAME", "CRON", "TIMEZONE", "ENABLED", "NEXT RUN", "LAST RUN"],
+    "no schedules (gurtd schedule add NAME 'CRON' -- PROMPT adds one)")
 
 
 @cli.group("schedule")
@@ -15730,14 +15736,10 @@ def cmd_schedule_run(schedule_id: str, box_home: str, listen: str) -> None:
     click.echo(answer["task"]["id"] if answer.get("task") else "queued behind the active run")
 
 
-@cli.command("hooks")
-@json_options
-def cmd_hooks(as_json: bool, box_home: str, listen: str) -> None:
-    """List hooks (their secrets are never shown again)."""
-    print_listing(Client(listen, box_home).request("GET", "/hooks"), as_json, lambda h: [
-        h["name"], h["source"], h["url"], ", ".join(h["allow"]) or "-", ago(h["createdAt"])],
-        ["NAME", "SOURCE", "URL", "BODY MAY SET", "CREATED"],
-        empty="no hooks (POST /api/hooks adds one: see Webhooks in the README)")
+_listing_command("hooks", "List hooks (their secrets are never shown again).", lambda h: [
+    h["name"], h["source"], h["url"], ", ".join(h["allow"]) or "-", ago(h["createdAt"])],
+    ["NAME", "SOURCE", "URL", "BODY MAY SET", "CREATED"],
+    "no hooks (POST /api/hooks adds one: see Webhooks in the README)")
 
 
 # Commands for people at a terminal (issue 12): status, workspaces, files, approve-all,
@@ -15773,13 +15775,9 @@ def cmd_status(as_json: bool, box_home: str, listen: str) -> None:
                (" (`gurtd approvals` lists them)" if pending else ""))
 
 
-@cli.command("workspaces")
-@json_options
-def cmd_workspaces(as_json: bool, box_home: str, listen: str) -> None:
-    """List workspaces and how many layers (done tasks) each has."""
-    print_listing(Client(listen, box_home).request("GET", "/workspaces"), as_json,
-                  lambda w: [w["name"], str(w.get("layers", 0))], ["NAME", "LAYERS"],
-                  empty="no workspaces")
+_listing_command("workspaces", "List workspaces and how many layers (done tasks) each has.",
+                 lambda w: [w["name"], str(w.get("layers", 0))], ["NAME", "LAYERS"],
+                 "no workspaces")
 
 
 @cli.command("files")
@@ -16294,18 +16292,14 @@ def cmd_approve(approval_id: str, reason: str | None, args_json: str | None,
                (f" (policy {approval['policy']})" if approval.get("policy") else ""))
 
 
-@cli.command("policies")
-@json_options
-def cmd_policies(as_json: bool, box_home: str, listen: str) -> None:
-    """List the policies (always-approve)."""
-    print_listing(Client(listen, box_home).request("GET", "/policies"), as_json, lambda p: [
-        p["id"], p["tool"] + (f" {p['host']}" if p.get("host") else ""),
-        p["scope"] + (f" {p.get('task') or p.get('workspace')}" if p["scope"] != "box" else ""),
-        " ".join(f"{k}={p[k]}" for k in ("maxCents", "totalCents", "expiresAt")
-                 if p.get(k) is not None) or "-", str(p["spentCents"]), str(p["uses"]),
-        "yes" if p["active"] else f"no: {p.get('endedBecause')}"],
-        ["ID", "TOOL", "SCOPE", "LIMITS", "SPENT", "USES", "ACTIVE"],
-        empty="no policies (gurtd approve AP --always SCOPE records one)")
+_listing_command("policies", "List the policies (always-approve).", lambda p: [
+    p["id"], p["tool"] + (f" {p['host']}" if p.get("host") else ""),
+    p["scope"] + (f" {p.get('task') or p.get('workspace')}" if p["scope"] != "box" else ""),
+    " ".join(f"{k}={p[k]}" for k in ("maxCents", "totalCents", "expiresAt")
+             if p.get(k) is not None) or "-", str(p["spentCents"]), str(p["uses"]),
+    "yes" if p["active"] else f"no: {p.get('endedBecause')}"],
+    ["ID", "TOOL", "SCOPE", "LIMITS", "SPENT", "USES", "ACTIVE"],
+    "no policies (gurtd approve AP --always SCOPE records one)")
 
 
 @cli.group("policy")
