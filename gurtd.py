@@ -624,6 +624,15 @@ def validate_task_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def check_task_defaults(body: dict[str, Any], settings: dict[str, Any], prefix: str) -> None:
+    """Task fields given ahead of the tasks (a schedule's, a hook's, Jira's), checked as a
+    task body; its ApiError(400) said under prefix."""
+    try:
+        validate_task_body(body, settings)
+    except ApiError as exc:
+        raise ApiError(400, f"{prefix}{exc.message}") from None
+
+
 def check_field_types(body: dict[str, Any], fields: dict[str, Any], prefix: str,
                       wrong: Callable[[str, Any], str]) -> None:
     """ApiError(400) for the first key of body that fields does not know (prefix: whose), or
@@ -11635,10 +11644,7 @@ def validate_schedule_body(body: Any, current: dict[str, Any] | None,
         raise ApiError(400, "overlap must be one of: skip, queue")
     if "source" in out["task"]:
         raise ApiError(400, "task: source is set by gurtd (schedule)")
-    try:
-        validate_task_body({"title": out["name"][:200], **out["task"]}, settings)
-    except ApiError as exc:
-        raise ApiError(400, f"task: {exc.message}") from None
+    check_task_defaults({"title": out["name"][:200], **out["task"]}, settings, "task: ")
     return out
 
 
@@ -11914,12 +11920,9 @@ def validate_jira(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     if set(transitions) - {"done", "failed"} or \
             not all(isinstance(v, str) and 0 < len(v) <= 100 for v in transitions.values()):
         raise ApiError(400, 'jira.transitions must be {"done"?: NAME, "failed"?: NAME}')
-    try:
-        validate_task_body({"title": "t", "prompt": "p", **{
-            k: value[k] for k in ("workspace", "worker", "hosts", "tools", "budgetCents")
-            if k in value}}, settings)
-    except ApiError as exc:
-        raise ApiError(400, f"jira.{exc.message}") from None
+    check_task_defaults({"title": "t", "prompt": "p", **{
+        k: value[k] for k in ("workspace", "worker", "hosts", "tools", "budgetCents")
+        if k in value}}, settings, "jira.")
     return {"enabled": True, "pollSeconds": 60, **value,
             "baseUrl": value["baseUrl"].rstrip("/")}
 
@@ -12379,10 +12382,7 @@ def validate_hook_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
     allow = body.get("allow", [])
     if not isinstance(allow, list) or not all(a in HOOK_BODY_FIELDS for a in allow):
         raise ApiError(400, f"allow must list fields of: {', '.join(HOOK_BODY_FIELDS)}")
-    try:
-        validate_task_body({"title": "t", "prompt": "p", **task}, settings)
-    except ApiError as exc:
-        raise ApiError(400, f"task: {exc.message}") from None
+    check_task_defaults({"title": "t", "prompt": "p", **task}, settings, "task: ")
     return {"name": name, "source": source, "task": task, "allow": sorted(set(allow))}
 
 
