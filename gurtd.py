@@ -12540,26 +12540,15 @@ class Hooks:
         return task
 
 
-def hook_raw_body(req: "Handler") -> bytes:
-    """The delivery's body as sent (the signature is over these bytes, not over JSON)."""
-    if req.body_left < 0:
-        raise req.body_error()
-    length, req.body_left = req.body_left, -1
-    data = req.rfile.read(length) if length else b""
-    if len(data) < length:
-        raise ApiError(400, "the body ended early")
-    req.body_left = 0
-    return data
-
-
 h_hooks_list = loop_handler(200, "hooks.list")
 h_hooks_create = loop_handler(201, "hooks.create", body=True)
 h_hook_delete = loop_handler(200, "hooks.delete", "name")
 
 
 def h_hook_deliver(req: "Handler", params: dict[str, str]) -> Any:
-    """No bearer token here (Handler.dispatch): the signature is checked instead."""
-    raw = hook_raw_body(req)
+    """No bearer token here (Handler.dispatch): the signature is checked instead, over the
+    body's bytes as sent (not over JSON)."""
+    raw = req.raw_body()
     return 201, req.box.loop.call(req.box.hooks.deliver, params["name"], raw,
                              req.headers.get("X-Gurt-Signature") or "",
                              req.headers.get("X-Gurt-Delivery") or "",
@@ -13785,9 +13774,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return ApiError(400, "bad Content-Length")
         return ApiError(413, f"the body is larger than {MAX_BODY} bytes", "too_large")
 
-    def json_body(self, optional: bool = False) -> dict[str, Any]:
-        """The request's JSON object; with optional, an empty body is {}.  Anything but an
-        object is a 400 here, so no route handler ever indexes a list, a number or null."""
+    def raw_body(self) -> bytes:
+        """The request's body (at most MAX_BODY bytes: body_length), read whole."""
         if self.body_left < 0:
             raise self.body_error()
         length, self.body_left = self.body_left, -1     # a short read leaves it unknown
@@ -13795,6 +13783,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if len(data) < length:
             raise ApiError(400, "the body ended early")
         self.body_left = 0
+        return data
+
+    def json_body(self, optional: bool = False) -> dict[str, Any]:
+        """The request's JSON object; with optional, an empty body is {}.  Anything but an
+        object is a 400 here, so no route handler ever indexes a list, a number or null."""
+        data = self.raw_body()
         if not data.strip():
             if optional:
                 return {}
