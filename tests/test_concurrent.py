@@ -145,6 +145,48 @@ def test_a_merged_task_shows_its_own_change(gurtd: Gurtd) -> None:
     assert b"+two by a" in diff and b"nineteen" not in diff
 
 
+def checked_by_views(g: Gurtd, task_id: str) -> bool:
+    """Did gurtd open views to check the task at its end (its log says so)?"""
+    return f"task {task_id}: finish-time check by views" in g.log_text()
+
+
+def stored(g: Gurtd, task_id: str) -> dict[str, Any]:
+    with open(os.path.join(g.home, "tasks", task_id + ".json")) as f:
+        return json.load(f)
+
+
+def test_a_task_that_changed_nothing_is_done_without_a_check(gurtd: Gurtd) -> None:
+    """A task that changed no file, ending after another task became done beside it, is done
+    at once: no check, so its record names no stack it was merged on."""
+    a = gated(gurtd, "echo a > a.txt")
+    quiet = gated(gurtd, "true")
+    assert end(gurtd, a)["state"] == "done"
+    assert end(gurtd, quiet)["state"] == "done"
+    assert os.listdir(os.path.join(gurtd.home, "layers", quiet, "upper")) == []
+    assert stored(gurtd, quiet)["mergedOn"] is None
+    assert not checked_by_views(gurtd, quiet)
+    assert gurtd.file("home", "a.txt") == b"a\n"
+
+
+def test_a_task_on_other_paths_is_done_without_views(gurtd: Gurtd) -> None:
+    """Tasks side by side on files of their own in one folder are done without a view
+    opened (their paths do not meet); two appending to one file are checked by views, and
+    both kept."""
+    put(gurtd, "shared.txt", "top\n")
+    a = gated(gurtd, "mkdir -p d && echo a > d/a.txt")
+    b = gated(gurtd, "mkdir -p d && echo b > d/b.txt; echo b > b.txt")
+    c = gated(gurtd, "echo from-c >> shared.txt")
+    d = gated(gurtd, "echo from-d >> shared.txt")
+    for task_id in (a, b, c, d):
+        assert end(gurtd, task_id)["state"] == "done"
+    assert not checked_by_views(gurtd, b)
+    assert stored(gurtd, b)["mergedOn"] is not None     # based on the stack with a's layer
+    assert checked_by_views(gurtd, d)
+    assert gurtd.file("home", "d/a.txt") == b"a\n" and gurtd.file("home", "d/b.txt") == b"b\n"
+    assert gurtd.file("home", "shared.txt") == b"top\nfrom-c\nfrom-d\n"
+    assert gurtd.task(d)["merged"] == ["shared.txt"]
+
+
 def conflict_story(g: Gurtd, later: str, earlier: str) -> tuple[str, dict[str, Any]]:
     """Two tasks side by side on f.txt; the later one's pending conflict approval."""
     put(g, "f.txt", lines(20))
