@@ -1308,9 +1308,10 @@ def _account_lines(name: str, uid: int, comment: str) -> dict[str, str]:
             "/etc/gshadow": f"{name}:!::"}
 
 
-def _edit_accounts(name: str, lines: dict[str, str] | None,
+def _edit_accounts(names: list[str], lines: dict[str, str] | None,
                    pick_uid: tuple[int, int, int, str] | None = None) -> int:
-    """Replace (or with lines None, remove) the entries of `name` under the account lock.
+    """Replace the entries of names[0] (or with lines None, remove those of every name) under
+    the account lock, in one edit.
 
     With pick_uid (first, count, hint, comment) the uid is chosen here, inside the lock: the
     first from hint on (wrapping in the range) that no account or group has, so that two
@@ -1335,15 +1336,15 @@ def _edit_accounts(name: str, lines: dict[str, str] | None,
                         break
                 else:
                     raise SysError("allocate uid", errno.ENOSPC, "no free uid in the range")
-                lines = _account_lines(name, uid, comment)
-            _accounts_replace(name, lines)
+                lines = _account_lines(names[0], uid, comment)
+            _accounts_replace(set(names), lines)
         finally:
             libc().ulckpwdf()
     return uid
 
 
-def _accounts_replace(name: str, lines: dict[str, str] | None) -> None:
-    """The account files without the entries of name (and with lines), as one group commit:
+def _accounts_replace(names: set[str], lines: dict[str, str] | None) -> None:
+    """The account files without the entries of names (and with lines), as one group commit:
     the four temps written, then synced (the first sync commits the journal for all), then
     renamed, then /etc synced once: five syncs where there were eight.  If a rename fails
     after others, those are put back: the four files agree, or none changed."""
@@ -1355,7 +1356,7 @@ def _accounts_replace(name: str, lines: dict[str, str] | None) -> None:
         with open(path, "rb") as f:
             old[path] = f.read()
         before = old[path].decode("utf-8", "surrogateescape").splitlines()
-        after = [line for line in before if not line.startswith(name + ":")]
+        after = [line for line in before if line.partition(":")[0] not in names]
         if lines is not None:
             after.append(lines[path])
         if after != before:
@@ -1400,15 +1401,16 @@ def account_temp_leftovers() -> list[str]:
 def user_add(name: str, hint: int, comment: str) -> int:
     """Create user and group `name` with a free uid (= gid) of the task range, the first from
     hint on; replaces an entry of that name.  Returns the uid."""
-    uid = _edit_accounts(name, None, (UID_FIRST, UID_COUNT, hint, comment))
+    uid = _edit_accounts([name], None, (UID_FIRST, UID_COUNT, hint, comment))
     log(7, f"user_add {name} {uid}")
     return uid
 
 
-def user_del(name: str) -> None:
-    """Remove user and group `name`; nothing happens if there is none."""
-    log(7, f"user_del {name}")
-    _edit_accounts(name, None)
+def user_del(*names: str) -> None:
+    """Remove users and groups `names` in one edit (its syncs cost the same however many);
+    nothing happens for a name there is none of."""
+    log(7, f"user_del {' '.join(names)}")
+    _edit_accounts(list(names), None)
 
 
 def task_users() -> dict[str, int]:
@@ -7245,6 +7247,7 @@ class Box:
         self.seq = 0
         self.done_seq = 0
         self.unsaved: set[str] = set()      # tasks whose (terminal) state is not on disk yet
+        self.users_gone: list[str] | None = None   # users on_exits removes together
         self.schedules = Schedules(self)
         self.jira = Jira(self)
         self.hooks = Hooks(self)
@@ -7703,12 +7706,24 @@ class Box:
             self.append_log(task.id, {"type": "exit", "code": msg.get("code")})
 
     def on_exits(self) -> None:
+        """Workers that exited: each task ends; the users of those that end here go in one
+        edit of the account files at the end (a burst ends tens at once; an edit is ~15 ms of
+        syncs).  A crash before it leaves users that the next start removes (reconcile)."""
         by_pid = {w.pid: w for w in self.workers.values()}
-        for pid, code in self.spawner.exits():
-            worker = by_pid.get(pid)
-            if worker is not None:
-                worker.exit_code = code
-                self.loop.guard(worker.task_id, self.maybe_finish, worker)
+        self.users_gone = []
+        try:
+            for pid, code in self.spawner.exits():
+                worker = by_pid.get(pid)
+                if worker is not None:
+                    worker.exit_code = code
+                    self.loop.guard(worker.task_id, self.maybe_finish, worker)
+        finally:
+            names, self.users_gone = self.users_gone, None
+            try:
+                if names:
+                    user_del(*names)
+            except (SysError, OSError) as exc:
+                log(3, f"users {' '.join(names)}: {exc}; they stay until the next start")
 
     def maybe_finish(self, worker: Worker) -> None:
         """A worker ended once its process exited and its report pipe is drained."""
@@ -7779,7 +7794,10 @@ class Box:
             return
         if task.uid:
             keys_clear(task.uid)
-            user_del(task.user)
+            if self.users_gone is not None:
+                self.users_gone.append(task.user)      # on_exits removes them together
+            else:
+                user_del(task.user)
             task.uid = 0
 
     def hold(self, task: Task, worker: Worker, why: str) -> None:
