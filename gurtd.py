@@ -5842,7 +5842,7 @@ class Views:
         # merged layers, layer directories); and the bytes an HTTP thread counted for it
         self.layer_dirs: dict[str, tuple[int, int, list[str]]] = {}
         self.layer_bytes: dict[str, tuple[int, float, int]] = {}
-        self.stacks: dict[str, list[str]] = {}       # workspace -> stack_ids, until it changes
+        self.stack_now: dict[str, list[str]] = {}    # workspace -> stack_ids, until it changes
 
     def load(self) -> None:
         """At start, once the tasks are read: the merged layers' records, undone layers a
@@ -5852,7 +5852,7 @@ class Views:
         for name in {t.workspace for t in self.box.all_tasks()}:
             self.layerstack.regroup(name, self.ever_done(name))
             self.publish_layers(name)
-        self.stacks.clear()
+        self.stack_now.clear()
 
     def start(self) -> None:
         """The merger thread, and the merges due since the last run, off the loop."""
@@ -5929,11 +5929,11 @@ class Views:
         of every task at each start, undo and collection).  One list until the layers change
         (layers_changed), which callers never change: the finish-time merge compares a
         task's stack with it at each end, at no cost while it is the same list."""
-        stack = self.stacks.get(workspace)
+        stack = self.stack_now.get(workspace)
         if stack is None:
             ever = self.layerstack.ever.get(workspace, [])
-            stack = self.stacks[workspace] = [i for i in reversed(ever)
-                                              if self.box.get(i).state == "done"]
+            stack = self.stack_now[workspace] = [i for i in reversed(ever)
+                                                 if self.box.get(i).state == "done"]
         return stack
 
     def view_lowers(self, workspace: str, layers: list[str]) -> list[Any]:
@@ -5945,11 +5945,14 @@ class Views:
         """A task of the workspace became done (its id in done: the groups again, it is the
         newest) or undone (the groups stay: an undone task keeps its position); its cached
         view dropped, the merges now due queued."""
-        self.stacks.pop(workspace, None)
+        stack = self.stack_now.pop(workspace, None)
         if done is not None:
             ever = self.layerstack.ever.get(workspace)
-            self.layerstack.regroup(workspace, ever + [done] if ever is not None and
-                                    done not in ever[-1:] else self.ever_done(workspace))
+            grows = ever is not None and done not in ever[-1:]
+            self.layerstack.regroup(workspace, ever + [done] if ever is not None and grows
+                                    else self.ever_done(workspace))
+            if grows and stack is not None and self.box.get(done).state == "done":
+                self.stack_now[workspace] = [done] + stack   # a new list: tasks keep theirs
         self.drop_view(workspace)
         self.plan_merges(workspace)
         self.publish_layers(workspace)

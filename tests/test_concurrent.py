@@ -14,6 +14,7 @@ import io
 import json
 import os
 import random
+import stat
 import tarfile
 import time
 from concurrent.futures import Future
@@ -153,6 +154,39 @@ def checked_by_views(g: Gurtd, task_id: str) -> bool:
 def stored(g: Gurtd, task_id: str) -> dict[str, Any]:
     with open(os.path.join(g.home, "tasks", task_id + ".json")) as f:
         return json.load(f)
+
+
+def test_path_sets_meet_only_where_a_check_could_find_something(tmp_path: Any,
+                                                                 monkeypatch: Any) -> None:
+    """The first look's path sets: files in one folder of one mode do not meet; the same
+    file, a file under the other's whiteout or opaque folder, a folder of another mode, or a
+    set past its bound (unknown) do."""
+    def layer(name: str, files: list[str], folders: dict[str, int] | None = None) -> Any:
+        root = tmp_path / name
+        for path, mode in (folders or {}).items():
+            (root / path).mkdir(parents=True)
+            os.chmod(root / path, mode)
+        for path in files:
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).write_text(name)
+        root.mkdir(exist_ok=True)
+        return root
+
+    mine = G.layer_paths(str(layer("mine", ["src/a.py", "top.txt"], {"src": 0o755})))
+    assert mine == {"src": 0o755, "src/a.py": -1, "top.txt": -1}
+    beside = G.layer_paths(str(layer("beside", ["src/b.py"], {"src": 0o755})))
+    assert not G.paths_meet(mine, beside) and not G.paths_meet(mine, {})
+    assert G.paths_meet(mine, G.layer_paths(str(layer("same", ["top.txt"]))))
+    assert G.paths_meet(mine, G.layer_paths(str(layer("mode", ["src/c.py"], {"src": 0o700}))))
+    gone = layer("gone", [])
+    os.mknod(gone / "src", 0o600 | stat.S_IFCHR, os.makedev(0, 0))      # a whiteout
+    assert G.layer_paths(str(gone)) == {"src": -1} and G.paths_meet(mine, {"src": -1})
+    opaque = layer("opaque", ["src/new.py"], {"src": 0o755})
+    os.setxattr(opaque / "src", "trusted.overlay.opaque", b"y")
+    assert G.paths_meet(mine, G.layer_paths(str(opaque)))
+    monkeypatch.setattr(G, "LAYER_PATHS_MAX", 2)
+    assert G.layer_paths(str(tmp_path / "mine")) is None
+    assert G.paths_meet(None, beside)
 
 
 def test_a_task_that_changed_nothing_is_done_without_a_check(gurtd: Gurtd) -> None:
