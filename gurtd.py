@@ -1311,9 +1311,10 @@ def _account_lines(name: str, uid: int, comment: str) -> dict[str, str]:
             "/etc/gshadow": f"{name}:!::"}
 
 
-def _edit_accounts(name: str, lines: dict[str, str] | None,
+def _edit_accounts(names: list[str], lines: dict[str, str] | None,
                    pick_uid: tuple[int, int, int, str] | None = None) -> int:
-    """Replace (or with lines None, remove) the entries of `name` under the account lock.
+    """Replace the entries of names[0] (or with lines None, remove those of every name) under
+    the account lock, in one edit.
 
     With pick_uid (first, count, hint, comment) the uid is chosen here, inside the lock: the
     first from hint on (wrapping in the range) that no account or group has, so that two
@@ -1338,15 +1339,15 @@ def _edit_accounts(name: str, lines: dict[str, str] | None,
                         break
                 else:
                     raise SysError("allocate uid", errno.ENOSPC, "no free uid in the range")
-                lines = _account_lines(name, uid, comment)
-            _accounts_replace(name, lines)
+                lines = _account_lines(names[0], uid, comment)
+            _accounts_replace(set(names), lines)
         finally:
             libc().ulckpwdf()
     return uid
 
 
-def _accounts_replace(name: str, lines: dict[str, str] | None) -> None:
-    """The account files without the entries of name (and with lines), as one group commit:
+def _accounts_replace(names: set[str], lines: dict[str, str] | None) -> None:
+    """The account files without the entries of names (and with lines), as one group commit:
     the four temps written, then synced (the first sync commits the journal for all), then
     renamed, then /etc synced once: five syncs where there were eight.  If a rename fails
     after others, those are put back: the four files agree, or none changed."""
@@ -1358,7 +1359,7 @@ def _accounts_replace(name: str, lines: dict[str, str] | None) -> None:
         with open(path, "rb") as f:
             old[path] = f.read()
         before = old[path].decode("utf-8", "surrogateescape").splitlines()
-        after = [line for line in before if not line.startswith(name + ":")]
+        after = [line for line in before if line.partition(":")[0] not in names]
         if lines is not None:
             after.append(lines[path])
         if after != before:
@@ -1403,15 +1404,16 @@ def account_temp_leftovers() -> list[str]:
 def user_add(name: str, hint: int, comment: str) -> int:
     """Create user and group `name` with a free uid (= gid) of the task range, the first from
     hint on; replaces an entry of that name.  Returns the uid."""
-    uid = _edit_accounts(name, None, (UID_FIRST, UID_COUNT, hint, comment))
+    uid = _edit_accounts([name], None, (UID_FIRST, UID_COUNT, hint, comment))
     log(7, f"user_add {name} {uid}")
     return uid
 
 
-def user_del(name: str) -> None:
-    """Remove user and group `name`; nothing happens if there is none."""
-    log(7, f"user_del {name}")
-    _edit_accounts(name, None)
+def user_del(*names: str) -> None:
+    """Remove users and groups `names` in one edit (its syncs cost the same however many);
+    nothing happens for a name there is none of."""
+    log(7, f"user_del {' '.join(names)}")
+    _edit_accounts(list(names), None)
 
 
 def task_users() -> dict[str, int]:
@@ -5845,6 +5847,7 @@ class Views:
         # merged layers, layer directories); and the bytes an HTTP thread counted for it
         self.layer_dirs: dict[str, tuple[int, int, list[str]]] = {}
         self.layer_bytes: dict[str, tuple[int, float, int]] = {}
+        self.stack_now: dict[str, list[str]] = {}    # workspace -> stack_ids, until it changes
 
     def load(self) -> None:
         """At start, once the tasks are read: the merged layers' records, undone layers a
@@ -5854,6 +5857,7 @@ class Views:
         for name in {t.workspace for t in self.box.all_tasks()}:
             self.layerstack.regroup(name, self.ever_done(name))
             self.publish_layers(name)
+        self.stack_now.clear()
 
     def start(self) -> None:
         """The merger thread, and the merges due since the last run, off the loop."""
@@ -5927,9 +5931,15 @@ class Views:
 
     def stack_ids(self, workspace: str) -> list[str]:
         """The ids of the workspace's done tasks, newest first, from the finish order the Layer stack keeps (no sort
-        of every task at each start, undo and collection)."""
-        ever = self.layerstack.ever.get(workspace, [])
-        return [i for i in reversed(ever) if self.box.get(i).state == "done"]
+        of every task at each start, undo and collection).  One list until the layers change
+        (layers_changed), which callers never change: the finish-time merge compares a
+        task's stack with it at each end, at no cost while it is the same list."""
+        stack = self.stack_now.get(workspace)
+        if stack is None:
+            ever = self.layerstack.ever.get(workspace, [])
+            stack = self.stack_now[workspace] = [i for i in reversed(ever)
+                                                 if self.box.get(i).state == "done"]
+        return stack
 
     def view_lowers(self, workspace: str, layers: list[str]) -> list[Any]:
         """The lowers of a view of these layers (newest first) and the base, fitted to the
@@ -5940,10 +5950,14 @@ class Views:
         """A task of the workspace became done (its id in done: the groups again, it is the
         newest) or undone (the groups stay: an undone task keeps its position); its cached
         view dropped, the merges now due queued."""
+        stack = self.stack_now.pop(workspace, None)
         if done is not None:
             ever = self.layerstack.ever.get(workspace)
-            self.layerstack.regroup(workspace, ever + [done] if ever is not None and
-                                    done not in ever[-1:] else self.ever_done(workspace))
+            grows = ever is not None and done not in ever[-1:]
+            self.layerstack.regroup(workspace, ever + [done] if ever is not None and grows
+                                    else self.ever_done(workspace))
+            if grows and stack is not None and self.box.get(done).state == "done":
+                self.stack_now[workspace] = [done] + stack   # a new list: tasks keep theirs
         self.drop_view(workspace)
         self.plan_merges(workspace)
         self.publish_layers(workspace)
@@ -6112,6 +6126,15 @@ class Views:
 #     against the stack it started on, a merged file would show the lines of the tasks it
 #     merged with as its own, and undo (which takes out exactly its change) would disagree
 #     with what the diff said it changed.
+#   - A check looks first by paths (issue 23: a burst of 300 tasks went through at 1 a
+#     second, each held for a check whose stack had moved, the checks in turn, each opening
+#     three views): a task whose layer holds nothing is done at once; else its path set
+#     (layer_paths: each entry of its upper, a folder's mode; read off the loop, no view)
+#     meets those of the layers that became done since the stack its layer is based on
+#     (each read once, the thread keeps PATHS_HELD_MAX paths at most).  Where no path meets,
+#     the check could find nothing: its layer is based on the stack now, no view opened.
+#     Views open only where paths meet, past LAYER_PATHS_MAX entries, or after an undo of a
+#     layer it saw; a check again looks only at the layers done since the last one.
 #   - Nothing joins the stack before the task is done, and a task is done only after every
 #     write of its merge is synced: a kill -9 in the middle leaves a running or waiting task,
 #     which the next start fails (reconcile); its half-written layer never shows in a view.
@@ -6584,13 +6607,129 @@ def conflict_answer(approval: Approval, args: Any) -> dict[str, tuple[Any, ...]]
     return writes
 
 
+LAYER_PATHS_MAX = 10_000     # entries of a layer's path set; past it, its checks open views
+PATHS_HELD_MAX = 100_000     # entries of all the path sets the merge thread keeps at once
+
+
+def layer_empty(upper: str) -> bool:
+    """Did a task's layer change nothing (no entry in its upper)?  One read of a folder."""
+    try:
+        with os.scandir(upper) as entries:
+            return next(entries, None) is None
+    except OSError:
+        return False
+
+
+def layer_paths(upper: str) -> dict[str, int] | None:
+    """A layer's path set, for a check's first look (no view opened): each entry's path ->
+    the mode of a folder that is not opaque, or -1 (a file, symlink, whiteout or opaque
+    folder: what hides the layers below).  An upper holds the folders above its entries, so
+    two layers whose changes touch (one path, or one a folder above the other) both hold a
+    path.  None (unknown: views decide) past LAYER_PATHS_MAX entries, or if a folder could
+    not be read (a set that lacks a path would hide a conflict)."""
+    out: dict[str, int] = {}
+    folders = listed = 0
+
+    def names(folder: WalkDir) -> list[str]:
+        nonlocal listed
+        listed += 1
+        return sorted(os.listdir(folder.fds[0]))
+
+    def entry(folder: WalkDir, name: str) -> list[int] | None:
+        nonlocal folders
+        st = _entry(folder.fds[0], name) if folders >= 0 else None
+        if st is None or len(out) >= LAYER_PATHS_MAX:
+            folders = -1                         # never equal to listed: unknown
+            return None
+        is_dir = stat.S_ISDIR(st.st_mode)
+        plain = is_dir and not _opaque_child(folder.fds[0], name)
+        out[folder.path(name)] = stat.S_IMODE(st.st_mode) if plain else -1
+        folders += is_dir
+        return [0] if is_dir else None
+
+    try:
+        walk([upper], entry, names=names)
+    except OSError:
+        return None
+    return out if listed == folders + 1 else None          # + 1: the upper itself
+
+
+def paths_meet(mine: dict[str, int] | None, theirs: dict[str, int] | None) -> bool:
+    """Could a check of a layer against one that became done meanwhile find anything?  Only
+    at a path both hold that is not a folder of one mode in both: a path a layer neither
+    holds nor hides (below a file, whiteout or opaque folder of its own) shows in the view
+    as it was, and a folder both keep alike compares the same.  Unknown sets meet."""
+    if mine is None or theirs is None:
+        return True
+    small, big = (mine, theirs) if len(mine) <= len(theirs) else (theirs, mine)
+    return any(tag < 0 or big[path] != tag for path, tag in small.items() if path in big)
+
+
+class LayerPaths:
+    """The merge thread's path sets (layer_paths) by task id.  A done layer is never written
+    again, so each is read once; past PATHS_HELD_MAX entries in all the oldest go (read
+    again if a later check needs one).  Merge thread only."""
+
+    def __init__(self) -> None:
+        self.sets: dict[str, dict[str, int] | None] = {}
+        self.size = 0
+
+    def of(self, task_id: str, upper: str) -> dict[str, int] | None:
+        if task_id not in self.sets:
+            self.sets[task_id] = layer_paths(upper)
+            self.size += len(self.sets[task_id] or ()) + 1
+            while self.size > PATHS_HELD_MAX and len(self.sets) > 1:
+                self.forget(next(iter(self.sets)))
+        return self.sets.get(task_id)
+
+    def forget(self, task_id: str) -> None:
+        if task_id in self.sets:
+            self.size -= len(self.sets.pop(task_id) or ()) + 1
+
+
+@dataclass
+class FirstLook:
+    """A check's first look, as the loop hands it to the thread: the task's layer against
+    the layers that became done since the stack its layer is based on, by path sets."""
+
+    task_id: str
+    token: int
+    upper: str                       # its layer (absolute)
+    gained: list[tuple[str, str]]    # (id, absolute upper) of those layers
+    stack: list[str]                 # the ids of the view now
+
+
+def first_look(job: FirstLook, paths: LayerPaths) -> bool:
+    """The thread: True if no layer gained meets the task's (nothing to merge)."""
+    mine = paths.of(job.task_id, job.upper)
+    return mine == {} or not any(paths_meet(mine, paths.of(i, upper))
+                                 for i, upper in job.gained)
+
+
+def done_since(box: Box, workspace: str, seen: list[str], stack: list[str]
+               ) -> list[str] | None:
+    """The layers of stack that became done after those of seen (a stack of the same
+    workspace, seen before), newest first; None if one of seen left (an undo).  Walks the
+    finish order back to seen's newest: as many steps as tasks became done since."""
+    if not seen:
+        return stack
+    ever, gained = box.views.layerstack.ever.get(workspace, []), []
+    for task_id in reversed(ever):
+        if task_id == seen[0]:
+            return gained if len(stack) == len(seen) + len(gained) else None
+        if box.get(task_id).state == "done":
+            gained.append(task_id)
+    return None
+
+
 @dataclass
 class HeldTask:
     """A task the finish-time merge holds between its worker's end and done."""
 
     worker: Worker
     token: int = 0
-    seen: tuple[list[str], list[str]] | None = None   # (stack, plan) its layer is based on
+    seen: tuple[list[str], list[str] | None] | None = None   # (stack, plan) its layer is
+    #                                                 based on (the plan made when needed)
     merged: list[str] = field(default_factory=list)
     pending: MergeResult | None = None                # a check waiting for a person
     pending_check: MergeCheck | None = None
@@ -6613,13 +6752,16 @@ class FinishMerge:
         self.jobs: queue.Queue[Callable[[], None]] = queue.Queue()
         self.thread: threading.Thread | None = None
         self.tokens = 0
+        self.paths = LayerPaths()                      # the thread's, for first looks
 
     def holds(self, task: Task, worker: Worker) -> bool:
         if task.id in self.cleared:
             self.cleared.discard(task.id)
             return False
-        if self.box.views.stack_ids(task.workspace) == task.layers:
-            return False                   # nothing became done or undone while it ran
+        stack = self.box.views.stack_ids(task.workspace)
+        if stack is task.layers or stack == task.layers or \
+                layer_empty(os.path.join(self.box.layer_dir(task.id), "upper")):
+            return False      # nothing became done or undone while it ran, or nothing changed
         self.held[task.id] = HeldTask(worker)
         self.check(task)
         return True
@@ -6634,18 +6776,47 @@ class FinishMerge:
         self.held.pop(task_id, None)
         self.reading.pop(task_id, None)
 
-    def check(self, task: Task) -> None:
-        """Compare the task's layer with the view now (its check goes to the thread), or let
-        it become done at once if the view is still the one its layer is based on."""
+    def check(self, task: Task, views: bool = False) -> None:
+        """Compare the task's layer with the view now (off the loop), or let it become done
+        at once if the view is still the one its layer is based on.  Against the layers
+        that became done since that one, the first look (by path sets, no view) comes first;
+        the views are opened only where it finds their paths meet, or after an undo."""
         held, box = self.held[task.id], self.box
         stack = box.views.stack_ids(task.workspace)
-        seen_stack, seen_plan = held.seen or (task.layers, [])
-        if stack == seen_stack:
+        seen_stack = held.seen[0] if held.seen is not None else task.layers
+        if stack is seen_stack or stack == seen_stack:
             return self.finish(task)
-        if held.seen is None:
-            start = box.views.task_lowers.get(task.id)
+        gained = None if views else done_since(box, task.workspace, seen_stack, stack)
+        if gained is None:
+            return self.check_views(task, held, stack)
+        self.tokens += 1
+        held.token = self.tokens
+        self.reading[task.id] = (set(gained), [])       # kept by gc_layers
+        job = FirstLook(task.id, held.token, os.path.join(box.layer_dir(task.id), "upper"),
+                        [(i, os.path.join(box.layer_dir(i), "upper")) for i in gained], stack)
+        self.submit(job, self.looked, lambda tmp: first_look(job, self.paths))
+
+    def looked(self, job: FirstLook, clear: bool | None, error: str | None) -> None:
+        """Loop: the first look came back: nothing to merge on the job's stack (the layer
+        is based on it now), or the views decide."""
+        found = self.current(job, error, "cannot compare")
+        if found is None:
+            return
+        task, held = found
+        if clear:
+            held.seen = (job.stack, None)          # its plan made if the views are needed
+            return self.check(task)
+        self.check(task, views=True)
+
+    def check_views(self, task: Task, held: HeldTask, stack: list[str]) -> None:
+        """The check by views (the thread): the task's layer against the view now, from
+        the stack its layer is based on (the layers gained and lost since)."""
+        box = self.box
+        seen_stack, seen_plan = held.seen or (task.layers, None)
+        if seen_plan is None:
+            start = box.views.task_lowers.get(task.id) if seen_stack is task.layers else None
             seen_plan = start[:-1] if start else box.views.layerstack.plan(task.workspace,
-                                                                      task.layers)
+                                                                          seen_stack)
             held.seen = (seen_stack, seen_plan)
         now = box.views.layerstack.plan(task.workspace, stack)
         seen, current = set(seen_stack), set(stack)
@@ -6654,6 +6825,7 @@ class FinishMerge:
                                                          if i not in current]
         self.tokens += 1
         held.token = self.tokens
+        log(7, f"task {task.id}: finish-time check by views, {len(others)} layer(s) since")
         job = MergeCheck(task.id, held.token, f"layers/{task.id}/upper", seen_plan, now,
                          f"workspaces/{task.workspace}",
                          [p for i in others if os.path.isdir(p := os.path.join(
@@ -6688,7 +6860,7 @@ class FinishMerge:
         while True:
             self.jobs.get()()
 
-    def current(self, job: MergeCheck, error: str | None, what: str
+    def current(self, job: MergeCheck | FirstLook, error: str | None, what: str
                 ) -> tuple[Task, HeldTask] | None:
         """The task of a job that came back, if it still waits for exactly that job and the
         job did not fail (else the task fails: `what` could not be done)."""
@@ -6739,6 +6911,8 @@ class FinishMerge:
         def work(tmp: str) -> MergeResult:
             apply_writes(box.path(), job.upper, result.writes, job.now, job.workspace_dir,
                          box.store_owner())
+            if result.writes:
+                self.paths.forget(job.task_id)       # its layer holds other paths now
             return result
         self.submit(job, self.applied, work)
 
@@ -7081,6 +7255,7 @@ class Box:
         self.seq = 0
         self.done_seq = 0
         self.unsaved: set[str] = set()      # tasks whose (terminal) state is not on disk yet
+        self.users_gone: list[str] | None = None   # users on_exits removes together
         self.schedules = Schedules(self)
         self.jira = Jira(self)
         self.hooks = Hooks(self)
@@ -7539,12 +7714,24 @@ class Box:
             self.append_log(task.id, {"type": "exit", "code": msg.get("code")})
 
     def on_exits(self) -> None:
+        """Workers that exited: each task ends; the users of those that end here go in one
+        edit of the account files at the end (a burst ends tens at once; an edit is ~15 ms of
+        syncs).  A crash before it leaves users that the next start removes (reconcile)."""
         by_pid = {w.pid: w for w in self.workers.values()}
-        for pid, code in self.spawner.exits():
-            worker = by_pid.get(pid)
-            if worker is not None:
-                worker.exit_code = code
-                self.loop.guard(worker.task_id, self.maybe_finish, worker)
+        self.users_gone = []
+        try:
+            for pid, code in self.spawner.exits():
+                worker = by_pid.get(pid)
+                if worker is not None:
+                    worker.exit_code = code
+                    self.loop.guard(worker.task_id, self.maybe_finish, worker)
+        finally:
+            names, self.users_gone = self.users_gone, None
+            try:
+                if names:
+                    user_del(*names)
+            except (SysError, OSError) as exc:
+                log(3, f"users {' '.join(names)}: {exc}; they stay until the next start")
 
     def maybe_finish(self, worker: Worker) -> None:
         """A worker ended once its process exited and its report pipe is drained."""
@@ -7615,7 +7802,10 @@ class Box:
             return
         if task.uid:
             keys_clear(task.uid)
-            user_del(task.user)
+            if self.users_gone is not None:
+                self.users_gone.append(task.user)      # on_exits removes them together
+            else:
+                user_del(task.user)
             task.uid = 0
 
     def hold(self, task: Task, worker: Worker, why: str) -> None:

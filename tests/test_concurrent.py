@@ -14,6 +14,7 @@ import io
 import json
 import os
 import random
+import stat
 import tarfile
 import time
 from concurrent.futures import Future
@@ -143,6 +144,81 @@ def test_a_merged_task_shows_its_own_change(gurtd: Gurtd) -> None:
         ["f.txt", "only-b.txt"]
     status, diff, _ = gurtd.request("GET", f"/api/tasks/{a}/diff")
     assert b"+two by a" in diff and b"nineteen" not in diff
+
+
+def checked_by_views(g: Gurtd, task_id: str) -> bool:
+    """Did gurtd open views to check the task at its end (its log says so)?"""
+    return f"task {task_id}: finish-time check by views" in g.log_text()
+
+
+def stored(g: Gurtd, task_id: str) -> dict[str, Any]:
+    with open(os.path.join(g.home, "tasks", task_id + ".json")) as f:
+        return json.load(f)
+
+
+def test_path_sets_meet_only_where_a_check_could_find_something(tmp_path: Any,
+                                                                 monkeypatch: Any) -> None:
+    """The first look's path sets: files in one folder of one mode do not meet; the same
+    file, a file under the other's whiteout or opaque folder, a folder of another mode, or a
+    set past its bound (unknown) do."""
+    def layer(name: str, files: list[str], folders: dict[str, int] | None = None) -> Any:
+        root = tmp_path / name
+        for path, mode in (folders or {}).items():
+            (root / path).mkdir(parents=True)
+            os.chmod(root / path, mode)
+        for path in files:
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).write_text(name)
+        root.mkdir(exist_ok=True)
+        return root
+
+    mine = G.layer_paths(str(layer("mine", ["src/a.py", "top.txt"], {"src": 0o755})))
+    assert mine == {"src": 0o755, "src/a.py": -1, "top.txt": -1}
+    beside = G.layer_paths(str(layer("beside", ["src/b.py"], {"src": 0o755})))
+    assert not G.paths_meet(mine, beside) and not G.paths_meet(mine, {})
+    assert G.paths_meet(mine, G.layer_paths(str(layer("same", ["top.txt"]))))
+    assert G.paths_meet(mine, G.layer_paths(str(layer("mode", ["src/c.py"], {"src": 0o700}))))
+    gone = layer("gone", [])
+    os.mknod(gone / "src", 0o600 | stat.S_IFCHR, os.makedev(0, 0))      # a whiteout
+    assert G.layer_paths(str(gone)) == {"src": -1} and G.paths_meet(mine, {"src": -1})
+    opaque = layer("opaque", ["src/new.py"], {"src": 0o755})
+    os.setxattr(opaque / "src", "trusted.overlay.opaque", b"y")
+    assert G.paths_meet(mine, G.layer_paths(str(opaque)))
+    monkeypatch.setattr(G, "LAYER_PATHS_MAX", 2)
+    assert G.layer_paths(str(tmp_path / "mine")) is None
+    assert G.paths_meet(None, beside)
+
+
+def test_a_task_that_changed_nothing_is_done_without_a_check(gurtd: Gurtd) -> None:
+    """A task that changed no file, ending after another task became done beside it, is done
+    at once: no check, so its record names no stack it was merged on."""
+    a = gated(gurtd, "echo a > a.txt")
+    quiet = gated(gurtd, "true")
+    assert end(gurtd, a)["state"] == "done"
+    assert end(gurtd, quiet)["state"] == "done"
+    assert os.listdir(os.path.join(gurtd.home, "layers", quiet, "upper")) == []
+    assert stored(gurtd, quiet)["mergedOn"] is None
+    assert not checked_by_views(gurtd, quiet)
+    assert gurtd.file("home", "a.txt") == b"a\n"
+
+
+def test_a_task_on_other_paths_is_done_without_views(gurtd: Gurtd) -> None:
+    """Tasks side by side on files of their own in one folder are done without a view
+    opened (their paths do not meet); two appending to one file are checked by views, and
+    both kept."""
+    put(gurtd, "shared.txt", "top\n")
+    a = gated(gurtd, "mkdir -p d && echo a > d/a.txt")
+    b = gated(gurtd, "mkdir -p d && echo b > d/b.txt; echo b > b.txt")
+    c = gated(gurtd, "echo from-c >> shared.txt")
+    d = gated(gurtd, "echo from-d >> shared.txt")
+    for task_id in (a, b, c, d):
+        assert end(gurtd, task_id)["state"] == "done"
+    assert not checked_by_views(gurtd, b)
+    assert stored(gurtd, b)["mergedOn"] is not None     # based on the stack with a's layer
+    assert checked_by_views(gurtd, d)
+    assert gurtd.file("home", "d/a.txt") == b"a\n" and gurtd.file("home", "d/b.txt") == b"b\n"
+    assert gurtd.file("home", "shared.txt") == b"top\nfrom-c\nfrom-d\n"
+    assert gurtd.task(d)["merged"] == ["shared.txt"]
 
 
 def conflict_story(g: Gurtd, later: str, earlier: str) -> tuple[str, dict[str, Any]]:
