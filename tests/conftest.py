@@ -272,6 +272,12 @@ class Gurtd:
             else stdin, capture_output=True, text=text, cwd=cwd, timeout=60,
             env=self.cli_env(**env))
 
+    def cli_ok(self, *args: str, **how: Any) -> subprocess.CompletedProcess[Any]:
+        """The `gurtd` command line against this gurtd, which must exit 0."""
+        proc = self.cli(*args, **how)
+        assert proc.returncode == 0, (proc.stdout, proc.stderr)
+        return proc
+
     # requests
     def connection(self, timeout: float = 30.0) -> http.client.HTTPConnection:
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
@@ -298,8 +304,11 @@ class Gurtd:
             return resp.status, json.loads(payload), out_headers
         return resp.status, payload, out_headers
 
-    def api(self, method: str, path: str, body: Any = None, status: int | None = None) -> Any:
-        code, data, _ = self.request(method, path, body)
+    def api(self, method: str, path: str, body: Any = None, status: int | None = None,
+            **request: Any) -> Any:
+        """The answer of one request (headers, token, raw as request takes them), whose
+        status must be status (any 2xx without one)."""
+        code, data, _ = self.request(method, path, body, **request)
         if status is not None:
             assert code == status, (code, data)
         else:
@@ -328,6 +337,12 @@ class Gurtd:
     def run(self, prompt: str, **fields: Any) -> dict[str, Any]:
         """Create a task and wait for its end."""
         return self.wait(self.create(prompt, **fields)["id"])
+
+    def wait_done(self, task_id: str, timeout: float = 30.0) -> dict[str, Any]:
+        """Wait for the end of a task, which must end done."""
+        task = self.wait(task_id, timeout=timeout)
+        assert task["state"] == "done", (task, self.log(task_id))
+        return task
 
     def run_done(self, prompt: str, **fields: Any) -> dict[str, Any]:
         """Run a task that must end done."""

@@ -85,8 +85,7 @@ def test_a_granted_tool_works_and_others_are_refused(gurtd: Gurtd) -> None:
                            tools=["wallet.pay", "nosuch.tool"], budgetCents=100)
 
     # the granted call is paid and its result printed
-    task = gurtd.wait(granted["id"])
-    assert task["state"] == "done", task
+    task = gurtd.wait_done(granted["id"])
     assert task["costCents"] == 7
     out = gurtd.output(task["id"])
     result = json.loads(out[0])
@@ -100,8 +99,7 @@ def test_a_granted_tool_works_and_others_are_refused(gurtd: Gurtd) -> None:
     assert isinstance(entry["caller"], int) and entry["caller"] >= G.UID_FIRST
 
     # a tool that is not in the task's tools: exit 1, nothing paid, an error in the log
-    task = gurtd.wait(unlisted["id"])
-    assert task["state"] == "done", task
+    task = gurtd.wait_done(unlisted["id"])
     assert gurtd.output(task["id"]) == ["pay exit 1"]
     assert any("not granted" in line for line in gurtd.output(task["id"], "stderr")), \
         gurtd.output(task["id"], "stderr")
@@ -111,8 +109,7 @@ def test_a_granted_tool_works_and_others_are_refused(gurtd: Gurtd) -> None:
     assert entry["tool"] == "wallet.pay" and "error" in entry and "result" not in entry
 
     # a tool name in tools without an executable behind it: a refusal too
-    task = gurtd.wait(unknown["id"])
-    assert task["state"] == "done", task
+    task = gurtd.wait_done(unknown["id"])
     assert gurtd.output(task["id"]) == ["nosuch exit 1"]
     assert any("nosuch.tool" in line for line in gurtd.output(task["id"], "stderr")), \
         gurtd.output(task["id"], "stderr")
@@ -127,9 +124,8 @@ def test_a_granted_tool_works_and_others_are_refused(gurtd: Gurtd) -> None:
 
 def test_payments_within_the_budget_are_paid_at_once(gurtd: Gurtd) -> None:
     set_balance(gurtd, 1000)
-    task = gurtd.run(pay_line("bob", 30, memo="tea") + "\n" + pay_line("carol", 20),
-                     tools=["wallet.pay"], budgetCents=100)
-    assert task["state"] == "done", task
+    task = gurtd.run_done(pay_line("bob", 30, memo="tea") + "\n" + pay_line("carol", 20),
+                          tools=["wallet.pay"], budgetCents=100)
     assert task["costCents"] == 50
     paid = gurtd.payments(task["id"])
     assert [(p["task"], p["to"], p["cents"]) for p in paid] == \
@@ -147,9 +143,8 @@ def test_payments_within_the_budget_are_paid_at_once(gurtd: Gurtd) -> None:
 
 def test_a_short_balance_refuses_the_payment(gurtd: Gurtd) -> None:
     set_balance(gurtd, 10)
-    task = gurtd.run(pay_line("dave", 20) + '; echo "pay exit $?"', tools=["wallet.pay"],
-                     budgetCents=100000)
-    assert task["state"] == "done", task
+    task = gurtd.run_done(pay_line("dave", 20) + '; echo "pay exit $?"', tools=["wallet.pay"],
+                          budgetCents=100000)
     assert gurtd.output(task["id"]) == ["pay exit 1"]
     assert any("balance" in line for line in gurtd.output(task["id"], "stderr")), \
         gurtd.output(task["id"], "stderr")
@@ -211,8 +206,7 @@ def test_a_budget_pause_answered_by_approve(gurtd: Gurtd) -> None:
     assert answered["state"] == "approved"
     assert answered["answeredBy"] == "api" and answered["reason"] == "fine"
     assert answered["answeredAt"]
-    task = gurtd.wait(created["id"])
-    assert task["state"] == "done", task
+    task = gurtd.wait_done(created["id"])
     assert gurtd.output(task["id"])[-1] == "after"
     assert [(p["to"], p["cents"]) for p in gurtd.payments(task["id"])] == \
         [("erin", 5), ("fay", 5), ("frank", 20)]
@@ -235,8 +229,7 @@ def test_a_budget_pause_answered_by_deny_hands_the_reason_to_the_task(gurtd: Gur
     answered = gurtd.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": reason})
     assert answered["state"] == "denied"
     assert answered["reason"] == reason and answered["answeredBy"] == "api"
-    task = gurtd.wait(created["id"])
-    assert task["state"] == "done", task
+    task = gurtd.wait_done(created["id"])
     expected = REJECTED.format(tool="wallet.pay", reason=reason)
     assert any(expected in line for line in gurtd.output(task["id"], "stderr")), \
         gurtd.output(task["id"], "stderr")
@@ -311,8 +304,7 @@ def test_an_ask_is_answered_and_answered_approvals_are_final(gurtd: Gurtd) -> No
         gurtd.api("POST", f"/api/approvals/{budget['id']}/{verb}", body, status=409)
     assert gurtd.api("GET", f"/api/approvals/{budget['id']}")["state"] == "approved"
 
-    task = gurtd.wait(created["id"])
-    assert task["state"] == "done", task
+    task = gurtd.wait_done(created["id"])
     out = gurtd.output(task["id"])
     assert json.loads(out[0]) == {"answer": "yes, go"}
     assert out[-1] == "pay exit 0"
@@ -377,8 +369,7 @@ def test_twenty_tasks_paying_at_once_keep_the_books_straight(gurtd: Gurtd) -> No
     created = {gurtd.create(pay_line(f"payee{i}", i), tools=["wallet.pay"], budgetCents=1000,
                             title=f"payer {i}")["id"]: i for i in range(1, 21)}
     for task_id, cents in created.items():
-        task = gurtd.wait(task_id, timeout=60)
-        assert task["state"] == "done", task
+        task = gurtd.wait_done(task_id, timeout=60)
         assert task["costCents"] == cents
     book = wallet(gurtd)
     paid = [e for e in book["ledger"] if "task" in e]
@@ -568,8 +559,7 @@ def test_bad_calls_are_refused_and_spend_nothing(gurtd: Gurtd) -> None:
         "gurtd tool wallet.pay '{\"to\": \"x\", \"cents\": true}'; echo \"client exit $?\"",
     ])
     # a budget this big would let any wrongly accepted payment through without asking
-    task = gurtd.run(prompt, tools=["wallet.pay", "ask"], budgetCents=100000)
-    assert task["state"] == "done", (task, gurtd.log(task["id"]))
+    task = gurtd.run_done(prompt, tools=["wallet.pay", "ask"], budgetCents=100000)
     out = gurtd.output(task["id"])
     results = {r["case"]: r for r in (json.loads(line) for line in out if line.startswith("{"))}
     assert set(results) == {name for name, _ in BAD_CALLS} | {"no length"}, out
@@ -620,9 +610,8 @@ def test_an_executable_tool_runs_as_the_tools_user(gurtd: Gurtd) -> None:
     assert "notes.txt" not in names
 
     args = {"word": "hello", "n": [1, 2]}
-    task = gurtd.run(f"gurtd tool echo.tool '{json.dumps(args)}'\nid -un",
-                     tools=["echo.tool"])       # budget 0: a tool's cost is counted, not asked
-    assert task["state"] == "done", (task, gurtd.log(task["id"]))
+    task = gurtd.run_done(f"gurtd tool echo.tool '{json.dumps(args)}'\nid -un",
+                          tools=["echo.tool"])       # budget 0: a tool's cost is counted, not asked
     out = gurtd.output(task["id"])
     result = json.loads(out[0])
     assert result["echo"] == args
@@ -726,8 +715,7 @@ def test_the_events_stream_tells_of_a_pending_approval_at_once(gurtd: Gurtd) -> 
 # 12. the command line ########################################################################
 
 def test_the_command_line_answers_approvals_and_shows_the_wallet(gurtd: Gurtd) -> None:
-    proc = gurtd.cli("wallet", "--set", "500", "--json")
-    assert proc.returncode == 0, proc.stderr
+    proc = gurtd.cli_ok("wallet", "--set", "500", "--json")
     book = json.loads(proc.stdout)
     assert book["balanceCents"] == 500 and book["ledger"][-1]["set"] == 500
     assert wallet(gurtd)["balanceCents"] == 500
@@ -739,13 +727,11 @@ def test_the_command_line_answers_approvals_and_shows_the_wallet(gurtd: Gurtd) -
     ]), tools=["wallet.pay", "ask"])
 
     first = pending_approval(gurtd, created["id"])
-    proc = gurtd.cli("approvals", "--json")
-    assert proc.returncode == 0, proc.stderr
+    proc = gurtd.cli_ok("approvals", "--json")
     listed = json.loads(proc.stdout)
     assert [a["id"] for a in listed] == [first["id"]]
     assert listed[0]["state"] == "pending" and listed[0]["args"] == {"to": "mia", "cents": 20}
-    proc = gurtd.cli("approve", first["id"])
-    assert proc.returncode == 0, proc.stderr
+    proc = gurtd.cli_ok("approve", first["id"])
     assert proc.stdout.strip() == f"{first['id']} approved"
     proc = gurtd.cli("approve", first["id"])            # once is enough: 409
     assert proc.returncode != 0 and "already" in proc.stderr, (proc.stdout, proc.stderr)
@@ -753,19 +739,16 @@ def test_the_command_line_answers_approvals_and_shows_the_wallet(gurtd: Gurtd) -
     second = eventually(lambda: [a for a in gurtd.approvals(state="pending", task=created["id"])
                                  if a["id"] != first["id"]], what="the second approval")[0]
     assert second["args"] == {"to": "noah", "cents": 30}
-    proc = gurtd.cli("deny", second["id"], "--reason", "not noah")
-    assert proc.returncode == 0, proc.stderr
+    proc = gurtd.cli_ok("deny", second["id"], "--reason", "not noah")
     assert proc.stdout.strip() == f"{second['id']} denied"
     assert gurtd.api("GET", f"/api/approvals/{second['id']}")["reason"] == "not noah"
 
     ask = eventually(lambda: [a for a in gurtd.approvals(state="pending", task=created["id"])
                               if a["kind"] == "ask"], what="the ask")[0]
-    proc = gurtd.cli("answer", ask["id"], "yes, ship")
-    assert proc.returncode == 0, proc.stderr
+    proc = gurtd.cli_ok("answer", ask["id"], "yes, ship")
     assert proc.stdout.strip() == f"{ask['id']} approved"
 
-    task = gurtd.wait(created["id"])
-    assert task["state"] == "done", task
+    task = gurtd.wait_done(created["id"])
     out = gurtd.output(task["id"])
     assert "second exit 1" in out, out
     assert json.loads(out[-1]) == {"answer": "yes, ship"}
@@ -773,14 +756,12 @@ def test_the_command_line_answers_approvals_and_shows_the_wallet(gurtd: Gurtd) -
                for line in gurtd.output(task["id"], "stderr"))
     assert [(p["to"], p["cents"]) for p in gurtd.payments()] == [("mia", 20)]
 
-    proc = gurtd.cli("approvals", "--json", "--state", "denied")
-    assert proc.returncode == 0, proc.stderr
+    proc = gurtd.cli_ok("approvals", "--json", "--state", "denied")
     assert [a["id"] for a in json.loads(proc.stdout)] == [second["id"]]
     proc = gurtd.cli("approvals", "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout) == [], proc.stdout
 
-    proc = gurtd.cli("wallet")
-    assert proc.returncode == 0, proc.stderr
+    proc = gurtd.cli_ok("wallet")
     assert re.search(r"^balance: 480(\.0)? cents$", proc.stdout, re.M), proc.stdout
     assert re.search(rf"{task['id']} paid 20 to mia$", proc.stdout, re.M), proc.stdout
     assert "set to 500" in proc.stdout
@@ -877,12 +858,11 @@ def test_an_oversized_call_gets_a_413_its_caller_can_read(gurtd: Gurtd) -> None:
     """Args over 64 KiB are refused with 413, and the caller reads that refusal (not a broken
     pipe) even when its body is still on the way when the broker answers."""
     set_balance(gurtd, 1000)
-    task = gurtd.run("\n".join([
+    task = gurtd.run_done("\n".join([
         python_line(SLOW_OVERSIZED),
         'gurtd tool wallet.pay "{\\"to\\": \\"x\\", \\"cents\\": 5, \\"memo\\": '
         '\\"$(head -c 70000 /dev/zero | tr \'\\0\' m)\\"}"; echo "client exit $?"',
     ]), tools=["wallet.pay"], budgetCents=100000)
-    assert task["state"] == "done", (task, gurtd.log(task["id"]))
     out = gurtd.output(task["id"])
     assert out[-1] == "client exit 1", out
     assert gurtd.payments() == [] and wallet(gurtd)["balanceCents"] == 1000

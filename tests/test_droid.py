@@ -134,8 +134,7 @@ def test_the_stream_sets_step_summary_cost_and_logs_every_event(
     g, _ = replaying_gurtd
     task = g.api("POST", "/api/tasks", {"title": "replay", "prompt": "go",
                                         "budgetCents": 10_000}, status=201)
-    done = g.wait(task["id"], timeout=30)
-    assert done["state"] == "done", done
+    done = g.wait_done(task["id"], timeout=30)
     assert done["summary"] == "All tests pass."
     assert done["step"] == "Edit: src/app.js"
     completion = next(e for e in droid_events("documented") if e["type"] == "completion")
@@ -219,8 +218,7 @@ def test_the_mcp_server_lists_and_calls_exactly_the_tasks_tools(gurtd: Gurtd) ->
         {"jsonrpc": "2.0", "id": 5, "method": "nonsense"},
     ]
     script = "printf '%s\\n' " + " ".join(shlex.quote(json.dumps(m)) for m in messages)
-    task = gurtd.run(f"{script} | gurtd mcp", tools=["wallet.pay"], budgetCents=1000)
-    assert task["state"] == "done", task
+    task = gurtd.run_done(f"{script} | gurtd mcp", tools=["wallet.pay"], budgetCents=1000)
     replies = {r["id"]: r for r in map(json.loads, gurtd.output(task["id"]))}
     assert sorted(replies) == [1, 2, 3, 4, 5]      # no reply to the notification
     assert replies[1]["result"]["serverInfo"]["name"] == "gurtd"

@@ -94,8 +94,7 @@ def test_a_create_that_cannot_be_saved_answers_507_and_leaves_nothing() -> None:
         assert g.api("GET", "/api/tasks") == []
         disk.free()
         time.sleep(1.0)    # long enough for a queued ghost to start, were there one
-        done = g.run("echo room again")
-        assert done["state"] == "done", done
+        done = g.run_done("echo room again")
         assert [t["id"] for t in g.api("GET", "/api/tasks")] == [done["id"]]
         assert g.stop() == 0
 
@@ -121,8 +120,7 @@ def test_a_task_whose_log_cannot_be_written_fails_and_gurtd_keeps_serving() -> N
         eventually(lambda: task["user"] not in passwd_names(), what="the user to go")
         assert g.worker_pids(failed) == []
         disk.free()
-        ok = g.run("echo fine")
-        assert ok["state"] == "done", ok
+        g.run_done("echo fine")
         on_disk = eventually(lambda: (task_file(g, task["id"]) or {}).get("state") == "failed"
                              and task_file(g, task["id"]), what="the failed state on disk")
         assert on_disk["error"] == failed["error"]
@@ -198,8 +196,7 @@ def test_a_payment_is_never_missing_from_its_task_log_after_kill_9() -> None:
         assert len([e for e in g.log(task["id"]) if e.get("call") == call]) == 1
         assert g.task(task["id"])["costCents"] == 25
         # and a payment without a crash carries its call id in both places
-        paid = g.run(pay_line("frank", 5), tools=["wallet.pay"], budgetCents=100)
-        assert paid["state"] == "done", paid
+        paid = g.run_done(pay_line("frank", 5), tools=["wallet.pay"], budgetCents=100)
         entry = [e for e in g.api("GET", "/api/wallet")["ledger"]
                  if e.get("task") == paid["id"]][0]
         assert [e["call"] for e in g.log(paid["id"]) if e["type"] == "tool"] == [entry["call"]]
@@ -229,8 +226,7 @@ def test_a_task_reported_done_stays_done_across_kill_9() -> None:
         assert "error" not in after
         assert g.file("home", "kept.txt") == b"kept\n"
 
-        seen = g.run("echo second")
-        assert seen["state"] == "done"
+        seen = g.run_done("echo second")
         g.restart(kill=True)
         again = g.task(seen["id"])
         assert again["state"] == "done" and again["updatedAt"] == seen["updatedAt"]
@@ -306,8 +302,7 @@ def test_a_second_gurtd_on_the_same_box_home_exits_at_once_and_changes_nothing()
         assert G.task_users().get(task["user"]) == uid     # other tests' users come and go
         assert g.task(task["id"])["state"] == "waiting"
         g.api("POST", f"/api/approvals/{pending[0]['id']}/answer", {"answer": "yes"})
-        done = g.wait(task["id"])
-        assert done["state"] == "done", (done, g.log(task["id"]))
+        done = g.wait_done(task["id"])
         assert done["costCents"] == 3
         assert g.stop() == 0
 

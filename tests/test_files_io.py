@@ -99,8 +99,7 @@ def test_a_put_file_is_a_layer_a_task_builds_on_and_undo_takes_it_out(gurtd: Gur
     assert gurtd.api("GET", f"/api/tasks/{task['id']}/changes") == [
         {"path": "notes/", "change": "added"}, {"path": "notes/todo.txt", "change": "added"}]
     # a task sees the file as its own and changes it
-    t = gurtd.run("cat notes/todo.txt\necho 'buy bread' >> notes/todo.txt", workspace=ws)
-    assert t["state"] == "done", gurtd.log(t["id"])
+    t = gurtd.run_done("cat notes/todo.txt\necho 'buy bread' >> notes/todo.txt", workspace=ws)
     assert t["layers"] == [task["id"]]
     assert gurtd.output(t["id"]) == ["buy milk"]
     assert gurtd.file(ws, "notes/todo.txt") == b"buy milk\nbuy bread\n"
@@ -186,8 +185,7 @@ def test_an_archive_lands_whole_and_round_trips(gurtd: Gurtd) -> None:
 
 def test_an_archive_of_a_view_follows_no_link_and_skips_fifos(gurtd: Gurtd) -> None:
     ws = workspace(gurtd)
-    t = gurtd.run("ln -s /etc/shadow secrets\nmkfifo pipe\necho ok > ok.txt", workspace=ws)
-    assert t["state"] == "done", gurtd.log(t["id"])
+    gurtd.run_done("ln -s /etc/shadow secrets\nmkfifo pipe\necho ok > ok.txt", workspace=ws)
     got, body, _ = gurtd.request("GET", f"/api/workspaces/{ws}/archive")
     assert got == 200
     names = archive_names(body)
@@ -229,8 +227,7 @@ def test_names_that_are_not_utf8_are_bytes_end_to_end(gurtd: Gurtd) -> None:
     assert sorted(os.listdir(upper)) == [b"caf\xe9.txt", b"d\xff"]
     got, body, _ = gurtd.request("GET", f"/api/tasks/{task['id']}/changes")
     assert got == 200 and {c["path"] for c in _strict_json(body)} >= {"caf\\xe9.txt"}, body
-    made = gurtd.run("printf new > \"$(printf 'n\\376')\" && cat caf*.txt", workspace=ws)
-    assert made["state"] == "done", gurtd.log(made["id"])
+    made = gurtd.run_done("printf new > \"$(printf 'n\\376')\" && cat caf*.txt", workspace=ws)
     got, body, _ = gurtd.request("GET", f"/api/tasks/{made['id']}/changes")
     assert got == 200 and _strict_json(body) == [{"path": "n\\xfe", "change": "added"}], body
     got, diff, _ = gurtd.request("GET", f"/api/tasks/{made['id']}/diff")
@@ -362,23 +359,19 @@ def test_gurtd_put_and_get_a_folder_a_file_and_a_tasks_changes(gurtd: Gurtd,
     (src / "lib").mkdir(parents=True)
     (src / "lib" / "util.py").write_text("def f(): pass\n")
     (src / "README").write_text("read me\n")
-    put = gurtd.cli("put", ws, str(src), cwd=str(tmp_path))
-    assert put.returncode == 0, put.stderr
+    put = gurtd.cli_ok("put", ws, str(src), cwd=str(tmp_path))
     assert "2 files" in put.stdout and "gurtd undo t" in put.stdout
     assert gurtd.file(ws, "lib/util.py") == b"def f(): pass\n"
     (tmp_path / "one.txt").write_text("one\n")
-    put = gurtd.cli("put", ws, "one.txt", "docs/one.txt", cwd=str(tmp_path))
-    assert put.returncode == 0, put.stderr
+    put = gurtd.cli_ok("put", ws, "one.txt", "docs/one.txt", cwd=str(tmp_path))
     assert gurtd.file(ws, "docs/one.txt") == b"one\n"
     got = gurtd.cli("get", ws, "docs/one.txt", "-o", "-", cwd=str(tmp_path))
     assert got.returncode == 0 and got.stdout == "one\n", got.stderr
-    got = gurtd.cli("get", ws, cwd=str(tmp_path))
-    assert got.returncode == 0, got.stderr
+    got = gurtd.cli_ok("get", ws, cwd=str(tmp_path))
     assert {"README", "lib/util.py", "docs/one.txt"} <= \
         set(archive_names((tmp_path / f"{ws}.tar.gz").read_bytes()))
     last = gurtd.api("GET", f"/api/tasks?workspace={ws}&limit=1")[0]
-    got = gurtd.cli("get", "--task", last["id"], "-o", "changes.tar.gz", cwd=str(tmp_path))
-    assert got.returncode == 0, got.stderr
+    got = gurtd.cli_ok("get", "--task", last["id"], "-o", "changes.tar.gz", cwd=str(tmp_path))
     assert set(archive_names((tmp_path / "changes.tar.gz").read_bytes())) == \
         {"docs", "docs/one.txt"}
     # errors say what is wrong, not an HTTP status
@@ -393,8 +386,7 @@ def test_gurtd_put_and_get_a_folder_a_file_and_a_tasks_changes(gurtd: Gurtd,
 
 def test_an_upload_never_hides_a_folder_a_file_or_a_link_of_the_workspace(gurtd: Gurtd) -> None:
     ws = workspace(gurtd)
-    t = gurtd.run("ln -s /etc docs\necho a > a.txt\nmkdir src && echo s > src/s.txt", workspace=ws)
-    assert t["state"] == "done", gurtd.log(t["id"])
+    gurtd.run_done("ln -s /etc docs\necho a > a.txt\nmkdir src && echo s > src/s.txt", workspace=ws)
     before = box_state(gurtd)
     for data, where in ((tar_bytes(member("docs/x", b"through the link")), "docs"),
                         (tar_bytes(member("src", b"a file over a folder")), "src"),
@@ -461,8 +453,7 @@ def test_an_archive_of_a_1_tib_sparse_file_is_small_quick_and_exact(gurtd: Gurtd
     reads their bytes where they were, GNU tar extracts them sparse."""
     from test_redteam_task import loop_waits
     ws = workspace(gurtd)
-    task = gurtd.run(SPARSE_TASK, workspace=ws)
-    assert task["state"] == "done", gurtd.log(task["id"])
+    task = gurtd.run_done(SPARSE_TASK, workspace=ws)
     for url in (f"/api/workspaces/{ws}/archive", f"/api/tasks/{task['id']}/archive"):
         with loop_waits(gurtd) as waits:
             status, body, took = bounded_get(gurtd, url, 16 << 20, 60)

@@ -510,8 +510,7 @@ def test_followers_wake_only_for_their_own_task() -> None:
 
 
 def test_a_long_log_is_streamed_whole_with_its_length(gurtd: Gurtd) -> None:
-    task = gurtd.run("seq 1 30000", title="long log")
-    assert task["state"] == "done", task
+    task = gurtd.run_done("seq 1 30000", title="long log")
     path = os.path.join(gurtd.home, "logs", task["id"] + ".jsonl")
     size = os.path.getsize(path)
     status, data, headers = gurtd.request("GET", f"/api/tasks/{task['id']}/log")

@@ -285,8 +285,7 @@ def test_tasks_undo_and_files_through_merged_layers() -> None:
                     text = f"dir:s{step}"
                 else:
                     prompt, text = f"rm -rf {name}; echo s{step} > {name}", f"s{step}"
-                task = g.run(prompt)
-                assert task["state"] == "done", g.log(task["id"])
+                task = g.run_done(prompt)
                 done.append(task["id"])
                 history.append((task["id"], name, text))
             expected: dict[str, str | None] = {}
@@ -365,8 +364,7 @@ def test_a_task_on_an_inner_overlay_sees_and_changes_everything_as_its_own() -> 
     with gurtd_on_done_layers(600, {"GURT_LAYER_KEEP": "100000"}) as (g, _):   # no merges
         home = g.home
         assert not registry(home)["merged"]
-        task = g.run("cat n1 n600; stat -c %U n1; echo changed >> n1; rm n2; id -un")
-        assert task["state"] == "done", g.log(task["id"])
+        task = g.run_done("cat n1 n600; stat -c %U n1; echo changed >> n1; rm n2; id -un")
         assert g.output(task["id"]) == ["1", "600", task["user"], task["user"]]
         assert g.file("home", "n1") == b"1\nchanged\n"
         assert g.file("home", "n2") is None and g.file("home", "n3") == b"3\n"

@@ -262,8 +262,7 @@ def test_a_budget_pause_reaches_the_inbox_within_a_second_and_a_denial_needs_a_r
     card.find_element(By.ID, f"reason-{approval['id']}").send_keys(reason + Keys.ENTER)
     wait(d, lambda x: not x.find_elements(By.ID, f"approval-{approval['id']}"), "the card gone")
     assert not d.title.startswith("(")
-    done = gurtd.wait(task["id"])
-    assert done["state"] == "done"
+    gurtd.wait_done(task["id"])
     stderr = [e["text"] for e in gurtd.log(task["id"]) if e["type"] == "stderr"]
     assert any(REJECTED.format(tool="wallet.pay", reason=reason) in s for s in stderr), stderr
     assert gurtd.api("GET", "/api/wallet")["balanceCents"] == 1000
@@ -367,8 +366,7 @@ def test_a_conflict_is_settled_from_the_inbox_with_a_merged_text(gurtd: Gurtd,
 def test_undo_from_the_task_page_and_the_file_leaves_the_files_view(gurtd: Gurtd,
                                                                     browser: Any) -> None:
     d = browser
-    task = gurtd.run("echo bye > portal-undo.txt", title="to be undone")
-    assert task["state"] == "done"
+    task = gurtd.run_done("echo bye > portal-undo.txt", title="to be undone")
     go(d, "#/files/home", "#files li")
     wait(d, lambda x: x.find_elements(By.CSS_SELECTOR, '#files li[data-name="portal-undo.txt"]'),
          "the file listed")

@@ -70,8 +70,7 @@ def test_keeping_tens_of_thousands_of_new_folders_does_not_hold_the_loop(
         made = box.create(f"cd '{owner_folder}' && seq 1 {dirs} | sed 's/^/d/' | xargs mkdir "
                           f"&& mkdir zz && cd zz && seq 1 {files} | xargs touch",
                           folder=owner_folder)
-        task = box.wait(made["id"], timeout=300)
-        assert task["state"] == "done", box.log(task["id"])
+        task = box.wait_done(made["id"], timeout=300)
         keep_then_undo(box, task["id"], f"{dirs} folders and {files} files", lambda: len(
             os.listdir(os.path.join(owner_folder, "zz"))) == files)
         assert not os.path.exists(os.path.join(owner_folder, "zz"))
@@ -291,8 +290,7 @@ def test_keeping_100000_new_files_and_undoing_them_never_holds_the_loop(
     with running_gurtd({"GURT_CALL_TIMEOUT": "300"}) as box:     # a held loop shows as such
         made = box.create(f"cd '{owner_folder}' && mkdir many && cd many && seq 1 {files} | "
                           "xargs touch", folder=owner_folder)
-        task = box.wait(made["id"], timeout=300)
-        assert task["state"] == "done", box.log(task["id"])
+        task = box.wait_done(made["id"], timeout=300)
         keep_then_undo(box, task["id"], f"{files} new files", lambda: len(
             os.listdir(os.path.join(owner_folder, "many"))) == files)
         assert not os.path.exists(os.path.join(owner_folder, "many"))

@@ -359,10 +359,9 @@ def test_two_folders_from_the_command_line(gurtd: Gurtd, owner_folder: str,
     os.mkdir(second)
     os.chown(second, owner.pw_uid, owner.pw_gid)
     try:
-        run = gurtd.cli("run", "--worker", "fake", "--wait", "--folder", owner_folder, "--folder",
-                        second,
-                        f"echo one > {owner_folder}/one.txt && echo two > {second}/two.txt")
-        assert run.returncode == 0, run
+        run = gurtd.cli_ok("run", "--worker", "fake", "--wait", "--folder", owner_folder,
+                           "--folder", second,
+                           f"echo one > {owner_folder}/one.txt && echo two > {second}/two.txt")
         task_id = run.stderr.split()[0]
         task = gurtd.task(task_id)
         assert task["folders"] == [owner_folder, second] and task["folder"] == owner_folder
@@ -677,9 +676,8 @@ def test_a_costly_diff_is_bounded_and_stops_when_its_client_goes(gurtd: Gurtd) -
         code, _, _ = gurtd.request("PUT", f"/api/workspaces/difftest/files/{name}", raw=data,
                                    headers={"Content-Type": "application/octet-stream"})
         assert code == 201
-    task = gurtd.run("sort -o order.txt order.txt && shuf -o big.txt big.txt",
-                     workspace="difftest")
-    assert task["state"] == "done", gurtd.log(task["id"])
+    task = gurtd.run_done("sort -o order.txt order.txt && shuf -o big.txt big.txt",
+                          workspace="difftest")
     url = f"/api/tasks/{task['id']}/diff"
     for _ in range(3):                         # the portal's views, opened and left
         conn = gurtd.connection()

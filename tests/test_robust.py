@@ -359,8 +359,7 @@ def test_an_evil_droid_stream_neither_crashes_gurtd_nor_breaks_its_json(
     g = evil_droid
     task = g.api("POST", "/api/tasks", {"title": "evil stream", "prompt": "go",
                                         "budgetCents": 100_000}, status=201)
-    done = g.wait(task["id"], timeout=60)
-    assert done["state"] == "done", (done, g.log(task["id"]))
+    done = g.wait_done(task["id"], timeout=60)
     assert done["summary"] == "survived"
     assert done["costCents"] == pytest.approx(G.usage_cents(
         {"input_tokens": 1_000_000, "output_tokens": 1000}, SONNET))
@@ -383,8 +382,7 @@ def test_output_lines_of_any_shape_are_logged_as_they_are(gurtd: Gurtd) -> None:
     script = ("import sys\n"
               "w = sys.stdout.write\n"
               "w('[' * 100000 + '\\n'); w('{\"t\": [1]}\\n'); w('7\\n'); w('x' * (3 << 20))\n")
-    task = gurtd.run(python_line(script))
-    assert task["state"] == "done", task
+    task = gurtd.run_done(python_line(script))
     out = gurtd.output(task["id"])
     assert any(t.startswith("[[[") for t in out) and "7" in out
     assert sum(len(t) for t in out if t.startswith("xxx")) == 3 << 20
@@ -534,12 +532,11 @@ def test_a_broker_call_nested_too_deep_gets_a_400(gurtd: Gurtd) -> None:
     RecursionError, no dropped connection), and the task's next call is answered."""
     deep = "[" * 5000 + "]" * 5000
     body = '{"tool": "wallet.pay", "args": ' + deep + '}'
-    task = gurtd.run(f"curl -s -o /dev/null -w '%{{http_code}}\\n' --unix-socket "
-                     f"/run/gurt/broker.sock -H 'Content-Type: application/json' "
-                     f"-d '{body}' http://box/call\n"
-                     "curl -s --unix-socket /run/gurt/broker.sock http://box/tools",
-                     tools=["wallet.pay"])
-    assert task["state"] == "done", task
+    task = gurtd.run_done(f"curl -s -o /dev/null -w '%{{http_code}}\\n' --unix-socket "
+                          f"/run/gurt/broker.sock -H 'Content-Type: application/json' "
+                          f"-d '{body}' http://box/call\n"
+                          "curl -s --unix-socket /run/gurt/broker.sock http://box/tools",
+                          tools=["wallet.pay"])
     assert gurtd.output(task["id"]) == ["400", '{"tools": ["wallet.pay"]}']
     assert "RecursionError" not in gurtd.log_text()
 
@@ -603,18 +600,16 @@ def test_a_fifo_in_the_view_is_refused_at_once_and_the_api_goes_on(gurtd: Gurtd)
 
 def test_changes_reveal_no_host_path_through_an_earlier_tasks_symlink(gurtd: Gurtd) -> None:
     assert gurtd.run("ln -s /etc hostlink")["state"] == "done"
-    probe = gurtd.run("rm hostlink && mkdir hostlink && echo x > hostlink/shadow && "
-                      "echo x > hostlink/no-such-file")
-    assert probe["state"] == "done", probe
+    probe = gurtd.run_done("rm hostlink && mkdir hostlink && echo x > hostlink/shadow && "
+                           "echo x > hostlink/no-such-file")
     got = gurtd.api("GET", f"/api/tasks/{probe['id']}/changes")
     assert {"path": "hostlink/shadow", "change": "added"} in got, got
     assert {"path": "hostlink/no-such-file", "change": "added"} in got, got
 
 
 def test_a_700_deep_tree_comes_back_whole_while_the_api_answers(gurtd: Gurtd) -> None:
-    deep = gurtd.run(python_line("import os\nfor i in range(700):\n    os.mkdir('d')\n"
+    deep = gurtd.run_done(python_line("import os\nfor i in range(700):\n    os.mkdir('d')\n"
                                  "    os.chdir('d')\nopen('leaf', 'w').write('x')\n"))
-    assert deep["state"] == "done", deep
     got: list[Any] = []
     walker = threading.Thread(target=lambda: got.append(
         gurtd.api("GET", f"/api/tasks/{deep['id']}/changes")))
@@ -631,12 +626,11 @@ def test_a_700_deep_tree_comes_back_whole_while_the_api_answers(gurtd: Gurtd) ->
 # 6. task text on the owner's terminal ########################################################
 
 def test_escape_sequences_in_task_output_reach_the_terminal_escaped(gurtd: Gurtd) -> None:
-    task = gurtd.run(r"printf 'title\033]0;pwned\007 clear\033[2J bell\007 csi\302\233 end\n'; "
-                     r"printf 'err\033[31m red\n' >&2")
-    assert task["state"] == "done", task
+    task = gurtd.run_done(
+        r"printf 'title\033]0;pwned\007 clear\033[2J bell\007 csi\302\233 end\n'; "
+        r"printf 'err\033[31m red\n' >&2")
     for args in (["log", task["id"]], ["show", task["id"]], ["tasks"]):
-        out = gurtd.cli(*args, text=False)
-        assert out.returncode == 0, out
+        out = gurtd.cli_ok(*args, text=False)
         raw = out.stdout + out.stderr
         assert b"\x1b" not in raw and b"\x07" not in raw and b"\xc2\x9b" not in raw, raw
     assert b"title\\x1b]0;pwned\\x07" in gurtd.cli("log", task["id"], text=False).stdout

@@ -118,8 +118,7 @@ def test_a_schedule_from_creation_to_a_run_now_and_its_deletion() -> None:
         listed = g.cli("schedules")
         assert listed.returncode == 0 and item["id"] in listed.stdout and "0 12 * * SUN" in \
             listed.stdout, listed
-        ran = g.cli("schedule", "run", item["id"])
-        assert ran.returncode == 0, ran.stderr
+        ran = g.cli_ok("schedule", "run", item["id"])
         task = g.wait(ran.stdout.strip())
         assert task["state"] == "done" and task["source"] == "schedule" and \
             task["schedule"] == item["id"] and task["title"] == "nightly"
@@ -129,9 +128,8 @@ def test_a_schedule_from_creation_to_a_run_now_and_its_deletion() -> None:
         assert after["lastTask"] == task["id"] and after["lastRun"]
         tasks = g.cli("tasks")
         assert "schedule" in tasks.stdout and "SOURCE" in tasks.stdout
-        added = g.cli("schedule", "add", "weekly", "0 6 * * MON", "--worker", "fake", "--",
-                      "echo", "weekly")
-        assert added.returncode == 0, added.stderr
+        g.cli_ok("schedule", "add", "weekly", "0 6 * * MON", "--worker", "fake", "--", "echo",
+                 "weekly")
         assert len(g.api("GET", "/api/schedules")) == 2
         off = g.api("PUT", f"/api/schedules/{item['id']}", {"enabled": False})
         assert off["nextRuns"] == [] and not off["enabled"]
