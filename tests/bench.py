@@ -62,8 +62,7 @@ def start_latencies(g: Gurtd, n: int, floor: Any = None, hosts: list[str] | None
             floor.times.append(floor.start())
         t0 = time.time()
         task = g.create("true", title="bench", **({"hosts": hosts} if hosts else {}))
-        task = g.wait(task["id"])
-        assert task["state"] == "done", task
+        task = g.wait_done(task["id"])
         step = next(e for e in g.log(task["id"]) if e["type"] == "step")
         starts.append((ts(step["time"]) - t0) * 1000)
         t1 = time.perf_counter()
@@ -74,8 +73,7 @@ def start_latencies(g: Gurtd, n: int, floor: Any = None, hosts: list[str] | None
 
 def fill_layers(g: Gurtd, count: int) -> None:
     for i in range(count):
-        task = g.run(f"echo {i} > f{i % 50}", title="layer")
-        assert task["state"] == "done", task
+        g.run_done(f"echo {i} > f{i % 50}", title="layer")
 
 
 def request_rate(port: int, paths: list[str], token: str, seconds: float) -> float:
@@ -531,8 +529,7 @@ def api_figures() -> list[tuple[str, str, str]]:
     with running_gurtd() as g:
         g.api("PUT", "/api/settings", {"maxRunningTasks": 50})
         g.api("POST", "/api/workspaces", {"name": "churn"}, status=201)
-        big = g.run("mkdir d && cd d && seq 1 30000 | xargs touch", title="30,000 files")
-        assert big["state"] == "done", big
+        big = g.run_done("mkdir d && cd d && seq 1 30000 | xargs touch", title="30,000 files")
         paths = ["/api/tasks?limit=20", f"/api/tasks/{big['id']}"]
         for label, make_load in (("50 tasks start and end", "churn"),
                                  ("a 30,000-file layer's changes", "changes")):
@@ -1094,8 +1091,7 @@ def gateway_timed(g: Gurtd, count: int, at: float, tasks: int) -> list[tuple[lis
            for _ in range(tasks)]
     out = []
     for task_id in ids:
-        task = g.wait(task_id, timeout=300)
-        assert task["state"] == "done", (task, g.log(task_id)[-3:])
+        g.wait_done(task_id, timeout=300)
         timed = results(g, task_id)[-1]      # earlier tasks' lines are in its view too
         out.append((timed["whole"], timed["first"]))
     return out
