@@ -609,8 +609,7 @@ def random_history(gurtd: Gurtd, rng: random.Random) -> None:
             if asked.get("choice") == "deny":
                 assert gurtd.wait(task_id)["state"] == "failed"
             else:
-                task = gurtd.wait(task_id)
-                assert task["state"] == "done", (task, gurtd.log(task_id))
+                task = gurtd.wait_done(task_id)
                 ids.append(task_id)
                 seen["merged"] += bool(task.get("merged"))
             seen["conflict"] += bool(conflicts)
