@@ -273,8 +273,7 @@ def test_droid_creates_a_file_through_the_models_tool_call(
     g.api("PUT", "/api/settings", gateway_settings(upstream, api))
     task = g.api("POST", "/api/tasks", {"title": "hello", "prompt": "create hello.txt",
                                         "budgetCents": 1000}, status=201)
-    done = g.wait(task["id"], timeout=120)
-    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    done = g.wait_done(task["id"], timeout=120)
     assert done["summary"] == "Created hello.txt."
     assert changes(g, task["id"]) == [{"path": "hello.txt", "change": "added"}]
     assert g.file("home", "hello.txt") == b"hello from the model\n"
@@ -315,8 +314,7 @@ def pay_and_ask(g: Gurtd, upstream: Upstream,
                           timeout=90)[0]
     assert question["args"] == {"question": "which colour?"}
     g.api("POST", f"/api/approvals/{question['id']}/answer", {"answer": "blue"})
-    done = g.wait(task["id"], timeout=90)
-    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    done = g.wait_done(task["id"], timeout=90)
     assert done["summary"] == "Paid and noted."
     assert g.api("GET", "/api/wallet")["balanceCents"] == 93
     assert done["costCents"] == pytest.approx(7 + cost(upstream.usages), rel=1e-12)
@@ -640,8 +638,7 @@ def agent_done(g: Gurtd, prompt: str, timeout: float = 60) -> dict[str, Any]:
     """A task of the stand-in agent that takes the steps of prompt: done."""
     task = g.api("POST", "/api/tasks", {"title": prompt, "prompt": prompt,
                                         "budgetCents": 1000}, status=201)
-    done = g.wait(task["id"], timeout=timeout)
-    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    done = g.wait_done(task["id"], timeout=timeout)
     return done
 
 
@@ -656,8 +653,7 @@ def test_forged_usage_lines_change_nothing_and_a_whole_answer_is_metered(
     g = agent_gurtd
     task = g.api("POST", "/api/tasks", {"title": "forge", "prompt": "call forge stream",
                                         "budgetCents": 1000}, status=201)
-    done = g.wait(task["id"], timeout=60)
-    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    done = g.wait_done(task["id"], timeout=60)
     answers = results(g, task["id"])
     assert [a["answer"][0] for a in answers] == [200, 200]
     assert json.loads(answers[0]["answer"][1])["usage"] == upstream.usages[0]
@@ -675,8 +671,7 @@ def test_the_key_is_nowhere_inside_and_the_upstream_out_of_reach(
     put_base_file(g, "home", "port", str(upstream.port))
     task = g.api("POST", "/api/tasks", {"title": "search", "prompt": "search direct call",
                                         "budgetCents": 1000}, status=201)
-    done = g.wait(task["id"], timeout=60)
-    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    g.wait_done(task["id"], timeout=60)
     search, direct, call = results(g, task["id"])
     assert search["searched"] > 50 and search["found"] == []
     assert search["env"] is False
@@ -697,8 +692,7 @@ def test_refusals_are_said_to_the_agent(agent_gurtd: Gurtd, upstream: Upstream) 
         waits.append(time.monotonic() - started)
         time.sleep(0.05)
     assert max(waits) < 1.0, max(waits)
-    done = g.wait(task["id"], timeout=90)
-    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    done = g.wait_done(task["id"], timeout=90)
     by_step = {r["step"]: r for r in results(g, task["id"])}
     status = {step: r["answer"][0] for step, r in by_step.items() if "answer" in r}
     assert status == {"wrong-key": 401, "wrong-model": 400, "wrong-path": 404,
