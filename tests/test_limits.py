@@ -154,8 +154,7 @@ def test_limit_settings_are_checked_and_the_disk_reserve_has_a_default() -> None
 
 def test_a_task_shows_its_effective_limits_and_bad_ones_create_nothing(box: Gurtd) -> None:
     box.api("PUT", "/api/settings", {"taskMaxProcesses": 200, "taskLogBytes": 1 << 20})
-    task = box.run("echo hi", limits={"processes": 100})
-    assert task["state"] == "done", task
+    task = box.run_done("echo hi", limits={"processes": 100})
     with open("/proc/meminfo") as f:
         total = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
     assert task["limits"] == {"processes": 100, "memoryBytes": total // 2,
@@ -210,8 +209,7 @@ def test_a_double_forked_daemon_ends_with_the_task(box: Gurtd) -> None:
                              "if os.fork(): os._exit(0)\n"
                              "open('daemon.pid', 'w').write(str(os.getpid()))\ntime.sleep(300)\n")
     task = box.create(f"id -u\n{daemon} > /dev/null 2>&1 < /dev/null\nsleep 0.5\ncat daemon.pid")
-    done = box.wait(task["id"])
-    assert done["state"] == "done", (done, box.log(task["id"]))
+    box.wait_done(task["id"])
     uid, pid = (int(x) for x in box.output(task["id"]))
     assert pid not in G.processes_by_uid({uid}).get(uid, [])
     assert threads_of_uid(uid) == []
@@ -366,9 +364,8 @@ def test_a_task_that_takes_too_much_memory_fails_with_out_of_memory(box: Gurtd) 
     assert task["state"] == "failed", task
     assert task["error"] == "out of memory", task
     assert task["limits"]["memoryBytes"] == 64 << 20
-    ok = box.run("python3 -c 'b = bytearray(20 << 20); print(len(b))'",
+    box.run_done("python3 -c 'b = bytearray(20 << 20); print(len(b))'",
                  limits={"memoryBytes": 64 << 20})
-    assert ok["state"] == "done", ok
 
 
 def test_the_tmp_mounts_together_are_bounded_by_tmp_bytes(box: Gurtd) -> None:
@@ -383,8 +380,7 @@ def test_the_tmp_mounts_together_are_bounded_by_tmp_bytes(box: Gurtd) -> None:
 def test_a_flood_of_output_is_stored_up_to_log_bytes_and_the_rest_counted(box: Gurtd) -> None:
     """With limits.logBytes 64 KiB, a task prints 20,000 lines: the stored log stops near 64 KiB
     (its first lines, in order), one `log` line counts the rest, the state lines are all there."""
-    task = box.run("seq 1 20000\necho after", limits={"logBytes": 65536})
-    assert task["state"] == "done", task
+    task = box.run_done("seq 1 20000\necho after", limits={"logBytes": 65536})
     entries = box.log(task["id"])
     size = os.path.getsize(os.path.join(box.home, "logs", task["id"] + ".jsonl"))
     assert size < 65536 + 2048, size
