@@ -202,10 +202,9 @@ def test_tasks_live_their_whole_life_under_the_units_filter(tmp_path, new_gurtd)
     with open(f"/proc/{g.proc.pid}/status") as f:
         assert re.search(r"^Seccomp:\s+2$", f.read(), re.M)     # gurtd runs filtered
     g.api("PUT", "/api/wallet", {"balanceCents": 10})
-    task = g.run("echo hi > made.txt\ncat /proc/self/status | grep ^Seccomp_filters\n"
-                 "gurtd tool wallet.pay '{\"to\": \"shop\", \"cents\": 1}'",
-                 tools=["wallet.pay"], budgetCents=5)
-    assert task["state"] == "done", (task, g.log(task["id"]))
+    task = g.run_done("echo hi > made.txt\ncat /proc/self/status | grep ^Seccomp_filters\n"
+                      "gurtd tool wallet.pay '{\"to\": \"shop\", \"cents\": 1}'",
+                      tools=["wallet.pay"], budgetCents=5)
     out = g.output(task["id"])
     assert any(re.match(r"Seccomp_filters:\s+[2-9]", line) for line in out), out  # both
     assert g.file("home", "made.txt") == b"hi\n"
@@ -231,19 +230,16 @@ def test_tasks_of_every_kind_run_with_only_the_units_capabilities(tmp_path, new_
                            for c in unit_bounding_set().split(",")[1:])
     code, _, _ = g.request("PUT", "/api/workspaces/home/files/up/in.txt", raw=b"uploaded\n")
     assert code in (200, 201), code
-    task = g.run("cat up/in.txt > made.txt")
-    assert task["state"] == "done", (task, g.log(task["id"]))
+    task = g.run_done("cat up/in.txt > made.txt")
     assert g.file("home", "made.txt") == b"uploaded\n"
-    net = g.run("grep -c nameserver /etc/resolv.conf", hosts=["198.18.0.12/31:80"])
-    assert net["state"] == "done", (net, g.log(net["id"]))
+    g.run_done("grep -c nameserver /etc/resolv.conf", hosts=["198.18.0.12/31:80"])
     # under the unit's UMask=0077 the tools folder came out 0700: gurt-tools could not run it
     os.chmod(os.path.dirname(g.home), 0o711)
     tool = os.path.join(g.home, "tools", "id.tool")
     with open(tool, "w") as f:
         f.write('#!/bin/sh\ncat >/dev/null\nprintf \'{"user": "%s"}\\n\' "$(id -un)"\n')
     os.chmod(tool, 0o755)
-    called = g.run("gurtd tool id.tool '{}'", tools=["id.tool"])
-    assert called["state"] == "done", (called, g.log(called["id"]))
+    called = g.run_done("gurtd tool id.tool '{}'", tools=["id.tool"])
     assert json.loads(g.output(called["id"])[0]) == {"user": "gurt-tools"}
     g.api("POST", f"/api/tasks/{task['id']}/undo")
     g.wait(task["id"], ("undone",))
