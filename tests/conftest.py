@@ -351,8 +351,7 @@ class Gurtd:
         return task
 
     def log(self, task_id: str) -> list[dict[str, Any]]:
-        code, data, _ = self.request("GET", f"/api/tasks/{task_id}/log")
-        assert code == 200, data
+        data = self.api("GET", f"/api/tasks/{task_id}/log", status=200)
         return [json.loads(line) for line in data.decode().splitlines()]
 
     def output(self, task_id: str, kind: str | None = "stdout") -> list[str]:

@@ -84,10 +84,9 @@ def box_state(g: Gurtd) -> tuple[Any, ...]:
 
 def test_a_put_file_is_a_layer_a_task_builds_on_and_undo_takes_it_out(gurtd: Gurtd) -> None:
     ws = workspace(gurtd)
-    status, task, _ = gurtd.request("PUT", f"/api/workspaces/{ws}/files/notes/todo.txt",
-                                    raw=b"buy milk\n",
-                                    headers={"Content-Type": "application/octet-stream"})
-    assert status == 201, task
+    task = gurtd.api("PUT", f"/api/workspaces/{ws}/files/notes/todo.txt",
+                     raw=b"buy milk\n",
+                     headers={"Content-Type": "application/octet-stream"}, status=201)
     assert (task["worker"], task["source"], task["state"]) == ("upload", "api", "done")
     assert gurtd.file(ws, "notes/todo.txt") == b"buy milk\n"
     # on disk it belongs to the store user, like what a task writes
@@ -118,8 +117,7 @@ def test_a_put_file_is_a_layer_a_task_builds_on_and_undo_takes_it_out(gurtd: Gur
 def test_a_put_over_a_file_replaces_it_and_keeps_the_folder_mode(gurtd: Gurtd) -> None:
     ws = workspace(gurtd)
     gurtd.run("mkdir -m 0700 private && echo old > private/a.txt", workspace=ws)
-    status, _, _ = gurtd.request("PUT", f"/api/workspaces/{ws}/files/private/a.txt", raw=b"new")
-    assert status == 201
+    gurtd.api("PUT", f"/api/workspaces/{ws}/files/private/a.txt", raw=b"new", status=201)
     assert gurtd.file(ws, "private/a.txt") == b"new"
     top = gurtd.api("GET", f"/api/workspaces/{ws}")
     assert top["layers"] == 2
@@ -172,8 +170,7 @@ def test_an_archive_lands_whole_and_round_trips(gurtd: Gurtd) -> None:
         set(names)
     assert names["src/link.py"].issym() and names["src/link.py"].linkname == "main.py"
     assert names["src/main.py"].uid == 0 and names["src/main.py"].mode == 0o755
-    got, body, _ = gurtd.request("GET", f"/api/tasks/{t['id']}/archive")
-    assert got == 200
+    body = gurtd.api("GET", f"/api/tasks/{t['id']}/archive", status=200)
     assert set(archive_names(body)) == {"more.txt"}
     # what came out goes back in: a second workspace gets the same files
     ws2 = workspace(gurtd)
@@ -186,8 +183,7 @@ def test_an_archive_lands_whole_and_round_trips(gurtd: Gurtd) -> None:
 def test_an_archive_of_a_view_follows_no_link_and_skips_fifos(gurtd: Gurtd) -> None:
     ws = workspace(gurtd)
     gurtd.run_done("ln -s /etc/shadow secrets\nmkfifo pipe\necho ok > ok.txt", workspace=ws)
-    got, body, _ = gurtd.request("GET", f"/api/workspaces/{ws}/archive")
-    assert got == 200
+    body = gurtd.api("GET", f"/api/workspaces/{ws}/archive", status=200)
     names = archive_names(body)
     assert names["secrets"].issym() and names["secrets"].size == 0
     assert "pipe" not in names and "ok.txt" in names
@@ -234,8 +230,7 @@ def test_names_that_are_not_utf8_are_bytes_end_to_end(gurtd: Gurtd) -> None:
     assert got == 200 and b'diff --git "a/n\\376" "b/n\\376"' in diff, diff
     names = {}
     for url in (f"/api/workspaces/{ws}/archive", f"/api/tasks/{made['id']}/archive"):
-        got, body, _ = gurtd.request("GET", url)
-        assert got == 200, body
+        body = gurtd.api("GET", url, status=200)
         with tarfile.open(fileobj=io.BytesIO(body), mode="r:gz", encoding="utf-8",
                           errors="surrogateescape") as tar:
             names[url] = set(tar.getnames())

@@ -316,8 +316,7 @@ def test_any_method_on_a_known_path_is_405_with_allow(gurtd: Gurtd) -> None:
 
 def test_any_method_on_an_unknown_path_is_404(gurtd: Gurtd) -> None:
     for method in ("GET", "TRACE", "OPTIONS", "PATCH", "BREW", "POST"):
-        status, data, _ = gurtd.request(method, "/api/nope")
-        assert status == 404, (method, status, data)
+        data = gurtd.api(method, "/api/nope", status=404)
         assert data["code"] == "not_found"
 
 
@@ -555,8 +554,7 @@ def test_a_flood_of_stalled_connections_does_not_stop_the_api(gurtd: Gurtd) -> N
             stalled.append(s)
         start = time.monotonic()
         for _ in range(5):
-            status, data, _ = gurtd.request("GET", "/api/tasks?limit=5")
-            assert status == 200, data
+            gurtd.api("GET", "/api/tasks?limit=5", status=200)
         assert time.monotonic() - start < DEADLINE, "the API waited for the stalled ones"
         time.sleep(DEADLINE + 1)
         for s in stalled:

@@ -360,10 +360,9 @@ def test_a_conflict_a_merge_and_an_exact_undo_fit_their_description(gurtd: Gurtd
     call = Documented(gurtd)
     f, g = (f"{n}-{secrets.token_hex(3)}.txt" for n in "fg")
     for name in (f, g):
-        status, _, _ = gurtd.request("PUT", f"/api/workspaces/home/files/{name}",
-                                     raw="".join(f"line {i}\n" for i in range(1, 9)).encode(),
-                                     headers={"Content-Type": "application/octet-stream"})
-        assert status == 201
+        gurtd.api("PUT", f"/api/workspaces/home/files/{name}",
+                  raw="".join(f"line {i}\n" for i in range(1, 9)).encode(),
+                  headers={"Content-Type": "application/octet-stream"}, status=201)
 
     def gate(task_id: str, kind: str) -> dict[str, Any]:
         return eventually(lambda: next((a for a in gurtd.api(

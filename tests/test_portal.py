@@ -323,9 +323,8 @@ def test_a_conflict_is_settled_from_the_inbox_with_a_merged_text(gurtd: Gurtd,
     import secrets
     d = browser
     name = f"c-{secrets.token_hex(3)}.txt"
-    status, _, _ = gurtd.request("PUT", f"/api/workspaces/home/files/{name}", raw=b"1\n2\n3\n4\n",
-                                 headers={"Content-Type": "application/octet-stream"})
-    assert status == 201
+    gurtd.api("PUT", f"/api/workspaces/home/files/{name}", raw=b"1\n2\n3\n4\n",
+              headers={"Content-Type": "application/octet-stream"}, status=201)
     ask = "gurtd tool ask '{\"question\": \"end?\"}'"
     a, b = (gurtd.create(f"sed -i 's/^3$/three by {n}/' {name}\n{ask}", title=f"edits {n}",
                          tools=["ask"])["id"] for n in "ab")
@@ -582,9 +581,8 @@ def test_a_diff_is_a_card_per_file_with_line_numbers_and_tint(gurtd: Gurtd,
     import secrets
     d = browser
     name = f"d-{secrets.token_hex(3)}.txt"
-    status, _, _ = gurtd.request("PUT", f"/api/workspaces/home/files/{name}", raw=b"a\nb\nc\n",
-                                 headers={"Content-Type": "application/octet-stream"})
-    assert status == 201
+    gurtd.api("PUT", f"/api/workspaces/home/files/{name}", raw=b"a\nb\nc\n",
+              headers={"Content-Type": "application/octet-stream"}, status=201)
     task = gurtd.run(f"sed -i 's/^b$/B/' {name}\necho n > new-{name}", title="edits for a diff")
     go(d, f"#/task/{task['id']}", "#task-log li")
     tab(d, "diff")
@@ -910,16 +908,13 @@ def test_a_change_with_the_cookie_needs_the_portal_header(gurtd: Gurtd, browser:
     body = {"title": "t", "prompt": "true", "worker": "fake"}
     code, data, _ = gurtd.request("POST", "/api/tasks", body, headers=jar, token=False)
     assert code == 403 and data["code"] == "cross_origin", data
-    code, data, _ = gurtd.request("POST", "/api/tasks", body, token=False,
-                                  headers={**jar, "X-Gurt-Portal": "1",
-                                       "Sec-Fetch-Site": "same-site"})
-    assert code == 403, data
+    gurtd.api("POST", "/api/tasks", body, token=False, status=403,
+              headers={**jar, "X-Gurt-Portal": "1", "Sec-Fetch-Site": "same-site"})
     code, data, _ = gurtd.request("GET", "/api/tasks", headers=jar, token=False)
     assert code == 200 and isinstance(data, list)
     # a sign-in code is made with the token only
-    code, data, _ = gurtd.request("POST", "/api/sessions/codes", {}, token=False,
-                                  headers={**jar, "X-Gurt-Portal": "1"})
-    assert code == 403, data
+    gurtd.api("POST", "/api/sessions/codes", {}, token=False, headers={**jar, "X-Gurt-Portal": "1"},
+              status=403)
 
 
 # last: sign out ###############################################################################
@@ -933,9 +928,8 @@ def test_sign_out_and_be_refused(gurtd: Gurtd, browser: Any) -> None:
     wait(d, lambda x: x.find_elements(By.ID, "signin"), "the sign-in form")
     assert not d.find_element(By.ID, "top").is_displayed()
     assert not [c for c in d.get_cookies() if c["name"] == "gurt_session"]
-    code, data, _ = gurtd.request("GET", "/api/tasks", token=False,
-                                  headers={"Cookie": f"gurt_session={cookie}"})
-    assert code == 401, data
+    gurtd.api("GET", "/api/tasks", token=False,
+              headers={"Cookie": f"gurt_session={cookie}"}, status=401)
     d.refresh()
     wait(d, lambda x: x.find_elements(By.ID, "signin"), "the sign-in form after a reload")
     assert d.find_elements(By.ID, "task-rows") == []
@@ -948,14 +942,10 @@ def test_codes_and_sessions_expire_and_survive_a_restart(new_gurtd: Any) -> None
     portal = {"X-Gurt-Portal": "1"}
     made = g.api("POST", "/api/sessions/codes", {}, status=201)
     time.sleep(1.2)
-    code, data, _ = g.request("POST", "/api/sessions", {"code": made["code"]}, token=False,
-                              headers=portal)
-    assert code == 401, data                                  # too late
-    code, data, _ = g.request("POST", "/api/sessions", {"token": "wrong"}, token=False,
-                              headers=portal)
-    assert code == 401, data
-    code, data, _ = g.request("POST", "/api/sessions", {"token": g.token}, token=False)
-    assert code == 403, data                                  # not from the page
+    # too late
+    g.api("POST", "/api/sessions", {"code": made["code"]}, token=False, headers=portal, status=401)
+    g.api("POST", "/api/sessions", {"token": "wrong"}, token=False, headers=portal, status=401)
+    g.api("POST", "/api/sessions", {"token": g.token}, token=False, status=403)  # not from the page
     code, data, headers = g.request("POST", "/api/sessions", {"token": g.token}, token=False,
                                     headers=portal)
     assert code == 201, data
@@ -965,8 +955,7 @@ def test_codes_and_sessions_expire_and_survive_a_restart(new_gurtd: Any) -> None
     secret = set_cookie.split(";")[0].split("=", 1)[1]
     jar = {"Cookie": f"gurt_session={secret}"}
     g.restart()                                               # sessions are kept on disk
-    code, data, _ = g.request("GET", "/api/tasks", token=False, headers=jar)
-    assert code == 200, data
+    g.api("GET", "/api/tasks", token=False, headers=jar, status=200)
     with open(os.path.join(g.home, "sessions.json")) as f:
         assert secret not in f.read()
     # a revoked session's open event stream ends too
@@ -985,8 +974,7 @@ def test_codes_and_sessions_expire_and_survive_a_restart(new_gurtd: Any) -> None
     assert time.monotonic() - started < 5
     conn.close()
     time.sleep(3.2)
-    code, data, _ = g.request("GET", "/api/tasks", token=False, headers=jar)
-    assert code == 401, data                                  # expired
+    g.api("GET", "/api/tasks", token=False, headers=jar, status=401)  # expired
     code, data, _ = g.request("GET", "/api/sessions/current", token=False, headers=jar)
     assert data == {"signedIn": False}
     # the page itself is no secret; it comes without a token and sets a strict policy
