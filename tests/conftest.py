@@ -282,6 +282,17 @@ class Gurtd:
     def connection(self, timeout: float = 30.0) -> http.client.HTTPConnection:
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
 
+    @contextlib.contextmanager
+    def stream(self, path: str, timeout: float = 20.0) -> Iterator[http.client.HTTPResponse]:
+        """An answer still coming (an event stream, a log followed), read by the with block;
+        its connection closed after."""
+        conn = self.connection(timeout)
+        try:
+            conn.request("GET", path, headers={"Authorization": f"Bearer {self.token}"})
+            yield conn.getresponse()
+        finally:
+            conn.close()
+
     def request(self, method: str, path: str, body: Any = None,
                 headers: dict[str, str] | None = None, token: bool = True,
                 raw: bytes | None = None) -> tuple[int, Any, dict[str, str]]:
@@ -497,6 +508,60 @@ def recv_all(sock: socket.socket, timeout: float | None = None, reset_ends: bool
         while chunk := sock.recv(65536):
             data += chunk
     return data
+
+
+def sse(resp: Any) -> Iterator[tuple[int | None, str, str]]:
+    """The events of a text/event-stream as they come, (id, kind, data) at each data line
+    (kind "message" where the event names none, id None without one), until it ends."""
+    event_id, kind = None, "message"
+    while raw := resp.readline():
+        line = raw.decode().rstrip("\n")
+        if line.startswith("id: "):
+            event_id = int(line[4:])
+        elif line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: "):
+            yield event_id, kind, line[6:]
+        elif not line:
+            event_id, kind = None, "message"
+
+
+class loop_waits:  # noqa: N801 (used as a context manager, as a function would be)
+    """How long each of a stream of calls on the loop waited while the with block ran, in
+    seconds.  The call is ask(), else a stop of no task, on a connection of its own: a 503
+    (the loop held past the call timeout) counts as the wait it was, and the client waits as
+    long as it takes."""
+
+    def __init__(self, g: Gurtd, ask: Callable[[], Any] | None = None) -> None:
+        self.g, self.waits, self.done = g, [0.0], threading.Event()
+        self.call = ask or self.stop_nothing
+        self.thread = threading.Thread(target=self.ask)
+
+    def __enter__(self) -> list[float]:
+        self.thread.start()
+        return self.waits
+
+    def __exit__(self, *exc: Any) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def stop_nothing(self) -> None:
+        conn = self.g.connection(timeout=600)
+        try:
+            conn.request("POST", "/api/tasks/t000000000/stop",
+                         headers={"Authorization": f"Bearer {self.g.token}"})
+            conn.getresponse().read()
+        finally:
+            conn.close()
+
+    def ask(self) -> None:
+        while not self.done.is_set():
+            began = time.monotonic()
+            try:
+                self.call()
+            finally:
+                self.waits.append(time.monotonic() - began)
+            self.done.wait(0.05)
 
 
 def wait_for_step(g: Gurtd, task_id: str, step: str, timeout: float = 30.0) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 import gurtd as G
-from conftest import (REJECTED, Gurtd, eventually, pay_line, python_line, recv_all,
+from conftest import (REJECTED, Gurtd, eventually, pay_line, python_line, recv_all, sse,
                       uid_processes)
 
 # helpers #####################################################################################
@@ -631,13 +631,6 @@ def test_an_executable_tool_runs_as_the_tools_user(gurtd: Gurtd) -> None:
 
 def test_the_events_stream_tells_of_a_pending_approval_at_once(gurtd: Gurtd) -> None:
     set_balance(gurtd, 1000)
-    conn = gurtd.connection(timeout=15)
-    conn.request("GET", "/api/events", headers={"Authorization": f"Bearer {gurtd.token}"})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    assert resp.getheader("Content-Type", "").startswith("text/event-stream")
-
-    created = gurtd.create(pay_line("liam", 5), tools=["wallet.pay"])
     waiting_at: list[float] = []
 
     def poll() -> None:
@@ -649,31 +642,24 @@ def test_the_events_stream_tells_of_a_pending_approval_at_once(gurtd: Gurtd) -> 
             time.sleep(0.01)
 
     poller = threading.Thread(target=poll)
-    poller.start()
     events: list[tuple[int, str, dict[str, Any]]] = []
     received_at = None
-    event_id, kind = None, None
-    try:
+    with gurtd.stream("/api/events", timeout=15) as resp:
+        assert resp.status == 200
+        assert resp.getheader("Content-Type", "").startswith("text/event-stream")
+        created = gurtd.create(pay_line("liam", 5), tools=["wallet.pay"])
+        poller.start()
         deadline = time.monotonic() + 20
-        while received_at is None and time.monotonic() < deadline:
-            line = resp.readline().decode().rstrip("\n")
-            if line.startswith("id: "):
-                event_id = int(line[4:])
-            elif line.startswith("event: "):
-                kind = line[7:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-                assert event_id is not None and kind in ("task", "approval"), (event_id, kind)
-                events.append((event_id, kind, data))
-                if kind == "approval" and data["task"] == created["id"] and \
-                        data["state"] == "pending":
-                    received_at = time.monotonic()
-            elif not line:
-                event_id, kind = None, None
-    finally:
+        for event_id, kind, text in sse(resp):
+            data = json.loads(text)
+            assert event_id is not None and kind in ("task", "approval"), (event_id, kind)
+            events.append((event_id, kind, data))
+            if kind == "approval" and data["task"] == created["id"] and \
+                    data["state"] == "pending":
+                received_at = time.monotonic()
+            if received_at is not None or time.monotonic() > deadline:
+                break
         poller.join()
-        resp.close()
-        conn.close()
     assert received_at is not None, events
     assert waiting_at, "the task never went waiting"
     assert received_at - waiting_at[0] < 1.0, (received_at - waiting_at[0])
@@ -688,22 +674,12 @@ def test_the_events_stream_tells_of_a_pending_approval_at_once(gurtd: Gurtd) -> 
 
     # ?since= replays what followed an event id: here the pending approval, then its answer
     pending_id = [i for i, k, d in events if k == "approval"][-1]
-    conn = gurtd.connection(timeout=15)
-    conn.request("GET", f"/api/events?since={pending_id - 1}",
-                 headers={"Authorization": f"Bearer {gurtd.token}"})
-    resp = conn.getresponse()
     replayed: list[tuple[str, dict[str, Any]]] = []
-    try:
-        kind = None
-        while not any(k == "task" and d["state"] == "failed" for k, d in replayed):
-            line = resp.readline().decode().rstrip("\n")
-            if line.startswith("event: "):
-                kind = line[7:]
-            elif line.startswith("data: "):
-                replayed.append((kind, json.loads(line[6:])))
-    finally:
-        resp.close()
-        conn.close()
+    with gurtd.stream(f"/api/events?since={pending_id - 1}", timeout=15) as resp:
+        for _, kind, text in sse(resp):
+            replayed.append((kind, json.loads(text)))
+            if kind == "task" and replayed[-1][1]["state"] == "failed":
+                break
     assert replayed[0] == ("approval", approval)
     denied = [d for k, d in replayed if k == "approval"][-1]
     assert denied["id"] == approval["id"] and denied["reason"] == "no"

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import pytest
 
 import gurtd as G
-from conftest import A, Gurtd, droid_events, droid_stand_in, eventually, pay_line
+from conftest import A, Gurtd, droid_events, droid_stand_in, eventually, pay_line, sse
 
 # helpers #####################################################################################
 
@@ -238,11 +238,8 @@ def test_limits_and_expiry_end_a_policy(gurtd: Gurtd) -> None:
 
 
 def test_a_deleted_policy_asks_again_and_events_tell_of_policy_changes(gurtd: Gurtd) -> None:
-    conn = gurtd.connection(timeout=30)
-    conn.request("GET", "/api/events", headers={"Authorization": f"Bearer {gurtd.token}"})
-    stream = conn.getresponse()
-    assert stream.status == 200
-    try:
+    with gurtd.stream("/api/events", timeout=30) as stream:
+        assert stream.status == 200
         policy = gurtd.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "box"},
                            status=201)
         task = gurtd.create("\n".join([pay_said("a", 5), ask_line("go on?"), pay_said("b", 5)]),
@@ -261,19 +258,15 @@ def test_a_deleted_policy_asks_again_and_events_tell_of_policy_changes(gurtd: Gu
         assert gurtd.wait(task["id"])["costCents"] == 5
 
         seen: list[tuple[str, Any]] = []
-        event = None
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and [a for _, a in seen].count("deleted") < 1:
-            line = stream.fp.readline().decode().rstrip("\n")
-            if line.startswith("event: "):
-                event = line[7:]
-            elif line.startswith("data: ") and event == "policy":
-                data = json.loads(line[6:])
+        for _, event, text in sse(stream.fp):
+            if event == "policy":
+                data = json.loads(text)
                 assert data["policy"]["id"] == policy["id"]
                 seen.append((event, data["action"]))
+            if time.monotonic() > deadline or [a for _, a in seen].count("deleted") >= 1:
+                break
         assert [a for _, a in seen] == ["created", "used", "deleted"], seen
-    finally:
-        conn.close()
     assert not os.path.exists(os.path.join(gurtd.home, "policies.json")) or \
         json.load(open(os.path.join(gurtd.home, "policies.json"))) == {"policies": []}
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Gurtd, SmallDisk, eventually, running_gurtd
+from conftest import Gurtd, SmallDisk, eventually, loop_waits, running_gurtd
 
 STORE = "gurt-store"
 SHARED_GURTD = True
@@ -446,7 +446,6 @@ def test_an_archive_of_a_1_tib_sparse_file_is_small_quick_and_exact(gurtd: Gurtd
     small extents 100 MiB apart (1 TB).  Both go out as sparse members (GNU tar's PAX 1.0
     format), in seconds and a few hundred kilobytes, the loop answering all along; tarfile
     reads their bytes where they were, GNU tar extracts them sparse."""
-    from test_redteam_task import loop_waits
     ws = workspace(gurtd)
     task = gurtd.run_done(SPARSE_TASK, workspace=ws)
     for url in (f"/api/workspaces/{ws}/archive", f"/api/tasks/{task['id']}/archive"):

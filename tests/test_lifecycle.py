@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from conftest import (Gurtd, eventually, make_home, passwd_names, put_base_file, remove_home,
-                      uid_processes)
+                      sse, uid_processes)
 
 ID_RE = re.compile(r"^t[a-z0-9]{9}$")
 RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")
@@ -419,29 +419,12 @@ def test_the_log_and_its_follow_stream(gurtd: Gurtd) -> None:
     prompt = ("echo one\nsleep 0.5\necho two; echo oops >&2\nsleep 0.5\necho three")
     task = gurtd.create(prompt)
 
-    conn = gurtd.connection(timeout=20)
-    conn.request("GET", f"/api/tasks/{task['id']}/log?follow=1",
-                 headers={"Authorization": f"Bearer {gurtd.token}"})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    assert resp.getheader("Content-Type", "").startswith("text/event-stream")
     events: list[tuple[float, str, str]] = []   # (arrival, event, data)
-    event = "message"
-    started = time.monotonic()
-    try:
-        while True:
-            raw = resp.readline()
-            if not raw:
-                break
-            line = raw.decode().rstrip("\n")
-            if line.startswith("event: "):
-                event = line[len("event: "):]
-            elif line.startswith("data: "):
-                events.append((time.monotonic() - started, event, line[len("data: "):]))
-            elif line == "":
-                event = "message"
-    finally:
-        conn.close()
+    with gurtd.stream(f"/api/tasks/{task['id']}/log?follow=1") as resp:
+        assert resp.status == 200
+        assert resp.getheader("Content-Type", "").startswith("text/event-stream")
+        started = time.monotonic()
+        events += [(time.monotonic() - started, event, data) for _, event, data in sse(resp)]
     ended_at = time.monotonic() - started
 
     assert events, "no events"

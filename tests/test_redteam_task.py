@@ -9,12 +9,11 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
 import gurtd as G
-from conftest import Gurtd, eventually, keep, run_on, running_gurtd
+from conftest import Gurtd, eventually, keep, loop_waits, run_on, running_gurtd
 
 
 def test_names_that_break_lines_or_utf8_cannot_hide_or_forge_diff_lines(
@@ -219,37 +218,6 @@ def test_a_layer_whose_file_has_no_link_left_still_merges_exactly(scratch: Any) 
     whiteouts = [n for n in names if n.startswith("w")]
     assert all(G.is_whiteout(os.lstat(os.path.join(merged, n))) for n in whiteouts)
     G.tree_remove(str(scratch / "m"))
-
-
-class loop_waits:  # noqa: N801 (used as a context manager, as a function would be)
-    """How long each of a stream of calls on the loop (a stop of no task) waited while the
-    with block ran, in seconds; a 503 (the loop held past the call timeout) counts as the
-    wait it was, and the client waits as long as it takes."""
-
-    def __init__(self, g: Gurtd) -> None:
-        self.g, self.waits, self.done = g, [0.0], threading.Event()
-        self.thread = threading.Thread(target=self.ask)
-
-    def __enter__(self) -> list[float]:
-        self.thread.start()
-        return self.waits
-
-    def __exit__(self, *exc: Any) -> None:
-        self.done.set()
-        self.thread.join()
-
-    def ask(self) -> None:
-        while not self.done.is_set():
-            began = time.monotonic()
-            conn = self.g.connection(timeout=600)
-            try:
-                conn.request("POST", "/api/tasks/t000000000/stop",
-                             headers={"Authorization": f"Bearer {self.g.token}"})
-                conn.getresponse().read()
-            finally:
-                conn.close()
-                self.waits.append(time.monotonic() - began)
-            self.done.wait(0.05)
 
 
 def timed(g: Gurtd, method: str, path: str, body: Any = None) -> tuple[int, Any, float]:

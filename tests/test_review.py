@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import gurtd as G
-from conftest import UNICODE_NAME, Gurtd, eventually, keep, run_on, running_gurtd
+from conftest import UNICODE_NAME, Gurtd, eventually, keep, run_on, running_gurtd, sse
 
 # helpers #####################################################################################
 
@@ -391,24 +391,18 @@ def test_two_folders_from_the_command_line(gurtd: Gurtd, owner_folder: str,
 
 
 def test_keep_and_undo_are_events(gurtd: Gurtd, owner_folder: str) -> None:
-    import http.client
     import json
     task = run_on(gurtd, owner_folder, "echo task > a.txt")
-    conn = http.client.HTTPConnection("127.0.0.1", gurtd.port, timeout=30)
-    conn.request("GET", "/api/events", headers={"Authorization": f"Bearer {gurtd.token}"})
-    resp = conn.getresponse()
-    resp.fp.readline()
-    assert keep(gurtd, task["id"])[0] == 200
-    gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
-    seen, kind = [], ""
-    deadline = time.monotonic() + 20
-    while len(seen) < 2 and time.monotonic() < deadline:
-        line = resp.fp.readline().decode().strip()
-        if line.startswith("event: "):
-            kind = line[7:]
-        elif line.startswith("data: ") and kind == "review":
-            seen.append(json.loads(line[6:]))
-    conn.close()
+    seen = []
+    with gurtd.stream("/api/events", timeout=30) as resp:
+        resp.fp.readline()
+        assert keep(gurtd, task["id"])[0] == 200
+        gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
+        deadline = time.monotonic() + 20
+        for _, kind, data in sse(resp):
+            seen += [json.loads(data)] if kind == "review" else []
+            if len(seen) == 2 or time.monotonic() > deadline:
+                break
     assert [(e["task"], e["action"], e["review"]) for e in seen] == [
         (task["id"], "kept", "kept"), (task["id"], "undone", "undone")]
 

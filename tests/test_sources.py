@@ -11,22 +11,20 @@ under a tunnel's Host name.
 from __future__ import annotations
 
 import base64
-import contextlib
 import datetime
 import hashlib
 import hmac
 import json
 import os
 import stat
-import threading
 import time
 import zoneinfo
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 import gurtd as G
-from conftest import Gurtd, eventually, jira_stand_in, running_gurtd
+from conftest import Gurtd, eventually, jira_stand_in, loop_waits, running_gurtd
 
 BERLIN = "Europe/Berlin"
 
@@ -286,27 +284,6 @@ def issue_answer(key: str, description: bytes) -> bytes:
         key.encode(), description)
 
 
-@contextlib.contextmanager
-def loop_waits(g: Gurtd) -> Iterator[list[float]]:
-    """The loop's answer times meanwhile (GET /api/hooks is a call on the loop), in seconds."""
-    waits: list[float] = []
-    done = threading.Event()
-
-    def ask() -> None:
-        while not done.is_set():
-            start = time.monotonic()
-            g.api("GET", "/api/hooks")
-            waits.append(time.monotonic() - start)
-            time.sleep(0.05)
-    thread = threading.Thread(target=ask)
-    thread.start()
-    try:
-        yield waits
-    finally:
-        done.set()
-        thread.join()
-
-
 def jira_records(g: Gurtd) -> dict[str, dict[str, Any]]:
     with open(os.path.join(g.home, "jira.json")) as f:
         return json.load(f)["issues"]
@@ -339,7 +316,7 @@ def test_an_issue_that_cannot_be_read_is_skipped_and_the_poll_goes_on() -> None:
             jira.raw[key] = raw
         jira.issues["GT-9"] = {"summary": "After them", "description": adf("echo taken")}
         jira.status.update({k: "To Do" for k in jira.issues})
-        with loop_waits(g) as waits:
+        with loop_waits(g, lambda: g.api("GET", "/api/hooks")) as waits:
             g.api("PUT", "/api/settings", {"jira": {**JIRA_CONFIG, "baseUrl": jira.url}})
             taken = eventually(lambda: jira_tasks(g).get("GT-9"), 30, "the issue after them")
         print(f"the loop's worst wait while the hostile issues were read: {max(waits):.3f} s")
@@ -382,7 +359,7 @@ def test_a_jira_that_trickles_an_answer_is_cut_off_and_the_poll_goes_on() -> Non
         jira.issues["GT-2"] = {"summary": "After it", "description": adf("echo taken")}
         jira.status.update({"GT-1": "To Do", "GT-2": "To Do"})
         start = time.monotonic()
-        with loop_waits(g) as waits:
+        with loop_waits(g, lambda: g.api("GET", "/api/hooks")) as waits:
             g.api("PUT", "/api/settings", {"jira": {**JIRA_CONFIG, "baseUrl": jira.url}})
             taken = eventually(lambda: jira_tasks(g).get("GT-2"), 20, "the issue after it")
         assert time.monotonic() - start < 12
