@@ -23,7 +23,7 @@ import pytest
 
 import gurtd as G
 from conftest import (Gurtd, eventually, gurtd_on_done_layers, read_until, registry,
-                      running_gurtd, started)
+                      running_gurtd, sse, started)
 
 GATE = "gurtd tool ask '{\"question\": \"end?\"}'"
 
@@ -74,21 +74,12 @@ def put(g: Gurtd, path: str, text: str) -> None:
 
 def event_seen(g: Gurtd, match: Any) -> dict[str, Any]:
     """The first event on /api/events (replayed from the start) that match(kind, data)."""
-    conn = g.connection(timeout=15)
-    conn.request("GET", "/api/events?since=0", headers={"Authorization": f"Bearer {g.token}"})
-    resp = conn.getresponse()
-    try:
+    with g.stream("/api/events?since=0", timeout=15) as resp:
         assert resp.status == 200
-        kind = None
-        while True:
-            line = resp.readline().decode().rstrip("\n")
-            if line.startswith("event: "):
-                kind = line[7:]
-            elif line.startswith("data: ") and match(kind, data := json.loads(line[6:])):
+        for _, kind, text in sse(resp):
+            if match(kind, data := json.loads(text)):
                 return data
-    finally:
-        resp.close()
-        conn.close()
+    raise AssertionError("the event stream ended")
 
 
 def lines(n: int) -> str:
