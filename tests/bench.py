@@ -35,7 +35,8 @@ from typing import Any, Self
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import (GURTD as GURTD_PATH, Gurtd, chromium, make_done_layers,  # noqa: E402
-                      make_home, quit_browser, registry, remove_home, running_gurtd, sign_in)
+                      make_home, quit_browser, registry, remove_home, running_gurtd, sign_in,
+                      sse)
 
 import gurtd as G  # noqa: E402
 
@@ -453,23 +454,15 @@ def with_floor(name: str, values: list[float], floor: list[float], target: str
 
 def pause_to_event(g: Gurtd) -> float:
     """ms from a budget pause (the approval's createdAt) to its event on /api/events."""
-    conn = g.connection()
-    conn.request("GET", "/api/events", headers={"Authorization": f"Bearer {g.token}"})
-    resp = conn.getresponse()
-    resp.readline()                                  # ": gurtd events"
-    task = g.create("gurtd tool wallet.pay '{\"to\": \"x\", \"cents\": 1}'",
-                    title="pause", tools=["wallet.pay"], budgetCents=0)
-    kind = ""
-    while True:
-        line = resp.readline().decode()
-        if line.startswith("event: "):
-            kind = line[7:].strip()
-        elif line.startswith("data: ") and kind == "approval":
+    with g.stream("/api/events", timeout=30) as resp:
+        resp.readline()                              # ": gurtd events"
+        task = g.create("gurtd tool wallet.pay '{\"to\": \"x\", \"cents\": 1}'",
+                        title="pause", tools=["wallet.pay"], budgetCents=0)
+        for _, kind, text in sse(resp):
             received = time.time()
-            approval = json.loads(line[6:])
-            if approval["state"] == "pending" and approval["task"] == task["id"]:
+            approval = json.loads(text) if kind == "approval" else {}
+            if approval.get("state") == "pending" and approval["task"] == task["id"]:
                 break
-    conn.close()
     g.api("POST", f"/api/tasks/{task['id']}/stop")
     return (received - ts(approval["createdAt"])) * 1000
 
