@@ -64,6 +64,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import dns.flags
@@ -257,8 +258,7 @@ class Gurtd:
         self.start()
 
     def log_text(self) -> str:
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
+        return Path(self.log_path).read_bytes().decode(errors="replace")
 
     def cli_env(self, **extra: str) -> dict[str, str]:
         """The environment of a `gurtd` command line that talks to this gurtd."""
@@ -581,8 +581,7 @@ def put_base_file(g: Gurtd, workspace: str, rel: str, content: str) -> None:
     store = pwd.getpwnam("gurt-store")
     path = os.path.join(g.home, "workspaces", workspace, rel)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(content)
+    Path(path).write_text(content)
     base = os.path.join(g.home, "workspaces", workspace)
     for root, dirs, files in os.walk(base):
         for name in dirs + files:
@@ -650,8 +649,7 @@ def processes_of_uid(uid: int) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/status") as f:
-                status = f.read()
+            status = Path(f"/proc/{entry}/status").read_text()
         except OSError:
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
@@ -804,14 +802,12 @@ def owner_folder(owner: pwd.struct_passwd) -> Iterator[str]:
              "script.sh": "#!/bin/sh\necho hi\n"}
     for rel, text in files.items():
         os.makedirs(os.path.dirname(os.path.join(top, rel)), exist_ok=True)
-        with open(os.path.join(top, rel), "w") as f:
-            f.write(text)
+        Path(top, rel).write_text(text)
     os.symlink("/etc/passwd", os.path.join(top, "link"))
     for root, dirs, names in os.walk(top):
         for name in [root] + [os.path.join(root, n) for n in dirs + names]:
             os.chown(name, owner.pw_uid, owner.pw_gid, follow_symlinks=False)
-    with open(os.path.join(top, "root.txt"), "w") as f:     # root's, inside the owner's
-        f.write("root's own\n")
+    Path(top, "root.txt").write_text("root's own\n")  # root's, inside the owner's
     os.chmod(os.path.join(top, "root.txt"), 0o644)
     time.sleep(0.05)                 # the folder's ctimes are before any task's start
     yield top
@@ -1087,8 +1083,7 @@ def link_exists(name: str) -> bool:
 
 
 def forwarding(ifname: str) -> str:
-    with open(f"/proc/sys/net/ipv4/conf/{ifname}/forwarding") as f:
-        return f.read().strip()
+    return Path(f"/proc/sys/net/ipv4/conf/{ifname}/forwarding").read_text().strip()
 
 
 def remove_fake_internet() -> None:
@@ -1179,8 +1174,7 @@ def net_gurtd(fake_internet: Internet, new_gurtd: Callable[..., Gurtd]) -> Gurtd
 
 def droid_events(part: str) -> list[dict[str, Any]]:
     """The stream-json events of one part of tests/fixtures/droid-stream.json."""
-    with open(os.path.join(FIXTURES, "droid-stream.json")) as f:
-        return json.load(f)[part]["events"]
+    return json.loads(Path(FIXTURES, "droid-stream.json").read_text())[part]["events"]
 
 
 def droid_stand_in(directory: str, lines: list[str], after_usage: str) -> str:
@@ -1193,8 +1187,7 @@ def droid_stand_in(directory: str, lines: list[str], after_usage: str) -> str:
         if '"token_usage_update"' in line:
             body.append("sleep 1")
             body.append(after_usage)
-    with open(path, "w") as f:
-        f.write("\n".join(body) + "\n")
+    Path(path).write_text("\n".join(body) + "\n")
     os.chmod(path, 0o755)
     os.chmod(directory, 0o755)
     return path
@@ -1347,8 +1340,7 @@ def registry(home: str) -> dict[str, Any]:
     out = []
     for name in sorted(os.listdir(top)) if os.path.isdir(top) else []:
         if name.endswith(".json"):
-            with open(os.path.join(top, name)) as f:
-                out.append(json.load(f))
+            out.append(json.loads(Path(top, name).read_text()))
     return {"merged": out}
 
 
@@ -1376,15 +1368,13 @@ def make_done_layers(home: str, count: int) -> list[str]:
             os.chown(os.path.join(layer, sub), *owner)
         for name, text in [(f"n{i}", f"{i}\n")] + [("shared", f"{i}\n")] * (i % 1000 == 0):
             path = os.path.join(layer, "upper", name)
-            with open(path, "w") as f:
-                f.write(text)
+            Path(path).write_text(text)
             os.chown(path, *owner)
         task = {"id": task_id, "title": "made on disk", "prompt": "true", "workspace": "home",
                 "worker": "fake", "tools": [], "hosts": [], "budgetCents": 0, "source": "api",
                 "state": "done", "user": f"box-{task_id}", "layers": [], "costCents": 0,
                 "createdAt": stamp, "updatedAt": stamp, "seq": i, "doneSeq": i}
-        with open(os.path.join(home, "tasks", task_id + ".json"), "w") as f:
-            json.dump(task, f)
+        Path(home, "tasks", task_id + ".json").write_text(json.dumps(task))
     return ids
 
 

@@ -15,6 +15,7 @@ import re
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import gurtd as G
@@ -598,11 +599,9 @@ def test_an_executable_tool_runs_as_the_tools_user(gurtd: Gurtd) -> None:
     # gurt-tools must reach BOX_HOME/tools: the test's BOX_HOME parent is mkdtemp's 0700
     os.chmod(os.path.dirname(gurtd.home), 0o711)
     path = os.path.join(gurtd.home, "tools", "echo.tool")
-    with open(path, "w") as f:
-        f.write(ECHO_TOOL)
+    Path(path).write_text(ECHO_TOOL)
     os.chmod(path, 0o755)
-    with open(os.path.join(gurtd.home, "tools", "notes.txt"), "w") as f:
-        f.write("not a tool\n")
+    Path(gurtd.home, "tools", "notes.txt").write_text("not a tool\n")
 
     names = {t["name"]: t for t in gurtd.api("GET", "/api/tools")}
     assert {"wallet.pay", "ask", "echo.tool"} <= set(names), names

@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -337,8 +338,7 @@ def test_a_damaged_policies_file_is_set_aside_and_gurtd_starts(gurtd: Gurtd) -> 
     stored = json.load(open(path))
     assert len(stored["policies"]) == 1
     stored["policies"][0]["expiresAt"] = "not a time"       # a hand edit gone wrong
-    with open(path, "w") as f:
-        json.dump(stored, f)
+    Path(path).write_text(json.dumps(stored))
     gurtd.restart()
     assert gurtd.api("GET", "/api/policies") == []               # nothing half-trusted
     assert [n for n in os.listdir(gurtd.home) if n.startswith("policies.json.damaged-")]
@@ -361,8 +361,7 @@ def droid_printing_prompt(gurtd: Gurtd) -> Iterator[Gurtd]:
         with open(path) as f:
             script = f.read().replace("#!/bin/sh\n", "#!/bin/sh\ncat /run/gurt/system-prompt.md\n",
                                       1)
-        with open(path, "w") as f:
-            f.write(script)
+        Path(path).write_text(script)
         gurtd.api("PUT", "/api/settings", {"droidPath": path})
         yield gurtd
     finally:

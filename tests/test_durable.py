@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import gurtd as G
@@ -34,8 +35,7 @@ def nft_tables() -> str:
 
 def task_file(g: Gurtd, task_id: str) -> dict[str, Any] | None:
     try:
-        with open(os.path.join(g.home, "tasks", task_id + ".json")) as f:
-            return json.load(f)
+        return json.loads(Path(g.home, "tasks", task_id + ".json").read_text())
     except FileNotFoundError:
         return None
 
@@ -253,8 +253,7 @@ def test_temp_files_of_a_crashed_run_are_removed_at_start() -> None:
                      f"/etc/group.gurtd-{dead.pid}", f"/etc/shadow.gurtd-{dead.pid}"]
         others = [f"/etc/group.gurtd-{alive.pid}"]
         for path in leftovers + others:
-            with open(path, "w") as f:
-                f.write("half")
+            Path(path).write_text("half")
             made.append(path)
         g.start()
         assert [p for p in leftovers if os.path.exists(p)] == []
@@ -363,11 +362,9 @@ def test_writes_on_a_full_disk_fail_whole_and_leave_the_old_files_as_they_were()
         state = os.path.join(disk.mnt, "task.json")
         G.write_json(state, {"state": "done"})
         logfile = os.path.join(disk.mnt, "log.jsonl")
-        with open(logfile, "wb") as f:
-            f.write(b'{"n": 1}\n')
+        Path(logfile).write_bytes(b'{"n": 1}\n')
         accounts = os.path.join(disk.mnt, "passwd")
-        with open(accounts, "wb") as f:
-            f.write(b"root:x:0:0:root:/root:/bin/bash\n")
+        Path(accounts).write_bytes(b"root:x:0:0:root:/root:/bin/bash\n")
         os.chmod(accounts, 0o644)
         disk.fill(leave=16 * 1024)
         big = b"x" * (300 * 1024)
@@ -377,8 +374,7 @@ def test_writes_on_a_full_disk_fail_whole_and_leave_the_old_files_as_they_were()
             raise AssertionError("a 300 KB state file fit on a nearly full disk")
         except OSError as exc:
             assert exc.errno == errno.ENOSPC
-        with open(state) as f:
-            assert json.load(f) == {"state": "done"}
+        assert json.loads(Path(state).read_text()) == {"state": "done"}
 
         fd = os.open(logfile, os.O_WRONLY | os.O_APPEND)
         try:
@@ -390,16 +386,14 @@ def test_writes_on_a_full_disk_fail_whole_and_leave_the_old_files_as_they_were()
             G.append_line(fd, b'{"n": 2}\n')          # the next line starts clean
         finally:
             os.close(fd)
-        with open(logfile, "rb") as f:
-            assert f.read() == b'{"n": 1}\n{"n": 2}\n'
+        assert Path(logfile).read_bytes() == b'{"n": 1}\n{"n": 2}\n'
 
         try:
             G._replace_account_file(accounts, b"root:x:0:0:root:/root:/bin/bash\n" + big)
             raise AssertionError("a 300 KB account file fit on a nearly full disk")
         except OSError as exc:
             assert exc.errno == errno.ENOSPC
-        with open(accounts, "rb") as f:
-            assert f.read() == b"root:x:0:0:root:/root:/bin/bash\n"
+        assert Path(accounts).read_bytes() == b"root:x:0:0:root:/root:/bin/bash\n"
         assert oct(os.stat(accounts).st_mode & 0o777) == oct(0o644)
 
         leftovers = [n for n in os.listdir(disk.mnt) if ".tmp-" in n or ".gurtd-" in n]
@@ -409,8 +403,7 @@ def test_writes_on_a_full_disk_fail_whole_and_leave_the_old_files_as_they_were()
 def children(pid: int) -> list[int]:
     out: list[int] = []
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/children") as f:
-            out += [int(p) for p in f.read().split()]
+        out += [int(p) for p in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
     return out
 
 

@@ -17,6 +17,7 @@ import subprocess
 import tarfile
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -467,8 +468,7 @@ def test_an_archive_of_a_1_tib_sparse_file_is_small_quick_and_exact(gurtd: Gurtd
                 assert reader.read(len(b"x%d" % i) + 1) == b"x%d\0" % i
     out = tempfile.mkdtemp(dir="/var/tmp")
     try:
-        with open(os.path.join(out, "a.tar.gz"), "wb") as f:
-            f.write(body)
+        Path(out, "a.tar.gz").write_bytes(body)
         subprocess.run(["tar", "-xzf", "a.tar.gz", "big", "many"], cwd=out, check=True,
                        timeout=60)
         for name, size in (("big", 1 << 40), ("many", 10000 * (100 << 20))):

@@ -14,6 +14,7 @@ import os
 import random
 import stat
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -77,8 +78,7 @@ def write_layer(top: str, layer: dict[str, tuple[Any, ...]], owner: tuple[int, i
     for path in sorted(layer, key=lambda p: p.count("/")):
         entry, full = layer[path], os.path.join(top, path)
         if entry[0] == "f":
-            with open(full, "w") as f:
-                f.write(entry[1])
+            Path(full).write_text(entry[1])
             os.chown(full, *owner)
         elif entry[0] == "w":
             os.mknod(full, stat.S_IFCHR | 0o600, os.makedev(0, 0))
@@ -208,11 +208,9 @@ def test_both_overlay_ways_show_the_same_views_to_the_limit_and_past_it(scratch:
                                                f"{way}/work")
             finally:
                 os.close(home_fd)
-            with open(f"/proc/self/fd/{view}/new.txt", "w") as f:
-                f.write(way)
+            Path(f"/proc/self/fd/{view}/new.txt").write_text(way)
             os.close(view)
-            with open(os.path.join(scratch, way, "upper", "new.txt")) as f:
-                assert f.read() == way
+            assert Path(scratch, way, "upper", "new.txt").read_text() == way
     finally:
         gurtd.overlay_way_set("")
     with open("/proc/self/mountinfo") as f:              # the builders' mounts went with them

@@ -13,6 +13,7 @@ import pwd
 import re
 import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 from conftest import (Gurtd, eventually, make_home, passwd_names, put_base_file, remove_home,
@@ -315,8 +316,7 @@ def test_a_droid_task_without_the_cli_is_refused_and_creates_nothing(gurtd: Gurt
     assert gurtd.api("GET", "/api/tasks") == before == []
     assert os.listdir(os.path.join(gurtd.home, "tasks")) == []
     assert os.listdir(os.path.join(gurtd.home, "layers")) == []
-    with open("/etc/passwd") as f:
-        assert f"gurt task in {gurtd.home}" not in f.read()
+    assert f"gurt task in {gurtd.home}" not in Path("/etc/passwd").read_text()
 
 
 # 6. a failing worker #########################################################################

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -322,8 +323,7 @@ def test_a_personal_tasks_diff_keep_and_undo_fit_their_description(gurtd: Gurtd)
         owner = pwd.getpwnam(name)
         folder = os.path.join(owner.pw_dir, "proj")
         os.mkdir(folder)
-        with open(os.path.join(folder, "a.txt"), "w") as f:
-            f.write("hello\n")
+        Path(folder, "a.txt").write_text("hello\n")
         for path in (folder, os.path.join(folder, "a.txt")):
             os.chown(path, owner.pw_uid, owner.pw_gid)
         time.sleep(0.05)                   # its ctimes are before the task's start
@@ -331,8 +331,7 @@ def test_a_personal_tasks_diff_keep_and_undo_fit_their_description(gurtd: Gurtd)
         one = f"/api/tasks/{task['id']}"
         diff, _ = call("GET", "/api/tasks/{id}/diff", one + "/diff", 200)
         assert b"-hello" in diff and b"+task" in diff, diff
-        with open(os.path.join(folder, "a.txt"), "w") as f:       # mine, after the start
-            f.write("mine\n")
+        Path(folder, "a.txt").write_text("mine\n")  # mine, after the start
         refused, _ = call("POST", "/api/tasks/{id}/keep", one + "/keep", 409, {})
         assert [c["path"] for c in refused["conflicts"]] == ["a.txt"], refused
         call("POST", "/api/tasks/{id}/keep", one + "/keep", 400, {"paths": []})

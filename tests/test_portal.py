@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -127,8 +128,7 @@ def test_a_one_time_url_signs_in_once_and_leaves_nothing_secret_behind(gurtd: Gu
     html = d.page_source
     assert gurtd.token not in html and cookie["value"] not in html
     # on disk, only a hash of the secret
-    with open(os.path.join(gurtd.home, "sessions.json")) as f:
-        stored = f.read()
+    stored = Path(gurtd.home, "sessions.json").read_text()
     assert cookie["value"] not in stored and '"hash"' in stored
     sessions = gurtd.api("GET", "/api/sessions")
     assert [s["via"] for s in sessions] == ["code"]
@@ -476,8 +476,7 @@ def shoot(driver: Any, path: str) -> None:
     import base64
     png = driver.execute_cdp_cmd("Page.captureScreenshot", {"format": "png",
                                                             "captureBeyondViewport": True})
-    with open(path, "wb") as f:
-        f.write(base64.b64decode(png["data"]))
+    Path(path).write_bytes(base64.b64decode(png["data"]))
     assert os.path.getsize(path) > 1000
 
 
@@ -679,8 +678,7 @@ def click_and_confirm(driver: Any, element_id: str) -> None:
 
 def read(path: str) -> str | None:
     try:
-        with open(path) as f:
-            return f.read()
+        return Path(path).read_text()
     except FileNotFoundError:
         return None
 
@@ -691,8 +689,7 @@ def test_keep_a_personal_task_through_its_conflict_then_undo_it(gurtd: Gurtd, br
     task = run_on(gurtd, owner_folder, "echo task > a.txt", "echo new > new.txt",
                   title="edits my folder")
     assert task["state"] == "done" and task["review"] == "pending"
-    with open(os.path.join(owner_folder, "a.txt"), "w") as f:      # my own edit since its start
-        f.write("mine\n")
+    Path(owner_folder, "a.txt").write_text("mine\n")  # my own edit since its start
     go(d, f"#/task/{task['id']}", "#task-changes input.pick")
     tab(d, "diff")
     wait(d, lambda x: "+task" in x.find_element(By.ID, "task-diff").text, "the diff")
@@ -721,8 +718,7 @@ def test_keep_a_personal_task_through_its_conflict_then_undo_it(gurtd: Gurtd, br
     wait(d, lambda x: "kept" in x.find_element(By.ID, "task-fields").text, "review: kept")
     assert read(os.path.join(owner_folder, "a.txt")) == "task\n"
     # undo after my later edit: 409 naming it, then undo anyway puts back what was before
-    with open(os.path.join(owner_folder, "a.txt"), "w") as f:
-        f.write("mine again\n")
+    Path(owner_folder, "a.txt").write_text("mine again\n")
     click_and_confirm(d, "btn-undo")
     wait(d, lambda x: x.find_elements(By.CSS_SELECTOR, '#conflicts li[data-path="a.txt"]'),
          "the undo's conflict")
@@ -956,8 +952,7 @@ def test_codes_and_sessions_expire_and_survive_a_restart(new_gurtd: Any) -> None
     jar = {"Cookie": f"gurt_session={secret}"}
     g.restart()                                               # sessions are kept on disk
     g.api("GET", "/api/tasks", token=False, headers=jar, status=200)
-    with open(os.path.join(g.home, "sessions.json")) as f:
-        assert secret not in f.read()
+    assert secret not in Path(g.home, "sessions.json").read_text()
     # a revoked session's open event stream ends too
     code, data, headers = g.request("POST", "/api/sessions", {"token": g.token}, token=False,
                                     headers=portal)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -143,8 +144,7 @@ def test_atomic_json_files_and_damaged_ones_set_aside(tmp_path):
     G.write_json(path, {"a": 1})
     assert G.load_json(path) == {"a": 1}
     assert oct(os.stat(path).st_mode & 0o777) == "0o600"
-    with open(path, "w") as f:
-        f.write("{not json")
+    Path(path).write_text("{not json")
     assert G.load_json(path) is None
     assert not os.path.exists(path)
     assert any(name.startswith("x.json.damaged-") for name in os.listdir(tmp_path))

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import gurtd as G
@@ -97,8 +98,7 @@ def test_a_chain_of_long_folder_names_is_listed_to_a_bound_and_never_kept(
     assert not os.path.exists(os.path.join(owner_folder, long))
     code, kept = keep(gurtd, task["id"], {"paths": ["ok.txt"]})
     assert code == 200, kept
-    with open(os.path.join(owner_folder, "ok.txt")) as f:
-        assert f.read() == "kept\n"
+    assert Path(owner_folder, "ok.txt").read_text() == "kept\n"
     assert gurtd.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
     assert not os.path.exists(os.path.join(owner_folder, "ok.txt"))
 
@@ -193,8 +193,7 @@ def test_a_layer_whose_file_has_no_link_left_still_merges_exactly(scratch: Any) 
     low, top = str(scratch / "low"), str(scratch / "top")
     for layer in (low, top):
         os.makedirs(os.path.join(layer, "d"))
-    with open(os.path.join(top, "f"), "w") as f:
-        f.write("x")
+    Path(top, "f").write_text("x")
     os.chown(os.path.join(top, "f"), 4242, 4343)
     os.chmod(os.path.join(top, "f"), 0o640)
     os.mknod(os.path.join(top, "w"), 0o600 | G.stat.S_IFCHR, os.makedev(0, 0))
@@ -213,8 +212,7 @@ def test_a_layer_whose_file_has_no_link_left_still_merges_exactly(scratch: Any) 
     assert len([n for n in names if n.startswith("f")]) == count
     st = os.lstat(os.path.join(merged, f"f{count - 1}"))
     assert (st.st_uid, st.st_gid, G.stat.S_IMODE(st.st_mode)) == (4242, 4343, 0o640)
-    with open(os.path.join(merged, f"f{count - 1}")) as f:
-        assert f.read() == "x"
+    assert Path(merged, f"f{count - 1}").read_text() == "x"
     whiteouts = [n for n in names if n.startswith("w")]
     assert all(G.is_whiteout(os.lstat(os.path.join(merged, n))) for n in whiteouts)
     G.tree_remove(str(scratch / "m"))
@@ -279,8 +277,7 @@ def test_keeping_a_new_folder_1500_deep_costs_no_more_than_its_paths(gurtd: Gurt
           f"{max(waits):.3f} s")
     assert code == 200 and data["review"] == "kept", data
     assert took < 20 and max(waits) < 2.0, (took, max(waits))
-    with open(os.path.join(owner_folder, *["a"] * depth, "f")) as f:
-        assert f.read() == "deep"
+    assert Path(owner_folder, *["a"] * depth, "f").read_text() == "deep"
     code, data, took = timed(gurtd, "POST", f"/api/tasks/{task['id']}/undo")
     assert code == 200 and data["review"] == "undone", data
     assert not os.path.exists(os.path.join(owner_folder, "a"))

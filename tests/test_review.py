@@ -17,6 +17,7 @@ import stat
 import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,8 +38,7 @@ def snapshot(top: str) -> dict[str, tuple[Any, ...]]:
             if stat.S_ISLNK(st.st_mode):
                 data: Any = os.readlink(path)
             elif stat.S_ISREG(st.st_mode):
-                with open(path, "rb") as f:
-                    data = f.read()
+                data = Path(path).read_bytes()
             else:
                 data = None
             out[rel] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid,
@@ -125,8 +125,7 @@ def test_a_task_works_on_a_copy_and_keep_applies_exactly_its_diff(
     assert after["blob.bin"][4] == b"\0\1\2"
     assert after["root.txt"] == before["root.txt"] and after["root.txt"][2] == 0
     assert after["link"] == before["link"]
-    with open("/etc/passwd") as f:
-        assert "pwned" not in f.read()
+    assert "pwned" not in Path("/etc/passwd").read_text()
     assert gurtd.task(task["id"])["review"] == "kept"
     kinds = [e.get("action") for e in gurtd.log(task["id"]) if e["type"] == "review"]
     assert kinds == ["kept"]
@@ -143,8 +142,7 @@ def test_my_edits_since_the_start_are_conflicts_then_paths_force_and_undo(
     task = run_on(gurtd, owner_folder, "echo task > a.txt", "echo task > sub/b.txt",
                   "echo new > new.txt", "echo task >> script.sh")
     assert task["review"] == "pending"
-    with open(os.path.join(owner_folder, "a.txt"), "w") as f:        # the owner, after the start
-        f.write("mine\n")
+    Path(owner_folder, "a.txt").write_text("mine\n")  # the owner, after the start
     os.unlink(os.path.join(owner_folder, "sub/b.txt"))
     code, data = keep(gurtd, task["id"])
     assert code == 409 and data["code"] == "conflict", data
@@ -201,8 +199,7 @@ def test_keep_never_follows_a_symlink_the_task_planted(gurtd: Gurtd, owner_folde
     assert not os.path.exists(os.path.join(owner_folder, "hard"))
     assert os.readlink(os.path.join(owner_folder, "y")) == str(secret)
     assert secret.read_text() == "root only\n" and os.stat(secret).st_uid == 0
-    with open("/etc/passwd") as f:
-        assert "pwned" not in f.read()
+    assert "pwned" not in Path("/etc/passwd").read_text()
     gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
     assert snapshot(owner_folder) == before
     no_leftovers(gurtd, task["id"], owner_folder)
@@ -370,8 +367,7 @@ def test_two_folders_from_the_command_line(gurtd: Gurtd, owner_folder: str,
         assert f"# folder {second}" in diff.stdout and "+two" in diff.stdout, diff
         diff = gurtd.cli("diff", task_id, "--path", f"{owner_folder}/one.txt")
         assert "+one" in diff.stdout and "two" not in diff.stdout, diff
-        with open(os.path.join(second, "two.txt"), "w") as f:       # the owner was quicker
-            f.write("mine\n")
+        Path(second, "two.txt").write_text("mine\n")  # the owner was quicker
         refused = gurtd.cli("keep", task_id)
         assert refused.returncode == 1 and f"conflict  {second}/two.txt" in refused.stderr
         kept = gurtd.cli("keep", task_id, "--force")
@@ -547,8 +543,7 @@ def _sticky_folder(top: str, owner: pwd.struct_passwd) -> str:
     os.mkdir(shared)
     os.chmod(shared, 0o1777)
     for name, ids in (("mine.txt", (owner.pw_uid, owner.pw_gid)), ("theirs.txt", (0, 0))):
-        with open(os.path.join(shared, name), "w") as f:
-            f.write(f"{name}\n")
+        Path(shared, name).write_text(f"{name}\n")
         os.chown(os.path.join(shared, name), *ids)
         os.chmod(os.path.join(shared, name), 0o666)
     time.sleep(0.05)
@@ -590,8 +585,7 @@ def test_keep_honours_the_sticky_bit_as_the_kernel_would(
     os.chown(y, 0, 0)
     os.chmod(y, 0o1777)
     for late in (os.path.join(shared, "late.txt"), os.path.join(y, "late.txt")):
-        with open(late, "w") as f:
-            f.write("another user's\n")
+        Path(late).write_text("another user's\n")
         os.chown(late, 4321, 4321)
     code, data = keep(gurtd, task["id"], {"force": True})
     assert code == 409, data
@@ -620,8 +614,7 @@ def test_an_undo_that_cannot_put_everything_back_says_so_and_can_be_tried_again(
     os.rename(sub, sub + ".real")
     os.symlink("sub.real", sub)
     os.rename(olddir, olddir + ".real")
-    with open(olddir, "w") as f:
-        f.write("a file now\n")
+    Path(olddir).write_text("a file now\n")
     code, data, _ = gurtd.request("POST", f"/api/tasks/{task['id']}/undo", {"force": True})
     assert code == 409 and data["code"] == "conflict", data
     assert {c["path"]: c["why"] for c in data["notUndone"]} == {
@@ -645,10 +638,8 @@ def _diff_children(g: Gurtd) -> list[int]:
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rpartition(")")[2].split()[1])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError, IndexError):
             continue
         if ppid == g.proc.pid and argv[:2] == [b"diff", b"-u"]:

@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -175,8 +176,7 @@ def test_a_walk_never_follows_a_lower_layers_symlink_to_the_host(layers: str) ->
     os.symlink("/etc", os.path.join(lower, "hostlink"))
     os.mkdir(os.path.join(upper, "hostlink"))
     for name in ("shadow", "no-such-host-file"):
-        with open(os.path.join(upper, "hostlink", name), "w") as f:
-            f.write("x")
+        Path(upper, "hostlink", name).write_text("x")
     os.symlink("/etc/passwd", os.path.join(upper, "link"))
     got = G.changed_paths(upper, [lower, base])
     assert {"path": "hostlink/shadow", "change": "added"} in got, got
@@ -188,19 +188,16 @@ def test_whiteouts_opaque_dirs_and_files_replaced_by_dirs(layers: str) -> None:
     upper, lower, base = (os.path.join(layers, n) for n in ("upper", "lower1", "base"))
     os.makedirs(os.path.join(base, "kept", "sub"))
     for rel in ("kept/a", "kept/sub/b", "gone", "file-then-dir"):
-        with open(os.path.join(base, rel), "w") as f:
-            f.write("base")
+        Path(base, rel).write_text("base")
     whiteout = stat.S_IFCHR | 0o600
     os.mknod(os.path.join(lower, "gone"), whiteout, 0)          # lower1 deleted it
     os.makedirs(os.path.join(upper, "kept"))
-    with open(os.path.join(upper, "kept", "a"), "w") as f:
-        f.write("edited")
+    Path(upper, "kept", "a").write_text("edited")
     os.mknod(os.path.join(upper, "kept", "sub"), whiteout, 0)   # whiteout of a dir
     os.mknod(os.path.join(upper, "gone"), whiteout, 0)          # already gone below
     os.makedirs(os.path.join(upper, "file-then-dir"))
     os.setxattr(os.path.join(upper, "file-then-dir"), "trusted.overlay.opaque", b"y")
-    with open(os.path.join(upper, "file-then-dir", "x"), "w") as f:
-        f.write("new")
+    Path(upper, "file-then-dir", "x").write_text("new")
     assert G.changed_paths(upper, [lower, base]) == [
         {"path": "file-then-dir/", "change": "modified"},
         {"path": "file-then-dir/x", "change": "added"},

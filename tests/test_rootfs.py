@@ -21,6 +21,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -43,12 +44,10 @@ def test_the_hosts_other_paths_do_not_exist_inside(gurtd: Gurtd) -> None:
     other_home = f"/home/gurt-test-other-{tag}"
     try:
         for path in made:
-            with open(path, "w") as f:
-                f.write(secret + "\n")
+            Path(path).write_text(secret + "\n")
             os.chmod(path, 0o644)              # world-readable: only its absence protects it
         os.mkdir(other_home, 0o755)
-        with open(os.path.join(other_home, "notes.txt"), "w") as f:
-            f.write(secret + "\n")
+        Path(other_home, "notes.txt").write_text(secret + "\n")
         os.chmod(os.path.join(other_home, "notes.txt"), 0o644)
         probes = made + [other_home, "/srv", "/opt", "/var/lib", "/work", "/root", "/mnt",
                          "/media", "/boot", "/sys", gurtd.home, os.path.dirname(gurtd.home),
@@ -98,8 +97,7 @@ def test_usr_and_the_usrmerge_links_are_the_hosts_read_only(gurtd: Gurtd) -> Non
 def test_etc_is_the_hosts_without_its_secrets(gurtd: Gurtd) -> None:
     tag = secrets.token_hex(6)
     key_file = f"/etc/gurt-test-{tag}.key"         # matched by ETC_HIDDEN's *.key
-    with open(key_file, "w") as f:
-        f.write(f"gurt-key-secret-{tag}\n")
+    Path(key_file).write_text(f"gurt-key-secret-{tag}\n")
     os.chmod(key_file, 0o644)
     try:
         task = gurtd.run_done(prompt(
@@ -425,8 +423,7 @@ def test_set_id_bits_never_reach_the_layer_on_disk(gurtd: Gurtd, host_setuid_fil
     # the symlink was not followed: the host's setuid file is untouched
     assert stat.S_IMODE(os.stat(host_setuid_file).st_mode) == 0o4755
     with open(os.path.join(gurtd.home, "layers", task["id"], "upper", "suid-id"), "rb") as f:
-        with open("/usr/bin/id", "rb") as g:
-            assert f.read() == g.read()
+        assert f.read() == Path("/usr/bin/id").read_bytes()
 
 
 def test_a_stopped_tasks_layer_loses_its_set_id_bits_too(gurtd: Gurtd) -> None:

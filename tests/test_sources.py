@@ -19,6 +19,7 @@ import os
 import stat
 import time
 import zoneinfo
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -285,8 +286,7 @@ def issue_answer(key: str, description: bytes) -> bytes:
 
 
 def jira_records(g: Gurtd) -> dict[str, dict[str, Any]]:
-    with open(os.path.join(g.home, "jira.json")) as f:
-        return json.load(f)["issues"]
+    return json.loads(Path(g.home, "jira.json").read_text())["issues"]
 
 
 def jira_tasks(g: Gurtd) -> dict[str, dict[str, Any]]:
