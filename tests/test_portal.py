@@ -12,11 +12,13 @@ free of errors.
 
 from __future__ import annotations
 
+import base64
 import http.client
-import json
 import http.server
+import json
 import os
 import re
+import secrets
 import shutil
 import time
 from pathlib import Path
@@ -320,7 +322,6 @@ def test_a_conflict_is_settled_from_the_inbox_with_a_merged_text(gurtd: Gurtd,
     """Two tasks side by side change line 3 of one file: the later one's conflict card names
     the file, why, its three versions and git's diff3; I write the merged text in the card,
     tick it and send it: the task is done and the view holds my text."""
-    import secrets
     d = browser
     name = f"c-{secrets.token_hex(3)}.txt"
     gurtd.api("PUT", f"/api/workspaces/home/files/{name}", raw=b"1\n2\n3\n4\n",
@@ -473,7 +474,6 @@ def check_layout(driver: Any, name: str) -> None:
 
 def shoot(driver: Any, path: str) -> None:
     """A picture of the whole page (beyond the window's height)."""
-    import base64
     png = driver.execute_cdp_cmd("Page.captureScreenshot", {"format": "png",
                                                             "captureBeyondViewport": True})
     Path(path).write_bytes(base64.b64decode(png["data"]))
@@ -577,7 +577,6 @@ def test_the_task_list_shows_each_task_and_sorts_and_filters(gurtd: Gurtd, brows
 
 def test_a_diff_is_a_card_per_file_with_line_numbers_and_tint(gurtd: Gurtd,
                                                                browser: Any) -> None:
-    import secrets
     d = browser
     name = f"d-{secrets.token_hex(3)}.txt"
     gurtd.api("PUT", f"/api/workspaces/home/files/{name}", raw=b"a\nb\nc\n",
@@ -643,7 +642,6 @@ def test_settings_have_a_control_per_type_help_and_a_save_per_section(gurtd: Gur
 
 
 def test_files_download_and_upload(gurtd: Gurtd, browser: Any, tmp_path: Any) -> None:
-    import secrets
     d = browser
     name = f"dl-{secrets.token_hex(3)}.txt"
     gurtd.run(f"echo down > {name}", title="a file to download")
