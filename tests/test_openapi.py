@@ -288,10 +288,8 @@ def test_an_approval_and_its_always_answer_fit_their_description(gurtd: Gurtd) -
     gurtd.api("PUT", "/api/wallet", {"balanceCents": 100})
     task = gurtd.create("gurtd tool wallet.pay '{\"to\": \"shop\", \"cents\": 2}'",
                         tools=["wallet.pay"], budgetCents=0)
-    deadline = time.monotonic() + 30
-    while not (pending := gurtd.api("GET", f"/api/approvals?state=pending&task={task['id']}")):
-        assert time.monotonic() < deadline, gurtd.task(task["id"])
-        time.sleep(0.1)
+    pending = eventually(lambda: gurtd.approvals(state="pending", task=task["id"]), 30,
+                         "a pending approval")
     one = f"/api/approvals/{pending[0]['id']}"
     approval, _ = call("GET", "/api/approvals/{id}", one, 200)
     assert approval["kind"] == "budget" and approval["canAlwaysApprove"] is True

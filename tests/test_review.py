@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 import gurtd as G
-from conftest import UNICODE_NAME, Gurtd, eventually, keep, run_on, running_gurtd, sse
+from conftest import (UNICODE_NAME, Gurtd, eventually, keep, run_on, running_gurtd, sse,
+                      wait_for_step)
 
 # helpers #####################################################################################
 
@@ -405,10 +406,7 @@ def test_keep_and_undo_are_events(gurtd: Gurtd, owner_folder: str) -> None:
 
 def test_a_stopped_task_drops_its_folder_changes(gurtd: Gurtd, owner_folder: str) -> None:
     task = gurtd.create(f"echo x > {owner_folder}/x.txt\nsleep 30", folder=owner_folder)
-    deadline = time.monotonic() + 30
-    while gurtd.task(task["id"]).get("step") != "sleep 30":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for_step(gurtd, task["id"], "sleep 30")
     stopped = gurtd.api("POST", f"/api/tasks/{task['id']}/stop")
     assert stopped["state"] == "failed" and "review" not in stopped
     assert not os.path.exists(os.path.join(gurtd.home, "review", task["id"]))
@@ -452,10 +450,7 @@ def test_keep_never_writes_where_the_owner_may_not(gurtd: Gurtd, owner_folder: s
 
 def test_a_task_cut_short_by_a_restart_keeps_nothing(gurtd: Gurtd, owner_folder: str) -> None:
     task = gurtd.create(f"echo x > {owner_folder}/x.txt\nsleep 30", folder=owner_folder)
-    deadline = time.monotonic() + 30
-    while gurtd.task(task["id"]).get("step") != "sleep 30":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for_step(gurtd, task["id"], "sleep 30")
     gurtd.restart(kill=True)
     after = gurtd.task(task["id"])
     assert after["state"] == "failed" and "review" not in after
@@ -657,24 +652,18 @@ def test_a_costly_diff_is_bounded_and_stops_when_its_client_goes(gurtd: Gurtd) -
     assert len(lines) == 600_000
     for name, data in (("order.txt", lines), ("big.txt", b"".join(
             b"%07d\n" % i for i in range(1_000_000)))):
-        code, _, _ = gurtd.request("PUT", f"/api/workspaces/difftest/files/{name}", raw=data,
-                                   headers={"Content-Type": "application/octet-stream"})
-        assert code == 201
+        gurtd.api("PUT", f"/api/workspaces/difftest/files/{name}", raw=data, status=201,
+                  headers={"Content-Type": "application/octet-stream"})
     task = gurtd.run_done("sort -o order.txt order.txt && shuf -o big.txt big.txt",
                           workspace="difftest")
     url = f"/api/tasks/{task['id']}/diff"
     for _ in range(3):                         # the portal's views, opened and left
         conn = gurtd.connection()
         conn.request("GET", url, headers={"Authorization": f"Bearer {gurtd.token}"})
-        deadline = time.monotonic() + 20
-        while not _diff_children(gurtd):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        eventually(lambda: _diff_children(gurtd), 20, "the diff's children")
         conn.close()
-        left = time.monotonic()
-        while _diff_children(gurtd):          # its diff(1) ends with it, not 10 s later
-            assert time.monotonic() < left + 2, _diff_children(gurtd)
-            time.sleep(0.05)
+        eventually(lambda: not _diff_children(gurtd), 2,    # diff(1) ends with it, not in 10 s
+                   "the diff's children to end with the client")
     slowest, answer = 0.0, []
     waiter = threading.Thread(target=lambda: answer.append(
         (time.monotonic(), gurtd.request("GET", url), time.monotonic())))
