@@ -21,6 +21,7 @@ import socket
 import tarfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -60,8 +61,7 @@ def start_time(pid: int) -> int | None:
     """When a process started (clock ticks since boot), to tell it from a later one with its
     pid; None once it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rpartition(")")[2].split()[19])
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
     except (OSError, IndexError, ValueError):
         return None
 
@@ -275,8 +275,7 @@ def host_links() -> dict[int, str]:
     out = {}
     for name in os.listdir("/sys/class/net"):
         try:
-            with open(f"/sys/class/net/{name}/ifindex") as f:
-                out[int(f.read())] = name
+            out[int(Path(f"/sys/class/net/{name}/ifindex").read_text())] = name
         except OSError:
             pass
     return out
@@ -542,17 +541,14 @@ def test_cgroups_of_this_box_and_the_cpu_share_of_its_tasks(box: Gurtd) -> None:
     assert parents, "no task parent group"
     cpu = [p for p in parents if os.path.exists(os.path.join(p, "cpu.shares"))]
     for parent in cpu:
-        with open(os.path.join(os.path.dirname(parent), "cpu.shares")) as f:
-            own = int(f.read())
-        with open(os.path.join(parent, "cpu.shares")) as f:
-            assert int(f.read()) == own // 2
+        own = int(Path(os.path.dirname(parent), "cpu.shares").read_text())
+        assert int(Path(parent, "cpu.shares").read_text()) == own // 2
     task = box.create("sleep 30")
     wait_for_step(box, task["id"], "sleep 30")
     groups = task_groups(box.home)
     assert sorted(os.path.basename(p) for p in groups) == [task["id"]] * len(parents)
     pid = box.worker_pids(task)[0]
-    with open(f"/proc/{pid}/cgroup") as f:
-        mine = f.read()
+    mine = Path(f"/proc/{pid}/cgroup").read_text()
     assert f"/{os.path.basename(parents[0])}/{task['id']}\n" in mine, mine
     box.api("POST", f"/api/tasks/{task['id']}/undo")
     assert [p for p in groups if os.path.exists(p)] == []
@@ -599,8 +595,7 @@ def test_fork_into_keeps_pythons_fork_bookkeeping(tmp_path: Any) -> None:
     try:
         pid = G.fork_into(fd)
         if pid == 0:
-            with open("/proc/self/cgroup") as f:
-                os.write(w, f.read().encode())
+            os.write(w, Path("/proc/self/cgroup").read_text().encode())
             os._exit(0)
         os.close(w)
         assert os.waitpid(pid, 0)[1] == 0
