@@ -18,6 +18,7 @@ import socket
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -415,8 +416,7 @@ def test_without_a_model_key_droid_has_no_key_at_all(droid_gurtd: Gurtd,
     assert g.api("GET", "/api/settings")["droidFactoryKey"] is False
     assert g.api("GET", "/api/secrets") == {"model": {"set": False}}
     os.makedirs(os.path.join(g.home, "secrets"), mode=0o700, exist_ok=True)
-    with open(os.path.join(g.home, "secrets", "factory-api-key"), "w") as f:
-        f.write("fk-not-for-the-box\n")
+    Path(g.home, "secrets", "factory-api-key").write_text("fk-not-for-the-box\n")
     g.api("PUT", "/api/settings", gateway_settings(upstream))
     task = g.api("POST", "/api/tasks", {"title": "t", "prompt": "hi"}, status=201)
     done = g.wait(task["id"], timeout=90)
@@ -431,8 +431,7 @@ def test_the_model_key_is_write_only(model_gurtd: Gurtd) -> None:
     path = os.path.join(g.home, "secrets", "model-key")
     assert os.stat(path).st_mode & 0o777 == 0o600
     assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
-    with open(path) as f:
-        assert f.read() == KEY
+    assert Path(path).read_text() == KEY
     answer = g.api("PUT", "/api/secrets/model", {"key": KEY})
     assert answer == {"model": {"set": True}} == g.api("GET", "/api/secrets")
     for bad in ({"key": ""}, {"key": "a b"}, {"key": "x\r\nHost: evil"}, {"key": 1},
@@ -451,8 +450,7 @@ def test_the_command_line_sets_and_removes_the_key(droid_gurtd: Gurtd) -> None:
     out = g.cli("secret", "model", "--stdin", stdin=KEY + "\n")
     assert out.returncode == 0 and out.stdout == "the model key is set\n", out
     assert KEY not in out.stdout + out.stderr
-    with open(os.path.join(g.home, "secrets", "model-key")) as f:
-        assert f.read() == KEY
+    assert Path(g.home, "secrets", "model-key").read_text() == KEY
     out = g.cli("secret", "model", "--delete")
     assert out.returncode == 0 and g.api("GET", "/api/secrets") == {"model": {"set": False}}
 
@@ -619,8 +617,7 @@ def agent_droid() -> str:
     """AGENT as an executable droid in a new folder of /var/tmp the box user may read."""
     directory = tempfile.mkdtemp(prefix="gurt-test-agent-", dir="/var/tmp")
     path = os.path.join(directory, "droid")
-    with open(path, "w") as f:
-        f.write(AGENT)
+    Path(path).write_text(AGENT)
     os.chmod(path, 0o755)
     os.chmod(directory, 0o755)
     return path
