@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Self
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -249,8 +250,7 @@ def floor_home() -> str:
     home = make_home()
     for sub in ("workspaces/home", "layers/l1/upper", "layers/t/upper", "layers/t/work"):
         os.makedirs(os.path.join(home, sub))
-    with open(os.path.join(home, "layers/l1/upper/f"), "w") as f:
-        f.write("one layer\n")
+    Path(home, "layers/l1/upper/f").write_text("one layer\n")
     for root, dirs, files in os.walk(home):
         for name in dirs + files:
             os.chown(os.path.join(root, name), FLOOR_STORE_UID, FLOOR_STORE_UID)
@@ -261,8 +261,7 @@ def floor_child(home: str, procs: str, nsfd: int, stamp_w: int) -> None:
     """The floor's child: never returns; the moment before exec goes to stamp_w."""
     code = 1
     try:
-        with open(procs, "w") as f:
-            f.write("0")
+        Path(procs).write_text("0")
         if nsfd >= 0:
             G.libc_call("setns", nsfd, G.CLONE_NEWNET)
             G.libc_call("unshare", G.CLONE_NEWNS | G.CLONE_NEWIPC)
@@ -731,8 +730,7 @@ def personal_figures() -> list[tuple[str, str, str]]:
         for d in range(100):                      # 100 folders of 1,000 files
             os.makedirs(f"{folder}/d{d}")
             for i in range(1000):
-                with open(f"{folder}/d{d}/f{i}.txt", "w") as f:
-                    f.write(f"line one of {d}/{i}\nline two\n")
+                Path(f"{folder}/d{d}/f{i}.txt").write_text(f"line one of {d}/{i}\nline two\n")
         subprocess.run(["chown", "-R", f"{owner.pw_uid}:{owner.pw_gid}", folder], check=True)
         g.start()
         plain = folder_starts(g, 20, None)
