@@ -125,8 +125,7 @@ def test_a_merged_task_shows_its_own_change(gurtd: Gurtd) -> None:
     b = gated(gurtd, "sed -i 's/^line 19$/nineteen by b/' f.txt; echo b > only-b.txt")
     assert end(gurtd, a)["state"] == "done"
     assert end(gurtd, b)["state"] == "done"
-    status, diff, _ = gurtd.request("GET", f"/api/tasks/{b}/diff")
-    assert status == 200
+    diff = gurtd.api("GET", f"/api/tasks/{b}/diff", status=200)
     changed = [line for line in diff.decode().splitlines()
                if line[:1] in "+-" and line[:3] not in ("+++", "---")]
     assert changed == ["-line 19", "+nineteen by b", "+b"], diff.decode()
@@ -160,8 +159,8 @@ def test_delete_against_edit_is_a_conflict(gurtd: Gurtd) -> None:
     assert event_seen(gurtd, lambda kind, data: kind == "approval" and
                       data["id"] == approval["id"])["kind"] == "conflict"
     assert gurtd.api("POST", "/api/approvals/approve-all", {})["approved"] == 0
-    status, made, _ = gurtd.request("POST", "/api/policies", {"tool": "merge", "scope": "box"})
-    assert status == 201, made                        # a policy for it exists, and yet:
+    # a policy for it exists, and yet:
+    gurtd.api("POST", "/api/policies", {"tool": "merge", "scope": "box"}, status=201)
     assert pending(gurtd, a, "conflict")["id"] == approval["id"]
     assert gurtd.file("home", "f.txt") is not None and b"five" in gurtd.file("home", "f.txt")
 
@@ -494,8 +493,7 @@ def random_edits(rng: random.Random, made: int, view: Files) -> tuple[Files, lis
 
 def view_files(g: Gurtd) -> dict[str, tuple[bytes, str]]:
     """Every file of the view of home: (its bytes, its mode), from the view's archive."""
-    code, data, _ = g.request("GET", "/api/workspaces/home/archive")
-    assert code == 200
+    data = g.api("GET", "/api/workspaces/home/archive", status=200)
     out = {}
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         for info in tar.getmembers():
