@@ -519,10 +519,9 @@ def test_an_upload_of_empty_members_is_counted_in_inodes(box_on_a_16_mib_disk: G
     assert f"{room + 1} inodes" in answer["error"], answer
     assert sorted(os.listdir(os.path.join(g.home, "layers"))) == layers
     assert os.statvfs(g.home).f_favail >= st.f_favail - 8      # gurtd's own files at most
-    status, answer, _ = g.request("POST", "/api/workspaces/home/upload",
-                                  raw=empty_members([f"e{i}" for i in range(room - 100)], kind),
-                                  headers={"Content-Type": "application/x-tar"})
-    assert status == 201, answer
+    g.api("POST", "/api/workspaces/home/upload",
+          raw=empty_members([f"e{i}" for i in range(room - 100)], kind),
+          headers={"Content-Type": "application/x-tar"}, status=201)
     assert os.statvfs(g.home).f_favail >= G.inode_reserve(st.f_files)
 
 
