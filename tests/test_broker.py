@@ -370,8 +370,7 @@ def test_twenty_tasks_paying_at_once_keep_the_books_straight(gurtd: Gurtd) -> No
     created = {gurtd.create(pay_line(f"payee{i}", i), tools=["wallet.pay"], budgetCents=1000,
                             title=f"payer {i}")["id"]: i for i in range(1, 21)}
     for task_id, cents in created.items():
-        task = gurtd.wait_done(task_id, timeout=60)
-        assert task["costCents"] == cents
+        assert gurtd.wait_done(task_id, timeout=60)["costCents"] == cents
     book = wallet(gurtd)
     paid = [e for e in book["ledger"] if "task" in e]
     assert len(paid) == 20
@@ -567,8 +566,7 @@ def test_bad_calls_are_refused_and_spend_nothing(gurtd: Gurtd) -> None:
 
     for name, _ in BAD_CALLS:
         result = results[name]
-        expected = 413 if name == "oversized" else 400
-        assert result["status"] == expected, result
+        assert result["status"] == (413 if name == "oversized" else 400), result
         body = json.loads(result["body"])
         assert isinstance(body.get("error"), str) and body["error"], result
     assert 400 <= results["no length"]["status"] < 500, results["no length"]

@@ -301,8 +301,7 @@ def test_a_second_gurtd_on_the_same_box_home_exits_at_once_and_changes_nothing()
         assert G.task_users().get(task["user"]) == uid     # other tests' users come and go
         assert g.task(task["id"])["state"] == "waiting"
         g.api("POST", f"/api/approvals/{pending[0]['id']}/answer", {"answer": "yes"})
-        done = g.wait_done(task["id"])
-        assert done["costCents"] == 3
+        assert g.wait_done(task["id"])["costCents"] == 3
         assert g.stop() == 0
 
 
@@ -396,8 +395,7 @@ def test_writes_on_a_full_disk_fail_whole_and_leave_the_old_files_as_they_were()
         assert Path(accounts).read_bytes() == b"root:x:0:0:root:/root:/bin/bash\n"
         assert oct(os.stat(accounts).st_mode & 0o777) == oct(0o644)
 
-        leftovers = [n for n in os.listdir(disk.mnt) if ".tmp-" in n or ".gurtd-" in n]
-        assert leftovers == []
+        assert [n for n in os.listdir(disk.mnt) if ".tmp-" in n or ".gurtd-" in n] == []
 
 
 def children(pid: int) -> list[int]:

@@ -120,8 +120,7 @@ def test_a_put_over_a_file_replaces_it_and_keeps_the_folder_mode(gurtd: Gurtd) -
     gurtd.run("mkdir -m 0700 private && echo old > private/a.txt", workspace=ws)
     gurtd.api("PUT", f"/api/workspaces/{ws}/files/private/a.txt", raw=b"new", status=201)
     assert gurtd.file(ws, "private/a.txt") == b"new"
-    top = gurtd.api("GET", f"/api/workspaces/{ws}")
-    assert top["layers"] == 2
+    assert gurtd.api("GET", f"/api/workspaces/{ws}")["layers"] == 2
     newest = gurtd.api("GET", "/api/tasks?limit=1")[0]
     st = os.stat(os.path.join(gurtd.home, "layers", newest["id"], "upper", "private"))
     assert stat.S_IMODE(st.st_mode) == 0o700       # as the folder it lies over, like a copy-up

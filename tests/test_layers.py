@@ -298,8 +298,7 @@ def test_tasks_undo_and_files_through_merged_layers() -> None:
                 else:
                     assert g.file("home", name) == text.encode() + b"\n", (step, name)
         eventually(lambda: registry(g.home)["merged"], what="a merged layer")
-        info = g.api("GET", "/api/workspaces/home")
-        assert info["layers"] == len(done)
+        assert g.api("GET", "/api/workspaces/home")["layers"] == len(done)
         # a new task sees the same as the files API
         names = sorted({n for _, n, t in history})
         check = g.run("for f in " + " ".join(names) + "; do if [ -d $f ]; then cat $f/in/x; "
@@ -360,8 +359,7 @@ def test_a_task_on_an_inner_overlay_sees_and_changes_everything_as_its_own() -> 
     reads the oldest and newest files, overwrites and deletes files of the inner overlay as
     their owner, and the files API (the same plan) agrees."""
     with gurtd_on_done_layers(600, {"GURT_LAYER_KEEP": "100000"}) as (g, _):   # no merges
-        home = g.home
-        assert not registry(home)["merged"]
+        assert not registry(g.home)["merged"]
         task = g.run_done("cat n1 n600; stat -c %U n1; echo changed >> n1; rm n2; id -un")
         assert g.output(task["id"]) == ["1", "600", task["user"], task["user"]]
         assert g.file("home", "n1") == b"1\nchanged\n"

@@ -198,8 +198,7 @@ def test_undo_while_a_running_task_reads_the_layer(gurtd: Gurtd) -> None:
     b = gurtd.wait(b["id"], ("running",))
     assert b["layers"] == [a["id"]]
 
-    undone = gurtd.api("POST", f"/api/tasks/{a['id']}/undo")
-    assert undone["state"] == "undone"
+    assert gurtd.api("POST", f"/api/tasks/{a['id']}/undo")["state"] == "undone"
     assert gurtd.task(b["id"])["state"] == "running"
     assert os.path.isdir(layer_dir(gurtd, a["id"])), "A's layer went while B still uses it"
     assert os.path.isfile(os.path.join(layer_dir(gurtd, a["id"]), "upper", "a.txt"))
@@ -347,8 +346,7 @@ def test_a_failing_line_fails_the_task_and_its_changes_are_not_applied(gurtd: Gu
     assert changes(gurtd, task["id"]) == [{"path": "kept.txt", "change": "added"}]
     assert stack_ids(gurtd) == []
 
-    after = gurtd.run_done("test ! -e kept.txt\necho clean")
-    assert after["layers"] == []
+    assert gurtd.run_done("test ! -e kept.txt\necho clean")["layers"] == []
 
 
 def test_a_failing_line_without_stderr_gives_just_the_exit_code(gurtd: Gurtd) -> None:
@@ -523,8 +521,7 @@ def test_settings_defaults_partial_update_and_restart(gurtd: Gurtd) -> None:
     gurtd.restart()
     assert core(gurtd.api("GET", "/api/settings")) == \
         {"defaultBudgetCents": 250, "maxRunningTasks": 3, "upstreamDns": ""}
-    later = gurtd.run_done("echo later")
-    assert later["budgetCents"] == 250
+    assert gurtd.run_done("echo later")["budgetCents"] == 250
     assert gurtd.run("echo own", budgetCents=7)["budgetCents"] == 7
     assert gurtd.task(first["id"])["budgetCents"] == 0    # a setting does not touch old tasks
 
@@ -661,8 +658,7 @@ def test_a_box_home_that_is_a_mount_survives_start_kill_restart_and_stop() -> No
 # 14. the command line ########################################################################
 
 def test_the_command_line(gurtd: Gurtd) -> None:
-    token = gurtd.cli_ok("token")
-    assert token.stdout.strip() == gurtd.token
+    assert gurtd.cli_ok("token").stdout.strip() == gurtd.token
 
     ok = gurtd.cli_ok("run", "--worker", "fake", "--wait", "echo hi")
     assert ok.stdout == "hi\n"
@@ -696,8 +692,7 @@ def test_the_command_line(gurtd: Gurtd) -> None:
                   if re.match(r"^\w+:\s", line))
     assert fields["id"] == ok_id and fields["state"] == "done" and fields["summary"] == "hi"
     assert fields["user"] == "box-" + ok_id
-    show_json = gurtd.cli("show", ok_id, "--json")
-    assert json.loads(show_json.stdout) == gurtd.task(ok_id)
+    assert json.loads(gurtd.cli("show", ok_id, "--json").stdout) == gurtd.task(ok_id)
 
     log = gurtd.cli_ok("log", ok_id)
     kinds = [line.split()[1] for line in log.stdout.splitlines()]
@@ -711,8 +706,7 @@ def test_the_command_line(gurtd: Gurtd) -> None:
     undo = gurtd.cli_ok("undo", ok_id)
     assert undo.stdout == f"{ok_id} undone\n", undo.stdout          # an action: one line
     assert gurtd.task(ok_id)["state"] == "undone"
-    undo_json = gurtd.cli("undo", ok_id, "--json")
-    assert json.loads(undo_json.stdout) == gurtd.task(ok_id)
+    assert json.loads(gurtd.cli("undo", ok_id, "--json").stdout) == gurtd.task(ok_id)
 
     started = gurtd.cli_ok("run", "--worker", "fake", "sleep 30")
     sleeper = started.stdout.strip()

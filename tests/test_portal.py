@@ -101,8 +101,7 @@ def shots() -> str:
 def no_console_errors(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if "browser" in request.fixturenames:
-        driver = request.getfixturevalue("browser")
-        assert console_errors(driver) == []
+        assert console_errors(request.getfixturevalue("browser")) == []
 
 
 NOTIFICATION_RECORDER = """

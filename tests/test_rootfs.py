@@ -301,8 +301,7 @@ print("int80 returned", call(), flush=True)
 
 def test_the_kernel_filter_binding_is_there_and_every_name_resolves() -> None:
     import seccomp                       # python3-seccomp, linked into the venv by make deps
-    filt = G.kernel_filter()
-    assert filt is not None
+    assert G.kernel_filter() is not None
     for name, _tests, err, closes in G.KERNEL_REFUSALS:
         assert seccomp.resolve_syscall(seccomp.Arch.X86_64, name) >= 0, name
         assert err in (errno.EPERM, errno.ENOSYS) and closes.strip(), name
@@ -321,8 +320,7 @@ def test_a_task_is_refused_the_kernels_risky_syscalls(gurtd: Gurtd) -> None:
     ))
     out = gurtd.output(task["id"])
     assert out[:2] == ["Seccomp:\t2", "Seccomp_filters:\t1"], out
-    answers = dict(line.split(": ", 1) for line in out[2:2 + len(REFUSED)])
-    assert answers == REFUSED
+    assert dict(line.split(": ", 1) for line in out[2:2 + len(REFUSED)]) == REFUSED
     rest = out[2 + len(REFUSED):]
     assert "Operation not permitted" in rest[0] and "Operation not permitted" in rest[1], rest
     assert "Operation not permitted" in rest[2], rest
@@ -488,8 +486,7 @@ def test_setid_strip_never_follows_a_symlink(tmp_path: Any) -> None:
     (top / "d" / "s").chmod(0o6755)
     (top / "link").symlink_to(outside)
     (top / "dirlink").symlink_to(tmp_path)
-    cleared = G.setid_strip(str(top))
-    assert cleared == [str(top / "d" / "s")]
+    assert G.setid_strip(str(top)) == [str(top / "d" / "s")]
     assert stat.S_IMODE((top / "d" / "s").stat().st_mode) == 0o755
     assert stat.S_IMODE(outside.stat().st_mode) == 0o4755
     assert G.setid_strip(str(tmp_path / "missing")) == []
