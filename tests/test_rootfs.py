@@ -424,23 +424,20 @@ def test_set_id_bits_never_reach_the_layer_on_disk(gurtd: Gurtd, host_setuid_fil
         assert f.read() == Path("/usr/bin/id").read_bytes()
 
 
-def test_a_stopped_tasks_layer_loses_its_set_id_bits_too(gurtd: Gurtd) -> None:
+ENDS = {   # how a running task ends early: stopped, or gurtd killed (the next one reconciles)
+    "stopped": lambda g, task_id: g.api("POST", f"/api/tasks/{task_id}/stop"),
+    "kill -9": lambda g, task_id: g.restart(kill=True),
+}
+
+
+@pytest.mark.parametrize("end", ENDS)
+def test_a_task_ended_early_leaves_a_layer_without_set_id_bits(gurtd: Gurtd, end: str) -> None:
     task = gurtd.create(prompt("cp /usr/bin/id suid-id && chmod 4755 suid-id", "sleep 30"))
     wait_for_step(gurtd, task["id"], "sleep 30")
     path = os.path.join(gurtd.home, "layers", task["id"], "upper", "suid-id")
     assert os.stat(path).st_mode & stat.S_ISUID          # it is there while the task runs
-    gurtd.api("POST", f"/api/tasks/{task['id']}/stop")
+    ENDS[end](gurtd, task["id"])
     assert gurtd.wait(task["id"])["state"] == "failed"
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o755
-
-
-def test_after_a_kill_9_the_crashed_tasks_layer_loses_its_set_id_bits(gurtd: Gurtd) -> None:
-    task = gurtd.create(prompt("cp /usr/bin/id suid-id && chmod 4755 suid-id", "sleep 30"))
-    wait_for_step(gurtd, task["id"], "sleep 30")
-    path = os.path.join(gurtd.home, "layers", task["id"], "upper", "suid-id")
-    assert os.stat(path).st_mode & stat.S_ISUID
-    gurtd.restart(kill=True)              # gurtd dies in the middle; the next one reconciles
-    assert gurtd.task(task["id"])["state"] == "failed"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o755
 
 
