@@ -660,6 +660,19 @@ def processes_of_uid(uid: int) -> list[int]:
     return out
 
 
+def deep_tree(top: str, depth: int, name: str, leaf: str = "leaf", mode: int = 0o777) -> None:
+    """depth folders called name, each in the one before, below top (past PATH_MAX if need be:
+    each made beneath the last one's fd), and an empty file called leaf at the bottom."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir(name, dir_fd=fd)
+        fd_next = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = fd_next
+    os.close(os.open(leaf, os.O_WRONLY | os.O_CREAT, mode, dir_fd=fd))
+    os.close(fd)
+
+
 @pytest.fixture
 def scratch() -> Iterator[pathlib.Path]:
     """A folder of root's outside every folder root (pytest's tmp_path is shared with other

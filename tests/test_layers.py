@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import (Gurtd, eventually, gurtd_on_done_layers, make_done_layers, make_home,
-                      registry, remove_home, running_gurtd, wait_for_step)
+from conftest import (Gurtd, deep_tree, eventually, gurtd_on_done_layers, make_done_layers,
+                      make_home, registry, remove_home, running_gurtd, wait_for_step)
 
 import gurtd
 
@@ -234,14 +234,7 @@ def test_a_merged_layer_keeps_owners_modes_links_and_deep_trees(scratch: str) ->
     os.symlink("/etc/shadow", os.path.join(top, "d", "link"))
     deep = os.path.join(low, "deep")
     os.mkdir(deep)
-    fd = os.open(deep, os.O_RDONLY | os.O_DIRECTORY)
-    for _ in range(1500):                              # longer than PATH_MAX
-        os.mkdir("n" * 20, dir_fd=fd)
-        nxt = os.open("n" * 20, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-        os.close(fd)
-        fd = nxt
-    os.close(os.open("bottom", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd))
-    os.close(fd)
+    deep_tree(deep, 1500, "n" * 20, "bottom", 0o644)      # longer than PATH_MAX
     gurtd.merge_layers([top, low], os.path.join(home, "m"))
     st = os.lstat(os.path.join(home, "m", "d"))
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (*store, 0o750)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import gurtd as G
-from conftest import Gurtd, eventually, keep, loop_waits, run_on, running_gurtd
+from conftest import Gurtd, deep_tree, eventually, keep, loop_waits, run_on, running_gurtd
 
 
 def test_names_that_break_lines_or_utf8_cannot_hide_or_forge_diff_lines(
@@ -112,14 +112,7 @@ def test_merging_a_layer_of_long_folder_names_dug_deep_costs_no_memory_per_level
     top, low = str(scratch / "top"), str(scratch / "low")
     os.mkdir(top)
     os.mkdir(low)
-    fd = os.open(low, os.O_RDONLY | os.O_DIRECTORY)
-    for _ in range(1500):
-        os.mkdir("n" * 250, dir_fd=fd)
-        nxt = os.open("n" * 250, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-        os.close(fd)
-        fd = nxt
-    os.close(os.open("bottom", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd))
-    os.close(fd)
+    deep_tree(low, 1500, "n" * 250, "bottom", 0o644)
     probe = ("import resource, sys; sys.path.insert(0, sys.argv[1]); import gurtd; "
              "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
              "gurtd.merge_layers(sys.argv[2:4], sys.argv[4]); "

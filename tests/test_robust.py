@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import pytest
 
 import gurtd as G
-from conftest import SONNET, Gurtd, eventually, python_line, running_gurtd
+from conftest import SONNET, Gurtd, deep_tree, eventually, python_line, running_gurtd
 
 # helpers #####################################################################################
 
@@ -205,17 +205,6 @@ def test_whiteouts_opaque_dirs_and_files_replaced_by_dirs(layers: str) -> None:
         {"path": "kept/sub", "change": "deleted"},
     ]
     assert G.changed_paths(os.path.join(layers, "deleted"), [lower, base]) == []
-
-
-def deep_tree(top: str, depth: int, name: str) -> None:
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
-    for _ in range(depth):
-        os.mkdir(name, dir_fd=fd)
-        fd_next = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-        os.close(fd)
-        fd = fd_next
-    os.close(os.open("leaf", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
-    os.close(fd)
 
 
 def test_a_tree_deeper_than_a_path_can_be_long_is_walked_whole(layers: str) -> None:
