@@ -281,8 +281,7 @@ def test_approve_all_pays_every_spending_and_the_wallet_shows_it(gurtd: Gurtd,
         approval = gurtd.pending(task["id"], 20)
         wait(d, lambda x: x.find_elements(By.ID, f"approval-{approval['id']}"), "its card")
     assert d.title.startswith("(2) ")
-    d.find_element(By.ID, "approve-all").click()
-    confirm(d)
+    click_and_confirm(d, "approve-all")
     for task in made:
         assert gurtd.wait(task["id"])["state"] == "done"
     wait(d, lambda x: not x.find_elements(By.CSS_SELECTOR, "#inbox article"), "an empty inbox")
@@ -370,8 +369,7 @@ def test_undo_from_the_task_page_and_the_file_leaves_the_files_view(gurtd: Gurtd
     wait(d, lambda x: x.find_elements(By.CSS_SELECTOR, '#files li[data-name="portal-undo.txt"]'),
          "the file listed")
     go(d, f"#/task/{task['id']}", "#btn-undo")
-    d.find_element(By.ID, "btn-undo").click()
-    confirm(d)
+    click_and_confirm(d, "btn-undo")
     wait(d, lambda x: x.find_element(By.CSS_SELECTOR, "#task-fields .state")
          .get_attribute("data-state") == "undone", "undone")
     assert gurtd.task(task["id"])["state"] == "undone"
@@ -394,8 +392,7 @@ def test_a_stop_needs_a_yes(gurtd: Gurtd, browser: Any) -> None:
     d.switch_to.active_element.send_keys(Keys.ESCAPE)          # no: nothing happens
     time.sleep(0.3)
     assert gurtd.task(task["id"])["state"] == "running"
-    d.find_element(By.ID, "btn-stop").click()
-    confirm(d)
+    click_and_confirm(d, "btn-stop")
     assert gurtd.wait(task["id"])["error"] == "stopped"
 
 
@@ -916,8 +913,7 @@ def test_sign_out_and_be_refused(gurtd: Gurtd, browser: Any) -> None:
     d = browser
     cookie = next(c for c in d.get_cookies() if c["name"] == "gurt_session")["value"]
     go(d, "#/settings", "#sign-out")
-    d.find_element(By.ID, "sign-out").click()
-    confirm(d)
+    click_and_confirm(d, "sign-out")
     wait(d, lambda x: x.find_elements(By.ID, "signin"), "the sign-in form")
     assert not d.find_element(By.ID, "top").is_displayed()
     assert not [c for c in d.get_cookies() if c["name"] == "gurt_session"]
