@@ -31,11 +31,13 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Self
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import (GURTD as GURTD_PATH, Gurtd, chromium, make_done_layers,  # noqa: E402
-                      make_home, quit_browser, registry, remove_home, running_gurtd, sign_in)
+                      make_home, quit_browser, registry, remove_home, running_gurtd, sign_in,
+                      sse)
 
 import gurtd as G  # noqa: E402
 
@@ -62,8 +64,7 @@ def start_latencies(g: Gurtd, n: int, floor: Any = None, hosts: list[str] | None
             floor.times.append(floor.start())
         t0 = time.time()
         task = g.create("true", title="bench", **({"hosts": hosts} if hosts else {}))
-        task = g.wait(task["id"])
-        assert task["state"] == "done", task
+        task = g.wait_done(task["id"])
         step = next(e for e in g.log(task["id"]) if e["type"] == "step")
         starts.append((ts(step["time"]) - t0) * 1000)
         t1 = time.perf_counter()
@@ -74,8 +75,7 @@ def start_latencies(g: Gurtd, n: int, floor: Any = None, hosts: list[str] | None
 
 def fill_layers(g: Gurtd, count: int) -> None:
     for i in range(count):
-        task = g.run(f"echo {i} > f{i % 50}", title="layer")
-        assert task["state"] == "done", task
+        g.run_done(f"echo {i} > f{i % 50}", title="layer")
 
 
 def request_rate(port: int, paths: list[str], token: str, seconds: float) -> float:
@@ -250,8 +250,7 @@ def floor_home() -> str:
     home = make_home()
     for sub in ("workspaces/home", "layers/l1/upper", "layers/t/upper", "layers/t/work"):
         os.makedirs(os.path.join(home, sub))
-    with open(os.path.join(home, "layers/l1/upper/f"), "w") as f:
-        f.write("one layer\n")
+    Path(home, "layers/l1/upper/f").write_text("one layer\n")
     for root, dirs, files in os.walk(home):
         for name in dirs + files:
             os.chown(os.path.join(root, name), FLOOR_STORE_UID, FLOOR_STORE_UID)
@@ -262,8 +261,7 @@ def floor_child(home: str, procs: str, nsfd: int, stamp_w: int) -> None:
     """The floor's child: never returns; the moment before exec goes to stamp_w."""
     code = 1
     try:
-        with open(procs, "w") as f:
-            f.write("0")
+        Path(procs).write_text("0")
         if nsfd >= 0:
             G.libc_call("setns", nsfd, G.CLONE_NEWNET)
             G.libc_call("unshare", G.CLONE_NEWNS | G.CLONE_NEWIPC)
@@ -455,23 +453,15 @@ def with_floor(name: str, values: list[float], floor: list[float], target: str
 
 def pause_to_event(g: Gurtd) -> float:
     """ms from a budget pause (the approval's createdAt) to its event on /api/events."""
-    conn = g.connection()
-    conn.request("GET", "/api/events", headers={"Authorization": f"Bearer {g.token}"})
-    resp = conn.getresponse()
-    resp.readline()                                  # ": gurtd events"
-    task = g.create("gurtd tool wallet.pay '{\"to\": \"x\", \"cents\": 1}'",
-                    title="pause", tools=["wallet.pay"], budgetCents=0)
-    kind = ""
-    while True:
-        line = resp.readline().decode()
-        if line.startswith("event: "):
-            kind = line[7:].strip()
-        elif line.startswith("data: ") and kind == "approval":
+    with g.stream("/api/events", timeout=30) as resp:
+        resp.readline()                              # ": gurtd events"
+        task = g.create("gurtd tool wallet.pay '{\"to\": \"x\", \"cents\": 1}'",
+                        title="pause", tools=["wallet.pay"], budgetCents=0)
+        for _, kind, text in sse(resp):
             received = time.time()
-            approval = json.loads(line[6:])
-            if approval["state"] == "pending" and approval["task"] == task["id"]:
+            approval = json.loads(text) if kind == "approval" else {}
+            if approval.get("state") == "pending" and approval["task"] == task["id"]:
                 break
-    conn.close()
     g.api("POST", f"/api/tasks/{task['id']}/stop")
     return (received - ts(approval["createdAt"])) * 1000
 
@@ -557,8 +547,7 @@ def api_figures() -> list[tuple[str, str, str]]:
     with running_gurtd() as g:
         g.api("PUT", "/api/settings", {"maxRunningTasks": 50})
         g.api("POST", "/api/workspaces", {"name": "churn"}, status=201)
-        big = g.run("mkdir d && cd d && seq 1 30000 | xargs touch", title="30,000 files")
-        assert big["state"] == "done", big
+        big = g.run_done("mkdir d && cd d && seq 1 30000 | xargs touch", title="30,000 files")
         paths = ["/api/tasks?limit=20", f"/api/tasks/{big['id']}"]
         for label, make_load in (("50 tasks start and end", "churn"),
                                  ("a 30,000-file layer's changes", "changes")):
@@ -758,8 +747,7 @@ def personal_figures() -> list[tuple[str, str, str]]:
         for d in range(100):                      # 100 folders of 1,000 files
             os.makedirs(f"{folder}/d{d}")
             for i in range(1000):
-                with open(f"{folder}/d{d}/f{i}.txt", "w") as f:
-                    f.write(f"line one of {d}/{i}\nline two\n")
+                Path(f"{folder}/d{d}/f{i}.txt").write_text(f"line one of {d}/{i}\nline two\n")
         subprocess.run(["chown", "-R", f"{owner.pw_uid}:{owner.pw_gid}", folder], check=True)
         g.start()
         plain = folder_starts(g, 20, None)
@@ -1111,8 +1099,7 @@ def gateway_timed(g: Gurtd, count: int, at: float, tasks: int) -> list[tuple[lis
            for _ in range(tasks)]
     out = []
     for task_id in ids:
-        task = g.wait(task_id, timeout=300)
-        assert task["state"] == "done", (task, g.log(task_id)[-3:])
+        g.wait_done(task_id, timeout=300)
         timed = results(g, task_id)[-1]      # earlier tasks' lines are in its view too
         out.append((timed["whole"], timed["first"]))
     return out

@@ -64,6 +64,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import dns.flags
@@ -257,8 +258,7 @@ class Gurtd:
         self.start()
 
     def log_text(self) -> str:
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
+        return Path(self.log_path).read_bytes().decode(errors="replace")
 
     def cli_env(self, **extra: str) -> dict[str, str]:
         """The environment of a `gurtd` command line that talks to this gurtd."""
@@ -272,9 +272,26 @@ class Gurtd:
             else stdin, capture_output=True, text=text, cwd=cwd, timeout=60,
             env=self.cli_env(**env))
 
+    def cli_ok(self, *args: str, **how: Any) -> subprocess.CompletedProcess[Any]:
+        """The `gurtd` command line against this gurtd, which must exit 0."""
+        proc = self.cli(*args, **how)
+        assert proc.returncode == 0, (proc.stdout, proc.stderr)
+        return proc
+
     # requests
     def connection(self, timeout: float = 30.0) -> http.client.HTTPConnection:
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+
+    @contextlib.contextmanager
+    def stream(self, path: str, timeout: float = 20.0) -> Iterator[http.client.HTTPResponse]:
+        """An answer still coming (an event stream, a log followed), read by the with block;
+        its connection closed after."""
+        conn = self.connection(timeout)
+        try:
+            conn.request("GET", path, headers={"Authorization": f"Bearer {self.token}"})
+            yield conn.getresponse()
+        finally:
+            conn.close()
 
     def request(self, method: str, path: str, body: Any = None,
                 headers: dict[str, str] | None = None, token: bool = True,
@@ -298,8 +315,11 @@ class Gurtd:
             return resp.status, json.loads(payload), out_headers
         return resp.status, payload, out_headers
 
-    def api(self, method: str, path: str, body: Any = None, status: int | None = None) -> Any:
-        code, data, _ = self.request(method, path, body)
+    def api(self, method: str, path: str, body: Any = None, status: int | None = None,
+            **request: Any) -> Any:
+        """The answer of one request (headers, token, raw as request takes them), whose
+        status must be status (any 2xx without one)."""
+        code, data, _ = self.request(method, path, body, **request)
         if status is not None:
             assert code == status, (code, data)
         else:
@@ -329,6 +349,12 @@ class Gurtd:
         """Create a task and wait for its end."""
         return self.wait(self.create(prompt, **fields)["id"])
 
+    def wait_done(self, task_id: str, timeout: float = 30.0) -> dict[str, Any]:
+        """Wait for the end of a task, which must end done."""
+        task = self.wait(task_id, timeout=timeout)
+        assert task["state"] == "done", (task, self.log(task_id))
+        return task
+
     def run_done(self, prompt: str, **fields: Any) -> dict[str, Any]:
         """Run a task that must end done."""
         task = self.run(prompt, **fields)
@@ -336,8 +362,7 @@ class Gurtd:
         return task
 
     def log(self, task_id: str) -> list[dict[str, Any]]:
-        code, data, _ = self.request("GET", f"/api/tasks/{task_id}/log")
-        assert code == 200, data
+        data = self.api("GET", f"/api/tasks/{task_id}/log", status=200)
         return [json.loads(line) for line in data.decode().splitlines()]
 
     def output(self, task_id: str, kind: str | None = "stdout") -> list[str]:
@@ -485,6 +510,60 @@ def recv_all(sock: socket.socket, timeout: float | None = None, reset_ends: bool
     return data
 
 
+def sse(resp: Any) -> Iterator[tuple[int | None, str, str]]:
+    """The events of a text/event-stream as they come, (id, kind, data) at each data line
+    (kind "message" where the event names none, id None without one), until it ends."""
+    event_id, kind = None, "message"
+    while raw := resp.readline():
+        line = raw.decode().rstrip("\n")
+        if line.startswith("id: "):
+            event_id = int(line[4:])
+        elif line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: "):
+            yield event_id, kind, line[6:]
+        elif not line:
+            event_id, kind = None, "message"
+
+
+class loop_waits:  # noqa: N801 (used as a context manager, as a function would be)
+    """How long each of a stream of calls on the loop waited while the with block ran, in
+    seconds.  The call is ask(), else a stop of no task, on a connection of its own: a 503
+    (the loop held past the call timeout) counts as the wait it was, and the client waits as
+    long as it takes."""
+
+    def __init__(self, g: Gurtd, ask: Callable[[], Any] | None = None) -> None:
+        self.g, self.waits, self.done = g, [0.0], threading.Event()
+        self.call = ask or self.stop_nothing
+        self.thread = threading.Thread(target=self.ask)
+
+    def __enter__(self) -> list[float]:
+        self.thread.start()
+        return self.waits
+
+    def __exit__(self, *exc: Any) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def stop_nothing(self) -> None:
+        conn = self.g.connection(timeout=600)
+        try:
+            conn.request("POST", "/api/tasks/t000000000/stop",
+                         headers={"Authorization": f"Bearer {self.g.token}"})
+            conn.getresponse().read()
+        finally:
+            conn.close()
+
+    def ask(self) -> None:
+        while not self.done.is_set():
+            began = time.monotonic()
+            try:
+                self.call()
+            finally:
+                self.waits.append(time.monotonic() - began)
+            self.done.wait(0.05)
+
+
 def wait_for_step(g: Gurtd, task_id: str, step: str, timeout: float = 30.0) -> dict[str, Any]:
     """Wait until the task is running the prompt line `step`; the task then."""
     deadline = time.monotonic() + timeout
@@ -502,8 +581,7 @@ def put_base_file(g: Gurtd, workspace: str, rel: str, content: str) -> None:
     store = pwd.getpwnam("gurt-store")
     path = os.path.join(g.home, "workspaces", workspace, rel)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(content)
+    Path(path).write_text(content)
     base = os.path.join(g.home, "workspaces", workspace)
     for root, dirs, files in os.walk(base):
         for name in dirs + files:
@@ -571,8 +649,7 @@ def processes_of_uid(uid: int) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/status") as f:
-                status = f.read()
+            status = Path(f"/proc/{entry}/status").read_text()
         except OSError:
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
@@ -581,6 +658,19 @@ def processes_of_uid(uid: int) -> list[int]:
         if str(uid) in fields.get("Uid", "").split():
             out.append(int(entry))
     return out
+
+
+def deep_tree(top: str, depth: int, name: str, leaf: str = "leaf", mode: int = 0o777) -> None:
+    """depth folders called name, each in the one before, below top (past PATH_MAX if need be:
+    each made beneath the last one's fd), and an empty file called leaf at the bottom."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir(name, dir_fd=fd)
+        fd_next = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = fd_next
+    os.close(os.open(leaf, os.O_WRONLY | os.O_CREAT, mode, dir_fd=fd))
+    os.close(fd)
 
 
 @pytest.fixture
@@ -725,14 +815,12 @@ def owner_folder(owner: pwd.struct_passwd) -> Iterator[str]:
              "script.sh": "#!/bin/sh\necho hi\n"}
     for rel, text in files.items():
         os.makedirs(os.path.dirname(os.path.join(top, rel)), exist_ok=True)
-        with open(os.path.join(top, rel), "w") as f:
-            f.write(text)
+        Path(top, rel).write_text(text)
     os.symlink("/etc/passwd", os.path.join(top, "link"))
     for root, dirs, names in os.walk(top):
         for name in [root] + [os.path.join(root, n) for n in dirs + names]:
             os.chown(name, owner.pw_uid, owner.pw_gid, follow_symlinks=False)
-    with open(os.path.join(top, "root.txt"), "w") as f:     # root's, inside the owner's
-        f.write("root's own\n")
+    Path(top, "root.txt").write_text("root's own\n")  # root's, inside the owner's
     os.chmod(os.path.join(top, "root.txt"), 0o644)
     time.sleep(0.05)                 # the folder's ctimes are before any task's start
     yield top
@@ -1008,8 +1096,7 @@ def link_exists(name: str) -> bool:
 
 
 def forwarding(ifname: str) -> str:
-    with open(f"/proc/sys/net/ipv4/conf/{ifname}/forwarding") as f:
-        return f.read().strip()
+    return Path(f"/proc/sys/net/ipv4/conf/{ifname}/forwarding").read_text().strip()
 
 
 def remove_fake_internet() -> None:
@@ -1100,8 +1187,7 @@ def net_gurtd(fake_internet: Internet, new_gurtd: Callable[..., Gurtd]) -> Gurtd
 
 def droid_events(part: str) -> list[dict[str, Any]]:
     """The stream-json events of one part of tests/fixtures/droid-stream.json."""
-    with open(os.path.join(FIXTURES, "droid-stream.json")) as f:
-        return json.load(f)[part]["events"]
+    return json.loads(Path(FIXTURES, "droid-stream.json").read_text())[part]["events"]
 
 
 def droid_stand_in(directory: str, lines: list[str], after_usage: str) -> str:
@@ -1114,8 +1200,7 @@ def droid_stand_in(directory: str, lines: list[str], after_usage: str) -> str:
         if '"token_usage_update"' in line:
             body.append("sleep 1")
             body.append(after_usage)
-    with open(path, "w") as f:
-        f.write("\n".join(body) + "\n")
+    Path(path).write_text("\n".join(body) + "\n")
     os.chmod(path, 0o755)
     os.chmod(directory, 0o755)
     return path
@@ -1268,8 +1353,7 @@ def registry(home: str) -> dict[str, Any]:
     out = []
     for name in sorted(os.listdir(top)) if os.path.isdir(top) else []:
         if name.endswith(".json"):
-            with open(os.path.join(top, name)) as f:
-                out.append(json.load(f))
+            out.append(json.loads(Path(top, name).read_text()))
     return {"merged": out}
 
 
@@ -1297,15 +1381,13 @@ def make_done_layers(home: str, count: int) -> list[str]:
             os.chown(os.path.join(layer, sub), *owner)
         for name, text in [(f"n{i}", f"{i}\n")] + [("shared", f"{i}\n")] * (i % 1000 == 0):
             path = os.path.join(layer, "upper", name)
-            with open(path, "w") as f:
-                f.write(text)
+            Path(path).write_text(text)
             os.chown(path, *owner)
         task = {"id": task_id, "title": "made on disk", "prompt": "true", "workspace": "home",
                 "worker": "fake", "tools": [], "hosts": [], "budgetCents": 0, "source": "api",
                 "state": "done", "user": f"box-{task_id}", "layers": [], "costCents": 0,
                 "createdAt": stamp, "updatedAt": stamp, "seq": i, "doneSeq": i}
-        with open(os.path.join(home, "tasks", task_id + ".json"), "w") as f:
-            json.dump(task, f)
+        Path(home, "tasks", task_id + ".json").write_text(json.dumps(task))
     return ids
 
 

@@ -15,10 +15,11 @@ import re
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import gurtd as G
-from conftest import (REJECTED, Gurtd, eventually, pay_line, python_line, recv_all,
+from conftest import (REJECTED, Gurtd, eventually, pay_line, python_line, recv_all, sse,
                       uid_processes)
 
 # helpers #####################################################################################
@@ -85,8 +86,7 @@ def test_a_granted_tool_works_and_others_are_refused(gurtd: Gurtd) -> None:
                            tools=["wallet.pay", "nosuch.tool"], budgetCents=100)
 
     # the granted call is paid and its result printed
-    task = gurtd.wait(granted["id"])
-    assert task["state"] == "done", task
+    task = gurtd.wait_done(granted["id"])
     assert task["costCents"] == 7
     out = gurtd.output(task["id"])
     result = json.loads(out[0])
@@ -100,8 +100,7 @@ def test_a_granted_tool_works_and_others_are_refused(gurtd: Gurtd) -> None:
     assert isinstance(entry["caller"], int) and entry["caller"] >= G.UID_FIRST
 
     # a tool that is not in the task's tools: exit 1, nothing paid, an error in the log
-    task = gurtd.wait(unlisted["id"])
-    assert task["state"] == "done", task
+    task = gurtd.wait_done(unlisted["id"])
     assert gurtd.output(task["id"]) == ["pay exit 1"]
     assert any("not granted" in line for line in gurtd.output(task["id"], "stderr")), \
         gurtd.output(task["id"], "stderr")
@@ -111,8 +110,7 @@ def test_a_granted_tool_works_and_others_are_refused(gurtd: Gurtd) -> None:
     assert entry["tool"] == "wallet.pay" and "error" in entry and "result" not in entry
 
     # a tool name in tools without an executable behind it: a refusal too
-    task = gurtd.wait(unknown["id"])
-    assert task["state"] == "done", task
+    task = gurtd.wait_done(unknown["id"])
     assert gurtd.output(task["id"]) == ["nosuch exit 1"]
     assert any("nosuch.tool" in line for line in gurtd.output(task["id"], "stderr")), \
         gurtd.output(task["id"], "stderr")
@@ -127,9 +125,8 @@ def test_a_granted_tool_works_and_others_are_refused(gurtd: Gurtd) -> None:
 
 def test_payments_within_the_budget_are_paid_at_once(gurtd: Gurtd) -> None:
     set_balance(gurtd, 1000)
-    task = gurtd.run(pay_line("bob", 30, memo="tea") + "\n" + pay_line("carol", 20),
-                     tools=["wallet.pay"], budgetCents=100)
-    assert task["state"] == "done", task
+    task = gurtd.run_done(pay_line("bob", 30, memo="tea") + "\n" + pay_line("carol", 20),
+                          tools=["wallet.pay"], budgetCents=100)
     assert task["costCents"] == 50
     paid = gurtd.payments(task["id"])
     assert [(p["task"], p["to"], p["cents"]) for p in paid] == \
@@ -147,9 +144,8 @@ def test_payments_within_the_budget_are_paid_at_once(gurtd: Gurtd) -> None:
 
 def test_a_short_balance_refuses_the_payment(gurtd: Gurtd) -> None:
     set_balance(gurtd, 10)
-    task = gurtd.run(pay_line("dave", 20) + '; echo "pay exit $?"', tools=["wallet.pay"],
-                     budgetCents=100000)
-    assert task["state"] == "done", task
+    task = gurtd.run_done(pay_line("dave", 20) + '; echo "pay exit $?"', tools=["wallet.pay"],
+                          budgetCents=100000)
     assert gurtd.output(task["id"]) == ["pay exit 1"]
     assert any("balance" in line for line in gurtd.output(task["id"], "stderr")), \
         gurtd.output(task["id"], "stderr")
@@ -211,8 +207,7 @@ def test_a_budget_pause_answered_by_approve(gurtd: Gurtd) -> None:
     assert answered["state"] == "approved"
     assert answered["answeredBy"] == "api" and answered["reason"] == "fine"
     assert answered["answeredAt"]
-    task = gurtd.wait(created["id"])
-    assert task["state"] == "done", task
+    task = gurtd.wait_done(created["id"])
     assert gurtd.output(task["id"])[-1] == "after"
     assert [(p["to"], p["cents"]) for p in gurtd.payments(task["id"])] == \
         [("erin", 5), ("fay", 5), ("frank", 20)]
@@ -235,8 +230,7 @@ def test_a_budget_pause_answered_by_deny_hands_the_reason_to_the_task(gurtd: Gur
     answered = gurtd.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": reason})
     assert answered["state"] == "denied"
     assert answered["reason"] == reason and answered["answeredBy"] == "api"
-    task = gurtd.wait(created["id"])
-    assert task["state"] == "done", task
+    task = gurtd.wait_done(created["id"])
     expected = REJECTED.format(tool="wallet.pay", reason=reason)
     assert any(expected in line for line in gurtd.output(task["id"], "stderr")), \
         gurtd.output(task["id"], "stderr")
@@ -311,8 +305,7 @@ def test_an_ask_is_answered_and_answered_approvals_are_final(gurtd: Gurtd) -> No
         gurtd.api("POST", f"/api/approvals/{budget['id']}/{verb}", body, status=409)
     assert gurtd.api("GET", f"/api/approvals/{budget['id']}")["state"] == "approved"
 
-    task = gurtd.wait(created["id"])
-    assert task["state"] == "done", task
+    task = gurtd.wait_done(created["id"])
     out = gurtd.output(task["id"])
     assert json.loads(out[0]) == {"answer": "yes, go"}
     assert out[-1] == "pay exit 0"
@@ -377,9 +370,7 @@ def test_twenty_tasks_paying_at_once_keep_the_books_straight(gurtd: Gurtd) -> No
     created = {gurtd.create(pay_line(f"payee{i}", i), tools=["wallet.pay"], budgetCents=1000,
                             title=f"payer {i}")["id"]: i for i in range(1, 21)}
     for task_id, cents in created.items():
-        task = gurtd.wait(task_id, timeout=60)
-        assert task["state"] == "done", task
-        assert task["costCents"] == cents
+        assert gurtd.wait_done(task_id, timeout=60)["costCents"] == cents
     book = wallet(gurtd)
     paid = [e for e in book["ledger"] if "task" in e]
     assert len(paid) == 20
@@ -568,16 +559,14 @@ def test_bad_calls_are_refused_and_spend_nothing(gurtd: Gurtd) -> None:
         "gurtd tool wallet.pay '{\"to\": \"x\", \"cents\": true}'; echo \"client exit $?\"",
     ])
     # a budget this big would let any wrongly accepted payment through without asking
-    task = gurtd.run(prompt, tools=["wallet.pay", "ask"], budgetCents=100000)
-    assert task["state"] == "done", (task, gurtd.log(task["id"]))
+    task = gurtd.run_done(prompt, tools=["wallet.pay", "ask"], budgetCents=100000)
     out = gurtd.output(task["id"])
     results = {r["case"]: r for r in (json.loads(line) for line in out if line.startswith("{"))}
     assert set(results) == {name for name, _ in BAD_CALLS} | {"no length"}, out
 
     for name, _ in BAD_CALLS:
         result = results[name]
-        expected = 413 if name == "oversized" else 400
-        assert result["status"] == expected, result
+        assert result["status"] == (413 if name == "oversized" else 400), result
         body = json.loads(result["body"])
         assert isinstance(body.get("error"), str) and body["error"], result
     assert 400 <= results["no length"]["status"] < 500, results["no length"]
@@ -608,11 +597,9 @@ def test_an_executable_tool_runs_as_the_tools_user(gurtd: Gurtd) -> None:
     # gurt-tools must reach BOX_HOME/tools: the test's BOX_HOME parent is mkdtemp's 0700
     os.chmod(os.path.dirname(gurtd.home), 0o711)
     path = os.path.join(gurtd.home, "tools", "echo.tool")
-    with open(path, "w") as f:
-        f.write(ECHO_TOOL)
+    Path(path).write_text(ECHO_TOOL)
     os.chmod(path, 0o755)
-    with open(os.path.join(gurtd.home, "tools", "notes.txt"), "w") as f:
-        f.write("not a tool\n")
+    Path(gurtd.home, "tools", "notes.txt").write_text("not a tool\n")
 
     names = {t["name"]: t for t in gurtd.api("GET", "/api/tools")}
     assert {"wallet.pay", "ask", "echo.tool"} <= set(names), names
@@ -620,9 +607,8 @@ def test_an_executable_tool_runs_as_the_tools_user(gurtd: Gurtd) -> None:
     assert "notes.txt" not in names
 
     args = {"word": "hello", "n": [1, 2]}
-    task = gurtd.run(f"gurtd tool echo.tool '{json.dumps(args)}'\nid -un",
-                     tools=["echo.tool"])       # budget 0: a tool's cost is counted, not asked
-    assert task["state"] == "done", (task, gurtd.log(task["id"]))
+    task = gurtd.run_done(f"gurtd tool echo.tool '{json.dumps(args)}'\nid -un",
+                          tools=["echo.tool"])       # budget 0: a tool's cost is counted, not asked
     out = gurtd.output(task["id"])
     result = json.loads(out[0])
     assert result["echo"] == args
@@ -642,13 +628,6 @@ def test_an_executable_tool_runs_as_the_tools_user(gurtd: Gurtd) -> None:
 
 def test_the_events_stream_tells_of_a_pending_approval_at_once(gurtd: Gurtd) -> None:
     set_balance(gurtd, 1000)
-    conn = gurtd.connection(timeout=15)
-    conn.request("GET", "/api/events", headers={"Authorization": f"Bearer {gurtd.token}"})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    assert resp.getheader("Content-Type", "").startswith("text/event-stream")
-
-    created = gurtd.create(pay_line("liam", 5), tools=["wallet.pay"])
     waiting_at: list[float] = []
 
     def poll() -> None:
@@ -660,31 +639,24 @@ def test_the_events_stream_tells_of_a_pending_approval_at_once(gurtd: Gurtd) -> 
             time.sleep(0.01)
 
     poller = threading.Thread(target=poll)
-    poller.start()
     events: list[tuple[int, str, dict[str, Any]]] = []
     received_at = None
-    event_id, kind = None, None
-    try:
+    with gurtd.stream("/api/events", timeout=15) as resp:
+        assert resp.status == 200
+        assert resp.getheader("Content-Type", "").startswith("text/event-stream")
+        created = gurtd.create(pay_line("liam", 5), tools=["wallet.pay"])
+        poller.start()
         deadline = time.monotonic() + 20
-        while received_at is None and time.monotonic() < deadline:
-            line = resp.readline().decode().rstrip("\n")
-            if line.startswith("id: "):
-                event_id = int(line[4:])
-            elif line.startswith("event: "):
-                kind = line[7:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-                assert event_id is not None and kind in ("task", "approval"), (event_id, kind)
-                events.append((event_id, kind, data))
-                if kind == "approval" and data["task"] == created["id"] and \
-                        data["state"] == "pending":
-                    received_at = time.monotonic()
-            elif not line:
-                event_id, kind = None, None
-    finally:
+        for event_id, kind, text in sse(resp):
+            data = json.loads(text)
+            assert event_id is not None and kind in ("task", "approval"), (event_id, kind)
+            events.append((event_id, kind, data))
+            if kind == "approval" and data["task"] == created["id"] and \
+                    data["state"] == "pending":
+                received_at = time.monotonic()
+            if received_at is not None or time.monotonic() > deadline:
+                break
         poller.join()
-        resp.close()
-        conn.close()
     assert received_at is not None, events
     assert waiting_at, "the task never went waiting"
     assert received_at - waiting_at[0] < 1.0, (received_at - waiting_at[0])
@@ -699,22 +671,12 @@ def test_the_events_stream_tells_of_a_pending_approval_at_once(gurtd: Gurtd) -> 
 
     # ?since= replays what followed an event id: here the pending approval, then its answer
     pending_id = [i for i, k, d in events if k == "approval"][-1]
-    conn = gurtd.connection(timeout=15)
-    conn.request("GET", f"/api/events?since={pending_id - 1}",
-                 headers={"Authorization": f"Bearer {gurtd.token}"})
-    resp = conn.getresponse()
     replayed: list[tuple[str, dict[str, Any]]] = []
-    try:
-        kind = None
-        while not any(k == "task" and d["state"] == "failed" for k, d in replayed):
-            line = resp.readline().decode().rstrip("\n")
-            if line.startswith("event: "):
-                kind = line[7:]
-            elif line.startswith("data: "):
-                replayed.append((kind, json.loads(line[6:])))
-    finally:
-        resp.close()
-        conn.close()
+    with gurtd.stream(f"/api/events?since={pending_id - 1}", timeout=15) as resp:
+        for _, kind, text in sse(resp):
+            replayed.append((kind, json.loads(text)))
+            if kind == "task" and replayed[-1][1]["state"] == "failed":
+                break
     assert replayed[0] == ("approval", approval)
     denied = [d for k, d in replayed if k == "approval"][-1]
     assert denied["id"] == approval["id"] and denied["reason"] == "no"
@@ -726,8 +688,7 @@ def test_the_events_stream_tells_of_a_pending_approval_at_once(gurtd: Gurtd) -> 
 # 12. the command line ########################################################################
 
 def test_the_command_line_answers_approvals_and_shows_the_wallet(gurtd: Gurtd) -> None:
-    proc = gurtd.cli("wallet", "--set", "500", "--json")
-    assert proc.returncode == 0, proc.stderr
+    proc = gurtd.cli_ok("wallet", "--set", "500", "--json")
     book = json.loads(proc.stdout)
     assert book["balanceCents"] == 500 and book["ledger"][-1]["set"] == 500
     assert wallet(gurtd)["balanceCents"] == 500
@@ -739,13 +700,11 @@ def test_the_command_line_answers_approvals_and_shows_the_wallet(gurtd: Gurtd) -
     ]), tools=["wallet.pay", "ask"])
 
     first = pending_approval(gurtd, created["id"])
-    proc = gurtd.cli("approvals", "--json")
-    assert proc.returncode == 0, proc.stderr
+    proc = gurtd.cli_ok("approvals", "--json")
     listed = json.loads(proc.stdout)
     assert [a["id"] for a in listed] == [first["id"]]
     assert listed[0]["state"] == "pending" and listed[0]["args"] == {"to": "mia", "cents": 20}
-    proc = gurtd.cli("approve", first["id"])
-    assert proc.returncode == 0, proc.stderr
+    proc = gurtd.cli_ok("approve", first["id"])
     assert proc.stdout.strip() == f"{first['id']} approved"
     proc = gurtd.cli("approve", first["id"])            # once is enough: 409
     assert proc.returncode != 0 and "already" in proc.stderr, (proc.stdout, proc.stderr)
@@ -753,19 +712,16 @@ def test_the_command_line_answers_approvals_and_shows_the_wallet(gurtd: Gurtd) -
     second = eventually(lambda: [a for a in gurtd.approvals(state="pending", task=created["id"])
                                  if a["id"] != first["id"]], what="the second approval")[0]
     assert second["args"] == {"to": "noah", "cents": 30}
-    proc = gurtd.cli("deny", second["id"], "--reason", "not noah")
-    assert proc.returncode == 0, proc.stderr
+    proc = gurtd.cli_ok("deny", second["id"], "--reason", "not noah")
     assert proc.stdout.strip() == f"{second['id']} denied"
     assert gurtd.api("GET", f"/api/approvals/{second['id']}")["reason"] == "not noah"
 
     ask = eventually(lambda: [a for a in gurtd.approvals(state="pending", task=created["id"])
                               if a["kind"] == "ask"], what="the ask")[0]
-    proc = gurtd.cli("answer", ask["id"], "yes, ship")
-    assert proc.returncode == 0, proc.stderr
+    proc = gurtd.cli_ok("answer", ask["id"], "yes, ship")
     assert proc.stdout.strip() == f"{ask['id']} approved"
 
-    task = gurtd.wait(created["id"])
-    assert task["state"] == "done", task
+    task = gurtd.wait_done(created["id"])
     out = gurtd.output(task["id"])
     assert "second exit 1" in out, out
     assert json.loads(out[-1]) == {"answer": "yes, ship"}
@@ -773,14 +729,12 @@ def test_the_command_line_answers_approvals_and_shows_the_wallet(gurtd: Gurtd) -
                for line in gurtd.output(task["id"], "stderr"))
     assert [(p["to"], p["cents"]) for p in gurtd.payments()] == [("mia", 20)]
 
-    proc = gurtd.cli("approvals", "--json", "--state", "denied")
-    assert proc.returncode == 0, proc.stderr
+    proc = gurtd.cli_ok("approvals", "--json", "--state", "denied")
     assert [a["id"] for a in json.loads(proc.stdout)] == [second["id"]]
     proc = gurtd.cli("approvals", "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout) == [], proc.stdout
 
-    proc = gurtd.cli("wallet")
-    assert proc.returncode == 0, proc.stderr
+    proc = gurtd.cli_ok("wallet")
     assert re.search(r"^balance: 480(\.0)? cents$", proc.stdout, re.M), proc.stdout
     assert re.search(rf"{task['id']} paid 20 to mia$", proc.stdout, re.M), proc.stdout
     assert "set to 500" in proc.stdout
@@ -877,12 +831,11 @@ def test_an_oversized_call_gets_a_413_its_caller_can_read(gurtd: Gurtd) -> None:
     """Args over 64 KiB are refused with 413, and the caller reads that refusal (not a broken
     pipe) even when its body is still on the way when the broker answers."""
     set_balance(gurtd, 1000)
-    task = gurtd.run("\n".join([
+    task = gurtd.run_done("\n".join([
         python_line(SLOW_OVERSIZED),
         'gurtd tool wallet.pay "{\\"to\\": \\"x\\", \\"cents\\": 5, \\"memo\\": '
         '\\"$(head -c 70000 /dev/zero | tr \'\\0\' m)\\"}"; echo "client exit $?"',
     ]), tools=["wallet.pay"], budgetCents=100000)
-    assert task["state"] == "done", (task, gurtd.log(task["id"]))
     out = gurtd.output(task["id"])
     assert out[-1] == "client exit 1", out
     assert gurtd.payments() == [] and wallet(gurtd)["balanceCents"] == 1000

@@ -78,8 +78,7 @@ def assert_said_for_people(proc: subprocess.CompletedProcess[str], *wanted: str)
 # run --wait ##################################################################################
 
 def test_run_wait_shows_the_id_first_then_steps_and_output_as_they_come(gurtd: Gurtd) -> None:
-    proc = gurtd.cli("run", "--worker", "fake", "--wait", "echo hi\necho note >&2")
-    assert proc.returncode == 0, proc
+    proc = gurtd.cli_ok("run", "--worker", "fake", "--wait", "echo hi\necho note >&2")
     assert proc.stdout == "hi\n"                       # output only: scripts pipe it on
     lines = proc.stderr.strip().splitlines()
     task_id = ID_RE.match(lines[0])[0]                 # the id before anything else
@@ -159,8 +158,7 @@ def test_on_a_terminal_a_spinner_turns_and_ctrl_c_asks_before_stopping(gurtd: Gu
 def test_tables_say_when_cost_and_why_with_colours_only_on_a_terminal(gurtd: Gurtd) -> None:
     bad = gurtd.run("echo oops >&2; exit 3")
     good = gurtd.run("true")
-    piped = gurtd.cli("tasks")
-    assert piped.returncode == 0, piped
+    piped = gurtd.cli_ok("tasks")
     header, *rows = piped.stdout.splitlines()
     assert header.split() == ["ID", "STATE", "WORKER", "WORKSPACE", "SOURCE", "CREATED", "COST",
                               "TITLE", "ERROR"]
@@ -296,8 +294,7 @@ def test_status_workspaces_files_settings_and_the_wallet(gurtd: Gurtd) -> None:
     made = gurtd.run("mkdir -p src && printf 'one\\ntwo\\n' > src/notes.txt")
     sleeper = gurtd.create("sleep 60")
     wait_for_step(gurtd, sleeper["id"], "sleep 60")
-    status = gurtd.cli("status")
-    assert status.returncode == 0, status
+    status = gurtd.cli_ok("status")
     assert re.search(r"^gurtd \S+ at 127\.0\.0\.1:\d+: up$", status.stdout, re.M), status.stdout
     assert "1 running, 0 waiting, 0 queued" in status.stdout
     assert "wallet:     2.5 cents" in status.stdout and "0 pending" in status.stdout
@@ -340,8 +337,7 @@ def test_approve_all_and_events_follow_what_happens(gurtd: Gurtd) -> None:
         asker = gurtd.create("gurtd tool ask '{\"question\": \"Red or blue?\"}'", tools=["ask"])
         eventually(lambda: len(gurtd.api("GET", "/api/approvals?state=pending")) == 2, 30,
                    "two pending approvals")
-        done = gurtd.cli("approve-all")
-        assert done.returncode == 0, done
+        done = gurtd.cli_ok("approve-all")
         assert done.stdout.splitlines()[0] == "approved 1"
         assert re.search(r"asks: Red or blue\?\s+\(gurtd answer a\S* 'TEXT'\)", done.stdout), \
             done.stdout

@@ -24,7 +24,7 @@ import pytest
 
 import gurtd as G
 from conftest import (Gurtd, eventually, gurtd_on_done_layers, read_until, registry,
-                      running_gurtd, started)
+                      running_gurtd, sse, started)
 
 GATE = "gurtd tool ask '{\"question\": \"end?\"}'"
 
@@ -75,21 +75,12 @@ def put(g: Gurtd, path: str, text: str) -> None:
 
 def event_seen(g: Gurtd, match: Any) -> dict[str, Any]:
     """The first event on /api/events (replayed from the start) that match(kind, data)."""
-    conn = g.connection(timeout=15)
-    conn.request("GET", "/api/events?since=0", headers={"Authorization": f"Bearer {g.token}"})
-    resp = conn.getresponse()
-    try:
+    with g.stream("/api/events?since=0", timeout=15) as resp:
         assert resp.status == 200
-        kind = None
-        while True:
-            line = resp.readline().decode().rstrip("\n")
-            if line.startswith("event: "):
-                kind = line[7:]
-            elif line.startswith("data: ") and match(kind, data := json.loads(line[6:])):
+        for _, kind, text in sse(resp):
+            if match(kind, data := json.loads(text)):
                 return data
-    finally:
-        resp.close()
-        conn.close()
+    raise AssertionError("the event stream ended")
 
 
 def lines(n: int) -> str:
@@ -135,8 +126,7 @@ def test_a_merged_task_shows_its_own_change(gurtd: Gurtd) -> None:
     b = gated(gurtd, "sed -i 's/^line 19$/nineteen by b/' f.txt; echo b > only-b.txt")
     assert end(gurtd, a)["state"] == "done"
     assert end(gurtd, b)["state"] == "done"
-    status, diff, _ = gurtd.request("GET", f"/api/tasks/{b}/diff")
-    assert status == 200
+    diff = gurtd.api("GET", f"/api/tasks/{b}/diff", status=200)
     changed = [line for line in diff.decode().splitlines()
                if line[:1] in "+-" and line[:3] not in ("+++", "---")]
     assert changed == ["-line 19", "+nineteen by b", "+b"], diff.decode()
@@ -245,8 +235,8 @@ def test_delete_against_edit_is_a_conflict(gurtd: Gurtd) -> None:
     assert event_seen(gurtd, lambda kind, data: kind == "approval" and
                       data["id"] == approval["id"])["kind"] == "conflict"
     assert gurtd.api("POST", "/api/approvals/approve-all", {})["approved"] == 0
-    status, made, _ = gurtd.request("POST", "/api/policies", {"tool": "merge", "scope": "box"})
-    assert status == 201, made                        # a policy for it exists, and yet:
+    # a policy for it exists, and yet:
+    gurtd.api("POST", "/api/policies", {"tool": "merge", "scope": "box"}, status=201)
     assert pending(gurtd, a, "conflict")["id"] == approval["id"]
     assert gurtd.file("home", "f.txt") is not None and b"five" in gurtd.file("home", "f.txt")
 
@@ -579,8 +569,7 @@ def random_edits(rng: random.Random, made: int, view: Files) -> tuple[Files, lis
 
 def view_files(g: Gurtd) -> dict[str, tuple[bytes, str]]:
     """Every file of the view of home: (its bytes, its mode), from the view's archive."""
-    code, data, _ = g.request("GET", "/api/workspaces/home/archive")
-    assert code == 200
+    data = g.api("GET", "/api/workspaces/home/archive", status=200)
     out = {}
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         for info in tar.getmembers():
@@ -685,8 +674,7 @@ def random_history(gurtd: Gurtd, rng: random.Random) -> None:
             if asked.get("choice") == "deny":
                 assert gurtd.wait(task_id)["state"] == "failed"
             else:
-                task = gurtd.wait(task_id)
-                assert task["state"] == "done", (task, gurtd.log(task_id))
+                task = gurtd.wait_done(task_id)
                 ids.append(task_id)
                 seen["merged"] += bool(task.get("merged"))
             seen["conflict"] += bool(conflicts)

@@ -19,6 +19,7 @@ import stat
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -179,8 +180,7 @@ def test_tmp_and_home_are_private_to_each_running_task(gurtd: Gurtd) -> None:
     host_secret = "gurt-host-tmp-" + secrets.token_hex(8)
     host_file = f"/tmp/gurt-test-host-{secrets.token_hex(4)}"
     a_name = f"a-secret-{secrets.token_hex(4)}"
-    with open(host_file, "w") as f:
-        f.write(host_secret + "\n")
+    Path(host_file).write_text(host_secret + "\n")
     try:
         a = gurtd.create(prompt(
             f"echo {secret} > /tmp/{a_name}",
@@ -261,10 +261,8 @@ def test_a_task_edits_its_own_layer_never_the_base(gurtd: Gurtd) -> None:
     assert base_state(gurtd) == before, "the task changed the base on disk"
     # the edits are in the task's layer
     upper = os.path.join(gurtd.home, "layers", task["id"], "upper")
-    with open(os.path.join(upper, "notes.txt")) as f:
-        assert f.read() == "changed\n"
-    with open(os.path.join(upper, "added.txt")) as f:
-        assert f.read() == "new\n"
+    assert Path(upper, "notes.txt").read_text() == "changed\n"
+    assert Path(upper, "added.txt").read_text() == "new\n"
     for gone in ("keep.txt", "dir"):
         st = os.lstat(os.path.join(upper, gone))
         assert stat.S_ISCHR(st.st_mode) and st.st_rdev == 0, f"{gone} is not a whiteout"
@@ -361,8 +359,7 @@ def test_a_task_cannot_read_root_or_home_of_the_host(gurtd: Gurtd) -> None:
     host_home = sorted(os.listdir("/home"))
     try:
         for path in markers:
-            with open(path, "w") as f:
-                f.write(secret + "\n")
+            Path(path).write_text(secret + "\n")
             os.chmod(path, 0o644)
         task = gurtd.run_done(prompt(
             "cat /root/gurt-test-marker; true",

@@ -17,12 +17,13 @@ import os
 import shutil
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
 import gurtd as G
-from conftest import A, Gurtd, droid_events, droid_stand_in, eventually, pay_line
+from conftest import A, Gurtd, droid_events, droid_stand_in, eventually, pay_line, sse
 
 # helpers #####################################################################################
 
@@ -133,9 +134,8 @@ def test_an_ask_takes_no_args_and_cannot_be_always_approved(gurtd: Gurtd) -> Non
     approval = gurtd.pending(task["id"])
     assert approval["canAlwaysApprove"] is False
     assert "ask" in approval["alwaysBlockedReason"]
-    code, data, _ = gurtd.request("POST", f"/api/approvals/{approval['id']}/approve",
-                                  {"args": {"question": "other"}})
-    assert code == 409, data
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/approve",
+              {"args": {"question": "other"}}, status=409)
     code, data, _ = gurtd.request("POST", f"/api/approvals/{approval['id']}/always",
                                   {"scope": "box"})
     assert code == 409 and "ask" in data["error"], data
@@ -239,11 +239,8 @@ def test_limits_and_expiry_end_a_policy(gurtd: Gurtd) -> None:
 
 
 def test_a_deleted_policy_asks_again_and_events_tell_of_policy_changes(gurtd: Gurtd) -> None:
-    conn = gurtd.connection(timeout=30)
-    conn.request("GET", "/api/events", headers={"Authorization": f"Bearer {gurtd.token}"})
-    stream = conn.getresponse()
-    assert stream.status == 200
-    try:
+    with gurtd.stream("/api/events", timeout=30) as stream:
+        assert stream.status == 200
         policy = gurtd.api("POST", "/api/policies", {"tool": "wallet.pay", "scope": "box"},
                            status=201)
         task = gurtd.create("\n".join([pay_said("a", 5), ask_line("go on?"), pay_said("b", 5)]),
@@ -262,19 +259,15 @@ def test_a_deleted_policy_asks_again_and_events_tell_of_policy_changes(gurtd: Gu
         assert gurtd.wait(task["id"])["costCents"] == 5
 
         seen: list[tuple[str, Any]] = []
-        event = None
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and [a for _, a in seen].count("deleted") < 1:
-            line = stream.fp.readline().decode().rstrip("\n")
-            if line.startswith("event: "):
-                event = line[7:]
-            elif line.startswith("data: ") and event == "policy":
-                data = json.loads(line[6:])
+        for _, event, text in sse(stream.fp):
+            if event == "policy":
+                data = json.loads(text)
                 assert data["policy"]["id"] == policy["id"]
                 seen.append((event, data["action"]))
+            if time.monotonic() > deadline or [a for _, a in seen].count("deleted") >= 1:
+                break
         assert [a for _, a in seen] == ["created", "used", "deleted"], seen
-    finally:
-        conn.close()
     assert not os.path.exists(os.path.join(gurtd.home, "policies.json")) or \
         json.load(open(os.path.join(gurtd.home, "policies.json"))) == {"policies": []}
 
@@ -323,8 +316,7 @@ def test_the_command_line_approves_with_args_always_and_manages_policies(gurtd: 
     first = gurtd.pending(task["id"])
     proc = gurtd.cli("approve", first["id"], "--args", "not json")
     assert proc.returncode != 0 and "--args" in proc.stderr
-    proc = gurtd.cli("approve", first["id"], "--args", '{"to": "x", "cents": 4}')
-    assert proc.returncode == 0, proc.stderr
+    proc = gurtd.cli_ok("approve", first["id"], "--args", '{"to": "x", "cents": 4}')
     second = eventually(lambda: [a for a in gurtd.approvals(state="pending", task=task["id"])],
                         30, "y asks")[0]
     proc = gurtd.cli("approve", second["id"], "--always", "task")
@@ -346,8 +338,7 @@ def test_a_damaged_policies_file_is_set_aside_and_gurtd_starts(gurtd: Gurtd) -> 
     stored = json.load(open(path))
     assert len(stored["policies"]) == 1
     stored["policies"][0]["expiresAt"] = "not a time"       # a hand edit gone wrong
-    with open(path, "w") as f:
-        json.dump(stored, f)
+    Path(path).write_text(json.dumps(stored))
     gurtd.restart()
     assert gurtd.api("GET", "/api/policies") == []               # nothing half-trusted
     assert [n for n in os.listdir(gurtd.home) if n.startswith("policies.json.damaged-")]
@@ -370,8 +361,7 @@ def droid_printing_prompt(gurtd: Gurtd) -> Iterator[Gurtd]:
         with open(path) as f:
             script = f.read().replace("#!/bin/sh\n", "#!/bin/sh\ncat /run/gurt/system-prompt.md\n",
                                       1)
-        with open(path, "w") as f:
-            f.write(script)
+        Path(path).write_text(script)
         gurtd.api("PUT", "/api/settings", {"droidPath": path})
         yield gurtd
     finally:
@@ -453,8 +443,7 @@ def test_a_host_asked_at_run_time_is_reached_after_approve_and_refused_after_den
                         40, "deny.test asks")[0]
     assert denied["args"]["name"] == "deny.test"
     g.api("POST", f"/api/approvals/{denied['id']}/deny", {"reason": "not that one"})
-    done = g.wait(task["id"], timeout=60)
-    assert done["state"] == "done", done
+    g.wait_done(task["id"], timeout=60)
     out = g.output(task["id"])
     assert out[0] == f"dns ask.test rcode=0 addr={WEB}", out      # the held query, answered
     assert out[1] == f"hello from {WEB}:80", out
@@ -482,8 +471,7 @@ def test_always_for_a_host_grants_later_tasks_of_the_workspace_only(net_gurtd: G
     assert policy["workspace"] == "home" and policy["id"] == policy_id
 
     # a later task of home, without askHosts or hosts: granted by the policy, nobody asked
-    later = g.run(fetch("team.test") + "\ngetent hosts later.test; echo getent $?")
-    assert later["state"] == "done"
+    later = g.run_done(fetch("team.test") + "\ngetent hosts later.test; echo getent $?")
     assert g.output(later["id"]) == [f"hello from {WEB}:80", "getent 2"]
     assert g.approvals(task=later["id"]) == []
     assert any(e.get("policy") == policy_id for e in g.log(later["id"]))

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -72,8 +73,7 @@ def test_the_key_never_shows_in_the_task_its_log_the_list_or_the_view(
     g = droid_gurtd
     secret = "fk-gurtd-test-" + os.urandom(8).hex()
     os.makedirs(os.path.join(g.home, "secrets"), mode=0o700)
-    with open(os.path.join(g.home, "secrets", "factory-api-key"), "w") as f:
-        f.write(secret + "\n")
+    Path(g.home, "secrets", "factory-api-key").write_text(secret + "\n")
     os.chmod(os.path.join(g.home, "secrets", "factory-api-key"), 0o600)
     g.api("PUT", "/api/settings", {"taskTimeoutSeconds": 15})
     task = g.api("POST", "/api/tasks", {"title": "key", "prompt": "write a file"}, status=201)
@@ -84,12 +84,10 @@ def test_the_key_never_shows_in_the_task_its_log_the_list_or_the_view(
     layer = os.path.join(g.home, "layers", task["id"])
     for root, _, files in os.walk(layer):
         for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                seen.append(f.read().decode(errors="replace"))
+            seen.append(Path(root, name).read_bytes().decode(errors="replace"))
     for path in ("logs", "tasks"):
         for name in os.listdir(os.path.join(g.home, path)):
-            with open(os.path.join(g.home, path, name)) as f:
-                seen.append(f.read())
+            seen.append(Path(g.home, path, name).read_text())
     assert not [text for text in seen if secret in text]
 
 
@@ -134,8 +132,7 @@ def test_the_stream_sets_step_summary_cost_and_logs_every_event(
     g, _ = replaying_gurtd
     task = g.api("POST", "/api/tasks", {"title": "replay", "prompt": "go",
                                         "budgetCents": 10_000}, status=201)
-    done = g.wait(task["id"], timeout=30)
-    assert done["state"] == "done", done
+    done = g.wait_done(task["id"], timeout=30)
     assert done["summary"] == "All tests pass."
     assert done["step"] == "Edit: src/app.js"
     completion = next(e for e in droid_events("documented") if e["type"] == "completion")
@@ -154,8 +151,7 @@ def paused(pid: int) -> bool:
                 if "frozen 1" in f.read():
                     return True
             break
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rpartition(")")[2].split()[0] == "T"
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "T"
 
 
 def test_a_budget_pause_stops_every_process_until_approved(
@@ -219,8 +215,7 @@ def test_the_mcp_server_lists_and_calls_exactly_the_tasks_tools(gurtd: Gurtd) ->
         {"jsonrpc": "2.0", "id": 5, "method": "nonsense"},
     ]
     script = "printf '%s\\n' " + " ".join(shlex.quote(json.dumps(m)) for m in messages)
-    task = gurtd.run(f"{script} | gurtd mcp", tools=["wallet.pay"], budgetCents=1000)
-    assert task["state"] == "done", task
+    task = gurtd.run_done(f"{script} | gurtd mcp", tools=["wallet.pay"], budgetCents=1000)
     replies = {r["id"]: r for r in map(json.loads, gurtd.output(task["id"]))}
     assert sorted(replies) == [1, 2, 3, 4, 5]      # no reply to the notification
     assert replies[1]["result"]["serverInfo"]["name"] == "gurtd"

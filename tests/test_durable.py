@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import gurtd as G
@@ -34,8 +35,7 @@ def nft_tables() -> str:
 
 def task_file(g: Gurtd, task_id: str) -> dict[str, Any] | None:
     try:
-        with open(os.path.join(g.home, "tasks", task_id + ".json")) as f:
-            return json.load(f)
+        return json.loads(Path(g.home, "tasks", task_id + ".json").read_text())
     except FileNotFoundError:
         return None
 
@@ -94,8 +94,7 @@ def test_a_create_that_cannot_be_saved_answers_507_and_leaves_nothing() -> None:
         assert g.api("GET", "/api/tasks") == []
         disk.free()
         time.sleep(1.0)    # long enough for a queued ghost to start, were there one
-        done = g.run("echo room again")
-        assert done["state"] == "done", done
+        done = g.run_done("echo room again")
         assert [t["id"] for t in g.api("GET", "/api/tasks")] == [done["id"]]
         assert g.stop() == 0
 
@@ -121,8 +120,7 @@ def test_a_task_whose_log_cannot_be_written_fails_and_gurtd_keeps_serving() -> N
         eventually(lambda: task["user"] not in passwd_names(), what="the user to go")
         assert g.worker_pids(failed) == []
         disk.free()
-        ok = g.run("echo fine")
-        assert ok["state"] == "done", ok
+        g.run_done("echo fine")
         on_disk = eventually(lambda: (task_file(g, task["id"]) or {}).get("state") == "failed"
                              and task_file(g, task["id"]), what="the failed state on disk")
         assert on_disk["error"] == failed["error"]
@@ -154,9 +152,9 @@ def test_kill_9_then_a_start_on_a_full_disk_works_and_says_what_it_could_not_do(
         sock = os.path.join(g.home, "run", "broker.sock")
         assert os.path.exists(sock)
 
-        code, body, _ = g.request("POST", "/api/tasks",
-                                  {"title": "t", "prompt": "sleep 60", "worker": "fake"})
-        assert code == 507, (code, body)      # still full: nothing can be created
+        # still full: nothing can be created
+        g.api("POST", "/api/tasks", {"title": "t", "prompt": "sleep 60", "worker": "fake"},
+              status=507)
         disk.free()
         running = g.create("sleep 60")
         g.wait(running["id"], ("running",))
@@ -198,8 +196,7 @@ def test_a_payment_is_never_missing_from_its_task_log_after_kill_9() -> None:
         assert len([e for e in g.log(task["id"]) if e.get("call") == call]) == 1
         assert g.task(task["id"])["costCents"] == 25
         # and a payment without a crash carries its call id in both places
-        paid = g.run(pay_line("frank", 5), tools=["wallet.pay"], budgetCents=100)
-        assert paid["state"] == "done", paid
+        paid = g.run_done(pay_line("frank", 5), tools=["wallet.pay"], budgetCents=100)
         entry = [e for e in g.api("GET", "/api/wallet")["ledger"]
                  if e.get("task") == paid["id"]][0]
         assert [e["call"] for e in g.log(paid["id"]) if e["type"] == "tool"] == [entry["call"]]
@@ -229,8 +226,7 @@ def test_a_task_reported_done_stays_done_across_kill_9() -> None:
         assert "error" not in after
         assert g.file("home", "kept.txt") == b"kept\n"
 
-        seen = g.run("echo second")
-        assert seen["state"] == "done"
+        seen = g.run_done("echo second")
         g.restart(kill=True)
         again = g.task(seen["id"])
         assert again["state"] == "done" and again["updatedAt"] == seen["updatedAt"]
@@ -257,8 +253,7 @@ def test_temp_files_of_a_crashed_run_are_removed_at_start() -> None:
                      f"/etc/group.gurtd-{dead.pid}", f"/etc/shadow.gurtd-{dead.pid}"]
         others = [f"/etc/group.gurtd-{alive.pid}"]
         for path in leftovers + others:
-            with open(path, "w") as f:
-                f.write("half")
+            Path(path).write_text("half")
             made.append(path)
         g.start()
         assert [p for p in leftovers if os.path.exists(p)] == []
@@ -306,9 +301,7 @@ def test_a_second_gurtd_on_the_same_box_home_exits_at_once_and_changes_nothing()
         assert G.task_users().get(task["user"]) == uid     # other tests' users come and go
         assert g.task(task["id"])["state"] == "waiting"
         g.api("POST", f"/api/approvals/{pending[0]['id']}/answer", {"answer": "yes"})
-        done = g.wait(task["id"])
-        assert done["state"] == "done", (done, g.log(task["id"]))
-        assert done["costCents"] == 3
+        assert g.wait_done(task["id"])["costCents"] == 3
         assert g.stop() == 0
 
 
@@ -368,11 +361,9 @@ def test_writes_on_a_full_disk_fail_whole_and_leave_the_old_files_as_they_were()
         state = os.path.join(disk.mnt, "task.json")
         G.write_json(state, {"state": "done"})
         logfile = os.path.join(disk.mnt, "log.jsonl")
-        with open(logfile, "wb") as f:
-            f.write(b'{"n": 1}\n')
+        Path(logfile).write_bytes(b'{"n": 1}\n')
         accounts = os.path.join(disk.mnt, "passwd")
-        with open(accounts, "wb") as f:
-            f.write(b"root:x:0:0:root:/root:/bin/bash\n")
+        Path(accounts).write_bytes(b"root:x:0:0:root:/root:/bin/bash\n")
         os.chmod(accounts, 0o644)
         disk.fill(leave=16 * 1024)
         big = b"x" * (300 * 1024)
@@ -382,8 +373,7 @@ def test_writes_on_a_full_disk_fail_whole_and_leave_the_old_files_as_they_were()
             raise AssertionError("a 300 KB state file fit on a nearly full disk")
         except OSError as exc:
             assert exc.errno == errno.ENOSPC
-        with open(state) as f:
-            assert json.load(f) == {"state": "done"}
+        assert json.loads(Path(state).read_text()) == {"state": "done"}
 
         fd = os.open(logfile, os.O_WRONLY | os.O_APPEND)
         try:
@@ -395,27 +385,23 @@ def test_writes_on_a_full_disk_fail_whole_and_leave_the_old_files_as_they_were()
             G.append_line(fd, b'{"n": 2}\n')          # the next line starts clean
         finally:
             os.close(fd)
-        with open(logfile, "rb") as f:
-            assert f.read() == b'{"n": 1}\n{"n": 2}\n'
+        assert Path(logfile).read_bytes() == b'{"n": 1}\n{"n": 2}\n'
 
         try:
             G._replace_account_file(accounts, b"root:x:0:0:root:/root:/bin/bash\n" + big)
             raise AssertionError("a 300 KB account file fit on a nearly full disk")
         except OSError as exc:
             assert exc.errno == errno.ENOSPC
-        with open(accounts, "rb") as f:
-            assert f.read() == b"root:x:0:0:root:/root:/bin/bash\n"
+        assert Path(accounts).read_bytes() == b"root:x:0:0:root:/root:/bin/bash\n"
         assert oct(os.stat(accounts).st_mode & 0o777) == oct(0o644)
 
-        leftovers = [n for n in os.listdir(disk.mnt) if ".tmp-" in n or ".gurtd-" in n]
-        assert leftovers == []
+        assert [n for n in os.listdir(disk.mnt) if ".tmp-" in n or ".gurtd-" in n] == []
 
 
 def children(pid: int) -> list[int]:
     out: list[int] = []
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/children") as f:
-            out += [int(p) for p in f.read().split()]
+        out += [int(p) for p in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
     return out
 
 

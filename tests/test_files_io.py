@@ -17,11 +17,12 @@ import subprocess
 import tarfile
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import Gurtd, SmallDisk, eventually, running_gurtd
+from conftest import Gurtd, SmallDisk, eventually, loop_waits, running_gurtd
 
 STORE = "gurt-store"
 SHARED_GURTD = True
@@ -84,10 +85,9 @@ def box_state(g: Gurtd) -> tuple[Any, ...]:
 
 def test_a_put_file_is_a_layer_a_task_builds_on_and_undo_takes_it_out(gurtd: Gurtd) -> None:
     ws = workspace(gurtd)
-    status, task, _ = gurtd.request("PUT", f"/api/workspaces/{ws}/files/notes/todo.txt",
-                                    raw=b"buy milk\n",
-                                    headers={"Content-Type": "application/octet-stream"})
-    assert status == 201, task
+    task = gurtd.api("PUT", f"/api/workspaces/{ws}/files/notes/todo.txt",
+                     raw=b"buy milk\n",
+                     headers={"Content-Type": "application/octet-stream"}, status=201)
     assert (task["worker"], task["source"], task["state"]) == ("upload", "api", "done")
     assert gurtd.file(ws, "notes/todo.txt") == b"buy milk\n"
     # on disk it belongs to the store user, like what a task writes
@@ -99,8 +99,7 @@ def test_a_put_file_is_a_layer_a_task_builds_on_and_undo_takes_it_out(gurtd: Gur
     assert gurtd.api("GET", f"/api/tasks/{task['id']}/changes") == [
         {"path": "notes/", "change": "added"}, {"path": "notes/todo.txt", "change": "added"}]
     # a task sees the file as its own and changes it
-    t = gurtd.run("cat notes/todo.txt\necho 'buy bread' >> notes/todo.txt", workspace=ws)
-    assert t["state"] == "done", gurtd.log(t["id"])
+    t = gurtd.run_done("cat notes/todo.txt\necho 'buy bread' >> notes/todo.txt", workspace=ws)
     assert t["layers"] == [task["id"]]
     assert gurtd.output(t["id"]) == ["buy milk"]
     assert gurtd.file(ws, "notes/todo.txt") == b"buy milk\nbuy bread\n"
@@ -119,11 +118,9 @@ def test_a_put_file_is_a_layer_a_task_builds_on_and_undo_takes_it_out(gurtd: Gur
 def test_a_put_over_a_file_replaces_it_and_keeps_the_folder_mode(gurtd: Gurtd) -> None:
     ws = workspace(gurtd)
     gurtd.run("mkdir -m 0700 private && echo old > private/a.txt", workspace=ws)
-    status, _, _ = gurtd.request("PUT", f"/api/workspaces/{ws}/files/private/a.txt", raw=b"new")
-    assert status == 201
+    gurtd.api("PUT", f"/api/workspaces/{ws}/files/private/a.txt", raw=b"new", status=201)
     assert gurtd.file(ws, "private/a.txt") == b"new"
-    top = gurtd.api("GET", f"/api/workspaces/{ws}")
-    assert top["layers"] == 2
+    assert gurtd.api("GET", f"/api/workspaces/{ws}")["layers"] == 2
     newest = gurtd.api("GET", "/api/tasks?limit=1")[0]
     st = os.stat(os.path.join(gurtd.home, "layers", newest["id"], "upper", "private"))
     assert stat.S_IMODE(st.st_mode) == 0o700       # as the folder it lies over, like a copy-up
@@ -173,8 +170,7 @@ def test_an_archive_lands_whole_and_round_trips(gurtd: Gurtd) -> None:
         set(names)
     assert names["src/link.py"].issym() and names["src/link.py"].linkname == "main.py"
     assert names["src/main.py"].uid == 0 and names["src/main.py"].mode == 0o755
-    got, body, _ = gurtd.request("GET", f"/api/tasks/{t['id']}/archive")
-    assert got == 200
+    body = gurtd.api("GET", f"/api/tasks/{t['id']}/archive", status=200)
     assert set(archive_names(body)) == {"more.txt"}
     # what came out goes back in: a second workspace gets the same files
     ws2 = workspace(gurtd)
@@ -186,10 +182,8 @@ def test_an_archive_lands_whole_and_round_trips(gurtd: Gurtd) -> None:
 
 def test_an_archive_of_a_view_follows_no_link_and_skips_fifos(gurtd: Gurtd) -> None:
     ws = workspace(gurtd)
-    t = gurtd.run("ln -s /etc/shadow secrets\nmkfifo pipe\necho ok > ok.txt", workspace=ws)
-    assert t["state"] == "done", gurtd.log(t["id"])
-    got, body, _ = gurtd.request("GET", f"/api/workspaces/{ws}/archive")
-    assert got == 200
+    gurtd.run_done("ln -s /etc/shadow secrets\nmkfifo pipe\necho ok > ok.txt", workspace=ws)
+    body = gurtd.api("GET", f"/api/workspaces/{ws}/archive", status=200)
     names = archive_names(body)
     assert names["secrets"].issym() and names["secrets"].size == 0
     assert "pipe" not in names and "ok.txt" in names
@@ -229,16 +223,14 @@ def test_names_that_are_not_utf8_are_bytes_end_to_end(gurtd: Gurtd) -> None:
     assert sorted(os.listdir(upper)) == [b"caf\xe9.txt", b"d\xff"]
     got, body, _ = gurtd.request("GET", f"/api/tasks/{task['id']}/changes")
     assert got == 200 and {c["path"] for c in _strict_json(body)} >= {"caf\\xe9.txt"}, body
-    made = gurtd.run("printf new > \"$(printf 'n\\376')\" && cat caf*.txt", workspace=ws)
-    assert made["state"] == "done", gurtd.log(made["id"])
+    made = gurtd.run_done("printf new > \"$(printf 'n\\376')\" && cat caf*.txt", workspace=ws)
     got, body, _ = gurtd.request("GET", f"/api/tasks/{made['id']}/changes")
     assert got == 200 and _strict_json(body) == [{"path": "n\\xfe", "change": "added"}], body
     got, diff, _ = gurtd.request("GET", f"/api/tasks/{made['id']}/diff")
     assert got == 200 and b'diff --git "a/n\\376" "b/n\\376"' in diff, diff
     names = {}
     for url in (f"/api/workspaces/{ws}/archive", f"/api/tasks/{made['id']}/archive"):
-        got, body, _ = gurtd.request("GET", url)
-        assert got == 200, body
+        body = gurtd.api("GET", url, status=200)
         with tarfile.open(fileobj=io.BytesIO(body), mode="r:gz", encoding="utf-8",
                           errors="surrogateescape") as tar:
             names[url] = set(tar.getnames())
@@ -362,23 +354,19 @@ def test_gurtd_put_and_get_a_folder_a_file_and_a_tasks_changes(gurtd: Gurtd,
     (src / "lib").mkdir(parents=True)
     (src / "lib" / "util.py").write_text("def f(): pass\n")
     (src / "README").write_text("read me\n")
-    put = gurtd.cli("put", ws, str(src), cwd=str(tmp_path))
-    assert put.returncode == 0, put.stderr
+    put = gurtd.cli_ok("put", ws, str(src), cwd=str(tmp_path))
     assert "2 files" in put.stdout and "gurtd undo t" in put.stdout
     assert gurtd.file(ws, "lib/util.py") == b"def f(): pass\n"
     (tmp_path / "one.txt").write_text("one\n")
-    put = gurtd.cli("put", ws, "one.txt", "docs/one.txt", cwd=str(tmp_path))
-    assert put.returncode == 0, put.stderr
+    put = gurtd.cli_ok("put", ws, "one.txt", "docs/one.txt", cwd=str(tmp_path))
     assert gurtd.file(ws, "docs/one.txt") == b"one\n"
     got = gurtd.cli("get", ws, "docs/one.txt", "-o", "-", cwd=str(tmp_path))
     assert got.returncode == 0 and got.stdout == "one\n", got.stderr
-    got = gurtd.cli("get", ws, cwd=str(tmp_path))
-    assert got.returncode == 0, got.stderr
+    got = gurtd.cli_ok("get", ws, cwd=str(tmp_path))
     assert {"README", "lib/util.py", "docs/one.txt"} <= \
         set(archive_names((tmp_path / f"{ws}.tar.gz").read_bytes()))
     last = gurtd.api("GET", f"/api/tasks?workspace={ws}&limit=1")[0]
-    got = gurtd.cli("get", "--task", last["id"], "-o", "changes.tar.gz", cwd=str(tmp_path))
-    assert got.returncode == 0, got.stderr
+    got = gurtd.cli_ok("get", "--task", last["id"], "-o", "changes.tar.gz", cwd=str(tmp_path))
     assert set(archive_names((tmp_path / "changes.tar.gz").read_bytes())) == \
         {"docs", "docs/one.txt"}
     # errors say what is wrong, not an HTTP status
@@ -393,8 +381,7 @@ def test_gurtd_put_and_get_a_folder_a_file_and_a_tasks_changes(gurtd: Gurtd,
 
 def test_an_upload_never_hides_a_folder_a_file_or_a_link_of_the_workspace(gurtd: Gurtd) -> None:
     ws = workspace(gurtd)
-    t = gurtd.run("ln -s /etc docs\necho a > a.txt\nmkdir src && echo s > src/s.txt", workspace=ws)
-    assert t["state"] == "done", gurtd.log(t["id"])
+    gurtd.run_done("ln -s /etc docs\necho a > a.txt\nmkdir src && echo s > src/s.txt", workspace=ws)
     before = box_state(gurtd)
     for data, where in ((tar_bytes(member("docs/x", b"through the link")), "docs"),
                         (tar_bytes(member("src", b"a file over a folder")), "src"),
@@ -459,10 +446,8 @@ def test_an_archive_of_a_1_tib_sparse_file_is_small_quick_and_exact(gurtd: Gurtd
     small extents 100 MiB apart (1 TB).  Both go out as sparse members (GNU tar's PAX 1.0
     format), in seconds and a few hundred kilobytes, the loop answering all along; tarfile
     reads their bytes where they were, GNU tar extracts them sparse."""
-    from test_redteam_task import loop_waits
     ws = workspace(gurtd)
-    task = gurtd.run(SPARSE_TASK, workspace=ws)
-    assert task["state"] == "done", gurtd.log(task["id"])
+    task = gurtd.run_done(SPARSE_TASK, workspace=ws)
     for url in (f"/api/workspaces/{ws}/archive", f"/api/tasks/{task['id']}/archive"):
         with loop_waits(gurtd) as waits:
             status, body, took = bounded_get(gurtd, url, 16 << 20, 60)
@@ -482,8 +467,7 @@ def test_an_archive_of_a_1_tib_sparse_file_is_small_quick_and_exact(gurtd: Gurtd
                 assert reader.read(len(b"x%d" % i) + 1) == b"x%d\0" % i
     out = tempfile.mkdtemp(dir="/var/tmp")
     try:
-        with open(os.path.join(out, "a.tar.gz"), "wb") as f:
-            f.write(body)
+        Path(out, "a.tar.gz").write_bytes(body)
         subprocess.run(["tar", "-xzf", "a.tar.gz", "big", "many"], cwd=out, check=True,
                        timeout=60)
         for name, size in (("big", 1 << 40), ("many", 10000 * (100 << 20))):

@@ -18,6 +18,7 @@ import socket
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -273,8 +274,7 @@ def test_droid_creates_a_file_through_the_models_tool_call(
     g.api("PUT", "/api/settings", gateway_settings(upstream, api))
     task = g.api("POST", "/api/tasks", {"title": "hello", "prompt": "create hello.txt",
                                         "budgetCents": 1000}, status=201)
-    done = g.wait(task["id"], timeout=120)
-    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    done = g.wait_done(task["id"], timeout=120)
     assert done["summary"] == "Created hello.txt."
     assert changes(g, task["id"]) == [{"path": "hello.txt", "change": "added"}]
     assert g.file("home", "hello.txt") == b"hello from the model\n"
@@ -315,8 +315,7 @@ def pay_and_ask(g: Gurtd, upstream: Upstream,
                           timeout=90)[0]
     assert question["args"] == {"question": "which colour?"}
     g.api("POST", f"/api/approvals/{question['id']}/answer", {"answer": "blue"})
-    done = g.wait(task["id"], timeout=90)
-    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    done = g.wait_done(task["id"], timeout=90)
     assert done["summary"] == "Paid and noted."
     assert g.api("GET", "/api/wallet")["balanceCents"] == 93
     assert done["costCents"] == pytest.approx(7 + cost(upstream.usages), rel=1e-12)
@@ -417,8 +416,7 @@ def test_without_a_model_key_droid_has_no_key_at_all(droid_gurtd: Gurtd,
     assert g.api("GET", "/api/settings")["droidFactoryKey"] is False
     assert g.api("GET", "/api/secrets") == {"model": {"set": False}}
     os.makedirs(os.path.join(g.home, "secrets"), mode=0o700, exist_ok=True)
-    with open(os.path.join(g.home, "secrets", "factory-api-key"), "w") as f:
-        f.write("fk-not-for-the-box\n")
+    Path(g.home, "secrets", "factory-api-key").write_text("fk-not-for-the-box\n")
     g.api("PUT", "/api/settings", gateway_settings(upstream))
     task = g.api("POST", "/api/tasks", {"title": "t", "prompt": "hi"}, status=201)
     done = g.wait(task["id"], timeout=90)
@@ -433,14 +431,12 @@ def test_the_model_key_is_write_only(model_gurtd: Gurtd) -> None:
     path = os.path.join(g.home, "secrets", "model-key")
     assert os.stat(path).st_mode & 0o777 == 0o600
     assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
-    with open(path) as f:
-        assert f.read() == KEY
+    assert Path(path).read_text() == KEY
     answer = g.api("PUT", "/api/secrets/model", {"key": KEY})
     assert answer == {"model": {"set": True}} == g.api("GET", "/api/secrets")
     for bad in ({"key": ""}, {"key": "a b"}, {"key": "x\r\nHost: evil"}, {"key": 1},
                 {"key": "k", "more": 1}):
-        code, body, _ = g.request("PUT", "/api/secrets/model", bad)
-        assert code == 400, (bad, body)
+        g.api("PUT", "/api/secrets/model", bad, status=400)
     seen = json.dumps([g.api("GET", "/api/settings"), g.api("GET", "/api/secrets"),
                        g.api("GET", "/api/openapi.json")]) + g.log_text()
     assert KEY not in seen
@@ -453,8 +449,7 @@ def test_the_command_line_sets_and_removes_the_key(droid_gurtd: Gurtd) -> None:
     out = g.cli("secret", "model", "--stdin", stdin=KEY + "\n")
     assert out.returncode == 0 and out.stdout == "the model key is set\n", out
     assert KEY not in out.stdout + out.stderr
-    with open(os.path.join(g.home, "secrets", "model-key")) as f:
-        assert f.read() == KEY
+    assert Path(g.home, "secrets", "model-key").read_text() == KEY
     out = g.cli("secret", "model", "--delete")
     assert out.returncode == 0 and g.api("GET", "/api/secrets") == {"model": {"set": False}}
 
@@ -464,10 +459,8 @@ def test_gateway_settings_are_checked(model_gurtd: Gurtd) -> None:
     for bad in ({"api": "openai"}, {"baseUrl": "http://example.com"},
                 {"baseUrl": "ftp://127.0.0.1"}, {"baseUrl": "https://u:p@example.com"},
                 {"models": "x"}, {"maxOutputTokens": 0}, {"nope": 1}):
-        code, body, _ = g.request("PUT", "/api/settings", {"modelGateway": bad})
-        assert code == 400, (bad, body)
-    code, _, _ = g.request("PUT", "/api/settings", {"droidFactoryKey": "yes"})
-    assert code == 400
+        g.api("PUT", "/api/settings", {"modelGateway": bad}, status=400)
+    g.api("PUT", "/api/settings", {"droidFactoryKey": "yes"}, status=400)
     config = g.api("PUT", "/api/settings", {"modelGateway": {
         "baseUrl": "https://api.anthropic.com"}})["modelGateway"]
     assert config == {**G.DEFAULT_MODEL_GATEWAY, "baseUrl": "https://api.anthropic.com"}
@@ -621,8 +614,7 @@ def agent_droid() -> str:
     """AGENT as an executable droid in a new folder of /var/tmp the box user may read."""
     directory = tempfile.mkdtemp(prefix="gurt-test-agent-", dir="/var/tmp")
     path = os.path.join(directory, "droid")
-    with open(path, "w") as f:
-        f.write(AGENT)
+    Path(path).write_text(AGENT)
     os.chmod(path, 0o755)
     os.chmod(directory, 0o755)
     return path
@@ -640,8 +632,7 @@ def agent_done(g: Gurtd, prompt: str, timeout: float = 60) -> dict[str, Any]:
     """A task of the stand-in agent that takes the steps of prompt: done."""
     task = g.api("POST", "/api/tasks", {"title": prompt, "prompt": prompt,
                                         "budgetCents": 1000}, status=201)
-    done = g.wait(task["id"], timeout=timeout)
-    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    done = g.wait_done(task["id"], timeout=timeout)
     return done
 
 
@@ -656,8 +647,7 @@ def test_forged_usage_lines_change_nothing_and_a_whole_answer_is_metered(
     g = agent_gurtd
     task = g.api("POST", "/api/tasks", {"title": "forge", "prompt": "call forge stream",
                                         "budgetCents": 1000}, status=201)
-    done = g.wait(task["id"], timeout=60)
-    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    done = g.wait_done(task["id"], timeout=60)
     answers = results(g, task["id"])
     assert [a["answer"][0] for a in answers] == [200, 200]
     assert json.loads(answers[0]["answer"][1])["usage"] == upstream.usages[0]
@@ -675,8 +665,7 @@ def test_the_key_is_nowhere_inside_and_the_upstream_out_of_reach(
     put_base_file(g, "home", "port", str(upstream.port))
     task = g.api("POST", "/api/tasks", {"title": "search", "prompt": "search direct call",
                                         "budgetCents": 1000}, status=201)
-    done = g.wait(task["id"], timeout=60)
-    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    g.wait_done(task["id"], timeout=60)
     search, direct, call = results(g, task["id"])
     assert search["searched"] > 50 and search["found"] == []
     assert search["env"] is False
@@ -697,8 +686,7 @@ def test_refusals_are_said_to_the_agent(agent_gurtd: Gurtd, upstream: Upstream) 
         waits.append(time.monotonic() - started)
         time.sleep(0.05)
     assert max(waits) < 1.0, max(waits)
-    done = g.wait(task["id"], timeout=90)
-    assert done["state"] == "done", (done, g.log(task["id"])[-5:])
+    done = g.wait_done(task["id"], timeout=90)
     by_step = {r["step"]: r for r in results(g, task["id"])}
     status = {step: r["answer"][0] for step, r in by_step.items() if "answer" in r}
     assert status == {"wrong-key": 401, "wrong-model": 400, "wrong-path": 404,

@@ -35,8 +35,7 @@ def readme(module_gurtd: Gurtd) -> None:
 @pytest.fixture(scope="module")
 def done_task(module_gurtd: Gurtd) -> dict[str, Any]:
     """A task that ran and finished: the one the routes below may name."""
-    task = module_gurtd.run("echo hello", title="a finished task")
-    assert task["state"] == "done", task
+    task = module_gurtd.run_done("echo hello", title="a finished task")
     return task
 
 
@@ -44,10 +43,8 @@ def done_task(module_gurtd: Gurtd) -> dict[str, Any]:
 
 def snapshot(g: Gurtd) -> dict[str, Any]:
     """What a bad request must not change: the API's view and the files under BOX_HOME."""
-    status, tasks, _ = g.request("GET", "/api/tasks")
-    assert status == 200, tasks
-    status, settings, _ = g.request("GET", "/api/settings")
-    assert status == 200, settings
+    tasks = g.api("GET", "/api/tasks", status=200)
+    settings = g.api("GET", "/api/settings", status=200)
     files = {sub: sorted(os.listdir(os.path.join(g.home, sub)))
              for sub in ("tasks", "logs", "layers", "workspaces")}
     settings_file = os.path.join(g.home, "settings.json")
@@ -63,8 +60,7 @@ def snapshot(g: Gurtd) -> dict[str, Any]:
 def changes_nothing(g: Gurtd) -> Iterator[None]:
     before = snapshot(g)
     yield
-    after = snapshot(g)
-    assert after == before, "a refused request changed the box"
+    assert snapshot(g) == before, "a refused request changed the box"
 
 
 def assert_json_error(response: tuple[int, Any, dict[str, str]], status: int,
@@ -103,9 +99,7 @@ def body_of(response: bytes) -> bytes:
 # auth #########################################################################################
 
 def test_health_needs_no_token(gurtd: Gurtd) -> None:
-    status, data, _ = gurtd.request("GET", "/api/health", token=False)
-    assert status == 200, data
-    assert data["ok"] is True
+    assert gurtd.api("GET", "/api/health", token=False, status=200)["ok"] is True
 
 
 BODIES = {   # what a caller with the token would send to each writing route
@@ -201,11 +195,8 @@ def test_a_request_without_host_header_is_refused(gurtd: Gurtd) -> None:
 def test_the_three_local_host_names_are_accepted(gurtd: Gurtd) -> None:
     port = gurtd.port
     for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"):
-        status, data, _ = gurtd.request("GET", "/api/tasks", headers={"Host": host})
-        assert status == 200, (host, data)
-        status, data, _ = gurtd.request("GET", "/api/health", headers={"Host": host},
-                                        token=False)
-        assert status == 200, (host, data)
+        gurtd.api("GET", "/api/tasks", headers={"Host": host}, status=200)
+        gurtd.api("GET", "/api/health", headers={"Host": host}, token=False, status=200)
 
 
 def test_a_foreign_origin_is_refused_before_auth(gurtd: Gurtd) -> None:
@@ -243,11 +234,9 @@ def test_our_own_origin_and_same_origin_fetches_are_fine(gurtd: Gurtd) -> None:
                     {"Origin": f"http://localhost:{port}"},
                     {"Origin": f"http://127.0.0.1:{port}", "Sec-Fetch-Site": "same-origin"},
                     {"Sec-Fetch-Site": "none"}):
-        status, data, _ = gurtd.request("GET", "/api/tasks", headers=headers)
-        assert status == 200, (headers, data)
-    status, task, _ = gurtd.request("POST", "/api/tasks", valid_body(),
-                                    headers={"Origin": f"http://127.0.0.1:{port}"})
-    assert status == 201, task
+        gurtd.api("GET", "/api/tasks", headers=headers, status=200)
+    task = gurtd.api("POST", "/api/tasks", valid_body(),
+                     headers={"Origin": f"http://127.0.0.1:{port}"}, status=201)
     assert gurtd.wait(task["id"])["state"] == "done"
 
 
@@ -383,8 +372,7 @@ def test_good_task_list_queries_answer(gurtd: Gurtd, done_task: dict[str, Any]) 
                             ("limit=1", everything[:1]),
                             ("workspace=home", everything),
                             ("workspace=nope", [])):
-        status, data, _ = gurtd.request("GET", f"/api/tasks?{query}")
-        assert status == 200, (query, data)
+        data = gurtd.api("GET", f"/api/tasks?{query}", status=200)
         assert [t["id"] for t in data] == [t["id"] for t in expected], query
 
 
@@ -477,9 +465,8 @@ def test_no_path_leaves_the_workspace(gurtd: Gurtd) -> None:
     _link_in_base(gurtd, "etc", "/etc")
     _link_in_base(gurtd, "up", "..")
     # a task can plant links too; people then read its layer through the view
-    planted = gurtd.run("ln -s ../../../../token planted-token\nln -s /etc/passwd planted-passwd"
-                        "\nln -s / planted-root")
-    assert planted["state"] == "done", planted
+    gurtd.run_done("ln -s ../../../../token planted-token\nln -s /etc/passwd planted-passwd"
+                   "\nln -s / planted-root")
     token = gurtd.token.encode()
     with open("/etc/passwd", "rb") as f:
         passwd_line = f.readline().strip()
@@ -538,8 +525,7 @@ def test_a_stalled_client_does_not_block_others_and_is_cut_off(gurtd: Gurtd) -> 
         start = time.monotonic()
         status, data, _ = gurtd.request("GET", "/api/health", token=False)
         assert status == 200 and data["ok"] is True, data
-        status, data, _ = gurtd.request("GET", "/api/tasks")
-        assert status == 200, data
+        gurtd.api("GET", "/api/tasks", status=200)
         assert time.monotonic() - start < 1.0
         time.sleep(0.2)
     for t in threads:
@@ -558,8 +544,7 @@ def test_a_malformed_request_line_gets_a_json_error(gurtd: Gurtd, line: bytes) -
         raw = raw_exchange(gurtd.port, line)
     data = json.loads(body_of(raw))
     assert isinstance(data, dict) and isinstance(data.get("error"), str) and data["error"], raw
-    status, health, _ = gurtd.request("GET", "/api/health", token=False)
-    assert status == 200, health
+    gurtd.api("GET", "/api/health", token=False, status=200)
 
 
 # grants into special-use space ################################################################

@@ -316,9 +316,7 @@ def test_any_method_on_a_known_path_is_405_with_allow(gurtd: Gurtd) -> None:
 
 def test_any_method_on_an_unknown_path_is_404(gurtd: Gurtd) -> None:
     for method in ("GET", "TRACE", "OPTIONS", "PATCH", "BREW", "POST"):
-        status, data, _ = gurtd.request(method, "/api/nope")
-        assert status == 404, (method, status, data)
-        assert data["code"] == "not_found"
+        assert gurtd.api(method, "/api/nope", status=404)["code"] == "not_found"
 
 
 # 11. a droid model without a price is refused ################################################
@@ -510,8 +508,7 @@ def test_followers_wake_only_for_their_own_task() -> None:
 
 
 def test_a_long_log_is_streamed_whole_with_its_length(gurtd: Gurtd) -> None:
-    task = gurtd.run("seq 1 30000", title="long log")
-    assert task["state"] == "done", task
+    task = gurtd.run_done("seq 1 30000", title="long log")
     path = os.path.join(gurtd.home, "logs", task["id"] + ".jsonl")
     size = os.path.getsize(path)
     status, data, headers = gurtd.request("GET", f"/api/tasks/{task['id']}/log")
@@ -556,8 +553,7 @@ def test_a_flood_of_stalled_connections_does_not_stop_the_api(gurtd: Gurtd) -> N
             stalled.append(s)
         start = time.monotonic()
         for _ in range(5):
-            status, data, _ = gurtd.request("GET", "/api/tasks?limit=5")
-            assert status == 200, data
+            gurtd.api("GET", "/api/tasks?limit=5", status=200)
         assert time.monotonic() - start < DEADLINE, "the API waited for the stalled ones"
         time.sleep(DEADLINE + 1)
         for s in stalled:

@@ -14,11 +14,12 @@ import os
 import random
 import stat
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import (Gurtd, eventually, gurtd_on_done_layers, make_done_layers, make_home,
-                      registry, remove_home, running_gurtd, wait_for_step)
+from conftest import (Gurtd, deep_tree, eventually, gurtd_on_done_layers, make_done_layers,
+                      make_home, registry, remove_home, running_gurtd, wait_for_step)
 
 import gurtd
 
@@ -77,8 +78,7 @@ def write_layer(top: str, layer: dict[str, tuple[Any, ...]], owner: tuple[int, i
     for path in sorted(layer, key=lambda p: p.count("/")):
         entry, full = layer[path], os.path.join(top, path)
         if entry[0] == "f":
-            with open(full, "w") as f:
-                f.write(entry[1])
+            Path(full).write_text(entry[1])
             os.chown(full, *owner)
         elif entry[0] == "w":
             os.mknod(full, stat.S_IFCHR | 0o600, os.makedev(0, 0))
@@ -208,11 +208,9 @@ def test_both_overlay_ways_show_the_same_views_to_the_limit_and_past_it(scratch:
                                                f"{way}/work")
             finally:
                 os.close(home_fd)
-            with open(f"/proc/self/fd/{view}/new.txt", "w") as f:
-                f.write(way)
+            Path(f"/proc/self/fd/{view}/new.txt").write_text(way)
             os.close(view)
-            with open(os.path.join(scratch, way, "upper", "new.txt")) as f:
-                assert f.read() == way
+            assert Path(scratch, way, "upper", "new.txt").read_text() == way
     finally:
         gurtd.overlay_way_set("")
     with open("/proc/self/mountinfo") as f:              # the builders' mounts went with them
@@ -236,14 +234,7 @@ def test_a_merged_layer_keeps_owners_modes_links_and_deep_trees(scratch: str) ->
     os.symlink("/etc/shadow", os.path.join(top, "d", "link"))
     deep = os.path.join(low, "deep")
     os.mkdir(deep)
-    fd = os.open(deep, os.O_RDONLY | os.O_DIRECTORY)
-    for _ in range(1500):                              # longer than PATH_MAX
-        os.mkdir("n" * 20, dir_fd=fd)
-        nxt = os.open("n" * 20, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-        os.close(fd)
-        fd = nxt
-    os.close(os.open("bottom", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd))
-    os.close(fd)
+    deep_tree(deep, 1500, "n" * 20, "bottom", 0o644)      # longer than PATH_MAX
     gurtd.merge_layers([top, low], os.path.join(home, "m"))
     st = os.lstat(os.path.join(home, "m", "d"))
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (*store, 0o750)
@@ -285,8 +276,7 @@ def test_tasks_undo_and_files_through_merged_layers() -> None:
                     text = f"dir:s{step}"
                 else:
                     prompt, text = f"rm -rf {name}; echo s{step} > {name}", f"s{step}"
-                task = g.run(prompt)
-                assert task["state"] == "done", g.log(task["id"])
+                task = g.run_done(prompt)
                 done.append(task["id"])
                 history.append((task["id"], name, text))
             expected: dict[str, str | None] = {}
@@ -301,8 +291,7 @@ def test_tasks_undo_and_files_through_merged_layers() -> None:
                 else:
                     assert g.file("home", name) == text.encode() + b"\n", (step, name)
         eventually(lambda: registry(g.home)["merged"], what="a merged layer")
-        info = g.api("GET", "/api/workspaces/home")
-        assert info["layers"] == len(done)
+        assert g.api("GET", "/api/workspaces/home")["layers"] == len(done)
         # a new task sees the same as the files API
         names = sorted({n for _, n, t in history})
         check = g.run("for f in " + " ".join(names) + "; do if [ -d $f ]; then cat $f/in/x; "
@@ -363,10 +352,8 @@ def test_a_task_on_an_inner_overlay_sees_and_changes_everything_as_its_own() -> 
     reads the oldest and newest files, overwrites and deletes files of the inner overlay as
     their owner, and the files API (the same plan) agrees."""
     with gurtd_on_done_layers(600, {"GURT_LAYER_KEEP": "100000"}) as (g, _):   # no merges
-        home = g.home
-        assert not registry(home)["merged"]
-        task = g.run("cat n1 n600; stat -c %U n1; echo changed >> n1; rm n2; id -un")
-        assert task["state"] == "done", g.log(task["id"])
+        assert not registry(g.home)["merged"]
+        task = g.run_done("cat n1 n600; stat -c %U n1; echo changed >> n1; rm n2; id -un")
         assert g.output(task["id"]) == ["1", "600", task["user"], task["user"]]
         assert g.file("home", "n1") == b"1\nchanged\n"
         assert g.file("home", "n2") is None and g.file("home", "n3") == b"3\n"

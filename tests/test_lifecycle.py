@@ -13,10 +13,11 @@ import pwd
 import re
 import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 from conftest import (Gurtd, eventually, make_home, passwd_names, put_base_file, remove_home,
-                      uid_processes)
+                      sse, uid_processes)
 
 ID_RE = re.compile(r"^t[a-z0-9]{9}$")
 RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")
@@ -75,26 +76,23 @@ def test_three_tasks_stack_files_edits_deletions_and_a_renamed_directory(gurtd: 
     stack newest first and its current files."""
     put_base_file(gurtd, "home", "readme.txt", "base readme\n")
 
-    t1 = gurtd.run("mkdir -p src/lib && echo v1 > src/lib/code.txt\n"
-                   "echo notes1 > notes.txt\n"
-                   "echo scratch > doomed.txt\n"
-                   "echo 'from t1' >> readme.txt")
-    assert t1["state"] == "done", t1
+    t1 = gurtd.run_done("mkdir -p src/lib && echo v1 > src/lib/code.txt\n"
+                        "echo notes1 > notes.txt\n"
+                        "echo scratch > doomed.txt\n"
+                        "echo 'from t1' >> readme.txt")
     assert t1["layers"] == []
 
-    t2 = gurtd.run("cat src/lib/code.txt notes.txt doomed.txt\n"
-                   "echo v2 > src/lib/code.txt\n"
-                   "rm doomed.txt\n"
-                   "echo t2 > t2.txt")
-    assert t2["state"] == "done", t2
+    t2 = gurtd.run_done("cat src/lib/code.txt notes.txt doomed.txt\n"
+                        "echo v2 > src/lib/code.txt\n"
+                        "rm doomed.txt\n"
+                        "echo t2 > t2.txt")
     assert t2["layers"] == [t1["id"]]
     assert gurtd.output(t2["id"]) == ["v1", "notes1", "scratch"]
 
-    t3 = gurtd.run("test ! -e doomed.txt\n"
-                   "cat src/lib/code.txt\n"
-                   "mv src/lib src/pkg\n"
-                   "ls src")
-    assert t3["state"] == "done", t3
+    t3 = gurtd.run_done("test ! -e doomed.txt\n"
+                        "cat src/lib/code.txt\n"
+                        "mv src/lib src/pkg\n"
+                        "ls src")
     assert t3["layers"] == [t2["id"], t1["id"]]
     assert gurtd.output(t3["id"]) == ["v2", "pkg"]
     t3_changes = changes(gurtd, t3["id"])
@@ -102,11 +100,10 @@ def test_three_tasks_stack_files_edits_deletions_and_a_renamed_directory(gurtd: 
     assert any(c["path"].rstrip("/") == "src/lib" and c["change"] == "deleted"
                for c in t3_changes), t3_changes
 
-    t4 = gurtd.run("cat src/pkg/code.txt\n"
-                   "test ! -e src/lib\n"
-                   "test ! -e doomed.txt\n"
-                   "cat readme.txt t2.txt notes.txt")
-    assert t4["state"] == "done", t4
+    t4 = gurtd.run_done("cat src/pkg/code.txt\n"
+                        "test ! -e src/lib\n"
+                        "test ! -e doomed.txt\n"
+                        "cat readme.txt t2.txt notes.txt")
     assert t4["layers"] == [t3["id"], t2["id"], t1["id"]]
     assert gurtd.output(t4["id"]) == ["v2", "base readme", "from t1", "t2", "notes1"]
 
@@ -185,8 +182,7 @@ def test_undo_a_middle_task_keeps_the_others_changes(gurtd: Gurtd) -> None:
     assert gurtd.task(t2["id"]) == settled
 
     # a new task works on what is left
-    t4 = gurtd.run("cat one.txt three.txt\ntest ! -e two.txt\ntest ! -e notes.txt")
-    assert t4["state"] == "done", t4
+    t4 = gurtd.run_done("cat one.txt three.txt\ntest ! -e two.txt\ntest ! -e notes.txt")
     assert t4["layers"] == [t3["id"], t1["id"]]
     assert gurtd.output(t4["id"]) == ["one", "three"]
 
@@ -196,15 +192,13 @@ def test_undo_a_middle_task_keeps_the_others_changes(gurtd: Gurtd) -> None:
 def test_undo_while_a_running_task_reads_the_layer(gurtd: Gurtd) -> None:
     """Task A wrote a file.  Task B starts on top of A, waits, then reads it.  A is undone while
     B runs: B still reads A's file, and A's layer directory lives until B ends."""
-    a = gurtd.run("echo 'from A' > a.txt")
-    assert a["state"] == "done", a
+    a = gurtd.run_done("echo 'from A' > a.txt")
 
     b = gurtd.create("sleep 1.5\ncat a.txt")
     b = gurtd.wait(b["id"], ("running",))
     assert b["layers"] == [a["id"]]
 
-    undone = gurtd.api("POST", f"/api/tasks/{a['id']}/undo")
-    assert undone["state"] == "undone"
+    assert gurtd.api("POST", f"/api/tasks/{a['id']}/undo")["state"] == "undone"
     assert gurtd.task(b["id"])["state"] == "running"
     assert os.path.isdir(layer_dir(gurtd, a["id"])), "A's layer went while B still uses it"
     assert os.path.isfile(os.path.join(layer_dir(gurtd, a["id"]), "upper", "a.txt"))
@@ -212,8 +206,7 @@ def test_undo_while_a_running_task_reads_the_layer(gurtd: Gurtd) -> None:
     assert gurtd.file("home", "a.txt") is None
     assert stack_ids(gurtd) == []
 
-    b = gurtd.wait(b["id"])
-    assert b["state"] == "done", b
+    b = gurtd.wait_done(b["id"])
     assert gurtd.output(b["id"]) == ["from A"]
     assert b["summary"] == "from A"
     eventually(lambda: not os.path.exists(layer_dir(gurtd, a["id"])), 5,
@@ -322,8 +315,7 @@ def test_a_droid_task_without_the_cli_is_refused_and_creates_nothing(gurtd: Gurt
     assert gurtd.api("GET", "/api/tasks") == before == []
     assert os.listdir(os.path.join(gurtd.home, "tasks")) == []
     assert os.listdir(os.path.join(gurtd.home, "layers")) == []
-    with open("/etc/passwd") as f:
-        assert f"gurt task in {gurtd.home}" not in f.read()
+    assert f"gurt task in {gurtd.home}" not in Path("/etc/passwd").read_text()
 
 
 # 6. a failing worker #########################################################################
@@ -354,9 +346,7 @@ def test_a_failing_line_fails_the_task_and_its_changes_are_not_applied(gurtd: Gu
     assert changes(gurtd, task["id"]) == [{"path": "kept.txt", "change": "added"}]
     assert stack_ids(gurtd) == []
 
-    after = gurtd.run("test ! -e kept.txt\necho clean")
-    assert after["state"] == "done", after
-    assert after["layers"] == []
+    assert gurtd.run_done("test ! -e kept.txt\necho clean")["layers"] == []
 
 
 def test_a_failing_line_without_stderr_gives_just_the_exit_code(gurtd: Gurtd) -> None:
@@ -393,8 +383,7 @@ def test_stop_a_running_task_ends_it_and_its_processes(gurtd: Gurtd) -> None:
 
 
 def test_stop_a_done_task_is_a_conflict(gurtd: Gurtd) -> None:
-    done = gurtd.run("echo ok")
-    assert done["state"] == "done"
+    done = gurtd.run_done("echo ok")
     data = gurtd.api("POST", f"/api/tasks/{done['id']}/stop", status=409)
     assert isinstance(data, dict) and data.get("error"), data
     assert gurtd.task(done["id"]) == done
@@ -412,8 +401,7 @@ def test_a_queued_task_that_is_stopped_never_runs(gurtd: Gurtd) -> None:
     assert stopped["error"] == "stopped"
 
     gurtd.api("POST", f"/api/tasks/{blocker['id']}/stop")
-    after = gurtd.run("echo next")  # the slot is free again: the next task runs
-    assert after["state"] == "done"
+    after = gurtd.run_done("echo next")  # the slot is free again: the next task runs
     assert after["layers"] == []
     assert gurtd.task(queued["id"])["state"] == "failed"
     assert "running" not in gurtd.states(queued["id"])
@@ -429,29 +417,12 @@ def test_the_log_and_its_follow_stream(gurtd: Gurtd) -> None:
     prompt = ("echo one\nsleep 0.5\necho two; echo oops >&2\nsleep 0.5\necho three")
     task = gurtd.create(prompt)
 
-    conn = gurtd.connection(timeout=20)
-    conn.request("GET", f"/api/tasks/{task['id']}/log?follow=1",
-                 headers={"Authorization": f"Bearer {gurtd.token}"})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    assert resp.getheader("Content-Type", "").startswith("text/event-stream")
     events: list[tuple[float, str, str]] = []   # (arrival, event, data)
-    event = "message"
-    started = time.monotonic()
-    try:
-        while True:
-            raw = resp.readline()
-            if not raw:
-                break
-            line = raw.decode().rstrip("\n")
-            if line.startswith("event: "):
-                event = line[len("event: "):]
-            elif line.startswith("data: "):
-                events.append((time.monotonic() - started, event, line[len("data: "):]))
-            elif line == "":
-                event = "message"
-    finally:
-        conn.close()
+    with gurtd.stream(f"/api/tasks/{task['id']}/log?follow=1") as resp:
+        assert resp.status == 200
+        assert resp.getheader("Content-Type", "").startswith("text/event-stream")
+        started = time.monotonic()
+        events += [(time.monotonic() - started, event, data) for _, event, data in sse(resp)]
     ended_at = time.monotonic() - started
 
     assert events, "no events"
@@ -499,13 +470,12 @@ def test_changes_lists_added_modified_and_deleted_paths(gurtd: Gurtd) -> None:
     put_base_file(gurtd, "home", "delete.txt", "bye\n")
     put_base_file(gurtd, "home", "keep.txt", "same\n")
     put_base_file(gurtd, "home", "docs/guide.txt", "guide\n")
-    task = gurtd.run("echo new >> modify.txt\n"
-                     "rm delete.txt\n"
-                     "echo hi > added.txt\n"
-                     "mkdir newdir && echo x > newdir/inner.txt\n"
-                     "echo more >> docs/guide.txt\n"
-                     "cat keep.txt")
-    assert task["state"] == "done", task
+    task = gurtd.run_done("echo new >> modify.txt\n"
+                          "rm delete.txt\n"
+                          "echo hi > added.txt\n"
+                          "mkdir newdir && echo x > newdir/inner.txt\n"
+                          "echo more >> docs/guide.txt\n"
+                          "cat keep.txt")
     got = changes(gurtd, task["id"])
     paths = [c["path"] for c in got]
     assert paths == sorted(paths) and len(paths) == len(set(paths)), got
@@ -551,9 +521,7 @@ def test_settings_defaults_partial_update_and_restart(gurtd: Gurtd) -> None:
     gurtd.restart()
     assert core(gurtd.api("GET", "/api/settings")) == \
         {"defaultBudgetCents": 250, "maxRunningTasks": 3, "upstreamDns": ""}
-    later = gurtd.run("echo later")
-    assert later["state"] == "done"
-    assert later["budgetCents"] == 250
+    assert gurtd.run_done("echo later")["budgetCents"] == 250
     assert gurtd.run("echo own", budgetCents=7)["budgetCents"] == 7
     assert gurtd.task(first["id"])["budgetCents"] == 0    # a setting does not touch old tasks
 
@@ -631,13 +599,11 @@ def test_kill_9_then_restart_fails_running_tasks_and_starts_queued_ones(gurtd: G
     assert gurtd.worker_pids(failed) == []
     assert running["user"] not in passwd_names()
 
-    resumed = gurtd.wait(queued["id"])
-    assert resumed["state"] == "done", resumed
+    gurtd.wait_done(queued["id"])
     assert gurtd.output(queued["id"]) == ["after restart"]
     assert gurtd.states(queued["id"]) == ["queued", "running", "done"]
 
-    fresh = gurtd.run("echo fine > fine.txt\necho fine")
-    assert fresh["state"] == "done", fresh
+    fresh = gurtd.run_done("echo fine > fine.txt\necho fine")
     assert fresh["layers"] == [queued["id"]]
     assert gurtd.file("home", "fine.txt") == b"fine\n"
     assert not any(u.startswith("box-") and u in (running["user"], queued["user"],
@@ -692,12 +658,9 @@ def test_a_box_home_that_is_a_mount_survives_start_kill_restart_and_stop() -> No
 # 14. the command line ########################################################################
 
 def test_the_command_line(gurtd: Gurtd) -> None:
-    token = gurtd.cli("token")
-    assert token.returncode == 0, token
-    assert token.stdout.strip() == gurtd.token
+    assert gurtd.cli_ok("token").stdout.strip() == gurtd.token
 
-    ok = gurtd.cli("run", "--worker", "fake", "--wait", "echo hi")
-    assert ok.returncode == 0, ok
+    ok = gurtd.cli_ok("run", "--worker", "fake", "--wait", "echo hi")
     assert ok.stdout == "hi\n"
     ok_id, ok_state = ok.stderr.strip().splitlines()[-1].split()[:2]
     assert ID_RE.match(ok_id) and ok_state == "done", ok.stderr
@@ -710,13 +673,11 @@ def test_the_command_line(gurtd: Gurtd) -> None:
     assert gurtd.task(bad_id)["error"] == "worker exited with 3: trouble"
     assert "trouble" in bad.stderr
 
-    as_json = gurtd.cli("run", "--worker", "fake", "--wait", "--json", "echo j")
-    assert as_json.returncode == 0, as_json
+    as_json = gurtd.cli_ok("run", "--worker", "fake", "--wait", "--json", "echo j")
     j_task = json.loads(as_json.stdout)
     assert j_task["state"] == "done" and j_task["summary"] == "j"
 
-    tasks = gurtd.cli("tasks")
-    assert tasks.returncode == 0, tasks
+    tasks = gurtd.cli_ok("tasks")
     lines = tasks.stdout.splitlines()
     assert lines[0].split()[:2] == ["ID", "STATE"]
     rows = [line.split()[:2] for line in lines[1:]]
@@ -726,17 +687,14 @@ def test_the_command_line(gurtd: Gurtd) -> None:
     failed_only = gurtd.cli("tasks", "--state", "failed", "--json")
     assert [t["id"] for t in json.loads(failed_only.stdout)] == [bad_id]
 
-    show = gurtd.cli("show", ok_id)
-    assert show.returncode == 0, show
+    show = gurtd.cli_ok("show", ok_id)
     fields = dict(re.split(r":\s+", line, maxsplit=1) for line in show.stdout.splitlines()
                   if re.match(r"^\w+:\s", line))
     assert fields["id"] == ok_id and fields["state"] == "done" and fields["summary"] == "hi"
     assert fields["user"] == "box-" + ok_id
-    show_json = gurtd.cli("show", ok_id, "--json")
-    assert json.loads(show_json.stdout) == gurtd.task(ok_id)
+    assert json.loads(gurtd.cli("show", ok_id, "--json").stdout) == gurtd.task(ok_id)
 
-    log = gurtd.cli("log", ok_id)
-    assert log.returncode == 0, log
+    log = gurtd.cli_ok("log", ok_id)
     kinds = [line.split()[1] for line in log.stdout.splitlines()]
     assert kinds == ["state", "state", "step", "stdout", "exit", "state"], log.stdout
     assert log.stdout.splitlines()[3].split()[-1] == "hi"
@@ -745,26 +703,21 @@ def test_the_command_line(gurtd: Gurtd) -> None:
     follow = gurtd.cli("log", "-f", ok_id, "--json")
     assert [json.loads(line) for line in follow.stdout.splitlines()] == gurtd.log(ok_id)
 
-    undo = gurtd.cli("undo", ok_id)
-    assert undo.returncode == 0, undo
+    undo = gurtd.cli_ok("undo", ok_id)
     assert undo.stdout == f"{ok_id} undone\n", undo.stdout          # an action: one line
     assert gurtd.task(ok_id)["state"] == "undone"
-    undo_json = gurtd.cli("undo", ok_id, "--json")
-    assert json.loads(undo_json.stdout) == gurtd.task(ok_id)
+    assert json.loads(gurtd.cli("undo", ok_id, "--json").stdout) == gurtd.task(ok_id)
 
-    started = gurtd.cli("run", "--worker", "fake", "sleep 30")
-    assert started.returncode == 0, started
+    started = gurtd.cli_ok("run", "--worker", "fake", "sleep 30")
     sleeper = started.stdout.strip()
     assert ID_RE.match(sleeper), started.stdout
     gurtd.wait(sleeper, ("running",))
-    stop = gurtd.cli("stop", sleeper, "--json")
-    assert stop.returncode == 0, stop
+    stop = gurtd.cli_ok("stop", sleeper, "--json")
     stopped = json.loads(stop.stdout)
     assert stopped["state"] == "failed" and stopped["error"] == "stopped"
     again = gurtd.cli("stop", sleeper)
     assert again.returncode == 1, again
     assert "the task is failed" in again.stderr and "409" not in again.stderr, again.stderr
 
-    from_stdin = gurtd.cli("run", "--worker", "fake", "--wait", stdin="echo one\necho two\n")
-    assert from_stdin.returncode == 0, from_stdin
+    from_stdin = gurtd.cli_ok("run", "--worker", "fake", "--wait", stdin="echo one\necho two\n")
     assert from_stdin.stdout == "one\ntwo\n"

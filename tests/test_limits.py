@@ -21,6 +21,7 @@ import socket
 import tarfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -60,8 +61,7 @@ def start_time(pid: int) -> int | None:
     """When a process started (clock ticks since boot), to tell it from a later one with its
     pid; None once it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rpartition(")")[2].split()[19])
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
     except (OSError, IndexError, ValueError):
         return None
 
@@ -154,8 +154,7 @@ def test_limit_settings_are_checked_and_the_disk_reserve_has_a_default() -> None
 
 def test_a_task_shows_its_effective_limits_and_bad_ones_create_nothing(box: Gurtd) -> None:
     box.api("PUT", "/api/settings", {"taskMaxProcesses": 200, "taskLogBytes": 1 << 20})
-    task = box.run("echo hi", limits={"processes": 100})
-    assert task["state"] == "done", task
+    task = box.run_done("echo hi", limits={"processes": 100})
     with open("/proc/meminfo") as f:
         total = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
     assert task["limits"] == {"processes": 100, "memoryBytes": total // 2,
@@ -210,8 +209,7 @@ def test_a_double_forked_daemon_ends_with_the_task(box: Gurtd) -> None:
                              "if os.fork(): os._exit(0)\n"
                              "open('daemon.pid', 'w').write(str(os.getpid()))\ntime.sleep(300)\n")
     task = box.create(f"id -u\n{daemon} > /dev/null 2>&1 < /dev/null\nsleep 0.5\ncat daemon.pid")
-    done = box.wait(task["id"])
-    assert done["state"] == "done", (done, box.log(task["id"]))
+    box.wait_done(task["id"])
     uid, pid = (int(x) for x in box.output(task["id"]))
     assert pid not in G.processes_by_uid({uid}).get(uid, [])
     assert threads_of_uid(uid) == []
@@ -277,8 +275,7 @@ def host_links() -> dict[int, str]:
     out = {}
     for name in os.listdir("/sys/class/net"):
         try:
-            with open(f"/sys/class/net/{name}/ifindex") as f:
-                out[int(f.read())] = name
+            out[int(Path(f"/sys/class/net/{name}/ifindex").read_text())] = name
         except OSError:
             pass
     return out
@@ -366,9 +363,8 @@ def test_a_task_that_takes_too_much_memory_fails_with_out_of_memory(box: Gurtd) 
     assert task["state"] == "failed", task
     assert task["error"] == "out of memory", task
     assert task["limits"]["memoryBytes"] == 64 << 20
-    ok = box.run("python3 -c 'b = bytearray(20 << 20); print(len(b))'",
+    box.run_done("python3 -c 'b = bytearray(20 << 20); print(len(b))'",
                  limits={"memoryBytes": 64 << 20})
-    assert ok["state"] == "done", ok
 
 
 def test_the_tmp_mounts_together_are_bounded_by_tmp_bytes(box: Gurtd) -> None:
@@ -383,8 +379,7 @@ def test_the_tmp_mounts_together_are_bounded_by_tmp_bytes(box: Gurtd) -> None:
 def test_a_flood_of_output_is_stored_up_to_log_bytes_and_the_rest_counted(box: Gurtd) -> None:
     """With limits.logBytes 64 KiB, a task prints 20,000 lines: the stored log stops near 64 KiB
     (its first lines, in order), one `log` line counts the rest, the state lines are all there."""
-    task = box.run("seq 1 20000\necho after", limits={"logBytes": 65536})
-    assert task["state"] == "done", task
+    task = box.run_done("seq 1 20000\necho after", limits={"logBytes": 65536})
     entries = box.log(task["id"])
     size = os.path.getsize(os.path.join(box.home, "logs", task["id"] + ".jsonl"))
     assert size < 65536 + 2048, size
@@ -524,10 +519,9 @@ def test_an_upload_of_empty_members_is_counted_in_inodes(box_on_a_16_mib_disk: G
     assert f"{room + 1} inodes" in answer["error"], answer
     assert sorted(os.listdir(os.path.join(g.home, "layers"))) == layers
     assert os.statvfs(g.home).f_favail >= st.f_favail - 8      # gurtd's own files at most
-    status, answer, _ = g.request("POST", "/api/workspaces/home/upload",
-                                  raw=empty_members([f"e{i}" for i in range(room - 100)], kind),
-                                  headers={"Content-Type": "application/x-tar"})
-    assert status == 201, answer
+    g.api("POST", "/api/workspaces/home/upload",
+          raw=empty_members([f"e{i}" for i in range(room - 100)], kind),
+          headers={"Content-Type": "application/x-tar"}, status=201)
     assert os.statvfs(g.home).f_favail >= G.inode_reserve(st.f_files)
 
 
@@ -546,17 +540,14 @@ def test_cgroups_of_this_box_and_the_cpu_share_of_its_tasks(box: Gurtd) -> None:
     assert parents, "no task parent group"
     cpu = [p for p in parents if os.path.exists(os.path.join(p, "cpu.shares"))]
     for parent in cpu:
-        with open(os.path.join(os.path.dirname(parent), "cpu.shares")) as f:
-            own = int(f.read())
-        with open(os.path.join(parent, "cpu.shares")) as f:
-            assert int(f.read()) == own // 2
+        own = int(Path(os.path.dirname(parent), "cpu.shares").read_text())
+        assert int(Path(parent, "cpu.shares").read_text()) == own // 2
     task = box.create("sleep 30")
     wait_for_step(box, task["id"], "sleep 30")
     groups = task_groups(box.home)
     assert sorted(os.path.basename(p) for p in groups) == [task["id"]] * len(parents)
     pid = box.worker_pids(task)[0]
-    with open(f"/proc/{pid}/cgroup") as f:
-        mine = f.read()
+    mine = Path(f"/proc/{pid}/cgroup").read_text()
     assert f"/{os.path.basename(parents[0])}/{task['id']}\n" in mine, mine
     box.api("POST", f"/api/tasks/{task['id']}/undo")
     assert [p for p in groups if os.path.exists(p)] == []
@@ -603,8 +594,7 @@ def test_fork_into_keeps_pythons_fork_bookkeeping(tmp_path: Any) -> None:
     try:
         pid = G.fork_into(fd)
         if pid == 0:
-            with open("/proc/self/cgroup") as f:
-                os.write(w, f.read().encode())
+            os.write(w, Path("/proc/self/cgroup").read_text().encode())
             os._exit(0)
         os.close(w)
         assert os.waitpid(pid, 0)[1] == 0

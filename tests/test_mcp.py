@@ -128,8 +128,7 @@ def test_the_sdk_connects_outside_a_task_and_the_broker_refuses_its_tools(gurtd:
     async def session() -> None:
         async with stdio_client(outside(gurtd)) as (read, write):
             async with ClientSession(read, write) as client:
-                result = await client.initialize()
-                assert result.protocol_version == NEWEST
+                assert (await client.initialize()).protocol_version == NEWEST
                 await client.send_ping()
                 with pytest.raises(MCPError) as refused:
                     await client.list_tools()

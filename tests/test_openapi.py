@@ -6,8 +6,11 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import secrets
 import subprocess
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -205,7 +208,6 @@ def test_the_new_routes_answer_what_their_description_says(gurtd: Gurtd) -> None
     """A client written from the description signs the portal in, makes a policy, a
     schedule and a hook, delivers to the hook, and reads a diff: every answer is one the
     description lists, in its content type and schema."""
-    import time
     call = Documented(gurtd)
     portal = {"X-Gurt-Portal": "1"}
     _, got = call("POST", "/api/sessions", "/api/sessions", 201, {"token": gurtd.token}, portal,
@@ -282,15 +284,12 @@ def test_the_new_routes_answer_what_their_description_says(gurtd: Gurtd) -> None
 def test_an_approval_and_its_always_answer_fit_their_description(gurtd: Gurtd) -> None:
     """A task pays above its budget: the approval gurtd answers, and the always-approve that
     answers it with a policy, are what the description says (decision fields included)."""
-    import time
     call = Documented(gurtd)
     gurtd.api("PUT", "/api/wallet", {"balanceCents": 100})
     task = gurtd.create("gurtd tool wallet.pay '{\"to\": \"shop\", \"cents\": 2}'",
                         tools=["wallet.pay"], budgetCents=0)
-    deadline = time.monotonic() + 30
-    while not (pending := gurtd.api("GET", f"/api/approvals?state=pending&task={task['id']}")):
-        assert time.monotonic() < deadline, gurtd.task(task["id"])
-        time.sleep(0.1)
+    pending = eventually(lambda: gurtd.approvals(state="pending", task=task["id"]), 30,
+                         "a pending approval")
     one = f"/api/approvals/{pending[0]['id']}"
     approval, _ = call("GET", "/api/approvals/{id}", one, 200)
     assert approval["kind"] == "budget" and approval["canAlwaysApprove"] is True
@@ -307,63 +306,42 @@ def test_an_approval_and_its_always_answer_fit_their_description(gurtd: Gurtd) -
     assert gurtd.wait(task["id"])["state"] == "done"
 
 
-def test_a_personal_tasks_diff_keep_and_undo_fit_their_description(gurtd: Gurtd) -> None:
+def test_a_personal_tasks_diff_keep_and_undo_fit_their_description(gurtd: Gurtd,
+                                                                    owner_folder: str) -> None:
     """My folder, a task's edit of it, and my own edit after the start: the diff, the 409
     of a keep and of an undo (with conflicts), and the forced answers are as described."""
-    import pwd
-    import secrets
-    import shutil
-    import time
     call = Documented(gurtd)
-    name = "gurtoa" + secrets.token_hex(3)
-    subprocess.run(["useradd", "-m", "-d", f"/home/{name}", "-s", "/usr/sbin/nologin", name],
-                   check=True, capture_output=True)
-    try:
-        owner = pwd.getpwnam(name)
-        folder = os.path.join(owner.pw_dir, "proj")
-        os.mkdir(folder)
-        with open(os.path.join(folder, "a.txt"), "w") as f:
-            f.write("hello\n")
-        for path in (folder, os.path.join(folder, "a.txt")):
-            os.chown(path, owner.pw_uid, owner.pw_gid)
-        time.sleep(0.05)                   # its ctimes are before the task's start
-        task = gurtd.run(f"cd '{folder}' && echo task > a.txt", folder=folder)
-        one = f"/api/tasks/{task['id']}"
-        diff, _ = call("GET", "/api/tasks/{id}/diff", one + "/diff", 200)
-        assert b"-hello" in diff and b"+task" in diff, diff
-        with open(os.path.join(folder, "a.txt"), "w") as f:       # mine, after the start
-            f.write("mine\n")
-        refused, _ = call("POST", "/api/tasks/{id}/keep", one + "/keep", 409, {})
-        assert [c["path"] for c in refused["conflicts"]] == ["a.txt"], refused
-        call("POST", "/api/tasks/{id}/keep", one + "/keep", 400, {"paths": []})
-        kept, _ = call("POST", "/api/tasks/{id}/keep", one + "/keep", 200, {"force": True})
-        assert kept["review"] == "kept"
-        with open(os.path.join(folder, "a.txt"), "a") as f:       # mine again, after it
-            f.write("more\n")
-        refused, _ = call("POST", "/api/tasks/{id}/undo", one + "/undo", 409, {})
-        assert [c["path"] for c in refused["conflicts"]] == ["a.txt"], refused
-        undone, _ = call("POST", "/api/tasks/{id}/undo", one + "/undo", 200, {"force": True})
-        assert undone["state"] == "undone"
-        assert open(os.path.join(folder, "a.txt")).read() == "mine\n"    # from before it
-        assert not os.path.exists(os.path.join(gurtd.home, "review", task["id"]))
-    finally:
-        subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
-        shutil.rmtree(f"/home/{name}", ignore_errors=True)
-    assert not os.path.exists(f"/home/{name}")
+    folder = owner_folder                  # its a.txt says hello
+    task = gurtd.run(f"cd '{folder}' && echo task > a.txt", folder=folder)
+    one = f"/api/tasks/{task['id']}"
+    diff, _ = call("GET", "/api/tasks/{id}/diff", one + "/diff", 200)
+    assert b"-hello" in diff and b"+task" in diff, diff
+    Path(folder, "a.txt").write_text("mine\n")  # mine, after the start
+    refused, _ = call("POST", "/api/tasks/{id}/keep", one + "/keep", 409, {})
+    assert [c["path"] for c in refused["conflicts"]] == ["a.txt"], refused
+    call("POST", "/api/tasks/{id}/keep", one + "/keep", 400, {"paths": []})
+    kept, _ = call("POST", "/api/tasks/{id}/keep", one + "/keep", 200, {"force": True})
+    assert kept["review"] == "kept"
+    with open(os.path.join(folder, "a.txt"), "a") as f:       # mine again, after it
+        f.write("more\n")
+    refused, _ = call("POST", "/api/tasks/{id}/undo", one + "/undo", 409, {})
+    assert [c["path"] for c in refused["conflicts"]] == ["a.txt"], refused
+    undone, _ = call("POST", "/api/tasks/{id}/undo", one + "/undo", 200, {"force": True})
+    assert undone["state"] == "undone"
+    assert open(os.path.join(folder, "a.txt")).read() == "mine\n"    # from before it
+    assert not os.path.exists(os.path.join(gurtd.home, "review", task["id"]))
 
 
 def test_a_conflict_a_merge_and_an_exact_undo_fit_their_description(gurtd: Gurtd) -> None:
     """Two tasks side by side change line 5 of one file and append to another: the conflict
     approval (its args), its answer, the merged task and the undone one's undoMerge are as
     described."""
-    import secrets
     call = Documented(gurtd)
     f, g = (f"{n}-{secrets.token_hex(3)}.txt" for n in "fg")
     for name in (f, g):
-        status, _, _ = gurtd.request("PUT", f"/api/workspaces/home/files/{name}",
-                                     raw="".join(f"line {i}\n" for i in range(1, 9)).encode(),
-                                     headers={"Content-Type": "application/octet-stream"})
-        assert status == 201
+        gurtd.api("PUT", f"/api/workspaces/home/files/{name}",
+                  raw="".join(f"line {i}\n" for i in range(1, 9)).encode(),
+                  headers={"Content-Type": "application/octet-stream"}, status=201)
 
     def gate(task_id: str, kind: str) -> dict[str, Any]:
         return eventually(lambda: next((a for a in gurtd.api(

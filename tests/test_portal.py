@@ -12,13 +12,16 @@ free of errors.
 
 from __future__ import annotations
 
+import base64
 import http.client
-import json
 import http.server
+import json
 import os
 import re
+import secrets
 import shutil
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -98,8 +101,7 @@ def shots() -> str:
 def no_console_errors(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if "browser" in request.fixturenames:
-        driver = request.getfixturevalue("browser")
-        assert console_errors(driver) == []
+        assert console_errors(request.getfixturevalue("browser")) == []
 
 
 NOTIFICATION_RECORDER = """
@@ -127,8 +129,7 @@ def test_a_one_time_url_signs_in_once_and_leaves_nothing_secret_behind(gurtd: Gu
     html = d.page_source
     assert gurtd.token not in html and cookie["value"] not in html
     # on disk, only a hash of the secret
-    with open(os.path.join(gurtd.home, "sessions.json")) as f:
-        stored = f.read()
+    stored = Path(gurtd.home, "sessions.json").read_text()
     assert cookie["value"] not in stored and '"hash"' in stored
     sessions = gurtd.api("GET", "/api/sessions")
     assert [s["via"] for s in sessions] == ["code"]
@@ -262,8 +263,7 @@ def test_a_budget_pause_reaches_the_inbox_within_a_second_and_a_denial_needs_a_r
     card.find_element(By.ID, f"reason-{approval['id']}").send_keys(reason + Keys.ENTER)
     wait(d, lambda x: not x.find_elements(By.ID, f"approval-{approval['id']}"), "the card gone")
     assert not d.title.startswith("(")
-    done = gurtd.wait(task["id"])
-    assert done["state"] == "done"
+    gurtd.wait_done(task["id"])
     stderr = [e["text"] for e in gurtd.log(task["id"]) if e["type"] == "stderr"]
     assert any(REJECTED.format(tool="wallet.pay", reason=reason) in s for s in stderr), stderr
     assert gurtd.api("GET", "/api/wallet")["balanceCents"] == 1000
@@ -281,8 +281,7 @@ def test_approve_all_pays_every_spending_and_the_wallet_shows_it(gurtd: Gurtd,
         approval = gurtd.pending(task["id"], 20)
         wait(d, lambda x: x.find_elements(By.ID, f"approval-{approval['id']}"), "its card")
     assert d.title.startswith("(2) ")
-    d.find_element(By.ID, "approve-all").click()
-    confirm(d)
+    click_and_confirm(d, "approve-all")
     for task in made:
         assert gurtd.wait(task["id"])["state"] == "done"
     wait(d, lambda x: not x.find_elements(By.CSS_SELECTOR, "#inbox article"), "an empty inbox")
@@ -321,12 +320,10 @@ def test_a_conflict_is_settled_from_the_inbox_with_a_merged_text(gurtd: Gurtd,
     """Two tasks side by side change line 3 of one file: the later one's conflict card names
     the file, why, its three versions and git's diff3; I write the merged text in the card,
     tick it and send it: the task is done and the view holds my text."""
-    import secrets
     d = browser
     name = f"c-{secrets.token_hex(3)}.txt"
-    status, _, _ = gurtd.request("PUT", f"/api/workspaces/home/files/{name}", raw=b"1\n2\n3\n4\n",
-                                 headers={"Content-Type": "application/octet-stream"})
-    assert status == 201
+    gurtd.api("PUT", f"/api/workspaces/home/files/{name}", raw=b"1\n2\n3\n4\n",
+              headers={"Content-Type": "application/octet-stream"}, status=201)
     ask = "gurtd tool ask '{\"question\": \"end?\"}'"
     a, b = (gurtd.create(f"sed -i 's/^3$/three by {n}/' {name}\n{ask}", title=f"edits {n}",
                          tools=["ask"])["id"] for n in "ab")
@@ -367,14 +364,12 @@ def test_a_conflict_is_settled_from_the_inbox_with_a_merged_text(gurtd: Gurtd,
 def test_undo_from_the_task_page_and_the_file_leaves_the_files_view(gurtd: Gurtd,
                                                                     browser: Any) -> None:
     d = browser
-    task = gurtd.run("echo bye > portal-undo.txt", title="to be undone")
-    assert task["state"] == "done"
+    task = gurtd.run_done("echo bye > portal-undo.txt", title="to be undone")
     go(d, "#/files/home", "#files li")
     wait(d, lambda x: x.find_elements(By.CSS_SELECTOR, '#files li[data-name="portal-undo.txt"]'),
          "the file listed")
     go(d, f"#/task/{task['id']}", "#btn-undo")
-    d.find_element(By.ID, "btn-undo").click()
-    confirm(d)
+    click_and_confirm(d, "btn-undo")
     wait(d, lambda x: x.find_element(By.CSS_SELECTOR, "#task-fields .state")
          .get_attribute("data-state") == "undone", "undone")
     assert gurtd.task(task["id"])["state"] == "undone"
@@ -397,8 +392,7 @@ def test_a_stop_needs_a_yes(gurtd: Gurtd, browser: Any) -> None:
     d.switch_to.active_element.send_keys(Keys.ESCAPE)          # no: nothing happens
     time.sleep(0.3)
     assert gurtd.task(task["id"])["state"] == "running"
-    d.find_element(By.ID, "btn-stop").click()
-    confirm(d)
+    click_and_confirm(d, "btn-stop")
     assert gurtd.wait(task["id"])["error"] == "stopped"
 
 
@@ -476,11 +470,9 @@ def check_layout(driver: Any, name: str) -> None:
 
 def shoot(driver: Any, path: str) -> None:
     """A picture of the whole page (beyond the window's height)."""
-    import base64
     png = driver.execute_cdp_cmd("Page.captureScreenshot", {"format": "png",
                                                             "captureBeyondViewport": True})
-    with open(path, "wb") as f:
-        f.write(base64.b64decode(png["data"]))
+    Path(path).write_bytes(base64.b64decode(png["data"]))
     assert os.path.getsize(path) > 1000
 
 
@@ -581,12 +573,10 @@ def test_the_task_list_shows_each_task_and_sorts_and_filters(gurtd: Gurtd, brows
 
 def test_a_diff_is_a_card_per_file_with_line_numbers_and_tint(gurtd: Gurtd,
                                                                browser: Any) -> None:
-    import secrets
     d = browser
     name = f"d-{secrets.token_hex(3)}.txt"
-    status, _, _ = gurtd.request("PUT", f"/api/workspaces/home/files/{name}", raw=b"a\nb\nc\n",
-                                 headers={"Content-Type": "application/octet-stream"})
-    assert status == 201
+    gurtd.api("PUT", f"/api/workspaces/home/files/{name}", raw=b"a\nb\nc\n",
+              headers={"Content-Type": "application/octet-stream"}, status=201)
     task = gurtd.run(f"sed -i 's/^b$/B/' {name}\necho n > new-{name}", title="edits for a diff")
     go(d, f"#/task/{task['id']}", "#task-log li")
     tab(d, "diff")
@@ -648,7 +638,6 @@ def test_settings_have_a_control_per_type_help_and_a_save_per_section(gurtd: Gur
 
 
 def test_files_download_and_upload(gurtd: Gurtd, browser: Any, tmp_path: Any) -> None:
-    import secrets
     d = browser
     name = f"dl-{secrets.token_hex(3)}.txt"
     gurtd.run(f"echo down > {name}", title="a file to download")
@@ -683,8 +672,7 @@ def click_and_confirm(driver: Any, element_id: str) -> None:
 
 def read(path: str) -> str | None:
     try:
-        with open(path) as f:
-            return f.read()
+        return Path(path).read_text()
     except FileNotFoundError:
         return None
 
@@ -695,8 +683,7 @@ def test_keep_a_personal_task_through_its_conflict_then_undo_it(gurtd: Gurtd, br
     task = run_on(gurtd, owner_folder, "echo task > a.txt", "echo new > new.txt",
                   title="edits my folder")
     assert task["state"] == "done" and task["review"] == "pending"
-    with open(os.path.join(owner_folder, "a.txt"), "w") as f:      # my own edit since its start
-        f.write("mine\n")
+    Path(owner_folder, "a.txt").write_text("mine\n")  # my own edit since its start
     go(d, f"#/task/{task['id']}", "#task-changes input.pick")
     tab(d, "diff")
     wait(d, lambda x: "+task" in x.find_element(By.ID, "task-diff").text, "the diff")
@@ -725,8 +712,7 @@ def test_keep_a_personal_task_through_its_conflict_then_undo_it(gurtd: Gurtd, br
     wait(d, lambda x: "kept" in x.find_element(By.ID, "task-fields").text, "review: kept")
     assert read(os.path.join(owner_folder, "a.txt")) == "task\n"
     # undo after my later edit: 409 naming it, then undo anyway puts back what was before
-    with open(os.path.join(owner_folder, "a.txt"), "w") as f:
-        f.write("mine again\n")
+    Path(owner_folder, "a.txt").write_text("mine again\n")
     click_and_confirm(d, "btn-undo")
     wait(d, lambda x: x.find_elements(By.CSS_SELECTOR, '#conflicts li[data-path="a.txt"]'),
          "the undo's conflict")
@@ -912,16 +898,13 @@ def test_a_change_with_the_cookie_needs_the_portal_header(gurtd: Gurtd, browser:
     body = {"title": "t", "prompt": "true", "worker": "fake"}
     code, data, _ = gurtd.request("POST", "/api/tasks", body, headers=jar, token=False)
     assert code == 403 and data["code"] == "cross_origin", data
-    code, data, _ = gurtd.request("POST", "/api/tasks", body, token=False,
-                                  headers={**jar, "X-Gurt-Portal": "1",
-                                       "Sec-Fetch-Site": "same-site"})
-    assert code == 403, data
+    gurtd.api("POST", "/api/tasks", body, token=False, status=403,
+              headers={**jar, "X-Gurt-Portal": "1", "Sec-Fetch-Site": "same-site"})
     code, data, _ = gurtd.request("GET", "/api/tasks", headers=jar, token=False)
     assert code == 200 and isinstance(data, list)
     # a sign-in code is made with the token only
-    code, data, _ = gurtd.request("POST", "/api/sessions/codes", {}, token=False,
-                                  headers={**jar, "X-Gurt-Portal": "1"})
-    assert code == 403, data
+    gurtd.api("POST", "/api/sessions/codes", {}, token=False, headers={**jar, "X-Gurt-Portal": "1"},
+              status=403)
 
 
 # last: sign out ###############################################################################
@@ -930,14 +913,12 @@ def test_sign_out_and_be_refused(gurtd: Gurtd, browser: Any) -> None:
     d = browser
     cookie = next(c for c in d.get_cookies() if c["name"] == "gurt_session")["value"]
     go(d, "#/settings", "#sign-out")
-    d.find_element(By.ID, "sign-out").click()
-    confirm(d)
+    click_and_confirm(d, "sign-out")
     wait(d, lambda x: x.find_elements(By.ID, "signin"), "the sign-in form")
     assert not d.find_element(By.ID, "top").is_displayed()
     assert not [c for c in d.get_cookies() if c["name"] == "gurt_session"]
-    code, data, _ = gurtd.request("GET", "/api/tasks", token=False,
-                                  headers={"Cookie": f"gurt_session={cookie}"})
-    assert code == 401, data
+    gurtd.api("GET", "/api/tasks", token=False,
+              headers={"Cookie": f"gurt_session={cookie}"}, status=401)
     d.refresh()
     wait(d, lambda x: x.find_elements(By.ID, "signin"), "the sign-in form after a reload")
     assert d.find_elements(By.ID, "task-rows") == []
@@ -950,14 +931,10 @@ def test_codes_and_sessions_expire_and_survive_a_restart(new_gurtd: Any) -> None
     portal = {"X-Gurt-Portal": "1"}
     made = g.api("POST", "/api/sessions/codes", {}, status=201)
     time.sleep(1.2)
-    code, data, _ = g.request("POST", "/api/sessions", {"code": made["code"]}, token=False,
-                              headers=portal)
-    assert code == 401, data                                  # too late
-    code, data, _ = g.request("POST", "/api/sessions", {"token": "wrong"}, token=False,
-                              headers=portal)
-    assert code == 401, data
-    code, data, _ = g.request("POST", "/api/sessions", {"token": g.token}, token=False)
-    assert code == 403, data                                  # not from the page
+    # too late
+    g.api("POST", "/api/sessions", {"code": made["code"]}, token=False, headers=portal, status=401)
+    g.api("POST", "/api/sessions", {"token": "wrong"}, token=False, headers=portal, status=401)
+    g.api("POST", "/api/sessions", {"token": g.token}, token=False, status=403)  # not from the page
     code, data, headers = g.request("POST", "/api/sessions", {"token": g.token}, token=False,
                                     headers=portal)
     assert code == 201, data
@@ -967,10 +944,8 @@ def test_codes_and_sessions_expire_and_survive_a_restart(new_gurtd: Any) -> None
     secret = set_cookie.split(";")[0].split("=", 1)[1]
     jar = {"Cookie": f"gurt_session={secret}"}
     g.restart()                                               # sessions are kept on disk
-    code, data, _ = g.request("GET", "/api/tasks", token=False, headers=jar)
-    assert code == 200, data
-    with open(os.path.join(g.home, "sessions.json")) as f:
-        assert secret not in f.read()
+    g.api("GET", "/api/tasks", token=False, headers=jar, status=200)
+    assert secret not in Path(g.home, "sessions.json").read_text()
     # a revoked session's open event stream ends too
     code, data, headers = g.request("POST", "/api/sessions", {"token": g.token}, token=False,
                                     headers=portal)
@@ -987,8 +962,7 @@ def test_codes_and_sessions_expire_and_survive_a_restart(new_gurtd: Any) -> None
     assert time.monotonic() - started < 5
     conn.close()
     time.sleep(3.2)
-    code, data, _ = g.request("GET", "/api/tasks", token=False, headers=jar)
-    assert code == 401, data                                  # expired
+    g.api("GET", "/api/tasks", token=False, headers=jar, status=401)  # expired
     code, data, _ = g.request("GET", "/api/sessions/current", token=False, headers=jar)
     assert data == {"signedIn": False}
     # the page itself is no secret; it comes without a token and sets a strict policy

@@ -9,12 +9,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import gurtd as G
-from conftest import Gurtd, eventually, keep, run_on, running_gurtd
+from conftest import Gurtd, deep_tree, eventually, keep, loop_waits, run_on, running_gurtd
 
 
 def test_names_that_break_lines_or_utf8_cannot_hide_or_forge_diff_lines(
@@ -70,8 +70,7 @@ def test_keeping_tens_of_thousands_of_new_folders_does_not_hold_the_loop(
         made = box.create(f"cd '{owner_folder}' && seq 1 {dirs} | sed 's/^/d/' | xargs mkdir "
                           f"&& mkdir zz && cd zz && seq 1 {files} | xargs touch",
                           folder=owner_folder)
-        task = box.wait(made["id"], timeout=300)
-        assert task["state"] == "done", box.log(task["id"])
+        task = box.wait_done(made["id"], timeout=300)
         keep_then_undo(box, task["id"], f"{dirs} folders and {files} files", lambda: len(
             os.listdir(os.path.join(owner_folder, "zz"))) == files)
         assert not os.path.exists(os.path.join(owner_folder, "zz"))
@@ -99,8 +98,7 @@ def test_a_chain_of_long_folder_names_is_listed_to_a_bound_and_never_kept(
     assert not os.path.exists(os.path.join(owner_folder, long))
     code, kept = keep(gurtd, task["id"], {"paths": ["ok.txt"]})
     assert code == 200, kept
-    with open(os.path.join(owner_folder, "ok.txt")) as f:
-        assert f.read() == "kept\n"
+    assert Path(owner_folder, "ok.txt").read_text() == "kept\n"
     assert gurtd.api("POST", f"/api/tasks/{task['id']}/undo")["review"] == "undone"
     assert not os.path.exists(os.path.join(owner_folder, "ok.txt"))
 
@@ -114,14 +112,7 @@ def test_merging_a_layer_of_long_folder_names_dug_deep_costs_no_memory_per_level
     top, low = str(scratch / "top"), str(scratch / "low")
     os.mkdir(top)
     os.mkdir(low)
-    fd = os.open(low, os.O_RDONLY | os.O_DIRECTORY)
-    for _ in range(1500):
-        os.mkdir("n" * 250, dir_fd=fd)
-        nxt = os.open("n" * 250, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-        os.close(fd)
-        fd = nxt
-    os.close(os.open("bottom", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd))
-    os.close(fd)
+    deep_tree(low, 1500, "n" * 250, "bottom", 0o644)
     probe = ("import resource, sys; sys.path.insert(0, sys.argv[1]); import gurtd; "
              "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
              "gurtd.merge_layers(sys.argv[2:4], sys.argv[4]); "
@@ -156,8 +147,7 @@ def test_a_folder_too_deep_to_save_is_never_replaced_and_nothing_gets_stuck(
     assert code == 200, kept
     gone = run_on(gurtd, owner_folder, "rm -rf a")
     assert gone["state"] == "done", gurtd.log(gone["id"])
-    code, diff, _ = gurtd.request("GET", f"/api/tasks/{gone['id']}/diff")
-    assert code == 200, diff
+    gurtd.api("GET", f"/api/tasks/{gone['id']}/diff", status=200)
     code, data = keep(gurtd, gone["id"], {"force": True})
     assert code == 409, data
     assert [c["path"] for c in data["conflicts"]] == ["a"], data
@@ -196,8 +186,7 @@ def test_a_layer_whose_file_has_no_link_left_still_merges_exactly(scratch: Any) 
     low, top = str(scratch / "low"), str(scratch / "top")
     for layer in (low, top):
         os.makedirs(os.path.join(layer, "d"))
-    with open(os.path.join(top, "f"), "w") as f:
-        f.write("x")
+    Path(top, "f").write_text("x")
     os.chown(os.path.join(top, "f"), 4242, 4343)
     os.chmod(os.path.join(top, "f"), 0o640)
     os.mknod(os.path.join(top, "w"), 0o600 | G.stat.S_IFCHR, os.makedev(0, 0))
@@ -216,42 +205,10 @@ def test_a_layer_whose_file_has_no_link_left_still_merges_exactly(scratch: Any) 
     assert len([n for n in names if n.startswith("f")]) == count
     st = os.lstat(os.path.join(merged, f"f{count - 1}"))
     assert (st.st_uid, st.st_gid, G.stat.S_IMODE(st.st_mode)) == (4242, 4343, 0o640)
-    with open(os.path.join(merged, f"f{count - 1}")) as f:
-        assert f.read() == "x"
+    assert Path(merged, f"f{count - 1}").read_text() == "x"
     whiteouts = [n for n in names if n.startswith("w")]
     assert all(G.is_whiteout(os.lstat(os.path.join(merged, n))) for n in whiteouts)
     G.tree_remove(str(scratch / "m"))
-
-
-class loop_waits:  # noqa: N801 (used as a context manager, as a function would be)
-    """How long each of a stream of calls on the loop (a stop of no task) waited while the
-    with block ran, in seconds; a 503 (the loop held past the call timeout) counts as the
-    wait it was, and the client waits as long as it takes."""
-
-    def __init__(self, g: Gurtd) -> None:
-        self.g, self.waits, self.done = g, [0.0], threading.Event()
-        self.thread = threading.Thread(target=self.ask)
-
-    def __enter__(self) -> list[float]:
-        self.thread.start()
-        return self.waits
-
-    def __exit__(self, *exc: Any) -> None:
-        self.done.set()
-        self.thread.join()
-
-    def ask(self) -> None:
-        while not self.done.is_set():
-            began = time.monotonic()
-            conn = self.g.connection(timeout=600)
-            try:
-                conn.request("POST", "/api/tasks/t000000000/stop",
-                             headers={"Authorization": f"Bearer {self.g.token}"})
-                conn.getresponse().read()
-            finally:
-                conn.close()
-                self.waits.append(time.monotonic() - began)
-            self.done.wait(0.05)
 
 
 def timed(g: Gurtd, method: str, path: str, body: Any = None) -> tuple[int, Any, float]:
@@ -291,8 +248,7 @@ def test_keeping_100000_new_files_and_undoing_them_never_holds_the_loop(
     with running_gurtd({"GURT_CALL_TIMEOUT": "300"}) as box:     # a held loop shows as such
         made = box.create(f"cd '{owner_folder}' && mkdir many && cd many && seq 1 {files} | "
                           "xargs touch", folder=owner_folder)
-        task = box.wait(made["id"], timeout=300)
-        assert task["state"] == "done", box.log(task["id"])
+        task = box.wait_done(made["id"], timeout=300)
         keep_then_undo(box, task["id"], f"{files} new files", lambda: len(
             os.listdir(os.path.join(owner_folder, "many"))) == files)
         assert not os.path.exists(os.path.join(owner_folder, "many"))
@@ -314,8 +270,7 @@ def test_keeping_a_new_folder_1500_deep_costs_no_more_than_its_paths(gurtd: Gurt
           f"{max(waits):.3f} s")
     assert code == 200 and data["review"] == "kept", data
     assert took < 20 and max(waits) < 2.0, (took, max(waits))
-    with open(os.path.join(owner_folder, *["a"] * depth, "f")) as f:
-        assert f.read() == "deep"
+    assert Path(owner_folder, *["a"] * depth, "f").read_text() == "deep"
     code, data, took = timed(gurtd, "POST", f"/api/tasks/{task['id']}/undo")
     assert code == 200 and data["review"] == "undone", data
     assert not os.path.exists(os.path.join(owner_folder, "a"))

@@ -17,12 +17,14 @@ import stat
 import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import gurtd as G
-from conftest import UNICODE_NAME, Gurtd, eventually, keep, run_on, running_gurtd
+from conftest import (UNICODE_NAME, Gurtd, eventually, keep, run_on, running_gurtd, sse,
+                      wait_for_step)
 
 # helpers #####################################################################################
 
@@ -37,8 +39,7 @@ def snapshot(top: str) -> dict[str, tuple[Any, ...]]:
             if stat.S_ISLNK(st.st_mode):
                 data: Any = os.readlink(path)
             elif stat.S_ISREG(st.st_mode):
-                with open(path, "rb") as f:
-                    data = f.read()
+                data = Path(path).read_bytes()
             else:
                 data = None
             out[rel] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid,
@@ -125,11 +126,9 @@ def test_a_task_works_on_a_copy_and_keep_applies_exactly_its_diff(
     assert after["blob.bin"][4] == b"\0\1\2"
     assert after["root.txt"] == before["root.txt"] and after["root.txt"][2] == 0
     assert after["link"] == before["link"]
-    with open("/etc/passwd") as f:
-        assert "pwned" not in f.read()
+    assert "pwned" not in Path("/etc/passwd").read_text()
     assert gurtd.task(task["id"])["review"] == "kept"
-    kinds = [e.get("action") for e in gurtd.log(task["id"]) if e["type"] == "review"]
-    assert kinds == ["kept"]
+    assert [e.get("action") for e in gurtd.log(task["id"]) if e["type"] == "review"] == ["kept"]
 
     undone = gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
     assert undone["state"] == "undone" and undone["review"] == "undone"
@@ -143,8 +142,7 @@ def test_my_edits_since_the_start_are_conflicts_then_paths_force_and_undo(
     task = run_on(gurtd, owner_folder, "echo task > a.txt", "echo task > sub/b.txt",
                   "echo new > new.txt", "echo task >> script.sh")
     assert task["review"] == "pending"
-    with open(os.path.join(owner_folder, "a.txt"), "w") as f:        # the owner, after the start
-        f.write("mine\n")
+    Path(owner_folder, "a.txt").write_text("mine\n")  # the owner, after the start
     os.unlink(os.path.join(owner_folder, "sub/b.txt"))
     code, data = keep(gurtd, task["id"])
     assert code == 409 and data["code"] == "conflict", data
@@ -174,8 +172,7 @@ def test_my_edits_since_the_start_are_conflicts_then_paths_force_and_undo(
     assert code == 409 and [c["path"] for c in data["conflicts"]] == ["new.txt"], data
     assert open(os.path.join(owner_folder, "a.txt")).read() == "task\n"      # nothing changed
     assert gurtd.task(task["id"])["review"] == "kept"
-    undone = gurtd.api("POST", f"/api/tasks/{task['id']}/undo", {"force": True})
-    assert undone["review"] == "undone"
+    assert gurtd.api("POST", f"/api/tasks/{task['id']}/undo", {"force": True})["review"] == "undone"
     assert open(os.path.join(owner_folder, "a.txt")).read() == "mine\n"     # as before the keep
     assert not os.path.exists(os.path.join(owner_folder, "sub/b.txt"))
     assert not os.path.exists(os.path.join(owner_folder, "new.txt"))
@@ -201,8 +198,7 @@ def test_keep_never_follows_a_symlink_the_task_planted(gurtd: Gurtd, owner_folde
     assert not os.path.exists(os.path.join(owner_folder, "hard"))
     assert os.readlink(os.path.join(owner_folder, "y")) == str(secret)
     assert secret.read_text() == "root only\n" and os.stat(secret).st_uid == 0
-    with open("/etc/passwd") as f:
-        assert "pwned" not in f.read()
+    assert "pwned" not in Path("/etc/passwd").read_text()
     gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
     assert snapshot(owner_folder) == before
     no_leftovers(gurtd, task["id"], owner_folder)
@@ -261,9 +257,8 @@ def test_refused_folders_say_why_and_create_nothing(
         "title": "t", "prompt": "true", "worker": "fake",
         "folders": [owner_folder, os.path.join(owner_folder, "sub")]})
     assert code == 400 and "holds" in data["error"], data
-    code, data, _ = gurtd.request("POST", "/api/tasks", {
-        "title": "t", "prompt": "true", "worker": "fake", "folders": [owner_folder] * 17})
-    assert code == 400, data
+    gurtd.api("POST", "/api/tasks", {"title": "t", "prompt": "true", "worker": "fake",
+                                     "folders": [owner_folder] * 17}, status=400)
     for bad in ([], ["relative"], ["/proc"], ["/"], "/home", ["/home/../etc"], ["/usr/local"],
                 ["/run/user"]):
         code, data, _ = gurtd.request("PUT", "/api/settings", {"folderRoots": bad})
@@ -359,10 +354,9 @@ def test_two_folders_from_the_command_line(gurtd: Gurtd, owner_folder: str,
     os.mkdir(second)
     os.chown(second, owner.pw_uid, owner.pw_gid)
     try:
-        run = gurtd.cli("run", "--worker", "fake", "--wait", "--folder", owner_folder, "--folder",
-                        second,
-                        f"echo one > {owner_folder}/one.txt && echo two > {second}/two.txt")
-        assert run.returncode == 0, run
+        run = gurtd.cli_ok("run", "--worker", "fake", "--wait", "--folder", owner_folder,
+                           "--folder", second,
+                           f"echo one > {owner_folder}/one.txt && echo two > {second}/two.txt")
         task_id = run.stderr.split()[0]
         task = gurtd.task(task_id)
         assert task["folders"] == [owner_folder, second] and task["folder"] == owner_folder
@@ -372,8 +366,7 @@ def test_two_folders_from_the_command_line(gurtd: Gurtd, owner_folder: str,
         assert f"# folder {second}" in diff.stdout and "+two" in diff.stdout, diff
         diff = gurtd.cli("diff", task_id, "--path", f"{owner_folder}/one.txt")
         assert "+one" in diff.stdout and "two" not in diff.stdout, diff
-        with open(os.path.join(second, "two.txt"), "w") as f:       # the owner was quicker
-            f.write("mine\n")
+        Path(second, "two.txt").write_text("mine\n")  # the owner was quicker
         refused = gurtd.cli("keep", task_id)
         assert refused.returncode == 1 and f"conflict  {second}/two.txt" in refused.stderr
         kept = gurtd.cli("keep", task_id, "--force")
@@ -393,34 +386,25 @@ def test_two_folders_from_the_command_line(gurtd: Gurtd, owner_folder: str,
 
 
 def test_keep_and_undo_are_events(gurtd: Gurtd, owner_folder: str) -> None:
-    import http.client
     import json
     task = run_on(gurtd, owner_folder, "echo task > a.txt")
-    conn = http.client.HTTPConnection("127.0.0.1", gurtd.port, timeout=30)
-    conn.request("GET", "/api/events", headers={"Authorization": f"Bearer {gurtd.token}"})
-    resp = conn.getresponse()
-    resp.fp.readline()
-    assert keep(gurtd, task["id"])[0] == 200
-    gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
-    seen, kind = [], ""
-    deadline = time.monotonic() + 20
-    while len(seen) < 2 and time.monotonic() < deadline:
-        line = resp.fp.readline().decode().strip()
-        if line.startswith("event: "):
-            kind = line[7:]
-        elif line.startswith("data: ") and kind == "review":
-            seen.append(json.loads(line[6:]))
-    conn.close()
+    seen = []
+    with gurtd.stream("/api/events", timeout=30) as resp:
+        resp.fp.readline()
+        assert keep(gurtd, task["id"])[0] == 200
+        gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
+        deadline = time.monotonic() + 20
+        for _, kind, data in sse(resp):
+            seen += [json.loads(data)] if kind == "review" else []
+            if len(seen) == 2 or time.monotonic() > deadline:
+                break
     assert [(e["task"], e["action"], e["review"]) for e in seen] == [
         (task["id"], "kept", "kept"), (task["id"], "undone", "undone")]
 
 
 def test_a_stopped_task_drops_its_folder_changes(gurtd: Gurtd, owner_folder: str) -> None:
     task = gurtd.create(f"echo x > {owner_folder}/x.txt\nsleep 30", folder=owner_folder)
-    deadline = time.monotonic() + 30
-    while gurtd.task(task["id"]).get("step") != "sleep 30":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for_step(gurtd, task["id"], "sleep 30")
     stopped = gurtd.api("POST", f"/api/tasks/{task['id']}/stop")
     assert stopped["state"] == "failed" and "review" not in stopped
     assert not os.path.exists(os.path.join(gurtd.home, "review", task["id"]))
@@ -464,10 +448,7 @@ def test_keep_never_writes_where_the_owner_may_not(gurtd: Gurtd, owner_folder: s
 
 def test_a_task_cut_short_by_a_restart_keeps_nothing(gurtd: Gurtd, owner_folder: str) -> None:
     task = gurtd.create(f"echo x > {owner_folder}/x.txt\nsleep 30", folder=owner_folder)
-    deadline = time.monotonic() + 30
-    while gurtd.task(task["id"]).get("step") != "sleep 30":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for_step(gurtd, task["id"], "sleep 30")
     gurtd.restart(kill=True)
     after = gurtd.task(task["id"])
     assert after["state"] == "failed" and "review" not in after
@@ -555,8 +536,7 @@ def _sticky_folder(top: str, owner: pwd.struct_passwd) -> str:
     os.mkdir(shared)
     os.chmod(shared, 0o1777)
     for name, ids in (("mine.txt", (owner.pw_uid, owner.pw_gid)), ("theirs.txt", (0, 0))):
-        with open(os.path.join(shared, name), "w") as f:
-            f.write(f"{name}\n")
+        Path(shared, name).write_text(f"{name}\n")
         os.chown(os.path.join(shared, name), *ids)
         os.chmod(os.path.join(shared, name), 0o666)
     time.sleep(0.05)
@@ -598,8 +578,7 @@ def test_keep_honours_the_sticky_bit_as_the_kernel_would(
     os.chown(y, 0, 0)
     os.chmod(y, 0o1777)
     for late in (os.path.join(shared, "late.txt"), os.path.join(y, "late.txt")):
-        with open(late, "w") as f:
-            f.write("another user's\n")
+        Path(late).write_text("another user's\n")
         os.chown(late, 4321, 4321)
     code, data = keep(gurtd, task["id"], {"force": True})
     assert code == 409, data
@@ -628,8 +607,7 @@ def test_an_undo_that_cannot_put_everything_back_says_so_and_can_be_tried_again(
     os.rename(sub, sub + ".real")
     os.symlink("sub.real", sub)
     os.rename(olddir, olddir + ".real")
-    with open(olddir, "w") as f:
-        f.write("a file now\n")
+    Path(olddir).write_text("a file now\n")
     code, data, _ = gurtd.request("POST", f"/api/tasks/{task['id']}/undo", {"force": True})
     assert code == 409 and data["code"] == "conflict", data
     assert {c["path"]: c["why"] for c in data["notUndone"]} == {
@@ -653,10 +631,8 @@ def _diff_children(g: Gurtd) -> list[int]:
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rpartition(")")[2].split()[1])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError, IndexError):
             continue
         if ppid == g.proc.pid and argv[:2] == [b"diff", b"-u"]:
@@ -674,25 +650,18 @@ def test_a_costly_diff_is_bounded_and_stops_when_its_client_goes(gurtd: Gurtd) -
     assert len(lines) == 600_000
     for name, data in (("order.txt", lines), ("big.txt", b"".join(
             b"%07d\n" % i for i in range(1_000_000)))):
-        code, _, _ = gurtd.request("PUT", f"/api/workspaces/difftest/files/{name}", raw=data,
-                                   headers={"Content-Type": "application/octet-stream"})
-        assert code == 201
-    task = gurtd.run("sort -o order.txt order.txt && shuf -o big.txt big.txt",
-                     workspace="difftest")
-    assert task["state"] == "done", gurtd.log(task["id"])
+        gurtd.api("PUT", f"/api/workspaces/difftest/files/{name}", raw=data, status=201,
+                  headers={"Content-Type": "application/octet-stream"})
+    task = gurtd.run_done("sort -o order.txt order.txt && shuf -o big.txt big.txt",
+                          workspace="difftest")
     url = f"/api/tasks/{task['id']}/diff"
     for _ in range(3):                         # the portal's views, opened and left
         conn = gurtd.connection()
         conn.request("GET", url, headers={"Authorization": f"Bearer {gurtd.token}"})
-        deadline = time.monotonic() + 20
-        while not _diff_children(gurtd):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        eventually(lambda: _diff_children(gurtd), 20, "the diff's children")
         conn.close()
-        left = time.monotonic()
-        while _diff_children(gurtd):          # its diff(1) ends with it, not 10 s later
-            assert time.monotonic() < left + 2, _diff_children(gurtd)
-            time.sleep(0.05)
+        eventually(lambda: not _diff_children(gurtd), 2,    # diff(1) ends with it, not in 10 s
+                   "the diff's children to end with the client")
     slowest, answer = 0.0, []
     waiter = threading.Thread(target=lambda: answer.append(
         (time.monotonic(), gurtd.request("GET", url), time.monotonic())))

@@ -22,12 +22,13 @@ import subprocess
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
 import gurtd as G
-from conftest import SONNET, Gurtd, eventually, python_line, running_gurtd
+from conftest import SONNET, Gurtd, deep_tree, eventually, python_line, running_gurtd
 
 # helpers #####################################################################################
 
@@ -175,8 +176,7 @@ def test_a_walk_never_follows_a_lower_layers_symlink_to_the_host(layers: str) ->
     os.symlink("/etc", os.path.join(lower, "hostlink"))
     os.mkdir(os.path.join(upper, "hostlink"))
     for name in ("shadow", "no-such-host-file"):
-        with open(os.path.join(upper, "hostlink", name), "w") as f:
-            f.write("x")
+        Path(upper, "hostlink", name).write_text("x")
     os.symlink("/etc/passwd", os.path.join(upper, "link"))
     got = G.changed_paths(upper, [lower, base])
     assert {"path": "hostlink/shadow", "change": "added"} in got, got
@@ -188,19 +188,16 @@ def test_whiteouts_opaque_dirs_and_files_replaced_by_dirs(layers: str) -> None:
     upper, lower, base = (os.path.join(layers, n) for n in ("upper", "lower1", "base"))
     os.makedirs(os.path.join(base, "kept", "sub"))
     for rel in ("kept/a", "kept/sub/b", "gone", "file-then-dir"):
-        with open(os.path.join(base, rel), "w") as f:
-            f.write("base")
+        Path(base, rel).write_text("base")
     whiteout = stat.S_IFCHR | 0o600
     os.mknod(os.path.join(lower, "gone"), whiteout, 0)          # lower1 deleted it
     os.makedirs(os.path.join(upper, "kept"))
-    with open(os.path.join(upper, "kept", "a"), "w") as f:
-        f.write("edited")
+    Path(upper, "kept", "a").write_text("edited")
     os.mknod(os.path.join(upper, "kept", "sub"), whiteout, 0)   # whiteout of a dir
     os.mknod(os.path.join(upper, "gone"), whiteout, 0)          # already gone below
     os.makedirs(os.path.join(upper, "file-then-dir"))
     os.setxattr(os.path.join(upper, "file-then-dir"), "trusted.overlay.opaque", b"y")
-    with open(os.path.join(upper, "file-then-dir", "x"), "w") as f:
-        f.write("new")
+    Path(upper, "file-then-dir", "x").write_text("new")
     assert G.changed_paths(upper, [lower, base]) == [
         {"path": "file-then-dir/", "change": "modified"},
         {"path": "file-then-dir/x", "change": "added"},
@@ -208,17 +205,6 @@ def test_whiteouts_opaque_dirs_and_files_replaced_by_dirs(layers: str) -> None:
         {"path": "kept/sub", "change": "deleted"},
     ]
     assert G.changed_paths(os.path.join(layers, "deleted"), [lower, base]) == []
-
-
-def deep_tree(top: str, depth: int, name: str) -> None:
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
-    for _ in range(depth):
-        os.mkdir(name, dir_fd=fd)
-        fd_next = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-        os.close(fd)
-        fd = fd_next
-    os.close(os.open("leaf", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
-    os.close(fd)
 
 
 def test_a_tree_deeper_than_a_path_can_be_long_is_walked_whole(layers: str) -> None:
@@ -359,8 +345,7 @@ def test_an_evil_droid_stream_neither_crashes_gurtd_nor_breaks_its_json(
     g = evil_droid
     task = g.api("POST", "/api/tasks", {"title": "evil stream", "prompt": "go",
                                         "budgetCents": 100_000}, status=201)
-    done = g.wait(task["id"], timeout=60)
-    assert done["state"] == "done", (done, g.log(task["id"]))
+    done = g.wait_done(task["id"], timeout=60)
     assert done["summary"] == "survived"
     assert done["costCents"] == pytest.approx(G.usage_cents(
         {"input_tokens": 1_000_000, "output_tokens": 1000}, SONNET))
@@ -383,8 +368,7 @@ def test_output_lines_of_any_shape_are_logged_as_they_are(gurtd: Gurtd) -> None:
     script = ("import sys\n"
               "w = sys.stdout.write\n"
               "w('[' * 100000 + '\\n'); w('{\"t\": [1]}\\n'); w('7\\n'); w('x' * (3 << 20))\n")
-    task = gurtd.run(python_line(script))
-    assert task["state"] == "done", task
+    task = gurtd.run_done(python_line(script))
     out = gurtd.output(task["id"])
     assert any(t.startswith("[[[") for t in out) and "7" in out
     assert sum(len(t) for t in out if t.startswith("xxx")) == 3 << 20
@@ -481,8 +465,7 @@ def test_a_dns_flood_on_a_slow_upstream_is_this_tasks_problem_only(
     out = " ".join(g.output(flood["id"]))
     servfail = int(out.split("FLOOD ")[1].split()[0])
     assert servfail >= 300, out       # at once, well before the upstream's 3 s
-    closed = int(out.split("TCP closed ")[1].split()[0])
-    assert closed >= 100 - G.MAX_DNS_CONNS, out
+    assert int(out.split("TCP closed ")[1].split()[0]) >= 100 - G.MAX_DNS_CONNS, out
     assert "AFTER rcode 3" in out, out                 # NXDOMAIN: still answering
     assert peak - before < G.MAX_DNS_PENDING + G.MAX_DNS_CONNS + 40, (before, peak)
     assert any("too many queries" in e.get("error", "") for e in g.log(flood["id"])
@@ -534,12 +517,11 @@ def test_a_broker_call_nested_too_deep_gets_a_400(gurtd: Gurtd) -> None:
     RecursionError, no dropped connection), and the task's next call is answered."""
     deep = "[" * 5000 + "]" * 5000
     body = '{"tool": "wallet.pay", "args": ' + deep + '}'
-    task = gurtd.run(f"curl -s -o /dev/null -w '%{{http_code}}\\n' --unix-socket "
-                     f"/run/gurt/broker.sock -H 'Content-Type: application/json' "
-                     f"-d '{body}' http://box/call\n"
-                     "curl -s --unix-socket /run/gurt/broker.sock http://box/tools",
-                     tools=["wallet.pay"])
-    assert task["state"] == "done", task
+    task = gurtd.run_done(f"curl -s -o /dev/null -w '%{{http_code}}\\n' --unix-socket "
+                          f"/run/gurt/broker.sock -H 'Content-Type: application/json' "
+                          f"-d '{body}' http://box/call\n"
+                          "curl -s --unix-socket /run/gurt/broker.sock http://box/tools",
+                          tools=["wallet.pay"])
     assert gurtd.output(task["id"]) == ["400", '{"tools": ["wallet.pay"]}']
     assert "RecursionError" not in gurtd.log_text()
 
@@ -558,8 +540,7 @@ def test_a_task_cannot_keep_more_than_its_share_of_approvals_waiting(gurtd: Gurt
     assert "exit 1" in gurtd.output(task["id"])
     assert any("calls waiting for a person" in e["text"] for e in log
                if e["type"] == "stderr"), log
-    pending = gurtd.api("GET", f"/api/approvals?state=pending&task={task['id']}")
-    assert len(pending) == n
+    assert len(gurtd.api("GET", f"/api/approvals?state=pending&task={task['id']}")) == n
     gurtd.api("POST", f"/api/tasks/{task['id']}/stop")
 
 
@@ -603,18 +584,16 @@ def test_a_fifo_in_the_view_is_refused_at_once_and_the_api_goes_on(gurtd: Gurtd)
 
 def test_changes_reveal_no_host_path_through_an_earlier_tasks_symlink(gurtd: Gurtd) -> None:
     assert gurtd.run("ln -s /etc hostlink")["state"] == "done"
-    probe = gurtd.run("rm hostlink && mkdir hostlink && echo x > hostlink/shadow && "
-                      "echo x > hostlink/no-such-file")
-    assert probe["state"] == "done", probe
+    probe = gurtd.run_done("rm hostlink && mkdir hostlink && echo x > hostlink/shadow && "
+                           "echo x > hostlink/no-such-file")
     got = gurtd.api("GET", f"/api/tasks/{probe['id']}/changes")
     assert {"path": "hostlink/shadow", "change": "added"} in got, got
     assert {"path": "hostlink/no-such-file", "change": "added"} in got, got
 
 
 def test_a_700_deep_tree_comes_back_whole_while_the_api_answers(gurtd: Gurtd) -> None:
-    deep = gurtd.run(python_line("import os\nfor i in range(700):\n    os.mkdir('d')\n"
+    deep = gurtd.run_done(python_line("import os\nfor i in range(700):\n    os.mkdir('d')\n"
                                  "    os.chdir('d')\nopen('leaf', 'w').write('x')\n"))
-    assert deep["state"] == "done", deep
     got: list[Any] = []
     walker = threading.Thread(target=lambda: got.append(
         gurtd.api("GET", f"/api/tasks/{deep['id']}/changes")))
@@ -631,12 +610,11 @@ def test_a_700_deep_tree_comes_back_whole_while_the_api_answers(gurtd: Gurtd) ->
 # 6. task text on the owner's terminal ########################################################
 
 def test_escape_sequences_in_task_output_reach_the_terminal_escaped(gurtd: Gurtd) -> None:
-    task = gurtd.run(r"printf 'title\033]0;pwned\007 clear\033[2J bell\007 csi\302\233 end\n'; "
-                     r"printf 'err\033[31m red\n' >&2")
-    assert task["state"] == "done", task
+    task = gurtd.run_done(
+        r"printf 'title\033]0;pwned\007 clear\033[2J bell\007 csi\302\233 end\n'; "
+        r"printf 'err\033[31m red\n' >&2")
     for args in (["log", task["id"]], ["show", task["id"]], ["tasks"]):
-        out = gurtd.cli(*args, text=False)
-        assert out.returncode == 0, out
+        out = gurtd.cli_ok(*args, text=False)
         raw = out.stdout + out.stderr
         assert b"\x1b" not in raw and b"\x07" not in raw and b"\xc2\x9b" not in raw, raw
     assert b"title\\x1b]0;pwned\\x07" in gurtd.cli("log", task["id"], text=False).stdout

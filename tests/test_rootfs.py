@@ -21,6 +21,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -43,12 +44,10 @@ def test_the_hosts_other_paths_do_not_exist_inside(gurtd: Gurtd) -> None:
     other_home = f"/home/gurt-test-other-{tag}"
     try:
         for path in made:
-            with open(path, "w") as f:
-                f.write(secret + "\n")
+            Path(path).write_text(secret + "\n")
             os.chmod(path, 0o644)              # world-readable: only its absence protects it
         os.mkdir(other_home, 0o755)
-        with open(os.path.join(other_home, "notes.txt"), "w") as f:
-            f.write(secret + "\n")
+        Path(other_home, "notes.txt").write_text(secret + "\n")
         os.chmod(os.path.join(other_home, "notes.txt"), 0o644)
         probes = made + [other_home, "/srv", "/opt", "/var/lib", "/work", "/root", "/mnt",
                          "/media", "/boot", "/sys", gurtd.home, os.path.dirname(gurtd.home),
@@ -98,8 +97,7 @@ def test_usr_and_the_usrmerge_links_are_the_hosts_read_only(gurtd: Gurtd) -> Non
 def test_etc_is_the_hosts_without_its_secrets(gurtd: Gurtd) -> None:
     tag = secrets.token_hex(6)
     key_file = f"/etc/gurt-test-{tag}.key"         # matched by ETC_HIDDEN's *.key
-    with open(key_file, "w") as f:
-        f.write(f"gurt-key-secret-{tag}\n")
+    Path(key_file).write_text(f"gurt-key-secret-{tag}\n")
     os.chmod(key_file, 0o644)
     try:
         task = gurtd.run_done(prompt(
@@ -303,8 +301,7 @@ print("int80 returned", call(), flush=True)
 
 def test_the_kernel_filter_binding_is_there_and_every_name_resolves() -> None:
     import seccomp                       # python3-seccomp, linked into the venv by make deps
-    filt = G.kernel_filter()
-    assert filt is not None
+    assert G.kernel_filter() is not None
     for name, _tests, err, closes in G.KERNEL_REFUSALS:
         assert seccomp.resolve_syscall(seccomp.Arch.X86_64, name) >= 0, name
         assert err in (errno.EPERM, errno.ENOSYS) and closes.strip(), name
@@ -323,8 +320,7 @@ def test_a_task_is_refused_the_kernels_risky_syscalls(gurtd: Gurtd) -> None:
     ))
     out = gurtd.output(task["id"])
     assert out[:2] == ["Seccomp:\t2", "Seccomp_filters:\t1"], out
-    answers = dict(line.split(": ", 1) for line in out[2:2 + len(REFUSED)])
-    assert answers == REFUSED
+    assert dict(line.split(": ", 1) for line in out[2:2 + len(REFUSED)]) == REFUSED
     rest = out[2 + len(REFUSED):]
     assert "Operation not permitted" in rest[0] and "Operation not permitted" in rest[1], rest
     assert "Operation not permitted" in rest[2], rest
@@ -425,27 +421,23 @@ def test_set_id_bits_never_reach_the_layer_on_disk(gurtd: Gurtd, host_setuid_fil
     # the symlink was not followed: the host's setuid file is untouched
     assert stat.S_IMODE(os.stat(host_setuid_file).st_mode) == 0o4755
     with open(os.path.join(gurtd.home, "layers", task["id"], "upper", "suid-id"), "rb") as f:
-        with open("/usr/bin/id", "rb") as g:
-            assert f.read() == g.read()
+        assert f.read() == Path("/usr/bin/id").read_bytes()
 
 
-def test_a_stopped_tasks_layer_loses_its_set_id_bits_too(gurtd: Gurtd) -> None:
+ENDS = {   # how a running task ends early: stopped, or gurtd killed (the next one reconciles)
+    "stopped": lambda g, task_id: g.api("POST", f"/api/tasks/{task_id}/stop"),
+    "kill -9": lambda g, task_id: g.restart(kill=True),
+}
+
+
+@pytest.mark.parametrize("end", ENDS)
+def test_a_task_ended_early_leaves_a_layer_without_set_id_bits(gurtd: Gurtd, end: str) -> None:
     task = gurtd.create(prompt("cp /usr/bin/id suid-id && chmod 4755 suid-id", "sleep 30"))
     wait_for_step(gurtd, task["id"], "sleep 30")
     path = os.path.join(gurtd.home, "layers", task["id"], "upper", "suid-id")
     assert os.stat(path).st_mode & stat.S_ISUID          # it is there while the task runs
-    gurtd.api("POST", f"/api/tasks/{task['id']}/stop")
+    ENDS[end](gurtd, task["id"])
     assert gurtd.wait(task["id"])["state"] == "failed"
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o755
-
-
-def test_after_a_kill_9_the_crashed_tasks_layer_loses_its_set_id_bits(gurtd: Gurtd) -> None:
-    task = gurtd.create(prompt("cp /usr/bin/id suid-id && chmod 4755 suid-id", "sleep 30"))
-    wait_for_step(gurtd, task["id"], "sleep 30")
-    path = os.path.join(gurtd.home, "layers", task["id"], "upper", "suid-id")
-    assert os.stat(path).st_mode & stat.S_ISUID
-    gurtd.restart(kill=True)              # gurtd dies in the middle; the next one reconciles
-    assert gurtd.task(task["id"])["state"] == "failed"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o755
 
 
@@ -491,8 +483,7 @@ def test_setid_strip_never_follows_a_symlink(tmp_path: Any) -> None:
     (top / "d" / "s").chmod(0o6755)
     (top / "link").symlink_to(outside)
     (top / "dirlink").symlink_to(tmp_path)
-    cleared = G.setid_strip(str(top))
-    assert cleared == [str(top / "d" / "s")]
+    assert G.setid_strip(str(top)) == [str(top / "d" / "s")]
     assert stat.S_IMODE((top / "d" / "s").stat().st_mode) == 0o755
     assert stat.S_IMODE(outside.stat().st_mode) == 0o4755
     assert G.setid_strip(str(tmp_path / "missing")) == []

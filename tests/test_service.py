@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import ROOT, unit_bounding_set
 
@@ -15,8 +16,7 @@ import gurtd as G
 
 def test_the_unit_file_verifies_clean(tmp_path):
     # ExecStart must name an existing program for systemd-analyze, so point it at this checkout.
-    with open(os.path.join(ROOT, "gurtd.service")) as f:
-        unit = f.read()
+    unit = Path(ROOT, "gurtd.service").read_text()
     assert "Type=notify" in unit and "Restart=on-failure" in unit
     assert re.search(r"^ExecStart=/usr/local/bin/gurtd serve$", unit, re.M)
     unit = unit.replace("ExecStart=/usr/local/bin/gurtd",
@@ -29,8 +29,7 @@ def test_the_unit_file_verifies_clean(tmp_path):
 
 
 def test_every_directive_of_the_unit_says_why():
-    with open(os.path.join(ROOT, "gurtd.service")) as f:
-        lines = f.read().splitlines()
+    lines = Path(ROOT, "gurtd.service").read_text().splitlines()
     for i, line in enumerate(lines):
         if line and not line.startswith(("#", "[")) and "=" in line:
             before = [x for x in lines[:i] if x.strip()]
@@ -73,8 +72,7 @@ def test_health_needs_no_token_and_nothing_else_is_open(gurtd):
 
 
 def test_make_install_and_the_readme_agree():
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
+    readme = Path(ROOT, "README.md").read_text()
     first_block = readme.split("```sh", 1)[1].split("```", 1)[0]
     assert re.search(r"^make run ", first_block, re.M) and \
         re.search(r"^make test ", first_block, re.M), first_block   # as root: no sudo assumed
@@ -82,8 +80,7 @@ def test_make_install_and_the_readme_agree():
         forms = {pattern, pattern.replace("{id}", "$ID"), pattern.replace("{id}", "$AP"),
                  pattern.replace("/{path}", "/")}
         assert any(form in readme for form in forms), pattern
-    with open(os.path.join(ROOT, ".ci", "run")) as f:
-        assert "make test" in f.read()
+    assert "make test" in Path(ROOT, ".ci", "run").read_text()
 
 
 # The unit's system call filter, watchdog and status (issue 12) ###############################
@@ -129,8 +126,7 @@ def unit_allowed() -> tuple[set[str], set[str]]:
 
 def gurtd_own_syscalls() -> set[str]:
     """What gurtd.py calls by name (syscall("x", ...), libc_call("x", ...)) and through os."""
-    with open(os.path.join(ROOT, "gurtd.py")) as f:
-        source = f.read()
+    source = Path(ROOT, "gurtd.py").read_text()
     called = set(re.findall(r'(?:syscall|libc_call)\("([a-z_0-9]+)', source))
     called.discard("lckpwdf")          # a libc function (a lock file), not a system call
     return called | {"seccomp", "setgroups", "setresuid", "setresgid", "setrlimit", "prlimit64",
@@ -164,8 +160,7 @@ def test_the_syscall_filter_keeps_what_gurtd_and_every_worker_may_call():
 
 def test_the_unit_scores_5_or_less_and_keeps_its_promises(tmp_path):
     unit = (tmp_path / "gurtd.service")
-    with open(os.path.join(ROOT, "gurtd.service")) as f:
-        unit.write_text(f.read())
+    unit.write_text(Path(ROOT, "gurtd.service").read_text())
     out = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(unit)],
                          capture_output=True, text=True)
     score = float(re.search(r"Overall exposure level for gurtd.service: ([\d.]+)",
@@ -202,10 +197,9 @@ def test_tasks_live_their_whole_life_under_the_units_filter(tmp_path, new_gurtd)
     with open(f"/proc/{g.proc.pid}/status") as f:
         assert re.search(r"^Seccomp:\s+2$", f.read(), re.M)     # gurtd runs filtered
     g.api("PUT", "/api/wallet", {"balanceCents": 10})
-    task = g.run("echo hi > made.txt\ncat /proc/self/status | grep ^Seccomp_filters\n"
-                 "gurtd tool wallet.pay '{\"to\": \"shop\", \"cents\": 1}'",
-                 tools=["wallet.pay"], budgetCents=5)
-    assert task["state"] == "done", (task, g.log(task["id"]))
+    task = g.run_done("echo hi > made.txt\ncat /proc/self/status | grep ^Seccomp_filters\n"
+                      "gurtd tool wallet.pay '{\"to\": \"shop\", \"cents\": 1}'",
+                      tools=["wallet.pay"], budgetCents=5)
     out = g.output(task["id"])
     assert any(re.match(r"Seccomp_filters:\s+[2-9]", line) for line in out), out  # both
     assert g.file("home", "made.txt") == b"hi\n"
@@ -224,26 +218,22 @@ def test_tasks_of_every_kind_run_with_only_the_units_capabilities(tmp_path, new_
     folder = seccomp_sitecustomize(tmp_path, allowed, native)
     g = new_gurtd({"PYTHONPATH": folder, "GURT_TEST_UNIT_FILTER": "1",
                    "GURT_TEST_UNIT_CAPS": "1"})
-    with open(f"/proc/{g.proc.pid}/status") as f:
-        status = f.read()
+    status = Path(f"/proc/{g.proc.pid}/status").read_text()
     bounding = int(re.search(r"^CapBnd:\s+([0-9a-f]+)$", status, re.M).group(1), 16)
     assert bounding == sum(1 << getattr(__import__("prctl"), "CAP_" + c[1:].upper())
                            for c in unit_bounding_set().split(",")[1:])
     code, _, _ = g.request("PUT", "/api/workspaces/home/files/up/in.txt", raw=b"uploaded\n")
     assert code in (200, 201), code
-    task = g.run("cat up/in.txt > made.txt")
-    assert task["state"] == "done", (task, g.log(task["id"]))
+    task = g.run_done("cat up/in.txt > made.txt")
     assert g.file("home", "made.txt") == b"uploaded\n"
-    net = g.run("grep -c nameserver /etc/resolv.conf", hosts=["198.18.0.12/31:80"])
-    assert net["state"] == "done", (net, g.log(net["id"]))
+    g.run_done("grep -c nameserver /etc/resolv.conf", hosts=["198.18.0.12/31:80"])
     # under the unit's UMask=0077 the tools folder came out 0700: gurt-tools could not run it
     os.chmod(os.path.dirname(g.home), 0o711)
     tool = os.path.join(g.home, "tools", "id.tool")
     with open(tool, "w") as f:
         f.write('#!/bin/sh\ncat >/dev/null\nprintf \'{"user": "%s"}\\n\' "$(id -un)"\n')
     os.chmod(tool, 0o755)
-    called = g.run("gurtd tool id.tool '{}'", tools=["id.tool"])
-    assert called["state"] == "done", (called, g.log(called["id"]))
+    called = g.run_done("gurtd tool id.tool '{}'", tools=["id.tool"])
     assert json.loads(g.output(called["id"])[0]) == {"user": "gurt-tools"}
     g.api("POST", f"/api/tasks/{task['id']}/undo")
     g.wait(task["id"], ("undone",))
@@ -281,8 +271,7 @@ def test_the_loop_pings_the_watchdog_and_reports_its_tasks(tmp_path, new_gurtd):
 
 def test_make_install_takes_only_run_time_packages_and_uninstall_reloads_systemd():
     def read(name: str) -> str:
-        with open(os.path.join(ROOT, name)) as f:
-            return f.read()
+        return Path(ROOT, name).read_text()
     run_time = read("requirements.txt")
     for test_only in ("pytest", "mcp"):
         assert not re.search(rf"^{test_only}\b", run_time, re.M), test_only

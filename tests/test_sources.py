@@ -11,22 +11,21 @@ under a tunnel's Host name.
 from __future__ import annotations
 
 import base64
-import contextlib
 import datetime
 import hashlib
 import hmac
 import json
 import os
 import stat
-import threading
 import time
 import zoneinfo
-from typing import Any, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 import gurtd as G
-from conftest import Gurtd, eventually, jira_stand_in, running_gurtd
+from conftest import Gurtd, eventually, jira_stand_in, loop_waits, running_gurtd
 
 BERLIN = "Europe/Berlin"
 
@@ -118,8 +117,7 @@ def test_a_schedule_from_creation_to_a_run_now_and_its_deletion() -> None:
         listed = g.cli("schedules")
         assert listed.returncode == 0 and item["id"] in listed.stdout and "0 12 * * SUN" in \
             listed.stdout, listed
-        ran = g.cli("schedule", "run", item["id"])
-        assert ran.returncode == 0, ran.stderr
+        ran = g.cli_ok("schedule", "run", item["id"])
         task = g.wait(ran.stdout.strip())
         assert task["state"] == "done" and task["source"] == "schedule" and \
             task["schedule"] == item["id"] and task["title"] == "nightly"
@@ -129,9 +127,8 @@ def test_a_schedule_from_creation_to_a_run_now_and_its_deletion() -> None:
         assert after["lastTask"] == task["id"] and after["lastRun"]
         tasks = g.cli("tasks")
         assert "schedule" in tasks.stdout and "SOURCE" in tasks.stdout
-        added = g.cli("schedule", "add", "weekly", "0 6 * * MON", "--worker", "fake", "--",
-                      "echo", "weekly")
-        assert added.returncode == 0, added.stderr
+        g.cli_ok("schedule", "add", "weekly", "0 6 * * MON", "--worker", "fake", "--", "echo",
+                 "weekly")
         assert len(g.api("GET", "/api/schedules")) == 2
         off = g.api("PUT", f"/api/schedules/{item['id']}", {"enabled": False})
         assert off["nextRuns"] == [] and not off["enabled"]
@@ -234,8 +231,7 @@ def test_a_labelled_issue_becomes_one_task_and_hears_back_when_it_ends() -> None
         code, answer, _ = g.request("PUT", "/api/settings", {"jira": {**config,
                                                                      "baseUrl": "http://x.org"}})
         assert code == 400 and "baseUrl" in answer["error"]
-        settings = g.api("PUT", "/api/settings", {"jira": config})
-        assert "token" not in settings["jira"]
+        assert "token" not in g.api("PUT", "/api/settings", {"jira": config})["jira"]
         token_file = os.path.join(g.home, "secrets", "jira-token")
         assert stat.S_IMODE(os.stat(token_file).st_mode) == 0o600
         assert "wrong-token" not in json.dumps(g.api("GET", "/api/settings"))
@@ -288,30 +284,8 @@ def issue_answer(key: str, description: bytes) -> bytes:
         key.encode(), description)
 
 
-@contextlib.contextmanager
-def loop_waits(g: Gurtd) -> Iterator[list[float]]:
-    """The loop's answer times meanwhile (GET /api/hooks is a call on the loop), in seconds."""
-    waits: list[float] = []
-    done = threading.Event()
-
-    def ask() -> None:
-        while not done.is_set():
-            start = time.monotonic()
-            g.api("GET", "/api/hooks")
-            waits.append(time.monotonic() - start)
-            time.sleep(0.05)
-    thread = threading.Thread(target=ask)
-    thread.start()
-    try:
-        yield waits
-    finally:
-        done.set()
-        thread.join()
-
-
 def jira_records(g: Gurtd) -> dict[str, dict[str, Any]]:
-    with open(os.path.join(g.home, "jira.json")) as f:
-        return json.load(f)["issues"]
+    return json.loads(Path(g.home, "jira.json").read_text())["issues"]
 
 
 def jira_tasks(g: Gurtd) -> dict[str, dict[str, Any]]:
@@ -341,7 +315,7 @@ def test_an_issue_that_cannot_be_read_is_skipped_and_the_poll_goes_on() -> None:
             jira.raw[key] = raw
         jira.issues["GT-9"] = {"summary": "After them", "description": adf("echo taken")}
         jira.status.update({k: "To Do" for k in jira.issues})
-        with loop_waits(g) as waits:
+        with loop_waits(g, lambda: g.api("GET", "/api/hooks")) as waits:
             g.api("PUT", "/api/settings", {"jira": {**JIRA_CONFIG, "baseUrl": jira.url}})
             taken = eventually(lambda: jira_tasks(g).get("GT-9"), 30, "the issue after them")
         print(f"the loop's worst wait while the hostile issues were read: {max(waits):.3f} s")
@@ -384,7 +358,7 @@ def test_a_jira_that_trickles_an_answer_is_cut_off_and_the_poll_goes_on() -> Non
         jira.issues["GT-2"] = {"summary": "After it", "description": adf("echo taken")}
         jira.status.update({"GT-1": "To Do", "GT-2": "To Do"})
         start = time.monotonic()
-        with loop_waits(g) as waits:
+        with loop_waits(g, lambda: g.api("GET", "/api/hooks")) as waits:
             g.api("PUT", "/api/settings", {"jira": {**JIRA_CONFIG, "baseUrl": jira.url}})
             taken = eventually(lambda: jira_tasks(g).get("GT-2"), 20, "the issue after it")
         assert time.monotonic() - start < 12
@@ -450,9 +424,7 @@ def test_a_signed_delivery_is_taken_once_and_only_while_fresh() -> None:
         }
         for why, (delivery, headers) in refused.items():
             sent = {"Content-Type": "application/json", "X-Gurt-Delivery": delivery, **headers}
-            code, answer, _ = g.request("POST", "/api/hooks/gh", headers=sent, token=False,
-                                        raw=raw)
-            assert code == 401, (why, code, answer)
+            g.api("POST", "/api/hooks/gh", headers=sent, token=False, raw=raw, status=401)
         code, answer = deliver(g, "gh", body, secret, "r-1")
         assert code == 409 and answer["code"] == "replayed", answer
         assert [t["id"] for t in g.api("GET", "/api/tasks")] == [task["id"]]
@@ -460,9 +432,7 @@ def test_a_signed_delivery_is_taken_once_and_only_while_fresh() -> None:
         for delivery, stamp in (("r-9", time.time() + 20), ("r-10", time.time() - 240)):
             sent = {"Content-Type": "application/json", "X-Gurt-Delivery": delivery,
                     **signed(secret, raw, delivery, stamp)}
-            code, answer, _ = g.request("POST", "/api/hooks/gh", headers=sent, token=False,
-                                        raw=raw)
-            assert code == 201, (delivery, answer)
+            g.api("POST", "/api/hooks/gh", headers=sent, token=False, raw=raw, status=201)
         g.wait(task["id"])
 
 

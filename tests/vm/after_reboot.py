@@ -10,6 +10,7 @@ import json
 import os
 import pwd
 import re
+from pathlib import Path
 from typing import Any
 
 from stories import (BOX_HOME, REBOOT_NOTE, api, done, figure, journal, output, request, run,
@@ -17,8 +18,7 @@ from stories import (BOX_HOME, REBOOT_NOTE, api, done, figure, journal, output, 
 
 
 def test_after_the_reboot_gurtd_is_up_with_the_box_and_the_task_failed_clearly() -> None:
-    with open(REBOOT_NOTE) as f:
-        note = json.load(f)
+    note = json.loads(Path(REBOOT_NOTE).read_text())
     wait_active("")
     with open("/proc/uptime") as f:
         figure("boot -> gurtd active (enabled)", f"{float(f.read().split()[0]):.0f} s")
@@ -53,8 +53,7 @@ def test_systemctl_stop_ends_the_tasks_and_leaves_nothing_behind() -> None:
     out = sh("systemctl", "stop", "gurtd")
     assert out.returncode == 0, (out.stderr, journal())
     assert unit("ActiveState") == "inactive", journal()
-    with open(os.path.join(BOX_HOME, "tasks", task["id"] + ".json")) as f:
-        after = json.load(f)
+    after = json.loads(Path(BOX_HOME, "tasks", task["id"] + ".json").read_text())
     assert after["state"] == "failed" and "stopped" in after.get("error", ""), after
     assert leftovers() == {}, leftovers()
     assert not [x for x in journal(400).splitlines() if "Traceback" in x], journal(400)

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,8 +56,7 @@ def unit(prop: str) -> str:
 
 def request(method: str, path: str, body: Any = None, raw: bytes | None = None,
             home: str = BOX_HOME, port: int = PORT) -> tuple[int, Any]:
-    with open(os.path.join(home, "token")) as f:
-        token = f.read().strip()
+    token = Path(home, "token").read_text().strip()
     headers = {"Authorization": f"Bearer {token}"}
     data = raw
     if raw is not None:
@@ -168,8 +168,7 @@ def task_cgroup(task_id: str) -> str:
 
 
 def read(path: str) -> str:
-    with open(path) as f:
-        return f.read().strip()
+    return Path(path).read_text().strip()
 
 
 def assert_limits_in(group: str, limits: dict[str, int], task_id: str, **where: Any) -> None:
@@ -257,8 +256,7 @@ def owner() -> Any:
 def test_a_personal_folder_is_worked_on_as_a_copy_then_kept(owner: Any) -> None:
     folder = os.path.join(owner.pw_dir, "proj")
     os.makedirs(folder)
-    with open(os.path.join(folder, "a.txt"), "w") as f:
-        f.write("hello\n")
+    Path(folder, "a.txt").write_text("hello\n")
     for p in (folder, os.path.join(folder, "a.txt")):
         os.chown(p, owner.pw_uid, owner.pw_gid)
     time.sleep(0.05)                             # its ctimes are before the task's start
@@ -267,8 +265,7 @@ def test_a_personal_folder_is_worked_on_as_a_copy_then_kept(owner: Any) -> None:
     with open(os.path.join(folder, "a.txt")) as f:
         assert f.read() == "hello\n"             # a copy until kept
     assert api("POST", f"/api/tasks/{task['id']}/keep", {})["review"] == "kept"
-    with open(os.path.join(folder, "a.txt")) as f:
-        assert f.read() == "hello\nmore\n"
+    assert Path(folder, "a.txt").read_text() == "hello\nmore\n"
     assert os.stat(os.path.join(folder, "a.txt")).st_uid == owner.pw_uid
 
 
@@ -465,8 +462,7 @@ def test_by_hand_gurtd_runs_in_a_delegated_scope_of_its_own() -> None:
     hand = {"home": HAND_HOME, "port": HAND_PORT}
     proc = by_hand({})
     try:
-        with open(f"/proc/{proc.pid}/cgroup") as f:
-            own = f.read().strip()
+        own = Path(f"/proc/{proc.pid}/cgroup").read_text().strip()
         assert re.fullmatch(r"0::/system\.slice/run-[^/]+\.scope/gurtd", own), own
         # no systemd filter there: workers are born in their groups
         said = "workers: started in their cgroup by clone3(CLONE_INTO_CGROUP)"
