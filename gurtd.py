@@ -3729,6 +3729,8 @@ TIOCSTI, TIOCLINUX = 0x5412, 0x541C
 PERSONA_QUERY = 0x80000000           # personality(0xffffffff) asks; no persona has this bit
 PERSONA_FLAGS = 0x0FFC0000           # ADDR_NO_RANDOMIZE ... ADDR_LIMIT_3GB (UNAME26 stays)
 AF_VSOCK = 40
+FS_IOC_SETFLAGS, FS_IOC32_SETFLAGS = 0x40086602, 0x40046602
+SYS_FILE_SETATTR = 469               # 6.17's file_setattr: libseccomp 2.5 knows no name for it
 ArgTest = tuple[int, int, int]       # (argument, mask, value): refused if arg & mask == value
 
 
@@ -3737,8 +3739,9 @@ def any_bit(arg: int, bits: int, unless: int = 0) -> tuple[ArgTest, ...]:
     return tuple((arg, 1 << n | unless, 1 << n) for n in range(64) if bits >> n & 1)
 
 
-# (syscall, argument tests: any one refuses, none given: always; errno; what it closes)
-KERNEL_REFUSALS: tuple[tuple[str, tuple[ArgTest, ...], int, str], ...] = (
+# (syscall, by name or number; argument tests: any one refuses, none given: always; errno;
+# what it closes)
+KERNEL_REFUSALS: tuple[tuple[str | int, tuple[ArgTest, ...], int, str], ...] = (
     # Namespaces: in a user namespace of its own a task is root of a world where far more of
     # the kernel is reachable (netfilter, most file systems): the usual first step of an exploit.
     ("unshare", any_bit(0, CLONE_NEW_FLAGS | CLONE_NEWTIME), errno.EPERM,
@@ -3783,6 +3786,16 @@ KERNEL_REFUSALS: tuple[tuple[str, tuple[ArgTest, ...], int, str], ...] = (
     ("open_by_handle_at", (), errno.EPERM, "opening any file of a file system by handle"),
     ("quotactl", (), errno.EPERM, "disk quotas"),
     ("quotactl_fd", (), errno.EPERM, "disk quotas"),
+    # A layer's files carry its project id (project quotas, in Limits and tracking), and the
+    # kernel lets a file's owner change the id and the project-inherit flag, through overlay
+    # with the mounter's rights: a file out of the project escapes the layer's limit.  Reading
+    # them stays allowed (FS_IOC_GETFLAGS, FS_IOC_FSGETXATTR, file_getattr: lsattr).
+    ("ioctl", ((1, 0xFFFFFFFF, FS_IOC_FSSETXATTR),), errno.EPERM,
+     "FS_IOC_FSSETXATTR: a file's project id and project-inherit flag (chattr -p, -P)"),
+    ("ioctl", ((1, 0xFFFFFFFF, FS_IOC_SETFLAGS), (1, 0xFFFFFFFF, FS_IOC32_SETFLAGS)),
+     errno.EPERM, "FS_IOC_SETFLAGS (and its 32-bit number): the project-inherit flag, "
+                  "the other file flags (chattr +P, -P, +d)"),
+    (SYS_FILE_SETATTR, (), errno.EPERM, "file_setattr: FS_IOC_FSSETXATTR by path"),
     # The kernel and the machine
     ("kexec_load", (), errno.EPERM, "booting another kernel"),
     ("kexec_file_load", (), errno.EPERM, "booting another kernel"),
