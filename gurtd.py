@@ -2378,9 +2378,11 @@ def inode_reserve(fs_inodes: int) -> int:
 
 # Project quotas: where BOX_HOME's file system enforces them (ext4 with the project and quota
 # features mounted with prjquota, xfs mounted with pquota), each running task's layer is a
-# project of its own whose hard limits (blocks and inodes) are what the reserve leaves: the
+# project of its own whose hard limits (blocks and inodes) are its share of what the reserve
+# leaves (the room divided among the running tasks, so that together they cannot pass it): the
 # kernel refuses the write (EDQUOT) that would eat into it, however fast it comes (one
-# fallocate, a dd, empty files), where the poll of free space only sees it afterwards.  The
+# fallocate, a dd, empty files, many tasks at once), where the poll of free space only sees it
+# afterwards.  The poll goes on beside them, a second line of defence.  The
 # project id is the task's uid (they go round a range of 100,000, so an id comes back late);
 # the layer's folders are marked inheriting before the task starts, so all it writes carries
 # the id.  Limits are kept relative to the id's usage, so files an earlier layer left under
@@ -2816,7 +2818,8 @@ class DiskReserve:
     kind `disk`: approved, it goes on and is not paused again until free space has halved;
     denied, it fails with `disk full: <reason>`.  With project quotas (above) each task's
     layer has hard limits too, moved at each check, and a task at its limit is asked about
-    the same way.  Loop thread, but for the walk."""
+    the same way; the poll covers those tasks as well (should a limit not hold).  Loop
+    thread, but for the walk."""
 
     def __init__(self, box: "Box") -> None:
         self.box = box
@@ -2837,13 +2840,15 @@ class DiskReserve:
 
     def limit_layer(self, task: Task, folders: list[str]) -> None:
         """Before the task starts: its layer's folders (fresh and empty) become its project,
-        limited to what the reserve leaves."""
+        limited to its share of what the reserve leaves; the others' shares shrink first."""
         if not self.quotas:
             return
         self.layers[task.id] = layer = LayerQuota(task.uid, folders)
         try:
             project_mark(folders, task.uid)
-            self.limit(layer, *self.room(layer))
+            for other in [x for x in self.layers.values() if x is not layer] + [layer]:
+                used, room = self.room(other)
+                self.limit(other, used, self.share(room))
         except BaseException:
             self.unlimit(task)
             raise
@@ -2858,6 +2863,11 @@ class DiskReserve:
             project_mark([f for f in layer.folders if os.path.isdir(f)], 0)
         except (OSError, SysError) as exc:
             log(3, f"task {task.id}: cannot clear the project quota {layer.project}: {exc}")
+
+    def share(self, room: tuple[int, int]) -> tuple[int, int]:
+        """One layer's part of the room: each running task with a layer gets as much (an idle
+        one's part waits for it; a writer's grows at each check as the room shrinks)."""
+        return room[0] // len(self.layers), room[1] // len(self.layers)
 
     def room(self, layer: LayerQuota) -> tuple[tuple[int, int], tuple[int, int]]:
         """The layer's usage and the free space above its floor (bytes, inodes)."""
@@ -2880,8 +2890,9 @@ class DiskReserve:
             layer.used, layer.limit = used, new
 
     def check_layers(self) -> None:
-        """Each running task's limits follow the free space; a task that wrote since its limits
-        were set while less than a step is left above the floor is paused and asked about."""
+        """Each running task's limits follow the free space (its usage and its share of the
+        room); a task that wrote since its limits were set while less than a step is left
+        above the floor is paused and asked about."""
         box = self.box
         for task_id, layer in list(self.layers.items()):
             task, worker = box.task(task_id), box.worker(task_id)
@@ -2892,7 +2903,7 @@ class DiskReserve:
                 used, room = self.room(layer)
                 if not any(u > was and r < step for u, was, r, step in
                            zip(used, layer.used, room, (DISK_STEP, QUOTA_INODE_STEP))):
-                    self.limit(layer, used, room)
+                    self.limit(layer, used, self.share(room))
                     continue
             except (OSError, SysError) as exc:     # polled from now on, as without quotas
                 log(3, f"task {task_id}: cannot set its project quota: {exc}")
@@ -2920,8 +2931,7 @@ class DiskReserve:
             return DISK_CHECK_INTERVAL         # nothing else is eating the disk
         candidates = [(w.task_id, box.layer_dir(w.task_id)) for w in box.all_workers()
                       if box.get(w.task_id).state in ("running", "waiting") and
-                      w.task_id not in self.layers      # their limits hold them
-                      and "disk" not in w.holds and free < w.disk_floor]
+                      "disk" not in w.holds and free < w.disk_floor]
         if candidates and not self.walking:
             self.walking = True
             threading.Thread(target=self._measure, args=(candidates,), name="disk",
