@@ -2866,7 +2866,8 @@ class DiskReserve:
 
     def share(self, room: tuple[int, int]) -> tuple[int, int]:
         """One layer's part of the room: each running task with a layer gets as much (an idle
-        one's part waits for it; a writer's grows at each check as the room shrinks)."""
+        one's part waits for it; a writer's limit moves up at each check by what it wrote
+        less its part of that)."""
         return room[0] // len(self.layers), room[1] // len(self.layers)
 
     def room(self, layer: LayerQuota) -> tuple[tuple[int, int], tuple[int, int]]:
