@@ -2974,16 +2974,22 @@ class DiskReserve:
         self.box.loop.post(self.on_sizes, sizes)
 
     def on_sizes(self, sizes: dict[str, int]) -> None:
-        """Back on the loop thread: pause the biggest writer still running, if still short."""
+        """Back on the loop thread: pause the biggest writer still running, if still short.
+        A task with a layer quota only if its upper holds more than its limits (files its
+        project does not count): else the kernel holds it, and another's approved writes, or
+        a refused fallocate's dip, are no cause."""
         self.walking = False
         box = self.box
         free, reserve = self.free_and_reserve()
         if free >= reserve:
             return
+        per_inode = self.inode_bytes()
         for task_id, size in sorted(sizes.items(), key=lambda kv: -kv[1]):
             task, worker = box.task(task_id), box.worker(task_id)
+            layer = self.layers.get(task_id)
             if task is None or worker is None or task.state not in ("running", "waiting") or \
-                    "disk" in worker.holds or free >= worker.disk_floor:
+                    "disk" in worker.holds or free >= worker.disk_floor or (
+                        layer and size <= layer.limit[0] + layer.limit[1] * per_inode):
                 continue
             self.pause(task, worker, size, free, reserve)
             return
