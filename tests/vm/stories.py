@@ -410,9 +410,10 @@ def stopped_at_its_limit(task_id: str, what: str) -> dict[str, Any]:
 
 
 def test_on_project_quotas_a_tasks_layer_stops_at_the_reserve() -> None:
-    """After the stop: BOX_HOME becomes a 64 MiB ext4 with the project and quota features,
-    mounted with prjquota; gurtd says each layer has a project quota.  One fallocate of 1 GiB
-    and a dd at full speed each stop at the limit (`Disk quota exceeded`, or a pause at it),
+    """After the stop: BOX_HOME becomes a 128 MiB ext4 (16,384 inodes) with the project and
+    quota features, mounted with prjquota; gurtd says each layer has a project quota.  One
+    fallocate of 1 GiB and a dd at full speed each stop at the limit (`Disk quota exceeded`,
+    or a pause at it),
     the reserve untouched, the layer no bigger than the room; two dd at once stop together at
     the reserve (each layer has its share of the room); a task's chattr cannot take its file
     out of its project; a task making empty files without end is paused at its inode limit
@@ -423,8 +424,9 @@ def test_on_project_quotas_a_tasks_layer_stops_at_the_reserve() -> None:
     assert out.returncode == 0, (out.stderr, journal())
     image = "/var/tmp/gurt-quota.img"
     with open(image, "wb") as f:
-        f.truncate(64 << 20)
-    assert sh("mkfs.ext4", "-q", "-F", "-m", "0", "-O", "quota,project", image).returncode == 0
+        f.truncate(128 << 20)          # each attack's failed layer stays on it
+    assert sh("mkfs.ext4", "-q", "-F", "-m", "0", "-N", "16384", "-O", "quota,project",
+              image).returncode == 0
     out = sh("mount", "-o", "loop,prjquota", image, BOX_HOME)
     assert out.returncode == 0, out.stderr
     try:
