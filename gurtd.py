@@ -2833,8 +2833,8 @@ class DiskReserve:
         """Find out whether BOX_HOME's file system enforces project quotas, and say so."""
         missing = project_quotas_missing(self.box.path())
         self.quotas = not missing
-        log(6, "disk: each task's layer has a project quota on BOX_HOME (hard limits: what "
-               "the reserve leaves)" if self.quotas else
+        log(6, "disk: each task's layer has a project quota on BOX_HOME (hard limits: its "
+               "share of what the reserve leaves)" if self.quotas else
                f"disk: no project quotas on BOX_HOME ({missing}): free space is polled every "
                f"{DISK_CHECK_INTERVAL} s, and a task can pass the reserve between two polls")
 
