@@ -2383,9 +2383,11 @@ def inode_reserve(fs_inodes: int) -> int:
 
 # Project quotas: where BOX_HOME's file system enforces them (ext4 with the project and quota
 # features mounted with prjquota, xfs mounted with pquota), each running task's layer is a
-# project of its own whose hard limits (blocks and inodes) are what the reserve leaves: the
+# project of its own whose hard limits (blocks and inodes) are its share of what the reserve
+# leaves (the room divided among the running tasks, so that together they cannot pass it): the
 # kernel refuses the write (EDQUOT) that would eat into it, however fast it comes (one
-# fallocate, a dd, empty files), where the poll of free space only sees it afterwards.  The
+# fallocate, a dd, empty files, many tasks at once), where the poll of free space only sees it
+# afterwards.  The poll goes on beside them, a second line of defence.  The
 # project id is the task's uid (they go round a range of 100,000, so an id comes back late);
 # the layer's folders are marked inheriting before the task starts, so all it writes carries
 # the id.  Limits are kept relative to the id's usage, so files an earlier layer left under
@@ -2821,7 +2823,8 @@ class DiskReserve:
     kind `disk`: approved, it goes on and is not paused again until free space has halved;
     denied, it fails with `disk full: <reason>`.  With project quotas (above) each task's
     layer has hard limits too, moved at each check, and a task at its limit is asked about
-    the same way.  Loop thread, but for the walk."""
+    the same way; the poll covers those tasks as well (should a limit not hold).  Loop
+    thread, but for the walk."""
 
     def __init__(self, box: "Box") -> None:
         self.box = box
@@ -2835,20 +2838,22 @@ class DiskReserve:
         """Find out whether BOX_HOME's file system enforces project quotas, and say so."""
         missing = project_quotas_missing(self.box.path())
         self.quotas = not missing
-        log(6, "disk: each task's layer has a project quota on BOX_HOME (hard limits: what "
-               "the reserve leaves)" if self.quotas else
+        log(6, "disk: each task's layer has a project quota on BOX_HOME (hard limits: its "
+               "share of what the reserve leaves)" if self.quotas else
                f"disk: no project quotas on BOX_HOME ({missing}): free space is polled every "
                f"{DISK_CHECK_INTERVAL} s, and a task can pass the reserve between two polls")
 
     def limit_layer(self, task: Task, folders: list[str]) -> None:
         """Before the task starts: its layer's folders (fresh and empty) become its project,
-        limited to what the reserve leaves."""
+        limited to its share of what the reserve leaves; the others' shares shrink first."""
         if not self.quotas:
             return
         self.layers[task.id] = layer = LayerQuota(task.uid, folders)
         try:
             project_mark(folders, task.uid)
-            self.limit(layer, *self.room(layer))
+            for other in [x for x in self.layers.values() if x is not layer] + [layer]:
+                used, room = self.room(other)
+                self.limit(other, used, self.share(room))
         except BaseException:
             self.unlimit(task)
             raise
@@ -2863,6 +2868,12 @@ class DiskReserve:
             project_mark([f for f in layer.folders if os.path.isdir(f)], 0)
         except (OSError, SysError) as exc:
             log(3, f"task {task.id}: cannot clear the project quota {layer.project}: {exc}")
+
+    def share(self, room: tuple[int, int]) -> tuple[int, int]:
+        """One layer's part of the room: each running task with a layer gets as much (an idle
+        one's part waits for it; a writer's limit moves up at each check by what it wrote
+        less its part of that)."""
+        return room[0] // len(self.layers), room[1] // len(self.layers)
 
     def room(self, layer: LayerQuota) -> tuple[tuple[int, int], tuple[int, int]]:
         """The layer's usage and the free space above its floor (bytes, inodes)."""
@@ -2885,8 +2896,13 @@ class DiskReserve:
             layer.used, layer.limit = used, new
 
     def check_layers(self) -> None:
-        """Each running task's limits follow the free space; a task that wrote since its limits
-        were set while less than a step is left above the floor is paused and asked about."""
+        """Each running task's limits follow the free space (its usage and its share of the
+        room); a task that wrote since its limits were set, up to a step of them, while less
+        than a step is left above the floor is paused and asked about.  At its limit only:
+        free space dips while a refused fallocate is in the kernel (ext4 takes a whole
+        extent's 32,767 blocks, its delayed_allocation_blocks, before it trims the request to
+        the quota: 32 MiB on 1 KiB blocks, measured on 6.1 and 6.12), and a task that merely
+        wrote then is no cause."""
         box = self.box
         for task_id, layer in list(self.layers.items()):
             task, worker = box.task(task_id), box.worker(task_id)
@@ -2895,9 +2911,10 @@ class DiskReserve:
                 continue
             try:
                 used, room = self.room(layer)
-                if not any(u > was and r < step for u, was, r, step in
-                           zip(used, layer.used, room, (DISK_STEP, QUOTA_INODE_STEP))):
-                    self.limit(layer, used, room)
+                if not any(u > was and u + step > lim and r < step
+                           for u, was, lim, r, step in zip(used, layer.used, layer.limit, room,
+                                                           (DISK_STEP, QUOTA_INODE_STEP))):
+                    self.limit(layer, used, self.share(room))
                     continue
             except (OSError, SysError) as exc:     # polled from now on, as without quotas
                 log(3, f"task {task_id}: cannot set its project quota: {exc}")
@@ -2925,8 +2942,7 @@ class DiskReserve:
             return DISK_CHECK_INTERVAL         # nothing else is eating the disk
         candidates = [(w.task_id, box.layer_dir(w.task_id)) for w in box.all_workers()
                       if box.get(w.task_id).state in ("running", "waiting") and
-                      w.task_id not in self.layers      # their limits hold them
-                      and "disk" not in w.holds and free < w.disk_floor]
+                      "disk" not in w.holds and free < w.disk_floor]
         if candidates and not self.walking:
             self.walking = True
             threading.Thread(target=self._measure, args=(candidates,), name="disk",
@@ -2964,16 +2980,22 @@ class DiskReserve:
         self.box.loop.post(self.on_sizes, sizes)
 
     def on_sizes(self, sizes: dict[str, int]) -> None:
-        """Back on the loop thread: pause the biggest writer still running, if still short."""
+        """Back on the loop thread: pause the biggest writer still running, if still short.
+        A task with a layer quota only if its upper holds more than its limits (files its
+        project does not count): else the kernel holds it, and another's approved writes, or
+        a refused fallocate's dip, are no cause."""
         self.walking = False
         box = self.box
         free, reserve = self.free_and_reserve()
         if free >= reserve:
             return
+        per_inode = self.inode_bytes()
         for task_id, size in sorted(sizes.items(), key=lambda kv: -kv[1]):
             task, worker = box.task(task_id), box.worker(task_id)
+            layer = self.layers.get(task_id)
             if task is None or worker is None or task.state not in ("running", "waiting") or \
-                    "disk" in worker.holds or free >= worker.disk_floor:
+                    "disk" in worker.holds or free >= worker.disk_floor or (
+                        layer and size <= layer.limit[0] + layer.limit[1] * per_inode):
                 continue
             self.pause(task, worker, size, free, reserve)
             return
@@ -3729,6 +3751,8 @@ TIOCSTI, TIOCLINUX = 0x5412, 0x541C
 PERSONA_QUERY = 0x80000000           # personality(0xffffffff) asks; no persona has this bit
 PERSONA_FLAGS = 0x0FFC0000           # ADDR_NO_RANDOMIZE ... ADDR_LIMIT_3GB (UNAME26 stays)
 AF_VSOCK = 40
+FS_IOC_SETFLAGS, FS_IOC32_SETFLAGS = 0x40086602, 0x40046602
+SYS_FILE_SETATTR = 469               # 6.17's file_setattr: libseccomp 2.5 knows no name for it
 ArgTest = tuple[int, int, int]       # (argument, mask, value): refused if arg & mask == value
 
 
@@ -3737,8 +3761,9 @@ def any_bit(arg: int, bits: int, unless: int = 0) -> tuple[ArgTest, ...]:
     return tuple((arg, 1 << n | unless, 1 << n) for n in range(64) if bits >> n & 1)
 
 
-# (syscall, argument tests: any one refuses, none given: always; errno; what it closes)
-KERNEL_REFUSALS: tuple[tuple[str, tuple[ArgTest, ...], int, str], ...] = (
+# (syscall, by name or number; argument tests: any one refuses, none given: always; errno;
+# what it closes)
+KERNEL_REFUSALS: tuple[tuple[str | int, tuple[ArgTest, ...], int, str], ...] = (
     # Namespaces: in a user namespace of its own a task is root of a world where far more of
     # the kernel is reachable (netfilter, most file systems): the usual first step of an exploit.
     ("unshare", any_bit(0, CLONE_NEW_FLAGS | CLONE_NEWTIME), errno.EPERM,
@@ -3783,6 +3808,16 @@ KERNEL_REFUSALS: tuple[tuple[str, tuple[ArgTest, ...], int, str], ...] = (
     ("open_by_handle_at", (), errno.EPERM, "opening any file of a file system by handle"),
     ("quotactl", (), errno.EPERM, "disk quotas"),
     ("quotactl_fd", (), errno.EPERM, "disk quotas"),
+    # A layer's files carry its project id (project quotas, in Limits and tracking), and the
+    # kernel lets a file's owner change the id and the project-inherit flag, through overlay
+    # with the mounter's rights: a file out of the project escapes the layer's limit.  Reading
+    # them stays allowed (FS_IOC_GETFLAGS, FS_IOC_FSGETXATTR, file_getattr: lsattr).
+    ("ioctl", ((1, 0xFFFFFFFF, FS_IOC_FSSETXATTR),), errno.EPERM,
+     "FS_IOC_FSSETXATTR: a file's project id and project-inherit flag (chattr -p, -P)"),
+    ("ioctl", ((1, 0xFFFFFFFF, FS_IOC_SETFLAGS), (1, 0xFFFFFFFF, FS_IOC32_SETFLAGS)),
+     errno.EPERM, "FS_IOC_SETFLAGS (and its 32-bit number): the project-inherit flag, "
+                  "the other file flags (chattr +P, -P, +d)"),
+    (SYS_FILE_SETATTR, (), errno.EPERM, "file_setattr: FS_IOC_FSSETXATTR by path"),
     # The kernel and the machine
     ("kexec_load", (), errno.EPERM, "booting another kernel"),
     ("kexec_file_load", (), errno.EPERM, "booting another kernel"),

@@ -453,6 +453,39 @@ def test_a_task_that_fills_the_disk_is_paused_at_the_reserve(box_on_small_disk: 
     assert failed["error"] == "disk full: enough"
 
 
+WRITER = ("i=0; while [ $i -lt 100 ]; do head -c 1048576 /dev/zero > f$i || exit 1; "
+          "i=$((i+1)); sleep 0.2; done")
+
+
+def test_two_tasks_writing_at_once_are_both_paused_near_the_reserve(
+        box_on_small_disk: Gurtd) -> None:
+    """Two tasks write 1 MiB at a time at once, into 12 MiB above the reserve: together they
+    take no more than one of them could (the first paused at the reserve, the other a step
+    below it); approved, both write on and are paused again at about half the free space
+    (each was let go to half of it, not twice that together)."""
+    g = box_on_small_disk
+    reserve = free_bytes(g.home) - (12 << 20)
+    g.api("PUT", "/api/settings", {"diskReserveBytes": reserve})
+    tasks = [g.create(WRITER)["id"] for _ in range(2)]
+    first = [disk_approval(g, t) for t in tasks]
+    low = free_bytes(g.home)
+    print("two writers: bytes past the reserve when both were paused:", reserve - low)
+    assert reserve - (6 << 20) < low < reserve, (reserve, low, first)
+    free_before = min(a["args"]["freeBytes"] for a in first)
+    for approval in first:
+        g.api("POST", f"/api/approvals/{approval['id']}/approve", {})
+    for task_id in tasks:
+        eventually(lambda: any(a["id"] not in [f["id"] for f in first] for a in g.api(
+            "GET", f"/api/approvals?state=pending&task={task_id}")), what="a second pause")
+    low = free_bytes(g.home)
+    print("two writers: free at the second pauses, of free at the first:",
+           f"{low} of {free_before}")
+    assert free_before // 2 - (6 << 20) < low < free_before, (free_before, low)
+    for task_id in tasks:
+        g.api("POST", f"/api/tasks/{task_id}/stop")
+        g.wait(task_id)
+
+
 INODE_EATER = python_arg_line(    # empty files, 100 at a time: no bytes, only inodes
     "import os, time\n"
     "n = 0\n"
