@@ -3033,12 +3033,14 @@ class DiskReserve:
 # HTTP threads make fork unsafe in gurtd itself (locks held by other threads stay held in the
 # child).  So gurtd forks this spawner before any thread starts; it stays single-threaded,
 # forks each worker on request and reports each exit.  It dies with gurtd (pdeathsig), is a
-# subreaper (orphans of tasks are reaped here), and workers die with it.
+# subreaper (orphans of tasks are reaped here), and workers die with it.  It lives in a mount
+# namespace of its own, where the tmpfs of the tasks' broker socket is attached (Broker.mount).
 # A worker is born in its task's v2 group: clone3(CLONE_INTO_CGROUP) (Linux 5.7) as a fork, so
 # that no process of a task ever runs outside its group and the start writes no cgroup.procs.
 # Where clone3 is refused (systemd's RestrictNamespaces= filter answers it ENOSYS: it cannot
-# read clone3's flags), the worker is forked and writes itself into cgroup.procs first thing;
-# the start probes once and says which way it takes.  GURT_CLONE_INTO_CGROUP=no forces the fork.
+# read clone3's flags, so gurtd.service sets none), the worker is forked and writes itself into
+# cgroup.procs first thing; the start probes once and says which way it takes.
+# GURT_CLONE_INTO_CGROUP=no forces the fork.
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_CAP_AMBIENT = 1, 36, 47
 SYS_CLONE3, CLONE_INTO_CGROUP = 435, 0x200000000
@@ -3088,9 +3090,10 @@ class Spawner:
         self.pid = 0
         self._exits: list[tuple[int, int]] = []
 
-    def start(self, close: tuple[int, ...] = ()) -> None:
+    def start(self, close: tuple[int, ...] = (), broker: tuple[int, str] | None = None) -> None:
         """Fork the spawner; it closes the fds in close (the BOX_HOME lock: a task must
-        never hold it, or the next start would wait for the task)."""
+        never hold it, or the next start would wait for the task), and attaches the mount fd
+        of broker at its path in a mount namespace of its own (Broker.mount)."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
@@ -3099,6 +3102,8 @@ class Spawner:
                 os.close(fd)
             code = 0
             try:
+                if broker is not None:
+                    _spawner_namespace(*broker)
                 _spawner_main(child)
             except BaseException:
                 code = 1
@@ -3166,6 +3171,18 @@ class Spawner:
             except (ProcessLookupError, ChildProcessError):
                 pass
             self.pid = 0
+
+
+def _spawner_namespace(mount_fd: int, point: str) -> None:
+    """A mount namespace of the spawner's own (a slave of gurtd's: what the host mounts later
+    still comes in), with the detached mount_fd attached at point: every worker's namespace is
+    a copy of this one, so a worker can bind from that mount on any kernel, and neither gurtd's
+    namespace nor the host's ever shows it."""
+    libc_call("unshare", CLONE_NEWNS)
+    _mount("none", "/", None, MS_REC | MS_SLAVE, None)
+    syscall("move_mount", SYS_MOVE_MOUNT, mount_fd, b"", -100, point.encode(),
+            MOVE_MOUNT_F_EMPTY_PATH)
+    os.close(mount_fd)
 
 
 def _spawner_main(sock: socket.socket) -> None:
@@ -3446,9 +3463,11 @@ def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
     _mount("none", "/", None, MS_REC | MS_SLAVE, None)
     view = _view_open(spec)
     folders = folder_overlays_open(spec)      # personal mode: before the host's root goes
-    held = {"broker": _broker_open(spec, fds[spec["brokerFd"]]),          # before the host's
-            "module": os.open(spec["module"], os.O_RDONLY | os.O_CLOEXEC)}  # root goes
-    if spec.get("droid"):
+    # before the host's root goes: the broker socket (in this namespace, that of the
+    # spawner's tmpfs over BOX_HOME/run: Broker.mount) and the module
+    held = {"broker": os.open(spec["broker"], os.O_PATH | os.O_CLOEXEC),
+            "module": os.open(spec["module"], os.O_RDONLY | os.O_CLOEXEC)}
+    if spec.get("droid") and not _droid_in_usr(spec):
         held["droid"] = os.open(spec["droid"], os.O_PATH | os.O_CLOEXEC)
     _root_build(NEW_ROOT, spec)
     _run_build(NEW_ROOT, spec, view, held)
@@ -3460,22 +3479,6 @@ def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
     # a personal task works in its first folder, as the owner would
     os.chdir(spec["folders"][0]["path"] if spec.get("folders") else VIEW_DIR)
     _kernel_filter_load()
-
-
-def _broker_open(spec: dict[str, Any], mount_fd: int) -> int:
-    """The broker socket to bind in the box: a clone of it on gurtd's detached tmpfs
-    (Broker.start), whose mountinfo line names nothing of the host.  A kernel that clones no
-    detached mount (EINVAL: before 6.15, by its source) gets the one in BOX_HOME/run, whose
-    line names BOX_HOME."""
-    try:
-        return syscall("open_tree", SYS_OPEN_TREE, mount_fd, b"broker.sock",
-                       OPEN_TREE_CLONE | os.O_CLOEXEC)
-    except SysError as exc:
-        if exc.code != errno.EINVAL:
-            raise
-        return os.open(spec["broker"], os.O_PATH | os.O_CLOEXEC)
-    finally:
-        os.close(mount_fd)
 
 
 def _view_open(spec: dict[str, Any]) -> int:
@@ -3608,6 +3611,8 @@ def _run_build(root: str, spec: dict[str, Any], view: int, held: dict[str, int])
         open(root + places[name], "w").close()
         _bind(fd, "", root + places[name], MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
         os.close(fd)
+    if _droid_in_usr(spec):           # installed: the box's /usr has it, a bind would name it
+        os.symlink(_droid_in_usr(spec), root + places["droid"])
     files = dict(spec.get("files", {}))   # the prompt, the system prompt
     files["/run/gurt/bin/gurtd"] = \
         '#!/bin/sh\nexec /usr/bin/python3 -I /run/gurt/lib/gurtd.py "$@"\n'
@@ -3618,6 +3623,12 @@ def _run_build(root: str, spec: dict[str, Any], view: int, held: dict[str, int])
         with open(root + path, "w") as f:
             f.write(text)
         os.chmod(root + path, 0o755 if path.startswith("/run/gurt/bin/") else 0o644)
+
+
+def _droid_in_usr(spec: dict[str, Any]) -> str:
+    """Where droid is if that is under /usr (make install's place), which the box has as is."""
+    real = os.path.realpath(spec["droid"]) if spec.get("droid") else ""
+    return real if real.startswith("/usr/") else ""
 
 
 def _root_pivot(root: str) -> None:
@@ -7660,10 +7671,10 @@ class Box:
             if task.worker == "droid":
                 hosts += [h for h in self.settings["droidHosts"] if h not in hosts]
                 self.droid.spec(task, spec, hosts)
-            fds, spec["brokerFd"] = [self.broker.mount_fd], 2
+            fds: list[int] = []
             if hosts or task.askHosts or self.broker.policies.has_hosts(task) or \
                     spec.get("gateway"):
-                spec["netnsFd"] = 3
+                spec["netnsFd"] = 2
                 fds.append(self.network.prepare(task, hosts).nsfd)
                 self.gateway.open(task.id, fds[-1])
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
@@ -10085,7 +10096,7 @@ class Broker:
         self.waiters: dict[str, Future[Approval]] = {}
         self.wallet: dict[str, Any] = {"balanceCents": 0, "ledger": []}
         self.servers: list[BrokerServer] = []
-        self.mount_fd = -1        # the detached tmpfs of the socket tasks see (start)
+        self.mount_fd = -1        # the tmpfs of the socket tasks see (mount)
         self.tools_ids = (0, 0)
         self.policies = Policies(box)
 
@@ -10114,17 +10125,15 @@ class Broker:
             self.approvals[approval.id] = approval
             self.render(approval)
 
-    def start(self) -> None:
-        """Bind the broker socket twice (any local user may connect; only task uids are
-        answered): in BOX_HOME/run for callers on the host, and on a detached tmpfs of its own
-        (attached nowhere: it ends with gurtd's fd) that each task's sandbox binds at
+    def mount(self) -> None:
+        """The tmpfs of the socket tasks see: made detached (fsmount) before the spawner
+        forks, which attaches it over BOX_HOME/run in a mount namespace of its own (Spawner),
+        so that each worker, whose namespace is a copy of that one, binds the socket from it at
         BROKER_IN_BOX.  A socket cannot be copied and a bind's mountinfo line shows its path in
-        its file system: there `/broker.sock` on a tmpfs, nothing of the host."""
-        self.tools_ids = system_user_ensure(TOOLS_USER)
-        try:
-            os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
+        its file system: there `/broker.sock` on a tmpfs, nothing of the host.  (A clone of the
+        detached mount itself would do from 6.15 on; before, open_tree refuses a mount outside
+        the caller's namespace, EINVAL.)  No other namespace has it: it ends with gurtd."""
+        folder_ensure(self.box.path("run"), 0o711)
         fs = syscall("fsopen", SYS_FSOPEN, b"tmpfs", 1)
         try:
             for key, value in ((b"source", b"gurt"), (b"mode", b"0755"), (b"size", b"64k")):
@@ -10134,6 +10143,16 @@ class Broker:
                                     MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC)
         finally:
             os.close(fs)
+
+    def start(self) -> None:
+        """Bind the broker socket twice (any local user may connect; only task uids are
+        answered): in BOX_HOME/run for callers on the host, and on the tmpfs of mount, which
+        gurtd reaches through its fd, for the tasks."""
+        self.tools_ids = system_user_ensure(TOOLS_USER)
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
         callers = Counter(MAX_BROKER_CONNS, MAX_BROKER_THREADS)      # both sockets together
         for path in (self.socket_path, f"/proc/self/fd/{self.mount_fd}/broker.sock"):
             self.servers.append(BrokerServer(path, self.box, callers))
@@ -14796,7 +14815,8 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     sandbox_preload()
     overlay_way_start(box.home)              # before the fork too: workers take the same way
     undo.append(("stop the spawner", box.spawner.stop))
-    box.spawner.start(close=(lock_fd,))      # before any thread: it forks the workers
+    box.broker.mount()                       # the tmpfs of the tasks' broker socket
+    box.spawner.start(close=(lock_fd,), broker=(box.broker.mount_fd, box.path("run")))
     raise_open_files_limit()                 # after the fork: workers keep the usual limit
     box.load()
     box.reconcile()

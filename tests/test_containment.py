@@ -455,10 +455,13 @@ def test_the_tasks_mountinfo_names_no_checkout_and_no_folder_as_a_source(
     assert [m for m in mounts if m.split()[4] == owner_folder], mounts
 
 
-def test_the_tasks_mountinfo_names_no_box_home(owner_folder: str) -> None:
-    """Nor does any line name BOX_HOME or the folder it is in: the broker socket is bound from
-    a detached tmpfs of gurtd's, its line `/broker.sock` on it."""
-    g, mounts = task_mounts("fd", owner_folder)
+@pytest.mark.parametrize("way", ["fd", "legacy"])
+def test_the_tasks_mountinfo_names_no_box_home(way: str, owner_folder: str) -> None:
+    """Nor does any line name BOX_HOME or the folder it is in, either way of mounting (the
+    legacy one is what kernels before 6.15 take): the broker socket is bound from a tmpfs of
+    gurtd's that only the spawner's namespace has (Broker.mount), its line `/broker.sock` on
+    it; before, kernels before 6.15 bound the one in BOX_HOME/run."""
+    g, mounts = task_mounts(way, owner_folder)
     for needle in (g.home, os.path.dirname(g.home)):
         assert not [m for m in mounts if needle in m], (needle, mounts)
     broker = [m for m in mounts if m.split()[4] == "/run/gurt/broker.sock"]
