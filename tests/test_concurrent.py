@@ -756,6 +756,21 @@ def test_undo_of_a_file_a_later_task_left_alone_deletes_it(gurtd: Gurtd) -> None
     assert [k["path"] for k in info["kept"]] == ["b.txt"]     # t2 built on it
 
 
+def test_undo_under_a_later_deleted_folder_brings_nothing_back(gurtd: Gurtd) -> None:
+    """t1 changed d/x and e/x, t2 deleted the folder d, t3 deleted e and made it again with
+    another file (an opaque folder): the undo of t1 brings neither file back, and names both
+    kept with the task that holds them."""
+    gurtd.run("mkdir d e; echo x > d/x; echo y > d/y; echo x > e/x")
+    t1 = gurtd.run("echo t1 >> d/x; echo t1 >> e/x")["id"]
+    t2 = gurtd.run("rm -r d")["id"]
+    t3 = gurtd.run("rm -r e; mkdir e; echo new > e/z")["id"]
+    info = undo(gurtd, t1)
+    assert info["reverted"] == [] and \
+        [(k["path"], k["task"]) for k in info["kept"]] == [("d/x", t2), ("e/x", t3)], info
+    assert gurtd.file("home", "d/x") is None and gurtd.file("home", "e/x") is None
+    assert gurtd.file("home", "e/z") == b"new\n"
+
+
 def test_undo_reads_later_copies_in_merged_layers() -> None:
     """Groups of 2 below the newest 1: the later copies of t1's files lie in a merged
     layer of t2 and t3 (the undo reads layers, not views): t3's copy is reverted, t2's
