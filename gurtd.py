@@ -6801,10 +6801,10 @@ class FinishMerge:
         layerstack = box.views.layerstack
         plan = layerstack.plan
         self.tokens += 1
-        on_top = plan(ws, above)           # the view now, as the lowers above it and below
+        on_top, under = plan(ws, above), plan(ws, below)   # the view now: on_top + under
         job = self.undoing[task.id] = UndoJob(
-            task.id, self.tokens, upper, plan(ws, [task.id] + below), plan(ws, below),
-            on_top + plan(ws, below), f"workspaces/{ws}", len(on_top),
+            task.id, self.tokens, upper, plan(ws, [task.id] + below), under, on_top + under,
+            f"workspaces/{ws}", len(on_top),
             {p: layerstack.merged[p.partition("/")[2]].members for p in on_top
              if p.startswith(MERGED_DIR + "/")}, stack)
         self.reading["undo " + task.id] = (set(stack) | {task.id},
