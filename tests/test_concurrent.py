@@ -820,6 +820,53 @@ def test_undo_of_a_file_a_later_task_left_alone_deletes_it(gurtd: Gurtd) -> None
     assert [k["path"] for k in info["kept"]] == ["b.txt"]     # t2 built on it
 
 
+def test_undo_under_a_later_deleted_folder_brings_nothing_back(gurtd: Gurtd) -> None:
+    """t1 changed d/x and e/x, t2 deleted the folder d, t3 deleted e and made it again with
+    another file (an opaque folder): the undo of t1 brings neither file back, and names both
+    kept with the task that holds them."""
+    gurtd.run("mkdir d e; echo x > d/x; echo y > d/y; echo x > e/x")
+    t1 = gurtd.run("echo t1 >> d/x; echo t1 >> e/x")["id"]
+    t2 = gurtd.run("rm -r d")["id"]
+    t3 = gurtd.run("rm -r e; mkdir e; echo new > e/z")["id"]
+    info = undo(gurtd, t1)
+    assert info["reverted"] == [] and \
+        [(k["path"], k["task"]) for k in info["kept"]] == [("d/x", t2), ("e/x", t3)], info
+    assert gurtd.file("home", "d/x") is None and gurtd.file("home", "e/x") is None
+    assert gurtd.file("home", "e/z") == b"new\n"
+
+
+def test_undo_reads_later_copies_in_merged_layers() -> None:
+    """Groups of 2 below the newest 1: the later copies of t1's files lie in a merged
+    layer of t2 and t3 (the undo reads layers, not views): t3's copy is reverted, t2's
+    change of t1's line is kept whole and named with t2 (not t3, its group's newest)."""
+    with running_gurtd({"GURT_LAYER_GROUP": "2", "GURT_LAYER_KEEP": "1"}) as g:
+        for name in ("e.txt", "f.txt", "g.txt"):          # t1 is the fourth: t2 and t3
+            put(g, name, lines(20))                       # make the third group
+        t1 = g.run("sed -i 's/^line 3$/three by t1/' f.txt g.txt")["id"]
+        t2 = g.run("sed -i 's/^three by t1$/three by t2/' f.txt")["id"]
+        t3 = g.run("sed -i 's/^line 17$/17 by t3/' g.txt")["id"]
+        g.run("echo later > h.txt")
+        g.run("echo later > i.txt")
+        merged = eventually(lambda: [m for m in registry(g.home)["merged"]
+                                     if sorted(m["members"]) == sorted([t2, t3])], 30,
+                            "the merged layer of t2 and t3")
+        info = undo(g, t1)
+        assert info["reverted"] == ["g.txt"], (info, merged)
+        assert [(k["path"], k["task"]) for k in info["kept"]] == [("f.txt", t2)]
+        assert g.file("home", "g.txt").decode() == lines(20).replace("line 17\n",
+                                                                      "17 by t3\n")
+        assert g.file("home", "f.txt").decode() == lines(20).replace("line 3\n",
+                                                                      "three by t2\n")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_histories_through_merged_layers(seed: int) -> None:
+    """The random histories with groups of 3 below the newest 2: the views the finish-time
+    merge and the undos read stand mostly on merged layers (rebuilt after every undo)."""
+    with running_gurtd({"GURT_LAYER_GROUP": "3", "GURT_LAYER_KEEP": "2"}) as g:
+        test_random_histories(g, seed)
+
+
 def test_kill_before_an_undos_revert_joins_takes_it_up_again() -> None:
     """gurtd killed once the revert layer of an undo is written but has not joined: after
     the restart the undo is taken up again, the view is exact and the record says so."""
