@@ -9335,6 +9335,7 @@ class UpstreamConn:
                 answer.ended = True
 
     def take(self, answer: UpstreamAnswer) -> bytes:
+        """The body buf holds, of one of known length or one up to the connection's end."""
         size = len(self.buf) if answer.framing == "close" else min(answer.left, len(self.buf))
         data = bytes(self.buf[:size])
         del self.buf[:size]
