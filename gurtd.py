@@ -8917,9 +8917,9 @@ class Policies:
 ###############################################################################################
 # A droid task reaches its model through gurtd, never directly: a listener that gurtd binds
 # inside the task's own network namespace (GATEWAY_ADDR:GATEWAY_PORT, beside its DNS, made from
-# a thread that setns-ed there), served by a thread of gurtd's.  Each call is forwarded on a
-# call thread (at most GATEWAY_THREADS, GATEWAY_TASK_CALLS per task; kept for the next call)
-# to the upstream the owner set (modelGateway), over a kept-alive connection, with the owner's
+# a thread that setns-ed there), served by gurtd's gateway threads.  Each call is forwarded by
+# the thread that accepted it (at most GATEWAY_THREADS at once, GATEWAY_TASK_CALLS per task;
+# threads kept for the next call) to the upstream the owner set (modelGateway), over a kept-alive connection, with the owner's
 # key added: BOX_HOME/secrets/model-key, which no task ever sees.  A task holds only its own
 # random credential, dead when it ends.  What a call costs is the usage in the upstream's
 # answer (the final events of a stream, or the response), never the task's own stream; the
@@ -9507,16 +9507,18 @@ class TaskGateway:
 
 class Gateway:
     """The model gateway.  Loop thread: droid_spec, open, close, admit, answered, record.
-    The accept thread (started with the first task) accepts calls and hands each to a call
-    thread, which reads it, asks the loop (admit), forwards it and tells the loop (record)."""
+    Gateway threads (the first started with the first task) take turns at accepting, one at
+    a time (the leader); the leader that accepts a call hands the turn on and serves the call
+    itself: reads it, asks the loop (admit) if need be, forwards it and tells the loop
+    (record).  So no call waits for another thread to wake up."""
 
     def __init__(self, box: "Box") -> None:
         self.box = box
         self.tasks: dict[str, TaskGateway] = {}
         self.lock = threading.Lock()     # running, idle, each TaskGateway's calls and refused
-        self.running = 0
-        self.idle = 0                    # call threads done with a call, waiting for the next
-        self.waiting: queue.SimpleQueue[tuple[TaskGateway, GatewayCall]] = queue.SimpleQueue()
+        self.running = 0                 # calls being served
+        self.idle = 0                    # threads not serving: the leader and those waiting
+        self.leader = threading.Lock()   # held by the thread whose turn it is to accept
         self.changes: list[tuple[bool, TaskGateway]] = []   # listeners to add (True) or drop
         self.selector: selectors.BaseSelector | None = None
         self.wake_r = self.wake_w = -1
@@ -9719,7 +9721,7 @@ class Gateway:
                 tg.unsettled += call.cents
         return call.cents
 
-    # the accept thread
+    # the gateway threads
     def change(self, add: bool, tg: TaskGateway) -> None:
         with self.lock:
             self.changes.append((add, tg))
@@ -9727,20 +9729,36 @@ class Gateway:
                 self.selector = selectors.DefaultSelector()
                 self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
                 self.selector.register(self.wake_r, selectors.EVENT_READ, None)
-                threading.Thread(target=self.accepting, name="gateway", daemon=True).start()
+                self.idle += 1
+                threading.Thread(target=self.calling, name="gateway", daemon=True).start()
         with contextlib.suppress(OSError):
             os.write(self.wake_w, b"c")
 
-    def accepting(self) -> None:
-        """The accept thread, for good: an error here is logged, and it goes on."""
+    def calling(self) -> None:
+        """A gateway thread, for good: its turn at accepting, then the call it accepted."""
+        while True:
+            with self.leader:
+                tg, call = self.accept_next()
+            try:
+                self.serve(tg, call)
+            except Exception as exc:             # counted idle already: it must go on
+                log(3, f"the model gateway's call thread: {type(exc).__name__}: {exc}")
+
+    def accept_next(self) -> tuple[TaskGateway, GatewayCall]:
+        """The leader's rounds until it accepts a call: an error is logged, and it goes on."""
         while True:
             try:
-                self.accept_round()
+                got = self.accept_round()
             except Exception as exc:
                 log(3, f"the model gateway's accept thread: {type(exc).__name__}: {exc}")
                 time.sleep(0.1)
+                continue
+            if got is not None:
+                return got
 
-    def accept_round(self) -> None:
+    def accept_round(self) -> tuple[TaskGateway, GatewayCall] | None:
+        """One wait for calls: the first accepted (the next leader finds the others still
+        there), refusals said at once."""
         selector = self.selector
         assert selector is not None
         with self.lock:
@@ -9757,20 +9775,22 @@ class Gateway:
             if key.data is None:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self.wake_r, 4096)
-            elif key.data.listener is not None and not key.data.dead:
-                self.accept(key.data)
+            elif key.data.listener is not None and not key.data.dead and \
+                    (got := self.accept(key.data)):
+                return got
         if time.monotonic() > self.swept + 1.0:     # idle upstream connections past their time
             self.swept = time.monotonic()
             self.pool.sweep_all()
+        return None
 
-    def accept(self, tg: TaskGateway) -> None:
-        """A call arrives: a call thread (an idle one, else a new one), or at once a refusal
-        (too many at once)."""
+    def accept(self, tg: TaskGateway) -> tuple[TaskGateway, GatewayCall] | None:
+        """A call arrives: this thread's to serve (a new thread to accept if none is left
+        waiting), or at once a refusal (too many at once)."""
         assert tg.listener is not None
         try:
             conn, _ = tg.listener.accept()
         except OSError:
-            return
+            return None
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)     # each chunk as it comes
         refusal = None
         with self.lock:
@@ -9785,29 +9805,21 @@ class Gateway:
                 call = GatewayCall(conn)
                 tg.calls.add(call)
                 self.running += 1
-                new = self.idle == 0         # threads: running + idle <= GATEWAY_THREADS
-                if not new:
+                new = self.idle == 1         # this one: no other left to accept
+                if not new:                  # threads: running + idle <= GATEWAY_THREADS + 1
                     self.idle -= 1
             if refusal is not None:
                 tg.refused += 1
         if refusal is None:
-            self.waiting.put((tg, call))
             if new:
-                threading.Thread(target=self.calling, name="gateway-call", daemon=True).start()
-            return
+                threading.Thread(target=self.calling, name="gateway", daemon=True).start()
+            return tg, call
         with contextlib.suppress(OSError):
             conn.send(refusal_answer(tg.api, refusal), socket.MSG_DONTWAIT)
         conn.close()
+        return None
 
-    # a call thread
-    def calling(self) -> None:
-        """A call thread, for good: one call after another (no thread started per call)."""
-        while True:
-            tg, call = self.waiting.get()
-            try:
-                self.serve(tg, call)
-            except Exception as exc:             # counted idle already: it must go on
-                log(3, f"the model gateway's call thread: {type(exc).__name__}: {exc}")
+    # a gateway thread, serving the call it accepted
 
     def serve(self, tg: TaskGateway, call: GatewayCall) -> None:
         try:
