@@ -9293,9 +9293,9 @@ class Policies:
 ###############################################################################################
 # A droid task reaches its model through gurtd, never directly: a listener that gurtd binds
 # inside the task's own network namespace (GATEWAY_ADDR:GATEWAY_PORT, beside its DNS, made from
-# a thread that setns-ed there), served by a thread of gurtd's.  Each call is forwarded on a
-# call thread (at most GATEWAY_THREADS, GATEWAY_TASK_CALLS per task; kept for the next call)
-# to the upstream the owner set (modelGateway), over a kept-alive connection, with the owner's
+# a thread that setns-ed there), served by gurtd's gateway threads.  Each call is forwarded by
+# the thread that accepted it (at most GATEWAY_THREADS at once, GATEWAY_TASK_CALLS per task;
+# threads kept for the next call) to the upstream the owner set (modelGateway), over a kept-alive connection, with the owner's
 # key added: BOX_HOME/secrets/model-key, which no task ever sees.  A task holds only its own
 # random credential, dead when it ends.  What a call costs is the usage in the upstream's
 # answer (the final events of a stream, or the response), never the task's own stream; the
@@ -9459,8 +9459,8 @@ class UsageMeter:
             del self.buf[:end + 1]
             if self.skipping:
                 self.skipping = False
-            elif line.startswith(b"data:"):
-                self.take(line[5:].strip())
+            elif line.startswith(b"data:") and (b"usage" in line or b"\\u" in line):
+                self.take(line[5:].strip())      # "usage" as a key is spelt so, or escaped
         if len(self.buf) > GATEWAY_MAX_LINE:
             self.buf.clear()
             self.skipping = True
@@ -9526,6 +9526,19 @@ def recv_before(conn: socket.socket, deadline: float) -> bytes:
     return data
 
 
+def parse_head(head: bytes) -> tuple[str, dict[str, str]]:
+    """An HTTP/1.1 head (its blank line off) as its first line and its headers (names in lower
+    case, the last of a repeated one); ValueError for a malformed header line."""
+    lines = head.decode("latin-1").split("\r\n")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise ValueError("a header line is malformed")
+        headers[name.strip().lower()] = value.strip()
+    return lines[0], headers
+
+
 def read_request(conn: socket.socket, deadline: float) -> GatewayRequest:
     """One HTTP/1.1 request from a task: its headers, then a body of Content-Length bytes,
     all within the deadline and the caps."""
@@ -9536,14 +9549,11 @@ def read_request(conn: socket.socket, deadline: float) -> GatewayRequest:
                                  f"over {GATEWAY_MAX_HEADERS} bytes")
         buf += recv_before(conn, deadline)
     head, _, rest = bytes(buf).partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep:
-            raise GatewayRefusal(400, "invalid_request_error", "a header line is malformed")
-        headers[name.strip().lower()] = value.strip()
+    try:
+        first, headers = parse_head(head)
+    except ValueError as exc:
+        raise GatewayRefusal(400, "invalid_request_error", str(exc)) from None
+    parts = first.split(" ")
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
         raise GatewayRefusal(400, "invalid_request_error", "not an HTTP/1.1 request")
     if "transfer-encoding" in headers:
@@ -9592,51 +9602,233 @@ def quick_ack(sock: socket.socket | None) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
 
 
+def upstream_head(api: str, base_url: str, key: str) -> bytes:
+    """What each call of a task to its upstream begins with (made once per task): the request
+    line, Host, the owner's key and the headers that are the same for every call."""
+    scheme, host, port, prefix = upstream_url(base_url)
+    path = prefix + ("/v1/messages" if api == "anthropic" else "/chat/completions")
+    name = f"[{host}]" if ":" in host else host
+    if port != (443 if scheme == "https" else 80):
+        name += f":{port}"
+    auth = f"x-api-key: {key}" if api == "anthropic" else f"Authorization: Bearer {key}"
+    return (f"POST {path} HTTP/1.1\r\nHost: {name}\r\n{auth}\r\nContent-Type: application/json"
+            f"\r\nAccept-Encoding: identity\r\nUser-Agent: gurtd/{VERSION}\r\n").encode()
+
+
+@dataclass
+class UpstreamAnswer:
+    """An upstream's answer as it is read: its status line and headers, and where its body
+    stands; framing "length" (Content-Length, or no body), "chunked" or "close" (the body
+    ends with the connection)."""
+
+    status: int
+    reason: str
+    headers: dict[str, str]          # names in lower case
+    framing: str = "length"
+    left: int = 0                    # of the body (length), of a chunk, of the trailer's cap
+    state: str = "size"              # chunked: "size", "data", "crlf" (after data), "trailer"
+    ended: bool = False
+    will_close: bool = False
+
+
+@dataclass(eq=False)
+class UpstreamConn:
+    """A connection to the upstream (TLS or plain) and what was read of it but not yet used.
+    HTTP/1.1 by hand: a request goes out in one write, an answer's head is parsed without
+    http.client's email parser, and the body's framing comes off as it is read."""
+
+    sock: socket.socket
+    buf: bytearray = field(default_factory=bytearray)
+    since: float = 0.0               # when it was put back idle
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def alive(self) -> bool:
+        """An idle connection may carry a call if nothing can be read on it: a close, a reset
+        or a stray byte means the upstream is done with it (a call sent on it would be lost,
+        or get another's answer)."""
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        pending = self.sock.pending() if isinstance(self.sock, ssl.SSLSocket) else 0
+        return not self.buf and not pending and not poller.poll(0)
+
+    def send(self, head: bytes, body: bytes) -> None:
+        """A request in one write (a large body in a second one, not copied)."""
+        if len(body) <= 1 << 16:
+            self.sock.sendall(head + body)
+        else:
+            self.sock.sendall(head)
+            self.sock.sendall(body)
+
+    def fill(self) -> bool:
+        """One read into buf; False at the connection's end."""
+        quick_ack(self.sock)
+        data = self.sock.recv(1 << 16)
+        self.buf += data
+        return bool(data)
+
+    def answer_head(self) -> UpstreamAnswer:
+        """The head of the answer to the request sent (a 1xx before it is skipped)."""
+        while True:
+            while (end := self.buf.find(b"\r\n\r\n")) < 0:
+                if len(self.buf) > GATEWAY_MAX_HEADERS:
+                    raise ValueError("the answer's headers are too long")
+                if not self.fill():
+                    raise ConnectionError("the connection ended before an answer came")
+            first, headers = parse_head(bytes(self.buf[:end]))
+            del self.buf[:end + 4]
+            version, code, reason = (first.split(" ", 2) + [""])[:3]
+            if not version.startswith("HTTP/1.") or not re.fullmatch(r"[1-5]\d\d", code):
+                raise ValueError("the answer is not HTTP/1.1")
+            if code[0] != "1":
+                break
+        tokens = headers.get("connection", "").lower()
+        answer = UpstreamAnswer(int(code), reason, headers, will_close="close" in tokens or (
+            version == "HTTP/1.0" and "keep-alive" not in tokens))
+        if answer.status in (204, 304):
+            answer.ended = True
+        elif "chunked" in headers.get("transfer-encoding", "").lower():
+            answer.framing = "chunked"
+        elif is_digits(headers.get("content-length", "")):
+            answer.left = int(headers["content-length"])
+            answer.ended = answer.left == 0
+        else:
+            answer.framing, answer.will_close = "close", True
+        return answer
+
+    def piece(self, answer: UpstreamAnswer) -> bytes:
+        """The next part of the answer's body, its framing off: what buf holds, else what a
+        read brings (answer.ended once all of it came)."""
+        while True:
+            data = self.unchunk(answer) if answer.framing == "chunked" else self.take(answer)
+            if data or answer.ended:
+                return data
+            if not self.fill():
+                if answer.framing != "close":
+                    raise ConnectionError("the connection ended in the middle of the answer")
+                answer.ended = True
+
+    def take(self, answer: UpstreamAnswer) -> bytes:
+        """The body buf holds, of one of known length or one up to the connection's end."""
+        size = len(self.buf) if answer.framing == "close" else min(answer.left, len(self.buf))
+        data = bytes(self.buf[:size])
+        del self.buf[:size]
+        if answer.framing == "length":
+            answer.left -= size
+            answer.ended = answer.left == 0
+        return data
+
+    def unchunk(self, answer: UpstreamAnswer) -> bytes:
+        """The data of the chunks buf holds, as far as it goes."""
+        buf, out = self.buf, bytearray()
+        while not answer.ended:
+            if answer.state == "data":
+                size = min(answer.left, len(buf))
+                out += buf[:size]
+                del buf[:size]
+                answer.left -= size
+                if answer.left:
+                    break
+                answer.state = "crlf"
+            end = buf.find(b"\r\n")
+            if end < 0:
+                if len(buf) > 4096:
+                    raise ValueError("a chunk's size line is too long")
+                break
+            line = bytes(buf[:end])
+            del buf[:end + 2]
+            if answer.state == "crlf":
+                if line:
+                    raise ValueError("a chunk runs past its size")
+                answer.state = "size"
+            elif answer.state == "size":
+                size_text = line.split(b";")[0].strip()
+                if not re.fullmatch(rb"[0-9A-Fa-f]{1,15}", size_text):
+                    raise ValueError("a chunk's size is not a number")
+                answer.left = int(size_text, 16)
+                answer.state = "data" if answer.left else "trailer"
+            else:                                # the trailer, up to its blank line
+                answer.left += end + 2
+                if answer.left > GATEWAY_MAX_HEADERS:
+                    raise ValueError("the answer's trailer is too long")
+                answer.ended = not line
+        return bytes(out)
+
+
 class UpstreamPool:
     """Connections to the upstream kept alive from one call to the next, so that a call pays
     no TCP (or TLS) handshake; one TLS context (the system's CAs, verified) for them all.
-    Any thread."""
+    One idle past GATEWAY_IDLE_SECONDS is closed (sweep: at each take and put, and on the
+    accept thread's timer), all of them when gurtd stops (close).  Any thread."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.idle: dict[tuple[str, str, int], list[tuple[float, http.client.HTTPConnection]]] \
-            = {}
+        self.idle: dict[tuple[str, str, int], list[UpstreamConn]] = {}
         self.context: ssl.SSLContext | None = None
+        self.closed = False
 
-    def take(self, scheme: str, host: str, port: int) -> http.client.HTTPConnection | None:
-        """An idle connection to the upstream, the latest put back; None if there is none."""
-        with self.lock:
-            idle = self.idle.get((scheme, host, port), [])
-            while idle:
-                since, conn = idle.pop()
-                if time.monotonic() - since < GATEWAY_IDLE_SECONDS:
-                    return conn
-                conn.close()
-        return None
-
-    def connect(self, scheme: str, host: str, port: int) -> http.client.HTTPConnection:
-        """A new connection, its handshake done; OSError if the upstream cannot be reached."""
-        if scheme == "https":
+    def take(self, where: tuple[str, str, int]) -> UpstreamConn | None:
+        """An idle connection found alive, the latest put back first; None if there is none."""
+        while True:
             with self.lock:
-                self.context = self.context or ssl.create_default_context()
-            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                host, port, timeout=GATEWAY_CONNECT_SECONDS, context=self.context)
-        else:
-            conn = http.client.HTTPConnection(host, port, timeout=GATEWAY_CONNECT_SECONDS)
-        conn.connect()
-        assert conn.sock is not None
-        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # stream chunks at once
-        conn.sock.settimeout(GATEWAY_READ_SECONDS)
-        return conn
+                idle = self.sweep(where)
+                conn = idle.pop() if idle else None
+            if conn is None or conn.alive():
+                return conn
+            conn.close()
 
-    def put(self, scheme: str, host: str, port: int, conn: http.client.HTTPConnection) -> None:
+    def connect(self, scheme: str, host: str, port: int) -> UpstreamConn:
+        """A new connection, its handshake done; OSError if the upstream cannot be reached."""
+        sock = socket.create_connection((host, port), timeout=GATEWAY_CONNECT_SECONDS)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # each write at once
+            if scheme == "https":
+                with self.lock:
+                    self.context = self.context or ssl.create_default_context()
+                sock = self.context.wrap_socket(sock, server_hostname=host)
+            sock.settimeout(GATEWAY_READ_SECONDS)
+        except BaseException:
+            sock.close()
+            raise
+        return UpstreamConn(sock)
+
+    def put(self, where: tuple[str, str, int], conn: UpstreamConn) -> None:
         """A connection whose answer was read to its end, for the next call."""
+        conn.since = time.monotonic()
         with self.lock:
-            idle = self.idle.setdefault((scheme, host, port), [])
-            if len(idle) < GATEWAY_IDLE:
-                idle.append((time.monotonic(), conn))
-                return
+            if not self.closed:
+                idle = self.idle.setdefault(where, [])
+                self.sweep(where)
+                if len(idle) < GATEWAY_IDLE:
+                    idle.append(conn)
+                    return
         conn.close()
+
+    def sweep(self, where: tuple[str, str, int]) -> list[UpstreamConn]:
+        """Under the lock: where's idle connections, those older than GATEWAY_IDLE_SECONDS
+        closed (they are first: each is put back at the end)."""
+        idle = self.idle.get(where, [])
+        old = time.monotonic() - GATEWAY_IDLE_SECONDS
+        while idle and idle[0].since < old:
+            idle.pop(0).close()
+        return idle
+
+    def sweep_all(self) -> None:
+        with self.lock:
+            for where in list(self.idle):
+                if not self.sweep(where):
+                    del self.idle[where]
+
+    def close(self) -> None:
+        """gurtd stops: each idle connection closed, none kept from now on."""
+        with self.lock:
+            self.closed = True
+            conns = [conn for idle in self.idle.values() for conn in idle]
+            self.idle.clear()
+        for conn in conns:
+            conn.close()
 
 
 @dataclass
@@ -9682,24 +9874,33 @@ class TaskGateway:
     dead: bool = False
     refused: int = 0                 # calls refused as too many at once (said once, counted)
     unsettled: float = 0.0           # cents of ended calls on their way to costCents
+    where: tuple[str, str, int] = field(init=False)      # the upstream: scheme, host, port
+    head: tuple[str, bytes] = ("", b"")   # the key and upstream_head made with it
+
+    def __post_init__(self) -> None:
+        self.where = upstream_url(self.base_url)[:3]
 
 
 class Gateway:
     """The model gateway.  Loop thread: droid_spec, open, close, admit, answered, record.
-    The accept thread (started with the first task) accepts calls and hands each to a call
-    thread, which reads it, asks the loop (admit), forwards it and tells the loop (record)."""
+    Gateway threads (the first started with the first task) take turns at accepting, one at
+    a time (the leader); the leader that accepts a call hands the turn on and serves the call
+    itself: reads it, asks the loop (admit) if need be, forwards it and tells the loop
+    (record).  So no call waits for another thread to wake up."""
 
     def __init__(self, box: "Box") -> None:
         self.box = box
         self.tasks: dict[str, TaskGateway] = {}
         self.lock = threading.Lock()     # running, idle, each TaskGateway's calls and refused
-        self.running = 0
-        self.idle = 0                    # call threads done with a call, waiting for the next
-        self.waiting: queue.SimpleQueue[tuple[TaskGateway, GatewayCall]] = queue.SimpleQueue()
+        self.running = 0                 # calls being served
+        self.idle = 0                    # threads not serving: the leader and those waiting
+        self.leader = threading.Lock()   # held by the thread whose turn it is to accept
         self.changes: list[tuple[bool, TaskGateway]] = []   # listeners to add (True) or drop
         self.selector: selectors.BaseSelector | None = None
         self.wake_r = self.wake_w = -1
+        self.swept = 0.0                 # when the accept thread last swept the pool
         self.pool = UpstreamPool()
+        self.key_text: str | None = None     # the owner's key once read (set_key changes it)
 
     # the owner's key
     @property
@@ -9707,11 +9908,17 @@ class Gateway:
         return self.box.path("secrets", "model-key")
 
     def key(self) -> str:
-        try:
-            with open(self.key_file) as f:
-                return f.read().strip()
-        except OSError:
-            return ""
+        """The owner's key: its file read once, then what set_key and delete_key leave (a call
+        reads no file).  Any thread."""
+        if self.key_text is None:
+            try:
+                with open(self.key_file) as f:
+                    self.key_text = f.read().strip()
+            except FileNotFoundError:
+                self.key_text = ""
+            except OSError:
+                return ""
+        return self.key_text
 
     def set_key(self, body: dict[str, Any]) -> dict[str, Any]:
         """PUT /api/secrets/model: the key, 0600 in BOX_HOME/secrets (0700); never answered."""
@@ -9724,6 +9931,7 @@ class Gateway:
             os.makedirs(self.box.path("secrets"), mode=0o700, exist_ok=True)
             os.chmod(self.box.path("secrets"), 0o700)
             atomic_write(self.key_file, key.encode(), mode=0o600)
+        self.key_text = key
         log(6, "the model key was set (tasks started from now on use the gateway)")
         return self.secrets()
 
@@ -9733,7 +9941,12 @@ class Gateway:
             log(6, "the model key was removed")
         except FileNotFoundError:
             pass
+        self.key_text = ""
         return self.secrets()
+
+    def stop(self) -> None:
+        """gurtd stops (after its tasks ended): the upstream connections kept idle close."""
+        self.pool.close()
 
     def secrets(self) -> dict[str, Any]:
         """What GET /api/secrets says: whether each secret is set, never the secret."""
@@ -9884,7 +10097,7 @@ class Gateway:
                 tg.unsettled += call.cents
         return call.cents
 
-    # the accept thread
+    # the gateway threads
     def change(self, add: bool, tg: TaskGateway) -> None:
         with self.lock:
             self.changes.append((add, tg))
@@ -9892,20 +10105,36 @@ class Gateway:
                 self.selector = selectors.DefaultSelector()
                 self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
                 self.selector.register(self.wake_r, selectors.EVENT_READ, None)
-                threading.Thread(target=self.accepting, name="gateway", daemon=True).start()
+                self.idle += 1
+                threading.Thread(target=self.calling, name="gateway", daemon=True).start()
         with contextlib.suppress(OSError):
             os.write(self.wake_w, b"c")
 
-    def accepting(self) -> None:
-        """The accept thread, for good: an error here is logged, and it goes on."""
+    def calling(self) -> None:
+        """A gateway thread, for good: its turn at accepting, then the call it accepted."""
+        while True:
+            with self.leader:
+                tg, call = self.accept_next()
+            try:
+                self.serve(tg, call)
+            except Exception as exc:             # counted idle already: it must go on
+                log(3, f"the model gateway's call thread: {type(exc).__name__}: {exc}")
+
+    def accept_next(self) -> tuple[TaskGateway, GatewayCall]:
+        """The leader's rounds until it accepts a call: an error is logged, and it goes on."""
         while True:
             try:
-                self.accept_round()
+                got = self.accept_round()
             except Exception as exc:
                 log(3, f"the model gateway's accept thread: {type(exc).__name__}: {exc}")
                 time.sleep(0.1)
+                continue
+            if got is not None:
+                return got
 
-    def accept_round(self) -> None:
+    def accept_round(self) -> tuple[TaskGateway, GatewayCall] | None:
+        """One wait for calls: the first accepted (the next leader finds the others still
+        there), refusals said at once."""
         selector = self.selector
         assert selector is not None
         with self.lock:
@@ -9922,18 +10151,22 @@ class Gateway:
             if key.data is None:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self.wake_r, 4096)
-            elif key.data.listener is not None and not key.data.dead:
-                self.accept(key.data)
+            elif key.data.listener is not None and not key.data.dead and \
+                    (got := self.accept(key.data)):
+                return got
+        if time.monotonic() > self.swept + 1.0:     # idle upstream connections past their time
+            self.swept = time.monotonic()
+            self.pool.sweep_all()
+        return None
 
-    def accept(self, tg: TaskGateway) -> None:
-        """A call arrives: a call thread (an idle one, else a new one), or at once a refusal
-        (too many at once)."""
+    def accept(self, tg: TaskGateway) -> tuple[TaskGateway, GatewayCall] | None:
+        """A call arrives: this thread's to serve (a new thread to accept if none is left
+        waiting), or at once a refusal (too many at once)."""
         assert tg.listener is not None
         try:
             conn, _ = tg.listener.accept()
         except OSError:
-            return
-        conn.setblocking(True)
+            return None
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)     # each chunk as it comes
         refusal = None
         with self.lock:
@@ -9948,29 +10181,21 @@ class Gateway:
                 call = GatewayCall(conn)
                 tg.calls.add(call)
                 self.running += 1
-                new = self.idle == 0         # threads: running + idle <= GATEWAY_THREADS
-                if not new:
+                new = self.idle == 1         # this one: no other left to accept
+                if not new:                  # threads: running + idle <= GATEWAY_THREADS + 1
                     self.idle -= 1
             if refusal is not None:
                 tg.refused += 1
         if refusal is None:
-            self.waiting.put((tg, call))
             if new:
-                threading.Thread(target=self.calling, name="gateway-call", daemon=True).start()
-            return
+                threading.Thread(target=self.calling, name="gateway", daemon=True).start()
+            return tg, call
         with contextlib.suppress(OSError):
             conn.send(refusal_answer(tg.api, refusal), socket.MSG_DONTWAIT)
         conn.close()
+        return None
 
-    # a call thread
-    def calling(self) -> None:
-        """A call thread, for good: one call after another (no thread started per call)."""
-        while True:
-            tg, call = self.waiting.get()
-            try:
-                self.serve(tg, call)
-            except Exception as exc:             # counted idle already: it must go on
-                log(3, f"the model gateway's call thread: {type(exc).__name__}: {exc}")
+    # a gateway thread, serving the call it accepted
 
     def serve(self, tg: TaskGateway, call: GatewayCall) -> None:
         try:
@@ -10028,13 +10253,12 @@ class Gateway:
             request.headers.get("authorization", "").removeprefix("Bearer ")
         if tg.dead or not hmac.compare_digest(given.encode(), tg.token.encode()):
             raise GatewayRefusal(401, "authentication_error", "not this task's credential")
-        try:
-            data = loads_bounded(request.body)
-            if not isinstance(data, dict):
-                raise ValueError("not an object")
-        except ValueError:
-            raise GatewayRefusal(400, "invalid_request_error", "the body is not a JSON "
-                                 "object") from None
+        try:          # json.loads alone: only model and stream are read, never rendered
+            data = json.loads(request.body)
+        except (ValueError, RecursionError):
+            data = None
+        if not isinstance(data, dict):
+            raise GatewayRefusal(400, "invalid_request_error", "the body is not a JSON object")
         settings = self.box.setting()
         call.model = model = data.get("model") if isinstance(data.get("model"), str) else ""
         allowed = gateway_models(settings)
@@ -10055,107 +10279,113 @@ class Gateway:
                 call: GatewayCall) -> None:
         """Send the call on with the owner's key; pass the answer back as it arrives (chunked),
         reading its usage on the way."""
-        key = self.key()
-        if not key:
-            raise GatewayRefusal(503, "api_error", "the owner's model key is not set")
-        scheme, host, port, prefix = upstream_url(tg.base_url)
-        headers = {"Content-Type": "application/json", "Accept-Encoding": "identity",
-                   "Accept": header_text(request.headers.get("accept"), "application/json"),
-                   "User-Agent": f"gurtd/{VERSION}"}
-        if tg.api == "anthropic":
-            headers["x-api-key"] = key
-            headers["anthropic-version"] = header_text(request.headers.get("anthropic-version"),
-                                                       "2023-06-01")
-            if "anthropic-beta" in request.headers:
-                headers["anthropic-beta"] = header_text(request.headers["anthropic-beta"], "")
-            path = prefix + "/v1/messages"
-        else:
-            headers["Authorization"] = f"Bearer {key}"
-            path = prefix + "/chat/completions"
-        upstream, answer = self.request(tg, (scheme, host, port), path, body, headers, call)
+        upstream, answer = self.request(tg, self.call_head(tg, request, len(body)), body, call)
         try:
             call.status = answer.status
             if 300 <= answer.status < 400:
                 raise GatewayRefusal(502, "api_error", f"the model's server answered "
                                      f"{answer.status}, a redirect, which gurtd does not follow")
-            self.pass_on(tg, answer, call)
+            self.pass_on(tg, upstream, answer, call)
         finally:
             call.upstream = None
-            if call.whole and not answer.will_close and not tg.dead:
-                self.pool.put(scheme, host, port, upstream)
+            if call.whole and not answer.will_close and not upstream.buf and not tg.dead:
+                self.pool.put(tg.where, upstream)
             else:
                 upstream.close()
 
-    def request(self, tg: TaskGateway, where: tuple[str, str, int], path: str, body: bytes,
-                headers: dict[str, str], call: GatewayCall
-                ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        """The call sent on a kept-alive connection, or a new one: one that the upstream
-        closed while it sat idle fails before any answer, and the call goes on a new one."""
-        upstream = self.pool.take(*where)
+    def call_head(self, tg: TaskGateway, request: GatewayRequest, length: int) -> bytes:
+        """The head of the call to the upstream: the task's fixed part (made again only when
+        the owner's key changed), then this call's own headers."""
+        key = self.key()
+        if not key:
+            raise GatewayRefusal(503, "api_error", "the owner's model key is not set")
+        made = tg.head
+        if made[0] != key:
+            made = tg.head = (key, upstream_head(tg.api, tg.base_url, key))
+        headers = request.headers
+        own = f"Accept: {header_text(headers.get('accept'), 'application/json')}\r\n"
+        if tg.api == "anthropic":
+            beta = header_text(headers.get("anthropic-beta"), "")
+            own += "anthropic-version: " + header_text(headers.get("anthropic-version"),
+                                                       "2023-06-01") + "\r\n" + \
+                (f"anthropic-beta: {beta}\r\n" if beta else "")
+        return made[1] + f"{own}Content-Length: {length}\r\n\r\n".encode()
+
+    def request(self, tg: TaskGateway, head: bytes, body: bytes, call: GatewayCall
+                ) -> tuple[UpstreamConn, UpstreamAnswer]:
+        """The call sent on a kept-alive connection (one found alive), or a new one; and its
+        answer's head.  Sent again, on a new one, only when the kept one broke while the
+        request was being written: the upstream cannot act on a request it did not get
+        whole.  Never once it went out whole: the upstream may have carried it out (and
+        billed it), and a resend would spend twice, once unmetered."""
+        upstream = self.pool.take(tg.where)
         try:
             if upstream is not None:
                 try:
-                    return upstream, self.send(upstream, path, body, headers, call)
-                except (http.client.RemoteDisconnected, ConnectionError):
+                    call.upstream = upstream.sock
+                    upstream.send(head, body)
+                except OSError:
                     upstream.close()
                     if tg.dead:                      # cut by the task's end: not again
                         raise
-            upstream = self.pool.connect(*where)
-            return upstream, self.send(upstream, path, body, headers, call)
-        except (OSError, http.client.HTTPException) as exc:
+                    upstream = None
+            if upstream is None:
+                upstream = self.pool.connect(*tg.where)
+                call.upstream = upstream.sock
+                upstream.send(head, body)
+            return upstream, upstream.answer_head()
+        except (OSError, ValueError) as exc:
             if upstream is not None:
                 upstream.close()
             raise GatewayRefusal(504 if isinstance(exc, TimeoutError) else 502, "api_error",
-                                 f"the model's server ({where[1]}) could not be reached: "
+                                 f"the model's server ({tg.where[1]}) could not be reached: "
                                  f"{type(exc).__name__}: {exc}") from None
 
-    @staticmethod
-    def send(upstream: http.client.HTTPConnection, path: str, body: bytes,
-             headers: dict[str, str], call: GatewayCall) -> http.client.HTTPResponse:
-        call.upstream = upstream.sock
-        upstream.request("POST", path, body, headers)
-        quick_ack(call.upstream)
-        return upstream.getresponse()
-
-    def pass_on(self, tg: TaskGateway, answer: http.client.HTTPResponse,
+    def pass_on(self, tg: TaskGateway, upstream: UpstreamConn, answer: UpstreamAnswer,
                 call: GatewayCall) -> None:
-        kind = header_text(answer.getheader("Content-Type"), "application/octet-stream")
+        kind = header_text(answer.headers.get("content-type"), "application/octet-stream")
         meter = UsageMeter(tg.api, "text/event-stream" in kind)
-        retry = answer.getheader("Retry-After") or ""    # an upstream's 429 or 529 says when
+        retry = answer.headers.get("retry-after", "")    # an upstream's 429 or 529 says when
         call.conn.settimeout(GATEWAY_READ_SECONDS)   # a task that stops reading
         head = f"HTTP/1.1 {answer.status} {header_text(answer.reason, 'Answer')}\r\n" \
                f"Content-Type: {kind}\r\nTransfer-Encoding: chunked\r\n" + \
-               (f"Retry-After: {retry}\r\n" if is_digits(retry) else "")
-        call.conn.sendall(head.encode() + b"Connection: close\r\n\r\n")
-        deadline = time.monotonic() + GATEWAY_CALL_SECONDS
+               (f"Retry-After: {retry}\r\n" if is_digits(retry) else "") + \
+               "Connection: close\r\n\r\n"
         try:
-            self.pass_chunks(tg, answer, meter, call, deadline)
+            self.pass_chunks(tg, upstream, answer, meter, call, head.encode())
         finally:                          # what a cut answer used was spent all the same
             call.usage = meter.result()
 
-    def pass_chunks(self, tg: TaskGateway, answer: http.client.HTTPResponse,
-                    meter: UsageMeter, call: GatewayCall, deadline: float) -> None:
-        conn, total = call.conn, 0
+    def pass_chunks(self, tg: TaskGateway, upstream: UpstreamConn, answer: UpstreamAnswer,
+                    meter: UsageMeter, call: GatewayCall, head: bytes) -> None:
+        """The body to the task as it arrives, one write for each read of the upstream: the
+        head goes with the first, the end with the last."""
+        deadline, total, out = time.monotonic() + GATEWAY_CALL_SECONDS, 0, [head]
         while True:
             try:
-                quick_ack(call.upstream)
-                chunk = answer.read1(65536)
-            except (OSError, http.client.HTTPException) as exc:
+                data = upstream.piece(answer)
+            except (OSError, ValueError) as exc:
                 call.note = f"the model's answer broke off: {type(exc).__name__}: {exc}"
                 break
-            if not chunk:
-                call.usage, call.whole = meter.result(), True
-                self.reserve(tg, call)            # the task's next call weighs this cost
-                conn.sendall(b"0\r\n\r\n")
-                self.settle(tg, call)             # at once: before the task's next event
-                break
-            total += len(chunk)
+            total += len(data)
             if total > GATEWAY_MAX_ANSWER or time.monotonic() > deadline:
                 call.note = f"the answer was cut: over {GATEWAY_MAX_ANSWER} bytes or " \
                             f"{GATEWAY_CALL_SECONDS:.0f} s"
                 break
-            meter.feed(chunk)
-            conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            meter.feed(data)
+            if data:
+                out += [b"%x\r\n" % len(data), data, b"\r\n"]
+            if answer.ended:
+                call.usage, call.whole = meter.result(), True
+                self.reserve(tg, call)            # the task's next call weighs this cost
+                call.conn.sendall(b"".join(out + [b"0\r\n\r\n"]))
+                self.settle(tg, call)             # at once: before the task's next event
+                return
+            call.conn.sendall(b"".join(out))
+            out = []
+        if out:
+            call.conn.sendall(head)               # nothing came after it: the task sees why
+
 
 
 # the owner's key: its HTTP handlers, and `gurtd secret` (the CLI section adds it to cli)
@@ -14957,6 +15187,7 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     box.network.start()
     undo.append(("stop the broker (its socket)", box.broker.stop))
     box.broker.start()
+    undo.append(("close the model gateway's upstream connections", box.gateway.stop))
     undo.append(("end the tasks", box.shutdown_tasks))
     public_suffixes()                        # loaded now, not on the first wildcard host
     box.loop.open_wake()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import select
 import shutil
 import socket
 import tempfile
@@ -64,6 +65,7 @@ class Upstream:
         self.lock = threading.Lock()
         self.in_flight = self.most_in_flight = 0   # calls being answered at once
         self.hang_up = False           # close each connection after its answer, unsaid
+        self.vanish = False            # read a call, then close with no answer (done or not)
         upstream = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -88,6 +90,9 @@ class Upstream:
                 api = "anthropic" if self.path.endswith("/v1/messages") else "chat"
                 upstream.requests.append({"path": self.path, "headers": dict(self.headers),
                                           "body": body, "peer": self.client_address[1]})
+                if upstream.vanish:
+                    self.close_connection = True
+                    return
                 text, tool = upstream.script(api, body)
                 n = len(upstream.usages)
                 usage = {"input_tokens": 1000 + n, "output_tokens": 40 + n,
@@ -877,31 +882,113 @@ def test_a_refusal_speaks_the_tasks_api() -> None:
     assert json.loads(body)["error"]["message"] == "gurtd: no more budget: too dear"
 
 
+def straight_call(upstream: Upstream) -> Callable[[], tuple[G.UpstreamConn, G.UpstreamAnswer,
+                                                          bytes]]:
+    """Calls through Gateway.request alone (no task, no box): each gives the connection it
+    went on, the answer's head and its body."""
+    gateway = G.Gateway(None)               # type: ignore[arg-type]  # request needs no box
+    tg = G.TaskGateway("t", "token", "anthropic", f"http://127.0.0.1:{upstream.port}")
+    body = json.dumps({"model": MODEL, "max_tokens": 10, "messages": []}).encode()
+    head = G.upstream_head(tg.api, tg.base_url, KEY) + b"Content-Length: %d\r\n\r\n" % len(body)
+
+    def call() -> tuple[G.UpstreamConn, G.UpstreamAnswer, bytes]:
+        with socket.socket() as unused:          # the task's side: not used by request
+            conn, answer = gateway.request(tg, head, body, G.GatewayCall(unused))
+        data = b""
+        while not answer.ended:
+            data += conn.piece(answer)
+        return conn, answer, data
+    call.gateway, call.where = gateway, tg.where       # type: ignore[attr-defined]
+    return call
+
+
 @pytest.mark.pure
 def test_upstream_connections_are_kept_alive_and_one_closed_meanwhile_is_replaced(
         upstream: Upstream) -> None:
-    gateway = G.Gateway(None)               # type: ignore[arg-type]  # request needs no box
-    tg = G.TaskGateway("t", "token", "anthropic", f"http://127.0.0.1:{upstream.port}")
-    where = ("http", "127.0.0.1", upstream.port)
-    body = json.dumps({"model": MODEL, "max_tokens": 10, "messages": []}).encode()
+    call = straight_call(upstream)
+    pool, where = call.gateway.pool, call.where          # type: ignore[attr-defined]
 
-    def call() -> None:
-        with socket.socket() as unused:          # the task's side: not used by request
-            conn, answer = gateway.request(tg, where, "/v1/messages", body,
-                                           {"Content-Type": "application/json"},
-                                           G.GatewayCall(unused))
-            assert answer.status == 200 and json.loads(answer.read())["content"]
-            assert not answer.will_close
-            gateway.pool.put(*where, conn)
-    call()
-    call()
+    def kept() -> G.UpstreamConn:
+        conn, answer, data = call()
+        assert answer.status == 200 and json.loads(data)["content"]
+        assert not answer.will_close
+        pool.put(where, conn)
+        return conn
+    kept()
+    kept()
     upstream.hang_up = True                  # closed once answered, as an idle timeout does
-    call()
+    closed = kept()
+    assert select.select([closed.sock], [], [], 10)[0]      # its end has come
     upstream.hang_up = False
-    call()                                   # the closed one fails unanswered: a new one
+    kept()                                   # found closed before use: a new one, sent once
     peers = [r["peer"] for r in upstream.requests]
     assert len(peers) == 4 and peers[0] == peers[1] == peers[2] != peers[3], peers
-    assert len(gateway.pool.idle[where]) == 1
+    assert len(pool.idle[where]) == 1 and closed.sock.fileno() == -1
+
+
+@pytest.mark.pure
+def test_a_call_that_went_out_whole_is_never_sent_again(upstream: Upstream) -> None:
+    """An upstream that reads a call on a kept connection and closes it unanswered may have
+    carried it out: the call fails (502) rather than go again, spent twice, once unmetered."""
+    call = straight_call(upstream)
+    conn, _, _ = call()
+    call.gateway.pool.put(call.where, conn)              # type: ignore[attr-defined]
+    upstream.vanish = True
+    with pytest.raises(G.GatewayRefusal) as refused:
+        call()
+    assert refused.value.status == 502
+    assert [r["peer"] for r in upstream.requests] == [upstream.requests[0]["peer"]] * 2
+
+
+@pytest.mark.pure
+def test_idle_upstream_connections_close_past_their_time_and_at_the_stop(
+        upstream: Upstream) -> None:
+    call = straight_call(upstream)
+    gateway, where = call.gateway, call.where            # type: ignore[attr-defined]
+    old, new = gateway.pool.connect(*where), gateway.pool.connect(*where)
+    gateway.pool.put(where, old)
+    gateway.pool.put(where, new)
+    old.since -= G.GATEWAY_IDLE_SECONDS + 1              # idle past its time
+    gateway.pool.sweep_all()                             # the accept thread's timer
+    assert old.sock.fileno() == -1 and gateway.pool.idle[where] == [new]
+    gateway.stop()
+    assert new.sock.fileno() == -1 and not gateway.pool.idle
+    late = gateway.pool.connect(*where)
+    gateway.pool.put(where, late)                        # after the stop: closed, not kept
+    assert late.sock.fileno() == -1 and not gateway.pool.idle
+
+
+@pytest.mark.pure
+def test_an_answers_body_comes_off_its_framing_however_it_is_cut() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        conn = G.UpstreamConn(a)
+        b.sendall(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: "
+                  b"chunked\r\n\r\n")
+        answer = conn.answer_head()
+        assert (answer.status, answer.framing, answer.will_close) == (200, "chunked", False)
+        got = b""
+        for byte in b"5;x=1\r\nhello\r\n1\r\n \r\n5\r\nworld\r\n0\r\nX-T: 1\r\n\r\n":
+            conn.buf.append(byte)                # one byte after another
+            got += conn.unchunk(answer)
+        assert got == b"hello world" and answer.ended and not conn.buf
+        b.sendall(b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 4\r\nRetry-After: 3"
+                  b"\r\n\r\nslow")
+        answer = conn.answer_head()
+        assert (conn.piece(answer), answer.ended, answer.headers["retry-after"]) == (
+            b"slow", True, "3")
+        b.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+        with pytest.raises(ValueError):
+            conn.piece(conn.answer_head())
+        conn.buf.clear()
+        b.sendall(b"HTTP/1.0 200 OK\r\n\r\nto the end")
+        b.shutdown(socket.SHUT_WR)
+        answer = conn.answer_head()
+        assert (answer.framing, answer.will_close) == ("close", True)
+        got = b""
+        while not answer.ended:
+            got += conn.piece(answer)
+        assert got == b"to the end"
 
 
 @pytest.mark.pure
