@@ -271,6 +271,30 @@ def test_a_conflict_answered(gurtd: Gurtd, answer: str) -> None:
     assert gurtd.file("home", "new.txt") == b"new\n"   # what did not conflict stays
 
 
+def test_a_huge_file_of_holes_changed_both_ways_is_a_conflict_at_once(gurtd: Gurtd) -> None:
+    """Two tasks each make a 1 TiB file of holes at one path (one with a byte in it): the
+    check reads only their data, so the conflict is asked in seconds (hashing the zeros
+    would hold the merge thread, every task's, for hours); an undo under such a file, later
+    grown by another task, is decided as quickly."""
+    a = gated(gurtd, "truncate -s 1T big; echo a > a.txt")
+    b = gated(gurtd, "truncate -s 1T big; printf x | dd of=big bs=1 seek=4096 conv=notrunc")
+    assert end(gurtd, b)["state"] == "done"
+    assert end(gurtd, a)["state"] == "waiting"
+    [path] = pending(gurtd, a, "conflict")["args"]["paths"]
+    assert path["path"] == "big" and "too large to merge" in path["why"]
+    gurtd.api("POST", f"/api/approvals/{pending(gurtd, a, 'conflict')['id']}/deny", {})
+    assert gurtd.wait(a)["state"] == "failed"
+    grow = gurtd.run("printf y | dd of=big bs=1 seek=8192 conv=notrunc")
+    assert grow["state"] == "done"
+    answer = gurtd.api("POST", f"/api/tasks/{b}/undo")
+    assert answer["state"] == "undone", answer
+    said = answer.get("undoMerge") or {}
+    if said.get("state") != "done":
+        said = eventually(lambda: (gurtd.task(b).get("undoMerge") or {}).get("state") in
+                          ("done", "failed") and gurtd.task(b)["undoMerge"], 60, "the revert")
+    assert said["state"] == "done" and [k["path"] for k in said["kept"]] == ["big"], said
+
+
 def test_every_kind_of_conflict_is_named(gurtd: Gurtd) -> None:
     """A folder against a file, a binary file, a mode and a symlink target changed both
     ways: one conflict names each path with why; keep view gives the view's for all."""
