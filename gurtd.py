@@ -3173,11 +3173,19 @@ class Spawner:
             self.pid = 0
 
 
+# gurtd's own mount namespace, held by the spawner (which has one of its own): a worker
+# takes its broker bind in the spawner's, then goes back to gurtd's before it makes its own
+_GURTD_MOUNTS = -1
+
+
 def _spawner_namespace(mount_fd: int, point: str) -> None:
-    """A mount namespace of the spawner's own (a slave of gurtd's: what the host mounts later
-    still comes in), with the detached mount_fd attached at point: every worker's namespace is
-    a copy of this one, so a worker can bind from that mount on any kernel, and neither gurtd's
-    namespace nor the host's ever shows it."""
+    """A mount namespace of the spawner's own with the detached mount_fd attached at point,
+    which neither gurtd's namespace nor the host's ever shows: a worker clones its broker bind
+    from there on any kernel (_broker_tree), then makes its namespace from gurtd's, so that it
+    has what the host mounted since gurtd started (a disk plugged in later) whatever the
+    propagation of the host's root (private on a host without systemd)."""
+    global _GURTD_MOUNTS
+    _GURTD_MOUNTS = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
     libc_call("unshare", CLONE_NEWNS)
     _mount("none", "/", None, MS_REC | MS_SLAVE, None)
     syscall("move_mount", SYS_MOVE_MOUNT, mount_fd, b"", -100, point.encode(),
@@ -3355,7 +3363,7 @@ def sandbox_preload() -> None:
 def sandbox_main(fds: list[int]) -> None:
     out_fd = fds[1] if len(fds) > 1 else 2
     try:
-        keep = sorted(set(fds) | {0, 1, 2})
+        keep = sorted(set(fds) | {0, 1, 2} | {_GURTD_MOUNTS} - {-1})
         for low, high in zip(keep, keep[1:] + [65536]):
             os.closerange(low + 1, high)      # nothing of gurtd's leaks into the box
         for fd in fds[1:]:
@@ -3436,7 +3444,12 @@ def _bind(fd: int, path: str, target: str, attrs: int, recursive: bool = False) 
     """
     flags = OPEN_TREE_CLONE | os.O_CLOEXEC | (AT_RECURSIVE if recursive else 0) | \
         (AT_EMPTY_PATH if not path else 0)
-    tree = syscall("open_tree", SYS_OPEN_TREE, fd, path.encode(), flags)
+    _attach(syscall("open_tree", SYS_OPEN_TREE, fd, path.encode(), flags), target, attrs,
+            recursive)
+
+
+def _attach(tree: int, target: str, attrs: int, recursive: bool = False) -> None:
+    """Attach a detached tree (an open_tree clone) at target with attrs; tree is closed."""
     try:
         if attrs:
             _mount_attrs(tree, "", attrs, recursive)
@@ -3454,6 +3467,7 @@ def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
     if spec.get("nproc"):                     # per uid, threads too: the cgroup's backup
         resource.setrlimit(resource.RLIMIT_NPROC, (spec["nproc"], spec["nproc"]))
     os.setsid()
+    broker = _broker_tree(spec)
     if "netnsFd" in spec:      # a task with hosts: the namespace gurtd made, with its veth
         libc_call("setns", fds[spec["netnsFd"]], CLONE_NEWNET)
         os.close(fds[spec["netnsFd"]])
@@ -3463,10 +3477,8 @@ def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
     _mount("none", "/", None, MS_REC | MS_SLAVE, None)
     view = _view_open(spec)
     folders = folder_overlays_open(spec)      # personal mode: before the host's root goes
-    # before the host's root goes: the broker socket (in this namespace, that of the
-    # spawner's tmpfs over BOX_HOME/run: Broker.mount) and the module
-    held = {"broker": os.open(spec["broker"], os.O_PATH | os.O_CLOEXEC),
-            "module": os.open(spec["module"], os.O_RDONLY | os.O_CLOEXEC)}
+    # before the host's root goes: the broker socket's clone (_broker_tree) and the module
+    held = {"broker": broker, "module": os.open(spec["module"], os.O_RDONLY | os.O_CLOEXEC)}
     if spec.get("droid") and not _droid_in_usr(spec):
         held["droid"] = os.open(spec["droid"], os.O_PATH | os.O_CLOEXEC)
     _root_build(NEW_ROOT, spec)
@@ -3609,6 +3621,9 @@ def _run_build(root: str, spec: dict[str, Any], view: int, held: dict[str, int])
     places = {"broker": BROKER_IN_BOX, "droid": "/run/gurt/bin/droid"}
     for name, fd in held.items():
         open(root + places[name], "w").close()
+        if name == "broker":            # already a clone: a detached mount is not cloned again
+            _attach(fd, root + places[name], MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
+            continue
         _bind(fd, "", root + places[name], MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
         os.close(fd)
     if _droid_in_usr(spec):           # installed: the box's /usr has it, a bind would name it
@@ -3623,6 +3638,18 @@ def _run_build(root: str, spec: dict[str, Any], view: int, held: dict[str, int])
         with open(root + path, "w") as f:
             f.write(text)
         os.chmod(root + path, 0o755 if path.startswith("/run/gurt/bin/") else 0o644)
+
+
+def _broker_tree(spec: dict[str, Any]) -> int:
+    """The broker socket's bind, cloned detached where the spawner's tmpfs is (its namespace:
+    open_tree clones only a mount of the caller's namespace before 6.15); then back to gurtd's
+    namespace (_spawner_namespace), of which the worker's own is made."""
+    tree = syscall("open_tree", SYS_OPEN_TREE, -100, spec["broker"].encode(),
+                   OPEN_TREE_CLONE | os.O_CLOEXEC)
+    if _GURTD_MOUNTS >= 0:
+        libc_call("setns", _GURTD_MOUNTS, CLONE_NEWNS)
+        os.close(_GURTD_MOUNTS)
+    return tree
 
 
 def _droid_in_usr(spec: dict[str, Any]) -> str:
@@ -4710,9 +4737,9 @@ class Review:
         conflicts = self.conflicts(task, todo)
         hard = [c for c in conflicts if "by the owner after" not in c["why"]]
         if conflicts and (hard or not force):
-            self.box.loop.call(self.settle, task, "conflict", "conflict",
-                               f"{len(conflicts)} conflicts, nothing kept",
-                               {"conflicts": conflicts})
+            self.box.loop.report(self.settle, task, "conflict", "conflict",
+                                 f"{len(conflicts)} conflicts, nothing kept",
+                                 {"conflicts": conflicts})
             what = "; ".join(f"{c['folder']}/{c['path']}: {c['why']}" for c in conflicts[:3])
             raise ApiError(409, f"nothing was kept: {len(conflicts)} conflicts ({what})"
                            + (" (force does not override these)" if force and hard else ""),
@@ -4849,10 +4876,10 @@ class Review:
             self.upper_fds = {}
         left = [t for t in self.pending(task) if t[2] != "none"] \
             if journal.get("partial", True) else []
-        self.box.loop.call(self.settle, task, "pending" if left else "kept", "kept",
-                           f"kept {len(ops)} changes" +
-                           (f"; {len(left)} still pending" if left else ""),
-                           {"paths": [f"{(task.folders or [])[op['folder']]}/{op['path']}"
+        self.box.loop.report(self.settle, task, "pending" if left else "kept", "kept",
+                             f"kept {len(ops)} changes" +
+                             (f"; {len(left)} still pending" if left else ""),
+                             {"paths": [f"{(task.folders or [])[op['folder']]}/{op['path']}"
                                       for op in ops[:1000]]})
         os.unlink(path)
         fsync_dir(self.dir(task.id))
@@ -5006,14 +5033,14 @@ class Review:
             self.keep_guarded(task, cut_short)   # finished, so that all of it is undone
         record = self.kept(task)
         if task.review != "kept" and not record["keeps"]:
-            self.box.loop.call(self.drop, task)
+            self.box.loop.report(self.drop, task)
             return
         if not force:
             conflicts = self.undo_conflicts(task, record)
             if conflicts:
-                self.box.loop.call(self.announce, task, "conflict", f"undo refused: "
-                                   f"{len(conflicts)} kept paths changed since the keep",
-                                   {"conflicts": conflicts})
+                self.box.loop.report(self.announce, task, "conflict", f"undo refused: "
+                                     f"{len(conflicts)} kept paths changed since the keep",
+                                     {"conflicts": conflicts})
                 raise ApiError(409, f"nothing was undone: {len(conflicts)} kept paths were "
                                     "changed by the owner after the keep (undo with force "
                                     "puts the versions from before the keep back anyway)",
@@ -5066,8 +5093,8 @@ class Review:
                 os.close(fd)
         if failed:
             self.undo_partial(task, failed)
-        self.box.loop.call(self.settle, task, "undone", "undone", "the real folders are back "
-                           f"as before the keep ({len(journal['ops'])} paths)")
+        self.box.loop.report(self.settle, task, "undone", "undone", "the real folders are back "
+                             f"as before the keep ({len(journal['ops'])} paths)")
         os.unlink(path)
 
     def drop(self, task: Task) -> None:
@@ -5086,9 +5113,9 @@ class Review:
     def undo_partial(self, task: Task, failed: list[dict[str, str]]) -> None:
         """An undo that could not put every path back: said in the log, an event and a 409."""
         what = "; ".join(f"{c['folder']}/{c['path']}: {c['why']}" for c in failed[:3])
-        self.box.loop.call(self.announce, task, "undo-partial", f"{len(failed)} paths could "
-                           f"not be put back ({what}); undo again to finish",
-                           {"notUndone": failed[:1000]})
+        self.box.loop.report(self.announce, task, "undo-partial", f"{len(failed)} paths could "
+                             f"not be put back ({what}); undo again to finish",
+                             {"notUndone": failed[:1000]})
         raise ApiError(409, f"the undo could not put back {len(failed)} paths ({what}); the "
                             "others are back, the task stays kept, and the next undo tries "
                             "these again", "conflict", extra={"notUndone": failed[:1000]})
@@ -5161,9 +5188,9 @@ class Review:
             journal = load_json(path)
             undo = journal["action"] == "undo"
             (self.undo_run if undo else self.keep_run)(task, journal)
-            self.box.loop.call(self.announce, task, "recovered",
-                               f"{'an undo' if undo else 'a keep'} cut short by a restart "
-                               "was finished")
+            self.box.loop.report(self.announce, task, "recovered",
+                                 f"{'an undo' if undo else 'a keep'} cut short by a restart "
+                                 "was finished")
         except Exception as exc:
             log(3, f"task {task.id}: could not finish its keep or undo: "
                    f"{type(exc).__name__}: {exc}")
@@ -11174,7 +11201,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                     plan["cents"] = check_tool_args(tool, args)
                 if tool == "ask":
                     result = {"answer": approval.answer}
-                    box.loop.call(box.broker.record, task_id, {
+                    box.loop.report(box.broker.record, task_id, {
                         "type": "tool", "tool": tool, "args": args, "caller": uid, "call": call,
                         "result": result, "cents": 0})
                     self.reply(200, {"result": result})
@@ -11187,14 +11214,14 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
             else:
                 result, cost = run_tool(box, tool, args, task_id)
             if not plan.get("logged"):
-                box.loop.call(box.broker.record, task_id, {
+                box.loop.report(box.broker.record, task_id, {
                     "type": "tool", "tool": tool, "args": args, "caller": uid, "call": call,
                     "result": result, "cents": plan["cents"] or cost}, cost)
             self.reply(200, {"result": result})
         except ApiError as exc:
             if task_id is not None and exc.code != "tool_not_allowed":
                 try:
-                    box.loop.call(box.broker.record, task_id, {
+                    box.loop.report(box.broker.record, task_id, {
                         "type": "tool", "tool": tool, "args": args, "caller": uid, "call": call,
                         "error": exc.message})
                 except Exception:
@@ -12906,14 +12933,14 @@ class Jira:
                 fields = jira_issue_fields(key, jira_request(
                     config, token, "GET", f"/rest/api/3/issue/{key}?fields=summary,description"))
             except JiraUnreadable as exc:        # this issue's own: never read again
-                self.box.loop.call(self.skip, key, str(exc))
+                self.box.loop.report(self.skip, key, str(exc))
                 continue
             except JiraError as exc:
                 if (exc.transient or exc.status == 401) and not isinstance(exc, JiraLate):
                     raise
                 log(4, f"jira: issue {key} cannot be read, left for the next poll: {exc}")
                 continue
-            self.box.loop.call(self.take, key, fields)
+            self.box.loop.report(self.take, key, fields)
 
     def answer(self, config: dict[str, Any]) -> None:
         """For each ended task not answered yet: a comment, then the transition if one is
@@ -12933,7 +12960,7 @@ class Jira:
                 if exc.transient or exc.status == 401:
                     raise                     # Jira or its token: tried again with backoff
                 log(4, f"jira: issue {key}: gave up answering: {exc}")   # gone, forbidden
-            self.box.loop.call(self.noticed, key)
+            self.box.loop.report(self.noticed, key)
 
     def transition(self, config: dict[str, Any], token: str, key: str, target: str) -> None:
         """Move the issue by the transition named target (or leading to a status so named)."""
@@ -15365,13 +15392,7 @@ class Loop:
         A loop that does not answer within call_timeout gives 503 busy, never a dropped
         connection: a command that had not started is withdrawn (nothing was done).
         """
-        def step(*args: Any) -> Any:
-            try:
-                return fn(*args)
-            finally:
-                self.publish()          # the caller sees its own change in what it reads next
-
-        future = self.post(step, *args)
+        future = self.post(self._published, fn, *args)
         try:
             return future.result(timeout=self.call_timeout)
         except TimeoutError:
@@ -15382,6 +15403,28 @@ class Loop:
                                {"Retry-After": "1"}) from None
             raise ApiError(503, "gurtd is busy; the request is still being carried out",
                            "busy", {"Retry-After": "1"}) from None
+
+    def report(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A thread that has already done something (real folders written, a tool run, a Jira
+        issue read) hands the state its record: fn(*args) on the loop, waited for as long as
+        it takes and never withdrawn, since a 503 here would leave the state without what is
+        already true (a keep unsaid, a tool's cost unmetered).  Past SIGTERM it gives up:
+        what it said is redone at the next start (review journals, the Jira poll)."""
+        future = self.post(self._published, fn, *args)
+        while True:
+            try:
+                return future.result(timeout=1.0)
+            except TimeoutError:
+                if future.done():
+                    raise                     # fn's own TimeoutError
+                if self.stopping and future.cancel():
+                    raise ApiError(503, "gurtd is stopping", "busy") from None
+
+    def _published(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        finally:
+            self.publish()          # the caller sees its own change in what it reads next
 
     def post(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Any thread: fn(*args) runs on the loop thread soon; its future."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import threading
+import time
 
 import pytest
 
@@ -211,3 +213,40 @@ def test_no_host_entry_grants_absolute_special_use_space(entry, network):
     assert G.parse_host("8.8.8.8:53") == ("ip", "8.8.8.8", 53)
     with pytest.raises(ValueError, match="IPv4 only"):
         G.parse_host("[2606:4700::1]:443")          # any IPv6: a task reaches IPv4 only
+
+
+def test_a_report_waits_for_a_slow_loop_where_a_call_gives_up(monkeypatch):
+    """A call past its time is withdrawn (503, nothing done); a report of what a thread has
+    already done (a keep, a tool's cost, a Jira issue) waits and is carried out; only a
+    stopping gurtd gives it up."""
+    monkeypatch.setenv("GURT_CALL_TIMEOUT", "0.3")
+    loop = G.Loop(None)
+    loop.wake_r, loop.wake_w = os.pipe()
+    monkeypatch.setattr(loop, "publish", lambda: None)       # no box: the queue alone
+    ran, answers = [], {}
+
+    def ask(name, how):
+        try:
+            answers[name] = how(lambda: ran.append(name) or name)
+        except G.ApiError as exc:
+            answers[name] = exc
+
+    threads = [threading.Thread(target=ask, args=("call", loop.call)),
+               threading.Thread(target=ask, args=("report", loop.report))]
+    for t in threads:
+        t.start()
+    time.sleep(1.2)                                      # the loop is held past call_timeout
+    assert isinstance(answers["call"], G.ApiError) and answers["call"].status == 503
+    assert "report" not in answers
+    loop.run_commands()
+    threads[1].join(timeout=5)
+    assert answers["report"] == "report" and ran == ["report"]
+    loop.stopping = True
+    late = threading.Thread(target=ask, args=("late", loop.report))
+    late.start()
+    late.join(timeout=5)
+    assert isinstance(answers["late"], G.ApiError) and ran == ["report"]
+    loop.run_commands()
+    assert ran == ["report"]
+    os.close(loop.wake_r)
+    os.close(loop.wake_w)
