@@ -6003,10 +6003,11 @@ class Views:
         return [t.id for t in sorted(done, key=lambda t: t.doneSeq)]
 
     def stack_ids(self, workspace: str) -> list[str]:
-        """The ids of the workspace's done tasks, newest first, from the finish order the Layer stack keeps (no sort
-        of every task at each start, undo and collection).  One list until the layers change
-        (layers_changed), which callers never change: the finish-time merge compares a
-        task's stack with it at each end, at no cost while it is the same list."""
+        """The ids of the workspace's done tasks, newest first, from the finish order the
+        Layer stack keeps (no sort of every task at each start, undo and collection).  One
+        list until the layers change (layers_changed), which callers never change: the
+        finish-time merge compares a task's stack with it at each end, at no cost while it
+        is the same list."""
         stack = self.stack_now.get(workspace)
         if stack is None:
             ever = self.layerstack.ever.get(workspace, [])
@@ -9343,12 +9344,12 @@ class Policies:
 # inside the task's own network namespace (GATEWAY_ADDR:GATEWAY_PORT, beside its DNS, made from
 # a thread that setns-ed there), served by gurtd's gateway threads.  Each call is forwarded by
 # the thread that accepted it (at most GATEWAY_THREADS at once, GATEWAY_TASK_CALLS per task;
-# threads kept for the next call) to the upstream the owner set (modelGateway), over a kept-alive connection, with the owner's
-# key added: BOX_HOME/secrets/model-key, which no task ever sees.  A task holds only its own
-# random credential, dead when it ends.  What a call costs is the usage in the upstream's
-# answer (the final events of a stream, or the response), never the task's own stream; the
-# loop adds it to costCents and holds a call that arrives at or past the budget until a person
-# answers the budget approval.
+# threads kept for the next call) to the upstream the owner set (modelGateway), over a
+# kept-alive connection, with the owner's key added: BOX_HOME/secrets/model-key, which no
+# task ever sees.  A task holds only its own random credential, dead when it ends.  What a
+# call costs is the usage in the upstream's answer (the final events of a stream, or the
+# response), never the task's own stream; the loop adds it to costCents and holds a call that
+# arrives at or past the budget until a person answers the budget approval.
 
 GATEWAY_ADDR = DNS_ADDR              # on the task's own lo, where its resolver is too
 GATEWAY_PORT = 80                    # below 1024: no process of the task can bind it
