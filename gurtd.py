@@ -6108,13 +6108,14 @@ class Views:
         no cached view uses (a merge in progress keeps its sources)."""
         in_use: set[str] = set()
         pinned: set[str] = set()              # lowers of views in use, relative to BOX_HOME
-        for t in self.box.all_tasks():
-            if t.state in ("running", "waiting"):
+        for task_id in list(self.task_lowers):  # every task that ran was pinned before it did
+            t = self.box.task(task_id)
+            if t is not None and t.state in ("running", "waiting"):
                 in_use.update(t.layers)
                 in_use.add(t.id)
-                pinned.update(self.task_lowers.get(t.id, ()))
+                pinned.update(self.task_lowers[t.id])
             else:
-                self.task_lowers.pop(t.id, None)
+                self.task_lowers.pop(task_id)
         with self.lock:
             for key, _ in self.open_views.values():
                 pinned.update(key)
