@@ -5545,17 +5545,25 @@ def view_plan(stack: list[str], group_of: dict[str, int],
     """The lowers of a view of stack (layer ids, newest first), newest first, as paths
     relative to BOX_HOME, base left out.  A group's merged layer stands in for its layers only
     when its members are exactly the group's layers in stack (they are consecutive there:
-    both go by finish order); otherwise they come one by one."""
+    both go by finish order); otherwise they come one by one.  A merged layer is matched by
+    comparing its members with the stack where the group's run starts (its members are all of
+    its group: a group's range never moves), so a plan of 10,000 layers in merged groups
+    steps over each group at once instead of looking up every layer's group."""
     out: list[str] = []
     i = 0
     while i < len(stack):
         g = group_of.get(stack[i])
+        found = [m for m in merged.get(g, []) if stack[i:i + len(m.members)] == m.members and
+                 (i + len(m.members) == len(stack) or
+                  group_of.get(stack[i + len(m.members)]) != g)] if g is not None else []
+        if found:
+            out.append(f"{MERGED_DIR}/{found[0].name}")
+            i += len(found[0].members)
+            continue
         j = i + 1
         while g is not None and j < len(stack) and group_of.get(stack[j]) == g:
             j += 1
-        run = stack[i:j]
-        found = [m for m in merged.get(g, []) if m.members == run] if g is not None else []
-        out.extend([f"{MERGED_DIR}/{found[0].name}"] if found else lower_layer_paths(run))
+        out.extend(lower_layer_paths(stack[i:j]))
         i = j
     return out
 
@@ -5718,13 +5726,23 @@ class LayerStack:
         return view_plan(stack, self.groups.get(workspace, {}), self.by_group(workspace))
 
     def wanted(self, workspace: str, stack: list[str]) -> dict[int, list[str]]:
-        """Each group's members as they should be merged now: its layers in the stack."""
+        """Each group's members as they should be merged now: its layers in the stack (in
+        finish order, newest first, as every stack is).  There the group numbers never rise
+        (the ungrouped newest lead), so each group's run is found by binary search: a few
+        steps per group, not a look-up per layer."""
         group_of = self.groups.get(workspace, {})
+        top = len(group_of)                    # above every group's number: the ungrouped
+
+        def key(task_id: str) -> int:
+            return -group_of.get(task_id, top)
+
         out: dict[int, list[str]] = {}
-        for task_id in stack:
-            g = group_of.get(task_id)
-            if g is not None:
-                out.setdefault(g, []).append(task_id)
+        i = bisect.bisect_right(stack, -top, key=key)
+        while i < len(stack):
+            g = group_of[stack[i]]
+            j = bisect.bisect_right(stack, -g, i, len(stack), key=key)
+            out[g] = stack[i:j]
+            i = j
         return out
 
     def due(self, workspace: str, stack: list[str]) -> list[tuple[int, list[str]]]:
@@ -5921,6 +5939,7 @@ class Views:
         self.layer_dirs: dict[str, tuple[int, int, list[str]]] = {}
         self.layer_bytes: dict[str, tuple[int, float, int]] = {}
         self.stack_now: dict[str, list[str]] = {}    # workspace -> stack_ids, until it changes
+        self.undone_layers: set[str] = set()   # undone tasks whose layer gc_layers may delete
 
     def load(self) -> None:
         """At start, once the tasks are read: the merged layers' records, undone layers a
@@ -5931,6 +5950,8 @@ class Views:
             self.layerstack.regroup(name, self.ever_done(name))
             self.publish_layers(name)
         self.stack_now.clear()
+        self.undone_layers = {t.id for t in self.box.all_tasks()
+                              if t.state == "undone" and not t.layerDeleted}
 
     def start(self) -> None:
         """The merger thread, and the merges due since the last run, off the loop."""
@@ -6020,11 +6041,20 @@ class Views:
         kernel's limit; 409 while too many merged layers are being rebuilt at once."""
         return fit_lowers(self.layerstack.plan(workspace, layers), f"workspaces/{workspace}")
 
-    def layers_changed(self, workspace: str, done: str | None = None) -> None:
+    def layers_changed(self, workspace: str, done: str | None = None,
+                       undone: str | None = None) -> None:
         """A task of the workspace became done (its id in done: the groups again, it is the
-        newest) or undone (the groups stay: an undone task keeps its position); its cached
-        view dropped, the merges now due queued."""
+        newest) or undone (its id in undone: the groups stay, an undone task keeps its
+        position; the stack loses it, no rebuild from every task); its cached view dropped,
+        the merges now due queued."""
         stack = self.stack_now.pop(workspace, None)
+        if undone is not None:
+            self.undone_layers.add(undone)
+            if stack is not None and undone in stack:
+                k = stack.index(undone)
+                stack = stack[:k] + stack[k + 1:]        # a new list: tasks keep theirs
+            if stack is not None:
+                self.stack_now[workspace] = stack
         if done is not None:
             ever = self.layerstack.ever.get(workspace)
             grows = ever is not None and done not in ever[-1:]
@@ -6106,13 +6136,14 @@ class Views:
         no cached view uses (a merge in progress keeps its sources)."""
         in_use: set[str] = set()
         pinned: set[str] = set()              # lowers of views in use, relative to BOX_HOME
-        for t in self.box.all_tasks():
-            if t.state in ("running", "waiting"):
+        for task_id in list(self.task_lowers):  # every task that ran was pinned before it did
+            t = self.box.task(task_id)
+            if t is not None and t.state in ("running", "waiting"):
                 in_use.update(t.layers)
                 in_use.add(t.id)
-                pinned.update(self.task_lowers.get(t.id, ()))
+                pinned.update(self.task_lowers[t.id])
             else:
-                self.task_lowers.pop(t.id, None)
+                self.task_lowers.pop(task_id)
         with self.lock:
             for key, _ in self.open_views.values():
                 pinned.update(key)
@@ -6127,8 +6158,11 @@ class Views:
                 except OSError as exc:
                     log(3, f"merged layers {unused}: {exc}")
                 self.publish_layers(name)
-        for t in self.box.all_tasks():
-            if t.state == "undone" and not t.layerDeleted and t.id not in in_use:
+        for task_id in sorted(self.undone_layers):    # not every task: those undone only
+            t = self.box.task(task_id)
+            if t is None or t.state != "undone" or t.layerDeleted:
+                self.undone_layers.discard(task_id)
+            elif t.id not in in_use:
                 try:      # gone from its name at once; its files off the loop
                     if os.path.lexists(self.box.layer_dir(t.id)):
                         self.merger.remove(trash_name(self.box.layer_dir(t.id)))
@@ -6138,6 +6172,7 @@ class Views:
                     log(3, f"could not delete layer {t.id}")
                     continue
                 t.layerDeleted = True
+                self.undone_layers.discard(t.id)
                 self.box.save(t)
                 self.box.append_log(t.id, {"type": "layer", "text": "layer files deleted"})
                 self.publish_layers(t.workspace)
@@ -7064,10 +7099,8 @@ class FinishMerge:
         copies goes to the thread (design above).  Nothing if no layer is above it.  The
         undo's answer waits for the job's `named` (undo_answer), the loop never."""
         box, ws = self.box, task.workspace
-        stack = box.views.stack_ids(ws)
-        count = 0                               # newest first: those above it lead
-        while count < len(stack) and box.task(stack[count]).doneSeq > task.doneSeq:
-            count += 1
+        stack = box.views.stack_ids(ws)         # newest first: those above it lead
+        count = bisect.bisect_left(stack, -task.doneSeq, key=lambda i: -box.get(i).doneSeq)
         upper = os.path.join(box.layer_dir(task.id), "upper")
         if task.doneSeq <= 0 or not count or not os.path.isdir(upper):
             return
@@ -8075,7 +8108,7 @@ class Box:
         self.set_state(task, "undone")
         if task.folders:
             self.review.forget(task)
-        self.views.layers_changed(task.workspace)
+        self.views.layers_changed(task.workspace, undone=task.id)
         self.finish_merge.undone(task)     # its change out of later copies (off the loop)
         self.views.gc_layers()
         if was_active:
