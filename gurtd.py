@@ -3173,19 +3173,32 @@ class Spawner:
             self.pid = 0
 
 
-# gurtd's own mount namespace, held by the spawner (which has one of its own): a worker
-# takes its broker bind in the spawner's, then goes back to gurtd's before it makes its own
-_GURTD_MOUNTS = -1
+# The spawner's, where gurtd's root is private: the detached tmpfs of the broker socket, which
+# each worker clones the socket from (_broker_open)
+_BROKER_MOUNT = -1
+
+
+def root_shared() -> bool:
+    """Whether this mount namespace's root propagates (shared: systemd makes it so)."""
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split(b" - ")[0].split()
+            if fields[4] == b"/":
+                return any(tag.startswith(b"shared:") for tag in fields[6:])
+    return False
 
 
 def _spawner_namespace(mount_fd: int, point: str) -> None:
-    """A mount namespace of the spawner's own with the detached mount_fd attached at point,
-    which neither gurtd's namespace nor the host's ever shows: a worker clones its broker bind
-    from there on any kernel (_broker_tree), then makes its namespace from gurtd's, so that it
-    has what the host mounted since gurtd started (a disk plugged in later) whatever the
-    propagation of the host's root (private on a host without systemd)."""
-    global _GURTD_MOUNTS
-    _GURTD_MOUNTS = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    """Where gurtd's root is shared (systemd's hosts): a mount namespace of the spawner's own,
+    a slave of gurtd's (what the host mounts later still comes in), with the detached mount_fd
+    attached at point: every worker's namespace is a copy of this one, so a worker binds the
+    socket from that mount on any kernel, and neither gurtd's namespace nor the host's shows
+    it.  On a private root (a host without systemd) such a copy would miss a disk mounted
+    after the start, so the spawner only keeps mount_fd for the workers (_broker_open)."""
+    global _BROKER_MOUNT
+    if not root_shared():
+        _BROKER_MOUNT = mount_fd
+        return
     libc_call("unshare", CLONE_NEWNS)
     _mount("none", "/", None, MS_REC | MS_SLAVE, None)
     syscall("move_mount", SYS_MOVE_MOUNT, mount_fd, b"", -100, point.encode(),
@@ -3363,7 +3376,7 @@ def sandbox_preload() -> None:
 def sandbox_main(fds: list[int]) -> None:
     out_fd = fds[1] if len(fds) > 1 else 2
     try:
-        keep = sorted(set(fds) | {0, 1, 2} | {_GURTD_MOUNTS} - {-1})
+        keep = sorted(set(fds) | {0, 1, 2} | {_BROKER_MOUNT} - {-1})
         for low, high in zip(keep, keep[1:] + [65536]):
             os.closerange(low + 1, high)      # nothing of gurtd's leaks into the box
         for fd in fds[1:]:
@@ -3444,12 +3457,7 @@ def _bind(fd: int, path: str, target: str, attrs: int, recursive: bool = False) 
     """
     flags = OPEN_TREE_CLONE | os.O_CLOEXEC | (AT_RECURSIVE if recursive else 0) | \
         (AT_EMPTY_PATH if not path else 0)
-    _attach(syscall("open_tree", SYS_OPEN_TREE, fd, path.encode(), flags), target, attrs,
-            recursive)
-
-
-def _attach(tree: int, target: str, attrs: int, recursive: bool = False) -> None:
-    """Attach a detached tree (an open_tree clone) at target with attrs; tree is closed."""
+    tree = syscall("open_tree", SYS_OPEN_TREE, fd, path.encode(), flags)
     try:
         if attrs:
             _mount_attrs(tree, "", attrs, recursive)
@@ -3467,7 +3475,6 @@ def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
     if spec.get("nproc"):                     # per uid, threads too: the cgroup's backup
         resource.setrlimit(resource.RLIMIT_NPROC, (spec["nproc"], spec["nproc"]))
     os.setsid()
-    broker = _broker_tree(spec)
     if "netnsFd" in spec:      # a task with hosts: the namespace gurtd made, with its veth
         libc_call("setns", fds[spec["netnsFd"]], CLONE_NEWNET)
         os.close(fds[spec["netnsFd"]])
@@ -3477,8 +3484,8 @@ def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
     _mount("none", "/", None, MS_REC | MS_SLAVE, None)
     view = _view_open(spec)
     folders = folder_overlays_open(spec)      # personal mode: before the host's root goes
-    # before the host's root goes: the broker socket's clone (_broker_tree) and the module
-    held = {"broker": broker, "module": os.open(spec["module"], os.O_RDONLY | os.O_CLOEXEC)}
+    held = {"broker": _broker_open(spec),                   # before the host's root goes
+            "module": os.open(spec["module"], os.O_RDONLY | os.O_CLOEXEC)}
     if spec.get("droid") and not _droid_in_usr(spec):
         held["droid"] = os.open(spec["droid"], os.O_PATH | os.O_CLOEXEC)
     _root_build(NEW_ROOT, spec)
@@ -3621,9 +3628,6 @@ def _run_build(root: str, spec: dict[str, Any], view: int, held: dict[str, int])
     places = {"broker": BROKER_IN_BOX, "droid": "/run/gurt/bin/droid"}
     for name, fd in held.items():
         open(root + places[name], "w").close()
-        if name == "broker":            # already a clone: a detached mount is not cloned again
-            _attach(fd, root + places[name], MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
-            continue
         _bind(fd, "", root + places[name], MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
         os.close(fd)
     if _droid_in_usr(spec):           # installed: the box's /usr has it, a bind would name it
@@ -3640,16 +3644,19 @@ def _run_build(root: str, spec: dict[str, Any], view: int, held: dict[str, int])
         os.chmod(root + path, 0o755 if path.startswith("/run/gurt/bin/") else 0o644)
 
 
-def _broker_tree(spec: dict[str, Any]) -> int:
-    """The broker socket's bind, cloned detached where the spawner's tmpfs is (its namespace:
-    open_tree clones only a mount of the caller's namespace before 6.15); then back to gurtd's
-    namespace (_spawner_namespace), of which the worker's own is made."""
-    tree = syscall("open_tree", SYS_OPEN_TREE, -100, spec["broker"].encode(),
-                   OPEN_TREE_CLONE | os.O_CLOEXEC)
-    if _GURTD_MOUNTS >= 0:
-        libc_call("setns", _GURTD_MOUNTS, CLONE_NEWNS)
-        os.close(_GURTD_MOUNTS)
-    return tree
+def _broker_open(spec: dict[str, Any]) -> int:
+    """The broker socket to bind in the box.  In the spawner's namespace its path is on the
+    tmpfs (_spawner_namespace); else a clone of it from the spawner's detached tmpfs, which a
+    kernel before 6.15 refuses (EINVAL: a detached source), and then the one in BOX_HOME/run,
+    whose mountinfo line names BOX_HOME (only on a host without systemd and an old kernel)."""
+    if _BROKER_MOUNT >= 0:
+        try:
+            return syscall("open_tree", SYS_OPEN_TREE, _BROKER_MOUNT, b"broker.sock",
+                           OPEN_TREE_CLONE | os.O_CLOEXEC)
+        except SysError as exc:
+            if exc.code != errno.EINVAL:
+                raise
+    return os.open(spec["broker"], os.O_PATH | os.O_CLOEXEC)
 
 
 def _droid_in_usr(spec: dict[str, Any]) -> str:
@@ -15260,6 +15267,8 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     undo.append(("stop the spawner", box.spawner.stop))
     box.broker.mount()                       # the tmpfs of the tasks' broker socket
     box.spawner.start(close=(lock_fd,), broker=(box.broker.mount_fd, box.path("run")))
+    log(6, "tasks' broker socket: " + ("on a tmpfs in the spawner's namespace" if root_shared()
+        else "cloned from a detached tmpfs (Linux 6.15+; else BOX_HOME's: the root is private)"))
     raise_open_files_limit()                 # after the fork: workers keep the usual limit
     box.load()
     box.reconcile()
