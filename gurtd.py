@@ -9704,31 +9704,31 @@ def upstream_head(api: str, base_url: str, key: str) -> bytes:
             f"\r\nAccept-Encoding: identity\r\nUser-Agent: gurtd/{VERSION}\r\n").encode()
 
 
-@dataclass
-class UpstreamAnswer:
-    """An upstream's answer as it is read: its status line and headers, and where its body
-    stands; framing "length" (Content-Length, or no body), "chunked" or "close" (the body
-    ends with the connection)."""
+class KeptReader(io.BufferedReader):
+    """An upstream connection's one reader, kept from one answer to the next: http.client
+    closes an answer's reader at the answer's end, and what this one holds past an answer
+    must stay in sight (UpstreamConn.alive).  The socket's close ends it."""
 
-    status: int
-    reason: str
-    headers: dict[str, str]          # names in lower case
-    framing: str = "length"
-    left: int = 0                    # of the body (length), of a chunk, of the trailer's cap
-    state: str = "size"              # chunked: "size", "data", "crlf" (after data), "trailer"
-    ended: bool = False
-    will_close: bool = False
+    def close(self) -> None:
+        pass
 
 
 @dataclass(eq=False)
 class UpstreamConn:
-    """A connection to the upstream (TLS or plain) and what was read of it but not yet used.
-    HTTP/1.1 by hand: a request goes out in one write, an answer's head is parsed without
-    http.client's email parser, and the body's framing comes off as it is read."""
+    """A connection to the upstream (TLS or plain): a request goes out in one write, and
+    http.client reads its answer (HTTPResponse over the connection's kept reader: the head,
+    the framing)."""
 
     sock: socket.socket
-    buf: bytearray = field(default_factory=bytearray)
     since: float = 0.0               # when it was put back idle
+    reader: KeptReader = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reader = KeptReader(socket.SocketIO(self.sock, "rb"))
+
+    def makefile(self, mode: str) -> KeptReader:
+        """What http.client.HTTPResponse reads the answer through."""
+        return self.reader
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -9740,8 +9740,21 @@ class UpstreamConn:
         or get another's answer)."""
         poller = select.poll()
         poller.register(self.sock, select.POLLIN)
-        pending = self.sock.pending() if isinstance(self.sock, ssl.SSLSocket) else 0
-        return not self.buf and not pending and not poller.poll(0)
+        return not poller.poll(0) and not self.held()
+
+    def held(self) -> bool:
+        """Whether a byte can be read without waiting: one the reader holds (or TLS has
+        decrypted), else one the socket has."""
+        try:
+            self.sock.settimeout(0)
+            try:
+                return bool(self.reader.peek(1))
+            finally:
+                self.sock.settimeout(GATEWAY_READ_SECONDS)
+        except ssl.SSLWantReadError:
+            return False
+        except OSError:                      # an error at hand: the next read says it
+            return True
 
     def send(self, head: bytes, body: bytes) -> None:
         """A request in one write (a large body in a second one, not copied)."""
@@ -9751,99 +9764,20 @@ class UpstreamConn:
             self.sock.sendall(head)
             self.sock.sendall(body)
 
-    def fill(self) -> bool:
-        """One read into buf; False at the connection's end."""
+    def answer(self) -> http.client.HTTPResponse:
+        """The head of the answer to the request sent (a 100 Continue before it skipped)."""
         quick_ack(self.sock)
-        data = self.sock.recv(1 << 16)
-        self.buf += data
-        return bool(data)
-
-    def answer_head(self) -> UpstreamAnswer:
-        """The head of the answer to the request sent (a 1xx before it is skipped)."""
-        while True:
-            while (end := self.buf.find(b"\r\n\r\n")) < 0:
-                if len(self.buf) > GATEWAY_MAX_HEADERS:
-                    raise ValueError("the answer's headers are too long")
-                if not self.fill():
-                    raise ConnectionError("the connection ended before an answer came")
-            first, headers = parse_head(bytes(self.buf[:end]))
-            del self.buf[:end + 4]
-            version, code, reason = (first.split(" ", 2) + [""])[:3]
-            if not version.startswith("HTTP/1.") or not re.fullmatch(r"[1-5]\d\d", code):
-                raise ValueError("the answer is not HTTP/1.1")
-            if code[0] != "1":
-                break
-        tokens = headers.get("connection", "").lower()
-        answer = UpstreamAnswer(int(code), reason, headers, will_close="close" in tokens or (
-            version == "HTTP/1.0" and "keep-alive" not in tokens))
-        if answer.status in (204, 304):
-            answer.ended = True
-        elif "chunked" in headers.get("transfer-encoding", "").lower():
-            answer.framing = "chunked"
-        elif is_digits(headers.get("content-length", "")):
-            answer.left = int(headers["content-length"])
-            answer.ended = answer.left == 0
-        else:
-            answer.framing, answer.will_close = "close", True
+        answer = http.client.HTTPResponse(self, method="POST")   # type: ignore[arg-type]
+        answer.begin()
         return answer
 
-    def piece(self, answer: UpstreamAnswer) -> bytes:
-        """The next part of the answer's body, its framing off: what buf holds, else what a
-        read brings (answer.ended once all of it came)."""
-        while True:
-            data = self.unchunk(answer) if answer.framing == "chunked" else self.take(answer)
-            if data or answer.ended:
-                return data
-            if not self.fill():
-                if answer.framing != "close":
-                    raise ConnectionError("the connection ended in the middle of the answer")
-                answer.ended = True
-
-    def take(self, answer: UpstreamAnswer) -> bytes:
-        """The body buf holds, of one of known length or one up to the connection's end."""
-        size = len(self.buf) if answer.framing == "close" else min(answer.left, len(self.buf))
-        data = bytes(self.buf[:size])
-        del self.buf[:size]
-        if answer.framing == "length":
-            answer.left -= size
-            answer.ended = answer.left == 0
-        return data
-
-    def unchunk(self, answer: UpstreamAnswer) -> bytes:
-        """The data of the chunks buf holds, as far as it goes."""
-        buf, out = self.buf, bytearray()
-        while not answer.ended:
-            if answer.state == "data":
-                size = min(answer.left, len(buf))
-                out += buf[:size]
-                del buf[:size]
-                answer.left -= size
-                if answer.left:
-                    break
-                answer.state = "crlf"
-            end = buf.find(b"\r\n")
-            if end < 0:
-                if len(buf) > 4096:
-                    raise ValueError("a chunk's size line is too long")
-                break
-            line = bytes(buf[:end])
-            del buf[:end + 2]
-            if answer.state == "crlf":
-                if line:
-                    raise ValueError("a chunk runs past its size")
-                answer.state = "size"
-            elif answer.state == "size":
-                size_text = line.split(b";")[0].strip()
-                if not re.fullmatch(rb"[0-9A-Fa-f]{1,15}", size_text):
-                    raise ValueError("a chunk's size is not a number")
-                answer.left = int(size_text, 16)
-                answer.state = "data" if answer.left else "trailer"
-            else:                                # the trailer, up to its blank line
-                answer.left += end + 2
-                if answer.left > GATEWAY_MAX_HEADERS:
-                    raise ValueError("the answer's trailer is too long")
-                answer.ended = not line
-        return bytes(out)
+    def piece(self, answer: http.client.HTTPResponse) -> tuple[bytes, bool]:
+        """The next part of the answer's body, its framing off (at most one read of the
+        socket), and whether the body ended with it."""
+        data = answer.read1(1 << 16)
+        if not data and answer.length:
+            raise http.client.IncompleteRead(b"", answer.length)   # cut short of its length
+        return data, answer.isclosed() or answer.length == 0
 
 
 class UpstreamPool:
@@ -10377,7 +10311,7 @@ class Gateway:
             self.pass_on(tg, upstream, answer, call)
         finally:
             call.upstream = None
-            if call.whole and not answer.will_close and not upstream.buf and not tg.dead:
+            if call.whole and not answer.will_close and not tg.dead:
                 self.pool.put(tg.where, upstream)
             else:
                 upstream.close()
@@ -10401,7 +10335,7 @@ class Gateway:
         return made[1] + f"{own}Content-Length: {length}\r\n\r\n".encode()
 
     def request(self, tg: TaskGateway, head: bytes, body: bytes, call: GatewayCall
-                ) -> tuple[UpstreamConn, UpstreamAnswer]:
+                ) -> tuple[UpstreamConn, http.client.HTTPResponse]:
         """The call sent on a kept-alive connection (one found alive), or a new one; and its
         answer's head.  Sent again, on a new one, only when the kept one broke while the
         request was being written: the upstream cannot act on a request it did not get
@@ -10422,19 +10356,19 @@ class Gateway:
                 upstream = self.pool.connect(*tg.where)
                 call.upstream = upstream.sock
                 upstream.send(head, body)
-            return upstream, upstream.answer_head()
-        except (OSError, ValueError) as exc:
+            return upstream, upstream.answer()
+        except (OSError, http.client.HTTPException) as exc:
             if upstream is not None:
                 upstream.close()
             raise GatewayRefusal(504 if isinstance(exc, TimeoutError) else 502, "api_error",
                                  f"the model's server ({tg.where[1]}) could not be reached: "
                                  f"{type(exc).__name__}: {exc}") from None
 
-    def pass_on(self, tg: TaskGateway, upstream: UpstreamConn, answer: UpstreamAnswer,
-                call: GatewayCall) -> None:
-        kind = header_text(answer.headers.get("content-type"), "application/octet-stream")
+    def pass_on(self, tg: TaskGateway, upstream: UpstreamConn,
+                answer: http.client.HTTPResponse, call: GatewayCall) -> None:
+        kind = header_text(answer.getheader("Content-Type"), "application/octet-stream")
         meter = UsageMeter(tg.api, "text/event-stream" in kind)
-        retry = answer.headers.get("retry-after", "")    # an upstream's 429 or 529 says when
+        retry = answer.getheader("Retry-After") or ""    # an upstream's 429 or 529 says when
         call.conn.settimeout(GATEWAY_READ_SECONDS)   # a task that stops reading
         head = f"HTTP/1.1 {answer.status} {header_text(answer.reason, 'Answer')}\r\n" \
                f"Content-Type: {kind}\r\nTransfer-Encoding: chunked\r\n" + \
@@ -10445,15 +10379,17 @@ class Gateway:
         finally:                          # what a cut answer used was spent all the same
             call.usage = meter.result()
 
-    def pass_chunks(self, tg: TaskGateway, upstream: UpstreamConn, answer: UpstreamAnswer,
-                    meter: UsageMeter, call: GatewayCall, head: bytes) -> None:
-        """The body to the task as it arrives, one write for each read of the upstream: the
-        head goes with the first, the end with the last."""
+    def pass_chunks(self, tg: TaskGateway, upstream: UpstreamConn,
+                    answer: http.client.HTTPResponse, meter: UsageMeter, call: GatewayCall,
+                    head: bytes) -> None:
+        """The body to the task as it arrives, one write for what came at once: the head
+        goes with the first, the end with the last."""
         deadline, total, out = time.monotonic() + GATEWAY_CALL_SECONDS, 0, [head]
+        quick_ack(upstream.sock)
         while True:
             try:
-                data = upstream.piece(answer)
-            except (OSError, ValueError) as exc:
+                data, ended = upstream.piece(answer)
+            except (OSError, http.client.HTTPException) as exc:
                 call.note = f"the model's answer broke off: {type(exc).__name__}: {exc}"
                 break
             total += len(data)
@@ -10464,16 +10400,18 @@ class Gateway:
             meter.feed(data)
             if data:
                 out += [b"%x\r\n" % len(data), data, b"\r\n"]
-            if answer.ended:
+            if ended:
                 call.usage, call.whole = meter.result(), True
                 self.reserve(tg, call)            # the task's next call weighs this cost
                 call.conn.sendall(b"".join(out + [b"0\r\n\r\n"]))
                 self.settle(tg, call)             # at once: before the task's next event
                 return
-            call.conn.sendall(b"".join(out))
-            out = []
+            if not upstream.held():               # nothing more at hand: on to the task now
+                call.conn.sendall(b"".join(out))
+                out = []
+                quick_ack(upstream.sock)          # the next read waits for the upstream
         if out:
-            call.conn.sendall(head)               # nothing came after it: the task sees why
+            call.conn.sendall(b"".join(out))      # what came before the cut: the task sees it
 
 
 

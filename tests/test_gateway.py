@@ -10,6 +10,7 @@ searches for the key, a budget held and denied).
 
 from __future__ import annotations
 
+import http.client
 import http.server
 import json
 import os
@@ -882,8 +883,8 @@ def test_a_refusal_speaks_the_tasks_api() -> None:
     assert json.loads(body)["error"]["message"] == "gurtd: no more budget: too dear"
 
 
-def straight_call(upstream: Upstream) -> Callable[[], tuple[G.UpstreamConn, G.UpstreamAnswer,
-                                                          bytes]]:
+def straight_call(upstream: Upstream) -> Callable[[], tuple[G.UpstreamConn,
+                                                          http.client.HTTPResponse, bytes]]:
     """Calls through Gateway.request alone (no task, no box): each gives the connection it
     went on, the answer's head and its body."""
     gateway = G.Gateway(None)               # type: ignore[arg-type]  # request needs no box
@@ -891,13 +892,10 @@ def straight_call(upstream: Upstream) -> Callable[[], tuple[G.UpstreamConn, G.Up
     body = json.dumps({"model": MODEL, "max_tokens": 10, "messages": []}).encode()
     head = G.upstream_head(tg.api, tg.base_url, KEY) + b"Content-Length: %d\r\n\r\n" % len(body)
 
-    def call() -> tuple[G.UpstreamConn, G.UpstreamAnswer, bytes]:
+    def call() -> tuple[G.UpstreamConn, http.client.HTTPResponse, bytes]:
         with socket.socket() as unused:          # the task's side: not used by request
             conn, answer = gateway.request(tg, head, body, G.GatewayCall(unused))
-        data = b""
-        while not answer.ended:
-            data += conn.piece(answer)
-        return conn, answer, data
+        return conn, answer, read_all(conn, answer)
     call.gateway, call.where = gateway, tg.where       # type: ignore[attr-defined]
     return call
 
@@ -958,6 +956,14 @@ def test_idle_upstream_connections_close_past_their_time_and_at_the_stop(
     assert late.sock.fileno() == -1 and not gateway.pool.idle
 
 
+def read_all(conn: G.UpstreamConn, answer: http.client.HTTPResponse) -> bytes:
+    data, ended = conn.piece(answer)
+    while not ended:
+        more, ended = conn.piece(answer)
+        data += more
+    return data
+
+
 @pytest.mark.pure
 def test_an_answers_body_comes_off_its_framing_however_it_is_cut() -> None:
     a, b = socket.socketpair()
@@ -965,30 +971,41 @@ def test_an_answers_body_comes_off_its_framing_however_it_is_cut() -> None:
         conn = G.UpstreamConn(a)
         b.sendall(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: "
                   b"chunked\r\n\r\n")
-        answer = conn.answer_head()
-        assert (answer.status, answer.framing, answer.will_close) == (200, "chunked", False)
-        got = b""
-        for byte in b"5;x=1\r\nhello\r\n1\r\n \r\n5\r\nworld\r\n0\r\nX-T: 1\r\n\r\n":
-            conn.buf.append(byte)                # one byte after another
-            got += conn.unchunk(answer)
-        assert got == b"hello world" and answer.ended and not conn.buf
+        answer = conn.answer()
+        assert (answer.status, answer.chunked, answer.will_close) == (200, True, False)
+
+        def drip() -> None:                      # one byte after another
+            for byte in b"5;x=1\r\nhello\r\n1\r\n \r\n5\r\nworld\r\n0\r\nX-T: 1\r\n\r\n":
+                b.sendall(bytes([byte]))
+                time.sleep(0.001)
+        dripping = threading.Thread(target=drip)
+        dripping.start()
+        got = read_all(conn, answer)
+        dripping.join()
+        assert got == b"hello world" and answer.isclosed() and conn.alive()
         b.sendall(b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 4\r\nRetry-After: 3"
-                  b"\r\n\r\nslow")
-        answer = conn.answer_head()
-        assert (conn.piece(answer), answer.ended, answer.headers["retry-after"]) == (
-            b"slow", True, "3")
+                  b"\r\n\r\nslowX")
+        answer = conn.answer()
+        assert (conn.piece(answer), answer.getheader("retry-after")) == ((b"slow", True), "3")
+        assert not conn.alive()                  # a stray byte, held in the reader alone
+        assert conn.reader.read1(1) == b"X" and conn.alive()
         b.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
-        with pytest.raises(ValueError):
-            conn.piece(conn.answer_head())
-        conn.buf.clear()
+        with pytest.raises(http.client.HTTPException):
+            conn.piece(conn.answer())
+        b.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\ncut")
+        answer = conn.answer()
+        assert conn.piece(answer) == (b"cut", False)
+        b.shutdown(socket.SHUT_WR)
+        with pytest.raises(http.client.IncompleteRead):
+            conn.piece(answer)
+    a, b = socket.socketpair()
+    with a, b:
+        conn = G.UpstreamConn(a)
         b.sendall(b"HTTP/1.0 200 OK\r\n\r\nto the end")
         b.shutdown(socket.SHUT_WR)
-        answer = conn.answer_head()
-        assert (answer.framing, answer.will_close) == ("close", True)
-        got = b""
-        while not answer.ended:
-            got += conn.piece(answer)
-        assert got == b"to the end"
+        answer = conn.answer()
+        assert (answer.length, answer.will_close) == (None, True)
+        assert read_all(conn, answer) == b"to the end"
 
 
 @pytest.mark.pure
