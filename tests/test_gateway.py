@@ -76,7 +76,8 @@ class Upstream:
                 pass
 
             def do_POST(self) -> None:
-                with upstream.lock:
+                hang_up = upstream.hang_up     # as it was when the call came, not after its
+                with upstream.lock:            # answer (the test may have set it since)
                     upstream.in_flight += 1
                     upstream.most_in_flight = max(upstream.most_in_flight, upstream.in_flight)
                 try:
@@ -84,7 +85,7 @@ class Upstream:
                 finally:
                     with upstream.lock:
                         upstream.in_flight -= 1
-                    self.close_connection = self.close_connection or upstream.hang_up
+                    self.close_connection = self.close_connection or hang_up
 
             def answer(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
