@@ -67,8 +67,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     OpenAPI               the description generated from the routes and the validation tables
     Loop                  the BOX_HOME lock, the start as steps with their undo, sd_notify
                           (READY, WATCHDOG from the loop, STATUS with the task counts); Loop:
-                          call and post from other threads, guard, emit, render and publish,
-                          the published snapshots and events, signals, the select loop
+                          call, report and post from other threads, guard, emit, render and
+                          publish, the published snapshots and events, signals, the select loop
     CLI                   click commands: serve, token, run (--wait follows the task: spinner,
                           approvals, Ctrl-C), tasks, show, undo, stop, log, approvals, approve,
                           deny, answer, wallet, status, workspaces, files, approve-all, events,
@@ -81,7 +81,8 @@ Threads: the loop thread owns the state.  HTTP and broker handler threads hand i
 through ``box.loop.call`` and wait for the answer (503 busy past a time limit); they read
 finished JSON renderings, published by the loop after each change, without waiting for it.
 Long work on files has threads of its own (layer merges: the merger; keep and undo of a keep:
-the review thread), which hand what they change of the state to the loop the same way.
+the review thread), which hand what they have done to the loop with ``box.loop.report``: the
+same, but waited for however long it takes (what is done is never withdrawn by a 503).
 Importing this module does nothing: no root check, no threads, no mounts.
 
 Crashes and full disks: a terminal state is on disk before anyone hears of it; a write that
