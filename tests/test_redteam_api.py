@@ -22,7 +22,8 @@ from conftest import (answer, eventually, gurtd_on_small_disk, jira_stand_in, lo
 
 
 class BoxStandIn:
-    """The part of the box a Jira uses: its settings, and a loop whose call runs at once."""
+    """The part of the box a Jira uses: its settings, and a loop whose call and report run at
+    once."""
     settings: dict[str, Any] = {}
     stopping = False
 
@@ -34,6 +35,8 @@ class BoxStandIn:
 
     def call(self, fn: Any, *args: Any) -> Any:
         return fn(*args)
+
+    report = call
 
     def stopped(self) -> bool:
         return self.stopping
