@@ -6328,11 +6328,9 @@ def file_digest(f: io.BufferedReader, st: os.stat_result, keep: int) -> tuple[st
                 chunks.append(chunk)
     else:
         for i in range(0, len(extents), 2):
-            offset, length = extents[i], extents[i + 1]
-            digest.update(struct.pack("<qq", offset, length))
-            while length > 0 and (chunk := os.pread(f.fileno(), min(length, 1 << 20), offset)):
+            digest.update(struct.pack("<qq", extents[i], extents[i + 1]))
+            for _, chunk in extent_pieces(f.fileno(), extents[i], extents[i + 1]):
                 digest.update(chunk)
-                offset, length = offset + len(chunk), length - len(chunk)
     body = b"".join(chunks) if st.st_size <= keep else None
     return digest.hexdigest(), body if body is not None and len(body) <= keep else None
 
@@ -6340,6 +6338,38 @@ def file_digest(f: io.BufferedReader, st: os.stat_result, keep: int) -> tuple[st
 def _open_file(dir_fd: int, name: str) -> io.BufferedReader:
     return os.fdopen(os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                              dir_fd=dir_fd), "rb")
+
+
+def extent_pieces(fd: int, offset: int, length: int) -> Iterator[tuple[int, bytes]]:
+    """An extent of fd's file as (offset, bytes) pieces of at most 1 MiB, up to its end."""
+    while length > 0 and (chunk := os.pread(fd, min(length, 1 << 20), offset)):
+        yield offset, chunk
+        offset, length = offset + len(chunk), length - len(chunk)
+
+
+def view_copy(root_fd: int, path: str, out: int) -> None:
+    """A view's regular file copied into out piece by piece, its holes kept: never whole in
+    memory (a task's 1 TiB file of holes is copied in no time); EIO if it is not one."""
+    parent, _, name = path.rpartition("/")
+    fd = open_dir_beneath(root_fd, parent)
+    if fd is None:
+        raise OSError(errno.EIO, f"cannot copy the view's file at {path}: gone")
+    try:
+        with _open_file(fd, name) as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EIO, f"cannot copy the view's file at {path}: not a file")
+            try:
+                extents = data_extents(f.fileno(), st) or array.array("q", [0, st.st_size])
+            except TooFragmented as exc:
+                raise OSError(errno.EIO, f"cannot copy the view's file at {path}: {exc}") \
+                    from None
+            for i in range(0, len(extents), 2):
+                for offset, chunk in extent_pieces(f.fileno(), extents[i], extents[i + 1]):
+                    os.pwrite(out, chunk, offset)
+            os.ftruncate(out, st.st_size)
+    finally:
+        os.close(fd)
 
 
 def view_bytes(root_fd: int, path: str, cap: int) -> bytes | None:
@@ -6670,12 +6700,9 @@ def upper_put(upper_fd: int, path: str, write: tuple[Any, ...], view_fd: int,
             seen = view_version(view_fd, path)
             if not opaque or seen.kind == "absent":
                 return
-            data = None if seen.kind in ("symlink", "folder", "other") else \
-                view_bytes(view_fd, path, 1 << 40)
-            if seen.kind != "symlink" and data is None:      # never an empty file in its place
+            if seen.kind not in ("symlink", "file"):      # never an empty file in its place
                 raise OSError(errno.EIO, f"cannot copy the view's {seen.kind} at {path}")
-            write = ("symlink", seen.data) if seen.kind == "symlink" else \
-                ("text", data, seen.mode)
+            write = ("symlink", seen.data) if seen.kind == "symlink" else ("copy", seen.mode)
         if write[0] in ("symlink", "absent"):
             if write[0] == "symlink":
                 os.symlink(write[1], name, dir_fd=fd)
@@ -6687,10 +6714,16 @@ def upper_put(upper_fd: int, path: str, write: tuple[Any, ...], view_fd: int,
         out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                       0o600, dir_fd=fd)
         try:
-            with os.fdopen(os.dup(out), "wb") as f:
-                f.write(write[1])
+            if write[0] == "copy":
+                view_copy(view_fd, path, out)
+            else:
+                with os.fdopen(os.dup(out), "wb") as f:
+                    f.write(write[1])
             os.fchown(out, *store)
-            os.fchmod(out, write[2] & ~SETID_BITS)   # as every finished layer
+            os.fchmod(out, write[-1] & ~SETID_BITS)   # as every finished layer
+        except BaseException:
+            os.unlink(temp, dir_fd=fd)                # no temp left in a layer
+            raise
         finally:
             os.close(out)
         os.rename(temp, name, src_dir_fd=fd, dst_dir_fd=fd)

@@ -295,6 +295,25 @@ def test_a_huge_file_of_holes_changed_both_ways_is_a_conflict_at_once(gurtd: Gur
     assert said["state"] == "done" and [k["path"] for k in said["kept"]] == ["big"], said
 
 
+def test_the_views_huge_file_under_a_tasks_opaque_folder_is_copied_with_its_holes(
+        gurtd: Gurtd) -> None:
+    """A task makes d opaque (removed and made again, its file as it was) while another
+    grows d/a to 1 TiB of holes: the view's version goes into the first one's layer piece by
+    piece with its holes (read whole, it was a 1 TiB read into gurtd's memory)."""
+    put(gurtd, "d/a", "x\n")
+    a = gated(gurtd, "rm -rf d && mkdir d && printf 'x\\n' > d/a")
+    b = gated(gurtd, "truncate -s 1T d/a")
+    assert end(gurtd, b)["state"] == "done"
+    assert end(gurtd, a)["state"] == "done", gurtd.log(a)
+    upper = os.path.join(gurtd.home, "layers", a, "upper")
+    assert os.getxattr(os.path.join(upper, "d"), "trusted.overlay.opaque") == b"y"
+    st = os.stat(os.path.join(upper, "d", "a"))
+    assert st.st_size == 1 << 40 and st.st_blocks * 512 < 1 << 20, st
+    with open(os.path.join(upper, "d", "a"), "rb") as f:
+        assert f.read(3) == b"x\n\0"
+    assert not [n for n in os.listdir(os.path.join(upper, "d")) if n.startswith(".gurt")]
+
+
 def test_every_kind_of_conflict_is_named(gurtd: Gurtd) -> None:
     """A folder against a file, a binary file, a mode and a symlink target changed both
     ways: one conflict names each path with why; keep view gives the view's for all."""
