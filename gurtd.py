@@ -6360,7 +6360,9 @@ def view_copy(root_fd: int, path: str, out: int) -> None:
             if not stat.S_ISREG(st.st_mode):
                 raise OSError(errno.EIO, f"cannot copy the view's file at {path}: not a file")
             try:
-                extents = data_extents(f.fileno(), st) or array.array("q", [0, st.st_size])
+                extents = data_extents(f.fileno(), st)       # [] for a file of holes only
+                if extents is None:
+                    extents = array.array("q", [0, st.st_size])
             except TooFragmented as exc:
                 raise OSError(errno.EIO, f"cannot copy the view's file at {path}: {exc}") \
                     from None

@@ -301,14 +301,16 @@ def test_the_views_huge_file_under_a_tasks_opaque_folder_is_copied_with_its_hole
     grows d/a to 1 TiB of holes: the view's version goes into the first one's layer piece by
     piece with its holes (read whole, it was a 1 TiB read into gurtd's memory)."""
     put(gurtd, "d/a", "x\n")
-    a = gated(gurtd, "rm -rf d && mkdir d && printf 'x\\n' > d/a")
-    b = gated(gurtd, "truncate -s 1T d/a")
+    put(gurtd, "d/b", "")
+    a = gated(gurtd, "rm -rf d && mkdir d && printf 'x\\n' > d/a && : > d/b")
+    b = gated(gurtd, "truncate -s 1T d/a d/b")                 # d/b: holes only
     assert end(gurtd, b)["state"] == "done"
     assert end(gurtd, a)["state"] == "done", gurtd.log(a)
     upper = os.path.join(gurtd.home, "layers", a, "upper")
     assert os.getxattr(os.path.join(upper, "d"), "trusted.overlay.opaque") == b"y"
-    st = os.stat(os.path.join(upper, "d", "a"))
-    assert st.st_size == 1 << 40 and st.st_blocks * 512 < 1 << 20, st
+    for name in ("a", "b"):
+        st = os.stat(os.path.join(upper, "d", name))
+        assert st.st_size == 1 << 40 and st.st_blocks * 512 < 1 << 20, (name, st)
     with open(os.path.join(upper, "d", "a"), "rb") as f:
         assert f.read(3) == b"x\n\0"
     assert not [n for n in os.listdir(os.path.join(upper, "d")) if n.startswith(".gurt")]
