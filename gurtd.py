@@ -3181,12 +3181,13 @@ _BROKER_MOUNT = -1
 
 def root_shared() -> bool:
     """Whether this mount namespace's root propagates (shared: systemd makes it so)."""
+    shared = False
     with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
+        for line in f:                    # the last mount on / is the root seen
             fields = line.split(b" - ")[0].split()
             if fields[4] == b"/":
-                return any(tag.startswith(b"shared:") for tag in fields[6:])
-    return False
+                shared = any(tag.startswith(b"shared:") for tag in fields[6:])
+    return shared
 
 
 def _spawner_namespace(mount_fd: int, point: str) -> None:
@@ -6368,7 +6369,8 @@ def view_copy(root_fd: int, path: str, out: int) -> None:
                     from None
             for i in range(0, len(extents), 2):
                 for offset, chunk in extent_pieces(f.fileno(), extents[i], extents[i + 1]):
-                    os.pwrite(out, chunk, offset)
+                    if os.pwrite(out, chunk, offset) != len(chunk):   # a disk nearly full
+                        raise OSError(errno.ENOSPC, f"a short write copying {path}")
             os.ftruncate(out, st.st_size)
     finally:
         os.close(fd)
@@ -6693,18 +6695,19 @@ def upper_put(upper_fd: int, path: str, write: tuple[Any, ...], view_fd: int,
     fd, opaque = upper_parent(upper_fd, path, view_fd, store)
     name = path.rpartition("/")[2]
     try:
+        if write[0] == "view":                 # decided before the layer's entry goes
+            seen = view_version(view_fd, path)
+            if opaque and seen.kind not in ("absent", "symlink", "file"):
+                raise OSError(errno.EIO, f"cannot copy the view's {seen.kind} at {path}")
+            write = ("drop",) if not opaque or seen.kind == "absent" else \
+                ("symlink", seen.data) if seen.kind == "symlink" else ("copy", seen.mode)
         st = _entry(fd, name)
         if st is not None and stat.S_ISDIR(st.st_mode):
             tree_remove(f"/proc/self/fd/{fd}/{name}")
         elif st is not None:
             os.unlink(name, dir_fd=fd)
-        if write[0] == "view":
-            seen = view_version(view_fd, path)
-            if not opaque or seen.kind == "absent":
-                return
-            if seen.kind not in ("symlink", "file"):      # never an empty file in its place
-                raise OSError(errno.EIO, f"cannot copy the view's {seen.kind} at {path}")
-            write = ("symlink", seen.data) if seen.kind == "symlink" else ("copy", seen.mode)
+        if write[0] == "drop":
+            return
         if write[0] in ("symlink", "absent"):
             if write[0] == "symlink":
                 os.symlink(write[1], name, dir_fd=fd)
@@ -15414,7 +15417,7 @@ class Loop:
             return future.result(timeout=self.call_timeout)
         except TimeoutError:
             if future.done():
-                raise                         # fn's own TimeoutError
+                return future.result()        # ended just now (or fn's own error)
             if future.cancel():
                 raise ApiError(503, "gurtd is busy; nothing was done, try again", "busy",
                                {"Retry-After": "1"}) from None
@@ -15433,7 +15436,7 @@ class Loop:
                 return future.result(timeout=1.0)
             except TimeoutError:
                 if future.done():
-                    raise                     # fn's own TimeoutError
+                    return future.result()    # ended just now (or fn's own error)
                 if self.stopping and future.cancel():
                     raise ApiError(503, "gurtd is stopping", "busy") from None
 
