@@ -3647,17 +3647,13 @@ def _run_build(root: str, spec: dict[str, Any], view: int, held: dict[str, int])
 
 
 def _broker_open(spec: dict[str, Any]) -> int:
-    """The broker socket to bind in the box.  In the spawner's namespace its path is on the
-    tmpfs (_spawner_namespace); else a clone of it from the spawner's detached tmpfs, which a
-    kernel before 6.15 refuses (EINVAL: a detached source), and then the one in BOX_HOME/run,
-    whose mountinfo line names BOX_HOME (only on a host without systemd and an old kernel)."""
+    """The broker socket to bind in the box, always on the tmpfs of Broker.mount: a clone of it
+    from the spawner's detached tmpfs (a private root, Linux 6.15+), else the socket at its
+    path (spec's broker), which the spawner's namespace has on the tmpfs, or gurtd's
+    attached one where a kernel before 6.15 refuses that clone."""
     if _BROKER_MOUNT >= 0:
-        try:
-            return syscall("open_tree", SYS_OPEN_TREE, _BROKER_MOUNT, b"broker.sock",
-                           OPEN_TREE_CLONE | os.O_CLOEXEC)
-        except SysError as exc:
-            if exc.code != errno.EINVAL:
-                raise
+        return syscall("open_tree", SYS_OPEN_TREE, _BROKER_MOUNT, b"broker.sock",
+                       OPEN_TREE_CLONE | os.O_CLOEXEC)
     return os.open(spec["broker"], os.O_PATH | os.O_CLOEXEC)
 
 
@@ -7913,7 +7909,7 @@ class Box:
                 "lowers": lowers,
                 "upper": f"layers/{task.id}/upper", "work": f"layers/{task.id}/work",
                 "mode": task.worker, "prompt": task.prompt,
-                "broker": self.broker.socket_path, "module": os.path.abspath(__file__),
+                "broker": self.broker.box_socket, "module": os.path.abspath(__file__),
                 "env": {"HOME": f"/home/{task.user}", "USER": task.user, "LOGNAME": task.user,
                         "PATH": "/run/gurt/bin:" + TASK_PATH, "SHELL": "/bin/sh",
                         "LANG": "C.UTF-8", "TMPDIR": "/tmp", "PWD": VIEW_DIR,
@@ -10509,6 +10505,8 @@ MAX_BROKER_BODY = 64 * 1024
 MAX_BROKER_CONNS = 32
 MAX_PENDING_APPROVALS = 16
 MAX_BROKER_THREADS = 256
+# test-only: take the way of a kernel that cannot clone a detached mount (before 6.15)
+NO_DETACHED_CLONE_ENV = "GURT_TEST_NO_DETACHED_CLONE"
 
 
 class Broker:
@@ -10524,12 +10522,23 @@ class Broker:
         self.wallet: dict[str, Any] = {"balanceCents": 0, "ledger": []}
         self.servers: list[BrokerServer] = []
         self.mount_fd = -1        # the tmpfs of the socket tasks see (mount)
+        self.attached = False     # that tmpfs is at attach_point in gurtd's namespace
         self.tools_ids = (0, 0)
         self.policies = Policies(box)
 
     @property
     def socket_path(self) -> str:
         return self.box.path("run", "broker.sock")
+
+    @property
+    def attach_point(self) -> str:
+        return self.box.path("run", "tasks")
+
+    @property
+    def box_socket(self) -> str:
+        """The socket the workers bind (_broker_open), as the spawner's namespace has it."""
+        return os.path.join(self.attach_point, "broker.sock") if self.attached \
+            else self.socket_path
 
     def load(self) -> None:
         os.makedirs(self.box.path("approvals"), mode=0o700, exist_ok=True)
@@ -10559,8 +10568,13 @@ class Broker:
         BROKER_IN_BOX.  A socket cannot be copied and a bind's mountinfo line shows its path in
         its file system: there `/broker.sock` on a tmpfs, nothing of the host.  (A clone of the
         detached mount itself would do from 6.15 on; before, open_tree refuses a mount outside
-        the caller's namespace, EINVAL.)  No other namespace has it: it ends with gurtd."""
+        the caller's namespace, EINVAL.)  No other namespace has it: it ends with gurtd.
+        Where the spawner has no namespace of its own (a private root) and the kernel refuses
+        that clone, the tmpfs is attached in gurtd's namespace at attach_point, which every
+        worker's namespace copies: the bind's line is still `/broker.sock` on the tmpfs.  It
+        is unmounted at stop (unmount), a crash's at the next start."""
         folder_ensure(self.box.path("run"), 0o711)
+        self.unmount()
         fs = syscall("fsopen", SYS_FSOPEN, b"tmpfs", 1)
         try:
             for key, value in ((b"source", b"gurt"), (b"mode", b"0755"), (b"size", b"64k")):
@@ -10570,6 +10584,31 @@ class Broker:
                                     MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC)
         finally:
             os.close(fs)
+        if not root_shared() and not self.clone_allowed():
+            folder_ensure(self.attach_point, 0o755)
+            syscall("move_mount", SYS_MOVE_MOUNT, self.mount_fd, b"", -100,
+                    self.attach_point.encode(), MOVE_MOUNT_F_EMPTY_PATH)
+            os.close(self.mount_fd)
+            self.mount_fd, self.attached = -1, True
+
+    def clone_allowed(self) -> bool:
+        """Whether the kernel clones a mount of the detached tmpfs (Linux 6.15 and later)."""
+        if os.environ.get(NO_DETACHED_CLONE_ENV):
+            return False
+        try:
+            os.close(syscall("open_tree", SYS_OPEN_TREE, self.mount_fd, b"",
+                             OPEN_TREE_CLONE | os.O_CLOEXEC | AT_EMPTY_PATH))
+        except SysError as exc:
+            if exc.code != errno.EINVAL:
+                raise
+            return False
+        return True
+
+    def unmount(self) -> None:
+        """The tmpfs attached at attach_point, this start's or a crash's (mount)."""
+        while os.path.ismount(self.attach_point):
+            libc_call("umount2", self.attach_point.encode(), MNT_DETACH)
+        self.attached = False
 
     def start(self) -> None:
         """Bind the broker socket twice (any local user may connect; only task uids are
@@ -10581,7 +10620,8 @@ class Broker:
         except FileNotFoundError:
             pass
         callers = Counter(MAX_BROKER_CONNS, MAX_BROKER_THREADS)      # both sockets together
-        for path in (self.socket_path, f"/proc/self/fd/{self.mount_fd}/broker.sock"):
+        for path in (self.socket_path, self.box_socket if self.attached
+                     else f"/proc/self/fd/{self.mount_fd}/broker.sock"):
             self.servers.append(BrokerServer(path, self.box, callers))
             os.chmod(path, 0o666)
             threading.Thread(target=self.servers[-1].serve_forever, name="broker",
@@ -15242,10 +15282,12 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     sandbox_preload()
     overlay_way_start(box.home)              # before the fork too: workers take the same way
     undo.append(("stop the spawner", box.spawner.stop))
+    undo.append(("unmount the tasks' broker tmpfs", box.broker.unmount))
     box.broker.mount()                       # the tmpfs of the tasks' broker socket
     box.spawner.start(close=(lock_fd,), broker=(box.broker.mount_fd, box.path("run")))
     log(6, "tasks' broker socket: " + ("on a tmpfs in the spawner's namespace" if root_shared()
-        else "cloned from a detached tmpfs (Linux 6.15+; else BOX_HOME's: the root is private)"))
+        else f"on a tmpfs at {box.broker.attach_point}" if box.broker.attached
+        else "cloned from a detached tmpfs (the root is private, Linux 6.15+)"))
     raise_open_files_limit()                 # after the fork: workers keep the usual limit
     box.load()
     box.reconcile()
