@@ -1507,7 +1507,8 @@ def droid_models(path: str) -> list[str]:
             try:
                 proc = subprocess.run([path, "exec", "-m", "gurtd-probe-no-such-model", "x"],
                                       capture_output=True, timeout=30, cwd=home,
-                                      env={"HOME": home, "PATH": TASK_PATH})
+                                      env={"HOME": home, "PATH": TASK_PATH},
+                                      preexec_fn=no_namespaces)
                 text = (proc.stderr + proc.stdout).decode(errors="replace")
             except (OSError, subprocess.TimeoutExpired) as exc:
                 log(4, f"cannot ask {path} for its models: {exc}")
@@ -3366,10 +3367,10 @@ def sandbox_preload() -> None:
     Called by serve() before the spawner forks.  Without libseccomp's binding gurtd does not
     start: a box without its kernel filter is not one.
     """
-    global _KERNEL_FILTER
+    global _KERNEL_FILTER, _NAMESPACE_FILTER
     importlib.import_module("prctl")
     try:
-        _KERNEL_FILTER = kernel_filter()
+        _KERNEL_FILTER, _NAMESPACE_FILTER = kernel_filter(), kernel_filter(NAMESPACE_REFUSALS)
     except ImportError as exc:
         raise SysError("import seccomp", errno.ENOENT, f"{exc}: install python3-seccomp and "
                        "link it into gurtd's virtual environment (make deps does both)")
@@ -3806,14 +3807,18 @@ def any_bit(arg: int, bits: int, unless: int = 0) -> tuple[ArgTest, ...]:
 
 # (syscall, by name or number; argument tests: any one refuses, none given: always; errno;
 # what it closes)
-KERNEL_REFUSALS: tuple[tuple[str | int, tuple[ArgTest, ...], int, str], ...] = (
-    # Namespaces: in a user namespace of its own a task is root of a world where far more of
-    # the kernel is reachable (netfilter, most file systems): the usual first step of an exploit.
+Refusal = tuple[str | int, tuple[ArgTest, ...], int, str]
+# Namespaces: in a user namespace of its own a task is root of a world where far more of the
+# kernel is reachable (netfilter, most file systems): the usual first step of an exploit.  The
+# processes gurtd starts that are not workers have these too (no_namespaces).
+NAMESPACE_REFUSALS: tuple[Refusal, ...] = (
     ("unshare", any_bit(0, CLONE_NEW_FLAGS | CLONE_NEWTIME), errno.EPERM,
      "new namespaces, a user namespace first"),
     ("clone", any_bit(0, CLONE_NEW_FLAGS), errno.EPERM, "the same through clone"),
     ("clone3", (), errno.ENOSYS, "flags in memory that a filter cannot read: libc uses clone"),
     ("setns", (), errno.EPERM, "joining a namespace through an fd passed in"),
+)
+KERNEL_REFUSALS: tuple[Refusal, ...] = NAMESPACE_REFUSALS + (
     # io_uring: a second way to make syscalls, around this filter, and a rich source of bugs
     ("io_uring_setup", (), errno.EPERM, "io_uring rings"),
     ("io_uring_enter", (), errno.EPERM, "io_uring rings"),
@@ -3894,14 +3899,15 @@ KERNEL_REFUSALS: tuple[tuple[str | int, tuple[ArgTest, ...], int, str], ...] = (
 )
 
 _KERNEL_FILTER: Any = None           # built once by sandbox_preload, before the spawner forks
+_NAMESPACE_FILTER: Any = None        # the same, of NAMESPACE_REFUSALS
 
 
-def kernel_filter() -> Any:
-    """The filter (a seccomp.SyscallFilter) of KERNEL_REFUSALS; ImportError without libseccomp."""
+def kernel_filter(refusals: tuple[Refusal, ...] = KERNEL_REFUSALS) -> Any:
+    """The filter (a seccomp.SyscallFilter) of refusals; ImportError without libseccomp."""
     seccomp = importlib.import_module("seccomp")
     filt = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
     filt.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
-    for name, tests, err, _closes in KERNEL_REFUSALS:
+    for name, tests, err, _closes in refusals:
         if not tests:
             filt.add_rule(seccomp.ERRNO(err), name)
         for arg, mask, value in tests:
@@ -3913,6 +3919,14 @@ def kernel_filter() -> Any:
 def _kernel_filter_load() -> None:
     """Load the filter into this process (a worker to be); its children inherit it."""
     (_KERNEL_FILTER or kernel_filter()).load()
+
+
+def no_namespaces() -> None:
+    """preexec_fn of each process gurtd starts that is not a worker and needs no namespace (a
+    tool, git, diff, droid's model list): without systemd's RestrictNamespaces a tool (the
+    tools user) could make a user namespace, unprivileged ones being on in Debian, and be root
+    in it.  The filter sets no_new_privs too; its children inherit it."""
+    (_NAMESPACE_FILTER or kernel_filter(NAMESPACE_REFUSALS)).load()
 
 
 # Task leftovers ################################################################################
@@ -5270,7 +5284,8 @@ def _run_diff(argv: list[str], fds: list[int], budget: DiffBudget) -> str | None
     """diff(1)'s output, within its file's time and the answer's; killed if the client goes."""
     end = min(budget.deadline, time.monotonic() + DIFF_FILE_SECONDS)
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, pass_fds=fds, env={"LC_ALL": "C"})
+                            stderr=subprocess.DEVNULL, pass_fds=fds, env={"LC_ALL": "C"},
+                            preexec_fn=no_namespaces)
     try:
         while True:
             try:
@@ -6408,7 +6423,7 @@ def git_merge(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool, 
     env = {"PATH": TASK_PATH, "HOME": tmp, "GIT_CONFIG_NOSYSTEM": "1", "LC_ALL": "C"}
     try:
         done = subprocess.run(argv, capture_output=True, timeout=MERGE_TIMEOUT, env=env,
-                              cwd=tmp)
+                              cwd=tmp, preexec_fn=no_namespaces)
     except subprocess.TimeoutExpired:
         raise OSError(errno.ETIME, f"git merge-file took more than {MERGE_TIMEOUT:g} s") \
             from None
@@ -11062,7 +11077,7 @@ def run_tool(box: "Box", name: str, args: Any, task_id: str) -> tuple[Any, float
                               capture_output=True, timeout=TOOL_TIMEOUT, cwd="/", user=uid,
                               group=gid, extra_groups=[], start_new_session=True,
                               env={"PATH": TASK_PATH, "LANG": "C.UTF-8", "GURT_TASK": task_id,
-                                   "GURT_TOOL": name})
+                                   "GURT_TOOL": name}, preexec_fn=no_namespaces)
     except subprocess.TimeoutExpired:
         raise ApiError(504, f"the tool {name} took longer than {TOOL_TIMEOUT:.0f} s",
                        "tool_failed") from None

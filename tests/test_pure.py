@@ -250,3 +250,23 @@ def test_a_report_waits_for_a_slow_loop_where_a_call_gives_up(monkeypatch):
     assert ran == ["report"]
     os.close(loop.wake_r)
     os.close(loop.wake_w)
+
+
+# what tries a namespace: `unshare -U` (a user namespace, where it is root), `unshare -r -n`
+# (a user and a network one), unshare(2) itself with CLONE_NEWUSER
+UNSHARES = ("for how in 'unshare -U true' 'unshare -r -n true' \"python3 -c 'import ctypes, sys;"
+            " sys.exit(ctypes.CDLL(None).unshare(0x10000000))'\"; do"
+            " if sh -c \"$how\" 2>/dev/null; then echo made; else echo refused; fi; done")
+
+
+def test_the_diff_and_droids_model_list_make_no_namespace(tmp_path):
+    """Processes gurtd starts that are not workers had no kernel filter: as root on the host
+    (unprivileged user namespaces on, no systemd's RestrictNamespaces) each made namespaces.
+    Now the diff's launcher and droid's model list refuse them as a worker does."""
+    out = G._run_diff(["sh", "-c", UNSHARES], [], G.DiffBudget())
+    assert out == "refused\n" * 3, out
+    fake = tmp_path / "droid"
+    fake.write_text("#!/bin/sh\necho 'Available built-in models:'\n"
+                    f"echo \"  $({UNSHARES} | tr '\\n' ,)end\"\n")
+    fake.chmod(0o755)
+    assert G.droid_models(str(fake)) == ["refused"] * 3 + ["end"]
