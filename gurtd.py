@@ -9454,6 +9454,7 @@ GATEWAY_MAX_ANSWER = 64 << 20        # bytes of one answer passed on; the rest i
 GATEWAY_MAX_PARSED = 16 << 20        # a whole (not streamed) answer is read for usage up to this
 GATEWAY_MAX_LINE = 1 << 20           # a longer stream line is passed on but not read for usage
 GATEWAY_THREADS = 64                 # calls forwarded at once, all tasks together
+GATEWAY_SPARE = 2                    # threads kept waiting for calls; a burst's others end
 GATEWAY_TASK_CALLS = 4               # calls of one task in flight at once
 GATEWAY_REQUEST_SECONDS = 30.0       # for a task to send a whole request (slow drips)
 GATEWAY_CONNECT_SECONDS = 10.0       # to connect to the upstream (TLS included)
@@ -10075,13 +10076,13 @@ class Gateway:
         for hold in tg.holds:
             hold.answer(False, "the task has ended")
         tg.holds.clear()
-        with self.lock:
-            calls, refused = list(tg.calls), tg.refused
-        for call in calls:
-            for sock in (call.conn, call.upstream):
-                if sock is not None:
-                    with contextlib.suppress(OSError):
-                        sock.shutdown(socket.SHUT_RDWR)
+        with self.lock:       # a call's sockets leave it under the lock before they close
+            refused = tg.refused
+            for call in tg.calls:
+                for sock in (call.conn, call.upstream):
+                    if sock is not None:
+                        with contextlib.suppress(OSError):
+                            sock.shutdown(socket.SHUT_RDWR)
         if tg.listener is not None:
             self.change(False, tg)
         if refused:
@@ -10184,7 +10185,8 @@ class Gateway:
             os.write(self.wake_w, b"c")
 
     def calling(self) -> None:
-        """A gateway thread, for good: its turn at accepting, then the call it accepted."""
+        """A gateway thread: its turn at accepting, then the call it accepted; it ends when
+        more than GATEWAY_SPARE others are idle (a burst's threads go with it)."""
         while True:
             with self.leader:
                 tg, call = self.accept_next()
@@ -10192,6 +10194,10 @@ class Gateway:
                 self.serve(tg, call)
             except Exception as exc:             # counted idle already: it must go on
                 log(3, f"the model gateway's call thread: {type(exc).__name__}: {exc}")
+            with self.lock:
+                if self.idle > GATEWAY_SPARE:    # the others: a leader among them
+                    self.idle -= 1
+                    return
 
     def accept_next(self) -> tuple[TaskGateway, GatewayCall]:
         """The leader's rounds until it accepts a call: an error is logged, and it goes on."""
@@ -10240,7 +10246,6 @@ class Gateway:
             conn, _ = tg.listener.accept()
         except OSError:
             return None
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)     # each chunk as it comes
         refusal = None
         with self.lock:
             if len(tg.calls) >= GATEWAY_TASK_CALLS:
@@ -10260,9 +10265,18 @@ class Gateway:
             if refusal is not None:
                 tg.refused += 1
         if refusal is None:
-            if new:
-                threading.Thread(target=self.calling, name="gateway", daemon=True).start()
-            return tg, call
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # each chunk at once
+                if new:
+                    threading.Thread(target=self.calling, name="gateway", daemon=True).start()
+                return tg, call
+            except (OSError, RuntimeError) as exc:     # no thread to be had: the call's slot back
+                with self.lock:
+                    tg.calls.discard(call)
+                    self.running -= 1
+                    if not new:
+                        self.idle += 1
+                refusal = GatewayRefusal(503, "api_error", f"gurtd cannot take the call: {exc}")
         with contextlib.suppress(OSError):
             conn.send(refusal_answer(tg.api, refusal), socket.MSG_DONTWAIT)
         conn.close()
@@ -10290,11 +10304,11 @@ class Gateway:
             log(3, f"task {tg.task_id}: the model gateway failed: {call.note}")
         finally:
             self.reserve(tg, call)     # counted before the task hears the call ended
-            call.conn.close()
             with self.lock:
                 tg.calls.discard(call)
                 self.running -= 1
                 self.idle += 1
+            call.conn.close()
             self.settle(tg, call)
 
     def wait_budget(self, tg: TaskGateway) -> None:
@@ -10360,11 +10374,22 @@ class Gateway:
                                      f"{answer.status}, a redirect, which gurtd does not follow")
             self.pass_on(tg, upstream, answer, call)
         finally:
-            call.upstream = None
-            if call.whole and not answer.will_close and not tg.dead:
-                self.pool.put(tg.where, upstream)
-            else:
-                upstream.close()
+            self.upstream_done(tg, call, upstream, call.whole and not answer.will_close)
+
+    def upstream_is(self, call: GatewayCall, upstream: UpstreamConn | None) -> None:
+        """The upstream connection close may cut, set under the lock (close cuts under it)."""
+        with self.lock:
+            call.upstream = upstream.sock if upstream is not None else None
+
+    def upstream_done(self, tg: TaskGateway, call: GatewayCall, upstream: UpstreamConn,
+                      keep: bool) -> None:
+        """The call is done with its upstream connection: kept for the next call, or closed;
+        out of close's reach first, so close never cuts one kept or closed (its fd another's)."""
+        self.upstream_is(call, None)
+        if keep and not tg.dead:
+            self.pool.put(tg.where, upstream)
+        else:
+            upstream.close()
 
     def call_head(self, tg: TaskGateway, request: GatewayRequest, length: int) -> bytes:
         """The head of the call to the upstream: the task's fixed part (made again only when
@@ -10395,21 +10420,21 @@ class Gateway:
         try:
             if upstream is not None:
                 try:
-                    call.upstream = upstream.sock
+                    self.upstream_is(call, upstream)
                     upstream.send(head, body)
                 except OSError:
-                    upstream.close()
+                    self.upstream_done(tg, call, upstream, False)
                     if tg.dead:                      # cut by the task's end: not again
                         raise
                     upstream = None
             if upstream is None:
                 upstream = self.pool.connect(*tg.where)
-                call.upstream = upstream.sock
+                self.upstream_is(call, upstream)
                 upstream.send(head, body)
             return upstream, upstream.answer()
         except (OSError, http.client.HTTPException) as exc:
             if upstream is not None:
-                upstream.close()
+                self.upstream_done(tg, call, upstream, False)
             raise GatewayRefusal(504 if isinstance(exc, TimeoutError) else 502, "api_error",
                                  f"the model's server ({tg.where[1]}) could not be reached: "
                                  f"{type(exc).__name__}: {exc}") from None
