@@ -2165,22 +2165,29 @@ def tree_remove(top: str) -> None:
 
 
 def tree_bytes(path: str, inode_bytes: int = 0, seen: set[tuple[int, int]] | None = None) -> int:
-    """Disk space a directory tree takes below path (st_blocks, plus inode_bytes for each
-    entry: what an inode is worth against the reserve; with seen, each inode once across
-    calls), no symlink followed; what vanishes (or moves) during the walk is skipped."""
-    total = 0
+    """Disk space a directory tree takes below path (tree_usage's bytes, plus inode_bytes for
+    each entry: what an inode is worth against the reserve)."""
+    used, entries = tree_usage(path, seen)
+    return used + entries * inode_bytes
+
+
+def tree_usage(path: str, seen: set[tuple[int, int]] | None = None) -> tuple[int, int]:
+    """(bytes, entries) a directory tree takes below path (st_blocks; with seen, each inode
+    once across calls), no symlink followed; what vanishes (or moves) during the walk is
+    skipped."""
+    total = [0, 0]
 
     def count(dir_fd: int, name: str, st: os.stat_result, parents: list[str]) -> None:
-        nonlocal total
         if seen is not None:
             if (st.st_dev, st.st_ino) in seen:
                 return
             seen.add((st.st_dev, st.st_ino))
-        total += st.st_blocks * 512 + inode_bytes
+        total[0] += st.st_blocks * 512
+        total[1] += 1
 
     with contextlib.suppress(OSError):
         tree_visit(path, count, folders=True)
-    return total
+    return total[0], total[1]
 
 
 def _entry_copy(src_dir: int, src: str, dst_dir: int, dst: str, exact: bool = False) -> None:
@@ -2976,30 +2983,31 @@ class DiskReserve:
                             st.f_blocks * st.f_frsize) // inodes if inodes else 0
 
     def _measure(self, candidates: list[tuple[str, str]]) -> None:
-        per_inode = self.inode_bytes()
-        sizes = {task_id: tree_bytes(os.path.join(path, "upper"), per_inode)
+        sizes = {task_id: tree_usage(os.path.join(path, "upper"))
                  for task_id, path in candidates}
         self.box.loop.post(self.on_sizes, sizes)
 
-    def on_sizes(self, sizes: dict[str, int]) -> None:
-        """Back on the loop thread: pause the biggest writer still running, if still short.
-        A task with a layer quota only if its upper holds more than its limits (files its
-        project does not count): else the kernel holds it, and another's approved writes, or
-        a refused fallocate's dip, are no cause."""
+    def on_sizes(self, sizes: dict[str, tuple[int, int]]) -> None:
+        """Back on the loop thread: pause the biggest writer (bytes, and each inode at its
+        worth against the reserve) still running, if still short.  A task with a layer quota
+        only if its upper holds more bytes or more inodes than its limits (files its project
+        does not count), each against its own: else the kernel holds it, and another's
+        approved writes, or a refused fallocate's dip, are no cause."""
         self.walking = False
         box = self.box
         free, reserve = self.free_and_reserve()
         if free >= reserve:
             return
         per_inode = self.inode_bytes()
-        for task_id, size in sorted(sizes.items(), key=lambda kv: -kv[1]):
+        weights = {task_id: used + inodes * per_inode for task_id, (used, inodes) in sizes.items()}
+        for task_id, weight in sorted(weights.items(), key=lambda kv: -kv[1]):
             task, worker = box.task(task_id), box.worker(task_id)
             layer = self.layers.get(task_id)
             if task is None or worker is None or task.state not in ("running", "waiting") or \
                     "disk" in worker.holds or free >= worker.disk_floor or (
-                        layer and size <= layer.limit[0] + layer.limit[1] * per_inode):
+                        layer and all(u <= lim for u, lim in zip(sizes[task_id], layer.limit))):
                 continue
-            self.pause(task, worker, size, free, reserve)
+            self.pause(task, worker, weight, free, reserve)
             return
 
     def pause(self, task: Task, worker: "Worker", size: int, free: int, reserve: int) -> None:
