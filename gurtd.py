@@ -1507,8 +1507,7 @@ def droid_models(path: str) -> list[str]:
             try:
                 proc = subprocess.run([path, "exec", "-m", "gurtd-probe-no-such-model", "x"],
                                       capture_output=True, timeout=30, cwd=home,
-                                      env={"HOME": home, "PATH": TASK_PATH},
-                                      preexec_fn=no_namespaces)
+                                      env={"HOME": home, "PATH": TASK_PATH})
                 text = (proc.stderr + proc.stdout).decode(errors="replace")
             except (OSError, subprocess.TimeoutExpired) as exc:
                 log(4, f"cannot ask {path} for its models: {exc}")
@@ -3818,7 +3817,7 @@ def any_bit(arg: int, bits: int, unless: int = 0) -> tuple[ArgTest, ...]:
 Refusal = tuple[str | int, tuple[ArgTest, ...], int, str]
 # Namespaces: in a user namespace of its own a task is root of a world where far more of the
 # kernel is reachable (netfilter, most file systems): the usual first step of an exploit.  The
-# processes gurtd starts that are not workers have these too (no_namespaces).
+# tools gurtd runs (not workers) have these too (no_namespaces).
 NAMESPACE_REFUSALS: tuple[Refusal, ...] = (
     ("unshare", any_bit(0, CLONE_NEW_FLAGS | CLONE_NEWTIME), errno.EPERM,
      "new namespaces, a user namespace first"),
@@ -3930,10 +3929,12 @@ def _kernel_filter_load() -> None:
 
 
 def no_namespaces() -> None:
-    """preexec_fn of each process gurtd starts that is not a worker and needs no namespace (a
-    tool, git, diff, droid's model list): without systemd's RestrictNamespaces a tool (the
-    tools user) could make a user namespace, unprivileged ones being on in Debian, and be root
-    in it.  The filter sets no_new_privs too; its children inherit it."""
+    """preexec_fn of the unprivileged processes gurtd starts that are not workers (the tools,
+    as the tools user): without systemd's RestrictNamespaces a tool could make a user
+    namespace (unprivileged ones are on in Debian) and be root of it.  The filter sets
+    no_new_privs too; its children inherit it.  The processes gurtd runs as root (git
+    merge-file, diff, droid's model list) have no use for it: root reaches all of the kernel
+    without a namespace; and a preexec_fn costs a fork of gurtd instead of a vfork."""
     (_NAMESPACE_FILTER or kernel_filter(NAMESPACE_REFUSALS)).load()
 
 
@@ -5292,8 +5293,7 @@ def _run_diff(argv: list[str], fds: list[int], budget: DiffBudget) -> str | None
     """diff(1)'s output, within its file's time and the answer's; killed if the client goes."""
     end = min(budget.deadline, time.monotonic() + DIFF_FILE_SECONDS)
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, pass_fds=fds, env={"LC_ALL": "C"},
-                            preexec_fn=no_namespaces)
+                            stderr=subprocess.DEVNULL, pass_fds=fds, env={"LC_ALL": "C"})
     try:
         while True:
             try:
@@ -6431,7 +6431,7 @@ def git_merge(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool, 
     env = {"PATH": TASK_PATH, "HOME": tmp, "GIT_CONFIG_NOSYSTEM": "1", "LC_ALL": "C"}
     try:
         done = subprocess.run(argv, capture_output=True, timeout=MERGE_TIMEOUT, env=env,
-                              cwd=tmp, preexec_fn=no_namespaces)
+                              cwd=tmp)
     except subprocess.TimeoutExpired:
         raise OSError(errno.ETIME, f"git merge-file took more than {MERGE_TIMEOUT:g} s") \
             from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import threading
 import time
 from types import SimpleNamespace
@@ -260,17 +261,14 @@ UNSHARES = ("for how in 'unshare -U true' 'unshare -r -n true' \"python3 -c 'imp
             " if sh -c \"$how\" 2>/dev/null; then echo made; else echo refused; fi; done")
 
 
-def test_the_diff_and_droids_model_list_make_no_namespace(tmp_path):
-    """Processes gurtd starts that are not workers had no kernel filter: as root on the host
-    (unprivileged user namespaces on, no systemd's RestrictNamespaces) each made namespaces.
-    Now the diff's launcher and droid's model list refuse them as a worker does."""
-    out = G._run_diff(["sh", "-c", UNSHARES], [], G.DiffBudget())
-    assert out == "refused\n" * 3, out
-    fake = tmp_path / "droid"
-    fake.write_text("#!/bin/sh\necho 'Available built-in models:'\n"
-                    f"echo \"  $({UNSHARES} | tr '\\n' ,)end\"\n")
-    fake.chmod(0o755)
-    assert G.droid_models(str(fake)) == ["refused"] * 3 + ["end"]
+def test_no_namespaces_refuses_each_way_to_a_namespace() -> None:
+    """What the tools run under (no_namespaces, their preexec_fn): each of UNSHARES refused,
+    as in a worker; without it each one made its namespace, root or not."""
+    plain = subprocess.run(["sh", "-c", UNSHARES], capture_output=True, text=True, check=True)
+    assert plain.stdout == "made\n" * 3, plain
+    refused = subprocess.run(["sh", "-c", UNSHARES], capture_output=True, text=True, check=True,
+                             preexec_fn=G.no_namespaces)
+    assert refused.stdout == "refused\n" * 3, refused
 
 
 class DiskBox:
