@@ -2164,22 +2164,29 @@ def tree_remove(top: str) -> None:
 
 
 def tree_bytes(path: str, inode_bytes: int = 0, seen: set[tuple[int, int]] | None = None) -> int:
-    """Disk space a directory tree takes below path (st_blocks, plus inode_bytes for each
-    entry: what an inode is worth against the reserve; with seen, each inode once across
-    calls), no symlink followed; what vanishes (or moves) during the walk is skipped."""
-    total = 0
+    """Disk space a directory tree takes below path (tree_usage's bytes, plus inode_bytes for
+    each entry: what an inode is worth against the reserve)."""
+    used, entries = tree_usage(path, seen)
+    return used + entries * inode_bytes
+
+
+def tree_usage(path: str, seen: set[tuple[int, int]] | None = None) -> tuple[int, int]:
+    """(bytes, entries) a directory tree takes below path (st_blocks; with seen, each inode
+    once across calls), no symlink followed; what vanishes (or moves) during the walk is
+    skipped."""
+    total = [0, 0]
 
     def count(dir_fd: int, name: str, st: os.stat_result, parents: list[str]) -> None:
-        nonlocal total
         if seen is not None:
             if (st.st_dev, st.st_ino) in seen:
                 return
             seen.add((st.st_dev, st.st_ino))
-        total += st.st_blocks * 512 + inode_bytes
+        total[0] += st.st_blocks * 512
+        total[1] += 1
 
     with contextlib.suppress(OSError):
         tree_visit(path, count, folders=True)
-    return total
+    return total[0], total[1]
 
 
 def _entry_copy(src_dir: int, src: str, dst_dir: int, dst: str, exact: bool = False) -> None:
@@ -2975,30 +2982,31 @@ class DiskReserve:
                             st.f_blocks * st.f_frsize) // inodes if inodes else 0
 
     def _measure(self, candidates: list[tuple[str, str]]) -> None:
-        per_inode = self.inode_bytes()
-        sizes = {task_id: tree_bytes(os.path.join(path, "upper"), per_inode)
+        sizes = {task_id: tree_usage(os.path.join(path, "upper"))
                  for task_id, path in candidates}
         self.box.loop.post(self.on_sizes, sizes)
 
-    def on_sizes(self, sizes: dict[str, int]) -> None:
-        """Back on the loop thread: pause the biggest writer still running, if still short.
-        A task with a layer quota only if its upper holds more than its limits (files its
-        project does not count): else the kernel holds it, and another's approved writes, or
-        a refused fallocate's dip, are no cause."""
+    def on_sizes(self, sizes: dict[str, tuple[int, int]]) -> None:
+        """Back on the loop thread: pause the biggest writer (bytes, and each inode at its
+        worth against the reserve) still running, if still short.  A task with a layer quota
+        only if its upper holds more bytes or more inodes than its limits (files its project
+        does not count), each against its own: else the kernel holds it, and another's
+        approved writes, or a refused fallocate's dip, are no cause."""
         self.walking = False
         box = self.box
         free, reserve = self.free_and_reserve()
         if free >= reserve:
             return
         per_inode = self.inode_bytes()
-        for task_id, size in sorted(sizes.items(), key=lambda kv: -kv[1]):
+        weights = {task_id: used + inodes * per_inode for task_id, (used, inodes) in sizes.items()}
+        for task_id, weight in sorted(weights.items(), key=lambda kv: -kv[1]):
             task, worker = box.task(task_id), box.worker(task_id)
             layer = self.layers.get(task_id)
             if task is None or worker is None or task.state not in ("running", "waiting") or \
                     "disk" in worker.holds or free >= worker.disk_floor or (
-                        layer and size <= layer.limit[0] + layer.limit[1] * per_inode):
+                        layer and all(u <= lim for u, lim in zip(sizes[task_id], layer.limit))):
                 continue
-            self.pause(task, worker, size, free, reserve)
+            self.pause(task, worker, weight, free, reserve)
             return
 
     def pause(self, task: Task, worker: "Worker", size: int, free: int, reserve: int) -> None:
@@ -3366,10 +3374,10 @@ def sandbox_preload() -> None:
     Called by serve() before the spawner forks.  Without libseccomp's binding gurtd does not
     start: a box without its kernel filter is not one.
     """
-    global _KERNEL_FILTER
+    global _KERNEL_FILTER, _NAMESPACE_FILTER
     importlib.import_module("prctl")
     try:
-        _KERNEL_FILTER = kernel_filter()
+        _KERNEL_FILTER, _NAMESPACE_FILTER = kernel_filter(), kernel_filter(NAMESPACE_REFUSALS)
     except ImportError as exc:
         raise SysError("import seccomp", errno.ENOENT, f"{exc}: install python3-seccomp and "
                        "link it into gurtd's virtual environment (make deps does both)")
@@ -3647,17 +3655,13 @@ def _run_build(root: str, spec: dict[str, Any], view: int, held: dict[str, int])
 
 
 def _broker_open(spec: dict[str, Any]) -> int:
-    """The broker socket to bind in the box.  In the spawner's namespace its path is on the
-    tmpfs (_spawner_namespace); else a clone of it from the spawner's detached tmpfs, which a
-    kernel before 6.15 refuses (EINVAL: a detached source), and then the one in BOX_HOME/run,
-    whose mountinfo line names BOX_HOME (only on a host without systemd and an old kernel)."""
+    """The broker socket to bind in the box, always on the tmpfs of Broker.mount: a clone of it
+    from the spawner's detached tmpfs (a private root, Linux 6.15+), else the socket at its
+    path (spec's broker), which the spawner's namespace has on the tmpfs, or gurtd's
+    attached one where a kernel before 6.15 refuses that clone."""
     if _BROKER_MOUNT >= 0:
-        try:
-            return syscall("open_tree", SYS_OPEN_TREE, _BROKER_MOUNT, b"broker.sock",
-                           OPEN_TREE_CLONE | os.O_CLOEXEC)
-        except SysError as exc:
-            if exc.code != errno.EINVAL:
-                raise
+        return syscall("open_tree", SYS_OPEN_TREE, _BROKER_MOUNT, b"broker.sock",
+                       OPEN_TREE_CLONE | os.O_CLOEXEC)
     return os.open(spec["broker"], os.O_PATH | os.O_CLOEXEC)
 
 
@@ -3810,14 +3814,18 @@ def any_bit(arg: int, bits: int, unless: int = 0) -> tuple[ArgTest, ...]:
 
 # (syscall, by name or number; argument tests: any one refuses, none given: always; errno;
 # what it closes)
-KERNEL_REFUSALS: tuple[tuple[str | int, tuple[ArgTest, ...], int, str], ...] = (
-    # Namespaces: in a user namespace of its own a task is root of a world where far more of
-    # the kernel is reachable (netfilter, most file systems): the usual first step of an exploit.
+Refusal = tuple[str | int, tuple[ArgTest, ...], int, str]
+# Namespaces: in a user namespace of its own a task is root of a world where far more of the
+# kernel is reachable (netfilter, most file systems): the usual first step of an exploit.  The
+# tools gurtd runs (not workers) have these too (no_namespaces).
+NAMESPACE_REFUSALS: tuple[Refusal, ...] = (
     ("unshare", any_bit(0, CLONE_NEW_FLAGS | CLONE_NEWTIME), errno.EPERM,
      "new namespaces, a user namespace first"),
     ("clone", any_bit(0, CLONE_NEW_FLAGS), errno.EPERM, "the same through clone"),
     ("clone3", (), errno.ENOSYS, "flags in memory that a filter cannot read: libc uses clone"),
     ("setns", (), errno.EPERM, "joining a namespace through an fd passed in"),
+)
+KERNEL_REFUSALS: tuple[Refusal, ...] = NAMESPACE_REFUSALS + (
     # io_uring: a second way to make syscalls, around this filter, and a rich source of bugs
     ("io_uring_setup", (), errno.EPERM, "io_uring rings"),
     ("io_uring_enter", (), errno.EPERM, "io_uring rings"),
@@ -3898,14 +3906,15 @@ KERNEL_REFUSALS: tuple[tuple[str | int, tuple[ArgTest, ...], int, str], ...] = (
 )
 
 _KERNEL_FILTER: Any = None           # built once by sandbox_preload, before the spawner forks
+_NAMESPACE_FILTER: Any = None        # the same, of NAMESPACE_REFUSALS
 
 
-def kernel_filter() -> Any:
-    """The filter (a seccomp.SyscallFilter) of KERNEL_REFUSALS; ImportError without libseccomp."""
+def kernel_filter(refusals: tuple[Refusal, ...] = KERNEL_REFUSALS) -> Any:
+    """The filter (a seccomp.SyscallFilter) of refusals; ImportError without libseccomp."""
     seccomp = importlib.import_module("seccomp")
     filt = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
     filt.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
-    for name, tests, err, _closes in KERNEL_REFUSALS:
+    for name, tests, err, _closes in refusals:
         if not tests:
             filt.add_rule(seccomp.ERRNO(err), name)
         for arg, mask, value in tests:
@@ -3917,6 +3926,16 @@ def kernel_filter() -> Any:
 def _kernel_filter_load() -> None:
     """Load the filter into this process (a worker to be); its children inherit it."""
     (_KERNEL_FILTER or kernel_filter()).load()
+
+
+def no_namespaces() -> None:
+    """preexec_fn of the unprivileged processes gurtd starts that are not workers (the tools,
+    as the tools user): without systemd's RestrictNamespaces a tool could make a user
+    namespace (unprivileged ones are on in Debian) and be root of it.  The filter sets
+    no_new_privs too; its children inherit it.  The processes gurtd runs as root (git
+    merge-file, diff, droid's model list) have no use for it: root reaches all of the kernel
+    without a namespace; and a preexec_fn costs a fork of gurtd instead of a vfork."""
+    (_NAMESPACE_FILTER or kernel_filter(NAMESPACE_REFUSALS)).load()
 
 
 # Task leftovers ################################################################################
@@ -7913,7 +7932,7 @@ class Box:
                 "lowers": lowers,
                 "upper": f"layers/{task.id}/upper", "work": f"layers/{task.id}/work",
                 "mode": task.worker, "prompt": task.prompt,
-                "broker": self.broker.socket_path, "module": os.path.abspath(__file__),
+                "broker": self.broker.box_socket, "module": os.path.abspath(__file__),
                 "env": {"HOME": f"/home/{task.user}", "USER": task.user, "LOGNAME": task.user,
                         "PATH": "/run/gurt/bin:" + TASK_PATH, "SHELL": "/bin/sh",
                         "LANG": "C.UTF-8", "TMPDIR": "/tmp", "PWD": VIEW_DIR,
@@ -9443,6 +9462,7 @@ GATEWAY_MAX_ANSWER = 64 << 20        # bytes of one answer passed on; the rest i
 GATEWAY_MAX_PARSED = 16 << 20        # a whole (not streamed) answer is read for usage up to this
 GATEWAY_MAX_LINE = 1 << 20           # a longer stream line is passed on but not read for usage
 GATEWAY_THREADS = 64                 # calls forwarded at once, all tasks together
+GATEWAY_SPARE = 2                    # threads kept waiting for calls; a burst's others end
 GATEWAY_TASK_CALLS = 4               # calls of one task in flight at once
 GATEWAY_REQUEST_SECONDS = 30.0       # for a task to send a whole request (slow drips)
 GATEWAY_CONNECT_SECONDS = 10.0       # to connect to the upstream (TLS included)
@@ -10064,13 +10084,13 @@ class Gateway:
         for hold in tg.holds:
             hold.answer(False, "the task has ended")
         tg.holds.clear()
-        with self.lock:
-            calls, refused = list(tg.calls), tg.refused
-        for call in calls:
-            for sock in (call.conn, call.upstream):
-                if sock is not None:
-                    with contextlib.suppress(OSError):
-                        sock.shutdown(socket.SHUT_RDWR)
+        with self.lock:       # a call's sockets leave it under the lock before they close
+            refused = tg.refused
+            for call in tg.calls:
+                for sock in (call.conn, call.upstream):
+                    if sock is not None:
+                        with contextlib.suppress(OSError):
+                            sock.shutdown(socket.SHUT_RDWR)
         if tg.listener is not None:
             self.change(False, tg)
         if refused:
@@ -10173,7 +10193,8 @@ class Gateway:
             os.write(self.wake_w, b"c")
 
     def calling(self) -> None:
-        """A gateway thread, for good: its turn at accepting, then the call it accepted."""
+        """A gateway thread: its turn at accepting, then the call it accepted; it ends when
+        more than GATEWAY_SPARE others are idle (a burst's threads go with it)."""
         while True:
             with self.leader:
                 tg, call = self.accept_next()
@@ -10181,6 +10202,10 @@ class Gateway:
                 self.serve(tg, call)
             except Exception as exc:             # counted idle already: it must go on
                 log(3, f"the model gateway's call thread: {type(exc).__name__}: {exc}")
+            with self.lock:
+                if self.idle > GATEWAY_SPARE:    # the others: a leader among them
+                    self.idle -= 1
+                    return
 
     def accept_next(self) -> tuple[TaskGateway, GatewayCall]:
         """The leader's rounds until it accepts a call: an error is logged, and it goes on."""
@@ -10229,7 +10254,6 @@ class Gateway:
             conn, _ = tg.listener.accept()
         except OSError:
             return None
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)     # each chunk as it comes
         refusal = None
         with self.lock:
             if len(tg.calls) >= GATEWAY_TASK_CALLS:
@@ -10249,9 +10273,18 @@ class Gateway:
             if refusal is not None:
                 tg.refused += 1
         if refusal is None:
-            if new:
-                threading.Thread(target=self.calling, name="gateway", daemon=True).start()
-            return tg, call
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # each chunk at once
+                if new:
+                    threading.Thread(target=self.calling, name="gateway", daemon=True).start()
+                return tg, call
+            except (OSError, RuntimeError) as exc:     # no thread to be had: the call's slot back
+                with self.lock:
+                    tg.calls.discard(call)
+                    self.running -= 1
+                    if not new:
+                        self.idle += 1
+                refusal = GatewayRefusal(503, "api_error", f"gurtd cannot take the call: {exc}")
         with contextlib.suppress(OSError):
             conn.send(refusal_answer(tg.api, refusal), socket.MSG_DONTWAIT)
         conn.close()
@@ -10279,11 +10312,11 @@ class Gateway:
             log(3, f"task {tg.task_id}: the model gateway failed: {call.note}")
         finally:
             self.reserve(tg, call)     # counted before the task hears the call ended
-            call.conn.close()
             with self.lock:
                 tg.calls.discard(call)
                 self.running -= 1
                 self.idle += 1
+            call.conn.close()
             self.settle(tg, call)
 
     def wait_budget(self, tg: TaskGateway) -> None:
@@ -10349,11 +10382,22 @@ class Gateway:
                                      f"{answer.status}, a redirect, which gurtd does not follow")
             self.pass_on(tg, upstream, answer, call)
         finally:
-            call.upstream = None
-            if call.whole and not answer.will_close and not tg.dead:
-                self.pool.put(tg.where, upstream)
-            else:
-                upstream.close()
+            self.upstream_done(tg, call, upstream, call.whole and not answer.will_close)
+
+    def upstream_is(self, call: GatewayCall, upstream: UpstreamConn | None) -> None:
+        """The upstream connection close may cut, set under the lock (close cuts under it)."""
+        with self.lock:
+            call.upstream = upstream.sock if upstream is not None else None
+
+    def upstream_done(self, tg: TaskGateway, call: GatewayCall, upstream: UpstreamConn,
+                      keep: bool) -> None:
+        """The call is done with its upstream connection: kept for the next call, or closed;
+        out of close's reach first, so close never cuts one kept or closed (its fd another's)."""
+        self.upstream_is(call, None)
+        if keep and not tg.dead:
+            self.pool.put(tg.where, upstream)
+        else:
+            upstream.close()
 
     def call_head(self, tg: TaskGateway, request: GatewayRequest, length: int) -> bytes:
         """The head of the call to the upstream: the task's fixed part (made again only when
@@ -10384,21 +10428,21 @@ class Gateway:
         try:
             if upstream is not None:
                 try:
-                    call.upstream = upstream.sock
+                    self.upstream_is(call, upstream)
                     upstream.send(head, body)
                 except OSError:
-                    upstream.close()
+                    self.upstream_done(tg, call, upstream, False)
                     if tg.dead:                      # cut by the task's end: not again
                         raise
                     upstream = None
             if upstream is None:
                 upstream = self.pool.connect(*tg.where)
-                call.upstream = upstream.sock
+                self.upstream_is(call, upstream)
                 upstream.send(head, body)
             return upstream, upstream.answer()
         except (OSError, http.client.HTTPException) as exc:
             if upstream is not None:
-                upstream.close()
+                self.upstream_done(tg, call, upstream, False)
             raise GatewayRefusal(504 if isinstance(exc, TimeoutError) else 502, "api_error",
                                  f"the model's server ({tg.where[1]}) could not be reached: "
                                  f"{type(exc).__name__}: {exc}") from None
@@ -10509,6 +10553,8 @@ MAX_BROKER_BODY = 64 * 1024
 MAX_BROKER_CONNS = 32
 MAX_PENDING_APPROVALS = 16
 MAX_BROKER_THREADS = 256
+# test-only: take the way of a kernel that cannot clone a detached mount (before 6.15)
+NO_DETACHED_CLONE_ENV = "GURT_TEST_NO_DETACHED_CLONE"
 
 
 class Broker:
@@ -10524,12 +10570,23 @@ class Broker:
         self.wallet: dict[str, Any] = {"balanceCents": 0, "ledger": []}
         self.servers: list[BrokerServer] = []
         self.mount_fd = -1        # the tmpfs of the socket tasks see (mount)
+        self.attached = False     # that tmpfs is at attach_point in gurtd's namespace
         self.tools_ids = (0, 0)
         self.policies = Policies(box)
 
     @property
     def socket_path(self) -> str:
         return self.box.path("run", "broker.sock")
+
+    @property
+    def attach_point(self) -> str:
+        return self.box.path("run", "tasks")
+
+    @property
+    def box_socket(self) -> str:
+        """The socket the workers bind (_broker_open), as the spawner's namespace has it."""
+        return os.path.join(self.attach_point, "broker.sock") if self.attached \
+            else self.socket_path
 
     def load(self) -> None:
         os.makedirs(self.box.path("approvals"), mode=0o700, exist_ok=True)
@@ -10559,8 +10616,13 @@ class Broker:
         BROKER_IN_BOX.  A socket cannot be copied and a bind's mountinfo line shows its path in
         its file system: there `/broker.sock` on a tmpfs, nothing of the host.  (A clone of the
         detached mount itself would do from 6.15 on; before, open_tree refuses a mount outside
-        the caller's namespace, EINVAL.)  No other namespace has it: it ends with gurtd."""
+        the caller's namespace, EINVAL.)  No other namespace has it: it ends with gurtd.
+        Where the spawner has no namespace of its own (a private root) and the kernel refuses
+        that clone, the tmpfs is attached in gurtd's namespace at attach_point, which every
+        worker's namespace copies: the bind's line is still `/broker.sock` on the tmpfs.  It
+        is unmounted at stop (unmount), a crash's at the next start."""
         folder_ensure(self.box.path("run"), 0o711)
+        self.unmount()
         fs = syscall("fsopen", SYS_FSOPEN, b"tmpfs", 1)
         try:
             for key, value in ((b"source", b"gurt"), (b"mode", b"0755"), (b"size", b"64k")):
@@ -10570,6 +10632,31 @@ class Broker:
                                     MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC)
         finally:
             os.close(fs)
+        if not root_shared() and not self.clone_allowed():
+            folder_ensure(self.attach_point, 0o755)
+            syscall("move_mount", SYS_MOVE_MOUNT, self.mount_fd, b"", -100,
+                    self.attach_point.encode(), MOVE_MOUNT_F_EMPTY_PATH)
+            os.close(self.mount_fd)
+            self.mount_fd, self.attached = -1, True
+
+    def clone_allowed(self) -> bool:
+        """Whether the kernel clones a mount of the detached tmpfs (Linux 6.15 and later)."""
+        if os.environ.get(NO_DETACHED_CLONE_ENV):
+            return False
+        try:
+            os.close(syscall("open_tree", SYS_OPEN_TREE, self.mount_fd, b"",
+                             OPEN_TREE_CLONE | os.O_CLOEXEC | AT_EMPTY_PATH))
+        except SysError as exc:
+            if exc.code != errno.EINVAL:
+                raise
+            return False
+        return True
+
+    def unmount(self) -> None:
+        """The tmpfs attached at attach_point, this start's or a crash's (mount)."""
+        while os.path.ismount(self.attach_point):
+            libc_call("umount2", self.attach_point.encode(), MNT_DETACH)
+        self.attached = False
 
     def start(self) -> None:
         """Bind the broker socket twice (any local user may connect; only task uids are
@@ -10581,7 +10668,8 @@ class Broker:
         except FileNotFoundError:
             pass
         callers = Counter(MAX_BROKER_CONNS, MAX_BROKER_THREADS)      # both sockets together
-        for path in (self.socket_path, f"/proc/self/fd/{self.mount_fd}/broker.sock"):
+        for path in (self.socket_path, self.box_socket if self.attached
+                     else f"/proc/self/fd/{self.mount_fd}/broker.sock"):
             self.servers.append(BrokerServer(path, self.box, callers))
             os.chmod(path, 0o666)
             threading.Thread(target=self.servers[-1].serve_forever, name="broker",
@@ -11022,7 +11110,7 @@ def run_tool(box: "Box", name: str, args: Any, task_id: str) -> tuple[Any, float
                               capture_output=True, timeout=TOOL_TIMEOUT, cwd="/", user=uid,
                               group=gid, extra_groups=[], start_new_session=True,
                               env={"PATH": TASK_PATH, "LANG": "C.UTF-8", "GURT_TASK": task_id,
-                                   "GURT_TOOL": name})
+                                   "GURT_TOOL": name}, preexec_fn=no_namespaces)
     except subprocess.TimeoutExpired:
         raise ApiError(504, f"the tool {name} took longer than {TOOL_TIMEOUT:.0f} s",
                        "tool_failed") from None
@@ -15242,10 +15330,12 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     sandbox_preload()
     overlay_way_start(box.home)              # before the fork too: workers take the same way
     undo.append(("stop the spawner", box.spawner.stop))
+    undo.append(("unmount the tasks' broker tmpfs", box.broker.unmount))
     box.broker.mount()                       # the tmpfs of the tasks' broker socket
     box.spawner.start(close=(lock_fd,), broker=(box.broker.mount_fd, box.path("run")))
     log(6, "tasks' broker socket: " + ("on a tmpfs in the spawner's namespace" if root_shared()
-        else "cloned from a detached tmpfs (Linux 6.15+; else BOX_HOME's: the root is private)"))
+        else f"on a tmpfs at {box.broker.attach_point}" if box.broker.attached
+        else "cloned from a detached tmpfs (the root is private, Linux 6.15+)"))
     raise_open_files_limit()                 # after the fork: workers keep the usual limit
     box.load()
     box.reconcile()

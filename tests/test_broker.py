@@ -624,6 +624,29 @@ def test_an_executable_tool_runs_as_the_tools_user(gurtd: Gurtd) -> None:
     assert gurtd.payments() == []
 
 
+UNSHARE_TOOL = """#!/bin/sh
+cat >/dev/null
+said=$(unshare -U true 2>&1); user=$?
+unshare -r -n true 2>/dev/null; net=$?
+python3 -c 'import ctypes, sys; sys.exit(ctypes.CDLL(None).unshare(0x10000000))'; raw=$?
+printf '{"user": %d, "net": %d, "raw": %d, "said": "%s"}\\n' "$user" "$net" "$raw" "$said"
+"""
+
+
+def test_an_executable_tool_makes_no_namespace(gurtd: Gurtd) -> None:
+    """A tool ran as the tools user on the host with no kernel filter: with unprivileged user
+    namespaces on (Debian) and no systemd's RestrictNamespaces, `unshare -U` made it root of
+    a namespace of its own.  Now it is refused as in a worker, and so are the others."""
+    os.chmod(os.path.dirname(gurtd.home), 0o711)
+    path = os.path.join(gurtd.home, "tools", "unshare.tool")
+    Path(path).write_text(UNSHARE_TOOL)
+    os.chmod(path, 0o755)
+    task = gurtd.run_done("gurtd tool unshare.tool '{}'", tools=["unshare.tool"])
+    result = json.loads(gurtd.output(task["id"])[0])
+    assert result["user"] != 0 and result["net"] != 0 and result["raw"] != 0, result
+    assert "Operation not permitted" in result["said"], result
+
+
 # 11. the events stream #######################################################################
 
 def test_the_events_stream_tells_of_a_pending_approval_at_once(gurtd: Gurtd) -> None:

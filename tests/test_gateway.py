@@ -1028,3 +1028,113 @@ def test_a_request_is_read_within_its_caps() -> None:
     finally:
         a.close()
         b.close()
+
+
+# pure: the gateway's threads and a task's end ###################################################
+
+class NoBox:
+    """What the gateway's threads ask of the box for a call refused at its path: no prices,
+    and a loop that takes its record (none here)."""
+
+    loop = type("NoLoop", (), {"post": staticmethod(lambda *_: None)})()
+
+    def setting(self, name: str) -> dict[str, Any]:
+        return {}
+
+
+def listening_gateway() -> tuple[G.Gateway, G.TaskGateway, int]:
+    """A Gateway (no box) with one task's listener on the host's 127.0.0.1: its threads run."""
+    gateway = G.Gateway(NoBox())                 # type: ignore[arg-type]
+    tg = G.TaskGateway("t", "token", "anthropic", "http://127.0.0.1:1")
+    tg.listener = socket.socket()
+    tg.listener.bind(("127.0.0.1", 0))
+    tg.listener.listen(64)
+    tg.listener.setblocking(False)
+    gateway.tasks["t"] = tg
+    gateway.change(True, tg)
+    return gateway, tg, tg.listener.getsockname()[1]
+
+
+def gateway_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name == "gateway")
+
+
+@pytest.mark.pure
+def test_a_bursts_gateway_threads_end_once_idle() -> None:
+    """Each call beyond the idle threads starts one; they never ended, so one burst of calls
+    left that many threads waiting for good.  Now all but GATEWAY_SPARE end once idle."""
+    before = gateway_threads()
+    gateway, tg, port = listening_gateway()
+    conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(G.GATEWAY_TASK_CALLS)]
+    try:
+        for conn in conns:
+            conn.sendall(b"GET / HTTP/1.1\r\n")                      # a head not yet whole
+        eventually(lambda: gateway.running == len(conns), timeout=10)
+        assert gateway_threads() - before == len(conns) + 1         # one each and a leader
+        for conn in conns:
+            conn.sendall(b"\r\n")
+            assert conn.recv(100).startswith(b"HTTP/1.1 404 ")      # not its path
+        eventually(lambda: gateway_threads() - before == G.GATEWAY_SPARE, timeout=10)
+        assert gateway.idle == G.GATEWAY_SPARE and gateway.running == 0
+    finally:
+        for conn in conns:
+            conn.close()
+        gateway.change(False, tg)
+
+
+@pytest.mark.pure
+def test_a_call_with_no_thread_to_be_had_gives_its_slot_back(monkeypatch: Any) -> None:
+    """A call whose new accepting thread could not start kept its place among the task's calls
+    in flight (and gurtd's) for good, unanswered: four such and the task had no model.  Now
+    it is answered 503 and its slot is free again."""
+    gateway, tg, port = listening_gateway()
+
+    class NoThread(threading.Thread):
+        def start(self) -> None:
+            if self.name == "gateway":
+                raise RuntimeError("can't start new thread")
+            super().start()
+    try:
+        monkeypatch.setattr(G.threading, "Thread", NoThread)
+        for _ in range(G.GATEWAY_TASK_CALLS + 1):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+                assert conn.recv(100).startswith(b"HTTP/1.1 503 ")
+        assert (gateway.running, tg.calls, gateway.idle) == (0, set(), 1)
+        monkeypatch.undo()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            conn.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            assert conn.recv(100).startswith(b"HTTP/1.1 404 ")
+    finally:
+        gateway.change(False, tg)
+
+
+@pytest.mark.pure
+def test_a_tasks_end_cuts_no_socket_its_call_let_go() -> None:
+    """Gateway.close read a call's upstream outside the lock and shut it after the call had
+    closed it (the fd number by then maybe another's).  Now a call lets go of its upstream
+    under the lock, and close cuts only sockets still the call's."""
+    shut_after_close: list[str] = []
+
+    class Watched(socket.socket):
+        delay = 0.0
+
+        def shutdown(self, how: int) -> None:
+            time.sleep(self.delay)
+            if self.fileno() == -1:
+                shut_after_close.append(self.name)
+            super().shutdown(how)
+    gateway = G.Gateway(NoBox())                 # type: ignore[arg-type]
+    tg = G.TaskGateway("t", "token", "anthropic", "http://127.0.0.1:1")
+    gateway.tasks["t"] = tg
+    task_side, upstream_side = Watched(), Watched()
+    task_side.name, task_side.delay, upstream_side.name = "task", 0.3, "upstream"
+    call = G.GatewayCall(task_side, upstream=upstream_side)
+    tg.calls.add(call)
+    closing = threading.Thread(target=gateway.close, args=("t",))
+    closing.start()
+    time.sleep(0.1)                              # close is cutting the task's side
+    gateway.upstream_done(tg, call, G.UpstreamConn(upstream_side), True)    # the call's end
+    closing.join()
+    task_side.close()
+    assert shut_after_close == [] and upstream_side.fileno() == -1
+    assert gateway.pool.idle.get(tg.where, []) == []     # the task ended: not kept either

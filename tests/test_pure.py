@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -250,3 +252,64 @@ def test_a_report_waits_for_a_slow_loop_where_a_call_gives_up(monkeypatch):
     assert ran == ["report"]
     os.close(loop.wake_r)
     os.close(loop.wake_w)
+
+
+# what tries a namespace: `unshare -U` (a user namespace, where it is root), `unshare -r -n`
+# (a user and a network one), unshare(2) itself with CLONE_NEWUSER
+UNSHARES = ("for how in 'unshare -U true' 'unshare -r -n true' \"python3 -c 'import ctypes, sys;"
+            " sys.exit(ctypes.CDLL(None).unshare(0x10000000))'\"; do"
+            " if sh -c \"$how\" 2>/dev/null; then echo made; else echo refused; fi; done")
+
+
+def test_no_namespaces_refuses_each_way_to_a_namespace() -> None:
+    """What the tools run under (no_namespaces, their preexec_fn): each of UNSHARES refused,
+    as in a worker; without it each one made its namespace, root or not."""
+    plain = subprocess.run(["sh", "-c", UNSHARES], capture_output=True, text=True, check=True)
+    assert plain.stdout == "made\n" * 3, plain
+    refused = subprocess.run(["sh", "-c", UNSHARES], capture_output=True, text=True, check=True,
+                             preexec_fn=G.no_namespaces)
+    assert refused.stdout == "refused\n" * 3, refused
+
+
+class DiskBox:
+    """What DiskReserve.on_sizes asks of a box: BOX_HOME (a temp folder) with a reserve above
+    its free space, running tasks and their workers, and the pause (recorded)."""
+
+    def __init__(self, home) -> None:
+        self.home, self.paused = str(home), []
+        st = os.statvfs(self.home)
+        self.reserve = 2 * st.f_bavail * st.f_frsize
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.home, *parts)
+
+    def setting(self, name: str) -> int:
+        assert name == "diskReserveBytes"
+        return self.reserve
+
+    def task(self, task_id: str) -> SimpleNamespace:
+        return SimpleNamespace(id=task_id, state="running")
+
+    def worker(self, task_id: str) -> SimpleNamespace:
+        return SimpleNamespace(holds=set(), disk_floor=1 << 62, disk_wait=None)
+
+    def pause_and_ask(self, task: SimpleNamespace, *_: object) -> str:
+        self.paused.append(task.id)
+        return "approval"
+
+
+def test_a_quota_task_past_one_of_its_limits_is_paused_whatever_the_other(tmp_path):
+    """Short of the reserve, a task with a layer quota was paused only if its upper's bytes
+    plus its inodes at their worth passed its byte limit plus its inode limit at that worth:
+    50 MiB in its upper against a 1 MiB byte limit went on, its inode limit paying for it.
+    Now each is weighed against its own limit: bytes, or (one more) inodes past theirs."""
+    box = DiskBox(tmp_path)
+    disk = G.DiskReserve(box)
+    assert disk.inode_bytes() > 0 and disk.free_and_reserve()[0] < box.reserve
+    disk.layers = {"bytes": G.LayerQuota(1, [], limit=(1 << 20, 100_000)),
+                   "inodes": G.LayerQuota(2, [], limit=(1 << 40, 1_000)),
+                   "held": G.LayerQuota(3, [], limit=(1 << 20, 1_000))}
+    for task_id, usage in (("bytes", (50 << 20, 10)), ("inodes", (1 << 20, 2_000)),
+                           ("held", (1 << 20, 1_000))):
+        disk.on_sizes({task_id: usage})
+    assert box.paused == ["bytes", "inodes"]

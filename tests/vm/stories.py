@@ -519,12 +519,12 @@ def test_on_project_quotas_a_tasks_layer_stops_at_the_reserve() -> None:
 HAND_HOME, HAND_PORT = "/var/tmp/gurt-by-hand", 7701
 
 
-def by_hand(env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """`gurtd serve` started by hand from this story's own process: its group is the stories
-    unit's, not delegated, with other processes in it."""
+def by_hand(env: dict[str, str], prefix: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+    """`gurtd serve` started by hand from this story's own process (through prefix): its
+    group is the stories unit's, not delegated, with other processes in it."""
     shutil.rmtree(HAND_HOME, ignore_errors=True)
     with open(os.path.join(OUT, "by-hand.log"), "wb") as log:
-        proc = subprocess.Popen(["/usr/local/bin/gurtd", "serve", "--box-home", HAND_HOME,
+        proc = subprocess.Popen([*prefix, "/usr/local/bin/gurtd", "serve", "--box-home", HAND_HOME,
                                  "--listen", f"127.0.0.1:{HAND_PORT}"], stdout=log, stderr=log,
                                 env={**os.environ, **env})
     deadline = time.monotonic() + 180
@@ -585,6 +585,27 @@ def test_by_hand_with_nothing_delegated_tasks_refuse_to_start_unbounded() -> Non
         assert after["state"] == "failed", after
         assert "not delegated" in after["error"] and "Delegate=yes" in after["error"], after
         assert output(task["id"], **hand) == []
+    finally:
+        hand_stop(proc)
+
+
+def test_by_hand_on_a_private_root_the_tasks_mountinfo_names_no_box_home() -> None:
+    # a host without systemd (its root private) on a kernel before 6.15 (6.1, 6.12 here),
+    # which refuses a clone of a detached mount: the broker's tmpfs is attached at
+    # BOX_HOME/run/tasks in gurtd's namespace instead of binding BOX_HOME/run/broker.sock
+    hand = {"home": HAND_HOME, "port": HAND_PORT}
+    proc = by_hand({}, ("unshare", "-m", "--propagation", "private"))
+    try:
+        old = tuple(map(int, re.findall(r"\d+", os.uname().release)[:2])) < (6, 15)
+        said = f"tasks' broker socket: on a tmpfs at {HAND_HOME}/run/tasks"
+        assert said in hand_log() or not old, hand_log()
+        task = api("POST", "/api/tasks", {"title": "by hand", "worker": "fake",
+                                          "prompt": "cat /proc/self/mountinfo"}, **hand)
+        assert wait(task["id"], **hand)["state"] == "done", hand_log()
+        mounts = output(task["id"], **hand)
+        assert len(mounts) > 10 and not [m for m in mounts if HAND_HOME in m], mounts
+        broker = [m.split() for m in mounts if m.split()[4] == "/run/gurt/broker.sock"]
+        assert len(broker) == 1 and broker[0][3] == "/broker.sock", mounts
     finally:
         hand_stop(proc)
 
