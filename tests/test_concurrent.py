@@ -170,7 +170,7 @@ def test_path_sets_meet_only_where_a_check_could_find_something(tmp_path: Any,
     assert G.paths_meet(mine, G.layer_paths(str(layer("mode", ["src/c.py"], {"src": 0o700}))))
     gone = layer("gone", [])
     os.mknod(gone / "src", 0o600 | stat.S_IFCHR, os.makedev(0, 0))      # a whiteout
-    assert G.layer_paths(str(gone)) == {"src": -1} and G.paths_meet(mine, {"src": -1})
+    assert G.layer_paths(str(gone)) == {"src": G.PATH_WHITEOUT} and G.paths_meet(mine, {"src": -1})
     opaque = layer("opaque", ["src/new.py"], {"src": 0o755})
     os.setxattr(opaque / "src", "trusted.overlay.opaque", b"y")
     assert G.paths_meet(mine, G.layer_paths(str(opaque)))
