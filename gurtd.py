@@ -5685,6 +5685,7 @@ class LayerStack:
         self.gen = 0
         self.groups: dict[str, dict[str, int]] = {}   # workspace -> task id -> group
         self.ever: dict[str, list[str]] = {}     # workspace -> its ever-done ids, in order
+        self.wanted_at: dict[str, tuple[list[str], dict[str, int], dict[int, list[str]]]] = {}
 
     def record_path(self, name: str) -> str:
         return os.path.join(self.dir, name + ".json")
@@ -5738,20 +5739,26 @@ class LayerStack:
         """Each group's members as they should be merged now: its layers in the stack (in
         finish order, newest first, as every stack is).  There the group numbers never rise
         (the ungrouped newest lead), so each group's run is found by binary search: a few
-        steps per group, not a look-up per layer."""
+        steps per group (a run is at most a group long), not a look-up per layer.  Kept for
+        the same stack and groups (an undo's merges and collection both ask)."""
         group_of = self.groups.get(workspace, {})
+        cached = self.wanted_at.get(workspace)
+        if cached is not None and cached[0] is stack and cached[1] is group_of:
+            return cached[2]
         top = len(group_of)                    # above every group's number: the ungrouped
 
         def key(task_id: str) -> int:
             return -group_of.get(task_id, top)
 
         out: dict[int, list[str]] = {}
-        i = bisect.bisect_right(stack, -top, key=key)
+        ungrouped = len(self.ever.get(workspace, [])) - len(group_of)     # they lead
+        i = bisect.bisect_right(stack, -top, 0, max(0, min(len(stack), ungrouped)), key=key)
         while i < len(stack):
             g = group_of[stack[i]]
-            j = bisect.bisect_right(stack, -g, i, len(stack), key=key)
+            j = bisect.bisect_right(stack, -g, i, min(len(stack), i + self.group), key=key)
             out[g] = stack[i:j]
             i = j
+        self.wanted_at[workspace] = (stack, group_of, out)
         return out
 
     def due(self, workspace: str, stack: list[str]) -> list[tuple[int, list[str]]]:
