@@ -5804,11 +5804,16 @@ def trash_name(path: str) -> str:
 
 
 def trash_sweep(directory: str) -> None:
-    """At start: delete what a crash left under trash or temp names in directory."""
+    """At start: delete what a crash left under trash or temp names in directory (folders,
+    or the finish-time merge's files: upper_put)."""
     for name in os.listdir(directory):
         if name.startswith(MERGE_TEMP):
             log(4, f"reconcile: deleting the leftover {name} in {directory}")
-            tree_remove(os.path.join(directory, name))
+            path = os.path.join(directory, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                tree_remove(path)
+            else:
+                os.unlink(path)
 
 
 STACK_INLINE = 32                    # a task's layers up to this many stay in its own file
@@ -6159,6 +6164,7 @@ class Views:
             return
         log(6, f"merged layer {merged.name}: {len(merged.members)} layers of "
                f"{merged.workspace} in one")
+        self.box.finish_merge.warm(merged, os.path.join(self.layerstack.dir, merged.name))
         self.publish_layers(merged.workspace)
         self.drop_view(merged.workspace)
         self.gc_layers()
@@ -6289,6 +6295,7 @@ class Views:
 
 MERGE_MAX_BYTES = 8 << 20            # a file larger than this is a conflict, never merged
 MERGE_HELD_BYTES = 64 << 20          # merged texts one check holds in memory at most
+DIGEST_MAX_BYTES = 256 << 20         # data of one version hashed at most (~0.5 s of sha256)
 MERGE_TIMEOUT = 10.0                 # seconds git merge-file may run for one file
 MERGE_MEMORY = 1 << 30               # its address space (prlimit --as): 1,000,000 lines
                                      # of a file changed both ways take ~400 MB
@@ -6342,11 +6349,14 @@ def file_digest(f: io.BufferedReader, st: os.stat_result, keep: int) -> tuple[st
     a task's 1 TiB file of holes is hashed in microseconds, not hours of zeros (the merge
     thread is every task's).  The extents' places are hashed with their bytes, so the same
     bytes laid out with other holes count as another version: a conflict, never a loss.  A
-    file past ARCHIVE_EXTENTS extents is a version of its own (equal to nothing)."""
+    file past ARCHIVE_EXTENTS extents or DIGEST_MAX_BYTES of data is a version of its own
+    (equal to nothing: cannot say, so a conflict), not minutes of the thread per dense GB."""
     digest, chunks = hashlib.sha256(), []
     try:
         extents = data_extents(f.fileno(), st) if st.st_size > keep else None
     except TooFragmented:
+        return "unique:" + secrets.token_hex(16), None
+    if (st.st_size if extents is None else sum(extents[1::2])) > DIGEST_MAX_BYTES:
         return "unique:" + secrets.token_hex(16), None
     if extents is None:
         while chunk := f.read(1 << 20):
@@ -6717,7 +6727,10 @@ def upper_put(upper_fd: int, path: str, write: tuple[Any, ...], view_fd: int,
     target); ("absent",) a whiteout; ("view",) the view's version (the layer's entry dropped,
     or the view's file copied where a folder above is opaque).  Not synced: its caller
     syncs the layer's file system once after all its writes (one syncfs, not two fsyncs a
-    file: 100 reverted files took 1.4 s so), before anything takes the layer as written."""
+    file: 100 reverted files took 1.4 s so), before anything takes the layer as written.
+    A file is written under a temp name in BOX_HOME/layers (upper_fd is layers/<id>/upper:
+    the same file system), then renamed into place: a kill -9 between leaves the temp
+    where the start throws temps away (trash_sweep), never a file in a layer."""
     fd, opaque = upper_parent(upper_fd, path, view_fd, store)
     name = path.rpartition("/")[2]
     try:
@@ -6741,23 +6754,28 @@ def upper_put(upper_fd: int, path: str, write: tuple[Any, ...], view_fd: int,
                 os.mknod(name, stat.S_IFCHR, os.makedev(0, 0), dir_fd=fd)   # a whiteout
             os.chown(name, *store, dir_fd=fd, follow_symlinks=False)
             return
-        temp = f".gurt-merge-{secrets.token_hex(4)}"
-        out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                      0o600, dir_fd=fd)
+        temps = os.open("../..", DIR_FLAGS, dir_fd=upper_fd)
+        temp = f"{MERGE_TEMP}merge-{secrets.token_hex(8)}"
         try:
-            if write[0] == "copy":
-                view_copy(view_fd, path, out)
-            else:
-                with os.fdopen(os.dup(out), "wb") as f:
-                    f.write(write[1])
-            os.fchown(out, *store)
-            os.fchmod(out, write[-1] & ~SETID_BITS)   # as every finished layer
-        except BaseException:
-            os.unlink(temp, dir_fd=fd)                # no temp left in a layer
-            raise
+            out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                          os.O_CLOEXEC, 0o600, dir_fd=temps)
+            try:
+                if write[0] == "copy":
+                    view_copy(view_fd, path, out)
+                else:
+                    with os.fdopen(os.dup(out), "wb") as f:
+                        f.write(write[1])
+                os.fchown(out, *store)
+                os.fchmod(out, write[-1] & ~SETID_BITS)   # as every finished layer
+                crash_point("merge-temp-written")         # a test's kill -9 before the rename
+                os.rename(temp, name, src_dir_fd=temps, dst_dir_fd=fd)
+            except BaseException:
+                os.unlink(temp, dir_fd=temps)             # no temp left behind
+                raise
+            finally:
+                os.close(out)
         finally:
-            os.close(out)
-        os.rename(temp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            os.close(temps)
     finally:
         os.close(fd)
 
@@ -7080,10 +7098,23 @@ class FinishMerge:
             with contextlib.suppress(OSError):        # the loop is gone (stopping)
                 box.loop.post(box.loop.guard, job.task_id, then, job, result, error)
 
+        self.put(run)
+
+    def put(self, run: Callable[[], None]) -> None:
         if self.thread is None or not self.thread.is_alive():
             self.thread = threading.Thread(target=self.run, name="finish-merge", daemon=True)
             self.thread.start()
         self.jobs.put(run)
+
+    def warm(self, merged: MergedLayer, path: str) -> None:
+        """A merged layer was recorded: the thread reads its path set now, not the next undo
+        (which reads every merged layer above the undone task: the first one, all of them)."""
+        def run() -> None:
+            try:
+                self.paths.of(f"{MERGED_DIR}/{merged.name}", path)
+            except Exception as exc:            # the thread is every task's: never its end
+                log(3, f"merged layer {merged.name}: its path set: {exc}")
+        self.put(run)
 
     def run(self) -> None:
         while True:

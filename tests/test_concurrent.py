@@ -229,6 +229,22 @@ def test_an_undos_region_meets_only_layers_that_could_change_its_revert() -> Non
     assert region.meets(below, set(), False)
 
 
+def test_a_dense_file_past_the_digest_cap_is_a_version_of_its_own(tmp_path: Any,
+                                                                    monkeypatch: Any) -> None:
+    """A dense file past DIGEST_MAX_BYTES is not hashed: each read of it is a version equal
+    to nothing (cannot say: a conflict, never a loss), while a smaller one is compared."""
+    monkeypatch.setattr(G, "DIGEST_MAX_BYTES", 1 << 20)
+    (tmp_path / "big").write_bytes(os.urandom(2 << 20))
+    (tmp_path / "small").write_bytes(os.urandom(1 << 20))
+    fd = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    try:
+        big = [G.view_version(fd, "big") for _ in range(2)]
+        assert [v.kind for v in big] == ["file", "file"] and not big[0].same(big[1])
+        assert G.view_version(fd, "small").same(G.view_version(fd, "small"))
+    finally:
+        os.close(fd)
+
+
 def test_a_task_that_changed_nothing_is_done_without_a_check(gurtd: Gurtd) -> None:
     """A task that changed no file, ending after another task became done beside it, is done
     at once: no check, so its record names no stack it was merged on."""
@@ -464,6 +480,29 @@ def test_kill_during_a_merge_and_while_a_conflict_waits() -> None:
         assert g.task(c)["state"] == "failed"
         assert g.api("GET", f"/api/approvals/{approval['id']}")["state"] == "denied"
         assert g.file("home", "f.txt") == b"d\n"
+
+
+def test_kill_while_a_merged_file_is_written_leaves_no_temp() -> None:
+    """gurtd killed between a merged file's temp and its rename: after the restart the task
+    is failed and no temp is left in any layer or beside them (the start throws it away)."""
+    with running_gurtd({"GURT_TEST_CRASH_AT": "merge-temp-written"}) as g:
+        put(g, "a.txt", lines(20))
+        a = gated(g, "sed -i 's/^line 2$/A/' a.txt")
+        b = gated(g, "sed -i 's/^line 19$/B/' a.txt")
+        assert end(g, b)["state"] == "done"
+        g.api("POST", f"/api/approvals/{gate(g, a)['id']}/answer", {"answer": "go"})
+        assert g.proc is not None and g.proc.wait(timeout=30) == 137
+        layers = os.path.join(g.home, "layers")
+        temps = [n for n in os.listdir(layers) if n.startswith(G.MERGE_TEMP)]
+        assert temps, "the crash point is before the rename: a temp was written"
+        g.proc = None
+        g.env.pop("GURT_TEST_CRASH_AT")
+        g.start()
+        assert g.task(a)["state"] == "failed"
+        left = [os.path.join(top, n) for top, dirs, files in os.walk(layers)
+                for n in dirs + files if n.startswith((G.MERGE_TEMP, ".gurt-merge-"))]
+        assert left == []
+        assert g.file("home", "a.txt") == lines(20).replace("line 19\n", "B\n").encode()
 
 
 def test_a_conflict_waiting_for_a_person_holds_no_running_place(gurtd: Gurtd) -> None:
