@@ -7359,8 +7359,11 @@ class FinishMerge:
 #     joins a moment later, then the record says `done` with its id).  Only a revert that
 #     takes longer (huge files, a slow disk) answers `checking`: then the record, the log
 #     and a task event name them when it ends.  The loop never waits on either.
-#   - If the stack changed meanwhile the layer is built again; it joins in one step
-#     (renamed, then saved), so a crash leaves no half layer.  A second undo changes
+#   - If the stack changed meanwhile (the next undo of a burst changes it), the layers that
+#     came or went are looked at by their path sets (FinishMerge.recheck, Region.meets):
+#     the revert joins unless one of them holds, hides or changes below a path it decided
+#     or a folder it wrote in; then it is built again.  It joins in one step (renamed,
+#     then saved), so a crash leaves no half layer.  A second undo changes
 #     nothing: it answers what the record holds, or waits on the same job.  A job that
 #     fails says so (state `failed`, its error) in the record, the log and an event.  A
 #     restart before the layer joined takes the undo up again (FinishMerge.resume: an
@@ -7368,11 +7371,13 @@ class FinishMerge:
 #     had joined already is seen as reverted, so it is never reverted twice.
 #   - The versions are read from the layer directories, not through mounted views
 #     (PlanReads): the undone layer is listed whole, every lower of the plans only along
-#     the way to its paths and below them (region_of), and a path's version is the one of
-#     the topmost lower that holds it, absent under a whiteout, a non-folder or an opaque
-#     folder above.  That is all overlay does with index, metacopy and redirect_dir off
-#     (merged layers stand on the same fact), and a fresh overlay of 100 lowers costs a
-#     lookup in each of them per path: the answer for 100 copies took 81 ms so, 25 now.
+#     the way to its paths and below them (Region), from its path set (LayerPaths, read
+#     once: at 10,000 layers an undo walked every layer above it at each undo, ~200 ms),
+#     and a path's version is the one of the topmost lower that holds it, absent under a
+#     whiteout, a non-folder or an opaque folder above.  That is all overlay does with
+#     index, metacopy and redirect_dir off (merged layers stand on the same fact), and a
+#     fresh overlay of 100 lowers costs a lookup in each of them per path: the answer for
+#     100 copies took 81 ms so, 25 now.
 #     Only the writes mount the view now (upper_put reads folders' modes through it).
 
 UNDO_ANSWER_WAIT = 2.0      # seconds an undo's answer waits for its revert to name paths

@@ -456,11 +456,13 @@ def test_side_by_side_past_128_tasks_and_the_kernels_500_lowers() -> None:
         assert g.file("home", "n1") == b"1\n" and g.file("home", "n600") == b"600\n"
 
 
-def test_kill_during_a_merge_and_while_a_conflict_waits() -> None:
-    """gurtd killed while a merge is written into the task's layer: after the restart the
-    task is failed and the view is the earlier task's alone; killed while a conflict waits:
-    the task is failed too, its approval denied."""
-    with running_gurtd({"GURT_TEST_CRASH_AT": "finish-merge-half-written"}) as g:
+@pytest.mark.parametrize("point", ["finish-merge-half-written", "merge-temp-written"])
+def test_kill_during_a_merge_and_while_a_conflict_waits(point: str) -> None:
+    """gurtd killed while a merge is written into the task's layer (after a file, or
+    between a file's temp and its rename): after the restart the task is failed, no temp
+    is left in a layer or beside them, and the view is the earlier task's alone; killed
+    while a conflict waits: the task is failed too, its approval denied."""
+    with running_gurtd({"GURT_TEST_CRASH_AT": point}) as g:
         put(g, "a.txt", lines(20))
         put(g, "b.txt", lines(20))
         a = gated(g, "sed -i 's/^line 2$/A/' a.txt b.txt")
@@ -468,11 +470,16 @@ def test_kill_during_a_merge_and_while_a_conflict_waits() -> None:
         assert end(g, b)["state"] == "done"
         g.api("POST", f"/api/approvals/{gate(g, a)['id']}/answer", {"answer": "go"})
         assert g.proc is not None and g.proc.wait(timeout=30) == 137
+        layers = os.path.join(g.home, "layers")
+        assert point != "merge-temp-written" or \
+            [n for n in os.listdir(layers) if n.startswith(G.MERGE_TEMP)], "no temp written"
         g.proc = None
         g.env.pop("GURT_TEST_CRASH_AT")
         g.start()
         task = g.task(a)
         assert task["state"] == "failed" and "restarted" in task["error"]
+        assert [n for top, dirs, files in os.walk(layers) for n in dirs + files
+                if n.startswith((G.MERGE_TEMP, ".gurt-merge-"))] == []
         want = lines(20).replace("line 19\n", "B\n").encode()
         assert g.file("home", "a.txt") == want and g.file("home", "b.txt") == want
         c, approval = conflict_story(g, "echo c > f.txt", "echo d > f.txt")
@@ -480,29 +487,6 @@ def test_kill_during_a_merge_and_while_a_conflict_waits() -> None:
         assert g.task(c)["state"] == "failed"
         assert g.api("GET", f"/api/approvals/{approval['id']}")["state"] == "denied"
         assert g.file("home", "f.txt") == b"d\n"
-
-
-def test_kill_while_a_merged_file_is_written_leaves_no_temp() -> None:
-    """gurtd killed between a merged file's temp and its rename: after the restart the task
-    is failed and no temp is left in any layer or beside them (the start throws it away)."""
-    with running_gurtd({"GURT_TEST_CRASH_AT": "merge-temp-written"}) as g:
-        put(g, "a.txt", lines(20))
-        a = gated(g, "sed -i 's/^line 2$/A/' a.txt")
-        b = gated(g, "sed -i 's/^line 19$/B/' a.txt")
-        assert end(g, b)["state"] == "done"
-        g.api("POST", f"/api/approvals/{gate(g, a)['id']}/answer", {"answer": "go"})
-        assert g.proc is not None and g.proc.wait(timeout=30) == 137
-        layers = os.path.join(g.home, "layers")
-        temps = [n for n in os.listdir(layers) if n.startswith(G.MERGE_TEMP)]
-        assert temps, "the crash point is before the rename: a temp was written"
-        g.proc = None
-        g.env.pop("GURT_TEST_CRASH_AT")
-        g.start()
-        assert g.task(a)["state"] == "failed"
-        left = [os.path.join(top, n) for top, dirs, files in os.walk(layers)
-                for n in dirs + files if n.startswith((G.MERGE_TEMP, ".gurt-merge-"))]
-        assert left == []
-        assert g.file("home", "a.txt") == lines(20).replace("line 19\n", "B\n").encode()
 
 
 def test_a_conflict_waiting_for_a_person_holds_no_running_place(gurtd: Gurtd) -> None:
