@@ -5704,6 +5704,7 @@ class LayerStack:
         self.gen = 0
         self.groups: dict[str, dict[str, int]] = {}   # workspace -> task id -> group
         self.ever: dict[str, list[str]] = {}     # workspace -> its ever-done ids, in order
+        self.wanted_at: dict[str, tuple[list[str], dict[str, int], dict[int, list[str]]]] = {}
 
     def record_path(self, name: str) -> str:
         return os.path.join(self.dir, name + ".json")
@@ -5757,20 +5758,26 @@ class LayerStack:
         """Each group's members as they should be merged now: its layers in the stack (in
         finish order, newest first, as every stack is).  There the group numbers never rise
         (the ungrouped newest lead), so each group's run is found by binary search: a few
-        steps per group, not a look-up per layer."""
+        steps per group (a run is at most a group long), not a look-up per layer.  Kept for
+        the same stack and groups (an undo's merges and collection both ask)."""
         group_of = self.groups.get(workspace, {})
+        cached = self.wanted_at.get(workspace)
+        if cached is not None and cached[0] is stack and cached[1] is group_of:
+            return cached[2]
         top = len(group_of)                    # above every group's number: the ungrouped
 
         def key(task_id: str) -> int:
             return -group_of.get(task_id, top)
 
         out: dict[int, list[str]] = {}
-        i = bisect.bisect_right(stack, -top, key=key)
+        ungrouped = len(self.ever.get(workspace, [])) - len(group_of)     # they lead
+        i = bisect.bisect_right(stack, -top, 0, max(0, min(len(stack), ungrouped)), key=key)
         while i < len(stack):
             g = group_of[stack[i]]
-            j = bisect.bisect_right(stack, -g, i, len(stack), key=key)
+            j = bisect.bisect_right(stack, -g, i, min(len(stack), i + self.group), key=key)
             out[g] = stack[i:j]
             i = j
+        self.wanted_at[workspace] = (stack, group_of, out)
         return out
 
     def due(self, workspace: str, stack: list[str]) -> list[tuple[int, list[str]]]:
@@ -5816,11 +5823,16 @@ def trash_name(path: str) -> str:
 
 
 def trash_sweep(directory: str) -> None:
-    """At start: delete what a crash left under trash or temp names in directory."""
+    """At start: delete what a crash left under trash or temp names in directory (folders,
+    or the finish-time merge's files: upper_put)."""
     for name in os.listdir(directory):
         if name.startswith(MERGE_TEMP):
             log(4, f"reconcile: deleting the leftover {name} in {directory}")
-            tree_remove(os.path.join(directory, name))
+            path = os.path.join(directory, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                tree_remove(path)
+            else:
+                os.unlink(path)
 
 
 STACK_INLINE = 32                    # a task's layers up to this many stay in its own file
@@ -5876,10 +5888,16 @@ class StackStore:
         return self.lists[ref]
 
 
+MERGE_SUPERSEDED = "superseded"      # a build dropped before it began (Merger.drop)
+
+
 class Merger:
     """The thread that builds merged layers, one at a time, never on the loop.  A job is
     (merged layer, source paths); done(merged, error) is called on the thread when it ends
-    (Box hands it to the loop).  The build goes to a temp name and is renamed into place."""
+    (Box hands it to the loop).  The build goes to a temp name and is renamed into place.
+    A build the loop dropped before it began ends with MERGE_SUPERSEDED: a burst of undos
+    in one group asks for a generation at each, and only the last is still wanted (each
+    build of 128 layers takes ~60 ms of the interpreter from every other thread)."""
 
     def __init__(self, home: str, done: Callable[[MergedLayer, str | None], None]) -> None:
         self.dir = os.path.join(home, MERGED_DIR)
@@ -5887,6 +5905,7 @@ class Merger:
         self.jobs: queue.Queue[tuple[MergedLayer, list[str]] | str | None] = queue.Queue()
         self.thread: threading.Thread | None = None
         self.stopping = False
+        self.dropped: set[str] = set()           # names the loop dropped (set, add: atomic)
 
     def start(self) -> None:
         self.stopping = False
@@ -5904,6 +5923,10 @@ class Merger:
 
     def submit(self, merged: MergedLayer, sources: list[str]) -> None:
         self.jobs.put((merged, sources))
+
+    def drop(self, name: str) -> None:
+        """Loop: a build not wanted any more is not begun (it may have begun already)."""
+        self.dropped.add(name)
 
     def remove(self, path: str) -> None:
         """Delete a tree that nothing reads any more, off the loop (undo must answer at once
@@ -5926,13 +5949,15 @@ class Merger:
                 continue                         # the jobs left are planned again at start
             merged, sources = job
             temp = os.path.join(self.dir, MERGE_TEMP + merged.name)
-            error = None
+            error = MERGE_SUPERSEDED if merged.name in self.dropped else None
+            self.dropped.discard(merged.name)
             try:
-                tree_remove(temp)
-                merge_layers(sources, temp, "merge-half-built")
-                os.rename(temp, os.path.join(self.dir, merged.name))
-                fsync_dir(self.dir)
-                crash_point("merge-renamed")
+                if error is None:
+                    tree_remove(temp)
+                    merge_layers(sources, temp, "merge-half-built")
+                    os.rename(temp, os.path.join(self.dir, merged.name))
+                    fsync_dir(self.dir)
+                    crash_point("merge-renamed")
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 with contextlib.suppress(OSError):
@@ -6126,6 +6151,9 @@ class Views:
             key = (workspace, group, tuple(members))
             if key in busy or key in self.merge_failed:
                 continue
+            for old in self.merging.values():     # for members the group no longer has
+                if (old.workspace, old.group) == (workspace, group):
+                    self.merger.drop(old.name)
             merged = MergedLayer(self.layerstack.new_name(workspace, group), workspace, group,
                                  members)
             self.merging[merged.name] = merged
@@ -6138,6 +6166,8 @@ class Views:
     def merge_built(self, merged: MergedLayer, error: str | None) -> None:
         """Loop: record a merged layer that was built (then views use it), or log why not."""
         self.merging.pop(merged.name, None)
+        if error == MERGE_SUPERSEDED:
+            return
         if error is None:
             try:
                 self.layerstack.record(merged)
@@ -6153,6 +6183,7 @@ class Views:
             return
         log(6, f"merged layer {merged.name}: {len(merged.members)} layers of "
                f"{merged.workspace} in one")
+        self.box.finish_merge.warm(merged, os.path.join(self.layerstack.dir, merged.name))
         self.publish_layers(merged.workspace)
         self.drop_view(merged.workspace)
         self.gc_layers()
@@ -6162,12 +6193,13 @@ class Views:
         """Delete the files of undone tasks' layers that no running task's view uses, and
         the merged layers that match no group any more and that no running task's view and
         no cached view uses (a merge in progress keeps its sources)."""
-        in_use: set[str] = set()
+        asked = set(self.undone_layers)       # in use is asked of these alone: 10,000 ids
+        in_use: set[str] = set()              # of each running task's stack are not copied
         pinned: set[str] = set()              # lowers of views in use, relative to BOX_HOME
         for task_id in list(self.task_lowers):  # every task that ran was pinned before it did
             t = self.box.task(task_id)
             if t is not None and t.state in ("running", "waiting"):
-                in_use.update(t.layers)
+                in_use.update(asked.intersection(t.layers))
                 in_use.add(t.id)
                 pinned.update(self.task_lowers[t.id])
             else:
@@ -6175,9 +6207,9 @@ class Views:
         with self.lock:
             for key, _ in self.open_views.values():
                 pinned.update(key)
-        self.box.finish_merge.pin(in_use, pinned)
+        self.box.finish_merge.pin(in_use, pinned, asked)
         for merged in self.merging.values():
-            in_use.update(merged.members)
+            in_use.update(asked.intersection(merged.members))
         for name in sorted({m.workspace for m in self.layerstack.merged.values()}):
             unused = self.layerstack.unused(name, self.stack_ids(name), pinned)
             if unused:
@@ -6282,6 +6314,7 @@ class Views:
 
 MERGE_MAX_BYTES = 8 << 20            # a file larger than this is a conflict, never merged
 MERGE_HELD_BYTES = 64 << 20          # merged texts one check holds in memory at most
+DIGEST_MAX_BYTES = 256 << 20         # data of one version hashed at most (~0.5 s of sha256)
 MERGE_TIMEOUT = 10.0                 # seconds git merge-file may run for one file
 MERGE_MEMORY = 1 << 30               # its address space (prlimit --as): 1,000,000 lines
                                      # of a file changed both ways take ~400 MB
@@ -6335,11 +6368,14 @@ def file_digest(f: io.BufferedReader, st: os.stat_result, keep: int) -> tuple[st
     a task's 1 TiB file of holes is hashed in microseconds, not hours of zeros (the merge
     thread is every task's).  The extents' places are hashed with their bytes, so the same
     bytes laid out with other holes count as another version: a conflict, never a loss.  A
-    file past ARCHIVE_EXTENTS extents is a version of its own (equal to nothing)."""
+    file past ARCHIVE_EXTENTS extents or DIGEST_MAX_BYTES of data is a version of its own
+    (equal to nothing: cannot say, so a conflict), not minutes of the thread per dense GB."""
     digest, chunks = hashlib.sha256(), []
     try:
         extents = data_extents(f.fileno(), st) if st.st_size > keep else None
     except TooFragmented:
+        return "unique:" + secrets.token_hex(16), None
+    if (st.st_size if extents is None else sum(extents[1::2])) > DIGEST_MAX_BYTES:
         return "unique:" + secrets.token_hex(16), None
     if extents is None:
         while chunk := f.read(1 << 20):
@@ -6710,7 +6746,10 @@ def upper_put(upper_fd: int, path: str, write: tuple[Any, ...], view_fd: int,
     target); ("absent",) a whiteout; ("view",) the view's version (the layer's entry dropped,
     or the view's file copied where a folder above is opaque).  Not synced: its caller
     syncs the layer's file system once after all its writes (one syncfs, not two fsyncs a
-    file: 100 reverted files took 1.4 s so), before anything takes the layer as written."""
+    file: 100 reverted files took 1.4 s so), before anything takes the layer as written.
+    A file is written under a temp name in BOX_HOME/layers (upper_fd is layers/<id>/upper:
+    the same file system), then renamed into place: a kill -9 between leaves the temp
+    where the start throws temps away (trash_sweep), never a file in a layer."""
     fd, opaque = upper_parent(upper_fd, path, view_fd, store)
     name = path.rpartition("/")[2]
     try:
@@ -6734,23 +6773,28 @@ def upper_put(upper_fd: int, path: str, write: tuple[Any, ...], view_fd: int,
                 os.mknod(name, stat.S_IFCHR, os.makedev(0, 0), dir_fd=fd)   # a whiteout
             os.chown(name, *store, dir_fd=fd, follow_symlinks=False)
             return
-        temp = f".gurt-merge-{secrets.token_hex(4)}"
-        out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                      0o600, dir_fd=fd)
+        temps = os.open("../..", DIR_FLAGS, dir_fd=upper_fd)
+        temp = f"{MERGE_TEMP}merge-{secrets.token_hex(8)}"
         try:
-            if write[0] == "copy":
-                view_copy(view_fd, path, out)
-            else:
-                with os.fdopen(os.dup(out), "wb") as f:
-                    f.write(write[1])
-            os.fchown(out, *store)
-            os.fchmod(out, write[-1] & ~SETID_BITS)   # as every finished layer
-        except BaseException:
-            os.unlink(temp, dir_fd=fd)                # no temp left in a layer
-            raise
+            out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                          os.O_CLOEXEC, 0o600, dir_fd=temps)
+            try:
+                if write[0] == "copy":
+                    view_copy(view_fd, path, out)
+                else:
+                    with os.fdopen(os.dup(out), "wb") as f:
+                        f.write(write[1])
+                os.fchown(out, *store)
+                os.fchmod(out, write[-1] & ~SETID_BITS)   # as every finished layer
+                crash_point("merge-temp-written")         # a test's kill -9 before the rename
+                os.rename(temp, name, src_dir_fd=temps, dst_dir_fd=fd)
+            except BaseException:
+                os.unlink(temp, dir_fd=temps)             # no temp left behind
+                raise
+            finally:
+                os.close(out)
         finally:
-            os.close(out)
-        os.rename(temp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            os.close(temps)
     finally:
         os.close(fd)
 
@@ -6815,38 +6859,63 @@ def layer_empty(upper: str) -> bool:
         return False
 
 
-def layer_paths(upper: str) -> dict[str, int] | None:
-    """A layer's path set, for a check's first look (no view opened): each entry's path ->
-    the mode of a folder that is not opaque, or -1 (a file, symlink, whiteout or opaque
-    folder: what hides the layers below).  An upper holds the folders above its entries, so
-    two layers whose changes touch (one path, or one a folder above the other) both hold a
-    path.  None (unknown: views decide) past LAYER_PATHS_MAX entries, or if a folder could
-    not be read (a set that lacks a path would hide a conflict)."""
+PATH_HIDES, PATH_WHITEOUT, PATH_OPAQUE = -1, -2, -3   # a path set's tags, beside a
+#                                                      plain folder's mode (>= 0)
+
+
+def layer_entries(root: str | int, within: Callable[[str], bool] | None = None,
+                  most: int | None = None) -> dict[str, int]:
+    """A layer's entries by path: the mode of a folder that is not opaque, PATH_OPAQUE,
+    PATH_WHITEOUT or PATH_HIDES (any other entry); all, or those within takes (a folder it
+    does not take is not listed: a walk for a few paths opens only the folders on their
+    way).  An upper holds the folders above its entries.  One walk, no symlink followed;
+    OSError if a folder cannot be read or went meanwhile, EFBIG past `most` entries or
+    CHANGES_MAX_BYTES of paths, found while a folder is read, before all its names are
+    held (a task's folder of millions of names costs the merge thread nothing)."""
     out: dict[str, int] = {}
-    folders = listed = 0
+    room = [most if most is not None else sys.maxsize, CHANGES_MAX_BYTES]
+    counts = [0, 0]                           # folders listed, folders entered
 
     def names(folder: WalkDir) -> list[str]:
-        nonlocal listed
-        listed += 1
-        return sorted(os.listdir(folder.fds[0]))
+        counts[0] += 1
+        prefix, found = folder.path() + "/" if folder.up is not None else "", []
+        with os.scandir(folder.fds[0]) as entries:
+            for item in entries:
+                if within is None or within(prefix + item.name):
+                    room[0], room[1] = room[0] - 1, room[1] - len(prefix) - len(item.name)
+                    if room[0] < 0 or room[1] < 0:
+                        raise OSError(errno.EFBIG, "too many entries in one layer")
+                    found.append(item.name)
+        return sorted(found)
 
     def entry(folder: WalkDir, name: str) -> list[int] | None:
-        nonlocal folders
-        st = _entry(folder.fds[0], name) if folders >= 0 else None
-        if st is None or len(out) >= LAYER_PATHS_MAX:
-            folders = -1                         # never equal to listed: unknown
-            return None
-        is_dir = stat.S_ISDIR(st.st_mode)
-        plain = is_dir and not _opaque_child(folder.fds[0], name)
-        out[folder.path(name)] = stat.S_IMODE(st.st_mode) if plain else -1
-        folders += is_dir
-        return [0] if is_dir else None
+        st = _entry(folder.fds[0], name)
+        if st is None:
+            raise OSError(errno.ENOENT, f"{folder.path(name)} went while listed")
+        if stat.S_ISDIR(st.st_mode):
+            counts[1] += 1
+            opaque = _opaque_child(folder.fds[0], name)
+            out[folder.path(name)] = PATH_OPAQUE if opaque else stat.S_IMODE(st.st_mode)
+            return [0]
+        out[folder.path(name)] = PATH_WHITEOUT if is_whiteout(st) else PATH_HIDES
+        return None
 
+    walk([root], entry, names=names)
+    if counts[0] != counts[1] + 1:            # + 1: the root; one not entered went
+        raise OSError(errno.ENOENT, "a folder of the layer went while listed")
+    return out
+
+
+def layer_paths(upper: str) -> dict[str, int] | None:
+    """A layer's path set, for a check's first look and an undo's reads (no view opened):
+    its entries (layer_entries: two layers whose changes touch, one path or one a folder
+    above the other, both hold a path).  None (unknown: views or a walk decide) past
+    LAYER_PATHS_MAX entries, or if a folder could not be read (a set that lacks a path
+    would hide a conflict)."""
     try:
-        walk([upper], entry, names=names)
+        return layer_entries(upper, most=LAYER_PATHS_MAX)
     except OSError:
         return None
-    return out if listed == folders + 1 else None          # + 1: the upper itself
 
 
 def paths_meet(mine: dict[str, int] | None, theirs: dict[str, int] | None) -> bool:
@@ -6942,7 +7011,8 @@ class FinishMerge:
         self.box = box
         self.held: dict[str, HeldTask] = {}
         self.cleared: set[str] = set()
-        self.reading: dict[str, tuple[set[str], list[str]]] = {}   # by job: layers, plans
+        self.reading: dict[str, tuple[set[str] | list[str], list[str]]] = {}  # by job:
+        #                                                                   layers, plans
         self.undoing: dict[str, UndoJob] = {}          # undone task -> its job in flight
         self.jobs: queue.Queue[Callable[[], None]] = queue.Queue()
         self.thread: threading.Thread | None = None
@@ -6961,10 +7031,11 @@ class FinishMerge:
         self.check(task)
         return True
 
-    def pin(self, in_use: set[str], pinned: set[str]) -> None:
-        """gc_layers: the layers (ids) and merged layers (paths) jobs still read."""
+    def pin(self, in_use: set[str], pinned: set[str], asked: set[str]) -> None:
+        """gc_layers: the layers (those of asked: ids) and merged layers (paths) jobs still
+        read."""
         for ids, paths in self.reading.values():
-            in_use.update(ids)
+            in_use.update(asked.intersection(ids))
             pinned.update(paths)
 
     def drop(self, task_id: str) -> None:
@@ -7046,10 +7117,23 @@ class FinishMerge:
             with contextlib.suppress(OSError):        # the loop is gone (stopping)
                 box.loop.post(box.loop.guard, job.task_id, then, job, result, error)
 
+        self.put(run)
+
+    def put(self, run: Callable[[], None]) -> None:
         if self.thread is None or not self.thread.is_alive():
             self.thread = threading.Thread(target=self.run, name="finish-merge", daemon=True)
             self.thread.start()
         self.jobs.put(run)
+
+    def warm(self, merged: MergedLayer, path: str) -> None:
+        """A merged layer was recorded: the thread reads its path set now, not the next undo
+        (which reads every merged layer above the undone task: the first one, all of them)."""
+        def run() -> None:
+            try:
+                self.paths.of(f"{MERGED_DIR}/{merged.name}", path)
+            except Exception as exc:            # the thread is every task's: never its end
+                log(3, f"merged layer {merged.name}: its path set: {exc}")
+        self.put(run)
 
     def run(self) -> None:
         while True:
@@ -7179,9 +7263,8 @@ class FinishMerge:
             f"workspaces/{ws}", len(on_top),
             {p: layerstack.merged[p.partition("/")[2]].members for p in on_top
              if p.startswith(MERGED_DIR + "/")}, stack)
-        self.reading["undo " + task.id] = (set(stack) | {task.id},
-                                           job.top + job.below + job.now)
-        self.submit(job, self.reverted, lambda tmp: run_undo(job, box, tmp))
+        self.reading["undo " + task.id] = (stack + [task.id], job.top + job.below + job.now)
+        self.submit(job, self.reverted, lambda tmp: run_undo(job, box, self.paths, tmp))
 
     def resume(self) -> None:
         """reconcile, before gc_layers: an undo a restart cut short (undone, its revert not
@@ -7196,38 +7279,79 @@ class FinishMerge:
         return job.named if job is not None else None
 
     def reverted(self, job: UndoJob, result: UndoResult | None, error: str | None) -> None:
-        """Loop: the revert layer joins the stack (if the stack is still the one it read),
-        and the undone task's record and log say what was reverted and what was kept."""
-        box, task = self.box, self.box.task(job.task_id)
+        """Loop: the revert layer joins the stack if the stack is still the one it read
+        (else recheck), and the undone task's record and log say what was reverted and
+        what was kept."""
+        task = self.box.task(job.task_id)
+        stack = self.box.views.stack_ids(task.workspace)
+        if self.undoing.get(task.id) is job and error is None and result is not None and \
+                stack != job.stack:
+            return self.recheck(job, result, stack)
         try:
-            if self.undoing.get(task.id) is not job:
-                return
-            if error is None and result is not None and \
-                    box.views.stack_ids(task.workspace) != job.stack:
-                return self.undone(task)             # built again on the stack now
-            layer = None
-            if result is not None and result.staging is not None and error is None:
-                layer = upload_commit(
-                    box, task.workspace, result.staging, f"undo of {task.id}",
-                    f"the exact undo of task {task.id}: its change taken out of the later "
-                    "tasks' copies", "reverted: " + ", ".join(result.reverted))["id"]
-            task.undoMerge = undo_record(result, error, layer)
-            if not job.named.done():
-                job.named.set_result(task.undoMerge)
-            box.save(task)
-            box.append_log(task.id, {"type": "undo", **task.undoMerge, "text": (
-                f"later copies not reverted: {error}" if error is not None else
-                f"reverted in later copies: {', '.join(task.undoMerge['reverted']) or 'none'}"
-                "; kept whole: " + (", ".join(f"{k['path']} (in {k['task']})" for k in
-                                              task.undoMerge["kept"]) or "none"))})
-            box.loop.emit("task", task.to_api())
+            if self.undoing.get(task.id) is job:
+                self.revert_joins(task, job, result, error)
         finally:
             if self.undoing.get(task.id) is job:
                 self.undoing.pop(task.id)
                 self.reading.pop("undo " + task.id, None)
-                box.views.gc_layers()                   # its layer may go now
+                self.box.views.gc_layers()              # its layer may go now
             if result is not None and result.cleanup is not None:
                 result.cleanup.close()            # the staged layer, unless it joined
+
+    def recheck(self, job: UndoJob, result: UndoResult, stack: list[str]) -> None:
+        """The stack changed while a revert was decided (the next undo of a burst does):
+        the thread looks only at the layers that came or went since, by their path sets
+        (LayerPaths); the revert joins if none of them could change it, else it is built
+        again on the stack now (rechecked).  Never built again from the start at each."""
+        old, new = set(job.stack), set(stack)
+        uppers = [(i, os.path.join(self.box.layer_dir(i), "upper")) for i in
+                  [i for i in job.stack if i not in new] + [i for i in stack if i not in old]]
+        region, read, written = result.region, result.read, result.staging is not None
+
+        def work(tmp: str) -> bool:
+            return region is None or any(region.meets(self.paths.of(i, upper), read, written)
+                                         for i, upper in uppers)
+
+        self.submit(job, lambda job, met, error: self.rechecked(job, result, stack,
+                                                                 met is not False or
+                                                                 error is not None), work)
+
+    def rechecked(self, job: UndoJob, result: UndoResult, stack: list[str], met: bool
+                  ) -> None:
+        """Loop: a recheck came back: the revert holds on stack (joins, or is checked again
+        if the stack moved on), or it is built again."""
+        task = self.box.get(job.task_id)
+        if self.undoing.get(task.id) is not job or met:
+            if result.cleanup is not None:
+                result.cleanup.close()
+            if self.undoing.get(task.id) is job:
+                self.undone(task)                    # built again on the stack now
+            return
+        job.stack = stack
+        self.reading["undo " + task.id] = (stack + [task.id], self.reading.get(
+            "undo " + task.id, ([], []))[1])       # the layers a next recheck reads
+        self.reverted(job, result, None)
+
+    def revert_joins(self, task: Task, job: UndoJob, result: UndoResult | None,
+                     error: str | None) -> None:
+        """The revert's layer joins (upload_commit); the record, the log and an event."""
+        box = self.box
+        layer = None
+        if result is not None and result.staging is not None and error is None:
+            layer = upload_commit(
+                box, task.workspace, result.staging, f"undo of {task.id}",
+                f"the exact undo of task {task.id}: its change taken out of the later "
+                "tasks' copies", "reverted: " + ", ".join(result.reverted))["id"]
+        task.undoMerge = undo_record(result, error, layer)
+        if not job.named.done():
+            job.named.set_result(task.undoMerge)
+        box.save(task)
+        box.append_log(task.id, {"type": "undo", **task.undoMerge, "text": (
+            f"later copies not reverted: {error}" if error is not None else
+            f"reverted in later copies: {', '.join(task.undoMerge['reverted']) or 'none'}"
+            "; kept whole: " + (", ".join(f"{k['path']} (in {k['task']})" for k in
+                                          task.undoMerge["kept"]) or "none"))})
+        box.loop.emit("task", task.to_api())
 
 
 # Exact undo: a later task's copy of a file holds the undone task's change too (a layer is
@@ -7254,8 +7378,11 @@ class FinishMerge:
 #     joins a moment later, then the record says `done` with its id).  Only a revert that
 #     takes longer (huge files, a slow disk) answers `checking`: then the record, the log
 #     and a task event name them when it ends.  The loop never waits on either.
-#   - If the stack changed meanwhile the layer is built again; it joins in one step
-#     (renamed, then saved), so a crash leaves no half layer.  A second undo changes
+#   - If the stack changed meanwhile (the next undo of a burst changes it), the layers that
+#     came or went are looked at by their path sets (FinishMerge.recheck, Region.meets):
+#     the revert joins unless one of them holds, hides or changes below a path it decided
+#     or a folder it wrote in; then it is built again.  It joins in one step (renamed,
+#     then saved), so a crash leaves no half layer.  A second undo changes
 #     nothing: it answers what the record holds, or waits on the same job.  A job that
 #     fails says so (state `failed`, its error) in the record, the log and an event.  A
 #     restart before the layer joined takes the undo up again (FinishMerge.resume: an
@@ -7263,11 +7390,13 @@ class FinishMerge:
 #     had joined already is seen as reverted, so it is never reverted twice.
 #   - The versions are read from the layer directories, not through mounted views
 #     (PlanReads): the undone layer is listed whole, every lower of the plans only along
-#     the way to its paths and below them (region_of), and a path's version is the one of
-#     the topmost lower that holds it, absent under a whiteout, a non-folder or an opaque
-#     folder above.  That is all overlay does with index, metacopy and redirect_dir off
-#     (merged layers stand on the same fact), and a fresh overlay of 100 lowers costs a
-#     lookup in each of them per path: the answer for 100 copies took 81 ms so, 25 now.
+#     the way to its paths and below them (Region), from its path set (LayerPaths, read
+#     once: at 10,000 layers an undo walked every layer above it at each undo, ~200 ms),
+#     and a path's version is the one of the topmost lower that holds it, absent under a
+#     whiteout, a non-folder or an opaque folder above.  That is all overlay does with
+#     index, metacopy and redirect_dir off (merged layers stand on the same fact), and a
+#     fresh overlay of 100 lowers costs a lookup in each of them per path: the answer for
+#     100 copies took 81 ms so, 25 now.
 #     Only the writes mount the view now (upper_put reads folders' modes through it).
 
 UNDO_ANSWER_WAIT = 2.0      # seconds an undo's answer waits for its revert to name paths
@@ -7299,6 +7428,8 @@ class UndoResult:
     kept: list[dict[str, str]] = field(default_factory=list)   # {path, task, why}
     staging: str | None = None
     cleanup: contextlib.ExitStack | None = None
+    region: Region | None = None     # what it read: the paths and the folders on their way,
+    read: set[str] = field(default_factory=set)   # those whose versions it compared
 
 
 def undo_record(result: UndoResult | None, error: str | None, layer: str | None
@@ -7353,35 +7484,6 @@ def revert_write(base: Version, ours: Version, theirs: Version, tmp: str
     return ("text", merged, ours.mode if ours.mode != base.mode else theirs.mode), None
 
 
-def layer_entries(root: str | int, within: Callable[[str], bool] | None = None
-                  ) -> dict[str, str]:
-    """A layer's entries by path: "whiteout", "opaque" (a folder hiding what is below it),
-    "folder", or "entry" (any other); all, or those within takes (a folder it does not take
-    is not listed: a walk for a few paths opens only the folders on their way).  One walk,
-    no symlink followed, at most CHANGES_MAX_BYTES of paths (OSError EFBIG past it)."""
-    out: dict[str, str] = {}
-    size = 0
-
-    def entry(folder: WalkDir, name: str) -> list[int] | None:
-        nonlocal size
-        path = folder.path(name)
-        st = _entry(folder.fds[0], name) if within is None or within(path) else None
-        if st is None:
-            return None
-        size += len(path)
-        if size > CHANGES_MAX_BYTES:
-            raise OSError(errno.EFBIG, f"more than {CHANGES_MAX_BYTES >> 20} MiB of paths "
-                                       "in one layer")
-        if stat.S_ISDIR(st.st_mode):
-            out[path] = "opaque" if _opaque_child(folder.fds[0], name) else "folder"
-            return [0]
-        out[path] = "whiteout" if is_whiteout(st) else "entry"
-        return None
-
-    walk([root], entry)
-    return out
-
-
 @dataclass
 class PlanShown:
     """A view of a plan as PlanReads knows it: each path's first lower that holds it, and
@@ -7392,37 +7494,79 @@ class PlanShown:
     hiding: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class Region:
+    """The paths a revert of mine reads: mine (marked), the folders on their way, all below
+    them."""
+
+    marked: set[str]
+    way: set[str]
+    near: set[str]                   # marked and way
+
+    @classmethod
+    def of(cls, mine: list[str]) -> "Region":
+        marked = set(mine)
+        way = {a for p in marked for a in _parents(p)}
+        return cls(marked, way, marked | way)
+
+    def within(self, path: str) -> bool:
+        return path in self.near or any(a in self.marked for a in _parents(path))
+
+    def entries(self, paths: dict[str, int]) -> dict[str, int]:
+        """A layer's path set within the region (what layer_entries lists with within),
+        by look-ups of the region's paths or a pass over the set, whichever is shorter;
+        below a marked path only where the layer has a folder there."""
+        if len(paths) <= len(self.near):
+            return {p: tag for p, tag in paths.items() if self.within(p)}
+        out = {p: paths[p] for p in self.near if p in paths}
+        if any(out.get(p, PATH_HIDES) >= 0 or out.get(p) == PATH_OPAQUE for p in self.marked):
+            out.update((p, tag) for p, tag in paths.items() if p not in out and
+                       any(a in self.marked for a in _parents(p)))
+        return out
+
+    def meets(self, paths: dict[str, int] | None, read: set[str], written: bool) -> bool:
+        """Could a layer of this path set (None: unknown), gained or lost by the stack,
+        change what a revert decided (read: the paths whose versions it compared) or wrote
+        (written: its folders take the modes the view shows)?  Only by an entry within the
+        region that is marked, read, hides what is below it, or a folder it wrote in."""
+        return paths is None or any(p in self.marked or p in read or tag < 0 or written
+                                    for p, tag in self.entries(paths).items())
+
+
 class PlanReads:
     """The versions of paths in views of plans, read straight from the layer directory
     that shows each one, not through mounted views (exact undo, below).  Each layer is
-    listed once, only within the region of the paths asked about (region_of).  The merge
-    thread's, for one job."""
+    listed once, only within the region of the paths asked about: from its path set
+    (LayerPaths, kept across jobs: a done layer is never written again) when it has one,
+    else by a walk of the region.  The merge thread's, for one job."""
 
-    def __init__(self, home_fd: int, workspace_dir: str, within: Callable[[str], bool]
+    def __init__(self, home: str, workspace_dir: str, region: Region, paths: LayerPaths
                  ) -> None:
-        self.home_fd, self.within = home_fd, within
-        self.listings: dict[str, dict[str, str]] = {}    # by plan entry (BOX_HOME-relative)
+        self.home, self.region, self.paths = home, region, paths
+        self.listings: dict[str, dict[str, int]] = {}    # by plan entry (BOX_HOME-relative)
         self.fds: dict[str, int] = {}
-        self.base = os.open(workspace_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC,
-                            dir_fd=home_fd)
+        self.base = os.open(os.path.join(home, workspace_dir),
+                            os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
 
     def fd(self, layer: str) -> int:
         if layer not in self.fds:
-            self.fds[layer] = os.open(layer, DIR_FLAGS, dir_fd=self.home_fd)
+            self.fds[layer] = os.open(os.path.join(self.home, layer), DIR_FLAGS)
         return self.fds[layer]
 
-    def listed(self, layer: str) -> dict[str, str]:
+    def listed(self, layer: str) -> dict[str, int]:
         if layer not in self.listings:
-            self.listings[layer] = layer_entries(self.fd(layer), self.within)
+            known = self.paths.of(paths_key(layer), os.path.join(self.home, layer))
+            self.listings[layer] = self.region.entries(known) if known is not None else \
+                layer_entries(self.fd(layer), self.region.within)
         return self.listings[layer]
 
     def shown(self, plan: list[str]) -> PlanShown:
         """What the view of plan (newest first) shows, for version()."""
         shown = PlanShown(plan)
         for n, layer in enumerate(plan):
-            for path, kind in self.listed(layer).items():
+            for path, tag in self.listed(layer).items():
                 shown.held.setdefault(path, n)
-                if kind != "folder":                 # a non-folder or an opaque one
+                if tag < 0:                          # a non-folder or an opaque one
                     shown.hiding.setdefault(path, n)
         return shown
 
@@ -7433,7 +7577,7 @@ class PlanReads:
             return Version("absent")                 # a folder on its way is hidden above
         if n == len(shown.plan):
             return view_version(self.base, path, MERGE_MAX_BYTES)
-        if self.listed(shown.plan[n])[path] == "whiteout":
+        if self.listed(shown.plan[n])[path] == PATH_WHITEOUT:
             return Version("absent")
         return view_version(self.fd(shown.plan[n]), path, MERGE_MAX_BYTES)
 
@@ -7442,12 +7586,10 @@ class PlanReads:
             os.close(fd)
 
 
-def region_of(mine: list[str]) -> Callable[[str], bool]:
-    """The paths a revert of mine reads: mine, the folders on their way, all below them."""
-    marked = set(mine)
-    way = {a for p in marked for a in _parents(p)}
-    return lambda path: path in marked or path in way or any(a in marked for a in
-                                                              _parents(path))
+def paths_key(layer: str) -> str:
+    """A plan entry's key in LayerPaths: a task's id for its layer, else the entry."""
+    parts = layer.split("/")
+    return parts[1] if parts[0] == "layers" else layer
 
 
 def undo_holder(job: UndoJob, reads: PlanReads, holders: dict[str, str], path: str) -> str:
@@ -7459,12 +7601,12 @@ def undo_holder(job: UndoJob, reads: PlanReads, holders: dict[str, str], path: s
     held, layer = found
     for task_id in job.merged.get(layer, []):
         with contextlib.suppress(OSError):
-            if reads.listed(lower_layer_paths([task_id])[0]).get(held, "folder") != "folder":
+            if reads.listed(lower_layer_paths([task_id])[0]).get(held, 0) < 0:
                 return task_id
     return job.merged[layer][0] if layer in job.merged else layer.split("/")[1]
 
 
-def run_undo(job: UndoJob, box: "Box", tmp: str) -> UndoResult:
+def run_undo(job: UndoJob, box: "Box", paths: LayerPaths, tmp: str) -> UndoResult:
     """The thread: the undone task's paths that layers above it touch, each reverted in a
     staged layer of its own, or named as kept whole.  The paths are decided from the
     layers themselves (PlanReads); only the revert's writes mount the view now."""
@@ -7473,25 +7615,27 @@ def run_undo(job: UndoJob, box: "Box", tmp: str) -> UndoResult:
     reads: PlanReads | None = None
     view_fd = -1
     try:
-        own = layer_entries(job.upper)
-        mine = [path for path, kind in own.items() if kind != "folder"]
-        reads = PlanReads(home_fd, job.workspace_dir, region_of(mine))
+        own = paths.of(job.task_id, job.upper)
+        own = own if own is not None else layer_entries(job.upper)
+        mine = [path for path, tag in own.items() if tag < 0]
+        reads = PlanReads(box.path(), job.workspace_dir, Region.of(mine), paths)
         reads.listings[lower_layer_paths([job.task_id])[0]] = own
         holders: dict[str, str] = {}                 # path -> the lower above that holds it
         for layer in job.now[:job.above] if mine else []:      # newest first: the holder
-            for path, kind in reads.listed(layer).items():
-                if kind != "folder":
+            for path, tag in reads.listed(layer).items():
+                if tag < 0:
                     holders.setdefault(path, layer)
         writes: dict[str, tuple[Any, ...]] = {}
         views = [reads.shown(plan) for plan in (job.top, job.now, job.below)]
         for path in touched(mine, list(holders)):
+            result.read.add(path)
             write, why = revert_write(*(reads.version(view, path) for view in views), tmp)
             if write is not None:
                 writes[path] = write
             elif why is not None:
                 result.kept.append({"path": path, "task": undo_holder(job, reads, holders,
                                                                       path), "why": why})
-        result.reverted = sorted(writes)
+        result.reverted, result.region = sorted(writes), reads.region
         job.named.set_result(undo_record(result, None, None))   # the answer names them now
         if writes:
             result.cleanup = contextlib.ExitStack()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import errno
 import http.client
 import io
 import json
@@ -17,7 +18,8 @@ import random
 import stat
 import tarfile
 import time
-from concurrent.futures import Future
+import tracemalloc
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -170,13 +172,77 @@ def test_path_sets_meet_only_where_a_check_could_find_something(tmp_path: Any,
     assert G.paths_meet(mine, G.layer_paths(str(layer("mode", ["src/c.py"], {"src": 0o700}))))
     gone = layer("gone", [])
     os.mknod(gone / "src", 0o600 | stat.S_IFCHR, os.makedev(0, 0))      # a whiteout
-    assert G.layer_paths(str(gone)) == {"src": -1} and G.paths_meet(mine, {"src": -1})
+    assert G.layer_paths(str(gone)) == {"src": G.PATH_WHITEOUT} and G.paths_meet(mine, {"src": -1})
     opaque = layer("opaque", ["src/new.py"], {"src": 0o755})
     os.setxattr(opaque / "src", "trusted.overlay.opaque", b"y")
     assert G.paths_meet(mine, G.layer_paths(str(opaque)))
     monkeypatch.setattr(G, "LAYER_PATHS_MAX", 2)
     assert G.layer_paths(str(tmp_path / "mine")) is None
     assert G.paths_meet(None, beside)
+
+
+def test_a_layers_path_set_stops_at_its_cap_while_a_folder_is_read(tmp_path: Any,
+                                                                     monkeypatch: Any) -> None:
+    """A task's folder of 30,000 names: its path set is unknown past LAYER_PATHS_MAX, and a
+    listing past CHANGES_MAX_BYTES of paths fails, each found while the folder is read:
+    never all its names held at once on the merge thread (~5 MB here, gigabytes for a task
+    that makes millions)."""
+    many = tmp_path / "upper" / "many"
+    many.mkdir(parents=True)
+    for i in range(30_000):
+        os.mknod(many / f"a-file-of-the-task-number-{i:06d}")
+    monkeypatch.setattr(G, "LAYER_PATHS_MAX", 100)
+    monkeypatch.setattr(G, "CHANGES_MAX_BYTES", 10_000)
+    for listing in (lambda: G.layer_paths(str(tmp_path / "upper")),
+                    lambda: G.layer_entries(str(tmp_path / "upper"))):
+        tracemalloc.start()
+        try:
+            try:
+                outcome: Any = listing()
+            except OSError as exc:
+                outcome = exc.errno
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert outcome in (None, errno.EFBIG), outcome
+        assert peak < 500_000, f"{peak} bytes held to list a folder past the cap"
+
+
+@pytest.mark.pure
+def test_an_undos_region_meets_only_layers_that_could_change_its_revert() -> None:
+    """A revert of src/a.py and top.txt, checked again once the stack moved: a layer that
+    holds only src (a folder on the way, of the same kind) cannot change what it decided,
+    unless it wrote a file there (the folder's mode) or read src's version; a layer that
+    holds a marked path, hides one, changes one below, or is unknown can."""
+    region = G.Region.of(["src/a.py", "top.txt"])
+    beside = {"src": 0o755, "src/b.py": G.PATH_HIDES}
+    assert region.entries(beside) == {"src": 0o755}
+    assert not region.meets(beside, set(), False) and not region.meets({"x": -1}, set(), False)
+    assert region.meets(beside, set(), True) and region.meets(beside, {"src"}, False)
+    assert region.meets({"top.txt": G.PATH_WHITEOUT}, set(), False)
+    assert region.meets({"src": G.PATH_WHITEOUT}, set(), False)
+    assert region.meets(None, set(), False)
+    below = {"src": 0o755, "src/a.py": G.PATH_OPAQUE, "src/a.py/n": G.PATH_HIDES,
+             **{f"x{i}": G.PATH_HIDES for i in range(10)}}     # past the region's size
+    assert region.entries(below) == {"src": 0o755, "src/a.py": G.PATH_OPAQUE,
+                                     "src/a.py/n": G.PATH_HIDES}
+    assert region.meets(below, set(), False)
+
+
+def test_a_dense_file_past_the_digest_cap_is_a_version_of_its_own(tmp_path: Any,
+                                                                    monkeypatch: Any) -> None:
+    """A dense file past DIGEST_MAX_BYTES is not hashed: each read of it is a version equal
+    to nothing (cannot say: a conflict, never a loss), while a smaller one is compared."""
+    monkeypatch.setattr(G, "DIGEST_MAX_BYTES", 1 << 20)
+    (tmp_path / "big").write_bytes(os.urandom(2 << 20))
+    (tmp_path / "small").write_bytes(os.urandom(1 << 20))
+    fd = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    try:
+        big = [G.view_version(fd, "big") for _ in range(2)]
+        assert [v.kind for v in big] == ["file", "file"] and not big[0].same(big[1])
+        assert G.view_version(fd, "small").same(G.view_version(fd, "small"))
+    finally:
+        os.close(fd)
 
 
 def test_a_task_that_changed_nothing_is_done_without_a_check(gurtd: Gurtd) -> None:
@@ -390,11 +456,13 @@ def test_side_by_side_past_128_tasks_and_the_kernels_500_lowers() -> None:
         assert g.file("home", "n1") == b"1\n" and g.file("home", "n600") == b"600\n"
 
 
-def test_kill_during_a_merge_and_while_a_conflict_waits() -> None:
-    """gurtd killed while a merge is written into the task's layer: after the restart the
-    task is failed and the view is the earlier task's alone; killed while a conflict waits:
-    the task is failed too, its approval denied."""
-    with running_gurtd({"GURT_TEST_CRASH_AT": "finish-merge-half-written"}) as g:
+@pytest.mark.parametrize("point", ["finish-merge-half-written", "merge-temp-written"])
+def test_kill_during_a_merge_and_while_a_conflict_waits(point: str) -> None:
+    """gurtd killed while a merge is written into the task's layer (after a file, or
+    between a file's temp and its rename): after the restart the task is failed, no temp
+    is left in a layer or beside them, and the view is the earlier task's alone; killed
+    while a conflict waits: the task is failed too, its approval denied."""
+    with running_gurtd({"GURT_TEST_CRASH_AT": point}) as g:
         put(g, "a.txt", lines(20))
         put(g, "b.txt", lines(20))
         a = gated(g, "sed -i 's/^line 2$/A/' a.txt b.txt")
@@ -402,11 +470,16 @@ def test_kill_during_a_merge_and_while_a_conflict_waits() -> None:
         assert end(g, b)["state"] == "done"
         g.api("POST", f"/api/approvals/{gate(g, a)['id']}/answer", {"answer": "go"})
         assert g.proc is not None and g.proc.wait(timeout=30) == 137
+        layers = os.path.join(g.home, "layers")
+        assert point != "merge-temp-written" or \
+            [n for n in os.listdir(layers) if n.startswith(G.MERGE_TEMP)], "no temp written"
         g.proc = None
         g.env.pop("GURT_TEST_CRASH_AT")
         g.start()
         task = g.task(a)
         assert task["state"] == "failed" and "restarted" in task["error"]
+        assert [n for top, dirs, files in os.walk(layers) for n in dirs + files
+                if n.startswith((G.MERGE_TEMP, ".gurt-merge-"))] == []
         want = lines(20).replace("line 19\n", "B\n").encode()
         assert g.file("home", "a.txt") == want and g.file("home", "b.txt") == want
         c, approval = conflict_story(g, "echo c > f.txt", "echo d > f.txt")
@@ -910,6 +983,34 @@ def test_random_histories_through_merged_layers(seed: int) -> None:
     merge and the undos read stand mostly on merged layers (rebuilt after every undo)."""
     with running_gurtd({"GURT_LAYER_GROUP": "3", "GURT_LAYER_KEEP": "2"}) as g:
         test_random_histories(g, seed)
+
+
+def test_a_burst_of_undos_while_reverts_are_decided_stays_exact(gurtd: Gurtd) -> None:
+    """Undos at once while a revert is decided: t1's revert (t2's copy of f.txt holds t1's
+    line) joins although the stack moved (the layers that went hold no path of it); then
+    t2's revert under t3's copy, undone at the same moment as t3 (a layer that went holds
+    f.txt: the revert is built again): f.txt is as it was, every other file gone."""
+    put(gurtd, "f.txt", lines(20))
+    t1 = gurtd.run("sed -i 's/^line 3$/three by t1/' f.txt")["id"]
+    t2 = gurtd.run("sed -i 's/^line 17$/17 by t2/' f.txt")["id"]
+    others = [gurtd.run(f"echo {n} > other{n}.txt")["id"] for n in range(4)]
+    t3 = gurtd.run("sed -i 's/^line 10$/10 by t3/' f.txt")["id"]
+
+    def undo_all(ids: list[str]) -> None:
+        with ThreadPoolExecutor(len(ids)) as pool:
+            answers = list(pool.map(lambda i: gurtd.api("POST", f"/api/tasks/{i}/undo"), ids))
+        assert [a["state"] for a in answers] == ["undone"] * len(ids), answers
+        for task_id in ids:
+            eventually(lambda: (gurtd.task(task_id).get("undoMerge") or {}).get("state") ==
+                       "done", 30, f"the revert of {task_id}")
+
+    undo_all([t1, *others])
+    assert gurtd.task(t1)["undoMerge"]["reverted"] == ["f.txt"]
+    assert gurtd.file("home", "f.txt").decode() == lines(20).replace(
+        "line 17\n", "17 by t2\n").replace("line 10\n", "10 by t3\n")
+    undo_all([t2, t3])
+    assert gurtd.file("home", "f.txt").decode() == lines(20)
+    assert [n for n in range(4) if gurtd.file("home", f"other{n}.txt") is not None] == []
 
 
 def test_kill_before_an_undos_revert_joins_takes_it_up_again() -> None:
