@@ -4721,7 +4721,11 @@ class Review:
 
     def undo_request(self, task_id: str, force: bool) -> None:
         """POST /api/tasks/{id}/undo, before the loop's part (Box.undo): a personal task's
-        keeps undone in the review thread (409 if they cannot be)."""
+        keeps undone in the review thread (409 if they cannot be).  The published JSON says
+        whether it has folders (fixed at creation): a workspace task costs no loop round trip."""
+        data = self.box.loop.task_json(task_id)
+        if data is not None and json.loads(data).get("folders") is None:
+            return
         task = self.box.loop.call(self.box.get, task_id)
         if task.folders:
             self.submit(self.undo, task, force).result()
