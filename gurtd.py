@@ -7581,6 +7581,7 @@ class Box:
         self.unsaved: set[str] = set()      # tasks whose (terminal) state is not on disk yet
         self.users_gone: list[str] | None = None   # users on_exits removes together
         self.schedule_due = False           # on_exits schedules once, at its end
+        self.saves_later: list[Task] | None = None   # running saves schedule makes together
         self.schedules = Schedules(self)
         self.jira = Jira(self)
         self.hooks = Hooks(self)
@@ -7708,17 +7709,24 @@ class Box:
         return data
 
     def save(self, task: Task, sync: bool = True) -> None:
-        """Persist and re-render a task after a change; every change moves updatedAt.  A
-        synced save takes state.json along when it changed (one group commit)."""
-        task.updatedAt = now_iso()
-        writes = [json_write(self.task_file(task.id), self.stored(task))]
+        """Persist and re-render a task after a change; every change moves updatedAt."""
+        self.save_all([task], sync)
+
+    def save_all(self, tasks: list[Task], sync: bool = True) -> None:
+        """save of several tasks as one group commit (the syncs of one); a synced save takes
+        state.json along when it changed."""
+        writes = []
+        for task in tasks:
+            task.updatedAt = now_iso()
+            writes.append(json_write(self.task_file(task.id), self.stored(task)))
         with_state = sync and self.state_unsaved
         if with_state:
             writes.append(json_write(self.path("state.json"), self.state))
         atomic_write_all(writes, sync=sync)
         self.state_unsaved = self.state_unsaved and not with_state
-        self.loop.render(task)
-        self.unsaved.discard(task.id)
+        for task in tasks:
+            self.loop.render(task)
+            self.unsaved.discard(task.id)
 
     def append_log(self, task_id: str, entry: dict[str, Any]) -> None:
         entry = {"time": now_iso(), **entry}
@@ -7744,7 +7752,8 @@ class Box:
         durable is it logged and announced, so that a crash can never revise a state someone
         saw.  If it cannot be saved the task is failed in memory with the reason, and the save
         is tried again later (save_unsaved).  Other states log first, so a follower never
-        misses the last line."""
+        misses the last line (a start's running is saved with the others of its schedule,
+        in one group commit: save_started)."""
         task.state = state
         for key, value in fields.items():
             setattr(task, key, value)
@@ -7760,6 +7769,9 @@ class Box:
             entry["error"] = task.error
         try:
             self.append_log(task.id, entry)
+            if state not in TERMINAL_STATES and self.saves_later is not None:
+                self.saves_later.append(task)     # saved and announced with the others
+                return
             if state not in TERMINAL_STATES:
                 self.save(task)
         except OSError as exc:
@@ -7911,8 +7923,27 @@ class Box:
                             key=lambda t: t.seq)
             starting = queued[:max(0, self.settings["maxRunningTasks"] - active)]
         self.users_make(starting, gone or [])
-        for task in starting:
-            self.start_task(task)
+        self.saves_later = []
+        try:
+            for task in starting:
+                self.start_task(task)
+        finally:
+            started, self.saves_later = self.saves_later, None
+            self.save_started(started)
+
+    def save_started(self, tasks: list[Task]) -> None:
+        """The running state of the tasks one schedule started, saved in one group commit
+        (set_state logged it), then announced; if it cannot be saved, they fail."""
+        if not tasks:
+            return
+        try:
+            self.save_all(tasks)
+        except OSError as exc:
+            for task in tasks:
+                self.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
+            return
+        for task in tasks:
+            self.loop.emit("task", task.to_api())
 
     def users_make(self, tasks: list[Task], gone: list[str]) -> None:
         """The users of tasks about to start made (task.uid) and the users gone removed, in
