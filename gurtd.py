@@ -1312,43 +1312,56 @@ def _account_lines(name: str, uid: int, comment: str) -> dict[str, str]:
             "/etc/gshadow": f"{name}:!::"}
 
 
-def _edit_accounts(names: list[str], lines: dict[str, str] | None,
-                   pick_uid: tuple[int, int, int, str] | None = None) -> int:
-    """Replace the entries of names[0] (or with lines None, remove those of every name) under
-    the account lock, in one edit.
+def _edit_accounts(names: list[str], add: list[str] | None = None, hint: int = 0,
+                   comment: str = "") -> list[int]:
+    """Remove the entries of names and make users add (their entries replace any of the
+    same name), under the account lock, in one edit; the uids of add, in its order.
 
-    With pick_uid (first, count, hint, comment) the uid is chosen here, inside the lock: the
-    first from hint on (wrapping in the range) that no account or group has, so that two
-    gurtd instances never share one.
+    Each uid is chosen here, inside the lock, so that two gurtd instances never share one:
+    the first from hint on (wrapping in the task range), after the one before it, that no
+    account or group has.
     """
-    uid = 0
+    uids: list[int] = []
     with _ACCOUNTS_LOCK:
         libc_call("lckpwdf")
         try:
-            if pick_uid is not None:
-                first, count, hint, comment = pick_uid
-                taken = set()
-                for path in ("/etc/passwd", "/etc/group"):
-                    with open(path) as f:
-                        for line in f:
-                            parts = line.split(":")
-                            if len(parts) > 2 and is_digits(parts[2]):
-                                taken.add(int(parts[2]))
-                for i in range(count):
-                    uid = first + (hint - first + i) % count
-                    if uid not in taken:
-                        break
-                else:
-                    raise SysError("allocate uid", errno.ENOSPC, "no free uid in the range")
-                lines = _account_lines(names[0], uid, comment)
-            _accounts_replace(set(names), lines)
+            lines: dict[str, list[str]] = {path: [] for path in ACCOUNT_FILES}
+            taken = _uids_taken() if add else set()
+            for name in add or []:
+                uids.append(_uid_free(taken, hint))
+                taken.add(uids[-1])
+                hint = uids[-1] + 1
+                for path, line in _account_lines(name, uids[-1], comment).items():
+                    lines[path].append(line)
+            _accounts_replace(set(names) | set(add or []), lines)
         finally:
             libc().ulckpwdf()
-    return uid
+    return uids
 
 
-def _accounts_replace(names: set[str], lines: dict[str, str] | None) -> None:
-    """The account files without the entries of names (and with lines), as one group commit:
+def _uids_taken() -> set[int]:
+    """Every uid and gid the account files hold."""
+    taken = set()
+    for path in ("/etc/passwd", "/etc/group"):
+        with open(path) as f:
+            for line in f:
+                parts = line.split(":")
+                if len(parts) > 2 and is_digits(parts[2]):
+                    taken.add(int(parts[2]))
+    return taken
+
+
+def _uid_free(taken: set[int], hint: int) -> int:
+    """The first uid of the task range from hint on (wrapping) that is not taken."""
+    for i in range(UID_COUNT):
+        uid = UID_FIRST + (hint - UID_FIRST + i) % UID_COUNT
+        if uid not in taken:
+            return uid
+    raise SysError("allocate uid", errno.ENOSPC, "no free uid in the range")
+
+
+def _accounts_replace(names: set[str], lines: dict[str, list[str]]) -> None:
+    """The account files without the entries of names and with lines, as one group commit:
     the four temps written, then synced (the first sync commits the journal for all), then
     renamed, then /etc synced once: five syncs where there were eight.  If a rename fails
     after others, those are put back: the four files agree, or none changed."""
@@ -1361,8 +1374,7 @@ def _accounts_replace(names: set[str], lines: dict[str, str] | None) -> None:
             old[path] = f.read()
         before = old[path].decode("utf-8", "surrogateescape").splitlines()
         after = [line for line in before if line.partition(":")[0] not in names]
-        if lines is not None:
-            after.append(lines[path])
+        after += lines.get(path, [])
         if after != before:
             writes.append(_account_write(path, ("\n".join(after) + "\n").encode(
                 "utf-8", "surrogateescape")))
@@ -1402,19 +1414,26 @@ def account_temp_leftovers() -> list[str]:
     return remove_temp_leftovers(["/etc"], only_dead=True, prefixes=names)
 
 
+def users_edit(gone: list[str], add: list[str], hint: int, comment: str) -> list[int]:
+    """Remove users and groups gone and create those of add with free uids (= gids) of the
+    task range, the first from hint on, in one edit (its syncs cost the same however many);
+    an entry of a name in add is replaced.  The uids of add, in its order."""
+    uids = _edit_accounts(gone, add, hint, comment)
+    log(7, f"users_edit: removed {' '.join(gone) or '-'}, added "
+           f"{' '.join(f'{n} ({u})' for n, u in zip(add, uids)) or '-'}")
+    return uids
+
+
 def user_add(name: str, hint: int, comment: str) -> int:
-    """Create user and group `name` with a free uid (= gid) of the task range, the first from
-    hint on; replaces an entry of that name.  Returns the uid."""
-    uid = _edit_accounts([name], None, (UID_FIRST, UID_COUNT, hint, comment))
-    log(7, f"user_add {name} {uid}")
-    return uid
+    """users_edit of one user to create; its uid."""
+    return users_edit([], [name], hint, comment)[0]
 
 
 def user_del(*names: str) -> None:
     """Remove users and groups `names` in one edit (its syncs cost the same however many);
     nothing happens for a name there is none of."""
     log(7, f"user_del {' '.join(names)}")
-    _edit_accounts(list(names), None)
+    _edit_accounts(list(names))
 
 
 def task_users() -> dict[str, int]:
@@ -7728,6 +7747,8 @@ class Box:
         self.done_seq = 0
         self.unsaved: set[str] = set()      # tasks whose (terminal) state is not on disk yet
         self.users_gone: list[str] | None = None   # users on_exits removes together
+        self.schedule_due = False           # on_exits schedules once, at its end
+        self.saves_later: list[Task] | None = None   # running saves schedule makes together
         self.schedules = Schedules(self)
         self.jira = Jira(self)
         self.hooks = Hooks(self)
@@ -7855,17 +7876,24 @@ class Box:
         return data
 
     def save(self, task: Task, sync: bool = True) -> None:
-        """Persist and re-render a task after a change; every change moves updatedAt.  A
-        synced save takes state.json along when it changed (one group commit)."""
-        task.updatedAt = now_iso()
-        writes = [json_write(self.task_file(task.id), self.stored(task))]
+        """Persist and re-render a task after a change; every change moves updatedAt."""
+        self.save_all([task], sync)
+
+    def save_all(self, tasks: list[Task], sync: bool = True) -> None:
+        """save of several tasks as one group commit (the syncs of one); a synced save takes
+        state.json along when it changed."""
+        writes = []
+        for task in tasks:
+            task.updatedAt = now_iso()
+            writes.append(json_write(self.task_file(task.id), self.stored(task)))
         with_state = sync and self.state_unsaved
         if with_state:
             writes.append(json_write(self.path("state.json"), self.state))
         atomic_write_all(writes, sync=sync)
         self.state_unsaved = self.state_unsaved and not with_state
-        self.loop.render(task)
-        self.unsaved.discard(task.id)
+        for task in tasks:
+            self.loop.render(task)
+            self.unsaved.discard(task.id)
 
     def append_log(self, task_id: str, entry: dict[str, Any]) -> None:
         entry = {"time": now_iso(), **entry}
@@ -7891,7 +7919,8 @@ class Box:
         durable is it logged and announced, so that a crash can never revise a state someone
         saw.  If it cannot be saved the task is failed in memory with the reason, and the save
         is tried again later (save_unsaved).  Other states log first, so a follower never
-        misses the last line."""
+        misses the last line (a start's running is saved with the others of its schedule,
+        in one group commit: save_started)."""
         task.state = state
         for key, value in fields.items():
             setattr(task, key, value)
@@ -7907,6 +7936,9 @@ class Box:
             entry["error"] = task.error
         try:
             self.append_log(task.id, entry)
+            if state not in TERMINAL_STATES and self.saves_later is not None:
+                self.saves_later.append(task)     # saved and announced with the others
+                return
             if state not in TERMINAL_STATES:
                 self.save(task)
         except OSError as exc:
@@ -8042,16 +8074,67 @@ class Box:
         self.loop.emit("task", task.to_api())
         return task
 
-    def schedule(self) -> None:
-        """Start queued tasks, first in first out, while there is room."""
-        if self.loop.stopping:
+    def schedule(self, gone: list[str] | None = None) -> None:
+        """Start queued tasks, first in first out, while there is room; their users made in
+        one edit of the account files, which removes the users gone too (on_exits).  Called
+        inside on_exits, it only marks that on_exits schedules at its end."""
+        if self.users_gone is not None:
+            self.schedule_due = True
             return
-        active = sum(1 for t in self.tasks.values() if t.state in ("running", "waiting") and
-                     t.id not in self.finish_merge.held)   # held: no processes left
-        queued = sorted((t for t in self.tasks.values() if t.state == "queued"),
-                        key=lambda t: t.seq)
-        for task in queued[:max(0, self.settings["maxRunningTasks"] - active)]:
-            self.start_task(task)
+        self.schedule_due = False
+        starting: list[Task] = []
+        if not self.loop.stopping:
+            active = sum(1 for t in self.tasks.values() if t.state in ("running", "waiting")
+                         and t.id not in self.finish_merge.held)   # held: no processes left
+            queued = sorted((t for t in self.tasks.values() if t.state == "queued"),
+                            key=lambda t: t.seq)
+            starting = queued[:max(0, self.settings["maxRunningTasks"] - active)]
+        self.users_make(starting, gone or [])
+        self.saves_later = []
+        try:
+            for task in starting:
+                self.start_task(task)
+        finally:
+            started, self.saves_later = self.saves_later, None
+            self.save_started(started)
+
+    def save_started(self, tasks: list[Task]) -> None:
+        """The running state of the tasks one schedule started, saved in one group commit
+        (set_state logged it), then announced; if it cannot be saved, they fail."""
+        if not tasks:
+            return
+        try:
+            self.save_all(tasks)
+        except OSError as exc:
+            for task in tasks:
+                self.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
+            return
+        for task in tasks:
+            self.loop.emit("task", task.to_api())
+
+    def users_make(self, tasks: list[Task], gone: list[str]) -> None:
+        """The users of tasks about to start made (task.uid) and the users gone removed, in
+        one edit of the account files (~15 ms of syncs however many: a burst starts and ends
+        tens at once).  uids go round the range, so that one is not reused soon after its
+        task ended; the next one is saved with the tasks' running (or failed) state: a crash
+        before that finds them queued and their users leftovers, ended and removed.  If the
+        edit fails, the users gone stay until the next start and each task makes its own."""
+        if not tasks and not gone:
+            return
+        try:
+            uids = users_edit(gone, [t.user for t in tasks], self.state["nextUid"],
+                              f"gurt task in {self.home}")
+        except (SysError, OSError) as exc:
+            log(3, f"users {' '.join(gone + [t.user for t in tasks])}: {exc}; those of "
+                   "ended tasks stay until the next start")
+            if tasks and gone:                   # a full uid range must not keep the gone
+                self.users_make([], gone)
+            return
+        for task, uid in zip(tasks, uids):
+            task.uid = uid
+        if uids:
+            self.state["nextUid"], self.state_unsaved = uids[-1] + 1, True
+            crash_point("after-making-users")
 
     def start_task(self, task: Task) -> None:
         layers = self.views.stack_ids(task.workspace)
@@ -8059,16 +8142,18 @@ class Box:
             lowers = self.views.view_lowers(task.workspace, layers)
         except ApiError as exc:              # stays queued: a merge that ends schedules again
             log(4, f"task {task.id} waits: {exc.message}")
+            if task.uid:                     # made by schedule: no process has it yet
+                self.users_make([], [task.user])
+                task.uid = 0
             return
         task.layers = layers
         out_r = out_w = -1
         try:
-            # uids go round the range, so that one is not reused soon after its task ended;
-            # the next one is saved with the task's running (or failed) state: a crash
-            # before that finds the task queued and its user a leftover, ended and removed
-            task.uid = uid = user_add(task.user, self.state["nextUid"],
-                                      f"gurt task in {self.home}")
-            self.state["nextUid"], self.state_unsaved = uid + 1, True
+            if not task.uid:                 # not made by schedule (its edit failed)
+                task.uid = user_add(task.user, self.state["nextUid"],
+                                    f"gurt task in {self.home}")
+                self.state["nextUid"], self.state_unsaved = task.uid + 1, True
+            uid = task.uid
             layer = self.layer_dir(task.id)
             tree_remove(layer)                        # a start cut short by a crash
             for sub in ("", "upper", "work"):
@@ -8186,9 +8271,9 @@ class Box:
             self.append_log(task.id, {"type": "exit", "code": msg.get("code")})
 
     def on_exits(self) -> None:
-        """Workers that exited: each task ends; the users of those that end here go in one
-        edit of the account files at the end (a burst ends tens at once; an edit is ~15 ms of
-        syncs).  A crash before it leaves users that the next start removes (reconcile)."""
+        """Workers that exited: each task ends; at the end the users of those that ended go,
+        and those of the tasks that start in their place come, in one edit of the account
+        files (users_make).  A crash before it leaves users the next start removes."""
         by_pid = {w.pid: w for w in self.workers.values()}
         self.users_gone = []
         try:
@@ -8199,11 +8284,11 @@ class Box:
                     self.loop.guard(worker.task_id, self.maybe_finish, worker)
         finally:
             names, self.users_gone = self.users_gone, None
-            try:
-                if names:
-                    user_del(*names)
-            except (SysError, OSError) as exc:
-                log(3, f"users {' '.join(names)}: {exc}; they stay until the next start")
+            due, self.schedule_due = self.schedule_due, False
+            if due:
+                self.schedule(names)     # the users gone removed in the edit of the new
+            else:
+                self.users_make([], names)
 
     def maybe_finish(self, worker: Worker) -> None:
         """A worker ended once its process exited and its report pipe is drained."""

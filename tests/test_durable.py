@@ -234,6 +234,32 @@ def test_a_task_reported_done_stays_done_across_kill_9() -> None:
         assert g.stop() == 0
 
 
+def test_users_made_for_a_start_that_a_kill_9_cut_short_are_removed_at_the_next_start(
+        ) -> None:
+    """gurtd is killed (-9) right after the users of the tasks it starts are written into
+    the account files and before any of the tasks runs (the create is not answered: its
+    start comes first).  The next start removes them (the task is still queued on disk),
+    then starts the task afresh: it runs once and ends done, and no user of it is left."""
+    with running_gurtd({"GURT_TEST_CRASH_AT": "after-making-users"}) as g:
+        with contextlib.suppress(ConnectionError):
+            g.create("echo once")
+        assert wait_exit(g) == 137
+        [name] = os.listdir(os.path.join(g.home, "tasks"))
+        task = task_file(g, name.removesuffix(".json"))
+        assert task["user"] in passwd_names()          # the window is real
+        assert task_file(g, task["id"])["state"] == "queued"
+        g.env = {}
+        offset = len(g.log_text())
+        g.start()
+        assert f"reconcile: removing leftover user {task['user']}" in g.log_text()[offset:]
+        done = g.wait(task["id"])
+        assert done["state"] == "done", done
+        assert g.states(task["id"]) == ["queued", "running", "done"]
+        assert [e["text"] for e in g.log(task["id"]) if e["type"] == "stdout"] == ["once"]
+        eventually(lambda: task["user"] not in passwd_names(), what="the task's user gone")
+        assert g.stop() == 0
+
+
 def test_temp_files_of_a_crashed_run_are_removed_at_start() -> None:
     """gurtd died in the middle of writes: temp files are left in BOX_HOME and beside
     /etc/group.  The next start removes them, but keeps a temp file of a gurtd that is alive
