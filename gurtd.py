@@ -8696,11 +8696,14 @@ class Network:
         commands += [f"delete element inet {self.table} refused {{ {q} }}",
                      f"delete counter inet {self.table} r_{net.ifname}",
                      f"delete element inet {self.table} tasks {{ {q} }}"]
-        for command in commands:  # each on its own: one failure skips none
-            try:
-                self.nft.run(command)
-            except SysError:
-                pass
+        try:                      # one transaction (all or nothing); after an error each
+            self.nft.run("\n".join(commands))       # on its own: one failure skips none
+        except SysError:
+            for command in commands:
+                try:
+                    self.nft.run(command)
+                except SysError:
+                    pass
         try:                      # its veth now (~30 ms), not once its namespace is free:
             links = self.ipr.link_lookup(ifname=net.ifname)   # a survivor must reach nothing
             if links:
