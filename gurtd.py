@@ -767,6 +767,7 @@ class Task:
     merged: list[str] | None = None  # paths its finish-time merge joined with the view's
     undoMerge: dict[str, Any] | None = None   # its undo in later copies: reverted, kept
     mergedOn: str | None = None     # the stack its layer was merged with (a StackStore ref)
+    paidCall: str | None = None     # its last payment that costCents holds (recover_ledger)
 
     def to_api(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in PUBLIC_FIELDS}
@@ -8947,11 +8948,14 @@ class Network:
         commands += [f"delete element inet {self.table} refused {{ {q} }}",
                      f"delete counter inet {self.table} r_{net.ifname}",
                      f"delete element inet {self.table} tasks {{ {q} }}"]
-        for command in commands:  # each on its own: one failure skips none
-            try:
-                self.nft.run(command)
-            except SysError:
-                pass
+        try:                      # one transaction (all or nothing); after an error each
+            self.nft.run("\n".join(commands))       # on its own: one failure skips none
+        except SysError:
+            for command in commands:
+                try:
+                    self.nft.run(command)
+                except SysError:
+                    pass
         try:                      # its veth now (~30 ms), not once its namespace is free:
             links = self.ipr.link_lookup(ifname=net.ifname)   # a survivor must reach nothing
             if links:
@@ -11236,9 +11240,9 @@ class Broker:
                        "ledger": self.wallet["ledger"] + [entry]}
 
     def pay(self, task_id: str, args: dict[str, Any], call: str) -> dict[str, Any]:
-        """wallet.pay: the ledger line first (synced), then the task's log line, then its
-        cost.  Both lines carry the call id: a crash between them is repaired at the next
-        start (recover_ledger), and a log line missing means the cost is missing too."""
+        """wallet.pay: the ledger line first (synced), then its cost, then the task's log
+        line.  Both lines carry the call id: what a crash left out after the ledger line is
+        repaired at the next start (recover_ledger)."""
         task = self.box.get(task_id)
         cents = args["cents"]
         balance = self.wallet["balanceCents"]
@@ -11254,18 +11258,37 @@ class Broker:
         result = {"paid": True, "to": args["to"], "cents": args["cents"],
                   "balanceCents": entry["balanceAfterCents"]}
         try:
+            self.add_paid(task, cents, call)
             self.box.append_log(task_id, {"type": "tool", "tool": "wallet.pay", "args": args,
                                           "caller": task.uid, "call": call, "result": result,
                                           "cents": cents})
-            self.add_cost(task, cents)
+            crash_point("after-payment-log")
         except OSError as exc:   # paid all the same: the next start logs it from the ledger
             log(3, f"payment {call} of task {task_id} is in the ledger, not in its log: {exc}")
             self.box.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
         return result
 
+    def add_paid(self, task: Task, cents: float, call: str) -> None:
+        """A payment's cost, and its call as the last one costCents holds: the task's stored
+        costCents holds its ledger's payments up to the stored paidCall, and recover_ledger
+        adds the later ones.  So a payment needs no save of its own (a rename costs more
+        than the ledger's fsync), but for the task's first: a file without paidCall is judged
+        by its log lines, as gurtd did before it had the field, so it is saved before the
+        payment's log line is written."""
+        first = task.paidCall is None
+        task.costCents += cents
+        task.paidCall = call
+        if first:
+            self.box.save(task, sync=False)
+        else:                  # on disk with the task's next save
+            task.updatedAt = now_iso()
+            self.box.loop.render(task)
+
     def recover_ledger(self) -> None:
         """At start: a payment whose ledger line has no log line of the same call (gurtd
-        died between the two) gets its log line, marked recovered, and its cost."""
+        died between the two) gets its log line, marked recovered; one that the stored
+        costCents does not hold (past paidCall; without it, one without a log line) is
+        added to it."""
         by_task: dict[str, list[dict[str, Any]]] = {}
         for entry in self.wallet["ledger"]:
             if isinstance(entry.get("task"), str) and isinstance(entry.get("call"), str) \
@@ -11280,9 +11303,16 @@ class Broker:
                     text = f.read()
             except FileNotFoundError:
                 text = b""
-            for entry in entries:
-                if f'"call": "{entry["call"]}"'.encode() in text:
-                    continue
+            calls = [entry["call"] for entry in entries]
+            held = calls.index(task.paidCall) + 1 if task.paidCall in calls else None
+            logged = {c for c in calls if f'"call": "{c}"'.encode() in text}
+            added = sum(e["cents"] for i, e in enumerate(entries)
+                        if (i >= held if held is not None else e["call"] not in logged))
+            if added:           # saved before the log lines, which without paidCall judge
+                task.costCents, task.paidCall = task.costCents + added, calls[-1]
+                self.box.save(task)
+                log(4, f"task {task_id}: {added} cents of payments added to its cost")
+            for entry in (e for e in entries if e["call"] not in logged):
                 args = {"to": entry.get("to"), "cents": entry["cents"]}
                 if entry.get("memo") is not None:
                     args["memo"] = entry["memo"]
@@ -11292,8 +11322,6 @@ class Broker:
                                "balanceCents": entry.get("balanceAfterCents")},
                     "cents": entry["cents"], "recovered": "from the ledger",
                     "text": "recovered from the ledger"})
-                task.costCents += entry["cents"]
-                self.box.save(task)
                 log(4, f"task {task_id}: payment {entry['call']} recovered from the ledger")
 
     def add_cost(self, task: Task, cents: float) -> None:

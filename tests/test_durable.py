@@ -212,6 +212,38 @@ def test_a_payment_is_never_missing_from_its_task_log_after_kill_9() -> None:
         assert g.stop() == 0
 
 
+def test_every_payment_is_in_its_task_cost_after_kill_9() -> None:
+    """A task's later payments are held by the ledger alone until the task's next save:
+    after kill -9 the next start adds them to costCents, each once, and logs none twice.
+    Its first payment is saved in its costCents before its log line: gurtd dying right
+    after that line loses nothing and writes nothing twice."""
+    with running_gurtd() as g:
+        g.api("PUT", "/api/wallet", {"balanceCents": 1000})
+        task = g.create("\n".join([pay_line("jo", 10), pay_line("jo", 5), pay_line("jo", 2),
+                                    "sleep 60"]), tools=["wallet.pay"], budgetCents=100)
+        eventually(lambda: len([e for e in g.log(task["id"]) if e["type"] == "tool"]) == 3,
+                   what="three payments in the log")
+        assert g.task(task["id"])["costCents"] == 17
+        g.restart(kill=True)
+        assert g.task(task["id"])["costCents"] == 17
+        lines = [e for e in g.log(task["id"]) if e["type"] == "tool"]
+        assert [e["cents"] for e in lines] == [10, 5, 2], lines
+        assert not any("recovered" in e for e in lines), lines
+        g.env = {"GURT_TEST_CRASH_AT": "after-payment-log"}
+        g.restart()                             # nothing more to add the second time
+        assert g.task(task["id"])["costCents"] == 17
+        first = g.create(pay_line("ida", 25) + "\necho paid", tools=["wallet.pay"],
+                         budgetCents=100)
+        assert wait_exit(g) == 137
+        g.env = {}
+        g.start()
+        assert g.task(first["id"])["costCents"] == 25
+        lines = [e for e in g.log(first["id"]) if e["type"] == "tool"]
+        assert len(lines) == 1 and "recovered" not in lines[0], lines
+        assert g.api("GET", "/api/wallet")["balanceCents"] == 958
+        assert g.stop() == 0
+
+
 def test_a_task_reported_done_stays_done_across_kill_9() -> None:
     """A task is done; gurtd is killed (-9) right after the done state reaches the disk and
     before it is logged.  After the restart the task is still done, and a task seen done
