@@ -8078,26 +8078,36 @@ class Box:
     def schedule(self, gone: list[str] | None = None) -> None:
         """Start queued tasks, first in first out, while there is room; their users made in
         one edit of the account files, which removes the users gone too (on_exits).  Called
-        inside on_exits, it only marks that on_exits schedules at its end."""
-        if self.users_gone is not None:
+        inside on_exits, or inside itself (a start that failed), it only marks that it runs
+        again at the end: an inner run would start the outer's tasks twice and drop its saves.
+        A task whose view cannot be had yet stays queued, no user made for it."""
+        if self.users_gone is not None or self.saves_later is not None:
             self.schedule_due = True
             return
         self.schedule_due = False
-        starting: list[Task] = []
+        starting: list[tuple[Task, list[str], list[Any]]] = []
         if not self.loop.stopping:
             active = sum(1 for t in self.tasks.values() if t.state in ("running", "waiting")
                          and t.id not in self.finish_merge.held)   # held: no processes left
             queued = sorted((t for t in self.tasks.values() if t.state == "queued"),
                             key=lambda t: t.seq)
-            starting = queued[:max(0, self.settings["maxRunningTasks"] - active)]
-        self.users_make(starting, gone or [])
+            for task in queued[:max(0, self.settings["maxRunningTasks"] - active)]:
+                layers = self.views.stack_ids(task.workspace)
+                try:          # stays queued: a merge that ends schedules again
+                    starting.append((task, layers,
+                                     self.views.view_lowers(task.workspace, layers)))
+                except ApiError as exc:
+                    log(4, f"task {task.id} waits: {exc.message}")
+        self.users_make([task for task, _, _ in starting], gone or [])
         self.saves_later = []
         try:
-            for task in starting:
-                self.start_task(task)
+            for task, layers, lowers in starting:
+                self.start_task(task, layers, lowers)
         finally:
             started, self.saves_later = self.saves_later, None
             self.save_started(started)
+        if self.schedule_due:
+            self.schedule()
 
     def save_started(self, tasks: list[Task]) -> None:
         """The running state of the tasks one schedule started, saved in one group commit
@@ -8137,15 +8147,9 @@ class Box:
             self.state["nextUid"], self.state_unsaved = uids[-1] + 1, True
             crash_point("after-making-users")
 
-    def start_task(self, task: Task) -> None:
-        layers = self.views.stack_ids(task.workspace)
-        try:
-            lowers = self.views.view_lowers(task.workspace, layers)
-        except ApiError as exc:              # stays queued: a merge that ends schedules again
-            log(4, f"task {task.id} waits: {exc.message}")
-            if task.uid:                     # made by schedule: no process has it yet
-                self.users_make([], [task.user])
-                task.uid = 0
+    def start_task(self, task: Task, layers: list[str], lowers: list[Any]) -> None:
+        """A queued task started on the view schedule planned (lowers of the layers)."""
+        if task.state != "queued":           # failed meanwhile (a stop, a full disk)
             return
         task.layers = layers
         out_r = out_w = -1
