@@ -8152,7 +8152,7 @@ class Box:
         if task.state != "queued":           # failed meanwhile (a stop, a full disk)
             return
         task.layers = layers
-        out_r = out_w = -1
+        out_r = out_w = log_fd = -1
         try:
             if not task.uid:                 # not made by schedule (its edit failed)
                 task.uid = user_add(task.user, self.state["nextUid"],
@@ -8194,10 +8194,12 @@ class Box:
                 fds.append(self.network.prepare(task, hosts).nsfd)
                 self.gateway.open(task.id, fds[-1])
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            log_fd = os.open(self.log_file(task.id), os.O_WRONLY | os.O_APPEND | os.O_CREAT |
+                             os.O_CLOEXEC, 0o600)    # before the spawn: no worker unrecorded
             pid = self.spawner.spawn(spec, [out_w] + fds, self.cgroups.v2_group(task.id))
             self.views.pin(task.id, lowers)
         except (OSError, SysError) as exc:
-            for fd in (out_r, out_w):
+            for fd in (out_r, out_w, log_fd):
                 if fd >= 0:
                     os.close(fd)
             log(3, f"task {task.id} could not start: {exc}")
@@ -8208,8 +8210,6 @@ class Box:
             return
         os.close(out_w)
         os.set_blocking(out_r, False)
-        log_fd = os.open(self.log_file(task.id), os.O_WRONLY | os.O_APPEND | os.O_CREAT |
-                         os.O_CLOEXEC, 0o600)
         worker = Worker(task.id, pid, out_r, log_fd=log_fd, budget_limit=task.budgetCents,
                         log_cap=LogCap(limits["logBytes"], os.fstat(log_fd).st_size))
         self.workers[task.id] = worker

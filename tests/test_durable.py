@@ -409,6 +409,32 @@ def test_an_error_while_handling_a_task_fails_that_task_only() -> None:
         assert g.stop() == 0
 
 
+def test_a_task_whose_log_cannot_be_opened_at_its_start_fails_with_nothing_left() -> None:
+    """A queued task's log cannot be opened as it starts (a folder in its place here; out of
+    fds or an I/O error on a host): that task fails `could not start` with no process and no
+    user of it left, and gurtd starts and runs the next task."""
+    with running_gurtd() as g:
+        g.api("PUT", "/api/settings", {"maxRunningTasks": 1})
+        blocker = g.create("sleep 30")
+        eventually(lambda: g.api("GET", f"/api/tasks/{blocker['id']}")["state"] == "running",
+                   what="the blocker to run")
+        bad = g.create("sleep 30")
+        log_path = os.path.join(g.home, "logs", bad["id"] + ".jsonl")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(log_path)
+        os.mkdir(log_path)
+        g.api("POST", f"/api/tasks/{blocker['id']}/stop")
+        failed = g.wait(bad["id"])
+        assert failed["state"] == "failed", failed
+        assert failed["error"].startswith("could not start: ") and "Is a directory" in \
+            failed["error"], failed
+        eventually(lambda: bad["user"] not in passwd_names(), what="its user to go")
+        eventually(lambda: not G.processes_by_uid(), timeout=10,
+                   what="no task process left (the failed one's worker did not start)")
+        assert g.run("echo after")["state"] == "done"
+        assert g.stop() == 0
+
+
 # 5. the writes themselves ####################################################################
 
 def test_writes_on_a_full_disk_fail_whole_and_leave_the_old_files_as_they_were() -> None:
