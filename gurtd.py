@@ -1433,8 +1433,7 @@ def user_add(name: str, hint: int, comment: str) -> int:
 def user_del(*names: str) -> None:
     """Remove users and groups `names` in one edit (its syncs cost the same however many);
     nothing happens for a name there is none of."""
-    log(7, f"user_del {' '.join(names)}")
-    _edit_accounts(list(names))
+    users_edit(list(names), [], 0, "")
 
 
 def task_users() -> dict[str, int]:
@@ -2181,13 +2180,6 @@ def tree_remove(top: str) -> None:
         tree_visit(top, lambda fd, name, st, parents: os.unlink(name, dir_fd=fd),
                    lambda fd, name: os.rmdir(name, dir_fd=fd))
         os.rmdir(top)
-
-
-def tree_bytes(path: str, inode_bytes: int = 0, seen: set[tuple[int, int]] | None = None) -> int:
-    """Disk space a directory tree takes below path (tree_usage's bytes, plus inode_bytes for
-    each entry: what an inode is worth against the reserve)."""
-    used, entries = tree_usage(path, seen)
-    return used + entries * inode_bytes
 
 
 def tree_usage(path: str, seen: set[tuple[int, int]] | None = None) -> tuple[int, int]:
@@ -5707,7 +5699,7 @@ def layer_bytes(tops: list[str]) -> int:
         with contextlib.suppress(OSError):                # deleted meanwhile
             st = os.lstat(top)
             seen.add((st.st_dev, st.st_ino))
-            total += st.st_blocks * 512 + tree_bytes(top, 0, seen)
+            total += st.st_blocks * 512 + tree_usage(top, seen)[0]
     return total
 
 
@@ -7035,8 +7027,8 @@ class FinishMerge:
         self.box = box
         self.held: dict[str, HeldTask] = {}
         self.cleared: set[str] = set()
-        self.reading: dict[str, tuple[set[str] | list[str], list[str]]] = {}  # by job:
-        #                                                                   layers, plans
+        # by job: the layers (ids) and merged layers (paths) it reads
+        self.reading: dict[str, tuple[set[str] | list[str], list[str]]] = {}
         self.undoing: dict[str, UndoJob] = {}          # undone task -> its job in flight
         self.jobs: queue.Queue[Callable[[], None]] = queue.Queue()
         self.thread: threading.Thread | None = None
