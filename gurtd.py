@@ -8840,10 +8840,8 @@ class Network:
             except OSError:
                 pass                               # the interface is gone
         self.forwarding = {}
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.box.path("host.json"))
-        except FileNotFoundError:
-            pass
 
     def upstream(self) -> tuple[str, int]:
         text = self.upstream_override or self.box.setting("upstreamDns") or ""
@@ -8937,10 +8935,8 @@ class Network:
             refused = int(m.group(1)) if m else 0
         except SysError:
             pass
-        commands = []
-        for elements in net.elements:
-            commands.append(f"delete element inet {self.table} allow {{ {elements} }}")
         q = nft_quote(net.ifname)
+        commands = [f"delete element inet {self.table} allow {{ {e} }}" for e in net.elements]
         commands += [f"delete element inet {self.table} refused {{ {q} }}",
                      f"delete counter inet {self.table} r_{net.ifname}",
                      f"delete element inet {self.table} tasks {{ {q} }}"]
@@ -8948,10 +8944,8 @@ class Network:
             self.nft.run("\n".join(commands))       # on its own: one failure skips none
         except SysError:
             for command in commands:
-                try:
+                with contextlib.suppress(SysError):
                     self.nft.run(command)
-                except SysError:
-                    pass
         try:                      # its veth now (~30 ms), not once its namespace is free:
             links = self.ipr.link_lookup(ifname=net.ifname)   # a survivor must reach nothing
             if links:
@@ -8991,10 +8985,8 @@ class Network:
         return commands
 
     def selector_drop(self, sock: socket.socket) -> None:
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             self.box.loop.unwatch(sock)
-        except (KeyError, ValueError):
-            pass
         sock.close()
 
     def ensure_forwarding(self, address: str) -> None:
@@ -9058,10 +9050,9 @@ class Network:
                 return
 
             def udp_reply(answer: bytes) -> None:
-                try:
+                # OSError: a full buffer or a gone client, the task asks again
+                with contextlib.suppress(OSError):
                     net.udp.sendto(answer, socket.MSG_DONTWAIT, addr)
-                except OSError:
-                    pass           # a full buffer or a gone client: the task asks again
             self.on_query(net, data, udp_reply)
         elif kind == "dns-tcp":
             try:
@@ -9098,10 +9089,8 @@ class Network:
                 message, buf[:] = bytes(buf[2:2 + size]), buf[2 + size:]
 
                 def reply(answer: bytes, conn: socket.socket = conn) -> None:
-                    try:
+                    with contextlib.suppress(OSError):
                         conn.sendall(len(answer).to_bytes(2, "big") + answer)
-                    except OSError:
-                        pass
                 self.on_query(net, message, reply)
 
     def on_query(self, net: TaskNet, data: bytes, reply: Callable[[bytes], None]) -> None:
@@ -9847,10 +9836,8 @@ class UsageMeter:
             self.skipping = True
 
     def take(self, data: bytes) -> None:
-        try:
+        with contextlib.suppress(ValueError):    # [DONE], or anything else that is not JSON
             self.usage.update(event_usage(self.api, loads_bounded(data)))
-        except ValueError:
-            pass                         # [DONE], or anything else that is not JSON
 
     def result(self) -> dict[str, int] | None:
         """The usage found, None if the answer carried none."""
