@@ -16132,6 +16132,21 @@ def json_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--json", "as_json", is_flag=True)(client_options(fn))
 
 
+def given(**fields: Any) -> dict[str, Any]:
+    """The options given (click passes None for one left out), as body or query fields."""
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+def whole(cents: float | None) -> float | None:
+    """50.0 as 50: whole cents go out as they were typed."""
+    return int(cents) if cents is not None and cents.is_integer() else cents
+
+
+def workspace_url(name: str, rest: str) -> str:
+    """/workspaces/NAME then rest, the name quoted whole (a / in it is no path)."""
+    return f"/workspaces/{urllib.parse.quote(name, safe='')}{rest}"
+
+
 def print_listing(items: list[dict[str, Any]], as_json: bool, row: Callable[[Any], list[str]],
                   headers: list[str], state_column: int | None = None, empty: str = "") -> None:
     """A list answer as JSON, or as a table of row(item) for each item; none: empty said."""
@@ -16513,15 +16528,10 @@ def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title
     if not prompt.strip():
         raise click.UsageError("the prompt is empty: give it as an argument (gurtd run 'fix "
                                "the failing test') or on standard input")
-    body: dict[str, Any] = {"prompt": prompt,
-                            "title": title or (prompt.strip().splitlines() or [""])[0][:60]}
-    if budget is not None and budget.is_integer():
-        budget = int(budget)                  # 50, not 50.0
-    for key, value in (("worker", worker), ("workspace", workspace), ("budgetCents", budget),
-                       ("hosts", list(hosts) or None), ("tools", list(tools) or None),
-                       ("folders", [os.path.abspath(f) for f in folders] or None)):
-        if value is not None:
-            body[key] = value
+    body = {"prompt": prompt, "title": title or (prompt.strip().splitlines() or [""])[0][:60],
+            **given(worker=worker, workspace=workspace, budgetCents=whole(budget),
+                    hosts=list(hosts) or None, tools=list(tools) or None,
+                    folders=[os.path.abspath(f) for f in folders] or None)}
     client = Client(listen, box_home)
     if (worker or "droid") == "droid":
         droid_ready(client)
@@ -16567,8 +16577,7 @@ def droid_ready(client: Client) -> None:
 def cmd_tasks(state: str | None, workspace: str | None, limit: int, as_json: bool,
               box_home: str, listen: str) -> None:
     """List tasks, newest first."""
-    query = urllib.parse.urlencode({k: v for k, v in (("state", state), ("workspace", workspace),
-                                                       ("limit", limit)) if v is not None})
+    query = urllib.parse.urlencode(given(state=state, workspace=workspace, limit=limit))
     tasks, now = Client(listen, box_home).request("GET", f"/tasks?{query}"), time.time()
     print_listing(tasks, as_json, lambda t: [
         t["id"], t["state"], t["worker"], t["workspace"], t.get("source", "api"),
@@ -16649,8 +16658,7 @@ def cmd_log(task_id: str, follow: bool, as_json: bool, box_home: str, listen: st
 def cmd_approvals(state: str, task_id: str | None, as_json: bool, box_home: str,
                   listen: str) -> None:
     """List approvals (pending ones by default)."""
-    query = urllib.parse.urlencode({k: v for k, v in (("state", state), ("task", task_id))
-                                    if v})
+    query = urllib.parse.urlencode(given(state=state, task=task_id or None))
     approvals, now = Client(listen, box_home).request("GET", f"/approvals?{query}"), time.time()
     print_listing(approvals, as_json, lambda a: [
         a["id"], a["state"], a["task"], a["kind"], a["tool"], cents_text(a["cents"]),
@@ -16689,9 +16697,7 @@ def cmd_answer(approval_id: str, text: str, box_home: str, listen: str) -> None:
 @json_options
 def cmd_wallet(balance: float | None, as_json: bool, box_home: str, listen: str) -> None:
     """Show the wallet (or set its balance)."""
-    client = Client(listen, box_home)
-    if balance is not None and balance.is_integer():
-        balance = int(balance)                # 100, not 100.0
+    client, balance = Client(listen, box_home), whole(balance)
     wallet = client.request("PUT", "/wallet", {"balanceCents": balance}) \
         if balance is not None else client.request("GET", "/wallet")
     if as_json:
@@ -16735,10 +16741,7 @@ def cmd_schedule_add(name: str, cron: str, prompt: tuple[str, ...], timezone: st
                      worker: str | None, workspace: str | None, overlap: str, as_json: bool,
                      box_home: str, listen: str) -> None:
     """Add a schedule: gurtd schedule add NAME 'CRON' -- PROMPT"""
-    task: dict[str, Any] = {"prompt": " ".join(prompt)}
-    for key, value in (("worker", worker), ("workspace", workspace)):
-        if value is not None:
-            task[key] = value
+    task = {"prompt": " ".join(prompt), **given(worker=worker, workspace=workspace)}
     item = Client(listen, box_home).request("POST", "/schedules", {
         "name": name, "cron": cron, "timezone": timezone, "overlap": overlap, "task": task})
     print_answer(item, as_json,
@@ -16809,8 +16812,7 @@ def cmd_files(workspace: str, path: str, as_json: bool, box_home: str, listen: s
     when piped, with control characters escaped on a terminal."""
     quoted = urllib.parse.quote(path.strip("/"))
     answer = Client(listen, box_home).request(
-        "GET", f"/workspaces/{urllib.parse.quote(workspace, safe='')}/files" +
-        (f"/{quoted}" if quoted else ""))
+        "GET", workspace_url(workspace, "/files" + (f"/{quoted}" if quoted else "")))
     if isinstance(answer, bytes) and sys.stdout.isatty():   # a task's bytes: no escapes
         for line in answer.decode(errors="replace").split("\n"):
             click.echo(printable(line))
@@ -17366,7 +17368,6 @@ def cmd_put(workspace: str, source: str, dest: str | None, as_json: bool, box_ho
     import tarfile
     import tempfile
     client = Client(listen, box_home)
-    quoted = urllib.parse.quote(workspace, safe="")
     if source != "-" and not os.path.lexists(source):
         raise click.ClickException(f"{source}: no such file or folder")
     with tempfile.TemporaryFile() as spool:
@@ -17381,12 +17382,12 @@ def cmd_put(workspace: str, source: str, dest: str | None, as_json: bool, box_ho
         length = spool.tell()
         spool.seek(0)
         if os.path.isdir(source) or (source == "-" and not dest):
-            path, ctype = f"/workspaces/{quoted}/upload", "application/x-tar"
+            path, ctype = workspace_url(workspace, "/upload"), "application/x-tar"
         else:
             name = dest or os.path.basename(source.rstrip("/"))
             if not name or name == "-":
                 raise click.ClickException("name the file: gurtd put WORKSPACE - DEST")
-            path = f"/workspaces/{quoted}/files/" + urllib.parse.quote(name.lstrip("/"))
+            path = workspace_url(workspace, "/files/" + urllib.parse.quote(name.lstrip("/")))
             ctype = "application/octet-stream"
         resp = transfer(client, "PUT" if "/files/" in path else "POST", path, spool, length,
                         ctype)
@@ -17416,12 +17417,10 @@ def cmd_get(workspace: str | None, path: str | None, task_id: str | None, output
         raise click.ClickException("name a workspace (gurtd get WORKSPACE [PATH]) or a task "
                                    "(gurtd get --task ID)")
     elif path:
-        url = f"/workspaces/{urllib.parse.quote(workspace, safe='')}/files/" + \
-            urllib.parse.quote(path.lstrip("/"))
+        url = workspace_url(workspace, "/files/" + urllib.parse.quote(path.lstrip("/")))
         default = os.path.basename(path.rstrip("/")) or workspace
     else:
-        url, default = f"/workspaces/{urllib.parse.quote(workspace, safe='')}/archive", \
-            f"{workspace}.tar.gz"
+        url, default = workspace_url(workspace, "/archive"), f"{workspace}.tar.gz"
     resp = transfer(client, "GET", url)
     if resp.getheader("Content-Type", "").startswith("application/json"):
         listing = json.loads(resp.read())        # a folder: say what is in it
