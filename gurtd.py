@@ -14883,6 +14883,7 @@ LIMIT_ABOUT = {     # what each of TASK_LIMITS bounds, said in the Task schema
     "processes": "Processes and threads", "memoryBytes": "Memory, tmpfs pages included",
     "tmpBytes": "/tmp, /var/tmp, /dev/shm and HOME together",
     "logBytes": "Stored log; past it lines are counted"}
+DATE_TIME = {"type": "string", "format": "date-time"}
 TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schemas says
     "type": "object",
     "properties": {
@@ -14901,8 +14902,8 @@ TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schema
                    "description": "Finished tasks whose changes it saw, newest first."},
         "costCents": {"type": "number"},
         "step": {"type": "string"},
-        "createdAt": {"type": "string", "format": "date-time"},
-        "updatedAt": {"type": "string", "format": "date-time"},
+        "createdAt": DATE_TIME,
+        "updatedAt": DATE_TIME,
         "error": {"type": "string"},
         "summary": {"type": "string"},
         "folder": {"type": "string", "description": "Personal: the first real folder the task "
@@ -15050,16 +15051,10 @@ SETTING_HELP: dict[str, str] = {
 
 def type_schema(value: Any) -> dict[str, Any]:
     """The JSON schema type of a default value (for a setting without its own schema)."""
-    if isinstance(value, bool):
-        return {"type": "boolean"}
-    if isinstance(value, int):
-        return {"type": "integer"}
-    if isinstance(value, float):
-        return {"type": "number"}
-    if isinstance(value, str):
-        return {"type": "string"}
-    if isinstance(value, list):
-        return {"type": "array"}
+    for kind, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+                       (list, "array")):
+        if isinstance(value, kind):          # bool first: True is an int too
+            return {"type": name}
     return {"type": "object"}
 
 
@@ -15104,7 +15099,7 @@ def api_schemas() -> dict[str, Any]:
     return {
         "Task": task, "TaskCreate": create,
         "Approval": {"type": "object", "required": approval_required, "properties": {
-            "id": {"type": "string"}, "task": {"type": "string"},
+            "id": string, "task": string,
             "kind": {"type": "string", "enum": ["budget", "ask", "disk", "host", "conflict"],
                      "description": "budget (a spending above the task's budget), ask (a "
                      "question), disk (BOX_HOME is below its reserve), host (a name outside "
@@ -15114,10 +15109,10 @@ def api_schemas() -> dict[str, Any]:
             "args": {"description": "The call's arguments; of a conflict, ConflictArgs (its "
                                     "answer's args: ConflictAnswer)"},
             "state": {"type": "string", "enum": list(APPROVAL_STATES)},
-            "createdAt": {"type": "string", "format": "date-time"},
+            "createdAt": DATE_TIME,
             "reason": _nullable(string), "answer": _nullable(string),
             "answeredBy": _nullable(string),
-            "answeredAt": _nullable({"type": "string", "format": "date-time"}),
+            "answeredAt": _nullable(DATE_TIME),
             **APPROVAL_DECISIONS}},
         "Workspace": {"type": "object", "required": ["name", "layers"], "properties": {
             "name": {"type": "string"},
@@ -15128,7 +15123,7 @@ def api_schemas() -> dict[str, Any]:
         "Wallet": {"type": "object", "required": ["balanceCents", "ledger"], "properties": {
             "balanceCents": number, "ledger": _array(_ref("LedgerEntry"))}},
         "LedgerEntry": {"type": "object", "required": ["balanceAfterCents"], "properties": {
-            "time": {"type": "string", "format": "date-time"}, "balanceAfterCents": number,
+            "time": DATE_TIME, "balanceAfterCents": number,
             "set": {**number, "description": "The balance was set to this"},
             "task": string, "call": string, "to": string, "cents": number,
             "memo": _nullable(string)}},
@@ -15200,7 +15195,7 @@ def decision_schemas() -> dict[str, Any]:
                    + ["active"], "properties": {
             "id": string, "tool": {"type": "string", "description": "A tool name, or host"},
             "scope": {"type": "string", "enum": list(POLICY_SCOPES)},
-            "createdAt": {"type": "string", "format": "date-time"},
+            "createdAt": DATE_TIME,
             "createdBy": {"type": "string", "description": "api, or approval <id>"},
             "task": _nullable(string), "workspace": _nullable(string),
             "host": _nullable(string), **POLICY_LIMITS,
@@ -15222,8 +15217,8 @@ def decision_schemas() -> dict[str, Any]:
                 **POLICY_LIMITS}},
         "Session": {"type": "object", "required": ["id", "createdAt", "expiresAt", "userAgent",
                                                    "via", "current"], "properties": {
-            "id": string, "createdAt": {"type": "string", "format": "date-time"},
-            "expiresAt": {"type": "string", "format": "date-time"}, "userAgent": string,
+            "id": string, "createdAt": DATE_TIME,
+            "expiresAt": DATE_TIME, "userAgent": string,
             "via": {"type": "string", "enum": ["code", "token"]},
             "current": {"type": "boolean", "description": "This browser's"}}},
         "Conflict": {"type": "object", "required": ["error"], "properties": {
@@ -15247,14 +15242,14 @@ def source_schemas(create: dict[str, Any]) -> dict[str, Any]:
                 "task": {"type": "object", "description": "What each run creates"},
                 "enabled": {"type": "boolean"}, "overlap": {"type": "string",
                                                             "enum": list(OVERLAPS)},
-                "createdAt": {"type": "string", "format": "date-time"},
-                "updatedAt": {"type": "string", "format": "date-time"},
-                "lastRun": _nullable({"type": "string", "format": "date-time"}),
+                "createdAt": DATE_TIME,
+                "updatedAt": DATE_TIME,
+                "lastRun": _nullable(DATE_TIME),
                 "lastTask": _nullable(string), "lastState": _nullable(string),
                 "lastNote": {**_nullable(string), "description": "What happened at the latest "
                                                                 "slot (missed, skipped...)"},
                 "queued": {"type": "boolean"},
-                "nextRuns": {**_array({"type": "string", "format": "date-time"}),
+                "nextRuns": {**_array(DATE_TIME),
                              "description": "The next five, in its own zone; none when off"}}},
         "ScheduleCreate": schedule_body(task_defaults, ["name", "cron", "task"]),
         "ScheduleUpdate": schedule_body(task_defaults, []),
@@ -15262,7 +15257,7 @@ def source_schemas(create: dict[str, Any]) -> dict[str, Any]:
                                                 "url"], "properties": {
             "name": HOOK_NAME, "source": string, "task": {"type": "object"},
             "allow": _array({"type": "string", "enum": list(HOOK_BODY_FIELDS)}),
-            "createdAt": {"type": "string", "format": "date-time"},
+            "createdAt": DATE_TIME,
             "url": {"type": "string", "description": "Where to deliver: /api/hooks/<name>"}}},
         "HookCreate": {
             "type": "object", "additionalProperties": False, "required": ["name", "source"],
