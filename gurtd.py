@@ -10230,19 +10230,15 @@ class Gateway:
             raise ApiError(400, "the body must be {\"key\": \"...\"}: 1 to 4096 printable "
                                 "characters, no spaces")
         with saved_or_507("the model key"):
-            os.makedirs(self.box.path("secrets"), mode=0o700, exist_ok=True)
-            os.chmod(self.box.path("secrets"), 0o700)
-            atomic_write(self.key_file, key.encode(), mode=0o600)
+            secret_write(self.box, self.key_file, key)
         self.key_text = key
         log(6, "the model key was set (tasks started from now on use the gateway)")
         return self.secrets()
 
     def delete_key(self) -> dict[str, Any]:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.key_file)
             log(6, "the model key was removed")
-        except FileNotFoundError:
-            pass
         self.key_text = ""
         return self.secrets()
 
@@ -10718,7 +10714,16 @@ class Gateway:
 
 
 
-# the owner's key: its HTTP handlers, and `gurtd secret` (the CLI section adds it to cli)
+# the owner's key: where secrets are kept, its HTTP handlers, and `gurtd secret` (the CLI
+# section adds it to cli)
+
+def secret_write(box: "Box", path: str, text: str) -> None:
+    """A secret (the model key, the Jira token) as a whole file, 0600 in BOX_HOME/secrets
+    (0700 even if it was made looser)."""
+    os.makedirs(box.path("secrets"), mode=0o700, exist_ok=True)
+    os.chmod(box.path("secrets"), 0o700)
+    atomic_write(path, text.encode(), mode=0o600)
+
 
 SECRETS_SCHEMA = {"type": "object", "required": ["model"], "properties": {"model": {
     "type": "object", "required": ["set"], "properties": {"set": {"type": "boolean"}},
@@ -13129,9 +13134,7 @@ class Jira:
 
     def save_token(self, token: str) -> None:
         """The API token, 0600 in BOX_HOME/secrets (0700); never answered back."""
-        os.makedirs(self.box.path("secrets"), mode=0o700, exist_ok=True)
-        os.chmod(self.box.path("secrets"), 0o700)
-        atomic_write(self.token_file, token.encode(), mode=0o600)
+        secret_write(self.box, self.token_file, token)
         self.wake.set()
 
     def token(self) -> str:

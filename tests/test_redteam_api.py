@@ -110,12 +110,7 @@ def test_a_name_with_a_trailing_newline_is_refused_everywhere_a_name_is_checked(
         assert g.api("GET", "/api/hooks") == [] and g.api("GET", "/api/tasks") == []
         assert g.api("GET", "/api/policies") == []
     with jira_search_answering(["GT-1\n", "GT-2"]) as (config, asked):
-        taken: list[str] = []
-        jira = G.Jira(BoxStandIn())                     # type: ignore[arg-type]
-        jira.token = lambda: "t"                         # type: ignore[method-assign]
-        jira.take = lambda key, fields: taken.append(key)  # type: ignore[method-assign]
-        jira.poll(config)                                # no error: GT-1\n is not a key
-        assert taken == ["GT-2"]
+        assert one_poll_takes(config) == ["GT-2"]        # no error: GT-1\n is not a key
         assert [r["path"] for r in asked][1:] == ["/rest/api/3/issue/GT-2?fields=summary,"
                                                   "description"]
 
@@ -133,6 +128,16 @@ def jira_search_answering(keys: list[str]) -> Iterator[tuple[dict[str, Any], lis
     with loopback_server(handle) as (server, asked):
         yield {"baseUrl": f"http://127.0.0.1:{server.server_address[1]}",
                "email": "bot@example.com", "jql": "x"}, asked
+
+
+def one_poll_takes(config: dict[str, Any]) -> list[str]:
+    """The keys of the issues one poll of this Jira takes (for tasks), in order."""
+    taken: list[str] = []
+    jira = G.Jira(BoxStandIn())                     # type: ignore[arg-type]
+    jira.token = lambda: "t"                         # type: ignore[method-assign]
+    jira.take = lambda key, fields: taken.append(key)  # type: ignore[method-assign]
+    jira.poll(config)
+    return taken
 
 
 @pytest.mark.pure
@@ -231,12 +236,7 @@ def test_a_jira_answering_thousands_of_issues_starts_at_most_a_page_of_them_per_
     after each: a task flood.  A poll takes at most the page it asked for, each key once."""
     keys = [f"GT-{n}" for n in range(1, 2001)]
     with jira_search_answering(keys[:3] + keys) as (config, asked):
-        taken: list[str] = []
-        jira = G.Jira(BoxStandIn())                     # type: ignore[arg-type]
-        jira.token = lambda: "t"                         # type: ignore[method-assign]
-        jira.take = lambda key, fields: taken.append(key)  # type: ignore[method-assign]
-        jira.poll(config)
-        assert taken == keys[:G.JIRA_MAX_ISSUES]
+        assert one_poll_takes(config) == keys[:G.JIRA_MAX_ISSUES]
         assert len(asked) == 1 + G.JIRA_MAX_ISSUES
 
 
