@@ -10733,13 +10733,8 @@ def h_secrets_get(req: "Handler", params: dict[str, str]) -> Any:
     return 200, req.box.gateway.secrets()
 
 
-def h_secret_model_put(req: "Handler", params: dict[str, str]) -> Any:
-    box = req.box
-    return 200, box.loop.call(box.gateway.set_key, req.json_body())
-
-
-def h_secret_model_delete(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.loop.call(req.box.gateway.delete_key)
+h_secret_model_put = loop_handler(200, "gateway.set_key", body=True)
+h_secret_model_delete = loop_handler(200, "gateway.delete_key")
 
 
 @click.command("secret")          # the CLI section adds client_options and the command
@@ -12268,12 +12263,8 @@ def secret_hash(secret: str) -> str:
 
 def cookie_values(header: str, name: str) -> list[str]:
     """Every value of cookie name in a Cookie header (a browser may send more than one)."""
-    out = []
-    for part in header.split(";"):
-        key, sep, value = part.strip().partition("=")
-        if sep and key == name:
-            out.append(value.strip())
-    return out
+    pairs = (part.strip().partition("=") for part in header.split(";"))
+    return [value.strip() for key, sep, value in pairs if sep and key == name]
 
 
 @dataclass
@@ -12484,10 +12475,8 @@ def h_sessions_list(req: "Handler", params: dict[str, str]) -> Any:
 def h_session_delete(req: "Handler", params: dict[str, str]) -> Any:
     """Revoke a session; revoking one's own also clears the cookie (signing out)."""
     req.server.sessions.revoke(params["id"])
-    headers = {}
-    if req.session is not None and req.session.id == params["id"]:
-        headers["Set-Cookie"] = session_cookie("", 0)
-    return 200, {"revoked": params["id"]}, headers
+    own = req.session is not None and req.session.id == params["id"]
+    return 200, {"revoked": params["id"]}, {"Set-Cookie": session_cookie("", 0)} if own else {}
 
 
 def h_sign_in_code(req: "Handler", params: dict[str, str]) -> Any:
@@ -13994,8 +13983,7 @@ def h_events(req: "Handler", params: dict[str, str]) -> Any:
 
 
 def h_task_keep(req: "Handler", params: dict[str, str]) -> Any:
-    box = req.box
-    return 200, box.review.keep_request(params["id"], req.json_body(optional=True))
+    return 200, req.box.review.keep_request(params["id"], req.json_body(optional=True))
 
 
 def peer_gone(sock: socket.socket) -> bool:
