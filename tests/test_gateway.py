@@ -135,7 +135,7 @@ class Upstream:
         self.server.server_close()
 
 
-def sse(events: list[dict[str, Any]], named: bool) -> list[bytes]:
+def sse_frames(events: list[dict[str, Any]], named: bool) -> list[bytes]:
     return [((f"event: {e['type']}\n" if named else "") + f"data: {json.dumps(e)}\n\n")
             .encode() for e in events] + ([] if named else [b"data: [DONE]\n\n"])
 
@@ -171,7 +171,7 @@ def anthropic_answer(body: dict[str, Any], text: str, tool: Any,
                                                    "stop_sequence": None},
                 "usage": {"output_tokens": usage["output_tokens"]}},
                {"type": "message_stop"}]
-    return sse(events, named=True)
+    return sse_frames(events, named=True)
 
 
 def chat_answer(body: dict[str, Any], text: str, tool: Any,
@@ -195,9 +195,10 @@ def chat_answer(body: dict[str, Any], text: str, tool: Any,
     delta: dict[str, Any] = {"role": "assistant", "content": text}
     if calls:
         delta["tool_calls"] = calls
-    return sse([{**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
-                {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]},
-                {**chunk, "choices": [], "usage": wire}], named=False)
+    return sse_frames([
+        {**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+        {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]},
+        {**chunk, "choices": [], "usage": wire}], named=False)
 
 
 def create_then_done(api: str, body: dict[str, Any]) -> tuple[str, Any]:
