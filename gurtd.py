@@ -5371,10 +5371,7 @@ def diff_name(name: str) -> str:
 def file_diff(rel: str, old: tuple[str, int, bytes] | None,
               new: tuple[str, int, bytes] | None, budget: DiffBudget | None = None) -> str:
     """One path's part of a unified diff (empty if nothing differs); folders have none."""
-    if old is not None and old[0] == "dir":
-        old = None
-    if new is not None and new[0] == "dir":
-        new = None
+    old, new = (None if e is None or e[0] == "dir" else e for e in (old, new))
     if old == new:
         return ""
     a_name, b_name = diff_name(f"a/{rel}"), diff_name(f"b/{rel}")
@@ -5388,20 +5385,18 @@ def file_diff(rel: str, old: tuple[str, int, bytes] | None,
     a, b = (old or ("", 0, b""))[2], (new or ("", 0, b""))[2]
     if a == b:
         return "\n".join(head) + "\n"
+    a_label, b_label = a_name if old else "/dev/null", b_name if new else "/dev/null"
     try:
         if b"\0" in a or b"\0" in b:
             raise UnicodeDecodeError("utf-8", b"", 0, 1, "binary")
         a_text, b_text = a.decode(), b.decode()
     except UnicodeDecodeError:
-        head.append(f"Binary files {a_name if old else '/dev/null'} and "
-                    f"{b_name if new else '/dev/null'} differ")
+        head.append(f"Binary files {a_label} and {b_label} differ")
         return "\n".join(head) + "\n"
     budget = budget or DiffBudget()
-    body = text_diff(a_text, b_text, a_name if old else "/dev/null",
-                     b_name if new else "/dev/null", budget)
+    body = text_diff(a_text, b_text, a_label, b_label, budget)
     if body is None:
-        head.append(f"Files {a_name if old else '/dev/null'} and "
-                    f"{b_name if new else '/dev/null'} differ ({len(a)} -> {len(b)} bytes: too "
+        head.append(f"Files {a_label} and {b_label} differ ({len(a)} -> {len(b)} bytes: too "
                     "costly to diff here)")
         body = ""
     return budget.took("\n".join(head) + "\n" + body)
@@ -5483,11 +5478,7 @@ def layer_diff(upper: str, lowers: list[str], only: str | None, budget: DiffBudg
             rel = change["path"].rstrip("/")
             if change["path"].endswith("/") or not _wanted(rel, only):
                 continue
-            old = None
-            for fd in lower_fds:
-                old = _entry_at(fd, rel)
-                if old is not None:
-                    break
+            old = next((e for fd in lower_fds if (e := _entry_at(fd, rel)) is not None), None)
             new = None if change["change"] == "deleted" else _entry_at(up, rel)
             parts.append(file_diff(rel, old, new, budget))
     finally:
