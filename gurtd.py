@@ -11468,7 +11468,8 @@ class BrokerServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             log(4, f"broker: no thread for a call of uid {uid}")
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:            # the handler's client_address: (uid, address), the uid read once
+        """client_address: (uid, address), as the handler gets it (the uid read once)."""
+        try:
             super().process_request_thread(request, client_address)
         finally:
             self.callers.leave(client_address[0])
