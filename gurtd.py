@@ -293,7 +293,9 @@ def now_iso() -> str:
 def new_task_id(prefix: str = "t") -> str:
     """Ten characters, lowercase letters and digits, starting with t: t3k9x2a1b2 (approvals
     start with a)."""
-    return prefix + "".join(secrets.choice(ID_ALPHABET) for _ in range(9))
+    n = secrets.randbelow(len(ID_ALPHABET) ** 9)     # one read of the kernel's random, not 9
+    return prefix + "".join(ID_ALPHABET[n // len(ID_ALPHABET) ** i % len(ID_ALPHABET)]
+                            for i in range(9))
 
 
 def valid_workspace_name(name: Any) -> bool:
@@ -10778,7 +10780,12 @@ class Broker:
         self.rendered: dict[str, tuple[str, str, str, bytes]] = {}
         self.staged: dict[str, Approval] = {}
         self.waiters: dict[str, Future[Approval]] = {}
-        self.wallet: dict[str, Any] = {"balanceCents": 0, "ledger": []}
+        # The wallet: the ledger's lines, only ever appended to, and (balance, how many
+        # lines) replaced whole after each, so that another thread reads a consistent
+        # snapshot (wallet) and a payment costs no copy of the whole ledger.
+        self.ledger: list[dict[str, Any]] = []
+        self.book: tuple[float, int] = (0, 0)
+        self.ledger_fd = -1       # wallet.jsonl, open for appends from the first one on
         self.servers: list[BrokerServer] = []
         self.mount_fd = -1        # the tmpfs of the socket tasks see (mount)
         self.attached = False     # that tmpfs is at attach_point in gurtd's namespace
@@ -10788,6 +10795,12 @@ class Broker:
     @property
     def socket_path(self) -> str:
         return self.box.path("run", "broker.sock")
+
+    @property
+    def wallet(self) -> dict[str, Any]:
+        """The balance and the ledger up to it, as one payment left them (any thread)."""
+        balance, lines = self.book
+        return {"balanceCents": balance, "ledger": self.ledger[:lines]}
 
     @property
     def attach_point(self) -> str:
@@ -10803,7 +10816,8 @@ class Broker:
         os.makedirs(self.box.path("approvals"), mode=0o700, exist_ok=True)
         folder_ensure(self.box.path("tools"), 0o755)
         folder_ensure(self.box.path("run"), 0o711)
-        self.wallet = load_ledger(self.box.path("wallet.jsonl"))
+        wallet = load_ledger(self.box.path("wallet.jsonl"))
+        self.ledger, self.book = wallet["ledger"], (wallet["balanceCents"], len(wallet["ledger"]))
         self.policies.load()
         for name in sorted(os.listdir(self.box.path("approvals"))):
             if not name.endswith(".json"):
@@ -10891,9 +10905,10 @@ class Broker:
             server.shutdown()
             server.server_close()
         self.servers = []
-        if self.mount_fd >= 0:
-            os.close(self.mount_fd)
-            self.mount_fd = -1
+        for fd in (self.mount_fd, self.ledger_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.mount_fd = self.ledger_fd = -1
         for future in self.waiters.values():
             if not future.done():
                 future.cancel()
@@ -10934,8 +10949,11 @@ class Broker:
         return approval
 
     def task_of_uid(self, uid: int) -> Task | None:
-        for task in self.box.all_tasks():
-            if task.uid == uid and task.state in ("running", "waiting"):
+        """The running or waiting task of a uid: one with a worker (no look at every task
+        the box ever had, on each call)."""
+        for worker in self.box.all_workers():
+            task = self.box.task(worker.task_id)
+            if task is not None and task.uid == uid and task.state in ("running", "waiting"):
                 return task
         return None
 
@@ -11199,19 +11217,19 @@ class Broker:
 
     def ledger_append(self, entry: dict[str, Any]) -> None:
         """One synced line holds a payment and the balance after it: all of it or none (a
-        line cut short by a full disk is cut off again, and the error raised)."""
+        line cut short by a full disk is cut off again, and the error raised).  The file
+        stays open: a payment costs its write and its fsync, no open and close."""
         path = self.box.path("wallet.jsonl")
-        new = not os.path.exists(path)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            append_line(fd, (json.dumps(entry) + "\n").encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        new = self.ledger_fd < 0 and not os.path.exists(path)
+        if self.ledger_fd < 0:
+            self.ledger_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT |
+                                     os.O_CLOEXEC, 0o600)
+        append_line(self.ledger_fd, (json.dumps(entry) + "\n").encode())
+        os.fsync(self.ledger_fd)
         if new:
             fsync_dir(os.path.dirname(path))
-        self.wallet = {"balanceCents": entry["balanceAfterCents"],
-                       "ledger": self.wallet["ledger"] + [entry]}
+        self.ledger.append(entry)
+        self.book = (entry["balanceAfterCents"], len(self.ledger))
 
     def pay(self, task_id: str, args: dict[str, Any], call: str) -> dict[str, Any]:
         """wallet.pay: the ledger line first (synced), then its cost, then the task's log
@@ -11219,7 +11237,7 @@ class Broker:
         repaired at the next start (recover_ledger)."""
         task = self.box.get(task_id)
         cents = args["cents"]
-        balance = self.wallet["balanceCents"]
+        balance = self.book[0]
         if balance < cents:
             raise ApiError(409, f"insufficient balance: the wallet has {balance} cents",
                            "insufficient_balance")
@@ -11264,7 +11282,7 @@ class Broker:
         costCents does not hold (past paidCall; without it, one without a log line) is
         added to it."""
         by_task: dict[str, list[dict[str, Any]]] = {}
-        for entry in self.wallet["ledger"]:
+        for entry in self.ledger:
             if isinstance(entry.get("task"), str) and isinstance(entry.get("call"), str) \
                     and is_cents(entry.get("cents")):
                 by_task.setdefault(entry["task"], []).append(entry)
@@ -11428,8 +11446,9 @@ class BrokerServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             log(4, f"broker: no thread for a call of uid {uid}")
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        """client_address: (uid, address), as the handler gets it (the uid read once)."""
         try:
-            super().process_request_thread(request, client_address[1])
+            super().process_request_thread(request, client_address)
         finally:
             self.callers.leave(client_address[0])
 
@@ -11467,15 +11486,17 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
         self.reply(code, {"error": message or self.responses.get(code, ("error",))[0]})
 
     def reply(self, status: int, obj: Any) -> None:
+        """The head and the body in one write (two would wake the caller twice)."""
         body = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        self.wfile.write((
+            f"{self.protocol_version} {status} {self.responses.get(status, ('',))[0]}\r\n"
+            f"Server: {self.version_string()}\r\nDate: {self.date_time_string()}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode() + body)
 
     def peer_uid(self) -> int:
-        return peer_uid(self.request)
+        """The caller's uid, as the server read it once for the connection."""
+        return self.client_address[0]
 
     def do_GET(self) -> None:
         box = self.server.box

@@ -400,9 +400,10 @@ def floor_undo(n: int) -> list[float]:
     return times
 
 
-def bare_unix_server(path: str, answer: bytes) -> None:
+def bare_unix_server(path: str, answer: bytes, ledger: str | None = None) -> None:
     """A bare unix-socket server (a daemon thread): each request's head and body read, the
-    same answer every time, as the broker's size."""
+    same answer every time, as the broker's size; with ledger, the body appended to that
+    file as a line and synced before the answer, as a payment is."""
     import socket
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
@@ -412,14 +413,20 @@ def bare_unix_server(path: str, answer: bytes) -> None:
     def serve() -> None:
         conn, _ = server.accept()
         reader = conn.makefile("rb")
+        fd = os.open(ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if ledger else -1
         while True:
             length = 0
             while (line := reader.readline()) not in (b"\r\n", b""):
                 if line.lower().startswith(b"content-length:"):
                     length = int(line.split(b":")[1])
             if not line:
+                if fd >= 0:
+                    os.close(fd)
                 return
-            reader.read(length)
+            body = reader.read(length)
+            if fd >= 0:
+                os.write(fd, body + b"\n")
+                os.fsync(fd)
             conn.sendall(answer)
 
     threading.Thread(target=serve, daemon=True).start()
@@ -427,7 +434,8 @@ def bare_unix_server(path: str, answer: bytes) -> None:
 
 def floor_broker(count: int) -> list[float]:
     """ms per round trip to a bare unix-socket server, from a child of a task's uid, the
-    same request and an answer of the broker's size."""
+    same request and an answer of the broker's size, the server appending and syncing one
+    line before it answers (a payment is durable before its answer), on BOX_HOME's disk."""
     home = make_home()
     os.makedirs(home)
     os.chmod(os.path.dirname(home), 0o711)
@@ -435,7 +443,8 @@ def floor_broker(count: int) -> list[float]:
     body = json.dumps({"ok": True, "result": {"paid": 1, "balanceCents": 999_999}}).encode()
     bare_unix_server(os.path.join(home, "bare.sock"),
                      b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+                     + str(len(body)).encode() + b"\r\n\r\n" + body,
+                     os.path.join(home, "ledger.jsonl"))
     try:
         return broker_times(os.path.join(home, "bare.sock"), FLOOR_UID, count)
     finally:
