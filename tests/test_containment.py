@@ -366,6 +366,38 @@ def test_run_line_gives_no_fd_of_the_worker_and_128_plus_a_signal(tmp_path: Any)
                      {"t": "err", "text": "err"}], lines
 
 
+IDMAP = """
+import json, os, sys, threading
+sys.path.insert(0, sys.argv[1])
+import gurtd as G
+threading.Thread(target=threading.Event().wait, daemon=True).start()   # as in gurtd: threads
+fd = G._idmap_userns("0 0 1\\n1000 600123 1\\n", "0 0 1\\n1000 600124 1\\n")
+children = open(f"/proc/self/task/{os.getpid()}/children").read().split()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    G.libc_call("setns", fd, G.CLONE_NEWUSER)
+    maps = [open(f"/proc/self/{m}").read().split() for m in ("uid_map", "gid_map")]
+    os.write(w, json.dumps(maps).encode())
+    os._exit(0)
+os.close(w)
+print(json.dumps({"children": children, "maps": json.loads(os.read(r, 4096)),
+                  "ns": os.readlink(f"/proc/self/fd/{fd}") != os.readlink("/proc/self/ns/user")}))
+os.waitpid(pid, 0)
+"""
+
+
+def test_an_idmap_namespace_has_its_maps_and_leaves_no_process() -> None:
+    """_idmap_userns (no fork: a clone of libc's _exit whose zombie holds the namespace while
+    its maps are written): a namespace of its own with exactly the maps asked, its child
+    reaped, in a process with threads as gurtd is."""
+    proc = subprocess.run([sys.executable, "-c", IDMAP, ROOT], capture_output=True, text=True,
+                          timeout=60, check=True)
+    got = json.loads(proc.stdout)
+    assert got == {"children": [], "ns": True, "maps": [["0", "0", "1", "1000", "600123", "1"],
+                                                        ["0", "0", "1", "1000", "600124", "1"]]}
+
+
 # network ######################################################################################
 
 def test_a_task_cannot_reach_gurtds_api(gurtd: Gurtd) -> None:
