@@ -10,6 +10,7 @@ the task finishes and its whole log can be searched for what must not be there.
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import re
@@ -17,6 +18,7 @@ import secrets
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +27,7 @@ from typing import Any, Iterator
 import pytest
 
 import gurtd as gurtd_module
-from conftest import (VIEW, Gurtd, processes_of_uid, prompt, put_base_file, running_gurtd,
+from conftest import (ROOT, VIEW, Gurtd, processes_of_uid, prompt, put_base_file, running_gurtd,
                       wait_for_step)
 
 SUID_COPY = "/usr/local/bin/gurt-test-suid-id"
@@ -316,6 +318,84 @@ def test_a_task_has_no_capabilities_and_no_new_privileges(gurtd: Gurtd) -> None:
     for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
         assert fields[cap] == ZERO, fields
     assert fields["NoNewPrivs"] == "1", fields
+
+
+# what a prompt line's command is given ##########################################################
+
+OPEN_FDS = ("import os; print('open', *[fd for fd in range(4096) "
+            "if os.path.exists(f'/proc/self/fd/{fd}')])")
+
+
+def test_a_lines_command_gets_dev_null_its_pipes_and_no_other_fd(gurtd: Gurtd) -> None:
+    """A command of a prompt line has /dev/null as its stdin, its output pipes as 1 and 2, and
+    no other fd: none of the worker's (spec, log pipe, view, broker, module)."""
+    task = gurtd.run_done(prompt(f"python3 -c \"{OPEN_FDS}\"", "readlink /proc/self/fd/0",
+                                 "echo to-stderr >&2"))
+    assert gurtd.output(task["id"]) == ["open 0 1 2", "/dev/null"]
+    assert gurtd.output(task["id"], "stderr") == ["to-stderr"]
+
+
+RUN_LINE = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import gurtd as G
+leak = os.open("/dev/null", os.O_RDONLY)
+os.set_inheritable(leak, True)          # an fd of the worker's that is not close-on-exec
+r, w = os.pipe()
+codes = [G._run_line([sys.executable, "-c", sys.argv[2]], {}, w),
+         G._run_line(["/bin/sh", "-c", "echo out; echo err >&2; kill -KILL $$"], {}, w),
+         G._run_line(["/bin/sh", "-c", "kill -TERM $$"], {}, w),
+         G._run_line(["/nonexistent/command"], {}, w),
+         G._run_line(["/bin/sh", "-c", "exit 5"], {}, w)]
+os.close(w)
+print(json.dumps({"codes": codes, "leak": leak, "lines": os.read(r, 65536).decode()}))
+"""
+
+
+def test_run_line_gives_no_fd_of_the_worker_and_128_plus_a_signal(tmp_path: Any) -> None:
+    """_run_line itself, in a process holding an inheritable fd: the command does not see it;
+    an exit by signal N is 128+N, a command that cannot be run 127, an exit code itself; the
+    output comes back as lines of the worker's log."""
+    proc = subprocess.run([sys.executable, "-c", RUN_LINE, ROOT, OPEN_FDS], capture_output=True,
+                          text=True, timeout=60, check=True)
+    got = json.loads(proc.stdout)
+    assert got["leak"] > 2
+    assert got["codes"] == [0, 128 + 9, 128 + 15, 127, 5], got
+    lines = [json.loads(line) for line in got["lines"].splitlines()]
+    assert lines == [{"t": "out", "text": "open 0 1 2"}, {"t": "out", "text": "out"},
+                     {"t": "err", "text": "err"}], lines
+
+
+IDMAP = """
+import json, os, sys, threading
+sys.path.insert(0, sys.argv[1])
+import gurtd as G
+threading.Thread(target=threading.Event().wait, daemon=True).start()   # as in gurtd: threads
+fd = G._idmap_userns("0 0 1\\n1000 600123 1\\n", "0 0 1\\n1000 600124 1\\n")
+children = open(f"/proc/self/task/{os.getpid()}/children").read().split()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    G.libc_call("setns", fd, G.CLONE_NEWUSER)
+    maps = [open(f"/proc/self/{m}").read().split() for m in ("uid_map", "gid_map")]
+    os.write(w, json.dumps(maps).encode())
+    os._exit(0)
+os.close(w)
+print(json.dumps({"children": children, "maps": json.loads(os.read(r, 4096)),
+                  "ns": os.readlink(f"/proc/self/fd/{fd}") != os.readlink("/proc/self/ns/user")}))
+os.waitpid(pid, 0)
+"""
+
+
+def test_an_idmap_namespace_has_its_maps_and_leaves_no_process() -> None:
+    """_idmap_userns (no fork: a clone of libc's _exit whose zombie holds the namespace while
+    its maps are written): a namespace of its own with exactly the maps asked, its child
+    reaped, in a process with threads as gurtd is."""
+    proc = subprocess.run([sys.executable, "-c", IDMAP, ROOT], capture_output=True, text=True,
+                          timeout=60, check=True)
+    got = json.loads(proc.stdout)
+    assert got == {"children": [], "ns": True, "maps": [["0", "0", "1", "1000", "600123", "1"],
+                                                        ["0", "0", "1", "1000", "600124", "1"]]}
 
 
 # network ######################################################################################

@@ -387,7 +387,7 @@ def _in_child(fn: Callable[[], dict[str, str]]) -> dict[str, str]:
     return json.loads(data)
 
 
-def _root_probes(filtered: bool) -> dict[str, str]:
+def _root_probes(filtered: bool, exported: bool = False) -> dict[str, str]:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
 
@@ -398,7 +398,9 @@ def _root_probes(filtered: bool) -> dict[str, str]:
     # a private mount namespace first, so that a mount made here stays in this child
     assert libc.unshare(G.CLONE_NEWNS) == 0
     assert libc.mount(b"none", b"/", None, ctypes.c_ulong(G.MS_REC | (1 << 18)), None) == 0
-    if filtered:
+    if exported:                         # as a worker loads it: the BPF exported before
+        G.filter_load(G.filter_bpf())
+    elif filtered:
         G.kernel_filter().load()
     bpf_attr = (ctypes.c_uint32 * 32)(2, 4, 4, 1)           # an array map of one entry
     ring = (ctypes.c_uint32 * 32)()
@@ -419,6 +421,8 @@ def test_the_filter_refuses_even_root_what_the_kernel_would_allow() -> None:
                      "perf_event_open": "ok", "keyctl": "ENOKEY"}, plain
     filtered = _in_child(lambda: _root_probes(True))
     assert filtered == {name: "EPERM" for name in plain}, filtered
+    exported = _in_child(lambda: _root_probes(True, exported=True))
+    assert exported == filtered, exported
 
 
 # what a task leaves ###########################################################################
