@@ -1018,12 +1018,15 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
-def append_line(fd: int, data: bytes) -> None:
-    """Append one whole line to a log opened with O_APPEND, or raise and leave the file as it
-    was: a half-written line would glue itself to the next one and damage both."""
+def append_line(fd: int, data: bytes, sync: bool = False) -> None:
+    """Append one whole line to a log opened with O_APPEND (synced if sync), or raise and
+    leave the file as it was: a half-written line would glue itself to the next one and damage
+    both, and a line whose sync failed was answered as not written."""
     size = os.fstat(fd).st_size
     try:
         write_all(fd, data)
+        if sync:
+            os.fsync(fd)
     except OSError:
         try:
             os.ftruncate(fd, size)
@@ -11271,15 +11274,16 @@ class Broker:
         """One synced line holds a payment and the balance after it: all of it or none (a
         line cut short by a full disk is cut off again, and the error raised).  The file
         stays open: a payment costs its write and its fsync, no open and close."""
-        path = self.box.path("wallet.jsonl")
-        new = self.ledger_fd < 0 and not os.path.exists(path)
         if self.ledger_fd < 0:
-            self.ledger_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT |
-                                     os.O_CLOEXEC, 0o600)
-        append_line(self.ledger_fd, (json.dumps(entry) + "\n").encode())
-        os.fsync(self.ledger_fd)
-        if new:
-            fsync_dir(os.path.dirname(path))
+            path = self.box.path("wallet.jsonl")
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fsync_dir(os.path.dirname(path))      # the file's name as durable as its lines
+            except OSError:
+                os.close(fd)
+                raise
+            self.ledger_fd = fd
+        append_line(self.ledger_fd, (json.dumps(entry) + "\n").encode(), sync=True)
         self.ledger.append(entry)
         self.book = (entry["balanceAfterCents"], len(self.ledger))
 
@@ -13996,7 +14000,7 @@ def h_policies_create(req: "Handler", params: dict[str, str]) -> Any:
 
 
 def h_wallet_get(req: "Handler", params: dict[str, str]) -> Any:
-    return 200, req.box.broker.wallet      # the loop replaces it whole, never edits it
+    return 200, req.box.broker.wallet      # a snapshot (Broker.wallet): any thread may read
 
 
 h_approval_always = loop_handler(200, "broker.always", "id", body=True)
