@@ -1242,14 +1242,17 @@ def json_write(path: str, obj: Any) -> FileWrite:
     return FileWrite(path, json.dumps(obj, separators=(",", ":")).encode() + b"\n")
 
 
-def load_json(path: str) -> Any:
-    """The JSON in path, or None if it is missing.  A damaged file is set aside and logged."""
+def load_json(path: str, parse: Callable[[Any], Any] | None = None) -> Any:
+    """The JSON in path (what parse makes of it, if given), or None if it is missing.  A
+    damaged file (not JSON, or JSON that parse refuses with TypeError or ValueError) is set
+    aside and logged."""
     try:
         with open(path, "rb") as f:
-            return json.loads(f.read())
+            data = json.loads(f.read())
+        return data if parse is None else parse(data)
     except FileNotFoundError:
         return None
-    except (ValueError, UnicodeDecodeError, OSError) as exc:
+    except (ValueError, TypeError, UnicodeDecodeError, OSError) as exc:
         aside = f"{path}.damaged-{int(time.time())}"
         try:
             os.replace(path, aside)
@@ -7874,24 +7877,10 @@ class Box:
         for name in sorted(os.listdir(self.path("tasks"))):
             if not name.endswith(".json"):
                 continue
-            data = load_json(self.path("tasks", name))
-            if data is None:
+            loaded = load_json(self.path("tasks", name), self._task_parse)
+            if loaded is None:
                 continue
-            if isinstance(data, dict) and isinstance(data.get("layersRef"), str):
-                try:
-                    data["layers"] = self.stacks.stack(data["layersRef"])
-                except ValueError as exc:
-                    log(3, f"task file {name}: its layers are lost: {exc}")
-            try:
-                task = Task.from_dict(data)
-            except (TypeError, ValueError) as exc:
-                aside = self.path("tasks", name + f".damaged-{int(time.time())}")
-                try:
-                    os.replace(self.path("tasks", name), aside)
-                    log(3, f"task file {name} set aside as {aside}: {exc}")
-                except OSError as err:
-                    log(3, f"task file {name} is damaged ({exc}), not set aside: {err}")
-                continue
+            task, data = loaded
             self.tasks[task.id] = task
             if isinstance(data.get("layersRef"), str):
                 self.stack_refs[task.id] = (task.layers, data["layersRef"])
@@ -7903,6 +7892,16 @@ class Box:
         self.schedules.load()
         self.jira.load()
         self.hooks.load()
+
+    def _task_parse(self, data: Any) -> tuple[Task, dict[str, Any]]:
+        """A task file's task (TypeError or ValueError if it is damaged) and its JSON; a stack
+        it names that is lost is logged, the task kept."""
+        if isinstance(data, dict) and isinstance(data.get("layersRef"), str):
+            try:
+                data["layers"] = self.stacks.stack(data["layersRef"])
+            except ValueError as exc:
+                log(3, f"task file of {data.get('id')}: its layers are lost: {exc}")
+        return Task.from_dict(data), data
 
     def stored(self, task: Task) -> dict[str, Any]:
         """A task as its file holds it: a long `layers` by reference to a shared stack file
@@ -9634,18 +9633,11 @@ class Policies:
         return self.box.path("policies.json")
 
     def load(self) -> None:
-        data = load_json(self.file)
-        if data is None:
-            return
-        try:
+        def parse(data: Any) -> list[Policy]:
             if not isinstance(data, dict) or not isinstance(data.get("policies"), list):
                 raise ValueError("not a policies file")
-            items = [Policy.from_dict(p) for p in data["policies"]]
-        except (TypeError, ValueError) as exc:
-            os.replace(self.file, self.file + f".damaged-{int(time.time())}")
-            log(3, f"policies.json set aside: {exc}")
-            return
-        self.items = {p.id: p for p in items}
+            return [Policy.from_dict(p) for p in data["policies"]]
+        self.items = {p.id: p for p in load_json(self.file, parse) or []}
 
     def write(self, items: dict[str, Policy]) -> None:
         """Saved first, then in force: a policy that is not on disk is not in memory."""
@@ -10877,14 +10869,8 @@ class Broker:
         for name in sorted(os.listdir(self.box.path("approvals"))):
             if not name.endswith(".json"):
                 continue
-            data = load_json(self.box.path("approvals", name))
-            try:
-                approval = Approval.from_dict(data)
-            except (TypeError, ValueError):
-                if data is not None:
-                    os.replace(self.box.path("approvals", name),
-                               self.box.path("approvals", name + f".damaged-{int(time.time())}"))
-                    log(3, f"approval file {name} set aside")
+            approval = load_json(self.box.path("approvals", name), Approval.from_dict)
+            if approval is None:
                 continue
             self.approvals[approval.id] = approval
             self.render(approval)

@@ -526,3 +526,26 @@ def test_a_replaced_file_keeps_its_mode_and_owner_whatever_gurtd_s_umask(tmp_pat
     assert (oct(st.st_mode & 0o7777), st.st_uid, st.st_gid) == ("0o644", 0, 42)
     assert path.read_text().endswith("x:x:1:1::/:/bin/sh\n")
     assert sorted(os.listdir(tmp_path)) == ["passwd"]
+
+
+def test_damaged_task_and_approval_files_are_set_aside_and_the_rest_loads() -> None:
+    """A task file that is not JSON, one that is JSON but no task, and an approval file that
+    is no approval: gurtd starts, sets each aside (nothing deleted), and loads the good task."""
+    with running_gurtd() as g:
+        good = g.run_done("echo good")
+        g.stop()
+        tasks, approvals = os.path.join(g.home, "tasks"), os.path.join(g.home, "approvals")
+        for folder, name, text in ((tasks, "tbroken0001.json", "{not json"),
+                                   (tasks, "tbroken0002.json", '{"id": 5, "state": "done"}'),
+                                   (approvals, "abroken0001.json", '["an approval?"]')):
+            with open(os.path.join(folder, name), "w") as f:
+                f.write(text)
+        g.start()
+        assert g.task(good["id"])["state"] == "done"
+        ids = {t["id"] for t in g.api("GET", "/api/tasks?limit=1000")}
+        assert ids == {good["id"]}, ids
+        for folder, name in ((tasks, "tbroken0001.json"), (tasks, "tbroken0002.json"),
+                             (approvals, "abroken0001.json")):
+            names = os.listdir(folder)
+            assert name not in names and any(n.startswith(name + ".damaged-") for n in names)
+        assert g.api("GET", "/api/approvals") == []
