@@ -5990,8 +5990,9 @@ class Views:
     Methods for callers: workspace_exists, workspace_create_dir; stack_ids (done tasks, newest
     first), ever_done; view_lowers (a task's or a person's plan), view_fd (a view
     for people), changes (what to walk for a task's changes); layers_changed (a task became
-    done or undone), gc_layers (delete what no view uses); plan_merges, merge_done (merger
-    thread), merge_built; layer_usage (any thread); load, start, stop, pin, close.
+    done or undone), gc_layers (delete what no view uses; gc_soon: at the end of the step,
+    once, after its answers); plan_merges, merge_done (merger thread), merge_built;
+    layer_usage (any thread); load, start, stop, pin, close.
     """
 
     def __init__(self, box: Box) -> None:
@@ -6009,6 +6010,7 @@ class Views:
         self.layer_bytes: dict[str, tuple[int, float, int]] = {}
         self.stack_now: dict[str, list[str]] = {}    # workspace -> stack_ids, until it changes
         self.undone_layers: set[str] = set()   # undone tasks whose layer gc_layers may delete
+        self.gc_due = False                    # gc_soon asked; the loop collects at step end
 
     def load(self) -> None:
         """At start, once the tasks are read: the merged layers' records, undone layers a
@@ -6202,13 +6204,22 @@ class Views:
         self.box.finish_merge.warm(merged, os.path.join(self.layerstack.dir, merged.name))
         self.publish_layers(merged.workspace)
         self.drop_view(merged.workspace)
-        self.gc_layers()
-        self.box.schedule()                      # a start that waited for room under the limit
+        self.gc_soon()
+        if self.box.view_waits:                  # a start that waited for room under the limit
+            self.box.schedule()
+
+    def gc_soon(self) -> None:
+        """gc_layers at the end of this loop step, once however many asked, after the step's
+        answers: an undo does not wait for the collection its change allows."""
+        self.gc_due = True
 
     def gc_layers(self) -> None:
         """Delete the files of undone tasks' layers that no running task's view uses, and
         the merged layers that match no group any more and that no running task's view and
-        no cached view uses (a merge in progress keeps its sources)."""
+        no cached view uses (a merge in progress keeps its sources).  A deleted layer's
+        layerDeleted is saved without a sync: a crash that loses it finds the layer gone and
+        marks it again at the next start (load, then reconcile collects)."""
+        self.gc_due = False
         asked = set(self.undone_layers)       # in use is asked of these alone: 10,000 ids
         in_use: set[str] = set()              # of each running task's stack are not copied
         pinned: set[str] = set()              # lowers of views in use, relative to BOX_HOME
@@ -6249,7 +6260,8 @@ class Views:
                     continue
                 t.layerDeleted = True
                 self.undone_layers.discard(t.id)
-                self.box.save(t)
+                crash_point("layer-trashed")
+                self.box.save(t, sync=False)
                 self.box.append_log(t.id, {"type": "layer", "text": "layer files deleted"})
                 self.publish_layers(t.workspace)
 
@@ -7310,7 +7322,7 @@ class FinishMerge:
             if self.undoing.get(task.id) is job:
                 self.undoing.pop(task.id)
                 self.reading.pop("undo " + task.id, None)
-                self.box.views.gc_layers()              # its layer may go now
+                self.box.views.gc_soon()                # its layer may go now
             if result is not None and result.cleanup is not None:
                 result.cleanup.close()            # the staged layer, unless it joined
 
@@ -7741,6 +7753,7 @@ class Box:
         self.unsaved: set[str] = set()      # tasks whose (terminal) state is not on disk yet
         self.users_gone: list[str] | None = None   # users on_exits removes together
         self.schedule_due = False           # on_exits schedules once, at its end
+        self.view_waits = False             # a queued task waits for merges (merge_built)
         self.saves_later: list[Task] | None = None   # running saves schedule makes together
         self.schedules = Schedules(self)
         self.jira = Jira(self)
@@ -8076,7 +8089,7 @@ class Box:
         if self.users_gone is not None or self.saves_later is not None:
             self.schedule_due = True
             return
-        self.schedule_due = False
+        self.schedule_due = self.view_waits = False
         starting: list[tuple[Task, list[str], list[Any]]] = []
         if not self.loop.stopping:
             active = sum(1 for t in self.tasks.values() if t.state in ("running", "waiting")
@@ -8090,6 +8103,7 @@ class Box:
                                      self.views.view_lowers(task.workspace, layers)))
                 except ApiError as exc:
                     log(4, f"task {task.id} waits: {exc.message}")
+                    self.view_waits = True
         self.users_make([task for task, _, _ in starting], gone or [])
         self.saves_later = []
         try:
@@ -8322,7 +8336,7 @@ class Box:
         log(6, f"task {task.id} {task.state}" + (f": {task.error}" if task.error else ""))
         if task.folders and task.state != "done":
             self.review.forget(task)            # a failed task's folder changes never apply
-        self.views.gc_layers()
+        self.views.gc_soon()
         self.schedule()
 
     def release_worker(self, task: Task) -> None:
@@ -8405,7 +8419,7 @@ class Box:
             self.review.forget(task)
         self.views.layers_changed(task.workspace, undone=task.id)
         self.finish_merge.undone(task)     # its change out of later copies (off the loop)
-        self.views.gc_layers()
+        self.views.gc_soon()
         if was_active:
             self.schedule()
         return task.to_api(), self.finish_merge.named(task)
@@ -15977,6 +15991,9 @@ class Loop:
                     self.guard(key.data, box.on_worker_output, key.data)
             self.run_commands()
             self.guard(None, self.publish)        # what this step changed, for HTTP threads
+            if box.views.gc_due:                  # after the answers: none waits for it
+                self.guard(None, box.views.gc_layers)
+                self.guard(None, self.publish)
 
     def run_commands(self) -> None:
         while True:
