@@ -5905,7 +5905,7 @@ class StackStore:
 
 
 MERGE_SUPERSEDED = "superseded"      # a build dropped before it began (Merger.drop)
-MERGE_QUIET = 0.3                    # seconds a build waits to begin (undos of a burst drop it)
+MERGE_QUIET = 0.1                    # seconds a build waits to begin (undos of a burst drop it)
 
 
 class Merger:
@@ -8338,12 +8338,14 @@ class Box:
         finally:
             names, self.users_gone = self.users_gone, None
             ended, self.ends_later = self.ends_later, None
-            self.save_ended(ended)
-            due, self.schedule_due = self.schedule_due, False
-            if due:
-                self.schedule(names)     # the users gone removed in the edit of the new
-            else:
-                self.users_make([], names)
+            try:
+                self.save_ended(ended)
+            finally:                     # whatever that raised, the users gone still go
+                due, self.schedule_due = self.schedule_due, False
+                if due:
+                    self.schedule(names)     # the users gone removed in the edit of the new
+                else:
+                    self.users_make([], names)
 
     def maybe_finish(self, worker: Worker) -> None:
         """A worker ended once its process exited and its report pipe is drained."""
