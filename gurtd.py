@@ -5956,6 +5956,7 @@ class StackStore:
 
 
 MERGE_SUPERSEDED = "superseded"      # a build dropped before it began (Merger.drop)
+MERGE_QUIET = 0.1                    # seconds a build waits to begin (undos of a burst drop it)
 
 
 class Merger:
@@ -5964,12 +5965,15 @@ class Merger:
     (Box hands it to the loop).  The build goes to a temp name and is renamed into place.
     A build the loop dropped before it began ends with MERGE_SUPERSEDED: a burst of undos
     in one group asks for a generation at each, and only the last is still wanted (each
-    build of 128 layers takes ~60 ms of the interpreter from every other thread)."""
+    build of 128 layers takes ~60 ms of the interpreter from every other thread): a build
+    begins MERGE_QUIET after it was asked for, so that a burst's undos drop all but the
+    last before it begins, instead of each racing the next undo's answer."""
 
     def __init__(self, home: str, done: Callable[[MergedLayer, str | None], None]) -> None:
         self.dir = os.path.join(home, MERGED_DIR)
         self.done = done
-        self.jobs: queue.Queue[tuple[MergedLayer, list[str]] | str | None] = queue.Queue()
+        self.jobs: queue.Queue[tuple[MergedLayer, list[str], float] | str | None] = \
+            queue.Queue()
         self.thread: threading.Thread | None = None
         self.stopping = False
         self.dropped: set[str] = set()           # names the loop dropped (set, add: atomic)
@@ -5989,7 +5993,7 @@ class Merger:
             self.thread = None
 
     def submit(self, merged: MergedLayer, sources: list[str]) -> None:
-        self.jobs.put((merged, sources))
+        self.jobs.put((merged, sources, time.monotonic() + MERGE_QUIET))
 
     def drop(self, name: str) -> None:
         """Loop: a build not wanted any more is not begun (it may have begun already)."""
@@ -6012,9 +6016,10 @@ class Merger:
                 except OSError as exc:
                     log(3, f"could not delete {job}: {exc}")
                 continue
+            merged, sources, begin = job
+            time.sleep(max(0.0, begin - time.monotonic()) if not self.stopping else 0.0)
             if self.stopping:
                 continue                         # the jobs left are planned again at start
-            merged, sources = job
             temp = os.path.join(self.dir, MERGE_TEMP + merged.name)
             error = MERGE_SUPERSEDED if merged.name in self.dropped else None
             self.dropped.discard(merged.name)
@@ -6041,8 +6046,9 @@ class Views:
     Methods for callers: workspace_exists, workspace_create_dir; stack_ids (done tasks, newest
     first), ever_done; view_lowers (a task's or a person's plan), view_fd (a view
     for people), changes (what to walk for a task's changes); layers_changed (a task became
-    done or undone), gc_layers (delete what no view uses); plan_merges, merge_done (merger
-    thread), merge_built; layer_usage (any thread); load, start, stop, pin, close.
+    done or undone), gc_layers (delete what no view uses; gc_soon: at the end of the step,
+    once, after its answers); plan_merges, merge_done (merger thread), merge_built;
+    layer_usage (any thread); load, start, stop, pin, close.
     """
 
     def __init__(self, box: Box) -> None:
@@ -6060,6 +6066,7 @@ class Views:
         self.layer_bytes: dict[str, tuple[int, float, int]] = {}
         self.stack_now: dict[str, list[str]] = {}    # workspace -> stack_ids, until it changes
         self.undone_layers: set[str] = set()   # undone tasks whose layer gc_layers may delete
+        self.gc_due = False                    # gc_soon asked; the loop collects at step end
 
     def load(self) -> None:
         """At start, once the tasks are read: the merged layers' records, undone layers a
@@ -6074,10 +6081,12 @@ class Views:
                               if t.state == "undone" and not t.layerDeleted}
 
     def start(self) -> None:
-        """The merger thread, and the merges due since the last run, off the loop."""
+        """The merger thread, and the merges due since the last run, off the loop; the path
+        sets of each view's layers read off the loop too, for the first undo."""
         self.merger.start()
         for name in sorted(self.layerstack.groups):
             self.plan_merges(name)
+            self.box.finish_merge.warm(self.layerstack.plan(name, self.stack_ids(name)))
 
     def stop(self) -> None:
         self.merger.stop()
@@ -6250,16 +6259,25 @@ class Views:
             return
         log(6, f"merged layer {merged.name}: {len(merged.members)} layers of "
                f"{merged.workspace} in one")
-        self.box.finish_merge.warm(merged, os.path.join(self.layerstack.dir, merged.name))
+        self.box.finish_merge.warm([f"{MERGED_DIR}/{merged.name}"])
         self.publish_layers(merged.workspace)
         self.drop_view(merged.workspace)
-        self.gc_layers()
-        self.box.schedule()                      # a start that waited for room under the limit
+        self.gc_soon()
+        if self.box.view_waits:                  # a start that waited for room under the limit
+            self.box.schedule()
+
+    def gc_soon(self) -> None:
+        """gc_layers at the end of this loop step, once however many asked, after the step's
+        answers: an undo does not wait for the collection its change allows."""
+        self.gc_due = True
 
     def gc_layers(self) -> None:
         """Delete the files of undone tasks' layers that no running task's view uses, and
         the merged layers that match no group any more and that no running task's view and
-        no cached view uses (a merge in progress keeps its sources)."""
+        no cached view uses (a merge in progress keeps its sources).  A deleted layer's
+        layerDeleted is saved without a sync: a crash that loses it finds the layer gone and
+        marks it again at the next start (load, then reconcile collects)."""
+        self.gc_due = False
         asked = set(self.undone_layers)       # in use is asked of these alone: 10,000 ids
         in_use: set[str] = set()              # of each running task's stack are not copied
         pinned: set[str] = set()              # lowers of views in use, relative to BOX_HOME
@@ -6300,7 +6318,8 @@ class Views:
                     continue
                 t.layerDeleted = True
                 self.undone_layers.discard(t.id)
-                self.box.save(t)
+                crash_point("layer-trashed")
+                self.box.save(t, sync=False)
                 self.box.append_log(t.id, {"type": "layer", "text": "layer files deleted"})
                 self.publish_layers(t.workspace)
 
@@ -7192,14 +7211,16 @@ class FinishMerge:
             self.thread.start()
         self.jobs.put(run)
 
-    def warm(self, merged: MergedLayer, path: str) -> None:
-        """A merged layer was recorded: the thread reads its path set now, not the next undo
-        (which reads every merged layer above the undone task: the first one, all of them)."""
+    def warm(self, layers: list[str]) -> None:
+        """Layers of a plan (paths relative to BOX_HOME: a merged layer recorded, a view's at
+        start): the thread reads their path sets now, not the next undo (which reads every
+        layer above the undone task: the first one after a start ~270 at 10,000 layers)."""
         def run() -> None:
-            try:
-                self.paths.of(f"{MERGED_DIR}/{merged.name}", path)
-            except Exception as exc:            # the thread is every task's: never its end
-                log(3, f"merged layer {merged.name}: its path set: {exc}")
+            for layer in layers:
+                try:
+                    self.paths.of(paths_key(layer), self.box.path(layer))
+                except Exception as exc:        # the thread is every task's: never its end
+                    log(3, f"layer {layer}: its path set: {exc}")
         self.put(run)
 
     def run(self) -> None:
@@ -7361,7 +7382,7 @@ class FinishMerge:
             if self.undoing.get(task.id) is job:
                 self.undoing.pop(task.id)
                 self.reading.pop("undo " + task.id, None)
-                self.box.views.gc_layers()              # its layer may go now
+                self.box.views.gc_soon()                # its layer may go now
             if result is not None and result.cleanup is not None:
                 result.cleanup.close()            # the staged layer, unless it joined
 
@@ -7792,7 +7813,9 @@ class Box:
         self.unsaved: set[str] = set()      # tasks whose (terminal) state is not on disk yet
         self.users_gone: list[str] | None = None   # users on_exits removes together
         self.schedule_due = False           # on_exits schedules once, at its end
+        self.view_waits = False             # a queued task waits for merges (merge_built)
         self.saves_later: list[Task] | None = None   # running saves schedule makes together
+        self.ends_later: list[Task] | None = None    # terminal saves on_exits makes together
         self.schedules = Schedules(self)
         self.jira = Jira(self)
         self.hooks = Hooks(self)
@@ -7960,18 +7983,27 @@ class Box:
         saw.  If it cannot be saved the task is failed in memory with the reason, and the save
         is tried again later (save_unsaved).  Other states log first, so a follower never
         misses the last line (a start's running is saved with the others of its schedule,
-        in one group commit: save_started)."""
+        in one group commit: save_started; the ends of one on_exits likewise: save_ended)."""
         task.state = state
         for key, value in fields.items():
             setattr(task, key, value)
-        entry: dict[str, Any] = {"type": "state", "state": state}
         if state in TERMINAL_STATES:
+            if self.ends_later is not None:        # saved, then logged, with the others
+                self.ends_later += [] if task in self.ends_later else [task]
+                return
             try:
                 self.save(task)
             except OSError as exc:
                 self.not_saved(task, exc)
                 return
             crash_point(f"after-saving-{state}")
+        self.state_logged(task)
+
+    def state_logged(self, task: Task) -> None:
+        """set_state: the new state logged (a state other than a terminal one then saved)
+        and announced."""
+        state = task.state
+        entry: dict[str, Any] = {"type": "state", "state": state}
         if task.error and state == "failed":
             entry["error"] = task.error
         try:
@@ -8123,7 +8155,7 @@ class Box:
         if self.users_gone is not None or self.saves_later is not None:
             self.schedule_due = True
             return
-        self.schedule_due = False
+        self.schedule_due = self.view_waits = False
         starting: list[tuple[Task, list[str], list[Any]]] = []
         if not self.loop.stopping:
             active = sum(1 for t in self.tasks.values() if t.state in ("running", "waiting")
@@ -8137,6 +8169,7 @@ class Box:
                                      self.views.view_lowers(task.workspace, layers)))
                 except ApiError as exc:
                     log(4, f"task {task.id} waits: {exc.message}")
+                    self.view_waits = True
         self.users_make([task for task, _, _ in starting], gone or [])
         self.saves_later = []
         try:
@@ -8151,16 +8184,39 @@ class Box:
     def save_started(self, tasks: list[Task]) -> None:
         """The running state of the tasks one schedule started, saved in one group commit
         (set_state logged it), then announced; if it cannot be saved, they fail."""
+        self.save_group(tasks, lambda task, exc: self.fail_task(
+            task, f"cannot save the task: {exc.strerror or exc}"),
+            lambda task: self.loop.emit("task", task.to_api()))
+
+    def save_ended(self, tasks: list[Task]) -> None:
+        """The terminal states of the tasks one on_exits ended, saved in one group commit,
+        then each logged and announced (set_state's order).  If they cannot be saved each is
+        failed in memory (not_saved), a done one out of the stack again."""
+        def failed(task: Task, exc: OSError) -> None:
+            done = task.state == "done"
+            self.not_saved(task, exc)
+            if done:
+                self.views.layers_changed(task.workspace, undone=task.id)
+
+        def saved(task: Task) -> None:
+            crash_point(f"after-saving-{task.state}")
+            self.state_logged(task)
+        self.save_group(tasks, failed, saved)
+
+    def save_group(self, tasks: list[Task], failed: Callable[[Task, OSError], None],
+                   saved: Callable[[Task], None]) -> None:
+        """tasks saved in one group commit, then saved(task) for each; if they cannot be
+        saved, failed(task, error) for each instead."""
         if not tasks:
             return
         try:
             self.save_all(tasks)
         except OSError as exc:
             for task in tasks:
-                self.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
+                failed(task, exc)
             return
         for task in tasks:
-            self.loop.emit("task", task.to_api())
+            saved(task)
 
     def users_make(self, tasks: list[Task], gone: list[str]) -> None:
         """The users of tasks about to start made (task.uid) and the users gone removed, in
@@ -8319,7 +8375,7 @@ class Box:
         and those of the tasks that start in their place come, in one edit of the account
         files (users_make).  A crash before it leaves users the next start removes."""
         by_pid = {w.pid: w for w in self.workers.values()}
-        self.users_gone = []
+        self.users_gone, self.ends_later = [], []
         try:
             for pid, code in self.spawner.exits():
                 worker = by_pid.get(pid)
@@ -8328,11 +8384,15 @@ class Box:
                     self.loop.guard(worker.task_id, self.maybe_finish, worker)
         finally:
             names, self.users_gone = self.users_gone, None
-            due, self.schedule_due = self.schedule_due, False
-            if due:
-                self.schedule(names)     # the users gone removed in the edit of the new
-            else:
-                self.users_make([], names)
+            ended, self.ends_later = self.ends_later, None
+            try:
+                self.save_ended(ended)
+            finally:                     # whatever that raised, the users gone still go
+                due, self.schedule_due = self.schedule_due, False
+                if due:
+                    self.schedule(names)     # the users gone removed in the edit of the new
+                else:
+                    self.users_make([], names)
 
     def maybe_finish(self, worker: Worker) -> None:
         """A worker ended once its process exited and its report pipe is drained."""
@@ -8369,7 +8429,7 @@ class Box:
         log(6, f"task {task.id} {task.state}" + (f": {task.error}" if task.error else ""))
         if task.folders and task.state != "done":
             self.review.forget(task)            # a failed task's folder changes never apply
-        self.views.gc_layers()
+        self.views.gc_soon()
         self.schedule()
 
     def release_worker(self, task: Task) -> None:
@@ -8452,10 +8512,12 @@ class Box:
             self.review.forget(task)
         self.views.layers_changed(task.workspace, undone=task.id)
         self.finish_merge.undone(task)     # its change out of later copies (off the loop)
-        self.views.gc_layers()
+        named = self.finish_merge.named(task)
+        if named is None:                  # else when its revert ends, not beside it
+            self.views.gc_soon()
         if was_active:
             self.schedule()
-        return task.to_api(), self.finish_merge.named(task)
+        return task.to_api(), named
 
     def get(self, task_id: str) -> Task:
         task = self.task(task_id)
@@ -16004,6 +16066,9 @@ class Loop:
                     self.guard(key.data, box.on_worker_output, key.data)
             self.run_commands()
             self.guard(None, self.publish)        # what this step changed, for HTTP threads
+            if box.views.gc_due:                  # after the answers: none waits for it
+                self.guard(None, box.views.gc_layers)
+                self.guard(None, self.publish)
 
     def run_commands(self) -> None:
         while True:

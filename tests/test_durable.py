@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import http.client
 import json
 import os
 import signal
@@ -291,6 +292,31 @@ def test_users_made_for_a_start_that_a_kill_9_cut_short_are_removed_at_the_next_
         eventually(lambda: task["user"] not in passwd_names(), what="the task's user gone")
         assert g.stop() == 0
 
+
+
+def test_an_undone_layer_a_kill_9_cut_short_is_deleted_and_marked_at_the_next_start() -> None:
+    """A task is undone; gurtd is killed (-9) after its layer went to its trash name and
+    before the task file says so (that save is not synced: a crash may lose it).  The task
+    stays undone, its file back in no view; the next start deletes the trash and marks the
+    layer deleted, once, in the task's log too."""
+    with running_gurtd({"GURT_TEST_CRASH_AT": "layer-trashed"}) as g:
+        task = g.run_done("echo gone > gone.txt")
+        with contextlib.suppress(ConnectionError, http.client.HTTPException):  # after it
+            g.api("POST", f"/api/tasks/{task['id']}/undo")
+        assert wait_exit(g) == 137
+        layers = os.path.join(g.home, "layers")
+        on_disk = task_file(g, task["id"])
+        assert on_disk["state"] == "undone" and not on_disk["layerDeleted"]  # the window
+        assert task["id"] not in os.listdir(layers)     # its trash name, or deleted already
+        g.env = {}
+        g.start()
+        assert g.task(task["id"])["state"] == "undone"
+        eventually(lambda: task_file(g, task["id"])["layerDeleted"], what="layer marked")
+        assert os.listdir(layers) == []
+        assert [e["text"] for e in g.log(task["id"]) if e["type"] == "layer"] == \
+            ["layer files deleted"]
+        assert g.file("home", "gone.txt") is None
+        assert g.stop() == 0
 
 def test_temp_files_of_a_crashed_run_are_removed_at_start() -> None:
     """gurtd died in the middle of writes: temp files are left in BOX_HOME and beside
