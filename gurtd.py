@@ -6086,7 +6086,9 @@ class Views:
         self.merger.start()
         for name in sorted(self.layerstack.groups):
             self.plan_merges(name)
-            self.box.finish_merge.warm(self.layerstack.plan(name, self.stack_ids(name)))
+            plan = self.layerstack.plan(name, self.stack_ids(name))
+            if len(plan) < MAX_LOWER_LAYERS:   # else merges are due: each warms its own
+                self.box.finish_merge.warm(plan)
 
     def stop(self) -> None:
         self.merger.stop()
@@ -6242,6 +6244,7 @@ class Views:
     def merge_built(self, merged: MergedLayer, error: str | None) -> None:
         """Loop: record a merged layer that was built (then views use it), or log why not."""
         self.merging.pop(merged.name, None)
+        self.gc_soon()                   # its members (undone ones too) are no longer held
         if error == MERGE_SUPERSEDED:
             return
         if error is None:
@@ -6307,7 +6310,7 @@ class Views:
             t = self.box.task(task_id)
             if t is None or t.state != "undone" or t.layerDeleted:
                 self.undone_layers.discard(task_id)
-            elif t.id not in in_use:
+            elif t.id not in in_use and t.id not in self.box.unsaved:   # undone on disk
                 try:      # gone from its name at once; its files off the loop
                     if os.path.lexists(self.box.layer_dir(t.id)):
                         self.merger.remove(trash_name(self.box.layer_dir(t.id)))
@@ -7922,7 +7925,7 @@ class Box:
         if isinstance(data, dict) and isinstance(data.get("layersRef"), str):
             try:
                 data["layers"] = self.stacks.stack(data["layersRef"])
-            except ValueError as exc:
+            except (TypeError, ValueError) as exc:
                 log(3, f"task file of {data.get('id')}: its layers are lost: {exc}")
         return Task.from_dict(data), data
 
@@ -7956,7 +7959,8 @@ class Box:
         self.state_unsaved = self.state_unsaved and not with_state
         for task in tasks:
             self.loop.render(task)
-            self.unsaved.discard(task.id)
+            if sync:             # unsynced, a state is not yet one a crash keeps
+                self.unsaved.discard(task.id)
 
     def append_log(self, task_id: str, entry: dict[str, Any]) -> None:
         entry = {"time": now_iso(), **entry}
@@ -8048,6 +8052,8 @@ class Box:
             try:
                 self.save(task)
                 log(6, f"task {task_id}: its state ({task.state}) is saved now")
+                if task.state == "undone":
+                    self.views.gc_soon()          # its layer may go now
             except OSError as exc:
                 log(4, f"task {task_id}: still cannot save its state: {exc}")
                 return

@@ -293,7 +293,6 @@ def test_users_made_for_a_start_that_a_kill_9_cut_short_are_removed_at_the_next_
         assert g.stop() == 0
 
 
-
 def test_an_undone_layer_a_kill_9_cut_short_is_deleted_and_marked_at_the_next_start() -> None:
     """A task is undone; gurtd is killed (-9) after its layer went to its trash name and
     before the task file says so (that save is not synced: a crash may lose it).  The task
@@ -317,6 +316,7 @@ def test_an_undone_layer_a_kill_9_cut_short_is_deleted_and_marked_at_the_next_st
             ["layer files deleted"]
         assert g.file("home", "gone.txt") is None
         assert g.stop() == 0
+
 
 def test_temp_files_of_a_crashed_run_are_removed_at_start() -> None:
     """gurtd died in the middle of writes: temp files are left in BOX_HOME and beside
@@ -575,3 +575,44 @@ def test_damaged_task_and_approval_files_are_set_aside_and_the_rest_loads() -> N
             names = os.listdir(folder)
             assert name not in names and any(n.startswith(name + ".damaged-") for n in names)
         assert g.api("GET", "/api/approvals") == []
+
+
+def test_a_task_whose_stack_file_is_damaged_keeps_its_file_and_loses_only_its_layers() -> None:
+    """A stack file that is JSON of the wrong shape (its parent a number): the task that names
+    it is loaded, its layers said lost in the log; its own file is not set aside."""
+    with running_gurtd() as g:
+        task = g.run_done("echo kept")
+        g.stop()
+        path = os.path.join(g.home, "tasks", task["id"] + ".json")
+        with open(path) as f:
+            data = json.load(f)
+        data["layersRef"] = "0" * 32
+        with open(path, "w") as f:
+            json.dump(data, f)
+        os.makedirs(os.path.join(g.home, "stacks"), exist_ok=True)
+        with open(os.path.join(g.home, "stacks", "0" * 32 + ".json"), "w") as f:
+            f.write('{"ids": [], "parent": 5}\n')
+        g.start()
+        assert g.task(task["id"])["state"] == "done"
+        assert os.listdir(os.path.join(g.home, "tasks")) == [task["id"] + ".json"]
+        assert "its layers are lost" in g.log_text()
+
+
+def test_an_undo_whose_state_cannot_be_saved_keeps_the_layer_until_it_is() -> None:
+    """The disk is full when a task is undone: its file still says done, so its layer stays
+    on disk (a crash now would find a done task without its files); once there is room the
+    undone state is saved and only then is the layer deleted."""
+    with gurtd_on_small_disk() as (g, disk):
+        task = g.run_done("echo kept > kept.txt")
+        layer = os.path.join(g.home, "layers", task["id"])
+        disk.fill()
+        g.request("POST", f"/api/tasks/{task['id']}/undo")
+        eventually(lambda: g.task(task["id"])["state"] == "undone", what="undone in memory")
+        time.sleep(1.0)                    # a step or more: the collection would have run
+        assert task_file(g, task["id"])["state"] == "done"
+        assert os.path.isdir(layer)
+        disk.free()
+        eventually(lambda: task_file(g, task["id"])["state"] == "undone", timeout=30,
+                   what="the undone state on disk")
+        eventually(lambda: not os.path.lexists(layer), what="the layer deleted")
+        assert g.stop() == 0
