@@ -7416,7 +7416,15 @@ class FinishMerge:
             if result.cleanup is not None:
                 result.cleanup.close()
             if self.undoing.get(task.id) is job:
+                self.undoing.pop(task.id)
+                self.reading.pop("undo " + task.id, None)
                 self.undone(task)                    # built again on the stack now
+                again = self.undoing.get(task.id)
+                if again is not None:                # its answer waits for this one's
+                    again.named = job.named
+                else:                                # nothing above it any more
+                    self.revert_joins(task, job, UndoResult(), None)
+                    self.box.views.gc_soon()
             return
         job.stack = stack
         self.reading["undo " + task.id] = (stack + [task.id], self.reading.get(

@@ -1013,6 +1013,29 @@ def test_a_burst_of_undos_while_reverts_are_decided_stays_exact(gurtd: Gurtd) ->
     assert [n for n in range(4) if gurtd.file("home", f"other{n}.txt") is not None] == []
 
 
+def test_an_undo_whose_revert_is_moot_once_the_layers_above_go_is_recorded_and_collected(
+        gurtd: Gurtd) -> None:
+    """t1 is undone and, while its revert under t2's copies of 2,000 files is decided, t2 is
+    undone too: once nothing is above t1 its revert is moot; it is recorded as done (nothing
+    reverted) and t1's layer is deleted (it stayed held by a revert never built again)."""
+    gurtd.run_done("mkdir d; for i in $(seq 2000); do seq 20 > d/$i; done")
+    t1 = gurtd.run_done("sed -i 's/^3$/three/' d/*")["id"]
+    t2 = gurtd.run_done("sed -i 's/^17$/seventeen/' d/*")["id"]
+
+    def undo(task_id: str, after: float) -> None:
+        time.sleep(after)
+        gurtd.api("POST", f"/api/tasks/{task_id}/undo")
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(undo, [t1, t2], [0.0, 0.05]))
+    for task_id in (t1, t2):
+        eventually(lambda: not os.path.lexists(os.path.join(gurtd.home, "layers", task_id)),
+                   60, f"the layer of {task_id} deleted")
+    assert gurtd.task(t1)["undoMerge"] == {"reverted": [], "kept": [], "layer": None,
+                                          "state": "done"}
+    assert gurtd.file("home", "d/7").decode() == "".join(f"{n}\n" for n in range(1, 21))
+
+
 def test_kill_before_an_undos_revert_joins_takes_it_up_again() -> None:
     """gurtd killed once the revert layer of an undo is written but has not joined: after
     the restart the undo is taken up again, the view is exact and the record says so."""
