@@ -7419,10 +7419,7 @@ class FinishMerge:
                 self.undoing.pop(task.id)
                 self.reading.pop("undo " + task.id, None)
                 self.undone(task)                    # built again on the stack now
-                again = self.undoing.get(task.id)
-                if again is not None:                # its answer waits for this one's
-                    again.named = job.named
-                else:                                # nothing above it any more
+                if task.id not in self.undoing:      # nothing above it any more
                     self.revert_joins(task, job, UndoResult(), None)
                     self.box.views.gc_soon()
             return
