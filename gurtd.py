@@ -7383,11 +7383,15 @@ class FinishMerge:
                 self.revert_joins(task, job, result, error)
         finally:
             if self.undoing.get(task.id) is job:
-                self.undoing.pop(task.id)
-                self.reading.pop("undo " + task.id, None)
-                self.box.views.gc_soon()                # its layer may go now
+                self.job_ended(task.id)
             if result is not None and result.cleanup is not None:
                 result.cleanup.close()            # the staged layer, unless it joined
+
+    def job_ended(self, task_id: str) -> None:
+        """A revert's job is over: the layers it read are free, the undone one may go."""
+        self.undoing.pop(task_id, None)
+        self.reading.pop("undo " + task_id, None)
+        self.box.views.gc_soon()
 
     def recheck(self, job: UndoJob, result: UndoResult, stack: list[str]) -> None:
         """The stack changed while a revert was decided (the next undo of a burst does):
@@ -7416,12 +7420,10 @@ class FinishMerge:
             if result.cleanup is not None:
                 result.cleanup.close()
             if self.undoing.get(task.id) is job:
-                self.undoing.pop(task.id)
-                self.reading.pop("undo " + task.id, None)
+                self.job_ended(task.id)
                 self.undone(task)                    # built again on the stack now
                 if task.id not in self.undoing:      # nothing above it any more
                     self.revert_joins(task, job, UndoResult(), None)
-                    self.box.views.gc_soon()
             return
         job.stack = stack
         self.reading["undo " + task.id] = (stack + [task.id], self.reading.get(
