@@ -1018,20 +1018,43 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
+TORN_LINES: dict[tuple[int, int], tuple[int, tuple[int, int], OSError]] = {}
+"""Logs (device, inode) whose half-written line could not be cut off: the size to cut back
+to, the size and mtime the half line left, and the write's error.  append_line refuses them
+until the cut succeeds: the next line would glue onto the half one and damage both."""
+
+
 def append_line(fd: int, data: bytes, sync: bool = False) -> None:
     """Append one whole line to a log opened with O_APPEND (synced if sync), or raise and
     leave the file as it was: a half-written line would glue itself to the next one and damage
-    both, and a line whose sync failed was answered as not written."""
-    size = os.fstat(fd).st_size
+    both, and a line whose sync failed was answered as not written.  If even the cut fails,
+    the file is torn (TORN_LINES): each next line first cuts again, or raises the write's error
+    again and writes nothing."""
+    st = os.fstat(fd)
+    key, size = (st.st_dev, st.st_ino), st.st_size
+    torn = TORN_LINES.get(key)
+    if torn is not None and torn[1] == (size, st.st_mtime_ns):   # else a reused inode
+        try:
+            os.ftruncate(fd, torn[0])
+        except OSError as exc:
+            raise OSError(torn[2].errno, f"{torn[2].strerror} (a half-written line is still "
+                                         f"there: {exc.strerror})") from exc
+        log(5, f"fd {fd}: a half-written line is cut off now")
+        size = torn[0]
+    if torn is not None:
+        del TORN_LINES[key]
     try:
         write_all(fd, data)
         if sync:
             os.fsync(fd)
-    except OSError:
+    except OSError as exc:
         try:
             os.ftruncate(fd, size)
-        except OSError as exc:
-            log(3, f"could not cut a half-written line off fd {fd}: {exc}")
+        except OSError as err:
+            log(3, f"could not cut a half-written line off fd {fd}: {err}; no line is "
+                   "appended to it until it can be")
+            after = os.fstat(fd)
+            TORN_LINES[key] = (size, (after.st_size, after.st_mtime_ns), exc)
         raise
 
 

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import gurtd as G
 from conftest import (GURTD, ROOT, Gurtd, clean_env, eventually, gurtd_on_small_disk, make_home,
                       nft_table, passwd_names, pay_line, remove_home, running_gurtd,
@@ -506,6 +508,42 @@ def test_writes_on_a_full_disk_fail_whole_and_leave_the_old_files_as_they_were()
         assert oct(os.stat(accounts).st_mode & 0o777) == oct(0o644)
 
         assert [n for n in os.listdir(disk.mnt) if ".tmp-" in n or ".gurtd-" in n] == []
+
+
+def test_a_half_line_that_cannot_be_cut_off_keeps_the_next_lines_out_until_it_can() -> None:
+    """A ledger line meets a full disk and the ledger is append-only (chattr +a), so its half
+    line cannot be cut off either: the next payment's line is refused with the same error and
+    nothing is glued to the half line; a start's recovery reads the whole lines; once the file
+    can be cut again, the next line cuts the half one off and starts clean."""
+    with small_disk_made(size_mb=8) as disk:
+        ledger = os.path.join(disk.mnt, "wallet.jsonl")
+        first, second = (json.dumps({"balanceAfterCents": c}).encode() + b"\n" for c in (100, 90))
+        Path(ledger).write_bytes(first)
+        fd = os.open(ledger, os.O_WRONLY | os.O_APPEND)
+        subprocess.run(["chattr", "+a", ledger], check=True)
+        try:
+            disk.fill(leave=16 * 1024)
+            with pytest.raises(OSError) as full:
+                G.append_line(fd, b'{"big": "' + b"x" * (300 * 1024) + b'"}\n', sync=True)
+            assert full.value.errno == errno.ENOSPC
+            half = Path(ledger).read_bytes()
+            assert half.startswith(first) and len(half) > len(first)    # not cut: append-only
+            disk.free()
+            with pytest.raises(OSError) as refused:
+                G.append_line(fd, second, sync=True)
+            assert refused.value.errno == errno.ENOSPC
+            assert Path(ledger).read_bytes() == half                     # nothing glued
+            crashed = os.path.join(disk.mnt, "crashed.jsonl")            # a crash now
+            Path(crashed).write_bytes(half)
+            assert G.load_ledger(crashed) == {"balanceCents": 100,
+                                              "ledger": [{"balanceAfterCents": 100}]}
+            subprocess.run(["chattr", "-a", ledger], check=True)
+            G.append_line(fd, second, sync=True)
+        finally:
+            subprocess.run(["chattr", "-a", ledger], check=False)
+            os.close(fd)
+        assert Path(ledger).read_bytes() == first + second
+        assert G.load_ledger(ledger)["balanceCents"] == 90
 
 
 def children(pid: int) -> list[int]:
