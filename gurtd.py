@@ -1069,6 +1069,15 @@ class FileWrite:
     tmp: str | None = None
 
 
+class PartlyRenamed(OSError):
+    """atomic_write_all's error after some renames: the first `renamed` files hold their new
+    bytes (their folders synced as far as the disk allows), the others their old."""
+
+    def __init__(self, exc: OSError, renamed: int) -> None:
+        super().__init__(exc.errno, exc.strerror, exc.filename)
+        self.renamed = renamed
+
+
 def atomic_write(path: str, data: bytes, mode: int = 0o600, sync: bool = True,
                  owner: tuple[int, int] | None = None, tmp: str | None = None) -> None:
     """Write a file so that a crash leaves the old or the new version: temp, every byte,
@@ -1083,7 +1092,8 @@ def atomic_write_all(writes: list[FileWrite], sync: bool = True) -> None:
     synced (the first sync commits the file system's journal for all of them), then renamed
     in order, then each folder synced once.  A crash leaves each file old or new.  An error
     before the renames changes nothing (every temp removed); a rename that fails leaves the
-    earlier ones done (the caller restores if the files must agree)."""
+    earlier ones done and raises PartlyRenamed (the caller restores if the files must
+    agree)."""
     temps: list[str] = []
     renamed = 0
     try:
@@ -1109,11 +1119,20 @@ def atomic_write_all(writes: list[FileWrite], sync: bool = True) -> None:
         for w, tmp in zip(writes, temps):
             os.rename(tmp, w.path)
             renamed += 1
-    except BaseException:
+    except BaseException as exc:
         for tmp in temps[renamed:]:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        raise
+        if not renamed or not isinstance(exc, OSError):
+            raise
+        with contextlib.suppress(OSError):
+            folders_sync(writes[:renamed], sync)
+        raise PartlyRenamed(exc, renamed) from exc
+    folders_sync(writes, sync)
+
+
+def folders_sync(writes: list[FileWrite], sync: bool = True) -> None:
+    """The folders of writes synced once each (if sync): their renames durable."""
     if sync:
         for folder in dict.fromkeys(os.path.dirname(w.path) or "." for w in writes):
             fsync_dir(folder)
@@ -8242,13 +8261,20 @@ class Box:
     def save_group(self, tasks: list[Task], failed: Callable[[Task, OSError], None],
                    saved: Callable[[Task], None]) -> None:
         """tasks saved in one group commit, then saved(task) for each; if they cannot be
-        saved, failed(task, error) for each instead."""
+        saved, failed(task, error) for each instead, but for those whose file was renamed
+        before the error (PartlyRenamed): saved, as their files say."""
         if not tasks:
             return
         try:
             self.save_all(tasks)
         except OSError as exc:
-            for task in tasks:
+            renamed = exc.renamed if isinstance(exc, PartlyRenamed) else 0
+            log(3, f"a group save failed after {renamed} of {len(tasks)} tasks: {exc}")
+            for task in tasks[:renamed]:     # saved, as save_all leaves a whole group
+                self.loop.render(task)
+                self.unsaved.discard(task.id)
+                saved(task)
+            for task in tasks[renamed:]:
                 failed(task, exc)
             return
         for task in tasks:

@@ -546,6 +546,32 @@ def test_a_half_line_that_cannot_be_cut_off_keeps_the_next_lines_out_until_it_ca
         assert G.load_ledger(ledger)["balanceCents"] == 90
 
 
+def test_a_group_save_cut_short_after_a_rename_keeps_that_task_as_its_file_says() -> None:
+    """Two queued tasks start in one schedule and are saved in one group commit; the second's
+    file cannot be replaced (chattr +i: the kernel refuses its rename, after the first's, as
+    a failing disk would): the first runs, as its file says, and only the second fails."""
+    with running_gurtd() as g:
+        g.api("PUT", "/api/settings", {"maxRunningTasks": 1})
+        blocker = g.create("sleep 30")
+        eventually(lambda: g.task(blocker["id"])["state"] == "running", what="the blocker")
+        first, second = g.create("sleep 30"), g.create("sleep 30")
+        frozen = os.path.join(g.home, "tasks", second["id"] + ".json")
+        subprocess.run(["chattr", "+i", frozen], check=True)
+        try:
+            g.api("PUT", "/api/settings", {"maxRunningTasks": 3})
+            assert g.wait(second["id"])["state"] == "failed"
+            assert g.task(first["id"])["state"] == "running"
+            assert (task_file(g, first["id"]) or {}).get("state") == "running"
+        finally:
+            subprocess.run(["chattr", "-i", frozen], check=False)
+        for task in (blocker, first):
+            g.api("POST", f"/api/tasks/{task['id']}/stop")
+            assert g.wait(task["id"])["state"] == "failed"
+        eventually(lambda: (task_file(g, second["id"]) or {}).get("state") == "failed",
+                   what="the second's failure saved once its file can be replaced")
+        assert g.stop() == 0
+
+
 def children(pid: int) -> list[int]:
     out: list[int] = []
     for tid in os.listdir(f"/proc/{pid}/task"):
