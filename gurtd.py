@@ -1205,6 +1205,13 @@ def folder_ensure(path: str, mode: int) -> None:
     os.chmod(path, mode)
 
 
+def secret_write(path: str, text: str) -> None:
+    """A secret (the model key, the Jira token) as a whole file, 0600, in its folder
+    (BOX_HOME/secrets) kept 0700 even if it was made looser."""
+    folder_ensure(os.path.dirname(path), 0o700)
+    atomic_write(path, text.encode(), mode=0o600)
+
+
 def is_disk_error(exc: BaseException) -> bool:
     """A write that failed because of the disk (full, quota, read-only, broken), not a bug."""
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS,
@@ -10394,7 +10401,7 @@ class Gateway:
             raise ApiError(400, "the body must be {\"key\": \"...\"}: 1 to 4096 printable "
                                 "characters, no spaces")
         with saved_or_507("the model key"):
-            secret_write(self.box, self.key_file, key)
+            secret_write(self.key_file, key)
         self.key_text = key
         log(6, "the model key was set (tasks started from now on use the gateway)")
         return self.secrets()
@@ -10880,14 +10887,6 @@ class Gateway:
 
 # the owner's key: where secrets are kept, its HTTP handlers, and `gurtd secret` (the CLI
 # section adds it to cli)
-
-def secret_write(box: "Box", path: str, text: str) -> None:
-    """A secret (the model key, the Jira token) as a whole file, 0600 in BOX_HOME/secrets
-    (0700 even if it was made looser)."""
-    os.makedirs(box.path("secrets"), mode=0o700, exist_ok=True)
-    os.chmod(box.path("secrets"), 0o700)
-    atomic_write(path, text.encode(), mode=0o600)
-
 
 SECRETS_SCHEMA = {"type": "object", "required": ["model"], "properties": {"model": {
     "type": "object", "required": ["set"], "properties": {"set": {"type": "boolean"}},
@@ -13301,7 +13300,7 @@ class Jira:
 
     def save_token(self, token: str) -> None:
         """The API token, 0600 in BOX_HOME/secrets (0700); never answered back."""
-        secret_write(self.box, self.token_file, token)
+        secret_write(self.token_file, token)
         self.wake.set()
 
     def token(self) -> str:
