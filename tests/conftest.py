@@ -327,8 +327,11 @@ class Gurtd:
         return data
 
     def create(self, prompt: str, **fields: Any) -> dict[str, Any]:
+        """A new task of the fake worker, or of worker=...; worker=None: the default (droid)."""
         body = {"title": fields.pop("title", "test task"), "prompt": prompt, "worker": "fake"}
         body.update(fields)
+        if body["worker"] is None:
+            del body["worker"]
         return self.api("POST", "/api/tasks", body, status=201)
 
     def task(self, task_id: str) -> dict[str, Any]:
@@ -1190,20 +1193,38 @@ def droid_events(part: str) -> list[dict[str, Any]]:
     return json.loads(Path(FIXTURES, "droid-stream.json").read_text())[part]["events"]
 
 
-def droid_stand_in(directory: str, lines: list[str], after_usage: str) -> str:
-    """An executable that prints these stream-json lines, then (after the usage line, when a
-    person may have paused it) does after_usage and prints the rest."""
-    path = os.path.join(directory, "droid")
-    body = ["#!/bin/sh"]
+def droid_replay(lines: list[str], after_usage: str, first: str = "") -> str:
+    """A droid script that does first, prints these stream-json lines, then (after the usage
+    line, when a person may have paused it) does after_usage and prints the rest."""
+    body = ["#!/bin/sh"] + ([first] if first else [])
     for line in lines:
         body.append("printf '%s\\n' " + shlex.quote(line))
         if '"token_usage_update"' in line:
-            body.append("sleep 1")
-            body.append(after_usage)
-    Path(path).write_text("\n".join(body) + "\n")
+            body += ["sleep 1", after_usage]
+    return "\n".join(body) + "\n"
+
+
+def droid_file(script: str) -> str:
+    """script as an executable `droid` in a new folder of /var/tmp that a box user may read
+    (the caller removes the folder; droid_installed does)."""
+    directory = tempfile.mkdtemp(prefix="gurt-test-droid-", dir="/var/tmp")
+    path = os.path.join(directory, "droid")
+    Path(path).write_text(script)
     os.chmod(path, 0o755)
     os.chmod(directory, 0o755)
     return path
+
+
+@contextlib.contextmanager
+def droid_installed(g: Gurtd, script: str) -> Iterator[str]:
+    """script as g's Droid CLI (droidPath) in the with block; its folder removed after."""
+    path = droid_file(script)
+    try:
+        g.api("PUT", "/api/settings", {"droidPath": path})
+        yield path
+    finally:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
 
 @contextlib.contextmanager
 def loopback_server(handle: Any) -> Iterator[tuple[http.server.HTTPServer, list[Any]]]:

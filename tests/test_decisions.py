@@ -14,8 +14,6 @@ import base64
 import datetime
 import json
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,7 +21,8 @@ from typing import Any, Iterator
 import pytest
 
 import gurtd as G
-from conftest import A, Gurtd, droid_events, droid_stand_in, eventually, pay_line, sse
+from conftest import (A, Gurtd, droid_events, droid_installed, droid_replay, eventually, pay_line,
+                      sse)
 
 # helpers #####################################################################################
 
@@ -354,24 +353,14 @@ def test_a_damaged_policies_file_is_set_aside_and_gurtd_starts(gurtd: Gurtd) -> 
 def droid_printing_prompt(gurtd: Gurtd) -> Iterator[Gurtd]:
     """gurtd with a stand-in Droid CLI that prints its system prompt (as plain output), then
     replays the documented stream-json events of tests/fixtures (usage passing 50 cents)."""
-    directory = tempfile.mkdtemp(prefix="gurt-test-decisions-", dir="/var/tmp")
-    try:
-        path = droid_stand_in(directory, [json.dumps(e) for e in droid_events("documented")],
-                              "true")
-        with open(path) as f:
-            script = f.read().replace("#!/bin/sh\n", "#!/bin/sh\ncat /run/gurt/system-prompt.md\n",
-                                      1)
-        Path(path).write_text(script)
-        gurtd.api("PUT", "/api/settings", {"droidPath": path})
+    with droid_installed(gurtd, droid_replay([json.dumps(e) for e in droid_events("documented")],
+                                             "true", first="cat /run/gurt/system-prompt.md")):
         yield gurtd
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_a_paused_droid_task_goes_on_up_to_a_raised_budget(droid_printing_prompt: Gurtd) -> None:
     g = droid_printing_prompt
-    task = g.api("POST", "/api/tasks", {"title": "raise", "prompt": "go", "budgetCents": 50,
-                                        "askHosts": True}, status=201)
+    task = g.create("go", title="raise", worker=None, budgetCents=50, askHosts=True)
     approval = g.pending(task["id"])
     assert approval["tool"] == "model" and approval["canAlwaysApprove"] is False
     assert "budgetCents" in approval["alwaysBlockedReason"]
@@ -381,8 +370,7 @@ def test_a_paused_droid_task_goes_on_up_to_a_raised_budget(droid_printing_prompt
     assert len(g.approvals(task=task["id"])) == 1      # no second pause below 10000 cents
     said = "\n".join(g.output(task["id"]))
     assert "Other hosts: looking up a name outside that list asks a person" in said
-    plain = g.api("POST", "/api/tasks", {"title": "plain", "prompt": "go",
-                                         "budgetCents": 10_000}, status=201)
+    plain = g.create("go", title="plain", worker=None, budgetCents=10_000)
     g.wait(plain["id"], timeout=60)
     assert "Other hosts" not in "\n".join(g.output(plain["id"]))
 

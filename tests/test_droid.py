@@ -10,10 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
@@ -21,8 +19,8 @@ from typing import Iterator
 import pytest
 
 import gurtd as G
-from conftest import (GURTD, ROOT, SONNET, Gurtd, droid_events, droid_stand_in, eventually,
-                      running_gurtd)
+from conftest import (GURTD, ROOT, SONNET, Gurtd, droid_events, droid_installed, droid_replay,
+                      eventually, running_gurtd)
 
 AUTH_ERROR = ("Error: Authentication failed. Please log in using /login or set a valid "
               "FACTORY_API_KEY environment variable.")
@@ -38,7 +36,7 @@ def test_make_installed_the_pinned_cli() -> None:
 
 def test_a_droid_task_with_no_key_fails_with_the_clis_own_error(droid_gurtd: Gurtd) -> None:
     g = droid_gurtd
-    task = g.api("POST", "/api/tasks", {"title": "hello", "prompt": "say hello"}, status=201)
+    task = g.create("say hello", title="hello", worker=None)
     assert task["worker"] == "droid"
     done = g.wait(task["id"], timeout=90)
     assert done["state"] == "failed"
@@ -62,7 +60,7 @@ def test_the_model_setting_reaches_the_cli_and_a_wrong_one_is_refused(
     assert "claude-no-such-model" in body["error"] and "claude-sonnet-5" in body["error"]
     assert g.api("GET", "/api/settings")["droidModel"] == G.DEFAULT_DROID_MODEL
     g.api("PUT", "/api/settings", {"droidModel": "claude-opus-5", "droidAutonomy": "medium"})
-    task = g.api("POST", "/api/tasks", {"title": "opus", "prompt": "hi"}, status=201)
+    task = g.create("hi", title="opus", worker=None)
     g.wait(task["id"], timeout=90)
     init = next(e["event"] for e in g.log(task["id"]) if e["type"] == "event")
     assert init["model"] == "claude-opus-5"
@@ -76,7 +74,7 @@ def test_the_key_never_shows_in_the_task_its_log_the_list_or_the_view(
     Path(g.home, "secrets", "factory-api-key").write_text(secret + "\n")
     os.chmod(os.path.join(g.home, "secrets", "factory-api-key"), 0o600)
     g.api("PUT", "/api/settings", {"taskTimeoutSeconds": 15})
-    task = g.api("POST", "/api/tasks", {"title": "key", "prompt": "write a file"}, status=201)
+    task = g.create("write a file", title="key", worker=None)
     done = g.wait(task["id"], timeout=90)
     assert done["state"] == "failed"
     seen = [json.dumps(done), json.dumps(g.api("GET", "/api/tasks")),
@@ -116,22 +114,16 @@ def test_usage_is_priced_per_million_tokens() -> None:
 
 @pytest.fixture
 def replaying_gurtd() -> Iterator[tuple[Gurtd, str]]:
-    directory = tempfile.mkdtemp(prefix="gurt-test-droid-", dir="/var/tmp")
     lines = [json.dumps(e) for e in droid_events("documented")]
-    path = droid_stand_in(directory, lines, "echo resumed > resumed.txt")
-    try:
-        with running_gurtd() as g:
-            g.api("PUT", "/api/settings", {"droidPath": path})
-            yield g, path
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    with running_gurtd() as g, droid_installed(
+            g, droid_replay(lines, "echo resumed > resumed.txt")) as path:
+        yield g, path
 
 
 def test_the_stream_sets_step_summary_cost_and_logs_every_event(
         replaying_gurtd: tuple[Gurtd, str]) -> None:
     g, _ = replaying_gurtd
-    task = g.api("POST", "/api/tasks", {"title": "replay", "prompt": "go",
-                                        "budgetCents": 10_000}, status=201)
+    task = g.create("go", title="replay", worker=None, budgetCents=10_000)
     done = g.wait_done(task["id"], timeout=30)
     assert done["summary"] == "All tests pass."
     assert done["step"] == "Edit: src/app.js"
@@ -157,8 +149,7 @@ def paused(pid: int) -> bool:
 def test_a_budget_pause_stops_every_process_until_approved(
         replaying_gurtd: tuple[Gurtd, str]) -> None:
     g, _ = replaying_gurtd
-    task = g.api("POST", "/api/tasks", {"title": "pause", "prompt": "go", "budgetCents": 50},
-                 status=201)
+    task = g.create("go", title="pause", worker=None, budgetCents=50)
     approval = eventually(lambda: g.approvals(state="pending", task=task["id"]))[0]
     assert approval["kind"] == "budget" and approval["tool"] == "model"
     assert g.task(task["id"])["state"] == "waiting"
@@ -179,8 +170,7 @@ def test_a_budget_pause_stops_every_process_until_approved(
 
 def test_a_denied_budget_fails_the_task(replaying_gurtd: tuple[Gurtd, str]) -> None:
     g, _ = replaying_gurtd
-    task = g.api("POST", "/api/tasks", {"title": "deny", "prompt": "go", "budgetCents": 50},
-                 status=201)
+    task = g.create("go", title="deny", worker=None, budgetCents=50)
     approval = eventually(lambda: g.approvals(state="pending", task=task["id"]))[0]
     g.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": "too dear"})
     done = g.wait(task["id"], timeout=30)

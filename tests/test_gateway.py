@@ -15,9 +15,7 @@ import http.server
 import json
 import os
 import select
-import shutil
 import socket
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -25,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from conftest import Gurtd, eventually, put_base_file
+from conftest import Gurtd, droid_file, droid_installed, eventually, put_base_file
 
 import gurtd as G
 
@@ -239,8 +237,7 @@ def test_the_gateways_overhead_per_call_is_small(agent_gurtd: Gurtd, upstream: U
     straight; the bound asserted is loose (a loaded test machine), the figures are the point."""
     import statistics
     g = agent_gurtd
-    task = g.api("POST", "/api/tasks", {"title": "time", "prompt": "time",
-                                        "budgetCents": 100_000}, status=201)
+    task = g.create("time", title="time", worker=None, budgetCents=100_000)
     assert g.wait(task["id"], timeout=120)["state"] == "done"
     timed = results(g, task["id"])[0]
     scope: dict[str, Any] = {}
@@ -258,7 +255,7 @@ def test_the_gateways_overhead_per_call_is_small(agent_gurtd: Gurtd, upstream: U
 
 
 def pending(g: Gurtd, task_id: str) -> list[dict[str, Any]]:
-    return g.api("GET", f"/api/approvals?state=pending&task={task_id}")
+    return g.approvals(state="pending", task=task_id)
 
 
 def cost(usages: list[dict[str, int]], prices: dict[str, float] = PRICES) -> float:
@@ -280,8 +277,7 @@ def test_droid_creates_a_file_through_the_models_tool_call(
         model_gurtd: Gurtd, upstream: Upstream, api: str) -> None:
     g = model_gurtd
     g.api("PUT", "/api/settings", gateway_settings(upstream, api))
-    task = g.api("POST", "/api/tasks", {"title": "hello", "prompt": "create hello.txt",
-                                        "budgetCents": 1000}, status=201)
+    task = g.create("create hello.txt", title="hello", worker=None, budgetCents=1000)
     done = g.wait_done(task["id"], timeout=120)
     assert done["summary"] == "Created hello.txt."
     assert changes(g, task["id"]) == [{"path": "hello.txt", "change": "added"}]
@@ -316,9 +312,8 @@ def pay_and_ask(g: Gurtd, upstream: Upstream,
     colour, and writes down the answer (blue) in colour.txt: done, as a fake worker's."""
     upstream.script = script
     g.api("PUT", "/api/wallet", {"balanceCents": 100})
-    task = g.api("POST", "/api/tasks", {"title": "pay", "prompt": "pay bob 7 cents",
-                                        "tools": ["wallet.pay", "ask"], "budgetCents": 1000},
-                 status=201)
+    task = g.create("pay bob 7 cents", title="pay", worker=None, tools=["wallet.pay", "ask"],
+                    budgetCents=1000)
     question = eventually(lambda: [a for a in pending(g, task["id"]) if a["kind"] == "ask"],
                           timeout=90)[0]
     assert question["args"] == {"question": "which colour?"}
@@ -393,8 +388,7 @@ def test_droid_offers_gurtds_mcp_tools_and_the_model_calls_them(model_gurtd: Gur
 def test_droids_next_call_waits_at_the_budget_for_a_person(
         model_gurtd: Gurtd, upstream: Upstream, answer: str) -> None:
     g = model_gurtd
-    task = g.api("POST", "/api/tasks", {"title": "budget", "prompt": "create hello.txt",
-                                        "budgetCents": 0.1}, status=201)
+    task = g.create("create hello.txt", title="budget", worker=None, budgetCents=0.1)
     approval = eventually(lambda: pending(g, task["id"]), timeout=90)[0]
     assert approval["kind"] == "budget" and approval["tool"] == "model"
     assert len(upstream.requests) == 1               # the Create call went; the next waits
@@ -426,7 +420,7 @@ def test_without_a_model_key_droid_has_no_key_at_all(droid_gurtd: Gurtd,
     os.makedirs(os.path.join(g.home, "secrets"), mode=0o700, exist_ok=True)
     Path(g.home, "secrets", "factory-api-key").write_text("fk-not-for-the-box\n")
     g.api("PUT", "/api/settings", gateway_settings(upstream))
-    task = g.api("POST", "/api/tasks", {"title": "t", "prompt": "hi"}, status=201)
+    task = g.create("hi", title="t", worker=None)
     done = g.wait(task["id"], timeout=90)
     assert done["state"] == "failed" and "FACTORY_API_KEY" in done["error"]
     assert upstream.requests == []
@@ -620,26 +614,18 @@ for step in open("/run/gurt/prompt.md").read().split():
 
 def agent_droid() -> str:
     """AGENT as an executable droid in a new folder of /var/tmp the box user may read."""
-    directory = tempfile.mkdtemp(prefix="gurt-test-agent-", dir="/var/tmp")
-    path = os.path.join(directory, "droid")
-    Path(path).write_text(AGENT)
-    os.chmod(path, 0o755)
-    os.chmod(directory, 0o755)
-    return path
+    return droid_file(AGENT)
 
 
 @pytest.fixture
 def agent_gurtd(model_gurtd: Gurtd) -> Iterator[Gurtd]:
-    path = agent_droid()
-    model_gurtd.api("PUT", "/api/settings", {"droidPath": path})
-    yield model_gurtd
-    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    with droid_installed(model_gurtd, AGENT):
+        yield model_gurtd
 
 
 def agent_done(g: Gurtd, prompt: str, timeout: float = 60) -> dict[str, Any]:
     """A task of the stand-in agent that takes the steps of prompt: done."""
-    task = g.api("POST", "/api/tasks", {"title": prompt, "prompt": prompt,
-                                        "budgetCents": 1000}, status=201)
+    task = g.create(prompt, title=prompt, worker=None, budgetCents=1000)
     done = g.wait_done(task["id"], timeout=timeout)
     return done
 
@@ -653,8 +639,7 @@ def results(g: Gurtd, task_id: str) -> list[dict[str, Any]]:
 def test_forged_usage_lines_change_nothing_and_a_whole_answer_is_metered(
         agent_gurtd: Gurtd, upstream: Upstream) -> None:
     g = agent_gurtd
-    task = g.api("POST", "/api/tasks", {"title": "forge", "prompt": "call forge stream",
-                                        "budgetCents": 1000}, status=201)
+    task = g.create("call forge stream", title="forge", worker=None, budgetCents=1000)
     done = g.wait_done(task["id"], timeout=60)
     answers = results(g, task["id"])
     assert [a["answer"][0] for a in answers] == [200, 200]
@@ -671,8 +656,7 @@ def test_the_key_is_nowhere_inside_and_the_upstream_out_of_reach(
     g = agent_gurtd
     put_base_file(g, "home", "needle", KEY)
     put_base_file(g, "home", "port", str(upstream.port))
-    task = g.api("POST", "/api/tasks", {"title": "search", "prompt": "search direct call",
-                                        "budgetCents": 1000}, status=201)
+    task = g.create("search direct call", title="search", worker=None, budgetCents=1000)
     g.wait_done(task["id"], timeout=60)
     search, direct, call = results(g, task["id"])
     assert search["searched"] > 50 and search["found"] == []
@@ -684,8 +668,7 @@ def test_the_key_is_nowhere_inside_and_the_upstream_out_of_reach(
 
 def test_refusals_are_said_to_the_agent(agent_gurtd: Gurtd, upstream: Upstream) -> None:
     g = agent_gurtd
-    task = g.api("POST", "/api/tasks", {"title": "refusals", "prompt": "refusals crowd",
-                                        "budgetCents": 100_000}, status=201)
+    task = g.create("refusals crowd", title="refusals", worker=None, budgetCents=100_000)
     upstream.delay = 1.0
     waits = []                               # the loop answers meanwhile
     while g.task(task["id"])["state"] not in ("done", "failed") and len(waits) < 500:
@@ -721,8 +704,7 @@ def test_a_stop_in_the_middle_of_a_streamed_answer_ends_it_and_counts_what_it_us
         agent_gurtd: Gurtd, upstream: Upstream, end: str) -> None:
     g = agent_gurtd
     upstream.mode = "endless"
-    task = g.api("POST", "/api/tasks", {"title": "endless", "prompt": "stream",
-                                        "budgetCents": 1000}, status=201)
+    task = g.create("stream", title="endless", worker=None, budgetCents=1000)
     eventually(lambda: upstream.requests)
     time.sleep(0.5)                                 # pings pass on meanwhile
     g.api("POST", f"/api/tasks/{task['id']}/{end}")
@@ -785,8 +767,7 @@ def test_a_call_at_the_budget_is_held_until_approved_and_a_denial_fails_the_task
     one = G.usage_cents({"input_tokens": 1000, "output_tokens": 40,
                          "cache_read_input_tokens": 300, "cache_creation_input_tokens": 70},
                         PRICES)
-    task = g.api("POST", "/api/tasks", {"title": "budget", "prompt": "call call call",
-                                        "budgetCents": one / 2}, status=201)
+    task = g.create("call call call", title="budget", worker=None, budgetCents=one / 2)
     approval = eventually(lambda: pending(g, task["id"]))[0]   # the second call is held
     assert approval["kind"] == "budget" and approval["tool"] == "model"
     assert len(upstream.requests) == 1

@@ -512,20 +512,10 @@ def test_the_log_tells_every_lookup_and_the_refused_attempts(net_gurtd: Gurtd) -
 # 4. two tasks, two lists #######################################################################
 
 def test_two_tasks_never_share_grants(net_gurtd: Gurtd) -> None:
-    a = start(net_gurtd, ["a.test"],
-              IFLINK,
-              curl("mine", "http://a.test/"),
-              "sleep 2",
-              py("other_raw", "tcp", XB, 80),
-              curl("other_ip", f"http://{XB}/"),
-              curl("other_name", "http://x.b.test/"))
-    b = start(net_gurtd, ["x.b.test"],
-              IFLINK,
-              curl("mine", "http://x.b.test/"),
-              "sleep 2",
-              py("other_raw", "tcp", A, 80),
-              curl("other_ip", f"http://{A}/"),
-              curl("other_name", "http://a.test/"))
+    a, b = (start(net_gurtd, [mine], IFLINK, curl("mine", f"http://{mine}/"), "sleep 2",
+                  py("other_raw", "tcp", ip, 80), curl("other_ip", f"http://{ip}/"),
+                  curl("other_name", f"http://{other}/"))
+            for mine, other, ip in (("a.test", "x.b.test", XB), ("x.b.test", "a.test", A)))
     wait_for_step(net_gurtd, a, "sleep 2")
     wait_for_step(net_gurtd, b, "sleep 2")
     a_if, b_if = task_ifname(net_gurtd, a), task_ifname(net_gurtd, b)

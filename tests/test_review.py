@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 import gurtd as G
-from conftest import (UNICODE_NAME, Gurtd, eventually, keep, run_on, running_gurtd, sse,
-                      wait_for_step)
+from conftest import (UNICODE_NAME, Gurtd, droid_installed, eventually, keep, run_on,
+                      running_gurtd, sse, wait_for_step)
 
 # helpers #####################################################################################
 
@@ -469,15 +469,10 @@ def test_a_folder_made_anew_replaces_the_old_one_whole(gurtd: Gurtd, owner_folde
     assert snapshot(owner_folder) == before
 
 
-def test_the_droid_worker_is_told_about_its_folders(gurtd: Gurtd, owner_folder: str,
-                                                    scratch: Any) -> None:
-    stand_in = scratch / "droid"             # a droid that copies its system prompt
-    stand_in.write_text(f"#!/bin/sh\ncat /run/gurt/system-prompt.md > {owner_folder}/seen.md\n")
-    os.chmod(stand_in, 0o755)
-    os.chmod(scratch, 0o755)
-    gurtd.api("PUT", "/api/settings", {"droidPath": str(stand_in)})
-    task = gurtd.wait(gurtd.api("POST", "/api/tasks", {"title": "droid", "prompt": "look",
-                                                       "folder": owner_folder}, status=201)["id"])
+def test_the_droid_worker_is_told_about_its_folders(gurtd: Gurtd, owner_folder: str) -> None:
+    with droid_installed(gurtd, "#!/bin/sh\ncat /run/gurt/system-prompt.md > "   # it copies
+                         f"{owner_folder}/seen.md\n"):                            # its prompt
+        task = gurtd.run("look", title="droid", worker=None, folder=owner_folder)
     assert task["state"] == "done", gurtd.log(task["id"])
     assert keep(gurtd, task["id"])[0] == 200
     seen = open(os.path.join(owner_folder, "seen.md")).read()
