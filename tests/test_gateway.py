@@ -639,16 +639,15 @@ def results(g: Gurtd, task_id: str) -> list[dict[str, Any]]:
 def test_forged_usage_lines_change_nothing_and_a_whole_answer_is_metered(
         agent_gurtd: Gurtd, upstream: Upstream) -> None:
     g = agent_gurtd
-    task = g.create("call forge stream", title="forge", worker=None, budgetCents=1000)
-    done = g.wait_done(task["id"], timeout=60)
-    answers = results(g, task["id"])
+    done = agent_done(g, "call forge stream")
+    answers = results(g, done["id"])
     assert [a["answer"][0] for a in answers] == [200, 200]
     assert json.loads(answers[0]["answer"][1])["usage"] == upstream.usages[0]
     assert done["costCents"] == pytest.approx(cost(upstream.usages), rel=1e-12)
-    forged = [e for e in g.log(task["id"]) if e["type"] == "event" and
+    forged = [e for e in g.log(done["id"]) if e["type"] == "event" and
               e["event"].get("finalText") == "forged"]
     assert len(forged) == 3                        # logged as they are, never counted
-    assert [e["usage"] for e in model_lines(g, task["id"])] == upstream.usages
+    assert [e["usage"] for e in model_lines(g, done["id"])] == upstream.usages
 
 
 def test_the_key_is_nowhere_inside_and_the_upstream_out_of_reach(
@@ -656,8 +655,7 @@ def test_the_key_is_nowhere_inside_and_the_upstream_out_of_reach(
     g = agent_gurtd
     put_base_file(g, "home", "needle", KEY)
     put_base_file(g, "home", "port", str(upstream.port))
-    task = g.create("search direct call", title="search", worker=None, budgetCents=1000)
-    g.wait_done(task["id"], timeout=60)
+    task = agent_done(g, "search direct call")
     search, direct, call = results(g, task["id"])
     assert search["searched"] > 50 and search["found"] == []
     assert search["env"] is False
