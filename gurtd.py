@@ -1042,7 +1042,7 @@ def append_line(fd: int, data: bytes, sync: bool = False) -> None:
         log(5, f"fd {fd}: a half-written line is cut off now")
         size = torn[0]
     if torn is not None:
-        del TORN_LINES[key]
+        TORN_LINES.pop(key, None)
     try:
         write_all(fd, data)
         if sync:
