@@ -1025,37 +1025,49 @@ until the cut succeeds: the next line would glue onto the half one and damage bo
 
 
 def append_line(fd: int, data: bytes, sync: bool = False) -> None:
-    """Append one whole line to a log opened with O_APPEND (synced if sync), or raise and
-    leave the file as it was: a half-written line would glue itself to the next one and damage
-    both, and a line whose sync failed was answered as not written.  If even the cut fails,
-    the file is torn (TORN_LINES): each next line first cuts again, or raises the write's error
-    again and writes nothing."""
+    """Append one whole line to a log opened with O_RDWR | O_APPEND (synced if sync), or
+    raise and leave the file as it was: a half-written line would glue itself to the next one
+    and damage both, and a line whose sync failed was answered as not written.  If even the
+    cut fails, the file is torn (TORN_LINES): each next line first cuts again, or raises the
+    write's error again and writes nothing.  A file that ends in no newline (a half line of a
+    crash, or of a cut that failed before a restart) gets one first: that line stands alone,
+    damaged, and this one whole."""
     st = os.fstat(fd)
-    key, size = (st.st_dev, st.st_ino), st.st_size
-    torn = TORN_LINES.get(key)
-    if torn is not None and torn[1] == (size, st.st_mtime_ns):   # else a reused inode
-        try:
-            os.ftruncate(fd, torn[0])
-        except OSError as exc:
-            raise OSError(torn[2].errno, f"{torn[2].strerror} (a half-written line is still "
-                                         f"there: {exc.strerror})") from exc
-        log(5, f"fd {fd}: a half-written line is cut off now")
-        size = torn[0]
-    if torn is not None:
-        TORN_LINES.pop(key, None)
+    key, size = (st.st_dev, st.st_ino), torn_cut(fd, st)
+    if size and os.pread(fd, 1, size - 1) != b"\n":
+        data = b"\n" + data
     try:
         write_all(fd, data)
         if sync:
             os.fsync(fd)
     except OSError as exc:
+        after = os.fstat(fd)
+        if after.st_size == size:
+            raise                              # nothing of it reached the file
         try:
             os.ftruncate(fd, size)
         except OSError as err:
             log(3, f"could not cut a half-written line off fd {fd}: {err}; no line is "
                    "appended to it until it can be")
-            after = os.fstat(fd)
             TORN_LINES[key] = (size, (after.st_size, after.st_mtime_ns), exc)
         raise
+
+
+def torn_cut(fd: int, st: os.stat_result) -> int:
+    """The size a line is appended at: a torn file (TORN_LINES) cut back first, or the
+    write's error raised again if the cut still fails."""
+    key = (st.st_dev, st.st_ino)
+    torn = TORN_LINES.pop(key, None)
+    if torn is None or torn[1] != (st.st_size, st.st_mtime_ns):   # else a reused inode
+        return st.st_size
+    try:
+        os.ftruncate(fd, torn[0])
+    except OSError as exc:
+        TORN_LINES[key] = torn
+        raise OSError(torn[2].errno, f"{torn[2].strerror} (a half-written line is still "
+                                     f"there: {exc.strerror})") from exc
+    log(5, f"fd {fd}: a half-written line is cut off now")
+    return torn[0]
 
 
 @dataclass
@@ -1125,8 +1137,10 @@ def atomic_write_all(writes: list[FileWrite], sync: bool = True) -> None:
                 os.unlink(tmp)
         if not renamed or not isinstance(exc, OSError):
             raise
-        with contextlib.suppress(OSError):
+        try:                  # the renamed files count as saved only once their folders are
             folders_sync(writes[:renamed], sync)
+        except OSError:
+            raise exc from None
         raise PartlyRenamed(exc, renamed) from exc
     folders_sync(writes, sync)
 
@@ -8027,7 +8041,7 @@ class Box:
         if worker is not None and worker.log_fd >= 0:
             append_line(worker.log_fd, line)
         else:
-            fd = os.open(self.log_file(task_id), os.O_WRONLY | os.O_APPEND | os.O_CREAT |
+            fd = os.open(self.log_file(task_id), os.O_RDWR | os.O_APPEND | os.O_CREAT |
                          os.O_CLOEXEC, 0o600)
             try:
                 append_line(fd, line)
@@ -8358,7 +8372,7 @@ class Box:
                 fds.append(self.network.prepare(task, hosts).nsfd)
                 self.gateway.open(task.id, fds[-1])
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
-            log_fd = os.open(self.log_file(task.id), os.O_WRONLY | os.O_APPEND | os.O_CREAT |
+            log_fd = os.open(self.log_file(task.id), os.O_RDWR | os.O_APPEND | os.O_CREAT |
                              os.O_CLOEXEC, 0o600)    # before the spawn: no worker unrecorded
             pid = self.spawner.spawn(spec, [out_w] + fds, self.cgroups.v2_group(task.id))
             self.views.pin(task.id, lowers)
@@ -11385,7 +11399,7 @@ class Broker:
         stays open: a payment costs its write and its fsync, no open and close."""
         if self.ledger_fd < 0:
             path = self.box.path("wallet.jsonl")
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
                 fsync_dir(os.path.dirname(path))      # the file's name as durable as its lines
             except OSError:
@@ -13699,7 +13713,7 @@ class Hooks:
         task_body = {**hook["task"], **body, "source": hook["source"]}
         validate_task_body(task_body, self.box.setting())      # a 400 before the id is spent
         with saved_or_507("delivery"):
-            fd = os.open(self.deliveries_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT |
+            fd = os.open(self.deliveries_file, os.O_RDWR | os.O_APPEND | os.O_CREAT |
                          os.O_CLOEXEC, 0o600)
             try:
                 append_line(fd, json.dumps({"id": key, "at": now}).encode() + b"\n")

@@ -392,7 +392,7 @@ def floor_undo(n: int) -> list[float]:
         for _ in range(n):
             t0 = time.perf_counter()
             G.atomic_write(os.path.join(home, "t.json"), data)
-            fd = os.open(os.path.join(home, "t.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            fd = os.open(os.path.join(home, "t.jsonl"), os.O_RDWR | os.O_APPEND | os.O_CREAT)
             G.append_line(fd, b'{"type":"state","state":"undone"}\n')
             os.close(fd)
             times.append((time.perf_counter() - t0) * 1000)
@@ -414,7 +414,7 @@ def bare_unix_server(path: str, answer: bytes, ledger: str | None = None) -> Non
     def serve() -> None:
         conn, _ = server.accept()
         reader = conn.makefile("rb")
-        fd = os.open(ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if ledger else -1
+        fd = os.open(ledger, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600) if ledger else -1
         while True:
             length = 0
             while (line := reader.readline()) not in (b"\r\n", b""):

@@ -487,7 +487,7 @@ def test_writes_on_a_full_disk_fail_whole_and_leave_the_old_files_as_they_were()
             assert exc.errno == errno.ENOSPC
         assert json.loads(Path(state).read_text()) == {"state": "done"}
 
-        fd = os.open(logfile, os.O_WRONLY | os.O_APPEND)
+        fd = os.open(logfile, os.O_RDWR | os.O_APPEND)
         try:
             try:
                 G.append_line(fd, b'{"big": "' + big + b'"}\n')
@@ -519,7 +519,7 @@ def test_a_half_line_that_cannot_be_cut_off_keeps_the_next_lines_out_until_it_ca
         ledger = os.path.join(disk.mnt, "wallet.jsonl")
         first, second = (json.dumps({"balanceAfterCents": c}).encode() + b"\n" for c in (100, 90))
         Path(ledger).write_bytes(first)
-        fd = os.open(ledger, os.O_WRONLY | os.O_APPEND)
+        fd = os.open(ledger, os.O_RDWR | os.O_APPEND)
         subprocess.run(["chattr", "+a", ledger], check=True)
         try:
             disk.fill(leave=16 * 1024)
@@ -544,6 +544,47 @@ def test_a_half_line_that_cannot_be_cut_off_keeps_the_next_lines_out_until_it_ca
             os.close(fd)
         assert Path(ledger).read_bytes() == first + second
         assert G.load_ledger(ledger)["balanceCents"] == 90
+
+
+def test_a_line_refused_whole_on_an_append_only_file_keeps_the_next_ones_coming() -> None:
+    """The disk full to its last byte: nothing of the line reached the append-only ledger, so
+    there is nothing to cut (ftruncate would be refused): the file was marked torn all the
+    same and every later payment refused, the disk free again.  Now the next line goes in."""
+    with small_disk_made(size_mb=8) as disk:
+        ledger = os.path.join(disk.mnt, "wallet.jsonl")
+        first = json.dumps({"balanceAfterCents": 100, "pad": "x" * 4058}).encode() + b"\n"
+        assert len(first) == 4096                       # the file ends at a block's end
+        Path(ledger).write_bytes(first)
+        fd = os.open(ledger, os.O_RDWR | os.O_APPEND)
+        subprocess.run(["chattr", "+a", ledger], check=True)
+        try:
+            disk.fill(leave=0)
+            with pytest.raises(OSError) as full:
+                G.append_line(fd, b'{"balanceAfterCents": 95}\n', sync=True)
+            assert full.value.errno == errno.ENOSPC and Path(ledger).read_bytes() == first
+            disk.free()
+            G.append_line(fd, b'{"balanceAfterCents": 90}\n', sync=True)
+        finally:
+            subprocess.run(["chattr", "-a", ledger], check=False)
+            os.close(fd)
+        assert G.load_ledger(ledger)["balanceCents"] == 90
+
+
+@pytest.mark.pure
+def test_a_line_after_a_half_line_of_an_earlier_run_starts_on_a_line_of_its_own(
+        tmp_path: Path) -> None:
+    """A crash (or a cut that failed before a restart) left a log ending in half a line; the
+    next run's first line was glued onto it and both were lost to a reader."""
+    log = tmp_path / "t.jsonl"
+    log.write_bytes(b'{"n": 1}\n{"type": "outp')
+    fd = os.open(log, os.O_RDWR | os.O_APPEND)
+    try:
+        G.append_line(fd, b'{"n": 2}\n')
+        G.append_line(fd, b'{"n": 3}\n')
+    finally:
+        os.close(fd)
+    assert log.read_bytes().split(b"\n") == [b'{"n": 1}', b'{"type": "outp', b'{"n": 2}',
+                                             b'{"n": 3}', b""]
 
 
 def test_a_group_save_cut_short_after_a_rename_keeps_that_task_as_its_file_says() -> None:
