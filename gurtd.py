@@ -13282,7 +13282,7 @@ def jira_issue_fields(key: str, issue: Any) -> dict[str, Any]:
 
 class Jira:
     """Jira intake and answers.  The records (BOX_HOME/jira.json: key -> {task, state,
-    notice?, noticed?}) belong to the loop; the thread sees copies through Box.call."""
+    notice?, commented?, noticed?}) belong to the loop; the thread sees copies through Box.call."""
 
     def __init__(self, box: "Box") -> None:
         self.box = box
@@ -13393,11 +13393,14 @@ class Jira:
         self.wake.set()
 
     def notices(self) -> list[tuple[str, dict[str, Any]]]:
-        return [(k, dict(v["notice"])) for k, v in sorted(self.issues.items())
+        return [(k, dict(v["notice"], commented=bool(v.get("commented"))))
+                for k, v in sorted(self.issues.items())
                 if "notice" in v and not v.get("noticed")]
 
-    def noticed(self, key: str) -> None:
-        self.issues[key]["noticed"] = now_iso()
+    def noticed(self, key: str, step: str = "noticed") -> None:
+        """A step of a notice went through (`commented`, then `noticed`), saved before the
+        next is tried: a retry or a restart does not comment a second time."""
+        self.issues[key][step] = now_iso()
         self.save()
 
     def known(self, keys: list[str]) -> list[str]:
@@ -13484,8 +13487,10 @@ class Jira:
         token = self.token()
         for key, notice in pending:
             try:
-                jira_request(config, token, "POST", f"/rest/api/3/issue/{key}/comment",
-                             {"body": text_adf(jira_comment(notice))})
+                if not notice["commented"]:
+                    jira_request(config, token, "POST", f"/rest/api/3/issue/{key}/comment",
+                                 {"body": text_adf(jira_comment(notice))})
+                    self.box.loop.report(self.noticed, key, "commented")
                 target = (config.get("transitions") or {}).get(notice["state"])
                 if target:
                     self.transition(config, token, key, target)

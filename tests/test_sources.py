@@ -268,7 +268,10 @@ def test_a_labelled_issue_becomes_one_task_and_hears_back_when_it_ends() -> None
         assert "failed" in failed and "exited with 3" in failed
         moves = jira.calls("POST", "/rest/api/3/issue/GT-7/transitions")
         assert [m["body"] for m in moves] == [{"transition": {"id": "31"}}]
-        # a restart, and the issue back in To Do: still no second task for it
+        # a restart, and the issue back in To Do: still no second task for it (the kill once
+        # both answers are recorded: one between Jira's 200 and the record is answered again)
+        eventually(lambda: all("noticed" in jira_records(g)[k] for k in ("GT-7", "GT-8")),
+                   what="both answers recorded")
         jira.status["GT-7"] = "To Do"
         searches = len(jira.calls("POST", "/rest/api/3/search/jql"))
         g.restart(kill=True)
@@ -295,6 +298,22 @@ def jira_tasks(g: Gurtd) -> dict[str, dict[str, Any]]:
 
 JIRA_CONFIG = {"email": "bot@example.com", "token": "right-token", "worker": "fake",
                "jql": "labels = gurt", "pollSeconds": 10}
+
+
+def test_a_transition_refused_once_does_not_comment_twice() -> None:
+    """The comment went through and the transition got a 503: the retry commented again
+    (the notice was marked only after both).  Now the comment is recorded first."""
+    with jira_stand_in() as jira, running_gurtd() as g:
+        jira.issues["GT-3"] = {"summary": "Once", "description": adf("true")}
+        jira.status["GT-3"] = "To Do"
+        jira.fail_next.append(("/rest/api/3/issue/GT-3/transitions", 503))
+        g.api("PUT", "/api/settings", {"jira": {**JIRA_CONFIG, "baseUrl": jira.url,
+                                                "transitions": {"done": "Done"}}})
+        eventually(lambda: jira.status["GT-3"] == "Done", 60, "the issue moved")
+        eventually(lambda: "noticed" in jira_records(g)["GT-3"], what="the answer recorded")
+        assert len(jira.calls("POST", "/rest/api/3/issue/GT-3/comment")) == 1
+        assert "commented" in jira_records(g)["GT-3"]
+        assert len(jira.calls("GET", "/rest/api/3/issue/GT-3/transitions")) == 2
 
 
 def test_an_issue_that_cannot_be_read_is_skipped_and_the_poll_goes_on() -> None:
