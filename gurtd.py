@@ -3087,26 +3087,36 @@ class _CloneArgs(ctypes.Structure):
 _PYAPI: ctypes.PyDLL | None = None
 
 
-def fork_into(cgroup_fd: int) -> int:
+def fork_into(cgroup_fd: int, hooks: bool = True) -> int:
     """os.fork, the child born in the v2 group of cgroup_fd; OSError as clone3 says.
 
     As os.fork does: PyOS_BeforeFork, the call with the GIL held (a PyDLL keeps it), then
     PyOS_AfterFork_Child or _Parent (locks, threading state, os.register_at_fork hooks).  Safe
     only in a single-threaded process, as a fork is: the spawner.  stack 0 is fork's way (the
-    child goes on on a copy of this stack)."""
+    child goes on on a copy of this stack).
+
+    hooks=False, the spawner's way for a worker: none of that bookkeeping, which in a process
+    of one thread that is not importing has nothing to mend (no lock is held by another
+    thread, the import lock is free, the one thread keeps its ident) and whose hooks
+    (threading's, random's reseed, logging's and concurrent.futures' locks) touched ~220
+    pages of the child's copy of the spawner, each a copy-on-write fault (~0.9 ms of a
+    worker's CPU here).  A worker uses none of those modules; it execs or exits."""
     global _PYAPI
     if _PYAPI is None:
         _PYAPI = ctypes.PyDLL(None, use_errno=True)
         _PYAPI.syscall.restype = ctypes.c_long
     args = _CloneArgs(flags=CLONE_INTO_CGROUP, exit_signal=signal.SIGCHLD, cgroup=cgroup_fd)
-    _PYAPI.PyOS_BeforeFork()
+    if hooks:
+        _PYAPI.PyOS_BeforeFork()
     pid = _PYAPI.syscall(ctypes.c_long(SYS_CLONE3), ctypes.byref(args),
                          ctypes.c_size_t(ctypes.sizeof(args)))
     err = ctypes.get_errno()
     if pid == 0:
-        _PYAPI.PyOS_AfterFork_Child()
+        if hooks:
+            _PYAPI.PyOS_AfterFork_Child()
         return 0
-    _PYAPI.PyOS_AfterFork_Parent()
+    if hooks:
+        _PYAPI.PyOS_AfterFork_Parent()
     if pid < 0:
         raise OSError(err, f"clone3: {os.strerror(err)}")
     return int(pid)
@@ -3314,7 +3324,7 @@ class _SpawnWay:
         """(pid, whether the child is in its group already)."""
         if cgroup_fd >= 0 and self.clone3:
             try:
-                return fork_into(cgroup_fd), True
+                return fork_into(cgroup_fd, hooks=False), True
             except OSError as exc:
                 if exc.errno in (errno.ENOSYS, errno.EPERM, errno.EINVAL, errno.E2BIG):
                     self.clone3, self.why = False, str(exc)
