@@ -10,6 +10,7 @@ the task finishes and its whole log can be searched for what must not be there.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pwd
@@ -364,6 +365,32 @@ def test_run_line_gives_no_fd_of_the_worker_and_128_plus_a_signal(tmp_path: Any)
     lines = [json.loads(line) for line in got["lines"].splitlines()]
     assert lines == [{"t": "out", "text": "open 0 1 2"}, {"t": "out", "text": "out"},
                      {"t": "err", "text": "err"}], lines
+
+
+
+NO_PROCESS = """
+import os, resource, sys
+sys.path.insert(0, sys.argv[1])
+import gurtd as G
+r, w = os.pipe()
+missing = G._run_line(["/nonexistent/command"], {}, w)
+resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))   # nobody may have no process more
+os.setresgid(65534, 65534, 65534)
+os.setresuid(65534, 65534, 65534)
+try:
+    G._run_line(["/bin/true"], {}, w)
+except OSError as exc:
+    print(missing, exc.errno)
+"""
+
+
+def test_a_line_that_gets_no_process_is_the_workers_error_not_the_commands(tmp_path: Any) -> None:
+    """A clone refused (EAGAIN: no process more for the uid) is the worker's error, raised,
+    as a fork of it was, where an exec that fails is the command's 127 (the same for an exec's
+    ENOMEM or EAGAIN, which the clone could give too: not forced here)."""
+    proc = subprocess.run([sys.executable, "-c", NO_PROCESS, ROOT], capture_output=True,
+                          text=True, timeout=60, check=True)
+    assert proc.stdout.split() == ["127", str(errno.EAGAIN)], proc
 
 
 IDMAP = """

@@ -619,13 +619,16 @@ def test_a_worker_is_born_in_its_v2_group_or_joins_it_first(way: str) -> None:
 
 def test_fork_into_keeps_pythons_fork_bookkeeping(tmp_path: Any) -> None:
     """fork_into is a fork for Python too: the child runs os.register_at_fork's child hooks
-    (PyOS_AfterFork_Child) and the parent its own; a bad group fd fails as clone3 says."""
+    (PyOS_AfterFork_Child) and the parent its own; with hooks=False (a worker's) neither
+    runs; a bad group fd fails as clone3 says."""
     group = os.path.join(G.cgroup_own_groups()[0] or "", "gurt-fork-into-test")
     os.makedirs(group, exist_ok=True)
     fd = os.open(group, os.O_RDONLY | os.O_DIRECTORY)
     seen: list[str] = []
-    os.register_at_fork(after_in_parent=lambda: seen.append("parent"))
+    os.register_at_fork(after_in_parent=lambda: seen.append("parent"),
+                        after_in_child=lambda: seen.append("child"))
     r, w = os.pipe()
+    r2, w2 = os.pipe()
     try:
         pid = G.fork_into(fd)
         if pid == 0:
@@ -636,12 +639,20 @@ def test_fork_into_keeps_pythons_fork_bookkeeping(tmp_path: Any) -> None:
         text = os.read(r, 4096).decode()
         assert text.splitlines()[-1].endswith("/gurt-fork-into-test"), text
         assert seen == ["parent"]
+        pid = G.fork_into(fd, hooks=False)  # the spawner's way for a worker: no hook runs
+        if pid == 0:
+            os.write(w2, f"{os.getpid()} {json.dumps(seen)}".encode())
+            os._exit(0)
+        os.close(w2)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert os.read(r2, 4096).decode() == f'{pid} ["parent"]' and seen == ["parent"]
         with pytest.raises(OSError) as exc:
             G.fork_into(r)                  # a pipe is no cgroup
         assert exc.value.errno == errno.EBADF, exc.value
     finally:
         os.close(fd)
         os.close(r)
+        os.close(r2)
         for _ in range(100):               # a reaped child's group may be busy a moment
             try:
                 os.rmdir(group)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import subprocess
@@ -313,3 +314,23 @@ def test_a_quota_task_past_one_of_its_limits_is_paused_whatever_the_other(tmp_pa
                            ("held", (1 << 20, 1_000))):
         disk.on_sizes({task_id: usage})
     assert box.paused == ["bytes", "inodes"]
+
+
+def test_the_box_hides_of_etc_what_glob_would_find(tmp_path):
+    """A worker matches ETC_HIDDEN by one listing per folder, not glob.glob per pattern: the
+    same paths, on a /etc with secrets of each kind, dot names and near misses beside them."""
+    for rel in ("shadow", "a.key", ".dot.key", "x.keys", "sudoers.d/r", "ssh/ssh_host_ed_key",
+                "ssh/ssh_host_ed_key.pub", "ssh/.ssh_host_x_key", "ppp/chap-secrets",
+                "ppp/options", "wireguard/wg0.conf", "ssl/certs/c.pem"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    os.symlink("/nonexistent", tmp_path / "dangling.key")
+    os.symlink("/nonexistent", tmp_path / "gshadow")
+    found = G.etc_hidden(G.etc_hidden_plan(G.ETC_HIDDEN), str(tmp_path))
+    globbed = [os.path.relpath(p, tmp_path) for pattern in G.ETC_HIDDEN
+               for p in glob.glob(os.path.join(tmp_path, pattern))]
+    assert sorted(found) == sorted(globbed) == [
+        "a.key", "dangling.key", "gshadow", "ppp/chap-secrets", "shadow",
+        "ssh/ssh_host_ed_key", "sudoers.d", "wireguard"]
+    with pytest.raises(ValueError):
+        G.etc_hidden_plan(("ssh*/key",))
