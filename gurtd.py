@@ -3897,7 +3897,7 @@ def _run_fake(spec: dict[str, Any], out_fd: int) -> int:
 
 def _spawn_line(argv: list[str], env: dict[str, str], out_w: int, err_w: int) -> int:
     """Start one command with /dev/null, out_w and err_w as its 0, 1 and 2 and no other fd of
-    the worker's; its pid, or -1 if it could not be run (127, as a shell says).
+    the worker's; its pid, or minus the errno if it could not be run (127, as a shell says).
 
     posix_spawn, not fork: glibc starts it with clone(CLONE_VM | CLONE_VFORK) (clone3 first,
     which the kernel filter answers ENOSYS), so the worker's memory is not copied (a fork of
@@ -3914,11 +3914,11 @@ def _spawn_line(argv: list[str], env: dict[str, str], out_w: int, err_w: int) ->
     except OSError as exc:
         # EAGAIN and ENOMEM come from the clone (no process: the worker's error) or from the
         # exec (the command's, 127 as the forked child's was): glibc reaps a child whose exec
-        # failed, and a reaped child leaves its page faults (its fresh stack's, at least) in
-        # RUSAGE_CHILDREN; one never born leaves nothing
+        # failed, and a reaped child leaves its CPU time (the kernel's exact runtime, never 0)
+        # in RUSAGE_CHILDREN; one never born leaves nothing
         if exc.errno in (errno.EAGAIN, errno.ENOMEM) and _children_usage() == reaped:
             raise
-        return -1                                         # the command's: not found, ...
+        return -(exc.errno or errno.ENOEXEC)              # the command's: not found, ...
 
 
 def _children_usage() -> tuple[float, ...]:
@@ -3940,6 +3940,7 @@ def _run_line(argv: list[str], env: dict[str, str], out_fd: int) -> int:
     if pid < 0:
         for fd in (out_r, err_r):
             os.close(fd)
+        _emit(out_fd, t="err", text=f"{argv[0]}: {os.strerror(-pid)}")
         return 127
     pidfd = os.pidfd_open(pid)
     pending = {out_r: b"", err_r: b""}

@@ -364,7 +364,8 @@ def test_run_line_gives_no_fd_of_the_worker_and_128_plus_a_signal(tmp_path: Any)
     assert got["codes"] == [0, 128 + 9, 128 + 15, 127, 5], got
     lines = [json.loads(line) for line in got["lines"].splitlines()]
     assert lines == [{"t": "out", "text": "open 0 1 2"}, {"t": "out", "text": "out"},
-                     {"t": "err", "text": "err"}], lines
+                     {"t": "err", "text": "err"},
+                     {"t": "err", "text": "/nonexistent/command: No such file or directory"}], lines
 
 
 
@@ -372,25 +373,47 @@ NO_PROCESS = """
 import os, resource, sys
 sys.path.insert(0, sys.argv[1])
 import gurtd as G
+alive_r, alive_w = os.pipe()
+holder = os.fork()                  # one process of nobody's, so that nobody is over 0
+if holder == 0:                     # it ends when this script does, however that ends
+    os.close(alive_w)
+    os.closerange(0, alive_r)
+    os.setresuid(65534, 65534, 65534)
+    os.read(alive_r, 1)
+    os._exit(0)
+G.filter_load(G.filter_bpf())       # the worker's: clone3 is ENOSYS, glibc falls back to clone
 r, w = os.pipe()
 missing = G._run_line(["/nonexistent/command"], {}, w)
-resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))   # nobody may have no process more
+resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+got = []
+for _ in range(3):    # nobody's real uid, root's euid: the clone is allowed (capabilities),
+    os.setresuid(0, 0, 0)           # the exec refused with EAGAIN (over RLIMIT_NPROC)
+    os.setresuid(65534, 0, 0)
+    got.append(G._run_line(["/bin/true"], {}, w))
+os.setresuid(0, 0, 0)
+os.close(alive_w)
+os.waitpid(holder, 0)
 os.setresgid(65534, 65534, 65534)
-os.setresuid(65534, 65534, 65534)
+os.setresuid(65534, 65534, 65534)   # now no clone either: nobody may have no process more
 try:
     G._run_line(["/bin/true"], {}, w)
 except OSError as exc:
-    print(missing, exc.errno)
+    os.close(w)
+    lines = os.read(r, 65536).decode().splitlines()
+    print(missing, *got, exc.errno, lines[-1])
 """
 
 
 def test_a_line_that_gets_no_process_is_the_workers_error_not_the_commands(tmp_path: Any) -> None:
     """A clone refused (EAGAIN: no process more for the uid) is the worker's error, raised,
-    as a fork of it was, where an exec that fails is the command's 127 (the same for an exec's
-    ENOMEM or EAGAIN, which the clone could give too: not forced here)."""
+    as a fork of it was, where an exec that fails is the command's 127, its errno its error
+    line: the exec's EAGAIN too (over RLIMIT_NPROC: raised as the worker's on the old code),
+    under the worker's filter, where glibc's posix_spawn clones by clone, not clone3."""
     proc = subprocess.run([sys.executable, "-c", NO_PROCESS, ROOT], capture_output=True,
                           text=True, timeout=60, check=True)
-    assert proc.stdout.split() == ["127", str(errno.EAGAIN)], proc
+    *codes, line = proc.stdout.split(maxsplit=5)
+    assert codes == ["127", "127", "127", "127", str(errno.EAGAIN)], proc
+    assert json.loads(line) == {"t": "err", "text": f"/bin/true: {os.strerror(errno.EAGAIN)}"}
 
 
 IDMAP = """

@@ -632,11 +632,13 @@ def test_fork_into_keeps_pythons_fork_bookkeeping(tmp_path: Any) -> None:
     try:
         pid = G.fork_into(fd)
         if pid == 0:
-            os.write(w, Path("/proc/self/cgroup").read_text().encode())
+            os.write(w, (json.dumps(seen) + "\n").encode() +
+                     Path("/proc/self/cgroup").read_text().encode())
             os._exit(0)
         os.close(w)
         assert os.waitpid(pid, 0)[1] == 0
         text = os.read(r, 4096).decode()
+        assert text.splitlines()[0] == '["child"]', text        # the child's hook ran there
         assert text.splitlines()[-1].endswith("/gurt-fork-into-test"), text
         assert seen == ["parent"]
         pid = G.fork_into(fd, hooks=False)  # the spawner's way for a worker: no hook runs
