@@ -7821,11 +7821,12 @@ class Box:
         self.seq = 0
         self.done_seq = 0
         self.unsaved: set[str] = set()      # tasks whose (terminal) state is not on disk yet
-        self.users_gone: list[str] | None = None   # users on_exits removes together
-        self.schedule_due = False           # on_exits schedules once, at its end
+        self.users_gone: list[str] | None = None   # users ends_grouped removes together
+        self.schedule_due = False           # ends_grouped schedules once, at its end
+        self.starts_held = False            # starts_grouped schedules once, at its end
         self.view_waits = False             # a queued task waits for merges (merge_built)
         self.saves_later: list[Task] | None = None   # running saves schedule makes together
-        self.ends_later: list[Task] | None = None    # terminal saves on_exits makes together
+        self.ends_later: list[Task] | None = None    # terminal saves ends_grouped makes
         self.schedules = Schedules(self)
         self.jira = Jira(self)
         self.hooks = Hooks(self)
@@ -7994,7 +7995,7 @@ class Box:
         saw.  If it cannot be saved the task is failed in memory with the reason, and the save
         is tried again later (save_unsaved).  Other states log first, so a follower never
         misses the last line (a start's running is saved with the others of its schedule,
-        in one group commit: save_started; the ends of one on_exits likewise: save_ended)."""
+        in one group commit: save_started; the ends of one loop step likewise: save_ended)."""
         task.state = state
         for key, value in fields.items():
             setattr(task, key, value)
@@ -8161,11 +8162,12 @@ class Box:
 
     def schedule(self, gone: list[str] | None = None) -> None:
         """Start queued tasks, first in first out, while there is room; their users made in
-        one edit of the account files, which removes the users gone too (on_exits).  Called
-        inside on_exits, or inside itself (a start that failed), it only marks that it runs
+        one edit of the account files, which removes the users gone too (ends_grouped).  Called
+        inside ends_grouped, or inside itself (a start that failed), it only marks that it runs
         again at the end: an inner run would start the outer's tasks twice and drop its saves.
         A task whose view cannot be had yet stays queued, no user made for it."""
-        if self.users_gone is not None or self.saves_later is not None:
+        if self.users_gone is not None or self.saves_later is not None or \
+                (self.starts_held and not gone):
             self.schedule_due = True
             return
         self.schedule_due = self.view_waits = False
@@ -8194,6 +8196,23 @@ class Box:
         if self.schedule_due:
             self.schedule()
 
+    @contextlib.contextmanager
+    def starts_grouped(self) -> Iterator[None]:
+        """The loop's commands of one step (creates from HTTP threads, side by side): the
+        tasks they would start, started in one schedule at the end (one edit of the account
+        files and one group commit of their running states, not one each); each command is
+        answered as soon as it is done, its task saved queued."""
+        if self.starts_held:
+            yield
+            return
+        self.starts_held = True
+        try:
+            yield
+        finally:
+            self.starts_held = False
+            if self.schedule_due:
+                self.schedule()
+
     def save_started(self, tasks: list[Task]) -> None:
         """The running state of the tasks one schedule started, saved in one group commit
         (set_state logged it), then announced; if it cannot be saved, they fail."""
@@ -8202,7 +8221,7 @@ class Box:
             lambda task: self.loop.emit("task", task.to_api()))
 
     def save_ended(self, tasks: list[Task]) -> None:
-        """The terminal states of the tasks one on_exits ended, saved in one group commit,
+        """The terminal states of the tasks one loop step ended (ends_grouped), saved in one group commit,
         then each logged and announced (set_state's order).  If they cannot be saved each is
         failed in memory (not_saved), a done one out of the stack again."""
         def failed(task: Task, exc: OSError) -> None:
@@ -8384,17 +8403,28 @@ class Box:
             self.append_log(task.id, {"type": "exit", "code": msg.get("code")})
 
     def on_exits(self) -> None:
-        """Workers that exited: each task ends; at the end the users of those that ended go,
-        and those of the tasks that start in their place come, in one edit of the account
-        files (users_make).  A crash before it leaves users the next start removes."""
+        """Workers that exited: each task ends (grouped with the other ends of the step)."""
         by_pid = {w.pid: w for w in self.workers.values()}
-        self.users_gone, self.ends_later = [], []
-        try:
+        with self.ends_grouped():
             for pid, code in self.spawner.exits():
                 worker = by_pid.get(pid)
                 if worker is not None:
                     worker.exit_code = code
                     self.loop.guard(worker.task_id, self.maybe_finish, worker)
+
+    @contextlib.contextmanager
+    def ends_grouped(self) -> Iterator[None]:
+        """The tasks that end inside (a loop step's events: an exit, or the end of a report
+        pipe read after it) saved in one group commit at its end, then each logged and
+        announced (save_ended); the users of those that ended go, and those of the tasks that
+        start in their place come, in one edit of the account files (users_make).  A crash
+        before that leaves users the next start removes.  Nested, the outer one does this."""
+        if self.users_gone is not None:
+            yield
+            return
+        self.users_gone, self.ends_later = [], []
+        try:
+            yield
         finally:
             names, self.users_gone = self.users_gone, None
             ended, self.ends_later = self.ends_later, None
@@ -8477,7 +8507,7 @@ class Box:
         if task.uid:
             keys_clear(task.uid)
             if self.users_gone is not None:
-                self.users_gone.append(task.user)      # on_exits removes them together
+                self.users_gone.append(task.user)      # ends_grouped removes them together
             else:
                 user_del(task.user)
             task.uid = 0
@@ -16063,7 +16093,20 @@ class Loop:
                 timeout = 1.0
             timeout = min(timeout, box.schedules.tick())   # runs what is due; never raises
             timeout = min(timeout, notifier.tick(box), 1.0)
-            for key, _ in self.selector.select(timeout=timeout):
+            self.guard(None, self.on_ready, self.selector.select(timeout=timeout))
+            self.guard(None, self.run_commands)
+            self.guard(None, self.publish)        # what this step changed, for HTTP threads
+            if box.views.gc_due:                  # after the answers: none waits for it
+                self.guard(None, box.views.gc_layers)
+                self.guard(None, self.publish)
+
+    def on_ready(self, ready: list[tuple[selectors.SelectorKey, int]]) -> None:
+        """The fds one select found ready, each handled under guard; the tasks that end
+        meanwhile are saved together at the end (Box.ends_grouped): an exit seen in one fd
+        and its report pipe's end in another are one step's work."""
+        box = self.box
+        with box.ends_grouped():
+            for key, _ in ready:
                 if isinstance(key.data, tuple):
                     self.guard(event_task(box, *key.data), box.network.on_event, *key.data)
                 elif key.data == "wake":
@@ -16077,14 +16120,17 @@ class Loop:
                         self.selector.unregister(key.fileobj)
                 else:
                     self.guard(key.data, box.on_worker_output, key.data)
-            self.run_commands()
-            self.guard(None, self.publish)        # what this step changed, for HTTP threads
-            if box.views.gc_due:                  # after the answers: none waits for it
-                self.guard(None, box.views.gc_layers)
-                self.guard(None, self.publish)
 
     def run_commands(self) -> None:
-        while True:
+        """The commands queued from other threads when the step came to them, each answered
+        once done (those queued meanwhile wait for the next step: a stream of creates does
+        not hold off the workers' events); the tasks they start, started together after the
+        last (Box.starts_grouped)."""
+        with self.box.starts_grouped():
+            self.run_queued(self.commands.qsize())
+
+    def run_queued(self, count: int) -> None:
+        for _ in range(count):
             try:
                 fn, args, future = self.commands.get_nowait()
             except queue.Empty:
