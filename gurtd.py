@@ -7827,6 +7827,7 @@ class Box:
         self.view_waits = False             # a queued task waits for merges (merge_built)
         self.saves_later: list[Task] | None = None   # running saves schedule makes together
         self.ends_later: list[Task] | None = None    # terminal saves ends_grouped makes
+        self.saves_due: list[Task] | None = None     # unsynced saves ends_grouped makes
         self.schedules = Schedules(self)
         self.jira = Jira(self)
         self.hooks = Hooks(self)
@@ -8196,6 +8197,27 @@ class Box:
         if self.schedule_due:
             self.schedule()
 
+    def save_later(self, task: Task) -> None:
+        """An unsynced save (a step's text) made at the end of ends_grouped with the others,
+        or not at all if the task's end is saved meanwhile (a short task reports its step
+        and ends in one loop step): a task file less to write and rename."""
+        if self.saves_due is None:
+            self.save(task, sync=False)
+        elif all(t is not task for t in self.saves_due):
+            self.saves_due.append(task)
+
+    def save_due(self) -> None:
+        """ends_grouped: the saves save_later put off, of tasks not ending in this group, in
+        one unsynced group commit; if it cannot be made, they fail (as a save would)."""
+        due, self.saves_due = self.saves_due or [], None
+        ending = {t.id for t in self.ends_later or ()}
+        due = [t for t in due if t.id not in ending and t.state in ACTIVE_STATES]
+        try:
+            self.save_all(due, sync=False)
+        except OSError as exc:
+            for task in due:
+                self.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
+
     @contextlib.contextmanager
     def starts_grouped(self) -> Iterator[None]:
         """The loop's commands of one step (creates from HTTP threads, side by side): the
@@ -8384,7 +8406,7 @@ class Box:
         if kind == "step":
             worker.last_err = ""
             task.step = text
-            self.save(task, sync=False)
+            self.save_later(task)
             self.append_log(task.id, {"type": "step", "text": text})
         elif kind == "out" and task.worker == "droid":
             self.droid.on_event(task, worker, text)
@@ -8422,10 +8444,11 @@ class Box:
         if self.users_gone is not None:
             yield
             return
-        self.users_gone, self.ends_later = [], []
+        self.users_gone, self.ends_later, self.saves_due = [], [], []
         try:
             yield
         finally:
+            self.save_due()
             names, self.users_gone = self.users_gone, None
             ended, self.ends_later = self.ends_later, None
             try:
