@@ -7823,7 +7823,6 @@ class Box:
         self.unsaved: set[str] = set()      # tasks whose (terminal) state is not on disk yet
         self.users_gone: list[str] | None = None   # users ends_grouped removes together
         self.schedule_due = False           # ends_grouped schedules once, at its end
-        self.starts_held = False            # starts_grouped schedules once, at its end
         self.view_waits = False             # a queued task waits for merges (merge_built)
         self.saves_later: list[Task] | None = None   # running saves schedule makes together
         self.ends_later: list[Task] | None = None    # terminal saves ends_grouped makes
@@ -8167,8 +8166,7 @@ class Box:
         inside ends_grouped, or inside itself (a start that failed), it only marks that it runs
         again at the end: an inner run would start the outer's tasks twice and drop its saves.
         A task whose view cannot be had yet stays queued, no user made for it."""
-        if self.users_gone is not None or self.saves_later is not None or \
-                (self.starts_held and not gone):
+        if self.users_gone is not None or self.saves_later is not None:
             self.schedule_due = True
             return
         self.schedule_due = self.view_waits = False
@@ -8218,23 +8216,6 @@ class Box:
             for task in due:
                 self.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
 
-    @contextlib.contextmanager
-    def starts_grouped(self) -> Iterator[None]:
-        """The loop's commands of one step (creates from HTTP threads, side by side): the
-        tasks they would start, started in one schedule at the end (one edit of the account
-        files and one group commit of their running states, not one each); each command is
-        answered as soon as it is done, its task saved queued."""
-        if self.starts_held:
-            yield
-            return
-        self.starts_held = True
-        try:
-            yield
-        finally:
-            self.starts_held = False
-            if self.schedule_due:
-                self.schedule()
-
     def save_started(self, tasks: list[Task]) -> None:
         """The running state of the tasks one schedule started, saved in one group commit
         (set_state logged it), then announced; if it cannot be saved, they fail."""
@@ -8243,9 +8224,9 @@ class Box:
             lambda task: self.loop.emit("task", task.to_api()))
 
     def save_ended(self, tasks: list[Task]) -> None:
-        """The terminal states of the tasks one loop step ended (ends_grouped), saved in one group commit,
-        then each logged and announced (set_state's order).  If they cannot be saved each is
-        failed in memory (not_saved), a done one out of the stack again."""
+        """The terminal states of the tasks one loop step ended (ends_grouped), saved in one
+        group commit, then each logged and announced (set_state's order).  If they cannot be
+        saved each is failed in memory (not_saved), a done one out of the stack again."""
         def failed(task: Task, exc: OSError) -> None:
             done = task.state == "done"
             self.not_saved(task, exc)
@@ -8448,17 +8429,24 @@ class Box:
         try:
             yield
         finally:
-            self.save_due()
-            names, self.users_gone = self.users_gone, None
-            ended, self.ends_later = self.ends_later, None
             try:
-                self.save_ended(ended)
-            finally:                     # whatever that raised, the users gone still go
-                due, self.schedule_due = self.schedule_due, False
-                if due:
-                    self.schedule(names)     # the users gone removed in the edit of the new
-                else:
-                    self.users_make([], names)
+                self.save_due()
+            finally:
+                self.ends_made()
+
+    def ends_made(self) -> None:
+        """ends_grouped's end: the ends saved, logged and announced, the users gone removed
+        in the edit that makes those of the tasks starting in their place."""
+        names, self.users_gone = self.users_gone or [], None
+        ended, self.ends_later = self.ends_later or [], None
+        try:
+            self.save_ended(ended)
+        finally:                     # whatever that raised, the users gone still go
+            due, self.schedule_due = self.schedule_due, False
+            if due:
+                self.schedule(names)     # the users gone removed in the edit of the new
+            else:
+                self.users_make([], names)
 
     def maybe_finish(self, worker: Worker) -> None:
         """A worker ended once its process exited and its report pipe is drained."""
@@ -16052,17 +16040,17 @@ class Loop:
         threads together, tasks first, then approvals, then events, so that a reader never
         sees half a step (an approval pending while its task is not yet waiting, an event
         about a task that GET still shows as before)."""
-        fresh = [(task, json.dumps(task.to_api()).encode()) for task in self.staged.values()
-                 if self.box.task(task.id) is task]   # not a create that failed after saving
+        apis = [(task, task.to_api()) for task in self.staged.values()
+                if self.box.task(task.id) is task]   # not a create that failed after saving
+        fresh = [(task, api, json.dumps(api).encode()) for task, api in apis]
         with self.listed_lock:
-            for task, _ in fresh:          # for ?fields= (a list of few fields of many tasks)
-                self.listed_api[task.id] = task.to_api()
-            for task, data in fresh:
+            for task, api, data in fresh:     # api for ?fields= (few fields of many tasks)
+                self.listed_api[task.id] = api
                 if task.id not in self.listed:
                     bisect.insort(self.order, (task.seq, task.id))
                 self.listed[task.id] = (task.state, task.workspace, task.doneSeq, data)
                 self.rendered[task.id] = data
-        for task, _ in fresh:
+        for task, _, _ in fresh:
             self.box.log_followers.notify(task.id)    # a follower ends when the task does
         self.staged.clear()
         self.box.broker.publish()
@@ -16117,7 +16105,7 @@ class Loop:
             timeout = min(timeout, box.schedules.tick())   # runs what is due; never raises
             timeout = min(timeout, notifier.tick(box), 1.0)
             self.guard(None, self.on_ready, self.selector.select(timeout=timeout))
-            self.guard(None, self.run_commands)
+            self.run_commands()
             self.guard(None, self.publish)        # what this step changed, for HTTP threads
             if box.views.gc_due:                  # after the answers: none waits for it
                 self.guard(None, box.views.gc_layers)
@@ -16145,15 +16133,7 @@ class Loop:
                     self.guard(key.data, box.on_worker_output, key.data)
 
     def run_commands(self) -> None:
-        """The commands queued from other threads when the step came to them, each answered
-        once done (those queued meanwhile wait for the next step: a stream of creates does
-        not hold off the workers' events); the tasks they start, started together after the
-        last (Box.starts_grouped)."""
-        with self.box.starts_grouped():
-            self.run_queued(self.commands.qsize())
-
-    def run_queued(self, count: int) -> None:
-        for _ in range(count):
+        while True:
             try:
                 fn, args, future = self.commands.get_nowait()
             except queue.Empty:
