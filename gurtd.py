@@ -8001,7 +8001,7 @@ class Box:
             setattr(task, key, value)
         if state in TERMINAL_STATES:
             if self.ends_later is not None:        # saved, then logged, with the others
-                self.ends_later += [] if task in self.ends_later else [task]
+                self.ends_later += [] if any(t is task for t in self.ends_later) else [task]
                 return
             try:
                 self.save(task)
