@@ -7981,11 +7981,12 @@ class Box:
         self.seq = 0
         self.done_seq = 0
         self.unsaved: set[str] = set()      # tasks whose (terminal) state is not on disk yet
-        self.users_gone: list[str] | None = None   # users on_exits removes together
-        self.schedule_due = False           # on_exits schedules once, at its end
+        self.users_gone: list[str] | None = None   # users ends_grouped removes together
+        self.schedule_due = False           # ends_grouped schedules once, at its end
         self.view_waits = False             # a queued task waits for merges (merge_built)
         self.saves_later: list[Task] | None = None   # running saves schedule makes together
-        self.ends_later: list[Task] | None = None    # terminal saves on_exits makes together
+        self.ends_later: list[Task] | None = None    # terminal saves ends_grouped makes
+        self.saves_due: list[Task] | None = None     # unsynced saves ends_grouped makes
         self.schedules = Schedules(self)
         self.jira = Jira(self)
         self.hooks = Hooks(self)
@@ -8154,13 +8155,13 @@ class Box:
         saw.  If it cannot be saved the task is failed in memory with the reason, and the save
         is tried again later (save_unsaved).  Other states log first, so a follower never
         misses the last line (a start's running is saved with the others of its schedule,
-        in one group commit: save_started; the ends of one on_exits likewise: save_ended)."""
+        in one group commit: save_started; the ends of one loop step likewise: save_ended)."""
         task.state = state
         for key, value in fields.items():
             setattr(task, key, value)
         if state in TERMINAL_STATES:
             if self.ends_later is not None:        # saved, then logged, with the others
-                self.ends_later += [] if task in self.ends_later else [task]
+                self.ends_later += [] if any(t is task for t in self.ends_later) else [task]
                 return
             try:
                 self.save(task)
@@ -8321,8 +8322,8 @@ class Box:
 
     def schedule(self, gone: list[str] | None = None) -> None:
         """Start queued tasks, first in first out, while there is room; their users made in
-        one edit of the account files, which removes the users gone too (on_exits).  Called
-        inside on_exits, or inside itself (a start that failed), it only marks that it runs
+        one edit of the account files, which removes the users gone too (ends_grouped).  Called
+        inside ends_grouped, or inside itself (a start that failed), it only marks that it runs
         again at the end: an inner run would start the outer's tasks twice and drop its saves.
         A task whose view cannot be had yet stays queued, no user made for it."""
         if self.users_gone is not None or self.saves_later is not None:
@@ -8354,6 +8355,27 @@ class Box:
         if self.schedule_due:
             self.schedule()
 
+    def save_later(self, task: Task) -> None:
+        """An unsynced save (a step's text) made at the end of ends_grouped with the others,
+        or not at all if the task's end is saved meanwhile (a short task reports its step
+        and ends in one loop step): a task file less to write and rename."""
+        if self.saves_due is None:
+            self.save(task, sync=False)
+        elif all(t is not task for t in self.saves_due):
+            self.saves_due.append(task)
+
+    def save_due(self) -> None:
+        """ends_grouped: the saves save_later put off, of tasks not ending in this group, in
+        one unsynced group commit; if it cannot be made, they fail (as a save would)."""
+        due, self.saves_due = self.saves_due or [], None
+        ending = {t.id for t in self.ends_later or ()}
+        due = [t for t in due if t.id not in ending and t.state in ACTIVE_STATES]
+        try:
+            self.save_all(due, sync=False)
+        except OSError as exc:
+            for task in due:
+                self.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
+
     def save_started(self, tasks: list[Task]) -> None:
         """The running state of the tasks one schedule started, saved in one group commit
         (set_state logged it), then announced; if it cannot be saved, they fail."""
@@ -8362,9 +8384,9 @@ class Box:
             lambda task: self.loop.emit("task", task.to_api()))
 
     def save_ended(self, tasks: list[Task]) -> None:
-        """The terminal states of the tasks one on_exits ended, saved in one group commit,
-        then each logged and announced (set_state's order).  If they cannot be saved each is
-        failed in memory (not_saved), a done one out of the stack again."""
+        """The terminal states of the tasks one loop step ended (ends_grouped), saved in one
+        group commit, then each logged and announced (set_state's order).  If they cannot be
+        saved each is failed in memory (not_saved), a done one out of the stack again."""
         def failed(task: Task, exc: OSError) -> None:
             done = task.state == "done"
             self.not_saved(task, exc)
@@ -8532,7 +8554,7 @@ class Box:
         if kind == "step":
             worker.last_err = ""
             task.step = text
-            self.save(task, sync=False)
+            self.save_later(task)
             self.append_log(task.id, {"type": "step", "text": text})
         elif kind == "out" and task.worker == "droid":
             self.droid.on_event(task, worker, text)
@@ -8551,28 +8573,47 @@ class Box:
             self.append_log(task.id, {"type": "exit", "code": msg.get("code")})
 
     def on_exits(self) -> None:
-        """Workers that exited: each task ends; at the end the users of those that ended go,
-        and those of the tasks that start in their place come, in one edit of the account
-        files (users_make).  A crash before it leaves users the next start removes."""
+        """Workers that exited: each task ends (grouped with the other ends of the step)."""
         by_pid = {w.pid: w for w in self.workers.values()}
-        self.users_gone, self.ends_later = [], []
-        try:
+        with self.ends_grouped():
             for pid, code in self.spawner.exits():
                 worker = by_pid.get(pid)
                 if worker is not None:
                     worker.exit_code = code
                     self.loop.guard(worker.task_id, self.maybe_finish, worker)
+
+    @contextlib.contextmanager
+    def ends_grouped(self) -> Iterator[None]:
+        """The tasks that end inside (a loop step's events: an exit, or the end of a report
+        pipe read after it) saved in one group commit at its end, then each logged and
+        announced (save_ended); the users of those that ended go, and those of the tasks that
+        start in their place come, in one edit of the account files (users_make).  A crash
+        before that leaves users the next start removes.  Nested, the outer one does this."""
+        if self.users_gone is not None:
+            yield
+            return
+        self.users_gone, self.ends_later, self.saves_due = [], [], []
+        try:
+            yield
         finally:
-            names, self.users_gone = self.users_gone, None
-            ended, self.ends_later = self.ends_later, None
             try:
-                self.save_ended(ended)
-            finally:                     # whatever that raised, the users gone still go
-                due, self.schedule_due = self.schedule_due, False
-                if due:
-                    self.schedule(names)     # the users gone removed in the edit of the new
-                else:
-                    self.users_make([], names)
+                self.save_due()
+            finally:
+                self.ends_made()
+
+    def ends_made(self) -> None:
+        """ends_grouped's end: the ends saved, logged and announced, the users gone removed
+        in the edit that makes those of the tasks starting in their place."""
+        names, self.users_gone = self.users_gone or [], None
+        ended, self.ends_later = self.ends_later or [], None
+        try:
+            self.save_ended(ended)
+        finally:                     # whatever that raised, the users gone still go
+            due, self.schedule_due = self.schedule_due, False
+            if due:
+                self.schedule(names)     # the users gone removed in the edit of the new
+            else:
+                self.users_make([], names)
 
     def maybe_finish(self, worker: Worker) -> None:
         """A worker ended once its process exited and its report pipe is drained."""
@@ -8644,7 +8685,7 @@ class Box:
         if task.uid:
             keys_clear(task.uid)
             if self.users_gone is not None:
-                self.users_gone.append(task.user)      # on_exits removes them together
+                self.users_gone.append(task.user)      # ends_grouped removes them together
             else:
                 user_del(task.user)
             task.uid = 0
@@ -16163,17 +16204,17 @@ class Loop:
         threads together, tasks first, then approvals, then events, so that a reader never
         sees half a step (an approval pending while its task is not yet waiting, an event
         about a task that GET still shows as before)."""
-        fresh = [(task, json.dumps(task.to_api()).encode()) for task in self.staged.values()
-                 if self.box.task(task.id) is task]   # not a create that failed after saving
+        apis = [(task, task.to_api()) for task in self.staged.values()
+                if self.box.task(task.id) is task]   # not a create that failed after saving
+        fresh = [(task, api, json.dumps(api).encode()) for task, api in apis]
         with self.listed_lock:
-            for task, _ in fresh:          # for ?fields= (a list of few fields of many tasks)
-                self.listed_api[task.id] = task.to_api()
-            for task, data in fresh:
+            for task, api, data in fresh:     # api for ?fields= (few fields of many tasks)
+                self.listed_api[task.id] = api
                 if task.id not in self.listed:
                     bisect.insort(self.order, (task.seq, task.id))
                 self.listed[task.id] = (task.state, task.workspace, task.doneSeq, data)
                 self.rendered[task.id] = data
-        for task, _ in fresh:
+        for task, _, _ in fresh:
             self.box.log_followers.notify(task.id)    # a follower ends when the task does
         self.staged.clear()
         self.box.broker.publish()
@@ -16227,7 +16268,20 @@ class Loop:
                 timeout = 1.0
             timeout = min(timeout, box.schedules.tick())   # runs what is due; never raises
             timeout = min(timeout, notifier.tick(box), 1.0)
-            for key, _ in self.selector.select(timeout=timeout):
+            self.guard(None, self.on_ready, self.selector.select(timeout=timeout))
+            self.run_commands()
+            self.guard(None, self.publish)        # what this step changed, for HTTP threads
+            if box.views.gc_due:                  # after the answers: none waits for it
+                self.guard(None, box.views.gc_layers)
+                self.guard(None, self.publish)
+
+    def on_ready(self, ready: list[tuple[selectors.SelectorKey, int]]) -> None:
+        """The fds one select found ready, each handled under guard; the tasks that end
+        meanwhile are saved together at the end (Box.ends_grouped): an exit seen in one fd
+        and its report pipe's end in another are one step's work."""
+        box = self.box
+        with box.ends_grouped():
+            for key, _ in ready:
                 if isinstance(key.data, tuple):
                     self.guard(event_task(box, *key.data), box.network.on_event, *key.data)
                 elif key.data == "wake":
@@ -16241,11 +16295,6 @@ class Loop:
                         self.selector.unregister(key.fileobj)
                 else:
                     self.guard(key.data, box.on_worker_output, key.data)
-            self.run_commands()
-            self.guard(None, self.publish)        # what this step changed, for HTTP threads
-            if box.views.gc_due:                  # after the answers: none waits for it
-                self.guard(None, box.views.gc_layers)
-                self.guard(None, self.publish)
 
     def run_commands(self) -> None:
         while True:
