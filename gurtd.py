@@ -5811,6 +5811,15 @@ class LayerStack:
                                   enumerate(layer_groups(ever, self.group, self.keep))
                                   for t in ids}
 
+    def share_ids(self, workspace: str) -> None:
+        """At start: the members of the workspace's merged layers made the very strings of its
+        ever-done ids (read from other files: equal, not the same objects), so that a plan or
+        a merge due compares them by identity, not 10,000 strings by their characters."""
+        ids = {i: i for i in self.ever.get(workspace, [])}
+        for m in self.merged.values():
+            if m.workspace == workspace:
+                m.members = [ids.get(i, i) for i in m.members]
+
     def by_group(self, workspace: str) -> dict[int, list[MergedLayer]]:
         out: dict[int, list[MergedLayer]] = {}
         for m in self.merged.values():
@@ -5846,6 +5855,21 @@ class LayerStack:
             i = j
         self.wanted_at[workspace] = (stack, group_of, out)
         return out
+
+    def unstacked(self, workspace: str, old: list[str], new: list[str], task_id: str) -> None:
+        """An undo took task_id out of old, giving new: the groups wanted of new from those
+        kept of old (one group's members less one), not a search of every group again."""
+        group_of = self.groups.get(workspace, {})
+        cached = self.wanted_at.get(workspace)
+        if cached is None or cached[0] is not old or cached[1] is not group_of:
+            return
+        out, g = cached[2], group_of.get(task_id)
+        if g in out:
+            out = dict(out)
+            out[g] = [i for i in out[g] if i != task_id]
+            if not out[g]:
+                del out[g]
+        self.wanted_at[workspace] = (new, group_of, out)
 
     def due(self, workspace: str, stack: list[str]) -> list[tuple[int, list[str]]]:
         """The groups whose merged layer is missing or stale: (group, members newest first)."""
@@ -6066,7 +6090,9 @@ class Views:
         self.layer_bytes: dict[str, tuple[int, float, int]] = {}
         self.stack_now: dict[str, list[str]] = {}    # workspace -> stack_ids, until it changes
         self.undone_layers: set[str] = set()   # undone tasks whose layer gc_layers may delete
-        self.gc_due = False                    # gc_soon asked; the loop collects at step end
+        self.gc_due = False                    # step_end's work asked (the loop runs it)
+        self.collect_due = False               # gc_soon asked: a collection at step end
+        self.merges_due: set[str] = set()      # workspaces whose merges step_end plans
 
     def load(self) -> None:
         """At start, once the tasks are read: the merged layers' records, undone layers a
@@ -6075,6 +6101,7 @@ class Views:
         trash_sweep(self.box.path("layers"))
         for name in {t.workspace for t in self.box.all_tasks()}:
             self.layerstack.regroup(name, self.ever_done(name))
+            self.layerstack.share_ids(name)
             self.publish_layers(name)
         self.stack_now.clear()
         self.undone_layers = {t.id for t in self.box.all_tasks()
@@ -6178,12 +6205,13 @@ class Views:
         newest) or undone (its id in undone: the groups stay, an undone task keeps its
         position; the stack loses it, no rebuild from every task); its cached view dropped,
         the merges now due queued."""
-        stack = self.stack_now.pop(workspace, None)
+        stack = old = self.stack_now.pop(workspace, None)
         if undone is not None:
             self.undone_layers.add(undone)
             if stack is not None and undone in stack:
                 k = stack.index(undone)
                 stack = stack[:k] + stack[k + 1:]        # a new list: tasks keep theirs
+                self.layerstack.unstacked(workspace, old, stack, undone)
             if stack is not None:
                 self.stack_now[workspace] = stack
         if done is not None:
@@ -6194,7 +6222,11 @@ class Views:
             if grows and stack is not None and self.box.get(done).state == "done":
                 self.stack_now[workspace] = [done] + stack   # a new list: tasks keep theirs
         self.drop_view(workspace)
-        self.plan_merges(workspace)
+        if done is None:                  # an undo answers first: the merges at step end
+            self.merges_due.add(workspace)
+            self.gc_due = True
+        else:
+            self.plan_merges(workspace)
         self.publish_layers(workspace)
 
     def publish_layers(self, workspace: str) -> None:
@@ -6272,7 +6304,23 @@ class Views:
     def gc_soon(self) -> None:
         """gc_layers at the end of this loop step, once however many asked, after the step's
         answers: an undo does not wait for the collection its change allows."""
-        self.gc_due = True
+        self.gc_due = self.collect_due = True
+
+    def step_end(self) -> None:
+        """The loop, after a step's answers, when gc_due: the merges an undo made due (an
+        undo's answer does not depend on them; builds begin MERGE_QUIET later anyway), then
+        the collection gc_soon asked for."""
+        self.gc_due = False
+        if self.collect_due:
+            self.gc_layers()
+        else:
+            self.plan_due()
+
+    def plan_due(self) -> None:
+        """The merges of the workspaces layers_changed left to the step's end: planned before
+        any collection, which holds the members of the merges in progress."""
+        while self.merges_due:
+            self.plan_merges(self.merges_due.pop())
 
     def gc_layers(self) -> None:
         """Delete the files of undone tasks' layers that no running task's view uses, and
@@ -6280,7 +6328,8 @@ class Views:
         no cached view uses (a merge in progress keeps its sources).  A deleted layer's
         layerDeleted is saved without a sync: a crash that loses it finds the layer gone and
         marks it again at the next start (load, then reconcile collects)."""
-        self.gc_due = False
+        self.plan_due()
+        self.gc_due = self.collect_due = False
         asked = set(self.undone_layers)       # in use is asked of these alone: 10,000 ids
         in_use: set[str] = set()              # of each running task's stack are not copied
         pinned: set[str] = set()              # lowers of views in use, relative to BOX_HOME
@@ -8520,11 +8569,12 @@ class Box:
         self.broker.deny_pending(task.id, "undo", "answered by undo")
         if was_active or task.uid:      # a finished task was released (and its layer's
             self.release_worker(task)   # set-id bits cleared) when it ended: no walk again
-        self.set_state(task, "undone")
-        if task.folders:
-            self.review.forget(task)
+        task.state = "undone"              # out of the stack in memory, not yet on disk:
         self.views.layers_changed(task.workspace, undone=task.id)
-        self.finish_merge.undone(task)     # its change out of later copies (off the loop)
+        self.finish_merge.undone(task)     # its change out of later copies, decided off the
+        self.set_state(task, "undone")     # loop while the state is saved and synced here
+        if task.folders:                   # (the answer waits for both)
+            self.review.forget(task)
         named = self.finish_merge.named(task)
         if named is None:                  # else when its revert ends, not beside it
             self.views.gc_soon()
@@ -16080,7 +16130,7 @@ class Loop:
             self.run_commands()
             self.guard(None, self.publish)        # what this step changed, for HTTP threads
             if box.views.gc_due:                  # after the answers: none waits for it
-                self.guard(None, box.views.gc_layers)
+                self.guard(None, box.views.step_end)
                 self.guard(None, self.publish)
 
     def run_commands(self) -> None:
