@@ -5981,6 +5981,8 @@ class StackStore:
 
 MERGE_SUPERSEDED = "superseded"      # a build dropped before it began (Merger.drop)
 MERGE_QUIET = 0.1                    # seconds a build waits to begin (undos of a burst drop it)
+MERGE_RETRY = 2.0                    # seconds before a failed build is tried again, doubled at
+MERGE_RETRY_MAX = 300.0              # each failure of the same members up to this
 
 
 class Merger:
@@ -6071,7 +6073,8 @@ class Views:
     first), ever_done; view_lowers (a task's or a person's plan), view_fd (a view
     for people), changes (what to walk for a task's changes); layers_changed (a task became
     done or undone), gc_layers (delete what no view uses; gc_soon: at the end of the step,
-    once, after its answers); plan_merges, merge_done (merger thread), merge_built;
+    once, after its answers; step_end runs it and an undo's merges due there);
+    plan_merges, merge_done (merger thread), merge_built, tick (failed builds again);
     layer_usage (any thread); load, start, stop, pin, close.
     """
 
@@ -6082,7 +6085,9 @@ class Views:
         self.layerstack = LayerStack(box.path())
         self.merger = Merger(box.path(), self.merge_done)
         self.merging: dict[str, MergedLayer] = {}         # being built, by name
-        self.merge_failed: set[tuple[str, int, tuple[str, ...]]] = set()
+        # a build that failed (a full disk): its failures and when it is tried again (inf:
+        # being tried); members that changed since are another build
+        self.merge_failed: dict[tuple[str, int, tuple[str, ...]], tuple[int, float]] = {}
         self.task_lowers: dict[str, list[str]] = {}      # a running task's view, flat
         # per workspace, published by the loop for GET /api/workspaces/{name}: (version,
         # merged layers, layer directories); and the bytes an HTTP thread counted for it
@@ -6257,10 +6262,14 @@ class Views:
             return
         stack = self.stack_ids(workspace)
         busy = {(m.workspace, m.group, tuple(m.members)) for m in self.merging.values()}
+        now = time.monotonic()
         for group, members in self.layerstack.due(workspace, stack):
             key = (workspace, group, tuple(members))
-            if key in busy or key in self.merge_failed:
+            failed = self.merge_failed.get(key)
+            if key in busy or failed is not None and failed[1] > now:
                 continue
+            if failed is not None:
+                self.merge_failed[key] = (failed[0], float("inf"))    # tried again now
             for old in self.merging.values():     # for members the group no longer has
                 if (old.workspace, old.group) == (workspace, group):
                     self.merger.drop(old.name)
@@ -6277,7 +6286,9 @@ class Views:
         """Loop: record a merged layer that was built (then views use it), or log why not."""
         self.merging.pop(merged.name, None)
         self.gc_soon()                   # its members (undone ones too) are no longer held
+        key = (merged.workspace, merged.group, tuple(merged.members))
         if error == MERGE_SUPERSEDED:
+            self.merge_failed.pop(key, None)     # a try again dropped: members changed
             return
         if error is None:
             try:
@@ -6287,11 +6298,8 @@ class Views:
                 error = f"cannot save its record: {exc}"
                 self.layerstack.merged.pop(merged.name, None)
         if error is not None:
-            log(3, f"merged layer {merged.name} of {merged.workspace}: {error}")
-            self.merge_failed.add((merged.workspace, merged.group, tuple(merged.members)))
-            with contextlib.suppress(OSError):
-                tree_remove(os.path.join(self.layerstack.dir, merged.name))
-            return
+            return self.merge_failure(merged, key, error)
+        self.merge_failed.pop(key, None)
         log(6, f"merged layer {merged.name}: {len(merged.members)} layers of "
                f"{merged.workspace} in one")
         self.box.finish_merge.warm([f"{MERGED_DIR}/{merged.name}"])
@@ -6300,6 +6308,28 @@ class Views:
         self.gc_soon()
         if self.box.view_waits:                  # a start that waited for room under the limit
             self.box.schedule()
+
+    def merge_failure(self, merged: MergedLayer, key: tuple[str, int, tuple[str, ...]],
+                      error: str) -> None:
+        """A build failed: its files go, and the same members are tried again after a wait
+        that doubles at each failure (tick), so a full disk that is freed gets the merged
+        layer a queued task may wait for, and a lasting failure costs a build in minutes."""
+        failures = self.merge_failed.get(key, (0, 0.0))[0] + 1
+        wait = min(MERGE_RETRY_MAX, MERGE_RETRY * 2 ** (failures - 1))
+        self.merge_failed[key] = (failures, time.monotonic() + wait)
+        log(3, f"merged layer {merged.name} of {merged.workspace}: {error}; tried again in "
+               f"{wait:.0f} s")
+        with contextlib.suppress(OSError):
+            tree_remove(os.path.join(self.layerstack.dir, merged.name))
+
+    def tick(self) -> float:
+        """Loop timer (Box.tick): the failed builds whose wait is over are planned again
+        (those whose members changed meanwhile are forgotten).  Seconds until the next."""
+        now = time.monotonic()
+        for name in sorted({k[0] for k, (_, at) in self.merge_failed.items() if at <= now}):
+            self.plan_merges(name)
+        self.merge_failed = {k: v for k, v in self.merge_failed.items() if v[1] > now}
+        return min([at - now for _, at in self.merge_failed.values()] + [MERGE_RETRY_MAX])
 
     def gc_soon(self) -> None:
         """gc_layers at the end of this loop step, once however many asked, after the step's
@@ -7447,9 +7477,8 @@ class FinishMerge:
         the thread looks only at the layers that came or went since, by their path sets
         (LayerPaths); the revert joins if none of them could change it, else it is built
         again on the stack now (rechecked).  Never built again from the start at each."""
-        old, new = set(job.stack), set(stack)
-        uppers = [(i, os.path.join(self.box.layer_dir(i), "upper")) for i in
-                  [i for i in job.stack if i not in new] + [i for i in stack if i not in old]]
+        moved = set(job.stack).symmetric_difference(stack)    # a few of 10,000: one set
+        uppers = [(i, os.path.join(self.box.layer_dir(i), "upper")) for i in sorted(moved)]
         region, read, written = result.region, result.read, result.staging is not None
 
         def work(tmp: str) -> bool:
@@ -8625,7 +8654,7 @@ class Box:
             if now - worker.started > limit and task.state in ("running", "waiting"):
                 log(4, f"task {task_id} timed out after {limit} s")
                 self.stop(task_id, "timed out")
-        return self.disk.tick()
+        return min(self.disk.tick(), self.views.tick())
 
     def put_settings(self, body: Any) -> dict[str, Any]:
         new = validate_settings(body, self.settings)
