@@ -5971,6 +5971,15 @@ class LayerStack:
                                   enumerate(layer_groups(ever, self.group, self.keep))
                                   for t in ids}
 
+    def share_ids(self, workspace: str) -> None:
+        """At start: the members of the workspace's merged layers made the very strings of its
+        ever-done ids (read from other files: equal, not the same objects), so that a plan or
+        a merge due compares them by identity, not 10,000 strings by their characters."""
+        ids = {i: i for i in self.ever.get(workspace, [])}
+        for m in self.merged.values():
+            if m.workspace == workspace:
+                m.members = [ids.get(i, i) for i in m.members]
+
     def by_group(self, workspace: str) -> dict[int, list[MergedLayer]]:
         out: dict[int, list[MergedLayer]] = {}
         for m in self.merged.values():
@@ -6006,6 +6015,21 @@ class LayerStack:
             i = j
         self.wanted_at[workspace] = (stack, group_of, out)
         return out
+
+    def unstacked(self, workspace: str, old: list[str], new: list[str], task_id: str) -> None:
+        """An undo took task_id out of old, giving new: the groups wanted of new from those
+        kept of old (one group's members less one), not a search of every group again."""
+        group_of = self.groups.get(workspace, {})
+        cached = self.wanted_at.get(workspace)
+        if cached is None or cached[0] is not old or cached[1] is not group_of:
+            return
+        out, g = cached[2], group_of.get(task_id)
+        if g in out:
+            out = dict(out)
+            out[g] = [i for i in out[g] if i != task_id]
+            if not out[g]:
+                del out[g]
+        self.wanted_at[workspace] = (new, group_of, out)
 
     def due(self, workspace: str, stack: list[str]) -> list[tuple[int, list[str]]]:
         """The groups whose merged layer is missing or stale: (group, members newest first)."""
@@ -6117,6 +6141,8 @@ class StackStore:
 
 MERGE_SUPERSEDED = "superseded"      # a build dropped before it began (Merger.drop)
 MERGE_QUIET = 0.1                    # seconds a build waits to begin (undos of a burst drop it)
+MERGE_RETRY = 2.0                    # seconds before a failed build is tried again, doubled at
+MERGE_RETRY_MAX = 300.0              # each failure of the same members up to this
 
 
 class Merger:
@@ -6207,7 +6233,8 @@ class Views:
     first), ever_done; view_lowers (a task's or a person's plan), view_fd (a view
     for people), changes (what to walk for a task's changes); layers_changed (a task became
     done or undone), gc_layers (delete what no view uses; gc_soon: at the end of the step,
-    once, after its answers); plan_merges, merge_done (merger thread), merge_built;
+    once, after its answers; step_end runs it and an undo's merges due there);
+    plan_merges, merge_done (merger thread), merge_built, tick (failed builds again);
     layer_usage (any thread); load, start, stop, pin, close.
     """
 
@@ -6218,7 +6245,9 @@ class Views:
         self.layerstack = LayerStack(box.path())
         self.merger = Merger(box.path(), self.merge_done)
         self.merging: dict[str, MergedLayer] = {}         # being built, by name
-        self.merge_failed: set[tuple[str, int, tuple[str, ...]]] = set()
+        # a build that failed (a full disk): its failures and when it is tried again (inf:
+        # being tried); members that changed since are another build
+        self.merge_failed: dict[tuple[str, int, tuple[str, ...]], tuple[int, float]] = {}
         self.task_lowers: dict[str, list[str]] = {}      # a running task's view, flat
         # per workspace, published by the loop for GET /api/workspaces/{name}: (version,
         # merged layers, layer directories); and the bytes an HTTP thread counted for it
@@ -6226,7 +6255,9 @@ class Views:
         self.layer_bytes: dict[str, tuple[int, float, int]] = {}
         self.stack_now: dict[str, list[str]] = {}    # workspace -> stack_ids, until it changes
         self.undone_layers: set[str] = set()   # undone tasks whose layer gc_layers may delete
-        self.gc_due = False                    # gc_soon asked; the loop collects at step end
+        self.gc_due = False                    # step_end's work asked (the loop runs it)
+        self.collect_due = False               # gc_soon asked: a collection at step end
+        self.merges_due: set[str] = set()      # workspaces whose merges step_end plans
 
     def load(self) -> None:
         """At start, once the tasks are read: the merged layers' records, undone layers a
@@ -6235,6 +6266,7 @@ class Views:
         trash_sweep(self.box.path("layers"))
         for name in {t.workspace for t in self.box.all_tasks()}:
             self.layerstack.regroup(name, self.ever_done(name))
+            self.layerstack.share_ids(name)
             self.publish_layers(name)
         self.stack_now.clear()
         self.undone_layers = {t.id for t in self.box.all_tasks()
@@ -6338,12 +6370,13 @@ class Views:
         newest) or undone (its id in undone: the groups stay, an undone task keeps its
         position; the stack loses it, no rebuild from every task); its cached view dropped,
         the merges now due queued."""
-        stack = self.stack_now.pop(workspace, None)
+        stack = old = self.stack_now.pop(workspace, None)
         if undone is not None:
             self.undone_layers.add(undone)
             if stack is not None and undone in stack:
                 k = stack.index(undone)
                 stack = stack[:k] + stack[k + 1:]        # a new list: tasks keep theirs
+                self.layerstack.unstacked(workspace, old, stack, undone)
             if stack is not None:
                 self.stack_now[workspace] = stack
         if done is not None:
@@ -6354,7 +6387,11 @@ class Views:
             if grows and stack is not None and self.box.get(done).state == "done":
                 self.stack_now[workspace] = [done] + stack   # a new list: tasks keep theirs
         self.drop_view(workspace)
-        self.plan_merges(workspace)
+        if done is None:                  # an undo answers first: the merges at step end
+            self.merges_due.add(workspace)
+            self.gc_due = True
+        else:
+            self.plan_merges(workspace)
         self.publish_layers(workspace)
 
     def publish_layers(self, workspace: str) -> None:
@@ -6385,10 +6422,14 @@ class Views:
             return
         stack = self.stack_ids(workspace)
         busy = {(m.workspace, m.group, tuple(m.members)) for m in self.merging.values()}
+        now = time.monotonic()
         for group, members in self.layerstack.due(workspace, stack):
             key = (workspace, group, tuple(members))
-            if key in busy or key in self.merge_failed:
+            failed = self.merge_failed.get(key)
+            if key in busy or failed is not None and failed[1] > now:
                 continue
+            if failed is not None:
+                self.merge_failed[key] = (failed[0], float("inf"))    # tried again now
             for old in self.merging.values():     # for members the group no longer has
                 if (old.workspace, old.group) == (workspace, group):
                     self.merger.drop(old.name)
@@ -6405,7 +6446,9 @@ class Views:
         """Loop: record a merged layer that was built (then views use it), or log why not."""
         self.merging.pop(merged.name, None)
         self.gc_soon()                   # its members (undone ones too) are no longer held
+        key = (merged.workspace, merged.group, tuple(merged.members))
         if error == MERGE_SUPERSEDED:
+            self.merge_failed.pop(key, None)     # a try again dropped: members changed
             return
         if error is None:
             try:
@@ -6415,11 +6458,8 @@ class Views:
                 error = f"cannot save its record: {exc}"
                 self.layerstack.merged.pop(merged.name, None)
         if error is not None:
-            log(3, f"merged layer {merged.name} of {merged.workspace}: {error}")
-            self.merge_failed.add((merged.workspace, merged.group, tuple(merged.members)))
-            with contextlib.suppress(OSError):
-                tree_remove(os.path.join(self.layerstack.dir, merged.name))
-            return
+            return self.merge_failure(merged, key, error)
+        self.merge_failed.pop(key, None)
         log(6, f"merged layer {merged.name}: {len(merged.members)} layers of "
                f"{merged.workspace} in one")
         self.box.finish_merge.warm([f"{MERGED_DIR}/{merged.name}"])
@@ -6429,10 +6469,48 @@ class Views:
         if self.box.view_waits:                  # a start that waited for room under the limit
             self.box.schedule()
 
+    def merge_failure(self, merged: MergedLayer, key: tuple[str, int, tuple[str, ...]],
+                      error: str) -> None:
+        """A build failed: its files go, and the same members are tried again after a wait
+        that doubles at each failure (tick), so a full disk that is freed gets the merged
+        layer a queued task may wait for, and a lasting failure costs a build in minutes."""
+        failures = self.merge_failed.get(key, (0, 0.0))[0] + 1
+        wait = min(MERGE_RETRY_MAX, MERGE_RETRY * 2 ** (failures - 1))
+        self.merge_failed[key] = (failures, time.monotonic() + wait)
+        log(3, f"merged layer {merged.name} of {merged.workspace}: {error}; tried again in "
+               f"{wait:.0f} s")
+        with contextlib.suppress(OSError):
+            tree_remove(os.path.join(self.layerstack.dir, merged.name))
+
+    def tick(self) -> float:
+        """Loop timer (Box.tick): the failed builds whose wait is over are planned again
+        (those whose members changed meanwhile are forgotten).  Seconds until the next."""
+        now = time.monotonic()
+        for name in sorted({k[0] for k, (_, at) in self.merge_failed.items() if at <= now}):
+            self.plan_merges(name)
+        self.merge_failed = {k: v for k, v in self.merge_failed.items() if v[1] > now}
+        return min([at - now for _, at in self.merge_failed.values()] + [MERGE_RETRY_MAX])
+
     def gc_soon(self) -> None:
         """gc_layers at the end of this loop step, once however many asked, after the step's
         answers: an undo does not wait for the collection its change allows."""
-        self.gc_due = True
+        self.gc_due = self.collect_due = True
+
+    def step_end(self) -> None:
+        """The loop, after a step's answers, when gc_due: the merges an undo made due (an
+        undo's answer does not depend on them; builds begin MERGE_QUIET later anyway), then
+        the collection gc_soon asked for."""
+        self.gc_due = False
+        if self.collect_due:
+            self.gc_layers()
+        else:
+            self.plan_due()
+
+    def plan_due(self) -> None:
+        """The merges of the workspaces layers_changed left to the step's end: planned before
+        any collection, which holds the members of the merges in progress."""
+        while self.merges_due:
+            self.plan_merges(self.merges_due.pop())
 
     def gc_layers(self) -> None:
         """Delete the files of undone tasks' layers that no running task's view uses, and
@@ -6440,7 +6518,8 @@ class Views:
         no cached view uses (a merge in progress keeps its sources).  A deleted layer's
         layerDeleted is saved without a sync: a crash that loses it finds the layer gone and
         marks it again at the next start (load, then reconcile collects)."""
-        self.gc_due = False
+        self.plan_due()
+        self.gc_due = self.collect_due = False
         asked = set(self.undone_layers)       # in use is asked of these alone: 10,000 ids
         in_use: set[str] = set()              # of each running task's stack are not copied
         pinned: set[str] = set()              # lowers of views in use, relative to BOX_HOME
@@ -7558,9 +7637,8 @@ class FinishMerge:
         the thread looks only at the layers that came or went since, by their path sets
         (LayerPaths); the revert joins if none of them could change it, else it is built
         again on the stack now (rechecked).  Never built again from the start at each."""
-        old, new = set(job.stack), set(stack)
-        uppers = [(i, os.path.join(self.box.layer_dir(i), "upper")) for i in
-                  [i for i in job.stack if i not in new] + [i for i in stack if i not in old]]
+        moved = set(job.stack).symmetric_difference(stack)    # a few of 10,000: one set
+        uppers = [(i, os.path.join(self.box.layer_dir(i), "upper")) for i in sorted(moved)]
         region, read, written = result.region, result.read, result.staging is not None
 
         def work(tmp: str) -> bool:
@@ -8728,11 +8806,12 @@ class Box:
         self.broker.deny_pending(task.id, "undo", "answered by undo")
         if was_active or task.uid:      # a finished task was released (and its layer's
             self.release_worker(task)   # set-id bits cleared) when it ended: no walk again
-        self.set_state(task, "undone")
-        if task.folders:
-            self.review.forget(task)
+        task.state = "undone"              # out of the stack in memory, not yet on disk:
         self.views.layers_changed(task.workspace, undone=task.id)
-        self.finish_merge.undone(task)     # its change out of later copies (off the loop)
+        self.finish_merge.undone(task)     # its change out of later copies, decided off the
+        self.set_state(task, "undone")     # loop while the state is saved and synced here
+        if task.folders:                   # (the answer waits for both)
+            self.review.forget(task)
         named = self.finish_merge.named(task)
         if named is None:                  # else when its revert ends, not beside it
             self.views.gc_soon()
@@ -8783,7 +8862,7 @@ class Box:
             if now - worker.started > limit and task.state in ("running", "waiting"):
                 log(4, f"task {task_id} timed out after {limit} s")
                 self.stop(task_id, "timed out")
-        return self.disk.tick()
+        return min(self.disk.tick(), self.views.tick())
 
     def put_settings(self, body: Any) -> dict[str, Any]:
         new = validate_settings(body, self.settings)
@@ -16272,7 +16351,7 @@ class Loop:
             self.run_commands()
             self.guard(None, self.publish)        # what this step changed, for HTTP threads
             if box.views.gc_due:                  # after the answers: none waits for it
-                self.guard(None, box.views.gc_layers)
+                self.guard(None, box.views.step_end)
                 self.guard(None, self.publish)
 
     def on_ready(self, ready: list[tuple[selectors.SelectorKey, int]]) -> None:

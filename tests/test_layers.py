@@ -423,3 +423,26 @@ def test_kill_9_in_the_middle_of_a_merge_loses_nothing() -> None:
             g.stop()
     finally:
         remove_home(home)
+
+
+
+def test_a_merge_that_failed_is_built_once_it_can_be() -> None:
+    """A build fails (its name is taken on disk by a folder that is not its own) when an undo
+    makes a group's merged layer due again; the folder goes with the failed build, and the
+    build is tried again after a short wait, not left unbuilt until the group's members change or gurtd restarts (a queued task
+    past the kernel's limit would wait that long for its view)."""
+    with running_gurtd({"GURT_LAYER_GROUP": "2", "GURT_LAYER_KEEP": "1"}) as g:
+        ids = [g.run_done(f"echo {n} > f{n}")["id"] for n in range(3)]
+        eventually(lambda: [m["members"] for m in registry(g.home)["merged"]] == [ids[1::-1]],
+                   what="the first group merged")
+        (name,) = [m["name"] for m in registry(g.home)["merged"]]
+        group, gen, ws = name.split("-", 2)
+        taken = Path(g.home, "merged", f"{group}-{int(gen) + 1}-{ws}")
+        (taken / "not-its-own").mkdir(parents=True)        # its rename into place fails
+        g.api("POST", f"/api/tasks/{ids[0]}/undo")
+        eventually(lambda: f"merged layer {taken.name} of {ws}: " in g.log_text(),
+                   what="the build of the group's new members failed")
+        assert not taken.exists()          # thrown away with the failed build
+        eventually(lambda: [m["members"] for m in registry(g.home)["merged"]] == [ids[1:2]],
+                   timeout=30, what="the group's new members merged")
+        assert g.file("home", "f1") == b"1\n" and g.file("home", "f2") == b"2\n"
