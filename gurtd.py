@@ -8269,6 +8269,8 @@ class Box:
                 return
             log(3, f"task {task.id} is {state} (saved) but its log line was lost: {exc}")
         self.loop.emit("task", task.to_api())
+        if state in ("done", "failed"):            # gurtd's journal: once it is durable
+            log(6, f"task {task.id} {state}" + (f": {task.error}" if task.error else ""))
 
     def not_saved(self, task: Task, exc: OSError) -> None:
         """A terminal state could not be saved: the task is failed in memory with the reason,
@@ -8444,15 +8446,19 @@ class Box:
 
     def save_due(self) -> None:
         """ends_grouped: the saves save_later put off, of tasks not ending in this group, in
-        one unsynced group commit; if it cannot be made, they fail (as a save would)."""
+        one unsynced group commit; if it cannot be made, each on its own, and those that
+        still cannot be saved fail (as a save would)."""
         due, self.saves_due = self.saves_due or [], None
         ending = {t.id for t in self.ends_later or ()}
         due = [t for t in due if t.id not in ending and t.state in ACTIVE_STATES]
         try:
             self.save_all(due, sync=False)
-        except OSError as exc:
-            for task in due:
-                self.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
+        except OSError:
+            for task in due:              # each on its own: only those that cannot be fail
+                try:
+                    self.save_all([task], sync=False)
+                except OSError as exc:
+                    self.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
 
     def save_started(self, tasks: list[Task]) -> None:
         """The running state of the tasks one schedule started, saved in one group commit
@@ -8725,7 +8731,6 @@ class Box:
             if last:
                 error += f": {last}"
             self.set_state(task, "failed", error=error)
-        log(6, f"task {task.id} {task.state}" + (f": {task.error}" if task.error else ""))
         if task.folders and task.state != "done":
             self.review.forget(task)            # a failed task's folder changes never apply
         self.views.gc_soon()

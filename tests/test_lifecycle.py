@@ -557,19 +557,21 @@ def test_max_running_tasks_queues_first_in_first_out(gurtd: Gurtd) -> None:
 
 
 def test_tasks_that_end_give_their_places_in_one_edit_of_the_accounts(gurtd: Gurtd) -> None:
-    """30 short tasks, 5 at a time: while some wait, every edit of the account files that
+    """60 short tasks, 5 at a time: while some wait, every edit of the account files that
     removes the users of tasks that ended also makes those of the tasks starting in their
     place, whichever the loop saw first, a worker's exit or the end of its report pipe (the
-    ends of a loop step are one group).  Only the last few ends start nothing."""
+    ends of a loop step are one group).  Only the last few ends start nothing (the old code:
+    5-10 such edits of 30 tasks, one in three runs within the bound, so 60 here)."""
     set_settings(gurtd, maxRunningTasks=1)
     blocker = gurtd.create("sleep 2")
-    ids = [gurtd.create("true", title=f"q{i}")["id"] for i in range(30)]
+    ids = [gurtd.create("true", title=f"q{i}")["id"] for i in range(60)]
     assert gurtd.task(ids[0])["state"] == "queued"      # all of them wait behind the blocker
     set_settings(gurtd, maxRunningTasks=5)
     for task_id in [blocker["id"]] + ids:
         assert gurtd.wait(task_id)["state"] == "done"
     ours = [line for line in gurtd.log_text().splitlines() if "users_edit: removed" in line
             and any(task_id in line for task_id in ids)]
+    assert len(ours) >= len(ids) // 5, ours           # at most 5 end in one step
     alone = [line for line in ours if line.endswith("added -")]
     assert len(alone) <= 5, alone                     # the last five end with none queued
 
