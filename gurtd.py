@@ -6477,10 +6477,10 @@ class Views:
         failures = self.merge_failed.get(key, (0, 0.0))[0] + 1
         wait = min(MERGE_RETRY_MAX, MERGE_RETRY * 2 ** (failures - 1))
         self.merge_failed[key] = (failures, time.monotonic() + wait)
-        log(3, f"merged layer {merged.name} of {merged.workspace}: {error}; tried again in "
-               f"{wait:.0f} s")
         with contextlib.suppress(OSError):
             tree_remove(os.path.join(self.layerstack.dir, merged.name))
+        log(3, f"merged layer {merged.name} of {merged.workspace}: {error}; tried again in "
+               f"{wait:.0f} s")
 
     def tick(self) -> float:
         """Loop timer (Box.tick): the failed builds whose wait is over are planned again
@@ -7600,8 +7600,13 @@ class FinishMerge:
         """reconcile, before gc_layers: an undo a restart cut short (undone, its revert not
         recorded, its layer still on disk) is taken up again, on the stack now."""
         for task in sorted(self.box.tasks.values(), key=lambda t: t.doneSeq):
-            if task.state == "undone" and task.undoMerge is None and not task.layerDeleted:
-                self.undone(task)
+            self.resume_one(task)
+
+    def resume_one(self, task: Task) -> None:
+        """An undone task whose revert was not begun or not recorded: begun now."""
+        if task.state == "undone" and task.undoMerge is None and not task.layerDeleted and \
+                task.id not in self.undoing:
+            self.undone(task)
 
     def named(self, task: Task) -> "Future[dict[str, Any]] | None":
         """Box.undo: what its answer waits for (undo_answer), if a revert is in flight."""
@@ -7674,14 +7679,21 @@ class FinishMerge:
         box = self.box
         layer = None
         if result is not None and result.staging is not None and error is None:
-            layer = upload_commit(
-                box, task.workspace, result.staging, f"undo of {task.id}",
-                f"the exact undo of task {task.id}: its change taken out of the later "
-                "tasks' copies", "reverted: " + ", ".join(result.reverted))["id"]
+            try:
+                layer = upload_commit(
+                    box, task.workspace, result.staging, f"undo of {task.id}",
+                    f"the exact undo of task {task.id}: its change taken out of the later "
+                    "tasks' copies", "reverted: " + ", ".join(result.reverted))["id"]
+            except (OSError, ApiError) as exc:       # recorded failed, never lost unsaid
+                error = exc.message if isinstance(exc, ApiError) else str(exc)
         task.undoMerge = undo_record(result, error, layer)
         if not job.named.done():
             job.named.set_result(task.undoMerge)
-        box.save(task)
+        try:
+            box.save(task)
+        except OSError as exc:
+            log(3, f"task {task.id}: its undo record is not saved yet: {exc}")
+            box.save_again(task)
         box.append_log(task.id, {"type": "undo", **task.undoMerge, "text": (
             f"later copies not reverted: {error}" if error is not None else
             f"reverted in later copies: {', '.join(task.undoMerge['reverted']) or 'none'}"
@@ -8290,6 +8302,10 @@ class Box:
             pass
         self.loop.emit("task", task.to_api())
 
+    def save_again(self, task: Task) -> None:
+        """A save of task failed: save_unsaved tries it again (its layer kept until then)."""
+        self.unsaved.add(task.id)
+
     def save_unsaved(self) -> None:
         """Try again to save tasks whose terminal state is only in memory (tick, shutdown)."""
         for task_id in sorted(self.unsaved):
@@ -8300,8 +8316,9 @@ class Box:
             try:
                 self.save(task)
                 log(6, f"task {task_id}: its state ({task.state}) is saved now")
-                if task.state == "undone":
-                    self.views.gc_soon()          # its layer may go now
+                if task.state == "undone":        # its revert (Box.undo waited for this),
+                    self.finish_merge.resume_one(task)
+                    self.views.gc_soon()          # then its layer may go
             except OSError as exc:
                 log(4, f"task {task_id}: still cannot save its state: {exc}")
                 return
@@ -8811,12 +8828,12 @@ class Box:
         self.broker.deny_pending(task.id, "undo", "answered by undo")
         if was_active or task.uid:      # a finished task was released (and its layer's
             self.release_worker(task)   # set-id bits cleared) when it ended: no walk again
-        task.state = "undone"              # out of the stack in memory, not yet on disk:
-        self.views.layers_changed(task.workspace, undone=task.id)
-        self.finish_merge.undone(task)     # its change out of later copies, decided off the
-        self.set_state(task, "undone")     # loop while the state is saved and synced here
-        if task.folders:                   # (the answer waits for both)
+        self.set_state(task, "undone")
+        if task.folders:
             self.review.forget(task)
+        self.views.layers_changed(task.workspace, undone=task.id)
+        if task.id not in self.unsaved:    # its change out of later copies (off the loop),
+            self.finish_merge.undone(task)  # once the undone state is on disk: save_unsaved
         named = self.finish_merge.named(task)
         if named is None:                  # else when its revert ends, not beside it
             self.views.gc_soon()

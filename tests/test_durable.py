@@ -721,3 +721,25 @@ def test_an_undo_whose_state_cannot_be_saved_keeps_the_layer_until_it_is() -> No
                    what="the undone state on disk")
         eventually(lambda: not os.path.lexists(layer), what="the layer deleted")
         assert g.stop() == 0
+
+
+def test_an_undo_on_a_full_disk_takes_its_change_out_of_later_copies_once_there_is_room(
+        ) -> None:
+    """t2's copy of f.txt holds t1's change and t1 is undone on a full disk: the revert was
+    begun at once, found no room for its work and was recorded failed, so once the disk was
+    free t1's layer went and its line stayed in t2's copy for good.  Now the revert waits for
+    the undone state on disk (save_unsaved) and runs then."""
+    with gurtd_on_small_disk() as (g, disk):
+        g.run_done("printf 'line 1\\nline 2\\nline 3\\nline 4\\nline 5\\n' > f.txt")
+        t1 = g.run_done("sed -i 's/^line 2$/two by t1/' f.txt")
+        g.run_done("sed -i 's/^line 5$/five by t2/' f.txt")
+        disk.fill()
+        g.request("POST", f"/api/tasks/{t1['id']}/undo")
+        eventually(lambda: g.task(t1["id"])["state"] == "undone", what="undone in memory")
+        time.sleep(1.0)
+        disk.free()
+        record = eventually(lambda: g.task(t1["id"]).get("undoMerge"), timeout=30,
+                            what="the revert recorded")
+        assert record["state"] == "done" and record["reverted"] == ["f.txt"], record
+        assert g.file("home", "f.txt") == b"line 1\nline 2\nline 3\nline 4\nfive by t2\n"
+        assert task_file(g, t1["id"])["undoMerge"] == record
