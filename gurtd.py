@@ -8353,7 +8353,20 @@ class Box:
 
     # task lifecycle (loop thread)
     def create_task(self, body: Any, origin: dict[str, Any] | None = None) -> dict[str, Any]:
-        """A new queued task; origin: fields of gurtd's own a body cannot set (schedule)."""
+        """A new task, started if there is room; origin: fields of gurtd's own a body cannot
+        set (schedule)."""
+        task = self.new_task(body, origin)
+        self.schedule()
+        return task.to_api()
+
+    def create_task_later(self, body: Any) -> "Later":
+        """POST /api/tasks: create_task, its start and its answer at the end of the step's
+        commands (Loop.run_commands): the creates of a step start in one schedule (one edit
+        of the account files, one group save), and each 201 still holds its started task."""
+        return Later(self.new_task(body).to_api)
+
+    def new_task(self, body: Any, origin: dict[str, Any] | None = None) -> Task:
+        """create_task's task, queued."""
         fields = validate_task_body(body, self.settings)
         fields.update(origin or {})
         fields["limits"] = effective_limits(fields["limits"], self.settings, mem_total())
@@ -8366,9 +8379,7 @@ class Box:
             fields["folderInfo"] = folders_check(fields["folders"],
                                                  self.settings["folderRoots"], self.home)
             fields["folder"] = fields["folders"][0]
-        task = self.add_task(fields)
-        self.schedule()
-        return task.to_api()
+        return self.add_task(fields)
 
     def add_task(self, fields: dict[str, Any], staged: str | None = None) -> Task:
         """Every way of making a task ends here (the API, schedules, Jira, hooks, uploads): a
@@ -14099,7 +14110,7 @@ def task_fields(text: str | None) -> tuple[str, ...] | None:
     return names
 
 
-h_tasks_create = loop_handler(201, "create_task", body=True)
+h_tasks_create = loop_handler(201, "create_task_later", body=True)
 
 
 def h_task_get(req: "Handler", params: dict[str, str]) -> Any:
@@ -16124,6 +16135,13 @@ def spawner_gone(box: Box) -> bool:
         return True
 
 
+@dataclass
+class Later:
+    """A command's answer made at the end of the step's commands (Loop.run_commands), after
+    one schedule for all of them."""
+    answer: Callable[[], Any]
+
+
 class Loop:
     """The loop thread and its plumbing: it owns the box state, runs every event under guard,
     and publishes what a step changed for the HTTP and broker threads in one go.
@@ -16398,16 +16416,32 @@ class Loop:
                     self.guard(key.data, box.on_worker_output, key.data)
 
     def run_commands(self) -> None:
+        """The commands other threads posted, in order; those whose answer is Later are
+        answered after them all, one schedule and a publish first."""
+        later: list[tuple[Future[Any], Later]] = []
         while True:
             try:
                 fn, args, future = self.commands.get_nowait()
             except queue.Empty:
-                return
+                break
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(fn(*args))
+                result = fn(*args)
             except BaseException as exc:  # handed to the HTTP thread that asked
+                future.set_exception(exc)
+                continue
+            if isinstance(result, Later):
+                later.append((future, result))
+            else:
+                future.set_result(result)
+        if later:
+            self.guard(None, self.box.schedule)
+            self.guard(None, self.publish)
+        for future, result in later:
+            try:
+                future.set_result(result.answer())
+            except BaseException as exc:
                 future.set_exception(exc)
 
 
