@@ -1084,7 +1084,7 @@ class FileWrite:
 
 class PartlyRenamed(OSError):
     """atomic_write_all's error after some renames: the first `renamed` files hold their new
-    bytes (their folders synced as far as the disk allows), the others their old."""
+    bytes (their folders synced), the others their old."""
 
     def __init__(self, exc: OSError, renamed: int) -> None:
         super().__init__(exc.errno, exc.strerror, exc.filename)
@@ -1140,7 +1140,8 @@ def atomic_write_all(writes: list[FileWrite], sync: bool = True) -> None:
             raise
         try:                  # the renamed files count as saved only once their folders are
             folders_sync(writes[:renamed], sync)
-        except OSError:
+        except OSError as err:
+            log(3, f"renamed {renamed} of {len(writes)} files, their folders not synced: {err}")
             raise exc from None
         raise PartlyRenamed(exc, renamed) from exc
     folders_sync(writes, sync)
@@ -7694,11 +7695,13 @@ class FinishMerge:
         except OSError as exc:
             log(3, f"task {task.id}: its undo record is not saved yet: {exc}")
             box.save_again(task)
-        box.append_log(task.id, {"type": "undo", **task.undoMerge, "text": (
-            f"later copies not reverted: {error}" if error is not None else
-            f"reverted in later copies: {', '.join(task.undoMerge['reverted']) or 'none'}"
-            "; kept whole: " + (", ".join(f"{k['path']} (in {k['task']})" for k in
-                                          task.undoMerge["kept"]) or "none"))})
+            box.loop.render(task)
+        with contextlib.suppress(OSError):            # a full disk: the event says it still
+            box.append_log(task.id, {"type": "undo", **task.undoMerge, "text": (
+                f"later copies not reverted: {error}" if error is not None else
+                f"reverted in later copies: {', '.join(task.undoMerge['reverted']) or 'none'}"
+                "; kept whole: " + (", ".join(f"{k['path']} (in {k['task']})" for k in
+                                              task.undoMerge["kept"]) or "none"))})
         box.loop.emit("task", task.to_api())
 
 
@@ -8302,6 +8305,18 @@ class Box:
             pass
         self.loop.emit("task", task.to_api())
 
+    def revert_saved(self, task: Task) -> None:
+        """save_unsaved: an undone state on disk now; its revert begins (Box.undo waited for
+        this; at a stop the next start's resume begins it), then its layer may go."""
+        try:
+            self.finish_merge.resume_one(task)
+        except Exception as exc:                      # its record says failed
+            log(3, f"task {task.id}: its revert could not begin: {type(exc).__name__}: {exc}")
+            task.undoMerge = undo_record(None, f"could not begin: {exc}", None)
+            with contextlib.suppress(OSError):
+                self.save(task)
+        self.views.gc_soon()
+
     def save_again(self, task: Task) -> None:
         """A save of task failed: save_unsaved tries it again (its layer kept until then)."""
         self.unsaved.add(task.id)
@@ -8316,12 +8331,11 @@ class Box:
             try:
                 self.save(task)
                 log(6, f"task {task_id}: its state ({task.state}) is saved now")
-                if task.state == "undone":        # its revert (Box.undo waited for this),
-                    self.finish_merge.resume_one(task)
-                    self.views.gc_soon()          # then its layer may go
             except OSError as exc:
                 log(4, f"task {task_id}: still cannot save its state: {exc}")
                 return
+            if task.state == "undone" and not self.loop.stopping:
+                self.revert_saved(task)
 
     def fail_task(self, task: Task, error: str, by: str = "gurtd") -> None:
         """Fail a task, whatever happens: its approvals denied (answeredBy `by`), its
