@@ -8379,6 +8379,8 @@ class Box:
         of the account files, one group save), and each 201 still holds its started task."""
         return Later(self.new_task(body).to_api)
 
+    create_task_later.batched = True      # type: ignore[attr-defined]  # Loop.run_commands
+
     def new_task(self, body: Any, origin: dict[str, Any] | None = None) -> Task:
         """create_task's task, queued."""
         fields = validate_task_body(body, self.settings)
@@ -16149,6 +16151,9 @@ def spawner_gone(box: Box) -> bool:
         return True
 
 
+LATER_MAX = 64                        # creates answered together at most (run_commands)
+
+
 @dataclass
 class Later:
     """A command's answer made at the end of the step's commands (Loop.run_commands), after
@@ -16430,14 +16435,18 @@ class Loop:
                     self.guard(key.data, box.on_worker_output, key.data)
 
     def run_commands(self) -> None:
-        """The commands other threads posted, in order; those whose answer is Later are
-        answered after them all, one schedule and a publish first."""
+        """The commands other threads posted, in order; a run of those whose answer is Later
+        (creates, `batched`) is answered once it ends, one schedule and a publish first: any
+        other command, or LATER_MAX of them, ends it, so none waits behind a slow command."""
         later: list[tuple[Future[Any], Later]] = []
         while True:
             try:
                 fn, args, future = self.commands.get_nowait()
             except queue.Empty:
                 break
+            if later and (len(later) >= LATER_MAX or
+                          not getattr(args[0] if args else None, "batched", False)):
+                self.answer_later(later)
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -16449,6 +16458,10 @@ class Loop:
                 later.append((future, result))
             else:
                 future.set_result(result)
+        self.answer_later(later)
+
+    def answer_later(self, later: list[tuple[Future[Any], Later]]) -> None:
+        """run_commands: the Later answers of a run of creates, after one schedule."""
         if later:
             self.guard(None, self.box.schedule)
             self.guard(None, self.publish)
@@ -16457,6 +16470,7 @@ class Loop:
                 future.set_result(result.answer())
             except BaseException as exc:
                 future.set_exception(exc)
+        later.clear()
 
 
 # CLI ###########################################################################################
