@@ -3820,9 +3820,7 @@ def _box_file(path: str, text: str = "", mode: int = 0o644) -> None:
     spawner page faults and ~20 us a file, and the root build makes a dozen."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
     try:
-        data = text.encode()
-        while data:
-            data = data[os.write(fd, data):]
+        write_all(fd, text.encode())
         os.fchmod(fd, mode)
     finally:
         os.close(fd)
@@ -8218,9 +8216,14 @@ class Box:
             writes.append(json_write(self.path("state.json"), self.state))
         atomic_write_all(writes, sync=sync)
         self.state_unsaved = self.state_unsaved and not with_state
+        self.saved_rendered(tasks, sync)
+
+    def saved_rendered(self, tasks: list[Task], sync: bool = True) -> None:
+        """Tasks whose files hold their state now: published; off the retry list if synced
+        (unsynced, a state is not yet one a crash keeps)."""
         for task in tasks:
             self.loop.render(task)
-            if sync:             # unsynced, a state is not yet one a crash keeps
+            if sync:
                 self.unsaved.discard(task.id)
 
     def append_log(self, task_id: str, entry: dict[str, Any]) -> None:
@@ -8538,9 +8541,8 @@ class Box:
         except OSError as exc:
             renamed = exc.renamed if isinstance(exc, PartlyRenamed) else 0
             log(3, f"a group save failed after {renamed} of {len(tasks)} tasks: {exc}")
-            for task in tasks[:renamed]:     # saved, as save_all leaves a whole group
-                self.loop.render(task)
-                self.unsaved.discard(task.id)
+            self.saved_rendered(tasks[:renamed])     # as their files say
+            for task in tasks[:renamed]:
                 saved(task)
             for task in tasks[renamed:]:
                 failed(task, exc)
