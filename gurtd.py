@@ -5766,6 +5766,8 @@ LAYER_KEEP = 64                      # the newest done layers are never merged
 MERGED_DIR = "merged"                # under BOX_HOME: merged layers and their registry
 MERGE_TEMP = ".tmp-"                 # a merged layer being built; thrown away at start
 LAYER_BYTES_AGE = 30.0               # seconds a workspace's counted layer bytes are reused
+GC_AFTER = 0.05                      # seconds a collection waits: one pass for a burst of undos
+GC_RETRY = 1.0                       # seconds before a collection cut short is run again
 
 
 def env_count(name: str, default: int) -> int:
@@ -6231,8 +6233,9 @@ class Views:
     Methods for callers: workspace_exists, workspace_create_dir; stack_ids (done tasks, newest
     first), ever_done; view_lowers (a task's or a person's plan), view_fd (a view
     for people), changes (what to walk for a task's changes); layers_changed (a task became
-    done or undone), gc_layers (delete what no view uses; gc_soon: at the end of the step,
-    once, after its answers; step_end runs it and an undo's merges due there);
+    done or undone), gc_layers (delete what no view uses; gc_soon: GC_AFTER later, once for
+    a burst of undos, the loop's select waking for it: collect_wait; step_end runs it and an
+    undo's merges due there);
     plan_merges, merge_done (merger thread), merge_built, tick (failed builds again);
     layer_usage (any thread); load, start, stop, pin, close.
     """
@@ -6254,8 +6257,7 @@ class Views:
         self.layer_bytes: dict[str, tuple[int, float, int]] = {}
         self.stack_now: dict[str, list[str]] = {}    # workspace -> stack_ids, until it changes
         self.undone_layers: set[str] = set()   # undone tasks whose layer gc_layers may delete
-        self.gc_due = False                    # step_end's work asked (the loop runs it)
-        self.collect_due = False               # gc_soon asked: a collection at step end
+        self.collect_at = float("inf")         # monotonic time of the collection asked
         self.merges_due: set[str] = set()      # workspaces whose merges step_end plans
 
     def load(self) -> None:
@@ -6372,8 +6374,8 @@ class Views:
         stack = old = self.stack_now.pop(workspace, None)
         if undone is not None:
             self.undone_layers.add(undone)
-            if stack is not None and undone in stack:
-                k = stack.index(undone)
+            k = self.position(stack, undone) if stack is not None else None
+            if stack is not None and k is not None:
                 stack = stack[:k] + stack[k + 1:]        # a new list: tasks keep theirs
                 self.layerstack.unstacked(workspace, old, stack, undone)
             if stack is not None:
@@ -6388,10 +6390,16 @@ class Views:
         self.drop_view(workspace)
         if done is None:                  # an undo answers first: the merges at step end
             self.merges_due.add(workspace)
-            self.gc_due = True
         else:
             self.plan_merges(workspace)
         self.publish_layers(workspace)
+
+    def position(self, stack: list[str], task_id: str) -> int | None:
+        """Where task_id is in stack (newest first, so by falling doneSeq), by binary search:
+        a few look-ups, not a scan of 10,000 ids at each undo; None if it is not there."""
+        seq = self.box.get(task_id).doneSeq
+        k = bisect.bisect_left(stack, -seq, key=lambda i: -self.box.get(i).doneSeq)
+        return k if seq > 0 and k < len(stack) and stack[k] == task_id else None
 
     def publish_layers(self, workspace: str) -> None:
         """For GET /api/workspaces/{name}: the workspace's merged layers, and a new version
@@ -6490,17 +6498,27 @@ class Views:
         self.merge_failed = {k: v for k, v in self.merge_failed.items() if v[1] > now}
         return min([at - now for _, at in self.merge_failed.values()] + [MERGE_RETRY_MAX])
 
-    def gc_soon(self) -> None:
-        """gc_layers at the end of this loop step, once however many asked, after the step's
-        answers: an undo does not wait for the collection its change allows."""
-        self.gc_due = self.collect_due = True
+    def gc_soon(self, after: float = GC_AFTER) -> None:
+        """gc_layers after a step's answers, `after` seconds from now (or sooner if asked
+        before), once however many asked meanwhile: an undo does not wait for the collection
+        its change allows, and a burst of undos (each its own step) pays for one."""
+        self.collect_at = min(self.collect_at, time.monotonic() + after)
+
+    def collect_wait(self) -> float:
+        """Seconds until the collection asked is due (inf if none): the loop's select waits
+        no longer."""
+        return max(0.0, self.collect_at - time.monotonic())
+
+    @property
+    def gc_due(self) -> bool:
+        """step_end has work: merges an undo left to the step's end, or a collection due."""
+        return bool(self.merges_due) or self.collect_at <= time.monotonic()
 
     def step_end(self) -> None:
         """The loop, after a step's answers, when gc_due: the merges an undo made due (an
         undo's answer does not depend on them; builds begin MERGE_QUIET later anyway), then
-        the collection gc_soon asked for."""
-        self.gc_due = False
-        if self.collect_due:
+        the collection gc_soon asked for once it is due."""
+        if self.collect_at <= time.monotonic():
             self.gc_layers()
         else:
             self.plan_due()
@@ -6516,9 +6534,29 @@ class Views:
         the merged layers that match no group any more and that no running task's view and
         no cached view uses (a merge in progress keeps its sources).  A deleted layer's
         layerDeleted is saved without a sync: a crash that loses it finds the layer gone and
-        marks it again at the next start (load, then reconcile collects)."""
+        marks it again at the next start (load, then reconcile collects).  An error never
+        ends the loop nor loses a layer: the pass is asked again GC_RETRY later."""
         self.plan_due()
-        self.gc_due = self.collect_due = False
+        self.collect_at = float("inf")
+        try:
+            in_use, pinned, asked = self.collect_pins()
+            for name in sorted({m.workspace for m in self.layerstack.merged.values()}):
+                unused = self.layerstack.unused(name, self.stack_ids(name), pinned)
+                if unused:
+                    try:
+                        self.layerstack.forget(unused, self.merger.remove)
+                    except OSError as exc:
+                        log(3, f"merged layers {unused}: {exc}")
+                    self.publish_layers(name)
+            self.collect_undone(in_use)
+        except Exception as exc:
+            log(3, f"layer collection: {type(exc).__name__}: {exc}; again in {GC_RETRY:.0f} s")
+            self.gc_soon(GC_RETRY)
+
+    def collect_pins(self) -> tuple[set[str], set[str], set[str]]:
+        """What the collection must keep: the undone layers still read (by running tasks,
+        merges in progress, finish-time jobs), the lowers of views in use (relative to
+        BOX_HOME), and the undone layers asked about."""
         asked = set(self.undone_layers)       # in use is asked of these alone: 10,000 ids
         in_use: set[str] = set()              # of each running task's stack are not copied
         pinned: set[str] = set()              # lowers of views in use, relative to BOX_HOME
@@ -6536,14 +6574,12 @@ class Views:
         self.box.finish_merge.pin(in_use, pinned, asked)
         for merged in self.merging.values():
             in_use.update(asked.intersection(merged.members))
-        for name in sorted({m.workspace for m in self.layerstack.merged.values()}):
-            unused = self.layerstack.unused(name, self.stack_ids(name), pinned)
-            if unused:
-                try:
-                    self.layerstack.forget(unused, self.merger.remove)
-                except OSError as exc:
-                    log(3, f"merged layers {unused}: {exc}")
-                self.publish_layers(name)
+        return in_use, pinned, asked
+
+    def collect_undone(self, in_use: set[str]) -> None:
+        """The undone layers nothing reads: out of their names (files off the loop), each
+        marked layerDeleted.  A mark that cannot be saved (a full disk, a file that cannot
+        be replaced) is logged and that layer asked again GC_RETRY later; the rest go on."""
         for task_id in sorted(self.undone_layers):    # not every task: those undone only
             t = self.box.task(task_id)
             if t is None or t.state != "undone" or t.layerDeleted:
@@ -6558,10 +6594,18 @@ class Views:
                     log(3, f"could not delete layer {t.id}")
                     continue
                 t.layerDeleted = True
-                self.undone_layers.discard(t.id)
                 crash_point("layer-trashed")
-                self.box.save(t, sync=False)
-                self.box.append_log(t.id, {"type": "layer", "text": "layer files deleted"})
+                try:
+                    self.box.save(t, sync=False)
+                except OSError as exc:
+                    t.layerDeleted = False           # as on disk: marked at the next pass
+                    log(3, f"layer {t.id}: deleted, its mark not saved: {exc}; again in "
+                           f"{GC_RETRY:.0f} s")
+                    self.gc_soon(GC_RETRY)
+                    continue
+                self.undone_layers.discard(t.id)
+                with contextlib.suppress(OSError):   # a full disk: the record says it
+                    self.box.append_log(t.id, {"type": "layer", "text": "layer files deleted"})
                 self.publish_layers(t.workspace)
 
     def changes(self, task_id: str) -> tuple[str, list[str]] | None:
@@ -16407,7 +16451,7 @@ class Loop:
                 log(3, f"the network timers failed: {type(exc).__name__}: {exc}")
                 timeout = 1.0
             timeout = min(timeout, box.schedules.tick())   # runs what is due; never raises
-            timeout = min(timeout, notifier.tick(box), 1.0)
+            timeout = min(timeout, notifier.tick(box), box.views.collect_wait(), 1.0)
             self.guard(None, self.on_ready, self.selector.select(timeout=timeout))
             self.run_commands()
             self.guard(None, self.publish)        # what this step changed, for HTTP threads

@@ -320,6 +320,36 @@ def test_an_undone_layer_a_kill_9_cut_short_is_deleted_and_marked_at_the_next_st
         assert g.stop() == 0
 
 
+def test_a_layer_whose_mark_cannot_be_saved_stops_no_other_layer_from_going() -> None:
+    """Two tasks are undone while a running task still reads their layers; the first's
+    file cannot be replaced (chattr +i, as a failing disk would) when the runner ends and
+    the layers may go: the other layer is deleted and marked all the same, and the first is
+    marked once its file can be replaced again."""
+    with running_gurtd() as g:
+        done = sorted((g.run_done("echo a > a.txt"), g.run_done("echo b > b.txt")),
+                      key=lambda t: t["id"])            # the pass goes by id: first fails
+        runner = g.create("sleep 30")
+        eventually(lambda: g.task(runner["id"])["state"] == "running", what="the runner")
+        for task in done:
+            g.api("POST", f"/api/tasks/{task['id']}/undo")
+        eventually(lambda: all(task_file(g, t["id"])["state"] == "undone" for t in done),
+                   what="both undos saved")
+        frozen = os.path.join(g.home, "tasks", done[0]["id"] + ".json")
+        subprocess.run(["chattr", "+i", frozen], check=True)
+        try:
+            g.api("POST", f"/api/tasks/{runner['id']}/stop")
+            eventually(lambda: task_file(g, done[1]["id"])["layerDeleted"], what="the other")
+            assert not task_file(g, done[0]["id"])["layerDeleted"]
+        finally:
+            subprocess.run(["chattr", "-i", frozen], check=False)
+        eventually(lambda: task_file(g, done[0]["id"])["layerDeleted"], what="the first")
+        assert os.listdir(os.path.join(g.home, "layers")) == [runner["id"]]
+        for task in done:
+            assert [e["text"] for e in g.log(task["id"]) if e["type"] == "layer"] == \
+                ["layer files deleted"]
+        assert g.stop() == 0
+
+
 def test_temp_files_of_a_crashed_run_are_removed_at_start() -> None:
     """gurtd died in the middle of writes: temp files are left in BOX_HOME and beside
     /etc/group.  The next start removes them, but keeps a temp file of a gurtd that is alive
