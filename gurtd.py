@@ -207,6 +207,8 @@ SYS_OPENAT2, SYS_MOUNT_SETATTR = 437, 442
 OPEN_TREE_CLONE, AT_RECURSIVE, AT_EMPTY_PATH = 1, 0x8000, 0x1000
 MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV, MOUNT_ATTR_IDMAP = 0x2, 0x4, 0x100000
 FSCONFIG_SET_STRING, FSCONFIG_SET_FD, FSCONFIG_CMD_CREATE = 1, 5, 6
+SYS_FSPICK, FSPICK_CLOEXEC, FSPICK_EMPTY_PATH = 433, 0x1, 0x8
+FSCONFIG_SET_FLAG, FSCONFIG_CMD_RECONFIGURE = 0, 7
 MOVE_MOUNT_F_EMPTY_PATH = 0x4
 RESOLVE_NO_MAGICLINKS, RESOLVE_BENEATH = 0x02, 0x08
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x20000, 0x10000000, 0x40000000
@@ -3129,6 +3131,7 @@ class DiskReserve:
 # forks each worker on request and reports each exit.  It dies with gurtd (pdeathsig), is a
 # subreaper (orphans of tasks are reaped here), and workers die with it.  It lives in a mount
 # namespace of its own, where the tmpfs of the tasks' broker socket is attached (Broker.mount).
+# It holds the tool client's read-only tmpfs, detached, for the workers (_tool_mount_make).
 # A worker is born in its task's v2 group: clone3(CLONE_INTO_CGROUP) (Linux 5.7) as a fork, so
 # that no process of a task ever runs outside its group and the start writes no cgroup.procs.
 # Where clone3 is refused (systemd's RestrictNamespaces= filter answers it ENOSYS: it cannot
@@ -3208,6 +3211,7 @@ class Spawner:
             try:
                 if broker is not None:
                     _spawner_namespace(*broker)
+                _tool_mount_make(os.path.abspath(__file__))
                 _spawner_main(child)
             except BaseException:
                 code = 1
@@ -3309,6 +3313,46 @@ def _spawner_namespace(mount_fd: int, point: str) -> None:
     syscall("move_mount", SYS_MOVE_MOUNT, mount_fd, b"", -100, point.encode(),
             MOVE_MOUNT_F_EMPTY_PATH)
     os.close(mount_fd)
+
+
+# The spawner's: the detached read-only tmpfs of the tool client (_tool_mount_make), or -1
+_TOOL_MOUNT = -1
+
+
+def _tool_mount_make(module: str) -> None:
+    """The tool client once for every worker: a detached tmpfs holding module as gurtd.py,
+    made read-only (its superblock and its mount), which each worker binds at /run/gurt/lib
+    where the kernel clones a detached mount into a fresh namespace (Linux 6.15+), where a
+    copy of the 0.9 MB module per task was most of what its root wrote.  Anything refused
+    leaves none (-1): the workers copy the module, as they do where the clone is refused."""
+    global _TOOL_MOUNT
+    if os.environ.get(NO_DETACHED_CLONE_ENV):
+        return
+    fs = mount_fd = -1
+    try:
+        source = os.open(module, os.O_RDONLY | os.O_CLOEXEC)
+        size = os.fstat(source).st_size + (64 << 10)
+        fs = syscall("fsopen", SYS_FSOPEN, b"tmpfs", 1)
+        for key, value in ((b"source", b"gurt-tool"), (b"mode", b"0755"),
+                           (b"size", str(size).encode()), (b"nr_inodes", b"8")):
+            syscall("fsconfig tmpfs", SYS_FSCONFIG, fs, FSCONFIG_SET_STRING, key, value, 0)
+        syscall("fsconfig create", SYS_FSCONFIG, fs, FSCONFIG_CMD_CREATE, None, None, 0)
+        mount_fd = syscall("fsmount", SYS_FSMOUNT, fs, 1, MOUNT_ATTR_NOSUID |
+                           MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC)
+        _file_copy(source, f"/proc/self/fd/{mount_fd}/gurtd.py")
+        os.close(fs)
+        fs = syscall("fspick", SYS_FSPICK, mount_fd, b"", FSPICK_CLOEXEC | FSPICK_EMPTY_PATH)
+        syscall("fsconfig ro", SYS_FSCONFIG, fs, FSCONFIG_SET_FLAG, b"ro", None, 0)
+        syscall("fsconfig reconfigure", SYS_FSCONFIG, fs, FSCONFIG_CMD_RECONFIGURE, None,
+                None, 0)
+        _mount_attrs(mount_fd, "", MOUNT_ATTR_RDONLY, False)
+        _TOOL_MOUNT, mount_fd = mount_fd, -1
+    except (OSError, SysError):
+        pass
+    finally:
+        for fd in (fs, mount_fd):
+            if fd >= 0:
+                os.close(fd)
 
 
 def _spawner_main(sock: socket.socket) -> None:
@@ -3532,7 +3576,7 @@ def etc_hidden(plan: list[tuple[str, tuple[str, ...], re.Pattern[str] | None]],
 def sandbox_main(fds: list[int]) -> None:
     out_fd = fds[1] if len(fds) > 1 else 2
     try:
-        keep = sorted(set(fds) | {0, 1, 2} | {_BROKER_MOUNT} - {-1})
+        keep = sorted(set(fds) | {0, 1, 2} | {_BROKER_MOUNT, _TOOL_MOUNT} - {-1})
         for low, high in zip(keep, keep[1:] + [65536]):
             os.closerange(low + 1, high)      # nothing of gurtd's leaks into the box
         for fd in fds[1:]:
@@ -3773,9 +3817,7 @@ def _run_build(root: str, spec: dict[str, Any], view: int, held: dict[str, int])
                 MOVE_MOUNT_F_EMPTY_PATH)
     finally:
         os.close(view)
-    # the `gurtd` command (its tool client): a copy of this very module, not a bind, whose
-    # source /proc/self/mountinfo would show (the checkout's path)
-    _file_copy(module, root + "/run/gurt/lib/gurtd.py")
+    _tool_client_place(root, module)
     # the broker socket (a bind: a socket cannot be copied) and droid
     places = {"broker": BROKER_IN_BOX, "droid": "/run/gurt/bin/droid"}
     for name, fd in held.items():
@@ -3792,6 +3834,26 @@ def _run_build(root: str, spec: dict[str, Any], view: int, held: dict[str, int])
         if not path.startswith("/run/gurt/"):
             raise SysError("sandbox", errno.EINVAL, f"a box file outside /run/gurt: {path}")
         _box_file(root + path, text, 0o755 if path.startswith("/run/gurt/bin/") else 0o644)
+
+
+def _tool_client_place(root: str, module: int) -> None:
+    """The `gurtd` command's module at /run/gurt/lib: the spawner's read-only tmpfs bound
+    there, else (none, or the kernel refuses to clone it into this fresh namespace: EINVAL
+    before 6.15) a copy of this very module, never a bind of it, whose source
+    /proc/self/mountinfo would show (the checkout's path).  module closed either way, and the
+    tmpfs's fd too: nothing of it stays open in the box."""
+    global _TOOL_MOUNT
+    try:
+        if _TOOL_MOUNT >= 0:
+            with contextlib.suppress(OSError, SysError):
+                _bind(_TOOL_MOUNT, "", root + "/run/gurt/lib", BOX_RO | MOUNT_ATTR_NOEXEC)
+                os.close(module)
+                return
+        _file_copy(module, root + "/run/gurt/lib/gurtd.py")
+    finally:
+        if _TOOL_MOUNT >= 0:
+            os.close(_TOOL_MOUNT)
+            _TOOL_MOUNT = -1
 
 
 def _file_copy(source: int, path: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import secrets
@@ -28,7 +29,8 @@ from typing import Any, Callable
 import pytest
 
 import gurtd as G
-from conftest import ROOT, VIEW, Gurtd, eventually, prompt, put_base_file, wait_for_step
+from conftest import (ROOT, VIEW, Gurtd, eventually, prompt, put_base_file, running_gurtd,
+                      wait_for_step)
 
 def key_users() -> set[int]:
     with open(G.KEY_USERS) as f:
@@ -217,6 +219,46 @@ def test_every_mount_of_the_box_is_nosuid(gurtd: Gurtd) -> None:
         if not point.startswith("/dev/") or point in ("/dev/shm", "/dev/pts"):
             assert "nodev" in options or point == "/dev/pts", (point, options)  # pty nodes
 
+
+
+def kernel_at_least(major: int, minor: int) -> bool:
+    release = os.uname().release.split("-")[0].split(".")
+    return (int(release[0]), int(release[1])) >= (major, minor)
+
+
+@pytest.mark.parametrize("way", ["as the kernel allows", "no detached clone"])
+def test_the_tool_client_is_one_read_only_mount_where_the_kernel_allows_else_a_copy(
+        way: str) -> None:
+    """The `gurtd` command's module was a copy written at each task's start.  Now, where the
+    kernel clones a detached mount into a fresh namespace (Linux 6.15+), it is the spawner's
+    one read-only tmpfs bound at /run/gurt/lib; before (or forced), a copy, as it was.  Either
+    way it is the same client, and the task can neither write, chmod nor remount it."""
+    env = {G.NO_DETACHED_CLONE_ENV: "1"} if way == "no detached clone" else None
+    bind = way == "as the kernel allows" and kernel_at_least(6, 15)
+    with running_gurtd(env) as g:
+        task = g.run_done(prompt(
+            "grep ' /run/gurt/lib ' /proc/self/mountinfo || echo 'no mount'",
+            "sha256sum /run/gurt/lib/gurtd.py",
+            "echo x >> /run/gurt/lib/gurtd.py && echo 'wrote it' || echo 'write refused'",
+            "touch /run/gurt/lib/other && echo 'made one' || echo 'make refused'",
+            "chmod 777 /run/gurt/lib/gurtd.py && echo 'chmod it' || echo 'chmod refused'",
+            "mount -o remount,rw /run/gurt/lib && echo 'remounted' || echo 'remount refused'",
+            "gurtd --help | head -1"))
+        out = g.output(task["id"])
+    with open(G.__file__, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    if bind:
+        fields = out[0].split()
+        assert fields[3] == "/" and "ro" in fields[5].split(","), out
+        assert out[0].split(" - ", 1)[1].startswith("tmpfs gurt-tool ro,"), out
+    else:
+        assert out[0] == "no mount", out
+    assert out[1].split()[0] == digest, out
+    assert [line for line in out if line.endswith("refused")] == [
+        "write refused", "make refused", "chmod refused", "remount refused"], out
+    assert out[-1].startswith("Usage:"), out
+    with open("/proc/self/mountinfo") as f:                # none on the host, after the stop
+        assert "gurt-tool" not in f.read()
 
 # the kernel filter ############################################################################
 
