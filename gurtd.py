@@ -8060,6 +8060,7 @@ class Box:
         self.review = Review(self)
         self.droid = DroidWorker(self)
         self.tasks: dict[str, Task] = {}
+        self.active: dict[str, Task] = {}   # tasks in ACTIVE_STATES: what schedule scans
         self.workers: dict[str, Worker] = {}
         self.settings: dict[str, Any] = dict(DEFAULT_SETTINGS)
         self.state: dict[str, int] = {"nextUid": UID_FIRST}
@@ -8116,6 +8117,13 @@ class Box:
         """One setting, or all of them (a dict the box replaces whole, never edits)."""
         return self.settings if key is None else self.settings.get(key)
 
+    def track(self, task: Task) -> None:
+        """Keep self.active in step with task.state (load, add_task, set_state)."""
+        if task.state in ACTIVE_STATES:
+            self.active[task.id] = task
+        else:
+            self.active.pop(task.id, None)
+
     def has_unsaved(self) -> bool:
         return bool(self.unsaved)
 
@@ -8167,6 +8175,7 @@ class Box:
                 continue
             task, data = loaded
             self.tasks[task.id] = task
+            self.track(task)
             if isinstance(data.get("layersRef"), str):
                 self.stack_refs[task.id] = (task.layers, data["layersRef"])
             self.loop.render(task)
@@ -8215,6 +8224,8 @@ class Box:
         if with_state:
             writes.append(json_write(self.path("state.json"), self.state))
         atomic_write_all(writes, sync=sync)
+        if self.saves_due:                 # saved now: a put-off save of theirs is not due
+            self.saves_due[:] = [t for t in self.saves_due if all(t is not s for s in tasks)]
         self.state_unsaved = self.state_unsaved and not with_state
         self.saved_rendered(tasks, sync)
 
@@ -8255,6 +8266,7 @@ class Box:
         task.state = state
         for key, value in fields.items():
             setattr(task, key, value)
+        self.track(task)
         if state in TERMINAL_STATES:
             if self.ends_later is not None:        # saved, then logged, with the others
                 self.ends_later += [] if any(t is task for t in self.ends_later) else [task]
@@ -8439,6 +8451,7 @@ class Box:
                 raise
         self.seq, self.done_seq = task.seq, max(self.done_seq, task.doneSeq)
         self.tasks[task_id] = task
+        self.track(task)
         if done:
             with contextlib.suppress(OSError):   # the task is saved done; its log is a courtesy
                 self.append_log(task_id, {"type": "upload", "text": task.summary or ""})
@@ -8458,19 +8471,11 @@ class Box:
             return
         self.schedule_due = self.view_waits = False
         starting: list[tuple[Task, list[str], list[Any]]] = []
-        if not self.loop.stopping:
-            active = sum(1 for t in self.tasks.values() if t.state in ("running", "waiting")
-                         and t.id not in self.finish_merge.held)   # held: no processes left
-            queued = sorted((t for t in self.tasks.values() if t.state == "queued"),
-                            key=lambda t: t.seq)
-            for task in queued[:max(0, self.settings["maxRunningTasks"] - active)]:
-                layers = self.views.stack_ids(task.workspace)
-                try:          # stays queued: a merge that ends schedules again
-                    starting.append((task, layers,
-                                     self.views.view_lowers(task.workspace, layers)))
-                except ApiError as exc:
-                    log(4, f"task {task.id} waits: {exc.message}")
-                    self.view_waits = True
+        try:
+            self.startable(starting)
+        except BaseException:     # whatever that raised, the users gone still go
+            self.users_make([], gone or [])
+            raise
         self.users_make([task for task, _, _ in starting], gone or [])
         self.saves_later = []
         try:
@@ -8481,6 +8486,25 @@ class Box:
             self.save_started(started)
         if self.schedule_due:
             self.schedule()
+
+    def startable(self, starting: list[tuple[Task, list[str], list[Any]]]) -> None:
+        """schedule: the queued tasks that start now, first in first out, while there is
+        room, each with its layers and view (into starting)."""
+        if not self.loop.stopping:
+            for t in [t for t in self.active.values() if t.state not in ACTIVE_STATES]:
+                self.track(t)             # failed in memory only (fail_task): no longer active
+            active = sum(1 for t in self.active.values() if t.state in ("running", "waiting")
+                         and t.id not in self.finish_merge.held)   # held: no processes left
+            queued = sorted((t for t in self.active.values() if t.state == "queued"),
+                            key=lambda t: t.seq)
+            for task in queued[:max(0, self.settings["maxRunningTasks"] - active)]:
+                layers = self.views.stack_ids(task.workspace)
+                try:          # stays queued: a merge that ends schedules again
+                    starting.append((task, layers,
+                                     self.views.view_lowers(task.workspace, layers)))
+                except ApiError as exc:
+                    log(4, f"task {task.id} waits: {exc.message}")
+                    self.view_waits = True
 
     def save_later(self, task: Task) -> None:
         """An unsynced save (a step's text) made at the end of ends_grouped with the others,
