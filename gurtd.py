@@ -39,8 +39,10 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Finish-time merge     tasks side by side: a task's layer checked against the layers that
                           became done while it ran (git merge-file off the loop, conflicts as
                           approvals); undo taken out of later copies (a revert layer)
-    Tasks                 the Box, which owns the state and wires its parts: lifecycle, undo,
-                          reconcile, settings; add_task, the one way any task is made
+    Tasks                 StepGroup: a loop step's saves, ends, starts and account edits,
+                          each made together; the Box, which owns the state and wires its
+                          parts: lifecycle, undo, reconcile, settings; add_task, the one way
+                          any task is made
     Droid worker          DroidWorker: the Droid CLI's spec, its stream, pause for budget
     Hosts                 task networks: veth, grants, and gurtd's DNS for the tasks; names
                           outside the grants asked of a person (askHosts)
@@ -8145,6 +8147,183 @@ class Worker:
     log_cap: LogCap = field(default_factory=lambda: LogCap(LIMIT_MAX))
 
 
+class StepGroup:
+    """One loop step's saves, ends, starts and account edits, each kind made together: one
+    group commit, one edit of the account files (a burst starts and ends tens of tasks).
+
+    grouped() (a loop step's events: Loop.on_ready, Box.on_exits) collects the terminal
+    states set_state gives (end_later), the users of ended tasks (user_gone), the unsynced
+    saves put off (save_later: a step's text, a droid's summary and cost) and a schedule
+    (schedule_later); at its end the put-off saves go in one unsynced commit, the ends in one
+    synced commit, then each is logged and announced, and the users gone are removed in the
+    edit that makes those of the tasks starting in their place (users_make).  starting() (one
+    schedule's starts) collects their running states (start_later).
+
+    Crashes: an end is synced before it is logged or announced.  A put-off save is made at
+    the step's end, before its answers: a kill -9 before then loses it (power loss, any
+    unsynced save), and the task file lacks a running task's latest step, summary or cost
+    (its log has the lines); the next start fails that task anyway.  A cost past the budget
+    is saved at once, synced, before a person is asked.
+    """
+
+    def __init__(self, box: "Box") -> None:
+        self.box = box
+        self.gone: list[str] | None = None       # users grouped() removes together
+        self.ends: list[Task] | None = None      # terminal saves grouped() makes
+        self.due: list[Task] | None = None       # unsynced saves grouped() makes
+        self.starts: list[Task] | None = None    # running saves starting() makes together
+        self.schedule_due = False                # grouped() schedules once, at its end
+
+    def schedule_later(self) -> bool:
+        """Inside grouped() or starting(): the schedule runs again at their end (an inner
+        run would start the outer's tasks twice and drop its saves)."""
+        self.schedule_due = self.gone is not None or self.starts is not None
+        return self.schedule_due
+
+    def end_later(self, task: Task) -> bool:
+        """Inside grouped(): a terminal state saved, then logged, with the others."""
+        if self.ends is not None:
+            self.ends += [] if any(t is task for t in self.ends) else [task]
+        return self.ends is not None
+
+    def start_later(self, task: Task) -> bool:
+        """Inside starting(): a running state saved and announced with the others."""
+        if self.starts is not None:
+            self.starts.append(task)
+        return self.starts is not None
+
+    def user_gone(self, name: str) -> None:
+        """A task's user removed: with the others inside grouped(), else at once."""
+        if self.gone is not None:
+            self.gone.append(name)
+        else:
+            user_del(name)
+
+    def save_later(self, task: Task) -> None:
+        """An unsynced save made at the end of grouped() with the others, or not at all if
+        the task is saved meanwhile (a short task reports its step and ends in one loop
+        step): a task file less to write and rename."""
+        if self.due is None:
+            self.box.save(task, sync=False)
+        elif all(t is not task for t in self.due):
+            self.due.append(task)
+
+    def saved(self, tasks: list[Task]) -> None:
+        """Box.save_all: these tasks are saved; a put-off save of theirs is not due."""
+        if self.due:
+            self.due[:] = [t for t in self.due if all(t is not s for s in tasks)]
+
+    def save_due(self) -> None:
+        """grouped(): the put-off saves, of tasks not ending in this group, in one unsynced
+        group commit; if it cannot be made, each on its own, and those that still cannot be
+        saved fail (as a save would)."""
+        due, self.due = self.due or [], None
+        due = [t for t in due if t.state in ACTIVE_STATES and
+               all(t is not e for e in self.ends or ())]
+        try:
+            self.box.save_all(due, sync=False)
+        except OSError:
+            for task in due:              # each on its own: only those that cannot be fail
+                try:
+                    self.box.save_all([task], sync=False)
+                except OSError as exc:
+                    self.box.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
+
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        """One schedule's starts: their running states saved in one group commit at the end
+        (set_state logged them), then announced; those that cannot be saved fail."""
+        self.starts = []
+        try:
+            yield
+        finally:
+            started, self.starts = self.starts, None
+            self.commit(started, ended=False)
+
+    @contextlib.contextmanager
+    def grouped(self) -> Iterator[None]:
+        """The tasks that end inside (a loop step's events: an exit, or the end of a report
+        pipe read after it) saved in one group commit at its end, then each logged and
+        announced; the users of those that ended go, and those of the tasks that start in
+        their place come, in one edit of the account files (users_make).  A crash before that
+        leaves users the next start removes.  Nested, the outer one does this."""
+        if self.gone is not None:
+            yield
+            return
+        self.gone, self.ends, self.due = [], [], []
+        try:
+            yield
+        finally:
+            try:
+                self.save_due()
+            finally:
+                names, self.gone = self.gone or [], None
+                ended, self.ends = self.ends or [], None
+                try:
+                    self.commit(ended, ended=True)
+                finally:                 # whatever that raised, the users gone still go
+                    due, self.schedule_due = self.schedule_due, False
+                    if due:
+                        self.box.schedule(names)   # removed in the edit of the new users
+                    else:
+                        self.users_make([], names)
+
+    def commit(self, tasks: list[Task], ended: bool) -> None:
+        """tasks saved in one synced group commit, then (ended) each logged and announced in
+        set_state's order, or (started) announced.  If they cannot be saved: an end is failed
+        in memory (not_saved), a done one out of the stack again; a start fails.  Those whose
+        file was renamed before the error (PartlyRenamed) are saved, as their files say."""
+        box = self.box
+        if not tasks:
+            return
+        renamed, error = len(tasks), None
+        try:
+            box.save_all(tasks)
+        except OSError as exc:
+            renamed, error = (exc.renamed if isinstance(exc, PartlyRenamed) else 0), exc
+            log(3, f"a group save failed after {renamed} of {len(tasks)} tasks: {exc}")
+            box.saved_rendered(tasks[:renamed])     # as their files say
+        for task in tasks[:renamed]:
+            if ended:
+                crash_point(f"after-saving-{task.state}")
+                box.state_logged(task)
+            else:
+                box.loop.emit("task", task.to_api())
+        for task in tasks[renamed:]:
+            assert error is not None
+            if not ended:
+                box.fail_task(task, f"cannot save the task: {error.strerror or error}")
+                continue
+            done = task.state == "done"
+            box.not_saved(task, error)
+            if done:
+                box.views.layers_changed(task.workspace, undone=task.id)
+
+    def users_make(self, tasks: list[Task], gone: list[str]) -> None:
+        """The users of tasks about to start made (task.uid) and the users gone removed, in
+        one edit of the account files (~15 ms of syncs however many: a burst starts and ends
+        tens at once).  uids go round the range, so that one is not reused soon after its
+        task ended; the next one is saved with the tasks' running (or failed) state: a crash
+        before that finds them queued and their users leftovers, ended and removed.  If the
+        edit fails, the users gone stay until the next start and each task makes its own."""
+        if not tasks and not gone:
+            return
+        try:
+            uids = users_edit(gone, [t.user for t in tasks], self.box.state["nextUid"],
+                              f"gurt task in {self.box.home}")
+        except (SysError, OSError) as exc:
+            log(3, f"users {' '.join(gone + [t.user for t in tasks])}: {exc}; those of "
+                   "ended tasks stay until the next start")
+            if tasks and gone:                   # a full uid range must not keep the gone
+                self.users_make([], gone)
+            return
+        for task, uid in zip(tasks, uids):
+            task.uid = uid
+        if uids:
+            self.box.state["nextUid"], self.box.state_unsaved = uids[-1] + 1, True
+            crash_point("after-making-users")
+
+
 class Box:
     """The box: its tasks, workspaces and settings, and every change to them.
 
@@ -8165,7 +8344,9 @@ class Box:
         self.disk = DiskReserve(self)
         self.review = Review(self)
         self.droid = DroidWorker(self)
+        self.steps = StepGroup(self)
         self.tasks: dict[str, Task] = {}
+        self.active: dict[str, Task] = {}   # tasks in ACTIVE_STATES: what schedule scans
         self.workers: dict[str, Worker] = {}
         self.settings: dict[str, Any] = dict(DEFAULT_SETTINGS)
         self.state: dict[str, int] = {"nextUid": UID_FIRST}
@@ -8178,12 +8359,7 @@ class Box:
         self.seq = 0
         self.done_seq = 0
         self.unsaved: set[str] = set()      # tasks whose (terminal) state is not on disk yet
-        self.users_gone: list[str] | None = None   # users ends_grouped removes together
-        self.schedule_due = False           # ends_grouped schedules once, at its end
         self.view_waits = False             # a queued task waits for merges (merge_built)
-        self.saves_later: list[Task] | None = None   # running saves schedule makes together
-        self.ends_later: list[Task] | None = None    # terminal saves ends_grouped makes
-        self.saves_due: list[Task] | None = None     # unsynced saves ends_grouped makes
         self.schedules = Schedules(self)
         self.jira = Jira(self)
         self.hooks = Hooks(self)
@@ -8221,6 +8397,13 @@ class Box:
     def setting(self, key: str | None = None) -> Any:
         """One setting, or all of them (a dict the box replaces whole, never edits)."""
         return self.settings if key is None else self.settings.get(key)
+
+    def track(self, task: Task) -> None:
+        """Keep self.active in step with task.state (load, add_task, set_state)."""
+        if task.state in ACTIVE_STATES:
+            self.active[task.id] = task
+        else:
+            self.active.pop(task.id, None)
 
     def has_unsaved(self) -> bool:
         return bool(self.unsaved)
@@ -8273,6 +8456,7 @@ class Box:
                 continue
             task, data = loaded
             self.tasks[task.id] = task
+            self.track(task)
             if isinstance(data.get("layersRef"), str):
                 self.stack_refs[task.id] = (task.layers, data["layersRef"])
             self.loop.render(task)
@@ -8321,6 +8505,7 @@ class Box:
         if with_state:
             writes.append(json_write(self.path("state.json"), self.state))
         atomic_write_all(writes, sync=sync)
+        self.steps.saved(tasks)
         self.state_unsaved = self.state_unsaved and not with_state
         self.saved_rendered(tasks, sync)
 
@@ -8357,13 +8542,13 @@ class Box:
         saw.  If it cannot be saved the task is failed in memory with the reason, and the save
         is tried again later (save_unsaved).  Other states log first, so a follower never
         misses the last line (a start's running is saved with the others of its schedule,
-        in one group commit: save_started; the ends of one loop step likewise: save_ended)."""
+        in one group commit: steps.starting; the ends of one loop step likewise: steps.grouped)."""
         task.state = state
         for key, value in fields.items():
             setattr(task, key, value)
+        self.track(task)
         if state in TERMINAL_STATES:
-            if self.ends_later is not None:        # saved, then logged, with the others
-                self.ends_later += [] if any(t is task for t in self.ends_later) else [task]
+            if self.steps.end_later(task):
                 return
             try:
                 self.save(task)
@@ -8382,8 +8567,7 @@ class Box:
             entry["error"] = task.error
         try:
             self.append_log(task.id, entry)
-            if state not in TERMINAL_STATES and self.saves_later is not None:
-                self.saves_later.append(task)     # saved and announced with the others
+            if state not in TERMINAL_STATES and self.steps.start_later(task):
                 return
             if state not in TERMINAL_STATES:
                 self.save(task)
@@ -8545,6 +8729,7 @@ class Box:
                 raise
         self.seq, self.done_seq = task.seq, max(self.done_seq, task.doneSeq)
         self.tasks[task_id] = task
+        self.track(task)
         if done:
             with contextlib.suppress(OSError):   # the task is saved done; its log is a courtesy
                 self.append_log(task_id, {"type": "upload", "text": task.summary or ""})
@@ -8555,19 +8740,35 @@ class Box:
 
     def schedule(self, gone: list[str] | None = None) -> None:
         """Start queued tasks, first in first out, while there is room; their users made in
-        one edit of the account files, which removes the users gone too (ends_grouped).  Called
-        inside ends_grouped, or inside itself (a start that failed), it only marks that it runs
+        one edit of the account files, which removes the users gone too (steps.grouped).  Called
+        inside steps.grouped, or inside itself (a start that failed), it only marks that it runs
         again at the end: an inner run would start the outer's tasks twice and drop its saves.
         A task whose view cannot be had yet stays queued, no user made for it."""
-        if self.users_gone is not None or self.saves_later is not None:
-            self.schedule_due = True
+        if self.steps.schedule_later():
             return
-        self.schedule_due = self.view_waits = False
+        self.view_waits = False
         starting: list[tuple[Task, list[str], list[Any]]] = []
+        try:
+            self.startable(starting)
+        except BaseException:     # whatever that raised, the users gone still go
+            self.steps.users_make([], gone or [])
+            raise
+        self.steps.users_make([task for task, _, _ in starting], gone or [])
+        with self.steps.starting():
+            for task, layers, lowers in starting:
+                self.start_task(task, layers, lowers)
+        if self.steps.schedule_due:
+            self.schedule()
+
+    def startable(self, starting: list[tuple[Task, list[str], list[Any]]]) -> None:
+        """schedule: the queued tasks that start now, first in first out, while there is
+        room, each with its layers and view (into starting)."""
         if not self.loop.stopping:
-            active = sum(1 for t in self.tasks.values() if t.state in ("running", "waiting")
+            for t in [t for t in self.active.values() if t.state not in ACTIVE_STATES]:
+                self.track(t)             # failed in memory only (fail_task): no longer active
+            active = sum(1 for t in self.active.values() if t.state in ("running", "waiting")
                          and t.id not in self.finish_merge.held)   # held: no processes left
-            queued = sorted((t for t in self.tasks.values() if t.state == "queued"),
+            queued = sorted((t for t in self.active.values() if t.state == "queued"),
                             key=lambda t: t.seq)
             for task in queued[:max(0, self.settings["maxRunningTasks"] - active)]:
                 layers = self.views.stack_ids(task.workspace)
@@ -8577,108 +8778,6 @@ class Box:
                 except ApiError as exc:
                     log(4, f"task {task.id} waits: {exc.message}")
                     self.view_waits = True
-        self.users_make([task for task, _, _ in starting], gone or [])
-        self.saves_later = []
-        try:
-            for task, layers, lowers in starting:
-                self.start_task(task, layers, lowers)
-        finally:
-            started, self.saves_later = self.saves_later, None
-            self.save_started(started)
-        if self.schedule_due:
-            self.schedule()
-
-    def save_later(self, task: Task) -> None:
-        """An unsynced save (a step's text) made at the end of ends_grouped with the others,
-        or not at all if the task's end is saved meanwhile (a short task reports its step
-        and ends in one loop step): a task file less to write and rename."""
-        if self.saves_due is None:
-            self.save(task, sync=False)
-        elif all(t is not task for t in self.saves_due):
-            self.saves_due.append(task)
-
-    def save_due(self) -> None:
-        """ends_grouped: the saves save_later put off, of tasks not ending in this group, in
-        one unsynced group commit; if it cannot be made, each on its own, and those that
-        still cannot be saved fail (as a save would)."""
-        due, self.saves_due = self.saves_due or [], None
-        ending = {t.id for t in self.ends_later or ()}
-        due = [t for t in due if t.id not in ending and t.state in ACTIVE_STATES]
-        try:
-            self.save_all(due, sync=False)
-        except OSError:
-            for task in due:              # each on its own: only those that cannot be fail
-                try:
-                    self.save_all([task], sync=False)
-                except OSError as exc:
-                    self.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
-
-    def save_started(self, tasks: list[Task]) -> None:
-        """The running state of the tasks one schedule started, saved in one group commit
-        (set_state logged it), then announced; if it cannot be saved, they fail."""
-        self.save_group(tasks, lambda task, exc: self.fail_task(
-            task, f"cannot save the task: {exc.strerror or exc}"),
-            lambda task: self.loop.emit("task", task.to_api()))
-
-    def save_ended(self, tasks: list[Task]) -> None:
-        """The terminal states of the tasks one loop step ended (ends_grouped), saved in one
-        group commit, then each logged and announced (set_state's order).  If they cannot be
-        saved each is failed in memory (not_saved), a done one out of the stack again."""
-        def failed(task: Task, exc: OSError) -> None:
-            done = task.state == "done"
-            self.not_saved(task, exc)
-            if done:
-                self.views.layers_changed(task.workspace, undone=task.id)
-
-        def saved(task: Task) -> None:
-            crash_point(f"after-saving-{task.state}")
-            self.state_logged(task)
-        self.save_group(tasks, failed, saved)
-
-    def save_group(self, tasks: list[Task], failed: Callable[[Task, OSError], None],
-                   saved: Callable[[Task], None]) -> None:
-        """tasks saved in one group commit, then saved(task) for each; if they cannot be
-        saved, failed(task, error) for each instead, but for those whose file was renamed
-        before the error (PartlyRenamed): saved, as their files say."""
-        if not tasks:
-            return
-        try:
-            self.save_all(tasks)
-        except OSError as exc:
-            renamed = exc.renamed if isinstance(exc, PartlyRenamed) else 0
-            log(3, f"a group save failed after {renamed} of {len(tasks)} tasks: {exc}")
-            self.saved_rendered(tasks[:renamed])     # as their files say
-            for task in tasks[:renamed]:
-                saved(task)
-            for task in tasks[renamed:]:
-                failed(task, exc)
-            return
-        for task in tasks:
-            saved(task)
-
-    def users_make(self, tasks: list[Task], gone: list[str]) -> None:
-        """The users of tasks about to start made (task.uid) and the users gone removed, in
-        one edit of the account files (~15 ms of syncs however many: a burst starts and ends
-        tens at once).  uids go round the range, so that one is not reused soon after its
-        task ended; the next one is saved with the tasks' running (or failed) state: a crash
-        before that finds them queued and their users leftovers, ended and removed.  If the
-        edit fails, the users gone stay until the next start and each task makes its own."""
-        if not tasks and not gone:
-            return
-        try:
-            uids = users_edit(gone, [t.user for t in tasks], self.state["nextUid"],
-                              f"gurt task in {self.home}")
-        except (SysError, OSError) as exc:
-            log(3, f"users {' '.join(gone + [t.user for t in tasks])}: {exc}; those of "
-                   "ended tasks stay until the next start")
-            if tasks and gone:                   # a full uid range must not keep the gone
-                self.users_make([], gone)
-            return
-        for task, uid in zip(tasks, uids):
-            task.uid = uid
-        if uids:
-            self.state["nextUid"], self.state_unsaved = uids[-1] + 1, True
-            crash_point("after-making-users")
 
     def start_task(self, task: Task, layers: list[str], lowers: list[Any]) -> None:
         """A queued task started on the view schedule planned (lowers of the layers)."""
@@ -8790,7 +8889,7 @@ class Box:
         if kind == "step":
             worker.last_err = ""
             task.step = text
-            self.save_later(task)
+            self.steps.save_later(task)
             self.append_log(task.id, {"type": "step", "text": text})
         elif kind == "out" and task.worker == "droid":
             self.droid.on_event(task, worker, text)
@@ -8811,45 +8910,12 @@ class Box:
     def on_exits(self) -> None:
         """Workers that exited: each task ends (grouped with the other ends of the step)."""
         by_pid = {w.pid: w for w in self.workers.values()}
-        with self.ends_grouped():
+        with self.steps.grouped():
             for pid, code in self.spawner.exits():
                 worker = by_pid.get(pid)
                 if worker is not None:
                     worker.exit_code = code
                     self.loop.guard(worker.task_id, self.maybe_finish, worker)
-
-    @contextlib.contextmanager
-    def ends_grouped(self) -> Iterator[None]:
-        """The tasks that end inside (a loop step's events: an exit, or the end of a report
-        pipe read after it) saved in one group commit at its end, then each logged and
-        announced (save_ended); the users of those that ended go, and those of the tasks that
-        start in their place come, in one edit of the account files (users_make).  A crash
-        before that leaves users the next start removes.  Nested, the outer one does this."""
-        if self.users_gone is not None:
-            yield
-            return
-        self.users_gone, self.ends_later, self.saves_due = [], [], []
-        try:
-            yield
-        finally:
-            try:
-                self.save_due()
-            finally:
-                self.ends_made()
-
-    def ends_made(self) -> None:
-        """ends_grouped's end: the ends saved, logged and announced, the users gone removed
-        in the edit that makes those of the tasks starting in their place."""
-        names, self.users_gone = self.users_gone or [], None
-        ended, self.ends_later = self.ends_later or [], None
-        try:
-            self.save_ended(ended)
-        finally:                     # whatever that raised, the users gone still go
-            due, self.schedule_due = self.schedule_due, False
-            if due:
-                self.schedule(names)     # the users gone removed in the edit of the new
-            else:
-                self.users_make([], names)
 
     def maybe_finish(self, worker: Worker) -> None:
         """A worker ended once its process exited and its report pipe is drained."""
@@ -8919,10 +8985,7 @@ class Box:
             return
         if task.uid:
             keys_clear(task.uid)
-            if self.users_gone is not None:
-                self.users_gone.append(task.user)      # ends_grouped removes them together
-            else:
-                user_del(task.user)
+            self.steps.user_gone(task.user)
             task.uid = 0
 
     def hold(self, task: Task, worker: Worker, why: str) -> None:
@@ -9257,11 +9320,12 @@ class DroidWorker:
             if total > worker.model_cents and is_cents(task.costCents + total):
                 task.costCents += total - worker.model_cents
                 worker.model_cents, changed = total, True
-        if changed:
-            self.box.save(task, sync=False)
         if task.costCents > worker.budget_limit and worker.paused is None and \
                 task.state == "running" and not metered:
+            self.box.save(task)          # at once, synced, before a person is asked
             self.pause_for_budget(task, worker)
+        elif changed:
+            self.box.steps.save_later(task)     # one write a step, however many events
 
     def pause_for_budget(self, task: Task, worker: Worker) -> None:
         """Model spending passed the budget: pause every process and ask."""
@@ -16523,10 +16587,10 @@ class Loop:
 
     def on_ready(self, ready: list[tuple[selectors.SelectorKey, int]]) -> None:
         """The fds one select found ready, each handled under guard; the tasks that end
-        meanwhile are saved together at the end (Box.ends_grouped): an exit seen in one fd
+        meanwhile are saved together at the end (Box.steps.grouped): an exit seen in one fd
         and its report pipe's end in another are one step's work."""
         box = self.box
-        with box.ends_grouped():
+        with box.steps.grouped():
             for key, _ in ready:
                 if isinstance(key.data, tuple):
                     self.guard(event_task(box, *key.data), box.network.on_event, *key.data)
