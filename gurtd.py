@@ -3330,7 +3330,7 @@ def _tool_mount_make(module: str) -> None:
     global _TOOL_MOUNT
     if os.environ.get(NO_DETACHED_CLONE_ENV):
         return
-    fs = mount_fd = -1
+    fs = mount_fd = source = -1
     try:
         source = os.open(module, os.O_RDONLY | os.O_CLOEXEC)
         size = os.fstat(source).st_size + (64 << 10)
@@ -3341,8 +3341,10 @@ def _tool_mount_make(module: str) -> None:
         syscall("fsconfig create", SYS_FSCONFIG, fs, FSCONFIG_CMD_CREATE, None, None, 0)
         mount_fd = syscall("fsmount", SYS_FSMOUNT, fs, 1, MOUNT_ATTR_NOSUID |
                            MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC)
-        _file_copy(source, f"/proc/self/fd/{mount_fd}/gurtd.py")
+        source, module_fd = -1, source                   # _file_copy closes it
+        _file_copy(module_fd, f"/proc/self/fd/{mount_fd}/gurtd.py")
         os.close(fs)
+        fs = -1                                          # a refused fspick: not closed twice
         fs = syscall("fspick", SYS_FSPICK, mount_fd, b"", FSPICK_CLOEXEC | FSPICK_EMPTY_PATH)
         syscall("fsconfig ro", SYS_FSCONFIG, fs, FSCONFIG_SET_FLAG, b"ro", None, 0)
         syscall("fsconfig reconfigure", SYS_FSCONFIG, fs, FSCONFIG_CMD_RECONFIGURE, None,
@@ -3352,7 +3354,7 @@ def _tool_mount_make(module: str) -> None:
     except (OSError, SysError):
         pass
     finally:
-        for fd in (fs, mount_fd):
+        for fd in (fs, mount_fd, source):
             if fd >= 0:
                 os.close(fd)
 
@@ -3894,10 +3896,16 @@ def _broker_open(spec: dict[str, Any]) -> int:
     """The broker socket to bind in the box, always on the tmpfs of Broker.mount: a clone of it
     from the spawner's detached tmpfs (a private root, Linux 6.15+), else the socket at its
     path (spec's broker), which the spawner's namespace has on the tmpfs, or gurtd's
-    attached one where a kernel before 6.15 refuses that clone."""
+    attached one where a kernel before 6.15 refuses that clone.  The worker's fd of that
+    tmpfs closed either way: none stays open in the box."""
+    global _BROKER_MOUNT
     if _BROKER_MOUNT >= 0:
-        return syscall("open_tree", SYS_OPEN_TREE, _BROKER_MOUNT, b"broker.sock",
-                       OPEN_TREE_CLONE | os.O_CLOEXEC)
+        try:
+            return syscall("open_tree", SYS_OPEN_TREE, _BROKER_MOUNT, b"broker.sock",
+                           OPEN_TREE_CLONE | os.O_CLOEXEC)
+        finally:
+            os.close(_BROKER_MOUNT)
+            _BROKER_MOUNT = -1
     return os.open(spec["broker"], os.O_PATH | os.O_CLOEXEC)
 
 
