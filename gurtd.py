@@ -6608,9 +6608,9 @@ class Views:
         layerDeleted is saved without a sync: a crash that loses it finds the layer gone and
         marks it again at the next start (load, then reconcile collects).  An error never
         ends the loop nor loses a layer: the pass is asked again GC_RETRY later."""
-        self.plan_due()
         self.collect_at = float("inf")
         try:
+            self.plan_due()
             in_use, pinned, asked = self.collect_pins()
             for name in sorted({m.workspace for m in self.layerstack.merged.values()}):
                 unused = self.layerstack.unused(name, self.stack_ids(name), pinned)
@@ -6651,7 +6651,8 @@ class Views:
     def collect_undone(self, in_use: set[str]) -> None:
         """The undone layers nothing reads: out of their names (files off the loop), each
         marked layerDeleted.  A mark that cannot be saved (a full disk, a file that cannot
-        be replaced) is logged and that layer asked again GC_RETRY later; the rest go on."""
+        be replaced) is saved again with the states only in memory (Box.save_again); the
+        rest go on."""
         for task_id in sorted(self.undone_layers):    # not every task: those undone only
             t = self.box.task(task_id)
             if t is None or t.state != "undone" or t.layerDeleted:
@@ -6665,16 +6666,15 @@ class Views:
                 if os.path.lexists(self.box.layer_dir(t.id)):
                     log(3, f"could not delete layer {t.id}")
                     continue
-                t.layerDeleted = True
+                t.layerDeleted = True                # what is so: its files are gone
                 crash_point("layer-trashed")
                 try:
                     self.box.save(t, sync=False)
                 except OSError as exc:
-                    t.layerDeleted = False           # as on disk: marked at the next pass
-                    log(3, f"layer {t.id}: deleted, its mark not saved: {exc}; again in "
-                           f"{GC_RETRY:.0f} s")
-                    self.gc_soon(GC_RETRY)
-                    continue
+                    log(3, f"layer {t.id}: deleted, its mark not saved: {exc}; saved again "
+                           "with the unsaved states")
+                    self.box.loop.render(t)
+                    self.box.save_again(t)
                 self.undone_layers.discard(t.id)
                 with contextlib.suppress(OSError):   # a full disk: the record says it
                     self.box.append_log(t.id, {"type": "layer", "text": "layer files deleted"})
