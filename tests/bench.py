@@ -1235,5 +1235,8 @@ if __name__ == "__main__":
         print_results(merge_figures())
     elif sys.argv[1:] == ["gateway"]:    # python tests/bench.py gateway: the model gateway's
         print_results(gateway_figures())
-    else:
+    elif sys.argv[1:] in ([], ["api"], ["burst"], ["start"]):
         main()
+    else:                                # -h, --help or a part it does not know: no run
+        print(__doc__.strip())
+        sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
