@@ -18,6 +18,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -220,10 +221,11 @@ def test_every_mount_of_the_box_is_nosuid(gurtd: Gurtd) -> None:
             assert "nodev" in options or point == "/dev/pts", (point, options)  # pty nodes
 
 
-
 def kernel_at_least(major: int, minor: int) -> bool:
-    release = os.uname().release.split("-")[0].split(".")
-    return (int(release[0]), int(release[1])) >= (major, minor)
+    """The running kernel is major.minor or later (a release such as 6.12.95+deb12-amd64)."""
+    found = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    assert found, os.uname().release
+    return (int(found[1]), int(found[2])) >= (major, minor)
 
 
 @pytest.mark.parametrize("way", ["as the kernel allows", "no detached clone"])
@@ -259,6 +261,7 @@ def test_the_tool_client_is_one_read_only_mount_where_the_kernel_allows_else_a_c
     assert out[-1].startswith("Usage:"), out
     with open("/proc/self/mountinfo") as f:                # none on the host, after the stop
         assert "gurt-tool" not in f.read()
+
 
 # the kernel filter ############################################################################
 
@@ -580,6 +583,7 @@ def test_setid_strip_never_follows_a_symlink(tmp_path: Any) -> None:
 
 DEEP_SUID = r'''
 import os
+import re
 fd = os.open(".", os.O_RDONLY)
 for _ in range(1200):                       # one level at a time: no path gets too long
     os.mkdir("d" * 60, dir_fd=fd)
