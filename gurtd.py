@@ -1238,16 +1238,19 @@ def is_disk_error(exc: BaseException) -> bool:
                                                       errno.EIO, errno.EFBIG)
 
 
+def cannot_save(exc: BaseException, what: str = "task") -> str:
+    """A failed save as a person reads it: a task's error, the message of a 507."""
+    return f"cannot save the {what}: {getattr(exc, 'strerror', None) or exc}"
+
+
 @contextlib.contextmanager
 def saved_or_507(what: str) -> Iterator[None]:
-    """A write that the disk refuses (full, read-only...) answers 507 `cannot save the
-    <what>: <why>` to the person who asked; any other error passes as it is."""
+    """A disk's refusal (full, read-only...) answers 507 (cannot_save); any other error passes."""
     try:
         yield
     except OSError as exc:
         if is_disk_error(exc):
-            raise ApiError(507, f"cannot save the {what}: {exc.strerror}",
-                           "insufficient_storage") from None
+            raise ApiError(507, cannot_save(exc, what), "insufficient_storage") from None
         raise
 
 
@@ -8235,7 +8238,7 @@ class StepGroup:
                 try:
                     self.box.save_all([task], sync=False)
                 except OSError as exc:
-                    self.box.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
+                    self.box.fail_task(task, cannot_save(exc))
 
     @contextlib.contextmanager
     def starting(self) -> Iterator[None]:
@@ -8300,7 +8303,7 @@ class StepGroup:
         for task in tasks[renamed:]:
             assert error is not None
             if not ended:
-                box.fail_task(task, f"cannot save the task: {error.strerror or error}")
+                box.fail_task(task, cannot_save(error))
                 continue
             done = task.state == "done"
             box.not_saved(task, error)
@@ -8581,7 +8584,7 @@ class Box:
                 self.save(task)
         except OSError as exc:
             if state not in TERMINAL_STATES:
-                self.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
+                self.fail_task(task, cannot_save(exc))
                 return
             log(3, f"task {task.id} is {state} (saved) but its log line was lost: {exc}")
         self.loop.emit("task", task.to_api())
@@ -8591,7 +8594,7 @@ class Box:
     def not_saved(self, task: Task, exc: OSError) -> None:
         """A terminal state could not be saved: the task is failed in memory with the reason,
         announced as such, and saved again by save_unsaved once the disk allows."""
-        error = f"cannot save the task: {exc.strerror or exc}"
+        error = cannot_save(exc)
         log(3, f"task {task.id}: {error} (it was to be {task.state}); "
                f"{'undone' if task.state == 'undone' else 'failed'} in memory")
         if task.state == "done":        # a failure or an undo keeps its own reason
@@ -11882,7 +11885,7 @@ class Broker:
             crash_point("after-payment-log")
         except OSError as exc:   # paid all the same: the next start logs it from the ledger
             log(3, f"payment {call} of task {task_id} is in the ledger, not in its log: {exc}")
-            self.box.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
+            self.box.fail_task(task, cannot_save(exc))
         return result
 
     def add_paid(self, task: Task, cents: float, call: str) -> None:
@@ -11956,7 +11959,7 @@ class Broker:
                 self.add_cost(task, cost)
             self.box.append_log(task_id, entry)
         except OSError as exc:   # the task's own state: it fails, the caller hears of it
-            self.box.fail_task(task, f"cannot save the task: {exc.strerror or exc}")
+            self.box.fail_task(task, cannot_save(exc))
             raise
 
     def set_balance(self, body: Any) -> dict[str, Any]:
@@ -12815,7 +12818,8 @@ def h_workspace_upload(req: "Handler", params: dict[str, str]) -> Any:
     with upload_staging(box) as staging:
         upper = os.path.join(staging, "upper")
         try:
-            with tarfile.open(fileobj=capped, mode="r|", tarinfo=bounded_tarinfo()) as tar:
+            with saved_or_507("upload"), \
+                    tarfile.open(fileobj=capped, mode="r|", tarinfo=bounded_tarinfo()) as tar:
                 for member in tar:
                     check.admit(member)
                     if member.name:
@@ -12826,10 +12830,7 @@ def h_workspace_upload(req: "Handler", params: dict[str, str]) -> Any:
             raise ApiError(400, f"refused member: {exc}") from None
         except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
             raise ApiError(400, f"not a tar archive (plain or gzip): {exc}") from None
-        except OSError as exc:
-            if is_disk_error(exc):
-                raise ApiError(507, f"cannot save the upload: {exc.strerror}",
-                               "insufficient_storage") from None
+        except OSError as exc:                       # not the disk's: saved_or_507 above
             raise ApiError(400, f"cannot unpack the archive: {exc}") from None
         if not check.kinds:
             raise ApiError(400, "the archive holds no files")
@@ -16464,10 +16465,8 @@ class Loop:
                 traceback.format_exc().rstrip().replace("\n", "\n    "))
             task = self.box.task(task_id) if task_id else None
             if task is not None and task.state in ACTIVE_STATES:
-                error = f"cannot save the task: {exc.strerror}" if is_disk_error(exc) and \
-                    isinstance(exc, OSError) and exc.strerror else \
-                    f"internal error: {type(exc).__name__}: {exc}"
-                self.box.fail_task(task, error)
+                self.box.fail_task(task, cannot_save(exc) if is_disk_error(exc) else
+                                   f"internal error: {type(exc).__name__}: {exc}")
             return False
 
     def emit(self, kind: str, obj: Any) -> None:
