@@ -412,15 +412,27 @@ def uid_processes(uid: int) -> list[int]:
     return G.processes_by_uid({uid}).get(uid, [])
 
 
+HOME_PARENTS = ("/var/tmp", "/var/lib")       # make_home's; test_containment's any_gurtd's
+HOME_FOLDER = re.compile(r"gurt-test-[a-z0-9_]{8}")   # tempfile.mkdtemp's, prefix gurt-test-
+
+
 def make_home() -> str:
     base = tempfile.mkdtemp(prefix="gurt-test-", dir="/var/tmp")
     return os.path.join(base, "box")
 
 
 def remove_home(home: str) -> None:
-    """The test's BOX_HOME and the folder around it, however deep a task's tree in it."""
+    """The test's BOX_HOME and the folder around it, however deep a task's tree in it: only a
+    home such as make_home makes (<parent>/gurt-test-XXXXXXXX/box, the parent one of
+    HOME_PARENTS, the folder not a link); any other path raises ValueError and nothing is
+    removed (given a folder of /var/tmp, it once removed /var/tmp)."""
+    path = os.path.abspath(home)
+    base = os.path.dirname(path)
+    if os.path.basename(path) != "box" or not HOME_FOLDER.fullmatch(os.path.basename(base)) \
+            or os.path.dirname(base) not in HOME_PARENTS or os.path.islink(base):
+        raise ValueError(f"remove_home: {home!r} is not a BOX_HOME that make_home made")
     with contextlib.suppress(FileNotFoundError):
-        G.tree_remove(os.path.dirname(home))
+        G.tree_remove(base)
 
 
 @contextlib.contextmanager

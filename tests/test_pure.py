@@ -334,3 +334,26 @@ def test_the_box_hides_of_etc_what_glob_would_find(tmp_path):
         "ssh/ssh_host_ed_key", "sudoers.d", "wireguard"]
     with pytest.raises(ValueError):
         G.etc_hidden_plan(("ssh*/key",))
+
+
+def test_the_tests_remove_only_a_home_that_make_home_made(tmp_path):
+    """remove_home (conftest) takes the folder around a BOX_HOME: it refuses any path but
+    <parent>/gurt-test-XXXXXXXX/box, and leaves what it refused in place."""
+    from conftest import make_home, remove_home
+    home = make_home()
+    os.makedirs(os.path.join(home, "tasks"))
+    link = os.path.join("/var/tmp", "gurt-test-" + os.path.basename(tmp_path)[-8:].lower())
+    os.symlink(tmp_path, link)
+    try:
+        for path in ("/", "/tmp", "/var/tmp", "/var/tmp/box", "box", "/tmp/gurt-test-abcd1234/box",
+                     os.path.dirname(home), os.path.join(home, "tasks"), home + "/../../box",
+                     "/var/tmp/gurt-test-/box", "/home/gurt-test-abcd1234/box", link + "/box"):
+            with pytest.raises(ValueError):
+                remove_home(path)
+        assert os.path.isdir(os.path.join(home, "tasks")) and os.path.isdir(tmp_path)
+        remove_home(home)
+        remove_home(home)               # gone already: nothing to do
+        assert not os.path.exists(os.path.dirname(home))
+    finally:
+        os.unlink(link)
+        G.tree_remove(os.path.dirname(home))
