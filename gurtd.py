@@ -8370,6 +8370,7 @@ class Box:
         self.seq = 0
         self.done_seq = 0
         self.unsaved: set[str] = set()      # tasks whose (terminal) state is not on disk yet
+        self.unsaved_why = ""               # save_unsaved's error, logged once until it changes
         self.view_waits = False             # a queued task waits for merges (merge_built)
         self.schedules = Schedules(self)
         self.jira = Jira(self)
@@ -8635,8 +8636,11 @@ class Box:
             try:
                 self.save(task)
                 log(6, f"task {task_id}: its state ({task.state}) is saved now")
-            except OSError as exc:
-                log(4, f"task {task_id}: still cannot save its state: {exc}")
+                self.unsaved_why = ""
+            except OSError as exc:        # tried every 5 s: a line for a new error, not a try
+                if (exc.strerror or str(exc)) != self.unsaved_why:
+                    log(4, f"task {task_id}: still cannot save its state: {exc}")
+                self.unsaved_why = exc.strerror or str(exc)
                 return
             if task.state == "undone" and not self.loop.stopping:
                 self.revert_saved(task)

@@ -357,3 +357,27 @@ def test_the_tests_remove_only_a_home_that_make_home_made(tmp_path):
     finally:
         os.unlink(link)
         G.tree_remove(os.path.dirname(home))
+
+
+def test_a_state_saved_again_every_5_s_logs_a_line_per_error_not_per_try(monkeypatch):
+    """save_unsaved on a disk that refuses: the first failure logged, the same error again
+    not, another error logged, the save logged, and a failure after it logged again."""
+    lines: list[str] = []
+    monkeypatch.setattr(G, "log", lambda priority, message: lines.append(message))
+    errors = [OSError(28, "No space left on device")] * 3 + [OSError(5, "Input/output error"),
+                                                           None, OSError(28, "No space left")]
+    task = SimpleNamespace(state="failed")
+
+    def save(_task):
+        error = errors.pop(0)
+        if error is not None:
+            raise error
+    box = SimpleNamespace(tasks={"t1": task}, unsaved={"t1"}, unsaved_why="", save=save,
+                          loop=SimpleNamespace(stopping=False))
+    for _ in range(6):
+        G.Box.save_unsaved(box)
+    assert [line.split(": ", 1)[1] for line in lines] == [
+        "still cannot save its state: [Errno 28] No space left on device",
+        "still cannot save its state: [Errno 5] Input/output error",
+        "its state (failed) is saved now",
+        "still cannot save its state: [Errno 28] No space left"]
