@@ -1352,15 +1352,12 @@ def libc() -> ctypes.CDLL:
 
 
 def syscall(name: str, nr: int, *args: Any) -> int:
-    result = libc().syscall(ctypes.c_long(nr), *args)
-    if result < 0:
-        err = ctypes.get_errno()
-        raise SysError(name, err, os.strerror(err))
-    return result
+    return libc_call(name, ctypes.c_long(nr), *args, fn="syscall")
 
 
-def libc_call(name: str, *args: Any) -> int:
-    result = getattr(libc(), name)(*args)
+def libc_call(name: str, *args: Any, fn: str = "") -> int:
+    """libc's name(*args), or its fn (syscall) under that name: below 0, a SysError."""
+    result = getattr(libc(), fn or name)(*args)
     if result < 0:
         err = ctypes.get_errno()
         raise SysError(name, err, os.strerror(err))
