@@ -2252,11 +2252,23 @@ def tree_visit(top: str | int, visit: Visit, leave: Callable[[int, str], None] |
 
 def tree_remove(top: str) -> None:
     """Delete a directory tree, however deep (shutil.rmtree recurses and stops near 1,000
-    levels, which would make a layer impossible to delete); nothing if top is missing."""
+    levels, which would make a layer impossible to delete); a file or a link at top, itself
+    (the link not followed); nothing if top is missing."""
     with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISDIR(os.lstat(top).st_mode):
+            os.unlink(top)
+            return
         tree_visit(top, lambda fd, name, st, parents: os.unlink(name, dir_fd=fd),
                    lambda fd, name: os.rmdir(name, dir_fd=fd))
         os.rmdir(top)
+
+
+def trash_remove(path: str) -> None:
+    """tree_remove for a thread's job (a tree renamed out of use): a failure logged."""
+    try:
+        tree_remove(path)
+    except OSError as exc:
+        log(3, f"could not delete {path}: {exc}")
 
 
 def tree_usage(path: str, seen: set[tuple[int, int]] | None = None) -> tuple[int, int]:
@@ -4951,14 +4963,7 @@ class Review:
         except OSError as exc:
             log(3, f"task {task.id}: could not remove its review files: {exc}")
             return
-        self.submit(self.remove, trash)
-
-    @staticmethod
-    def remove(trash: str) -> None:
-        try:
-            tree_remove(trash)
-        except OSError as exc:
-            log(3, f"could not delete {trash}: {exc}")
+        self.submit(trash_remove, trash)
 
     def announce(self, task: Task, action: str, text: str,
                  extra: dict[str, Any] | None = None) -> None:
@@ -6031,11 +6036,7 @@ class LayerStack:
         for name in os.listdir(self.dir):
             if name.removesuffix(".json") not in self.merged:
                 log(4, f"reconcile: throwing away the unfinished merged layer {name}")
-                path = os.path.join(self.dir, name)
-                if os.path.isdir(path) and not os.path.islink(path):
-                    tree_remove(path)
-                else:
-                    os.unlink(path)
+                tree_remove(os.path.join(self.dir, name))
 
     def regroup(self, workspace: str, ever: list[str]) -> None:
         """The workspace's positions changed (a task became done): its groups again."""
@@ -6152,11 +6153,7 @@ def trash_sweep(directory: str) -> None:
     for name in os.listdir(directory):
         if name.startswith(MERGE_TEMP):
             log(4, f"reconcile: deleting the leftover {name} in {directory}")
-            path = os.path.join(directory, name)
-            if os.path.isdir(path) and not os.path.islink(path):
-                tree_remove(path)
-            else:
-                os.unlink(path)
+            tree_remove(os.path.join(directory, name))
 
 
 STACK_INLINE = 32                    # a task's layers up to this many stay in its own file
@@ -6270,10 +6267,7 @@ class Merger:
     def run(self) -> None:
         while (job := self.jobs.get()) is not None:
             if isinstance(job, str):
-                try:
-                    tree_remove(job)
-                except OSError as exc:
-                    log(3, f"could not delete {job}: {exc}")
+                trash_remove(job)
                 continue
             merged, sources, begin = job
             time.sleep(max(0.0, begin - time.monotonic()) if not self.stopping else 0.0)

@@ -381,3 +381,13 @@ def test_a_state_saved_again_every_5_s_logs_a_line_per_error_not_per_try(monkeyp
         "still cannot save its state: [Errno 5] Input/output error",
         "its state (failed) is saved now",
         "still cannot save its state: [Errno 28] No space left"]
+
+
+def test_tree_remove_takes_a_file_or_a_link_itself_never_what_the_link_names(tmp_path):
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "f").write_text("x")
+    (tmp_path / "file").write_text("y")
+    os.symlink(tmp_path / "kept", tmp_path / "link")
+    for name in ("file", "link", "missing"):
+        G.tree_remove(str(tmp_path / name))
+    assert os.listdir(tmp_path) == ["kept"] and os.listdir(tmp_path / "kept") == ["f"]
