@@ -10858,7 +10858,7 @@ class Gateway:
                 not re.fullmatch(r"[\x21-\x7e]{1,4096}", key):
             raise ApiError(400, "the body must be {\"key\": \"...\"}: 1 to 4096 printable "
                                 "characters, no spaces")
-        with saved_or_507("the model key"):
+        with saved_or_507("model key"):
             secret_write(self.key_file, key)
         self.key_text = key
         log(6, "the model key was set (tasks started from now on use the gateway)")
@@ -12945,7 +12945,7 @@ class PortalSessions:
     def save(self) -> None:
         """Under the lock.  A disk that refuses the write is a 507 for the caller."""
         rows = [dataclasses.asdict(s) for s in self.sessions.values()]
-        with saved_or_507("the portal sessions"):
+        with saved_or_507("portal sessions"):
             write_json(self.path, {"sessions": rows})
 
     def new_code(self) -> tuple[str, float]:
