@@ -5505,7 +5505,7 @@ class Review:
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(self.box.path("review")):
                 if name.startswith(REVIEW_TRASH):
-                    self.submit(self.remove, self.box.path("review", name))
+                    self.submit(trash_remove, self.box.path("review", name))
         for task in self.box.tasks.values():
             path = self.dir(task.id, "journal.json")
             if not task.folderInfo:
@@ -8361,7 +8361,7 @@ class Box:
         self.seq = 0
         self.done_seq = 0
         self.unsaved: set[str] = set()      # tasks whose (terminal) state is not on disk yet
-        self.unsaved_why = ""               # save_unsaved's error, logged once until it changes
+        self.unsaved_why: dict[str, str] = {}   # save_unsaved's error a task, logged once a change
         self.view_waits = False             # a queued task waits for merges (merge_built)
         self.schedules = Schedules(self)
         self.jira = Jira(self)
@@ -8619,6 +8619,7 @@ class Box:
 
     def save_unsaved(self) -> None:
         """Try again to save tasks whose terminal state is only in memory (tick, shutdown)."""
+        self.unsaved_why = {k: v for k, v in self.unsaved_why.items() if k in self.unsaved}
         for task_id in sorted(self.unsaved):
             task = self.tasks.get(task_id)
             if task is None:
@@ -8627,11 +8628,11 @@ class Box:
             try:
                 self.save(task)
                 log(6, f"task {task_id}: its state ({task.state}) is saved now")
-                self.unsaved_why = ""
+                self.unsaved_why.pop(task_id, None)
             except OSError as exc:        # tried every 5 s: a line for a new error, not a try
-                if (exc.strerror or str(exc)) != self.unsaved_why:
+                if (exc.strerror or str(exc)) != self.unsaved_why.get(task_id):
                     log(4, f"task {task_id}: still cannot save its state: {exc}")
-                self.unsaved_why = exc.strerror or str(exc)
+                self.unsaved_why[task_id] = exc.strerror or str(exc)
                 return
             if task.state == "undone" and not self.loop.stopping:
                 self.revert_saved(task)

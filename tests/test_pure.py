@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import secrets
 import subprocess
 import threading
 import time
@@ -342,7 +343,7 @@ def test_the_tests_remove_only_a_home_that_make_home_made(tmp_path):
     from conftest import make_home, remove_home
     home = make_home()
     os.makedirs(os.path.join(home, "tasks"))
-    link = os.path.join("/var/tmp", "gurt-test-" + os.path.basename(tmp_path)[-8:].lower())
+    link = os.path.join("/var/tmp", "gurt-test-" + secrets.token_hex(4))   # unique a run
     os.symlink(tmp_path, link)
     try:
         for path in ("/", "/tmp", "/var/tmp", "/var/tmp/box", "box", "/tmp/gurt-test-abcd1234/box",
@@ -372,7 +373,7 @@ def test_a_state_saved_again_every_5_s_logs_a_line_per_error_not_per_try(monkeyp
         error = errors.pop(0)
         if error is not None:
             raise error
-    box = SimpleNamespace(tasks={"t1": task}, unsaved={"t1"}, unsaved_why="", save=save,
+    box = SimpleNamespace(tasks={"t1": task}, unsaved={"t1"}, unsaved_why={}, save=save,
                           loop=SimpleNamespace(stopping=False))
     for _ in range(6):
         G.Box.save_unsaved(box)

@@ -456,6 +456,19 @@ def test_a_task_cut_short_by_a_restart_keeps_nothing(gurtd: Gurtd, owner_folder:
     assert not os.path.exists(os.path.join(owner_folder, "x.txt"))
 
 
+def test_review_trash_a_crash_left_is_deleted_at_the_next_start(gurtd: Gurtd) -> None:
+    """A .trash- folder of review files being deleted when gurtd was killed goes at the next
+    start (the review thread), a file and a link in it too, what the link names kept."""
+    trash = os.path.join(gurtd.home, "review", ".trash-t1-abcd")
+    os.makedirs(os.path.join(trash, "deep", "er"))
+    with open(os.path.join(trash, "deep", "er", "f"), "w") as f:
+        f.write("x")
+    os.symlink(gurtd.home, os.path.join(trash, "link"))
+    gurtd.restart(kill=True)
+    eventually(lambda: not os.path.exists(trash), what="the review trash deleted")
+    assert os.path.isdir(os.path.join(gurtd.home, "tasks"))
+
+
 def test_a_folder_made_anew_replaces_the_old_one_whole(gurtd: Gurtd, owner_folder: str) -> None:
     before = snapshot(owner_folder)
     task = run_on(gurtd, owner_folder, "rm -r olddir && mkdir olddir && echo fresh > olddir/x.txt")
