@@ -7739,6 +7739,12 @@ class FinishMerge:
                 task.id not in self.undoing:
             self.undone(task)
 
+    def withdraw(self, task: Task) -> None:
+        """Box.undo: the undone state could not be saved: the revert begun is dropped (its
+        result, when it comes, is not the job's any more: reverted cleans it up)."""
+        if task.id in self.undoing:
+            self.job_ended(task.id)
+
     def named(self, task: Task) -> "Future[dict[str, Any]] | None":
         """Box.undo: what its answer waits for (undo_answer), if a revert is in flight."""
         job = self.undoing.get(task.id)
@@ -9060,18 +9066,29 @@ class Box:
         self.broker.deny_pending(task.id, "undo", "answered by undo")
         if was_active or task.uid:      # a finished task was released (and its layer's
             self.release_worker(task)   # set-id bits cleared) when it ended: no walk again
+        self.undo_begun(task)
         self.set_state(task, "undone")
+        if task.id in self.unsaved:        # its revert waits for the state on disk
+            self.finish_merge.withdraw(task)   # (save_unsaved begins it again)
         if task.folders:
             self.review.forget(task)
-        self.views.layers_changed(task.workspace, undone=task.id)
-        if task.id not in self.unsaved:    # its change out of later copies (off the loop),
-            self.finish_merge.undone(task)  # once the undone state is on disk: save_unsaved
         named = self.finish_merge.named(task)
         if named is None:                  # else when its revert ends, not beside it
             self.views.gc_soon()
         if was_active:
             self.schedule()
         return task.to_api(), named
+
+    def undo_begun(self, task: Task) -> None:
+        """undo, before its state is saved: undone in memory, out of the stack, and its
+        change out of later copies begun (off the loop: the merge thread decides the paths,
+        reads only, while the loop syncs the state; it joins only in a later step, once
+        the state is on disk, and is withdrawn if it could not be saved)."""
+        task.state = "undone"
+        self.track(task)
+        self.views.layers_changed(task.workspace, undone=task.id)
+        if task.id not in self.unsaved:
+            self.finish_merge.undone(task)
 
     def get(self, task_id: str) -> Task:
         task = self.task(task_id)
