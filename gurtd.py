@@ -9065,10 +9065,12 @@ class Box:
         self.broker.deny_pending(task.id, "undo", "answered by undo")
         if was_active or task.uid:      # a finished task was released (and its layer's
             self.release_worker(task)   # set-id bits cleared) when it ended: no walk again
-        self.undo_begun(task)
-        self.set_state(task, "undone")
-        if task.id in self.unsaved:        # its revert waits for the state on disk
-            self.finish_merge.withdraw(task)   # (save_unsaved begins it again)
+        try:
+            self.undo_begun(task)
+        finally:                           # saved even if the beginning raised (a 500 then)
+            self.set_state(task, "undone")
+            if task.id in self.unsaved:        # its revert waits for the state on disk
+                self.finish_merge.withdraw(task)   # (save_unsaved begins it again)
         if task.folders:
             self.review.forget(task)
         named = self.finish_merge.named(task)
@@ -9081,13 +9083,13 @@ class Box:
     def undo_begun(self, task: Task) -> None:
         """undo, before its state is saved: undone in memory, out of the stack, and its
         change out of later copies begun (off the loop: the merge thread decides the paths,
-        reads only, while the loop syncs the state; it joins only in a later step, once
-        the state is on disk, and is withdrawn if it could not be saved)."""
+        while the loop syncs the state; it joins only in a later step, once the state is on
+        disk, and is withdrawn if it could not be saved: undo saves the state even if this
+        raises).  A task whose earlier save failed (unsaved) begins its revert too."""
         task.state = "undone"
         self.track(task)
         self.views.layers_changed(task.workspace, undone=task.id)
-        if task.id not in self.unsaved:
-            self.finish_merge.undone(task)
+        self.finish_merge.undone(task)
 
     def get(self, task_id: str) -> Task:
         task = self.task(task_id)
