@@ -9065,8 +9065,9 @@ class Box:
         self.broker.deny_pending(task.id, "undo", "answered by undo")
         if was_active or task.uid:      # a finished task was released (and its layer's
             self.release_worker(task)   # set-id bits cleared) when it ended: no walk again
+        from_done = task.state == "done"
         try:
-            self.undo_begun(task)
+            self.undo_begun(task, from_done)
         finally:                           # saved even if the beginning raised (a 500 then)
             self.set_state(task, "undone")
             if task.id in self.unsaved:        # its revert waits for the state on disk
@@ -9080,16 +9081,21 @@ class Box:
             self.schedule()
         return task.to_api(), named
 
-    def undo_begun(self, task: Task) -> None:
+    def undo_begun(self, task: Task, from_done: bool) -> None:
         """undo, before its state is saved: undone in memory, out of the stack, and its
         change out of later copies begun (off the loop: the merge thread decides the paths,
         while the loop syncs the state; it joins only in a later step, once the state is on
         disk, and is withdrawn if it could not be saved: undo saves the state even if this
-        raises).  A task whose earlier save failed (unsaved) begins its revert too."""
+        raises).  Only a task undone from done has a change in later copies: one whose done
+        state a full disk refused (failed, its doneSeq kept) was out of the stack before any
+        later task began, so its record says nothing reverted, now and after any restart."""
         task.state = "undone"
         self.track(task)
         self.views.layers_changed(task.workspace, undone=task.id)
-        self.finish_merge.undone(task)
+        if from_done:
+            self.finish_merge.undone(task)
+        elif task.doneSeq > 0:
+            task.undoMerge = undo_record(UndoResult(), None, None)
 
     def get(self, task_id: str) -> Task:
         task = self.task(task_id)
