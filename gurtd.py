@@ -8623,6 +8623,9 @@ class Box:
                f"{'undone' if task.state == 'undone' else 'failed'} in memory")
         if task.state == "done":        # a failure or an undo keeps its own reason
             task.state, task.error = "failed", error
+            if task.folders:             # a failed task's folder changes never apply
+                task.review = None
+                self.review.forget(task)
         task.updatedAt = now_iso()
         self.loop.render(task)
         self.unsaved.add(task.id)
@@ -9089,13 +9092,13 @@ class Box:
         raises).  Only a task undone from done has a change in later copies: one whose done
         state a full disk refused (failed, its doneSeq kept) was out of the stack before any
         later task began, so its record says nothing reverted, now and after any restart."""
+        if not from_done and task.doneSeq > 0:      # set first: saved whatever follows raises
+            task.undoMerge = undo_record(UndoResult(), None, None)
         task.state = "undone"
         self.track(task)
         self.views.layers_changed(task.workspace, undone=task.id)
         if from_done:
             self.finish_merge.undone(task)
-        elif task.doneSeq > 0:
-            task.undoMerge = undo_record(UndoResult(), None, None)
 
     def get(self, task_id: str) -> Task:
         task = self.task(task_id)
