@@ -851,3 +851,36 @@ def test_undoing_a_task_whose_done_could_not_be_saved_keeps_a_later_task_s_own_c
         g.start()
         assert g.task(t1["id"])["state"] == "undone"
         assert g.file("home", "f.txt") == kept
+
+
+def test_a_personal_task_whose_done_could_not_be_saved_has_no_review_to_keep(
+        owner_folder: str) -> None:
+    """A personal task whose done state a full disk refuses is failed in memory, as any task
+    whose end cannot be saved: it has no review (as any failed task), keep answers 409, and
+    the owner's folder never gets its change, once the disk has room too."""
+    with gurtd_on_small_disk() as (g, disk):
+        decoy = g.create("head -c 3000000 /dev/zero > big\nsleep 120")
+        t1 = g.create(f"echo task > {owner_folder}/a.txt\nmkfifo /tmp/go\ncat /tmp/go",
+                      folder=owner_folder)
+        big = os.path.join(g.home, "layers", decoy["id"], "upper", "big")
+        eventually(lambda: os.path.isfile(big) and os.path.getsize(big) == 3000000,
+                   what="the decoy's big file")
+        eventually(lambda: any(os.path.exists(f"/proc/{p}/root/tmp/go")
+                               for p in g.worker_pids(t1)), what="t1 waiting on /tmp/go")
+        fill_to(disk, 256 << 10)                # below the reserve: the decoy is paused
+        assert g.pending(decoy["id"])["kind"] == "disk"
+        disk.fill()
+        let_go(g, t1)
+        failed = g.wait(t1["id"])
+        assert (failed["state"], failed["error"]) == (
+            "failed", "cannot save the task: No space left on device"), failed
+        assert "review" not in failed, failed
+        os.unlink(disk.filler + "-part")
+        disk.free()
+        g.api("POST", f"/api/tasks/{decoy['id']}/stop")
+        refused = g.api("POST", f"/api/tasks/{t1['id']}/keep", {}, status=409)
+        assert refused["code"] == "conflict" and "not open" in refused["error"], refused
+        assert "review" not in g.task(t1["id"])
+        assert open(os.path.join(owner_folder, "a.txt")).read() == "hello\n"
+        eventually(lambda: not os.path.exists(os.path.join(g.home, "review", t1["id"])),
+                   what="its review files gone")
