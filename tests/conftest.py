@@ -153,12 +153,24 @@ def leftovers() -> list[str]:
     left += [f"nftables {line}" for line in tables.splitlines() if "gurt" in line]
     left += [f"test BOX_HOME /var/tmp/{d}" for d in os.listdir("/var/tmp")
              if d.startswith("gurt-test-")]
-    # gurtd's task groups (gurt-<hash>/<id>) and their parents, below this process's own group
-    # in each hierarchy (gurtd runs as a child of the tests, in the same groups)
-    v2, v1 = G.cgroup_own_groups()
-    left += [f"cgroup {os.path.join(p, n)}" for p in [v2] + list(v1.values())
-             if p and os.path.isdir(p) for n in os.listdir(p) if n.startswith("gurt-")]
-    return left
+    return left + [f"cgroup {path}" for path in gurt_cgroups()]
+
+
+def gurt_cgroups(depth: int = 6) -> list[str]:
+    """gurtd's groups (gurt-<hash>, with its tasks' below) anywhere in every cgroup hierarchy,
+    not only below this process's own group: a gurtd started from another session or scope
+    (another shell's group in a v1 memory hierarchy, a scope of its own) is seen too."""
+    with open("/proc/self/mountinfo") as f:
+        roots = {line.split()[4] for line in f
+                 if line.partition(" - ")[2].split()[0] in ("cgroup", "cgroup2")}
+    found = []
+    for root in sorted(roots):
+        for top, dirs, _ in os.walk(root):
+            if top.count("/") - root.count("/") >= depth:
+                dirs[:] = []
+            found += [os.path.join(top, d) for d in dirs if d.startswith("gurt-")]
+            dirs[:] = [d for d in dirs if not d.startswith("gurt-")]
+    return found
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -798,6 +798,22 @@ def let_go(g: Gurtd, task: dict[str, Any]) -> None:
     raise AssertionError(f"no reader on /tmp/go of {task['id']}")
 
 
+def end_on_a_full_disk(g: Gurtd, disk: Any, decoy: dict[str, Any], t1: dict[str, Any]
+                       ) -> dict[str, Any]:
+    """decoy writes 3 MB then sleeps; t1 waits on its /tmp/go FIFO: the disk filled below the
+    reserve (the decoy takes the pause), then to the last block, t1 let go: t1 as it ends."""
+    big = os.path.join(g.home, "layers", decoy["id"], "upper", "big")
+    eventually(lambda: os.path.isfile(big) and os.path.getsize(big) == 3000000,
+               what="the decoy's big file")
+    eventually(lambda: any(os.path.exists(f"/proc/{p}/root/tmp/go")
+                           for p in g.worker_pids(t1)), what="t1 waiting on /tmp/go")
+    fill_to(disk, 256 << 10)                # below the reserve: the decoy is paused
+    assert g.pending(decoy["id"])["kind"] == "disk"
+    disk.fill()
+    let_go(g, t1)
+    return g.wait(t1["id"])
+
+
 def test_undoing_a_task_whose_done_could_not_be_saved_keeps_a_later_task_s_own_change(
         ) -> None:
     """t1 ends on a full disk: its done state cannot be saved, so it is failed in memory
@@ -817,16 +833,7 @@ def test_undoing_a_task_whose_done_could_not_be_saved_keeps_a_later_task_s_own_c
         g.run_done("printf 'line 1\\nline 2\\nline 3\\nline 4\\nline 5\\n' > f.txt")
         decoy = g.create("head -c 3000000 /dev/zero > big\nsleep 120")
         t1 = g.create("sed -i 's/^line 2$/two/' f.txt\nmkfifo /tmp/go\ncat /tmp/go")
-        big = os.path.join(g.home, "layers", decoy["id"], "upper", "big")
-        eventually(lambda: os.path.isfile(big) and os.path.getsize(big) == 3000000,
-                   what="the decoy's big file")
-        eventually(lambda: any(os.path.exists(f"/proc/{p}/root/tmp/go")
-                               for p in g.worker_pids(t1)), what="t1 waiting on /tmp/go")
-        fill_to(disk, 256 << 10)                # below the reserve: the decoy is paused
-        assert g.pending(decoy["id"])["kind"] == "disk"
-        disk.fill()
-        let_go(g, t1)
-        failed = g.wait(t1["id"])
+        failed = end_on_a_full_disk(g, disk, decoy, t1)
         assert (failed["state"], failed["error"]) == (
             "failed", "cannot save the task: No space left on device"), failed
         assert task_file(g, t1["id"])["state"] == "running"
@@ -862,16 +869,7 @@ def test_a_personal_task_whose_done_could_not_be_saved_has_no_review_to_keep(
         decoy = g.create("head -c 3000000 /dev/zero > big\nsleep 120")
         t1 = g.create(f"echo task > {owner_folder}/a.txt\nmkfifo /tmp/go\ncat /tmp/go",
                       folder=owner_folder)
-        big = os.path.join(g.home, "layers", decoy["id"], "upper", "big")
-        eventually(lambda: os.path.isfile(big) and os.path.getsize(big) == 3000000,
-                   what="the decoy's big file")
-        eventually(lambda: any(os.path.exists(f"/proc/{p}/root/tmp/go")
-                               for p in g.worker_pids(t1)), what="t1 waiting on /tmp/go")
-        fill_to(disk, 256 << 10)                # below the reserve: the decoy is paused
-        assert g.pending(decoy["id"])["kind"] == "disk"
-        disk.fill()
-        let_go(g, t1)
-        failed = g.wait(t1["id"])
+        failed = end_on_a_full_disk(g, disk, decoy, t1)
         assert (failed["state"], failed["error"]) == (
             "failed", "cannot save the task: No space left on device"), failed
         assert "review" not in failed, failed

@@ -56,10 +56,12 @@ def build_template() -> None:
     make_done_layers(home, COUNT)
     g = Gurtd(home)
     g.start(timeout=300)
-    due = max(0, COUNT - G.LAYER_KEEP) // G.LAYER_GROUP
-    while len(registry(home)["merged"]) < due:
-        time.sleep(0.2)
-    g.stop()
+    try:
+        due = max(0, COUNT - G.LAYER_KEEP) // G.LAYER_GROUP
+        while len(registry(home)["merged"]) < due:
+            time.sleep(0.2)
+    finally:
+        g.stop()
     print(f"template built in {time.monotonic() - t0:.0f} s", file=sys.stderr)
 
 
@@ -76,17 +78,23 @@ def timed(g: Gurtd, task_id: str) -> float:
 
 def started(tree: str) -> Gurtd:
     home = make_home()
-    subprocess.run(["cp", "-a", os.path.join(TEMPLATE, "box"), home], check=True)
-    conftest.ROOT = tree                # Gurtd.start runs `python -m gurtd` in ROOT
-    g = Gurtd(home)
-    g.start(timeout=300)
+    try:
+        subprocess.run(["cp", "-a", os.path.join(TEMPLATE, "box"), home], check=True)
+        conftest.ROOT = tree            # Gurtd.start runs `python -m gurtd` in ROOT
+        g = Gurtd(home)
+        g.start(timeout=300)
+    except BaseException:
+        remove_home(home)
+        raise
     return g
 
 
 def main() -> None:
     build_template()
-    gs = [started(t) for t in TREES]
+    gs: list[Gurtd] = []
     try:
+        for tree in TREES:              # each stopped and its home removed, whatever comes
+            gs.append(started(tree))
         time.sleep(3)                   # the start's warm-up of path sets
         ids = [f"t{i:09d}" for i in range(1, COUNT + 1)]
         kinds = {"oldest": ids[:N], "newest": ids[-N:][::-1],
