@@ -7927,9 +7927,9 @@ def undo_record(result: UndoResult | None, error: str | None, layer: str | None
 def record_empty(record: dict[str, Any]) -> bool:
     """An undoMerge that names nothing (done: nothing reverted, nothing kept).  Its save
     needs no sync of its own: a crash that loses it takes the revert up again at the next
-    start (FinishMerge.resume), which finds the same nothing, or finds the layer deleted
-    and leaves the record out, which says the same.  The loop then does not stop for a sync
-    the next undo of a burst would wait behind."""
+    start (FinishMerge.resume), on the stack then, or finds the layer deleted and leaves the
+    record out.  The loop then does not stop for a sync the next undo of a burst would wait
+    behind."""
     return record["state"] == "done" and not record["reverted"] and not record["kept"]
 
 
@@ -8665,9 +8665,10 @@ class Box:
                 log(6, f"task {task_id}: its state ({task.state}) is saved now")
                 self.unsaved_why.pop(task_id, None)
             except OSError as exc:        # tried every 5 s: a line for a new error, not a try
-                if (exc.strerror or str(exc)) != self.unsaved_why.get(task_id):
+                why = exc.strerror or str(exc)
+                if why != self.unsaved_why.get(task_id):
                     log(4, f"task {task_id}: still cannot save its state: {exc}")
-                self.unsaved_why[task_id] = exc.strerror or str(exc)
+                self.unsaved_why[task_id] = why
                 return
             if task.state == "undone" and not self.loop.stopping:
                 self.revert_saved(task)
