@@ -7810,6 +7810,7 @@ class FinishMerge:
         box = self.box
         layer = None
         if result is not None and result.staging is not None and error is None:
+            crash_point("undo-revert-written")   # a test's kill -9: written, state saved
             try:
                 layer = upload_commit(
                     box, task.workspace, result.staging, f"undo of {task.id}",
@@ -8139,7 +8140,6 @@ def run_undo(job: UndoJob, box: "Box", paths: LayerPaths, tmp: str) -> UndoResul
                 _syncfs(upper_fd)                   # on disk before the layer joins
             finally:
                 os.close(upper_fd)
-            crash_point("undo-revert-written")      # a test's kill -9 before it joins
         return result
     except BaseException:
         if result.cleanup is not None:
