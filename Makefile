@@ -21,7 +21,7 @@ INSTALLED = test "$$(dpkg-query -W -f='$${db:Status-Status}' $(1) 2>/dev/null)" 
 DROID_VERSION := 0.215.0
 DROID := $(VENV)/droid/node_modules/droid/bin/droid
 
-.PHONY: apt deps link run test test-pure test-vm bench install uninstall clean
+.PHONY: apt deps test-deps link run test test-pure vm-deps vm-image test-vm bench install uninstall clean
 
 deps: $(VENV)/.installed $(VENV)/.seccomp $(VENV)/.droid-$(DROID_VERSION)
 
@@ -69,6 +69,9 @@ $(VENV)/.test-installed: $(VENV)/.installed
 	$(call APT_MISSING,$(TEST_APT_PACKAGES))
 	touch $@
 
+# Everything `make test` and `make bench` install.
+test-deps: deps $(VENV)/.test-installed
+
 run: deps link
 	BOX_HOME=$(BOX_HOME) $(VENV)/bin/python gurtd.py serve --listen $(LISTEN)
 
@@ -80,7 +83,7 @@ link:
 	  > $(PREFIX)/bin/gurtd
 	chmod 0755 $(PREFIX)/bin/gurtd
 
-test: deps $(VENV)/.test-installed
+test: test-deps
 	$(VENV)/bin/python -m pytest -v -p no:cacheprovider tests
 
 # The pure tier (tests marked `pure`, see tests/conftest.py): no gurtd, no root, seconds.
@@ -92,15 +95,23 @@ test-pure: $(VENV)/.installed
 # systemctl (tests/vm/).  Its image is built once, cached under /var/cache/gurtd-vm/ by a
 # hash of what goes into it: these packages, requirements.txt, the Droid CLI and pytest.
 VM_APT_PACKAGES := qemu-system-x86 qemu-utils debootstrap
+VM_ENV = APT_PACKAGES="$(APT_PACKAGES)" DROID_VERSION=$(DROID_VERSION) PYTHON=$(PYTHON) \
+  PYTEST="$$(grep '^pytest==' requirements-test.txt)"
 # The image's npm cache is filled by this machine's npm (its registry and certificates).
-test-vm: apt
+vm-deps: apt
 	$(call APT_MISSING,$(VM_APT_PACKAGES),--no-install-recommends)
 	command -v npm >/dev/null || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm; }
-	APT_PACKAGES="$(APT_PACKAGES)" DROID_VERSION=$(DROID_VERSION) PYTHON=$(PYTHON) \
-	  PYTEST="$$(grep '^pytest==' requirements-test.txt)" tests/vm/run.sh
 
-bench: deps $(VENV)/.test-installed
+# The image alone, built and cached (test-vm builds it too when it is missing): .ci/run builds
+# it beside the suite, as debootstrap waits on the archive and the disk more than the cores.
+vm-image: vm-deps
+	$(VM_ENV) tests/vm/run.sh image
+
+test-vm: vm-deps
+	$(VM_ENV) tests/vm/run.sh
+
+bench: test-deps
 	$(VENV)/bin/python tests/bench.py
 
 # Only what gurtd needs at run time: requirements.txt into its own venv (no test packages).

@@ -132,6 +132,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                     "make test-pure", returncode=1)
 
 
+# The VM tier's image build (tests/vm/image.sh), which .ci/run runs beside the suite, has the
+# host's /proc, /sys and /dev mounted in its chroot below here: not gurtd's.
+VM_IMAGE_CACHE = os.environ.get("GURTD_VM_CACHE", "/var/cache/gurtd-vm").rstrip("/")
+
+
 def leftovers() -> list[str]:
     """What of gurtd is on this machine: none of it outlives a run of the suite."""
     left = [f"task user {name}" for name in G.task_users()]
@@ -141,7 +146,8 @@ def leftovers() -> list[str]:
     left += [f"process {pid} of uid {uid}" for uid, pids in G.processes_by_uid().items()
              for pid in pids]
     with open("/proc/self/mountinfo") as f:
-        left += [f"mount {line.split()[4]}" for line in f if "gurt" in line]
+        left += [f"mount {line.split()[4]}" for line in f
+                 if "gurt" in line and not line.split()[4].startswith(VM_IMAGE_CACHE + "/")]
     netns = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
     left += [f"network namespace {n}" for n in netns if n.startswith("gurt")]
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True,

@@ -21,6 +21,8 @@ if ! IMAGE=$(tests/vm/image.sh 2>"$build_log"); then
   exit 1
 fi
 grep '^test-vm:' "$build_log" || true
+# `run.sh image` (make vm-image): only the image, built or found in the cache.
+if [ "${1:-}" = image ]; then exit 0; fi
 # KVM only where /dev/kvm runs a stock kernel (kvm_intel or kvm_amd); a PVM /dev/kvm
 # (kvm_pvm) cannot, so TCG there.
 if { [ -d /sys/module/kvm_intel ] || [ -d /sys/module/kvm_amd ]; } && [ -w /dev/kvm ]; then
