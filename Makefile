@@ -54,11 +54,14 @@ $(VENV)/.seccomp: $(VENV)/.installed
 	$(VENV)/bin/python -c 'import seccomp'
 	touch $@
 
+# Node.js and npm from Debian when `npm` is missing (the Droid CLI's installer).
+NPM = command -v npm >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm; }
+
 # The Droid CLI, pinned, from the npm registry (its package ships the native binary);
 # Node.js and npm from Debian when missing.
 $(VENV)/.droid-$(DROID_VERSION): $(VENV)/.installed
-	command -v npm >/dev/null || { apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm; }
+	$(NPM)
 	npm install --prefix $(VENV)/droid --no-audit --no-fund --loglevel=error \
 	  droid@$(DROID_VERSION)
 	test "$$($(DROID) --version)" = "$(DROID_VERSION)"
@@ -100,8 +103,7 @@ VM_ENV = APT_PACKAGES="$(APT_PACKAGES)" DROID_VERSION=$(DROID_VERSION) PYTHON=$(
 # The image's npm cache is filled by this machine's npm (its registry and certificates).
 vm-deps: apt
 	$(call APT_MISSING,$(VM_APT_PACKAGES),--no-install-recommends)
-	command -v npm >/dev/null || { apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm; }
+	$(NPM)
 
 # The image alone, built and cached (test-vm builds it too when it is missing): .ci/run builds
 # it beside the suite, as debootstrap waits on the archive and the disk more than the cores.
@@ -125,6 +127,7 @@ install: apt
 	$(PREFIX)/lib/gurtd/venv/bin/pip install -q --disable-pip-version-check \
 	  -r $(PREFIX)/lib/gurtd/requirements.txt
 	$(call SECCOMP_LINK,$(PREFIX)/lib/gurtd/venv)
+	$(NPM)
 	npm install --prefix $(PREFIX)/lib/gurtd/droid --no-audit --no-fund --loglevel=error \
 	  droid@$(DROID_VERSION)
 	$(PREFIX)/lib/gurtd/venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))' \

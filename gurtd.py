@@ -75,7 +75,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           approvals, Ctrl-C), tasks, show, undo, stop, log, approvals, approve,
                           deny, answer, wallet, status, workspaces, files, approve-all, events,
                           settings, review, diff, keep, policies, policy rm, put, get, portal,
-                          schedules, schedule, hooks; errors said for people; inside a task
+                          schedules, schedule add and run, hooks, secret; errors said for
+                          people; inside a task
                           tool, and mcp (the McpServer: a thread per request, cancellation
                           withdraws approvals)
 
@@ -15237,13 +15238,23 @@ def match_route(method: str, path: str) -> tuple[Route, dict[str, str]]:
     raise ApiError(404, f"no route {path}", "not_found")
 
 
+ENV_SECONDS_MAX = 30 * 86400             # the longest time GURT_*_SECONDS and deadlines take
+
+
 def env_seconds(name: str, default: float) -> float:
-    """A number of seconds from the environment (tests shorten limits this way), else default."""
+    """A number of seconds from the environment (tests shorten limits this way), else default:
+    one that is not a number over 0 and at most ENV_SECONDS_MAX is said in the log."""
+    text = os.environ.get(name, "")
     try:
-        value = float(os.environ.get(name, ""))
+        value = float(text)
     except ValueError:
-        return default
-    return value if 0 < value < 86400 else default
+        value = 0.0
+    if 0 < value <= ENV_SECONDS_MAX:
+        return value
+    if text:
+        log(4, f"{name}={text[:40]!r} is not seconds over 0 and at most {ENV_SECONDS_MAX}: "
+               f"{default:g} is used")
+    return default
 
 
 class DeadlineReader(io.RawIOBase):

@@ -392,3 +392,18 @@ def test_tree_remove_takes_a_file_or_a_link_itself_never_what_the_link_names(tmp
     for name in ("file", "link", "missing"):
         G.tree_remove(str(tmp_path / name))
     assert os.listdir(tmp_path) == ["kept"] and os.listdir(tmp_path / "kept") == ["f"]
+
+
+def test_times_from_the_environment_are_bounded_and_said(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]):
+    two_weeks = 14 * 86400
+    monkeypatch.setenv("GURT_SESSION_SECONDS", str(two_weeks))
+    assert G.env_seconds("GURT_SESSION_SECONDS", 7.0) == two_weeks
+    assert capsys.readouterr().err == ""
+    for text in ("0", "-5", "nan", "inf", "ten", str(G.ENV_SECONDS_MAX + 1)):
+        monkeypatch.setenv("GURT_SESSION_SECONDS", text)
+        assert G.env_seconds("GURT_SESSION_SECONDS", 7.0) == 7.0
+        assert "GURT_SESSION_SECONDS" in capsys.readouterr().err
+    monkeypatch.delenv("GURT_SESSION_SECONDS")
+    assert G.env_seconds("GURT_SESSION_SECONDS", 7.0) == 7.0
+    assert capsys.readouterr().err == ""
