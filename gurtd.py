@@ -13070,13 +13070,9 @@ class PortalSessions:
     def revoke(self, session_id: str) -> None:
         with self.lock:
             for key, session in list(self.sessions.items()):
-                if session.id == session_id:
+                if session.id == session_id:      # a 507: still signed in, here and on disk
                     del self.sessions[key]
-                    try:
-                        self.save()
-                    except BaseException:  # 507: still signed in, here and after a restart
-                        self.sessions[key] = session
-                        raise
+                    save_or_restore(self.save, "portal sessions", self.sessions, key, session)
                     return
         raise ApiError(404, "No session with this id", "not_found")
 
@@ -13343,10 +13339,7 @@ class Schedules:
         self.items: dict[str, Schedule] = {}
         self.next_at: dict[str, float] = {}       # cached first slot after `after`
         self.due: set[str] = set()                # queued runs whose turn came
-
-    @property
-    def file(self) -> str:
-        return self.box.path("schedules.json")
+        self.file = box.path("schedules.json")
 
     def load(self) -> None:
         """Read schedules.json; lastTask and lastState are repaired from the tasks (a crash
@@ -13838,9 +13831,8 @@ class Jira:
         try:
             task = self.box.create_task(body)
         except ApiError as exc:
-            self.issues[key].update(state="failed", error=exc.message)
-            self.issues[key]["notice"] = {"state": "failed", "error": exc.message,
-                                          "task": None}
+            self.issues[key].update(state="failed", error=exc.message, notice={
+                "state": "failed", "error": exc.message, "task": None})
             self.save()
             log(4, f"jira: issue {key}: no task: {exc.message}")
             self.wake.set()
@@ -14113,14 +14105,8 @@ class Hooks:
         self.box = box
         self.items: dict[str, dict[str, Any]] = {}
         self.deliveries: dict[str, float] = {}     # "hook/delivery id" -> when (wall time)
-
-    @property
-    def file(self) -> str:
-        return self.box.path("hooks.json")
-
-    @property
-    def deliveries_file(self) -> str:
-        return self.box.path("hook-deliveries.jsonl")
+        self.file = box.path("hooks.json")
+        self.deliveries_file = box.path("hook-deliveries.jsonl")
 
     def load(self) -> None:
         """Read the hooks, and the delivery ids younger than a day (the file is rewritten
@@ -14219,8 +14205,7 @@ class Hooks:
             fd = os.open(self.deliveries_file, os.O_RDWR | os.O_APPEND | os.O_CREAT |
                          os.O_CLOEXEC, 0o600)
             try:
-                append_line(fd, json.dumps({"id": key, "at": now}).encode() + b"\n")
-                os.fsync(fd)
+                append_line(fd, json.dumps({"id": key, "at": now}).encode() + b"\n", sync=True)
             finally:
                 os.close(fd)
         self.deliveries[key] = now
