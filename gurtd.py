@@ -14383,36 +14383,25 @@ def h_task_changes(req: "Handler", params: dict[str, str]) -> Any:
 MAX_LOG_FOLLOWERS = 32              # GET /api/tasks/{id}/log?follow=1 at once, per task
 
 
-def follower_cap(handler: Callable[..., Any]) -> Callable[..., Any]:
-    """At most MAX_LOG_FOLLOWERS followers of one task's log at once (each holds a thread);
-    one more gets 429."""
-    def capped(req: "Handler", params: dict[str, str]) -> Any:
-        if req.query_one("follow") not in ("1", "true", "yes"):
-            return handler(req, params)
-        if not req.box.followers.enter(params["id"]):
-            raise ApiError(429, f"this task's log has {MAX_LOG_FOLLOWERS} followers already",
-                           "too_many_requests")
-        try:
-            return handler(req, params)
-        finally:
-            req.box.followers.leave(params["id"])
-    capped.__doc__ = handler.__doc__
-    return capped
-
-
-@follower_cap
 def h_task_log(req: "Handler", params: dict[str, str]) -> Any:
+    """The log, or its followers: at most MAX_LOG_FOLLOWERS of one task at once (each holds
+    a thread); one more gets 429."""
     box, task_id = req.box, params["id"]
-    if box.loop.task_json(task_id) is None:
-        raise ApiError(400, "No task with this id")
     follow = req.query_one("follow") in ("1", "true", "yes")
-    given = urllib.parse.parse_qs(req.path.partition("?")[2], keep_blank_values=True)
-    if given.get("follow", ["true"])[-1] not in ("1", "true", "yes", "0", "false", "no"):
-        raise ApiError(400, "follow must be true or false")
-    path = box.log_file(task_id)
-    if not follow:
-        return send_log(req, path)
-    return follow_log(req, task_id, path)
+    if follow and not box.followers.enter(task_id):
+        raise ApiError(429, f"this task's log has {MAX_LOG_FOLLOWERS} followers already",
+                       "too_many_requests")
+    try:
+        if box.loop.task_json(task_id) is None:
+            raise ApiError(400, "No task with this id")
+        given = urllib.parse.parse_qs(req.path.partition("?")[2], keep_blank_values=True)
+        if given.get("follow", ["true"])[-1] not in ("1", "true", "yes", "0", "false", "no"):
+            raise ApiError(400, "follow must be true or false")
+        path = box.log_file(task_id)
+        return follow_log(req, task_id, path) if follow else send_log(req, path)
+    finally:
+        if follow:
+            box.followers.leave(task_id)
 
 
 def send_stream_head(req: "Handler", ctype: str, *headers: tuple[str, str]) -> None:
@@ -14432,7 +14421,7 @@ def send_log(req: "Handler", path: str) -> None:
         f = open(path, "rb")
     except FileNotFoundError:
         req.send_json(200, (b"", "application/jsonl"))
-        return None
+        return
     with f:
         left = os.fstat(f.fileno()).st_size
         req.send_response(200)
@@ -14446,7 +14435,6 @@ def send_log(req: "Handler", path: str) -> None:
                 break
             req.wfile.write(chunk)
             left -= len(chunk)
-    return None
 
 
 def follow_log(req: "Handler", task_id: str, path: str) -> None:
@@ -14477,7 +14465,6 @@ def follow_log(req: "Handler", task_id: str, path: str) -> None:
                 last_beat = time.monotonic()
             req.wfile.flush()
             watch.wait(seen, 5.0)
-    return None
 
 
 def h_workspaces_list(req: "Handler", params: dict[str, str]) -> Any:
