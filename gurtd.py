@@ -16971,8 +16971,10 @@ def use_color(err: bool = False) -> bool:
     return stream.isatty() and not os.environ.get("NO_COLOR")
 
 
-def paint(state: str) -> str:
-    return click.style(state, fg=STATE_COLORS.get(state), bold=state == "waiting")
+def paint(state: str, err: bool = False) -> str:
+    """A state in its colour where stdout (err: stderr) takes colours (use_color)."""
+    return click.style(state, fg=STATE_COLORS.get(state), bold=state == "waiting") \
+        if use_color(err) else state
 
 
 def cents_text(value: Any) -> str:
@@ -17253,9 +17255,8 @@ def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title
     if as_json:
         click.echo(json.dumps(task, indent=1))
     else:
-        state = paint(task["state"]) if use_color(True) else task["state"]
-        click.echo(f"{task['id']} {state}" + (f": {printable(task['error'])}" if
-                                               task.get("error") else "") +
+        click.echo(f"{task['id']} {paint(task['state'], True)}" +
+                   (f": {printable(task['error'])}" if task.get("error") else "") +
                    (f" ({cents_text(task['costCents'])} cents)" if task.get("costCents")
                     else ""), err=True)
     sys.exit(0 if task["state"] == "done" else 1)
@@ -17493,7 +17494,7 @@ def cmd_status(as_json: bool, box_home: str, listen: str) -> None:
         return
     click.echo(up)
     click.echo("tasks:      " + ", ".join(
-        f"{n}{'+' if n >= 1000 else ''} {paint(s) if use_color() else s}"
+        f"{n}{'+' if n >= 1000 else ''} {paint(s)}"
         for s, n in counts.items()))
     click.echo(f"wallet:     {cents_text(wallet['balanceCents'])} cents")
     click.echo(f"approvals:  {len(pending)} pending" +
@@ -17547,15 +17548,13 @@ def cmd_approve_all(task_id: str | None, box_home: str, listen: str) -> None:
 def event_text(kind: str, data: dict[str, Any]) -> str:
     """One event of /api/events in a line for people."""
     if kind == "task":
-        state = paint(data["state"]) if use_color() else data["state"]
-        return printable(f"task {data.get('id')} ") + state + printable(
+        return printable(f"task {data.get('id')} ") + paint(data["state"]) + printable(
             f"  {short(data.get('title'), 50)}" + (f"  ({short(data['error'], 60)})"
                                                    if data.get("error") else ""))
     if kind == "approval":
-        state = paint(data["state"]) if use_color() else data["state"]
         what = data.get("question") or f"{data.get('tool')} {cents_text(data.get('cents'))} " \
                                         "cents"
-        return printable(f"approval {data.get('id')} ") + state + printable(
+        return printable(f"approval {data.get('id')} ") + paint(data["state"]) + printable(
             f"  {data.get('kind')} of task {data.get('task')}: {short(what, 60)}")
     return printable(f"{kind} {json.dumps(data)[:150]}")
 
@@ -17820,9 +17819,7 @@ class McpServer:
     def handle(self, message: dict[str, Any], rpc_id: Any) -> None:
         reply: dict[str, Any] = {"jsonrpc": "2.0", "id": rpc_id}
         try:
-            params = message.get("params", {})
-            if params is None:
-                params = {}
+            params = {} if message.get("params") is None else message["params"]
             if not isinstance(params, dict):
                 raise McpError(-32602, "params must be an object")
             reply["result"] = self.answer(message["method"], params, rpc_id)
@@ -17879,11 +17876,10 @@ class McpServer:
     def call(self, params: dict[str, Any], rpc_id: Any) -> dict[str, Any]:
         """A tool call.  Unknown or ungranted tools are a protocol error (-32602); a call the
         tool or a person refuses is a result with isError, which the model gets to read."""
-        name, args = params.get("name"), params.get("arguments", {})
+        name, args = params.get("name"), params.get("arguments")
         if not isinstance(name, str) or not name:
             raise McpError(-32602, "tools/call needs the tool's name (params.name)")
-        if args is None:
-            args = {}
+        args = {} if args is None else args
         if not isinstance(args, dict):
             raise McpError(-32602, "params.arguments must be an object")
         status, answer = self.broker(rpc_id, "POST", "/call", {"tool": name, "args": args})
