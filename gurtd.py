@@ -11398,7 +11398,6 @@ class Gateway:
             call.conn.sendall(b"".join(out))      # what came before the cut: the task sees it
 
 
-
 # the owner's key: where secrets are kept, its HTTP handlers, and `gurtd secret` (the CLI
 # section adds it to cli)
 
@@ -14551,8 +14550,6 @@ def _reason(body: dict[str, Any]) -> str | None:
 
 def h_approval_approve(req: "Handler", params: dict[str, str]) -> Any:
     body = req.json_body(optional=True)
-    if not isinstance(body, dict):
-        raise ApiError(400, 'the body must be {"reason"?, "args"? | "budgetCents"?}')
     changes = {k: body.pop(k) for k in ("args", "budgetCents") if k in body}
     reason = _reason(body)
     if len(changes) > 1:
@@ -14572,8 +14569,8 @@ def h_approval_deny(req: "Handler", params: dict[str, str]) -> Any:
 
 def h_approval_answer(req: "Handler", params: dict[str, str]) -> Any:
     body = req.json_body()
-    if not isinstance(body, dict) or set(body) != {"answer"} or \
-            not isinstance(body["answer"], str) or len(body["answer"]) > 10000:
+    if set(body) != {"answer"} or not isinstance(body["answer"], str) or \
+            len(body["answer"]) > 10000:
         raise ApiError(400, 'the body must be {"answer": "..."} (at most 10000 characters)')
 
     def answer() -> Any:
@@ -14585,8 +14582,7 @@ def h_approval_answer(req: "Handler", params: dict[str, str]) -> Any:
 
 def h_approvals_approve_all(req: "Handler", params: dict[str, str]) -> Any:
     body = req.json_body(optional=True)
-    if not isinstance(body, dict) or set(body) - {"task"} or \
-            not isinstance(body.get("task", ""), str):
+    if set(body) - {"task"} or not isinstance(body.get("task", ""), str):
         raise ApiError(400, 'the body must be {} or {"task": "<id>"}')
     return 200, req.box.loop.call(req.box.broker.approve_all, body.get("task"))
 
@@ -15541,6 +15537,7 @@ LIMIT_ABOUT = {     # what each of TASK_LIMITS bounds, said in the Task schema
     "tmpBytes": "/tmp, /var/tmp, /dev/shm and HOME together",
     "logBytes": "Stored log; past it lines are counted"}
 DATE_TIME = {"type": "string", "format": "date-time"}
+STRING, NUMBER = {"type": "string"}, {"type": "number"}
 TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schemas says
     "type": "object",
     "properties": {
@@ -15559,8 +15556,7 @@ TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schema
                    "description": "Finished tasks whose changes it saw, newest first."},
         "costCents": {"type": "number"},
         "step": {"type": "string"},
-        "createdAt": DATE_TIME,
-        "updatedAt": DATE_TIME,
+        "createdAt": DATE_TIME, "updatedAt": DATE_TIME,
         "error": {"type": "string"},
         "summary": {"type": "string"},
         "folder": {"type": "string", "description": "Personal: the first real folder the task "
@@ -15610,7 +15606,6 @@ TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schema
                                     "the reverted versions; null if none was needed"}}},
     },
 }
-
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
@@ -15752,24 +15747,22 @@ def api_schemas() -> dict[str, Any]:
                              for k, kind in TASK_FIELDS.items()}}
     settings = {k: setting_schema(k) for k in DEFAULT_SETTINGS}
     approval_required = [f.name for f in dataclasses.fields(Approval)]   # to_api: asdict
-    string, number = {"type": "string"}, {"type": "number"}
     return {
         "Task": task, "TaskCreate": create,
         "Approval": {"type": "object", "required": approval_required, "properties": {
-            "id": string, "task": string,
+            "id": STRING, "task": STRING,
             "kind": {"type": "string", "enum": ["budget", "ask", "disk", "host", "conflict"],
                      "description": "budget (a spending above the task's budget), ask (a "
                      "question), disk (BOX_HOME is below its reserve), host (a name outside "
                      "the task's hosts, with askHosts), conflict (paths its finish-time merge "
                      "could not join; never answered by a policy)"},
-            "tool": string, "cents": number, "question": _nullable(string),
+            "tool": STRING, "cents": NUMBER, "question": _nullable(STRING),
             "args": {"description": "The call's arguments; of a conflict, ConflictArgs (its "
                                     "answer's args: ConflictAnswer)"},
             "state": {"type": "string", "enum": list(APPROVAL_STATES)},
             "createdAt": DATE_TIME,
-            "reason": _nullable(string), "answer": _nullable(string),
-            "answeredBy": _nullable(string),
-            "answeredAt": _nullable(DATE_TIME),
+            "reason": _nullable(STRING), "answer": _nullable(STRING),
+            "answeredBy": _nullable(STRING), "answeredAt": _nullable(DATE_TIME),
             **APPROVAL_DECISIONS}},
         "Workspace": {"type": "object", "required": ["name", "layers"], "properties": {
             "name": {"type": "string"},
@@ -15778,12 +15771,12 @@ def api_schemas() -> dict[str, Any]:
             "stack": {**_array(_ref("Task")), "description": "Its done tasks, newest first "
                                                              "(GET of one workspace)"}}},
         "Wallet": {"type": "object", "required": ["balanceCents", "ledger"], "properties": {
-            "balanceCents": number, "ledger": _array(_ref("LedgerEntry"))}},
+            "balanceCents": NUMBER, "ledger": _array(_ref("LedgerEntry"))}},
         "LedgerEntry": {"type": "object", "required": ["balanceAfterCents"], "properties": {
-            "time": DATE_TIME, "balanceAfterCents": number,
-            "set": {**number, "description": "The balance was set to this"},
-            "task": string, "call": string, "to": string, "cents": number,
-            "memo": _nullable(string)}},
+            "time": DATE_TIME, "balanceAfterCents": NUMBER,
+            "set": {**NUMBER, "description": "The balance was set to this"},
+            "task": STRING, "call": STRING, "to": STRING, "cents": NUMBER,
+            "memo": _nullable(STRING)}},
         "Settings": {"type": "object", "required": list(DEFAULT_SETTINGS),
                      "properties": settings},
         "SettingsUpdate": {"type": "object", "additionalProperties": False,
@@ -15792,16 +15785,16 @@ def api_schemas() -> dict[str, Any]:
             "path": {"type": "string", "description": "A folder's ends with /"},
             "change": {"type": "string", "enum": ["added", "modified", "deleted"]}}},
         "FileEntry": {"type": "object", "required": ["name", "type", "size"], "properties": {
-            "name": string, "size": {"type": "integer", "minimum": 0},
+            "name": STRING, "size": {"type": "integer", "minimum": 0},
             "type": {"type": "string", "enum": ["file", "directory", "symlink", "other"]}}},
         "FileList": {"type": "object", "required": ["workspace", "path", "entries"],
-                     "properties": {"workspace": string, "path": string,
+                     "properties": {"workspace": STRING, "path": STRING,
                                     "entries": _array(_ref("FileEntry"))}},
         "Tool": {"type": "object", "required": ["name", "kind"], "properties": {
-            "name": string, "kind": {"type": "string", "enum": ["builtin", "executable"]},
-            "description": string}},
+            "name": STRING, "kind": {"type": "string", "enum": ["builtin", "executable"]},
+            "description": STRING}},
         "Health": {"type": "object", "required": ["ok", "version"], "properties": {
-            "ok": {"type": "boolean"}, "version": string}},
+            "ok": {"type": "boolean"}, "version": STRING}},
         "Error": {"type": "object", "required": ["error"], "properties": {
             "error": {"type": "string", "description": "What went wrong"},
             "code": {"type": "string", "description": "A stable name for it, e.g. not_found"}}},
@@ -15812,11 +15805,10 @@ def api_schemas() -> dict[str, Any]:
 def conflict_schemas() -> dict[str, Any]:
     """A conflict approval's args (run_check's conflicts, version_info's versions) and the
     args of its answer (conflict_answer)."""
-    string = {"type": "string"}
     version = {"type": "object", "required": ["kind"], "properties": {
         "kind": {"type": "string", "enum": ["absent", "file", "symlink", "folder", "other"]},
         "mode": {"type": "string", "pattern": "^[0-7]{4}$"},
-        "size": {"type": "integer", "minimum": 0}, "target": string,
+        "size": {"type": "integer", "minimum": 0}, "target": STRING,
         "text": {"type": "string", "description": f"At most {MERGE_SHOWN_BYTES} bytes"},
         "shown": {"type": "string", "enum": ["binary", "too large to show"],
                   "description": "Why there is no text"}}}
@@ -15824,13 +15816,13 @@ def conflict_schemas() -> dict[str, Any]:
         "ConflictArgs": {"type": "object", "required": ["paths", "merged"], "properties": {
             "paths": _array({"type": "object", "required": ["path", "why", "diff3", "before",
                                                             "view", "task"], "properties": {
-                "path": string, "why": string,
-                "diff3": {**_nullable(string), "description": "git merge-file --diff3's text "
+                "path": STRING, "why": STRING,
+                "diff3": {**_nullable(STRING), "description": "git merge-file --diff3's text "
                           "with markers (task, before, view), for text"},
                 "before": {**version, "description": "What the task saw when it started"},
                 "view": {**version, "description": "The workspace's view now"},
                 "task": {**version, "description": "The task's own"}}}),
-            "merged": {**_array(string), "description": "Paths joined cleanly meanwhile"}}},
+            "merged": {**_array(STRING), "description": "Paths joined cleanly meanwhile"}}},
         "ConflictAnswer": {
             "type": "object", "additionalProperties": False,
             "description": "Approve's args of a conflict; none: the task's version everywhere",
@@ -15838,7 +15830,7 @@ def conflict_schemas() -> dict[str, Any]:
                 "keep": {"type": "string", "enum": list(CONFLICT_KEEP), "default": "task",
                          "description": "task: its version; view: the view's (its change "
                                         "to those paths dropped)"},
-                "texts": {"type": "object", "additionalProperties": string,
+                "texts": {"type": "object", "additionalProperties": STRING,
                           "description": "A merged text for some paths (by path)"}}},
     }
 
@@ -15846,17 +15838,16 @@ def conflict_schemas() -> dict[str, Any]:
 def decision_schemas() -> dict[str, Any]:
     """Policy (and the body that makes one), the portal's Session, and the Conflict a keep
     answers."""
-    string, number = {"type": "string"}, {"type": "number"}
     return {
         "Policy": {"type": "object", "required": [f.name for f in dataclasses.fields(Policy)]
                    + ["active"], "properties": {
-            "id": string, "tool": {"type": "string", "description": "A tool name, or host"},
+            "id": STRING, "tool": {"type": "string", "description": "A tool name, or host"},
             "scope": {"type": "string", "enum": list(POLICY_SCOPES)},
             "createdAt": DATE_TIME,
             "createdBy": {"type": "string", "description": "api, or approval <id>"},
-            "task": _nullable(string), "workspace": _nullable(string),
-            "host": _nullable(string), **POLICY_LIMITS,
-            "spentCents": number, "uses": {"type": "integer", "minimum": 0},
+            "task": _nullable(STRING), "workspace": _nullable(STRING),
+            "host": _nullable(STRING), **POLICY_LIMITS,
+            "spentCents": NUMBER, "uses": {"type": "integer", "minimum": 0},
             "active": {"type": "boolean"},
             "endedBecause": {"type": "string", "description": "Expired, or spent"}}},
         "PolicyCreate": {
@@ -15874,14 +15865,13 @@ def decision_schemas() -> dict[str, Any]:
                 **POLICY_LIMITS}},
         "Session": {"type": "object", "required": ["id", "createdAt", "expiresAt", "userAgent",
                                                    "via", "current"], "properties": {
-            "id": string, "createdAt": DATE_TIME,
-            "expiresAt": DATE_TIME, "userAgent": string,
+            "id": STRING, "createdAt": DATE_TIME, "expiresAt": DATE_TIME, "userAgent": STRING,
             "via": {"type": "string", "enum": ["code", "token"]},
             "current": {"type": "boolean", "description": "This browser's"}}},
         "Conflict": {"type": "object", "required": ["error"], "properties": {
-            "error": string, "code": string,
+            "error": STRING, "code": STRING,
             **{key: _array({"type": "object", "required": ["folder", "path", "why"],
-                            "properties": {"folder": string, "path": string, "why": string}})
+                            "properties": {"folder": STRING, "path": STRING, "why": STRING}})
                for key in ("conflicts", "notUndone")}}},
     }
 
@@ -15889,21 +15879,19 @@ def decision_schemas() -> dict[str, Any]:
 def source_schemas(create: dict[str, Any]) -> dict[str, Any]:
     """Schedules and hooks; create: TaskCreate's properties (a schedule's or a hook's task
     takes them, but source)."""
-    string = {"type": "string"}
     task_defaults = {k: v for k, v in create.items() if k != "source"}
     return {
         "Schedule": {"type": "object", "required": [
             f.name for f in dataclasses.fields(Schedule) if f.name != "after"] + ["nextRuns"],
             "properties": {
-                "id": string, "name": string, "cron": string, "timezone": string,
+                "id": STRING, "name": STRING, "cron": STRING, "timezone": STRING,
                 "task": {"type": "object", "description": "What each run creates"},
                 "enabled": {"type": "boolean"}, "overlap": {"type": "string",
                                                             "enum": list(OVERLAPS)},
-                "createdAt": DATE_TIME,
-                "updatedAt": DATE_TIME,
+                "createdAt": DATE_TIME, "updatedAt": DATE_TIME,
                 "lastRun": _nullable(DATE_TIME),
-                "lastTask": _nullable(string), "lastState": _nullable(string),
-                "lastNote": {**_nullable(string), "description": "What happened at the latest "
+                "lastTask": _nullable(STRING), "lastState": _nullable(STRING),
+                "lastNote": {**_nullable(STRING), "description": "What happened at the latest "
                                                                 "slot (missed, skipped...)"},
                 "queued": {"type": "boolean"},
                 "nextRuns": {**_array(DATE_TIME),
@@ -15912,7 +15900,7 @@ def source_schemas(create: dict[str, Any]) -> dict[str, Any]:
         "ScheduleUpdate": schedule_body(task_defaults, []),
         "Hook": {"type": "object", "required": ["name", "source", "task", "allow", "createdAt",
                                                 "url"], "properties": {
-            "name": HOOK_NAME, "source": string, "task": {"type": "object"},
+            "name": HOOK_NAME, "source": STRING, "task": {"type": "object"},
             "allow": _array({"type": "string", "enum": list(HOOK_BODY_FIELDS)}),
             "createdAt": DATE_TIME,
             "url": {"type": "string", "description": "Where to deliver: /api/hooks/<name>"}}},
