@@ -17602,13 +17602,11 @@ def cmd_settings(key: str | None, value: str | None, as_json: bool, box_home: st
     if key is not None and key not in settings:
         raise click.ClickException(f"no setting named {key}; there are: "
                                    f"{', '.join(sorted(settings))}")
-    shown = {key: settings[key]} if key is not None else settings
-    if as_json:
-        click.echo(json.dumps(shown[key] if key is not None else shown, indent=1))
+    if key is not None:
+        print_answer(settings[key], as_json, lambda v: click.echo(printable(json.dumps(v))))
         return
-    for name, current in shown.items():
-        click.echo(printable(f"{name}: {json.dumps(current)}") if key is None else
-                   printable(json.dumps(current)))
+    print_answer(settings, as_json, lambda s: click.echo("\n".join(
+        printable(f"{name}: {json.dumps(v)}") for name, v in s.items())))
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -17975,17 +17973,13 @@ def cmd_approve(approval_id: str, reason: str | None, args_json: str | None,
     """Approve a pending approval: the call runs (or the host is granted)."""
     if sum(x is not None for x in (args_json, budget, always)) > 1:
         raise click.UsageError("give one of --args, --budget, --always")
-    body: dict[str, Any] = {"reason": reason} if reason else {}
-    suffix = "approve"
+    body = given(reason=reason or None, budgetCents=budget, scope=always)
     if args_json is not None:
         try:
             body["args"] = json.loads(args_json)
         except ValueError as exc:
             raise click.UsageError(f"--args is not JSON: {exc}") from None
-    if budget is not None:
-        body["budgetCents"] = budget
-    if always is not None:
-        body["scope"], suffix = always, "always"
+    suffix = "approve" if always is None else "always"
     client = Client(listen, box_home)
     try:
         approval = client.request("POST", f"/approvals/{approval_id}/{suffix}", body)
