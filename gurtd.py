@@ -13377,8 +13377,7 @@ class Schedules:
         self.check_workspace(fields)
         if len(self.items) >= MAX_SCHEDULES:
             raise ApiError(409, f"at most {MAX_SCHEDULES} schedules", "conflict")
-        sched_id = new_task_id("s")
-        stamp = now_iso()
+        sched_id, stamp = new_task_id("s"), now_iso()
         item = Schedule(id=sched_id, createdAt=stamp, updatedAt=stamp, after=wall_now(),
                         **fields)
         self.items[sched_id] = item
@@ -17092,14 +17091,12 @@ def follow_task(client: Client, task_id: str, as_json: bool) -> None:
         except queue.Empty:
             spinner.spin()
             continue
+        spinner.clear()                # a no-op unless it was shown (never with as_json)
         if event == "error":
-            spinner.clear()
             raise data
         if event in ("end", "eof"):
-            spinner.clear()
             return
         if not as_json:
-            spinner.clear()
             follow_entry(client, json.loads(data), spinner)
 
 
