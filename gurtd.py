@@ -13304,12 +13304,10 @@ SCHEDULE_FIELDS = {"name": str, "cron": str, "timezone": str, "task": dict, "ena
                    "overlap": str}
 
 
-def validate_schedule_body(body: Any, current: dict[str, Any] | None,
+def validate_schedule_body(body: dict[str, Any], current: dict[str, Any] | None,
                            settings: dict[str, Any]) -> dict[str, Any]:
-    """A POST (current None) or PUT (a partial update of current) body of a schedule, checked;
-    the schedule's fields.  ApiError(400) naming the field."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
+    """A POST (current None) or PUT (a partial update of current) body of a schedule (an
+    object: json_body), checked; the schedule's fields.  ApiError(400) naming the field."""
     check_field_types(body, SCHEDULE_FIELDS, "", lambda key, kind: f"{key} must be a" + {
         str: " string", dict: "n object", bool: " boolean"}[kind])
     out = dict(current or {"timezone": "UTC", "enabled": True, "overlap": "skip"})
@@ -13372,7 +13370,7 @@ class Schedules:
         if not self.box.views.workspace_exists(workspace):
             raise ApiError(400, f"task: workspace {workspace} does not exist")
 
-    def create(self, body: Any) -> dict[str, Any]:
+    def create(self, body: dict[str, Any]) -> dict[str, Any]:
         fields = validate_schedule_body(body, None, self.box.setting())
         self.check_workspace(fields)
         if len(self.items) >= MAX_SCHEDULES:
@@ -13385,7 +13383,7 @@ class Schedules:
         log(6, f"schedule {sched_id} ({item.name}) created: {item.cron} {item.timezone}")
         return item.to_api()
 
-    def update(self, sched_id: str, body: Any) -> dict[str, Any]:
+    def update(self, sched_id: str, body: dict[str, Any]) -> dict[str, Any]:
         item = self.get(sched_id)
         old = dataclasses.asdict(item)
         fields = validate_schedule_body(body, {k: old[k] for k in SCHEDULE_FIELDS},
@@ -14041,10 +14039,9 @@ HOOK_PATH_RE = re.compile(r"^/api/hooks/[^/]+$")
 HOOK_BODY_FIELDS = ("workspace", "worker", "hosts", "tools", "budgetCents")
 
 
-def validate_hook_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    """POST /api/hooks {name, source, task?, allow?}: the hook's fields, or ApiError(400)."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
+def validate_hook_body(body: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """POST /api/hooks {name, source, task?, allow?} (an object: json_body): the hook's
+    fields, or ApiError(400)."""
     for key in body:
         if key not in ("name", "source", "task", "allow"):
             raise ApiError(400, f"unknown field: {key}")
@@ -14142,7 +14139,7 @@ class Hooks:
     def list(self) -> list[dict[str, Any]]:
         return [self.public(h) for _, h in sorted(self.items.items())]
 
-    def create(self, body: Any) -> dict[str, Any]:
+    def create(self, body: dict[str, Any]) -> dict[str, Any]:
         """A new hook; its secret is in this answer and never again."""
         fields = validate_hook_body(body, self.box.setting())
         if fields["name"] in self.items:
