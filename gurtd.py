@@ -11399,7 +11399,6 @@ class Gateway:
             call.conn.sendall(b"".join(out))      # what came before the cut: the task sees it
 
 
-
 # the owner's key: where secrets are kept, its HTTP handlers, and `gurtd secret` (the CLI
 # section adds it to cli)
 
@@ -13071,13 +13070,9 @@ class PortalSessions:
     def revoke(self, session_id: str) -> None:
         with self.lock:
             for key, session in list(self.sessions.items()):
-                if session.id == session_id:
+                if session.id == session_id:      # a 507: still signed in, here and on disk
                     del self.sessions[key]
-                    try:
-                        self.save()
-                    except BaseException:  # 507: still signed in, here and after a restart
-                        self.sessions[key] = session
-                        raise
+                    save_or_restore(self.save, "portal sessions", self.sessions, key, session)
                     return
         raise ApiError(404, "No session with this id", "not_found")
 
@@ -13310,12 +13305,10 @@ SCHEDULE_FIELDS = {"name": str, "cron": str, "timezone": str, "task": dict, "ena
                    "overlap": str}
 
 
-def validate_schedule_body(body: Any, current: dict[str, Any] | None,
+def validate_schedule_body(body: dict[str, Any], current: dict[str, Any] | None,
                            settings: dict[str, Any]) -> dict[str, Any]:
-    """A POST (current None) or PUT (a partial update of current) body of a schedule, checked;
-    the schedule's fields.  ApiError(400) naming the field."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
+    """A POST (current None) or PUT (a partial update of current) body of a schedule (an
+    object: json_body), checked; the schedule's fields.  ApiError(400) naming the field."""
     check_field_types(body, SCHEDULE_FIELDS, "", lambda key, kind: f"{key} must be a" + {
         str: " string", dict: "n object", bool: " boolean"}[kind])
     out = dict(current or {"timezone": "UTC", "enabled": True, "overlap": "skip"})
@@ -13344,10 +13337,7 @@ class Schedules:
         self.items: dict[str, Schedule] = {}
         self.next_at: dict[str, float] = {}       # cached first slot after `after`
         self.due: set[str] = set()                # queued runs whose turn came
-
-    @property
-    def file(self) -> str:
-        return self.box.path("schedules.json")
+        self.file = box.path("schedules.json")
 
     def load(self) -> None:
         """Read schedules.json; lastTask and lastState are repaired from the tasks (a crash
@@ -13381,13 +13371,12 @@ class Schedules:
         if not self.box.views.workspace_exists(workspace):
             raise ApiError(400, f"task: workspace {workspace} does not exist")
 
-    def create(self, body: Any) -> dict[str, Any]:
+    def create(self, body: dict[str, Any]) -> dict[str, Any]:
         fields = validate_schedule_body(body, None, self.box.setting())
         self.check_workspace(fields)
         if len(self.items) >= MAX_SCHEDULES:
             raise ApiError(409, f"at most {MAX_SCHEDULES} schedules", "conflict")
-        sched_id = new_task_id("s")
-        stamp = now_iso()
+        sched_id, stamp = new_task_id("s"), now_iso()
         item = Schedule(id=sched_id, createdAt=stamp, updatedAt=stamp, after=wall_now(),
                         **fields)
         self.items[sched_id] = item
@@ -13395,7 +13384,7 @@ class Schedules:
         log(6, f"schedule {sched_id} ({item.name}) created: {item.cron} {item.timezone}")
         return item.to_api()
 
-    def update(self, sched_id: str, body: Any) -> dict[str, Any]:
+    def update(self, sched_id: str, body: dict[str, Any]) -> dict[str, Any]:
         item = self.get(sched_id)
         old = dataclasses.asdict(item)
         fields = validate_schedule_body(body, {k: old[k] for k in SCHEDULE_FIELDS},
@@ -13839,9 +13828,8 @@ class Jira:
         try:
             task = self.box.create_task(body)
         except ApiError as exc:
-            self.issues[key].update(state="failed", error=exc.message)
-            self.issues[key]["notice"] = {"state": "failed", "error": exc.message,
-                                          "task": None}
+            self.issues[key].update(state="failed", error=exc.message, notice={
+                "state": "failed", "error": exc.message, "task": None})
             self.save()
             log(4, f"jira: issue {key}: no task: {exc.message}")
             self.wake.set()
@@ -14052,10 +14040,9 @@ HOOK_PATH_RE = re.compile(r"^/api/hooks/[^/]+$")
 HOOK_BODY_FIELDS = ("workspace", "worker", "hosts", "tools", "budgetCents")
 
 
-def validate_hook_body(body: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    """POST /api/hooks {name, source, task?, allow?}: the hook's fields, or ApiError(400)."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
+def validate_hook_body(body: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """POST /api/hooks {name, source, task?, allow?} (an object: json_body): the hook's
+    fields, or ApiError(400)."""
     for key in body:
         if key not in ("name", "source", "task", "allow"):
             raise ApiError(400, f"unknown field: {key}")
@@ -14114,14 +14101,8 @@ class Hooks:
         self.box = box
         self.items: dict[str, dict[str, Any]] = {}
         self.deliveries: dict[str, float] = {}     # "hook/delivery id" -> when (wall time)
-
-    @property
-    def file(self) -> str:
-        return self.box.path("hooks.json")
-
-    @property
-    def deliveries_file(self) -> str:
-        return self.box.path("hook-deliveries.jsonl")
+        self.file = box.path("hooks.json")
+        self.deliveries_file = box.path("hook-deliveries.jsonl")
 
     def load(self) -> None:
         """Read the hooks, and the delivery ids younger than a day (the file is rewritten
@@ -14159,7 +14140,7 @@ class Hooks:
     def list(self) -> list[dict[str, Any]]:
         return [self.public(h) for _, h in sorted(self.items.items())]
 
-    def create(self, body: Any) -> dict[str, Any]:
+    def create(self, body: dict[str, Any]) -> dict[str, Any]:
         """A new hook; its secret is in this answer and never again."""
         fields = validate_hook_body(body, self.box.setting())
         if fields["name"] in self.items:
@@ -14220,8 +14201,7 @@ class Hooks:
             fd = os.open(self.deliveries_file, os.O_RDWR | os.O_APPEND | os.O_CREAT |
                          os.O_CLOEXEC, 0o600)
             try:
-                append_line(fd, json.dumps({"id": key, "at": now}).encode() + b"\n")
-                os.fsync(fd)
+                append_line(fd, json.dumps({"id": key, "at": now}).encode() + b"\n", sync=True)
             finally:
                 os.close(fd)
         self.deliveries[key] = now
@@ -14399,36 +14379,25 @@ def h_task_changes(req: "Handler", params: dict[str, str]) -> Any:
 MAX_LOG_FOLLOWERS = 32              # GET /api/tasks/{id}/log?follow=1 at once, per task
 
 
-def follower_cap(handler: Callable[..., Any]) -> Callable[..., Any]:
-    """At most MAX_LOG_FOLLOWERS followers of one task's log at once (each holds a thread);
-    one more gets 429."""
-    def capped(req: "Handler", params: dict[str, str]) -> Any:
-        if req.query_one("follow") not in ("1", "true", "yes"):
-            return handler(req, params)
-        if not req.box.followers.enter(params["id"]):
-            raise ApiError(429, f"this task's log has {MAX_LOG_FOLLOWERS} followers already",
-                           "too_many_requests")
-        try:
-            return handler(req, params)
-        finally:
-            req.box.followers.leave(params["id"])
-    capped.__doc__ = handler.__doc__
-    return capped
-
-
-@follower_cap
 def h_task_log(req: "Handler", params: dict[str, str]) -> Any:
+    """The log, or its followers: at most MAX_LOG_FOLLOWERS of one task at once (each holds
+    a thread); one more gets 429."""
     box, task_id = req.box, params["id"]
-    if box.loop.task_json(task_id) is None:
-        raise ApiError(400, "No task with this id")
     follow = req.query_one("follow") in ("1", "true", "yes")
-    given = urllib.parse.parse_qs(req.path.partition("?")[2], keep_blank_values=True)
-    if given.get("follow", ["true"])[-1] not in ("1", "true", "yes", "0", "false", "no"):
-        raise ApiError(400, "follow must be true or false")
-    path = box.log_file(task_id)
-    if not follow:
-        return send_log(req, path)
-    return follow_log(req, task_id, path)
+    if follow and not box.followers.enter(task_id):
+        raise ApiError(429, f"this task's log has {MAX_LOG_FOLLOWERS} followers already",
+                       "too_many_requests")
+    try:
+        if box.loop.task_json(task_id) is None:
+            raise ApiError(400, "No task with this id")
+        given = urllib.parse.parse_qs(req.path.partition("?")[2], keep_blank_values=True)
+        if given.get("follow", ["true"])[-1] not in ("1", "true", "yes", "0", "false", "no"):
+            raise ApiError(400, "follow must be true or false")
+        path = box.log_file(task_id)
+        return follow_log(req, task_id, path) if follow else send_log(req, path)
+    finally:
+        if follow:
+            box.followers.leave(task_id)
 
 
 def send_stream_head(req: "Handler", ctype: str, *headers: tuple[str, str]) -> None:
@@ -14448,7 +14417,7 @@ def send_log(req: "Handler", path: str) -> None:
         f = open(path, "rb")
     except FileNotFoundError:
         req.send_json(200, (b"", "application/jsonl"))
-        return None
+        return
     with f:
         left = os.fstat(f.fileno()).st_size
         req.send_response(200)
@@ -14462,7 +14431,6 @@ def send_log(req: "Handler", path: str) -> None:
                 break
             req.wfile.write(chunk)
             left -= len(chunk)
-    return None
 
 
 def follow_log(req: "Handler", task_id: str, path: str) -> None:
@@ -14493,7 +14461,6 @@ def follow_log(req: "Handler", task_id: str, path: str) -> None:
                 last_beat = time.monotonic()
             req.wfile.flush()
             watch.wait(seen, 5.0)
-    return None
 
 
 def h_workspaces_list(req: "Handler", params: dict[str, str]) -> Any:
@@ -14580,8 +14547,6 @@ def _reason(body: dict[str, Any]) -> str | None:
 
 def h_approval_approve(req: "Handler", params: dict[str, str]) -> Any:
     body = req.json_body(optional=True)
-    if not isinstance(body, dict):
-        raise ApiError(400, 'the body must be {"reason"?, "args"? | "budgetCents"?}')
     changes = {k: body.pop(k) for k in ("args", "budgetCents") if k in body}
     reason = _reason(body)
     if len(changes) > 1:
@@ -14601,8 +14566,8 @@ def h_approval_deny(req: "Handler", params: dict[str, str]) -> Any:
 
 def h_approval_answer(req: "Handler", params: dict[str, str]) -> Any:
     body = req.json_body()
-    if not isinstance(body, dict) or set(body) != {"answer"} or \
-            not isinstance(body["answer"], str) or len(body["answer"]) > 10000:
+    if set(body) != {"answer"} or not isinstance(body["answer"], str) or \
+            len(body["answer"]) > 10000:
         raise ApiError(400, 'the body must be {"answer": "..."} (at most 10000 characters)')
 
     def answer() -> Any:
@@ -14614,8 +14579,7 @@ def h_approval_answer(req: "Handler", params: dict[str, str]) -> Any:
 
 def h_approvals_approve_all(req: "Handler", params: dict[str, str]) -> Any:
     body = req.json_body(optional=True)
-    if not isinstance(body, dict) or set(body) - {"task"} or \
-            not isinstance(body.get("task", ""), str):
+    if set(body) - {"task"} or not isinstance(body.get("task", ""), str):
         raise ApiError(400, 'the body must be {} or {"task": "<id>"}')
     return 200, req.box.loop.call(req.box.broker.approve_all, body.get("task"))
 
@@ -14807,22 +14771,22 @@ ROUTES: list[Route] = [
           "getHealth", "service", open=True, answers={200: ("gurtd is up", _ref("Health"))}),
     Route("GET", "/api/tasks", h_tasks_list,
           "List tasks, newest first (?state= ?workspace= ?limit= ?fields=id,state)",
-          "listTasks", "tasks",
+          "listTasks",
           query={"state": ({"type": "string", "enum": list(STATES)}, "Only tasks in this state"),
                  "workspace": ({"type": "string"}, "Only tasks of this workspace"),
                  "limit": (TASKS_LIMIT, "At most this many")},
           answers={200: ("Tasks, newest first", _array(_ref("Task"))),
                    400: "A query parameter is wrong"}),
     Route("POST", "/api/tasks", h_tasks_create, "Create a task",
-          "createTask", "tasks", body=(_ref("TaskCreate"), True),
+          "createTask", body=(_ref("TaskCreate"), True),
           answers={201: ("The task, queued", _ref("Task")),
                    400: "A field is wrong, the workspace does not exist, the droid worker has "
                         "no Droid CLI, or a folder is refused (personal: not a folder under "
                         "folderRoots, or inside another)",
                    507: "The disk is full: nothing was created"}),
-    Route("GET", "/api/tasks/{id}", h_task_get, "Read a task", "getTask", "tasks",
+    Route("GET", "/api/tasks/{id}", h_task_get, "Read a task", "getTask",
           answers={200: ("The task", _ref("Task")), 400: "No task with this id"}),
-    Route("POST", "/api/tasks/{id}/undo", h_task_undo, "Undo a task", "undoTask", "tasks",
+    Route("POST", "/api/tasks/{id}/undo", h_task_undo, "Undo a task", "undoTask",
           body=({"type": "object", "additionalProperties": False, "properties": {
               "force": {"type": "boolean", "default": False,
                         "description": "Personal: put the versions from before the keep back "
@@ -14837,11 +14801,11 @@ ROUTES: list[Route] = [
                          "next undo tries them again", _ref("Conflict")),
                    507: "The disk is full: the undo goes on with the next undo"}),
     Route("POST", "/api/tasks/{id}/stop", h_task_stop, "Stop a task: it fails with error stopped",
-          "stopTask", "tasks",
+          "stopTask",
           answers={200: ("The task, failed with error stopped", _ref("Task")),
                    400: "No task with this id", 409: "The task has ended already"}),
     Route("GET", "/api/tasks/{id}/log", h_task_log, "A task's log as JSON lines (?follow=1: SSE)",
-          "getTaskLog", "tasks",
+          "getTaskLog",
           query={"follow": ({"type": "boolean"},
                             "true: Server-Sent Events, one per log line as it comes, then "
                             "`event: end` once the task has ended")},
@@ -14849,23 +14813,22 @@ ROUTES: list[Route] = [
                          {JSONL: {"type": "string"}, "text/event-stream": SSE}),
                    400: "No task with this id", 429: "The log has too many followers"}),
     Route("GET", "/api/tasks/{id}/changes", h_task_changes, "A task's layer: [{path, change}]",
-          "getTaskChanges", "tasks",
+          "getTaskChanges",
           answers={200: ("The task's layer against the view it was made on, or that its "
                          "finish-time merge joined it with (empty once the layer is deleted); "
                          "undo takes its change out of later copies too",
                          _array(_ref("Change"))),
                    400: "No task with this id"}),
-    Route("GET", "/api/workspaces", h_workspaces_list, "List workspaces",
-          "listWorkspaces", "workspaces",
+    Route("GET", "/api/workspaces", h_workspaces_list, "List workspaces", "listWorkspaces",
           answers={200: ("Every workspace", _array(_ref("Workspace")))}),
     Route("POST", "/api/workspaces", h_workspaces_create, "Create an empty workspace",
-          "createWorkspace", "workspaces",
+          "createWorkspace",
           body=({"type": "object", "additionalProperties": False, "required": ["name"],
                  "properties": {"name": NAME_SCHEMA}}, True),
           answers={201: ("The new, empty workspace", _ref("Workspace")),
                    400: "The name is not a workspace name", 409: "It exists"}),
     Route("GET", "/api/workspaces/{name}", h_workspace_get, "A workspace and its stack",
-          "getWorkspace", "workspaces",
+          "getWorkspace",
           answers={200: ("The workspace and its stack, newest first", _ref("Workspace")),
                    404: "No workspace of this name"}),
     Route("GET", "/api/workspaces/{name}/files", h_workspace_files, "The view's top folder",
@@ -14882,19 +14845,18 @@ ROUTES: list[Route] = [
                    404: "No such workspace or file"}),
     Route("GET", "/api/approvals", h_approvals_list,
           "List approvals, newest first (?state=pending|approved|denied ?task=)",
-          "listApprovals", "approvals",
+          "listApprovals",
           query={"state": ({"type": "string", "enum": list(APPROVAL_STATES)},
                            "Only approvals in this state"),
                  "task": ({"type": "string"}, "Only approvals of this task")},
           answers={200: ("Approvals, newest first", _array(_ref("Approval"))),
                    400: "A query parameter is wrong"}),
-    Route("GET", "/api/approvals/{id}", h_approval_get, "Read an approval",
-          "getApproval", "approvals",
+    Route("GET", "/api/approvals/{id}", h_approval_get, "Read an approval", "getApproval",
           answers={200: ("The approval", _ref("Approval")), 404: "No approval with this id"}),
     Route("POST", "/api/approvals/{id}/approve", h_approval_approve,
           "Approve a pending approval {reason?, args? | budgetCents?}: the call runs (with "
           "these args), or the task's budget is raised",
-          "approveApproval", "approvals", body=(APPROVE_BODY, False),
+          "approveApproval", body=(APPROVE_BODY, False),
           answers={200: ("The approval, approved", _ref("Approval")),
                    400: "The body is wrong: both args and budgetCents, args the tool refuses, "
                         "or a budgetCents not above the task's cost with this call",
@@ -14904,12 +14866,12 @@ ROUTES: list[Route] = [
                    507: NOT_ANSWERED}),
     Route("POST", "/api/approvals/{id}/deny", h_approval_deny,
           "Deny a pending approval {reason?}: the call returns a refusal carrying the reason",
-          "denyApproval", "approvals", body=(REASON_BODY, False),
+          "denyApproval", body=(REASON_BODY, False),
           answers={200: ("The approval, denied", _ref("Approval")),
                    400: "The body is wrong", 404: "No approval with this id",
                    409: "Answered already", 507: NOT_ANSWERED}),
     Route("POST", "/api/approvals/{id}/answer", h_approval_answer, "Answer an ask {answer}",
-          "answerApproval", "approvals",
+          "answerApproval",
           body=({"type": "object", "additionalProperties": False, "required": ["answer"],
                  "properties": {"answer": {"type": "string", "maxLength": 10000}}}, True),
           answers={200: ("The ask, answered", _ref("Approval")),
@@ -14917,7 +14879,7 @@ ROUTES: list[Route] = [
                    409: "Not an ask, or answered already", 507: NOT_ANSWERED}),
     Route("POST", "/api/approvals/approve-all", h_approvals_approve_all,
           "Approve every pending spending and host {task?}: {approved: n, skipped: m}",
-          "approveAllApprovals", "approvals",
+          "approveAllApprovals",
           body=({"type": "object", "additionalProperties": False,
                  "properties": {"task": {"type": "string"}}}, False),
           answers={200: ("How many were approved, and how many need a person's own look "
@@ -14926,16 +14888,15 @@ ROUTES: list[Route] = [
                              "properties": {"approved": {"type": "integer", "minimum": 0},
                                             "skipped": {"type": "integer", "minimum": 0}}}),
                    400: "The body is wrong", 507: "The disk is full"}),
-    Route("GET", "/api/wallet", h_wallet_get, "The wallet: balance and ledger",
-          "getWallet", "wallet",
+    Route("GET", "/api/wallet", h_wallet_get, "The wallet: balance and ledger", "getWallet",
           answers={200: ("The balance and the ledger", _ref("Wallet"))}),
     Route("PUT", "/api/wallet", h_wallet_put, "Set the wallet's balance {balanceCents}",
-          "setWalletBalance", "wallet",
+          "setWalletBalance",
           body=({"type": "object", "additionalProperties": False, "required": ["balanceCents"],
                  "properties": {"balanceCents": {"type": "number", "minimum": 0}}}, True),
           answers={200: ("The wallet", _ref("Wallet")), 400: "The body is wrong",
                    507: "The disk is full: the balance is unchanged"}),
-    Route("GET", "/api/tools", h_tools, "The tools tasks can be granted", "listTools", "tools",
+    Route("GET", "/api/tools", h_tools, "The tools tasks can be granted", "listTools",
           answers={200: ("The tools a task can be granted", _array(_ref("Tool")))}),
     Route("GET", "/api/events", h_events,
           "Server-Sent Events: task state changes, approvals made and answered",
@@ -14948,9 +14909,9 @@ ROUTES: list[Route] = [
           answers={200: ("Server-Sent Events: task states, approvals made and answered",
                          {"text/event-stream": SSE}),
                    400: "since is not an event id"}),
-    Route("GET", "/api/settings", h_settings_get, "Read settings", "getSettings", "settings",
+    Route("GET", "/api/settings", h_settings_get, "Read settings", "getSettings",
           answers={200: ("Every setting", _ref("Settings"))}),
-    Route("PUT", "/api/settings", h_settings_put, "Change settings", "putSettings", "settings",
+    Route("PUT", "/api/settings", h_settings_put, "Change settings", "putSettings",
           body=(_ref("SettingsUpdate"), True),
           answers={200: ("Every setting, after the change", _ref("Settings")),
                    400: "A setting is wrong (named); nothing changed",
@@ -14958,7 +14919,7 @@ ROUTES: list[Route] = [
     # personal mode: review
     Route("POST", "/api/tasks/{id}/keep", h_task_keep,
           "Keep a personal task's folder changes {force?, paths?}: 409 conflict names the paths",
-          "keepTask", "tasks",
+          "keepTask",
           body=({"type": "object", "additionalProperties": False, "properties": {
               "force": {"type": "boolean", "default": False,
                         "description": "Keep over paths the owner changed after the start "
@@ -14977,7 +14938,7 @@ ROUTES: list[Route] = [
                    507: "The disk is full: the keep goes on with the next keep"}),
     Route("GET", "/api/tasks/{id}/diff", h_task_diff,
           "A task's changes as a unified diff (?path=): its folders, or its layer",
-          "getTaskDiff", "tasks",
+          "getTaskDiff",
           query={"path": ({"type": "string"},
                           "Only this file or folder (absolute in a folder, or relative)")},
           answers={200: ("A unified diff of its folders' pending changes (personal), or of its "
@@ -14990,7 +14951,7 @@ ROUTES: list[Route] = [
     Route("POST", "/api/approvals/{id}/always", h_approval_always,
           "Approve and record a policy {scope: task|workspace|box, maxCents?, totalCents?, "
           "expiresAt?, reason?}: later calls like it run without asking",
-          "alwaysApproveApproval", "approvals",
+          "alwaysApproveApproval",
           params={"id": {"type": "string", "description": "An approval id."}},
           body=({"type": "object", "additionalProperties": False, "required": ["scope"],
                  "properties": {"scope": {"type": "string", "enum": list(POLICY_SCOPES)},
@@ -15004,12 +14965,11 @@ ROUTES: list[Route] = [
                         "gone, or the box has too many policies",
                    507: NOT_ANSWERED}),
     Route("GET", "/api/policies", h_policies_list, "List policies (always-approve), newest first",
-          "listPolicies", "policies",
-          answers={200: ("Policies, newest first", _array(_ref("Policy")))}),
+          "listPolicies", answers={200: ("Policies, newest first", _array(_ref("Policy")))}),
     Route("POST", "/api/policies", h_policies_create,
           "Create a policy {tool, scope, task?|workspace?, host?, maxCents?, totalCents?, "
           "expiresAt?, reason?}",
-          "createPolicy", "policies", body=(_ref("PolicyCreate"), True),
+          "createPolicy", body=(_ref("PolicyCreate"), True),
           answers={201: ("The policy", _ref("Policy")),
                    400: "A field is wrong (named), task or workspace missing or not matching "
                         "scope, host missing or not matching tool host, an ask, or no such "
@@ -15017,7 +14977,7 @@ ROUTES: list[Route] = [
                    409: f"The box has {MAX_POLICIES} policies: delete some first",
                    507: "The disk is full: nothing was created"}),
     Route("DELETE", "/api/policies/{id}", h_policy_delete,
-          "Delete a policy: matching calls ask again", "deletePolicy", "policies",
+          "Delete a policy: matching calls ask again", "deletePolicy",
           params={"id": {"type": "string", "description": "A policy id."}},
           answers={200: ("The policy deleted: matching calls ask again", _ref("Policy")),
                    404: "No policy with this id", 507: "The disk is full: it stays"}),
@@ -15105,12 +15065,12 @@ ROUTES: list[Route] = [
                         "only (or a Host or Origin gurtd does not answer)"}),
     # sources: schedules and hooks
     Route("GET", "/api/schedules", h_schedules_list, "List schedules with their next runs",
-          "listSchedules", "schedules",
+          "listSchedules",
           answers={200: ("Schedules, oldest first, with their next runs",
                          _array(_ref("Schedule")))}),
     Route("POST", "/api/schedules", h_schedules_create,
           "Create a schedule {name, cron, timezone?, task, enabled?, overlap?}",
-          "createSchedule", "schedules", body=(_ref("ScheduleCreate"), True),
+          "createSchedule", body=(_ref("ScheduleCreate"), True),
           answers={201: ("The schedule", _ref("Schedule")),
                    400: "A field is wrong (named): a cron line that is not five fields or "
                         "never matches, an unknown time zone, a task field, a workspace that "
@@ -15118,21 +15078,21 @@ ROUTES: list[Route] = [
                    409: f"The box has {MAX_SCHEDULES} schedules",
                    507: "The disk is full: nothing was created"}),
     Route("GET", "/api/schedules/{id}", h_schedule_get, "Read a schedule and its nextRuns",
-          "getSchedule", "schedules", params={"id": SCHEDULE_ID},
+          "getSchedule", params={"id": SCHEDULE_ID},
           answers={200: ("The schedule", _ref("Schedule")), 404: "No schedule with this id"}),
     Route("PUT", "/api/schedules/{id}", h_schedule_put, "Change a schedule (any of its fields)",
-          "updateSchedule", "schedules", params={"id": SCHEDULE_ID},
+          "updateSchedule", params={"id": SCHEDULE_ID},
           body=(_ref("ScheduleUpdate"), True),
           answers={200: ("The schedule; a new cron line or time zone, or switching it on, "
                          "starts from now", _ref("Schedule")),
                    400: "A field is wrong (named)", 404: "No schedule with this id",
                    507: "The disk is full: nothing changed"}),
     Route("DELETE", "/api/schedules/{id}", h_schedule_delete, "Delete a schedule",
-          "deleteSchedule", "schedules", params={"id": SCHEDULE_ID},
+          "deleteSchedule", params={"id": SCHEDULE_ID},
           answers={200: DELETED, 404: "No schedule with this id",
                    507: "The disk is full: it stays"}),
     Route("POST", "/api/schedules/{id}/run", h_schedule_run, "Run a schedule now",
-          "runSchedule", "schedules", params={"id": SCHEDULE_ID},
+          "runSchedule", params={"id": SCHEDULE_ID},
           answers={201: ("Started: the run's task", {
                        "type": "object", "required": ["schedule", "task"], "properties": {
                            "schedule": _ref("Schedule"), "task": _ref("Task")}}),
@@ -15144,12 +15104,11 @@ ROUTES: list[Route] = [
                    404: "No schedule with this id",
                    409: "The previous run is still active (overlap skip): nothing started",
                    507: "The disk is full: nothing was started"}),
-    Route("GET", "/api/hooks", h_hooks_list, "List hooks (never their secrets)",
-          "listHooks", "hooks",
+    Route("GET", "/api/hooks", h_hooks_list, "List hooks (never their secrets)", "listHooks",
           answers={200: ("Hooks by name, never their secrets", _array(_ref("Hook")))}),
     Route("POST", "/api/hooks", h_hooks_create,
           "Create a hook {name, source, task?, allow?}: its secret is answered this once",
-          "createHook", "hooks", body=(_ref("HookCreate"), True),
+          "createHook", body=(_ref("HookCreate"), True),
           answers={201: ("The hook, with its secret: answered this once", {
                        "allOf": [_ref("Hook"), {"type": "object", "required": ["secret"],
                                                 "properties": {"secret": {
@@ -15159,11 +15118,11 @@ ROUTES: list[Route] = [
                    409: f"A hook of this name exists, or the box has {MAX_HOOKS} hooks",
                    507: "The disk is full: nothing was created"}),
     Route("DELETE", "/api/hooks/{name}", h_hook_delete, "Delete a hook",
-          "deleteHook", "hooks", params={"name": HOOK_NAME},
+          "deleteHook", params={"name": HOOK_NAME},
           answers={200: DELETED, 404: "No hook of this name", 507: "The disk is full: it stays"}),
     Route("POST", "/api/hooks/{name}", h_hook_deliver,
           "Deliver to a hook (no token: X-Gurt-Signature, X-Gurt-Timestamp, X-Gurt-Delivery)",
-          "deliverToHook", "hooks", open=True, params={"name": HOOK_NAME},
+          "deliverToHook", open=True, params={"name": HOOK_NAME},
           headers={
               "X-Gurt-Signature": ({"type": "string", "pattern": "^sha256=[0-9a-fA-F]{64}$"},
                                    "sha256=<hex HMAC-SHA256 of TIMESTAMP.DELIVERY.BODY (the "
@@ -15580,6 +15539,7 @@ LIMIT_ABOUT = {     # what each of TASK_LIMITS bounds, said in the Task schema
     "tmpBytes": "/tmp, /var/tmp, /dev/shm and HOME together",
     "logBytes": "Stored log; past it lines are counted"}
 DATE_TIME = {"type": "string", "format": "date-time"}
+STRING, NUMBER = {"type": "string"}, {"type": "number"}
 TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schemas says
     "type": "object",
     "properties": {
@@ -15598,8 +15558,7 @@ TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schema
                    "description": "Finished tasks whose changes it saw, newest first."},
         "costCents": {"type": "number"},
         "step": {"type": "string"},
-        "createdAt": DATE_TIME,
-        "updatedAt": DATE_TIME,
+        "createdAt": DATE_TIME, "updatedAt": DATE_TIME,
         "error": {"type": "string"},
         "summary": {"type": "string"},
         "folder": {"type": "string", "description": "Personal: the first real folder the task "
@@ -15649,7 +15608,6 @@ TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schema
                                     "the reverted versions; null if none was needed"}}},
     },
 }
-
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
@@ -15791,24 +15749,22 @@ def api_schemas() -> dict[str, Any]:
                              for k, kind in TASK_FIELDS.items()}}
     settings = {k: setting_schema(k) for k in DEFAULT_SETTINGS}
     approval_required = [f.name for f in dataclasses.fields(Approval)]   # to_api: asdict
-    string, number = {"type": "string"}, {"type": "number"}
     return {
         "Task": task, "TaskCreate": create,
         "Approval": {"type": "object", "required": approval_required, "properties": {
-            "id": string, "task": string,
+            "id": STRING, "task": STRING,
             "kind": {"type": "string", "enum": ["budget", "ask", "disk", "host", "conflict"],
                      "description": "budget (a spending above the task's budget), ask (a "
                      "question), disk (BOX_HOME is below its reserve), host (a name outside "
                      "the task's hosts, with askHosts), conflict (paths its finish-time merge "
                      "could not join; never answered by a policy)"},
-            "tool": string, "cents": number, "question": _nullable(string),
+            "tool": STRING, "cents": NUMBER, "question": _nullable(STRING),
             "args": {"description": "The call's arguments; of a conflict, ConflictArgs (its "
                                     "answer's args: ConflictAnswer)"},
             "state": {"type": "string", "enum": list(APPROVAL_STATES)},
             "createdAt": DATE_TIME,
-            "reason": _nullable(string), "answer": _nullable(string),
-            "answeredBy": _nullable(string),
-            "answeredAt": _nullable(DATE_TIME),
+            "reason": _nullable(STRING), "answer": _nullable(STRING),
+            "answeredBy": _nullable(STRING), "answeredAt": _nullable(DATE_TIME),
             **APPROVAL_DECISIONS}},
         "Workspace": {"type": "object", "required": ["name", "layers"], "properties": {
             "name": {"type": "string"},
@@ -15817,12 +15773,12 @@ def api_schemas() -> dict[str, Any]:
             "stack": {**_array(_ref("Task")), "description": "Its done tasks, newest first "
                                                              "(GET of one workspace)"}}},
         "Wallet": {"type": "object", "required": ["balanceCents", "ledger"], "properties": {
-            "balanceCents": number, "ledger": _array(_ref("LedgerEntry"))}},
+            "balanceCents": NUMBER, "ledger": _array(_ref("LedgerEntry"))}},
         "LedgerEntry": {"type": "object", "required": ["balanceAfterCents"], "properties": {
-            "time": DATE_TIME, "balanceAfterCents": number,
-            "set": {**number, "description": "The balance was set to this"},
-            "task": string, "call": string, "to": string, "cents": number,
-            "memo": _nullable(string)}},
+            "time": DATE_TIME, "balanceAfterCents": NUMBER,
+            "set": {**NUMBER, "description": "The balance was set to this"},
+            "task": STRING, "call": STRING, "to": STRING, "cents": NUMBER,
+            "memo": _nullable(STRING)}},
         "Settings": {"type": "object", "required": list(DEFAULT_SETTINGS),
                      "properties": settings},
         "SettingsUpdate": {"type": "object", "additionalProperties": False,
@@ -15831,16 +15787,16 @@ def api_schemas() -> dict[str, Any]:
             "path": {"type": "string", "description": "A folder's ends with /"},
             "change": {"type": "string", "enum": ["added", "modified", "deleted"]}}},
         "FileEntry": {"type": "object", "required": ["name", "type", "size"], "properties": {
-            "name": string, "size": {"type": "integer", "minimum": 0},
+            "name": STRING, "size": {"type": "integer", "minimum": 0},
             "type": {"type": "string", "enum": ["file", "directory", "symlink", "other"]}}},
         "FileList": {"type": "object", "required": ["workspace", "path", "entries"],
-                     "properties": {"workspace": string, "path": string,
+                     "properties": {"workspace": STRING, "path": STRING,
                                     "entries": _array(_ref("FileEntry"))}},
         "Tool": {"type": "object", "required": ["name", "kind"], "properties": {
-            "name": string, "kind": {"type": "string", "enum": ["builtin", "executable"]},
-            "description": string}},
+            "name": STRING, "kind": {"type": "string", "enum": ["builtin", "executable"]},
+            "description": STRING}},
         "Health": {"type": "object", "required": ["ok", "version"], "properties": {
-            "ok": {"type": "boolean"}, "version": string}},
+            "ok": {"type": "boolean"}, "version": STRING}},
         "Error": {"type": "object", "required": ["error"], "properties": {
             "error": {"type": "string", "description": "What went wrong"},
             "code": {"type": "string", "description": "A stable name for it, e.g. not_found"}}},
@@ -15851,11 +15807,10 @@ def api_schemas() -> dict[str, Any]:
 def conflict_schemas() -> dict[str, Any]:
     """A conflict approval's args (run_check's conflicts, version_info's versions) and the
     args of its answer (conflict_answer)."""
-    string = {"type": "string"}
     version = {"type": "object", "required": ["kind"], "properties": {
         "kind": {"type": "string", "enum": ["absent", "file", "symlink", "folder", "other"]},
         "mode": {"type": "string", "pattern": "^[0-7]{4}$"},
-        "size": {"type": "integer", "minimum": 0}, "target": string,
+        "size": {"type": "integer", "minimum": 0}, "target": STRING,
         "text": {"type": "string", "description": f"At most {MERGE_SHOWN_BYTES} bytes"},
         "shown": {"type": "string", "enum": ["binary", "too large to show"],
                   "description": "Why there is no text"}}}
@@ -15863,13 +15818,13 @@ def conflict_schemas() -> dict[str, Any]:
         "ConflictArgs": {"type": "object", "required": ["paths", "merged"], "properties": {
             "paths": _array({"type": "object", "required": ["path", "why", "diff3", "before",
                                                             "view", "task"], "properties": {
-                "path": string, "why": string,
-                "diff3": {**_nullable(string), "description": "git merge-file --diff3's text "
+                "path": STRING, "why": STRING,
+                "diff3": {**_nullable(STRING), "description": "git merge-file --diff3's text "
                           "with markers (task, before, view), for text"},
                 "before": {**version, "description": "What the task saw when it started"},
                 "view": {**version, "description": "The workspace's view now"},
                 "task": {**version, "description": "The task's own"}}}),
-            "merged": {**_array(string), "description": "Paths joined cleanly meanwhile"}}},
+            "merged": {**_array(STRING), "description": "Paths joined cleanly meanwhile"}}},
         "ConflictAnswer": {
             "type": "object", "additionalProperties": False,
             "description": "Approve's args of a conflict; none: the task's version everywhere",
@@ -15877,7 +15832,7 @@ def conflict_schemas() -> dict[str, Any]:
                 "keep": {"type": "string", "enum": list(CONFLICT_KEEP), "default": "task",
                          "description": "task: its version; view: the view's (its change "
                                         "to those paths dropped)"},
-                "texts": {"type": "object", "additionalProperties": string,
+                "texts": {"type": "object", "additionalProperties": STRING,
                           "description": "A merged text for some paths (by path)"}}},
     }
 
@@ -15885,17 +15840,16 @@ def conflict_schemas() -> dict[str, Any]:
 def decision_schemas() -> dict[str, Any]:
     """Policy (and the body that makes one), the portal's Session, and the Conflict a keep
     answers."""
-    string, number = {"type": "string"}, {"type": "number"}
     return {
         "Policy": {"type": "object", "required": [f.name for f in dataclasses.fields(Policy)]
                    + ["active"], "properties": {
-            "id": string, "tool": {"type": "string", "description": "A tool name, or host"},
+            "id": STRING, "tool": {"type": "string", "description": "A tool name, or host"},
             "scope": {"type": "string", "enum": list(POLICY_SCOPES)},
             "createdAt": DATE_TIME,
             "createdBy": {"type": "string", "description": "api, or approval <id>"},
-            "task": _nullable(string), "workspace": _nullable(string),
-            "host": _nullable(string), **POLICY_LIMITS,
-            "spentCents": number, "uses": {"type": "integer", "minimum": 0},
+            "task": _nullable(STRING), "workspace": _nullable(STRING),
+            "host": _nullable(STRING), **POLICY_LIMITS,
+            "spentCents": NUMBER, "uses": {"type": "integer", "minimum": 0},
             "active": {"type": "boolean"},
             "endedBecause": {"type": "string", "description": "Expired, or spent"}}},
         "PolicyCreate": {
@@ -15913,14 +15867,13 @@ def decision_schemas() -> dict[str, Any]:
                 **POLICY_LIMITS}},
         "Session": {"type": "object", "required": ["id", "createdAt", "expiresAt", "userAgent",
                                                    "via", "current"], "properties": {
-            "id": string, "createdAt": DATE_TIME,
-            "expiresAt": DATE_TIME, "userAgent": string,
+            "id": STRING, "createdAt": DATE_TIME, "expiresAt": DATE_TIME, "userAgent": STRING,
             "via": {"type": "string", "enum": ["code", "token"]},
             "current": {"type": "boolean", "description": "This browser's"}}},
         "Conflict": {"type": "object", "required": ["error"], "properties": {
-            "error": string, "code": string,
+            "error": STRING, "code": STRING,
             **{key: _array({"type": "object", "required": ["folder", "path", "why"],
-                            "properties": {"folder": string, "path": string, "why": string}})
+                            "properties": {"folder": STRING, "path": STRING, "why": STRING}})
                for key in ("conflicts", "notUndone")}}},
     }
 
@@ -15928,21 +15881,19 @@ def decision_schemas() -> dict[str, Any]:
 def source_schemas(create: dict[str, Any]) -> dict[str, Any]:
     """Schedules and hooks; create: TaskCreate's properties (a schedule's or a hook's task
     takes them, but source)."""
-    string = {"type": "string"}
     task_defaults = {k: v for k, v in create.items() if k != "source"}
     return {
         "Schedule": {"type": "object", "required": [
             f.name for f in dataclasses.fields(Schedule) if f.name != "after"] + ["nextRuns"],
             "properties": {
-                "id": string, "name": string, "cron": string, "timezone": string,
+                "id": STRING, "name": STRING, "cron": STRING, "timezone": STRING,
                 "task": {"type": "object", "description": "What each run creates"},
                 "enabled": {"type": "boolean"}, "overlap": {"type": "string",
                                                             "enum": list(OVERLAPS)},
-                "createdAt": DATE_TIME,
-                "updatedAt": DATE_TIME,
+                "createdAt": DATE_TIME, "updatedAt": DATE_TIME,
                 "lastRun": _nullable(DATE_TIME),
-                "lastTask": _nullable(string), "lastState": _nullable(string),
-                "lastNote": {**_nullable(string), "description": "What happened at the latest "
+                "lastTask": _nullable(STRING), "lastState": _nullable(STRING),
+                "lastNote": {**_nullable(STRING), "description": "What happened at the latest "
                                                                 "slot (missed, skipped...)"},
                 "queued": {"type": "boolean"},
                 "nextRuns": {**_array(DATE_TIME),
@@ -15951,7 +15902,7 @@ def source_schemas(create: dict[str, Any]) -> dict[str, Any]:
         "ScheduleUpdate": schedule_body(task_defaults, []),
         "Hook": {"type": "object", "required": ["name", "source", "task", "allow", "createdAt",
                                                 "url"], "properties": {
-            "name": HOOK_NAME, "source": string, "task": {"type": "object"},
+            "name": HOOK_NAME, "source": STRING, "task": {"type": "object"},
             "allow": _array({"type": "string", "enum": list(HOOK_BODY_FIELDS)}),
             "createdAt": DATE_TIME,
             "url": {"type": "string", "description": "Where to deliver: /api/hooks/<name>"}}},
@@ -17010,8 +16961,10 @@ def use_color(err: bool = False) -> bool:
     return stream.isatty() and not os.environ.get("NO_COLOR")
 
 
-def paint(state: str) -> str:
-    return click.style(state, fg=STATE_COLORS.get(state), bold=state == "waiting")
+def paint(state: str, err: bool = False) -> str:
+    """A state in its colour where stdout (err: stderr) takes colours (use_color)."""
+    return click.style(state, fg=STATE_COLORS.get(state), bold=state == "waiting") \
+        if use_color(err) else state
 
 
 def cents_text(value: Any) -> str:
@@ -17141,14 +17094,12 @@ def follow_task(client: Client, task_id: str, as_json: bool) -> None:
         except queue.Empty:
             spinner.spin()
             continue
+        spinner.clear()                # a no-op unless it was shown (never with as_json)
         if event == "error":
-            spinner.clear()
             raise data
         if event in ("end", "eof"):
-            spinner.clear()
             return
         if not as_json:
-            spinner.clear()
             follow_entry(client, json.loads(data), spinner)
 
 
@@ -17292,9 +17243,8 @@ def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title
     if as_json:
         click.echo(json.dumps(task, indent=1))
     else:
-        state = paint(task["state"]) if use_color(True) else task["state"]
-        click.echo(f"{task['id']} {state}" + (f": {printable(task['error'])}" if
-                                               task.get("error") else "") +
+        click.echo(f"{task['id']} {paint(task['state'], True)}" +
+                   (f": {printable(task['error'])}" if task.get("error") else "") +
                    (f" ({cents_text(task['costCents'])} cents)" if task.get("costCents")
                     else ""), err=True)
     sys.exit(0 if task["state"] == "done" else 1)
@@ -17532,7 +17482,7 @@ def cmd_status(as_json: bool, box_home: str, listen: str) -> None:
         return
     click.echo(up)
     click.echo("tasks:      " + ", ".join(
-        f"{n}{'+' if n >= 1000 else ''} {paint(s) if use_color() else s}"
+        f"{n}{'+' if n >= 1000 else ''} {paint(s)}"
         for s, n in counts.items()))
     click.echo(f"wallet:     {cents_text(wallet['balanceCents'])} cents")
     click.echo(f"approvals:  {len(pending)} pending" +
@@ -17586,15 +17536,13 @@ def cmd_approve_all(task_id: str | None, box_home: str, listen: str) -> None:
 def event_text(kind: str, data: dict[str, Any]) -> str:
     """One event of /api/events in a line for people."""
     if kind == "task":
-        state = paint(data["state"]) if use_color() else data["state"]
-        return printable(f"task {data.get('id')} ") + state + printable(
+        return printable(f"task {data.get('id')} ") + paint(data["state"]) + printable(
             f"  {short(data.get('title'), 50)}" + (f"  ({short(data['error'], 60)})"
                                                    if data.get("error") else ""))
     if kind == "approval":
-        state = paint(data["state"]) if use_color() else data["state"]
         what = data.get("question") or f"{data.get('tool')} {cents_text(data.get('cents'))} " \
                                         "cents"
-        return printable(f"approval {data.get('id')} ") + state + printable(
+        return printable(f"approval {data.get('id')} ") + paint(data["state"]) + printable(
             f"  {data.get('kind')} of task {data.get('task')}: {short(what, 60)}")
     return printable(f"{kind} {json.dumps(data)[:150]}")
 
@@ -17654,13 +17602,11 @@ def cmd_settings(key: str | None, value: str | None, as_json: bool, box_home: st
     if key is not None and key not in settings:
         raise click.ClickException(f"no setting named {key}; there are: "
                                    f"{', '.join(sorted(settings))}")
-    shown = {key: settings[key]} if key is not None else settings
-    if as_json:
-        click.echo(json.dumps(shown[key] if key is not None else shown, indent=1))
+    if key is not None:
+        print_answer(settings[key], as_json, lambda v: click.echo(printable(json.dumps(v))))
         return
-    for name, current in shown.items():
-        click.echo(printable(f"{name}: {json.dumps(current)}") if key is None else
-                   printable(json.dumps(current)))
+    print_answer(settings, as_json, lambda s: click.echo("\n".join(
+        printable(f"{name}: {json.dumps(v)}") for name, v in s.items())))
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -17859,9 +17805,7 @@ class McpServer:
     def handle(self, message: dict[str, Any], rpc_id: Any) -> None:
         reply: dict[str, Any] = {"jsonrpc": "2.0", "id": rpc_id}
         try:
-            params = message.get("params", {})
-            if params is None:
-                params = {}
+            params = {} if message.get("params") is None else message["params"]
             if not isinstance(params, dict):
                 raise McpError(-32602, "params must be an object")
             reply["result"] = self.answer(message["method"], params, rpc_id)
@@ -17918,11 +17862,10 @@ class McpServer:
     def call(self, params: dict[str, Any], rpc_id: Any) -> dict[str, Any]:
         """A tool call.  Unknown or ungranted tools are a protocol error (-32602); a call the
         tool or a person refuses is a result with isError, which the model gets to read."""
-        name, args = params.get("name"), params.get("arguments", {})
+        name, args = params.get("name"), params.get("arguments")
         if not isinstance(name, str) or not name:
             raise McpError(-32602, "tools/call needs the tool's name (params.name)")
-        if args is None:
-            args = {}
+        args = {} if args is None else args
         if not isinstance(args, dict):
             raise McpError(-32602, "params.arguments must be an object")
         status, answer = self.broker(rpc_id, "POST", "/call", {"tool": name, "args": args})
@@ -18030,17 +17973,13 @@ def cmd_approve(approval_id: str, reason: str | None, args_json: str | None,
     """Approve a pending approval: the call runs (or the host is granted)."""
     if sum(x is not None for x in (args_json, budget, always)) > 1:
         raise click.UsageError("give one of --args, --budget, --always")
-    body: dict[str, Any] = {"reason": reason} if reason else {}
-    suffix = "approve"
+    body = given(reason=reason or None, budgetCents=budget, scope=always)
     if args_json is not None:
         try:
             body["args"] = json.loads(args_json)
         except ValueError as exc:
             raise click.UsageError(f"--args is not JSON: {exc}") from None
-    if budget is not None:
-        body["budgetCents"] = budget
-    if always is not None:
-        body["scope"], suffix = always, "always"
+    suffix = "approve" if always is None else "always"
     client = Client(listen, box_home)
     try:
         approval = client.request("POST", f"/approvals/{approval_id}/{suffix}", body)
