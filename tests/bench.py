@@ -234,8 +234,8 @@ def broker_times(path: str, uid: int, count: int) -> list[float]:
 
 # Floors (issue 23) ###########################################################################
 # What the kernel needs for the work of a task start with none of gurtd's bookkeeping, built
-# from gurtd's own primitives in this process: a child forked into a new cgroup (one
-# cgroup.procs write), new mount, network, IPC and PID namespaces, an idmapped overlay of one
+# from gurtd's own primitives in this process: a child born in a new cgroup (clone3 with
+# CLONE_INTO_CGROUP, as gurtd's workers are; one cgroup.procs write where it is refused), new mount, network, IPC and PID namespaces, an idmapped overlay of one
 # layer (G._view_open), a tmpfs, then in the PID namespace's first process the dropped
 # privileges, the kernel filter and exec of `true`.  Timed from the fork until the moment
 # before exec, as a task start is timed until its first step; with hosts, a veth pair into a
@@ -258,11 +258,24 @@ def floor_home() -> str:
     return home
 
 
-def floor_child(home: str, procs: str, nsfd: int, stamp_w: int) -> None:
+def floor_fork(group: str) -> tuple[int, str | None]:
+    """fork, the child born in group (clone3 CLONE_INTO_CGROUP); else forked, with the
+    cgroup.procs file it joins by."""
+    fd = os.open(group, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return G.fork_into(fd), None
+    except OSError:
+        return os.fork(), os.path.join(group, "cgroup.procs")
+    finally:
+        os.close(fd)
+
+
+def floor_child(home: str, procs: str | None, nsfd: int, stamp_w: int) -> None:
     """The floor's child: never returns; the moment before exec goes to stamp_w."""
     code = 1
     try:
-        Path(procs).write_text("0")
+        if procs is not None:
+            Path(procs).write_text("0")
         if nsfd >= 0:
             G.libc_call("setns", nsfd, G.CLONE_NEWNET)
             G.libc_call("unshare", G.CLONE_NEWNS | G.CLONE_NEWIPC)
@@ -365,10 +378,10 @@ class Floor:
         os.mkdir(group)
         try:
             nsfd = floor_net(self.nft) if self.nft is not None else -1
-            pid = os.fork()
+            pid, procs = floor_fork(group)
             if pid == 0:
                 os.close(stamp_r)
-                floor_child(self.home, os.path.join(group, "cgroup.procs"), nsfd, stamp_w)
+                floor_child(self.home, procs, nsfd, stamp_w)
             os.close(stamp_w)
             stamp = os.read(stamp_r, 64)
             os.close(stamp_r)
