@@ -694,6 +694,7 @@ SETTING_RULES: dict[str, tuple[Callable[[Any], Any], str]] = {
     "neverAutoApproveCents": (lambda v: v is None or (is_cents(v) and v >= 0), "be a number "
                               "of at least 0, or null (no call is too large for a policy)"),
     "askHostsDefault": (lambda v: isinstance(v, bool), "be true or false"),
+    "droidFactoryKey": (lambda v: isinstance(v, bool), "be true or false"),
     "hookHosts": (lambda v: isinstance(v, list) and len(v) <= 20 and all(
         isinstance(h, str) and re.fullmatch(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?", h)
         and "." in h for h in v), "be an array of lower-case host names (without port) that "
@@ -703,8 +704,7 @@ SETTING_VALUES: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
     "dnsAllowedNets": lambda v, current: valid_answer_nets(v),
     "folderRoots": lambda v, current: valid_folder_roots(v),
     "jira": lambda v, current: validate_jira(v, current),
-    "modelGateway": lambda v, current: gateway_setting("modelGateway", v),
-    "droidFactoryKey": lambda v, current: gateway_setting("droidFactoryKey", v),
+    "modelGateway": lambda v, current: validate_model_gateway(v),
 }
 
 
@@ -10439,15 +10439,6 @@ def validate_model_gateway(value: Any) -> dict[str, Any]:
         raise ApiError(400, "modelGateway.maxOutputTokens must be a whole number from 1 to "
                             f"{1 << 20}")
     return out
-
-
-def gateway_setting(key: str, value: Any) -> Any:
-    """validate_settings for the gateway's settings: modelGateway and droidFactoryKey."""
-    if key == "droidFactoryKey":
-        if not isinstance(value, bool):
-            raise ApiError(400, "droidFactoryKey must be true or false")
-        return value
-    return validate_model_gateway(value)
 
 
 def gateway_models(settings: dict[str, Any]) -> list[str]:
