@@ -208,7 +208,10 @@ def test_a_double_forked_daemon_ends_with_the_task(box: Gurtd) -> None:
     daemon = python_arg_line("import os, time\nif os.fork(): os._exit(0)\nos.setsid()\n"
                              "if os.fork(): os._exit(0)\n"
                              "open('daemon.pid', 'w').write(str(os.getpid()))\ntime.sleep(300)\n")
-    task = box.create(f"id -u\n{daemon} > /dev/null 2>&1 < /dev/null\nsleep 0.5\ncat daemon.pid")
+    # waits for the pid file (not 0.5 s: on a busy machine the daemon may not have written it)
+    task = box.create(f"id -u\n{daemon} > /dev/null 2>&1 < /dev/null\n"
+                      "for i in $(seq 600); do [ -s daemon.pid ] && break; sleep 0.05; done\n"
+                      "cat daemon.pid")
     box.wait_done(task["id"])
     uid, pid = (int(x) for x in box.output(task["id"]))
     assert pid not in G.processes_by_uid({uid}).get(uid, [])
