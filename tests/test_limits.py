@@ -10,6 +10,7 @@ that no task group is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -27,8 +28,8 @@ from typing import Any, Iterator
 import pytest
 
 import gurtd as G
-from conftest import (Gurtd, eventually, gurtd_on_small_disk, python_arg_line, running_gurtd,
-                      wait_for_step)
+from conftest import (Gurtd, eventually, gurtd_on_small_disk, processes_of_uid, python_arg_line,
+                      running_gurtd, wait_for_step)
 
 
 # helpers ######################################################################################
@@ -182,8 +183,12 @@ def test_a_thread_that_outlives_its_main_thread_ends_with_the_task(box: Gurtd) -
     """A task leaves a process whose main thread exited while another thread keeps writing to
     its layer: gurtd sees that process (a zombie leader with a live thread), and when the task
     ends no thread of its uid is left and the layer stops changing."""
-    task = box.create(f"id -u\n{ORPHAN_THREAD} > /dev/null 2>&1 &\nsleep 1.5\nsleep 0.5")
-    wait_for_step(box, task["id"], "sleep 0.5")
+    # The task waits for its program's main thread to be gone (not 1.5 s: on a busy machine
+    # Python's start alone may take that), then sleeps until the test has looked (not 0.5 s).
+    task = box.create(f"id -u\n{ORPHAN_THREAD} > /dev/null 2>&1 & p=$!; for i in $(seq 600); "
+                      "do grep -qs '^State:.Z' /proc/$p/status && break; sleep 0.05; done\n"
+                      "sleep 30 || true")
+    wait_for_step(box, task["id"], "sleep 30 || true")
     uid = int(box.output(task["id"])[0])
     leftover = G.processes_by_uid({uid}).get(uid, [])
     zombies = []
@@ -192,6 +197,16 @@ def test_a_thread_that_outlives_its_main_thread_ends_with_the_task(box: Gurtd) -
             if "\nState:\tZ" in f.read():
                 zombies.append(pid)
     assert zombies, f"the zombie leader with a live thread is not seen: {leftover}"
+
+    def sleeper() -> list[int]:          # the step is reported just before its shell forks
+        found = []
+        for pid in processes_of_uid(uid):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read() == b"sleep\x0030\x00":
+                    found.append(pid)
+        return found
+    for pid in eventually(sleeper, 30, "the last line's sleep"):   # looked: the task goes on
+        os.kill(pid, signal.SIGTERM)
     assert box.wait(task["id"])["state"] == "done"
     assert threads_of_uid(uid) == []
     assert G.processes_by_uid({uid}) == {}
