@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conftest import (Gurtd, eventually, make_home, passwd_names, put_base_file, remove_home,
-                      sse, uid_processes)
+from conftest import (Gurtd, end_sleep, eventually, make_home, passwd_names, put_base_file,
+                      remove_home, sse, uid_processes)
 
 ID_RE = re.compile(r"^t[a-z0-9]{9}$")
 RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")
@@ -194,7 +194,9 @@ def test_undo_while_a_running_task_reads_the_layer(gurtd: Gurtd) -> None:
     B runs: B still reads A's file, and A's layer directory lives until B ends."""
     a = gurtd.run_done("echo 'from A' > a.txt")
 
-    b = gurtd.create("sleep 1.5\ncat a.txt")
+    # B waits until the test has looked (not 1.5 s, which a busy machine may outlast: B done
+    # before the undo, or before the test sees it running)
+    b = gurtd.create("sleep 30 || true\ncat a.txt")
     b = gurtd.wait(b["id"], ("running",))
     assert b["layers"] == [a["id"]]
 
@@ -206,6 +208,7 @@ def test_undo_while_a_running_task_reads_the_layer(gurtd: Gurtd) -> None:
     assert gurtd.file("home", "a.txt") is None
     assert stack_ids(gurtd) == []
 
+    end_sleep(gurtd, b, "sleep 30")
     b = gurtd.wait_done(b["id"])
     assert gurtd.output(b["id"]) == ["from A"]
     assert b["summary"] == "from A"
