@@ -26,8 +26,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import (REJECTED, ROOT, By, Gurtd, Keys, Select, answer, chromium, eventually,
-                      loopback_server, quit_browser, run_on, sign_in, sign_in_url, wait)
+from conftest import (REJECTED, ROOT, By, Gurtd, Keys, Select, answer, chromium, end_sleep,
+                      eventually, loopback_server, quit_browser, run_on, sign_in, sign_in_url, wait)
 
 SHARED_GURTD = True
 WIDTHS = (1280, 390)
@@ -219,13 +219,16 @@ def test_a_task_started_from_the_form_goes_to_done_without_a_reload(gurtd: Gurtd
 
 def test_a_log_follows_live_with_kinds_told_apart(gurtd: Gurtd, browser: Any) -> None:
     d = browser
-    task = gurtd.create("echo first\necho oops >&2\nsleep 1.5\necho last", title="chatty")
+    # it waits until the page has shown it running (not 1.5 s, which a busy machine's browser
+    # may outlast: the task done before its page is up)
+    task = gurtd.create("echo first\necho oops >&2\nsleep 30 || true\necho last", title="chatty")
     go(d, f"#/task/{task['id']}", "#task-log")
     wait(d, lambda x: x.find_elements(By.CSS_SELECTOR, "#task-log li.k-stderr"), "stderr")
     assert gurtd.task(task["id"])["state"] == "running"         # seen while it still runs
     kinds = [e.get_attribute("data-kind") for e in
              d.find_elements(By.CSS_SELECTOR, "#task-log li")]
     assert "stdout" in kinds and "state" in kinds and "step" in kinds
+    end_sleep(gurtd, task, "sleep 30")
     wait(d, lambda x: "last" in x.find_element(By.ID, "task-log").text, "the last line")
     assert gurtd.wait(task["id"])["state"] == "done"
 
