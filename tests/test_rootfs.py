@@ -132,10 +132,13 @@ def test_etc_is_the_hosts_without_its_secrets(gurtd: Gurtd) -> None:
 def test_a_running_task_keeps_its_etc_masks_while_other_tasks_come_and_go(gurtd: Gurtd) -> None:
     # gurtd replaces /etc/shadow by rename when it adds or removes a task user; a mask bound
     # over the file would be detached by that rename.  The box's /etc is an overlay instead.
-    a = gurtd.create(prompt("sleep 2", "test -e /etc/shadow && echo shadow-visible || "
-                                       "echo shadow-hidden"))
-    wait_for_step(gurtd, a["id"], "sleep 2")
+    # a waits until the other task is over (not 2 s, which a busy machine may outlast: a's
+    # look at /etc/shadow before any user was added or removed)
+    a = gurtd.create(prompt("sleep 30 || true", "test -e /etc/shadow && echo shadow-visible || "
+                                                "echo shadow-hidden"))
+    wait_for_step(gurtd, a["id"], "sleep 30 || true")
     gurtd.run_done("true")                     # a user added and removed meanwhile
+    end_sleep(gurtd, a, "sleep 30")
     assert gurtd.wait(a["id"])["state"] == "done"
     assert gurtd.output(a["id"]) == ["shadow-hidden"]
 
