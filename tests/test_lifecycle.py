@@ -249,7 +249,10 @@ def test_a_new_task_has_every_field_and_default(gurtd: Gurtd) -> None:
     """POST with only title, prompt and worker: every field of the Task with its default;
     updatedAt moves on every change; step, error and summary appear only once set."""
     before = gurtd.task(gurtd.run("echo earlier")["id"])
-    body = {"title": "fields", "prompt": "sleep 0.3\necho hello; sleep 0.3\nsleep 0.3",
+    # each step sleeps until the watch below has seen it and ends it, not 0.3 s: a poll on a
+    # busy machine (the VM tier beside the suite) may take longer and miss a step
+    hold = "sleep 30 || true"
+    body = {"title": "fields", "prompt": f"{hold}\necho hello; {hold}\n{hold}",
             "worker": "fake"}
     task = gurtd.api("POST", "/api/tasks", body, status=201)
 
@@ -278,26 +281,29 @@ def test_a_new_task_has_every_field_and_default(gurtd: Gurtd) -> None:
     assert task["askHosts"] is False             # the askHostsDefault setting
 
     # watch it to the end: each change of the task comes with a later updatedAt
-    seen = [task]
+    seen, held = [task], None
     deadline = time.monotonic() + 20
     while seen[-1]["state"] not in ("done", "failed", "undone"):
         assert time.monotonic() < deadline, seen[-1]
         now = gurtd.task(task["id"])
         if now != seen[-1]:
             seen.append(now)
+        if now["state"] == "running" and now.get("step") not in (None, held):
+            held = now["step"]               # seen: on to the next step
+            end_sleep(gurtd, now, "sleep 30")
         time.sleep(0.01)
     for old, new in zip(seen, seen[1:]):
         assert parse_time(new["updatedAt"]) > parse_time(old["updatedAt"]), (old, new)
         assert new["createdAt"] == task["createdAt"]
         assert new["id"] == task["id"]
     steps = [s.get("step") for s in seen if s["state"] == "running" and "step" in s]
-    assert "sleep 0.3" in steps and "echo hello; sleep 0.3" in steps, seen
+    assert hold in steps and f"echo hello; {hold}" in steps, seen
     for snap in seen[:-1]:
         assert "error" not in snap and "summary" not in snap, snap
     final = seen[-1]
     assert final["state"] == "done", final
     assert final["summary"] == "hello"
-    assert final["step"] == "sleep 0.3"
+    assert final["step"] == hold
     assert "error" not in final
     assert set(final) == expected_keys | {"step", "summary"}
     assert final["costCents"] == 0
