@@ -572,10 +572,13 @@ def test_tasks_that_end_give_their_places_in_one_edit_of_the_accounts(gurtd: Gur
     ends of a loop step are one group).  Only the last few ends start nothing (the old code:
     5-10 such edits of 30 tasks, one in three runs within the bound, so 60 here)."""
     set_settings(gurtd, maxRunningTasks=1)
-    blocker = gurtd.create("sleep 2")
+    # the blocker runs until the 60 are made and the limit raised (not 2 s: on a busy machine
+    # 60 creates may take longer, and the first ran before the test looked)
+    blocker = gurtd.create("sleep 30 || true")
     ids = [gurtd.create("true", title=f"q{i}")["id"] for i in range(60)]
     assert gurtd.task(ids[0])["state"] == "queued"      # all of them wait behind the blocker
     set_settings(gurtd, maxRunningTasks=5)
+    end_sleep(gurtd, gurtd.wait(blocker["id"], ("running",)), "sleep 30")
     for task_id in [blocker["id"]] + ids:
         assert gurtd.wait(task_id)["state"] == "done"
     ours = [line for line in gurtd.log_text().splitlines() if "users_edit: removed" in line
