@@ -424,12 +424,18 @@ def test_the_log_and_its_follow_stream(gurtd: Gurtd) -> None:
     """A task prints a line, waits, prints another, waits, prints a third.  The follow stream
     delivers each line as it comes and ends when the task does; the log has every entry."""
     prompt = ("echo one\nsleep 0.5\necho two; echo oops >&2\nsleep 0.5\necho three")
+    # it waits behind a blocker until the stream is open, so that "one" comes live: on a busy
+    # machine (the VM tier beside the suite) the stream could open after it, "one" come with
+    # the log so far and "three" less than 0.7 s after it
+    set_settings(gurtd, maxRunningTasks=1)
+    blocker = gurtd.create("sleep 30 || true")
     task = gurtd.create(prompt)
 
     events: list[tuple[float, str, str]] = []   # (arrival, event, data)
     with gurtd.stream(f"/api/tasks/{task['id']}/log?follow=1") as resp:
         assert resp.status == 200
         assert resp.getheader("Content-Type", "").startswith("text/event-stream")
+        end_sleep(gurtd, gurtd.wait(blocker["id"], ("running",)), "sleep 30")
         started = time.monotonic()
         events += [(time.monotonic() - started, event, data) for _, event, data in sse(resp)]
     ended_at = time.monotonic() - started
