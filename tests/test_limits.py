@@ -10,7 +10,6 @@ that no task group is left behind.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import hashlib
@@ -28,7 +27,7 @@ from typing import Any, Iterator
 import pytest
 
 import gurtd as G
-from conftest import (Gurtd, eventually, gurtd_on_small_disk, processes_of_uid, python_arg_line,
+from conftest import (Gurtd, end_sleep, eventually, gurtd_on_small_disk, python_arg_line,
                       running_gurtd, wait_for_step)
 
 
@@ -197,16 +196,7 @@ def test_a_thread_that_outlives_its_main_thread_ends_with_the_task(box: Gurtd) -
             if "\nState:\tZ" in f.read():
                 zombies.append(pid)
     assert zombies, f"the zombie leader with a live thread is not seen: {leftover}"
-
-    def sleeper() -> list[int]:          # the step is reported just before its shell forks
-        found = []
-        for pid in processes_of_uid(uid):
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
-                if f.read() == b"sleep\x0030\x00":
-                    found.append(pid)
-        return found
-    for pid in eventually(sleeper, 30, "the last line's sleep"):   # looked: the task goes on
-        os.kill(pid, signal.SIGTERM)
+    end_sleep(box, task, "sleep 30")     # looked: the task goes on to its end
     assert box.wait(task["id"])["state"] == "done"
     assert threads_of_uid(uid) == []
     assert G.processes_by_uid({uid}) == {}
