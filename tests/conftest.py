@@ -609,6 +609,25 @@ def wait_for_step(g: Gurtd, task_id: str, step: str, timeout: float = 30.0) -> d
         time.sleep(0.02)
 
 
+def end_sleep(g: Gurtd, task: dict[str, Any], line: str = "sleep 30",
+              timeout: float = 30.0) -> None:
+    """End the task's running `line` (a sleep that holds the task while the test looks, which
+    the test ends once it has, where a fixed pause may be outlasted on a busy machine); its
+    process may not be there yet (a step is reported just before its shell forks)."""
+    argv = line.encode().split()
+
+    def sleepers() -> list[int]:
+        found = []
+        for pid in g.worker_pids(task):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().split(b"\0")[:-1] == argv:
+                    found.append(pid)
+        return found
+    for pid in eventually(sleepers, timeout, f"the task's {line!r}"):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+
+
 def put_base_file(g: Gurtd, workspace: str, rel: str, content: str) -> None:
     """Put a file into a workspace's base as its owner would, owned by the store user."""
     store = pwd.getpwnam("gurt-store")

@@ -1022,12 +1022,13 @@ def test_an_undo_whose_revert_is_moot_once_the_layers_above_go_is_recorded_and_c
     t1 = gurtd.run_done("sed -i 's/^3$/three/' d/*")["id"]
     t2 = gurtd.run_done("sed -i 's/^17$/seventeen/' d/*")["id"]
 
-    def undo(task_id: str, after: float) -> None:
-        time.sleep(after)
-        gurtd.api("POST", f"/api/tasks/{task_id}/undo")
-
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(undo, [t1, t2], [0.0, 0.05]))
+    # t2's undo once t1's is taken (t1 shown undone: its revert being decided), not 0.05 s
+    # after a thread for t1's began: on a busy machine that thread may start later than t2's
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(gurtd.api, "POST", f"/api/tasks/{t1}/undo")
+        eventually(lambda: gurtd.task(t1)["state"] == "undone", 30, "t1's undo taken")
+        gurtd.api("POST", f"/api/tasks/{t2}/undo")
+        first.result()
     for task_id in (t1, t2):
         eventually(lambda: not os.path.lexists(os.path.join(gurtd.home, "layers", task_id)),
                    60, f"the layer of {task_id} deleted")

@@ -28,8 +28,8 @@ from typing import Any, Iterator
 import pytest
 
 import gurtd as gurtd_module
-from conftest import (ROOT, VIEW, Gurtd, processes_of_uid, prompt, put_base_file, running_gurtd,
-                      wait_for_step)
+from conftest import (ROOT, VIEW, Gurtd, end_sleep, processes_of_uid, prompt, put_base_file,
+                      running_gurtd, wait_for_step)
 
 SUID_COPY = "/usr/local/bin/gurt-test-suid-id"
 ZERO = "0000000000000000"
@@ -514,8 +514,8 @@ def test_a_task_cannot_read_root_or_home_of_the_host(gurtd: Gurtd) -> None:
 # the end of a task ############################################################################
 
 ENDINGS = {   # how the task ends: its last prompt line, what the test does, its final state
-    "finishes": ("sleep 6", None, "done"),         # long enough to see the others start
-    "fails": ("sleep 6; exit 3", None, "failed"),
+    "finishes": ("sleep 30 || true", None, "done"),   # its sleep ended once the test has seen
+    "fails": ("sleep 30; exit 3", None, "failed"),    # the others start (not 6 s: a busy machine)
     "is stopped": ("sleep 30", "stop", "failed"),
     "is undone while running": ("sleep 30", "undo", "undone"),
 }
@@ -544,6 +544,8 @@ def test_nothing_of_a_task_outlives_it(gurtd: Gurtd, ending: str) -> None:
     assert task["user"] in account_names("/etc/passwd")
     if action:
         gurtd.api("POST", f"/api/tasks/{task['id']}/{action}")
+    else:
+        end_sleep(gurtd, task, "sleep 30")
     assert gurtd.wait(task["id"])["state"] == final
     left = {p: cmdline(p) for p in processes_of_uid(uid)}
     assert left == {}, f"processes of {task['user']} outlived it: {left}"

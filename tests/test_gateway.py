@@ -1094,11 +1094,14 @@ def test_a_tasks_end_cuts_no_socket_its_call_let_go() -> None:
     closed it (the fd number by then maybe another's).  Now a call lets go of its upstream
     under the lock, and close cuts only sockets still the call's."""
     shut_after_close: list[str] = []
+    cutting = threading.Event()
 
     class Watched(socket.socket):
         delay = 0.0
 
         def shutdown(self, how: int) -> None:
+            if self.name == "task":
+                cutting.set()
             time.sleep(self.delay)
             if self.fileno() == -1:
                 shut_after_close.append(self.name)
@@ -1112,7 +1115,8 @@ def test_a_tasks_end_cuts_no_socket_its_call_let_go() -> None:
     tg.calls.add(call)
     closing = threading.Thread(target=gateway.close, args=("t",))
     closing.start()
-    time.sleep(0.1)                              # close is cutting the task's side
+    assert cutting.wait(10)                      # close is cutting the task's side (not a
+    # 0.1 s pause: on a busy machine close may not have begun, and the call's end came first)
     gateway.upstream_done(tg, call, G.UpstreamConn(upstream_side), True)    # the call's end
     closing.join()
     task_side.close()

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import pytest
 
 import gurtd as gurtd_module
-from conftest import UNKNOWN_ID, Gurtd, put_base_file, recv_all
+from conftest import UNKNOWN_ID, Gurtd, eventually, put_base_file, recv_all
 
 # One gurtd for this module (a stop costs ~0.6 s): every test here checks that its refused
 # requests changed nothing, so they can share it.  The base of workspace home holds readme.txt.
@@ -504,12 +504,14 @@ def test_a_stalled_client_does_not_block_others_and_is_cut_off(gurtd: Gurtd) -> 
         "with token": head + f"Authorization: Bearer {gurtd.token}\r\n\r\n{{".encode(),
     }
     closed_after: dict[str, float] = {}
+    sent: list[str] = []
     before = snapshot(gurtd)
 
     def stall(name: str, data: bytes) -> None:
         with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
             start = time.monotonic()
             s.sendall(data)
+            sent.append(name)
             try:
                 while s.recv(65536):
                     pass
@@ -520,6 +522,9 @@ def test_a_stalled_client_does_not_block_others_and_is_cut_off(gurtd: Gurtd) -> 
     threads = [threading.Thread(target=stall, args=item) for item in stalled.items()]
     for t in threads:
         t.start()
+    # both stalled connections are in place (not 0.3 s after their threads began: on a busy
+    # machine they may not be yet, and the answers below would be to an unstalled gurtd)
+    eventually(lambda: len(sent) == len(stalled), 10, "the stalled connections")
     time.sleep(0.3)
     for _ in range(5):   # meanwhile, gurtd answers everyone else at once
         start = time.monotonic()

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 import gurtd as G
-from conftest import (HOST_VETH, RESOLVER, A, B, C, Gurtd, Internet, XB, eventually,
+from conftest import (HOST_VETH, RESOLVER, A, B, C, Gurtd, Internet, XB, end_sleep, eventually,
                       forwarding, nft_table, sh, wait_for_step)
 
 FAST_MS = 1000           # "fails fast": well under the 2 s of the task resolver's timeout
@@ -512,16 +512,20 @@ def test_the_log_tells_every_lookup_and_the_refused_attempts(net_gurtd: Gurtd) -
 # 4. two tasks, two lists #######################################################################
 
 def test_two_tasks_never_share_grants(net_gurtd: Gurtd) -> None:
-    a, b = (start(net_gurtd, [mine], IFLINK, curl("mine", f"http://{mine}/"), "sleep 2",
+    # each waits at "sleep 30 || true" until the test has looked at both and ends it (not
+    # "sleep 2": on a busy machine one could be over before the other had its grant)
+    a, b = (start(net_gurtd, [mine], IFLINK, curl("mine", f"http://{mine}/"), "sleep 30 || true",
                   py("other_raw", "tcp", ip, 80), curl("other_ip", f"http://{ip}/"),
                   curl("other_name", f"http://{other}/"))
             for mine, other, ip in (("a.test", "x.b.test", XB), ("x.b.test", "a.test", A)))
-    wait_for_step(net_gurtd, a, "sleep 2")
-    wait_for_step(net_gurtd, b, "sleep 2")
+    wait_for_step(net_gurtd, a, "sleep 30 || true")
+    wait_for_step(net_gurtd, b, "sleep 30 || true")
     a_if, b_if = task_ifname(net_gurtd, a), task_ifname(net_gurtd, b)
     assert a_if != b_if
     assert {addr for addr, _ in allowed(net_gurtd, a_if)} == {A}, nft_set(net_gurtd, "allow")
     assert {addr for addr, _ in allowed(net_gurtd, b_if)} == {XB}, nft_set(net_gurtd, "allow")
+    for task_id in (a, b):
+        end_sleep(net_gurtd, net_gurtd.task(task_id), "sleep 30")
 
     run_a, run_b = finished(net_gurtd, a), finished(net_gurtd, b)
     run_a["mine"].ok(f"hello from {A}:80")
@@ -543,14 +547,18 @@ def test_two_tasks_never_share_grants(net_gurtd: Gurtd) -> None:
 
 def test_grants_end_when_a_task_is_done_stopped_or_undone(net_gurtd: Gurtd) -> None:
     ids = {how: start(net_gurtd, ["a.test"], IFLINK, curl("a", "http://a.test/"), sleep)
-           for how, sleep in (("done", "sleep 2"), ("stop", "sleep 30"), ("undo", "sleep 30"))}
+           for how, sleep in (("done", "sleep 30 || true"), ("stop", "sleep 30"),
+                              ("undo", "sleep 30"))}
     ifnames = {}
-    for how, task_id in ids.items():
-        wait_for_step(net_gurtd, task_id, "sleep 2" if how == "done" else "sleep 30")
+    for how, task_id in ids.items():      # the done one: its sleep ended once looked at (not
+        # "sleep 2", which a busy machine may outlast before the test has looked)
+        wait_for_step(net_gurtd, task_id, "sleep 30 || true" if how == "done" else "sleep 30")
         ifnames[how] = task_ifname(net_gurtd, task_id)
         assert allowed(net_gurtd, ifnames[how]) == [(A, "1-65535")], nft_set(net_gurtd, "allow")
         assert in_tasks_set(net_gurtd, ifnames[how]), nft_set(net_gurtd, "tasks")
         assert ifnames[how] in links()
+        if how == "done":
+            end_sleep(net_gurtd, net_gurtd.task(task_id), "sleep 30")
 
     net_gurtd.api("POST", f"/api/tasks/{ids['stop']}/stop")
     net_gurtd.api("POST", f"/api/tasks/{ids['undo']}/undo")

@@ -9,6 +9,7 @@ task takes is an event, and a reconnecting browser (Last-Event-ID) misses none.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -354,9 +355,16 @@ def test_a_busy_loop_answers_503_and_reads_still_answer(new_gurtd: Any, tmp_path
         held["answer"] = g.request("PUT", "/api/settings",
                                    {"droidPath": str(slow), "droidModel": "claude-opus-5"})
 
+    def held_loop() -> bool:            # the loop runs the slow droid: it is held (not 0.5 s
+        for pid in filter(str.isdigit, os.listdir("/proc")):   # after the PUT: a busy machine)
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+                if str(slow).encode() in f.read():
+                    return True
+        return False
+
     holder = threading.Thread(target=hold)
     holder.start()
-    time.sleep(0.5)
+    eventually(held_loop, 10, "the slow droid to run")
     reads = []
     for path in ("/api/tasks?limit=20", "/api/settings", "/api/approvals", "/api/wallet",
                  "/api/workspaces", "/api/workspaces/home"):

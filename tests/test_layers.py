@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import (Gurtd, deep_tree, eventually, gurtd_on_done_layers, make_done_layers,
-                      make_home, registry, remove_home, running_gurtd, wait_for_step)
+from conftest import (Gurtd, deep_tree, end_sleep, eventually, gurtd_on_done_layers,
+                      make_done_layers, make_home, registry, remove_home, running_gurtd,
+                      wait_for_step)
 
 import gurtd
 
@@ -376,14 +377,17 @@ def test_a_running_task_keeps_the_merged_layer_it_started_on() -> None:
         eventually(lambda: len(registry(home)["merged"]) == 6, timeout=60,
                    what="the first merges")
         first = [m["name"] for m in registry(home)["merged"] if m["group"] == 0]
-        task = g.create("cat n1\nsleep 3\ncat n1")
-        wait_for_step(g, task["id"], "sleep 3")
+        # the task runs until the new generation is there and the old one seen kept (not 3 s,
+        # which a busy machine's merge may outlast: the task over, nothing reading the old one)
+        task = g.create("cat n1\nsleep 60 || true\ncat n1")
+        wait_for_step(g, task["id"], "sleep 60 || true")
         g.api("POST", "/api/tasks/t000000001/undo")
         assert g.file("home", "n1") is None
         eventually(lambda: [m for m in registry(home)["merged"]
                             if m["group"] == 0 and m["name"] not in first],
                    timeout=60, what="the group's new generation")
         assert os.path.isdir(os.path.join(home, "merged", first[0]))   # still read
+        end_sleep(g, task, "sleep 60")
         assert g.wait(task["id"])["state"] == "done"
         assert g.output(task["id"]) == ["1", "1"]
         g.run("true")          # a later step of the loop collects what nothing reads

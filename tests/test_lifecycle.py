@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conftest import (Gurtd, eventually, make_home, passwd_names, put_base_file, remove_home,
-                      sse, uid_processes)
+from conftest import (Gurtd, end_sleep, eventually, make_home, passwd_names, put_base_file,
+                      remove_home, sse, uid_processes)
 
 ID_RE = re.compile(r"^t[a-z0-9]{9}$")
 RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")
@@ -194,7 +194,9 @@ def test_undo_while_a_running_task_reads_the_layer(gurtd: Gurtd) -> None:
     B runs: B still reads A's file, and A's layer directory lives until B ends."""
     a = gurtd.run_done("echo 'from A' > a.txt")
 
-    b = gurtd.create("sleep 1.5\ncat a.txt")
+    # B waits until the test has looked (not 1.5 s, which a busy machine may outlast: B done
+    # before the undo, or before the test sees it running)
+    b = gurtd.create("sleep 30 || true\ncat a.txt")
     b = gurtd.wait(b["id"], ("running",))
     assert b["layers"] == [a["id"]]
 
@@ -206,6 +208,7 @@ def test_undo_while_a_running_task_reads_the_layer(gurtd: Gurtd) -> None:
     assert gurtd.file("home", "a.txt") is None
     assert stack_ids(gurtd) == []
 
+    end_sleep(gurtd, b, "sleep 30")
     b = gurtd.wait_done(b["id"])
     assert gurtd.output(b["id"]) == ["from A"]
     assert b["summary"] == "from A"
@@ -246,7 +249,10 @@ def test_a_new_task_has_every_field_and_default(gurtd: Gurtd) -> None:
     """POST with only title, prompt and worker: every field of the Task with its default;
     updatedAt moves on every change; step, error and summary appear only once set."""
     before = gurtd.task(gurtd.run("echo earlier")["id"])
-    body = {"title": "fields", "prompt": "sleep 0.3\necho hello; sleep 0.3\nsleep 0.3",
+    # each step sleeps until the watch below has seen it and ends it, not 0.3 s: a poll on a
+    # busy machine (the VM tier beside the suite) may take longer and miss a step
+    hold = "sleep 30 || true"
+    body = {"title": "fields", "prompt": f"{hold}\necho hello; {hold}\n{hold}",
             "worker": "fake"}
     task = gurtd.api("POST", "/api/tasks", body, status=201)
 
@@ -275,26 +281,29 @@ def test_a_new_task_has_every_field_and_default(gurtd: Gurtd) -> None:
     assert task["askHosts"] is False             # the askHostsDefault setting
 
     # watch it to the end: each change of the task comes with a later updatedAt
-    seen = [task]
+    seen, held = [task], None
     deadline = time.monotonic() + 20
     while seen[-1]["state"] not in ("done", "failed", "undone"):
         assert time.monotonic() < deadline, seen[-1]
         now = gurtd.task(task["id"])
         if now != seen[-1]:
             seen.append(now)
+        if now["state"] == "running" and now.get("step") not in (None, held):
+            held = now["step"]               # seen: on to the next step
+            end_sleep(gurtd, now, "sleep 30")
         time.sleep(0.01)
     for old, new in zip(seen, seen[1:]):
         assert parse_time(new["updatedAt"]) > parse_time(old["updatedAt"]), (old, new)
         assert new["createdAt"] == task["createdAt"]
         assert new["id"] == task["id"]
     steps = [s.get("step") for s in seen if s["state"] == "running" and "step" in s]
-    assert "sleep 0.3" in steps and "echo hello; sleep 0.3" in steps, seen
+    assert hold in steps and f"echo hello; {hold}" in steps, seen
     for snap in seen[:-1]:
         assert "error" not in snap and "summary" not in snap, snap
     final = seen[-1]
     assert final["state"] == "done", final
     assert final["summary"] == "hello"
-    assert final["step"] == "sleep 0.3"
+    assert final["step"] == hold
     assert "error" not in final
     assert set(final) == expected_keys | {"step", "summary"}
     assert final["costCents"] == 0
@@ -415,12 +424,18 @@ def test_the_log_and_its_follow_stream(gurtd: Gurtd) -> None:
     """A task prints a line, waits, prints another, waits, prints a third.  The follow stream
     delivers each line as it comes and ends when the task does; the log has every entry."""
     prompt = ("echo one\nsleep 0.5\necho two; echo oops >&2\nsleep 0.5\necho three")
+    # it waits behind a blocker until the stream is open, so that "one" comes live: on a busy
+    # machine (the VM tier beside the suite) the stream could open after it, "one" come with
+    # the log so far and "three" less than 0.7 s after it
+    set_settings(gurtd, maxRunningTasks=1)
+    blocker = gurtd.create("sleep 30 || true")
     task = gurtd.create(prompt)
 
     events: list[tuple[float, str, str]] = []   # (arrival, event, data)
     with gurtd.stream(f"/api/tasks/{task['id']}/log?follow=1") as resp:
         assert resp.status == 200
         assert resp.getheader("Content-Type", "").startswith("text/event-stream")
+        end_sleep(gurtd, gurtd.wait(blocker["id"], ("running",)), "sleep 30")
         started = time.monotonic()
         events += [(time.monotonic() - started, event, data) for _, event, data in sse(resp)]
     ended_at = time.monotonic() - started
@@ -563,10 +578,13 @@ def test_tasks_that_end_give_their_places_in_one_edit_of_the_accounts(gurtd: Gur
     ends of a loop step are one group).  Only the last few ends start nothing (the old code:
     5-10 such edits of 30 tasks, one in three runs within the bound, so 60 here)."""
     set_settings(gurtd, maxRunningTasks=1)
-    blocker = gurtd.create("sleep 2")
+    # the blocker runs until the 60 are made and the limit raised (not 2 s: on a busy machine
+    # 60 creates may take longer, and the first ran before the test looked)
+    blocker = gurtd.create("sleep 30 || true")
     ids = [gurtd.create("true", title=f"q{i}")["id"] for i in range(60)]
     assert gurtd.task(ids[0])["state"] == "queued"      # all of them wait behind the blocker
     set_settings(gurtd, maxRunningTasks=5)
+    end_sleep(gurtd, gurtd.wait(blocker["id"], ("running",)), "sleep 30")
     for task_id in [blocker["id"]] + ids:
         assert gurtd.wait(task_id)["state"] == "done"
     ours = [line for line in gurtd.log_text().splitlines() if "users_edit: removed" in line

@@ -27,8 +27,8 @@ from typing import Any, Iterator
 import pytest
 
 import gurtd as G
-from conftest import (Gurtd, eventually, gurtd_on_small_disk, python_arg_line, running_gurtd,
-                      wait_for_step)
+from conftest import (Gurtd, end_sleep, eventually, gurtd_on_small_disk, python_arg_line,
+                      running_gurtd, wait_for_step)
 
 
 # helpers ######################################################################################
@@ -182,8 +182,12 @@ def test_a_thread_that_outlives_its_main_thread_ends_with_the_task(box: Gurtd) -
     """A task leaves a process whose main thread exited while another thread keeps writing to
     its layer: gurtd sees that process (a zombie leader with a live thread), and when the task
     ends no thread of its uid is left and the layer stops changing."""
-    task = box.create(f"id -u\n{ORPHAN_THREAD} > /dev/null 2>&1 &\nsleep 1.5\nsleep 0.5")
-    wait_for_step(box, task["id"], "sleep 0.5")
+    # The task waits for its program's main thread to be gone (not 1.5 s: on a busy machine
+    # Python's start alone may take that), then sleeps until the test has looked (not 0.5 s).
+    task = box.create(f"id -u\n{ORPHAN_THREAD} > /dev/null 2>&1 & p=$!; for i in $(seq 600); "
+                      "do grep -qs '^State:.Z' /proc/$p/status && break; sleep 0.05; done\n"
+                      "sleep 30 || true")
+    wait_for_step(box, task["id"], "sleep 30 || true")
     uid = int(box.output(task["id"])[0])
     leftover = G.processes_by_uid({uid}).get(uid, [])
     zombies = []
@@ -192,6 +196,7 @@ def test_a_thread_that_outlives_its_main_thread_ends_with_the_task(box: Gurtd) -
             if "\nState:\tZ" in f.read():
                 zombies.append(pid)
     assert zombies, f"the zombie leader with a live thread is not seen: {leftover}"
+    end_sleep(box, task, "sleep 30")     # looked: the task goes on to its end
     assert box.wait(task["id"])["state"] == "done"
     assert threads_of_uid(uid) == []
     assert G.processes_by_uid({uid}) == {}
@@ -208,7 +213,10 @@ def test_a_double_forked_daemon_ends_with_the_task(box: Gurtd) -> None:
     daemon = python_arg_line("import os, time\nif os.fork(): os._exit(0)\nos.setsid()\n"
                              "if os.fork(): os._exit(0)\n"
                              "open('daemon.pid', 'w').write(str(os.getpid()))\ntime.sleep(300)\n")
-    task = box.create(f"id -u\n{daemon} > /dev/null 2>&1 < /dev/null\nsleep 0.5\ncat daemon.pid")
+    # waits for the pid file (not 0.5 s: on a busy machine the daemon may not have written it)
+    task = box.create(f"id -u\n{daemon} > /dev/null 2>&1 < /dev/null\n"
+                      "for i in $(seq 600); do [ -s daemon.pid ] && break; sleep 0.05; done\n"
+                      "cat daemon.pid")
     box.wait_done(task["id"])
     uid, pid = (int(x) for x in box.output(task["id"]))
     assert pid not in G.processes_by_uid({uid}).get(uid, [])

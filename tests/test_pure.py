@@ -237,9 +237,11 @@ def test_a_report_waits_for_a_slow_loop_where_a_call_gives_up(monkeypatch):
 
     threads = [threading.Thread(target=ask, args=("call", loop.call)),
                threading.Thread(target=ask, args=("report", loop.report))]
+    held = time.monotonic()
     for t in threads:
         t.start()
-    time.sleep(1.2)                                      # the loop is held past call_timeout
+    threads[0].join(timeout=10)        # the call gave up: the loop is held past call_timeout
+    time.sleep(max(0.0, held + 1.2 - time.monotonic()))   # and the report waits on, 1.2 s
     assert isinstance(answers["call"], G.ApiError) and answers["call"].status == 503
     assert "report" not in answers
     loop.run_commands()

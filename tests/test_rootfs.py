@@ -31,8 +31,8 @@ from typing import Any, Callable
 import pytest
 
 import gurtd as G
-from conftest import (ROOT, VIEW, Gurtd, eventually, prompt, put_base_file, running_gurtd,
-                      wait_for_step)
+from conftest import (ROOT, VIEW, Gurtd, end_sleep, eventually, prompt, put_base_file,
+                      running_gurtd, wait_for_step)
 
 def key_users() -> set[int]:
     with open(G.KEY_USERS) as f:
@@ -132,10 +132,13 @@ def test_etc_is_the_hosts_without_its_secrets(gurtd: Gurtd) -> None:
 def test_a_running_task_keeps_its_etc_masks_while_other_tasks_come_and_go(gurtd: Gurtd) -> None:
     # gurtd replaces /etc/shadow by rename when it adds or removes a task user; a mask bound
     # over the file would be detached by that rename.  The box's /etc is an overlay instead.
-    a = gurtd.create(prompt("sleep 2", "test -e /etc/shadow && echo shadow-visible || "
-                                       "echo shadow-hidden"))
-    wait_for_step(gurtd, a["id"], "sleep 2")
+    # a waits until the other task is over (not 2 s, which a busy machine may outlast: a's
+    # look at /etc/shadow before any user was added or removed)
+    a = gurtd.create(prompt("sleep 30 || true", "test -e /etc/shadow && echo shadow-visible || "
+                                                "echo shadow-hidden"))
+    wait_for_step(gurtd, a["id"], "sleep 30 || true")
     gurtd.run_done("true")                     # a user added and removed meanwhile
+    end_sleep(gurtd, a, "sleep 30")
     assert gurtd.wait(a["id"])["state"] == "done"
     assert gurtd.output(a["id"]) == ["shadow-hidden"]
 
@@ -569,8 +572,10 @@ def test_a_set_id_root_file_in_a_view_does_not_elevate(gurtd: Gurtd) -> None:
 
 def test_a_tasks_uid_holds_no_kernel_keys_after_it(gurtd: Gurtd) -> None:
     put_base_file(gurtd, "home", "probe.py", PROBE)
-    task = gurtd.create(prompt("id -u", "python3 probe.py", "sleep 2"))
-    wait_for_step(gurtd, task["id"], "sleep 2")
+    # the task waits until the test has added its keys and seen them (not 2 s, which a busy
+    # machine may outlast: the task over, its keys gone, before the test looks)
+    task = gurtd.create(prompt("id -u", "python3 probe.py", "sleep 30 || true"))
+    wait_for_step(gurtd, task["id"], "sleep 30 || true")
     uid = int(gurtd.output(task["id"])[0])
     assert "add_key: EPERM" in gurtd.output(task["id"])       # the task cannot make keys
     # keys made for its uid from outside (as a kernel upcall or a leak could) ...
@@ -582,6 +587,7 @@ def test_a_tasks_uid_holds_no_kernel_keys_after_it(gurtd: Gurtd) -> None:
                           check=True)
     assert int(made.stdout) > 0, made
     assert uid in key_users()
+    end_sleep(gurtd, task, "sleep 30")
     # ... are gone once it ends
     assert gurtd.wait(task["id"])["state"] == "done"
     eventually(lambda: uid not in key_users(), timeout=10, what=f"uid {uid} keys to go")
