@@ -574,6 +574,25 @@ def test_the_task_list_shows_each_task_and_sorts_and_filters(gurtd: Gurtd, brows
         "aria-sort") == "descending", "newest first")
 
 
+def test_an_answer_older_than_an_event_never_takes_a_task_back(gurtd: Gurtd,
+                                                               browser: Any) -> None:
+    """The POST's answer of a task (queued or running) can reach the page after the event of
+    its end (it did under load: a schedule's run-now stayed running); the page keeps the end."""
+    d = browser
+    answer = gurtd.api("POST", "/api/tasks", {"prompt": "true", "worker": "fake",
+                                              "title": "late answer"}, status=201)
+    gurtd.wait(answer["id"])
+    go(d, "#/tasks", f"#task-{answer['id']}")
+    cell = lambda: d.find_element(By.CSS_SELECTOR, f"#task-{answer['id']} td:nth-child(2)").text
+    wait(d, lambda x: cell() == "done", "the task done")
+    d.execute_script("onTask(arguments[0])", answer)      # the 201, as a late answer
+    d.execute_script("onTask(Object.assign({}, arguments[0], {state: 'running', "
+                     "updatedAt: arguments[1]}))", answer, gurtd.task(answer["id"])["updatedAt"])
+    assert d.execute_script("return S.tasks.get(arguments[0]).state", answer["id"]) == "done"
+    go(d, "#/tasks", f"#task-{answer['id']}")
+    assert cell() == "done"
+
+
 def test_a_diff_is_a_card_per_file_with_line_numbers_and_tint(gurtd: Gurtd,
                                                                browser: Any) -> None:
     d = browser
