@@ -15196,11 +15196,13 @@ def match_route(method: str, path: str) -> tuple[Route, dict[str, str]]:
 
 
 ENV_SECONDS_MAX = 30 * 86400             # the longest time GURT_*_SECONDS and deadlines take
+_ENV_SECONDS_SAID: set[tuple[str, str]] = set()     # refused values already logged
 
 
 def env_seconds(name: str, default: float) -> float:
     """A number of seconds from the environment (tests shorten limits this way), else default:
-    one that is not a number over 0 and at most ENV_SECONDS_MAX is said in the log."""
+    one that is not a number over 0 and at most ENV_SECONDS_MAX is said in the log, once
+    (a Jira exchange reads its deadline at each call)."""
     text = os.environ.get(name, "")
     try:
         value = float(text)
@@ -15208,7 +15210,8 @@ def env_seconds(name: str, default: float) -> float:
         value = 0.0
     if 0 < value <= ENV_SECONDS_MAX:
         return value
-    if text:
+    if text and (name, text) not in _ENV_SECONDS_SAID:
+        _ENV_SECONDS_SAID.add((name, text))
         log(4, f"{name}={text[:40]!r} is not seconds over 0 and at most {ENV_SECONDS_MAX}: "
                f"{default:g} is used")
     return default
