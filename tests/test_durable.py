@@ -343,7 +343,8 @@ def test_a_layer_whose_mark_cannot_be_saved_stops_no_other_layer_from_going() ->
         finally:
             subprocess.run(["chattr", "-i", frozen], check=False)
         eventually(lambda: task_file(g, done[0]["id"])["layerDeleted"], what="the first")
-        assert os.listdir(os.path.join(g.home, "layers")) == [runner["id"]]
+        eventually(lambda: os.listdir(os.path.join(g.home, "layers")) == [runner["id"]],
+                   what="the trash deleted (off the loop, after the mark)")
         for task in done:
             assert [e["text"] for e in g.log(task["id"]) if e["type"] == "layer"] == \
                 ["layer files deleted"]
