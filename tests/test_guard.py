@@ -376,6 +376,22 @@ def test_good_task_list_queries_answer(gurtd: Gurtd, done_task: dict[str, Any]) 
         assert [t["id"] for t in data] == [t["id"] for t in expected], query
 
 
+def test_a_list_of_some_fields_holds_each_tasks_own_of_them_in_the_order_asked(
+        gurtd: Gurtd, done_task: dict[str, Any]) -> None:
+    """?fields=: each task as its whole form has it, cut to the fields asked, in their order;
+    a field its whole form leaves out (error of a done task) is left out too."""
+    failed = gurtd.run("exit 3")
+    assert failed["state"] == "failed" and "error" not in done_task
+    everything = gurtd.api("GET", "/api/tasks?limit=1000")
+    asked = ("state", "error", "id", "layers", "step")
+    data = gurtd.api("GET", f"/api/tasks?fields={','.join(asked)}&limit=1000", status=200)
+    assert data == [{k: t[k] for k in asked if k in t} for t in everything]
+    assert all(list(t) == [k for k in asked if k in t] for t in data)    # the order asked
+    by_id = {t["id"]: t for t in data}
+    assert by_id[failed["id"]]["error"] == failed["error"]
+    assert by_id[done_task["id"]]["state"] == "done" and "error" not in by_id[done_task["id"]]
+
+
 # routes and methods ###########################################################################
 
 @pytest.mark.parametrize("method,path", [
