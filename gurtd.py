@@ -15300,6 +15300,9 @@ class Server(http.server.ThreadingHTTPServer):
         self.limits = (min(HEADER_DEADLINE, request), request)
 
 
+ONE_SEND = 1 << 16                   # an answer up to this long leaves with its headers
+
+
 class Handler(http.server.BaseHTTPRequestHandler):
     """One request: guard, route, auth, body, handler, JSON.  Methods you may call from a
     route handler: query_one, json_body, and the BaseHTTPRequestHandler writers.
@@ -15394,6 +15397,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_header(key, value)
         if self.close_connection:
             self.send_header("Connection", "close")
+        if self.command != "HEAD" and len(body) <= ONE_SEND:    # with the headers: a send
+            self._headers_buffer.append(b"\r\n" + body)    # and a segment less (GET ~1.1x)
+            self.flush_headers()
+            return
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
