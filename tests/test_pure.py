@@ -409,3 +409,49 @@ def test_times_from_the_environment_are_bounded_and_said(monkeypatch: pytest.Mon
     monkeypatch.delenv("GURT_SESSION_SECONDS")
     assert G.env_seconds("GURT_SESSION_SECONDS", 7.0) == 7.0
     assert capsys.readouterr().err == ""
+
+
+def _diff_of(pairs: list[tuple[str, bytes | None, bytes | None]], batch: int) -> str:
+    budget, out = G.DiffBudget(), []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(G, "DIFF_BATCH_FILE", batch)
+        for rel, a, b in pairs:
+            out.append(G.file_diff(rel, None if a is None else ("file", 0o100644, a),
+                                   None if b is None else ("file", 0o100644, b), budget))
+        return budget.final("".join(out))
+
+
+def test_small_files_diffed_together_read_as_each_diffed_alone() -> None:
+    """The diff of many small files (one diff -r of them all) is, to the byte, the diff of
+    each in a diff(1) of its own: added, deleted, reordered, without a last newline, a name
+    to quote, between larger files; and none of its temp folders is left."""
+    rng = __import__("random").Random(7)
+    pairs: list[tuple[str, bytes | None, bytes | None]] = []
+    for i in range(200):
+        lines = [f"{rng.randint(0, 9)}\n" for _ in range(rng.randint(0, 30))]
+        old = "".join(lines).rstrip("\n" if i % 7 == 0 else "")
+        rng.shuffle(lines)
+        pairs.append((f"d/f{i}\n.txt" if i == 5 else f"d/f{i}.txt", old.encode(),
+                      ("".join(lines) + ("tail" if i % 3 == 0 else "")).encode()))
+    pairs += [("new.txt", None, b"x\ny\n"), ("gone.txt", b"x\n", None),
+              ("big.txt", b"a\n" * 40_000, b"b\n" + b"a\n" * 40_000), ("same", b"s", b"s")]
+    alone = _diff_of(pairs, -1)
+    assert alone.count("diff --git") == sum(a != b for _, a, b in pairs) > 150
+    assert "\\ No newline at end of file" in alone and '"b/d/f5\\n.txt"' in alone
+    assert _diff_of(pairs, G.DIFF_BATCH_FILE) == alone
+    assert not glob.glob(os.path.join(G.DIFF_TMP, f"gurt-diff-{os.getpid()}-*"))
+
+
+def test_a_diff_folder_of_a_dead_gurtd_is_removed_and_a_live_ones_kept() -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    paths = [os.path.join(G.DIFF_TMP, f"gurt-diff-{pid}-test{secrets.token_hex(3)}")
+             for pid in (dead.pid, os.getpid())]
+    for path in paths:
+        os.makedirs(os.path.join(path, "a"))
+    try:
+        G.diff_temp_leftovers()
+        assert [os.path.exists(p) for p in paths] == [False, True]
+    finally:
+        for path in paths:
+            __import__("shutil").rmtree(path, ignore_errors=True)
