@@ -5571,7 +5571,8 @@ DIFF_FILE_SECONDS = 10.0             # one file's diff(1)
 DIFF_MAX_BYTES = 64 << 20            # the text of one diff answer
 DIFF_PY_MAX = 64 << 10               # without diff(1): the bytes difflib may take (quadratic)
 DIFF_BATCH_FILE = 64 << 10           # a pair of files up to this long is diffed with others
-DIFF_BATCH_MAX = 8 << 20             # the bytes of pairs one diff -r takes
+DIFF_BATCH_MAX = 8 << 20             # the bytes of pairs one diff -r takes,
+DIFF_BATCH_FILES = 1000              # and the pairs (the budget is asked between batches)
 DIFF_TMP = "/dev/shm"                # where its folders are (gurt-diff-PID-*), else the temp dir
 
 
@@ -5614,7 +5615,7 @@ class DiffBudget:
         self.pending.append((head, a, b, a_label, b_label, *sizes))
         self.pending_bytes += sizes[0] + sizes[1]
         marker = f"\0{len(self.parts) + len(self.pending) - 1}\0"
-        if self.pending_bytes >= DIFF_BATCH_MAX:
+        if self.pending_bytes >= DIFF_BATCH_MAX or len(self.pending) >= DIFF_BATCH_FILES:
             self.flush()
         return marker
 
