@@ -15498,9 +15498,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_header(key, value)
         if self.close_connection:
             self.send_header("Connection", "close")
-        if self.command != "HEAD" and len(body) <= ONE_SEND:    # with the headers: a send
-            self._headers_buffer.append(b"\r\n" + body)    # and a segment less (GET ~1.1x)
-            self.flush_headers()
+        if self.command != "HEAD" and len(body) <= ONE_SEND and \
+                self.request_version != "HTTP/0.9":   # 0.9: no headers, nor their buffer
+            self._headers_buffer.append(b"\r\n" + body)    # with the headers: a send and a
+            self.flush_headers()                           # segment less (GET ~1.1x)
             return
         self.end_headers()
         if self.command != "HEAD":

@@ -139,6 +139,22 @@ def test_a_content_length_of_non_ascii_digits_gets_400(gurtd: Gurtd) -> None:
     assert b"Traceback" not in open(gurtd.log_path, "rb").read()
 
 
+def test_an_http_0_9_request_gets_its_body_as_before_and_no_error(gurtd: Gurtd) -> None:
+    """A request line of HTTP/0.9 (any local client may send one): http.server answers it
+    with the body alone, no status line nor headers.  An answer that leaves in one send with
+    its headers once found no header buffer there (http.server makes none for 0.9): the
+    client got nothing and gurtd logged two errors with a traceback a request."""
+    before = os.path.getsize(gurtd.log_path)
+    with socket.create_connection(("127.0.0.1", gurtd.port), timeout=15) as s:
+        s.sendall(f"GET /api/health HTTP/0.9\r\nHost: 127.0.0.1:{gurtd.port}\r\n\r\n".encode())
+        answer = recv_all(s, 15, reset_ends=True)
+    assert json.loads(answer)["ok"] is True, answer
+    with open(gurtd.log_path, "rb") as f:
+        f.seek(before)
+        logged = f.read()
+    assert b"AttributeError" not in logged and b"Traceback" not in logged, logged
+
+
 def test_pipelined_good_requests_all_get_their_answers_in_order(gurtd: Gurtd) -> None:
     body = b'{"name": "pipelined"}'
     data = (head(gurtd, "GET", "/api/health") + head(gurtd, "POST", "/api/workspaces", body) +
