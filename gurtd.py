@@ -5561,9 +5561,11 @@ class Review:
 # so a file's lines are diffed by GNU diff (linear in practice, its heuristics on), fed from
 # memfds holding the copies read beneath the layer's or folder's fd (diff opens no path of the
 # task's); small ones together, as numbered files of two 0700 folders under DIFF_TMP and one
-# diff -r (a diff(1) a file was 2 ms each: 2.3 s for 1,000 files).  One answer has DIFF_SECONDS of work and DIFF_MAX_BYTES of text; a file past its
-# DIFF_FILE_SECONDS, or once those are spent, is named as changed with its sizes.  The work
-# stops (diff killed) as soon as the client is gone.
+# diff -r (a diff(1) a file was 2 ms each: 2.3 s for 1,000 files).  One answer has
+# DIFF_SECONDS of work and DIFF_MAX_BYTES of text, spent in the files' order (the small files
+# held back are diffed before a larger file after them); a file past its DIFF_FILE_SECONDS,
+# or once those are spent, is named as changed with its sizes.  The work stops (diff killed)
+# as soon as the client is gone.
 
 DIFF_TEXT_MAX = 8 << 20              # a larger file is named, not shown line by line
 DIFF_SECONDS = 30.0                  # one diff answer's work
@@ -5803,6 +5805,7 @@ def file_diff(rel: str, old: tuple[str, int, bytes] | None,
         return "\n".join(head) + "\n"
     if len(a) + len(b) <= DIFF_BATCH_FILE and shutil.which("diff") is not None:
         return budget.later(head, a_text, b_text, a_label, b_label, (len(a), len(b)))
+    budget.flush()        # the small files before this one spend the budget before it does
     body = text_diff(a_text, b_text, a_label, b_label, budget)
     return budget.took(diff_part(head, body, a_label, b_label, (len(a), len(b))))
 

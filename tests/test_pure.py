@@ -411,8 +411,9 @@ def test_times_from_the_environment_are_bounded_and_said(monkeypatch: pytest.Mon
     assert capsys.readouterr().err == ""
 
 
-def _diff_of(pairs: list[tuple[str, bytes | None, bytes | None]], batch: int) -> str:
-    budget, out = G.DiffBudget(), []
+def _diff_of(pairs: list[tuple[str, bytes | None, bytes | None]], batch: int,
+             left: int = G.DIFF_MAX_BYTES) -> str:
+    budget, out = G.DiffBudget(left=left), []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(G, "DIFF_BATCH_FILE", batch)
         for rel, a, b in pairs:
@@ -440,6 +441,22 @@ def test_small_files_diffed_together_read_as_each_diffed_alone() -> None:
     assert "\\ No newline at end of file" in alone and '"b/d/f5\\n.txt"' in alone
     assert _diff_of(pairs, G.DIFF_BATCH_FILE) == alone
     assert not glob.glob(os.path.join(G.DIFF_TMP, f"gurt-diff-{os.getpid()}-*"))
+
+
+def test_a_spent_diff_names_as_too_costly_the_same_files_together_as_alone() -> None:
+    """The answer's budget is spent in the files' order whether small files are diffed
+    together or not: a small file before a large one is shown, the small one after it is
+    named as too costly.  Held back for the together diff, the first small one was judged
+    after the large one had spent the budget, and was named too (so were the small files
+    before 3 large files whose diffs took the 30 s)."""
+    pairs: list[tuple[str, bytes | None, bytes | None]] = [
+        ("a.txt", b"one\n", b"two\n"),
+        ("big.txt", b"a\n" * 40_000, b"b\n" * 40_000),
+        ("z.txt", b"three\n", b"four\n")]
+    alone = _diff_of(pairs, -1, left=10_000)
+    assert "+two" in alone and "+b" in alone and "z.txt differ (6 -> 5 bytes: too costly" \
+        in alone
+    assert _diff_of(pairs, G.DIFF_BATCH_FILE, left=10_000) == alone
 
 
 def test_a_diff_folder_of_a_dead_gurtd_is_removed_and_a_live_ones_kept() -> None:
