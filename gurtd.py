@@ -5666,6 +5666,8 @@ def batch_diff(pairs: list[tuple[str, str]], budget: DiffBudget) -> list[str | N
                     os.close(fd)
         out = _run_diff(["diff", "-u", "-r", os.path.join(root, "a"), os.path.join(root, "b")],
                         [], budget)
+    except DiffStopped:                    # an OSError too, but no fault of /dev/shm
+        raise
     except OSError as exc:                 # a full /dev/shm
         log(4, f"diff: the small files could not be written ({exc}): each diffed on its own")
         return None

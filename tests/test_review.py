@@ -8,6 +8,7 @@ unicode.  Real gurtd, real overlays and idmapped mounts; kill -9 in the middle o
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import pwd
@@ -23,8 +24,8 @@ from typing import Any
 import pytest
 
 import gurtd as G
-from conftest import (UNICODE_NAME, Gurtd, droid_installed, eventually, keep, run_on,
-                      running_gurtd, sse, wait_for_step)
+from conftest import (UNICODE_NAME, Gurtd, droid_installed, eventually, keep, python_line,
+                      run_on, running_gurtd, sse, wait_for_step)
 
 # helpers #####################################################################################
 
@@ -687,6 +688,41 @@ def test_a_costly_diff_is_bounded_and_stops_when_its_client_goes(gurtd: Gurtd) -
     assert b"big.txt differ (8000000 -> 8000000 bytes: too costly to diff here)" in text or \
         b"+++ b/big.txt" in text
     assert not _diff_children(gurtd)
+
+
+def test_a_together_diff_ends_with_its_client_and_leaves_nothing_nor_a_warning(
+        gurtd: Gurtd) -> None:
+    """Small files (pairs up to 64 KiB) are diffed together, by one diff -r of copies under
+    /dev/shm: a viewer who leaves in the middle ends that diff -r at once, its folder goes,
+    and the log says nothing of it (the gone client, a ConnectionError, was taken for a full
+    /dev/shm: a warning that the small files could not be written, for each such viewer)."""
+    gurtd.api("POST", "/api/workspaces", {"name": "together"}, status=201)
+    gurtd.run_done(python_line(
+        "import random\nrng = random.Random(5)\nfor i in range(170):\n"
+        "    open(f'f{i}.txt', 'w').write(''.join(f'{rng.randint(0, 99999)}\\n'"
+        " for _ in range(4000)))\n"), workspace="together")
+    task = gurtd.run_done(python_line(
+        "import random\nfor i in range(170):\n"
+        "    lines = open(f'f{i}.txt').read().splitlines(keepends=True)\n"
+        "    random.Random(i).shuffle(lines)\n"
+        "    open(f'f{i}.txt', 'w').write(''.join(lines))\n"), workspace="together")
+    before = os.path.getsize(gurtd.log_path)
+    conn = gurtd.connection()
+    conn.request("GET", f"/api/tasks/{task['id']}/diff",
+                 headers={"Authorization": f"Bearer {gurtd.token}"})
+    eventually(lambda: [p for p in _diff_children(gurtd)
+                        if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[2] == b"-r"],
+               20, "the diff -r of the small files")
+    conn.close()
+    eventually(lambda: not _diff_children(gurtd), 2, "the diff -r to end with its client")
+    assert gurtd.proc is not None
+    eventually(lambda: not glob.glob(f"{G.DIFF_TMP}/gurt-diff-{gurtd.proc.pid}-*"), 2,
+               "the copies of the small files removed")
+    assert gurtd.api("GET", "/api/health")
+    with open(gurtd.log_path, "rb") as f:
+        f.seek(before)
+        logged = f.read().decode(errors="replace")
+    assert "diff:" not in logged, logged
 
 
 def test_a_name_that_is_not_utf8_is_kept_and_shown_escaped(gurtd: Gurtd,
