@@ -5622,13 +5622,14 @@ class DiffBudget:
         return marker
 
     def flush(self) -> None:
-        """The pending pairs diffed, in one diff -r if it can (else each on its own), and
-        their texts taken from the budget in order: spent, a pair is named as too costly."""
+        """The pending pairs diffed, in one diff -r if it can (those it did not finish each on
+        its own), and their texts taken from the budget in order: spent, a pair is named as
+        too costly."""
         pending, self.pending, self.pending_bytes = self.pending, [], 0
         bodies = batch_diff([(p[1], p[2]) for p in pending], self) \
             if pending and not self.spent() else None
         for i, (head, a, b, a_label, b_label, *sizes) in enumerate(pending):
-            body = bodies[i] if bodies is not None and not self.spent() else None
+            body = bodies[i] if bodies is not None and self.left > 0 else None   # made in time
             if body is not None:
                 body = f"--- {a_label}\n+++ {b_label}\n{body}"
             else:
@@ -5645,8 +5646,8 @@ class DiffBudget:
 def batch_diff(pairs: list[tuple[str, str]], budget: DiffBudget) -> list[str | None] | None:
     """The hunks of each pair (a, b), without their ---/+++ lines, from one diff -r -u of two
     folders of numbered files in a fresh 0700 folder under DIFF_TMP (removed after): None
-    for a pair it did not show, None for all if it failed, ran out of time or printed what
-    it should not."""
+    for a pair it did not show (or had not finished when its time ran out), None for all if
+    it failed or printed what it should not."""
     tmp = DIFF_TMP if os.path.isdir(DIFF_TMP) else None
     try:
         root = tempfile.mkdtemp(prefix=f"gurt-diff-{os.getpid()}-", dir=tmp)
@@ -5664,8 +5665,8 @@ def batch_diff(pairs: list[tuple[str, str]], budget: DiffBudget) -> list[str | N
                     write_all(fd, pair[side].encode())
                 finally:
                     os.close(fd)
-        out = _run_diff(["diff", "-u", "-r", os.path.join(root, "a"), os.path.join(root, "b")],
-                        [], budget)
+        out, whole = _diff_run(["diff", "-u", "-r", os.path.join(root, "a"),
+                                os.path.join(root, "b")], [], budget)
     except DiffStopped:                    # an OSError too, but no fault of /dev/shm
         raise
     except OSError as exc:                 # a full /dev/shm
@@ -5677,7 +5678,8 @@ def batch_diff(pairs: list[tuple[str, str]], budget: DiffBudget) -> list[str | N
         return None
     bodies: list[str | None] = [None] * len(pairs)
     head = re.compile(rf"--- {re.escape(root)}/a/([0-9]+)\t[^\n]*\n\+\+\+ [^\n]*\n")
-    for chunk in re.split(r"^diff -u -r [^\n]*\n", out, flags=re.M)[1:]:
+    chunks = re.split(r"^diff -u -r [^\n]*\n", out, flags=re.M)[1:]
+    for chunk in chunks if whole else chunks[:-1]:    # cut short: the last may be cut too
         m = head.match(chunk)
         if m is None or int(m[1]) >= len(pairs):
             return None
@@ -5718,6 +5720,14 @@ def text_diff(a: str, b: str, a_label: str, b_label: str, budget: DiffBudget) ->
 
 def _run_diff(argv: list[str], fds: list[int], budget: DiffBudget) -> str | None:
     """diff(1)'s output, within its file's time and the answer's; killed if the client goes."""
+    out, whole = _diff_run(argv, fds, budget)
+    return out if whole else None
+
+
+def _diff_run(argv: list[str], fds: list[int], budget: DiffBudget) -> tuple[str | None, bool]:
+    """diff(1)'s output (None if it failed) and whether it is whole: past its file's time or
+    the answer's it is killed, and the output is what it printed until then (diff -r: the
+    files it finished, and maybe part of one more).  DiffStopped if the client goes."""
     end = min(budget.deadline, time.monotonic() + DIFF_FILE_SECONDS)
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, pass_fds=fds, env={"LC_ALL": "C"})
@@ -5728,12 +5738,13 @@ def _run_diff(argv: list[str], fds: list[int], budget: DiffBudget) -> str | None
                 break
             except subprocess.TimeoutExpired:
                 if budget.spent() or time.monotonic() >= end:
-                    return None
+                    proc.kill()
+                    return proc.communicate()[0].decode(errors="replace"), False
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    return out.decode(errors="replace") if proc.returncode in (0, 1) else None
+    return (out.decode(errors="replace") if proc.returncode in (0, 1) else None), True
 
 
 def _read_entry(dir_fd: int | None, name: str) -> tuple[str, int, bytes] | None:

@@ -459,6 +459,30 @@ def test_a_spent_diff_names_as_too_costly_the_same_files_together_as_alone() -> 
     assert _diff_of(pairs, G.DIFF_BATCH_FILE, left=10_000) == alone
 
 
+def test_a_together_diff_cut_by_its_time_keeps_the_files_it_finished(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The diff -r of the small files has one file's time (DIFF_FILE_SECONDS), for up to
+    1,000 of them: cut short, it threw all it had printed away and each pair was diffed
+    again on its own (400 shuffled files of 3,276 lines: 257 shown in the 30 s, where a diff(1)
+    each had shown all 400 in 28 s).  The files it finished are kept, the others diffed on
+    their own, and the whole reads, to the byte, as each diffed alone."""
+    rng = __import__("random").Random(9)
+    pairs: list[tuple[str, bytes | None, bytes | None]] = []
+    for i in range(80):
+        lines = [f"{rng.randint(0, 99999)}\n" for _ in range(2000)]
+        old = "".join(lines).encode()
+        rng.shuffle(lines)
+        pairs.append((f"f{i}.txt", old, "".join(lines).encode()))
+    alone = _diff_of(pairs, -1)
+    assert alone.count("\n+++ b/f") == 80
+    monkeypatch.setattr(G, "DIFF_FILE_SECONDS", 1.0)     # the diff -r's cut (each pair ~30 ms)
+    calls: list[str] = []
+    text_diff = G.text_diff
+    monkeypatch.setattr(G, "text_diff", lambda *a: calls.append(a[2]) or text_diff(*a))
+    assert _diff_of(pairs, G.DIFF_BATCH_FILE) == alone
+    assert len(calls) < 80, f"all {len(calls)} pairs were diffed again on their own"
+
+
 def test_a_diff_folder_of_a_dead_gurtd_is_removed_and_a_live_ones_kept() -> None:
     dead = subprocess.Popen(["true"])
     dead.wait()
