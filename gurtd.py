@@ -5687,11 +5687,12 @@ def batch_diff(pairs: list[tuple[str, str]], budget: DiffBudget) -> list[str | N
     return bodies
 
 
-def diff_temp_leftovers() -> None:
-    """At start: the folders of batch_diff that a gurtd killed in the middle left."""
+def diff_temp_leftovers(own: bool = False) -> None:
+    """At start: the folders of batch_diff that a gurtd killed in the middle left; at the
+    stop (own): this gurtd's, of answers the stop cut short (HTTP threads are daemons)."""
     for path in glob.glob(os.path.join(DIFF_TMP, "gurt-diff-*-*")):
         pid = os.path.basename(path).split("-")[2]
-        if is_digits(pid) and not pid_alive(int(pid)):
+        if is_digits(pid) and (int(pid) == os.getpid() if own else not pid_alive(int(pid))):
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -16377,6 +16378,8 @@ def start(box: Box, host: str, port: int, lock_fd: int, undo: Undo) -> None:
     box.review.start()                       # keeps and undos a crash cut short, off the loop
     box.loop.catch_signals()
     box.loop.publish()                            # what load and reconcile found, for HTTP
+    undo.append(("remove the diff copies of answers cut short",   # after the API's close
+                 lambda: diff_temp_leftovers(own=True)))
     try:
         server = Server(box, host, port)
     except OSError as exc:

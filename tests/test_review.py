@@ -690,22 +690,28 @@ def test_a_costly_diff_is_bounded_and_stops_when_its_client_goes(gurtd: Gurtd) -
     assert not _diff_children(gurtd)
 
 
+def _small_files_shuffled(g: Gurtd) -> dict[str, Any]:
+    """A task that shuffled the lines of 170 files of 24 KB: one diff -r of them all takes
+    some seconds."""
+    g.api("POST", "/api/workspaces", {"name": "together"}, status=201)
+    g.run_done(python_line(
+        "import random\nrng = random.Random(5)\nfor i in range(170):\n"
+        "    open(f'f{i}.txt', 'w').write(''.join(f'{rng.randint(0, 99999)}\\n'"
+        " for _ in range(4000)))\n"), workspace="together")
+    return g.run_done(python_line(
+        "import random\nfor i in range(170):\n"
+        "    lines = open(f'f{i}.txt').read().splitlines(keepends=True)\n"
+        "    random.Random(i).shuffle(lines)\n"
+        "    open(f'f{i}.txt', 'w').write(''.join(lines))\n"), workspace="together")
+
+
 def test_a_together_diff_ends_with_its_client_and_leaves_nothing_nor_a_warning(
         gurtd: Gurtd) -> None:
     """Small files (pairs up to 64 KiB) are diffed together, by one diff -r of copies under
     /dev/shm: a viewer who leaves in the middle ends that diff -r at once, its folder goes,
     and the log says nothing of it (the gone client, a ConnectionError, was taken for a full
     /dev/shm: a warning that the small files could not be written, for each such viewer)."""
-    gurtd.api("POST", "/api/workspaces", {"name": "together"}, status=201)
-    gurtd.run_done(python_line(
-        "import random\nrng = random.Random(5)\nfor i in range(170):\n"
-        "    open(f'f{i}.txt', 'w').write(''.join(f'{rng.randint(0, 99999)}\\n'"
-        " for _ in range(4000)))\n"), workspace="together")
-    task = gurtd.run_done(python_line(
-        "import random\nfor i in range(170):\n"
-        "    lines = open(f'f{i}.txt').read().splitlines(keepends=True)\n"
-        "    random.Random(i).shuffle(lines)\n"
-        "    open(f'f{i}.txt', 'w').write(''.join(lines))\n"), workspace="together")
+    task = _small_files_shuffled(gurtd)
     before = os.path.getsize(gurtd.log_path)
     conn = gurtd.connection()
     conn.request("GET", f"/api/tasks/{task['id']}/diff",
@@ -723,6 +729,28 @@ def test_a_together_diff_ends_with_its_client_and_leaves_nothing_nor_a_warning(
         f.seek(before)
         logged = f.read().decode(errors="replace")
     assert "diff:" not in logged, logged
+
+
+def test_a_stop_in_the_middle_of_a_together_diff_leaves_no_copies(gurtd: Gurtd) -> None:
+    """gurtd stopped (SIGTERM, a clean stop) while it diffs small files together: its copies
+    of them under /dev/shm go with it, where they stayed (8 MiB of memory) until a next
+    start of a gurtd."""
+    task = _small_files_shuffled(gurtd)
+    assert gurtd.proc is not None
+    pid = gurtd.proc.pid
+    conn = gurtd.connection()
+    conn.request("GET", f"/api/tasks/{task['id']}/diff",
+                 headers={"Authorization": f"Bearer {gurtd.token}"})
+    eventually(lambda: glob.glob(f"{G.DIFF_TMP}/gurt-diff-{pid}-*/b/169"), 20,
+               "the copies of the small files written")
+    try:
+        assert gurtd.stop() == 0
+    finally:
+        conn.close()
+    left = glob.glob(f"{G.DIFF_TMP}/gurt-diff-{pid}-*")
+    for path in left:
+        shutil.rmtree(path)
+    assert not left
 
 
 def test_a_name_that_is_not_utf8_is_kept_and_shown_escaped(gurtd: Gurtd,
