@@ -733,7 +733,8 @@ PUBLIC_FIELDS = ("id", "title", "prompt", "workspace", "worker", "tools", "hosts
                  "source", "state", "user", "layers", "costCents", "step", "createdAt",
                  "updatedAt", "error", "summary", "limits", "folder", "folders", "review",
                  "askHosts", "schedule", "merged", "undoMerge")
-TASK_SHARED = ("workspace", "worker", "source", "state", "error", "review", "schedule")
+TASK_SHARED = ("workspace", "worker", "source", "state", "review", "schedule")   # not error:
+# its values vary, and from Python 3.12 an interned string may never be freed
 ABSENT = object()                   # a field a task's API form leaves out (Loop.listed_api)
 OPTIONAL_FIELDS = ("step", "error", "summary", "limits", "folder", "folders", "review",
                    "schedule", "merged", "undoMerge")

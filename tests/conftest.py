@@ -43,6 +43,7 @@ import base64
 import contextlib
 import errno
 import functools
+import glob
 import hashlib
 import http.client
 import http.server
@@ -159,6 +160,7 @@ def leftovers() -> list[str]:
     left += [f"nftables {line}" for line in tables.splitlines() if "gurt" in line]
     left += [f"test BOX_HOME /var/tmp/{d}" for d in os.listdir("/var/tmp")
              if d.startswith("gurt-test-")]
+    left += [f"diff copies {path}" for path in glob.glob(os.path.join(G.DIFF_TMP, "gurt-diff-*"))]
     return left + [f"cgroup {path}" for path in gurt_cgroups()]
 
 
