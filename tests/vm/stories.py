@@ -9,6 +9,7 @@ run prints them on the host).
 
 from __future__ import annotations
 
+import glob
 import http.client
 import json
 import os
@@ -287,6 +288,10 @@ def test_a_personal_folder_is_worked_on_as_a_copy_then_kept(owner: Any) -> None:
     done(task)
     with open(os.path.join(folder, "a.txt")) as f:
         assert f.read() == "hello\n"             # a copy until kept
+    diff = api("GET", f"/api/tasks/{task['id']}/diff")       # small files: one diff -r of
+    assert b"\n hello\n+more\n" in diff, diff                # copies under /dev/shm, which
+    assert "each diffed on its own" not in journal(200)   # the unit's private /dev has it
+    assert not glob.glob("/dev/shm/gurt-diff-*")
     assert api("POST", f"/api/tasks/{task['id']}/keep", {})["review"] == "kept"
     assert Path(folder, "a.txt").read_text() == "hello\nmore\n"
     assert os.stat(os.path.join(folder, "a.txt")).st_uid == owner.pw_uid
