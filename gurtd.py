@@ -733,11 +733,12 @@ PUBLIC_FIELDS = ("id", "title", "prompt", "workspace", "worker", "tools", "hosts
                  "source", "state", "user", "layers", "costCents", "step", "createdAt",
                  "updatedAt", "error", "summary", "limits", "folder", "folders", "review",
                  "askHosts", "schedule", "merged", "undoMerge")
-TASK_SHARED = ("workspace", "worker", "source", "state", "review", "schedule")   # not error:
-# its values vary, and from Python 3.12 an interned string may never be freed
-ABSENT = object()                   # a field a task's API form leaves out (Loop.listed_api)
 OPTIONAL_FIELDS = ("step", "error", "summary", "limits", "folder", "folders", "review",
                    "schedule", "merged", "undoMerge")
+ABSENT = object()                   # a field a task's API form leaves out (Loop.listed_api)
+# Interned when a task is read (Task.from_dict); not error: its values vary, and from Python
+# 3.12 an interned string may never be freed.
+TASK_SHARED = ("workspace", "worker", "source", "state", "review", "schedule")
 
 
 @dataclass(slots=True)
@@ -5591,6 +5592,10 @@ class DiffBudget:
     deadline: float = dataclasses.field(default_factory=lambda: time.monotonic() + DIFF_SECONDS)
     gone: Callable[[], bool] = lambda: False
     left: int = DIFF_MAX_BYTES
+    pending: list[tuple[list[str], str, str, str, str, int, int]] = \
+        dataclasses.field(default_factory=list)   # file_diff's small pairs, in order
+    pending_bytes: int = 0
+    parts: list[str] = dataclasses.field(default_factory=list)   # their texts, by marker
 
     def check(self) -> None:
         """DiffStopped once the client left (asked between files, and while diff runs)."""
@@ -5605,11 +5610,6 @@ class DiffBudget:
     def took(self, text: str) -> str:
         self.left -= len(text)
         return text
-
-    pending: list[tuple[list[str], str, str, str, str, int, int]] = \
-        dataclasses.field(default_factory=list)   # file_diff's small pairs, in order
-    pending_bytes: int = 0
-    parts: list[str] = dataclasses.field(default_factory=list)   # their texts, by marker
 
     def later(self, head: list[str], a: str, b: str, a_label: str, b_label: str,
               sizes: tuple[int, int]) -> str:
@@ -5713,17 +5713,12 @@ def text_diff(a: str, b: str, a_label: str, b_label: str, budget: DiffBudget) ->
     try:
         for fd, text in zip(fds, (a, b)):
             os.write(fd, text.encode())
-        return _run_diff(["diff", "-u", "--label", a_label, "--label", b_label,
-                          *(f"/dev/fd/{fd}" for fd in fds)], fds, budget)
+        out, whole = _diff_run(["diff", "-u", "--label", a_label, "--label", b_label,
+                                *(f"/dev/fd/{fd}" for fd in fds)], fds, budget)
+        return out if whole else None
     finally:
         for fd in fds:
             os.close(fd)
-
-
-def _run_diff(argv: list[str], fds: list[int], budget: DiffBudget) -> str | None:
-    """diff(1)'s output, within its file's time and the answer's; killed if the client goes."""
-    out, whole = _diff_run(argv, fds, budget)
-    return out if whole else None
 
 
 def _diff_run(argv: list[str], fds: list[int], budget: DiffBudget) -> tuple[str | None, bool]:
