@@ -619,9 +619,33 @@ def api_figures() -> list[tuple[str, str, str]]:
     return results
 
 
+def homes_disk(path: str = "/var/tmp") -> str:
+    """The file system the test homes are made on (make_home's /var/tmp), and for ext4
+    whether it has a journal: without one, the allocator passes over inodes freed in the
+    last minute (six, while their inode table block is unwritten: ext4's recently_deleted),
+    so a figure taken after a large deletion (an earlier run, a figure's home removed) pays
+    for walking past them."""
+    dev = os.stat(path).st_dev
+    fstype, source = "?", ""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:                       # the last mount of that device wins
+            fields = line.split(" - ")
+            if fields[0].split()[2] == f"{os.major(dev)}:{os.minor(dev)}":
+                fstype, source = fields[1].split()[:2]
+    if fstype != "ext4":
+        return fstype
+    try:
+        with open(f"/proc/fs/ext4/{os.path.basename(source)}/options") as f:
+            journal = "data=" in f.read()    # a data mode is a journal's
+    except OSError:
+        return "ext4"
+    return "ext4 with a journal" if journal else "ext4 without a journal"
+
+
 def print_results(results: list[tuple[str, str, str]]) -> None:
     width = max(len(r[0]) for r in results)
-    print(f"\ngurtd {G.VERSION} bench, {os.cpu_count()} cores, kernel {os.uname().release}")
+    print(f"\ngurtd {G.VERSION} bench, {os.cpu_count()} cores, kernel {os.uname().release}, "
+          f"homes on {homes_disk()}")
     for name, value, target in results:
         print(f"{name:<{width}}  {value:>16}  {('target ' + target) if target else ''}")
 
