@@ -9760,6 +9760,12 @@ class Network:
             refused = int(m.group(1)) if m else 0
         except SysError:
             pass
+        try:                      # its veth now (~20 ms), not once its namespace is free:
+            links = self.ipr.link_lookup(ifname=net.ifname)   # a survivor must reach nothing;
+            if links:             # and before the interface leaves the tasks set, outside
+                self.ipr.link("del", index=links[0])        # which the host accepts it
+        except Exception as exc:  # pyroute2's NetlinkError; the namespace takes it anyway
+            log(3, f"could not delete {net.ifname} of task {task_id}: {exc}")
         q = nft_quote(net.ifname)
         commands = [f"delete element inet {self.table} allow {{ {e} }}" for e in net.elements]
         commands += [f"delete element inet {self.table} refused {{ {q} }}",
@@ -9771,12 +9777,6 @@ class Network:
             for command in commands:
                 with contextlib.suppress(SysError):
                     self.nft.run(command)
-        try:                      # its veth now (~30 ms), not once its namespace is free:
-            links = self.ipr.link_lookup(ifname=net.ifname)   # a survivor must reach nothing
-            if links:
-                self.ipr.link("del", index=links[0])
-        except Exception as exc:  # pyroute2's NetlinkError; the namespace takes it anyway
-            log(3, f"could not delete {net.ifname} of task {task_id}: {exc}")
         for key, up in list(self.pending.items()):
             if up.net is net:
                 self.selector_drop(up.sock)

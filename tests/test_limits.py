@@ -335,6 +335,55 @@ def test_a_task_with_hosts_loses_its_veth_at_its_end_and_a_survivor_reaches_noth
         os.close(nsfd)
 
 
+def test_a_survivor_reaches_nothing_while_its_task_network_is_taken_down(box: Gurtd) -> None:
+    """A survivor (the test, holding the task's network namespace) connects to a host listener
+    over and over while the task is stopped: refused while the task runs, never connected
+    while its network is taken down (its veth goes before its interface leaves the tasks set,
+    outside which the host's policy accepts), and unreachable after."""
+    task = box.create("sleep 30", hosts=["example.com"])
+    wait_for_step(box, task["id"], "sleep 30")
+    pid = box.worker_pids(task)[0]
+    nsfd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+    listener = socket.socket()
+    listener.bind(("0.0.0.0", 0))
+    listener.listen(64)
+    port, done = listener.getsockname()[1], threading.Event()
+    outcomes: dict[str, int] = {}
+    try:
+        def gateway() -> str:
+            with open("/proc/net/route") as f:     # eth0's default route: the host end
+                rows = [line.split() for line in f.readlines()[1:]]
+            gw = next(int(r[2], 16) for r in rows if r[1] == "00000000")
+            return socket.inet_ntoa(gw.to_bytes(4, "little"))
+
+        host = in_netns(nsfd, gateway)
+
+        def probe() -> None:
+            while not done.is_set():
+                with socket.socket() as s:
+                    s.settimeout(0.5)
+                    try:
+                        s.connect((host, port))
+                        outcome = "connected"
+                    except OSError as exc:
+                        outcome = type(exc).__name__
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+        prober = threading.Thread(target=in_netns, args=(nsfd, probe))
+        prober.start()
+        eventually(lambda: sum(outcomes.values()) >= 20, what="20 refused connections")
+        box.api("POST", f"/api/tasks/{task['id']}/stop")
+        time.sleep(0.3)
+        done.set()
+        prober.join()
+        assert "connected" not in outcomes, outcomes
+        assert outcomes.get("ConnectionRefusedError", 0) >= 20, outcomes
+    finally:
+        done.set()
+        listener.close()
+        os.close(nsfd)
+
+
 # limits #######################################################################################
 
 FORK_BOMB = python_arg_line("import os, time\nn = 0\nfor i in range(400):\n"
