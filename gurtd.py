@@ -16959,9 +16959,10 @@ approval_argument = click.argument("approval_id",
                                    shell_complete=complete_ids("/approvals?state=pending"))
 
 
-def json_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """--json (the answer as JSON) and the client options."""
-    return click.option("--json", "as_json", is_flag=True)(client_options(fn))
+def json_options(help: str | None = None) -> Callable[..., Any]:
+    """--json (the answer as JSON, help its text) and the client options."""
+    flag = click.option("--json", "as_json", is_flag=True, help=help)
+    return lambda fn: flag(client_options(fn))
 
 
 def given(**fields: Any) -> dict[str, Any]:
@@ -17346,8 +17347,7 @@ def cmd_token(box_home: str) -> None:
 @click.option("--folder", "folders", multiple=True,
               help="personal: a real folder the task works on a copy of (repeatable)")
 @click.option("--wait", is_flag=True, help="follow the task to its end; exit 1 unless done")
-@click.option("--json", "as_json", is_flag=True, help="print the task as JSON")
-@client_options
+@json_options("print the task as JSON")
 def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title: str | None,
             hosts: tuple[str, ...], tools: tuple[str, ...], budget: float | None,
             folders: tuple[str, ...], wait: bool, as_json: bool, box_home: str,
@@ -17404,7 +17404,7 @@ def droid_ready(client: Client) -> None:
 @click.option("--state", type=click.Choice(STATES), default=None)
 @click.option("--workspace", default=None)
 @click.option("--limit", type=click.IntRange(1, 1000), default=200)
-@json_options
+@json_options()
 def cmd_tasks(state: str | None, workspace: str | None, limit: int, as_json: bool,
               box_home: str, listen: str) -> None:
     """List tasks, newest first."""
@@ -17439,7 +17439,7 @@ def _listing_command(name: str, doc: str, row: Callable[[Any], list[str]], heade
                      empty: str) -> None:
     """`gurtd NAME`: the listing GET /api/NAME as a table of row(item), or as JSON."""
     @cli.command(name, help=doc)
-    @json_options
+    @json_options()
     def command(as_json: bool, box_home: str, listen: str) -> None:
         print_listing(Client(listen, box_home).request("GET", f"/{name}"), as_json, row,
                       headers, empty=empty)
@@ -17449,7 +17449,7 @@ def _task_command(name: str, method: str, suffix: str, doc: str,
                   say: Callable[[Any], None]) -> None:
     @cli.command(name, help=doc)
     @task_argument
-    @json_options
+    @json_options()
     def command(task_id: str, as_json: bool, box_home: str, listen: str) -> None:
         print_answer(Client(listen, box_home).request(method, f"/tasks/{task_id}{suffix}"),
                      as_json, say)
@@ -17463,8 +17463,7 @@ _task_command("stop", "POST", "/stop", "Stop a task: it ends as failed with erro
 @cli.command("log")
 @task_argument
 @click.option("-f", "--follow", is_flag=True, help="keep printing until the task ends")
-@click.option("--json", "as_json", is_flag=True, help="JSON lines as stored")
-@client_options
+@json_options("JSON lines as stored")
 def cmd_log(task_id: str, follow: bool, as_json: bool, box_home: str, listen: str) -> None:
     """Print a task's log."""
     client = Client(listen, box_home)
@@ -17485,7 +17484,7 @@ def cmd_log(task_id: str, follow: bool, as_json: bool, box_home: str, listen: st
 @click.option("--state", type=click.Choice(APPROVAL_STATES), default="pending",
               show_default=True)
 @click.option("--task", "task_id", default=None)
-@json_options
+@json_options()
 def cmd_approvals(state: str, task_id: str | None, as_json: bool, box_home: str,
                   listen: str) -> None:
     """List approvals (pending ones by default)."""
@@ -17501,7 +17500,7 @@ def cmd_approvals(state: str, task_id: str | None, as_json: bool, box_home: str,
 @cli.command("deny")
 @approval_argument
 @click.option("--reason", required=True, default=None, help="handed back to the task")
-@json_options
+@json_options()
 def cmd_deny(approval_id: str, reason: str, as_json: bool, box_home: str, listen: str) -> None:
     """Deny a pending approval; the reason goes back to the task."""
     if not reason:
@@ -17525,7 +17524,7 @@ def cmd_answer(approval_id: str, text: str, box_home: str, listen: str) -> None:
 
 @cli.command("wallet")
 @click.option("--set", "balance", type=float, default=None, help="set the balance, in cents")
-@json_options
+@json_options()
 def cmd_wallet(balance: float | None, as_json: bool, box_home: str, listen: str) -> None:
     """Show the wallet (or set its balance)."""
     client, balance = Client(listen, box_home), whole(balance)
@@ -17567,7 +17566,7 @@ def cmd_schedule() -> None:
 @click.option("--worker", type=click.Choice(WORKERS), default=None, help="default droid")
 @click.option("--workspace", default=None, help="default home")
 @click.option("--overlap", type=click.Choice(OVERLAPS), default="skip", show_default=True)
-@json_options
+@json_options()
 def cmd_schedule_add(name: str, cron: str, prompt: tuple[str, ...], timezone: str,
                      worker: str | None, workspace: str | None, overlap: str, as_json: bool,
                      box_home: str, listen: str) -> None:
@@ -17599,7 +17598,7 @@ _listing_command("hooks", "List hooks (their secrets are never shown again).", l
 # events, settings.
 
 @cli.command("status")
-@json_options
+@json_options()
 def cmd_status(as_json: bool, box_home: str, listen: str) -> None:
     """Is gurtd up: its version, how many tasks run, wait and queue, the wallet, pending
     approvals."""
@@ -17636,8 +17635,7 @@ _listing_command("workspaces", "List workspaces and how many layers (done tasks)
 @cli.command("files")
 @click.argument("workspace")
 @click.argument("path", required=False, default="")
-@click.option("--json", "as_json", is_flag=True, help="a folder's listing as JSON")
-@client_options
+@json_options("a folder's listing as JSON")
 def cmd_files(workspace: str, path: str, as_json: bool, box_home: str, listen: str) -> None:
     """List a folder of a workspace's current view, or print a file: its bytes as they are
     when piped, with control characters escaped on a terminal."""
@@ -17696,8 +17694,7 @@ def event_time(data: dict[str, Any]) -> str:
 
 @cli.command("events")
 @click.option("--since", default=None, help="replay what followed this event id")
-@click.option("--json", "as_json", is_flag=True, help="one JSON object a line")
-@client_options
+@json_options("one JSON object a line")
 def cmd_events(since: str | None, as_json: bool, box_home: str, listen: str) -> None:
     """Follow gurtd's events (task states, approvals) as they come, until Ctrl-C."""
     client = Client(listen, box_home)
@@ -17729,7 +17726,7 @@ def setting_value(text: str) -> Any:
 @cli.command("settings")
 @click.argument("key", required=False)
 @click.argument("value", required=False)
-@json_options
+@json_options()
 def cmd_settings(key: str | None, value: str | None, as_json: bool, box_home: str,
                  listen: str) -> None:
     """Show the settings, one, or change one: gurtd settings maxRunningTasks 4."""
@@ -18046,7 +18043,7 @@ def review_post(client: Client, path: str, body: dict[str, Any]) -> Any:
 
 
 @cli.command("review")
-@json_options
+@json_options()
 def cmd_review(as_json: bool, box_home: str, listen: str) -> None:
     """The personal tasks waiting for the owner: done, with review pending or conflict."""
     tasks = [t for t in Client(listen, box_home).request("GET", "/tasks?state=done&limit=1000")
@@ -18071,7 +18068,7 @@ def cmd_diff(task_id: str, path: str | None, box_home: str, listen: str) -> None
 @task_argument
 @click.option("--force", is_flag=True, help="the task's version wins over the owner's edits")
 @click.option("--path", "paths", multiple=True, help="keep only this path (repeatable)")
-@json_options
+@json_options()
 def cmd_keep(task_id: str, force: bool, paths: tuple[str, ...], as_json: bool, box_home: str,
              listen: str) -> None:
     """Apply a personal task's changes to the real folders (409: the conflicts, one a line)."""
@@ -18087,7 +18084,7 @@ def cmd_keep(task_id: str, force: bool, paths: tuple[str, ...], as_json: bool, b
 @task_argument
 @click.option("--force", is_flag=True, help="a kept task: put the versions from before the "
                                             "keep back even over the owner's later edits")
-@json_options
+@json_options()
 def cmd_undo(task_id: str, force: bool, as_json: bool, box_home: str, listen: str) -> None:
     """Undo a task: stop it and take its changes away (a kept one's from the real folders)."""
     task = review_post(Client(listen, box_home), f"/tasks/{task_id}/undo",
@@ -18105,7 +18102,7 @@ def cmd_undo(task_id: str, force: bool, as_json: bool, box_home: str, listen: st
               help="a budget approval: raise the task's budget to CENTS instead")
 @click.option("--always", type=click.Choice(POLICY_SCOPES), default=None,
               help="also record a policy: later calls like it in this scope run without asking")
-@json_options
+@json_options()
 def cmd_approve(approval_id: str, reason: str | None, args_json: str | None,
                 budget: float | None, always: str | None, as_json: bool, box_home: str,
                 listen: str) -> None:
@@ -18177,8 +18174,7 @@ def say_upload(task: dict[str, Any]) -> None:
 @click.argument("workspace")
 @click.argument("source", type=click.Path(exists=False, allow_dash=True))
 @click.argument("dest", required=False)
-@click.option("--json", "as_json", is_flag=True, help="print the upload's task as JSON")
-@client_options
+@json_options("print the upload's task as JSON")
 def cmd_put(workspace: str, source: str, dest: str | None, as_json: bool, box_home: str,
             listen: str) -> None:
     """Put a file or a folder into a workspace, as a layer of its own (undo takes it out).
