@@ -17379,13 +17379,10 @@ def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title
     except KeyboardInterrupt:
         interrupted(client, task["id"])
     task = client.request("GET", f"/tasks/{task['id']}")
-    if as_json:
-        click.echo(json.dumps(task, indent=1))
-    else:
-        click.echo(f"{task['id']} {paint(task['state'], True)}" +
-                   (f": {printable(task['error'])}" if task.get("error") else "") +
-                   (f" ({cents_text(task['costCents'])} cents)" if task.get("costCents")
-                    else ""), err=True)
+    print_answer(task, as_json, lambda t: click.echo(
+        f"{t['id']} {paint(t['state'], True)}" +
+        (f": {printable(t['error'])}" if t.get("error") else "") +
+        (f" ({cents_text(t['costCents'])} cents)" if t.get("costCents") else ""), err=True))
     sys.exit(0 if task["state"] == "done" else 1)
 
 
