@@ -15682,22 +15682,18 @@ TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schema
         "prompt": {"type": "string", "description": "For the fake worker, one command a line."},
         "workspace": {"type": "string", "default": "home", "pattern": WORKSPACE_RE.pattern},
         "worker": {"type": "string", "enum": list(WORKERS), "default": "droid"},
-        "tools": {"type": "array", "items": {"type": "string"}, "default": []},
-        "hosts": {"type": "array", "items": {"type": "string"}, "default": []},
-        "budgetCents": {"type": "number"},
+        "tools": {"type": "array", "items": STRING, "default": []},
+        "hosts": {"type": "array", "items": STRING, "default": []}, "budgetCents": NUMBER,
         "source": {"type": "string", "default": "api"},
         "state": {"type": "string", "enum": list(STATES)},
         "user": {"type": "string", "description": "box-<id>"},
-        "layers": {"type": "array", "items": {"type": "string"},
+        "layers": {"type": "array", "items": STRING,
                    "description": "Finished tasks whose changes it saw, newest first."},
-        "costCents": {"type": "number"},
-        "step": {"type": "string"},
-        "createdAt": DATE_TIME, "updatedAt": DATE_TIME,
-        "error": {"type": "string"},
-        "summary": {"type": "string"},
+        "costCents": NUMBER, "step": STRING, "createdAt": DATE_TIME, "updatedAt": DATE_TIME,
+        "error": STRING, "summary": STRING,
         "folder": {"type": "string", "description": "Personal: the first real folder the task "
                                                      "works on a copy of."},
-        "folders": {"type": "array", "items": {"type": "string"}, "maxItems": MAX_FOLDERS,
+        "folders": {"type": "array", "items": STRING, "maxItems": MAX_FOLDERS,
                     "description": "Personal: every real folder the task works on."},
         "review": {"type": "string", "enum": list(REVIEW_STATES),
                    "description": "Personal: done and waiting for the owner, kept, stopped by "
@@ -15712,7 +15708,7 @@ TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schema
         "askHosts": {"type": "boolean", "description": "A name outside hosts asks a person (an "
                      "approval of kind host) instead of failing; default the askHostsDefault "
                      "setting."},
-        "merged": {"type": "array", "items": {"type": "string"},
+        "merged": {"type": "array", "items": STRING,
                    "description": "Paths its finish-time merge joined with the changes of "
                                   "tasks that ended while it ran (its diff and changes are "
                                   "then taken against the view it merged with)."},
@@ -15729,14 +15725,13 @@ TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schema
                                     f"checking (an answer after {UNDO_ANSWER_WAIT:g} s): the "
                                     "task's record, log and a task event name the paths when "
                                     "the revert ends; failed: nothing reverted (error)"},
-                          "error": {"type": "string"},
-                          "reverted": {"type": "array", "items": {"type": "string"}},
+                          "error": STRING, "reverted": {"type": "array", "items": STRING},
                           "kept": {"type": "array", "items": {
                               "type": "object", "required": ["path", "task", "why"],
-                              "properties": {"path": {"type": "string"},
+                              "properties": {"path": STRING,
                                              "task": {"type": "string", "description":
                                                       "The later task whose copy stays"},
-                                             "why": {"type": "string"}}}},
+                                             "why": STRING}}},
                           "layer": {"type": ["string", "null"], "description":
                                     "The undo's own layer (a task of worker upload) holding "
                                     "the reverted versions; null if none was needed"}}},
