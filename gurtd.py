@@ -10372,14 +10372,12 @@ def validate_policy_body(body: Any) -> dict[str, Any]:
     for key in ("task", "workspace"):
         if (scope == key) != (body.get(key) is not None):
             raise ApiError(400, f"{key} is required with scope {key}, and only then")
-    if scope == "task":
-        if not isinstance(body["task"], str) or not ID_RE.fullmatch(body["task"]):
-            raise ApiError(400, "task must be a task id")
-        out["task"] = body["task"]
-    if scope == "workspace":
-        if not isinstance(body["workspace"], str) or not valid_workspace_name(body["workspace"]):
-            raise ApiError(400, "workspace must be a workspace name")
-        out["workspace"] = body["workspace"]
+    if scope != "box":
+        valid, what = (ID_RE.fullmatch, "a task id") if scope == "task" else \
+            (valid_workspace_name, "a workspace name")
+        if not isinstance(body[scope], str) or not valid(body[scope]):
+            raise ApiError(400, f"{scope} must be {what}")
+        out[scope] = body[scope]
     if (tool == "host") != (body.get("host") is not None):
         raise ApiError(400, "host (a name or *.domain) is required with tool host, and only then")
     if tool == "host":
