@@ -10415,11 +10415,13 @@ class Policies:
             return [Policy.from_dict(p) for p in data["policies"]]
         self.items = {p.id: p for p in load_json(self.file, parse) or []}
 
-    def write(self, items: dict[str, Policy]) -> None:
-        """Saved first, then in force: a policy that is not on disk is not in memory."""
+    def write(self, items: dict[str, Policy], action: str, policy: Policy) -> None:
+        """Saved first, then in force (a policy that is not on disk is not in memory), then
+        told: a policy event of action."""
         with saved_or_507("policies"):
             write_json(self.file, {"policies": [dataclasses.asdict(p) for p in items.values()]})
         self.items = items
+        self.box.loop.emit("policy", {"action": action, "policy": policy.to_api()})
 
     def listing(self) -> list[dict[str, Any]]:
         return [p.to_api() for p in sorted(self.items.values(), key=lambda p: p.createdAt,
@@ -10435,8 +10437,7 @@ class Policies:
                 not self.box.views.workspace_exists(fields["workspace"]):
             raise ApiError(400, f"no workspace named {fields['workspace']}")
         policy = Policy(id=new_task_id("p"), createdAt=now_iso(), createdBy=by, **fields)
-        self.write({**self.items, policy.id: policy})
-        self.box.loop.emit("policy", {"action": "created", "policy": policy.to_api()})
+        self.write({**self.items, policy.id: policy}, "created", policy)
         log(6, f"policy {policy.id} created by {by}: {policy.tool} in {policy.scope}")
         return policy
 
@@ -10444,8 +10445,7 @@ class Policies:
         policy = self.items.get(policy_id) if isinstance(policy_id, str) else None
         if policy is None:
             raise ApiError(404, "No policy with this id", "not_found")
-        self.write({k: v for k, v in self.items.items() if k != policy_id})
-        self.box.loop.emit("policy", {"action": "deleted", "policy": policy.to_api()})
+        self.write({k: v for k, v in self.items.items() if k != policy_id}, "deleted", policy)
         return policy.to_api()
 
     def find(self, task: Task, tool: str, cents: float, host: str | None = None) -> Policy | None:
@@ -10470,8 +10470,7 @@ class Policies:
         """Count one automatic approval (saved before the call runs)."""
         used = dataclasses.replace(policy, spentCents=policy.spentCents + cents,
                                    uses=policy.uses + 1)
-        self.write({**self.items, policy.id: used})
-        self.box.loop.emit("policy", {"action": "used", "policy": used.to_api()})
+        self.write({**self.items, policy.id: used}, "used", used)
 
 
 # Model gateway #################################################################################
