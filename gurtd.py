@@ -13806,7 +13806,6 @@ def jira_exchange(config: dict[str, Any], method: str, path: str, body: bytes | 
     timeout alone lets a Jira that sends a byte every 19 s hold the thread for ever, so at the
     deadline a timer shuts the socket (a dup of it: whatever reads it, TLS too, wakes up).
     No proxy; a redirect is an answer like any other (never followed)."""
-    import ssl
     url = urllib.parse.urlsplit(config["baseUrl"])
     secure = url.scheme == "https"
     host, port = url.hostname or "", url.port or (443 if secure else 80)
@@ -18162,7 +18161,6 @@ def cmd_put(workspace: str, source: str, dest: str | None, as_json: bool, box_ho
     SOURCE is a file (it lands at DEST, default its name), a folder (its contents land under
     DEST, default the top), or - for standard input (a file at DEST, else a tar archive)."""
     import tarfile
-    import tempfile
     client = Client(listen, box_home)
     if source != "-" and not os.path.lexists(source):
         raise click.ClickException(f"{source}: no such file or folder")
