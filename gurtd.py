@@ -17871,13 +17871,11 @@ class McpServer:
 
     def dispatch(self, message: Any) -> threading.Thread | None:
         """Check the envelope here (in order); a request then gets a thread of its own."""
-        if not isinstance(message, dict):
-            self.send({"jsonrpc": "2.0", "id": None,
-                       "error": {"code": -32600, "message": "a message is a JSON object"}})
-            return None
-        rpc_id = mcp_rpc_id(message)
+        rpc_id = mcp_rpc_id(message) if isinstance(message, dict) else None
         problem = None
-        if message.get("jsonrpc") != "2.0":
+        if not isinstance(message, dict):
+            problem = "a message is a JSON object"
+        elif message.get("jsonrpc") != "2.0":
             problem = 'not a JSON-RPC 2.0 message: "jsonrpc" must be "2.0"'
         elif "method" not in message:
             problem = "a request needs a method (this server sends no requests to answer)"
