@@ -16800,6 +16800,7 @@ class Client:
     """The local API with the token from GURT_TOKEN or BOX_HOME/token."""
 
     timeout = 60.0                       # seconds for an answer; a keep may take minutes
+    transfer_timeout = 600.0             # a put or a get: its body and answer are streamed
 
     def __init__(self, listen: str, box_home: str, need_token: bool = True) -> None:
         self.host, self.port = parse_listen(listen)
@@ -18133,15 +18134,6 @@ def cmd_policy_rm(policy_id: str, box_home: str, listen: str) -> None:
 
 # files in and out: gurtd put / gurtd get
 
-def transfer(client: Client, method: str, path: str, body: Any = None, length: int = 0,
-             content_type: str = "application/octet-stream") -> Any:
-    """One request whose body (a file object of length bytes) and answer are streamed; the
-    answer's response object, or a ClickException that says what went wrong."""
-    headers = None if body is None else {"Content-Type": content_type,
-                                         "Content-Length": str(length)}
-    return client.open(method, path, body, headers, 600)[1]
-
-
 def say_upload(task: dict[str, Any]) -> None:
     click.echo(printable(f"{task.get('summary', '')} into {task['workspace']}: task "
                          f"{task['id']} (undo it with: gurtd undo {task['id']})"))
@@ -18181,8 +18173,8 @@ def cmd_put(workspace: str, source: str, dest: str | None, as_json: bool, box_ho
                 raise click.ClickException("name the file: gurtd put WORKSPACE - DEST")
             path = workspace_url(workspace, "/files/" + urllib.parse.quote(name.lstrip("/")))
             ctype = "application/octet-stream"
-        resp = transfer(client, "PUT" if "/files/" in path else "POST", path, spool, length,
-                        ctype)
+        _, resp = client.open("PUT" if "/files/" in path else "POST", path, spool, {
+            "Content-Type": ctype, "Content-Length": str(length)}, client.transfer_timeout)
         task = json.loads(resp.read())
     print_answer(task, as_json, say_upload)
 
@@ -18213,7 +18205,7 @@ def cmd_get(workspace: str | None, path: str | None, task_id: str | None, output
         default = os.path.basename(path.rstrip("/")) or workspace
     else:
         url, default = workspace_url(workspace, "/archive"), f"{workspace}.tar.gz"
-    resp = transfer(client, "GET", url)
+    _, resp = client.open("GET", url, timeout=client.transfer_timeout)
     if resp.getheader("Content-Type", "").startswith("application/json"):
         listing = json.loads(resp.read())        # a folder: say what is in it
         for entry in listing.get("entries", []):
