@@ -17055,16 +17055,13 @@ def log_entry_text(entry: dict[str, Any]) -> str:
                 (f": {entry['reason']}" if entry.get("reason") else "")
         return f"{entry['approval']} pending: {entry.get('kind')} {entry.get('tool')} " \
                f"{entry.get('cents')} cents"
-    if kind == "dns" and "allowed" not in entry:      # a name held for a person (askHosts)
-        return str(entry.get("text", ""))
-    if kind == "dns":
+    if kind == "dns" and "allowed" in entry:   # else a name held for a person: its text
         verdict = "allowed" if entry.get("allowed") else "refused"
         return f"{entry.get('name')} {entry.get('qtype')} {verdict} " + \
             " ".join(entry.get("addresses") or [])
     if kind == "event":
         event = entry.get("event") or {}
-        return droid_step(event) or f"{event.get('type')} " + \
-            json.dumps(event)[:150]
+        return droid_step(event) or f"{event.get('type')} " + json.dumps(event)[:150]
     return str(entry.get("text", ""))
 
 
