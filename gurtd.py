@@ -13270,8 +13270,7 @@ def h_session_current(req: "Handler", params: dict[str, str]) -> Any:
 
 
 def h_sessions_list(req: "Handler", params: dict[str, str]) -> Any:
-    current = req.session.id if req.session is not None else None
-    return 200, req.server.sessions.listing(current)
+    return 200, req.server.sessions.listing(req.session.id if req.session is not None else None)
 
 
 def h_session_delete(req: "Handler", params: dict[str, str]) -> Any:
@@ -14328,11 +14327,10 @@ h_hook_delete = loop_handler(200, "hooks.delete", "name")
 def h_hook_deliver(req: "Handler", params: dict[str, str]) -> Any:
     """No bearer token here (Handler.dispatch): the signature is checked instead, over the
     body's bytes as sent (not over JSON)."""
-    raw = req.raw_body()
-    return 201, req.box.loop.call(req.box.hooks.deliver, params["name"], raw,
-                             req.headers.get("X-Gurt-Signature") or "",
-                             req.headers.get("X-Gurt-Delivery") or "",
-                             req.headers.get("X-Gurt-Timestamp") or "")
+    return 201, req.box.loop.call(req.box.hooks.deliver, params["name"], req.raw_body(),
+                                  req.headers.get("X-Gurt-Signature") or "",
+                                  req.headers.get("X-Gurt-Delivery") or "",
+                                  req.headers.get("X-Gurt-Timestamp") or "")
 
 
 # HTTP ##########################################################################################
