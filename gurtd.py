@@ -13343,19 +13343,17 @@ def cron_next(cron: str, zone: str, after: float, count: int) -> list[float]:
     fixed_hour = "*" not in cron.split()[1]
     it = croniter(cron, datetime.datetime.fromtimestamp(after, tz))
     out: list[float] = []
-    last = after
     for _ in range(count * 4 + 8):
         if len(out) == count:
             break
         when = it.get_next(datetime.datetime)
         stamp = when.timestamp()
-        if stamp <= last:
+        if stamp <= (out[-1] if out else after):
             continue
         if fixed_hour and when.fold == 1 and \
                 when.replace(fold=0).utcoffset() != when.utcoffset():
             continue
         out.append(stamp)
-        last = stamp
     return out
 
 
