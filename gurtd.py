@@ -17704,10 +17704,8 @@ def cmd_settings(key: str | None, value: str | None, as_json: bool, box_home: st
                  listen: str) -> None:
     """Show the settings, one, or change one: gurtd settings maxRunningTasks 4."""
     client = Client(listen, box_home)
-    if value is not None:
-        settings = client.request("PUT", "/settings", {key: setting_value(value)})
-    else:
-        settings = client.request("GET", "/settings")
+    settings = client.request("PUT", "/settings", {key: setting_value(value)}) \
+        if value is not None else client.request("GET", "/settings")
     if key is not None and key not in settings:
         raise click.ClickException(f"no setting named {key}; there are: "
                                    f"{', '.join(sorted(settings))}")
