@@ -14241,11 +14241,10 @@ class Hooks:
     def save(self) -> None:
         write_json(self.file, {"hooks": self.items})
 
-    def public(self, hook: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in hook.items() if k != "secret"}
-
     def list(self) -> list[dict[str, Any]]:
-        return [self.public(h) for _, h in sorted(self.items.items())]
+        """The hooks by name, each without its secret."""
+        return [{k: v for k, v in hook.items() if k != "secret"}
+                for _, hook in sorted(self.items.items())]
 
     def create(self, body: dict[str, Any]) -> dict[str, Any]:
         """A new hook; its secret is in this answer and never again."""
