@@ -16799,6 +16799,7 @@ class Client:
 
     def __init__(self, listen: str, box_home: str, need_token: bool = True) -> None:
         self.host, self.port = parse_listen(listen)
+        self.url_host = f"[{self.host}]" if ":" in self.host else self.host   # IPv6 bracketed
         self.token, self.no_token = os.environ.get("GURT_TOKEN", ""), ""
         if not self.token:
             try:
@@ -16822,8 +16823,7 @@ class Client:
              ) -> tuple[Any, Any]:
         """One request: its connection and response, the answer not read yet; or a
         ClickException that says what went wrong (an error status said by CliError)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        conn = http.client.HTTPConnection(host, self.port, timeout=timeout)
+        conn = http.client.HTTPConnection(self.url_host, self.port, timeout=timeout)
         try:
             conn.request(method, "/api" + path, body=body,
                          headers={"Authorization": f"Bearer {self.token}", **(headers or {})})
@@ -18218,8 +18218,7 @@ def cmd_portal(box_home: str, listen: str) -> None:
     SSH tunnel to the same port); it works once, within two minutes."""
     client = Client(listen, box_home)
     made = client.request("POST", "/sessions/codes", {})
-    host = f"[{client.host}]" if ":" in client.host else client.host
-    click.echo(f"http://{host}:{client.port}{made['path']}")
+    click.echo(f"http://{client.url_host}:{client.port}{made['path']}")
     click.echo(f"(one use, valid for {int(made['expiresInSeconds'])} seconds)", err=True)
 
 
