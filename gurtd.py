@@ -10372,14 +10372,12 @@ def validate_policy_body(body: Any) -> dict[str, Any]:
     for key in ("task", "workspace"):
         if (scope == key) != (body.get(key) is not None):
             raise ApiError(400, f"{key} is required with scope {key}, and only then")
-    if scope == "task":
-        if not isinstance(body["task"], str) or not ID_RE.fullmatch(body["task"]):
-            raise ApiError(400, "task must be a task id")
-        out["task"] = body["task"]
-    if scope == "workspace":
-        if not isinstance(body["workspace"], str) or not valid_workspace_name(body["workspace"]):
-            raise ApiError(400, "workspace must be a workspace name")
-        out["workspace"] = body["workspace"]
+    if scope != "box":
+        valid, what = (ID_RE.fullmatch, "a task id") if scope == "task" else \
+            (valid_workspace_name, "a workspace name")
+        if not isinstance(body[scope], str) or not valid(body[scope]):
+            raise ApiError(400, f"{scope} must be {what}")
+        out[scope] = body[scope]
     if (tool == "host") != (body.get("host") is not None):
         raise ApiError(400, "host (a name or *.domain) is required with tool host, and only then")
     if tool == "host":
@@ -10405,10 +10403,7 @@ class Policies:
     def __init__(self, box: "Box") -> None:
         self.box = box
         self.items: dict[str, Policy] = {}
-
-    @property
-    def file(self) -> str:
-        return self.box.path("policies.json")
+        self.file = box.path("policies.json")
 
     def load(self) -> None:
         def parse(data: Any) -> list[Policy]:
@@ -10417,11 +10412,13 @@ class Policies:
             return [Policy.from_dict(p) for p in data["policies"]]
         self.items = {p.id: p for p in load_json(self.file, parse) or []}
 
-    def write(self, items: dict[str, Policy]) -> None:
-        """Saved first, then in force: a policy that is not on disk is not in memory."""
+    def write(self, items: dict[str, Policy], action: str, policy: Policy) -> None:
+        """Saved first, then in force (a policy that is not on disk is not in memory), then
+        told: a policy event of action."""
         with saved_or_507("policies"):
             write_json(self.file, {"policies": [dataclasses.asdict(p) for p in items.values()]})
         self.items = items
+        self.box.loop.emit("policy", {"action": action, "policy": policy.to_api()})
 
     def listing(self) -> list[dict[str, Any]]:
         return [p.to_api() for p in sorted(self.items.values(), key=lambda p: p.createdAt,
@@ -10437,8 +10434,7 @@ class Policies:
                 not self.box.views.workspace_exists(fields["workspace"]):
             raise ApiError(400, f"no workspace named {fields['workspace']}")
         policy = Policy(id=new_task_id("p"), createdAt=now_iso(), createdBy=by, **fields)
-        self.write({**self.items, policy.id: policy})
-        self.box.loop.emit("policy", {"action": "created", "policy": policy.to_api()})
+        self.write({**self.items, policy.id: policy}, "created", policy)
         log(6, f"policy {policy.id} created by {by}: {policy.tool} in {policy.scope}")
         return policy
 
@@ -10446,8 +10442,7 @@ class Policies:
         policy = self.items.get(policy_id) if isinstance(policy_id, str) else None
         if policy is None:
             raise ApiError(404, "No policy with this id", "not_found")
-        self.write({k: v for k, v in self.items.items() if k != policy_id})
-        self.box.loop.emit("policy", {"action": "deleted", "policy": policy.to_api()})
+        self.write({k: v for k, v in self.items.items() if k != policy_id}, "deleted", policy)
         return policy.to_api()
 
     def find(self, task: Task, tool: str, cents: float, host: str | None = None) -> Policy | None:
@@ -10472,8 +10467,7 @@ class Policies:
         """Count one automatic approval (saved before the call runs)."""
         used = dataclasses.replace(policy, spentCents=policy.spentCents + cents,
                                    uses=policy.uses + 1)
-        self.write({**self.items, policy.id: used})
-        self.box.loop.emit("policy", {"action": "used", "policy": used.to_api()})
+        self.write({**self.items, policy.id: used}, "used", used)
 
 
 # Model gateway #################################################################################
@@ -13276,8 +13270,7 @@ def h_session_current(req: "Handler", params: dict[str, str]) -> Any:
 
 
 def h_sessions_list(req: "Handler", params: dict[str, str]) -> Any:
-    current = req.session.id if req.session is not None else None
-    return 200, req.server.sessions.listing(current)
+    return 200, req.server.sessions.listing(req.session.id if req.session is not None else None)
 
 
 def h_session_delete(req: "Handler", params: dict[str, str]) -> Any:
@@ -13350,19 +13343,17 @@ def cron_next(cron: str, zone: str, after: float, count: int) -> list[float]:
     fixed_hour = "*" not in cron.split()[1]
     it = croniter(cron, datetime.datetime.fromtimestamp(after, tz))
     out: list[float] = []
-    last = after
     for _ in range(count * 4 + 8):
         if len(out) == count:
             break
         when = it.get_next(datetime.datetime)
         stamp = when.timestamp()
-        if stamp <= last:
+        if stamp <= (out[-1] if out else after):
             continue
         if fixed_hour and when.fold == 1 and \
                 when.replace(fold=0).utcoffset() != when.utcoffset():
             continue
         out.append(stamp)
-        last = stamp
     return out
 
 
@@ -13812,7 +13803,6 @@ def jira_exchange(config: dict[str, Any], method: str, path: str, body: bytes | 
     timeout alone lets a Jira that sends a byte every 19 s hold the thread for ever, so at the
     deadline a timer shuts the socket (a dup of it: whatever reads it, TLS too, wakes up).
     No proxy; a redirect is an answer like any other (never followed)."""
-    import ssl
     url = urllib.parse.urlsplit(config["baseUrl"])
     secure = url.scheme == "https"
     host, port = url.hostname or "", url.port or (443 if secure else 80)
@@ -13901,14 +13891,8 @@ class Jira:
         self.wake = threading.Event()
         self.thread: threading.Thread | None = None
         self.backoff = 0.0
-
-    @property
-    def file(self) -> str:
-        return self.box.path("jira.json")
-
-    @property
-    def token_file(self) -> str:
-        return self.box.path("secrets", "jira-token")
+        self.file = box.path("jira.json")
+        self.token_file = box.path("secrets", "jira-token")
 
     def load(self) -> None:
         data = load_json(self.file)
@@ -14257,11 +14241,10 @@ class Hooks:
     def save(self) -> None:
         write_json(self.file, {"hooks": self.items})
 
-    def public(self, hook: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in hook.items() if k != "secret"}
-
     def list(self) -> list[dict[str, Any]]:
-        return [self.public(h) for _, h in sorted(self.items.items())]
+        """The hooks by name, each without its secret."""
+        return [{k: v for k, v in hook.items() if k != "secret"}
+                for _, hook in sorted(self.items.items())]
 
     def create(self, body: dict[str, Any]) -> dict[str, Any]:
         """A new hook; its secret is in this answer and never again."""
@@ -14341,11 +14324,10 @@ h_hook_delete = loop_handler(200, "hooks.delete", "name")
 def h_hook_deliver(req: "Handler", params: dict[str, str]) -> Any:
     """No bearer token here (Handler.dispatch): the signature is checked instead, over the
     body's bytes as sent (not over JSON)."""
-    raw = req.raw_body()
-    return 201, req.box.loop.call(req.box.hooks.deliver, params["name"], raw,
-                             req.headers.get("X-Gurt-Signature") or "",
-                             req.headers.get("X-Gurt-Delivery") or "",
-                             req.headers.get("X-Gurt-Timestamp") or "")
+    return 201, req.box.loop.call(req.box.hooks.deliver, params["name"], req.raw_body(),
+                                  req.headers.get("X-Gurt-Signature") or "",
+                                  req.headers.get("X-Gurt-Delivery") or "",
+                                  req.headers.get("X-Gurt-Timestamp") or "")
 
 
 # HTTP ##########################################################################################
@@ -15682,22 +15664,18 @@ TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schema
         "prompt": {"type": "string", "description": "For the fake worker, one command a line."},
         "workspace": {"type": "string", "default": "home", "pattern": WORKSPACE_RE.pattern},
         "worker": {"type": "string", "enum": list(WORKERS), "default": "droid"},
-        "tools": {"type": "array", "items": {"type": "string"}, "default": []},
-        "hosts": {"type": "array", "items": {"type": "string"}, "default": []},
-        "budgetCents": {"type": "number"},
+        "tools": {"type": "array", "items": STRING, "default": []},
+        "hosts": {"type": "array", "items": STRING, "default": []}, "budgetCents": NUMBER,
         "source": {"type": "string", "default": "api"},
         "state": {"type": "string", "enum": list(STATES)},
         "user": {"type": "string", "description": "box-<id>"},
-        "layers": {"type": "array", "items": {"type": "string"},
+        "layers": {"type": "array", "items": STRING,
                    "description": "Finished tasks whose changes it saw, newest first."},
-        "costCents": {"type": "number"},
-        "step": {"type": "string"},
-        "createdAt": DATE_TIME, "updatedAt": DATE_TIME,
-        "error": {"type": "string"},
-        "summary": {"type": "string"},
+        "costCents": NUMBER, "step": STRING, "createdAt": DATE_TIME, "updatedAt": DATE_TIME,
+        "error": STRING, "summary": STRING,
         "folder": {"type": "string", "description": "Personal: the first real folder the task "
                                                      "works on a copy of."},
-        "folders": {"type": "array", "items": {"type": "string"}, "maxItems": MAX_FOLDERS,
+        "folders": {"type": "array", "items": STRING, "maxItems": MAX_FOLDERS,
                     "description": "Personal: every real folder the task works on."},
         "review": {"type": "string", "enum": list(REVIEW_STATES),
                    "description": "Personal: done and waiting for the owner, kept, stopped by "
@@ -15712,7 +15690,7 @@ TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schema
         "askHosts": {"type": "boolean", "description": "A name outside hosts asks a person (an "
                      "approval of kind host) instead of failing; default the askHostsDefault "
                      "setting."},
-        "merged": {"type": "array", "items": {"type": "string"},
+        "merged": {"type": "array", "items": STRING,
                    "description": "Paths its finish-time merge joined with the changes of "
                                   "tasks that ended while it ran (its diff and changes are "
                                   "then taken against the view it merged with)."},
@@ -15729,14 +15707,13 @@ TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schema
                                     f"checking (an answer after {UNDO_ANSWER_WAIT:g} s): the "
                                     "task's record, log and a task event name the paths when "
                                     "the revert ends; failed: nothing reverted (error)"},
-                          "error": {"type": "string"},
-                          "reverted": {"type": "array", "items": {"type": "string"}},
+                          "error": STRING, "reverted": {"type": "array", "items": STRING},
                           "kept": {"type": "array", "items": {
                               "type": "object", "required": ["path", "task", "why"],
-                              "properties": {"path": {"type": "string"},
+                              "properties": {"path": STRING,
                                              "task": {"type": "string", "description":
                                                       "The later task whose copy stays"},
-                                             "why": {"type": "string"}}}},
+                                             "why": STRING}}},
                           "layer": {"type": ["string", "null"], "description":
                                     "The undo's own layer (a task of worker upload) holding "
                                     "the reverted versions; null if none was needed"}}},
@@ -16818,9 +16795,11 @@ class Client:
     """The local API with the token from GURT_TOKEN or BOX_HOME/token."""
 
     timeout = 60.0                       # seconds for an answer; a keep may take minutes
+    transfer_timeout = 600.0             # a put or a get: its body and answer are streamed
 
     def __init__(self, listen: str, box_home: str, need_token: bool = True) -> None:
         self.host, self.port = parse_listen(listen)
+        self.url_host = f"[{self.host}]" if ":" in self.host else self.host   # IPv6 bracketed
         self.token, self.no_token = os.environ.get("GURT_TOKEN", ""), ""
         if not self.token:
             try:
@@ -16844,8 +16823,7 @@ class Client:
              ) -> tuple[Any, Any]:
         """One request: its connection and response, the answer not read yet; or a
         ClickException that says what went wrong (an error status said by CliError)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        conn = http.client.HTTPConnection(host, self.port, timeout=timeout)
+        conn = http.client.HTTPConnection(self.url_host, self.port, timeout=timeout)
         try:
             conn.request(method, "/api" + path, body=body,
                          headers={"Authorization": f"Bearer {self.token}", **(headers or {})})
@@ -16959,9 +16937,10 @@ approval_argument = click.argument("approval_id",
                                    shell_complete=complete_ids("/approvals?state=pending"))
 
 
-def json_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """--json (the answer as JSON) and the client options."""
-    return click.option("--json", "as_json", is_flag=True)(client_options(fn))
+def json_options(help: str | None = None) -> Callable[..., Any]:
+    """--json (the answer as JSON, help its text) and the client options."""
+    flag = click.option("--json", "as_json", is_flag=True, help=help)
+    return lambda fn: flag(client_options(fn))
 
 
 def given(**fields: Any) -> dict[str, Any]:
@@ -17071,16 +17050,13 @@ def log_entry_text(entry: dict[str, Any]) -> str:
                 (f": {entry['reason']}" if entry.get("reason") else "")
         return f"{entry['approval']} pending: {entry.get('kind')} {entry.get('tool')} " \
                f"{entry.get('cents')} cents"
-    if kind == "dns" and "allowed" not in entry:      # a name held for a person (askHosts)
-        return str(entry.get("text", ""))
-    if kind == "dns":
+    if kind == "dns" and "allowed" in entry:   # else a name held for a person: its text
         verdict = "allowed" if entry.get("allowed") else "refused"
         return f"{entry.get('name')} {entry.get('qtype')} {verdict} " + \
             " ".join(entry.get("addresses") or [])
     if kind == "event":
         event = entry.get("event") or {}
-        return droid_step(event) or f"{event.get('type')} " + \
-            json.dumps(event)[:150]
+        return droid_step(event) or f"{event.get('type')} " + json.dumps(event)[:150]
     return str(entry.get("text", ""))
 
 
@@ -17346,8 +17322,7 @@ def cmd_token(box_home: str) -> None:
 @click.option("--folder", "folders", multiple=True,
               help="personal: a real folder the task works on a copy of (repeatable)")
 @click.option("--wait", is_flag=True, help="follow the task to its end; exit 1 unless done")
-@click.option("--json", "as_json", is_flag=True, help="print the task as JSON")
-@client_options
+@json_options("print the task as JSON")
 def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title: str | None,
             hosts: tuple[str, ...], tools: tuple[str, ...], budget: float | None,
             folders: tuple[str, ...], wait: bool, as_json: bool, box_home: str,
@@ -17379,13 +17354,10 @@ def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title
     except KeyboardInterrupt:
         interrupted(client, task["id"])
     task = client.request("GET", f"/tasks/{task['id']}")
-    if as_json:
-        click.echo(json.dumps(task, indent=1))
-    else:
-        click.echo(f"{task['id']} {paint(task['state'], True)}" +
-                   (f": {printable(task['error'])}" if task.get("error") else "") +
-                   (f" ({cents_text(task['costCents'])} cents)" if task.get("costCents")
-                    else ""), err=True)
+    print_answer(task, as_json, lambda t: click.echo(
+        f"{t['id']} {paint(t['state'], True)}" +
+        (f": {printable(t['error'])}" if t.get("error") else "") +
+        (f" ({cents_text(t['costCents'])} cents)" if t.get("costCents") else ""), err=True))
     sys.exit(0 if task["state"] == "done" else 1)
 
 
@@ -17404,7 +17376,7 @@ def droid_ready(client: Client) -> None:
 @click.option("--state", type=click.Choice(STATES), default=None)
 @click.option("--workspace", default=None)
 @click.option("--limit", type=click.IntRange(1, 1000), default=200)
-@json_options
+@json_options()
 def cmd_tasks(state: str | None, workspace: str | None, limit: int, as_json: bool,
               box_home: str, listen: str) -> None:
     """List tasks, newest first."""
@@ -17439,7 +17411,7 @@ def _listing_command(name: str, doc: str, row: Callable[[Any], list[str]], heade
                      empty: str) -> None:
     """`gurtd NAME`: the listing GET /api/NAME as a table of row(item), or as JSON."""
     @cli.command(name, help=doc)
-    @json_options
+    @json_options()
     def command(as_json: bool, box_home: str, listen: str) -> None:
         print_listing(Client(listen, box_home).request("GET", f"/{name}"), as_json, row,
                       headers, empty=empty)
@@ -17449,7 +17421,7 @@ def _task_command(name: str, method: str, suffix: str, doc: str,
                   say: Callable[[Any], None]) -> None:
     @cli.command(name, help=doc)
     @task_argument
-    @json_options
+    @json_options()
     def command(task_id: str, as_json: bool, box_home: str, listen: str) -> None:
         print_answer(Client(listen, box_home).request(method, f"/tasks/{task_id}{suffix}"),
                      as_json, say)
@@ -17463,8 +17435,7 @@ _task_command("stop", "POST", "/stop", "Stop a task: it ends as failed with erro
 @cli.command("log")
 @task_argument
 @click.option("-f", "--follow", is_flag=True, help="keep printing until the task ends")
-@click.option("--json", "as_json", is_flag=True, help="JSON lines as stored")
-@client_options
+@json_options("JSON lines as stored")
 def cmd_log(task_id: str, follow: bool, as_json: bool, box_home: str, listen: str) -> None:
     """Print a task's log."""
     client = Client(listen, box_home)
@@ -17485,7 +17456,7 @@ def cmd_log(task_id: str, follow: bool, as_json: bool, box_home: str, listen: st
 @click.option("--state", type=click.Choice(APPROVAL_STATES), default="pending",
               show_default=True)
 @click.option("--task", "task_id", default=None)
-@json_options
+@json_options()
 def cmd_approvals(state: str, task_id: str | None, as_json: bool, box_home: str,
                   listen: str) -> None:
     """List approvals (pending ones by default)."""
@@ -17501,7 +17472,7 @@ def cmd_approvals(state: str, task_id: str | None, as_json: bool, box_home: str,
 @cli.command("deny")
 @approval_argument
 @click.option("--reason", required=True, default=None, help="handed back to the task")
-@json_options
+@json_options()
 def cmd_deny(approval_id: str, reason: str, as_json: bool, box_home: str, listen: str) -> None:
     """Deny a pending approval; the reason goes back to the task."""
     if not reason:
@@ -17525,7 +17496,7 @@ def cmd_answer(approval_id: str, text: str, box_home: str, listen: str) -> None:
 
 @cli.command("wallet")
 @click.option("--set", "balance", type=float, default=None, help="set the balance, in cents")
-@json_options
+@json_options()
 def cmd_wallet(balance: float | None, as_json: bool, box_home: str, listen: str) -> None:
     """Show the wallet (or set its balance)."""
     client, balance = Client(listen, box_home), whole(balance)
@@ -17567,7 +17538,7 @@ def cmd_schedule() -> None:
 @click.option("--worker", type=click.Choice(WORKERS), default=None, help="default droid")
 @click.option("--workspace", default=None, help="default home")
 @click.option("--overlap", type=click.Choice(OVERLAPS), default="skip", show_default=True)
-@json_options
+@json_options()
 def cmd_schedule_add(name: str, cron: str, prompt: tuple[str, ...], timezone: str,
                      worker: str | None, workspace: str | None, overlap: str, as_json: bool,
                      box_home: str, listen: str) -> None:
@@ -17599,7 +17570,7 @@ _listing_command("hooks", "List hooks (their secrets are never shown again).", l
 # events, settings.
 
 @cli.command("status")
-@json_options
+@json_options()
 def cmd_status(as_json: bool, box_home: str, listen: str) -> None:
     """Is gurtd up: its version, how many tasks run, wait and queue, the wallet, pending
     approvals."""
@@ -17636,8 +17607,7 @@ _listing_command("workspaces", "List workspaces and how many layers (done tasks)
 @cli.command("files")
 @click.argument("workspace")
 @click.argument("path", required=False, default="")
-@click.option("--json", "as_json", is_flag=True, help="a folder's listing as JSON")
-@client_options
+@json_options("a folder's listing as JSON")
 def cmd_files(workspace: str, path: str, as_json: bool, box_home: str, listen: str) -> None:
     """List a folder of a workspace's current view, or print a file: its bytes as they are
     when piped, with control characters escaped on a terminal."""
@@ -17696,8 +17666,7 @@ def event_time(data: dict[str, Any]) -> str:
 
 @cli.command("events")
 @click.option("--since", default=None, help="replay what followed this event id")
-@click.option("--json", "as_json", is_flag=True, help="one JSON object a line")
-@client_options
+@json_options("one JSON object a line")
 def cmd_events(since: str | None, as_json: bool, box_home: str, listen: str) -> None:
     """Follow gurtd's events (task states, approvals) as they come, until Ctrl-C."""
     client = Client(listen, box_home)
@@ -17729,15 +17698,13 @@ def setting_value(text: str) -> Any:
 @cli.command("settings")
 @click.argument("key", required=False)
 @click.argument("value", required=False)
-@json_options
+@json_options()
 def cmd_settings(key: str | None, value: str | None, as_json: bool, box_home: str,
                  listen: str) -> None:
     """Show the settings, one, or change one: gurtd settings maxRunningTasks 4."""
     client = Client(listen, box_home)
-    if value is not None:
-        settings = client.request("PUT", "/settings", {key: setting_value(value)})
-    else:
-        settings = client.request("GET", "/settings")
+    settings = client.request("PUT", "/settings", {key: setting_value(value)}) \
+        if value is not None else client.request("GET", "/settings")
     if key is not None and key not in settings:
         raise click.ClickException(f"no setting named {key}; there are: "
                                    f"{', '.join(sorted(settings))}")
@@ -17895,13 +17862,11 @@ class McpServer:
 
     def dispatch(self, message: Any) -> threading.Thread | None:
         """Check the envelope here (in order); a request then gets a thread of its own."""
-        if not isinstance(message, dict):
-            self.send({"jsonrpc": "2.0", "id": None,
-                       "error": {"code": -32600, "message": "a message is a JSON object"}})
-            return None
-        rpc_id = mcp_rpc_id(message)
+        rpc_id = mcp_rpc_id(message) if isinstance(message, dict) else None
         problem = None
-        if message.get("jsonrpc") != "2.0":
+        if not isinstance(message, dict):
+            problem = "a message is a JSON object"
+        elif message.get("jsonrpc") != "2.0":
             problem = 'not a JSON-RPC 2.0 message: "jsonrpc" must be "2.0"'
         elif "method" not in message:
             problem = "a request needs a method (this server sends no requests to answer)"
@@ -18046,7 +18011,7 @@ def review_post(client: Client, path: str, body: dict[str, Any]) -> Any:
 
 
 @cli.command("review")
-@json_options
+@json_options()
 def cmd_review(as_json: bool, box_home: str, listen: str) -> None:
     """The personal tasks waiting for the owner: done, with review pending or conflict."""
     tasks = [t for t in Client(listen, box_home).request("GET", "/tasks?state=done&limit=1000")
@@ -18071,7 +18036,7 @@ def cmd_diff(task_id: str, path: str | None, box_home: str, listen: str) -> None
 @task_argument
 @click.option("--force", is_flag=True, help="the task's version wins over the owner's edits")
 @click.option("--path", "paths", multiple=True, help="keep only this path (repeatable)")
-@json_options
+@json_options()
 def cmd_keep(task_id: str, force: bool, paths: tuple[str, ...], as_json: bool, box_home: str,
              listen: str) -> None:
     """Apply a personal task's changes to the real folders (409: the conflicts, one a line)."""
@@ -18087,7 +18052,7 @@ def cmd_keep(task_id: str, force: bool, paths: tuple[str, ...], as_json: bool, b
 @task_argument
 @click.option("--force", is_flag=True, help="a kept task: put the versions from before the "
                                             "keep back even over the owner's later edits")
-@json_options
+@json_options()
 def cmd_undo(task_id: str, force: bool, as_json: bool, box_home: str, listen: str) -> None:
     """Undo a task: stop it and take its changes away (a kept one's from the real folders)."""
     task = review_post(Client(listen, box_home), f"/tasks/{task_id}/undo",
@@ -18105,7 +18070,7 @@ def cmd_undo(task_id: str, force: bool, as_json: bool, box_home: str, listen: st
               help="a budget approval: raise the task's budget to CENTS instead")
 @click.option("--always", type=click.Choice(POLICY_SCOPES), default=None,
               help="also record a policy: later calls like it in this scope run without asking")
-@json_options
+@json_options()
 def cmd_approve(approval_id: str, reason: str | None, args_json: str | None,
                 budget: float | None, always: str | None, as_json: bool, box_home: str,
                 listen: str) -> None:
@@ -18159,15 +18124,6 @@ def cmd_policy_rm(policy_id: str, box_home: str, listen: str) -> None:
 
 # files in and out: gurtd put / gurtd get
 
-def transfer(client: Client, method: str, path: str, body: Any = None, length: int = 0,
-             content_type: str = "application/octet-stream") -> Any:
-    """One request whose body (a file object of length bytes) and answer are streamed; the
-    answer's response object, or a ClickException that says what went wrong."""
-    headers = None if body is None else {"Content-Type": content_type,
-                                         "Content-Length": str(length)}
-    return client.open(method, path, body, headers, 600)[1]
-
-
 def say_upload(task: dict[str, Any]) -> None:
     click.echo(printable(f"{task.get('summary', '')} into {task['workspace']}: task "
                          f"{task['id']} (undo it with: gurtd undo {task['id']})"))
@@ -18177,8 +18133,7 @@ def say_upload(task: dict[str, Any]) -> None:
 @click.argument("workspace")
 @click.argument("source", type=click.Path(exists=False, allow_dash=True))
 @click.argument("dest", required=False)
-@click.option("--json", "as_json", is_flag=True, help="print the upload's task as JSON")
-@client_options
+@json_options("print the upload's task as JSON")
 def cmd_put(workspace: str, source: str, dest: str | None, as_json: bool, box_home: str,
             listen: str) -> None:
     """Put a file or a folder into a workspace, as a layer of its own (undo takes it out).
@@ -18186,7 +18141,6 @@ def cmd_put(workspace: str, source: str, dest: str | None, as_json: bool, box_ho
     SOURCE is a file (it lands at DEST, default its name), a folder (its contents land under
     DEST, default the top), or - for standard input (a file at DEST, else a tar archive)."""
     import tarfile
-    import tempfile
     client = Client(listen, box_home)
     if source != "-" and not os.path.lexists(source):
         raise click.ClickException(f"{source}: no such file or folder")
@@ -18209,8 +18163,8 @@ def cmd_put(workspace: str, source: str, dest: str | None, as_json: bool, box_ho
                 raise click.ClickException("name the file: gurtd put WORKSPACE - DEST")
             path = workspace_url(workspace, "/files/" + urllib.parse.quote(name.lstrip("/")))
             ctype = "application/octet-stream"
-        resp = transfer(client, "PUT" if "/files/" in path else "POST", path, spool, length,
-                        ctype)
+        _, resp = client.open("PUT" if "/files/" in path else "POST", path, spool, {
+            "Content-Type": ctype, "Content-Length": str(length)}, client.transfer_timeout)
         task = json.loads(resp.read())
     print_answer(task, as_json, say_upload)
 
@@ -18241,7 +18195,7 @@ def cmd_get(workspace: str | None, path: str | None, task_id: str | None, output
         default = os.path.basename(path.rstrip("/")) or workspace
     else:
         url, default = workspace_url(workspace, "/archive"), f"{workspace}.tar.gz"
-    resp = transfer(client, "GET", url)
+    _, resp = client.open("GET", url, timeout=client.transfer_timeout)
     if resp.getheader("Content-Type", "").startswith("application/json"):
         listing = json.loads(resp.read())        # a folder: say what is in it
         for entry in listing.get("entries", []):
@@ -18264,8 +18218,7 @@ def cmd_portal(box_home: str, listen: str) -> None:
     SSH tunnel to the same port); it works once, within two minutes."""
     client = Client(listen, box_home)
     made = client.request("POST", "/sessions/codes", {})
-    host = f"[{client.host}]" if ":" in client.host else client.host
-    click.echo(f"http://{host}:{client.port}{made['path']}")
+    click.echo(f"http://{client.url_host}:{client.port}{made['path']}")
     click.echo(f"(one use, valid for {int(made['expiresInSeconds'])} seconds)", err=True)
 
 
