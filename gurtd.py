@@ -76,9 +76,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           deny, answer, wallet, status, workspaces, files, approve-all, events,
                           settings, review, diff, keep, policies, policy rm, put, get, portal,
                           schedules, schedule add and run, hooks, secret; errors said for
-                          people; inside a task
-                          tool, and mcp (the McpServer: a thread per request, cancellation
-                          withdraws approvals)
+                          people; inside a task tool, and mcp (the McpServer: a thread per
+                          request, cancellation withdraws approvals)
 
 Threads: the loop thread owns the state.  HTTP and broker handler threads hand it commands
 through ``box.loop.call`` and wait for the answer (503 busy past a time limit); they read
