@@ -34,7 +34,8 @@ SKIPPED = {
 # run as a fake task's prompt, each line in the task, asks answered and spending approved
 INSIDE = {"Tools, the wallet and approvals #1"}
 # a stream that stays open by design: run until this many seconds, then ended
-STREAMS = {"Hosts asked at run time #1": 3.0, "Hosts asked at run time #2": 3.0}
+STREAMS = {"The wallet, the tool list and events #1": 3.0,
+           "The wallet, the tool list and events #2": 3.0}
 SHELLS = {"sh": "bash", "zsh": "zsh", "fish": "fish"}
 
 
