@@ -11788,7 +11788,12 @@ class Broker:
                 return {**self.create(task, "budget", tool, args, cents, None), "call": call}
             self.auto_approve(task, tool, args, cents, policy)
         if tool == "wallet.pay":   # paid here (and logged), in the same step as the budget check
-            result = self.pay(task.id, args, call)
+            try:
+                result = self.pay(task.id, args, call)
+            except ApiError as exc:   # refused (a short balance, a full disk): logged too
+                with contextlib.suppress(OSError):
+                    self.box.append_log(task.id, {**entry, "error": exc.message})
+                raise
             return {"task": task.id, "cents": cents, "result": result, "logged": True,
                     "call": call}
         return {"task": task.id, "cents": cents, "call": call}

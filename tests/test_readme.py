@@ -34,7 +34,8 @@ SKIPPED = {
 # run as a fake task's prompt, each line in the task, asks answered and spending approved
 INSIDE = {"Tools, the wallet and approvals #1"}
 # a stream that stays open by design: run until this many seconds, then ended
-STREAMS = {"Hosts asked at run time #1": 3.0, "Hosts asked at run time #2": 3.0}
+STREAMS = {"The wallet, the tool list and events #1": 3.0,
+           "The wallet, the tool list and events #2": 3.0}
 SHELLS = {"sh": "bash", "zsh": "zsh", "fish": "fish"}
 
 
@@ -189,3 +190,19 @@ def check_effects(name: str, reader: dict[str, Any], proc: subprocess.CompletedP
         assert pathlib.Path(reader["notes"], "notes", "todo.md").read_text() == "buy milk\n"
     elif name == "MCP from the host #1":
         assert '"name": "ask"' in proc.stdout and '"inputSchema"' in proc.stdout, proc.stdout
+
+
+# README claims checked one by one ##############################################################
+# Lines of the README that are not examples, tried against the module's gurtd.
+
+def test_a_payment_refused_for_a_short_balance_is_in_the_tasks_log(module_gurtd: Gurtd) -> None:
+    """Tools, the wallet and approvals: "every call, with its arguments, result, cost and
+    caller, is in the task's log", a refused one too (here: the balance is short, 409)."""
+    g = module_gurtd
+    task = g.run_done("gurtd tool wallet.pay '{\"to\": \"bob\", \"cents\": 100000000}' || true",
+                      tools=["wallet.pay"], budgetCents=100000000)
+    calls = [e for e in g.log(task["id"]) if e["type"] == "tool"]
+    assert len(calls) == 1, g.log(task["id"])
+    assert calls[0]["tool"] == "wallet.pay" and calls[0]["args"]["cents"] == 100000000
+    assert calls[0]["error"].startswith("insufficient balance"), calls[0]
+    assert isinstance(calls[0]["caller"], int) and calls[0]["call"].startswith("c"), calls[0]
