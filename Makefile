@@ -12,8 +12,9 @@ LISTEN ?= 127.0.0.1:7700
 # git: `git merge-file`, the three-way merge of two tasks that changed one file side by side.
 APT_PACKAGES := nftables iproute2 util-linux libcap-dev gcc python3-dev python3-venv curl systemd \
   python3-click python3-seccomp e2fsprogs mount git
-# Only the tests and the bench: the portal's tests drive a real headless browser.
-TEST_APT_PACKAGES := chromium chromium-driver
+# Only the tests and the bench: the portal's tests drive a real headless browser; the README's
+# zsh and fish examples (shell completion) run in those shells.
+TEST_APT_PACKAGES := chromium chromium-driver zsh fish
 
 # Is a Debian package installed (not only known: a removed one keeps its config files' record)?
 INSTALLED = test "$$(dpkg-query -W -f='$${db:Status-Status}' $(1) 2>/dev/null)" = installed
@@ -67,7 +68,7 @@ $(VENV)/.droid-$(DROID_VERSION): $(VENV)/.installed
 	test "$$($(DROID) --version)" = "$(DROID_VERSION)"
 	touch $@
 
-# Debian packages only the tests and the bench use: the browser the portal's tests drive.
+# Debian packages only the tests and the bench use: the portal's browser, the README's shells.
 $(VENV)/.test-installed: $(VENV)/.installed
 	$(call APT_MISSING,$(TEST_APT_PACKAGES))
 	touch $@

@@ -129,6 +129,7 @@ def test_the_readme_example_runs_as_written(reader: dict[str, Any], name: str, s
         pytest.skip(SKIPPED[name])
     if not shutil.which(SHELLS[shell]):
         RESULTS[name] = f"{shell} is not installed"
+        assert not os.environ.get("CI"), f"{RESULTS[name]} (make test-deps installs it)"
         pytest.skip(RESULTS[name])
     code = as_written(code, g)
     env = dict(reader["env"])
