@@ -10498,6 +10498,8 @@ GATEWAY_APIS = {                     # api: (the path a task calls, droid's prov
 }
 GATEWAY_MAX_HEADERS = 32 << 10       # a call's request line and headers
 GATEWAY_MAX_BODY = 16 << 20          # a call's body (a long conversation is a few MB)
+GATEWAY_MAX_VALUES = 1 << 20         # JSON values of a body at most (json_values_most): parsed
+#                                      whole, 16 MB of `{}` were 430 MB of objects in gurtd
 GATEWAY_MAX_ANSWER = 64 << 20        # bytes of one answer passed on; the rest is cut
 GATEWAY_MAX_PARSED = 16 << 20        # a whole (not streamed) answer is read for usage up to this
 GATEWAY_MAX_LINE = 1 << 20           # a longer stream line is passed on but not read for usage
@@ -10761,6 +10763,13 @@ def drain(conn: socket.socket) -> None:
         if not data:
             return
         left -= len(data)
+
+
+def json_values_most(body: bytes) -> int:
+    """How many values a JSON text holds at most: each but the first follows a `[`, `,` or
+    `:` (those in strings counted too).  Counted in C, before json.loads makes each one an
+    object of ~70 bytes (a body's memory bounded by its values, not its bytes)."""
+    return 1 + body.count(b"[") + body.count(b",") + body.count(b":")
 
 
 def header_text(value: Any, default: str) -> str:
@@ -11373,6 +11382,9 @@ class Gateway:
             request.headers.get("authorization", "").removeprefix("Bearer ")
         if tg.dead or not hmac.compare_digest(given.encode(), tg.token.encode()):
             raise GatewayRefusal(401, "authentication_error", "not this task's credential")
+        if json_values_most(request.body) > GATEWAY_MAX_VALUES:
+            raise GatewayRefusal(413, "request_too_large", "the request body holds over "
+                                 f"{GATEWAY_MAX_VALUES} JSON values")
         try:          # json.loads alone: only model and stream are read, never rendered
             data = json.loads(request.body)
         except (ValueError, RecursionError):

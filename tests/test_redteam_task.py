@@ -274,3 +274,71 @@ def test_keeping_a_new_folder_1500_deep_costs_no_more_than_its_paths(gurtd: Gurt
     code, data, took = timed(gurtd, "POST", f"/api/tasks/{task['id']}/undo")
     assert code == 200 and data["review"] == "undone", data
     assert not os.path.exists(os.path.join(owner_folder, "a"))
+
+
+# The model gateway, from inside a droid task ##################################################
+# A stand-in droid (test_gateway's stand-in model server upstream) sends what a hostile agent
+# can: calls whose bodies are within every bound of the gateway but cost gurtd far more.
+
+from test_gateway import KEY, Upstream, create_then_done, gateway_settings  # noqa: E402
+from conftest import droid_installed  # noqa: E402
+
+BODY_FLOOD = r'''#!/usr/bin/python3
+"""4 calls at once, 3 times: each body 16 MB of JSON (within GATEWAY_MAX_BODY) that is
+millions of empty objects; the statuses in /run/gurt/view/statuses.json."""
+import json, os, socket, threading
+settings = json.load(open(os.path.expanduser("~/.factory/settings.json")))["customModels"][0]
+host = settings["baseUrl"].split("//")[1].split("/")[0]
+head = json.dumps({"model": settings["model"], "max_tokens": 1, "messages": []})[:-1]
+body = (head + ', "x": [' + "{}," * 5_400_000 + "{}]}").encode()
+request = ("POST /v1/messages HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+           f"x-api-key: {settings['apiKey']}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+statuses = []
+def one():
+    sock = socket.create_connection((host, 80), timeout=120)
+    try:
+        sock.sendall(request + body)
+        got = sock.recv(64)
+        statuses.append(int(got.split(b" ")[1]) if got.startswith(b"HTTP/1.1 ") else 0)
+    except OSError:
+        statuses.append(-1)
+    finally:
+        sock.close()
+for _ in range(3):
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+open("/run/gurt/view/statuses.json", "w").write(json.dumps(statuses))
+'''
+
+
+def peak_rss_mb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def test_a_gateway_call_of_millions_of_empty_objects_costs_gurtd_no_gigabytes(
+        droid_gurtd: Gurtd) -> None:
+    """A droid task sends 4 calls at once (its cap), each a 16 MB body (the gateway's cap)
+    of millions of `{}`: gurtd parsed each whole to read its model, ~430 MB of Python
+    objects per call (and 0.3 s of the interpreter lock, the loop's too), 1.7 GB at once
+    for one task, ~28 GB for the 64 calls of all tasks.  Such a body is refused (413)
+    before it is parsed, and gurtd's peak memory stays within a few hundred MB."""
+    g, upstream = droid_gurtd, Upstream(create_then_done)
+    try:
+        g.api("PUT", "/api/secrets/model", {"key": KEY})
+        g.api("PUT", "/api/settings", gateway_settings(upstream))
+        with droid_installed(g, BODY_FLOOD):
+            before = peak_rss_mb(g.proc.pid)
+            task = g.create("flood", title="flood", worker=None, budgetCents=1000)
+            done = g.wait_done(task["id"], timeout=240)
+            grown = peak_rss_mb(g.proc.pid) - before
+        path = os.path.join(g.home, "layers", done["id"], "upper", "statuses.json")
+        statuses = json.loads(Path(path).read_text())
+        print(f"gurtd's peak memory grew by {grown} MB; statuses {statuses}")
+        assert grown < 300, f"gurtd's peak memory grew by {grown} MB"
+        assert statuses == [413] * 12, statuses
+        assert not upstream.requests
+        assert g.api("GET", "/api/health")
+    finally:
+        upstream.close()
