@@ -10772,6 +10772,30 @@ def json_values_most(body: bytes) -> int:
     return 1 + body.count(b"[") + body.count(b",") + body.count(b":")
 
 
+# What a call's body may not hold: what the model's own servers would do for the task (fetch
+# or search the web, run code, call an MCP server at a URL) reaches hosts outside its grants,
+# and costs what the answer's usage does not meter (a search is billed by the search).  A
+# tool is the task's own (run by the agent inside the box): no type, or one of these.
+GATEWAY_NOT_IN_BODY = {"anthropic": ("mcp_servers", "container"),
+                       "chat-completions": ("web_search_options",)}
+GATEWAY_OWN_TOOLS = {"anthropic": re.compile(r"custom|(bash|text_editor|computer|memory)_\d+"),
+                     "chat-completions": re.compile(r"function|custom")}
+
+
+def server_side(api: str, data: dict[str, Any]) -> str | None:
+    """What of a call's body the upstream's servers would run for the task, or None."""
+    for key in GATEWAY_NOT_IN_BODY[api]:
+        if key in data:
+            return key
+    tools = data.get("tools")
+    for tool in tools if isinstance(tools, list) else []:
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind is not None and not (isinstance(kind, str) and
+                                     GATEWAY_OWN_TOOLS[api].fullmatch(kind)):
+            return f"a tool of type {printable(kind)[:60]}"
+    return None
+
+
 def header_text(value: Any, default: str) -> str:
     """An upstream's header value or reason phrase, safe to pass on in a header line."""
     text = str(value or "")
@@ -11401,6 +11425,9 @@ class Gateway:
         if model not in settings["droidPrices"]:
             raise GatewayRefusal(400, "invalid_request_error", f"model {model} has no "
                                  "droidPrices entry: gurtd would not know what it costs")
+        if (served := server_side(tg.api, data)) is not None:
+            raise GatewayRefusal(400, "invalid_request_error", f"{served}: the model's "
+                                 "servers would run it, outside the task's grants and meter")
         if tg.api == "chat-completions" and data.get("stream") is True and \
                 data.get("stream_options") != {"include_usage": True}:
             data["stream_options"] = {"include_usage": True}   # else a stream has no usage

