@@ -6901,6 +6901,11 @@ MERGE_MAX_BYTES = 8 << 20            # a file larger than this is a conflict, ne
 MERGE_HELD_BYTES = 64 << 20          # merged texts one check holds in memory at most
 DIGEST_MAX_BYTES = 256 << 20         # data of one version hashed at most (~0.5 s of sha256)
 MERGE_TIMEOUT = 10.0                 # seconds git merge-file may run for one file
+MERGE_CHECK_SECONDS = 30.0           # and for all files of one check or revert: the merge
+#                                      thread is every task's (two tasks' 7 files of random
+#                                      lines held a third task's check 70 s); past it, a
+#                                      conflict
+INF = float("inf")                   # no deadline
 MERGE_MEMORY = 1 << 30               # its address space (prlimit --as): 1,000,000 lines
                                      # of a file changed both ways take ~400 MB
 MERGE_SHOWN_BYTES = 64 << 10         # a version's text shown in a conflict approval, at most
@@ -7039,9 +7044,15 @@ def is_binary(data: bytes) -> bool:
     return b"\0" in data[:8000]
 
 
-def git_merge(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool, bytes]:
+def git_merge(ours: bytes, base: bytes, theirs: bytes, tmp: str, deadline: float = INF
+              ) -> tuple[bool, bytes]:
     """A three-way merge by `git merge-file` (diff3 markers where it does not join): (clean,
-    text).  Bounded: prlimit's address space, a timeout (the child killed); OSError else."""
+    text).  Bounded: prlimit's address space, a timeout (the child killed) that ends at the
+    check's deadline at the latest; OSError else."""
+    timeout = min(MERGE_TIMEOUT, deadline - time.monotonic())
+    if timeout <= 0:
+        raise OSError(errno.ETIME, f"the check's {MERGE_CHECK_SECONDS:g} s of merging are "
+                                   "spent")
     names = []
     for label, data in (("task", ours), ("before", base), ("view", theirs)):
         names.append(os.path.join(tmp, label))
@@ -7051,25 +7062,27 @@ def git_merge(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool, 
             "-L", "task", "-L", "before", "-L", "view"] + names
     env = {"PATH": TASK_PATH, "HOME": tmp, "GIT_CONFIG_NOSYSTEM": "1", "LC_ALL": "C"}
     try:
-        done = subprocess.run(argv, capture_output=True, timeout=MERGE_TIMEOUT, env=env,
-                              cwd=tmp)
+        done = subprocess.run(argv, capture_output=True, timeout=timeout, env=env, cwd=tmp)
     except subprocess.TimeoutExpired:
-        raise OSError(errno.ETIME, f"git merge-file took more than {MERGE_TIMEOUT:g} s") \
-            from None
+        raise OSError(errno.ETIME, f"git merge-file took more than {MERGE_TIMEOUT:g} s" if
+                      timeout == MERGE_TIMEOUT else f"the check's {MERGE_CHECK_SECONDS:g} s "
+                      "of merging are spent") from None
     if not 0 <= done.returncode < 128:
         raise OSError(errno.EIO, "git merge-file: " + done.stderr.decode(errors="replace")
                       .strip()[:200])
     return done.returncode == 0, done.stdout
 
 
-def merge_text(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool, bytes]:
+def merge_text(ours: bytes, base: bytes, theirs: bytes, tmp: str, deadline: float = INF
+               ) -> tuple[bool, bytes]:
     """Three-way merge of texts.  Two appends to one file (a log, a changelog: what tasks
     side by side do most) keep both, the view's first (it ended first); an append on one
     side and the base's tail cut on the other (the undo of an append under a later one)
     give both; lines deleted on one side and more of them on the other give the larger
     deletion (an undo of a task whose later copy an earlier undo reverted).  git
     merge-file would call two changes at one place a conflict.  Anything else, and any
-    text of more than MERGE_FAST_LINES lines: git merge-file (a child, bounded by prlimit)."""
+    text of more than MERGE_FAST_LINES lines: git merge-file (a child, bounded by prlimit and
+    by the deadline of the check or revert it is part of)."""
     if base and ours.startswith(base) and theirs.startswith(base):
         return True, theirs + ours[len(base):]
     if ours.startswith(base) and base.startswith(theirs):
@@ -7077,7 +7090,7 @@ def merge_text(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool,
     if theirs.startswith(base) and base.startswith(ours):
         return True, ours + theirs[len(base):]
     if max(text.count(b"\n") for text in (ours, base, theirs)) > MERGE_FAST_LINES:
-        return git_merge(ours, base, theirs, tmp)
+        return git_merge(ours, base, theirs, tmp, deadline)
     lines = [text.splitlines(keepends=True) for text in (ours, base, theirs)]
     apart = runs_apart(*lines)
     if apart is not None:
@@ -7086,7 +7099,7 @@ def merge_text(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool,
         return True, theirs
     if is_subsequence(lines[0], lines[2]) and is_subsequence(lines[2], lines[1]):
         return True, ours
-    return git_merge(ours, base, theirs, tmp)
+    return git_merge(ours, base, theirs, tmp, deadline)
 
 
 MERGE_APART = 3      # unchanged lines between two sides' changes that merge_text joins alone
@@ -7240,7 +7253,7 @@ def view_open(home_fd: int, plan: list[str], workspace_dir: str) -> int:
 def run_check(job: MergeCheck, home: str, tmp: str) -> MergeResult:
     """The check itself (the merge thread): three read-only views mounted, each candidate
     decided, merged texts held in memory (at most MERGE_HELD_BYTES)."""
-    result = MergeResult()
+    result, deadline = MergeResult(), time.monotonic() + MERGE_CHECK_SECONDS
     home_fd = os.open(home, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     fds: dict[str, int] = {}
     try:
@@ -7266,7 +7279,7 @@ def run_check(job: MergeCheck, home: str, tmp: str) -> MergeResult:
             if why is None:
                 try:
                     clean, merged = merge_text(texts[0] or b"", texts[1] or b"",
-                                               texts[2] or b"", tmp)
+                                               texts[2] or b"", tmp, deadline)
                 except OSError as exc:          # past its time or memory: said so
                     clean, merged = False, b""
                     why = f"could not be merged: {exc.strerror or exc}"
@@ -8079,8 +8092,8 @@ def undo_answer(answer: dict[str, Any], named: "Future[dict[str, Any]] | None"
     return {**answer, "undoMerge": found}
 
 
-def revert_write(base: Version, ours: Version, theirs: Version, tmp: str
-                 ) -> tuple[tuple[Any, ...] | None, str | None]:
+def revert_write(base: Version, ours: Version, theirs: Version, tmp: str,
+                 deadline: float = INF) -> tuple[tuple[Any, ...] | None, str | None]:
     """What takes the undone task's change out of the version on top at a path (base: in
     the view it made, ours: now, theirs: below it): (a write for upper_put, None) or (None,
     why the later version stays whole); (None, None) when nothing of its change is left."""
@@ -8099,7 +8112,8 @@ def revert_write(base: Version, ours: Version, theirs: Version, tmp: str
     if any(t is None or is_binary(t) for t in texts):
         return None, "a binary file a later task changed again"
     try:
-        clean, merged = merge_text(texts[0] or b"", texts[1] or b"", texts[2] or b"", tmp)
+        clean, merged = merge_text(texts[0] or b"", texts[1] or b"", texts[2] or b"", tmp,
+                                   deadline)
     except OSError as exc:
         return None, f"could not be merged: {exc.strerror or exc}"
     if not clean:
@@ -8251,9 +8265,11 @@ def run_undo(job: UndoJob, box: "Box", paths: LayerPaths, tmp: str) -> UndoResul
         writes: dict[str, tuple[Any, ...]] = {}
         paths_read = touched(mine, list(holders))      # mostly none: no views to show
         views = [reads.shown(plan) for plan in (job.top, job.now, job.below) if paths_read]
+        deadline = time.monotonic() + MERGE_CHECK_SECONDS
         for path in paths_read:
             result.read.add(path)
-            write, why = revert_write(*(reads.version(view, path) for view in views), tmp)
+            write, why = revert_write(*(reads.version(view, path) for view in views), tmp,
+                                      deadline)
             if write is not None:
                 writes[path] = write
             elif why is not None:

@@ -397,3 +397,51 @@ def test_a_gateway_call_never_has_the_models_servers_fetch_search_or_run_for_the
         assert "mcp_servers" not in upstream.requests[0]["body"]
     finally:
         upstream.close()
+
+
+# The finish-time merge, from inside two tasks side by side ####################################
+
+from test_concurrent import end, gate, gated, pending, settled  # noqa: E402
+
+COSTLY = 7                   # files whose three versions git merge-file takes ~20 s to join
+
+
+def costly_files(seed: int) -> str:
+    """A prompt line: COSTLY files of 1,000,000 random lines `a` or `b` (2 MB each, within
+    MERGE_MAX_BYTES; two such versions against a third cost git merge-file ~20 s each)."""
+    return (f"python3 -c \"import random; random.seed({seed}); [open(f'f{{i}}.txt', 'w')"
+            f".write(''.join(c + chr(10) for c in random.choices('ab', k=1000000))) "
+            f"for i in range({COSTLY})]\"")
+
+
+def test_a_tasks_costly_merges_hold_the_merge_thread_a_bounded_time(gurtd: Gurtd) -> None:
+    """Two tasks side by side rewrite the same 7 files, each as 1,000,000 random lines of
+    `a` or `b`: every file's git merge-file runs to its 10 s bound, one after another on
+    the merge thread, which is every task's: a third task that ended meanwhile waited the
+    70 s for its own check (a look by paths, a moment's work).  A check's merges have
+    MERGE_CHECK_SECONDS in all; the files left are conflicts that say so, and the third
+    task is done well before the 7 files' 70 s."""
+    made = gurtd.create(costly_files(1))
+    assert gurtd.wait(made["id"], timeout=120)["state"] == "done", gurtd.log(made["id"])
+    one, two = gated(gurtd, costly_files(2)), gated(gurtd, costly_files(3))
+    third = gated(gurtd, "echo third > third.txt")
+    assert end(gurtd, one)["state"] == "done"
+    gurtd.api("POST", f"/api/approvals/{gate(gurtd, two)['id']}/answer", {"answer": "go"})
+    eventually(lambda: gurtd.task(two)["state"] == "running", 30)   # its check has begun
+    time.sleep(1.0)
+    began = time.monotonic()
+    gurtd.api("POST", f"/api/approvals/{gate(gurtd, third)['id']}/answer", {"answer": "go"})
+    done = eventually(lambda: gurtd.task(third)["state"] == "done" and gurtd.task(third),
+                      150, "the third task done")
+    waited = time.monotonic() - began
+    print(f"the third task waited {waited:.1f} s for its check")
+    assert done["state"] == "done"
+    assert waited < G.MERGE_CHECK_SECONDS + 15, waited
+    held = settled(gurtd, two)
+    approval = pending(gurtd, two, "conflict")
+    assert held["state"] == "waiting" and approval is not None, held
+    whys = {c["path"]: c["why"] for c in approval["args"]["paths"]}
+    assert sorted(whys) == [f"f{i}.txt" for i in range(COSTLY)], whys
+    assert any("spent" in why for why in whys.values()), whys
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": "enough"})
+    assert gurtd.wait(two, timeout=30)["state"] == "failed"
