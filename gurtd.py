@@ -11441,6 +11441,8 @@ class Gateway:
         if model not in settings["droidPrices"]:
             raise GatewayRefusal(400, "invalid_request_error", f"model {model} has no "
                                  "droidPrices entry: gurtd would not know what it costs")
+        if not isinstance(data.get("stream", False), bool):   # a lax server's true, unmetered
+            raise GatewayRefusal(400, "invalid_request_error", "stream must be true or false")
         if (served := server_side(tg.api, data)) is not None:
             raise GatewayRefusal(400, "invalid_request_error", f"{served}: the model's "
                                  "servers would run it, outside the task's grants and meter")

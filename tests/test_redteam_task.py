@@ -445,3 +445,63 @@ def test_a_tasks_costly_merges_hold_the_merge_thread_a_bounded_time(gurtd: Gurtd
     assert any("spent" in why for why in whys.values()), whys
     gurtd.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": "enough"})
     assert gurtd.wait(two, timeout=30)["state"] == "failed"
+
+
+LAX_STREAM = r'''#!/usr/bin/python3
+"""A chat completions call whose stream is 1, not true: streamed by a server that takes any
+truthy value for true, without the usage gurtd asks for only when it is true."""
+import http.client, json, os
+settings = json.load(open(os.path.expanduser("~/.factory/settings.json")))["customModels"][0]
+host = settings["baseUrl"].split("//")[1].split("/")[0]
+conn = http.client.HTTPConnection(host, timeout=60)
+conn.request("POST", "/v1/chat/completions", json.dumps({
+    "model": settings["model"], "stream": 1, "messages": [{"role": "user", "content": "hi"}]}),
+    {"Authorization": "Bearer " + settings["apiKey"], "Content-Type": "application/json"})
+resp = conn.getresponse()
+resp.read()
+open("/run/gurt/view/status", "w").write(str(resp.status))
+'''
+
+
+def lax_chat_server(req: Any) -> None:
+    """An OpenAI-compatible server that, as pydantic's lax booleans do, streams for any
+    truthy `stream`, and sends the usage chunk only when stream_options.include_usage."""
+    from conftest import answer
+    body = json.loads(req.rfile.read(int(req.headers["Content-Length"])))
+    chunk = {"id": "c1", "created": 1, "model": body["model"],
+             "object": "chat.completion.chunk"}
+    events = [{**chunk, "choices": [{"index": 0, "delta": {"content": "x" * 1000},
+                                     "finish_reason": "stop"}]}]
+    if (body.get("stream_options") or {}).get("include_usage") is True:
+        events.append({**chunk, "choices": [], "usage": {"prompt_tokens": 10 ** 6,
+                                                        "completion_tokens": 10 ** 5}})
+    data = b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + \
+        b"data: [DONE]\n\n"
+    if body.get("stream"):
+        answer(req, 200, data, {"Content-Type": "text/event-stream"})
+    else:
+        answer(req, 200, json.dumps({"usage": {"prompt_tokens": 10 ** 6,
+                                               "completion_tokens": 10 ** 5}}).encode(),
+               {"Content-Type": "application/json"})
+
+
+def test_a_chat_call_streamed_by_a_stream_that_is_not_true_is_never_free(
+        droid_gurtd: Gurtd) -> None:
+    """gurtd asks a chat completions stream for its usage (stream_options) only when the
+    body's stream is true: a stream of 1 (which a lax OpenAI-compatible server, vLLM's or
+    LiteLLM's pydantic models, takes as true) went on as it was, streamed without usage,
+    and a call of 1,000,000 tokens in cost the task nothing, past any budget.  A stream
+    that is not true or false is refused (400)."""
+    from conftest import loopback_server
+    g = droid_gurtd
+    with loopback_server(lambda req: lax_chat_server(req)) as (server, seen):
+        g.api("PUT", "/api/secrets/model", {"key": KEY})
+        g.api("PUT", "/api/settings", {"modelGateway": {
+            "api": "chat-completions",
+            "baseUrl": f"http://127.0.0.1:{server.server_address[1]}/v1"}})
+        with droid_installed(g, LAX_STREAM):
+            task = g.create("lax", title="lax", worker=None, budgetCents=1)
+            done = g.wait(task["id"], timeout=60)
+    status = Path(g.home, "layers", done["id"], "upper", "status").read_text()
+    print(f"status {status}, costCents {done['costCents']}, upstream calls {len(seen)}")
+    assert status == "400" and not seen, (status, done["costCents"], seen)
