@@ -6910,6 +6910,9 @@ MERGE_MEMORY = 1 << 30               # its address space (prlimit --as): 1,000,0
                                      # of a file changed both ways take ~400 MB
 MERGE_SHOWN_BYTES = 64 << 10         # a version's text shown in a conflict approval, at most
 MERGE_SHOWN_TOTAL = 1 << 20          # all texts of one conflict approval, at most
+MERGE_CONFLICTS_SHOWN = 1000         # conflicts one approval (and its log line) names; the
+#                                      rest counted (morePaths): the loop saves, renders and
+#                                      emits it (~70 us a conflict), an answer decides all
 CONFLICT_KEEP = ("task", "view")
 
 
@@ -7418,11 +7421,14 @@ def apply_writes(home: str, upper: str, writes: dict[str, tuple[Any, ...]],
                 os.close(fd)
 
 
-def conflict_answer(approval: Approval, args: Any) -> dict[str, tuple[Any, ...]]:
+def conflict_answer(approval: Approval, args: Any, conflicts: list[dict[str, Any]] | None = None
+                    ) -> dict[str, tuple[Any, ...]]:
     """The writes an answer to a conflict makes (ApiError 400 for args that are not one):
     approve alone keeps the task's version; args {"keep": "task"|"view", "texts"?: {path:
-    text}} keep one side for every path and take the person's merged text for some."""
-    paths = {c["path"]: c for c in (approval.args or {}).get("paths", [])}
+    text}} keep one side for every path (conflicts: all of them, those the approval names
+    if not given) and take the person's merged text for some."""
+    paths = {c["path"]: c for c in (conflicts if conflicts is not None else
+                                    (approval.args or {}).get("paths", []))}
     args = args or {}
     if not isinstance(args, dict) or set(args) - {"keep", "texts"} or \
             args.get("keep", "task") not in CONFLICT_KEEP or \
@@ -7765,13 +7771,16 @@ class FinishMerge:
             self.settle(task, held, job, result)
             return
         held.pending, held.pending_check = result, job
-        paths = [c["path"] for c in result.conflicts]
-        question = (f"{len(paths)} path(s) changed both by this task and by tasks that ended "
-                    "while it ran: " + ", ".join(paths[:20]) + (" ..." if len(paths) > 20
-                                                                else ""))
+        shown = result.conflicts[:MERGE_CONFLICTS_SHOWN]
+        paths = [c["path"] for c in shown]
+        question = (f"{len(result.conflicts)} path(s) changed both by this task and by tasks "
+                    "that ended while it ran: " + ", ".join(paths[:20]) +
+                    (" ..." if len(result.conflicts) > 20 else ""))
+        more = {"morePaths": len(result.conflicts) - len(shown)} \
+            if len(shown) < len(result.conflicts) else {}
         try:
             made = self.box.broker.create(task, "conflict", "merge", {
-                "paths": result.conflicts, "merged": result.merged}, 0, question)
+                "paths": shown, "merged": result.merged, **more}, 0, question)
         except (ApiError, OSError) as exc:
             self.drop(task.id)
             self.box.fail_task(task, "conflict: cannot ask: " +
@@ -7839,7 +7848,8 @@ class FinishMerge:
             self.drop(task.id)
             self.box.fail_task(task, f"conflict: {approval.reason or 'denied'}")
             return
-        result.writes.update(conflict_answer(approval, approval.approvedArgs))
+        result.writes.update(conflict_answer(approval, approval.approvedArgs,
+                                             result.conflicts))
         result.conflicts = []
         self.settle(task, held, job, result)
 
@@ -17251,7 +17261,8 @@ def follow_entry(client: Client, entry: dict[str, Any], spinner: Spinner) -> Non
                    f"{ap} 'TEXT'   (or: gurtd deny {ap} --reason TEXT)"
         elif approval["kind"] == "conflict":
             named = [p.get("path", "?") for p in approval["args"].get("paths", [])]
-            paths = ", ".join(named[:20]) + (f" and {len(named) - 20} more" if named[20:] else "")
+            more = len(named[20:]) + approval["args"].get("morePaths", 0)
+            paths = ", ".join(named[:20]) + (f" and {more} more" if more else "")
             text = f"conflict {ap}: tasks that ended while this one ran changed {paths} too" \
                    f"\n  keep the task's: gurtd approve {ap}   the view's: gurtd approve {ap} " \
                    f"--args '{{\"keep\": \"view\"}}'   or: gurtd deny {ap} --reason TEXT"
