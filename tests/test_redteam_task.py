@@ -532,3 +532,32 @@ def test_a_check_of_thousands_of_conflicts_asks_of_a_bounded_approval(gurtd: Gur
     gurtd.api("POST", f"/api/approvals/{approval['id']}/approve", {"args": {"keep": "view"}})
     assert gurtd.wait(wrote, timeout=60)["state"] == "done"
     assert all(gurtd.file("home", f"d/{i}.txt") is None for i in (1, 1500, count))
+
+
+# The diff, from inside a task ##################################################################
+
+def test_a_diff_past_its_budget_reads_no_more_files(gurtd: Gurtd) -> None:
+    """A task leaves 5,000 files of 8 MiB of holes (no disk: `truncate -s 8M`), each just
+    within DIFF_TEXT_MAX: a diff read every one whole (8 MiB of zeros, ~10 ms) before it
+    named it, its DIFF_SECONDS spent or not: 5,000 took ~50 s of a core and an HTTP thread
+    per request (100,000 such files: 17 minutes, 800 GB of zeros read).  Once the budget
+    is spent a file is named too costly from its size alone, and the diff answers within
+    its DIFF_SECONDS and a few more."""
+    count = 5000
+    task = gurtd.run(f"seq 1 {count} | sed 's/^/f/' | xargs truncate -s 8M")
+    try:
+        assert task["state"] == "done", gurtd.log(task["id"])
+        conn = gurtd.connection(timeout=600)
+        began = time.monotonic()
+        conn.request("GET", f"/api/tasks/{task['id']}/diff",
+                     headers={"Authorization": f"Bearer {gurtd.token}"})
+        resp = conn.getresponse()
+        code, diff = resp.status, resp.read()
+        took = time.monotonic() - began
+        conn.close()
+        print(f"the diff of {count} files of holes took {took:.1f} s")
+        assert code == 200
+        assert diff.decode().count("diff --git ") == count
+        assert took < G.DIFF_SECONDS + 8, took
+    finally:
+        gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
