@@ -5744,7 +5744,7 @@ def _diff_run(argv: list[str], fds: list[int], budget: DiffBudget) -> tuple[str 
     return (out.decode(errors="replace") if proc.returncode in (0, 1) else None), True
 
 
-def _read_entry(dir_fd: int | None, name: str, budget: "DiffBudget | None" = None
+def _read_entry(dir_fd: int | None, name: str, budget: DiffBudget | None = None
                 ) -> tuple[str, int, bytes] | None:
     """(kind, mode, content) of an entry, no symlink followed: a symlink's content is its
     target; a fifo or device has none; a file once budget is spent is kind "unread", its
@@ -5769,7 +5769,7 @@ def _read_entry(dir_fd: int | None, name: str, budget: "DiffBudget | None" = Non
         return "file", 0o100000 | stat.S_IMODE(st.st_mode), f.read(DIFF_TEXT_MAX + 1)
 
 
-def _entry_at(root_fd: int, rel: str, budget: "DiffBudget | None" = None
+def _entry_at(root_fd: int, rel: str, budget: DiffBudget | None = None
               ) -> tuple[str, int, bytes] | None:
     return _at_parent(root_fd, rel, lambda fd, name: _read_entry(fd, name, budget))
 

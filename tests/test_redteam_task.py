@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import gurtd as G
-from conftest import (Gurtd, deep_tree, eventually, keep, loop_waits, python_line, run_on,
-                      running_gurtd)
+from conftest import (Gurtd, deep_tree, droid_installed, eventually, keep, loop_waits,
+                      python_line, run_on, running_gurtd)
+from test_concurrent import end, gate, gated, pending, settled
+from test_gateway import KEY, Upstream, create_then_done, gateway_settings
 
 
 def test_names_that_break_lines_or_utf8_cannot_hide_or_forge_diff_lines(
@@ -281,8 +283,6 @@ def test_keeping_a_new_folder_1500_deep_costs_no_more_than_its_paths(gurtd: Gurt
 # A stand-in droid (test_gateway's stand-in model server upstream) sends what a hostile agent
 # can: calls whose bodies are within every bound of the gateway but cost gurtd far more.
 
-from test_gateway import KEY, Upstream, create_then_done, gateway_settings  # noqa: E402
-from conftest import droid_installed  # noqa: E402
 
 BODY_FLOOD = r'''#!/usr/bin/python3
 """4 calls at once, 3 times: each body 16 MB of JSON (within GATEWAY_MAX_BODY) that is
@@ -402,7 +402,6 @@ def test_a_gateway_call_never_has_the_models_servers_fetch_search_or_run_for_the
 
 # The finish-time merge, from inside two tasks side by side ####################################
 
-from test_concurrent import end, gate, gated, pending, settled  # noqa: E402
 
 COSTLY = 7                   # files whose three versions git merge-file takes ~20 s to join
 
