@@ -6924,9 +6924,10 @@ MERGE_MEMORY = 1 << 30               # its address space (prlimit --as): 1,000,0
                                      # of a file changed both ways take ~400 MB
 MERGE_SHOWN_BYTES = 64 << 10         # a version's text shown in a conflict approval, at most
 MERGE_SHOWN_TOTAL = 1 << 20          # all texts of one conflict approval, at most
-MERGE_CONFLICTS_SHOWN = 1000         # conflicts one approval (and its log line) names; the
-#                                      rest counted (morePaths): the loop saves, renders and
-#                                      emits it (~70 us a conflict), an answer decides all
+MERGE_CONFLICTS_SHOWN = 1000         # conflicts (and merged paths) one approval and its log
+#                                      line name; the rest counted (morePaths, moreMerged): the
+#                                      loop saves, renders and emits it (~70 us a conflict), an
+#                                      answer decides all
 CONFLICT_KEEP = ("task", "view")
 
 
@@ -7790,11 +7791,13 @@ class FinishMerge:
         question = (f"{len(result.conflicts)} path(s) changed both by this task and by tasks "
                     "that ended while it ran: " + ", ".join(paths[:20]) +
                     (" ..." if len(result.conflicts) > 20 else ""))
-        more = {"morePaths": len(result.conflicts) - len(shown)} \
-            if len(shown) < len(result.conflicts) else {}
+        more = {key: len(every) - MERGE_CONFLICTS_SHOWN for key, every in (
+            ("morePaths", result.conflicts), ("moreMerged", result.merged))
+            if len(every) > MERGE_CONFLICTS_SHOWN}
         try:
             made = self.box.broker.create(task, "conflict", "merge", {
-                "paths": shown, "merged": result.merged, **more}, 0, question)
+                "paths": shown, "merged": result.merged[:MERGE_CONFLICTS_SHOWN], **more}, 0,
+                question)
         except (ApiError, OSError) as exc:
             self.drop(task.id)
             self.box.fail_task(task, "conflict: cannot ask: " +

@@ -597,3 +597,26 @@ def test_a_tasks_pipelined_dns_queries_never_hold_the_loop(gurtd: Gurtd) -> None
     print(f"the loop's worst wait {max(waits):.2f} s over {len(waits)} asks")
     assert done["state"] == "done", gurtd.log(task["id"])[-5:]
     assert max(waits) < 1.0, max(waits)
+
+
+def test_a_check_of_thousands_of_merged_files_asks_of_a_bounded_approval(gurtd: Gurtd) -> None:
+    """Two tasks side by side append to each of 1,200 files (each merged) and write one
+    more both ways (a conflict): the approval named every merged path as well.  It names
+    MERGE_CONFLICTS_SHOWN of them and counts the rest; the task's record keeps them all."""
+    count = 1200
+    made = gurtd.create(f"mkdir d && cd d && seq 1 {count} | xargs -n 300 sh -c 'for f; do "
+                        "echo base > $f; done' _ && echo base > ../both")
+    assert gurtd.wait(made["id"], timeout=120)["state"] == "done", gurtd.log(made["id"])
+    one = gated(gurtd, "cd d && for f in *; do echo one >> $f; done; echo one > ../both")
+    two = gated(gurtd, "cd d && for f in *; do echo two >> $f; done; echo two > ../both")
+    assert end(gurtd, one)["state"] == "done"
+    held = end(gurtd, two)
+    approval = pending(gurtd, two, "conflict")
+    assert held["state"] == "waiting" and approval is not None, held
+    assert [c["path"] for c in approval["args"]["paths"]] == ["both"]
+    assert len(approval["args"]["merged"]) == G.MERGE_CONFLICTS_SHOWN
+    assert approval["args"]["moreMerged"] == count - G.MERGE_CONFLICTS_SHOWN
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/approve", {})
+    task = gurtd.wait(two, timeout=60)
+    assert task["state"] == "done" and len(task["merged"]) == count
+    assert gurtd.file("home", "d/700") == b"base\none\ntwo\n"
