@@ -7237,6 +7237,25 @@ def view_open(home_fd: int, plan: list[str], workspace_dir: str) -> int:
     return overlay_open_plan(home_fd, fit_lowers(plan, workspace_dir))
 
 
+def upper_hides(upper_fd: int, path: str) -> bool:
+    """Does a task's layer hide what is below path: a whiteout, a file or an opaque folder
+    above it (a folder the task renamed away, deleted, or deleted and made again)?  Then a
+    path only the view changed would not show once the layer joins: a delete against an
+    edit, not the view's change to keep."""
+    fd = os.dup(upper_fd)
+    try:
+        for name in path.split("/")[:-1]:
+            st = _entry(fd, name)
+            if st is None or not stat.S_ISDIR(st.st_mode) or _opaque_child(fd, name):
+                return st is not None
+            child = os.open(name, DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        return False
+    finally:
+        os.close(fd)
+
+
 def run_check(job: MergeCheck, home: str, tmp: str) -> MergeResult:
     """The check itself (the merge thread): three read-only views mounted, each candidate
     decided, merged texts held in memory (at most MERGE_HELD_BYTES)."""
@@ -7246,6 +7265,7 @@ def run_check(job: MergeCheck, home: str, tmp: str) -> MergeResult:
     try:
         for key, plan in (("base", job.base), ("now", job.now), ("ours", [job.upper] + job.base)):
             fds[key] = view_open(home_fd, plan, job.workspace_dir)
+        fds["upper"] = os.open(job.upper, DIR_FLAGS, dir_fd=home_fd)
         mine, candidates = check_paths(job, fds["base"], home)
         held, shown = 0, [MERGE_SHOWN_TOTAL]
         for path in candidates:
@@ -7253,8 +7273,8 @@ def run_check(job: MergeCheck, home: str, tmp: str) -> MergeResult:
                                   for k in ("base", "now", "ours"))
             if ours.same(theirs) or theirs.same(base):
                 continue
-            if ours.same(base):                # only the view changed it
-                if path in mine and ours.kind != "folder":
+            if ours.same(base) and (path in mine or not upper_hides(fds["upper"], path)):
+                if path in mine and ours.kind != "folder":   # only the view changed it
                     result.writes[path] = ("view",)
                 continue
             why = conflict_why(base, theirs, ours)

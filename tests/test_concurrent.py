@@ -1079,3 +1079,29 @@ def test_run_wait_announces_a_conflict_with_the_commands_that_answer_it(gurtd: G
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# A folder gone on one side, a file added in it on the other (crash pass) ####################
+
+@pytest.mark.parametrize("gone", ["mv d e", "rm -r d", "rm -r d && mkdir d"])
+def test_a_file_added_in_a_folder_the_later_task_removed_is_a_conflict(gurtd: Gurtd,
+                                                                       gone: str) -> None:
+    """b adds d/new while a renames d away, deletes it, or makes it again empty (a whiteout
+    or an opaque folder in a's layer): a ends after b, and its layer would hide b's file
+    from the view without a word.  It is a conflict naming d/new (deleted by the task,
+    changed in the view); keep view gives b's file back beside a's change."""
+    put(gurtd, "d/g.txt", "g\n")
+    a = gated(gurtd, gone)
+    b = gated(gurtd, "echo new > d/new")
+    assert end(gurtd, b)["state"] == "done"
+    task = end(gurtd, a)
+    assert task["state"] == "waiting", (task, gurtd.file("home", "d/new"))
+    approval = pending(gurtd, a, "conflict")
+    paths = {p["path"]: p for p in approval["args"]["paths"]}
+    assert "d/new" in paths and "deleted by the task" in paths["d/new"]["why"], paths
+    assert paths["d/new"]["view"]["text"] == "new\n"
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/approve", {"args": {"keep": "view"}})
+    assert gurtd.wait(a)["state"] == "done"
+    assert gurtd.file("home", "d/new") == b"new\n"
+    assert gurtd.file("home", "d/g.txt") is None
+    assert gurtd.file("home", "e/g.txt") == (b"g\n" if gone.startswith("mv") else None)
