@@ -7638,9 +7638,12 @@ class FinishMerge:
 
     def pin(self, in_use: set[str], pinned: set[str], asked: set[str]) -> None:
         """gc_layers: the layers (those of asked: ids) and merged layers (paths) jobs still
-        read."""
-        for ids, paths in self.reading.values():
+        read, and the layer of a held task undone while its job runs (the thread may be
+        writing its merge into it: deleted once the job is back, current)."""
+        for key, (ids, paths) in self.reading.items():
             in_use.update(asked.intersection(ids))
+            if key in asked:
+                in_use.add(key)
             pinned.update(paths)
 
     def drop(self, task_id: str) -> None:
@@ -7755,6 +7758,7 @@ class FinishMerge:
                 task.state not in ("running", "waiting"):
             if task is None or task.state not in ACTIVE_STATES:
                 self.drop(job.task_id)
+                self.box.views.gc_soon()          # an undone one's layer is free now
             return None
         if error is not None:
             self.drop(task.id)             # no job comes back for it: nothing left to pin

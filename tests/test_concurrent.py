@@ -1105,3 +1105,30 @@ def test_a_file_added_in_a_folder_the_later_task_removed_is_a_conflict(gurtd: Gu
     assert gurtd.file("home", "d/new") == b"new\n"
     assert gurtd.file("home", "d/g.txt") is None
     assert gurtd.file("home", "e/g.txt") == (b"g\n" if gone.startswith("mv") else None)
+
+
+# Undo of a task while its finish-time merge is written into its layer (crash pass) #########
+
+def test_undo_while_a_merge_is_written_into_the_layer_leaves_no_trash(gurtd: Gurtd) -> None:
+    """a's merge of 1,000 files is being written into its layer (the first file replaced)
+    when a is undone: the layer is deleted once the thread is done with it, and nothing of
+    it is left in BOX_HOME/layers.  Before, the collection renamed the layer to its trash
+    name and deleted it while the thread still wrote in it: `Directory not empty`, and the
+    trash stayed there until the next start."""
+    gurtd.run_done("mkdir d; for i in $(seq 1000); do seq 20 > d/$i; done")
+    a = gated(gurtd, "sed -i 's/^3$/three/' d/*")
+    b = gated(gurtd, "sed -i 's/^17$/seventeen/' d/*")
+    assert end(gurtd, b)["state"] == "done"
+    layers = os.path.join(gurtd.home, "layers")
+    first = os.path.join(layers, a, "upper", "d", "1")      # the merge writes it first
+    before = os.stat(first).st_ino
+    gurtd.api("POST", f"/api/approvals/{gate(gurtd, a)['id']}/answer", {"answer": "go"})
+    eventually(lambda: os.stat(first).st_ino != before, 30, "the merge's first write")
+    assert gurtd.api("POST", f"/api/tasks/{a}/undo")["state"] == "undone"
+    eventually(lambda: gurtd.task(a).get("layerDeleted") or
+               not os.path.lexists(os.path.join(layers, a)), 30, "a's layer deleted")
+    eventually(lambda: [n for n in os.listdir(layers) if n.startswith(G.MERGE_TEMP)] == [],
+               30, "no trash left in layers")
+    assert "could not delete" not in gurtd.log_text()
+    want = "".join(f"{n}\n" for n in range(1, 21)).replace("17\n", "seventeen\n")
+    assert gurtd.file("home", "d/500").decode() == want
