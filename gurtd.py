@@ -7591,6 +7591,11 @@ def done_since(box: Box, workspace: str, seen: list[str], stack: list[str]
     return None
 
 
+class DiskFull(str):
+    """The error of a merge thread's job that the disk caused (full, quota): a revert that
+    found no room is built again later (FinishMerge.tick), never recorded failed for good."""
+
+
 @dataclass
 class HeldTask:
     """A task the finish-time merge holds between its worker's end and done."""
@@ -7623,6 +7628,8 @@ class FinishMerge:
         self.thread: threading.Thread | None = None
         self.tokens = 0
         self.paths = LayerPaths()                      # the thread's, for first looks
+        self.retries: dict[str, float] = {}            # undone task -> when its revert
+        #                                                begins again (retry_later)
 
     def holds(self, task: Task, worker: Worker) -> bool:
         if task.id in self.cleared:
@@ -7719,7 +7726,7 @@ class FinishMerge:
                 result = work(tmp)
             except Exception as exc:
                 error = exc.message if isinstance(exc, ApiError) else \
-                    f"{type(exc).__name__}: {exc}"
+                    (DiskFull if is_disk_error(exc) else str)(f"{type(exc).__name__}: {exc}")
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             with contextlib.suppress(OSError):        # the loop is gone (stopping)
@@ -7910,13 +7917,40 @@ class FinishMerge:
                 stack != job.stack:
             return self.recheck(job, result, stack)
         try:
-            if self.undoing.get(task.id) is job:
+            if self.undoing.get(task.id) is job and isinstance(error, DiskFull):
+                self.retry_later(task, job, error)
+            elif self.undoing.get(task.id) is job:
                 self.revert_joins(task, job, result, error)
         finally:
-            if self.undoing.get(task.id) is job:
+            if self.undoing.get(task.id) is job and task.id not in self.retries:
                 self.job_ended(task.id)
             if result is not None and result.cleanup is not None:
                 result.cleanup.close()            # the staged layer, unless it joined
+
+    def retry_later(self, task: Task, job: UndoJob, error: str) -> None:
+        """A revert found no room: its job stays (the undone layer kept, its record not
+        written: a restart takes it up as one cut short) and is begun again on the stack
+        then, after a wait that doubles at each failure (tick)."""
+        job.failures += 1
+        wait = min(MERGE_RETRY_MAX, MERGE_RETRY * 2 ** (job.failures - 1))
+        self.retries[task.id] = time.monotonic() + wait
+        log(3, f"task {task.id}: its revert in later copies: {error}; tried again in "
+               f"{wait:.0f} s")
+
+    def tick(self) -> float:
+        """Loop timer (Box.tick): the reverts whose wait is over begin again.  Seconds until
+        the next."""
+        now = time.monotonic()
+        for task_id in [i for i, at in self.retries.items() if at <= now]:
+            del self.retries[task_id]
+            task, job = self.box.get(task_id), self.undoing[task_id]
+            self.job_ended(task_id)
+            self.undone(task)                          # on the stack now
+            if task_id in self.undoing:
+                self.undoing[task_id].failures = job.failures
+            else:                                      # nothing above it any more
+                self.revert_joins(task, job, UndoResult(), None)
+        return min([at - now for at in self.retries.values()] + [MERGE_RETRY_MAX])
 
     def job_ended(self, task_id: str) -> None:
         """A revert's job is over: the layers it read are free, the undone one may go."""
@@ -8056,6 +8090,7 @@ class UndoJob:
     stack: list[str]
     named: "Future[dict[str, Any]]" = field(default_factory=Future)   # undo_record's, once
     #                                  the paths are decided (before the layer is written)
+    failures: int = 0                # tries that found no room (FinishMerge.retry_later)
 
 
 @dataclass
@@ -9300,7 +9335,7 @@ class Box:
             if now - worker.started > limit and task.state in ("running", "waiting"):
                 log(4, f"task {task_id} timed out after {limit} s")
                 self.stop(task_id, "timed out")
-        return min(self.disk.tick(), self.views.tick())
+        return min(self.disk.tick(), self.views.tick(), self.finish_merge.tick())
 
     def put_settings(self, body: Any) -> dict[str, Any]:
         new = validate_settings(body, self.settings)
