@@ -7726,7 +7726,8 @@ class FinishMerge:
                 result = work(tmp)
             except Exception as exc:
                 error = exc.message if isinstance(exc, ApiError) else \
-                    (DiskFull if is_disk_error(exc) else str)(f"{type(exc).__name__}: {exc}")
+                    (DiskFull if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+                     else str)(f"{type(exc).__name__}: {exc}")
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             with contextlib.suppress(OSError):        # the loop is gone (stopping)
