@@ -7217,16 +7217,24 @@ def touched(mine: list[str], theirs: list[str]) -> list[str]:
     return sorted(out)
 
 
-def check_paths(job: MergeCheck, base_fd: int, home: str) -> tuple[set[str], list[str]]:
+def check_paths(job: MergeCheck, base_fd: int, home: str, upper_fd: int
+                ) -> tuple[set[str], list[str]]:
     """The paths the task changed, and the candidates of a check: those paths and the
     other layers' paths that touch one another (each layer listed against the view the
-    task saw, as one lower)."""
-    mine = [c["path"].rstrip("/") for c in changed_paths(os.path.join(home, job.upper),
-                                                         [base_fd])]
+    task saw, as one lower), and the folders the task's layer holds (a mode changed, a
+    file added in it: not changes of their own) where another layer put something else."""
+    upper = os.path.join(home, job.upper)
+    mine = [c["path"].rstrip("/") for c in changed_paths(upper, [base_fd])]
     theirs: list[str] = []
-    for upper in job.others if mine else []:
-        theirs += [c["path"].rstrip("/") for c in changed_paths(upper, [base_fd])]
-    return set(mine), touched(mine, theirs)
+    for other in job.others if mine or not layer_empty(upper) else []:
+        theirs += [c["path"].rstrip("/") for c in changed_paths(other, [base_fd])]
+    held = set(mine)
+    for path in theirs:
+        fd = None if path in held else open_dir_beneath(upper_fd, path)
+        if fd is not None:
+            os.close(fd)
+            mine.append(path)
+    return held, touched(mine, theirs)
 
 
 def view_open(home_fd: int, plan: list[str], workspace_dir: str) -> int:
@@ -7237,11 +7245,12 @@ def view_open(home_fd: int, plan: list[str], workspace_dir: str) -> int:
     return overlay_open_plan(home_fd, fit_lowers(plan, workspace_dir))
 
 
-def upper_hides(upper_fd: int, path: str) -> bool:
-    """Does a task's layer hide what is below path: a whiteout, a file or an opaque folder
-    above it (a folder the task renamed away, deleted, or deleted and made again)?  Then a
-    path only the view changed would not show once the layer joins: a delete against an
-    edit, not the view's change to keep."""
+def upper_hides(upper_fd: int, path: str, theirs: Version) -> bool:
+    """Does a task's layer hide the view's version at path: a whiteout, a file or an opaque
+    folder above it (a folder the task renamed away, deleted, or deleted and made again),
+    or a folder of its own at path where the view has something else?  Then a path only
+    the view changed would not show once the layer joins: a conflict, not the view's
+    change to keep."""
     fd = os.dup(upper_fd)
     try:
         for name in path.split("/")[:-1]:
@@ -7251,7 +7260,8 @@ def upper_hides(upper_fd: int, path: str) -> bool:
             child = os.open(name, DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = child
-        return False
+        st = _entry(fd, path.rpartition("/")[2])
+        return st is not None and (not stat.S_ISDIR(st.st_mode) or theirs.kind != "folder")
     finally:
         os.close(fd)
 
@@ -7266,16 +7276,17 @@ def run_check(job: MergeCheck, home: str, tmp: str) -> MergeResult:
         for key, plan in (("base", job.base), ("now", job.now), ("ours", [job.upper] + job.base)):
             fds[key] = view_open(home_fd, plan, job.workspace_dir)
         fds["upper"] = os.open(job.upper, DIR_FLAGS, dir_fd=home_fd)
-        mine, candidates = check_paths(job, fds["base"], home)
+        mine, candidates = check_paths(job, fds["base"], home, fds["upper"])
         held, shown = 0, [MERGE_SHOWN_TOTAL]
         for path in candidates:
             base, theirs, ours = (view_version(fds[k], path, MERGE_MAX_BYTES)
                                   for k in ("base", "now", "ours"))
             if ours.same(theirs) or theirs.same(base):
                 continue
-            if ours.same(base) and (path in mine or not upper_hides(fds["upper"], path)):
-                if path in mine and ours.kind != "folder":   # only the view changed it
-                    result.writes[path] = ("view",)
+            if ours.same(base) and path in mine and ours.kind != "folder":
+                result.writes[path] = ("view",)   # only the view changed it: a copy dropped
+                continue
+            if ours.same(base) and not upper_hides(fds["upper"], path, theirs):
                 continue
             why = conflict_why(base, theirs, ours)
             texts = [b"" if v.kind == "absent" else v.body for v in (ours, base, theirs)] \

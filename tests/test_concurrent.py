@@ -1138,3 +1138,28 @@ def test_undo_while_a_merge_is_written_into_the_layer_leaves_no_trash(gurtd: Gur
     assert "could not delete" not in gurtd.log_text()
     want = "".join(f"{n}\n" for n in range(1, 21)).replace("17\n", "seventeen\n")
     assert gurtd.file("home", "d/500").decode() == want
+
+
+# A folder kept on one side, replaced by a file on the other (crash pass) ###################
+
+@pytest.mark.parametrize("mine", ["echo new > d/new", "chmod 700 d"])
+@pytest.mark.parametrize("theirs", ["rm -r d && echo file > d", "rm -r d && ln -s g.txt d"])
+def test_a_folder_the_view_replaced_by_a_file_is_a_conflict(gurtd: Gurtd, mine: str,
+                                                            theirs: str) -> None:
+    """b replaces the folder d by a file or a symlink while a adds a file in d or only
+    changes its mode: a ends after b, and the folder its layer holds would hide b's d from
+    the view without a word.  It is a conflict naming d (a folder on one side, a file on
+    the other); keep view gives b's d."""
+    put(gurtd, "d/g.txt", "g\n")
+    a = gated(gurtd, mine)
+    b = gated(gurtd, theirs)
+    assert end(gurtd, b)["state"] == "done"
+    task = end(gurtd, a)
+    assert task["state"] == "waiting", (task, gurtd.file("home", "d"))
+    approval = pending(gurtd, a, "conflict")
+    paths = {p["path"]: p for p in approval["args"]["paths"]}
+    assert paths["d"]["why"] == "a folder on one side, a file on the other", paths
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/approve", {"args": {"keep": "view"}})
+    assert gurtd.wait(a)["state"] == "done"
+    seen = gurtd.run("if [ -L d ]; then readlink d; else cat d; fi")
+    assert gurtd.output(seen["id"]) == ["g.txt" if "ln -s" in theirs else "file"], seen
