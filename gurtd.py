@@ -9461,11 +9461,13 @@ class Box:
             log(3, f"reconcile: could not {problem}")
 
     def shutdown_tasks(self) -> None:
-        """End every running task (each on its own: one failure skips none), save what only
-        memory holds, close the views."""
+        """End every running task (each on its own: one failure skips none), those the
+        finish-time merge holds too (their workers are gone), save what only memory holds,
+        close the views."""
         for task in list(self.tasks.values()):
-            if task.id in self.workers:
+            if task.id in self.workers or task.id in self.finish_merge.held:
                 self.fail_task(task, "gurtd stopped while the task was running", by="restart")
+                self.finish_merge.drop(task.id)
         self.save_unsaved()
         self.views.close()
         self.cgroups.stop()

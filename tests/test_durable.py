@@ -914,3 +914,23 @@ def test_a_revert_that_finds_no_room_is_built_again_once_there_is_room() -> None
         eventually(lambda: not os.path.lexists(os.path.join(g.home, "layers", t1)), 30,
                    "t1's layer deleted")
         assert g.stop() == 0
+
+
+# 7. a clean stop while a finish-time merge holds a task (crash pass) #########################
+
+def test_a_clean_stop_fails_a_task_the_finish_time_merge_holds() -> None:
+    """A task waits on a conflict (its worker gone, held by the finish-time merge) when
+    gurtd gets SIGTERM: the stop fails it as every running task (`gurtd stopped while the
+    task was running`, its approval denied), on disk before gurtd exits.  Before, its file
+    said waiting and its approval pending until a next start failed it as restarted."""
+    from test_concurrent import conflict_story
+    with running_gurtd() as g:
+        a, approval = conflict_story(g, "echo a > f.txt", "echo b > f.txt")
+        assert g.stop() == 0
+        assert (task_file(g, a)["state"], task_file(g, a)["error"]) == (
+            "failed", "gurtd stopped while the task was running")
+        with open(os.path.join(g.home, "approvals", approval["id"] + ".json")) as f:
+            assert json.load(f)["state"] == "denied"
+        g.start()
+        assert g.task(a)["error"] == "gurtd stopped while the task was running"
+        assert g.file("home", "f.txt") == b"b\n"
