@@ -38,7 +38,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           Views: each workspace's views, its stack, merges due, layer collection
     Finish-time merge     tasks side by side: a task's layer checked against the layers that
                           became done while it ran (git merge-file off the loop, conflicts as
-                          approvals); undo taken out of later copies (a revert layer)
+                          approvals); undo taken out of later copies (a revert layer,
+                          built again later when the disk had no room for it)
     Tasks                 StepGroup: a loop step's saves, ends, starts and account edits,
                           each made together; the Box, which owns the state and wires its
                           parts: lifecycle, undo, reconcile, settings; add_task, the one way
@@ -6853,6 +6854,9 @@ class Views:
 # base (the view it saw), theirs (the view now) and ours (its own view):
 #   - ours equals theirs, or theirs equals base: nothing (its layer on top gives ours);
 #   - ours equals base (a copy-up without a change): its copy is dropped, the view's shows;
+#     unless its layer hides the view's version there (upper_hides: a folder above it
+#     renamed away, deleted or made opaque, or a folder of its own where the view put a
+#     file): a conflict, as a delete against an edit or a folder against a file;
 #   - files on all three sides (or added on both): `git merge-file` (Debian's git, well kept)
 #     joins them; a clean merge is written into the task's layer.  Before git, merge_text
 #     settles what git calls a conflict but a person would not: two appends to one file
@@ -8068,7 +8072,9 @@ class FinishMerge:
 #     or a folder it wrote in; then it is built again.  It joins in one step (renamed,
 #     then saved), so a crash leaves no half layer.  A second undo changes
 #     nothing: it answers what the record holds, or waits on the same job.  A job that
-#     fails says so (state `failed`, its error) in the record, the log and an event.  A
+#     fails says so (state `failed`, its error) in the record, the log and an event, but for
+#     one that found no room (ENOSPC, EDQUOT): it waits, job and undone layer kept, and is
+#     begun again on the stack then (FinishMerge.retry_later, tick).  A
 #     restart before the layer joined takes the undo up again (FinishMerge.resume: an
 #     undone task without undoMerge whose layer is still on disk), on the stack then: what
 #     had joined already is seen as reverted, so it is never reverted twice.
