@@ -38,7 +38,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           Views: each workspace's views, its stack, merges due, layer collection
     Finish-time merge     tasks side by side: a task's layer checked against the layers that
                           became done while it ran (git merge-file off the loop, conflicts as
-                          approvals); undo taken out of later copies (a revert layer)
+                          approvals); undo taken out of later copies (a revert layer,
+                          built again later when the disk had no room for it)
     Tasks                 StepGroup: a loop step's saves, ends, starts and account edits,
                           each made together; the Box, which owns the state and wires its
                           parts: lifecycle, undo, reconcile, settings; add_task, the one way
@@ -6866,6 +6867,9 @@ class Views:
 # base (the view it saw), theirs (the view now) and ours (its own view):
 #   - ours equals theirs, or theirs equals base: nothing (its layer on top gives ours);
 #   - ours equals base (a copy-up without a change): its copy is dropped, the view's shows;
+#     unless its layer hides the view's version there (upper_hides: a folder above it
+#     renamed away, deleted or made opaque, or a folder of its own where the view put a
+#     file): a conflict, as a delete against an edit or a folder against a file;
 #   - files on all three sides (or added on both): `git merge-file` (Debian's git, well kept)
 #     joins them; a clean merge is written into the task's layer.  Before git, merge_text
 #     settles what git calls a conflict but a person would not: two appends to one file
@@ -7247,16 +7251,24 @@ def touched(mine: list[str], theirs: list[str]) -> list[str]:
     return sorted(out)
 
 
-def check_paths(job: MergeCheck, base_fd: int, home: str) -> tuple[set[str], list[str]]:
+def check_paths(job: MergeCheck, base_fd: int, home: str, upper_fd: int
+                ) -> tuple[set[str], list[str]]:
     """The paths the task changed, and the candidates of a check: those paths and the
     other layers' paths that touch one another (each layer listed against the view the
-    task saw, as one lower)."""
-    mine = [c["path"].rstrip("/") for c in changed_paths(os.path.join(home, job.upper),
-                                                         [base_fd])]
+    task saw, as one lower), and the folders the task's layer holds (a mode changed, a
+    file added in it: not changes of their own) where another layer put something else."""
+    upper = os.path.join(home, job.upper)
+    mine = [c["path"].rstrip("/") for c in changed_paths(upper, [base_fd])]
     theirs: list[str] = []
-    for upper in job.others if mine else []:
-        theirs += [c["path"].rstrip("/") for c in changed_paths(upper, [base_fd])]
-    return set(mine), touched(mine, theirs)
+    for other in job.others if mine or not layer_empty(upper) else []:
+        theirs += [c["path"].rstrip("/") for c in changed_paths(other, [base_fd])]
+    held = set(mine)
+    for path in theirs:
+        fd = None if path in held else open_dir_beneath(upper_fd, path)
+        if fd is not None:
+            os.close(fd)
+            mine.append(path)
+    return held, touched(mine, theirs)
 
 
 def view_open(home_fd: int, plan: list[str], workspace_dir: str) -> int:
@@ -7265,6 +7277,27 @@ def view_open(home_fd: int, plan: list[str], workspace_dir: str) -> int:
     if not plan:
         return os.open(workspace_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=home_fd)
     return overlay_open_plan(home_fd, fit_lowers(plan, workspace_dir))
+
+
+def upper_hides(upper_fd: int, path: str, theirs: Version) -> bool:
+    """Does a task's layer hide the view's version at path: a whiteout, a file or an opaque
+    folder above it (a folder the task renamed away, deleted, or deleted and made again),
+    or a folder of its own at path where the view has something else?  Then a path only
+    the view changed would not show once the layer joins: a conflict, not the view's
+    change to keep."""
+    fd = os.dup(upper_fd)
+    try:
+        for name in path.split("/")[:-1]:
+            st = _entry(fd, name)
+            if st is None or not stat.S_ISDIR(st.st_mode) or _opaque_child(fd, name):
+                return st is not None
+            child = os.open(name, DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        st = _entry(fd, path.rpartition("/")[2])
+        return st is not None and (not stat.S_ISDIR(st.st_mode) or theirs.kind != "folder")
+    finally:
+        os.close(fd)
 
 
 def run_check(job: MergeCheck, home: str, tmp: str) -> MergeResult:
@@ -7276,16 +7309,18 @@ def run_check(job: MergeCheck, home: str, tmp: str) -> MergeResult:
     try:
         for key, plan in (("base", job.base), ("now", job.now), ("ours", [job.upper] + job.base)):
             fds[key] = view_open(home_fd, plan, job.workspace_dir)
-        mine, candidates = check_paths(job, fds["base"], home)
+        fds["upper"] = os.open(job.upper, DIR_FLAGS, dir_fd=home_fd)
+        mine, candidates = check_paths(job, fds["base"], home, fds["upper"])
         held, shown = 0, [MERGE_SHOWN_TOTAL]
         for path in candidates:
             base, theirs, ours = (view_version(fds[k], path, MERGE_MAX_BYTES)
                                   for k in ("base", "now", "ours"))
             if ours.same(theirs) or theirs.same(base):
                 continue
-            if ours.same(base):                # only the view changed it
-                if path in mine and ours.kind != "folder":
-                    result.writes[path] = ("view",)
+            if ours.same(base) and path in mine and ours.kind != "folder":
+                result.writes[path] = ("view",)   # only the view changed it: a copy dropped
+                continue
+            if ours.same(base) and not upper_hides(fds["upper"], path, theirs):
                 continue
             why = conflict_why(base, theirs, ours)
             texts = [b"" if v.kind == "absent" else v.body for v in (ours, base, theirs)] \
@@ -7604,6 +7639,11 @@ def done_since(box: Box, workspace: str, seen: list[str], stack: list[str]
     return None
 
 
+class DiskFull(str):
+    """The error of a merge thread's job that the disk caused (full, quota): a revert that
+    found no room is built again later (FinishMerge.tick), never recorded failed for good."""
+
+
 @dataclass
 class HeldTask:
     """A task the finish-time merge holds between its worker's end and done."""
@@ -7636,6 +7676,8 @@ class FinishMerge:
         self.thread: threading.Thread | None = None
         self.tokens = 0
         self.paths = LayerPaths()                      # the thread's, for first looks
+        self.retries: dict[str, float] = {}            # undone task -> when its revert
+        #                                                begins again (retry_later)
 
     def holds(self, task: Task, worker: Worker) -> bool:
         if task.id in self.cleared:
@@ -7651,9 +7693,12 @@ class FinishMerge:
 
     def pin(self, in_use: set[str], pinned: set[str], asked: set[str]) -> None:
         """gc_layers: the layers (those of asked: ids) and merged layers (paths) jobs still
-        read."""
-        for ids, paths in self.reading.values():
+        read, and the layer of a held task undone while its job runs (the thread may be
+        writing its merge into it: deleted once the job is back, current)."""
+        for key, (ids, paths) in self.reading.items():
             in_use.update(asked.intersection(ids))
+            if key in asked:
+                in_use.add(key)
             pinned.update(paths)
 
     def drop(self, task_id: str) -> None:
@@ -7729,7 +7774,8 @@ class FinishMerge:
                 result = work(tmp)
             except Exception as exc:
                 error = exc.message if isinstance(exc, ApiError) else \
-                    f"{type(exc).__name__}: {exc}"
+                    (DiskFull if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+                     else str)(f"{type(exc).__name__}: {exc}")
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             with contextlib.suppress(OSError):        # the loop is gone (stopping)
@@ -7768,6 +7814,7 @@ class FinishMerge:
                 task.state not in ("running", "waiting"):
             if task is None or task.state not in ACTIVE_STATES:
                 self.drop(job.task_id)
+                self.box.views.gc_soon()          # an undone one's layer is free now
             return None
         if error is not None:
             self.drop(task.id)             # no job comes back for it: nothing left to pin
@@ -7925,13 +7972,40 @@ class FinishMerge:
                 stack != job.stack:
             return self.recheck(job, result, stack)
         try:
-            if self.undoing.get(task.id) is job:
+            if self.undoing.get(task.id) is job and isinstance(error, DiskFull):
+                self.retry_later(task, job, error)
+            elif self.undoing.get(task.id) is job:
                 self.revert_joins(task, job, result, error)
         finally:
-            if self.undoing.get(task.id) is job:
+            if self.undoing.get(task.id) is job and task.id not in self.retries:
                 self.job_ended(task.id)
             if result is not None and result.cleanup is not None:
                 result.cleanup.close()            # the staged layer, unless it joined
+
+    def retry_later(self, task: Task, job: UndoJob, error: str) -> None:
+        """A revert found no room: its job stays (the undone layer kept, its record not
+        written: a restart takes it up as one cut short) and is begun again on the stack
+        then, after a wait that doubles at each failure (tick)."""
+        job.failures += 1
+        wait = min(MERGE_RETRY_MAX, MERGE_RETRY * 2 ** (job.failures - 1))
+        self.retries[task.id] = time.monotonic() + wait
+        log(3, f"task {task.id}: its revert in later copies: {error}; tried again in "
+               f"{wait:.0f} s")
+
+    def tick(self) -> float:
+        """Loop timer (Box.tick): the reverts whose wait is over begin again.  Seconds until
+        the next."""
+        now = time.monotonic()
+        for task_id in [i for i, at in self.retries.items() if at <= now]:
+            del self.retries[task_id]
+            task, job = self.box.get(task_id), self.undoing[task_id]
+            self.job_ended(task_id)
+            self.undone(task)                          # on the stack now
+            if task_id in self.undoing:
+                self.undoing[task_id].failures = job.failures
+            else:                                      # nothing above it any more
+                self.revert_joins(task, job, UndoResult(), None)
+        return min([at - now for at in self.retries.values()] + [MERGE_RETRY_MAX])
 
     def job_ended(self, task_id: str) -> None:
         """A revert's job is over: the layers it read are free, the undone one may go."""
@@ -8037,7 +8111,9 @@ class FinishMerge:
 #     or a folder it wrote in; then it is built again.  It joins in one step (renamed,
 #     then saved), so a crash leaves no half layer.  A second undo changes
 #     nothing: it answers what the record holds, or waits on the same job.  A job that
-#     fails says so (state `failed`, its error) in the record, the log and an event.  A
+#     fails says so (state `failed`, its error) in the record, the log and an event, but for
+#     one that found no room (ENOSPC, EDQUOT): it waits, job and undone layer kept, and is
+#     begun again on the stack then (FinishMerge.retry_later, tick).  A
 #     restart before the layer joined takes the undo up again (FinishMerge.resume: an
 #     undone task without undoMerge whose layer is still on disk), on the stack then: what
 #     had joined already is seen as reverted, so it is never reverted twice.
@@ -8071,6 +8147,7 @@ class UndoJob:
     stack: list[str]
     named: "Future[dict[str, Any]]" = field(default_factory=Future)   # undo_record's, once
     #                                  the paths are decided (before the layer is written)
+    failures: int = 0                # tries that found no room (FinishMerge.retry_later)
 
 
 @dataclass
@@ -9318,7 +9395,7 @@ class Box:
             if now - worker.started > limit and task.state in ("running", "waiting"):
                 log(4, f"task {task_id} timed out after {limit} s")
                 self.stop(task_id, "timed out")
-        return min(self.disk.tick(), self.views.tick())
+        return min(self.disk.tick(), self.views.tick(), self.finish_merge.tick())
 
     def put_settings(self, body: Any) -> dict[str, Any]:
         new = validate_settings(body, self.settings)
@@ -9432,11 +9509,13 @@ class Box:
             log(3, f"reconcile: could not {problem}")
 
     def shutdown_tasks(self) -> None:
-        """End every running task (each on its own: one failure skips none), save what only
-        memory holds, close the views."""
+        """End every running task (each on its own: one failure skips none), those the
+        finish-time merge holds too (their workers are gone), save what only memory holds,
+        close the views."""
         for task in list(self.tasks.values()):
-            if task.id in self.workers:
+            if task.id in self.workers or task.id in self.finish_merge.held:
                 self.fail_task(task, "gurtd stopped while the task was running", by="restart")
+                self.finish_merge.drop(task.id)
         self.save_unsaved()
         self.views.close()
         self.cgroups.stop()

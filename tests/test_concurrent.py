@@ -1079,3 +1079,87 @@ def test_run_wait_announces_a_conflict_with_the_commands_that_answer_it(gurtd: G
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# A folder gone on one side, a file added in it on the other (crash pass) ####################
+
+@pytest.mark.parametrize("gone", ["mv d e", "rm -r d", "rm -r d && mkdir d"])
+def test_a_file_added_in_a_folder_the_later_task_removed_is_a_conflict(gurtd: Gurtd,
+                                                                       gone: str) -> None:
+    """b adds d/new while a renames d away, deletes it, or makes it again empty (a whiteout
+    or an opaque folder in a's layer): a ends after b, and its layer would hide b's file
+    from the view without a word.  It is a conflict naming d/new (deleted by the task,
+    changed in the view); keep view gives b's file back beside a's change."""
+    put(gurtd, "d/g.txt", "g\n")
+    a = gated(gurtd, gone)
+    b = gated(gurtd, "echo new > d/new")
+    assert end(gurtd, b)["state"] == "done"
+    task = end(gurtd, a)
+    assert task["state"] == "waiting", (task, gurtd.file("home", "d/new"))
+    approval = pending(gurtd, a, "conflict")
+    paths = {p["path"]: p for p in approval["args"]["paths"]}
+    assert "d/new" in paths and "deleted by the task" in paths["d/new"]["why"], paths
+    assert paths["d/new"]["view"]["text"] == "new\n"
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/approve", {"args": {"keep": "view"}})
+    assert gurtd.wait(a)["state"] == "done"
+    assert gurtd.file("home", "d/new") == b"new\n"
+    assert gurtd.file("home", "d/g.txt") is None
+    assert gurtd.file("home", "e/g.txt") == (b"g\n" if gone.startswith("mv") else None)
+
+
+# Undo of a task while its finish-time merge is written into its layer (crash pass) #########
+
+def test_undo_while_a_merge_is_written_into_the_layer_leaves_no_trash(gurtd: Gurtd) -> None:
+    """a's merge of 1,000 files is being written into its layer (the first file replaced)
+    when a is undone: the layer is deleted once the thread is done with it, and nothing of
+    it is left in BOX_HOME/layers.  Before, the collection renamed the layer to its trash
+    name and deleted it while the thread still wrote in it: `Directory not empty`, and the
+    trash stayed there until the next start."""
+    gurtd.run_done("mkdir d; for i in $(seq 1000); do seq 20 > d/$i; done")
+    a = gated(gurtd, "sed -i 's/^3$/three/' d/*")
+    b = gated(gurtd, "sed -i 's/^17$/seventeen/' d/*")
+    assert end(gurtd, b)["state"] == "done"
+    layers = os.path.join(gurtd.home, "layers")
+    first = os.path.join(layers, a, "upper", "d", "1")      # the merge writes it first
+
+    def merged() -> bool:
+        with contextlib.suppress(FileNotFoundError):     # between its unlink and rename
+            with open(first, "rb") as f:
+                return b"seventeen" in f.read()
+        return False
+
+    gurtd.api("POST", f"/api/approvals/{gate(gurtd, a)['id']}/answer", {"answer": "go"})
+    eventually(merged, 30, "the merge's first write")
+    assert gurtd.api("POST", f"/api/tasks/{a}/undo")["state"] == "undone"
+    eventually(lambda: gurtd.task(a).get("layerDeleted") or
+               not os.path.lexists(os.path.join(layers, a)), 30, "a's layer deleted")
+    eventually(lambda: [n for n in os.listdir(layers) if n.startswith(G.MERGE_TEMP)] == [],
+               30, "no trash left in layers")
+    assert "could not delete" not in gurtd.log_text()
+    want = "".join(f"{n}\n" for n in range(1, 21)).replace("17\n", "seventeen\n")
+    assert gurtd.file("home", "d/500").decode() == want
+
+
+# A folder kept on one side, replaced by a file on the other (crash pass) ###################
+
+@pytest.mark.parametrize("mine", ["echo new > d/new", "chmod 700 d"])
+@pytest.mark.parametrize("theirs", ["rm -r d && echo file > d", "rm -r d && ln -s g.txt d"])
+def test_a_folder_the_view_replaced_by_a_file_is_a_conflict(gurtd: Gurtd, mine: str,
+                                                            theirs: str) -> None:
+    """b replaces the folder d by a file or a symlink while a adds a file in d or only
+    changes its mode: a ends after b, and the folder its layer holds would hide b's d from
+    the view without a word.  It is a conflict naming d (a folder on one side, a file on
+    the other); keep view gives b's d."""
+    put(gurtd, "d/g.txt", "g\n")
+    a = gated(gurtd, mine)
+    b = gated(gurtd, theirs)
+    assert end(gurtd, b)["state"] == "done"
+    task = end(gurtd, a)
+    assert task["state"] == "waiting", (task, gurtd.file("home", "d"))
+    approval = pending(gurtd, a, "conflict")
+    paths = {p["path"]: p for p in approval["args"]["paths"]}
+    assert paths["d"]["why"] == "a folder on one side, a file on the other", paths
+    gurtd.api("POST", f"/api/approvals/{approval['id']}/approve", {"args": {"keep": "view"}})
+    assert gurtd.wait(a)["state"] == "done"
+    seen = gurtd.run("if [ -L d ]; then readlink d; else cat d; fi")
+    assert gurtd.output(seen["id"]) == ["g.txt" if "ln -s" in theirs else "file"], seen

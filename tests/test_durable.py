@@ -883,3 +883,54 @@ def test_a_personal_task_whose_done_could_not_be_saved_has_no_review_to_keep(
         assert open(os.path.join(owner_folder, "a.txt")).read() == "hello\n"
         eventually(lambda: not os.path.exists(os.path.join(g.home, "review", t1["id"])),
                    what="its review files gone")
+
+
+# 6. a revert that finds no room (crash pass) #################################################
+
+def test_a_revert_that_finds_no_room_is_built_again_once_there_is_room() -> None:
+    """t2's copies of 300 files hold t1's change; t1 is undone with room for its state but
+    not for the revert layer's files: the revert waits (its record not written, t1's layer
+    kept) and is built again once the disk has room, so t1's line leaves t2's copies.
+    Before, it was recorded failed at once, t1's layer went, and t1's change stayed in every
+    later copy for good."""
+    with gurtd_on_small_disk() as (g, disk):
+        g.run_done("mkdir d; for i in $(seq 300); do seq 20 > d/$i; done")
+        t1 = g.run_done("sed -i 's/^3$/three/' d/*")["id"]
+        g.run_done("sed -i 's/^17$/seventeen/' d/*")
+        fill_to(disk, 64 << 10)
+        answer = g.api("POST", f"/api/tasks/{t1}/undo")
+        assert answer["state"] == "undone"
+        time.sleep(2.0)                       # the revert has found no room by now
+        assert (g.task(t1).get("undoMerge") or {}).get("state") != "failed", g.task(t1)
+        assert os.path.isdir(os.path.join(g.home, "layers", t1))
+        os.unlink(disk.filler + "-part")
+        disk.free()
+        record = eventually(lambda: (g.task(t1).get("undoMerge") or {}).get("state") in
+                            ("done", "failed") and g.task(t1)["undoMerge"], 30, "the revert")
+        assert record["state"] == "done" and len(record["reverted"]) == 300, record
+        want = "".join(f"{n}\n" for n in range(1, 21)).replace("17\n", "seventeen\n")
+        assert g.file("home", "d/5").decode() == want
+        assert task_file(g, t1)["undoMerge"] == record
+        eventually(lambda: not os.path.lexists(os.path.join(g.home, "layers", t1)), 30,
+                   "t1's layer deleted")
+        assert g.stop() == 0
+
+
+# 7. a clean stop while a finish-time merge holds a task (crash pass) #########################
+
+def test_a_clean_stop_fails_a_task_the_finish_time_merge_holds() -> None:
+    """A task waits on a conflict (its worker gone, held by the finish-time merge) when
+    gurtd gets SIGTERM: the stop fails it as every running task (`gurtd stopped while the
+    task was running`, its approval denied), on disk before gurtd exits.  Before, its file
+    said waiting and its approval pending until a next start failed it as restarted."""
+    from test_concurrent import conflict_story
+    with running_gurtd() as g:
+        a, approval = conflict_story(g, "echo a > f.txt", "echo b > f.txt")
+        assert g.stop() == 0
+        assert (task_file(g, a)["state"], task_file(g, a)["error"]) == (
+            "failed", "gurtd stopped while the task was running")
+        with open(os.path.join(g.home, "approvals", approval["id"] + ".json")) as f:
+            assert json.load(f)["state"] == "denied"
+        g.start()
+        assert g.task(a)["error"] == "gurtd stopped while the task was running"
+        assert g.file("home", "f.txt") == b"b\n"
