@@ -990,6 +990,11 @@ def usage_cents(usage: Any, prices: Any) -> float:
     return total if is_cents(total) else 0.0
 
 
+def counted(n: int, noun: str) -> str:
+    """n and noun, in the plural unless n is 1: "1 conflict", "3 conflicts"."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 _UNPRINTABLE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e"
                           "\u2066-\u2069]")
 
@@ -5100,10 +5105,10 @@ class Review:
         hard = [c for c in conflicts if "by the owner after" not in c["why"]]
         if conflicts and (hard or not force):
             self.box.loop.report(self.settle, task, "conflict", "conflict",
-                                 f"{len(conflicts)} conflicts, nothing kept",
+                                 f"{counted(len(conflicts), 'conflict')}, nothing kept",
                                  {"conflicts": conflicts})
             what = "; ".join(f"{c['folder']}/{c['path']}: {c['why']}" for c in conflicts[:3])
-            raise ApiError(409, f"nothing was kept: {len(conflicts)} conflicts ({what})"
+            raise ApiError(409, f"nothing was kept: {counted(len(conflicts), 'conflict')} ({what})"
                            + (" (force does not override these)" if force and hard else ""),
                            "conflict", extra={"conflicts": conflicts})
         ops = self.plan(task, todo)
@@ -5401,9 +5406,9 @@ class Review:
             conflicts = self.undo_conflicts(task, record)
             if conflicts:
                 self.box.loop.report(self.announce, task, "conflict", f"undo refused: "
-                                     f"{len(conflicts)} kept paths changed since the keep",
+                                     f"{counted(len(conflicts), 'kept path')} changed since the keep",
                                      {"conflicts": conflicts})
-                raise ApiError(409, f"nothing was undone: {len(conflicts)} kept paths were "
+                raise ApiError(409, f"nothing was undone: {counted(len(conflicts), 'kept path')} "
                                     "changed by the owner after the keep (undo with force "
                                     "puts the versions from before the keep back anyway)",
                                "conflict", extra={"conflicts": conflicts})
@@ -7834,8 +7839,8 @@ class FinishMerge:
         held.pending, held.pending_check = result, job
         shown = result.conflicts[:MERGE_CONFLICTS_SHOWN]
         paths = [c["path"] for c in shown]
-        question = (f"{len(result.conflicts)} path(s) changed both by this task and by tasks "
-                    "that ended while it ran: " + ", ".join(paths[:20]) +
+        question = (f"{counted(len(result.conflicts), 'path')} changed both by this task and "
+                    "by tasks that ended while it ran: " + ", ".join(paths[:20]) +
                     (" ..." if len(result.conflicts) > 20 else ""))
         more = {key: len(every) - MERGE_CONFLICTS_SHOWN for key, every in (
             ("morePaths", result.conflicts), ("moreMerged", result.merged))

@@ -65,6 +65,11 @@ def test_bad_bodies_name_what_is_wrong(body, words):
     assert words in err.value.message
 
 
+def test_counts_in_messages_agree_with_their_noun():
+    assert [G.counted(n, "conflict") for n in (0, 1, 2)] == \
+        ["0 conflicts", "1 conflict", "2 conflicts"]
+
+
 @pytest.mark.parametrize("entry, parsed", [
     ("example.com", ("name", "example.com", None)),
     ("Example.COM:8080", ("name", "example.com", 8080)),
