@@ -10538,7 +10538,10 @@ class Policies:
     def __init__(self, box: "Box") -> None:
         self.box = box
         self.items: dict[str, Policy] = {}
-        self.file = box.path("policies.json")
+
+    @property
+    def file(self) -> str:
+        return self.box.path("policies.json")
 
     def load(self) -> None:
         def parse(data: Any) -> list[Policy]:
@@ -14072,8 +14075,14 @@ class Jira:
         self.wake = threading.Event()
         self.thread: threading.Thread | None = None
         self.backoff = 0.0
-        self.file = box.path("jira.json")
-        self.token_file = box.path("secrets", "jira-token")
+
+    @property
+    def file(self) -> str:
+        return self.box.path("jira.json")
+
+    @property
+    def token_file(self) -> str:
+        return self.box.path("secrets", "jira-token")
 
     def load(self) -> None:
         data = load_json(self.file)
