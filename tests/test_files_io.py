@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+import gurtd as G
 from conftest import Gurtd, SmallDisk, eventually, loop_waits, running_gurtd
 
 STORE = "gurt-store"
@@ -76,9 +77,17 @@ def archive_names(data: bytes) -> dict[str, tarfile.TarInfo]:
 
 
 def box_state(g: Gurtd) -> tuple[Any, ...]:
-    """What a refused upload must leave as it was: tasks, workspaces, the layers folder."""
+    """What a refused upload must leave as it was: tasks, workspaces, the layers folder; once
+    the layers of earlier tests' undone tasks are collected (renamed to a trash name on the
+    loop when nothing reads them, deleted off it after: a listing before names them)."""
+    layers, trash = os.path.join(g.home, "layers"), G.MERGE_TEMP + "trash-"
+
+    def settled() -> bool:
+        undone = {t["id"] for t in g.api("GET", "/api/tasks") if t["state"] == "undone"}
+        return not any(n.startswith(trash) or n in undone for n in os.listdir(layers))
+    eventually(settled, what="the layers of undone tasks collected")
     return (g.api("GET", "/api/tasks"), g.api("GET", "/api/workspaces"),
-            sorted(os.listdir(os.path.join(g.home, "layers"))))
+            sorted(os.listdir(layers)))
 
 
 # A file in, a task on it, the upload undone ##################################################
@@ -550,7 +559,6 @@ def test_a_file_of_more_extents_than_an_archive_takes_is_left_out_and_named(
     """Past ARCHIVE_EXTENTS data extents (a million: at least 4 GiB of data in pieces) a
     file's map would cost the archive's writer memory without end: it is left out, and the
     archive's last member says which file and why (lowered to 100 here)."""
-    import gurtd as G
     monkeypatch.setattr(G, "ARCHIVE_EXTENTS", 100)
     with open(tmp_path / "frag", "wb") as f:
         for i in range(200):
