@@ -7076,9 +7076,9 @@ def git_merge(ours: bytes, base: bytes, theirs: bytes, tmp: str, deadline: float
     text).  Bounded: prlimit's address space, a timeout (the child killed) that ends at the
     check's deadline at the latest; OSError else."""
     timeout = min(MERGE_TIMEOUT, deadline - time.monotonic())
+    late = f"the check's {MERGE_CHECK_SECONDS:g} s of merging are spent"
     if timeout <= 0:
-        raise OSError(errno.ETIME, f"the check's {MERGE_CHECK_SECONDS:g} s of merging are "
-                                   "spent")
+        raise OSError(errno.ETIME, late)
     names = []
     for label, data in (("task", ours), ("before", base), ("view", theirs)):
         names.append(os.path.join(tmp, label))
@@ -7091,8 +7091,7 @@ def git_merge(ours: bytes, base: bytes, theirs: bytes, tmp: str, deadline: float
         done = subprocess.run(argv, capture_output=True, timeout=timeout, env=env, cwd=tmp)
     except subprocess.TimeoutExpired:
         raise OSError(errno.ETIME, f"git merge-file took more than {MERGE_TIMEOUT:g} s" if
-                      timeout == MERGE_TIMEOUT else f"the check's {MERGE_CHECK_SECONDS:g} s "
-                      "of merging are spent") from None
+                      timeout == MERGE_TIMEOUT else late) from None
     if not 0 <= done.returncode < 128:
         raise OSError(errno.EIO, "git merge-file: " + done.stderr.decode(errors="replace")
                       .strip()[:200])
@@ -8003,7 +8002,9 @@ class FinishMerge:
         now = time.monotonic()
         for task_id in [i for i, at in self.retries.items() if at <= now]:
             del self.retries[task_id]
-            task, job = self.box.get(task_id), self.undoing[task_id]
+            task, job = self.box.get(task_id), self.undoing.get(task_id)
+            if job is None:                            # ended meanwhile (withdraw)
+                continue
             self.job_ended(task_id)
             self.undone(task)                          # on the stack now
             if task_id in self.undoing:
@@ -8015,6 +8016,7 @@ class FinishMerge:
     def job_ended(self, task_id: str) -> None:
         """A revert's job is over: the layers it read are free, the undone one may go."""
         self.undoing.pop(task_id, None)
+        self.retries.pop(task_id, None)
         self.reading.pop("undo " + task_id, None)
         self.box.views.gc_soon()
 
