@@ -6,7 +6,8 @@ Prints task start latency (POST until the worker runs inside its boxed view) wit
 and its ratio to it (`python tests/bench.py start`: those figures only); GET /api/tasks/{id}
 rate with 10,000 stored tasks next to a bare http.server answering the same JSON, gurtd's
 RSS with 100 tasks running, GET latencies while the loop is busy, and tasks per second
-through a burst (`python tests/bench.py api`: those figures only); then the portal's: a
+through a burst beside its floor's (`python tests/bench.py api`: those figures only); then the
+portal's: a
 state change to a real browser showing it, a fresh load's first paint and its task list
 drawn, and the page's size (`python tests/bench.py portal`: those only); then the
 finish-time merge's and the exact undo's (`python tests/bench.py merge`: those only); then
@@ -39,6 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import (GURTD as GURTD_PATH, Gurtd, chromium, make_done_layers,  # noqa: E402
                       make_home, quit_browser, registry, remove_home, running_gurtd, sign_in,
                       sse)
+
+from floor import FLOOR_STORE_UID, FLOOR_UID, busy  # noqa: E402
 
 import gurtd as G  # noqa: E402
 
@@ -233,18 +236,9 @@ def broker_times(path: str, uid: int, count: int) -> list[float]:
 
 
 # Floors (issue 23) ###########################################################################
-# What the kernel needs for the work of a task start with none of gurtd's bookkeeping, built
-# from gurtd's own primitives in this process: a child born in a new cgroup (clone3 with
-# CLONE_INTO_CGROUP, as gurtd's workers are; one cgroup.procs write where it is refused), new mount, network, IPC and PID namespaces, an idmapped overlay of one
-# layer (G._view_open), a tmpfs, then in the PID namespace's first process the dropped
-# privileges, the kernel filter and exec of `true`.  Timed from the fork until the moment
-# before exec, as a task start is timed until its first step; with hosts, a veth pair into a
-# new network namespace and one nftables element first, as Network.prepare makes them.
-
-FLOOR_UID, FLOOR_STORE_UID = 60998, 60999     # no account needed: the kernel takes numbers
-FLOOR_TABLE, FLOOR_IFNAME = "gurt_floor23", "gfl23"
-CLONE_NEWPID = 0x20000000
-
+# What the kernel needs for a task start with none of gurtd's bookkeeping: tests/floor.py, in a
+# process of its own (gurtd's module loaded, not the bench's pytest and selenium), driven by
+# Floor below.  The other floors (undo, broker) are here.
 
 def floor_home() -> str:
     """A BOX_HOME-like folder with one layer (one file) over a base, owned as gurtd's are."""
@@ -258,140 +252,46 @@ def floor_home() -> str:
     return home
 
 
-def floor_fork(group: str) -> tuple[int, str | None]:
-    """fork, the child born in group (clone3 CLONE_INTO_CGROUP); else forked, with the
-    cgroup.procs file it joins by."""
-    fd = os.open(group, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        return G.fork_into(fd), None
-    except OSError:
-        return os.fork(), os.path.join(group, "cgroup.procs")
-    finally:
-        os.close(fd)
-
-
-def floor_child(home: str, procs: str | None, nsfd: int, stamp_w: int) -> None:
-    """The floor's child: never returns; the moment before exec goes to stamp_w."""
-    code = 1
-    try:
-        if procs is not None:
-            Path(procs).write_text("0")
-        if nsfd >= 0:
-            G.libc_call("setns", nsfd, G.CLONE_NEWNET)
-            G.libc_call("unshare", G.CLONE_NEWNS | G.CLONE_NEWIPC)
-        else:
-            G.libc_call("unshare", G.CLONE_NEWNS | G.CLONE_NEWNET | G.CLONE_NEWIPC)
-        G._mount("none", "/", None, G.MS_REC | G.MS_SLAVE, None)
-        spec = {"uid": FLOOR_UID, "gid": FLOOR_UID, "storeUid": FLOOR_STORE_UID,
-                "storeGid": FLOOR_STORE_UID, "boxHome": home,
-                "lowers": ["layers/l1/upper", "workspaces/home"],
-                "upper": "layers/t/upper", "work": "layers/t/work"}
-        view = G._view_open(spec)
-        G._mount("tmpfs", G.NEW_ROOT, "tmpfs", G.MS_NOSUID | G.MS_NODEV, "mode=0755,size=1m")
-        os.mkdir(G.NEW_ROOT + "/view")
-        G.syscall("move_mount", G.SYS_MOVE_MOUNT, view, b"", -100,
-                  (G.NEW_ROOT + "/view").encode(), G.MOVE_MOUNT_F_EMPTY_PATH)
-        G.libc_call("unshare", CLONE_NEWPID)   # last: the view's helper child must not be its
-        pid = os.fork()                        # first process, this one is
-        if pid == 0:
-            try:
-                G._drop_privileges(FLOOR_UID, FLOOR_UID)
-                G._kernel_filter_load()
-                os.write(stamp_w, str(time.monotonic_ns()).encode())
-                os.execv("/bin/true", ["true"])
-            finally:
-                os._exit(127)
-        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    except BaseException as exc:
-        sys.stderr.write(f"floor: {exc!r}\n")
-    finally:
-        os._exit(code)
-
-
-def floor_net(nft: Any) -> int:
-    """A new network namespace with a veth pair to this one (its host end up) and one
-    nftables element, as a task with hosts gets them; the namespace's fd."""
-    from pyroute2 import IPRoute
-    host_ns = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-
-    def setup() -> None:
-        with IPRoute() as ipr:
-            ipr.link("set", index=1, state="up")
-            ipr.link("add", ifname="eth0", kind="veth",
-                     peer={"ifname": FLOOR_IFNAME, "net_ns_fd": host_ns})
-            eth0 = ipr.link_lookup(ifname="eth0")[0]
-            ipr.addr("add", index=eth0, address="10.252.23.1", prefixlen=31)
-            ipr.link("set", index=eth0, state="up")
-    try:
-        nsfd, _ = G.netns_new(setup)
-    finally:
-        os.close(host_ns)
-    with IPRoute() as ipr:
-        link = ipr.link_lookup(ifname=FLOOR_IFNAME)[0]
-        ipr.addr("add", index=link, address="10.252.23.0", prefixlen=31)
-        ipr.link("set", index=link, state="up")
-    nft.run(f'add element inet {FLOOR_TABLE} tasks {{ "{FLOOR_IFNAME}" }}')
-    return nsfd
-
-
-def floor_net_release(nft: Any, nsfd: int) -> None:
-    from pyroute2 import IPRoute
-    nft.run(f'delete element inet {FLOOR_TABLE} tasks {{ "{FLOOR_IFNAME}" }}')
-    with IPRoute() as ipr:
-        links = ipr.link_lookup(ifname=FLOOR_IFNAME)
-        if links:
-            ipr.link("del", index=links[0])
-    os.close(nsfd)
-
-
 class Floor:
-    """The floor of a start (with hosts: and its network), one start() at a time, each in a
-    new cgroup of its own; a context: its folder and nftables table go at the end."""
+    """tests/floor.py's process on a floor_home (with hosts: each start with its network):
+    start() times one floor start (into times, as start_latencies keeps them), burst() runs
+    many; a context: the process ends, its folder goes."""
 
     def __init__(self, hosts: bool = False) -> None:
-        G.overlay_way()                      # probed once, as gurtd does at its start
-        G.sandbox_preload()                  # as gurtd does before its spawner forks
-        v2, _ = G.cgroup_own_groups()
-        assert v2 is not None, "no cgroup v2 hierarchy"
-        self.v2, self.count, self.home = v2, 0, floor_home()
-        self.times: list[float] = []
-        self.nft = G.Nft() if hosts else None
-        if self.nft is not None:
-            self.nft.table_del(FLOOR_TABLE)
-            self.nft.run(f"add table inet {FLOOR_TABLE}\n"
-                         f"add set inet {FLOOR_TABLE} tasks {{ type ifname; }}")
+        self.home, self.times = floor_home(), list[float]()
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                          "floor.py"), self.home] + (["hosts"] if hosts else []),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(self, line: str) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        assert answer, f"the floor's process ended with {self.proc.wait()}"
+        return json.loads(answer)
+
+    def start(self) -> float:
+        return float(self.ask("start"))
+
+    def burst(self, count: int, at_once: int) -> tuple[float, float]:
+        rate, cpu = self.ask(f"burst {count} {at_once}")
+        return rate, cpu
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.nft is not None:
-            self.nft.table_del(FLOOR_TABLE)
-        remove_home(self.home)
-
-    def start(self) -> float:
-        """ms from the fork (the cgroup made first) to the moment before exec."""
-        self.count += 1
-        group = os.path.join(self.v2, f"gurt-floor23-{os.getpid()}-{self.count}")
-        stamp_r, stamp_w = os.pipe()
-        t0 = time.monotonic_ns()
-        os.mkdir(group)
         try:
-            nsfd = floor_net(self.nft) if self.nft is not None else -1
-            pid, procs = floor_fork(group)
-            if pid == 0:
-                os.close(stamp_r)
-                floor_child(self.home, procs, nsfd, stamp_w)
-            os.close(stamp_w)
-            stamp = os.read(stamp_r, 64)
-            os.close(stamp_r)
-            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-            assert code == 0 and stamp, f"the floor's child ended with {code}"
-            if self.nft is not None:
-                floor_net_release(self.nft, nsfd)
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            assert self.proc.wait(timeout=60) == 0, "the floor's process failed"
         finally:
-            os.rmdir(group)
-        return (int(stamp) - t0) / 1e6
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            remove_home(self.home)
 
 
 def floor_undo(n: int) -> list[float]:
@@ -531,13 +431,8 @@ def burst(g: Gurtd, count: int, clients: int = 16) -> tuple[float, float]:
     """count fake tasks posted at once, by `clients` clients side by side (maxRunningTasks
     50), on a workspace of their own (each done task is one more layer of it): tasks per
     second, from the first POST until the last one is done, and the CPU-seconds a task the
-    whole machine was busy meanwhile (/proc/stat: gurtd, its workers, the kernel's threads,
-    and whatever else runs: read it beside the load average)."""
-    def busy() -> float:                  # user, nice, system, irq, softirq
-        with open("/proc/stat") as f:
-            ticks = [int(t) for t in f.readline().split()[1:8]]
-        return (sum(ticks[:3]) + ticks[5] + ticks[6]) / os.sysconf("SC_CLK_TCK")
-
+    whole machine was busy meanwhile (gurtd, its workers, the kernel's threads, and whatever
+    else runs: read it beside the load average)."""
     def post(_: int) -> str:
         return str(g.create("true", title="burst", workspace="burst")["id"])
 
@@ -550,6 +445,17 @@ def burst(g: Gurtd, count: int, clients: int = 16) -> tuple[float, float]:
         if ids <= done:
             return count / (time.perf_counter() - t0), (busy() - cpu) / count
         time.sleep(0.05)
+
+
+def burst_rows(g: Gurtd) -> list[tuple[str, str, str]]:
+    """The burst of 300 (maxRunningTasks 50), after its floor in the same minute."""
+    with Floor() as floor:
+        floor_rate, floor_cpu = floor.burst(300, 50)
+    rate, cpu = burst(g, 300)
+    return [(BURST_FIGURE, f"{rate:.0f} ({cpu:.3f} s)", ">= 100 (49 before)"),
+            ("  floor: 300 of the kernel's part, 50 at a time (starts/s, CPU-s a start)",
+             f"{floor_rate:.0f} ({floor_cpu:.3f} s)", ""),
+            ("  ratio to the floor (tasks/s)", f"{rate / floor_rate:.2f}x", "")]
 
 
 def rss_figures(g: Gurtd, idle: str) -> list[tuple[str, str, str]]:
@@ -573,9 +479,7 @@ def burst_figures() -> list[tuple[str, str, str]]:
     """A burst of 300 tasks on a fresh box, then its RSS with 100 running."""
     with running_gurtd() as g:
         g.api("PUT", "/api/settings", {"maxRunningTasks": 50})
-        rate, cpu = burst(g, 300)
-        return [(BURST_FIGURE, f"{rate:.0f} ({cpu:.3f} s)", ">= 100 (49 before)")] + \
-            rss_figures(g, "300 tasks done")
+        return burst_rows(g) + rss_figures(g, "300 tasks done")
 
 
 def api_figures() -> list[tuple[str, str, str]]:
@@ -614,8 +518,7 @@ def api_figures() -> list[tuple[str, str, str]]:
                 (f"GET /api/tasks/{{id}} while {label}, p50 / p95 (ms)", samplers[1].figure(),
                  "p95 <= 20"),
             ]
-        rate, cpu = burst(g, 300)
-        results.append((BURST_FIGURE, f"{rate:.0f} ({cpu:.3f} s)", ">= 100 (49 before)"))
+        results += burst_rows(g)
     return results
 
 
