@@ -18110,6 +18110,8 @@ class McpServer:
             reply["error"] = {"code": exc.code, "message": str(exc)}
         except (OSError, ValueError, http.client.HTTPException) as exc:
             reply["error"] = {"code": -32603, "message": f"the broker did not answer: {exc}"}
+        except click.ClickException as exc:     # said for people (no broker here): as it is
+            reply["error"] = {"code": -32603, "message": exc.format_message()}
         except Exception as exc:   # one request fails, never the agent's whole session
             reply["error"] = {"code": -32603, "message": f"{type(exc).__name__}: {exc}"}
         finally:
