@@ -17539,9 +17539,10 @@ def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title
     if not wait:
         click.echo(json.dumps(task, indent=1) if as_json else task["id"])
         return
-    if not as_json:
-        click.echo(f"{task['id']} {task['state']}: following it (Ctrl-C: stop it, or leave it "
-                   "running)", err=True)
+    if not as_json:     # the choice Ctrl-C offers is there on a terminal only (interrupted)
+        hint = " (Ctrl-C: stop it, or leave it running)" if sys.stdin.isatty() and \
+            sys.stderr.isatty() else ""
+        click.echo(f"{task['id']} {task['state']}: following it{hint}", err=True)
     try:
         follow_task(client, task["id"], as_json)
     except KeyboardInterrupt:
