@@ -897,8 +897,23 @@ def check_tool_args(tool: str, args: Any) -> float:
     return 0.0
 
 
-def rejected_by_owner(tool: str, reason: str) -> str:
-    return f'Tool call "{tool}" was rejected by the owner: {reason}'
+TIMED_OUT = "timed out"               # the error of a task past taskTimeoutSeconds (a stop)
+
+
+def call_not_run(tool: str, approval: Approval) -> str:
+    """What a tool call whose approval ended without a yes tells the task: who or what ended
+    it (answeredBy), in words true for each; only a person's no is a rejection."""
+    reason, by = approval.reason or "denied", approval.answeredBy
+    if by == "api":
+        return f'Tool call "{tool}" was rejected by the owner: {reason}'
+    if by == "task":
+        return f'Tool call "{tool}" was withdrawn: the task cancelled the call'
+    why = ("the task was undone" if by == "undo" else
+           "gurtd stopped" if by == "restart" else
+           "the task timed out (taskTimeoutSeconds)" if by == "stop" and reason == TIMED_OUT
+           else "the task was stopped" if by == "stop" and reason == "stopped"
+           else f"the task ended ({reason})")
+    return f'Tool call "{tool}" was not run: {why} while it waited for approval'
 
 
 MAX_JSON_DEPTH = 64                  # task-controlled JSON nested deeper is refused
@@ -9401,7 +9416,7 @@ class Box:
             task = self.tasks[task_id]
             if now - worker.started > limit and task.state in ("running", "waiting"):
                 log(4, f"task {task_id} timed out after {limit} s")
-                self.stop(task_id, "timed out")
+                self.stop(task_id, TIMED_OUT)
         return min(self.disk.tick(), self.views.tick(), self.finish_merge.tick())
 
     def put_settings(self, body: Any) -> dict[str, Any]:
@@ -9664,7 +9679,10 @@ class DroidWorker:
         if task is None or worker is None or worker.paused != approval.id:
             return
         worker.paused = None
-        self.box.gateway.answered(task.id, approval)
+        if approval.state == "approved" or approval.answeredBy == "api":
+            self.box.gateway.answered(task.id, approval)     # a person's word to its calls
+        # else the task is ending (stop, timeout, undo): its held calls hear that from the
+        # gateway's close ("the task has ended"), never that a person denied more
         if approval.state == "approved":
             worker.budget_limit = approval.budgetCents if approval.budgetCents is not None \
                 else task.costCents + task.budgetCents    # raised to, or one more budget
@@ -11111,7 +11129,8 @@ class UpstreamPool:
 
 @dataclass
 class Hold:
-    """A call held at the budget: the loop sets it once a person answers, or the task ends."""
+    """A call held at the budget: the loop sets it once a person answers, or the task ends
+    (reason: the whole refusal the call is answered with)."""
 
     event: threading.Event = field(default_factory=threading.Event)
     approved: bool = False
@@ -11315,7 +11334,8 @@ class Gateway:
         if tg is None:
             return
         for hold in tg.holds:
-            hold.answer(approval.state == "approved", approval.reason or "denied")
+            hold.answer(approval.state == "approved", "the task's budget is spent and a "
+                        f"person denied more: {approval.reason or 'denied'}")
         tg.holds.clear()
 
     def record(self, tg: TaskGateway, call: GatewayCall) -> None:
@@ -11527,8 +11547,7 @@ class Gateway:
             if tg.dead:
                 raise GatewayRefusal(403, "permission_error", "the task has ended")
         if hold is not None and not hold.approved:
-            raise GatewayRefusal(403, "permission_error", "the task's budget is spent and a "
-                                 f"person denied more: {hold.reason}")
+            raise GatewayRefusal(403, "permission_error", hold.reason)
 
     def check(self, tg: TaskGateway, request: GatewayRequest, call: GatewayCall) -> bytes:
         """The call's own refusals (path, credential, body, model); the body to send on."""
@@ -12538,8 +12557,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                 if approval is None:        # the caller hung up: nobody to answer
                     return
                 if approval.state != "approved":
-                    raise ApiError(403, rejected_by_owner(tool, approval.reason or "denied"),
-                                   "rejected")
+                    raise ApiError(403, call_not_run(tool, approval), "rejected")
                 if approval.approvedArgs is not None:     # approved with changes: these run
                     args = approval.approvedArgs
                     plan["cents"] = check_tool_args(tool, args)
