@@ -8446,6 +8446,7 @@ class Worker:
     started: float = field(default_factory=time.monotonic)
     droid_error: str = ""            # the latest error event of a droid worker
     model_cents: float = 0.0         # model cost counted so far (usage is cumulative)
+    stream_usage: bool = False       # droid's stream usage is its spending (droidFactoryKey)
     budget_limit: float = 0.0        # costCents above this pauses a droid worker
     paused: str | None = None        # the approval a paused (SIGSTOP) worker waits for
     holds: set[str] = field(default_factory=set)   # why it is frozen: budget, disk
@@ -9159,7 +9160,8 @@ class Box:
         os.close(out_w)
         os.set_blocking(out_r, False)
         worker = Worker(task.id, pid, out_r, log_fd=log_fd, budget_limit=task.budgetCents,
-                        log_cap=LogCap(limits["logBytes"], os.fstat(log_fd).st_size))
+                        log_cap=LogCap(limits["logBytes"], os.fstat(log_fd).st_size),
+                        stream_usage=bool(spec.get("streamUsage")))
         self.workers[task.id] = worker
         self.loop.watch(out_r, task.id)
         self.set_state(task, "running")
@@ -9623,6 +9625,7 @@ class DroidWorker:
                         "--auto", settings["droidAutonomy"], "-f", "/run/gurt/prompt.md",
                         "--append-system-prompt-file", "/run/gurt/system-prompt.md"]
         if not self.box.gateway.droid_spec(task, spec) and settings["droidFactoryKey"]:
+            spec["streamUsage"] = True   # the old way: what droid spends is its stream's word
             key = self.key()
             if key:
                 spec["env"]["FACTORY_API_KEY"] = key
@@ -9650,16 +9653,19 @@ class DroidWorker:
             task.step, changed = step, True
         if kind == "completion" and isinstance(event.get("finalText"), str):
             task.summary, changed = event["finalText"], True
-        usage = event.get("usage")
-        metered = task.id in self.box.gateway.tasks     # then the stream's usage is its word
-        if usage is not None and not metered:
+        # the stream is droid's stdout, which any process of the task can write to (its
+        # /proc/PID/fd/1): its usage is spending only under droidFactoryKey, where droid
+        # calls Factory itself and nothing else says what it spent; through the gateway
+        # the gateway meters, and with no key droid spends nothing
+        usage, own_word = event.get("usage"), worker.stream_usage
+        if usage is not None and own_word:
             model = self.box.setting("droidModel")
             total = usage_cents(usage, self.box.setting("droidPrices").get(model))
             if total > worker.model_cents and is_cents(task.costCents + total):
                 task.costCents += total - worker.model_cents
                 worker.model_cents, changed = total, True
         if task.costCents > worker.budget_limit and worker.paused is None and \
-                task.state == "running" and not metered:
+                task.state == "running" and own_word:
             self.box.save(task)          # at once, synced, before a person is asked
             self.pause_for_budget(task, worker)
         elif changed:
