@@ -897,8 +897,23 @@ def check_tool_args(tool: str, args: Any) -> float:
     return 0.0
 
 
-def rejected_by_owner(tool: str, reason: str) -> str:
-    return f'Tool call "{tool}" was rejected by the owner: {reason}'
+TIMED_OUT = "timed out"               # the error of a task past taskTimeoutSeconds (a stop)
+
+
+def call_not_run(tool: str, approval: Approval) -> str:
+    """What a tool call whose approval ended without a yes tells the task: who or what ended
+    it (answeredBy), in words true for each; only a person's no is a rejection."""
+    reason, by = approval.reason or "denied", approval.answeredBy
+    if by == "api":
+        return f'Tool call "{tool}" was rejected by the owner: {reason}'
+    if by == "task":
+        return f'Tool call "{tool}" was withdrawn: the task cancelled the call'
+    why = ("the task was undone" if by == "undo" else
+           "gurtd stopped" if by == "restart" else
+           "the task timed out (taskTimeoutSeconds)" if by == "stop" and reason == TIMED_OUT
+           else "the task was stopped" if by == "stop" and reason == "stopped"
+           else f"the task ended ({reason})")
+    return f'Tool call "{tool}" was not run: {why} while it waited for approval'
 
 
 MAX_JSON_DEPTH = 64                  # task-controlled JSON nested deeper is refused
@@ -8431,6 +8446,7 @@ class Worker:
     started: float = field(default_factory=time.monotonic)
     droid_error: str = ""            # the latest error event of a droid worker
     model_cents: float = 0.0         # model cost counted so far (usage is cumulative)
+    stream_usage: bool = False       # droid's stream usage is its spending (droidFactoryKey)
     budget_limit: float = 0.0        # costCents above this pauses a droid worker
     paused: str | None = None        # the approval a paused (SIGSTOP) worker waits for
     holds: set[str] = field(default_factory=set)   # why it is frozen: budget, disk
@@ -9144,7 +9160,8 @@ class Box:
         os.close(out_w)
         os.set_blocking(out_r, False)
         worker = Worker(task.id, pid, out_r, log_fd=log_fd, budget_limit=task.budgetCents,
-                        log_cap=LogCap(limits["logBytes"], os.fstat(log_fd).st_size))
+                        log_cap=LogCap(limits["logBytes"], os.fstat(log_fd).st_size),
+                        stream_usage=bool(spec.get("streamUsage")))
         self.workers[task.id] = worker
         self.loop.watch(out_r, task.id)
         self.set_state(task, "running")
@@ -9401,7 +9418,7 @@ class Box:
             task = self.tasks[task_id]
             if now - worker.started > limit and task.state in ("running", "waiting"):
                 log(4, f"task {task_id} timed out after {limit} s")
-                self.stop(task_id, "timed out")
+                self.stop(task_id, TIMED_OUT)
         return min(self.disk.tick(), self.views.tick(), self.finish_merge.tick())
 
     def put_settings(self, body: Any) -> dict[str, Any]:
@@ -9608,6 +9625,7 @@ class DroidWorker:
                         "--auto", settings["droidAutonomy"], "-f", "/run/gurt/prompt.md",
                         "--append-system-prompt-file", "/run/gurt/system-prompt.md"]
         if not self.box.gateway.droid_spec(task, spec) and settings["droidFactoryKey"]:
+            spec["streamUsage"] = True   # the old way: what droid spends is its stream's word
             key = self.key()
             if key:
                 spec["env"]["FACTORY_API_KEY"] = key
@@ -9635,16 +9653,19 @@ class DroidWorker:
             task.step, changed = step, True
         if kind == "completion" and isinstance(event.get("finalText"), str):
             task.summary, changed = event["finalText"], True
-        usage = event.get("usage")
-        metered = task.id in self.box.gateway.tasks     # then the stream's usage is its word
-        if usage is not None and not metered:
+        # the stream is droid's stdout, which any process of the task can write to (its
+        # /proc/PID/fd/1): its usage is spending only under droidFactoryKey, where droid
+        # calls Factory itself and nothing else says what it spent; through the gateway
+        # the gateway meters, and with no key droid spends nothing
+        usage, own_word = event.get("usage"), worker.stream_usage
+        if usage is not None and own_word:
             model = self.box.setting("droidModel")
             total = usage_cents(usage, self.box.setting("droidPrices").get(model))
             if total > worker.model_cents and is_cents(task.costCents + total):
                 task.costCents += total - worker.model_cents
                 worker.model_cents, changed = total, True
         if task.costCents > worker.budget_limit and worker.paused is None and \
-                task.state == "running" and not metered:
+                task.state == "running" and own_word:
             self.box.save(task)          # at once, synced, before a person is asked
             self.pause_for_budget(task, worker)
         elif changed:
@@ -9664,7 +9685,10 @@ class DroidWorker:
         if task is None or worker is None or worker.paused != approval.id:
             return
         worker.paused = None
-        self.box.gateway.answered(task.id, approval)
+        if approval.state == "approved" or approval.answeredBy == "api":
+            self.box.gateway.answered(task.id, approval)     # a person's word to its calls
+        # else the task is ending (stop, timeout, undo): its held calls hear that from the
+        # gateway's close ("the task has ended"), never that a person denied more
         if approval.state == "approved":
             worker.budget_limit = approval.budgetCents if approval.budgetCents is not None \
                 else task.costCents + task.budgetCents    # raised to, or one more budget
@@ -11111,7 +11135,8 @@ class UpstreamPool:
 
 @dataclass
 class Hold:
-    """A call held at the budget: the loop sets it once a person answers, or the task ends."""
+    """A call held at the budget: the loop sets it once a person answers, or the task ends
+    (reason: the whole refusal the call is answered with)."""
 
     event: threading.Event = field(default_factory=threading.Event)
     approved: bool = False
@@ -11315,7 +11340,8 @@ class Gateway:
         if tg is None:
             return
         for hold in tg.holds:
-            hold.answer(approval.state == "approved", approval.reason or "denied")
+            hold.answer(approval.state == "approved", "the task's budget is spent and a "
+                        f"person denied more: {approval.reason or 'denied'}")
         tg.holds.clear()
 
     def record(self, tg: TaskGateway, call: GatewayCall) -> None:
@@ -11527,8 +11553,7 @@ class Gateway:
             if tg.dead:
                 raise GatewayRefusal(403, "permission_error", "the task has ended")
         if hold is not None and not hold.approved:
-            raise GatewayRefusal(403, "permission_error", "the task's budget is spent and a "
-                                 f"person denied more: {hold.reason}")
+            raise GatewayRefusal(403, "permission_error", hold.reason)
 
     def check(self, tg: TaskGateway, request: GatewayRequest, call: GatewayCall) -> bytes:
         """The call's own refusals (path, credential, body, model); the body to send on."""
@@ -12538,8 +12563,7 @@ class BrokerHandler(http.server.BaseHTTPRequestHandler):
                 if approval is None:        # the caller hung up: nobody to answer
                     return
                 if approval.state != "approved":
-                    raise ApiError(403, rejected_by_owner(tool, approval.reason or "denied"),
-                                   "rejected")
+                    raise ApiError(403, call_not_run(tool, approval), "rejected")
                 if approval.approvedArgs is not None:     # approved with changes: these run
                     args = approval.approvedArgs
                     plan["cents"] = check_tool_args(tool, args)
@@ -17539,9 +17563,10 @@ def cmd_run(prompt: str | None, worker: str | None, workspace: str | None, title
     if not wait:
         click.echo(json.dumps(task, indent=1) if as_json else task["id"])
         return
-    if not as_json:
-        click.echo(f"{task['id']} {task['state']}: following it (Ctrl-C: stop it, or leave it "
-                   "running)", err=True)
+    if not as_json:     # the choice Ctrl-C offers is there on a terminal only (interrupted)
+        hint = " (Ctrl-C: stop it, or leave it running)" if sys.stdin.isatty() and \
+            sys.stderr.isatty() else ""
+        click.echo(f"{task['id']} {task['state']}: following it{hint}", err=True)
     try:
         follow_task(client, task["id"], as_json)
     except KeyboardInterrupt:
@@ -18110,6 +18135,8 @@ class McpServer:
             reply["error"] = {"code": exc.code, "message": str(exc)}
         except (OSError, ValueError, http.client.HTTPException) as exc:
             reply["error"] = {"code": -32603, "message": f"the broker did not answer: {exc}"}
+        except click.ClickException as exc:     # said for people (no broker here): as it is
+            reply["error"] = {"code": -32603, "message": exc.format_message()}
         except Exception as exc:   # one request fails, never the agent's whole session
             reply["error"] = {"code": -32603, "message": f"{type(exc).__name__}: {exc}"}
         finally:

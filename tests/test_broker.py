@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import gurtd as G
 from conftest import (REJECTED, Gurtd, eventually, pay_line, python_line, recv_all, sse,
                       uid_processes)
@@ -360,6 +362,33 @@ def test_stop_while_waiting_denies_the_approval_and_fails_the_task(gurtd: Gurtd)
     assert gurtd.payments() == [] and wallet(gurtd)["balanceCents"] == 1000
     gurtd.api("POST", f"/api/approvals/{approval['id']}/approve", {}, status=409)
     assert gurtd.payments() == []
+
+
+@pytest.mark.parametrize("end", ["timeout", "stop", "undo"])
+def test_a_call_whose_task_ends_while_it_waits_is_told_why_not_that_a_person_refused(
+        gurtd: Gurtd, end: str) -> None:
+    """Nobody answered: the call hears what ended its wait (the task timed out, was stopped,
+    was undone), never 'rejected by the owner'."""
+    set_balance(gurtd, 1000)
+    created = gurtd.create(pay_line("kim", 40) + "\necho never", tools=["wallet.pay"])
+    approval = pending_approval(gurtd, created["id"])
+    if end == "timeout":
+        gurtd.api("PUT", "/api/settings", {"taskTimeoutSeconds": 1})
+        gurtd.wait(created["id"], timeout=15)
+    elif end == "stop":
+        gurtd.api("POST", f"/api/tasks/{created['id']}/stop")
+    else:
+        gurtd.api("POST", f"/api/tasks/{created['id']}/undo")
+    after = gurtd.api("GET", f"/api/approvals/{approval['id']}")
+    by, reason, why = {
+        "timeout": ("stop", "timed out", "the task timed out (taskTimeoutSeconds)"),
+        "stop": ("stop", "stopped", "the task was stopped"),
+        "undo": ("undo", "answered by undo", "the task was undone")}[end]
+    assert (after["state"], after["answeredBy"], after["reason"]) == ("denied", by, reason)
+    told = eventually(lambda: [e["error"] for e in gurtd.log(created["id"])
+                               if e["type"] == "tool" and "error" in e], 10, "the call's end")
+    assert told == [f'Tool call "wallet.pay" was not run: {why} while it waited for approval']
+    assert gurtd.payments() == [] and "never" not in gurtd.output(created["id"])
 
 
 # 6. many payers at once ######################################################################

@@ -82,6 +82,7 @@ def test_run_wait_shows_the_id_first_then_steps_and_output_as_they_come(gurtd: G
     assert proc.stdout == "hi\n"                       # output only: scripts pipe it on
     lines = proc.stderr.strip().splitlines()
     task_id = ID_RE.match(lines[0])[0]                 # the id before anything else
+    assert re.fullmatch(rf"{task_id} \w+: following it", lines[0]), lines[0]   # no Ctrl-C hint
     assert "> echo hi" in lines and "> echo note >&2" in lines and "note" in lines, lines
     assert lines[-1] == f"{task_id} done"
     assert "\x1b" not in proc.stderr                   # piped: no spinner, no colours
@@ -118,8 +119,9 @@ def test_run_wait_says_at_once_which_approval_it_waits_for_and_how_to_answer(
 
 def test_ctrl_c_on_a_pipe_leaves_the_task_running_and_says_how_to_stop_it(gurtd: Gurtd) -> None:
     proc = started(gurtd, "run", "--worker", "fake", "--wait", "sleep 60")
-    first = read_until(proc.stderr, "following it")
+    first = read_until(proc.stderr, r"following it.*\n")
     task_id = ID_RE.match(first)[0]
+    assert "Ctrl-C" not in first, first        # on a pipe Ctrl-C offers no choice: no hint
     wait_for_step(gurtd, task_id, "sleep 60")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
@@ -135,8 +137,9 @@ def test_on_a_terminal_a_spinner_turns_and_ctrl_c_asks_before_stopping(gurtd: Gu
     term = Terminal([sys.executable, GURTD, "run", "--worker", "fake", "--wait", "sleep 60"],
                     gurtd.cli_env())
     try:
-        first = term.expect(rb"(t[a-z0-9]{9}) \w+: following it")
+        first = term.expect(rb"(t[a-z0-9]{9}) \w+: following it.*\n")
         task_id = re.search(rb"(t[a-z0-9]{9}) \w+: following it", first)[1].decode()
+        assert b"following it (Ctrl-C: stop it, or leave it running)" in first, first
         seen = term.expect(rb"running: sleep 60")
         assert any(frame.encode() + b" running" in seen for frame in "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏")
         assert b"\r\x1b[K" in seen                      # one line, rewritten in place

@@ -355,6 +355,7 @@ def droid_printing_prompt(gurtd: Gurtd) -> Iterator[Gurtd]:
     replays the documented stream-json events of tests/fixtures (usage passing 50 cents)."""
     with droid_installed(gurtd, droid_replay([json.dumps(e) for e in droid_events("documented")],
                                              "true", first="cat /run/gurt/system-prompt.md")):
+        gurtd.api("PUT", "/api/settings", {"droidFactoryKey": True})   # the stream's usage
         yield gurtd
 
 

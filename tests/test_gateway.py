@@ -384,7 +384,7 @@ def test_droid_offers_gurtds_mcp_tools_and_the_model_calls_them(model_gurtd: Gur
     assert failed == [], failed
 
 
-@pytest.mark.parametrize("answer", ["approve", "deny"])
+@pytest.mark.parametrize("answer", ["approve", "deny", "stop"])
 def test_droids_next_call_waits_at_the_budget_for_a_person(
         model_gurtd: Gurtd, upstream: Upstream, answer: str) -> None:
     g = model_gurtd
@@ -399,6 +399,15 @@ def test_droids_next_call_waits_at_the_budget_for_a_person(
         done = g.wait(task["id"], timeout=90)
         assert done["state"] == "done" and done["summary"] == "Created hello.txt."
         assert len(upstream.requests) == 2
+    elif answer == "stop":        # nobody answered: the held call hears the task ended
+        g.api("POST", f"/api/tasks/{task['id']}/stop")
+        done = g.wait(task["id"], timeout=30)
+        assert done["state"] == "failed" and done["error"] == "stopped"
+        assert len(upstream.requests) == 1
+        refused = eventually(lambda: [e for e in model_lines(g, task["id"])
+                                      if e["status"] == 403])[0]
+        assert "the task has ended" in refused["text"] and "person" not in refused["text"], \
+            refused
     else:
         g.api("POST", f"/api/approvals/{approval['id']}/deny", {"reason": "not today"})
         done = g.wait(task["id"], timeout=30)

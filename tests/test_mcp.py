@@ -124,6 +124,18 @@ def test_malformed_messages_get_json_rpc_errors_and_the_session_goes_on(gurtd: G
         assert raw.close() == 0
 
 
+def test_without_a_broker_tools_list_says_why_in_words_alone() -> None:
+    """No broker socket at all: -32603 with the words a person reads, no exception name."""
+    raw = Raw([sys.executable, GURTD, "mcp"], {"GURT_BROKER": "/nonexistent/broker.sock"})
+    try:
+        error = raw.ask({"jsonrpc": "2.0", "id": 1, "method": "tools/list"})["error"]
+        assert error["code"] == -32603
+        assert error["message"].startswith("not inside a task (no broker at "
+                                           "/nonexistent/broker.sock)"), error
+    finally:
+        assert raw.close() == 0
+
+
 def test_the_sdk_connects_outside_a_task_and_the_broker_refuses_its_tools(gurtd: Gurtd) -> None:
     async def session() -> None:
         async with stdio_client(outside(gurtd)) as (read, write):

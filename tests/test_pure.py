@@ -501,3 +501,28 @@ def test_a_diff_folder_of_a_dead_gurtd_is_removed_and_a_live_ones_kept() -> None
     finally:
         for path in paths:
             __import__("shutil").rmtree(path, ignore_errors=True)
+
+
+def test_a_call_whose_approval_ended_without_a_yes_is_told_who_or_what_ended_it():
+    def told(by, reason):
+        approval = G.Approval(id="a000000000", task="t000000000", kind="budget", tool="x",
+                              args={}, cents=1, question=None, state="denied", createdAt="",
+                              reason=reason, answeredBy=by)
+        return G.call_not_run("wallet.pay", approval)
+    assert told("api", "too dear") == 'Tool call "wallet.pay" was rejected by the owner: too dear'
+    assert told("task", "withdrawn: the task cancelled the call") == \
+        'Tool call "wallet.pay" was withdrawn: the task cancelled the call'
+    waited = " while it waited for approval"
+    assert told("stop", "timed out") == \
+        'Tool call "wallet.pay" was not run: the task timed out (taskTimeoutSeconds)' + waited
+    assert told("stop", "stopped") == 'Tool call "wallet.pay" was not run: the task was stopped' \
+        + waited
+    assert told("undo", "answered by undo").endswith("the task was undone" + waited)
+    for reason in ("gurtd restarted", "gurtd stopped while the task was running"):
+        assert told("restart", reason).endswith(": gurtd stopped" + waited)
+    assert told("gurtd", "disk full: no room").endswith("the task ended (disk full: no room)" +
+                                                          waited)
+    assert told("stop", "gurtd could not handle the task's DNS: x").endswith(
+        "the task ended (gurtd could not handle the task's DNS: x)" + waited)
+    assert all("rejected" not in told(by, "r") for by in ("task", "stop", "undo", "restart",
+                                                           "gurtd"))
