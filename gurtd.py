@@ -17,7 +17,7 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           text, the droid stream (steps, prices, bounded JSON), printable
     Persistence           atomic JSON files under BOX_HOME, set-aside of damaged files, the
                           append-only wallet ledger; whole writes or an error, temp leftovers
-                          of a crash, the test-only crash points
+                          of a crash, the test-only crash and stop points
     System layer          users, processes, mounts, network namespaces, nftables; each verb
                           beside its inverse, idempotent
     Layer walks           the one walker of every tree (beneath root fds, no symlink followed,
@@ -1228,6 +1228,20 @@ def crash_point(name: str) -> None:
     if os.environ.get("GURT_TEST_CRASH_AT") == name:
         log(3, f"GURT_TEST_CRASH_AT={name}: dying here (a test's crash point)")
         os._exit(137)
+
+
+STOPPED_AT: set[str] = set()
+
+
+def stop_point(name: str) -> None:
+    """Test-only: with GURT_TEST_STOP_AT=name in the environment, gurtd stops itself here
+    the first time it passes (SIGSTOP, every thread), so that a test can change the disk
+    (fill it) between two writes, then SIGCONT.  No effect otherwise; never set it on a
+    real box."""
+    if os.environ.get("GURT_TEST_STOP_AT") == name and name not in STOPPED_AT:
+        STOPPED_AT.add(name)
+        log(3, f"GURT_TEST_STOP_AT={name}: stopping here (a test's pause point)")
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def fault_point(text: Any) -> None:
@@ -7643,9 +7657,20 @@ def done_since(box: Box, workspace: str, seen: list[str], stack: list[str]
     return None
 
 
+NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT)     # a full disk or quota: room comes back
+
+
 class DiskFull(str):
     """The error of a merge thread's job that the disk caused (full, quota): a revert that
     found no room is built again later (FinishMerge.tick), never recorded failed for good."""
+
+
+def no_room(exc: BaseException) -> bool:
+    """An error the disk's lack of room caused: an OSError of NO_ROOM_ERRNOS, or the 507 of
+    a save that met one (saved_or_507 raises it from None: the OSError is its context)."""
+    if isinstance(exc, ApiError):
+        exc = exc.__context__ if exc.status == 507 else None
+    return isinstance(exc, OSError) and exc.errno in NO_ROOM_ERRNOS
 
 
 @dataclass
@@ -7778,8 +7803,7 @@ class FinishMerge:
                 result = work(tmp)
             except Exception as exc:
                 error = exc.message if isinstance(exc, ApiError) else \
-                    (DiskFull if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
-                     else str)(f"{type(exc).__name__}: {exc}")
+                    (DiskFull if no_room(exc) else str)(f"{type(exc).__name__}: {exc}")
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             with contextlib.suppress(OSError):        # the loop is gone (stopping)
@@ -8058,11 +8082,15 @@ class FinishMerge:
 
     def revert_joins(self, task: Task, job: UndoJob, result: UndoResult | None,
                      error: str | None) -> None:
-        """The revert's layer joins (upload_commit); the record, the log and an event."""
+        """The revert's layer joins (upload_commit); the record, the log and an event.  A
+        layer whose own task finds no room to be saved (a 507 of a full disk) waits as a
+        revert that found no room to be built does (retry_later): built again later, its
+        undo's record not written meanwhile; any other error is recorded failed."""
         box = self.box
         layer = None
         if result is not None and result.staging is not None and error is None:
             crash_point("undo-revert-written")   # a test's kill -9: written, state saved
+            stop_point("undo-revert-written")    # a test fills the disk here
             try:
                 layer = upload_commit(
                     box, task.workspace, result.staging, f"undo of {task.id}",
@@ -8070,6 +8098,8 @@ class FinishMerge:
                     "tasks' copies", "reverted: " + ", ".join(result.reverted))["id"]
             except (OSError, ApiError) as exc:       # recorded failed, never lost unsaid
                 error = exc.message if isinstance(exc, ApiError) else str(exc)
+                if no_room(exc) and self.undoing.get(task.id) is job:
+                    return self.retry_later(task, job, f"its layer not saved: {error}")
         task.undoMerge = undo_record(result, error, layer)
         if not job.named.done():
             job.named.set_result(task.undoMerge)
@@ -8119,7 +8149,8 @@ class FinishMerge:
 #     then saved), so a crash leaves no half layer.  A second undo changes
 #     nothing: it answers what the record holds, or waits on the same job.  A job that
 #     fails says so (state `failed`, its error) in the record, the log and an event, but for
-#     one that found no room (ENOSPC, EDQUOT): it waits, job and undone layer kept, and is
+#     one that found no room (ENOSPC, EDQUOT; to build its layer, or to save the layer's
+#     own task: a 507): it waits, job and undone layer kept, its record not written, and is
 #     begun again on the stack then (FinishMerge.retry_later, tick).  A
 #     restart before the layer joined takes the undo up again (FinishMerge.resume: an
 #     undone task without undoMerge whose layer is still on disk), on the stack then: what

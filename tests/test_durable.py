@@ -934,3 +934,52 @@ def test_a_clean_stop_fails_a_task_the_finish_time_merge_holds() -> None:
         g.start()
         assert g.task(a)["error"] == "gurtd stopped while the task was running"
         assert g.file("home", "f.txt") == b"b\n"
+
+
+# 8. a full disk at the revert layer's own save (crash pass) ##################################
+
+def stopped(g: Gurtd, timeout: float = 30.0) -> None:
+    """Wait until gurtd stopped itself at its stop point (GURT_TEST_STOP_AT: state T)."""
+    assert g.proc is not None
+    stat = Path(f"/proc/{g.proc.pid}/stat")
+    eventually(lambda: stat.read_text().rpartition(")")[2].split()[0] == "T", timeout,
+               "gurtd stopped at its stop point")
+
+
+def test_a_revert_whose_layer_cannot_be_saved_joins_once_there_is_room() -> None:
+    """t1 is undone; its revert layer is written (t2's copy of f.txt without t1's line), and
+    the disk is full when that layer's task is to be saved (a 507 inside gurtd).  Meanwhile
+    t1 reads undone, its undoMerge not failed, its layer and t2's line kept; once the disk
+    has room the revert is built again and joins, the view exact.  Before, the undo was
+    recorded failed for good (and t1's layer deleted), t1's line left in t2's copy."""
+    from concurrent.futures import ThreadPoolExecutor
+    with gurtd_on_small_disk({"GURT_TEST_STOP_AT": "undo-revert-written"}) as (g, disk):
+        g.run_done("seq 20 > f.txt")
+        t1 = g.run_done("sed -i 's/^3$/three/' f.txt")["id"]
+        g.run_done("sed -i 's/^17$/seventeen/' f.txt")
+        with ThreadPoolExecutor(1) as pool:
+            undo = pool.submit(g.api, "POST", f"/api/tasks/{t1}/undo")
+            stopped(g)                          # the revert layer written, not joined
+            disk.fill()                         # to the last block: gurtd is stopped
+            os.kill(g.proc.pid, signal.SIGCONT)
+            assert undo.result(timeout=30)["state"] == "undone"
+        eventually(lambda: "tried again in" in g.log_text() or
+                   (g.task(t1).get("undoMerge") or {}).get("state") == "failed", 30,
+                   "the revert's wait (or its failure)")
+        shown = g.task(t1)
+        assert shown["state"] == "undone" and \
+            (shown.get("undoMerge") or {}).get("state") != "failed", shown
+        assert os.path.isdir(os.path.join(g.home, "layers", t1))
+        assert g.file("home", "f.txt").decode().count("three") == 1     # not reverted yet
+        disk.free()
+        record = eventually(lambda: (g.task(t1).get("undoMerge") or {}).get("state") in
+                            ("done", "failed") and g.task(t1)["undoMerge"], 60, "the revert")
+        assert record["state"] == "done" and record["reverted"] == ["f.txt"], record
+        want = "".join(f"{n}\n" for n in range(1, 21)).replace("17\n", "seventeen\n")
+        assert g.file("home", "f.txt").decode() == want
+        assert task_file(g, t1)["undoMerge"] == record
+        eventually(lambda: not os.path.lexists(os.path.join(g.home, "layers", t1)), 30,
+                   "t1's layer deleted")
+        assert not [n for n in os.listdir(os.path.join(g.home, "layers"))
+                    if n.startswith(G.UPLOAD_STAGING)]
+        assert g.stop() == 0
