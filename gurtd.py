@@ -8146,7 +8146,9 @@ class FinishMerge:
 #     came or went are looked at by their path sets (FinishMerge.recheck, Region.meets):
 #     the revert joins unless one of them holds, hides or changes below a path it decided
 #     or a folder it wrote in; then it is built again.  It joins in one step (renamed,
-#     then saved), so a crash leaves no half layer.  A second undo changes
+#     then saved), so a crash leaves no half layer (a crash between the two leaves a
+#     folder no task names: the next start collects it, Box.orphans_collect).  A second
+#     undo changes
 #     nothing: it answers what the record holds, or waits on the same job.  A job that
 #     fails says so (state `failed`, its error) in the record, the log and an event, but for
 #     one that found no room (ENOSPC, EDQUOT; to build its layer, or to save the layer's
@@ -9043,6 +9045,7 @@ class Box:
                 if staged is not None:
                     os.rename(staged, self.layer_dir(task_id))
                     moved = True
+                    crash_point("upload-renamed")    # a test's kill -9: no record names it
                 self.save(task)
                 if not done:
                     self.append_log(task_id, {"type": "state", "state": "queued"})
@@ -9482,6 +9485,11 @@ class Box:
         diff_temp_leftovers()
         for name in upload_leftovers_remove(self.path("layers")):
             log(4, f"removed layers/{name}, an upload that a crash cut short")
+        with contextlib.suppress(FileNotFoundError):    # FinishMerge.submit's, cut short
+            for name in os.listdir(self.path("run")):
+                if name.startswith("merge-"):
+                    tree_remove(self.path("run", name))
+                    log(4, f"removed run/{name}, a finish-time merge's folder")
 
     def reconcile(self) -> None:
         """Before answering: fail orphaned tasks, end their processes, remove leftovers.
@@ -9537,6 +9545,7 @@ class Box:
         for point in overlays_below(self.home):
             log(4, f"reconcile: unmounting the leftover overlay {point}")
             attempt(f"unmount {point}", umount, point)
+        attempt("collect what no record names", self.orphans_collect)
         attempt("take up exact undos cut short", self.finish_merge.resume)
         attempt("delete undone layers", self.views.gc_layers)
         attempt("finish keeps and undos cut short", self.review.recover)
@@ -9545,6 +9554,28 @@ class Box:
                             "only in memory until the disk has room")
         for problem in problems:
             log(3, f"reconcile: could not {problem}")
+
+    def orphans_collect(self) -> None:
+        """reconcile: what a crash left made under BOX_HOME before the record that names it
+        was saved (a layer an upload or an undo's revert renamed into place, a review folder)
+        goes to the trash the layer collection uses; never what a task file names, even a
+        damaged one set aside (tasks/<id>.json.damaged-...).  Temp names, uploads' staging,
+        merged layers and the finish-time merge's folders are thrown away at load."""
+        recorded = {name.partition(".json")[0] for name in os.listdir(self.path("tasks"))}
+        for where in ("layers", "review"):
+            with contextlib.suppress(FileNotFoundError):
+                for name in sorted(os.listdir(self.path(where))):
+                    if not ID_RE.fullmatch(name) or name in self.tasks or name in recorded:
+                        continue
+                    log(4, f"reconcile: {where}/{name} is named by no task (a crash before "
+                           "its task was saved): to the trash")
+                    if where == "layers":
+                        self.views.merger.remove(trash_name(self.layer_dir(name)))
+                    else:
+                        trash = self.path("review", REVIEW_TRASH + name + "-" +
+                                          secrets.token_hex(4))
+                        os.rename(self.path("review", name), trash)
+                        self.review.submit(trash_remove, trash)
 
     def shutdown_tasks(self) -> None:
         """End every running task (each on its own: one failure skips none), those the

@@ -936,7 +936,7 @@ def test_a_clean_stop_fails_a_task_the_finish_time_merge_holds() -> None:
         assert g.file("home", "f.txt") == b"b\n"
 
 
-# 8. a full disk at the revert layer's own save (crash pass) ##################################
+# 8. a full disk at the revert layer's own save; a crash before an upload's save (crash pass) #
 
 def stopped(g: Gurtd, timeout: float = 30.0) -> None:
     """Wait until gurtd stopped itself at its stop point (GURT_TEST_STOP_AT: state T)."""
@@ -982,4 +982,50 @@ def test_a_revert_whose_layer_cannot_be_saved_joins_once_there_is_room() -> None
                    "t1's layer deleted")
         assert not [n for n in os.listdir(os.path.join(g.home, "layers"))
                     if n.startswith(G.UPLOAD_STAGING)]
+        assert g.stop() == 0
+
+
+def test_a_kill_9_between_an_uploads_rename_and_its_save_leaves_no_orphan() -> None:
+    """gurtd is killed (-9) after an upload's layer was renamed to layers/<id> and before
+    the task that names it was saved: no record names that folder.  The next start moves
+    it to the layer collection's trash (and what else under BOX_HOME no record names: a
+    review folder, a finish-time merge's temp folder), never a layer a task names: a done
+    one, an undone one still read, a running one's.  Before, layers/<id> stayed for good."""
+    with running_gurtd() as g:
+        kept = g.run_done("echo a > a.txt")["id"]
+        undone = g.run_done("echo b > b.txt")["id"]
+        g.api("POST", f"/api/tasks/{undone}/undo")
+        runner = g.create("sleep 60")["id"]
+        eventually(lambda: g.task(runner)["state"] == "running", what="the runner")
+        g.stop(signal.SIGKILL)
+        g.env = {"GURT_TEST_CRASH_AT": "upload-renamed"}
+        g.start()
+        with contextlib.suppress(OSError, http.client.HTTPException):   # it dies first
+            g.request("PUT", "/api/workspaces/home/files/c.txt", raw=b"c\n",
+                      headers={"Content-Type": "application/octet-stream"})
+        assert wait_exit(g) == 137
+        layers = os.path.join(g.home, "layers")
+        named = {kept, runner} | ({undone} & set(os.listdir(layers)))
+        [orphan] = set(os.listdir(layers)) - named
+        assert os.path.isdir(os.path.join(layers, orphan, "upper"))
+        assert not os.path.exists(os.path.join(g.home, "tasks", orphan + ".json"))
+        planted = [os.path.join(g.home, "review", "t" + "9" * 9, "f0", "upper"),
+                   os.path.join(g.home, "run", "merge-" + "ab" * 6)]
+        for path in planted:
+            os.makedirs(path)
+        before = {t: sorted(os.listdir(os.path.join(layers, t, "upper"))) for t in named}
+        g.env = {}
+        g.start()
+        gone = [os.path.join(layers, orphan), os.path.dirname(os.path.dirname(planted[0])),
+                planted[1]]
+        eventually(lambda: not any(os.path.lexists(p) for p in gone) and
+                   not [n for n in os.listdir(layers) if n.startswith(G.MERGE_TEMP)] and
+                   not [n for n in os.listdir(os.path.join(g.home, "review"))
+                        if n.startswith(G.REVIEW_TRASH)], 30, "what no record names collected")
+        assert f"layers/{orphan}" in g.log_text()
+        assert g.task(kept)["state"] == "done" and g.file("home", "a.txt") == b"a\n"
+        for task_id in named - {undone}:
+            assert sorted(os.listdir(os.path.join(layers, task_id, "upper"))) == before[task_id]
+        assert g.file("home", "c.txt") is None
+        assert g.run("echo fine")["state"] == "done"
         assert g.stop() == 0
