@@ -732,9 +732,9 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
 PUBLIC_FIELDS = ("id", "title", "prompt", "workspace", "worker", "tools", "hosts", "budgetCents",
                  "source", "state", "user", "layers", "costCents", "step", "createdAt",
                  "updatedAt", "error", "summary", "limits", "folder", "folders", "review",
-                 "askHosts", "schedule", "merged", "undoMerge")
+                 "askHosts", "schedule", "merged", "moreMerged", "undoMerge")
 OPTIONAL_FIELDS = ("step", "error", "summary", "limits", "folder", "folders", "review",
-                   "schedule", "merged", "undoMerge")
+                   "schedule", "merged", "moreMerged", "undoMerge")
 ABSENT = object()                   # a field a task's API form leaves out (Loop.listed_api)
 # Interned when a task is read (Task.from_dict); not error: its values vary, and from Python
 # 3.12 an interned string may never be freed.
@@ -780,6 +780,7 @@ class Task:
     askHosts: bool = False          # a name outside hosts asks a person (a host approval)
     schedule: str | None = None     # the schedule that started it
     merged: list[str] | None = None  # paths its finish-time merge joined with the view's
+    moreMerged: int | None = None   # ... past the first MERGE_CONFLICTS_SHOWN, counted
     undoMerge: dict[str, Any] | None = None   # its undo in later copies: reverted, kept
     mergedOn: str | None = None     # the stack its layer was merged with (a StackStore ref)
     paidCall: str | None = None     # its last payment that costCents holds (recover_ledger)
@@ -6949,7 +6950,10 @@ MERGE_SHOWN_TOTAL = 1 << 20          # all texts of one conflict approval, at mo
 MERGE_CONFLICTS_SHOWN = 1000         # conflicts (and merged paths) one approval and its log
 #                                      line name; the rest counted (morePaths, moreMerged): the
 #                                      loop saves, renders and emits it (~70 us a conflict), an
-#                                      answer decides all
+#                                      answer decides all.  So do a merge's log line and a
+#                                      task's record (merged, moreMerged), an undo's record
+#                                      (reverted, kept: moreReverted, moreKept) and its layer's
+#                                      summary: each save, listing and event carries them
 CONFLICT_KEEP = ("task", "view")
 
 
@@ -7681,7 +7685,7 @@ class HeldTask:
     token: int = 0
     seen: tuple[list[str], list[str] | None] | None = None   # (stack, plan) its layer is
     #                                                 based on (the plan made when needed)
-    merged: list[str] = field(default_factory=list)
+    merged: dict[str, None] = field(default_factory=dict)   # its merged paths, once each
     pending: MergeResult | None = None                # a check waiting for a person
     pending_check: MergeCheck | None = None
     approval: str | None = None
@@ -7903,10 +7907,10 @@ class FinishMerge:
         task, held = found
         held.seen = (job.stack, job.now)
         if result.merged:
-            held.merged += [p for p in result.merged if p not in held.merged]
-            self.box.append_log(task.id, {"type": "merge", "merged": result.merged,
+            held.merged.update(dict.fromkeys(result.merged))
+            self.box.append_log(task.id, {"type": "merge", **capped("merged", result.merged),
                                           "text": "merged with tasks that ended meanwhile: " +
-                                          ", ".join(result.merged)})
+                                          names_shown(result.merged)})
         self.check(task)
 
     def finish(self, task: Task) -> None:
@@ -7915,7 +7919,8 @@ class FinishMerge:
         held = self.held[task.id]
         self.drop(task.id)
         if held.merged:
-            task.merged = sorted(held.merged)
+            every = capped("merged", sorted(held.merged))
+            task.merged, task.moreMerged = every["merged"], every.get("moreMerged")
         if held.seen is not None and held.seen[0] != task.layers:   # its diff's base
             task.mergedOn = self.box.stacks.ref(task.workspace, held.seen[0])
         self.cleared.add(task.id)
@@ -8095,7 +8100,9 @@ class FinishMerge:
                 layer = upload_commit(
                     box, task.workspace, result.staging, f"undo of {task.id}",
                     f"the exact undo of task {task.id}: its change taken out of the later "
-                    "tasks' copies", "reverted: " + ", ".join(result.reverted))["id"]
+                    "tasks' copies", "reverted: " + names_shown(result.reverted,
+                                                                 shown=MERGE_CONFLICTS_SHOWN)
+                )["id"]
             except (OSError, ApiError) as exc:       # recorded failed, never lost unsaid
                 error = exc.message if isinstance(exc, ApiError) else str(exc)
                 if no_room(exc) and self.undoing.get(task.id) is job:
@@ -8112,9 +8119,11 @@ class FinishMerge:
         with contextlib.suppress(OSError):            # a full disk: the event says it still
             box.append_log(task.id, {"type": "undo", **task.undoMerge, "text": (
                 f"later copies not reverted: {error}" if error is not None else
-                f"reverted in later copies: {', '.join(task.undoMerge['reverted']) or 'none'}"
-                "; kept whole: " + (", ".join(f"{k['path']} (in {k['task']})" for k in
-                                              task.undoMerge["kept"]) or "none"))})
+                "reverted in later copies: " + (names_shown(
+                    result.reverted if result else [], shown=MERGE_CONFLICTS_SHOWN) or "none") +
+                "; kept whole: " + (names_shown([f"{k['path']} (in {k['task']})" for k in
+                                                 (result.kept if result else [])],
+                                                shown=MERGE_CONFLICTS_SHOWN) or "none"))})
         box.loop.emit("task", task.to_api())
 
 
@@ -8209,8 +8218,24 @@ def undo_record(result: UndoResult | None, error: str | None, layer: str | None
     if error is not None or result is None:
         return {"reverted": [], "kept": [], "layer": None, "state": "failed",
                 "error": error or "no result"}
-    return {"reverted": result.reverted, "kept": result.kept, "layer": layer,
+    return {**capped("reverted", result.reverted), **capped("kept", result.kept),
+            "layer": layer,
             "state": "done" if layer is not None or not result.reverted else "writing"}
+
+
+def capped(key: str, every: list[Any]) -> dict[str, Any]:
+    """{key: the first MERGE_CONFLICTS_SHOWN of every}, and {moreKey: the rest's count} if
+    any: a record, log line or event that names them stays bounded."""
+    out: dict[str, Any] = {key: every[:MERGE_CONFLICTS_SHOWN]}
+    if len(every) > MERGE_CONFLICTS_SHOWN:
+        out["more" + key[0].upper() + key[1:]] = len(every) - MERGE_CONFLICTS_SHOWN
+    return out
+
+
+def names_shown(names: list[str], shown: int = 20) -> str:
+    """The first `shown` names, for a log line's text, and how many more."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def record_empty(record: dict[str, Any]) -> bool:
@@ -15947,7 +15972,10 @@ TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schema
         "merged": {"type": "array", "items": STRING,
                    "description": "Paths its finish-time merge joined with the changes of "
                                   "tasks that ended while it ran (its diff and changes are "
-                                  "then taken against the view it merged with)."},
+                                  "then taken against the view it merged with); at most "
+                                  f"{MERGE_CONFLICTS_SHOWN}, the first by name."},
+        "moreMerged": {"type": "integer", "description": "How many paths it merged past "
+                                                           "those `merged` names."},
         "undoMerge": {"type": "object", "required": ["reverted", "kept", "layer"],
                       "description": "Once undone, if a later task's layer was above it: its "
                                      "change taken out of later tasks' copies (reverted), or "
@@ -15962,6 +15990,11 @@ TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schema
                                     "task's record, log and a task event name the paths when "
                                     "the revert ends; failed: nothing reverted (error)"},
                           "error": STRING, "reverted": {"type": "array", "items": STRING},
+                          "moreReverted": {"type": "integer", "description":
+                                           "Reverted past those `reverted` names (at most "
+                                           f"{MERGE_CONFLICTS_SHOWN})"},
+                          "moreKept": {"type": "integer", "description":
+                                       "Kept whole past those `kept` names"},
                           "kept": {"type": "array", "items": {
                               "type": "object", "required": ["path", "task", "why"],
                               "properties": {"path": STRING,
