@@ -9594,13 +9594,16 @@ class Box:
                         continue
                     log(4, f"reconcile: {where}/{name} is named by no task (a crash before "
                            "its task was saved): to the trash")
-                    if where == "layers":
-                        self.views.merger.remove(trash_name(self.layer_dir(name)))
-                    else:
-                        trash = self.path("review", REVIEW_TRASH + name + "-" +
-                                          secrets.token_hex(4))
-                        os.rename(self.path("review", name), trash)
-                        self.review.submit(trash_remove, trash)
+                    try:                       # each on its own: one failure skips none
+                        if where == "layers":
+                            self.views.merger.remove(trash_name(self.layer_dir(name)))
+                        else:
+                            trash = self.path("review", REVIEW_TRASH + name + "-" +
+                                              secrets.token_hex(4))
+                            os.rename(self.path("review", name), trash)
+                            self.review.submit(trash_remove, trash)
+                    except OSError as exc:
+                        log(3, f"reconcile: could not move {where}/{name} to the trash: {exc}")
 
     def shutdown_tasks(self) -> None:
         """End every running task (each on its own: one failure skips none), those the
