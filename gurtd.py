@@ -8018,8 +8018,12 @@ class FinishMerge:
     def retry_later(self, task: Task, job: UndoJob, error: str) -> None:
         """A revert found no room: its job stays (the undone layer kept, its record not
         written: a restart takes it up as one cut short) and is begun again on the stack
-        then, after a wait that doubles at each failure (tick)."""
+        then, after a wait that doubles at each failure (tick).  What it had decided is not
+        written: a next undo's answer waits on a new `named` (checking: the record names
+        the paths when the revert ends), not the decided one (writing: joins a moment later)."""
         job.failures += 1
+        if job.named.done():
+            job.named = Future()
         wait = min(MERGE_RETRY_MAX, MERGE_RETRY * 2 ** (job.failures - 1))
         self.retries[task.id] = time.monotonic() + wait
         log(3, f"task {task.id}: its revert in later copies: {error}; tried again in "

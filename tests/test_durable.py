@@ -971,6 +971,8 @@ def test_a_revert_whose_layer_cannot_be_saved_joins_once_there_is_room() -> None
             (shown.get("undoMerge") or {}).get("state") != "failed", shown
         assert os.path.isdir(os.path.join(g.home, "layers", t1))
         assert g.file("home", "f.txt").decode().count("three") == 1     # not reverted yet
+        again = g.api("POST", f"/api/tasks/{t1}/undo")["undoMerge"]     # not `writing`
+        assert again == {"reverted": [], "kept": [], "layer": None, "state": "checking"}, again
         disk.free()
         record = eventually(lambda: (g.task(t1).get("undoMerge") or {}).get("state") in
                             ("done", "failed") and g.task(t1)["undoMerge"], 60, "the revert")
