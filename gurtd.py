@@ -17,7 +17,7 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           text, the droid stream (steps, prices, bounded JSON), printable
     Persistence           atomic JSON files under BOX_HOME, set-aside of damaged files, the
                           append-only wallet ledger; whole writes or an error, temp leftovers
-                          of a crash, the test-only crash points
+                          of a crash, the test-only crash and stop points
     System layer          users, processes, mounts, network namespaces, nftables; each verb
                           beside its inverse, idempotent
     Layer walks           the one walker of every tree (beneath root fds, no symlink followed,
@@ -732,9 +732,9 @@ def validate_settings(body: Any, current: dict[str, Any]) -> dict[str, Any]:
 PUBLIC_FIELDS = ("id", "title", "prompt", "workspace", "worker", "tools", "hosts", "budgetCents",
                  "source", "state", "user", "layers", "costCents", "step", "createdAt",
                  "updatedAt", "error", "summary", "limits", "folder", "folders", "review",
-                 "askHosts", "schedule", "merged", "undoMerge")
+                 "askHosts", "schedule", "merged", "moreMerged", "undoMerge")
 OPTIONAL_FIELDS = ("step", "error", "summary", "limits", "folder", "folders", "review",
-                   "schedule", "merged", "undoMerge")
+                   "schedule", "merged", "moreMerged", "undoMerge")
 ABSENT = object()                   # a field a task's API form leaves out (Loop.listed_api)
 # Interned when a task is read (Task.from_dict); not error: its values vary, and from Python
 # 3.12 an interned string may never be freed.
@@ -780,6 +780,7 @@ class Task:
     askHosts: bool = False          # a name outside hosts asks a person (a host approval)
     schedule: str | None = None     # the schedule that started it
     merged: list[str] | None = None  # paths its finish-time merge joined with the view's
+    moreMerged: int | None = None   # ... past the first MERGE_CONFLICTS_SHOWN, counted
     undoMerge: dict[str, Any] | None = None   # its undo in later copies: reverted, kept
     mergedOn: str | None = None     # the stack its layer was merged with (a StackStore ref)
     paidCall: str | None = None     # its last payment that costCents holds (recover_ledger)
@@ -1243,6 +1244,20 @@ def crash_point(name: str) -> None:
     if os.environ.get("GURT_TEST_CRASH_AT") == name:
         log(3, f"GURT_TEST_CRASH_AT={name}: dying here (a test's crash point)")
         os._exit(137)
+
+
+STOPPED_AT: set[str] = set()
+
+
+def stop_point(name: str) -> None:
+    """Test-only: with GURT_TEST_STOP_AT=name in the environment, gurtd stops itself here
+    the first time it passes (SIGSTOP, every thread), so that a test can change the disk
+    (fill it) between two writes, then SIGCONT.  No effect otherwise; never set it on a
+    real box."""
+    if os.environ.get("GURT_TEST_STOP_AT") == name and name not in STOPPED_AT:
+        STOPPED_AT.add(name)
+        log(3, f"GURT_TEST_STOP_AT={name}: stopping here (a test's pause point)")
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def fault_point(text: Any) -> None:
@@ -6950,7 +6965,10 @@ MERGE_SHOWN_TOTAL = 1 << 20          # all texts of one conflict approval, at mo
 MERGE_CONFLICTS_SHOWN = 1000         # conflicts (and merged paths) one approval and its log
 #                                      line name; the rest counted (morePaths, moreMerged): the
 #                                      loop saves, renders and emits it (~70 us a conflict), an
-#                                      answer decides all
+#                                      answer decides all.  So do a merge's log line and a
+#                                      task's record (merged, moreMerged), an undo's record
+#                                      (reverted, kept: moreReverted, moreKept) and its layer's
+#                                      summary: each save, listing and event carries them
 CONFLICT_KEEP = ("task", "view")
 
 
@@ -7658,9 +7676,20 @@ def done_since(box: Box, workspace: str, seen: list[str], stack: list[str]
     return None
 
 
+NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT)     # a full disk or quota: room comes back
+
+
 class DiskFull(str):
     """The error of a merge thread's job that the disk caused (full, quota): a revert that
     found no room is built again later (FinishMerge.tick), never recorded failed for good."""
+
+
+def no_room(exc: BaseException) -> bool:
+    """An error the disk's lack of room caused: an OSError of NO_ROOM_ERRNOS, or the 507 of
+    a save that met one (saved_or_507 raises it from None: the OSError is its context)."""
+    if isinstance(exc, ApiError):
+        exc = exc.__context__ if exc.status == 507 else None
+    return isinstance(exc, OSError) and exc.errno in NO_ROOM_ERRNOS
 
 
 @dataclass
@@ -7671,7 +7700,7 @@ class HeldTask:
     token: int = 0
     seen: tuple[list[str], list[str] | None] | None = None   # (stack, plan) its layer is
     #                                                 based on (the plan made when needed)
-    merged: list[str] = field(default_factory=list)
+    merged: dict[str, None] = field(default_factory=dict)   # its merged paths, once each
     pending: MergeResult | None = None                # a check waiting for a person
     pending_check: MergeCheck | None = None
     approval: str | None = None
@@ -7793,8 +7822,7 @@ class FinishMerge:
                 result = work(tmp)
             except Exception as exc:
                 error = exc.message if isinstance(exc, ApiError) else \
-                    (DiskFull if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
-                     else str)(f"{type(exc).__name__}: {exc}")
+                    (DiskFull if no_room(exc) else str)(f"{type(exc).__name__}: {exc}")
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             with contextlib.suppress(OSError):        # the loop is gone (stopping)
@@ -7894,10 +7922,10 @@ class FinishMerge:
         task, held = found
         held.seen = (job.stack, job.now)
         if result.merged:
-            held.merged += [p for p in result.merged if p not in held.merged]
-            self.box.append_log(task.id, {"type": "merge", "merged": result.merged,
+            held.merged.update(dict.fromkeys(result.merged))
+            self.box.append_log(task.id, {"type": "merge", **capped("merged", result.merged),
                                           "text": "merged with tasks that ended meanwhile: " +
-                                          ", ".join(result.merged)})
+                                          names_shown(result.merged)})
         self.check(task)
 
     def finish(self, task: Task) -> None:
@@ -7906,7 +7934,8 @@ class FinishMerge:
         held = self.held[task.id]
         self.drop(task.id)
         if held.merged:
-            task.merged = sorted(held.merged)
+            every = capped("merged", sorted(held.merged))
+            task.merged, task.moreMerged = every["merged"], every.get("moreMerged")
         if held.seen is not None and held.seen[0] != task.layers:   # its diff's base
             task.mergedOn = self.box.stacks.ref(task.workspace, held.seen[0])
         self.cleared.add(task.id)
@@ -8004,8 +8033,12 @@ class FinishMerge:
     def retry_later(self, task: Task, job: UndoJob, error: str) -> None:
         """A revert found no room: its job stays (the undone layer kept, its record not
         written: a restart takes it up as one cut short) and is begun again on the stack
-        then, after a wait that doubles at each failure (tick)."""
+        then, after a wait that doubles at each failure (tick).  What it had decided is not
+        written: a next undo's answer waits on a new `named` (checking: the record names
+        the paths when the revert ends), not the decided one (writing: joins a moment later)."""
         job.failures += 1
+        if job.named.done():
+            job.named = Future()
         wait = min(MERGE_RETRY_MAX, MERGE_RETRY * 2 ** (job.failures - 1))
         self.retries[task.id] = time.monotonic() + wait
         log(3, f"task {task.id}: its revert in later copies: {error}; tried again in "
@@ -8073,18 +8106,26 @@ class FinishMerge:
 
     def revert_joins(self, task: Task, job: UndoJob, result: UndoResult | None,
                      error: str | None) -> None:
-        """The revert's layer joins (upload_commit); the record, the log and an event."""
+        """The revert's layer joins (upload_commit); the record, the log and an event.  A
+        layer whose own task finds no room to be saved (a 507 of a full disk) waits as a
+        revert that found no room to be built does (retry_later): built again later, its
+        undo's record not written meanwhile; any other error is recorded failed."""
         box = self.box
         layer = None
         if result is not None and result.staging is not None and error is None:
             crash_point("undo-revert-written")   # a test's kill -9: written, state saved
+            stop_point("undo-revert-written")    # a test fills the disk here
             try:
                 layer = upload_commit(
                     box, task.workspace, result.staging, f"undo of {task.id}",
                     f"the exact undo of task {task.id}: its change taken out of the later "
-                    "tasks' copies", "reverted: " + ", ".join(result.reverted))["id"]
+                    "tasks' copies", "reverted: " + names_shown(result.reverted,
+                                                                 shown=MERGE_CONFLICTS_SHOWN)
+                )["id"]
             except (OSError, ApiError) as exc:       # recorded failed, never lost unsaid
                 error = exc.message if isinstance(exc, ApiError) else str(exc)
+                if no_room(exc) and self.undoing.get(task.id) is job:
+                    return self.retry_later(task, job, f"its layer not saved: {error}")
         task.undoMerge = undo_record(result, error, layer)
         if not job.named.done():
             job.named.set_result(task.undoMerge)
@@ -8097,9 +8138,11 @@ class FinishMerge:
         with contextlib.suppress(OSError):            # a full disk: the event says it still
             box.append_log(task.id, {"type": "undo", **task.undoMerge, "text": (
                 f"later copies not reverted: {error}" if error is not None else
-                f"reverted in later copies: {', '.join(task.undoMerge['reverted']) or 'none'}"
-                "; kept whole: " + (", ".join(f"{k['path']} (in {k['task']})" for k in
-                                              task.undoMerge["kept"]) or "none"))})
+                "reverted in later copies: " + (names_shown(
+                    result.reverted if result else [], shown=MERGE_CONFLICTS_SHOWN) or "none") +
+                "; kept whole: " + (names_shown([f"{k['path']} (in {k['task']})" for k in
+                                                 (result.kept if result else [])],
+                                                shown=MERGE_CONFLICTS_SHOWN) or "none"))})
         box.loop.emit("task", task.to_api())
 
 
@@ -8131,10 +8174,13 @@ class FinishMerge:
 #     came or went are looked at by their path sets (FinishMerge.recheck, Region.meets):
 #     the revert joins unless one of them holds, hides or changes below a path it decided
 #     or a folder it wrote in; then it is built again.  It joins in one step (renamed,
-#     then saved), so a crash leaves no half layer.  A second undo changes
+#     then saved), so a crash leaves no half layer (a crash between the two leaves a
+#     folder no task names: the next start collects it, Box.orphans_collect).  A second
+#     undo changes
 #     nothing: it answers what the record holds, or waits on the same job.  A job that
 #     fails says so (state `failed`, its error) in the record, the log and an event, but for
-#     one that found no room (ENOSPC, EDQUOT): it waits, job and undone layer kept, and is
+#     one that found no room (ENOSPC, EDQUOT; to build its layer, or to save the layer's
+#     own task: a 507): it waits, job and undone layer kept, its record not written, and is
 #     begun again on the stack then (FinishMerge.retry_later, tick).  A
 #     restart before the layer joined takes the undo up again (FinishMerge.resume: an
 #     undone task without undoMerge whose layer is still on disk), on the stack then: what
@@ -8191,8 +8237,24 @@ def undo_record(result: UndoResult | None, error: str | None, layer: str | None
     if error is not None or result is None:
         return {"reverted": [], "kept": [], "layer": None, "state": "failed",
                 "error": error or "no result"}
-    return {"reverted": result.reverted, "kept": result.kept, "layer": layer,
+    return {**capped("reverted", result.reverted), **capped("kept", result.kept),
+            "layer": layer,
             "state": "done" if layer is not None or not result.reverted else "writing"}
+
+
+def capped(key: str, every: list[Any]) -> dict[str, Any]:
+    """{key: the first MERGE_CONFLICTS_SHOWN of every}, and {moreKey: the rest's count} if
+    any: a record, log line or event that names them stays bounded."""
+    out: dict[str, Any] = {key: every[:MERGE_CONFLICTS_SHOWN]}
+    if len(every) > MERGE_CONFLICTS_SHOWN:
+        out["more" + key[0].upper() + key[1:]] = len(every) - MERGE_CONFLICTS_SHOWN
+    return out
+
+
+def names_shown(names: list[str], shown: int = 20) -> str:
+    """The first `shown` names, for a log line's text, and how many more."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def record_empty(record: dict[str, Any]) -> bool:
@@ -9028,6 +9090,7 @@ class Box:
                 if staged is not None:
                     os.rename(staged, self.layer_dir(task_id))
                     moved = True
+                    crash_point("upload-renamed")    # a test's kill -9: no record names it
                 self.save(task)
                 if not done:
                     self.append_log(task_id, {"type": "state", "state": "queued"})
@@ -9468,6 +9531,11 @@ class Box:
         diff_temp_leftovers()
         for name in upload_leftovers_remove(self.path("layers")):
             log(4, f"removed layers/{name}, an upload that a crash cut short")
+        with contextlib.suppress(FileNotFoundError):    # FinishMerge.submit's, cut short
+            for name in os.listdir(self.path("run")):
+                if name.startswith("merge-"):
+                    tree_remove(self.path("run", name))
+                    log(4, f"removed run/{name}, a finish-time merge's folder")
 
     def reconcile(self) -> None:
         """Before answering: fail orphaned tasks, end their processes, remove leftovers.
@@ -9523,6 +9591,7 @@ class Box:
         for point in overlays_below(self.home):
             log(4, f"reconcile: unmounting the leftover overlay {point}")
             attempt(f"unmount {point}", umount, point)
+        attempt("collect what no record names", self.orphans_collect)
         attempt("take up exact undos cut short", self.finish_merge.resume)
         attempt("delete undone layers", self.views.gc_layers)
         attempt("finish keeps and undos cut short", self.review.recover)
@@ -9531,6 +9600,31 @@ class Box:
                             "only in memory until the disk has room")
         for problem in problems:
             log(3, f"reconcile: could not {problem}")
+
+    def orphans_collect(self) -> None:
+        """reconcile: what a crash left made under BOX_HOME before the record that names it
+        was saved (a layer an upload or an undo's revert renamed into place, a review folder)
+        goes to the trash the layer collection uses; never what a task file names, even a
+        damaged one set aside (tasks/<id>.json.damaged-...).  Temp names, uploads' staging,
+        merged layers and the finish-time merge's folders are thrown away at load."""
+        recorded = {name.partition(".json")[0] for name in os.listdir(self.path("tasks"))}
+        for where in ("layers", "review"):
+            with contextlib.suppress(FileNotFoundError):
+                for name in sorted(os.listdir(self.path(where))):
+                    if not ID_RE.fullmatch(name) or name in self.tasks or name in recorded:
+                        continue
+                    log(4, f"reconcile: {where}/{name} is named by no task (a crash before "
+                           "its task was saved): to the trash")
+                    try:                       # each on its own: one failure skips none
+                        if where == "layers":
+                            self.views.merger.remove(trash_name(self.layer_dir(name)))
+                        else:
+                            trash = self.path("review", REVIEW_TRASH + name + "-" +
+                                              secrets.token_hex(4))
+                            os.rename(self.path("review", name), trash)
+                            self.review.submit(trash_remove, trash)
+                    except OSError as exc:
+                        log(3, f"reconcile: could not move {where}/{name} to the trash: {exc}")
 
     def shutdown_tasks(self) -> None:
         """End every running task (each on its own: one failure skips none), those the
@@ -15909,7 +16003,10 @@ TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schema
         "merged": {"type": "array", "items": STRING,
                    "description": "Paths its finish-time merge joined with the changes of "
                                   "tasks that ended while it ran (its diff and changes are "
-                                  "then taken against the view it merged with)."},
+                                  "then taken against the view it merged with); at most "
+                                  f"{MERGE_CONFLICTS_SHOWN}, the first by name."},
+        "moreMerged": {"type": "integer", "description": "How many paths it merged past "
+                                                           "those `merged` names."},
         "undoMerge": {"type": "object", "required": ["reverted", "kept", "layer"],
                       "description": "Once undone, if a later task's layer was above it: its "
                                      "change taken out of later tasks' copies (reverted), or "
@@ -15924,6 +16021,11 @@ TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schema
                                     "task's record, log and a task event name the paths when "
                                     "the revert ends; failed: nothing reverted (error)"},
                           "error": STRING, "reverted": {"type": "array", "items": STRING},
+                          "moreReverted": {"type": "integer", "description":
+                                           "Reverted past those `reverted` names (at most "
+                                           f"{MERGE_CONFLICTS_SHOWN})"},
+                          "moreKept": {"type": "integer", "description":
+                                       "Kept whole past those `kept` names"},
                           "kept": {"type": "array", "items": {
                               "type": "object", "required": ["path", "task", "why"],
                               "properties": {"path": STRING,

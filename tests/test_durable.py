@@ -934,3 +934,100 @@ def test_a_clean_stop_fails_a_task_the_finish_time_merge_holds() -> None:
         g.start()
         assert g.task(a)["error"] == "gurtd stopped while the task was running"
         assert g.file("home", "f.txt") == b"b\n"
+
+
+# 8. a full disk at the revert layer's own save; a crash before an upload's save (crash pass) #
+
+def stopped(g: Gurtd, timeout: float = 30.0) -> None:
+    """Wait until gurtd stopped itself at its stop point (GURT_TEST_STOP_AT: state T)."""
+    assert g.proc is not None
+    stat = Path(f"/proc/{g.proc.pid}/stat")
+    eventually(lambda: stat.read_text().rpartition(")")[2].split()[0] == "T", timeout,
+               "gurtd stopped at its stop point")
+
+
+def test_a_revert_whose_layer_cannot_be_saved_joins_once_there_is_room() -> None:
+    """t1 is undone; its revert layer is written (t2's copy of f.txt without t1's line), and
+    the disk is full when that layer's task is to be saved (a 507 inside gurtd).  Meanwhile
+    t1 reads undone, its undoMerge not failed, its layer and t2's line kept; once the disk
+    has room the revert is built again and joins, the view exact.  Before, the undo was
+    recorded failed for good (and t1's layer deleted), t1's line left in t2's copy."""
+    from concurrent.futures import ThreadPoolExecutor
+    with gurtd_on_small_disk({"GURT_TEST_STOP_AT": "undo-revert-written"}) as (g, disk):
+        g.run_done("seq 20 > f.txt")
+        t1 = g.run_done("sed -i 's/^3$/three/' f.txt")["id"]
+        g.run_done("sed -i 's/^17$/seventeen/' f.txt")
+        with ThreadPoolExecutor(1) as pool:
+            undo = pool.submit(g.api, "POST", f"/api/tasks/{t1}/undo")
+            stopped(g)                          # the revert layer written, not joined
+            disk.fill()                         # to the last block: gurtd is stopped
+            os.kill(g.proc.pid, signal.SIGCONT)
+            assert undo.result(timeout=30)["state"] == "undone"
+        eventually(lambda: "tried again in" in g.log_text() or
+                   (g.task(t1).get("undoMerge") or {}).get("state") == "failed", 30,
+                   "the revert's wait (or its failure)")
+        shown = g.task(t1)
+        assert shown["state"] == "undone" and \
+            (shown.get("undoMerge") or {}).get("state") != "failed", shown
+        assert os.path.isdir(os.path.join(g.home, "layers", t1))
+        assert g.file("home", "f.txt").decode().count("three") == 1     # not reverted yet
+        again = g.api("POST", f"/api/tasks/{t1}/undo")["undoMerge"]     # not `writing`
+        assert again == {"reverted": [], "kept": [], "layer": None, "state": "checking"}, again
+        disk.free()
+        record = eventually(lambda: (g.task(t1).get("undoMerge") or {}).get("state") in
+                            ("done", "failed") and g.task(t1)["undoMerge"], 60, "the revert")
+        assert record["state"] == "done" and record["reverted"] == ["f.txt"], record
+        want = "".join(f"{n}\n" for n in range(1, 21)).replace("17\n", "seventeen\n")
+        assert g.file("home", "f.txt").decode() == want
+        assert task_file(g, t1)["undoMerge"] == record
+        eventually(lambda: not os.path.lexists(os.path.join(g.home, "layers", t1)), 30,
+                   "t1's layer deleted")
+        assert not [n for n in os.listdir(os.path.join(g.home, "layers"))
+                    if n.startswith(G.UPLOAD_STAGING)]
+        assert g.stop() == 0
+
+
+def test_a_kill_9_between_an_uploads_rename_and_its_save_leaves_no_orphan() -> None:
+    """gurtd is killed (-9) after an upload's layer was renamed to layers/<id> and before
+    the task that names it was saved: no record names that folder.  The next start moves
+    it to the layer collection's trash (and what else under BOX_HOME no record names: a
+    review folder, a finish-time merge's temp folder), never a layer a task names: a done
+    one, an undone one still read, a running one's.  Before, layers/<id> stayed for good."""
+    with running_gurtd() as g:
+        kept = g.run_done("echo a > a.txt")["id"]
+        undone = g.run_done("echo b > b.txt")["id"]
+        g.api("POST", f"/api/tasks/{undone}/undo")
+        runner = g.create("sleep 60")["id"]
+        eventually(lambda: g.task(runner)["state"] == "running", what="the runner")
+        g.stop(signal.SIGKILL)
+        g.env = {"GURT_TEST_CRASH_AT": "upload-renamed"}
+        g.start()
+        with contextlib.suppress(OSError, http.client.HTTPException):   # it dies first
+            g.request("PUT", "/api/workspaces/home/files/c.txt", raw=b"c\n",
+                      headers={"Content-Type": "application/octet-stream"})
+        assert wait_exit(g) == 137
+        layers = os.path.join(g.home, "layers")
+        named = {kept, runner} | ({undone} & set(os.listdir(layers)))
+        [orphan] = set(os.listdir(layers)) - named
+        assert os.path.isdir(os.path.join(layers, orphan, "upper"))
+        assert not os.path.exists(os.path.join(g.home, "tasks", orphan + ".json"))
+        planted = [os.path.join(g.home, "review", "t" + "9" * 9, "f0", "upper"),
+                   os.path.join(g.home, "run", "merge-" + "ab" * 6)]
+        for path in planted:
+            os.makedirs(path)
+        before = {t: sorted(os.listdir(os.path.join(layers, t, "upper"))) for t in named}
+        g.env = {}
+        g.start()
+        gone = [os.path.join(layers, orphan), os.path.dirname(os.path.dirname(planted[0])),
+                planted[1]]
+        eventually(lambda: not any(os.path.lexists(p) for p in gone) and
+                   not [n for n in os.listdir(layers) if n.startswith(G.MERGE_TEMP)] and
+                   not [n for n in os.listdir(os.path.join(g.home, "review"))
+                        if n.startswith(G.REVIEW_TRASH)], 30, "what no record names collected")
+        assert f"layers/{orphan}" in g.log_text()
+        assert g.task(kept)["state"] == "done" and g.file("home", "a.txt") == b"a\n"
+        for task_id in named - {undone}:
+            assert sorted(os.listdir(os.path.join(layers, task_id, "upper"))) == before[task_id]
+        assert g.file("home", "c.txt") is None
+        assert g.run("echo fine")["state"] == "done"
+        assert g.stop() == 0

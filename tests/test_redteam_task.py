@@ -604,7 +604,9 @@ def test_a_tasks_pipelined_dns_queries_never_hold_the_loop(gurtd: Gurtd) -> None
 def test_a_check_of_thousands_of_merged_files_asks_of_a_bounded_approval(gurtd: Gurtd) -> None:
     """Two tasks side by side append to each of 1,200 files (each merged) and write one
     more both ways (a conflict): the approval named every merged path as well.  It names
-    MERGE_CONFLICTS_SHOWN of them and counts the rest; the task's record keeps them all."""
+    MERGE_CONFLICTS_SHOWN of them and counts the rest; so do the task's record and its
+    merge log line (before, the record and the line named all 1,200: a task whose merges
+    never end made every save, listing and event of it as long)."""
     count = 1200
     made = gurtd.create(f"mkdir d && cd d && seq 1 {count} | xargs -n 300 sh -c 'for f; do "
                         "echo base > $f; done' _ && echo base > ../both")
@@ -620,5 +622,42 @@ def test_a_check_of_thousands_of_merged_files_asks_of_a_bounded_approval(gurtd: 
     assert approval["args"]["moreMerged"] == count - G.MERGE_CONFLICTS_SHOWN
     gurtd.api("POST", f"/api/approvals/{approval['id']}/approve", {})
     task = gurtd.wait(two, timeout=60)
-    assert task["state"] == "done" and len(task["merged"]) == count
+    assert task["state"] == "done" and len(task["merged"]) == G.MERGE_CONFLICTS_SHOWN
+    assert task["moreMerged"] == count - G.MERGE_CONFLICTS_SHOWN, task.get("moreMerged")
+    assert task["merged"] == sorted(task["merged"])
+    [line] = [e for e in gurtd.log(two) if e["type"] == "merge"]
+    assert len(line["merged"]) == G.MERGE_CONFLICTS_SHOWN and \
+        line["moreMerged"] == count - G.MERGE_CONFLICTS_SHOWN
+    assert line["text"].endswith(f" and {count - 20} more"), line["text"][-80:]
     assert gurtd.file("home", "d/700") == b"base\none\ntwo\n"
+
+
+def test_an_undo_of_a_change_in_thousands_of_copies_keeps_a_bounded_record(gurtd: Gurtd
+                                                                           ) -> None:
+    """A task appends a line to each of 1,200 files; a later task touches them all (its
+    copies hold that line too); the undo takes the line out of all 1,200.  Its record, the
+    answer, its log line and the revert layer's summary name MERGE_CONFLICTS_SHOWN of them
+    and count the rest (before: all 1,200 in each, however many the task changed)."""
+    count = 1200
+    made = gurtd.create(f"mkdir d && cd d && seq 1 {count} | xargs -n 300 sh -c 'for f; do "
+                        "echo base > $f; done' _")
+    assert gurtd.wait(made["id"], timeout=120)["state"] == "done", gurtd.log(made["id"])
+    t1 = gurtd.run_done("cd d && for f in *; do echo one >> $f; done")["id"]
+    gurtd.run_done("touch d/*")
+    gurtd.api("POST", f"/api/tasks/{t1}/undo")
+    record = eventually(lambda: (gurtd.task(t1).get("undoMerge") or {}).get("state") in
+                        ("done", "failed") and gurtd.task(t1)["undoMerge"], 120, "the revert")
+    print(f"undone task file {os.path.getsize(os.path.join(gurtd.home, 'tasks', t1 + '.json'))}"
+          f" bytes, revert layer's task file "
+          f"{os.path.getsize(os.path.join(gurtd.home, 'tasks', record['layer'] + '.json'))}")
+    assert record["state"] == "done", record
+    assert len(record["reverted"]) == G.MERGE_CONFLICTS_SHOWN and \
+        record["moreReverted"] == count - G.MERGE_CONFLICTS_SHOWN, record.get("moreReverted")
+    assert record["kept"] == [] and "moreKept" not in record
+    assert gurtd.file("home", "d/700") == b"base\n"
+    [line] = [e for e in gurtd.log(t1) if e["type"] == "undo"]
+    assert line["moreReverted"] == count - G.MERGE_CONFLICTS_SHOWN
+    assert line["text"].startswith("reverted in later copies: ") and \
+        f" and {count - G.MERGE_CONFLICTS_SHOWN} more; kept whole: none" in line["text"]
+    summary = gurtd.task(record["layer"])["summary"]
+    assert summary.endswith(f" and {count - G.MERGE_CONFLICTS_SHOWN} more"), summary[-80:]
