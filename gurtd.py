@@ -4369,7 +4369,10 @@ def keys_clear(uid: int) -> None:
 #     one too (the safe side).  A folder's ctime says an entry of it was added or removed.
 #   - overlay's origin xattr (trusted.overlay.origin): an upper entry that has it was copied up
 #     from the real folder, so the real path existed after the start; if it is gone now, the
-#     owner deleted it.  A whiteout likewise exists only over a path that was there.
+#     owner deleted it, unless the task gave the file that path (`mv`, `ln`: the copy-up is
+#     under the new name): the xattr is a handle of the real file, and one that still has a
+#     name and an older ctime was neither renamed nor deleted by the owner.  A whiteout
+#     likewise exists only over a path that was there.
 # What this does not see: a path that existed at the start, was deleted by the owner before the
 # task touched it, and was then created anew by the task (no origin): the task's file is kept.
 # A clock set back by the owner would hide changes; gurtd runs on the box's own clock.
@@ -4398,6 +4401,7 @@ NOT_FOLDER_ROOTS = ("/", "/proc", "/sys", "/dev", "/run", "/usr", "/etc", "/tmp"
 CLOCK_SLACK_NS = 20_000_000
 ID_END = 4294967295                  # (uid_t)-1 is no id
 ORIGIN_XATTR = "trusted.overlay.origin"
+OVL_FB_HEADER = 21                   # bytes of an origin xattr before the kernel's file handle
 KEEP_TEMP = ".gurt-keep-"            # temp names in the real folders: .gurt-keep-<task>-<n>
 REVIEW_TRASH = ".trash-"             # BOX_HOME/review/.trash-<task>-<n>: being deleted
 SAVE_DEPTH_MAX = 500                 # levels of a real folder keep saves (a copy made on the
@@ -4636,6 +4640,7 @@ class Change:
     origin: bool       # copied up from the real folder (it was there after the start)
     opaque: bool       # a directory that hides the real one (the task replaced it)
     size: int = 0
+    handle: bytes | None = None   # a file's origin xattr: overlay's handle of the real file
 
 
 def upper_changes(upper: str) -> list[Change]:
@@ -4653,10 +4658,11 @@ def upper_changes(upper: str) -> list[Change]:
         else:
             kind = "delete" if is_whiteout(st) else "file" if stat.S_ISREG(st.st_mode) else \
                 "symlink" if stat.S_ISLNK(st.st_mode) else "other"
+        origin = None if kind in ("delete", "deep") else _xattr(fd, name, ORIGIN_XATTR)
         out.append(Change(path, kind, 0 if kind == "delete" else stat.S_IMODE(st.st_mode),
-                          kind not in ("delete", "deep") and _xattr(fd, name, ORIGIN_XATTR)
-                          is not None, kind == "dir" and _opaque_child(fd, name),
-                          0 if kind in ("delete", "deep", "dir") else st.st_size))
+                          origin is not None, kind == "dir" and _opaque_child(fd, name),
+                          0 if kind in ("delete", "deep", "dir") else st.st_size,
+                          None if kind == "dir" else origin))
         return kind == "dir"
 
     with moved_is_409(), contextlib.suppress(FileNotFoundError):
@@ -4720,7 +4726,8 @@ def change_conflict(lookup: RealLookup, change: Change, start: int,
         on_way = _on_the_way(lookup, parent)
         if on_way:
             return on_way
-        if change.origin or change.kind == "delete":
+        if change.kind == "delete" or change.origin and \
+                not _origin_untouched(lookup.root_fd, change.handle, start):
             soft = "deleted by the owner after the task started"
     elif change.kind == "dir" and not change.opaque and stat.S_ISDIR(real.st_mode):
         return None            # a folder the task wrote into: its entries are checked alone
@@ -4745,6 +4752,28 @@ def change_conflict(lookup: RealLookup, change: Change, start: int,
         return "the folder is sticky and the file is another user's: its owner may not " \
                "replace or delete it"
     return soft
+
+
+def _origin_untouched(root_fd: int, handle: bytes | None, start: int) -> bool:
+    """Whether the real file that a task's file at a new path was copied up from (handle: its
+    origin xattr, overlay's struct ovl_fb: version, magic 0xfb, length, flags, handle type,
+    the file system's uuid, then the kernel's file handle) still has a name and has not been
+    changed since start: then the path is a name the task gave it (`mv`, `ln`), not one the
+    owner deleted.  A rename or unlink by the owner sets the file's ctime, so a name the
+    owner took away fails the test.  Any doubt (no handle, another shape, gone): False."""
+    if handle is None or len(handle) <= OVL_FB_HEADER or handle[1] != 0xFB or \
+            handle[2] != len(handle):
+        return False
+    fid = handle[OVL_FB_HEADER:]
+    found = ctypes.create_string_buffer(struct.pack("Ii", len(fid), handle[4]) + fid)
+    fd = libc().open_by_handle_at(root_fd, found, os.O_PATH | os.O_CLOEXEC)
+    if fd < 0:
+        return False
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return st.st_nlink > 0 and st.st_ctime_ns < start
 
 
 def _sticky_refuses(st: os.stat_result | None, real: os.stat_result, uid: int) -> bool:
