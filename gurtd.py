@@ -14,7 +14,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Errors                ApiError (an HTTP answer; loop_handler, a route handler of the
                           commonest shape), SysError (a failed system verb)
     Pure model            ids, validation, host patterns, Task and Approval records, nftables
-                          text, the droid stream (steps, prices, bounded JSON), printable
+                          text, the droid stream (steps, prices, bounded JSON), printable;
+                          long lists sorted and encoded in slices (the GIL, so the loop, free)
     Persistence           atomic JSON files under BOX_HOME, set-aside of damaged files, the
                           append-only wallet ledger; whole writes or an error, temp leftovers
                           of a crash, the test-only crash points
@@ -108,6 +109,7 @@ import fcntl
 import fnmatch
 import glob
 import hashlib
+import heapq
 import hmac
 import http.client
 import http.server
@@ -1004,6 +1006,30 @@ def printable(text: Any) -> str:
     C1, bidi overrides) shown escaped as \\x1b or \\u202e; tabs stay."""
     return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 256
                             else f"\\u{ord(m[0]):04x}", str(text))
+
+
+# A thread's long C call (a list's sort, json.dumps) holds the GIL the whole time, and so
+# holds the loop thread: sorting and encoding a task's million changed paths was seconds in
+# one call (GET /api/tasks answered in 2.65 s meanwhile).  Lists a task can make that long go
+# in slices instead, each a few ms, with Python code between them, which gives the GIL up.
+GIL_SLICE = 20_000                   # items sorted or encoded in one C call
+
+
+def sorted_in_slices(items: list[Any], key: Callable[[Any], Any]) -> list[Any]:
+    """sorted(items, key=key), the same list: slices sorted alone, then merged (heapq.merge
+    is Python code), so that no C call holds the GIL past a slice."""
+    if len(items) <= GIL_SLICE:
+        return sorted(items, key=key)
+    runs = [sorted(items[i:i + GIL_SLICE], key=key) for i in range(0, len(items), GIL_SLICE)]
+    return list(heapq.merge(*runs, key=key))
+
+
+def json_dumps_in_slices(obj: Any) -> str:
+    """json.dumps(obj), the same text; a long list encoded a slice at a time."""
+    if not isinstance(obj, list) or len(obj) <= GIL_SLICE:
+        return json.dumps(obj)
+    return "[" + ", ".join(json.dumps(obj[i:i + GIL_SLICE])[1:-1]
+                           for i in range(0, len(obj), GIL_SLICE)) + "]"
 
 
 def lower_layer_paths(layers: list[str]) -> list[str]:
@@ -2430,7 +2456,7 @@ def changed_paths(upper: str, lowers: list[str | int]) -> list[dict[str, str]]:
         walk([p if isinstance(p, int) else os.path.realpath(p) if os.path.isdir(p) else -1
               for p in [upper, *lowers]],
              change)                 # realpath: a workspace may be an admin's symlink
-    return sorted(out, key=lambda c: c["path"])
+    return sorted_in_slices(out, key=lambda c: c["path"])
 
 
 # Limits and tracking ###########################################################################
@@ -4667,7 +4693,7 @@ def upper_changes(upper: str) -> list[Change]:
 
     with moved_is_409(), contextlib.suppress(FileNotFoundError):
         tree_visit(upper, change, folders=True)
-    return sorted(out, key=lambda c: c.path.split("/"))
+    return sorted_in_slices(out, key=lambda c: c.path.split("/"))
 
 
 def change_name(change: Change, real: os.stat_result | None) -> str | None:
@@ -14567,9 +14593,10 @@ def h_hook_deliver(req: "Handler", params: dict[str, str]) -> Any:
 
 def json_text(obj: Any) -> bytes:
     """obj as JSON that a strict client takes: a str holding surrogateescaped bytes (only a
-    file name has them) shows each as \\xNN; every other answer is json.dumps as it is."""
-    body = json.dumps(obj).encode()
-    return json.dumps(_shown(obj)).encode() if b"\\ud" in body else body
+    file name has them) shows each as \\xNN; every other answer is json.dumps as it is
+    (a long list a slice at a time: json_dumps_in_slices)."""
+    body = json_dumps_in_slices(obj).encode()
+    return json_dumps_in_slices(_shown(obj)).encode() if b"\\ud" in body else body
 
 
 def _shown(obj: Any) -> Any:
