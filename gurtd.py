@@ -14,7 +14,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Errors                ApiError (an HTTP answer; loop_handler, a route handler of the
                           commonest shape), SysError (a failed system verb)
     Pure model            ids, validation, host patterns, Task and Approval records, nftables
-                          text, the droid stream (steps, prices, bounded JSON), printable
+                          text, the droid stream (steps, prices, bounded JSON), printable;
+                          long lists sorted and encoded in slices (the GIL, so the loop, free)
     Persistence           atomic JSON files under BOX_HOME, set-aside of damaged files, the
                           append-only wallet ledger; whole writes or an error, temp leftovers
                           of a crash, the test-only crash and stop points
@@ -108,6 +109,7 @@ import fcntl
 import fnmatch
 import glob
 import hashlib
+import heapq
 import hmac
 import http.client
 import http.server
@@ -1020,6 +1022,30 @@ def printable(text: Any) -> str:
     C1, bidi overrides) shown escaped as \\x1b or \\u202e; tabs stay."""
     return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 256
                             else f"\\u{ord(m[0]):04x}", str(text))
+
+
+# A thread's long C call (a list's sort, json.dumps) holds the GIL the whole time, and so
+# holds the loop thread: sorting and encoding a task's million changed paths was seconds in
+# one call (GET /api/tasks answered in 2.65 s meanwhile).  Lists a task can make that long go
+# in slices instead, each a few ms, with Python code between them, which gives the GIL up.
+GIL_SLICE = 20_000                   # items sorted or encoded in one C call
+
+
+def sorted_in_slices(items: list[Any], key: Callable[[Any], Any]) -> list[Any]:
+    """sorted(items, key=key), the same list: slices sorted alone, then merged (heapq.merge
+    is Python code), so that no C call holds the GIL past a slice."""
+    if len(items) <= GIL_SLICE:
+        return sorted(items, key=key)
+    runs = [sorted(items[i:i + GIL_SLICE], key=key) for i in range(0, len(items), GIL_SLICE)]
+    return list(heapq.merge(*runs, key=key))
+
+
+def json_dumps_in_slices(obj: Any) -> str:
+    """json.dumps(obj), the same text; a long list encoded a slice at a time."""
+    if not isinstance(obj, list) or len(obj) <= GIL_SLICE:
+        return json.dumps(obj)
+    return "[" + ", ".join(json.dumps(obj[i:i + GIL_SLICE])[1:-1]
+                           for i in range(0, len(obj), GIL_SLICE)) + "]"
 
 
 def lower_layer_paths(layers: list[str]) -> list[str]:
@@ -2460,7 +2486,7 @@ def changed_paths(upper: str, lowers: list[str | int]) -> list[dict[str, str]]:
         walk([p if isinstance(p, int) else os.path.realpath(p) if os.path.isdir(p) else -1
               for p in [upper, *lowers]],
              change)                 # realpath: a workspace may be an admin's symlink
-    return sorted(out, key=lambda c: c["path"])
+    return sorted_in_slices(out, key=lambda c: c["path"])
 
 
 # Limits and tracking ###########################################################################
@@ -4399,7 +4425,10 @@ def keys_clear(uid: int) -> None:
 #     one too (the safe side).  A folder's ctime says an entry of it was added or removed.
 #   - overlay's origin xattr (trusted.overlay.origin): an upper entry that has it was copied up
 #     from the real folder, so the real path existed after the start; if it is gone now, the
-#     owner deleted it.  A whiteout likewise exists only over a path that was there.
+#     owner deleted it, unless the task gave the file that path (`mv`, `ln`: the copy-up is
+#     under the new name): the xattr is a handle of the real file, and one that still has a
+#     name and an older ctime was neither renamed nor deleted by the owner.  A whiteout
+#     likewise exists only over a path that was there.
 # What this does not see: a path that existed at the start, was deleted by the owner before the
 # task touched it, and was then created anew by the task (no origin): the task's file is kept.
 # A clock set back by the owner would hide changes; gurtd runs on the box's own clock.
@@ -4428,6 +4457,7 @@ NOT_FOLDER_ROOTS = ("/", "/proc", "/sys", "/dev", "/run", "/usr", "/etc", "/tmp"
 CLOCK_SLACK_NS = 20_000_000
 ID_END = 4294967295                  # (uid_t)-1 is no id
 ORIGIN_XATTR = "trusted.overlay.origin"
+OVL_FB_HEADER = 21                   # bytes of an origin xattr before the kernel's file handle
 KEEP_TEMP = ".gurt-keep-"            # temp names in the real folders: .gurt-keep-<task>-<n>
 REVIEW_TRASH = ".trash-"             # BOX_HOME/review/.trash-<task>-<n>: being deleted
 SAVE_DEPTH_MAX = 500                 # levels of a real folder keep saves (a copy made on the
@@ -4666,6 +4696,7 @@ class Change:
     origin: bool       # copied up from the real folder (it was there after the start)
     opaque: bool       # a directory that hides the real one (the task replaced it)
     size: int = 0
+    handle: bytes | None = None   # a file's origin xattr: overlay's handle of the real file
 
 
 def upper_changes(upper: str) -> list[Change]:
@@ -4683,15 +4714,16 @@ def upper_changes(upper: str) -> list[Change]:
         else:
             kind = "delete" if is_whiteout(st) else "file" if stat.S_ISREG(st.st_mode) else \
                 "symlink" if stat.S_ISLNK(st.st_mode) else "other"
+        origin = None if kind in ("delete", "deep") else _xattr(fd, name, ORIGIN_XATTR)
         out.append(Change(path, kind, 0 if kind == "delete" else stat.S_IMODE(st.st_mode),
-                          kind not in ("delete", "deep") and _xattr(fd, name, ORIGIN_XATTR)
-                          is not None, kind == "dir" and _opaque_child(fd, name),
-                          0 if kind in ("delete", "deep", "dir") else st.st_size))
+                          origin is not None, kind == "dir" and _opaque_child(fd, name),
+                          0 if kind in ("delete", "deep", "dir") else st.st_size,
+                          None if kind == "dir" else origin))
         return kind == "dir"
 
     with moved_is_409(), contextlib.suppress(FileNotFoundError):
         tree_visit(upper, change, folders=True)
-    return sorted(out, key=lambda c: c.path.split("/"))
+    return sorted_in_slices(out, key=lambda c: c.path.split("/"))
 
 
 def change_name(change: Change, real: os.stat_result | None) -> str | None:
@@ -4750,7 +4782,8 @@ def change_conflict(lookup: RealLookup, change: Change, start: int,
         on_way = _on_the_way(lookup, parent)
         if on_way:
             return on_way
-        if change.origin or change.kind == "delete":
+        if change.kind == "delete" or change.origin and \
+                not _origin_untouched(lookup.root_fd, change.handle, start):
             soft = "deleted by the owner after the task started"
     elif change.kind == "dir" and not change.opaque and stat.S_ISDIR(real.st_mode):
         return None            # a folder the task wrote into: its entries are checked alone
@@ -4775,6 +4808,28 @@ def change_conflict(lookup: RealLookup, change: Change, start: int,
         return "the folder is sticky and the file is another user's: its owner may not " \
                "replace or delete it"
     return soft
+
+
+def _origin_untouched(root_fd: int, handle: bytes | None, start: int) -> bool:
+    """Whether the real file that a task's file at a new path was copied up from (handle: its
+    origin xattr, overlay's struct ovl_fb: version, magic 0xfb, length, flags, handle type,
+    the file system's uuid, then the kernel's file handle) still has a name and has not been
+    changed since start: then the path is a name the task gave it (`mv`, `ln`), not one the
+    owner deleted.  A rename or unlink by the owner sets the file's ctime, so a name the
+    owner took away fails the test.  Any doubt (no handle, another shape, gone): False."""
+    if handle is None or len(handle) <= OVL_FB_HEADER or handle[1] != 0xFB or \
+            handle[2] != len(handle):
+        return False
+    fid = handle[OVL_FB_HEADER:]
+    found = ctypes.create_string_buffer(struct.pack("Ii", len(fid), handle[4]) + fid)
+    fd = libc().open_by_handle_at(root_fd, found, os.O_PATH | os.O_CLOEXEC)
+    if fd < 0:
+        return False
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return st.st_nlink > 0 and st.st_ctime_ns < start
 
 
 def _sticky_refuses(st: os.stat_result | None, real: os.stat_result, uid: int) -> bool:
@@ -14656,9 +14711,10 @@ def h_hook_deliver(req: "Handler", params: dict[str, str]) -> Any:
 
 def json_text(obj: Any) -> bytes:
     """obj as JSON that a strict client takes: a str holding surrogateescaped bytes (only a
-    file name has them) shows each as \\xNN; every other answer is json.dumps as it is."""
-    body = json.dumps(obj).encode()
-    return json.dumps(_shown(obj)).encode() if b"\\ud" in body else body
+    file name has them) shows each as \\xNN; every other answer is json.dumps as it is
+    (a long list a slice at a time: json_dumps_in_slices)."""
+    body = json_dumps_in_slices(obj).encode()
+    return json_dumps_in_slices(_shown(obj)).encode() if b"\\ud" in body else body
 
 
 def _shown(obj: Any) -> Any:
