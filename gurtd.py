@@ -2063,8 +2063,13 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 WALK_FDS = 256                       # directory fds one walk keeps open along its path
-CHANGES_MAX_BYTES = 64 << 20         # paths one changes list holds (a task's chain of long
-                                     # names 6,000 deep would list gigabytes of them)
+CHANGES_MAX_BYTES = 64 << 20         # memory one changes list holds (a task's chain of long
+                                     # names 6,000 deep would list gigabytes of paths)
+# What one change costs beside its path's own str: its dict, its slot in the list, in the
+# sorted list and the sort's keys (tracemalloc, a layer of 100,000 empty files: 247 bytes
+# held an entry, 263 at the peak of the sort, of which 6 are the path's characters)
+CHANGE_ENTRY_BYTES = sys.getsizeof({"path": "", "change": ""}) + 32
+CHANGE_NAME_BYTES = 24               # a name listed beside its str: its slots in the lists
 
 
 def open_dir_beneath(root_fd: int, rel: str) -> int | None:
@@ -2398,13 +2403,39 @@ def changed_paths(upper: str, lowers: list[str | int]) -> list[dict[str, str]]:
     directory only shows when it is new (or replaced an earlier one, opaque).  One walk of
     the upper with, beside each of its folders, the lowers in which that folder is visible.
     A layer deleted meanwhile gives what was read so far, a folder moved meanwhile is a 409,
-    more than CHANGES_MAX_BYTES of paths a 413 (the memory of a request is bounded).
+    more than CHANGES_MAX_BYTES held a 413 (the memory of a request is bounded): each change
+    counted at what it costs in memory (its path's str and CHANGE_ENTRY_BYTES), each name of
+    a folder on the walk's way as it is read (a task's folder of millions of empty files is
+    refused before its names are all held) until the walk leaves the folder.
     """
     out: list[dict[str, str]] = []
     size = 0
+    listed: dict[int, int] = {}          # bytes of each folder's names, by id(WalkDir)
+
+    def charge(cost: int) -> None:
+        nonlocal size
+        size += cost
+        if size > CHANGES_MAX_BYTES:
+            raise ApiError(413, f"the changes are more than {CHANGES_MAX_BYTES >> 20} MiB in "
+                                "memory (folders thousands deep, or millions of files); the "
+                                "task's archive has them all", "too_large")
+
+    def names(folder: WalkDir) -> list[str]:
+        found: list[str] = []
+        listed[id(folder)] = 0
+        with contextlib.suppress(OSError), os.scandir(folder.fds[0]) as entries:
+            for item in entries:          # one that cannot be read has none, as _names
+                found.append(item.name)
+                cost = sys.getsizeof(item.name) + CHANGE_NAME_BYTES
+                listed[id(folder)] += cost
+                charge(cost)
+        return sorted(found)
+
+    def leave(folder: WalkDir) -> None:
+        nonlocal size
+        size -= listed.pop(id(folder), 0)
 
     def change(folder: WalkDir, name: str) -> list[int] | None:
-        nonlocal size
         fds, st = folder.fds, _entry(folder.fds[0], name)
         if st is None:
             return None
@@ -2419,18 +2450,15 @@ def changed_paths(upper: str, lowers: list[str | int]) -> list[dict[str, str]]:
         if what:
             path = folder.path(name) + ("/" if subdir is not None else "")
             out.append({"path": path, "change": what})
-            size += len(path)
-        if size > CHANGES_MAX_BYTES:
-            raise ApiError(413, f"the changes are more than {CHANGES_MAX_BYTES >> 20} MiB of "
-                                "paths (folders thousands deep); the task's archive has "
-                                "them all", "too_large")
+            charge(sys.getsizeof(path) + CHANGE_ENTRY_BYTES)
         return subdir
 
     with moved_is_409(), contextlib.suppress(FileNotFoundError):
         walk([p if isinstance(p, int) else os.path.realpath(p) if os.path.isdir(p) else -1
               for p in [upper, *lowers]],
-             change)                 # realpath: a workspace may be an admin's symlink
-    return sorted(out, key=lambda c: c["path"])
+             change, leave, names)   # realpath: a workspace may be an admin's symlink
+    out.sort(key=lambda c: c["path"])
+    return out
 
 
 # Limits and tracking ###########################################################################
