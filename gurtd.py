@@ -935,6 +935,26 @@ def loads_bounded(data: str | bytes, depth: int = MAX_JSON_DEPTH) -> Any:
     return value
 
 
+class KeyTwice(ValueError):
+    """A JSON object holds a key twice (unique_keys)."""
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook for text gurtd checks and then passes on as it is: a key
+    twice in one object, at any depth, is KeyTwice.  json.loads would keep the last one, and
+    another parser (the upstream's) may keep the first: a model, a stream or a tool that
+    gurtd never checked or priced."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise KeyTwice(f"the key {json.dumps(printable(key)[:100])} is in one object "
+                               "twice; each key may be there once")
+            seen.add(key)
+    return value
+
+
 def last_line(text: Any, limit: int = 1000) -> str:
     """The last non-blank line of a message (an error event's), or "" when it is blank."""
     lines = [line.strip() for line in str(text).splitlines() if line.strip()]
@@ -11572,7 +11592,11 @@ class Gateway:
             raise GatewayRefusal(413, "request_too_large", "the request body holds over "
                                  f"{GATEWAY_MAX_VALUES} JSON values")
         try:          # json.loads alone: only model and stream are read, never rendered
-            data = json.loads(request.body)
+            data = json.loads(request.body, object_pairs_hook=unique_keys)
+        except KeyTwice as exc:
+            raise GatewayRefusal(400, "invalid_request_error", f"the body is refused: {exc} "
+                                 "(the model's server might read another one than gurtd "
+                                 "checked)") from None
         except (ValueError, RecursionError):
             data = None
         if not isinstance(data, dict):

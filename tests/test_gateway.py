@@ -575,6 +575,21 @@ for step in open("/run/gurt/prompt.md").read().split():
             say(step="huge", answer=call(None, raw=b" " * (17 << 20)))
         except OSError as exc:
             say(step="huge", answer=[0, str(exc)])
+    elif step == "twice":       # a key twice: the upstream might read the other one
+        m, tail = json.dumps(settings["model"]), '"messages": [{"role": "user", "content": "hi"}]'
+        for name, raw in {
+                "model": '{"model": "gpt-9", "model": %s, "max_tokens": 100, %s}',
+                "model-last": '{"model": %s, "model": "gpt-9", "max_tokens": 100, %s}',
+                "escaped": '{"model": %s, "mod\\u0065l": "gpt-9", "max_tokens": 100, %s}',
+                "stream": '{"model": %s, "stream": false, "stream": true, "max_tokens": 1, %s}',
+                "max_tokens": '{"model": %s, "max_tokens": 1, "max_tokens": 100000, %s}',
+                "deep": '{"model": %s, "max_tokens": 1, "tools": [{"name": "t", "input_schema":'
+                        ' {"type": "object", "type": "x"}}], %s}',
+                "message": '{"model": %s, "max_tokens": 1, "messages": [{"role": "user", '
+                           '"content": "hi", "content": "ho"}], "x": %s}'}.items():
+            tail_or_list = tail if name != "message" else "[]"
+            say(step="twice-" + name, answer=call(None, raw=(raw % (m, tail_or_list)).encode()))
+        say(step="once", answer=call(MESSAGE))
     elif step.startswith("time"):   # ms of calls one after another, and to a first byte
         whole, first = timed(host, 80, settings["apiKey"], MESSAGE, int(step[4:] or 200))
         say(step=step, whole=whole, first=first)
@@ -694,6 +709,27 @@ def test_refusals_are_said_to_the_agent(agent_gurtd: Gurtd, upstream: Upstream) 
     assert len(said) == 1 and said[0].startswith("model calls refused as too many at once: ")
     assert crowd.count(429) <= int(said[0].split()[-1]) <= 1000 - crowd.count(200)
     assert len([a for a in crowd if a == 200]) == len(upstream.usages)
+    assert done["costCents"] == pytest.approx(cost(upstream.usages), rel=1e-12)
+
+
+def test_a_body_with_a_key_twice_at_any_depth_is_refused_before_the_upstream(
+        agent_gurtd: Gurtd, upstream: Upstream) -> None:
+    """json.loads keeps a key's last value, another parser may keep its first: a call of
+    model gpt-9 then the allowed one (or stream, max_tokens twice, a key spelt with an escape,
+    a key twice deep in a tool or a message) would reach the upstream as something gurtd
+    never checked or priced.  Each is a 400 that says so, and the upstream sees none."""
+    g = agent_gurtd
+    done = agent_done(g, "twice")
+    by_step = {r["step"]: r["answer"] for r in results(g, done["id"])}
+    twice = {step: answer for step, answer in by_step.items() if step.startswith("twice-")}
+    assert len(twice) == 7 and {a[0] for a in twice.values()} == {400}, twice
+    for step, (_, text) in twice.items():
+        error = json.loads(text)["error"]
+        assert error["type"] == "invalid_request_error", text
+        assert "is in one object twice" in error["message"], text
+    assert '\\"model\\"' in twice["twice-escaped"][1]
+    assert by_step["once"][0] == 200
+    assert len(upstream.requests) == 1 and upstream.requests[0]["body"]["max_tokens"] == 100
     assert done["costCents"] == pytest.approx(cost(upstream.usages), rel=1e-12)
 
 
