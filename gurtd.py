@@ -182,12 +182,17 @@ WORKERS = ("droid", "fake")
 DROID_VERSION = "0.215.0"             # the pinned Droid CLI (npm package droid), see Makefile
 DEFAULT_DROID_MODEL = "claude-sonnet-5"
 # US cents per million tokens; a setting, so that an owner can keep it in step with Factory.
+# cacheWrite is a 5-minute cache write (1.25 times input), cacheWrite1h a 1-hour one (twice
+# input, CACHE_WRITE_1H_RATIO: Anthropic's prompt caching prices), cacheRead 0.1 times input.
 DEFAULT_DROID_PRICES = {
-    "claude-sonnet-5": {"input": 300, "output": 1500, "cacheRead": 30, "cacheWrite": 375},
-    "claude-opus-5": {"input": 500, "output": 2500, "cacheRead": 50, "cacheWrite": 625},
+    "claude-sonnet-5": {"input": 300, "output": 1500, "cacheRead": 30, "cacheWrite": 375,
+                        "cacheWrite1h": 600},
+    "claude-opus-5": {"input": 500, "output": 2500, "cacheRead": 50, "cacheWrite": 625,
+                      "cacheWrite1h": 1000},
     "claude-haiku-4-5-20251001": {"input": 100, "output": 500, "cacheRead": 10,
-                                  "cacheWrite": 125},
+                                  "cacheWrite": 125, "cacheWrite1h": 200},
 }
+CACHE_WRITE_1H_RATIO = 2             # a price without cacheWrite1h: twice its input
 DEFAULT_SETTINGS: dict[str, Any] = {
     "defaultBudgetCents": 0, "maxRunningTasks": 8, "upstreamDns": "",
     "taskTimeoutSeconds": 3600, "droidPath": "", "droidModel": DEFAULT_DROID_MODEL,
@@ -688,9 +693,12 @@ SETTING_RULES: dict[str, tuple[Callable[[Any], Any], str]] = {
     "droidAutonomy": (lambda v: v in ("low", "medium", "high"), "be one of: low, medium, high"),
     "droidHosts": (_host_entries, "be an array of host entries"),
     "droidPrices": (lambda v: isinstance(v, dict) and all(
-        isinstance(p, dict) and set(p) == {"input", "output", "cacheRead", "cacheWrite"}
-        and all(is_cents(c) and c >= 0 for c in p.values()) for p in v.values()),
-        "map model ids to {input, output, cacheRead, cacheWrite} in cents per million tokens"),
+        isinstance(p, dict) and set(p) - {"cacheWrite1h"} == {"input", "output", "cacheRead",
+                                                               "cacheWrite"}
+        and all(is_cents(c) and c >= 0 for c in p.values())
+        and p.get("cacheWrite1h", p["cacheWrite"]) >= p["cacheWrite"] for p in v.values()),
+        "map model ids to {input, output, cacheRead, cacheWrite, cacheWrite1h (optional, at "
+        "least cacheWrite; else twice input)} in cents per million tokens"),
     "upstreamDns": (_upstream, "be a string: HOST[:PORT], or empty"),
     "neverAutoApproveCents": (lambda v: v is None or (is_cents(v) and v >= 0), "be a number "
                               "of at least 0, or null (no call is too large for a policy)"),
@@ -986,27 +994,47 @@ TOKEN_KEYS = {"input": ("input_tokens", "inputTokens"),
               "output": ("output_tokens", "outputTokens"),
               "cacheRead": ("cache_read_input_tokens", "cacheReadTokens", "cacheReadInputTokens"),
               "cacheWrite": ("cache_creation_input_tokens", "cacheWriteTokens",
-                             "cacheCreationInputTokens")}
+                             "cacheCreationInputTokens"),
+              # the parts of cacheWrite by their time to live (the Messages API's
+              # usage.cache_creation, flattened by anthropic_usage)
+              "cacheWrite5m": ("ephemeral_5m_input_tokens",),
+              "cacheWrite1h": ("ephemeral_1h_input_tokens",)}
+
+
+def _price(prices: dict[str, Any], kind: str) -> float | None:
+    """A kind's price in cents per million tokens, None without one: a 1-hour cache write at
+    cacheWrite1h (else CACHE_WRITE_1H_RATIO times input), never below cacheWrite."""
+    price = prices.get(kind)
+    price = float(price) if is_cents(price) and price >= 0 else None
+    if kind == "cacheWrite1h":
+        write, given = _price(prices, "cacheWrite"), _price(prices, "input")
+        ratio = given * CACHE_WRITE_1H_RATIO if given is not None else None
+        found = [p for p in (price if price is not None else ratio, write) if p is not None]
+        return max(found) if found else None
+    return price
 
 
 def usage_cents(usage: Any, prices: Any) -> float:
     """What a usage record costs at these prices (cents per million tokens); 0 without.
 
     A count that is not a number from 0 to MAX_TOKENS is ignored, and the sum is always a
-    finite number: a task's stream cannot make costCents Infinity or NaN.
+    finite number: a task's stream cannot make costCents Infinity or NaN.  Cache writes are
+    the most of cacheWrite and its parts: the 1-hour ones at their price, the rest at
+    cacheWrite's (never less than all of them at cacheWrite).
     """
     if not isinstance(usage, dict) or not isinstance(prices, dict):
         return 0.0
-    total = 0.0
+    counts: dict[str, float] = {}
     for kind, keys in TOKEN_KEYS.items():
-        price = prices.get(kind)
-        if not is_cents(price) or price < 0:
-            continue
-        for key in keys:
-            tokens = usage.get(key)
-            if is_cents(tokens) and 0 <= tokens <= MAX_TOKENS:
-                total += float(tokens) * float(price) / 1_000_000
-                break
+        counts[kind] = next((float(t) for key in keys if is_cents(t := usage.get(key)) and
+                             0 <= t <= MAX_TOKENS), 0.0)
+    hour = counts.pop("cacheWrite1h")
+    counts["cacheWrite"] = max(counts["cacheWrite"], hour + counts.pop("cacheWrite5m")) - hour
+    counts["cacheWrite1h"] = hour
+    total = 0.0
+    for kind, tokens in counts.items():
+        if tokens and (price := _price(prices, kind)) is not None:
+            total += tokens * price / 1_000_000
     return total if is_cents(total) else 0.0
 
 
@@ -10763,11 +10791,14 @@ def _token_count(value: Any) -> bool:
 
 
 def anthropic_usage(raw: Any) -> dict[str, int]:
-    """The token counts of a Messages API usage object (the rest of it is left out)."""
+    """The token counts of a Messages API usage object (the rest of it is left out), its
+    cache_creation's by time to live among them (ephemeral_5m_input_tokens and
+    ephemeral_1h_input_tokens: a 1-hour write costs more)."""
     if not isinstance(raw, dict):
         return {}
+    parts = raw.get("cache_creation") if isinstance(raw.get("cache_creation"), dict) else {}
     keys = [keys[0] for keys in TOKEN_KEYS.values()]
-    return {k: raw[k] for k in keys if _token_count(raw.get(k))}
+    return {k: where[k] for k in keys for where in (raw, parts) if _token_count(where.get(k))}
 
 
 def chat_usage(raw: Any) -> dict[str, int]:
@@ -16016,7 +16047,8 @@ SETTING_SCHEMAS: dict[str, dict[str, Any]] = {
         "type": "object", "additionalProperties": False,
         "required": ["input", "output", "cacheRead", "cacheWrite"],
         "properties": {k: {"type": "number", "minimum": 0}
-                       for k in ("input", "output", "cacheRead", "cacheWrite")}}},
+                       for k in ("input", "output", "cacheRead", "cacheWrite",
+                                 "cacheWrite1h")}}},
     "dnsAllowedNets": {"type": "array", "maxItems": 100, "items": NET_SCHEMA},
     "upstreamDns": {"type": "string", "description": "HOST[:PORT], or empty."},
     "uploadMaxBytes": {"type": "integer", "minimum": 1 << 10, "maximum": LIMIT_MAX},
@@ -16042,7 +16074,9 @@ SETTING_HELP: dict[str, str] = {
     "droidModel": "The model; it needs a droidPrices entry, so that no model runs for free",
     "droidAutonomy": "droid's --auto: the box, not the CLI, is the boundary",
     "droidHosts": "Hosts added to droid tasks' grants",
-    "droidPrices": "US cents per million input, output, cacheRead, cacheWrite tokens, by model",
+    "droidPrices": "US cents per million input, output, cacheRead, cacheWrite (5-minute) and "
+                   "cacheWrite1h (1-hour cache write; at least cacheWrite, twice input if "
+                   "left out) tokens, by model",
     "modelGateway": "Where droid's model calls go: api anthropic or chat-completions, baseUrl, "
                     "model (empty: droidModel), more models; each needs a droidPrices entry",
     "dnsAllowedNets": "IPv4 networks of private space (10.0.0.0/8) that tasks' granted names "

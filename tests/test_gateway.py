@@ -65,6 +65,7 @@ class Upstream:
         self.in_flight = self.most_in_flight = 0   # calls being answered at once
         self.hang_up = False           # close each connection after its answer, unsaid
         self.vanish = False            # read a call, then close with no answer (done or not)
+        self.cache_1h = 0              # of each Messages answer's 70 cache writes, 1-hour ones
         upstream = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -98,6 +99,9 @@ class Upstream:
                 usage = {"input_tokens": 1000 + n, "output_tokens": 40 + n,
                          "cache_read_input_tokens": 300, "cache_creation_input_tokens": 70 if
                          api == "anthropic" else 0}
+                if upstream.cache_1h and api == "anthropic":
+                    usage["cache_creation"] = {"ephemeral_5m_input_tokens": 70 - upstream.cache_1h,
+                                               "ephemeral_1h_input_tokens": upstream.cache_1h}
                 upstream.usages.append(usage)
                 time.sleep(upstream.delay)
                 chunks = (anthropic_answer if api == "anthropic" else chat_answer)(
@@ -733,6 +737,26 @@ def test_a_body_with_a_key_twice_at_any_depth_is_refused_before_the_upstream(
     assert done["costCents"] == pytest.approx(cost(upstream.usages), rel=1e-12)
 
 
+def test_one_hour_cache_writes_cost_their_price_streamed_or_not(
+        agent_gurtd: Gurtd, upstream: Upstream) -> None:
+    """Of 70 cache writes an answer, 50 live an hour (usage.cache_creation): those cost
+    cacheWrite1h (600 cents a million for the default model, twice input), not cacheWrite
+    (375), in a whole answer and in a stream (its message_start)."""
+    g = agent_gurtd
+    upstream.cache_1h = 50
+    done = agent_done(g, "call stream")
+    assert [r["answer"][0] for r in results(g, done["id"])] == [200, 200]
+
+    def cents(n: int, write_1h: float) -> float:
+        return ((1000 + n) * 300 + (40 + n) * 1500 + 300 * 30 + 20 * 375 + 50 * write_1h) / 1e6
+    assert PRICES["cacheWrite1h"] == 600
+    assert done["costCents"] == pytest.approx(cents(0, 600) + cents(1, 600), rel=1e-12)
+    assert done["costCents"] - (cents(0, 375) + cents(1, 375)) == pytest.approx(2 * 50 * 225 / 1e6)
+    usages = [e["usage"] for e in model_lines(g, done["id"])]
+    assert [u["ephemeral_1h_input_tokens"] for u in usages] == [50, 50]
+    assert [u["ephemeral_5m_input_tokens"] for u in usages] == [20, 20]
+
+
 @pytest.mark.parametrize("end", ["stop", "undo"])
 def test_a_stop_in_the_middle_of_a_streamed_answer_ends_it_and_counts_what_it_used(
         agent_gurtd: Gurtd, upstream: Upstream, end: str) -> None:
@@ -875,6 +899,36 @@ def test_cost_is_usage_times_each_price() -> None:
     assert G.usage_cents(usage, PRICES) == pytest.approx(
         PRICES["input"] + PRICES["output"] / 10 + PRICES["cacheRead"] / 5 +
         PRICES["cacheWrite"] / 25)
+
+
+@pytest.mark.pure
+def test_one_hour_cache_writes_cost_more_and_never_less_than_before() -> None:
+    """A 1-hour cache write costs cacheWrite1h (twice input without it), the rest of the
+    writes cacheWrite; counts that disagree are metered at the most they can mean."""
+    usage = {"input_tokens": 0, "output_tokens": 0, "cache_creation_input_tokens": 1_000_000,
+             "cache_creation": {"ephemeral_5m_input_tokens": 400_000,
+                                "ephemeral_1h_input_tokens": 600_000}}
+    flat = G.anthropic_usage(usage)
+    assert flat == {"input_tokens": 0, "output_tokens": 0,
+                    "cache_creation_input_tokens": 1_000_000,
+                    "ephemeral_5m_input_tokens": 400_000, "ephemeral_1h_input_tokens": 600_000}
+    assert G.usage_cents(flat, PRICES) == pytest.approx(0.4 * 375 + 0.6 * 600)
+    own = {"input": 400, "output": 0, "cacheRead": 0, "cacheWrite": 500}    # no cacheWrite1h
+    assert G.usage_cents(flat, own) == pytest.approx(0.4 * 500 + 0.6 * 800)
+    assert G.usage_cents(flat, {**own, "input": 100}) == pytest.approx(500)  # not under 500
+    # 1-hour writes past the total, or parts without it: the most they can mean
+    assert G.usage_cents({"ephemeral_1h_input_tokens": 2_000_000,
+                          "cache_creation_input_tokens": 1_000_000}, PRICES) == 1200
+    assert G.usage_cents({"ephemeral_5m_input_tokens": 1_000_000,
+                          "ephemeral_1h_input_tokens": 1_000_000}, PRICES) == 975
+    # a stream: message_start carries them
+    chunks = anthropic_answer({"model": MODEL, "stream": True}, "hi", None, usage)
+    assert anthropic_stream_usage(chunks) == {**flat, "output_tokens": 0}
+    for prices, ok in (({**own, "cacheWrite1h": 600}, True), ({**own, "cacheWrite1h": 499}, False),
+                       ({**own, "cacheWrite1h": -1}, False), ({**own, "cacheWrite2h": 9}, False)):
+        rule = G.SETTING_RULES["droidPrices"][0]
+        assert bool(rule({MODEL: prices})) is ok, prices
+    assert G.SETTING_RULES["droidPrices"][0](G.DEFAULT_DROID_PRICES)
 
 
 @pytest.mark.pure
