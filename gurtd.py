@@ -184,12 +184,17 @@ WORKERS = ("droid", "fake")
 DROID_VERSION = "0.215.0"             # the pinned Droid CLI (npm package droid), see Makefile
 DEFAULT_DROID_MODEL = "claude-sonnet-5"
 # US cents per million tokens; a setting, so that an owner can keep it in step with Factory.
+# cacheWrite is a 5-minute cache write (1.25 times input), cacheWrite1h a 1-hour one (twice
+# input, CACHE_WRITE_1H_RATIO: Anthropic's prompt caching prices), cacheRead 0.1 times input.
 DEFAULT_DROID_PRICES = {
-    "claude-sonnet-5": {"input": 300, "output": 1500, "cacheRead": 30, "cacheWrite": 375},
-    "claude-opus-5": {"input": 500, "output": 2500, "cacheRead": 50, "cacheWrite": 625},
+    "claude-sonnet-5": {"input": 300, "output": 1500, "cacheRead": 30, "cacheWrite": 375,
+                        "cacheWrite1h": 600},
+    "claude-opus-5": {"input": 500, "output": 2500, "cacheRead": 50, "cacheWrite": 625,
+                      "cacheWrite1h": 1000},
     "claude-haiku-4-5-20251001": {"input": 100, "output": 500, "cacheRead": 10,
-                                  "cacheWrite": 125},
+                                  "cacheWrite": 125, "cacheWrite1h": 200},
 }
+CACHE_WRITE_1H_RATIO = 2             # a price without cacheWrite1h: twice its input
 DEFAULT_SETTINGS: dict[str, Any] = {
     "defaultBudgetCents": 0, "maxRunningTasks": 8, "upstreamDns": "",
     "taskTimeoutSeconds": 3600, "droidPath": "", "droidModel": DEFAULT_DROID_MODEL,
@@ -690,9 +695,12 @@ SETTING_RULES: dict[str, tuple[Callable[[Any], Any], str]] = {
     "droidAutonomy": (lambda v: v in ("low", "medium", "high"), "be one of: low, medium, high"),
     "droidHosts": (_host_entries, "be an array of host entries"),
     "droidPrices": (lambda v: isinstance(v, dict) and all(
-        isinstance(p, dict) and set(p) == {"input", "output", "cacheRead", "cacheWrite"}
-        and all(is_cents(c) and c >= 0 for c in p.values()) for p in v.values()),
-        "map model ids to {input, output, cacheRead, cacheWrite} in cents per million tokens"),
+        isinstance(p, dict) and set(p) - {"cacheWrite1h"} == {"input", "output", "cacheRead",
+                                                               "cacheWrite"}
+        and all(is_cents(c) and c >= 0 for c in p.values())
+        and p.get("cacheWrite1h", p["cacheWrite"]) >= p["cacheWrite"] for p in v.values()),
+        "map model ids to {input, output, cacheRead, cacheWrite, cacheWrite1h (optional, at "
+        "least cacheWrite; else twice input)} in cents per million tokens"),
     "upstreamDns": (_upstream, "be a string: HOST[:PORT], or empty"),
     "neverAutoApproveCents": (lambda v: v is None or (is_cents(v) and v >= 0), "be a number "
                               "of at least 0, or null (no call is too large for a policy)"),
@@ -953,6 +961,26 @@ def loads_bounded(data: str | bytes, depth: int = MAX_JSON_DEPTH) -> Any:
     return value
 
 
+class KeyTwice(ValueError):
+    """A JSON object holds a key twice (unique_keys)."""
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook for text gurtd checks and then passes on as it is: a key
+    twice in one object, at any depth, is KeyTwice.  json.loads would keep the last one, and
+    another parser (the upstream's) may keep the first: a model, a stream or a tool that
+    gurtd never checked or priced."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise KeyTwice(f"the key {json.dumps(printable(key)[:100])} is in one object "
+                               "twice; each key may be there once")
+            seen.add(key)
+    return value
+
+
 def last_line(text: Any, limit: int = 1000) -> str:
     """The last non-blank line of a message (an error event's), or "" when it is blank."""
     lines = [line.strip() for line in str(text).splitlines() if line.strip()]
@@ -984,27 +1012,47 @@ TOKEN_KEYS = {"input": ("input_tokens", "inputTokens"),
               "output": ("output_tokens", "outputTokens"),
               "cacheRead": ("cache_read_input_tokens", "cacheReadTokens", "cacheReadInputTokens"),
               "cacheWrite": ("cache_creation_input_tokens", "cacheWriteTokens",
-                             "cacheCreationInputTokens")}
+                             "cacheCreationInputTokens"),
+              # the parts of cacheWrite by their time to live (the Messages API's
+              # usage.cache_creation, flattened by anthropic_usage)
+              "cacheWrite5m": ("ephemeral_5m_input_tokens",),
+              "cacheWrite1h": ("ephemeral_1h_input_tokens",)}
+
+
+def _price(prices: dict[str, Any], kind: str) -> float | None:
+    """A kind's price in cents per million tokens, None without one: a 1-hour cache write at
+    cacheWrite1h (else CACHE_WRITE_1H_RATIO times input), never below cacheWrite."""
+    price = prices.get(kind)
+    price = float(price) if is_cents(price) and price >= 0 else None
+    if kind == "cacheWrite1h":
+        write, given = _price(prices, "cacheWrite"), _price(prices, "input")
+        ratio = given * CACHE_WRITE_1H_RATIO if given is not None else None
+        found = [p for p in (price if price is not None else ratio, write) if p is not None]
+        return max(found) if found else None
+    return price
 
 
 def usage_cents(usage: Any, prices: Any) -> float:
     """What a usage record costs at these prices (cents per million tokens); 0 without.
 
     A count that is not a number from 0 to MAX_TOKENS is ignored, and the sum is always a
-    finite number: a task's stream cannot make costCents Infinity or NaN.
+    finite number: a task's stream cannot make costCents Infinity or NaN.  Cache writes are
+    the most of cacheWrite and its parts: the 1-hour ones at their price, the rest at
+    cacheWrite's (never less than all of them at cacheWrite).
     """
     if not isinstance(usage, dict) or not isinstance(prices, dict):
         return 0.0
-    total = 0.0
+    counts: dict[str, float] = {}
     for kind, keys in TOKEN_KEYS.items():
-        price = prices.get(kind)
-        if not is_cents(price) or price < 0:
-            continue
-        for key in keys:
-            tokens = usage.get(key)
-            if is_cents(tokens) and 0 <= tokens <= MAX_TOKENS:
-                total += float(tokens) * float(price) / 1_000_000
-                break
+        counts[kind] = next((float(t) for key in keys if is_cents(t := usage.get(key)) and
+                             0 <= t <= MAX_TOKENS), 0.0)
+    hour = counts.pop("cacheWrite1h")
+    counts["cacheWrite"] = max(counts["cacheWrite"], hour + counts.pop("cacheWrite5m")) - hour
+    counts["cacheWrite1h"] = hour
+    total = 0.0
+    for kind, tokens in counts.items():
+        if tokens and (price := _price(prices, kind)) is not None:
+            total += tokens * price / 1_000_000
     return total if is_cents(total) else 0.0
 
 
@@ -2119,8 +2167,16 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 WALK_FDS = 256                       # directory fds one walk keeps open along its path
-CHANGES_MAX_BYTES = 64 << 20         # paths one changes list holds (a task's chain of long
-                                     # names 6,000 deep would list gigabytes of them)
+CHANGES_MAX_BYTES = 64 << 20         # paths a layer's entries list holds (layer_entries)
+CHANGES_MAX_MEMORY = 256 << 20       # memory one changes list holds: 800,000 changes
+                                     # of 60-character paths (64 MiB of such paths were 1.1M)
+                                     # (a task's chain of long names 6,000 deep, or millions of
+                                     # empty files, would hold gigabytes)
+# What one change costs beside its path's own str: its dict, its slot in the list, in the
+# sorted list and the sort's keys (tracemalloc, a layer of 100,000 empty files: 247 bytes
+# held an entry, 263 at the peak of the sort, of which 6 are the path's characters)
+CHANGE_ENTRY_BYTES = sys.getsizeof({"path": "", "change": ""}) + 32
+CHANGE_NAME_BYTES = 24               # a name listed beside its str: its slots in the lists
 
 
 def open_dir_beneath(root_fd: int, rel: str) -> int | None:
@@ -2454,13 +2510,39 @@ def changed_paths(upper: str, lowers: list[str | int]) -> list[dict[str, str]]:
     directory only shows when it is new (or replaced an earlier one, opaque).  One walk of
     the upper with, beside each of its folders, the lowers in which that folder is visible.
     A layer deleted meanwhile gives what was read so far, a folder moved meanwhile is a 409,
-    more than CHANGES_MAX_BYTES of paths a 413 (the memory of a request is bounded).
+    more than CHANGES_MAX_MEMORY held a 413 (the memory of a request is bounded): each change
+    counted at what it costs in memory (its path's str and CHANGE_ENTRY_BYTES), each name of
+    a folder on the walk's way as it is read (a task's folder of millions of empty files is
+    refused before its names are all held) until the walk leaves the folder.
     """
     out: list[dict[str, str]] = []
     size = 0
+    listed: dict[int, int] = {}          # bytes of each folder's names, by id(WalkDir)
+
+    def charge(cost: int) -> None:
+        nonlocal size
+        size += cost
+        if size > CHANGES_MAX_MEMORY:
+            raise ApiError(413, f"the changes are more than {CHANGES_MAX_MEMORY >> 20} MiB "
+                                "in memory (folders thousands deep, or millions of files); the "
+                                "task's archive has them all", "too_large")
+
+    def names(folder: WalkDir) -> list[str]:
+        found: list[str] = []
+        listed[id(folder)] = 0
+        with contextlib.suppress(OSError), os.scandir(folder.fds[0]) as entries:
+            for item in entries:          # one that cannot be read has none, as _names
+                found.append(item.name)
+                cost = sys.getsizeof(item.name) + CHANGE_NAME_BYTES
+                listed[id(folder)] += cost
+                charge(cost)
+        return sorted(found)
+
+    def leave(folder: WalkDir) -> None:
+        nonlocal size
+        size -= listed.pop(id(folder), 0)
 
     def change(folder: WalkDir, name: str) -> list[int] | None:
-        nonlocal size
         fds, st = folder.fds, _entry(folder.fds[0], name)
         if st is None:
             return None
@@ -2475,17 +2557,13 @@ def changed_paths(upper: str, lowers: list[str | int]) -> list[dict[str, str]]:
         if what:
             path = folder.path(name) + ("/" if subdir is not None else "")
             out.append({"path": path, "change": what})
-            size += len(path)
-        if size > CHANGES_MAX_BYTES:
-            raise ApiError(413, f"the changes are more than {CHANGES_MAX_BYTES >> 20} MiB of "
-                                "paths (folders thousands deep); the task's archive has "
-                                "them all", "too_large")
+            charge(sys.getsizeof(path) + CHANGE_ENTRY_BYTES)
         return subdir
 
     with moved_is_409(), contextlib.suppress(FileNotFoundError):
         walk([p if isinstance(p, int) else os.path.realpath(p) if os.path.isdir(p) else -1
               for p in [upper, *lowers]],
-             change)                 # realpath: a workspace may be an admin's symlink
+             change, leave, names)   # realpath: a workspace may be an admin's symlink
     return sorted_in_slices(out, key=lambda c: c["path"])
 
 
@@ -10888,11 +10966,14 @@ def _token_count(value: Any) -> bool:
 
 
 def anthropic_usage(raw: Any) -> dict[str, int]:
-    """The token counts of a Messages API usage object (the rest of it is left out)."""
+    """The token counts of a Messages API usage object (the rest of it is left out), its
+    cache_creation's by time to live among them (ephemeral_5m_input_tokens and
+    ephemeral_1h_input_tokens: a 1-hour write costs more)."""
     if not isinstance(raw, dict):
         return {}
+    parts = raw.get("cache_creation") if isinstance(raw.get("cache_creation"), dict) else {}
     keys = [keys[0] for keys in TOKEN_KEYS.values()]
-    return {k: raw[k] for k in keys if _token_count(raw.get(k))}
+    return {k: where[k] for k in keys for where in (raw, parts) if _token_count(where.get(k))}
 
 
 def chat_usage(raw: Any) -> dict[str, int]:
@@ -11718,7 +11799,11 @@ class Gateway:
             raise GatewayRefusal(413, "request_too_large", "the request body holds over "
                                  f"{GATEWAY_MAX_VALUES} JSON values")
         try:          # json.loads alone: only model and stream are read, never rendered
-            data = json.loads(request.body)
+            data = json.loads(request.body, object_pairs_hook=unique_keys)
+        except KeyTwice as exc:
+            raise GatewayRefusal(400, "invalid_request_error", f"the body is refused: {exc} "
+                                 "(the model's server might read another one than gurtd "
+                                 "checked)") from None
         except (ValueError, RecursionError):
             data = None
         if not isinstance(data, dict):
@@ -16146,7 +16231,8 @@ SETTING_SCHEMAS: dict[str, dict[str, Any]] = {
         "type": "object", "additionalProperties": False,
         "required": ["input", "output", "cacheRead", "cacheWrite"],
         "properties": {k: {"type": "number", "minimum": 0}
-                       for k in ("input", "output", "cacheRead", "cacheWrite")}}},
+                       for k in ("input", "output", "cacheRead", "cacheWrite",
+                                 "cacheWrite1h")}}},
     "dnsAllowedNets": {"type": "array", "maxItems": 100, "items": NET_SCHEMA},
     "upstreamDns": {"type": "string", "description": "HOST[:PORT], or empty."},
     "uploadMaxBytes": {"type": "integer", "minimum": 1 << 10, "maximum": LIMIT_MAX},
@@ -16172,7 +16258,9 @@ SETTING_HELP: dict[str, str] = {
     "droidModel": "The model; it needs a droidPrices entry, so that no model runs for free",
     "droidAutonomy": "droid's --auto: the box, not the CLI, is the boundary",
     "droidHosts": "Hosts added to droid tasks' grants",
-    "droidPrices": "US cents per million input, output, cacheRead, cacheWrite tokens, by model",
+    "droidPrices": "US cents per million input, output, cacheRead, cacheWrite (5-minute) and "
+                   "cacheWrite1h (1-hour cache write; at least cacheWrite, twice input if "
+                   "left out) tokens, by model",
     "modelGateway": "Where droid's model calls go: api anthropic or chat-completions, baseUrl, "
                     "model (empty: droidModel), more models; each needs a droidPrices entry",
     "dnsAllowedNets": "IPv4 networks of private space (10.0.0.0/8) that tasks' granted names "

@@ -65,6 +65,7 @@ class Upstream:
         self.in_flight = self.most_in_flight = 0   # calls being answered at once
         self.hang_up = False           # close each connection after its answer, unsaid
         self.vanish = False            # read a call, then close with no answer (done or not)
+        self.cache_1h = 0              # of each Messages answer's 70 cache writes, 1-hour ones
         upstream = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -98,6 +99,9 @@ class Upstream:
                 usage = {"input_tokens": 1000 + n, "output_tokens": 40 + n,
                          "cache_read_input_tokens": 300, "cache_creation_input_tokens": 70 if
                          api == "anthropic" else 0}
+                if upstream.cache_1h and api == "anthropic":
+                    usage["cache_creation"] = {"ephemeral_5m_input_tokens": 70 - upstream.cache_1h,
+                                               "ephemeral_1h_input_tokens": upstream.cache_1h}
                 upstream.usages.append(usage)
                 time.sleep(upstream.delay)
                 chunks = (anthropic_answer if api == "anthropic" else chat_answer)(
@@ -584,6 +588,21 @@ for step in open("/run/gurt/prompt.md").read().split():
             say(step="huge", answer=call(None, raw=b" " * (17 << 20)))
         except OSError as exc:
             say(step="huge", answer=[0, str(exc)])
+    elif step == "twice":       # a key twice: the upstream might read the other one
+        m, tail = json.dumps(settings["model"]), '"messages": [{"role": "user", "content": "hi"}]'
+        for name, raw in {
+                "model": '{"model": "gpt-9", "model": %s, "max_tokens": 100, %s}',
+                "model-last": '{"model": %s, "model": "gpt-9", "max_tokens": 100, %s}',
+                "escaped": '{"model": %s, "mod\\u0065l": "gpt-9", "max_tokens": 100, %s}',
+                "stream": '{"model": %s, "stream": false, "stream": true, "max_tokens": 1, %s}',
+                "max_tokens": '{"model": %s, "max_tokens": 1, "max_tokens": 100000, %s}',
+                "deep": '{"model": %s, "max_tokens": 1, "tools": [{"name": "t", "input_schema":'
+                        ' {"type": "object", "type": "x"}}], %s}',
+                "message": '{"model": %s, "max_tokens": 1, "messages": [{"role": "user", '
+                           '"content": "hi", "content": "ho"}], "x": %s}'}.items():
+            tail_or_list = tail if name != "message" else "[]"
+            say(step="twice-" + name, answer=call(None, raw=(raw % (m, tail_or_list)).encode()))
+        say(step="once", answer=call(MESSAGE))
     elif step.startswith("time"):   # ms of calls one after another, and to a first byte
         whole, first = timed(host, 80, settings["apiKey"], MESSAGE, int(step[4:] or 200))
         say(step=step, whole=whole, first=first)
@@ -704,6 +723,47 @@ def test_refusals_are_said_to_the_agent(agent_gurtd: Gurtd, upstream: Upstream) 
     assert crowd.count(429) <= int(said[0].split()[-1]) <= 1000 - crowd.count(200)
     assert len([a for a in crowd if a == 200]) == len(upstream.usages)
     assert done["costCents"] == pytest.approx(cost(upstream.usages), rel=1e-12)
+
+
+def test_a_body_with_a_key_twice_at_any_depth_is_refused_before_the_upstream(
+        agent_gurtd: Gurtd, upstream: Upstream) -> None:
+    """json.loads keeps a key's last value, another parser may keep its first: a call of
+    model gpt-9 then the allowed one (or stream, max_tokens twice, a key spelt with an escape,
+    a key twice deep in a tool or a message) would reach the upstream as something gurtd
+    never checked or priced.  Each is a 400 that says so, and the upstream sees none."""
+    g = agent_gurtd
+    done = agent_done(g, "twice")
+    by_step = {r["step"]: r["answer"] for r in results(g, done["id"])}
+    twice = {step: answer for step, answer in by_step.items() if step.startswith("twice-")}
+    assert len(twice) == 7 and {a[0] for a in twice.values()} == {400}, twice
+    for step, (_, text) in twice.items():
+        error = json.loads(text)["error"]
+        assert error["type"] == "invalid_request_error", text
+        assert "is in one object twice" in error["message"], text
+    assert '\\"model\\"' in twice["twice-escaped"][1]
+    assert by_step["once"][0] == 200
+    assert len(upstream.requests) == 1 and upstream.requests[0]["body"]["max_tokens"] == 100
+    assert done["costCents"] == pytest.approx(cost(upstream.usages), rel=1e-12)
+
+
+def test_one_hour_cache_writes_cost_their_price_streamed_or_not(
+        agent_gurtd: Gurtd, upstream: Upstream) -> None:
+    """Of 70 cache writes an answer, 50 live an hour (usage.cache_creation): those cost
+    cacheWrite1h (600 cents a million for the default model, twice input), not cacheWrite
+    (375), in a whole answer and in a stream (its message_start)."""
+    g = agent_gurtd
+    upstream.cache_1h = 50
+    done = agent_done(g, "call stream")
+    assert [r["answer"][0] for r in results(g, done["id"])] == [200, 200]
+
+    def cents(n: int, write_1h: float) -> float:
+        return ((1000 + n) * 300 + (40 + n) * 1500 + 300 * 30 + 20 * 375 + 50 * write_1h) / 1e6
+    assert PRICES["cacheWrite1h"] == 600
+    assert done["costCents"] == pytest.approx(cents(0, 600) + cents(1, 600), rel=1e-12)
+    assert done["costCents"] - (cents(0, 375) + cents(1, 375)) == pytest.approx(2 * 50 * 225 / 1e6)
+    usages = [e["usage"] for e in model_lines(g, done["id"])]
+    assert [u["ephemeral_1h_input_tokens"] for u in usages] == [50, 50]
+    assert [u["ephemeral_5m_input_tokens"] for u in usages] == [20, 20]
 
 
 @pytest.mark.parametrize("end", ["stop", "undo"])
@@ -848,6 +908,36 @@ def test_cost_is_usage_times_each_price() -> None:
     assert G.usage_cents(usage, PRICES) == pytest.approx(
         PRICES["input"] + PRICES["output"] / 10 + PRICES["cacheRead"] / 5 +
         PRICES["cacheWrite"] / 25)
+
+
+@pytest.mark.pure
+def test_one_hour_cache_writes_cost_more_and_never_less_than_before() -> None:
+    """A 1-hour cache write costs cacheWrite1h (twice input without it), the rest of the
+    writes cacheWrite; counts that disagree are metered at the most they can mean."""
+    usage = {"input_tokens": 0, "output_tokens": 0, "cache_creation_input_tokens": 1_000_000,
+             "cache_creation": {"ephemeral_5m_input_tokens": 400_000,
+                                "ephemeral_1h_input_tokens": 600_000}}
+    flat = G.anthropic_usage(usage)
+    assert flat == {"input_tokens": 0, "output_tokens": 0,
+                    "cache_creation_input_tokens": 1_000_000,
+                    "ephemeral_5m_input_tokens": 400_000, "ephemeral_1h_input_tokens": 600_000}
+    assert G.usage_cents(flat, PRICES) == pytest.approx(0.4 * 375 + 0.6 * 600)
+    own = {"input": 400, "output": 0, "cacheRead": 0, "cacheWrite": 500}    # no cacheWrite1h
+    assert G.usage_cents(flat, own) == pytest.approx(0.4 * 500 + 0.6 * 800)
+    assert G.usage_cents(flat, {**own, "input": 100}) == pytest.approx(500)  # not under 500
+    # 1-hour writes past the total, or parts without it: the most they can mean
+    assert G.usage_cents({"ephemeral_1h_input_tokens": 2_000_000,
+                          "cache_creation_input_tokens": 1_000_000}, PRICES) == 1200
+    assert G.usage_cents({"ephemeral_5m_input_tokens": 1_000_000,
+                          "ephemeral_1h_input_tokens": 1_000_000}, PRICES) == 975
+    # a stream: message_start carries them
+    chunks = anthropic_answer({"model": MODEL, "stream": True}, "hi", None, usage)
+    assert anthropic_stream_usage(chunks) == {**flat, "output_tokens": 0}
+    for prices, ok in (({**own, "cacheWrite1h": 600}, True), ({**own, "cacheWrite1h": 499}, False),
+                       ({**own, "cacheWrite1h": -1}, False), ({**own, "cacheWrite2h": 9}, False)):
+        rule = G.SETTING_RULES["droidPrices"][0]
+        assert bool(rule({MODEL: prices})) is ok, prices
+    assert G.SETTING_RULES["droidPrices"][0](G.DEFAULT_DROID_PRICES)
 
 
 @pytest.mark.pure

@@ -14,6 +14,7 @@ import os
 import random
 import stat
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +250,35 @@ def test_a_merged_layer_keeps_owners_modes_links_and_deep_trees(scratch: str) ->
         os.close(fd)
     finally:
         os.close(root)
+
+
+@pytest.mark.parametrize("wide", [1, 30])
+def test_a_layer_of_many_empty_files_is_refused_at_the_changes_cap_in_memory(
+        scratch: str, monkeypatch: Any, wide: int) -> None:
+    """A task's layer of 30,000 empty files with short names (in one folder, or 30 of 1,000):
+    listed whole, its changes hold ~250 bytes an entry (a dict, a str, list slots) of which
+    ~6 are path, so a cap that counted the paths let millions of them grow gurtd by
+    gigabytes.  Under a 1 MiB cap the listing is a 413 and never holds much past the cap."""
+    upper, lower = os.path.join(scratch, "upper"), os.path.join(scratch, "lower")
+    os.mkdir(lower)
+    for d in range(wide):
+        os.makedirs(os.path.join(upper, str(d)))
+        for i in range(30_000 // wide):
+            os.mknod(os.path.join(upper, str(d), str(i)))
+    monkeypatch.setattr(gurtd, "CHANGES_MAX_MEMORY", 1 << 20)
+    tracemalloc.start()
+    try:
+        try:
+            outcome: Any = len(gurtd.changed_paths(upper, [lower]))
+        except gurtd.ApiError as exc:
+            outcome = exc.status
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert outcome == 413, f"{outcome} changes listed, {peak} bytes at the peak"
+    assert peak < 1.25 * (1 << 20), f"{peak} bytes held to list changes past a 1 MiB cap"
+    monkeypatch.setattr(gurtd, "CHANGES_MAX_MEMORY", 64 << 20)      # under it: all of them
+    assert len(gurtd.changed_paths(upper, [lower])) == 30_000 + wide
 
 
 GROUP_ENV = {"GURT_LAYER_GROUP": "3", "GURT_LAYER_KEEP": "2"}
