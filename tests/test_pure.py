@@ -478,9 +478,13 @@ def test_a_together_diff_cut_by_its_time_keeps_the_files_it_finished(
         old = "".join(lines).encode()
         rng.shuffle(lines)
         pairs.append((f"f{i}.txt", old, "".join(lines).encode()))
-    alone = _diff_of(pairs, -1)
+    monkeypatch.setattr(G, "DIFF_SECONDS", 3600.0)      # the whole answer's time: not what
+    t0 = time.monotonic()                                # is tested (a guest without KVM
+    alone = _diff_of(pairs, -1)                          # took more than 30 s alone)
     assert alone.count("\n+++ b/f") == 80
-    monkeypatch.setattr(G, "DIFF_FILE_SECONDS", 1.0)     # the diff -r's cut (each pair ~30 ms)
+    # the diff -r's cut: a third of the pairs' time alone, at least 1 s (each ~30 ms here; a
+    # guest without KVM is many times slower)
+    monkeypatch.setattr(G, "DIFF_FILE_SECONDS", max(1.0, (time.monotonic() - t0) / 3))
     calls: list[str] = []
     text_diff = G.text_diff
     monkeypatch.setattr(G, "text_diff", lambda *a: calls.append(a[2]) or text_diff(*a))

@@ -334,8 +334,8 @@ def evil_droid(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gurtd]:
     monkeypatch.delenv("FACTORY_API_KEY", raising=False)
     try:
         with running_gurtd() as g:
-            g.api("PUT", "/api/settings", {"droidPath": path})
-            yield g
+            g.api("PUT", "/api/settings", {"droidPath": path, "droidFactoryKey": True})
+            yield g                  # the stream's usage is spending: the mode its cost tests
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
