@@ -117,6 +117,7 @@ import importlib
 import io
 import ipaddress
 import json
+import math
 import operator
 import os
 import queue
@@ -298,10 +299,12 @@ def is_digits(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
-def now_iso() -> str:
-    """RFC 3339 UTC with milliseconds, e.g. 2026-11-29T19:50:40.123Z."""
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds") \
-        .replace("+00:00", "Z")
+def now_iso(at: float | None = None) -> str:
+    """RFC 3339 UTC with milliseconds, e.g. 2026-11-29T19:50:40.123Z (of at, seconds since
+    the epoch, if given)."""
+    when = datetime.datetime.now(datetime.timezone.utc) if at is None else \
+        datetime.datetime.fromtimestamp(at, datetime.timezone.utc)
+    return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def new_task_id(prefix: str = "t") -> str:
@@ -1514,30 +1517,66 @@ def _account_lines(name: str, uid: int, comment: str) -> dict[str, str]:
             "/etc/gshadow": f"{name}:!::"}
 
 
+class AccountEdit:
+    """One edit of the account files, held open: under the account lock from the first uid
+    it gives to its write, so that two gurtd instances never share a uid.  uid(name) chooses
+    a free uid of the task range (the first from hint on, wrapping, after the one before it,
+    that no account or group has) and plans the entries; forget(name) drops a plan; write
+    removes the entries of gone and writes the planned ones, in one edit (its syncs cost the
+    same however many).  A schedule holds one open across its starts, so that the workers'
+    own setup runs while their users are written (StepGroup.users_making)."""
+
+    def __init__(self, hint: int, comment: str) -> None:
+        self.hint, self.comment = hint, comment
+        self.taken: set[int] | None = None
+        self.planned: dict[str, int] = {}
+        self.gone: list[str] = []
+        self.locked = False
+
+    def __enter__(self) -> "AccountEdit":
+        _ACCOUNTS_LOCK.acquire()
+        try:
+            libc_call("lckpwdf")
+        except BaseException:
+            _ACCOUNTS_LOCK.release()
+            raise
+        self.locked = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.locked:
+            self.locked = False
+            libc().ulckpwdf()
+            _ACCOUNTS_LOCK.release()
+
+    def uid(self, name: str) -> int:
+        if self.taken is None:
+            self.taken = _uids_taken()
+        uid = self.planned[name] = _uid_free(self.taken, self.hint)
+        self.taken.add(uid)
+        self.hint = uid + 1
+        return uid
+
+    def forget(self, name: str) -> None:
+        """name not made, and its entries removed (a start that failed inside)."""
+        self.planned.pop(name, None)
+        self.gone.append(name)
+
+    def write(self, gone: list[str]) -> None:
+        lines: dict[str, list[str]] = {path: [] for path in ACCOUNT_FILES}
+        for name, uid in self.planned.items():
+            for path, line in _account_lines(name, uid, self.comment).items():
+                lines[path].append(line)
+        _accounts_replace(set(gone) | set(self.gone) | set(self.planned), lines)
+
+
 def _edit_accounts(names: list[str], add: list[str] | None = None, hint: int = 0,
                    comment: str = "") -> list[int]:
     """Remove the entries of names and make users add (their entries replace any of the
-    same name), under the account lock, in one edit; the uids of add, in its order.
-
-    Each uid is chosen here, inside the lock, so that two gurtd instances never share one:
-    the first from hint on (wrapping in the task range), after the one before it, that no
-    account or group has.
-    """
-    uids: list[int] = []
-    with _ACCOUNTS_LOCK:
-        libc_call("lckpwdf")
-        try:
-            lines: dict[str, list[str]] = {path: [] for path in ACCOUNT_FILES}
-            taken = _uids_taken() if add else set()
-            for name in add or []:
-                uids.append(_uid_free(taken, hint))
-                taken.add(uids[-1])
-                hint = uids[-1] + 1
-                for path, line in _account_lines(name, uids[-1], comment).items():
-                    lines[path].append(line)
-            _accounts_replace(set(names) | set(add or []), lines)
-        finally:
-            libc().ulckpwdf()
+    same name) in one AccountEdit; the uids of add, in its order."""
+    with AccountEdit(hint, comment) as edit:
+        uids = [edit.uid(name) for name in add or []]
+        edit.write(names)
     return uids
 
 
@@ -3873,6 +3912,8 @@ def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
     _mount_attrs(-100, NEW_ROOT, MOUNT_ATTR_RDONLY, False)  # the root's own folders, read-only
     _root_pivot(NEW_ROOT)
     _lo_up()
+    if "gateFd" in spec:                      # the task's user and state are on disk
+        _gate_pass(fds[spec["gateFd"]])
     _drop_privileges(uid, gid)
     # a personal task works in its first folder, as the owner would
     os.chdir(spec["folders"][0]["path"] if spec.get("folders") else VIEW_DIR)
@@ -4118,6 +4159,15 @@ def _drop_privileges(uid: int, gid: int) -> None:
         raise SysError("drop privileges", errno.EPERM, "still privileged")
 
 
+def _gate_pass(fd: int) -> None:
+    """Wait for gurtd's word that the task may begin (Box.tasks_begin): a byte, or the end of
+    the pipe if the task's user or state could not be saved, or gurtd ended meanwhile."""
+    word = os.read(fd, 1)
+    os.close(fd)
+    if word != b"1":
+        raise SysError("begin", errno.ECANCELED, "gurtd did not let the task begin")
+
+
 def _emit(fd: int, **msg: Any) -> None:
     data = (json.dumps(msg) + "\n").encode()
     while data:
@@ -4130,7 +4180,7 @@ def _run_fake(spec: dict[str, Any], out_fd: int) -> int:
     for line in spec["prompt"].splitlines():
         if not line.strip() or line.lstrip().startswith("#"):
             continue
-        _emit(out_fd, t="step", text=line)
+        _emit(out_fd, t="step", text=line, at=time.time())
         code = _run_line(["/bin/sh", "-c", line], env, out_fd)
         if code != 0:
             _emit(out_fd, t="exit", code=code)
@@ -8638,6 +8688,7 @@ class Worker:
     last_err: str = ""               # since the latest step
     error: str | None = None         # the sandbox could not be built
     log_fd: int = -1
+    gate: int = -1                   # its gate's write end, until tasks_begin lets it on
     started: float = field(default_factory=time.monotonic)
     droid_error: str = ""            # the latest error event of a droid worker
     model_cents: float = 0.0         # model cost counted so far (usage is cumulative)
@@ -8649,6 +8700,15 @@ class Worker:
     disk_floor: int = LIMIT_MAX      # free bytes below which it may be paused for disk
     log_cap: LogCap = field(default_factory=lambda: LogCap(LIMIT_MAX))
 
+    def began(self, msg: dict[str, Any]) -> float:
+        """When a reported step began: the worker's own clock (its `at`, taken as it began,
+        before the loop read it), held between the worker's spawn and now."""
+        now = time.time()
+        at = msg.get("at")
+        if not isinstance(at, (int, float)) or not math.isfinite(at):
+            return now
+        return min(max(float(at), now - (time.monotonic() - self.started)), now)
+
 
 class StepGroup:
     """One loop step's saves, ends, starts and account edits, each kind made together: one
@@ -8659,7 +8719,7 @@ class StepGroup:
     saves put off (save_later: a step's text, a droid's summary and cost) and a schedule
     (schedule_later); at its end the put-off saves go in one unsynced commit, the ends in one
     synced commit, then each is logged and announced, and the users gone are removed in the
-    edit that makes those of the tasks starting in their place (users_make).  starting() (one
+    edit that makes those of the tasks starting in their place (users_making).  starting() (one
     schedule's starts) collects their running states (start_later).
 
     Crashes: an end is synced before it is logged or announced.  A put-off save is made at
@@ -8676,6 +8736,7 @@ class StepGroup:
         self.due: list[Task] | None = None       # unsynced saves grouped() makes
         self.starts: list[Task] | None = None    # running saves starting() makes together
         self.schedule_due = False                # grouped() schedules once, at its end
+        self.editing: AccountEdit | None = None  # the edit users_making holds open
 
     def schedule_later(self) -> bool:
         """Inside grouped() or starting(): the schedule runs again at their end (an inner
@@ -8697,7 +8758,9 @@ class StepGroup:
 
     def user_gone(self, name: str) -> None:
         """A task's user removed: with the others inside grouped(), else at once."""
-        if self.gone is not None:
+        if self.editing is not None:             # not made yet: never written
+            self.editing.forget(name)
+        elif self.gone is not None:
             self.gone.append(name)
         else:
             user_del(name)
@@ -8748,7 +8811,7 @@ class StepGroup:
         """The tasks that end inside (a loop step's events: an exit, or the end of a report
         pipe read after it) saved in one group commit at its end, then each logged and
         announced; the users of those that ended go, and those of the tasks that start in
-        their place come, in one edit of the account files (users_make).  A crash before that
+        their place come, in one edit of the account files (users_making).  A crash before that
         leaves users the next start removes.  Nested, the outer one does this."""
         if self.gone is not None:
             yield
@@ -8769,7 +8832,7 @@ class StepGroup:
                     if due:
                         self.box.schedule(names)   # removed in the edit of the new users
                     else:
-                        self.users_make([], names)
+                        self.users_remove(names)
 
     def commit(self, tasks: list[Task], ended: bool) -> None:
         """tasks saved in one synced group commit, then (ended) each logged and announced in
@@ -8802,29 +8865,78 @@ class StepGroup:
             if done:
                 box.views.layers_changed(task.workspace, undone=task.id)
 
-    def users_make(self, tasks: list[Task], gone: list[str]) -> None:
-        """The users of tasks about to start made (task.uid) and the users gone removed, in
-        one edit of the account files (~15 ms of syncs however many: a burst starts and ends
-        tens at once).  uids go round the range, so that one is not reused soon after its
-        task ended; the next one is saved with the tasks' running (or failed) state: a crash
-        before that finds them queued and their users leftovers, ended and removed.  If the
-        edit fails, the users gone stay until the next start and each task makes its own."""
-        if not tasks and not gone:
-            return
+    def user_for(self, task: Task) -> int:
+        """A starting task's uid: planned in the edit users_making holds (written at its
+        end), or made at once in an edit of its own (none held: its lock could not be had)."""
+        box = self.box
+        if self.editing is not None:
+            uid = self.editing.uid(task.user)
+        else:
+            uid = user_add(task.user, box.state["nextUid"], f"gurt task in {box.home}")
+        box.state["nextUid"], box.state_unsaved = uid + 1, True
+        return uid
+
+    @contextlib.contextmanager
+    def users_making(self, gone: list[str], tasks: list[Task]) -> Iterator[None]:
+        """One schedule's starts of tasks (inside, each asking user_for): the users of those
+        that started made and the users gone removed in one edit of the account files at the
+        end, after the workers were spawned, so that a worker builds its box while its user
+        is written; then they begin (Box.tasks_begin: running, and past their gates; a
+        task's code never runs before its user exists).  The account lock is held
+        from the first uid to the edit: two gurtd instances never share a uid.  uids go round
+        the range, so that one is not reused soon after its task ended; the next one is
+        saved with the tasks' running state, after the edit: a crash between the two finds
+        them queued and their users leftovers, ended and removed.  If the lock cannot be
+        had, each task makes its own user; if the edit fails, the tasks that started fail,
+        and the users gone stay until the next start."""
+        box, edit = self.box, None
         try:
-            uids = users_edit(gone, [t.user for t in tasks], self.box.state["nextUid"],
-                              f"gurt task in {self.box.home}")
+            edit = AccountEdit(box.state["nextUid"], f"gurt task in {box.home}").__enter__()
         except (SysError, OSError) as exc:
-            log(3, f"users {' '.join(gone + [t.user for t in tasks])}: {exc}; those of "
-                   "ended tasks stay until the next start")
-            if tasks and gone:                   # a full uid range must not keep the gone
-                self.users_make([], gone)
+            log(3, f"the account files cannot be locked: {exc}; each task makes its own user")
+        self.editing = edit
+        try:
+            yield
+        finally:
+            self.editing = None
+            if edit is not None:
+                self.users_write(edit, gone)
+            else:
+                self.users_remove(gone)
+            box.tasks_begin(tasks)
+
+    def users_write(self, edit: AccountEdit, gone: list[str]) -> None:
+        """users_making's end: the edit written and its lock let go; if it fails, the tasks
+        whose users it planned fail (their workers, at their gates, never ran)."""
+        try:
+            try:
+                if edit.planned:
+                    stop_point("users-write")   # a test's pause: the workers at their gates
+                edit.write(gone)
+            finally:
+                edit.__exit__()
+        except (SysError, OSError) as exc:
+            log(3, f"users {' '.join(gone + list(edit.planned))}: {exc}")
+            for name in edit.planned:
+                task = self.box.tasks.get(name.removeprefix(TASK_USER_PREFIX))
+                if task is not None and task.state in ACTIVE_STATES:
+                    self.box.fail_task(task, f"could not start: its user: {exc}")
+            if edit.planned and gone:            # a failed write of new users must not keep
+                self.users_remove(gone)          # the gone
             return
-        for task, uid in zip(tasks, uids):
-            task.uid = uid
-        if uids:
-            self.box.state["nextUid"], self.box.state_unsaved = uids[-1] + 1, True
+        if edit.planned:
+            log(7, f"users_edit: removed {' '.join(gone + edit.gone) or '-'}, added "
+                   f"{' '.join(f'{n} ({u})' for n, u in edit.planned.items())}")
             crash_point("after-making-users")
+
+    def users_remove(self, gone: list[str]) -> None:
+        """The users gone removed in one edit of the account files (its syncs cost the same
+        however many); if it fails, they stay until the next start."""
+        if gone:
+            try:
+                user_del(*gone)
+            except (SysError, OSError) as exc:
+                log(3, f"users {' '.join(gone)}: {exc}; they stay until the next start")
 
 
 class Box:
@@ -9021,8 +9133,10 @@ class Box:
             if sync:
                 self.unsaved.discard(task.id)
 
-    def append_log(self, task_id: str, entry: dict[str, Any]) -> None:
-        entry = {"time": now_iso(), **entry}
+    def append_log(self, task_id: str, entry: dict[str, Any], at: float | None = None
+                   ) -> None:
+        """A line of the task's log, timed now (or at: seconds since the epoch)."""
+        entry = {"time": now_iso(at), **entry}
         line = json_text(entry) + b"\n"      # a name that is not UTF-8 as \xNN
         worker = self.workers.get(task_id)
         if worker is not None and not worker.log_cap.admit(entry.get("type"), len(line)):
@@ -9182,12 +9296,14 @@ class Box:
         """POST /api/tasks: create_task, its start and its answer at the end of the step's
         commands (Loop.run_commands): the creates of a step start in one schedule (one edit
         of the account files, one group save), and each 201 still holds its started task."""
-        return Later(self.new_task(body).to_api)
+        task = self.new_task(body, sync=False)
+        return Later(task.to_api, task)
 
     create_task_later.batched = True      # type: ignore[attr-defined]  # Loop.run_commands
 
-    def new_task(self, body: Any, origin: dict[str, Any] | None = None) -> Task:
-        """create_task's task, queued."""
+    def new_task(self, body: Any, origin: dict[str, Any] | None = None, sync: bool = True
+                 ) -> Task:
+        """create_task's task, queued (sync: as add_task)."""
         fields = validate_task_body(body, self.settings)
         fields.update(origin or {})
         fields["limits"] = effective_limits(fields["limits"], self.settings, mem_total())
@@ -9200,15 +9316,18 @@ class Box:
             fields["folderInfo"] = folders_check(fields["folders"],
                                                  self.settings["folderRoots"], self.home)
             fields["folder"] = fields["folders"][0]
-        return self.add_task(fields)
+        return self.add_task(fields, sync=sync)
 
-    def add_task(self, fields: dict[str, Any], staged: str | None = None) -> Task:
+    def add_task(self, fields: dict[str, Any], staged: str | None = None, sync: bool = True
+                 ) -> Task:
         """Every way of making a task ends here (the API, schedules, Jira, hooks, uploads): a
         fresh id, the next seq, the task saved whole or nothing of it anywhere (507 `cannot
         save the task`, or `the upload`, on a full disk), then the box's and announced.
         staged: an upload's layer folder; the task is done at once on top of its workspace's
         stack, the folder renamed into place before the task is saved (a crash between the
-        two leaves an unused folder, never a task without its layer)."""
+        two leaves an unused folder, never a task without its layer).  Not sync: its file
+        written but not synced, for a POST whose answer comes after the step's starts, which
+        sync it (Box.created_synced): its worker is spawned meanwhile."""
         task_id = new_task_id()
         while task_id in self.tasks or os.path.lexists(self.layer_dir(task_id)):
             task_id = new_task_id()
@@ -9224,7 +9343,7 @@ class Box:
                     os.rename(staged, self.layer_dir(task_id))
                     moved = True
                     crash_point("upload-renamed")    # a test's kill -9: no record names it
-                self.save(task)
+                self.save(task, sync=sync or done)
                 if not done:
                     self.append_log(task_id, {"type": "state", "state": "queued"})
             except OSError as exc:
@@ -9251,6 +9370,19 @@ class Box:
         self.loop.emit("task", task.to_api())
         return task
 
+    def created_synced(self, tasks: list[Task]) -> None:
+        """A step's creates, saved unsynced (add_task), durable before they are answered:
+        those still queued saved in one synced group commit (a start's running save or a
+        failure's synced the others); if that cannot be made, they fail."""
+        queued = [task for task in tasks if task.state == "queued"]
+        if not queued:
+            return
+        try:
+            self.save_all(queued)
+        except OSError as exc:
+            for task in queued:
+                self.fail_task(task, cannot_save(exc))
+
     def schedule(self, gone: list[str] | None = None) -> None:
         """Start queued tasks, first in first out, while there is room; their users made in
         one edit of the account files, which removes the users gone too (steps.grouped).  Called
@@ -9264,10 +9396,10 @@ class Box:
         try:
             self.startable(starting)
         except BaseException:     # whatever that raised, the users gone still go
-            self.steps.users_make([], gone or [])
+            self.steps.users_remove(gone or [])
             raise
-        self.steps.users_make([task for task, _, _ in starting], gone or [])
-        with self.steps.starting():
+        tasks = [task for task, _, _ in starting]
+        with self.steps.starting(), self.steps.users_making(gone or [], tasks):
             for task, layers, lowers in starting:
                 self.start_task(task, layers, lowers)
         if self.steps.schedule_due:
@@ -9297,12 +9429,10 @@ class Box:
         if task.state != "queued":           # failed meanwhile (a stop, a full disk)
             return
         task.layers = layers
-        out_r = out_w = log_fd = -1
+        out_r = out_w = log_fd = gate_r = gate_w = -1
         try:
-            if not task.uid:                 # not made by schedule (its edit failed)
-                task.uid = user_add(task.user, self.state["nextUid"],
-                                    f"gurt task in {self.home}")
-                self.state["nextUid"], self.state_unsaved = task.uid + 1, True
+            if not task.uid:
+                task.uid = self.steps.user_for(task)
             uid = task.uid
             layer = self.layer_dir(task.id)
             tree_remove(layer)                        # a start cut short by a crash
@@ -9339,12 +9469,15 @@ class Box:
                 fds.append(self.network.prepare(task, hosts).nsfd)
                 self.gateway.open(task.id, fds[-1])
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
+            spec["gateFd"] = len(fds) + 2         # after the spec's memfd and out_w
             log_fd = os.open(self.log_file(task.id), os.O_RDWR | os.O_APPEND | os.O_CREAT |
                              os.O_CLOEXEC, 0o600)    # before the spawn: no worker unrecorded
-            pid = self.spawner.spawn(spec, [out_w] + fds, self.cgroups.v2_group(task.id))
+            pid = self.spawner.spawn(spec, [out_w] + fds + [gate_r],
+                                     self.cgroups.v2_group(task.id))
             self.views.pin(task.id, lowers)
         except (OSError, SysError) as exc:
-            for fd in (out_r, out_w, log_fd):
+            for fd in (out_r, out_w, log_fd, gate_r, gate_w):
                 if fd >= 0:
                     os.close(fd)
             log(3, f"task {task.id} could not start: {exc}")
@@ -9354,15 +9487,32 @@ class Box:
             self.set_state(task, "failed", error=f"could not start: {exc}")
             return
         os.close(out_w)
+        os.close(gate_r)
         os.set_blocking(out_r, False)
-        worker = Worker(task.id, pid, out_r, log_fd=log_fd, budget_limit=task.budgetCents,
+        worker = Worker(task.id, pid, out_r, log_fd=log_fd, gate=gate_w,
+                        budget_limit=task.budgetCents,
                         log_cap=LogCap(limits["logBytes"], os.fstat(log_fd).st_size),
                         stream_usage=bool(spec.get("streamUsage")))
         self.workers[task.id] = worker
         self.loop.watch(out_r, task.id)
-        self.set_state(task, "running")
-        log(6, f"task {task.id} running as {task.user} ({uid}), pid {pid}, "
-               f"{len(task.layers)} layers")
+
+    def tasks_begin(self, tasks: list[Task]) -> None:
+        """A schedule's spawned tasks begin once their users exist: running (logged; saved
+        with the others of the schedule: steps.starting), then their workers go on past their
+        gates.  A task failed meanwhile has its gate closed with it: its worker ends without
+        running anything."""
+        for task in tasks:
+            worker = self.workers.get(task.id)
+            if worker is None or task.state != "queued":
+                continue
+            self.set_state(task, "running")
+            log(6, f"task {task.id} running as {task.user} ({task.uid}), pid {worker.pid}, "
+                   f"{len(task.layers)} layers")
+            if worker.gate >= 0:
+                with contextlib.suppress(OSError):      # a worker gone already: its end comes
+                    os.write(worker.gate, b"1")
+                os.close(worker.gate)
+                worker.gate = -1
 
     def on_worker_output(self, task_id: str) -> None:
         worker = self.workers.get(task_id)
@@ -9404,7 +9554,7 @@ class Box:
             worker.last_err = ""
             task.step = text
             self.steps.save_later(task)
-            self.append_log(task.id, {"type": "step", "text": text})
+            self.append_log(task.id, {"type": "step", "text": text}, at=worker.began(msg))
         elif kind == "out" and task.worker == "droid":
             self.droid.on_event(task, worker, text)
         elif kind == "out":
@@ -9476,8 +9626,9 @@ class Box:
             if not worker.eof:
                 self.loop.unwatch(worker.fd)
             os.close(worker.fd)
-            if worker.log_fd >= 0:
-                os.close(worker.log_fd)
+            for fd in (worker.log_fd, worker.gate):
+                if fd >= 0:
+                    os.close(fd)
         self.cleanup_user(task)
         self.network.release(task.id)
         self.disk.unlimit(task)
@@ -16933,8 +17084,9 @@ LATER_MAX = 64                        # creates answered together at most (run_c
 @dataclass
 class Later:
     """A command's answer made at the end of the step's commands (Loop.run_commands), after
-    one schedule for all of them."""
+    one schedule for all of them; task: a task it made, saved unsynced (Box.created_synced)."""
     answer: Callable[[], Any]
+    task: Task | None = None
 
 
 class Loop:
@@ -17241,6 +17393,8 @@ class Loop:
         """run_commands: the Later answers of a run of creates, after one schedule."""
         if later:
             self.guard(None, self.box.schedule)
+            made = [result.task for _, result in later if result.task is not None]
+            self.guard(None, lambda: self.box.created_synced(made))
             self.guard(None, self.publish)
         for future, result in later:
             try:

@@ -295,6 +295,61 @@ def test_users_made_for_a_start_that_a_kill_9_cut_short_are_removed_at_the_next_
         assert g.stop() == 0
 
 
+def spawned_workers(g: Gurtd) -> list[int]:
+    """The spawner's children, the workers (gurtd's one child is its spawner)."""
+    assert g.proc is not None
+    def children(pid: str) -> list[str]:
+        return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(w) for spawner in children(str(g.proc.pid)) for w in children(spawner)]
+
+
+def test_a_task_begins_only_once_its_user_is_written_and_fails_if_it_cannot_be() -> None:
+    """A worker is spawned before its user is written into the account files (it builds its
+    box meanwhile) and waits at its gate: gurtd stopped between the two (GURT_TEST_STOP_AT
+    users-write), the worker is there and its task's command has not run, no user of it
+    exists.  Let go, the task runs once and ends done.  Then the edit fails for real (the
+    account files immutable while gurtd is stopped there): that task fails with why, its
+    command never ran, no user or process of it is left, and the next one runs."""
+    from concurrent.futures import ThreadPoolExecutor
+    with running_gurtd({"GURT_TEST_STOP_AT": "users-write"}) as g, ThreadPoolExecutor(1) as pool:
+        assert g.proc is not None
+        create = pool.submit(g.create, "echo ran > ran.txt")   # answered after its start
+        stopped(g)
+        [task_id] = os.listdir(os.path.join(g.home, "layers"))
+        eventually(lambda: spawned_workers(g), 10, "the worker spawned")
+        time.sleep(0.5)                       # long enough to have run, had it not waited
+        assert not os.path.exists(os.path.join(g.home, "layers", task_id, "upper", "ran.txt"))
+        assert G.TASK_USER_PREFIX + task_id not in passwd_names()
+        os.kill(g.proc.pid, signal.SIGCONT)
+        task = create.result(timeout=30)
+        assert task["id"] == task_id
+        done = g.wait(task["id"])
+        assert done["state"] == "done", done
+        assert g.states(task["id"]) == ["queued", "running", "done"]
+        assert g.file("home", "ran.txt") == b"ran\n"
+        assert g.stop() == 0
+    with running_gurtd({"GURT_TEST_STOP_AT": "users-write"}) as g, ThreadPoolExecutor(1) as pool:
+        assert g.proc is not None
+        create = pool.submit(g.create, "echo ran > ran.txt")
+        stopped(g)
+        subprocess.run(["chattr", "+i", "/etc/gshadow"], check=True)
+        try:
+            os.kill(g.proc.pid, signal.SIGCONT)
+            task = create.result(timeout=30)
+            failed = g.wait(task["id"])
+        finally:
+            subprocess.run(["chattr", "-i", "/etc/gshadow"], check=True)
+        assert failed["state"] == "failed", failed
+        assert failed["error"].startswith("could not start: its user: "), failed
+        assert g.states(task["id"]) == ["queued", "failed"]
+        assert g.file("home", "ran.txt") is None
+        assert not [e for e in g.log(task["id"]) if e["type"] in ("step", "stdout")]
+        assert task["user"] not in passwd_names()
+        eventually(lambda: not spawned_workers(g), 10, "no process of the task")
+        assert g.run_done("echo next")["state"] == "done"
+        assert g.stop() == 0
+
+
 def test_an_undone_layer_a_kill_9_cut_short_is_deleted_and_marked_at_the_next_start() -> None:
     """A task is undone; gurtd is killed (-9) after its layer went to its trash name and
     before the task file says so (that save is not synced: a crash may lose it).  The task
