@@ -3893,9 +3893,7 @@ def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
     if spec.get("nproc"):                     # per uid, threads too: the cgroup's backup
         resource.setrlimit(resource.RLIMIT_NPROC, (spec["nproc"], spec["nproc"]))
     os.setsid()
-    if "netnsFd" in spec:      # a task with hosts: the namespace gurtd made, with its veth
-        libc_call("setns", fds[spec["netnsFd"]], CLONE_NEWNET)
-        os.close(fds[spec["netnsFd"]])
+    if spec.get("netnsAtGate"):   # a task with hosts: gurtd's namespace comes at the gate
         libc_call("unshare", CLONE_NEWNS | CLONE_NEWIPC)
     else:
         libc_call("unshare", CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC)
@@ -3911,9 +3909,9 @@ def _sandbox_enter(spec: dict[str, Any], fds: list[int]) -> None:
     folder_overlays_place(NEW_ROOT, folders)
     _mount_attrs(-100, NEW_ROOT, MOUNT_ATTR_RDONLY, False)  # the root's own folders, read-only
     _root_pivot(NEW_ROOT)
+    if "gateFd" in spec:                      # the task's user exists; its network is made
+        _gate_pass(fds[spec["gateFd"]], spec.get("netnsAtGate", False))
     _lo_up()
-    if "gateFd" in spec:                      # the task's user and state are on disk
-        _gate_pass(fds[spec["gateFd"]])
     _drop_privileges(uid, gid)
     # a personal task works in its first folder, as the owner would
     os.chdir(spec["folders"][0]["path"] if spec.get("folders") else VIEW_DIR)
@@ -4159,13 +4157,42 @@ def _drop_privileges(uid: int, gid: int) -> None:
         raise SysError("drop privileges", errno.EPERM, "still privileged")
 
 
-def _gate_pass(fd: int) -> None:
-    """Wait for gurtd's word that the task may begin (Box.tasks_begin): a byte, or the end of
-    the pipe if the task's user or state could not be saved, or gurtd ended meanwhile."""
-    word = os.read(fd, 1)
-    os.close(fd)
-    if word != b"1":
+# A worker's gate: a socket pair, its worker's end passed at the spawn.  The worker builds its
+# box, then waits there for gurtd's word that the task may begin (Box.tasks_begin: its user is
+# written), with the fd of the task's network namespace where it has one (made meanwhile):
+# nothing of the task runs before it, and the end of the socket (gurtd could not make the
+# user or ended) ends the worker.
+
+def gate_pair() -> tuple[int, int]:
+    """The worker's end and gurtd's."""
+    worker, gurtd = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    return worker.detach(), gurtd.detach()
+
+
+def gate_open(fd: int, fds: list[int]) -> None:
+    """gurtd's word at the gate fd, with fds (the task's network namespace, if it has one)."""
+    sock = socket.socket(fileno=fd)
+    try:
+        socket.send_fds(sock, [b"1"], fds)
+    finally:
+        sock.detach()
+
+
+def _gate_pass(fd: int, netns: bool) -> None:
+    """The worker at its gate: on once gurtd's word comes, in the namespace sent with it if
+    netns (never in the host's: without one the worker ends)."""
+    sock = socket.socket(fileno=fd)
+    try:
+        word, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    finally:
+        sock.close()
+    if word != b"1" or len(fds) != int(netns):
+        for got in fds:
+            os.close(got)
         raise SysError("begin", errno.ECANCELED, "gurtd did not let the task begin")
+    if netns:
+        libc_call("setns", fds[0], CLONE_NEWNET)
+        os.close(fds[0])
 
 
 def _emit(fd: int, **msg: Any) -> None:
@@ -8688,7 +8715,8 @@ class Worker:
     last_err: str = ""               # since the latest step
     error: str | None = None         # the sandbox could not be built
     log_fd: int = -1
-    gate: int = -1                   # its gate's write end, until tasks_begin lets it on
+    gate: int = -1                   # its gate's end, until tasks_begin lets it on
+    gate_fds: list[int] = field(default_factory=list)   # sent at the gate (the Network's)
     started: float = field(default_factory=time.monotonic)
     droid_error: str = ""            # the latest error event of a droid worker
     model_cents: float = 0.0         # model cost counted so far (usage is cumulative)
@@ -9462,20 +9490,19 @@ class Box:
             if task.worker == "droid":
                 hosts += [h for h in self.settings["droidHosts"] if h not in hosts]
                 self.droid.spec(task, spec, hosts)
-            fds: list[int] = []
-            if hosts or task.askHosts or self.broker.policies.has_hosts(task) or \
-                    spec.get("gateway"):
-                spec["netnsFd"] = 2
-                fds.append(self.network.prepare(task, hosts).nsfd)
-                self.gateway.open(task.id, fds[-1])
+            net = bool(hosts or task.askHosts or self.broker.policies.has_hosts(task) or
+                       spec.get("gateway"))
+            spec["gateFd"], spec["netnsAtGate"] = 2, net   # after the spec's memfd and out_w
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
-            gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
-            spec["gateFd"] = len(fds) + 2         # after the spec's memfd and out_w
+            gate_r, gate_w = gate_pair()
             log_fd = os.open(self.log_file(task.id), os.O_RDWR | os.O_APPEND | os.O_CREAT |
                              os.O_CLOEXEC, 0o600)    # before the spawn: no worker unrecorded
-            pid = self.spawner.spawn(spec, [out_w] + fds + [gate_r],
-                                     self.cgroups.v2_group(task.id))
+            pid = self.spawner.spawn(spec, [out_w, gate_r], self.cgroups.v2_group(task.id))
             self.views.pin(task.id, lowers)
+            gate_fds = []
+            if net:           # made while the worker builds its box: it enters at its gate
+                gate_fds.append(self.network.prepare(task, hosts).nsfd)
+                self.gateway.open(task.id, gate_fds[-1])
         except (OSError, SysError) as exc:
             for fd in (out_r, out_w, log_fd, gate_r, gate_w):
                 if fd >= 0:
@@ -9489,7 +9516,7 @@ class Box:
         os.close(out_w)
         os.close(gate_r)
         os.set_blocking(out_r, False)
-        worker = Worker(task.id, pid, out_r, log_fd=log_fd, gate=gate_w,
+        worker = Worker(task.id, pid, out_r, log_fd=log_fd, gate=gate_w, gate_fds=gate_fds,
                         budget_limit=task.budgetCents,
                         log_cap=LogCap(limits["logBytes"], os.fstat(log_fd).st_size),
                         stream_usage=bool(spec.get("streamUsage")))
@@ -9510,9 +9537,9 @@ class Box:
                    f"{len(task.layers)} layers")
             if worker.gate >= 0:
                 with contextlib.suppress(OSError):      # a worker gone already: its end comes
-                    os.write(worker.gate, b"1")
+                    gate_open(worker.gate, worker.gate_fds)
                 os.close(worker.gate)
-                worker.gate = -1
+                worker.gate, worker.gate_fds = -1, []
 
     def on_worker_output(self, task_id: str) -> None:
         worker = self.workers.get(task_id)
