@@ -8717,6 +8717,7 @@ class Worker:
     log_fd: int = -1
     gate: int = -1                   # its gate's end, until tasks_begin lets it on
     gate_fds: list[int] = field(default_factory=list)   # sent at the gate (the Network's)
+    logged_at: float = 0.0           # the time of its task's latest log line
     started: float = field(default_factory=time.monotonic)
     droid_error: str = ""            # the latest error event of a droid worker
     model_cents: float = 0.0         # model cost counted so far (usage is cumulative)
@@ -9163,10 +9164,13 @@ class Box:
 
     def append_log(self, task_id: str, entry: dict[str, Any], at: float | None = None
                    ) -> None:
-        """A line of the task's log, timed now (or at: seconds since the epoch)."""
+        """A line of the task's log, timed now (or at: seconds since the epoch, never before
+        the running task's line before it: a log is in time order)."""
+        worker = self.workers.get(task_id)
+        if worker is not None:
+            at = worker.logged_at = max(worker.logged_at, time.time() if at is None else at)
         entry = {"time": now_iso(at), **entry}
         line = json_text(entry) + b"\n"      # a name that is not UTF-8 as \xNN
-        worker = self.workers.get(task_id)
         if worker is not None and not worker.log_cap.admit(entry.get("type"), len(line)):
             return                              # past logBytes: counted, not stored
         if worker is not None and worker.log_fd >= 0:
