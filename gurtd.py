@@ -40,7 +40,7 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Finish-time merge     tasks side by side: a task's layer checked against the layers that
                           became done while it ran (git merge-file off the loop, conflicts as
                           approvals); undo taken out of later copies (a revert layer,
-                          built again later when the disk had no room for it)
+                          built again later when the disk refused it: full, read-only, I/O errors)
     Tasks                 StepGroup: a loop step's saves, ends, starts and account edits,
                           each made together; the Box, which owns the state and wires its
                           parts: lifecycle, undo, reconcile, settings; add_task, the one way
@@ -7809,20 +7809,23 @@ def done_since(box: Box, workspace: str, seen: list[str], stack: list[str]
     return None
 
 
-NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT)     # a full disk or quota: room comes back
+# The disk's errors that pass without the task: a full disk or quota (room comes back), a
+# file system remounted read-only or a device's I/O errors (an admin remounts or repairs it).
+# A revert that meets one waits and is built again; EFBIG would come back at every try.
+DISK_WAIT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
 
 
 class DiskFull(str):
-    """The error of a merge thread's job that the disk caused (full, quota): a revert that
-    found no room is built again later (FinishMerge.tick), never recorded failed for good."""
+    """The error of a merge thread's job that the disk caused (DISK_WAIT_ERRNOS): a revert
+    that met it is built again later (FinishMerge.tick), never recorded failed for good."""
 
 
 def no_room(exc: BaseException) -> bool:
-    """An error the disk's lack of room caused: an OSError of NO_ROOM_ERRNOS, or the 507 of
-    a save that met one (saved_or_507 raises it from None: the OSError is its context)."""
+    """An error of the disk that passes: an OSError of DISK_WAIT_ERRNOS, or the 507 of a
+    save that met one (saved_or_507 raises it from None: the OSError is its context)."""
     if isinstance(exc, ApiError):
         exc = exc.__context__ if exc.status == 507 else None
-    return isinstance(exc, OSError) and exc.errno in NO_ROOM_ERRNOS
+    return isinstance(exc, OSError) and exc.errno in DISK_WAIT_ERRNOS
 
 
 @dataclass
@@ -8128,8 +8131,8 @@ class FinishMerge:
 
     def resume_one(self, task: Task) -> None:
         """An undone task whose revert was not begun or not recorded: begun now."""
-        if task.state == "undone" and task.undoMerge is None and not task.layerDeleted and \
-                task.id not in self.undoing:
+        if task.state == "undone" and (task.undoMerge is None or task.undoMerge.get(
+                "state") == "waiting") and not task.layerDeleted and task.id not in self.undoing:
             self.undone(task)
 
     def withdraw(self, task: Task) -> None:
@@ -8164,18 +8167,23 @@ class FinishMerge:
                 result.cleanup.close()            # the staged layer, unless it joined
 
     def retry_later(self, task: Task, job: UndoJob, error: str) -> None:
-        """A revert found no room: its job stays (the undone layer kept, its record not
-        written: a restart takes it up as one cut short) and is begun again on the stack
-        then, after a wait that doubles at each failure (tick).  What it had decided is not
-        written: a next undo's answer waits on a new `named` (checking: the record names
-        the paths when the revert ends), not the decided one (writing: joins a moment later)."""
+        """A revert met a disk error that passes (no room, read-only, I/O): its job stays
+        (the undone layer kept) and is begun again on the stack then, after a wait that
+        doubles at each failure (tick).  The record says `waiting`, why and when it is tried
+        again, in memory only (the API, an event): on disk it stays unwritten, so a restart
+        takes the revert up as one cut short.  What it had decided is not written: a next
+        undo answers the waiting record, an undo waiting on `named` gets it too."""
         job.failures += 1
-        if job.named.done():
-            job.named = Future()
         wait = min(MERGE_RETRY_MAX, MERGE_RETRY * 2 ** (job.failures - 1))
         self.retries[task.id] = time.monotonic() + wait
+        task.undoMerge = undo_waiting(error, wait)
+        if not job.named.done():
+            job.named.set_result(task.undoMerge)
+        job.named = Future()
         log(3, f"task {task.id}: its revert in later copies: {error}; tried again in "
                f"{wait:.0f} s")
+        self.box.loop.render(task)
+        self.box.loop.emit("task", task.to_api())
 
     def tick(self) -> float:
         """Loop timer (Box.tick): the reverts whose wait is over begin again.  Seconds until
@@ -8187,6 +8195,7 @@ class FinishMerge:
             if job is None:                            # ended meanwhile (withdraw)
                 continue
             self.job_ended(task_id)
+            task.undoMerge = None                      # its record unwritten again: trying
             self.undone(task)                          # on the stack now
             if task_id in self.undoing:
                 self.undoing[task_id].failures = job.failures
@@ -8240,9 +8249,10 @@ class FinishMerge:
     def revert_joins(self, task: Task, job: UndoJob, result: UndoResult | None,
                      error: str | None) -> None:
         """The revert's layer joins (upload_commit); the record, the log and an event.  A
-        layer whose own task finds no room to be saved (a 507 of a full disk) waits as a
-        revert that found no room to be built does (retry_later): built again later, its
-        undo's record not written meanwhile; any other error is recorded failed."""
+        layer whose own task cannot be saved for a disk error that passes (a 507 of a full,
+        read-only or failing disk) waits as a revert that met one while built does
+        (retry_later): built again later, its record `waiting` meanwhile (not on disk); any
+        other error is recorded failed."""
         box = self.box
         layer = None
         if result is not None and result.staging is not None and error is None:
@@ -8312,12 +8322,13 @@ class FinishMerge:
 #     undo changes
 #     nothing: it answers what the record holds, or waits on the same job.  A job that
 #     fails says so (state `failed`, its error) in the record, the log and an event, but for
-#     one that found no room (ENOSPC, EDQUOT; to build its layer, or to save the layer's
-#     own task: a 507): it waits, job and undone layer kept, its record not written, and is
-#     begun again on the stack then (FinishMerge.retry_later, tick).  A
+#     one that met a disk error that passes (DISK_WAIT_ERRNOS: no room, a read-only
+#     remount, I/O errors; to build its layer, or to save the layer's own task: a 507): it
+#     waits, job and undone layer kept, its record `waiting` in memory only (why, retryAt),
+#     and is begun again on the stack then (FinishMerge.retry_later, tick).  A
 #     restart before the layer joined takes the undo up again (FinishMerge.resume: an
-#     undone task without undoMerge whose layer is still on disk), on the stack then: what
-#     had joined already is seen as reverted, so it is never reverted twice.
+#     undone task without undoMerge, or one waiting, whose layer is still on disk), on the
+#     stack then: what had joined already is seen as reverted, so it is never reverted twice.
 #   - The versions are read from the layer directories, not through mounted views
 #     (PlanReads): the undone layer is listed whole, every lower of the plans only along
 #     the way to its paths and below them (Region), from its path set (LayerPaths, read
@@ -8373,6 +8384,14 @@ def undo_record(result: UndoResult | None, error: str | None, layer: str | None
     return {**capped("reverted", result.reverted), **capped("kept", result.kept),
             "layer": layer,
             "state": "done" if layer is not None or not result.reverted else "writing"}
+
+
+def undo_waiting(error: str, wait: float) -> dict[str, Any]:
+    """The undoMerge of a revert that met a disk error that passes: nothing reverted yet,
+    why, and when it is tried again (FinishMerge.retry_later)."""
+    at = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=wait)
+    return {"reverted": [], "kept": [], "layer": None, "state": "waiting", "error": error,
+            "retryAt": at.isoformat(timespec="milliseconds").replace("+00:00", "Z")}
 
 
 def capped(key: str, every: list[Any]) -> dict[str, Any]:
@@ -16155,13 +16174,22 @@ TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schema
                                      "as soon as the paths are decided.",
                       "properties": {
                           "state": {"type": "string",
-                                    "enum": ["checking", "writing", "done", "failed"],
+                                    "enum": ["checking", "writing", "waiting", "done",
+                                             "failed"],
                                     "description": "done: as below; writing (an undo's "
                                     "answer): decided, its layer joins a moment later; "
                                     f"checking (an answer after {UNDO_ANSWER_WAIT:g} s): the "
                                     "task's record, log and a task event name the paths when "
-                                    "the revert ends; failed: nothing reverted (error)"},
-                          "error": STRING, "reverted": {"type": "array", "items": STRING},
+                                    "the revert ends; waiting: the disk was full, read-only "
+                                    "or failed with an I/O error (error), nothing reverted "
+                                    "yet, the undone layer kept, built again at retryAt; "
+                                    "failed: nothing reverted (error)"},
+                          "error": STRING,
+                          "retryAt": {"type": "string", "format": "date-time",
+                                      "description": "waiting: when the revert is tried "
+                                                     "again (the wait doubles up to "
+                                                     f"{MERGE_RETRY_MAX / 60:g} minutes)"},
+                          "reverted": {"type": "array", "items": STRING},
                           "moreReverted": {"type": "integer", "description":
                                            "Reverted past those `reverted` names (at most "
                                            f"{MERGE_CONFLICTS_SHOWN})"},
@@ -16698,10 +16726,12 @@ def lock_box_home(home: str) -> int:
     """One gurtd per BOX_HOME: an exclusive flock on BOX_HOME/gurtd.lock, taken before
     anything touches BOX_HOME, the accounts, nftables or the broker socket, and held (the fd,
     close-on-exec) until gurtd exits, even by kill -9.  The file holds the holder's pid.
-    StartError if another gurtd holds it."""
+    The fd held is read-only (the pid written through one of its own, closed at once): a
+    file open for writing would make an admin's read-only remount of BOX_HOME's disk fail
+    as busy.  StartError if another gurtd holds it."""
     os.makedirs(home, mode=0o711, exist_ok=True)
     path = os.path.join(home, "gurtd.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -16710,8 +16740,11 @@ def lock_box_home(home: str) -> int:
         raise StartError(f"another gurtd (pid {holder}) runs on BOX_HOME {home}: not "
                          "starting a second one (nothing was changed)") from None
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        pid = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            os.write(pid, f"{os.getpid()}\n".encode())
+        finally:
+            os.close(pid)
     except OSError as exc:
         log(4, f"could not write gurtd's pid into {path}: {exc}")
     return fd
@@ -17869,6 +17902,9 @@ def say_task(task: dict[str, Any]) -> None:
     if merge.get("state") in ("checking", "failed"):
         click.echo(printable(f"  later copies: {merge['state']} "
                              f"{merge.get('error') or '(gurtd log ' + task['id'] + ')'}"))
+    elif merge.get("state") == "waiting":
+        click.echo(printable(f"  later copies: waiting for the disk ({merge.get('error')}); "
+                             f"tried again at {merge.get('retryAt')}"))
 
 
 def _listing_command(name: str, doc: str, row: Callable[[Any], list[str]], headers: list[str],
