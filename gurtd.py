@@ -6471,6 +6471,7 @@ def trash_sweep(directory: str) -> None:
 
 
 STACK_INLINE = 32                    # a task's layers up to this many stay in its own file
+STACK_REF_RE = re.compile(r"[0-9a-f]{32}")          # a stack file's name: stacks/<ref>.json
 
 
 class StackStore:
@@ -6479,11 +6480,14 @@ class StackStore:
     parent's stack.  A task that starts on the previous stack of its workspace with new
     layers on top stores only those; after an undo a stack is stored whole once.  So a task
     file stays small however many layers its task saw, and a year of tasks does not write
-    their 10,000 ids at every save.  Loop thread only."""
+    their 10,000 ids at every save.  A stack is written before the task file that names
+    it: one a crash left unnamed is deleted at the next start (orphans, Box.stacks_collect).
+    Loop thread only."""
 
     def __init__(self, home: str) -> None:
         self.dir = os.path.join(home, "stacks")
         self.lists: dict[str, list[str]] = {}            # ref -> the stack, shared
+        self.parents: dict[str, str | None] = {}         # ref -> its parent's, once read
         self.last: dict[str, tuple[str, list[str]]] = {}  # workspace -> latest (ref, stack)
 
     def ref(self, workspace: str, layers: list[str]) -> str:
@@ -6501,7 +6505,9 @@ class StackStore:
             os.makedirs(self.dir, mode=0o700, exist_ok=True)
             if not os.path.exists(os.path.join(self.dir, ref + ".json")):
                 atomic_write(os.path.join(self.dir, ref + ".json"), text + b"\n")
+                crash_point("stack-written")   # a test's kill -9: no task file names it yet
             self.lists[ref] = layers
+            self.parents[ref] = node["parent"]
         self.last[workspace] = (ref, layers)
         return ref
 
@@ -6512,15 +6518,44 @@ class StackStore:
         at: str | None = ref
         while at is not None and at not in self.lists:
             node = load_json(os.path.join(self.dir, at + ".json")) \
-                if re.fullmatch(r"[0-9a-f]{32}", at) else None
+                if STACK_REF_RE.fullmatch(at) else None
             if not isinstance(node, dict) or not isinstance(node.get("ids"), list):
                 raise ValueError(f"stack {at} is missing or damaged")
             chain.append((at, node["ids"]))
+            self.parents[at] = node.get("parent")
             at = node.get("parent")
         below = self.lists[at] if at is not None else []
         for name, ids in reversed(chain):
             below = self.lists[name] = ids + below
         return self.lists[ref]
+
+    def orphans(self, named: set[str]) -> list[str]:
+        """The stack files (refs) that neither a ref of named nor one of their parents is:
+        written for a task whose file a crash cut short (Box.orphans_collect).  Only the
+        parents are read of a chain not loaded yet (a task's mergedOn): no stack is built.
+        A parent that cannot be read ends its chain (stack() says it is lost when asked)."""
+        reached: set[str] = set()
+        todo = [ref for ref in named if STACK_REF_RE.fullmatch(ref)]
+        while todo:
+            ref = todo.pop()
+            if ref in reached:
+                continue
+            reached.add(ref)
+            if ref not in self.parents:
+                with contextlib.suppress(OSError, ValueError, UnicodeDecodeError):
+                    with open(os.path.join(self.dir, ref + ".json"), "rb") as f:
+                        node = json.loads(f.read())
+                    parent = node.get("parent") if isinstance(node, dict) else None
+                    self.parents[ref] = parent if isinstance(parent, str) else None
+            parent = self.parents.get(ref)
+            if parent is not None and STACK_REF_RE.fullmatch(parent):
+                todo.append(parent)
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return []
+        return sorted(name[:-5] for name in names if name.endswith(".json") and
+                      STACK_REF_RE.fullmatch(name[:-5]) and name[:-5] not in reached)
 
 
 MERGE_SUPERSEDED = "superseded"      # a build dropped before it began (Merger.drop)
@@ -9744,6 +9779,7 @@ class Box:
             log(4, f"reconcile: unmounting the leftover overlay {point}")
             attempt(f"unmount {point}", umount, point)
         attempt("collect what no record names", self.orphans_collect)
+        attempt("collect stack files no task names", self.stacks_collect)
         attempt("take up exact undos cut short", self.finish_merge.resume)
         attempt("delete undone layers", self.views.gc_layers)
         attempt("finish keeps and undos cut short", self.review.recover)
@@ -9758,7 +9794,8 @@ class Box:
         was saved (a layer an upload or an undo's revert renamed into place, a review folder)
         goes to the trash the layer collection uses; never what a task file names, even a
         damaged one set aside (tasks/<id>.json.damaged-...).  Temp names, uploads' staging,
-        merged layers and the finish-time merge's folders are thrown away at load."""
+        merged layers and the finish-time merge's folders are thrown away at load; stack
+        files no task names, by stacks_collect."""
         recorded = {name.partition(".json")[0] for name in os.listdir(self.path("tasks"))}
         for where in ("layers", "review"):
             with contextlib.suppress(FileNotFoundError):
@@ -9777,6 +9814,30 @@ class Box:
                             self.review.submit(trash_remove, trash)
                     except OSError as exc:
                         log(3, f"reconcile: could not move {where}/{name} to the trash: {exc}")
+
+    def stacks_collect(self) -> None:
+        """reconcile: stack files no task names, itself or as a parent (StackStore.orphans),
+        are deleted: a save writes its task's stack before the task file that names it, and
+        a crash in between (or a new task's file that never reached the disk) leaves it.
+        Never one a task file names, even a damaged one set aside: its text is searched."""
+        named = {ref for _, ref in self.stack_refs.values()} | set(self.stacks.lists) | \
+            {t.mergedOn for t in self.tasks.values() if t.mergedOn is not None}
+        for name in os.listdir(self.path("tasks")):
+            if name.partition(".json")[0] not in self.tasks:       # damaged, set aside
+                try:
+                    with open(self.path("tasks", name), "rb") as f:
+                        named.update(m.decode() for m in re.findall(rb"[0-9a-f]{32}",
+                                                                    f.read()))
+                except OSError as exc:                 # what it names is unknown: keep all
+                    log(3, f"reconcile: stack files kept, {name} cannot be read: {exc}")
+                    return
+        for ref in self.stacks.orphans(named):
+            log(4, f"reconcile: stacks/{ref}.json is named by no task (a crash before its "
+                   "task was saved): deleted")
+            try:                                       # each on its own: one failure skips none
+                os.unlink(os.path.join(self.stacks.dir, ref + ".json"))
+            except OSError as exc:
+                log(3, f"reconcile: could not delete stacks/{ref}.json: {exc}")
 
     def shutdown_tasks(self) -> None:
         """End every running task (each on its own: one failure skips none), those the

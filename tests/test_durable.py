@@ -1035,6 +1035,48 @@ def test_a_kill_9_between_an_uploads_rename_and_its_save_leaves_no_orphan() -> N
         assert g.stop() == 0
 
 
+def test_a_kill_9_between_a_stack_file_and_its_task_file_leaves_no_orphan_stack() -> None:
+    """A task's stack past STACK_INLINE layers is written to stacks/<ref>.json before the
+    task file that names it; gurtd is killed (-9) between the two (an upload's task, here).
+    The next start deletes that stack file, no task names it, and keeps every stack a task
+    names (a done task's, one a damaged task file set aside names).  Before, it stayed for
+    good: every crash at that point left one more file no record names."""
+    def put(name: str) -> tuple[int, Any, Any]:
+        return g.request("PUT", f"/api/workspaces/home/files/{name}", raw=b"x\n",
+                         headers={"Content-Type": "application/octet-stream"})
+
+    with running_gurtd() as g:
+        for n in range(G.STACK_INLINE + 1):
+            assert put(f"u{n}.txt")[0] == 201, n
+        kept = g.run_done("echo a > a.txt")["id"]
+        stacks = os.path.join(g.home, "stacks")
+        named = task_file(g, kept)["layersRef"]
+        assert os.listdir(stacks) == [named + ".json"]
+        damaged_names = "f" * 32            # a stack only a damaged task file names
+        with open(os.path.join(stacks, damaged_names + ".json"), "w") as f:
+            f.write('{"ids": [], "parent": null}\n')
+        with open(os.path.join(g.home, "tasks", "tbroken0001.json"), "w") as f:
+            f.write('{"layersRef": "' + damaged_names + '", not json')
+        g.stop()
+        g.env = {"GURT_TEST_CRASH_AT": "stack-written"}
+        g.start()
+        with contextlib.suppress(OSError, http.client.HTTPException):   # it dies first
+            put("c.txt")
+        assert wait_exit(g) == 137
+        task_texts = "".join(Path(g.home, "tasks", n).read_text()
+                             for n in os.listdir(os.path.join(g.home, "tasks")))
+        [orphan] = {n[:-5] for n in os.listdir(stacks)} - {named, damaged_names}
+        assert orphan not in task_texts
+        g.env = {}
+        g.start()
+        assert sorted(os.listdir(stacks)) == sorted([named + ".json", damaged_names + ".json"])
+        assert f"stacks/{orphan}.json" in g.log_text()
+        assert len(g.task(kept)["layers"]) == G.STACK_INLINE + 1
+        assert g.file("home", "c.txt") is None and g.file("home", "u3.txt") == b"x\n"
+        assert g.run_done("echo b > b.txt")["state"] == "done"
+        assert g.stop() == 0
+
+
 # 9. a read-only remount or I/O errors at the revert layer's save (crash pass) ################
 
 def revert_stopped_on_a_broken_disk(g: Gurtd, break_disk: Callable[[], None]) -> str:
