@@ -8165,9 +8165,11 @@ class FinishMerge:
             self.resume_one(task)
 
     def resume_one(self, task: Task) -> None:
-        """An undone task whose revert was not begun or not recorded: begun now."""
+        """An undone task whose revert was not begun or not recorded (or waits: a record a
+        save took along, say): begun now."""
         if task.state == "undone" and (task.undoMerge is None or task.undoMerge.get(
                 "state") == "waiting") and not task.layerDeleted and task.id not in self.undoing:
+            task.undoMerge = None                  # as unwritten: nothing above it, none
             self.undone(task)
 
     def withdraw(self, task: Task) -> None:

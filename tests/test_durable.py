@@ -946,26 +946,61 @@ def stopped(g: Gurtd, timeout: float = 30.0) -> None:
                "gurtd stopped at its stop point")
 
 
+def revert_stopped_on_a_broken_disk(g: Gurtd, break_disk: Callable[[], None]) -> str:
+    """t2's copy of f.txt holds t1's change; t1 is undone and gurtd stops itself once the
+    revert layer is written (the undone state saved); break_disk() runs, gurtd goes on.
+    t1's id, once its revert waits."""
+    from concurrent.futures import ThreadPoolExecutor
+    g.run_done("seq 20 > f.txt")
+    t1 = g.run_done("sed -i 's/^3$/three/' f.txt")["id"]
+    g.run_done("sed -i 's/^17$/seventeen/' f.txt")
+    with ThreadPoolExecutor(1) as pool:
+        undo = pool.submit(g.api, "POST", f"/api/tasks/{t1}/undo")
+        stopped(g)                          # the revert layer written, not joined
+        break_disk()
+        assert g.proc is not None
+        os.kill(g.proc.pid, signal.SIGCONT)
+        assert undo.result(timeout=30)["state"] == "undone"
+    eventually(lambda: (g.task(t1).get("undoMerge") or {}).get("state") in
+               ("waiting", "failed"), 30, "the revert's wait (or its failure)")
+    return t1
+
+
+def assert_waiting(g: Gurtd, t1: str, reason: str, readable: bool = True) -> None:
+    """t1's revert waits for the disk and says so; nothing of it is lost meanwhile."""
+    shown = g.task(t1)
+    record = shown["undoMerge"]
+    assert shown["state"] == "undone" and record["state"] == "waiting", shown
+    assert reason in record["error"] and record["reverted"] == [] and \
+        record["layer"] is None, record
+    at = G.datetime.datetime.fromisoformat(record["retryAt"].replace("Z", "+00:00"))
+    assert 0 < (at - G.datetime.datetime.now(G.datetime.timezone.utc)).total_seconds() <= 300
+    if readable:
+        assert os.path.isdir(os.path.join(g.home, "layers", t1))
+        assert g.file("home", "f.txt").decode().count("three") == 1     # not reverted yet
+    again = g.api("POST", f"/api/tasks/{t1}/undo")
+    assert again["state"] == "undone" and again["undoMerge"]["state"] == "waiting", again
+
+
+def assert_reverted(g: Gurtd, t1: str, timeout: float = 60.0) -> None:
+    record = eventually(lambda: (g.task(t1).get("undoMerge") or {}).get("state") in
+                        ("done", "failed") and g.task(t1)["undoMerge"], timeout, "the revert")
+    assert record["state"] == "done" and record["reverted"] == ["f.txt"], record
+    want = "".join(f"{n}\n" for n in range(1, 21)).replace("17\n", "seventeen\n")
+    assert g.file("home", "f.txt").decode() == want
+    assert task_file(g, t1)["undoMerge"] == record
+    eventually(lambda: not os.path.lexists(os.path.join(g.home, "layers", t1)), 30,
+               "t1's layer deleted")
+
+
 def test_a_revert_whose_layer_cannot_be_saved_joins_once_there_is_room() -> None:
     """t1 is undone; its revert layer is written (t2's copy of f.txt without t1's line), and
     the disk is full when that layer's task is to be saved (a 507 inside gurtd).  Meanwhile
     t1 reads undone, its undoMerge not failed, its layer and t2's line kept; once the disk
     has room the revert is built again and joins, the view exact.  Before, the undo was
     recorded failed for good (and t1's layer deleted), t1's line left in t2's copy."""
-    from concurrent.futures import ThreadPoolExecutor
     with gurtd_on_small_disk({"GURT_TEST_STOP_AT": "undo-revert-written"}) as (g, disk):
-        g.run_done("seq 20 > f.txt")
-        t1 = g.run_done("sed -i 's/^3$/three/' f.txt")["id"]
-        g.run_done("sed -i 's/^17$/seventeen/' f.txt")
-        with ThreadPoolExecutor(1) as pool:
-            undo = pool.submit(g.api, "POST", f"/api/tasks/{t1}/undo")
-            stopped(g)                          # the revert layer written, not joined
-            disk.fill()                         # to the last block: gurtd is stopped
-            os.kill(g.proc.pid, signal.SIGCONT)
-            assert undo.result(timeout=30)["state"] == "undone"
-        eventually(lambda: "tried again in" in g.log_text() or
-                   (g.task(t1).get("undoMerge") or {}).get("state") == "failed", 30,
-                   "the revert's wait (or its failure)")
+        t1 = revert_stopped_on_a_broken_disk(g, disk.fill)    # filled to the last block
         shown = g.task(t1)
         assert shown["state"] == "undone" and \
             (shown.get("undoMerge") or {}).get("state") != "failed", shown
@@ -976,14 +1011,7 @@ def test_a_revert_whose_layer_cannot_be_saved_joins_once_there_is_room() -> None
             "reverted": [], "kept": [], "layer": None, "state": "waiting"}, again  # was checking
         assert "No space left on device" in again["error"] and again["retryAt"], again
         disk.free()
-        record = eventually(lambda: (g.task(t1).get("undoMerge") or {}).get("state") in
-                            ("done", "failed") and g.task(t1)["undoMerge"], 60, "the revert")
-        assert record["state"] == "done" and record["reverted"] == ["f.txt"], record
-        want = "".join(f"{n}\n" for n in range(1, 21)).replace("17\n", "seventeen\n")
-        assert g.file("home", "f.txt").decode() == want
-        assert task_file(g, t1)["undoMerge"] == record
-        eventually(lambda: not os.path.lexists(os.path.join(g.home, "layers", t1)), 30,
-                   "t1's layer deleted")
+        assert_reverted(g, t1)
         assert not [n for n in os.listdir(os.path.join(g.home, "layers"))
                     if n.startswith(G.UPLOAD_STAGING)]
         assert g.stop() == 0
@@ -1078,53 +1106,6 @@ def test_a_kill_9_between_a_stack_file_and_its_task_file_leaves_no_orphan_stack(
 
 
 # 9. a read-only remount or I/O errors at the revert layer's save (crash pass) ################
-
-def revert_stopped_on_a_broken_disk(g: Gurtd, break_disk: Callable[[], None]) -> str:
-    """t2's copy of f.txt holds t1's change; t1 is undone and gurtd stops itself once the
-    revert layer is written (the undone state saved); break_disk() runs, gurtd goes on.
-    t1's id, once its revert waits."""
-    from concurrent.futures import ThreadPoolExecutor
-    g.run_done("seq 20 > f.txt")
-    t1 = g.run_done("sed -i 's/^3$/three/' f.txt")["id"]
-    g.run_done("sed -i 's/^17$/seventeen/' f.txt")
-    with ThreadPoolExecutor(1) as pool:
-        undo = pool.submit(g.api, "POST", f"/api/tasks/{t1}/undo")
-        stopped(g)                          # the revert layer written, not joined
-        break_disk()
-        assert g.proc is not None
-        os.kill(g.proc.pid, signal.SIGCONT)
-        assert undo.result(timeout=30)["state"] == "undone"
-    eventually(lambda: (g.task(t1).get("undoMerge") or {}).get("state") in
-               ("waiting", "failed"), 30, "the revert's wait (or its failure)")
-    return t1
-
-
-def assert_waiting(g: Gurtd, t1: str, reason: str, readable: bool = True) -> None:
-    """t1's revert waits for the disk and says so; nothing of it is lost meanwhile."""
-    shown = g.task(t1)
-    record = shown["undoMerge"]
-    assert shown["state"] == "undone" and record["state"] == "waiting", shown
-    assert reason in record["error"] and record["reverted"] == [] and \
-        record["layer"] is None, record
-    at = G.datetime.datetime.fromisoformat(record["retryAt"].replace("Z", "+00:00"))
-    assert 0 < (at - G.datetime.datetime.now(G.datetime.timezone.utc)).total_seconds() <= 300
-    if readable:
-        assert os.path.isdir(os.path.join(g.home, "layers", t1))
-        assert g.file("home", "f.txt").decode().count("three") == 1     # not reverted yet
-    again = g.api("POST", f"/api/tasks/{t1}/undo")
-    assert again["state"] == "undone" and again["undoMerge"]["state"] == "waiting", again
-
-
-def assert_reverted(g: Gurtd, t1: str, timeout: float = 60.0) -> None:
-    record = eventually(lambda: (g.task(t1).get("undoMerge") or {}).get("state") in
-                        ("done", "failed") and g.task(t1)["undoMerge"], timeout, "the revert")
-    assert record["state"] == "done" and record["reverted"] == ["f.txt"], record
-    want = "".join(f"{n}\n" for n in range(1, 21)).replace("17\n", "seventeen\n")
-    assert g.file("home", "f.txt").decode() == want
-    assert task_file(g, t1)["undoMerge"] == record
-    eventually(lambda: not os.path.lexists(os.path.join(g.home, "layers", t1)), 30,
-               "t1's layer deleted")
-
 
 def test_a_revert_on_a_disk_remounted_read_only_waits_and_joins_once_it_is_writable() -> None:
     """The disk under BOX_HOME is remounted read-only (as an admin or the kernel after an
