@@ -7897,6 +7897,9 @@ class FinishMerge:
         self.paths = LayerPaths()                      # the thread's, for first looks
         self.retries: dict[str, float] = {}            # undone task -> when its revert
         #                                                begins again (retry_later)
+        self.litter: set[str] = set()                  # staged reverts the disk kept
+        self.litter_at = 0.0                           # (staged_close): removed again then,
+        self.litter_wait = MERGE_RETRY                 # the wait doubling at each failure
 
     def holds(self, task: Task, worker: Worker) -> bool:
         if task.id in self.cleared:
@@ -8200,8 +8203,8 @@ class FinishMerge:
         finally:
             if self.undoing.get(task.id) is job and task.id not in self.retries:
                 self.job_ended(task.id)
-            if result is not None and result.cleanup is not None:
-                result.cleanup.close()            # the staged layer, unless it joined
+            if result is not None:
+                self.staged_close(result)         # the staged layer, unless it joined
 
     def retry_later(self, task: Task, job: UndoJob, error: str) -> None:
         """A revert met a disk error that passes (no room, read-only, I/O): its job stays
@@ -8238,7 +8241,50 @@ class FinishMerge:
                 self.undoing[task_id].failures = job.failures
             else:                                      # nothing above it any more
                 self.revert_joins(task, job, UndoResult(), None)
-        return min([at - now for at in self.retries.values()] + [MERGE_RETRY_MAX])
+        if self.litter and self.litter_at <= now:
+            self.litter_remove()
+        return min([at - now for at in self.retries.values()] + [MERGE_RETRY_MAX] +
+                   ([self.litter_at - now] if self.litter else []))
+
+    def staged_close(self, result: UndoResult) -> None:
+        """A revert's staged layer removed, unless it joined (renamed away).  One the disk
+        refuses to remove now (read-only, I/O errors) is removed later (litter_remove), not
+        left for the next start."""
+        if result.cleanup is None:
+            return
+        try:
+            result.cleanup.close()
+        except OSError as exc:
+            log(3, f"the staged revert {result.staging} is removed later: {exc}")
+            self.litter_later({result.staging} if result.staging else set())
+
+    def litter_later(self, paths: set[str], again: bool = False) -> None:
+        """Loop: staged reverts to remove after MERGE_RETRY (tick); again (a removal that
+        failed): after twice the last wait, up to MERGE_RETRY_MAX."""
+        if paths:
+            self.litter_wait = min(MERGE_RETRY_MAX, self.litter_wait * 2) if again else \
+                MERGE_RETRY
+            self.litter |= paths
+            self.litter_at = time.monotonic() + self.litter_wait
+
+    def litter_remove(self) -> None:
+        """tick: the staged reverts the disk kept are removed on the merge thread (trees:
+        never on the loop); those it still refuses come back for the next try."""
+        paths, self.litter = self.litter, set()
+        box = self.box
+
+        def run() -> None:
+            left = set()
+            for path in sorted(paths):
+                try:
+                    tree_remove(path)
+                except OSError as exc:
+                    log(7, f"the staged revert {path} is not removed yet: {exc}")
+                    left.add(path)
+            with contextlib.suppress(OSError):        # the loop is gone (stopping)
+                box.loop.post(box.loop.guard, None, self.litter_later, left, True)
+
+        self.put(run)
 
     def job_ended(self, task_id: str) -> None:
         """A revert's job is over: the layers it read are free, the undone one may go."""
@@ -8270,8 +8316,7 @@ class FinishMerge:
         if the stack moved on), or it is built again."""
         task = self.box.get(job.task_id)
         if self.undoing.get(task.id) is not job or met:
-            if result.cleanup is not None:
-                result.cleanup.close()
+            self.staged_close(result)
             if self.undoing.get(task.id) is job:
                 self.job_ended(task.id)
                 self.undone(task)                    # built again on the stack now
@@ -8667,7 +8712,12 @@ def run_undo(job: UndoJob, box: "Box", paths: LayerPaths, tmp: str) -> UndoResul
         return result
     except BaseException:
         if result.cleanup is not None:
-            result.cleanup.close()
+            try:
+                result.cleanup.close()
+            except OSError:                         # the loop removes it later
+                with contextlib.suppress(OSError):
+                    box.loop.post(box.loop.guard, None, box.finish_merge.litter_later,
+                                  {result.staging} if result.staging else set())
         raise
     finally:
         if reads is not None:

@@ -980,6 +980,10 @@ def assert_waiting(g: Gurtd, t1: str, reason: str, readable: bool = True) -> Non
         assert g.file("home", "f.txt").decode().count("three") == 1     # not reverted yet
     again = g.api("POST", f"/api/tasks/{t1}/undo")
     assert again["state"] == "undone" and again["undoMerge"]["state"] == "waiting", again
+    from test_concurrent import event_seen
+    event = event_seen(g, lambda kind, data: kind == "task" and data.get("id") == t1 and
+                       (data.get("undoMerge") or {}).get("state") == "waiting")
+    assert reason in event["undoMerge"]["error"], event
 
 
 def assert_reverted(g: Gurtd, t1: str, timeout: float = 60.0) -> None:
@@ -1123,6 +1127,8 @@ def test_a_revert_on_a_disk_remounted_read_only_waits_and_joins_once_it_is_writa
         finally:
             remount("rw")
         assert_reverted(g, t1)
+        assert not [n for n in os.listdir(os.path.join(g.home, "layers"))
+                    if n.startswith(G.UPLOAD_STAGING)], os.listdir(os.path.join(g.home, "layers"))
         assert g.stop() == 0
 
 
