@@ -6531,7 +6531,7 @@ class StackStore:
 
     def orphans(self, named: set[str]) -> list[str]:
         """The stack files (refs) that neither a ref of named nor one of their parents is:
-        written for a task whose file a crash cut short (Box.orphans_collect).  Only the
+        written for a task whose file a crash cut short (Box.stacks_collect).  Only the
         parents are read of a chain not loaded yet (a task's mergedOn): no stack is built.
         A parent that cannot be read ends its chain (stack() says it is lost when asked)."""
         reached: set[str] = set()
