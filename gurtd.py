@@ -40,7 +40,7 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Finish-time merge     tasks side by side: a task's layer checked against the layers that
                           became done while it ran (git merge-file off the loop, conflicts as
                           approvals); undo taken out of later copies (a revert layer,
-                          built again later when the disk had no room for it)
+                          built again later when the disk refused it: full, read-only, I/O errors)
     Tasks                 StepGroup: a loop step's saves, ends, starts and account edits,
                           each made together; the Box, which owns the state and wires its
                           parts: lifecycle, undo, reconcile, settings; add_task, the one way
@@ -6548,6 +6548,7 @@ def trash_sweep(directory: str) -> None:
 
 
 STACK_INLINE = 32                    # a task's layers up to this many stay in its own file
+STACK_REF_RE = re.compile(r"[0-9a-f]{32}")          # a stack file's name: stacks/<ref>.json
 
 
 class StackStore:
@@ -6556,11 +6557,14 @@ class StackStore:
     parent's stack.  A task that starts on the previous stack of its workspace with new
     layers on top stores only those; after an undo a stack is stored whole once.  So a task
     file stays small however many layers its task saw, and a year of tasks does not write
-    their 10,000 ids at every save.  Loop thread only."""
+    their 10,000 ids at every save.  A stack is written before the task file that names
+    it: one a crash left unnamed is deleted at the next start (orphans, Box.stacks_collect).
+    Loop thread only."""
 
     def __init__(self, home: str) -> None:
         self.dir = os.path.join(home, "stacks")
         self.lists: dict[str, list[str]] = {}            # ref -> the stack, shared
+        self.parents: dict[str, str | None] = {}         # ref -> its parent's, once read
         self.last: dict[str, tuple[str, list[str]]] = {}  # workspace -> latest (ref, stack)
 
     def ref(self, workspace: str, layers: list[str]) -> str:
@@ -6578,7 +6582,9 @@ class StackStore:
             os.makedirs(self.dir, mode=0o700, exist_ok=True)
             if not os.path.exists(os.path.join(self.dir, ref + ".json")):
                 atomic_write(os.path.join(self.dir, ref + ".json"), text + b"\n")
+                crash_point("stack-written")   # a test's kill -9: no task file names it yet
             self.lists[ref] = layers
+            self.parents[ref] = node["parent"]
         self.last[workspace] = (ref, layers)
         return ref
 
@@ -6589,15 +6595,44 @@ class StackStore:
         at: str | None = ref
         while at is not None and at not in self.lists:
             node = load_json(os.path.join(self.dir, at + ".json")) \
-                if re.fullmatch(r"[0-9a-f]{32}", at) else None
+                if STACK_REF_RE.fullmatch(at) else None
             if not isinstance(node, dict) or not isinstance(node.get("ids"), list):
                 raise ValueError(f"stack {at} is missing or damaged")
             chain.append((at, node["ids"]))
+            self.parents[at] = node.get("parent")
             at = node.get("parent")
         below = self.lists[at] if at is not None else []
         for name, ids in reversed(chain):
             below = self.lists[name] = ids + below
         return self.lists[ref]
+
+    def orphans(self, named: set[str]) -> list[str]:
+        """The stack files (refs) that neither a ref of named nor one of their parents is:
+        written for a task whose file a crash cut short (Box.stacks_collect).  Only the
+        parents are read of a chain not loaded yet (a task's mergedOn): no stack is built.
+        A parent that cannot be read ends its chain (stack() says it is lost when asked)."""
+        reached: set[str] = set()
+        todo = [ref for ref in named if STACK_REF_RE.fullmatch(ref)]
+        while todo:
+            ref = todo.pop()
+            if ref in reached:
+                continue
+            reached.add(ref)
+            if ref not in self.parents:
+                with contextlib.suppress(OSError, ValueError, UnicodeDecodeError):
+                    with open(os.path.join(self.dir, ref + ".json"), "rb") as f:
+                        node = json.loads(f.read())
+                    parent = node.get("parent") if isinstance(node, dict) else None
+                    self.parents[ref] = parent if isinstance(parent, str) else None
+            parent = self.parents.get(ref)
+            if parent is not None and STACK_REF_RE.fullmatch(parent):
+                todo.append(parent)
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return []
+        return sorted(name[:-5] for name in names if name.endswith(".json") and
+                      STACK_REF_RE.fullmatch(name[:-5]) and name[:-5] not in reached)
 
 
 MERGE_SUPERSEDED = "superseded"      # a build dropped before it began (Merger.drop)
@@ -7886,20 +7921,23 @@ def done_since(box: Box, workspace: str, seen: list[str], stack: list[str]
     return None
 
 
-NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT)     # a full disk or quota: room comes back
+# The disk's errors that pass without the task: a full disk or quota (room comes back), a
+# file system remounted read-only or a device's I/O errors (an admin remounts or repairs it).
+# A revert that meets one waits and is built again; EFBIG would come back at every try.
+DISK_WAIT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
 
 
 class DiskFull(str):
-    """The error of a merge thread's job that the disk caused (full, quota): a revert that
-    found no room is built again later (FinishMerge.tick), never recorded failed for good."""
+    """The error of a merge thread's job that the disk caused (DISK_WAIT_ERRNOS): a revert
+    that met it is built again later (FinishMerge.tick), never recorded failed for good."""
 
 
 def no_room(exc: BaseException) -> bool:
-    """An error the disk's lack of room caused: an OSError of NO_ROOM_ERRNOS, or the 507 of
-    a save that met one (saved_or_507 raises it from None: the OSError is its context)."""
+    """An error of the disk that passes: an OSError of DISK_WAIT_ERRNOS, or the 507 of a
+    save that met one (saved_or_507 raises it from None: the OSError is its context)."""
     if isinstance(exc, ApiError):
         exc = exc.__context__ if exc.status == 507 else None
-    return isinstance(exc, OSError) and exc.errno in NO_ROOM_ERRNOS
+    return isinstance(exc, OSError) and exc.errno in DISK_WAIT_ERRNOS
 
 
 @dataclass
@@ -7936,6 +7974,9 @@ class FinishMerge:
         self.paths = LayerPaths()                      # the thread's, for first looks
         self.retries: dict[str, float] = {}            # undone task -> when its revert
         #                                                begins again (retry_later)
+        self.litter: set[str] = set()                  # staged reverts the disk kept
+        self.litter_at = 0.0                           # (staged_close): removed again then,
+        self.litter_wait = MERGE_RETRY                 # the wait doubling at each failure
 
     def holds(self, task: Task, worker: Worker) -> bool:
         if task.id in self.cleared:
@@ -8204,9 +8245,11 @@ class FinishMerge:
             self.resume_one(task)
 
     def resume_one(self, task: Task) -> None:
-        """An undone task whose revert was not begun or not recorded: begun now."""
-        if task.state == "undone" and task.undoMerge is None and not task.layerDeleted and \
-                task.id not in self.undoing:
+        """An undone task whose revert was not begun or not recorded (or waits: a record a
+        save took along, say): begun now."""
+        if task.state == "undone" and (task.undoMerge is None or task.undoMerge.get(
+                "state") == "waiting") and not task.layerDeleted and task.id not in self.undoing:
+            task.undoMerge = None                  # as unwritten: nothing above it, none
             self.undone(task)
 
     def withdraw(self, task: Task) -> None:
@@ -8237,22 +8280,27 @@ class FinishMerge:
         finally:
             if self.undoing.get(task.id) is job and task.id not in self.retries:
                 self.job_ended(task.id)
-            if result is not None and result.cleanup is not None:
-                result.cleanup.close()            # the staged layer, unless it joined
+            if result is not None:
+                self.staged_close(result)         # the staged layer, unless it joined
 
     def retry_later(self, task: Task, job: UndoJob, error: str) -> None:
-        """A revert found no room: its job stays (the undone layer kept, its record not
-        written: a restart takes it up as one cut short) and is begun again on the stack
-        then, after a wait that doubles at each failure (tick).  What it had decided is not
-        written: a next undo's answer waits on a new `named` (checking: the record names
-        the paths when the revert ends), not the decided one (writing: joins a moment later)."""
+        """A revert met a disk error that passes (no room, read-only, I/O): its job stays
+        (the undone layer kept) and is begun again on the stack then, after a wait that
+        doubles at each failure (tick).  The record says `waiting`, why and when it is tried
+        again, in memory only (the API, an event): on disk it stays unwritten, so a restart
+        takes the revert up as one cut short.  What it had decided is not written: a next
+        undo answers the waiting record, an undo waiting on `named` gets it too."""
         job.failures += 1
-        if job.named.done():
-            job.named = Future()
         wait = min(MERGE_RETRY_MAX, MERGE_RETRY * 2 ** (job.failures - 1))
         self.retries[task.id] = time.monotonic() + wait
+        task.undoMerge = undo_waiting(error, wait)
+        if not job.named.done():
+            job.named.set_result(task.undoMerge)
+        job.named = Future()
         log(3, f"task {task.id}: its revert in later copies: {error}; tried again in "
                f"{wait:.0f} s")
+        self.box.loop.render(task)
+        self.box.loop.emit("task", task.to_api())
 
     def tick(self) -> float:
         """Loop timer (Box.tick): the reverts whose wait is over begin again.  Seconds until
@@ -8264,12 +8312,56 @@ class FinishMerge:
             if job is None:                            # ended meanwhile (withdraw)
                 continue
             self.job_ended(task_id)
+            task.undoMerge = None                      # its record unwritten again: trying
             self.undone(task)                          # on the stack now
             if task_id in self.undoing:
                 self.undoing[task_id].failures = job.failures
             else:                                      # nothing above it any more
                 self.revert_joins(task, job, UndoResult(), None)
-        return min([at - now for at in self.retries.values()] + [MERGE_RETRY_MAX])
+        if self.litter and self.litter_at <= now:
+            self.litter_remove()
+        return min([at - now for at in self.retries.values()] + [MERGE_RETRY_MAX] +
+                   ([self.litter_at - now] if self.litter else []))
+
+    def staged_close(self, result: UndoResult) -> None:
+        """A revert's staged layer removed, unless it joined (renamed away).  One the disk
+        refuses to remove now (read-only, I/O errors) is removed later (litter_remove), not
+        left for the next start."""
+        if result.cleanup is None:
+            return
+        try:
+            result.cleanup.close()
+        except OSError as exc:
+            log(3, f"the staged revert {result.staging} is removed later: {exc}")
+            self.litter_later({result.staging} if result.staging else set())
+
+    def litter_later(self, paths: set[str], again: bool = False) -> None:
+        """Loop: staged reverts to remove after MERGE_RETRY (tick); again (a removal that
+        failed): after twice the last wait, up to MERGE_RETRY_MAX."""
+        if paths:
+            self.litter_wait = min(MERGE_RETRY_MAX, self.litter_wait * 2) if again else \
+                MERGE_RETRY
+            self.litter |= paths
+            self.litter_at = time.monotonic() + self.litter_wait
+
+    def litter_remove(self) -> None:
+        """tick: the staged reverts the disk kept are removed on the merge thread (trees:
+        never on the loop); those it still refuses come back for the next try."""
+        paths, self.litter = self.litter, set()
+        box = self.box
+
+        def run() -> None:
+            left = set()
+            for path in sorted(paths):
+                try:
+                    tree_remove(path)
+                except OSError as exc:
+                    log(7, f"the staged revert {path} is not removed yet: {exc}")
+                    left.add(path)
+            with contextlib.suppress(OSError):        # the loop is gone (stopping)
+                box.loop.post(box.loop.guard, None, self.litter_later, left, True)
+
+        self.put(run)
 
     def job_ended(self, task_id: str) -> None:
         """A revert's job is over: the layers it read are free, the undone one may go."""
@@ -8301,8 +8393,7 @@ class FinishMerge:
         if the stack moved on), or it is built again."""
         task = self.box.get(job.task_id)
         if self.undoing.get(task.id) is not job or met:
-            if result.cleanup is not None:
-                result.cleanup.close()
+            self.staged_close(result)
             if self.undoing.get(task.id) is job:
                 self.job_ended(task.id)
                 self.undone(task)                    # built again on the stack now
@@ -8317,9 +8408,10 @@ class FinishMerge:
     def revert_joins(self, task: Task, job: UndoJob, result: UndoResult | None,
                      error: str | None) -> None:
         """The revert's layer joins (upload_commit); the record, the log and an event.  A
-        layer whose own task finds no room to be saved (a 507 of a full disk) waits as a
-        revert that found no room to be built does (retry_later): built again later, its
-        undo's record not written meanwhile; any other error is recorded failed."""
+        layer whose own task cannot be saved for a disk error that passes (a 507 of a full,
+        read-only or failing disk) waits as a revert that met one while built does
+        (retry_later): built again later, its record `waiting` meanwhile (not on disk); any
+        other error is recorded failed."""
         box = self.box
         layer = None
         if result is not None and result.staging is not None and error is None:
@@ -8389,12 +8481,13 @@ class FinishMerge:
 #     undo changes
 #     nothing: it answers what the record holds, or waits on the same job.  A job that
 #     fails says so (state `failed`, its error) in the record, the log and an event, but for
-#     one that found no room (ENOSPC, EDQUOT; to build its layer, or to save the layer's
-#     own task: a 507): it waits, job and undone layer kept, its record not written, and is
-#     begun again on the stack then (FinishMerge.retry_later, tick).  A
+#     one that met a disk error that passes (DISK_WAIT_ERRNOS: no room, a read-only
+#     remount, I/O errors; to build its layer, or to save the layer's own task: a 507): it
+#     waits, job and undone layer kept, its record `waiting` in memory only (why, retryAt),
+#     and is begun again on the stack then (FinishMerge.retry_later, tick).  A
 #     restart before the layer joined takes the undo up again (FinishMerge.resume: an
-#     undone task without undoMerge whose layer is still on disk), on the stack then: what
-#     had joined already is seen as reverted, so it is never reverted twice.
+#     undone task without undoMerge, or one waiting, whose layer is still on disk), on the
+#     stack then: what had joined already is seen as reverted, so it is never reverted twice.
 #   - The versions are read from the layer directories, not through mounted views
 #     (PlanReads): the undone layer is listed whole, every lower of the plans only along
 #     the way to its paths and below them (Region), from its path set (LayerPaths, read
@@ -8450,6 +8543,14 @@ def undo_record(result: UndoResult | None, error: str | None, layer: str | None
     return {**capped("reverted", result.reverted), **capped("kept", result.kept),
             "layer": layer,
             "state": "done" if layer is not None or not result.reverted else "writing"}
+
+
+def undo_waiting(error: str, wait: float) -> dict[str, Any]:
+    """The undoMerge of a revert that met a disk error that passes: nothing reverted yet,
+    why, and when it is tried again (FinishMerge.retry_later)."""
+    at = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=wait)
+    return {"reverted": [], "kept": [], "layer": None, "state": "waiting", "error": error,
+            "retryAt": at.isoformat(timespec="milliseconds").replace("+00:00", "Z")}
 
 
 def capped(key: str, every: list[Any]) -> dict[str, Any]:
@@ -8688,7 +8789,12 @@ def run_undo(job: UndoJob, box: "Box", paths: LayerPaths, tmp: str) -> UndoResul
         return result
     except BaseException:
         if result.cleanup is not None:
-            result.cleanup.close()
+            try:
+                result.cleanup.close()
+            except OSError:                         # the loop removes it later
+                with contextlib.suppress(OSError):
+                    box.loop.post(box.loop.guard, None, box.finish_merge.litter_later,
+                                  {result.staging} if result.staging else set())
         raise
     finally:
         if reads is not None:
@@ -9907,6 +10013,7 @@ class Box:
             log(4, f"reconcile: unmounting the leftover overlay {point}")
             attempt(f"unmount {point}", umount, point)
         attempt("collect what no record names", self.orphans_collect)
+        attempt("collect stack files no task names", self.stacks_collect)
         attempt("take up exact undos cut short", self.finish_merge.resume)
         attempt("delete undone layers", self.views.gc_layers)
         attempt("finish keeps and undos cut short", self.review.recover)
@@ -9921,7 +10028,8 @@ class Box:
         was saved (a layer an upload or an undo's revert renamed into place, a review folder)
         goes to the trash the layer collection uses; never what a task file names, even a
         damaged one set aside (tasks/<id>.json.damaged-...).  Temp names, uploads' staging,
-        merged layers and the finish-time merge's folders are thrown away at load."""
+        merged layers and the finish-time merge's folders are thrown away at load; stack
+        files no task names, by stacks_collect."""
         recorded = {name.partition(".json")[0] for name in os.listdir(self.path("tasks"))}
         for where in ("layers", "review"):
             with contextlib.suppress(FileNotFoundError):
@@ -9940,6 +10048,30 @@ class Box:
                             self.review.submit(trash_remove, trash)
                     except OSError as exc:
                         log(3, f"reconcile: could not move {where}/{name} to the trash: {exc}")
+
+    def stacks_collect(self) -> None:
+        """reconcile: stack files no task names, itself or as a parent (StackStore.orphans),
+        are deleted: a save writes its task's stack before the task file that names it, and
+        a crash in between (or a new task's file that never reached the disk) leaves it.
+        Never one a task file names, even a damaged one set aside: its text is searched."""
+        named = {ref for _, ref in self.stack_refs.values()} | set(self.stacks.lists) | \
+            {t.mergedOn for t in self.tasks.values() if t.mergedOn is not None}
+        for name in os.listdir(self.path("tasks")):
+            if name.partition(".json")[0] not in self.tasks:       # damaged, set aside
+                try:
+                    with open(self.path("tasks", name), "rb") as f:
+                        named.update(m.decode() for m in re.findall(rb"[0-9a-f]{32}",
+                                                                    f.read()))
+                except OSError as exc:                 # what it names is unknown: keep all
+                    log(3, f"reconcile: stack files kept, {name} cannot be read: {exc}")
+                    return
+        for ref in self.stacks.orphans(named):
+            log(4, f"reconcile: stacks/{ref}.json is named by no task (a crash before its "
+                   "task was saved): deleted")
+            try:                                       # each on its own: one failure skips none
+                os.unlink(os.path.join(self.stacks.dir, ref + ".json"))
+            except OSError as exc:
+                log(3, f"reconcile: could not delete stacks/{ref}.json: {exc}")
 
     def shutdown_tasks(self) -> None:
         """End every running task (each on its own: one failure skips none), those the
@@ -16337,13 +16469,22 @@ TASK_SCHEMA: dict[str, Any] = {     # which are required is to_api's: api_schema
                                      "as soon as the paths are decided.",
                       "properties": {
                           "state": {"type": "string",
-                                    "enum": ["checking", "writing", "done", "failed"],
+                                    "enum": ["checking", "writing", "waiting", "done",
+                                             "failed"],
                                     "description": "done: as below; writing (an undo's "
                                     "answer): decided, its layer joins a moment later; "
                                     f"checking (an answer after {UNDO_ANSWER_WAIT:g} s): the "
                                     "task's record, log and a task event name the paths when "
-                                    "the revert ends; failed: nothing reverted (error)"},
-                          "error": STRING, "reverted": {"type": "array", "items": STRING},
+                                    "the revert ends; waiting: the disk was full, read-only "
+                                    "or failed with an I/O error (error), nothing reverted "
+                                    "yet, the undone layer kept, built again at retryAt; "
+                                    "failed: nothing reverted (error)"},
+                          "error": STRING,
+                          "retryAt": {"type": "string", "format": "date-time",
+                                      "description": "waiting: when the revert is tried "
+                                                     "again (the wait doubles up to "
+                                                     f"{MERGE_RETRY_MAX / 60:g} minutes)"},
+                          "reverted": {"type": "array", "items": STRING},
                           "moreReverted": {"type": "integer", "description":
                                            "Reverted past those `reverted` names (at most "
                                            f"{MERGE_CONFLICTS_SHOWN})"},
@@ -16880,10 +17021,12 @@ def lock_box_home(home: str) -> int:
     """One gurtd per BOX_HOME: an exclusive flock on BOX_HOME/gurtd.lock, taken before
     anything touches BOX_HOME, the accounts, nftables or the broker socket, and held (the fd,
     close-on-exec) until gurtd exits, even by kill -9.  The file holds the holder's pid.
-    StartError if another gurtd holds it."""
+    The fd held is read-only (the pid written through one of its own, closed at once): a
+    file open for writing would make an admin's read-only remount of BOX_HOME's disk fail
+    as busy.  StartError if another gurtd holds it."""
     os.makedirs(home, mode=0o711, exist_ok=True)
     path = os.path.join(home, "gurtd.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -16892,8 +17035,11 @@ def lock_box_home(home: str) -> int:
         raise StartError(f"another gurtd (pid {holder}) runs on BOX_HOME {home}: not "
                          "starting a second one (nothing was changed)") from None
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        pid = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            os.write(pid, f"{os.getpid()}\n".encode())
+        finally:
+            os.close(pid)
     except OSError as exc:
         log(4, f"could not write gurtd's pid into {path}: {exc}")
     return fd
@@ -18054,6 +18200,9 @@ def say_task(task: dict[str, Any]) -> None:
     if merge.get("state") in ("checking", "failed"):
         click.echo(printable(f"  later copies: {merge['state']} "
                              f"{merge.get('error') or '(gurtd log ' + task['id'] + ')'}"))
+    elif merge.get("state") == "waiting":
+        click.echo(printable(f"  later copies: waiting for the disk ({merge.get('error')}); "
+                             f"tried again at {merge.get('retryAt')}"))
 
 
 def _listing_command(name: str, doc: str, row: Callable[[Any], list[str]], headers: list[str],

@@ -1057,6 +1057,32 @@ def test_kill_before_an_undos_revert_joins_takes_it_up_again() -> None:
         assert g.api("POST", f"/api/tasks/{t1}/undo")["undoMerge"] == info
 
 
+def test_a_waiting_revert_record_a_save_took_to_disk_is_taken_up_at_the_next_start() -> None:
+    """A revert's `waiting` record is the run's own (it is never written on purpose, but a
+    save of its task for another reason takes it along): gurtd killed before the revert
+    joined, t1's file holding such a record, the next start takes the undo up as one cut
+    short and the record says done.  Before, a record on disk meant a revert that had ended:
+    t1's change stayed in t2's copy and the record said waiting for good."""
+    with running_gurtd({"GURT_TEST_CRASH_AT": "undo-revert-written"}) as g:
+        put(g, "f.txt", lines(20))
+        t1 = g.run("sed -i 's/^line 3$/three by t1/' f.txt")["id"]
+        g.run("sed -i 's/^line 17$/17 by t2/' f.txt")
+        with contextlib.suppress(OSError, http.client.HTTPException):   # it may die first
+            g.api("POST", f"/api/tasks/{t1}/undo")
+        assert g.proc is not None and g.proc.wait(timeout=30) == 137
+        g.proc = None
+        path = os.path.join(g.home, "tasks", t1 + ".json")
+        with open(path) as f:
+            data = json.load(f)
+        data["undoMerge"] = G.undo_waiting("its layer not saved: No space left on device", 2)
+        G.write_json(path, data)
+        g.env.pop("GURT_TEST_CRASH_AT")
+        g.start()
+        info = eventually(lambda: (g.task(t1).get("undoMerge") or {}).get("state") == "done"
+                          and g.task(t1)["undoMerge"], 30, "the revert taken up")
+        assert info["reverted"] == ["f.txt"], info
+        assert g.file("home", "f.txt").decode() == lines(20).replace("line 17\n", "17 by t2\n")
+
 def test_run_wait_announces_a_conflict_with_the_commands_that_answer_it(gurtd: Gurtd) -> None:
     put(gurtd, "f.txt", "one\n")
     proc = started(gurtd, "run", "--worker", "fake", "--wait", "--tool", "ask",

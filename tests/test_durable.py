@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -1001,42 +1001,76 @@ def stopped(g: Gurtd, timeout: float = 30.0) -> None:
                "gurtd stopped at its stop point")
 
 
+def revert_stopped_on_a_broken_disk(g: Gurtd, break_disk: Callable[[], None]) -> str:
+    """t2's copy of f.txt holds t1's change; t1 is undone and gurtd stops itself once the
+    revert layer is written (the undone state saved); break_disk() runs, gurtd goes on.
+    t1's id, once its revert waits."""
+    from concurrent.futures import ThreadPoolExecutor
+    g.run_done("seq 20 > f.txt")
+    t1 = g.run_done("sed -i 's/^3$/three/' f.txt")["id"]
+    g.run_done("sed -i 's/^17$/seventeen/' f.txt")
+    with ThreadPoolExecutor(1) as pool:
+        undo = pool.submit(g.api, "POST", f"/api/tasks/{t1}/undo")
+        stopped(g)                          # the revert layer written, not joined
+        break_disk()
+        assert g.proc is not None
+        os.kill(g.proc.pid, signal.SIGCONT)
+        assert undo.result(timeout=30)["state"] == "undone"
+    eventually(lambda: (g.task(t1).get("undoMerge") or {}).get("state") in
+               ("waiting", "failed"), 30, "the revert's wait (or its failure)")
+    return t1
+
+
+def assert_waiting(g: Gurtd, t1: str, reason: str, readable: bool = True) -> None:
+    """t1's revert waits for the disk and says so; nothing of it is lost meanwhile."""
+    shown = g.task(t1)
+    record = shown["undoMerge"]
+    assert shown["state"] == "undone" and record["state"] == "waiting", shown
+    assert reason in record["error"] and record["reverted"] == [] and \
+        record["layer"] is None, record
+    at = G.datetime.datetime.fromisoformat(record["retryAt"].replace("Z", "+00:00"))
+    assert 0 < (at - G.datetime.datetime.now(G.datetime.timezone.utc)).total_seconds() <= 300
+    if readable:
+        assert os.path.isdir(os.path.join(g.home, "layers", t1))
+        assert g.file("home", "f.txt").decode().count("three") == 1     # not reverted yet
+    again = g.api("POST", f"/api/tasks/{t1}/undo")
+    assert again["state"] == "undone" and again["undoMerge"]["state"] == "waiting", again
+    from test_concurrent import event_seen
+    event = event_seen(g, lambda kind, data: kind == "task" and data.get("id") == t1 and
+                       (data.get("undoMerge") or {}).get("state") == "waiting")
+    assert reason in event["undoMerge"]["error"], event
+
+
+def assert_reverted(g: Gurtd, t1: str, timeout: float = 60.0) -> None:
+    record = eventually(lambda: (g.task(t1).get("undoMerge") or {}).get("state") in
+                        ("done", "failed") and g.task(t1)["undoMerge"], timeout, "the revert")
+    assert record["state"] == "done" and record["reverted"] == ["f.txt"], record
+    want = "".join(f"{n}\n" for n in range(1, 21)).replace("17\n", "seventeen\n")
+    assert g.file("home", "f.txt").decode() == want
+    assert task_file(g, t1)["undoMerge"] == record
+    eventually(lambda: not os.path.lexists(os.path.join(g.home, "layers", t1)), 30,
+               "t1's layer deleted")
+
+
 def test_a_revert_whose_layer_cannot_be_saved_joins_once_there_is_room() -> None:
     """t1 is undone; its revert layer is written (t2's copy of f.txt without t1's line), and
     the disk is full when that layer's task is to be saved (a 507 inside gurtd).  Meanwhile
     t1 reads undone, its undoMerge not failed, its layer and t2's line kept; once the disk
     has room the revert is built again and joins, the view exact.  Before, the undo was
     recorded failed for good (and t1's layer deleted), t1's line left in t2's copy."""
-    from concurrent.futures import ThreadPoolExecutor
     with gurtd_on_small_disk({"GURT_TEST_STOP_AT": "undo-revert-written"}) as (g, disk):
-        g.run_done("seq 20 > f.txt")
-        t1 = g.run_done("sed -i 's/^3$/three/' f.txt")["id"]
-        g.run_done("sed -i 's/^17$/seventeen/' f.txt")
-        with ThreadPoolExecutor(1) as pool:
-            undo = pool.submit(g.api, "POST", f"/api/tasks/{t1}/undo")
-            stopped(g)                          # the revert layer written, not joined
-            disk.fill()                         # to the last block: gurtd is stopped
-            os.kill(g.proc.pid, signal.SIGCONT)
-            assert undo.result(timeout=30)["state"] == "undone"
-        eventually(lambda: "tried again in" in g.log_text() or
-                   (g.task(t1).get("undoMerge") or {}).get("state") == "failed", 30,
-                   "the revert's wait (or its failure)")
+        t1 = revert_stopped_on_a_broken_disk(g, disk.fill)    # filled to the last block
         shown = g.task(t1)
         assert shown["state"] == "undone" and \
             (shown.get("undoMerge") or {}).get("state") != "failed", shown
         assert os.path.isdir(os.path.join(g.home, "layers", t1))
         assert g.file("home", "f.txt").decode().count("three") == 1     # not reverted yet
         again = g.api("POST", f"/api/tasks/{t1}/undo")["undoMerge"]     # not `writing`
-        assert again == {"reverted": [], "kept": [], "layer": None, "state": "checking"}, again
+        assert {k: again[k] for k in ("reverted", "kept", "layer", "state")} == {
+            "reverted": [], "kept": [], "layer": None, "state": "waiting"}, again  # was checking
+        assert "No space left on device" in again["error"] and again["retryAt"], again
         disk.free()
-        record = eventually(lambda: (g.task(t1).get("undoMerge") or {}).get("state") in
-                            ("done", "failed") and g.task(t1)["undoMerge"], 60, "the revert")
-        assert record["state"] == "done" and record["reverted"] == ["f.txt"], record
-        want = "".join(f"{n}\n" for n in range(1, 21)).replace("17\n", "seventeen\n")
-        assert g.file("home", "f.txt").decode() == want
-        assert task_file(g, t1)["undoMerge"] == record
-        eventually(lambda: not os.path.lexists(os.path.join(g.home, "layers", t1)), 30,
-                   "t1's layer deleted")
+        assert_reverted(g, t1)
         assert not [n for n in os.listdir(os.path.join(g.home, "layers"))
                     if n.startswith(G.UPLOAD_STAGING)]
         assert g.stop() == 0
@@ -1085,4 +1119,123 @@ def test_a_kill_9_between_an_uploads_rename_and_its_save_leaves_no_orphan() -> N
             assert sorted(os.listdir(os.path.join(layers, task_id, "upper"))) == before[task_id]
         assert g.file("home", "c.txt") is None
         assert g.run("echo fine")["state"] == "done"
+        assert g.stop() == 0
+
+
+def test_a_kill_9_between_a_stack_file_and_its_task_file_leaves_no_orphan_stack() -> None:
+    """A task's stack past STACK_INLINE layers is written to stacks/<ref>.json before the
+    task file that names it; gurtd is killed (-9) between the two (an upload's task, here).
+    The next start deletes that stack file, no task names it, and keeps every stack a task
+    names (a done task's, one a damaged task file set aside names).  Before, it stayed for
+    good: every crash at that point left one more file no record names."""
+    def put(name: str) -> tuple[int, Any, Any]:
+        return g.request("PUT", f"/api/workspaces/home/files/{name}", raw=b"x\n",
+                         headers={"Content-Type": "application/octet-stream"})
+
+    with running_gurtd() as g:
+        for n in range(G.STACK_INLINE + 1):
+            assert put(f"u{n}.txt")[0] == 201, n
+        kept = g.run_done("echo a > a.txt")["id"]
+        stacks = os.path.join(g.home, "stacks")
+        named = task_file(g, kept)["layersRef"]
+        assert os.listdir(stacks) == [named + ".json"]
+        damaged_names = "f" * 32            # a stack only a damaged task file names
+        with open(os.path.join(stacks, damaged_names + ".json"), "w") as f:
+            f.write('{"ids": [], "parent": null}\n')
+        with open(os.path.join(g.home, "tasks", "tbroken0001.json"), "w") as f:
+            f.write('{"layersRef": "' + damaged_names + '", not json')
+        g.stop()
+        g.env = {"GURT_TEST_CRASH_AT": "stack-written"}
+        g.start()
+        with contextlib.suppress(OSError, http.client.HTTPException):   # it dies first
+            put("c.txt")
+        assert wait_exit(g) == 137
+        task_texts = "".join(Path(g.home, "tasks", n).read_text()
+                             for n in os.listdir(os.path.join(g.home, "tasks")))
+        [orphan] = {n[:-5] for n in os.listdir(stacks)} - {named, damaged_names}
+        assert orphan not in task_texts
+        g.env = {}
+        g.start()
+        assert sorted(os.listdir(stacks)) == sorted([named + ".json", damaged_names + ".json"])
+        assert f"stacks/{orphan}.json" in g.log_text()
+        assert len(g.task(kept)["layers"]) == G.STACK_INLINE + 1
+        assert g.file("home", "c.txt") is None and g.file("home", "u3.txt") == b"x\n"
+        assert g.run_done("echo b > b.txt")["state"] == "done"
+        assert g.stop() == 0
+
+
+# 9. a read-only remount or I/O errors at the revert layer's save (crash pass) ################
+
+def test_a_revert_on_a_disk_remounted_read_only_waits_and_joins_once_it_is_writable() -> None:
+    """The disk under BOX_HOME is remounted read-only (as an admin or the kernel after an
+    error does) when t1's revert layer is to join: t1 reads undone, its undoMerge `waiting`
+    with the reason and the time of the next try, its layer and t2's line kept; once the
+    disk is writable again the revert is built again and joins.  Before, the undo was
+    recorded failed for good (Read-only file system) and t1's line stayed in t2's copy."""
+    with gurtd_on_small_disk({"GURT_TEST_STOP_AT": "undo-revert-written"}) as (g, disk):
+        def remount(mode: str) -> None:
+            subprocess.run(["mount", "-o", f"remount,{mode}", disk.mnt], check=True)
+
+        t1 = revert_stopped_on_a_broken_disk(g, lambda: remount("ro"))
+        try:
+            assert_waiting(g, t1, "Read-only file system")
+        finally:
+            remount("rw")
+        assert_reverted(g, t1)
+        assert not [n for n in os.listdir(os.path.join(g.home, "layers"))
+                    if n.startswith(G.UPLOAD_STAGING)], os.listdir(os.path.join(g.home, "layers"))
+        assert g.stop() == 0
+
+
+def test_a_revert_waiting_for_room_says_so_and_a_restart_takes_it_up() -> None:
+    """The disk is full when t1's revert layer is to join: the task's undoMerge says
+    `waiting`, why (No space left on device) and when it is tried again, and an undo again
+    answers the same, while its file on disk has no record (a restart takes it up).  gurtd
+    is stopped and started once the disk has room: the revert joins.  Before, the task
+    showed no undoMerge at all while it waited (and an undo again said `checking`)."""
+    with gurtd_on_small_disk({"GURT_TEST_STOP_AT": "undo-revert-written"}) as (g, disk):
+        t1 = revert_stopped_on_a_broken_disk(g, disk.fill)
+        assert_waiting(g, t1, "No space left on device")
+        assert task_file(g, t1)["state"] == "undone" and task_file(g, t1)["undoMerge"] is None
+        assert g.stop() == 0
+        disk.free()
+        g.env = {}
+        g.start()
+        assert_reverted(g, t1)
+        assert g.stop() == 0
+
+
+EXT4_IOC_SHUTDOWN = 0x8004587D            # _IOR('X', 125, __u32)
+EXT4_GOING_FLAGS_NOLOGFLUSH = 2           # as a device that stops answering: no flush at all
+
+
+def test_a_revert_on_a_disk_that_fails_with_io_errors_waits_and_joins_after_a_repair(
+        ) -> None:
+    """The disk under BOX_HOME fails (ext4 shut down: every call on it an I/O error, as a
+    dead device's; there is no device-mapper here for dm-error) when t1's revert layer is
+    to join: t1 reads undone, its undoMerge `waiting` (Input/output error, the next try's
+    time).  The admin repairs it (gurtd killed, the disk mounted again): the next start
+    finds t1 undone, its layer kept, and builds the revert, which joins.  Before, the undo
+    was recorded failed for good in memory and t1's change would have stayed in t2's copy
+    had the record reached the disk."""
+    import fcntl
+    import struct
+    with gurtd_on_small_disk({"GURT_TEST_STOP_AT": "undo-revert-written"}) as (g, disk):
+        def shut_down() -> None:
+            fd = os.open(disk.mnt, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fcntl.ioctl(fd, EXT4_IOC_SHUTDOWN, struct.pack("I", EXT4_GOING_FLAGS_NOLOGFLUSH))
+            finally:
+                os.close(fd)
+
+        t1 = revert_stopped_on_a_broken_disk(g, shut_down)
+        assert_waiting(g, t1, "Input/output error", readable=False)
+        g.stop(signal.SIGKILL)
+        eventually(lambda: subprocess.run(["umount", disk.mnt], check=False).returncode == 0,
+                   30, "the failed disk unmounted")
+        subprocess.run(["mount", "-t", "ext4", disk.loop, disk.mnt], check=True)
+        g.env = {}
+        g.start()
+        assert g.task(t1)["state"] == "undone"
+        assert_reverted(g, t1)
         assert g.stop() == 0

@@ -530,3 +530,16 @@ def test_a_call_whose_approval_ended_without_a_yes_is_told_who_or_what_ended_it(
         "the task ended (gurtd could not handle the task's DNS: x)" + waited)
     assert all("rejected" not in told(by, "r") for by in ("task", "stop", "undo", "restart",
                                                            "gurtd"))
+
+
+def test_the_cli_says_an_undo_whose_revert_waits_for_the_disk(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`gurtd undo` of a task whose revert waits: the line says why and when it is tried
+    again.  Before, a waiting record printed nothing past `t… undone`."""
+    record = G.undo_waiting("its layer not saved: cannot save the upload: Read-only file "
+                            "system", 4)
+    G.say_task({"id": "t0123456789", "state": "undone", "undoMerge": record})
+    out = capsys.readouterr().out
+    assert out.startswith("t0123456789 undone\n"), out
+    assert "later copies: waiting for the disk (its layer not saved: cannot save the upload: " \
+           "Read-only file system); tried again at " + record["retryAt"] in out, out
