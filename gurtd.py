@@ -28,7 +28,8 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           quota on each task's layer where the file system has them)
     Spawner               a single-threaded process forked before any thread: it forks workers
     Sandbox               what a worker's child does as root before it becomes the box user:
-                          the task's root built from nothing, pivot_root, the fake worker
+                          the task's root built from nothing, pivot_root, its gate (gurtd's
+                          word: its user is written; its network namespace), the fake worker
     Kernel filter         the seccomp refusals every worker runs under, one table by name
     Task leftovers        set-id bits of a finished layer, kernel keys of a finished uid
     Review                personal mode: a task's real folders checked, their copy-on-write
@@ -3681,7 +3682,8 @@ def _worker_join(cgroup_fd: int, fds: list[int]) -> None:
 ###############################################################################################
 # Runs in a child of the spawner, as root, single-threaded, and never returns.  It builds the
 # task's box from nothing and becomes the box user:
-#   own mount, network and IPC namespaces; / made rslave first (rprivate would pin gurtd's
+#   own mount, network and IPC namespaces (a task with hosts gets gurtd's network namespace
+#   at its gate); / made rslave first (rprivate would pin gurtd's
 #   unmounts, and nothing the box mounts may reach the host);
 #   the view: an overlay of the layers over the base, on an idmapped clone of BOX_HOME that maps
 #   the store user to the task user and 0 to 0 (without 0, overlay cannot make its work dir);
@@ -3696,7 +3698,9 @@ def _worker_join(cgroup_fd: int, fds: list[int]) -> None:
 #     /tmp, /var/tmp, /dev/shm and HOME: four folders of one tmpfs of spec["tmpBytes"];
 #   pivot_root into it and detach the host's root: /srv, /var, /opt, /home, /root, /mnt,
 #   BOX_HOME and every other host path do not exist inside;
-#   lo up; no capabilities, no new privileges; the kernel filter (next section); the worker.
+#   the gate: gurtd's word that the task may begin, while it built all of the above (a task
+#   with hosts enters its namespace there); lo up; no capabilities, no new privileges; the
+#   kernel filter (next section); the worker.
 # Every mount of the box is nosuid and nodev (the device binds excepted from nodev).
 # What the sandbox uses after pivot_root must be imported before the spawner forks: the host's
 # file system, and with it a checkout's virtual environment, is gone by then (sandbox_preload).
