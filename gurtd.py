@@ -9617,7 +9617,7 @@ class Box:
             if net:           # made while the worker builds its box: it enters at its gate
                 gate_fds.append(self.network.prepare(task, hosts).nsfd)
                 self.gateway.open(task.id, gate_fds[-1])
-        except (OSError, SysError) as exc:
+        except Exception as exc:     # pyroute2's NetlinkError too: no worker left at its gate
             for fd in (out_r, out_w, log_fd, gate_r, gate_w):
                 if fd >= 0:
                     os.close(fd)
