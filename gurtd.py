@@ -141,7 +141,7 @@ import traceback
 import urllib.parse
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator, NamedTuple
 
 import click
 
@@ -2177,6 +2177,9 @@ CHANGES_MAX_MEMORY = 256 << 20       # memory one changes list holds: 800,000 ch
 # held an entry, 263 at the peak of the sort, of which 6 are the path's characters)
 CHANGE_ENTRY_BYTES = sys.getsizeof({"path": "", "change": ""}) + 32
 CHANGE_NAME_BYTES = 24               # a name listed beside its str: its slots in the lists
+# A personal task's upper entry (upper_changes' Change) beside its path's str: the tuple, its
+# slots in the lists of the sort, its mode and size ints, a few names' share of its folder's
+CHANGE_RECORD_BYTES = sys.getsizeof(tuple(range(7))) + 3 * 8 + 2 * 32
 
 
 def open_dir_beneath(root_fd: int, rel: str) -> int | None:
@@ -2269,6 +2272,40 @@ def _names(fds: list[int]) -> list[str]:
     return sorted(found)
 
 
+class ListingCap:
+    """The memory a listing of changes for a person holds, counted as it grows: past
+    CHANGES_MAX_MEMORY a 413 naming what (and where the rest is, if anywhere).  Each entry is
+    charged as it is listed, and each name of a folder on the walk's way as it is read (names,
+    walk's names: a task's folder of millions of empty files is refused before its names are
+    all held) until the walk leaves the folder (leave)."""
+
+    def __init__(self, what: str, rest: str) -> None:
+        self.what, self.rest = what, rest
+        self.size = 0
+        self.listed: dict[int, int] = {}     # bytes of each folder's names, by id(WalkDir)
+
+    def charge(self, cost: int) -> None:
+        self.size += cost
+        if self.size > CHANGES_MAX_MEMORY:
+            raise ApiError(413, f"{self.what} are more than {CHANGES_MAX_MEMORY >> 20} MiB in "
+                                "memory (folders thousands deep, or millions of files); "
+                                f"{self.rest}", "too_large")
+
+    def names(self, folder: WalkDir) -> list[str]:
+        found: list[str] = []
+        self.listed[id(folder)] = 0
+        with contextlib.suppress(OSError), os.scandir(folder.fds[0]) as entries:
+            for item in entries:          # one that cannot be read has none, as _names
+                found.append(item.name)
+                cost = sys.getsizeof(item.name) + CHANGE_NAME_BYTES
+                self.listed[id(folder)] += cost
+                self.charge(cost)
+        return sorted(found)
+
+    def leave(self, folder: WalkDir) -> None:
+        self.size -= self.listed.pop(id(folder), 0)
+
+
 def walk(roots: list[str | int], entry: Callable[[WalkDir, str], list[int] | None],
          leave: Callable[[WalkDir], None] | None = None,
          names: Callable[[WalkDir], list[str]] = lambda f: _names(list(f.fds.values())[:1])
@@ -2358,13 +2395,14 @@ Visit = Callable[[int, str, os.stat_result, list[str]], bool | None]
 
 
 def tree_visit(top: str | int, visit: Visit, leave: Callable[[int, str], None] | None = None,
-               folders: bool = False) -> None:
+               folders: bool = False, cap: ListingCap | None = None) -> None:
     """Every entry below top (a path, or a directory fd), depth first, by name: visit(dir_fd,
     name, st, parents) for each one that is not a folder, and if folders for each folder too
     (before what it holds: one it answers False for is not walked into); parents: the names
     from top down to its folder.  leave(parent_fd, name) once a folder's entries are done.
     One walk: any depth, paths far past PATH_MAX; a folder moved during it (an owner's real
-    folder under a keep) raises instead of leading the walk, and a removal, out of the tree."""
+    folder under a keep) raises instead of leading the walk, and a removal, out of the tree.
+    cap: each folder's names charged to it while the walk is below the folder."""
     here: list[Any] = [None, []]           # the folder of the last visit and its names
 
     def entry(folder: WalkDir, name: str) -> list[int] | None:
@@ -2378,8 +2416,13 @@ def tree_visit(top: str | int, visit: Visit, leave: Callable[[int, str], None] |
     def left(folder: WalkDir) -> None:
         if leave is not None and folder.up is not None:
             leave(folder.up.fds[0], folder.name)
+        if cap is not None:
+            cap.leave(folder)
 
-    walk([top], entry, left)
+    if cap is None:
+        walk([top], entry, left)
+    else:
+        walk([top], entry, left, cap.names)
 
 
 def tree_remove(top: str) -> None:
@@ -2510,37 +2553,12 @@ def changed_paths(upper: str, lowers: list[str | int]) -> list[dict[str, str]]:
     directory only shows when it is new (or replaced an earlier one, opaque).  One walk of
     the upper with, beside each of its folders, the lowers in which that folder is visible.
     A layer deleted meanwhile gives what was read so far, a folder moved meanwhile is a 409,
-    more than CHANGES_MAX_MEMORY held a 413 (the memory of a request is bounded): each change
-    counted at what it costs in memory (its path's str and CHANGE_ENTRY_BYTES), each name of
-    a folder on the walk's way as it is read (a task's folder of millions of empty files is
-    refused before its names are all held) until the walk leaves the folder.
+    more than CHANGES_MAX_MEMORY held a 413 (ListingCap: the memory of a request is
+    bounded): each change counted at what it costs in memory (its path's str and
+    CHANGE_ENTRY_BYTES).
     """
     out: list[dict[str, str]] = []
-    size = 0
-    listed: dict[int, int] = {}          # bytes of each folder's names, by id(WalkDir)
-
-    def charge(cost: int) -> None:
-        nonlocal size
-        size += cost
-        if size > CHANGES_MAX_MEMORY:
-            raise ApiError(413, f"the changes are more than {CHANGES_MAX_MEMORY >> 20} MiB "
-                                "in memory (folders thousands deep, or millions of files); the "
-                                "task's archive has them all", "too_large")
-
-    def names(folder: WalkDir) -> list[str]:
-        found: list[str] = []
-        listed[id(folder)] = 0
-        with contextlib.suppress(OSError), os.scandir(folder.fds[0]) as entries:
-            for item in entries:          # one that cannot be read has none, as _names
-                found.append(item.name)
-                cost = sys.getsizeof(item.name) + CHANGE_NAME_BYTES
-                listed[id(folder)] += cost
-                charge(cost)
-        return sorted(found)
-
-    def leave(folder: WalkDir) -> None:
-        nonlocal size
-        size -= listed.pop(id(folder), 0)
+    cap = ListingCap("the changes", "the task's archive has them all")
 
     def change(folder: WalkDir, name: str) -> list[int] | None:
         fds, st = folder.fds, _entry(folder.fds[0], name)
@@ -2557,13 +2575,13 @@ def changed_paths(upper: str, lowers: list[str | int]) -> list[dict[str, str]]:
         if what:
             path = folder.path(name) + ("/" if subdir is not None else "")
             out.append({"path": path, "change": what})
-            charge(sys.getsizeof(path) + CHANGE_ENTRY_BYTES)
+            cap.charge(sys.getsizeof(path) + CHANGE_ENTRY_BYTES)
         return subdir
 
     with moved_is_409(), contextlib.suppress(FileNotFoundError):
         walk([p if isinstance(p, int) else os.path.realpath(p) if os.path.isdir(p) else -1
               for p in [upper, *lowers]],
-             change, leave, names)   # realpath: a workspace may be an admin's symlink
+             change, cap.leave, cap.names)   # realpath: a workspace may be an admin's symlink
     return sorted_in_slices(out, key=lambda c: c["path"])
 
 
@@ -4764,9 +4782,12 @@ def real_lstat(root_fd: int, rel: str) -> os.stat_result | None:
     return _at_parent(root_fd, rel, _lstat_at)
 
 
-@dataclass
-class Change:
-    """One entry of a folder's upper: what the task left at path (relative to the folder)."""
+class Change(NamedTuple):
+    """One entry of a folder's upper: what the task left at path (relative to the folder).
+    upper_changes holds them as plain tuples, which the garbage collector stops tracking (a
+    subclass it tracks always), and makes each Change as it is read: a task's million entries
+    held as objects made each full collection walk them all (150-290 ms, the GIL held: the
+    loop's longest wait while a 1M-file folder was listed)."""
 
     path: str
     kind: str          # file, dir, symlink, delete, other (a fifo, socket or device), deep
@@ -4777,13 +4798,16 @@ class Change:
     handle: bytes | None = None   # a file's origin xattr: overlay's handle of the real file
 
 
-def upper_changes(upper: str) -> list[Change]:
+def upper_changes(upper: str, cap: ListingCap | None = None) -> Iterator[Change]:
     """Every entry of an upper, parents before children, sorted by path.  A directory that
     is only there because something below it changed is listed too (kind dir, not opaque,
     with origin): keep makes sure it still exists.  A folder whose path passes KEEP_PATH_MAX
     bytes is listed (kind deep), never walked into: a chain of long names thousands deep would
-    cost gurtd gigabytes of paths (each entry's whole path) and can be read by no tool anyway."""
-    out: list[Change] = []
+    cost gurtd gigabytes of paths (each entry's whole path) and can be read by no tool anyway.
+    Each entry and each folder's names charged to cap (its own if None): a task's millions of
+    files are a 413, not gigabytes (1,000,000 empty files held 680 MB in one request)."""
+    out: list[tuple[Any, ...]] = []
+    cap = cap or folders_cap()
 
     def change(fd: int, name: str, st: os.stat_result, parents: list[str]) -> bool:
         path = "/".join([*parents, name])
@@ -4793,15 +4817,24 @@ def upper_changes(upper: str) -> list[Change]:
             kind = "delete" if is_whiteout(st) else "file" if stat.S_ISREG(st.st_mode) else \
                 "symlink" if stat.S_ISLNK(st.st_mode) else "other"
         origin = None if kind in ("delete", "deep") else _xattr(fd, name, ORIGIN_XATTR)
-        out.append(Change(path, kind, 0 if kind == "delete" else stat.S_IMODE(st.st_mode),
-                          origin is not None, kind == "dir" and _opaque_child(fd, name),
-                          0 if kind in ("delete", "deep", "dir") else st.st_size,
-                          None if kind == "dir" else origin))
+        out.append((path, kind, 0 if kind == "delete" else stat.S_IMODE(st.st_mode),
+                    origin is not None, kind == "dir" and _opaque_child(fd, name),
+                    0 if kind in ("delete", "deep", "dir") else st.st_size,
+                    None if kind == "dir" else origin))
+        cap.charge(sys.getsizeof(path) + CHANGE_RECORD_BYTES +
+                   (0 if origin is None else sys.getsizeof(origin)))
         return kind == "dir"
 
     with moved_is_409(), contextlib.suppress(FileNotFoundError):
-        tree_visit(upper, change, folders=True)
-    return sorted_in_slices(out, key=lambda c: c.path.split("/"))
+        tree_visit(upper, change, folders=True, cap=cap)
+    return map(Change._make, sorted_in_slices(out, key=lambda c: c[0].split("/")))
+
+
+def folders_cap() -> ListingCap:
+    """The cap of one listing of a personal task's folder changes (for the changes, the diff
+    or a keep): nowhere else has them (the task's archive is its workspace layer)."""
+    return ListingCap("the changes to the task's folders", "they can be neither listed, "
+                      "diffed nor kept here, and nothing was changed (undo drops them)")
 
 
 def change_name(change: Change, real: os.stat_result | None) -> str | None:
@@ -6099,19 +6132,22 @@ def layer_diff(upper: str, lowers: list[str], only: str | None, budget: DiffBudg
 
 def folder_change_list(task_folders: list[str], uppers: list[str],
                        infos: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """GET /api/tasks/{id}/changes for a task's folders: [{folder, path, change}]."""
+    """GET /api/tasks/{id}/changes for a task's folders: [{folder, path, change}].  One
+    folders_cap for all of it: each folder's entries and each change listed charged to it."""
     out = []
+    cap = folders_cap()
     for folder, upper, info in zip(task_folders, uppers, infos):
         try:
             root = folder_open(info["path"], info["dev"], info["ino"])
         except (SysError, OSError):
             continue
         try:
-            for change in upper_changes(upper):
+            for change in upper_changes(upper, cap):
                 name = change_name(change, real_lstat(root, change.path))
                 if name is not None:
                     path = change.path + ("/" if change.kind in ("dir", "deep") else "")
                     out.append({"folder": folder, "path": path, "change": name})
+                    cap.charge(sys.getsizeof(path) + CHANGE_ENTRY_BYTES)
         finally:
             os.close(root)
     return out
