@@ -1088,12 +1088,18 @@ def sorted_in_slices(items: list[Any], key: Callable[[Any], Any]) -> list[Any]:
     return list(heapq.merge(*runs, key=key))
 
 
-def json_dumps_in_slices(obj: Any) -> str:
-    """json.dumps(obj), the same text; a long list encoded a slice at a time."""
+def json_dumps_in_slices(obj: Any, encode: Callable[[Any], bytes] =
+                         lambda part: json.dumps(part).encode()) -> bytes:
+    """encode(obj): json.dumps(obj) as UTF-8, the same bytes; a long list encoded a slice at
+    a time into a bytearray that grows with each (joined at the end, the text of 500,000
+    changes was a fresh 35 MB written in one C call: 120-190 ms of page faults)."""
     if not isinstance(obj, list) or len(obj) <= GIL_SLICE:
-        return json.dumps(obj)
-    return "[" + ", ".join(json.dumps(obj[i:i + GIL_SLICE])[1:-1]
-                           for i in range(0, len(obj), GIL_SLICE)) + "]"
+        return encode(obj)
+    out = bytearray(b"[")
+    for i in range(0, len(obj), GIL_SLICE):
+        out += (b", " if i else b"") + encode(obj[i:i + GIL_SLICE])[1:-1]
+    out += b"]"
+    return out                       # a bytes-like, taken as it is by a socket's write
 
 
 def lower_layer_paths(layers: list[str]) -> list[str]:
@@ -14834,8 +14840,12 @@ def json_text(obj: Any) -> bytes:
     """obj as JSON that a strict client takes: a str holding surrogateescaped bytes (only a
     file name has them) shows each as \\xNN; every other answer is json.dumps as it is
     (a long list a slice at a time: json_dumps_in_slices)."""
-    body = json_dumps_in_slices(obj).encode()
-    return json_dumps_in_slices(_shown(obj)).encode() if b"\\ud" in body else body
+    return json_dumps_in_slices(obj, _json_shown)
+
+
+def _json_shown(obj: Any) -> bytes:
+    body = json.dumps(obj).encode()
+    return json.dumps(_shown(obj)).encode() if b"\\ud" in body else body
 
 
 def _shown(obj: Any) -> Any:

@@ -101,3 +101,16 @@ def test_a_million_changed_paths_are_sorted_and_encoded_without_holding_the_loop
     text, spent, held = longest_gil_hold(lambda: G.json_text(changes))
     assert text == json.dumps(changes).encode()
     assert held < spent / 4, (held, spent)
+
+
+def test_the_json_of_a_million_changes_is_written_without_one_call_the_size_of_it() -> None:
+    """After the sort and the encoding were sliced, GET /changes of 1,000,000 changes still
+    held the loop 150-190 ms at once: the slices' texts were joined into one 70 MB str, a
+    fresh allocation written in one C call (its page faults), and then encoded into another.
+    Now each slice's bytes are appended to one bytearray as it is made: no wait past an eighth
+    of the work, and the same bytes as json.dumps."""
+    changes = [{"folder": "/home/me/proj", "path": f"many/{n}", "change": "added"}
+               for n in range(600_000)]
+    text, spent, held = longest_gil_hold(lambda: G.json_text(changes))
+    assert text == json.dumps(changes).encode()
+    assert held < spent / 8, (held, spent)
