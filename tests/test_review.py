@@ -840,3 +840,34 @@ def test_a_task_copy_of_many_files_is_listed_with_nothing_the_collector_walks(
     listed = list(changes)
     assert len(listed) == 30_003 and listed[0] == G.Change("0", "dir", 0o755, False, False)
     assert listed[1].path == "0/0" and listed[1].kind == "file"
+
+
+def test_a_keep_past_the_most_a_task_keeps_is_refused_and_a_part_of_it_is_kept(
+        new_gurtd: Any, owner_folder: str) -> None:
+    """Issue 23, the hostile round: keep of a task's 1,000,000 new files, and its undo, held
+    the loop 5-6 s and gurtd 1.38 GB (the journal, kept.json and the undo's are JSON written
+    and read whole, each one C call with the GIL held).  A task keeps at most
+    KEEP_MAX_CHANGES paths in all (here 40): a keep of 51 is a 413 that says so and changes
+    nothing; a part of it is kept with paths, the rest past the most is refused, and the
+    undo puts my folder back."""
+    g = new_gurtd({"GURT_KEEP_MAX_CHANGES": "40"})
+    before = snapshot(owner_folder)
+    task = run_on(g, owner_folder, "mkdir many && cd many && seq 1 50 | xargs touch")
+    assert task["state"] == "done" and task["review"] == "pending", g.log(task["id"])
+    code, data = keep(g, task["id"])
+    assert (code, data["code"]) == (413, "too_large"), data
+    assert "more than 40 changes to keep" in data["error"] and \
+        "a task keeps at most 40 paths" in data["error"], data
+    assert snapshot(owner_folder) == before and g.task(task["id"])["review"] == "pending"
+    code, data = keep(g, task["id"], {"paths": [f"many/{i}" for i in range(1, 31)]})
+    assert code == 200 and data["review"] == "pending", data     # many/ and 30 of its files
+    assert len(os.listdir(os.path.join(owner_folder, "many"))) == 30
+    code, data = keep(g, task["id"])                              # 20 more: 51 in all
+    assert (code, data["code"]) == (413, "too_large") and "with paths" in data["error"], data
+    assert len(os.listdir(os.path.join(owner_folder, "many"))) == 30
+    code, data = keep(g, task["id"], {"paths": [f"many/{i}" for i in range(31, 40)]})
+    assert code == 200, data                                      # 40 in all
+    undone = g.api("POST", f"/api/tasks/{task['id']}/undo")
+    assert undone["review"] == "undone", undone
+    assert snapshot(owner_folder) == before
+    no_leftovers(g, task["id"], owner_folder)
