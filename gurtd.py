@@ -5869,8 +5869,21 @@ class DiffBudget:
     def final(self, text: str) -> str:
         """text with each marker replaced by its pair's diff."""
         self.flush()
+        return self.filled(text)
+
+    def final_bytes(self, parts: list[str]) -> bytes:
+        """The answer: parts in UTF-8, each marker replaced, appended one part at a time to
+        one bytearray (joined, then encoded, a task's 500,000 files were three fresh texts
+        of 27 MB, each written in one C call that held the GIL 50-80 ms)."""
+        self.flush()
+        out = bytearray()
+        for part in parts:
+            out += self.filled(part).encode()
+        return out                       # a bytes-like, taken as it is by a socket's write
+
+    def filled(self, text: str) -> str:
         return re.sub("\0([0-9]+)\0", lambda m: self.parts[int(m[1])], text) \
-            if self.parts else text
+            if self.parts and "\0" in text else text
 
 
 def batch_diff(pairs: list[tuple[str, str]], budget: DiffBudget) -> list[str | None] | None:
@@ -6075,17 +6088,18 @@ def _wanted(rel: str, only: str | None) -> bool:
 
 
 def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None,
-                budget: DiffBudget) -> str:
-    """A personal task's changes to one folder against the real folder as it is now."""
+                budget: DiffBudget) -> list[str]:
+    """A personal task's changes to one folder against the real folder as it is now: the
+    parts of its text (for DiffBudget.final_bytes)."""
     try:
         real = folder_read(info)
     except (SysError, OSError) as exc:
-        return f"# folder {folder}: cannot be read: {exc}\n"
+        return [f"# folder {folder}: cannot be read: {exc}\n"]
     try:
         up = os.open(upper, DIR_FLAGS)
     except OSError:
         os.close(real)
-        return ""
+        return []
     parts: list[str] = []
     replaced = Under()                       # folders the task replaced: their old entries
     try:
@@ -6111,8 +6125,7 @@ def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None,
     finally:
         os.close(real)
         os.close(up)
-    text = "".join(parts)
-    return f"# folder {folder}\n{text}" if text else ""
+    return [f"# folder {folder}\n", *parts] if any(parts) else []
 
 
 def _tree_diff(root: int, rel: str, budget: DiffBudget) -> str:
@@ -6135,12 +6148,14 @@ def _tree_diff(root: int, rel: str, budget: DiffBudget) -> str:
     return "".join(parts)
 
 
-def layer_diff(upper: str, lowers: list[str], only: str | None, budget: DiffBudget) -> str:
-    """A workspace task's layer against the layers below it (the first that has a path)."""
-    parts = []
+def layer_diff(upper: str, lowers: list[str], only: str | None,
+               budget: DiffBudget) -> list[str]:
+    """A workspace task's layer against the layers below it (the first that has a path): the
+    parts of its text."""
+    parts: list[str] = []
     up = os.open(upper, DIR_FLAGS) if os.path.isdir(upper) else -1
     if up < 0:
-        return ""
+        return parts
     lower_fds = [os.open(p, DIR_FLAGS) for p in lowers if os.path.isdir(p)]
     try:
         for change in changed_paths(upper, lowers):
@@ -6155,7 +6170,7 @@ def layer_diff(upper: str, lowers: list[str], only: str | None, budget: DiffBudg
     finally:
         for fd in [up] + lower_fds:
             os.close(fd)
-    return "".join(parts)
+    return parts
 
 
 def folder_change_list(task_folders: list[str], uppers: list[str],
@@ -15288,13 +15303,13 @@ def h_task_diff(req: "Handler", params: dict[str, str]) -> Any:
     source = box.loop.call(box.review.sources, params["id"])
     budget = DiffBudget(gone=lambda: peer_gone(req.request))
     if source["folders"]:
-        text = "".join(folder_diff(folder, upper, info, only, budget)
-                       for folder, upper, info in source["folders"])
+        parts = [part for folder, upper, info in source["folders"]
+                 for part in folder_diff(folder, upper, info, only, budget)]
     elif source["layer"] is not None:
-        text = layer_diff(source["layer"][0], source["layer"][1], only, budget)
+        parts = layer_diff(source["layer"][0], source["layer"][1], only, budget)
     else:
-        text = ""
-    return 200, (budget.final(text).encode(), "text/x-diff; charset=utf-8")
+        parts = []
+    return 200, (budget.final_bytes(parts), "text/x-diff; charset=utf-8")
 
 
 def h_openapi(req: "Handler", params: dict[str, str]) -> Any:
@@ -16003,7 +16018,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if isinstance(obj, tuple):
             body, ctype = obj
         else:
-            body = obj if isinstance(obj, bytes) else json_text(obj)
+            body = obj if isinstance(obj, (bytes, bytearray)) else json_text(obj)
             ctype = "application/json"
         self.send_response(status)
         self.send_header("Content-Type", ctype)

@@ -13,6 +13,7 @@ import os
 import random
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any, Callable
 
@@ -114,3 +115,21 @@ def test_the_json_of_a_million_changes_is_written_without_one_call_the_size_of_i
     text, spent, held = longest_gil_hold(lambda: G.json_text(changes))
     assert text == json.dumps(changes).encode()
     assert held < spent / 8, (held, spent)
+
+
+def test_the_diff_of_a_million_new_files_is_written_once_a_part_at_a_time() -> None:
+    """The diff of a task's 500,000 new files in my folder held the loop 77 ms at once: its
+    parts were joined, the folder's line put before them, the text encoded: three fresh 27 MB
+    texts, each written in one C call (and held two at a time).  The parts now go one by one
+    into the answer's bytes: the same bytes, held about once."""
+    parts = ["# folder /home/me/proj\n"] + [
+        f"diff --git a/many/{n} b/many/{n}\nnew file mode 100644\n" for n in range(600_000)]
+    size = sum(map(len, parts))
+    tracemalloc.start()
+    try:
+        text = G.DiffBudget().final_bytes(parts)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert text == "".join(parts).encode()
+    assert peak < 1.3 * size, (peak, size)
