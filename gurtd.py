@@ -1079,13 +1079,20 @@ def printable(text: Any) -> str:
 GIL_SLICE = 20_000                   # items sorted or encoded in one C call
 
 
-def sorted_in_slices(items: list[Any], key: Callable[[Any], Any]) -> list[Any]:
+def sorted_in_slices(items: list[Any], key: Callable[[Any], Any] | None) -> list[Any]:
     """sorted(items, key=key), the same list: slices sorted alone, then merged (heapq.merge
     is Python code), so that no C call holds the GIL past a slice."""
     if len(items) <= GIL_SLICE:
         return sorted(items, key=key)
     runs = [sorted(items[i:i + GIL_SLICE], key=key) for i in range(0, len(items), GIL_SLICE)]
     return list(heapq.merge(*runs, key=key))
+
+
+def drop_in_slices(items: list[Any]) -> None:
+    """items emptied a slice at a time from the end: a list of a million entries let go at
+    once is one C call that frees them all (150 ms, a listing refused with a 413)."""
+    while items:
+        del items[-GIL_SLICE:]
 
 
 def json_dumps_in_slices(obj: Any, encode: Callable[[Any], bytes] =
@@ -2183,8 +2190,8 @@ CHANGES_MAX_MEMORY = 256 << 20       # memory one changes list holds: 800,000 ch
 # held an entry, 263 at the peak of the sort, of which 6 are the path's characters)
 CHANGE_ENTRY_BYTES = sys.getsizeof({"path": "", "change": ""}) + 32
 CHANGE_NAME_BYTES = 24               # a name listed beside its str: its slots in the lists
-# A personal task's upper entry (upper_changes' Change) beside its path's str: the tuple, its
-# slots in the lists of the sort, its mode and size ints, a few names' share of its folder's
+# A personal task's upper entry (upper_changes' row) beside its path's str: the tuple, its
+# slots in the lists of the sort, its mode and size ints
 CHANGE_RECORD_BYTES = sys.getsizeof(tuple(range(7))) + 3 * 8 + 2 * 32
 
 
@@ -2305,8 +2312,12 @@ class ListingCap:
                 found.append(item.name)
                 cost = sys.getsizeof(item.name) + CHANGE_NAME_BYTES
                 self.listed[id(folder)] += cost
-                self.charge(cost)
-        return sorted(found)
+                try:
+                    self.charge(cost)
+                except ApiError:
+                    drop_in_slices(found)
+                    raise
+        return sorted_in_slices(found, key=None)    # a folder of 1,000,000: 275 ms at once
 
     def leave(self, folder: WalkDir) -> None:
         self.size -= self.listed.pop(id(folder), 0)
@@ -2356,6 +2367,7 @@ def walk(roots: list[str | int], entry: Callable[[WalkDir, str], list[int] | Non
     finally:
         for open_folder in stack + [folder]:
             open_folder.close()
+            drop_in_slices(open_folder.todo)     # a folder's million names, cut short
 
 
 def _walk_down(parent: WalkDir, name: str, layers: list[int]) -> WalkDir | None:
@@ -2383,6 +2395,16 @@ def _walk_up(top: WalkDir, folder: WalkDir, child: WalkDir) -> int:
         if _dir_id(folder.fds[layer]) != dir_id:
             raise OSError(errno.EXDEV, "a folder was moved while it was walked", folder.path())
     return len(folder.fds)
+
+
+@contextlib.contextmanager
+def dropped_on_error(items: list[Any]) -> Iterator[None]:
+    """A listing cut short (a 413, a 409): what it held let go a slice at a time."""
+    try:
+        yield
+    except BaseException:
+        drop_in_slices(items)
+        raise
 
 
 @contextlib.contextmanager
@@ -2584,7 +2606,7 @@ def changed_paths(upper: str, lowers: list[str | int]) -> list[dict[str, str]]:
             cap.charge(sys.getsizeof(path) + CHANGE_ENTRY_BYTES)
         return subdir
 
-    with moved_is_409(), contextlib.suppress(FileNotFoundError):
+    with moved_is_409(), contextlib.suppress(FileNotFoundError), dropped_on_error(out):
         walk([p if isinstance(p, int) else os.path.realpath(p) if os.path.isdir(p) else -1
               for p in [upper, *lowers]],
              change, cap.leave, cap.names)   # realpath: a workspace may be an admin's symlink
@@ -4836,9 +4858,20 @@ def upper_changes(upper: str, cap: ListingCap | None = None) -> Iterator[Change]
                    (0 if origin is None else sys.getsizeof(origin)))
         return kind == "dir"
 
-    with moved_is_409(), contextlib.suppress(FileNotFoundError):
+    with moved_is_409(), contextlib.suppress(FileNotFoundError), dropped_on_error(out):
         tree_visit(upper, change, folders=True, cap=cap)
-    return map(Change._make, sorted_in_slices(out, key=lambda c: c[0].split("/")))
+    return _changes_of(sorted_in_slices(out, key=lambda c: c[0].split("/")))
+
+
+def _changes_of(rows: list[tuple[Any, ...]]) -> Iterator[Change]:
+    """Each row as a Change, in order, let go as it is read (and the rest a slice at a time
+    when the reader stops: a 413 while a million were read let go of them in one call)."""
+    rows.reverse()
+    try:
+        while rows:
+            yield Change._make(rows.pop())
+    finally:
+        drop_in_slices(rows)
 
 
 def folders_cap() -> ListingCap:
@@ -6177,22 +6210,23 @@ def folder_change_list(task_folders: list[str], uppers: list[str],
                        infos: list[dict[str, Any]]) -> list[dict[str, str]]:
     """GET /api/tasks/{id}/changes for a task's folders: [{folder, path, change}].  One
     folders_cap for all of it: each folder's entries and each change listed charged to it."""
-    out = []
+    out: list[dict[str, str]] = []
     cap = folders_cap()
-    for folder, upper, info in zip(task_folders, uppers, infos):
-        try:
-            root = folder_open(info["path"], info["dev"], info["ino"])
-        except (SysError, OSError):
-            continue
-        try:
-            for change in upper_changes(upper, cap):
-                name = change_name(change, real_lstat(root, change.path))
-                if name is not None:
-                    path = change.path + ("/" if change.kind in ("dir", "deep") else "")
-                    out.append({"folder": folder, "path": path, "change": name})
-                    cap.charge(sys.getsizeof(path) + CHANGE_ENTRY_BYTES)
-        finally:
-            os.close(root)
+    with dropped_on_error(out):
+        for folder, upper, info in zip(task_folders, uppers, infos):
+            try:
+                root = folder_open(info["path"], info["dev"], info["ino"])
+            except (SysError, OSError):
+                continue
+            try:
+                for change in upper_changes(upper, cap):
+                    name = change_name(change, real_lstat(root, change.path))
+                    if name is not None:
+                        path = change.path + ("/" if change.kind in ("dir", "deep") else "")
+                        out.append({"folder": folder, "path": path, "change": name})
+                        cap.charge(sys.getsizeof(path) + CHANGE_ENTRY_BYTES)
+            finally:
+                os.close(root)
     return out
 
 
