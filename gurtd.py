@@ -15,14 +15,16 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           commonest shape), SysError (a failed system verb)
     Pure model            ids, validation, host patterns, Task and Approval records, nftables
                           text, the droid stream (steps, prices, bounded JSON), printable;
-                          long lists sorted and encoded in slices (the GIL, so the loop, free)
+                          long lists sorted, encoded and let go in slices (the GIL, so the
+                          loop, free)
     Persistence           atomic JSON files under BOX_HOME, set-aside of damaged files, the
                           append-only wallet ledger; whole writes or an error, temp leftovers
                           of a crash, the test-only crash and stop points
     System layer          users, processes, mounts, network namespaces, nftables; each verb
                           beside its inverse, idempotent
     Layer walks           the one walker of every tree (beneath root fds, no symlink followed,
-                          bounded fds, a moved folder an error); changes, copies, sizes
+                          bounded fds, a moved folder an error); changes (their memory
+                          capped: ListingCap), copies, sizes
     Limits and tracking   a cgroup per task (tracking, kill, freeze; processes, memory, CPU),
                           task limits, the log cap, BOX_HOME's disk reserve (a project
                           quota on each task's layer where the file system has them)
@@ -32,8 +34,9 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Kernel filter         the seccomp refusals every worker runs under, one table by name
     Task leftovers        set-id bits of a finished layer, kernel keys of a finished uid
     Review                personal mode: a task's real folders checked, their copy-on-write
-                          overlays, conflicts, keep with its journal, undo of a keep (both in
-                          the review thread, off the loop), diff
+                          overlays, conflicts, keep with its journal (a task's at most
+                          KEEP_MAX_CHANGES paths), undo of a keep (both in the review thread,
+                          off the loop), diff
     Layer stack           views past 500 layers: which lowers a view uses, merged layers of
                           old groups (built off the loop), their generations and registry;
                           Views: each workspace's views, its stack, merges due, layer collection
@@ -4572,6 +4575,10 @@ def keys_clear(uid: int) -> None:
 # Keep and undo of a keep run in the review thread, one after another, never on the loop: a
 # keep of 100,000 new files is seconds of writes (16-21 s held the loop, near the unit's 30 s
 # watchdog).  The loop only sets what they change of a Task, in short calls (Review.settle).
+# Off the loop is not enough for their JSON: the journal, kept.json and the undo's journal are
+# written and read whole, each one C call with the GIL held (1,000,000 paths: 0.9 s to write,
+# 1.7 s to read, the loop waiting), so a task's keeps write at most KEEP_MAX_CHANGES paths in
+# all; the listings they read (upper_changes) are capped in memory as a workspace's changes.
 
 MAX_FOLDERS = 16
 REVIEW_STATES = ("pending", "kept", "conflict", "undone")
