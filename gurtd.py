@@ -1112,6 +1112,35 @@ def json_dumps_in_slices(obj: Any, encode: Callable[[Any], bytes] =
     return out                       # a bytes-like, taken as it is by a socket's write
 
 
+def json_record_in_slices(obj: Any, depth: int = 3, out: bytearray | None = None) -> bytes:
+    """json.dumps(obj, separators=(",", ":")) as UTF-8, the same bytes, appended to out (a new
+    bytearray if None): a long list in it (in a dict or a list, depth levels down) encoded a
+    slice at a time.  For a keep's journal and kept.json: 200,000 ops were 170 ms of one C
+    call."""
+    out = bytearray() if out is None else out
+    if isinstance(obj, (list, tuple)) and len(obj) > GIL_SLICE:
+        out += b"["
+        for i in range(0, len(obj), GIL_SLICE):
+            out += (b"," if i else b"") + json.dumps(list(obj[i:i + GIL_SLICE]),
+                                                     separators=(",", ":")).encode()[1:-1]
+        out += b"]"
+    elif depth and isinstance(obj, dict) and all(isinstance(key, str) for key in obj):
+        out += b"{"
+        for n, (key, value) in enumerate(obj.items()):
+            out += (b"," if n else b"") + json.dumps(key).encode() + b":"
+            json_record_in_slices(value, depth - 1, out)
+        out += b"}"
+    elif depth and isinstance(obj, (list, tuple)):
+        out += b"["
+        for n, item in enumerate(obj):
+            out += b"," if n else b""
+            json_record_in_slices(item, depth - 1, out)
+        out += b"]"
+    else:
+        out += json.dumps(obj, separators=(",", ":")).encode()
+    return out
+
+
 def lower_layer_paths(layers: list[str]) -> list[str]:
     """The lower layers of a view, newest first, as paths relative to BOX_HOME (base last)."""
     return [f"layers/{layer}/upper" for layer in layers]
@@ -1449,18 +1478,27 @@ def write_json(path: str, obj: Any, sync: bool = True) -> None:
     atomic_write_all([json_write(path, obj)], sync=sync)
 
 
+def write_record(path: str, obj: Any) -> None:
+    """write_json of a record that may hold long lists (a keep's journal, kept.json), encoded
+    a slice at a time (json_record_in_slices): the same bytes."""
+    data = json_record_in_slices(obj)
+    data += b"\n"
+    atomic_write_all([FileWrite(path, data)])
+
+
 def json_write(path: str, obj: Any) -> FileWrite:
     """obj as a JSON file's write, for atomic_write_all."""
     return FileWrite(path, json.dumps(obj, separators=(",", ":")).encode() + b"\n")
 
 
-def load_json(path: str, parse: Callable[[Any], Any] | None = None) -> Any:
-    """The JSON in path (what parse makes of it, if given), or None if it is missing.  A
-    damaged file (not JSON, or JSON that parse refuses with TypeError or ValueError) is set
-    aside and logged."""
+def load_json(path: str, parse: Callable[[Any], Any] | None = None,
+              hook: Callable[[dict[str, Any]], Any] | None = None) -> Any:
+    """The JSON in path (what parse makes of it, if given; hook: json.loads' object_hook), or
+    None if it is missing.  A damaged file (not JSON, or JSON that parse refuses with
+    TypeError or ValueError) is set aside and logged."""
     try:
         with open(path, "rb") as f:
-            data = json.loads(f.read())
+            data = json.loads(f.read(), object_hook=hook)
         return data if parse is None else parse(data)
     except FileNotFoundError:
         return None
@@ -4575,10 +4613,12 @@ def keys_clear(uid: int) -> None:
 # Keep and undo of a keep run in the review thread, one after another, never on the loop: a
 # keep of 100,000 new files is seconds of writes (16-21 s held the loop, near the unit's 30 s
 # watchdog).  The loop only sets what they change of a Task, in short calls (Review.settle).
-# Off the loop is not enough for their JSON: the journal, kept.json and the undo's journal are
+# Off the loop is not enough for their JSON: the journal, kept.json and the undo's journal were
 # written and read whole, each one C call with the GIL held (1,000,000 paths: 0.9 s to write,
-# 1.7 s to read, the loop waiting), so a task's keeps write at most KEEP_MAX_CHANGES paths in
-# all; the listings they read (upper_changes) are capped in memory as a workspace's changes.
+# 1.7 s to read, the loop waiting).  They are written a slice at a time (write_record) and
+# read with kept_op (Python between the objects; each op's after a tuple, which the collector
+# stops walking), still whole, so a task's keeps write at most KEEP_MAX_CHANGES paths in all;
+# the listings they read (upper_changes) are capped in memory as a workspace's changes.
 
 MAX_FOLDERS = 16
 REVIEW_STATES = ("pending", "kept", "conflict", "undone")
@@ -4598,10 +4638,9 @@ STICKY_HELD = "\0sticky"             # and for one holding what the owner may no
 KEEP_PATH_MAX = 4096                 # bytes: a task's folder deeper than this is listed (as
                                      # kind "deep"), never walked into, and never kept
 KEEP_MAX_CHANGES = 200_000           # paths a task's keeps write in all: its journal, kept.json
-                                     # and the undo are JSON read and written whole, each a C
-                                     # call that holds the GIL (1,000,000: 0.9 s to write, 1.7
-                                     # s to read, 1.38 GB; 200,000: ~0.1 s) (tests: fewer, with
-                                     # GURT_KEEP_MAX_CHANGES)
+                                     # and the undo's are JSON read and written whole (a keep
+                                     # of 1,000,000 held gurtd 1.38 GB), see the banner (tests:
+                                     # fewer, with GURT_KEEP_MAX_CHANGES)
 
 
 def folders_of(body: dict[str, Any]) -> list[str] | None:
@@ -5157,6 +5196,17 @@ def _folders_above(paths: set[tuple[int, str]]) -> set[tuple[int, str]]:
     return out
 
 
+def kept_op(obj: dict[str, Any]) -> dict[str, Any]:
+    """json.loads' object_hook for kept.json and the journals: an op's after as a tuple.  The
+    hook is Python code between the objects (the GIL let go there), and a tuple of ints, then
+    its op, the garbage collector stops walking: kept.json of 200,000 ops was read in one C
+    call of 430-560 ms, most of it collections walking its lists and the dicts holding them."""
+    after = obj.get("after")
+    if type(after) is list:
+        obj["after"] = tuple(after)
+    return obj
+
+
 class Review:
     """The folders of personal tasks: their uppers, the review (keep, conflicts, undo of a
     keep), the diff and the changes.  Box only wires it.  Keep and undo of a keep are jobs of
@@ -5289,7 +5339,7 @@ class Review:
 
     def kept(self, task: Task) -> dict[str, Any]:
         try:
-            data = load_json(self.dir(task.id, "kept.json"))
+            data = load_json(self.dir(task.id, "kept.json"), hook=kept_op)
         except (OSError, ValueError):
             data = None
         return data if isinstance(data, dict) else {"applied": [], "keeps": []}
@@ -5341,7 +5391,7 @@ class Review:
         if task.review not in ("pending", "conflict"):
             raise ApiError(409, f"the task's review is {task.review or 'not open'}: only a "
                                 "pending or conflict review can be kept", "conflict")
-        cut_short = load_json(self.dir(task.id, "journal.json"))
+        cut_short = load_json(self.dir(task.id, "journal.json"), hook=kept_op)
         if isinstance(cut_short, dict) and cut_short.get("action") == "keep":
             self.keep_guarded(task, cut_short)       # a keep a full disk cut short goes on
             return
@@ -5484,7 +5534,7 @@ class Review:
         saved = -1
         try:
             crash_point("keep-planned")
-            write_json(path, journal)
+            write_record(path, journal)
             os.makedirs(self.dir(task.id, "saved"), 0o700, exist_ok=True)
             saved = os.open(self.dir(task.id, "saved"), DIR_FLAGS)
             # every new file first, under its temporary name, and flushed in one go: the
@@ -5524,16 +5574,16 @@ class Review:
             return                                    # recorded before a crash
         for op in journal["ops"]:
             st = real_lstat(roots[op["folder"]], op["path"])
-            op["after"] = None if st is None else [st.st_ino, st.st_ctime_ns]
+            op["after"] = None if st is None else (st.st_ino, st.st_ctime_ns)
         holding = _folders_above({(op["folder"], op["path"]) for op in journal["ops"]})
         for keep in record["keeps"]:
             for op in keep["ops"]:
                 if op["kind"] == "dir" and (op["folder"], op["path"]) in holding:
                     st = real_lstat(roots[op["folder"]], op["path"])
-                    op["after"] = None if st is None else [st.st_ino, st.st_ctime_ns]
+                    op["after"] = None if st is None else (st.st_ino, st.st_ctime_ns)
         record["keeps"].append({"id": journal["id"], "at": now_iso(), "ops": journal["ops"]})
         record["applied"] = record["applied"] + journal["applied"]
-        write_json(self.dir(task.id, "kept.json"), record)
+        write_record(self.dir(task.id, "kept.json"), record)
 
     @staticmethod
     def save_original(root: int, saved: int, op: dict[str, Any]) -> None:
@@ -5655,7 +5705,7 @@ class Review:
         nothing kept only has its folder changes dropped (drop)."""
         if task.review not in ("kept", "pending", "conflict"):
             return
-        cut_short = load_json(self.dir(task.id, "journal.json"))
+        cut_short = load_json(self.dir(task.id, "journal.json"), hook=kept_op)
         if isinstance(cut_short, dict) and cut_short.get("action") == "undo":
             with saved_or_507("restored files (the undo goes on with the next undo)"):
                 self.undo_run(task, cut_short)
@@ -5689,7 +5739,7 @@ class Review:
                     if op["folder"] not in roots:
                         roots[op["folder"]] = self.open_folder(info)
                     st = real_lstat(roots[op["folder"]], op["path"])
-                    now = None if st is None else [st.st_ino, st.st_ctime_ns]
+                    now = None if st is None else (st.st_ino, st.st_ctime_ns)
                     if now != op.get("after"):
                         why = ("deleted" if now is None else "created" if op.get("after") is
                                None else "changed") + " by the owner after the keep"
@@ -5705,7 +5755,7 @@ class Review:
         journal stays: the task stays kept, the answer is 409 with the paths (notUndone), and
         the next undo (or start) runs the journal again, every step being repeatable."""
         path = self.dir(task.id, "journal.json")
-        write_json(path, journal)
+        write_record(path, journal)
         roots = {n: self.open_folder(info) for n, info in enumerate(task.folderInfo or [])}
         saved = os.open(self.dir(task.id, "saved"), DIR_FLAGS) \
             if os.path.isdir(self.dir(task.id, "saved")) else -1
@@ -5816,7 +5866,7 @@ class Review:
     def finish_cut_short(self, task: Task, path: str) -> None:
         """Review thread: a keep or an undo a crash cut short, finished from its journal."""
         try:
-            journal = load_json(path)
+            journal = load_json(path, hook=kept_op)
             undo = journal["action"] == "undo"
             (self.undo_run if undo else self.keep_run)(task, journal)
             self.box.loop.report(self.announce, task, "recovered",
