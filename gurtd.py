@@ -2318,12 +2318,19 @@ class WalkDir:
 
 
 def _names(fds: list[int]) -> list[str]:
-    """The names in these directories, sorted, each once (one that cannot be read has none)."""
+    """The names in these directories, sorted, each once (one that cannot be read has none),
+    in slices: a task's folder of 600,000 names held the GIL 194 ms in one set and one sort
+    (the removal of its upper in the review thread, its size counted)."""
+    if len(fds) == 1:
+        try:
+            return sorted_in_slices(os.listdir(fds[0]), key=None)
+        except OSError:
+            return []
     found: set[str] = set()
     for fd in fds:
         with contextlib.suppress(OSError):
             found.update(os.listdir(fd))
-    return sorted(found)
+    return sorted_in_slices(list(found), key=None)
 
 
 class ListingCap:
