@@ -15,14 +15,16 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
                           commonest shape), SysError (a failed system verb)
     Pure model            ids, validation, host patterns, Task and Approval records, nftables
                           text, the droid stream (steps, prices, bounded JSON), printable;
-                          long lists sorted and encoded in slices (the GIL, so the loop, free)
+                          long lists sorted, encoded and let go in slices (the GIL, so the
+                          loop, free)
     Persistence           atomic JSON files under BOX_HOME, set-aside of damaged files, the
                           append-only wallet ledger; whole writes or an error, temp leftovers
                           of a crash, the test-only crash and stop points
     System layer          users, processes, mounts, network namespaces, nftables; each verb
                           beside its inverse, idempotent
     Layer walks           the one walker of every tree (beneath root fds, no symlink followed,
-                          bounded fds, a moved folder an error); changes, copies, sizes
+                          bounded fds, a moved folder an error); changes (their memory
+                          capped: ListingCap), copies, sizes
     Limits and tracking   a cgroup per task (tracking, kill, freeze; processes, memory, CPU),
                           task limits, the log cap, BOX_HOME's disk reserve (a project
                           quota on each task's layer where the file system has them)
@@ -33,8 +35,9 @@ Map of this file (each section starts with a ``# Name ###`` banner that grep fin
     Kernel filter         the seccomp refusals every worker runs under, one table by name
     Task leftovers        set-id bits of a finished layer, kernel keys of a finished uid
     Review                personal mode: a task's real folders checked, their copy-on-write
-                          overlays, conflicts, keep with its journal, undo of a keep (both in
-                          the review thread, off the loop), diff
+                          overlays, conflicts, keep with its journal (a task's at most
+                          KEEP_MAX_CHANGES paths), undo of a keep (both in the review thread,
+                          off the loop), diff
     Layer stack           views past 500 layers: which lowers a view uses, merged layers of
                           old groups (built off the loop), their generations and registry;
                           Views: each workspace's views, its stack, merges due, layer collection
@@ -143,7 +146,7 @@ import traceback
 import urllib.parse
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator, NamedTuple
 
 import click
 
@@ -1083,7 +1086,7 @@ def printable(text: Any) -> str:
 GIL_SLICE = 20_000                   # items sorted or encoded in one C call
 
 
-def sorted_in_slices(items: list[Any], key: Callable[[Any], Any]) -> list[Any]:
+def sorted_in_slices(items: list[Any], key: Callable[[Any], Any] | None) -> list[Any]:
     """sorted(items, key=key), the same list: slices sorted alone, then merged (heapq.merge
     is Python code), so that no C call holds the GIL past a slice."""
     if len(items) <= GIL_SLICE:
@@ -1092,12 +1095,54 @@ def sorted_in_slices(items: list[Any], key: Callable[[Any], Any]) -> list[Any]:
     return list(heapq.merge(*runs, key=key))
 
 
-def json_dumps_in_slices(obj: Any) -> str:
-    """json.dumps(obj), the same text; a long list encoded a slice at a time."""
+def drop_in_slices(items: list[Any]) -> None:
+    """items emptied a slice at a time from the end: a list of a million entries let go at
+    once is one C call that frees them all (150 ms, a listing refused with a 413)."""
+    while items:
+        del items[-GIL_SLICE:]
+
+
+def json_dumps_in_slices(obj: Any, encode: Callable[[Any], bytes] =
+                         lambda part: json.dumps(part).encode()) -> bytes:
+    """encode(obj): json.dumps(obj) as UTF-8, the same bytes; a long list encoded a slice at
+    a time into a bytearray that grows with each (joined at the end, the text of 500,000
+    changes was a fresh 35 MB written in one C call: 120-190 ms of page faults)."""
     if not isinstance(obj, list) or len(obj) <= GIL_SLICE:
-        return json.dumps(obj)
-    return "[" + ", ".join(json.dumps(obj[i:i + GIL_SLICE])[1:-1]
-                           for i in range(0, len(obj), GIL_SLICE)) + "]"
+        return encode(obj)
+    out = bytearray(b"[")
+    for i in range(0, len(obj), GIL_SLICE):
+        out += (b", " if i else b"") + encode(obj[i:i + GIL_SLICE])[1:-1]
+    out += b"]"
+    return out                       # a bytes-like, taken as it is by a socket's write
+
+
+def json_record_in_slices(obj: Any, depth: int = 3, out: bytearray | None = None) -> bytes:
+    """json.dumps(obj, separators=(",", ":")) as UTF-8, the same bytes, appended to out (a new
+    bytearray if None): a long list in it (in a dict or a list, depth levels down) encoded a
+    slice at a time.  For a keep's journal and kept.json: 200,000 ops were 170 ms of one C
+    call."""
+    out = bytearray() if out is None else out
+    if isinstance(obj, (list, tuple)) and len(obj) > GIL_SLICE:
+        out += b"["
+        for i in range(0, len(obj), GIL_SLICE):
+            out += (b"," if i else b"") + json.dumps(list(obj[i:i + GIL_SLICE]),
+                                                     separators=(",", ":")).encode()[1:-1]
+        out += b"]"
+    elif depth and isinstance(obj, dict) and all(isinstance(key, str) for key in obj):
+        out += b"{"
+        for n, (key, value) in enumerate(obj.items()):
+            out += (b"," if n else b"") + json.dumps(key).encode() + b":"
+            json_record_in_slices(value, depth - 1, out)
+        out += b"}"
+    elif depth and isinstance(obj, (list, tuple)):
+        out += b"["
+        for n, item in enumerate(obj):
+            out += b"," if n else b""
+            json_record_in_slices(item, depth - 1, out)
+        out += b"]"
+    else:
+        out += json.dumps(obj, separators=(",", ":")).encode()
+    return out
 
 
 def lower_layer_paths(layers: list[str]) -> list[str]:
@@ -1437,18 +1482,27 @@ def write_json(path: str, obj: Any, sync: bool = True) -> None:
     atomic_write_all([json_write(path, obj)], sync=sync)
 
 
+def write_record(path: str, obj: Any) -> None:
+    """write_json of a record that may hold long lists (a keep's journal, kept.json), encoded
+    a slice at a time (json_record_in_slices): the same bytes."""
+    data = json_record_in_slices(obj)
+    data += b"\n"
+    atomic_write_all([FileWrite(path, data)])
+
+
 def json_write(path: str, obj: Any) -> FileWrite:
     """obj as a JSON file's write, for atomic_write_all."""
     return FileWrite(path, json.dumps(obj, separators=(",", ":")).encode() + b"\n")
 
 
-def load_json(path: str, parse: Callable[[Any], Any] | None = None) -> Any:
-    """The JSON in path (what parse makes of it, if given), or None if it is missing.  A
-    damaged file (not JSON, or JSON that parse refuses with TypeError or ValueError) is set
-    aside and logged."""
+def load_json(path: str, parse: Callable[[Any], Any] | None = None,
+              hook: Callable[[dict[str, Any]], Any] | None = None) -> Any:
+    """The JSON in path (what parse makes of it, if given; hook: json.loads' object_hook), or
+    None if it is missing.  A damaged file (not JSON, or JSON that parse refuses with
+    TypeError or ValueError) is set aside and logged."""
     try:
         with open(path, "rb") as f:
-            data = json.loads(f.read())
+            data = json.loads(f.read(), object_hook=hook)
         return data if parse is None else parse(data)
     except FileNotFoundError:
         return None
@@ -2217,6 +2271,9 @@ CHANGES_MAX_MEMORY = 256 << 20       # memory one changes list holds: 800,000 ch
 # held an entry, 263 at the peak of the sort, of which 6 are the path's characters)
 CHANGE_ENTRY_BYTES = sys.getsizeof({"path": "", "change": ""}) + 32
 CHANGE_NAME_BYTES = 24               # a name listed beside its str: its slots in the lists
+# A personal task's upper entry (upper_changes' row) beside its path's str: the tuple, its
+# slots in the lists of the sort, its mode and size ints
+CHANGE_RECORD_BYTES = sys.getsizeof(tuple(range(7))) + 3 * 8 + 2 * 32
 
 
 def open_dir_beneath(root_fd: int, rel: str) -> int | None:
@@ -2301,12 +2358,57 @@ class WalkDir:
 
 
 def _names(fds: list[int]) -> list[str]:
-    """The names in these directories, sorted, each once (one that cannot be read has none)."""
+    """The names in these directories, sorted, each once (one that cannot be read has none),
+    in slices: a task's folder of 600,000 names held the GIL 194 ms in one set and one sort
+    (the removal of its upper in the review thread, its size counted)."""
+    if len(fds) == 1:
+        try:
+            return sorted_in_slices(os.listdir(fds[0]), key=None)
+        except OSError:
+            return []
     found: set[str] = set()
     for fd in fds:
         with contextlib.suppress(OSError):
             found.update(os.listdir(fd))
-    return sorted(found)
+    return sorted_in_slices(list(found), key=None)
+
+
+class ListingCap:
+    """The memory a listing of changes for a person holds, counted as it grows: past
+    CHANGES_MAX_MEMORY a 413 naming what (and where the rest is, if anywhere).  Each entry is
+    charged as it is listed, and each name of a folder on the walk's way as it is read (names,
+    walk's names: a task's folder of millions of empty files is refused before its names are
+    all held) until the walk leaves the folder (leave)."""
+
+    def __init__(self, what: str, rest: str) -> None:
+        self.what, self.rest = what, rest
+        self.size = 0
+        self.listed: dict[int, int] = {}     # bytes of each folder's names, by id(WalkDir)
+
+    def charge(self, cost: int) -> None:
+        self.size += cost
+        if self.size > CHANGES_MAX_MEMORY:
+            raise ApiError(413, f"{self.what} are more than {CHANGES_MAX_MEMORY >> 20} MiB in "
+                                "memory (folders thousands deep, or millions of files); "
+                                f"{self.rest}", "too_large")
+
+    def names(self, folder: WalkDir) -> list[str]:
+        found: list[str] = []
+        self.listed[id(folder)] = 0
+        with contextlib.suppress(OSError), os.scandir(folder.fds[0]) as entries:
+            for item in entries:          # one that cannot be read has none, as _names
+                found.append(item.name)
+                cost = sys.getsizeof(item.name) + CHANGE_NAME_BYTES
+                self.listed[id(folder)] += cost
+                try:
+                    self.charge(cost)
+                except ApiError:
+                    drop_in_slices(found)
+                    raise
+        return sorted_in_slices(found, key=None)    # a folder of 1,000,000: 275 ms at once
+
+    def leave(self, folder: WalkDir) -> None:
+        self.size -= self.listed.pop(id(folder), 0)
 
 
 def walk(roots: list[str | int], entry: Callable[[WalkDir, str], list[int] | None],
@@ -2353,6 +2455,7 @@ def walk(roots: list[str | int], entry: Callable[[WalkDir, str], list[int] | Non
     finally:
         for open_folder in stack + [folder]:
             open_folder.close()
+            drop_in_slices(open_folder.todo)     # a folder's million names, cut short
 
 
 def _walk_down(parent: WalkDir, name: str, layers: list[int]) -> WalkDir | None:
@@ -2383,6 +2486,16 @@ def _walk_up(top: WalkDir, folder: WalkDir, child: WalkDir) -> int:
 
 
 @contextlib.contextmanager
+def dropped_on_error(items: list[Any]) -> Iterator[None]:
+    """A listing cut short (a 413, a 409): what it held let go a slice at a time."""
+    try:
+        yield
+    except BaseException:
+        drop_in_slices(items)
+        raise
+
+
+@contextlib.contextmanager
 def moved_is_409() -> Iterator[None]:
     """A walk for a person: a folder the task or the owner moved meanwhile is a 409."""
     try:
@@ -2398,13 +2511,14 @@ Visit = Callable[[int, str, os.stat_result, list[str]], bool | None]
 
 
 def tree_visit(top: str | int, visit: Visit, leave: Callable[[int, str], None] | None = None,
-               folders: bool = False) -> None:
+               folders: bool = False, cap: ListingCap | None = None) -> None:
     """Every entry below top (a path, or a directory fd), depth first, by name: visit(dir_fd,
     name, st, parents) for each one that is not a folder, and if folders for each folder too
     (before what it holds: one it answers False for is not walked into); parents: the names
     from top down to its folder.  leave(parent_fd, name) once a folder's entries are done.
     One walk: any depth, paths far past PATH_MAX; a folder moved during it (an owner's real
-    folder under a keep) raises instead of leading the walk, and a removal, out of the tree."""
+    folder under a keep) raises instead of leading the walk, and a removal, out of the tree.
+    cap: each folder's names charged to it while the walk is below the folder."""
     here: list[Any] = [None, []]           # the folder of the last visit and its names
 
     def entry(folder: WalkDir, name: str) -> list[int] | None:
@@ -2418,8 +2532,13 @@ def tree_visit(top: str | int, visit: Visit, leave: Callable[[int, str], None] |
     def left(folder: WalkDir) -> None:
         if leave is not None and folder.up is not None:
             leave(folder.up.fds[0], folder.name)
+        if cap is not None:
+            cap.leave(folder)
 
-    walk([top], entry, left)
+    if cap is None:
+        walk([top], entry, left)
+    else:
+        walk([top], entry, left, cap.names)
 
 
 def tree_remove(top: str) -> None:
@@ -2550,37 +2669,12 @@ def changed_paths(upper: str, lowers: list[str | int]) -> list[dict[str, str]]:
     directory only shows when it is new (or replaced an earlier one, opaque).  One walk of
     the upper with, beside each of its folders, the lowers in which that folder is visible.
     A layer deleted meanwhile gives what was read so far, a folder moved meanwhile is a 409,
-    more than CHANGES_MAX_MEMORY held a 413 (the memory of a request is bounded): each change
-    counted at what it costs in memory (its path's str and CHANGE_ENTRY_BYTES), each name of
-    a folder on the walk's way as it is read (a task's folder of millions of empty files is
-    refused before its names are all held) until the walk leaves the folder.
+    more than CHANGES_MAX_MEMORY held a 413 (ListingCap: the memory of a request is
+    bounded): each change counted at what it costs in memory (its path's str and
+    CHANGE_ENTRY_BYTES).
     """
     out: list[dict[str, str]] = []
-    size = 0
-    listed: dict[int, int] = {}          # bytes of each folder's names, by id(WalkDir)
-
-    def charge(cost: int) -> None:
-        nonlocal size
-        size += cost
-        if size > CHANGES_MAX_MEMORY:
-            raise ApiError(413, f"the changes are more than {CHANGES_MAX_MEMORY >> 20} MiB "
-                                "in memory (folders thousands deep, or millions of files); the "
-                                "task's archive has them all", "too_large")
-
-    def names(folder: WalkDir) -> list[str]:
-        found: list[str] = []
-        listed[id(folder)] = 0
-        with contextlib.suppress(OSError), os.scandir(folder.fds[0]) as entries:
-            for item in entries:          # one that cannot be read has none, as _names
-                found.append(item.name)
-                cost = sys.getsizeof(item.name) + CHANGE_NAME_BYTES
-                listed[id(folder)] += cost
-                charge(cost)
-        return sorted(found)
-
-    def leave(folder: WalkDir) -> None:
-        nonlocal size
-        size -= listed.pop(id(folder), 0)
+    cap = ListingCap("the changes", "the task's archive has them all")
 
     def change(folder: WalkDir, name: str) -> list[int] | None:
         fds, st = folder.fds, _entry(folder.fds[0], name)
@@ -2597,13 +2691,13 @@ def changed_paths(upper: str, lowers: list[str | int]) -> list[dict[str, str]]:
         if what:
             path = folder.path(name) + ("/" if subdir is not None else "")
             out.append({"path": path, "change": what})
-            charge(sys.getsizeof(path) + CHANGE_ENTRY_BYTES)
+            cap.charge(sys.getsizeof(path) + CHANGE_ENTRY_BYTES)
         return subdir
 
-    with moved_is_409(), contextlib.suppress(FileNotFoundError):
+    with moved_is_409(), contextlib.suppress(FileNotFoundError), dropped_on_error(out):
         walk([p if isinstance(p, int) else os.path.realpath(p) if os.path.isdir(p) else -1
               for p in [upper, *lowers]],
-             change, leave, names)   # realpath: a workspace may be an admin's symlink
+             change, cap.leave, cap.names)   # realpath: a workspace may be an admin's symlink
     return sorted_in_slices(out, key=lambda c: c["path"])
 
 
@@ -4607,6 +4701,12 @@ def keys_clear(uid: int) -> None:
 # Keep and undo of a keep run in the review thread, one after another, never on the loop: a
 # keep of 100,000 new files is seconds of writes (16-21 s held the loop, near the unit's 30 s
 # watchdog).  The loop only sets what they change of a Task, in short calls (Review.settle).
+# Off the loop is not enough for their JSON: the journal, kept.json and the undo's journal were
+# written and read whole, each one C call with the GIL held (1,000,000 paths: 0.9 s to write,
+# 1.7 s to read, the loop waiting).  They are written a slice at a time (write_record) and
+# read with kept_op (Python between the objects; each op's after a tuple, which the collector
+# stops walking), still whole, so a task's keeps write at most KEEP_MAX_CHANGES paths in all;
+# the listings they read (upper_changes) are capped in memory as a workspace's changes.
 
 MAX_FOLDERS = 16
 REVIEW_STATES = ("pending", "kept", "conflict", "undone")
@@ -4625,6 +4725,10 @@ TOO_DEEP = "\0too deep"              # _tree_conflict's answer for a folder deep
 STICKY_HELD = "\0sticky"             # and for one holding what the owner may not remove
 KEEP_PATH_MAX = 4096                 # bytes: a task's folder deeper than this is listed (as
                                      # kind "deep"), never walked into, and never kept
+KEEP_MAX_CHANGES = 200_000           # paths a task's keeps write in all: its journal, kept.json
+                                     # and the undo's are JSON read and written whole (a keep
+                                     # of 1,000,000 held gurtd 1.38 GB), see the banner (tests:
+                                     # fewer, with GURT_KEEP_MAX_CHANGES)
 
 
 def folders_of(body: dict[str, Any]) -> list[str] | None:
@@ -4845,9 +4949,12 @@ def real_lstat(root_fd: int, rel: str) -> os.stat_result | None:
     return _at_parent(root_fd, rel, _lstat_at)
 
 
-@dataclass
-class Change:
-    """One entry of a folder's upper: what the task left at path (relative to the folder)."""
+class Change(NamedTuple):
+    """One entry of a folder's upper: what the task left at path (relative to the folder).
+    upper_changes holds them as plain tuples, which the garbage collector stops tracking (a
+    subclass it tracks always), and makes each Change as it is read: a task's million entries
+    held as objects made each full collection walk them all (150-290 ms, the GIL held: the
+    loop's longest wait while a 1M-file folder was listed)."""
 
     path: str
     kind: str          # file, dir, symlink, delete, other (a fifo, socket or device), deep
@@ -4858,13 +4965,16 @@ class Change:
     handle: bytes | None = None   # a file's origin xattr: overlay's handle of the real file
 
 
-def upper_changes(upper: str) -> list[Change]:
+def upper_changes(upper: str, cap: ListingCap | None = None) -> Iterator[Change]:
     """Every entry of an upper, parents before children, sorted by path.  A directory that
     is only there because something below it changed is listed too (kind dir, not opaque,
     with origin): keep makes sure it still exists.  A folder whose path passes KEEP_PATH_MAX
     bytes is listed (kind deep), never walked into: a chain of long names thousands deep would
-    cost gurtd gigabytes of paths (each entry's whole path) and can be read by no tool anyway."""
-    out: list[Change] = []
+    cost gurtd gigabytes of paths (each entry's whole path) and can be read by no tool anyway.
+    Each entry and each folder's names charged to cap (its own if None): a task's millions of
+    files are a 413, not gigabytes (1,000,000 empty files held 680 MB in one request)."""
+    out: list[tuple[Any, ...]] = []
+    cap = cap or folders_cap()
 
     def change(fd: int, name: str, st: os.stat_result, parents: list[str]) -> bool:
         path = "/".join([*parents, name])
@@ -4874,15 +4984,35 @@ def upper_changes(upper: str) -> list[Change]:
             kind = "delete" if is_whiteout(st) else "file" if stat.S_ISREG(st.st_mode) else \
                 "symlink" if stat.S_ISLNK(st.st_mode) else "other"
         origin = None if kind in ("delete", "deep") else _xattr(fd, name, ORIGIN_XATTR)
-        out.append(Change(path, kind, 0 if kind == "delete" else stat.S_IMODE(st.st_mode),
-                          origin is not None, kind == "dir" and _opaque_child(fd, name),
-                          0 if kind in ("delete", "deep", "dir") else st.st_size,
-                          None if kind == "dir" else origin))
+        out.append((path, kind, 0 if kind == "delete" else stat.S_IMODE(st.st_mode),
+                    origin is not None, kind == "dir" and _opaque_child(fd, name),
+                    0 if kind in ("delete", "deep", "dir") else st.st_size,
+                    None if kind == "dir" else origin))
+        cap.charge(sys.getsizeof(path) + CHANGE_RECORD_BYTES +
+                   (0 if origin is None else sys.getsizeof(origin)))
         return kind == "dir"
 
-    with moved_is_409(), contextlib.suppress(FileNotFoundError):
-        tree_visit(upper, change, folders=True)
-    return sorted_in_slices(out, key=lambda c: c.path.split("/"))
+    with moved_is_409(), contextlib.suppress(FileNotFoundError), dropped_on_error(out):
+        tree_visit(upper, change, folders=True, cap=cap)
+    return _changes_of(sorted_in_slices(out, key=lambda c: c[0].split("/")))
+
+
+def _changes_of(rows: list[tuple[Any, ...]]) -> Iterator[Change]:
+    """Each row as a Change, in order, let go as it is read (and the rest a slice at a time
+    when the reader stops: a 413 while a million were read let go of them in one call)."""
+    rows.reverse()
+    try:
+        while rows:
+            yield Change._make(rows.pop())
+    finally:
+        drop_in_slices(rows)
+
+
+def folders_cap() -> ListingCap:
+    """The cap of one listing of a personal task's folder changes (for the changes, the diff
+    or a keep): nowhere else has them (the task's archive is its workspace layer)."""
+    return ListingCap("the changes to the task's folders", "they can be neither listed, "
+                      "diffed nor kept here, and nothing was changed (undo drops them)")
 
 
 def change_name(change: Change, real: os.stat_result | None) -> str | None:
@@ -5154,6 +5284,17 @@ def _folders_above(paths: set[tuple[int, str]]) -> set[tuple[int, str]]:
     return out
 
 
+def kept_op(obj: dict[str, Any]) -> dict[str, Any]:
+    """json.loads' object_hook for kept.json and the journals: an op's after as a tuple.  The
+    hook is Python code between the objects (the GIL let go there), and a tuple of ints, then
+    its op, the garbage collector stops walking: kept.json of 200,000 ops was read in one C
+    call of 430-560 ms, most of it collections walking its lists and the dicts holding them."""
+    after = obj.get("after")
+    if type(after) is list:
+        obj["after"] = tuple(after)
+    return obj
+
+
 class Review:
     """The folders of personal tasks: their uppers, the review (keep, conflicts, undo of a
     keep), the diff and the changes.  Box only wires it.  Keep and undo of a keep are jobs of
@@ -5169,6 +5310,7 @@ class Review:
         self.thread: threading.Thread | None = None
         self.thread_lock = threading.Lock()
         self.cut_short: list[tuple[Task, str]] = []   # journals found at start (recover)
+        self.keep_max = env_count("GURT_KEEP_MAX_CHANGES", KEEP_MAX_CHANGES)
 
     # the review thread
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
@@ -5267,10 +5409,10 @@ class Review:
             raise ApiError(409, f"folder {info['path']}: {exc.stderr or exc}",
                            "conflict") from None
 
-    def pending(self, task: Task) -> list[tuple[int, Change, str]]:
-        """What keep would still apply: (folder number, change, added|modified|deleted)."""
+    def pending(self, task: Task) -> Generator[tuple[int, Change, str], None, None]:
+        """What keep would still apply: (folder number, change, added|modified|deleted), one
+        at a time (a keep past its size stops reading; close() lets the folder go)."""
         applied = set(self.kept(task)["applied"])
-        out = []
         for n, info in enumerate(task.folderInfo or []):
             root = self.open_folder(info)
             try:
@@ -5279,14 +5421,13 @@ class Review:
                         continue
                     name = change_name(change, real_lstat(root, change.path))
                     if name is not None or change.kind == "delete" or change.origin:
-                        out.append((n, change, name or "none"))
+                        yield n, change, name or "none"
             finally:
                 os.close(root)
-        return out
 
     def kept(self, task: Task) -> dict[str, Any]:
         try:
-            data = load_json(self.dir(task.id, "kept.json"))
+            data = load_json(self.dir(task.id, "kept.json"), hook=kept_op)
         except (OSError, ValueError):
             data = None
         return data if isinstance(data, dict) else {"applied": [], "keeps": []}
@@ -5338,11 +5479,11 @@ class Review:
         if task.review not in ("pending", "conflict"):
             raise ApiError(409, f"the task's review is {task.review or 'not open'}: only a "
                                 "pending or conflict review can be kept", "conflict")
-        cut_short = load_json(self.dir(task.id, "journal.json"))
+        cut_short = load_json(self.dir(task.id, "journal.json"), hook=kept_op)
         if isinstance(cut_short, dict) and cut_short.get("action") == "keep":
             self.keep_guarded(task, cut_short)       # a keep a full disk cut short goes on
             return
-        todo = [t for t in self.pending(task) if paths is None or self.selected(task, t, paths)]
+        todo = self.todo(task, paths)
         if paths is not None:
             self.check_paths(task, todo, paths)
         conflicts = self.conflicts(task, todo)
@@ -5350,7 +5491,7 @@ class Review:
         if conflicts and (hard or not force):
             self.box.loop.report(self.settle, task, "conflict", "conflict",
                                  f"{counted(len(conflicts), 'conflict')}, nothing kept",
-                                 {"conflicts": conflicts})
+                                 {"conflicts": conflicts[:1000]})     # the event, on the loop
             what = "; ".join(f"{c['folder']}/{c['path']}: {c['why']}" for c in conflicts[:3])
             raise ApiError(409, f"nothing was kept: {counted(len(conflicts), 'conflict')} ({what})"
                            + (" (force does not override these)" if force and hard else ""),
@@ -5402,6 +5543,23 @@ class Review:
                        (not rel or change.path == rel or change.path.startswith(rel + "/"))
                        for n, change, _ in todo):
                 raise ApiError(400, f"paths: {path} is no pending change of the task")
+
+    def todo(self, task: Task, paths: list[str] | None) -> list[tuple[int, Change, str]]:
+        """The pending changes a keep applies (those under paths, if given); 413, nothing
+        kept, as soon as the task's keeps would write more than keep_max paths in all."""
+        out: list[tuple[int, Change, str]] = []
+        more = max(self.keep_max - len(self.kept(task)["applied"]), 0)
+        with contextlib.closing(self.pending(task)) as pending:
+            for item in pending:
+                if paths is None or self.selected(task, item, paths):
+                    out.append(item)
+                if len(out) > more:
+                    raise ApiError(413, f"nothing was kept: more than {more} changes to keep, "
+                                        f"and a task keeps at most {self.keep_max} paths in "
+                                        "all (its keeps and their undo are read whole)" +
+                                        ("; keep a part of them with paths" if more else ""),
+                                   "too_large")
+        return out
 
     def conflicts(self, task: Task, todo: list[tuple[int, Change, str]]) -> list[dict[str, str]]:
         out: list[dict[str, str]] = []
@@ -5464,7 +5622,7 @@ class Review:
         saved = -1
         try:
             crash_point("keep-planned")
-            write_json(path, journal)
+            write_record(path, journal)
             os.makedirs(self.dir(task.id, "saved"), 0o700, exist_ok=True)
             saved = os.open(self.dir(task.id, "saved"), DIR_FLAGS)
             # every new file first, under its temporary name, and flushed in one go: the
@@ -5504,16 +5662,16 @@ class Review:
             return                                    # recorded before a crash
         for op in journal["ops"]:
             st = real_lstat(roots[op["folder"]], op["path"])
-            op["after"] = None if st is None else [st.st_ino, st.st_ctime_ns]
+            op["after"] = None if st is None else (st.st_ino, st.st_ctime_ns)
         holding = _folders_above({(op["folder"], op["path"]) for op in journal["ops"]})
         for keep in record["keeps"]:
             for op in keep["ops"]:
                 if op["kind"] == "dir" and (op["folder"], op["path"]) in holding:
                     st = real_lstat(roots[op["folder"]], op["path"])
-                    op["after"] = None if st is None else [st.st_ino, st.st_ctime_ns]
+                    op["after"] = None if st is None else (st.st_ino, st.st_ctime_ns)
         record["keeps"].append({"id": journal["id"], "at": now_iso(), "ops": journal["ops"]})
         record["applied"] = record["applied"] + journal["applied"]
-        write_json(self.dir(task.id, "kept.json"), record)
+        write_record(self.dir(task.id, "kept.json"), record)
 
     @staticmethod
     def save_original(root: int, saved: int, op: dict[str, Any]) -> None:
@@ -5635,7 +5793,7 @@ class Review:
         nothing kept only has its folder changes dropped (drop)."""
         if task.review not in ("kept", "pending", "conflict"):
             return
-        cut_short = load_json(self.dir(task.id, "journal.json"))
+        cut_short = load_json(self.dir(task.id, "journal.json"), hook=kept_op)
         if isinstance(cut_short, dict) and cut_short.get("action") == "undo":
             with saved_or_507("restored files (the undo goes on with the next undo)"):
                 self.undo_run(task, cut_short)
@@ -5651,7 +5809,7 @@ class Review:
             if conflicts:
                 self.box.loop.report(self.announce, task, "conflict", f"undo refused: "
                                      f"{counted(len(conflicts), 'kept path')} changed since the keep",
-                                     {"conflicts": conflicts})
+                                     {"conflicts": conflicts[:1000]})
                 raise ApiError(409, f"nothing was undone: {counted(len(conflicts), 'kept path')} "
                                     "changed by the owner after the keep (undo with force "
                                     "puts the versions from before the keep back anyway)",
@@ -5669,7 +5827,7 @@ class Review:
                     if op["folder"] not in roots:
                         roots[op["folder"]] = self.open_folder(info)
                     st = real_lstat(roots[op["folder"]], op["path"])
-                    now = None if st is None else [st.st_ino, st.st_ctime_ns]
+                    now = None if st is None else (st.st_ino, st.st_ctime_ns)
                     if now != op.get("after"):
                         why = ("deleted" if now is None else "created" if op.get("after") is
                                None else "changed") + " by the owner after the keep"
@@ -5685,7 +5843,7 @@ class Review:
         journal stays: the task stays kept, the answer is 409 with the paths (notUndone), and
         the next undo (or start) runs the journal again, every step being repeatable."""
         path = self.dir(task.id, "journal.json")
-        write_json(path, journal)
+        write_record(path, journal)
         roots = {n: self.open_folder(info) for n, info in enumerate(task.folderInfo or [])}
         saved = os.open(self.dir(task.id, "saved"), DIR_FLAGS) \
             if os.path.isdir(self.dir(task.id, "saved")) else -1
@@ -5796,7 +5954,7 @@ class Review:
     def finish_cut_short(self, task: Task, path: str) -> None:
         """Review thread: a keep or an undo a crash cut short, finished from its journal."""
         try:
-            journal = load_json(path)
+            journal = load_json(path, hook=kept_op)
             undo = journal["action"] == "undo"
             (self.undo_run if undo else self.keep_run)(task, journal)
             self.box.loop.report(self.announce, task, "recovered",
@@ -5889,8 +6047,21 @@ class DiffBudget:
     def final(self, text: str) -> str:
         """text with each marker replaced by its pair's diff."""
         self.flush()
+        return self.filled(text)
+
+    def final_bytes(self, parts: list[str]) -> bytes:
+        """The answer: parts in UTF-8, each marker replaced, appended one part at a time to
+        one bytearray (joined, then encoded, a task's 500,000 files were three fresh texts
+        of 27 MB, each written in one C call that held the GIL 50-80 ms)."""
+        self.flush()
+        out = bytearray()
+        for part in parts:
+            out += self.filled(part).encode()
+        return out                       # a bytes-like, taken as it is by a socket's write
+
+    def filled(self, text: str) -> str:
         return re.sub("\0([0-9]+)\0", lambda m: self.parts[int(m[1])], text) \
-            if self.parts else text
+            if self.parts and "\0" in text else text
 
 
 def batch_diff(pairs: list[tuple[str, str]], budget: DiffBudget) -> list[str | None] | None:
@@ -6095,17 +6266,18 @@ def _wanted(rel: str, only: str | None) -> bool:
 
 
 def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None,
-                budget: DiffBudget) -> str:
-    """A personal task's changes to one folder against the real folder as it is now."""
+                budget: DiffBudget) -> list[str]:
+    """A personal task's changes to one folder against the real folder as it is now: the
+    parts of its text (for DiffBudget.final_bytes)."""
     try:
         real = folder_read(info)
     except (SysError, OSError) as exc:
-        return f"# folder {folder}: cannot be read: {exc}\n"
+        return [f"# folder {folder}: cannot be read: {exc}\n"]
     try:
         up = os.open(upper, DIR_FLAGS)
     except OSError:
         os.close(real)
-        return ""
+        return []
     parts: list[str] = []
     replaced = Under()                       # folders the task replaced: their old entries
     try:
@@ -6131,8 +6303,7 @@ def folder_diff(folder: str, upper: str, info: dict[str, Any], only: str | None,
     finally:
         os.close(real)
         os.close(up)
-    text = "".join(parts)
-    return f"# folder {folder}\n{text}" if text else ""
+    return [f"# folder {folder}\n", *parts] if any(parts) else []
 
 
 def _tree_diff(root: int, rel: str, budget: DiffBudget) -> str:
@@ -6155,12 +6326,14 @@ def _tree_diff(root: int, rel: str, budget: DiffBudget) -> str:
     return "".join(parts)
 
 
-def layer_diff(upper: str, lowers: list[str], only: str | None, budget: DiffBudget) -> str:
-    """A workspace task's layer against the layers below it (the first that has a path)."""
-    parts = []
+def layer_diff(upper: str, lowers: list[str], only: str | None,
+               budget: DiffBudget) -> list[str]:
+    """A workspace task's layer against the layers below it (the first that has a path): the
+    parts of its text."""
+    parts: list[str] = []
     up = os.open(upper, DIR_FLAGS) if os.path.isdir(upper) else -1
     if up < 0:
-        return ""
+        return parts
     lower_fds = [os.open(p, DIR_FLAGS) for p in lowers if os.path.isdir(p)]
     try:
         for change in changed_paths(upper, lowers):
@@ -6175,26 +6348,30 @@ def layer_diff(upper: str, lowers: list[str], only: str | None, budget: DiffBudg
     finally:
         for fd in [up] + lower_fds:
             os.close(fd)
-    return "".join(parts)
+    return parts
 
 
 def folder_change_list(task_folders: list[str], uppers: list[str],
                        infos: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """GET /api/tasks/{id}/changes for a task's folders: [{folder, path, change}]."""
-    out = []
-    for folder, upper, info in zip(task_folders, uppers, infos):
-        try:
-            root = folder_open(info["path"], info["dev"], info["ino"])
-        except (SysError, OSError):
-            continue
-        try:
-            for change in upper_changes(upper):
-                name = change_name(change, real_lstat(root, change.path))
-                if name is not None:
-                    path = change.path + ("/" if change.kind in ("dir", "deep") else "")
-                    out.append({"folder": folder, "path": path, "change": name})
-        finally:
-            os.close(root)
+    """GET /api/tasks/{id}/changes for a task's folders: [{folder, path, change}].  One
+    folders_cap for all of it: each folder's entries and each change listed charged to it."""
+    out: list[dict[str, str]] = []
+    cap = folders_cap()
+    with dropped_on_error(out):
+        for folder, upper, info in zip(task_folders, uppers, infos):
+            try:
+                root = folder_open(info["path"], info["dev"], info["ino"])
+            except (SysError, OSError):
+                continue
+            try:
+                for change in upper_changes(upper, cap):
+                    name = change_name(change, real_lstat(root, change.path))
+                    if name is not None:
+                        path = change.path + ("/" if change.kind in ("dir", "deep") else "")
+                        out.append({"folder": folder, "path": path, "change": name})
+                        cap.charge(sys.getsizeof(path) + CHANGE_ENTRY_BYTES)
+            finally:
+                os.close(root)
     return out
 
 
@@ -15116,8 +15293,12 @@ def json_text(obj: Any) -> bytes:
     """obj as JSON that a strict client takes: a str holding surrogateescaped bytes (only a
     file name has them) shows each as \\xNN; every other answer is json.dumps as it is
     (a long list a slice at a time: json_dumps_in_slices)."""
-    body = json_dumps_in_slices(obj).encode()
-    return json_dumps_in_slices(_shown(obj)).encode() if b"\\ud" in body else body
+    return json_dumps_in_slices(obj, _json_shown)
+
+
+def _json_shown(obj: Any) -> bytes:
+    body = json.dumps(obj).encode()
+    return json.dumps(_shown(obj)).encode() if b"\\ud" in body else body
 
 
 def _shown(obj: Any) -> Any:
@@ -15538,13 +15719,13 @@ def h_task_diff(req: "Handler", params: dict[str, str]) -> Any:
     source = box.loop.call(box.review.sources, params["id"])
     budget = DiffBudget(gone=lambda: peer_gone(req.request))
     if source["folders"]:
-        text = "".join(folder_diff(folder, upper, info, only, budget)
-                       for folder, upper, info in source["folders"])
+        parts = [part for folder, upper, info in source["folders"]
+                 for part in folder_diff(folder, upper, info, only, budget)]
     elif source["layer"] is not None:
-        text = layer_diff(source["layer"][0], source["layer"][1], only, budget)
+        parts = layer_diff(source["layer"][0], source["layer"][1], only, budget)
     else:
-        text = ""
-    return 200, (budget.final(text).encode(), "text/x-diff; charset=utf-8")
+        parts = []
+    return 200, (budget.final_bytes(parts), "text/x-diff; charset=utf-8")
 
 
 def h_openapi(req: "Handler", params: dict[str, str]) -> Any:
@@ -16253,7 +16434,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if isinstance(obj, tuple):
             body, ctype = obj
         else:
-            body = obj if isinstance(obj, bytes) else json_text(obj)
+            body = obj if isinstance(obj, (bytes, bytearray)) else json_text(obj)
             ctype = "application/json"
         self.send_response(status)
         self.send_header("Content-Type", ctype)
