@@ -4256,10 +4256,11 @@ def _drop_privileges(uid: int, gid: int) -> None:
 
 
 # A worker's gate: a socket pair, its worker's end passed at the spawn.  The worker builds its
-# box, then waits there for gurtd's word that the task may begin (Box.tasks_begin: its user is
-# written), with the fd of the task's network namespace where it has one (made meanwhile):
-# nothing of the task runs before it, and the end of the socket (gurtd could not make the
-# user or ended) ends the worker.
+# box, then waits there for gurtd's word that the task may begin (Box.gates_open: its user is
+# written and its running state on disk), with the fd of the task's network namespace where it
+# has one (made meanwhile): nothing of the task runs before it (a crash never finds a task that
+# ran queued, to run again), and the end of the socket (gurtd could not make the user or save
+# the state, or ended) ends the worker.
 
 def gate_pair() -> tuple[int, int]:
     """The worker's end and gurtd's."""
@@ -9002,7 +9003,7 @@ class Worker:
     last_err: str = ""               # since the latest step
     error: str | None = None         # the sandbox could not be built
     log_fd: int = -1
-    gate: int = -1                   # its gate's end, until tasks_begin lets it on
+    gate: int = -1                   # its gate's end, until gates_open lets it on
     gate_fds: list[int] = field(default_factory=list)   # sent at the gate (the Network's)
     logged_at: float = 0.0           # the time of its task's latest log line
     started: float = field(default_factory=time.monotonic)
@@ -9120,6 +9121,8 @@ class StepGroup:
             yield
         finally:
             started, self.starts = self.starts, None
+            if started:
+                stop_point("running-save")      # a test's pause: the workers at their gates
             self.commit(started, ended=False)
 
     @contextlib.contextmanager
@@ -9197,12 +9200,13 @@ class StepGroup:
         """One schedule's starts of tasks (inside, each asking user_for): the users of those
         that started made and the users gone removed in one edit of the account files at the
         end, after the workers were spawned, so that a worker builds its box while its user
-        is written; then they begin (Box.tasks_begin: running, and past their gates; a
-        task's code never runs before its user exists).  The account lock is held
-        from the first uid to the edit: two gurtd instances never share a uid.  uids go round
-        the range, so that one is not reused soon after its task ended; the next one is
-        saved with the tasks' running state, after the edit: a crash between the two finds
-        them queued and their users leftovers, ended and removed.  If the lock cannot be
+        is written; then they begin (Box.tasks_begin: running; past their gates once that
+        is saved, Box.gates_open: a task's code never runs before its user exists or while
+        its file says queued).  The account lock is held from the first uid to the edit:
+        two gurtd instances never share a uid.  uids go round the range, so that one is not
+        reused soon after its task ended; the next one is saved with the tasks' running
+        state, after the edit: a crash between the two finds them queued and their users
+        leftovers, ended and removed.  If the lock cannot be
         had, each task makes its own user; if the edit fails, the tasks that started fail,
         and the users gone stay until the next start."""
         box, edit = self.box, None
@@ -9718,9 +9722,12 @@ class Box:
             self.steps.users_remove(gone or [])
             raise
         tasks = [task for task, _, _ in starting]
-        with self.steps.starting(), self.steps.users_making(gone or [], tasks):
-            for task, layers, lowers in starting:
-                self.start_task(task, layers, lowers)
+        try:
+            with self.steps.starting(), self.steps.users_making(gone or [], tasks):
+                for task, layers, lowers in starting:
+                    self.start_task(task, layers, lowers)
+        finally:
+            self.gates_open(tasks)
         if self.steps.schedule_due:
             self.schedule()
 
@@ -9816,9 +9823,7 @@ class Box:
 
     def tasks_begin(self, tasks: list[Task]) -> None:
         """A schedule's spawned tasks begin once their users exist: running (logged; saved
-        with the others of the schedule: steps.starting), then their workers go on past their
-        gates.  A task failed meanwhile has its gate closed with it: its worker ends without
-        running anything."""
+        with the others of the schedule: steps.starting, then gates_open)."""
         for task in tasks:
             worker = self.workers.get(task.id)
             if worker is None or task.state != "queued":
@@ -9826,7 +9831,15 @@ class Box:
             self.set_state(task, "running")
             log(6, f"task {task.id} running as {task.user} ({task.uid}), pid {worker.pid}, "
                    f"{len(task.layers)} layers")
-            if worker.gate >= 0:
+
+    def gates_open(self, tasks: list[Task]) -> None:
+        """A schedule's running tasks, their state saved, go on past their gates: a crash
+        before finds them queued, none of their code run.  A task failed meanwhile (its user
+        or its state not saved, a stop) has its gate closed with it: its worker ends without
+        running anything."""
+        for task in tasks:
+            worker = self.workers.get(task.id)
+            if worker is not None and task.state == "running" and worker.gate >= 0:
                 with contextlib.suppress(OSError):      # a worker gone already: its end comes
                     gate_open(worker.gate, worker.gate_fds)
                 os.close(worker.gate)

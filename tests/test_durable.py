@@ -25,7 +25,7 @@ import pytest
 
 import gurtd as G
 from conftest import (GURTD, ROOT, Gurtd, clean_env, eventually, gurtd_on_small_disk, make_home,
-                      nft_table, passwd_names, pay_line, remove_home, running_gurtd,
+                      leftovers, nft_table, passwd_names, pay_line, remove_home, running_gurtd,
                       small_disk_made)
 
 
@@ -1238,4 +1238,81 @@ def test_a_revert_on_a_disk_that_fails_with_io_errors_waits_and_joins_after_a_re
         g.start()
         assert g.task(t1)["state"] == "undone"
         assert_reverted(g, t1)
+        assert g.stop() == 0
+
+
+def processes_in_groups_of(task_ids: list[str]) -> list[int]:
+    """Every live process whose cgroup names one of these tasks (a worker still root at its
+    gate has no uid of the task's)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cgroup") as f:
+            text = f.read()
+        if any(task_id in text for task_id in task_ids):
+            found.append(int(pid))
+    return found
+
+
+def test_hosts_tasks_whose_workers_wait_at_their_gates_when_gurtd_is_killed_run_once_after(
+        ) -> None:
+    """Three tasks with hosts are posted at once; gurtd is killed (-9) once their users are
+    written, their workers spawned and waiting at their gates, their namespaces made.  The
+    workers end on their own (the gates' ends gone: none runs a line), and the next start
+    leaves no user, veth or process of them; each task then runs once and ends done."""
+    from concurrent.futures import ThreadPoolExecutor
+    with running_gurtd({"GURT_TEST_CRASH_AT": "after-making-users"}) as g, \
+            ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda _: _create_quietly(g, "echo once", hosts=["198.18.9.9:9"]),
+                      range(3)))
+        assert wait_exit(g) == 137
+        ids = [n.removesuffix(".json") for n in os.listdir(os.path.join(g.home, "tasks"))]
+        assert ids and all(task_file(g, i)["state"] == "queued" for i in ids)
+        eventually(lambda: not processes_in_groups_of(ids), 10, "the workers gone")
+        users = {task_file(g, i)["user"] for i in ids}
+        g.env = {}
+        g.start()
+        done = [g.wait(i) for i in ids]
+        assert [t["state"] for t in done] == ["done"] * len(ids), done
+        for i in ids:
+            assert g.states(i) == ["queued", "running", "done"]
+            assert [e["text"] for e in g.log(i) if e["type"] == "stdout"] == ["once"]
+        eventually(lambda: not users & passwd_names(), what="the tasks' users gone")
+        assert g.stop() == 0
+        assert nft_table(g.home) not in nft_tables()
+    eventually(lambda: not [x for x in leftovers() if x.startswith("veth ")], 10, "no veth")
+
+
+def _create_quietly(g: Gurtd, prompt: str, **fields: Any) -> None:
+    try:
+        g.create(prompt, **fields)
+    except (ConnectionError, http.client.HTTPException, OSError):
+        pass                               # gurtd died before its answer
+
+
+def test_a_task_runs_nothing_before_its_running_state_is_on_disk() -> None:
+    """gurtd is stopped right before it saves the running state of the task it starts
+    (GURT_TEST_STOP_AT running-save): the task's user is written and its worker spawned, but
+    it waits at its gate: its line has not run (its file says queued).  Killed -9 there, the
+    next start runs it once: one line of output, done."""
+    from concurrent.futures import ThreadPoolExecutor
+    with running_gurtd({"GURT_TEST_STOP_AT": "running-save"}) as g, \
+            ThreadPoolExecutor(1) as pool:
+        assert g.proc is not None
+        pool.submit(_create_quietly, g, "echo once | tee ran.txt")
+        stopped(g)
+        [task_id] = os.listdir(os.path.join(g.home, "layers"))
+        time.sleep(0.5)                       # long enough to have run, had it not waited
+        try:
+            assert task_file(g, task_id)["state"] == "queued"
+            assert not os.path.exists(os.path.join(g.home, "layers", task_id, "upper",
+                                                   "ran.txt"))
+            assert spawned_workers(g)         # at its gate
+        finally:
+            g.proc.kill()
+        assert wait_exit(g) == -signal.SIGKILL
+        g.env = {}
+        g.start()
+        done = g.wait(task_id)
+        assert done["state"] == "done", done
+        assert [e["text"] for e in g.log(task_id) if e["type"] == "stdout"] == ["once"]
         assert g.stop() == 0

@@ -181,3 +181,130 @@ def test_a_keep_record_of_200000_paths_is_written_and_read_without_holding_the_l
     loaded, spent, held = longest_gil_hold(lambda: G.load_json(path, hook=G.kept_op))
     assert loaded == record
     assert held < spent / 5, ("read", held, spent)
+
+
+# the worker's gate (red team: a task's code only past it) ######################################
+
+FORGE = r"""
+import os
+forged = opened = 0
+for pid in os.listdir('/proc'):
+    if not pid.isdigit() or int(pid) == os.getpid():
+        continue
+    try:
+        fds = os.listdir(f'/proc/{pid}/fd')
+    except OSError:
+        continue
+    for fd in fds:
+        try:
+            w = os.open(f'/proc/{pid}/fd/{fd}', os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            continue
+        opened += 1
+        try:
+            os.write(w, b'{"t":"step","text":"forged","at":0}\n{"t":"exit","code":0}\n')
+            forged += 1
+        except OSError:
+            pass
+        os.close(w)
+print('opened', opened, 'forged', forged)
+"""
+
+
+def test_a_task_cannot_write_its_workers_report_pipe_through_proc(gurtd: Gurtd) -> None:
+    """The task's line opens every fd of every process it can see under /proc for writing
+    and writes a forged step (timed at the epoch) and exit there: its worker runs as its uid
+    but is not dumpable, so none of its fds opens (what opens is the line's own output pipes:
+    stdout lines); the log has no forged step or exit, and every step is timed after the
+    task was created, in order."""
+    from conftest import python_line
+    task = gurtd.run_done(python_line(FORGE) + "; sleep 0.2", hosts=["198.18.9.9:9"])
+    entries = gurtd.log(task["id"])
+    assert [e for e in entries if e["type"] == "step" and e["text"] == "forged"] == []
+    assert [e["code"] for e in entries if e["type"] == "exit"] == [0], entries
+    steps = [e["time"] for e in entries if e["type"] == "step"]
+    assert len(steps) == 1 and steps[0] >= task["createdAt"], (steps, task)
+    times = [e["time"] for e in entries]
+    assert times == sorted(times), entries
+
+
+def test_a_burst_of_hosts_tasks_each_begins_in_its_own_namespace_as_its_own_user(
+        gurtd: Gurtd) -> None:
+    """50 tasks with hosts posted at once (maxRunningTasks 50): the first line of each runs
+    past its gate, as its own user (named: its passwd entry written), in a network
+    namespace of its own, never the host's, where the host's loopback listener is out of
+    reach (each holds its namespace till all 50 have run their lines).  After, no user or
+    veth of them is left."""
+    import socket
+    import conftest
+    from concurrent.futures import ThreadPoolExecutor
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    port = listener.getsockname()[1]
+    host_ns = os.readlink("/proc/self/ns/net")
+    reach = ("python3 -c \"import socket; s=socket.socket(); s.settimeout(2); "
+             f"print('reach', s.connect_ex(('127.0.0.1', {port})) == 0)\"")
+    gurtd.api("PUT", "/api/settings", {"maxRunningTasks": 50})
+    lines = "\n".join(["id -un; readlink /proc/self/ns/net", reach, "sleep 30; true"])
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            made = list(pool.map(lambda _: gurtd.create(lines, hosts=["198.18.9.9:9"]),
+                                 range(50)))
+            for task in made:                  # all 50 at once: their namespaces alive
+                wait_for_step(gurtd, task["id"], "sleep 30; true", timeout=120)
+            list(pool.map(lambda t: end_sleep(gurtd, t), made))
+        ended = [gurtd.wait(t["id"], timeout=60) for t in made]
+    finally:
+        listener.close()
+    assert [t["state"] for t in ended] == ["done"] * 50, [t.get("error") for t in ended]
+    namespaces = set()
+    for task in ended:
+        out = gurtd.output(task["id"])
+        assert out[0] == task["user"] and out[2] == "reach False", (task["id"], out)
+        assert out[1] != host_ns, (task["id"], out)
+        namespaces.add(out[1])
+    assert len(namespaces) == 50
+    names = {t["user"] for t in ended}
+    conftest.eventually(lambda: not names & conftest.passwd_names(), 20, "the tasks' users gone")
+    conftest.eventually(lambda: not [x for x in conftest.leftovers() if x.startswith("veth ")], 20,
+               "no veth left")
+
+
+def test_starts_whose_network_fails_after_the_spawn_leave_no_worker_and_no_fd(
+        gurtd: Gurtd) -> None:
+    """gurtd's nftables table is deleted behind its back: each start of a task with hosts
+    spawns its worker, then fails to make its network (nft refuses the task's elements).
+    50 such tasks fail `could not start`, none of them ran a line, no worker of them is left
+    at its gate (the spawner's children), gurtd holds no more fds than before, and no user
+    or veth of them stays."""
+    import subprocess
+    import conftest
+    assert gurtd.proc is not None
+    table = conftest.nft_table(gurtd.home)
+    gurtd.run_done("true", hosts=["198.18.9.9:9"])      # what a first network opens, opened
+    fds = f"/proc/{gurtd.proc.pid}/fd"
+    before = len(os.listdir(fds))
+    subprocess.run(["nft", "delete", "table", "inet", table], check=True)
+    try:
+        made = [gurtd.create("echo ran", hosts=["198.18.9.9:9"]) for _ in range(50)]
+        ended = [gurtd.wait(t["id"]) for t in made]
+    finally:
+        subprocess.run(["nft", "add", "table", "inet", table], check=True)
+    assert {t["state"] for t in ended} == {"failed"}, ended
+    assert all(t["error"].startswith("could not start: ") for t in ended), ended[0]
+    for task in ended:
+        assert not [e for e in gurtd.log(task["id"]) if e["type"] in ("step", "stdout")]
+    spawner = Path(f"/proc/{gurtd.proc.pid}/task/{gurtd.proc.pid}/children").read_text().split()
+
+    def workers() -> list[str]:
+        return [w for s in spawner for w in Path(f"/proc/{s}/task/{s}/children").read_text()
+                .split()]
+    conftest.eventually(lambda: not workers(), 10, "no worker left")
+    conftest.eventually(lambda: len(os.listdir(fds)) <= before, 10,   # an API connection's
+                        f"at most {before} fds")                     # socket may linger
+    names = {t["user"] for t in ended}
+    assert not names & conftest.passwd_names()
+    conftest.eventually(lambda: not [x for x in conftest.leftovers() if x.startswith("veth ")],
+                        10, "no veth left")
+    assert gurtd.run_done("echo next")["state"] == "done"
