@@ -1623,6 +1623,8 @@ class AccountEdit:
             for path, line in _account_lines(name, uid, self.comment).items():
                 lines[path].append(line)
         _accounts_replace(set(gone) | set(self.gone) | set(self.planned), lines)
+        log(7, f"users_edit: removed {' '.join(gone + self.gone) or '-'}, added "
+               f"{' '.join(f'{n} ({u})' for n, u in self.planned.items()) or '-'}")
 
 
 def _edit_accounts(names: list[str], add: list[str] | None = None, hint: int = 0,
@@ -1714,10 +1716,7 @@ def users_edit(gone: list[str], add: list[str], hint: int, comment: str) -> list
     """Remove users and groups gone and create those of add with free uids (= gids) of the
     task range, the first from hint on, in one edit (its syncs cost the same however many);
     an entry of a name in add is replaced.  The uids of add, in its order."""
-    uids = _edit_accounts(gone, add, hint, comment)
-    log(7, f"users_edit: removed {' '.join(gone) or '-'}, added "
-           f"{' '.join(f'{n} ({u})' for n, u in zip(add, uids)) or '-'}")
-    return uids
+    return _edit_accounts(gone, add, hint, comment)
 
 
 def user_add(name: str, hint: int, comment: str) -> int:
@@ -5808,9 +5807,9 @@ class Review:
         if not force:
             conflicts = self.undo_conflicts(task, record)
             if conflicts:
-                self.box.loop.report(self.announce, task, "conflict", f"undo refused: "
-                                     f"{counted(len(conflicts), 'kept path')} changed since the keep",
-                                     {"conflicts": conflicts[:1000]})
+                self.box.loop.report(self.announce, task, "conflict", "undo refused: "
+                                     f"{counted(len(conflicts), 'kept path')} changed since "
+                                     "the keep", {"conflicts": conflicts[:1000]})
                 raise ApiError(409, f"nothing was undone: {counted(len(conflicts), 'kept path')} "
                                     "changed by the owner after the keep (undo with force "
                                     "puts the versions from before the keep back anyway)",
@@ -9206,12 +9205,13 @@ class StepGroup:
         two gurtd instances never share a uid.  uids go round the range, so that one is not
         reused soon after its task ended; the next one is saved with the tasks' running
         state, after the edit: a crash between the two finds them queued and their users
-        leftovers, ended and removed.  If the lock cannot be
-        had, each task makes its own user; if the edit fails, the tasks that started fail,
-        and the users gone stay until the next start."""
+        leftovers, ended and removed.  If the lock cannot be had, each task makes its own
+        user; if the edit fails, the tasks that started fail, and the users gone stay until
+        the next start."""
         box, edit = self.box, None
         try:
-            edit = AccountEdit(box.state["nextUid"], f"gurt task in {box.home}").__enter__()
+            if tasks:                 # else no lock, no reads: a schedule that starts nothing
+                edit = AccountEdit(box.state["nextUid"], f"gurt task in {box.home}").__enter__()
         except (SysError, OSError) as exc:
             log(3, f"the account files cannot be locked: {exc}; each task makes its own user")
         self.editing = edit
@@ -9245,8 +9245,6 @@ class StepGroup:
                 self.users_remove(gone)          # the gone
             return
         if edit.planned:
-            log(7, f"users_edit: removed {' '.join(gone + edit.gone) or '-'}, added "
-                   f"{' '.join(f'{n} ({u})' for n, u in edit.planned.items())}")
             crash_point("after-making-users")
 
     def users_remove(self, gone: list[str]) -> None:
